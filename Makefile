@@ -1,0 +1,94 @@
+# mgpu: build, test, demo.
+#   make            build the CPU-only variant, and the CUDA variant when nvcc is found, into build/
+#   make test       run every test on both variants (CUDA tests report skips without a GPU)
+#   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU)
+#   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
+#                   compute-sanitizer, and print a results table
+# Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder).
+
+CC        ?= cc
+CXX       ?= c++
+CFLAGS    ?= -O3 -march=native
+NVCC      ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+ARCH      ?= -gencode arch=compute_90,code=[sm_90,compute_90]
+B         ?= build
+
+WARN      = -std=c99 -Wall -Wextra -Werror
+LDLIBS    = -lm -lpthread
+SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
+NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
+
+TESTS     = test_core
+HEADERS   = mgpu.h tests/test.h
+
+CPU_BINS  = $(B)/train_cpu $(B)/hello $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
+ifneq ($(NVCC),)
+CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(TESTS:%=$(B)/%_cuda)
+endif
+
+.PHONY: all test test-cpu test-cuda compile-check demo gpu-check clean
+all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
+
+$(B):
+	@mkdir -p $(B)
+
+# ---- library objects -------------------------------------------------------------------------
+$(B)/mgpu_kernels.o: mgpu_kernels.cu mgpu.h | $(B)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+# ---- programs --------------------------------------------------------------------------------
+$(B)/hello: examples/hello.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+$(B)/train_cpu: examples/train.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+$(B)/train_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# build/train is the program to run: the CUDA build when there is nvcc (it falls back to the
+# CPU by itself on a machine without a GPU), else the CPU build.
+$(B)/train: $(if $(NVCC),$(B)/train_cuda,$(B)/train_cpu)
+	cp $< $@
+
+# ---- tests -----------------------------------------------------------------------------------
+$(B)/test_%: tests/test_%.c $(HEADERS) | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+$(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
+	$(CC) $(WARN) $(SANITIZE) -I. $< -o $@ $(LDLIBS)
+
+$(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# The header alone: C99 and C++ with -Werror, included twice with the implementation once, and a
+# CPU-only program built with nothing but cc -std=c99 prog.c -lm -lpthread.
+compile-check: | $(B)
+	@CC="$(CC)" CXX="$(CXX)" sh tests/compile_check.sh $(B)
+
+test-cpu: $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
+test-cuda: $(CUDA_BINS)
+
+test: compile-check test-cpu test-cuda
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda))
+
+# ---- the main job ----------------------------------------------------------------------------
+DATA ?= /usr/share/datasets/fashion-mnist
+demo: $(B)/train
+	$(B)/train --data $(DATA) --save $(B)/fashion_mlp.safetensors
+
+# ---- on a machine with a GPU -----------------------------------------------------------------
+GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')
+gpu-check:
+	@test -n "$(GPU_CC)" || { echo "gpu-check: no GPU found (nvidia-smi)"; exit 1; }
+	$(MAKE) B=$(B)/gpu ARCH="-gencode arch=compute_$(GPU_CC),code=[sm_$(GPU_CC),compute_$(GPU_CC)]" test-cuda
+	@echo "== CUDA tests (a skip is a failure here)"
+	MGPU_TEST_REQUIRE_GPU=1 sh tests/run_all.sh $(TESTS:%=$(B)/gpu/%_cuda)
+	@echo "== the same under compute-sanitizer memcheck"
+	@for t in $(TESTS:%=$(B)/gpu/%_cuda); do \
+	  MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 $$t | tail -n 1 || exit 1; done
+
+clean:
+	rm -rf $(B)

@@ -1,0 +1,2327 @@
+/* mgpu.h - train neural networks on one or many GPUs (or the CPU) from plain C.
+   An stb-style single-header library. MIT license (or public domain), see the end of the file.
+
+   ---------------------------------------------------------------------------------------------
+   BUILDING
+   ---------------------------------------------------------------------------------------------
+   In exactly ONE C or C++ file:
+
+       #define MGPU_IMPLEMENTATION
+       #include "mgpu.h"
+
+   Every other file includes "mgpu.h" without the macro and sees only the declarations.
+
+   CPU only (no CUDA needed anywhere on the machine):
+
+       cc -std=c99 -O2 prog.c -lm -lpthread
+
+   With CUDA: compile the companion file mgpu_kernels.cu once with nvcc, define MGPU_CUDA in the
+   file that holds the implementation, and link cudart and cuBLAS:
+
+       nvcc -O3 -arch=sm_90 -c mgpu_kernels.cu -o mgpu_kernels.o
+       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lstdc++ -lm -lpthread -ldl
+
+   Such a binary runs on any machine: with no GPU (or no driver) the device spec "auto" falls back
+   to the CPU with a one-line notice. NCCL, when used, is loaded at run time with dlopen.
+
+   ---------------------------------------------------------------------------------------------
+   CONFIGURATION MACROS (define before including the implementation)
+   ---------------------------------------------------------------------------------------------
+   MGPU_IMPLEMENTATION   emit the implementation in this translation unit
+   MGPU_STATIC           make every public function static (private to that translation unit)
+   MGPU_CUDA             call the CUDA backend in mgpu_kernels.cu (link it)
+   MGPU_MALLOC(sz), MGPU_REALLOC(p,sz), MGPU_FREE(p)
+                         host allocator; define all three or none
+   MGPU_ASSERT(x)        internal invariant checks (default: assert.h); never used for user errors
+   MGPU_NO_THREADS       single-threaded CPU backend (no pthreads)
+
+   ---------------------------------------------------------------------------------------------
+   QUICK START
+   ---------------------------------------------------------------------------------------------
+       mgpu_device_set* set = mgpu_device_set_create("auto");      // every GPU, or the CPU
+       mgpu_device* dev = mgpu_device_set_get(set, 0);
+       mgpu_tensor* a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(64, 784));
+       mgpu_tensor* w = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(128, 784));
+       mgpu_tensor* y = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(64, 128));
+       mgpu_rand_normal(a, 42, 0, 0.0f, 1.0f);                     // seed 42, offset 0
+       mgpu_rand_uniform(w, 42, a_count, -0.1f, 0.1f);
+       if (mgpu_matmul(y, a, w, 0, 1, 1.0f, 0.0f) != MGPU_OK)      // y = a @ w^T
+           fprintf(stderr, "%s\n", mgpu_last_error());
+       mgpu_relu(y, y);
+       mgpu_tensor_destroy(a); ...; mgpu_device_set_destroy(set);
+
+   Functions that create something return it, or NULL with mgpu_last_error() saying why.
+   Functions that do something return an mgpu_result (MGPU_OK is 0).
+   GPU work is asynchronous on the device's stream; downloads and mgpu_device_synchronize wait.
+
+   ---------------------------------------------------------------------------------------------
+   CONTENTS (grep for the tag; declarations and implementation follow the same order)
+   ---------------------------------------------------------------------------------------------
+   >>config      version, MGPUDEF, allocator and assert overrides
+   >>result      result codes, last error, logger
+   >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation
+   >>memory      caching allocator statistics, empty_cache, pinned host memory
+   >>tensor      shapes, dtypes, tensors, views, copies between any two devices
+   >>random      counter-based Philox RNG, identical on CPU and GPU
+   >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax
+   >>seam        the interface between mgpu.h and mgpu_kernels.cu, and the math both share
+   >>impl        the implementation (same order as above)
+   >>license
+*/
+#ifndef MGPU_H
+#define MGPU_H
+
+/* The implementation uses POSIX threads, sysconf and clock_gettime; ask for them before any
+   system header is read (a user who includes system headers first can pass -D_POSIX_C_SOURCE). */
+#if defined(MGPU_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_WIN32)
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+/* ============================================================================================ */
+/* >>config                                                                                     */
+/* ============================================================================================ */
+#define MGPU_VERSION_MAJOR 0
+#define MGPU_VERSION_MINOR 1
+#define MGPU_VERSION_PATCH 0
+#define MGPU_VERSION_STRING "0.1.0"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef MGPUDEF
+#ifdef MGPU_STATIC
+#define MGPUDEF static
+#else
+#define MGPUDEF extern
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ============================================================================================ */
+/* >>result                                                                                     */
+/* ============================================================================================ */
+/* One list makes the enum and its strings. Codes are never renumbered; new ones go at the end. */
+#define MGPU_RESULT_LIST(X)                                                    \
+    X(MGPU_OK,                     0, "ok")                                    \
+    X(MGPU_ERROR_INVALID_ARGUMENT, 1, "invalid argument")                      \
+    X(MGPU_ERROR_SHAPE_MISMATCH,   2, "shape mismatch")                        \
+    X(MGPU_ERROR_DTYPE_MISMATCH,   3, "dtype mismatch")                        \
+    X(MGPU_ERROR_DEVICE_MISMATCH,  4, "device mismatch")                       \
+    X(MGPU_ERROR_OUT_OF_MEMORY,    5, "out of memory")                         \
+    X(MGPU_ERROR_NO_DEVICE,        6, "no such device")                        \
+    X(MGPU_ERROR_CUDA,             7, "CUDA error")                            \
+    X(MGPU_ERROR_CUBLAS,           8, "cuBLAS error")                          \
+    X(MGPU_ERROR_NCCL,             9, "NCCL error")                            \
+    X(MGPU_ERROR_IO,              10, "I/O error")                             \
+    X(MGPU_ERROR_BAD_FILE,        11, "malformed file")                        \
+    X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")
+
+typedef enum mgpu_result {
+#define MGPU__ENUM_ITEM(name, value, text) name = value,
+    MGPU_RESULT_LIST(MGPU__ENUM_ITEM)
+#undef MGPU__ENUM_ITEM
+    MGPU_RESULT_COUNT_
+} mgpu_result;
+
+MGPUDEF const char* mgpu_result_string(mgpu_result r);
+/* The detailed message of the last failure on this thread: the operation, the shapes, dtypes and
+   devices involved and, for backend failures, the CUDA/cuBLAS/NCCL error name. "" when none. */
+MGPUDEF const char* mgpu_last_error(void);
+MGPUDEF mgpu_result mgpu_last_result(void);
+MGPUDEF void mgpu_clear_error(void);
+
+typedef enum mgpu_log_level { MGPU_LOG_ERROR = 0, MGPU_LOG_WARN = 1, MGPU_LOG_INFO = 2 } mgpu_log_level;
+typedef void (*mgpu_log_fn)(mgpu_log_level level, const char* message, void* user);
+/* Default: warnings and notices go to stderr as "mgpu: ..."; failures are returned, not printed.
+   A callback set here receives failures too. NULL restores the default. */
+MGPUDEF void mgpu_set_logger(mgpu_log_fn fn, void* user);
+
+/* ============================================================================================ */
+/* >>device                                                                                     */
+/* ============================================================================================ */
+typedef enum mgpu_device_kind { MGPU_DEVICE_CPU = 0, MGPU_DEVICE_CUDA = 1 } mgpu_device_kind;
+
+/* A device: the CPU, or one replica on a CUDA GPU ("cuda:0,0" makes two replicas on GPU 0, each
+   with its own stream and allocator). Owned by the device set that made it (or by the library,
+   for mgpu_device_cpu()). */
+typedef struct mgpu_device mgpu_device;
+typedef struct mgpu_device_set mgpu_device_set;
+
+typedef struct mgpu_device_info {
+    mgpu_device_kind kind;
+    int ordinal;            /* CUDA device number; 0 for the CPU */
+    int replica;            /* index of this device within its set */
+    char name[128];         /* "NVIDIA H100 80GB HBM3" or "cpu" */
+    char label[32];         /* "cuda:0", "cuda:0#1" (second replica on GPU 0), "cpu", "cpu#2" */
+    size_t total_memory;    /* bytes; the host's physical memory for the CPU (0 if unknown) */
+    size_t free_memory;
+    int compute_major, compute_minor; /* 0 for the CPU */
+    int multiprocessors;    /* SMs, or CPU threads used by the CPU backend */
+} mgpu_device_info;
+
+/* Spec strings: "auto" (every GPU, or the CPU when there is none; MGPU_DEVICES overrides it),
+   "cpu", "cpu:N" (N CPU replicas), "cuda" (every GPU), "cuda:0,1", "cuda:0,0,0,0" (four
+   replicas on one GPU). NULL means "auto". */
+MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec);
+MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set);
+MGPUDEF int mgpu_device_set_count(const mgpu_device_set* set);
+MGPUDEF mgpu_device* mgpu_device_set_get(const mgpu_device_set* set, int index);
+MGPUDEF const char* mgpu_device_set_spec(const mgpu_device_set* set); /* as resolved: "cuda:0,1" */
+
+MGPUDEF mgpu_device* mgpu_device_cpu(void);          /* the library's CPU device; never NULL */
+MGPUDEF int mgpu_cuda_device_count(void);            /* 0 when built without CUDA or no GPU */
+MGPUDEF mgpu_result mgpu_device_get_info(const mgpu_device* dev, mgpu_device_info* info);
+MGPUDEF mgpu_device_kind mgpu_device_kind_of(const mgpu_device* dev);
+MGPUDEF const char* mgpu_device_label(const mgpu_device* dev);
+/* 1 when a can read and write b's memory directly (same GPU, or peer access possible). */
+MGPUDEF int mgpu_device_can_access_peer(const mgpu_device* a, const mgpu_device* b);
+MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev);
+/* Threads the CPU backend uses for GEMM and large elementwise ops (default: all cores). */
+MGPUDEF void mgpu_set_cpu_threads(int n);
+MGPUDEF int mgpu_cpu_threads(void);
+/* Allow TF32 tensor-core math in float32 GEMMs on this device (default off, as in PyTorch). */
+MGPUDEF mgpu_result mgpu_device_set_tf32(mgpu_device* dev, int allow);
+
+/* ============================================================================================ */
+/* >>memory                                                                                     */
+/* ============================================================================================ */
+typedef struct mgpu_memory_stats {
+    size_t bytes_in_use;        /* held by live tensors (rounded block sizes) */
+    size_t bytes_reserved;      /* in use plus cached, obtained from the backend */
+    size_t peak_bytes_in_use;
+    uint64_t backend_allocs;    /* cudaMalloc / malloc calls made by the allocator */
+    uint64_t backend_frees;
+    uint64_t cache_hits;        /* allocations served from the cache */
+} mgpu_memory_stats;
+
+MGPUDEF mgpu_result mgpu_memory_get_stats(const mgpu_device* dev, mgpu_memory_stats* stats);
+MGPUDEF void mgpu_memory_reset_peak(mgpu_device* dev);
+/* Give every cached, unused block back to the backend (torch.cuda.empty_cache). */
+MGPUDEF mgpu_result mgpu_memory_empty_cache(mgpu_device* dev);
+/* Page-locked host memory for fast, asynchronous transfers (plain memory without CUDA). */
+MGPUDEF void* mgpu_pinned_alloc(size_t bytes);
+MGPUDEF void mgpu_pinned_free(void* ptr);
+
+/* ============================================================================================ */
+/* >>tensor                                                                                     */
+/* ============================================================================================ */
+typedef enum mgpu_dtype { MGPU_F32 = 0, MGPU_I32 = 1, MGPU_U8 = 2 } mgpu_dtype;
+#define MGPU_MAX_DIMS 4
+
+typedef struct mgpu_shape {
+    int ndim;                       /* 0..4; 0 is a scalar of one element */
+    int64_t dim[MGPU_MAX_DIMS];
+} mgpu_shape;
+
+MGPUDEF mgpu_shape mgpu_shape1(int64_t d0);
+MGPUDEF mgpu_shape mgpu_shape2(int64_t d0, int64_t d1);
+MGPUDEF mgpu_shape mgpu_shape3(int64_t d0, int64_t d1, int64_t d2);
+MGPUDEF mgpu_shape mgpu_shape4(int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s);
+MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b);
+MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt);
+MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8" */
+
+/* A contiguous, row-major array on one device. Views share their parent's storage (which lives
+   until the last tensor on it is destroyed), so they may be destroyed in any order. */
+typedef struct mgpu_tensor mgpu_tensor;
+
+MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape);
+MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t);
+/* Rows [start, start+count) of dimension 0: a batch slice, without a copy. */
+MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count);
+/* The same storage seen with another shape of the same element count (like torch.view). */
+MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape);
+
+MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t);
+MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i);   /* negative i counts from the end */
+MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t);
+MGPUDEF size_t mgpu_tensor_bytes(const mgpu_tensor* t);
+MGPUDEF mgpu_dtype mgpu_tensor_dtype(const mgpu_tensor* t);
+MGPUDEF mgpu_device* mgpu_tensor_device(const mgpu_tensor* t);
+/* The raw pointer: host memory for the CPU, device memory for CUDA. */
+MGPUDEF void* mgpu_tensor_data(const mgpu_tensor* t);
+/* "f32[64,784]@cuda:0", written into buf (at least 64 bytes is plenty). */
+MGPUDEF const char* mgpu_tensor_describe(const mgpu_tensor* t, char* buf, size_t size);
+
+/* Host <-> tensor. bytes must equal mgpu_tensor_bytes(t). Both wait for the copy to finish. */
+MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t bytes);
+MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_t bytes);
+/* Any device to any device (peer copy between GPUs, staged through the host without peer
+   access). Shapes' element counts and dtypes must match. */
+MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src);
+/* A new tensor on dev with src's contents (like .to(device) in PyTorch). */
+MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev);
+MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value);
+MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t);
+/* Convert between dtypes: dst = src * scale + shift (e.g. u8 pixels to f32 in [0,1]). */
+MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src, float scale, float shift);
+
+/* ============================================================================================ */
+/* >>random                                                                                     */
+/* ============================================================================================ */
+/* Philox4x32-10. Element i of a call draws from counter (offset + i/4) under key seed, so the
+   same (seed, offset) gives the same numbers on the CPU and on any GPU, whatever the launch
+   shape. A tensor of n elements uses offsets [offset, offset + ceil(n/4)); mgpu_rand_offsets(n)
+   says how many to advance so the next call draws fresh numbers. */
+MGPUDEF mgpu_result mgpu_rand_uniform(mgpu_tensor* t, uint64_t seed, uint64_t offset, float low, float high);
+MGPUDEF mgpu_result mgpu_rand_normal(mgpu_tensor* t, uint64_t seed, uint64_t offset, float mean, float std);
+MGPUDEF uint64_t mgpu_rand_offsets(int64_t n);
+
+/* ============================================================================================ */
+/* >>ops                                                                                        */
+/* ============================================================================================ */
+/* Every op checks that its tensors are float32 (unless said otherwise), share one device, and
+   have matching shapes; out may alias an input in the elementwise ops. */
+MGPUDEF mgpu_result mgpu_add(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF mgpu_result mgpu_sub(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF mgpu_result mgpu_mul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF mgpu_result mgpu_scale(mgpu_tensor* out, const mgpu_tensor* x, float alpha);
+MGPUDEF mgpu_result mgpu_axpy(mgpu_tensor* y, float alpha, const mgpu_tensor* x); /* y += alpha*x */
+MGPUDEF mgpu_result mgpu_relu(mgpu_tensor* out, const mgpu_tensor* x);
+MGPUDEF mgpu_result mgpu_gelu(mgpu_tensor* out, const mgpu_tensor* x);     /* exact (erf) GELU */
+MGPUDEF mgpu_result mgpu_tanh(mgpu_tensor* out, const mgpu_tensor* x);
+MGPUDEF mgpu_result mgpu_sigmoid(mgpu_tensor* out, const mgpu_tensor* x);
+/* Gradients: relu and gelu take the forward input x; tanh and sigmoid take the forward output y. */
+MGPUDEF mgpu_result mgpu_relu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
+MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
+MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
+MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
+
+/* out = alpha * op(a) @ op(b) + beta * out, op(x) = x or x^T; a, b, out are 2-D.
+   (With beta == 0, out's old contents are ignored, NaNs included.) */
+MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
+                                int transpose_a, int transpose_b, float alpha, float beta);
+/* out[r, c] = x[r, c] + bias[c] for x [rows, cols]; also x [N, C, H, W] with bias [C]. */
+MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias);
+/* The bias gradient: dbias[c] = sum of dy over every dimension but the channel one (1). */
+MGPUDEF mgpu_result mgpu_bias_backward(mgpu_tensor* dbias, const mgpu_tensor* dy);
+/* x 2-D [rows, cols]. axis 0: out [cols] (sum down each column); axis 1: out [rows]. */
+MGPUDEF mgpu_result mgpu_sum(mgpu_tensor* out, const mgpu_tensor* x, int axis);
+MGPUDEF mgpu_result mgpu_mean(mgpu_tensor* out, const mgpu_tensor* x, int axis);
+/* Softmax over the last dimension of a 2-D tensor. */
+MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x);
+/* Mean softmax cross-entropy of logits [rows, classes] against int32 labels [rows]; loss is an
+   f32 tensor of one element (on the same device, so no sync). dlogits, when not NULL, receives
+   (softmax - onehot) * grad_scale; grad_scale 0 means 1/rows, the gradient of the mean. */
+MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits,
+                                               const mgpu_tensor* logits, const mgpu_tensor* labels,
+                                               float grad_scale);
+/* Mean squared error (mean over every element), like nn.MSELoss. */
+MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_tensor* pred,
+                             const mgpu_tensor* target, float grad_scale);
+/* int32 out [rows] = index of the largest value in each row of x [rows, cols] (first on ties). */
+MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x);
+/* How many rows of logits have their argmax equal to the int32 label (waits for the result). */
+MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MGPU_H */
+
+/* ============================================================================================ */
+/* >>seam  the interface between mgpu.h and mgpu_kernels.cu, and the math both share            */
+/* ============================================================================================ */
+/* Visible to the implementation and to mgpu_kernels.cu (which defines MGPU_KERNELS before it
+   includes this header); nothing here is public API. */
+#if (defined(MGPU_IMPLEMENTATION) || defined(MGPU_KERNELS)) && !defined(MGPU__SEAM_DONE)
+#define MGPU__SEAM_DONE
+#include <math.h>
+
+#ifdef __CUDACC__
+#define MGPU__HD __host__ __device__
+#else
+#define MGPU__HD
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- shared math: the CPU reference loops and the CUDA kernels call the same functions ---- */
+
+/* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"). */
+static inline MGPU__HD void mgpu__philox4x32(uint32_t ctr[4], uint32_t k0, uint32_t k1) {
+    int round;
+    for (round = 0; round < 10; ++round) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * ctr[0];
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * ctr[2];
+        uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+        uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+        uint32_t c1 = ctr[1], c3 = ctr[3];
+        ctr[0] = hi1 ^ c1 ^ k0;
+        ctr[1] = lo1;
+        ctr[2] = hi0 ^ c3 ^ k1;
+        ctr[3] = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+}
+
+/* Element i of a draw: counter (offset + i/4), word i%4. Uniform in [low, high) from 24 bits;
+   normal by Box-Muller over word pairs, computed in double so CPU and GPU round alike. */
+static inline MGPU__HD float mgpu__rand_element(uint64_t seed, uint64_t offset, uint64_t i,
+                                                int normal, float a, float b) {
+    uint64_t c = offset + (i >> 2);
+    uint32_t ctr[4];
+    ctr[0] = (uint32_t)c; ctr[1] = (uint32_t)(c >> 32); ctr[2] = 0; ctr[3] = 0;
+    mgpu__philox4x32(ctr, (uint32_t)seed, (uint32_t)(seed >> 32));
+    if (!normal) {
+        float u = (float)(ctr[i & 3] >> 8) * (1.0f / 16777216.0f);
+        return a + (b - a) * u;
+    } else {
+        int pair = (int)((i & 3) >> 1) * 2;
+        double u1 = ((double)ctr[pair] + 1.0) * (1.0 / 4294967296.0);   /* (0, 1] */
+        double u2 = (double)ctr[pair + 1] * (1.0 / 4294967296.0);       /* [0, 1) */
+        double r = sqrt(-2.0 * log(u1));
+        double t = 6.283185307179586476925286766559 * u2;
+        double z = (i & 1) ? r * sin(t) : r * cos(t);
+        return (float)(a + (double)b * z);
+    }
+}
+
+/* The keep-or-drop decision of dropout element i: the scale (0 or 1/(1-p)) it multiplies by. */
+static inline MGPU__HD float mgpu__dropout_scale(uint64_t seed, uint64_t offset, uint64_t i, float p) {
+    float u = mgpu__rand_element(seed, offset, i, 0, 0.0f, 1.0f);
+    return u < p ? 0.0f : 1.0f / (1.0f - p);
+}
+
+typedef enum mgpu__unary_op {
+    MGPU__UNARY_SCALE = 0,   /* alpha * x */
+    MGPU__UNARY_RELU = 1,
+    MGPU__UNARY_GELU = 2,    /* x * Phi(x), exact erf form (nn.GELU default) */
+    MGPU__UNARY_TANH = 3,
+    MGPU__UNARY_SIGMOID = 4
+} mgpu__unary_op;
+
+static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
+    switch (op) {
+    case MGPU__UNARY_SCALE: return alpha * x;
+    case MGPU__UNARY_RELU: return x > 0.0f ? x : 0.0f;
+    case MGPU__UNARY_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case MGPU__UNARY_TANH: return tanhf(x);
+    case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    default: return 0.0f;
+    }
+}
+
+typedef enum mgpu__binary_op {
+    MGPU__BINARY_ADD = 0,          /* a + b */
+    MGPU__BINARY_SUB = 1,          /* a - b */
+    MGPU__BINARY_MUL = 2,          /* a * b */
+    MGPU__BINARY_AXPY = 3,         /* alpha * a + b */
+    MGPU__BINARY_RELU_BWD = 4,     /* a = dy, b = x */
+    MGPU__BINARY_GELU_BWD = 5,     /* a = dy, b = x */
+    MGPU__BINARY_TANH_BWD = 6,     /* a = dy, b = y = tanh(x) */
+    MGPU__BINARY_SIGMOID_BWD = 7   /* a = dy, b = y = sigmoid(x) */
+} mgpu__binary_op;
+
+static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float alpha) {
+    switch (op) {
+    case MGPU__BINARY_ADD: return a + b;
+    case MGPU__BINARY_SUB: return a - b;
+    case MGPU__BINARY_MUL: return a * b;
+    case MGPU__BINARY_AXPY: return alpha * a + b;
+    case MGPU__BINARY_RELU_BWD: return b > 0.0f ? a : 0.0f;
+    case MGPU__BINARY_GELU_BWD: {
+        float cdf = 0.5f * (1.0f + erff(b * 0.70710678118654752f));
+        float pdf = 0.39894228040143268f * expf(-0.5f * b * b);
+        return a * (cdf + b * pdf);
+    }
+    case MGPU__BINARY_TANH_BWD: return a * (1.0f - b * b);
+    case MGPU__BINARY_SIGMOID_BWD: return a * b * (1.0f - b);
+    default: return 0.0f;
+    }
+}
+
+/* Optimizer updates of one parameter element, exactly PyTorch's rules (torch.optim.SGD with
+   foreach=False; torch.optim.AdamW). */
+typedef struct mgpu__sgd_args {
+    float lr, momentum, dampening, weight_decay;
+    int nesterov;
+    int first_step;   /* the momentum buffer starts as the first gradient, as in PyTorch */
+} mgpu__sgd_args;
+
+static inline MGPU__HD void mgpu__sgd_update(float* p, float g, float* buf, const mgpu__sgd_args* a) {
+    if (a->weight_decay != 0.0f) g += a->weight_decay * *p;
+    if (a->momentum != 0.0f) {
+        float bv = a->first_step ? g : a->momentum * *buf + (1.0f - a->dampening) * g;
+        *buf = bv;
+        g = a->nesterov ? g + a->momentum * bv : bv;
+    }
+    *p -= a->lr * g;
+}
+
+typedef struct mgpu__adamw_args {
+    float lr, beta1, beta2, eps, weight_decay;
+    float bias_correction1;        /* 1 - beta1^step */
+    float bias_correction2_sqrt;   /* sqrt(1 - beta2^step) */
+} mgpu__adamw_args;
+
+static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, float* v, const mgpu__adamw_args* a) {
+    float mv, vv, denom;
+    *p *= 1.0f - a->lr * a->weight_decay;
+    mv = a->beta1 * *m + (1.0f - a->beta1) * g;
+    vv = a->beta2 * *v + (1.0f - a->beta2) * g * g;
+    *m = mv;
+    *v = vv;
+    denom = sqrtf(vv) / a->bias_correction2_sqrt + a->eps;
+    *p -= (a->lr / a->bias_correction1) * (mv / denom);
+}
+
+/* The geometry of a sliding window over NCHW images (Conv2d, MaxPool2d). */
+typedef struct mgpu__window {
+    int n, c, h, w;          /* input batch, channels, height, width */
+    int kh, kw;              /* window size */
+    int stride, pad;
+    int oh, ow;              /* output height and width */
+} mgpu__window;
+
+/* ---- backend interface, implemented in mgpu_kernels.cu ----
+   Every function returns 0 on success or one of the codes below, and then leaves a message
+   naming the failed call, the CUDA/cuBLAS/NCCL error name and mgpu_kernels.cu:line, which
+   mgpu__cu_error_message() returns (thread-local). `dev` is the CUDA device number; the function
+   makes it current. `stream` is a cudaStream_t (NULL: the legacy default stream). Kernels are
+   asynchronous on `stream`; every launch's error is checked. */
+enum {
+    MGPU__CU_OK = 0,
+    MGPU__CU_ERR_CUDA = 1,
+    MGPU__CU_ERR_CUBLAS = 2,
+    MGPU__CU_ERR_NCCL = 3,
+    MGPU__CU_ERR_OOM = 4,
+    MGPU__CU_ERR_NO_DEVICE = 5,   /* no driver, or no GPU */
+    MGPU__CU_ERR_ARGUMENT = 6     /* sizes the kernels cannot take (e.g. above INT_MAX for cuBLAS) */
+};
+const char* mgpu__cu_error_message(void);
+
+/* devices */
+int mgpu__cu_device_count(int* count);   /* *count = 0 and MGPU__CU_ERR_NO_DEVICE when none */
+int mgpu__cu_device_info(int dev, char* name, size_t name_size, size_t* total_mem, size_t* free_mem,
+                         int* major, int* minor, int* multiprocessors);
+int mgpu__cu_can_access_peer(int dev, int peer, int* can);
+int mgpu__cu_enable_peer_access(int dev, int peer);   /* "already enabled" is success */
+int mgpu__cu_device_synchronize(int dev);
+
+/* streams and events */
+int mgpu__cu_stream_create(int dev, void** stream);    /* non-blocking stream */
+int mgpu__cu_stream_destroy(int dev, void* stream);
+int mgpu__cu_stream_synchronize(int dev, void* stream);
+int mgpu__cu_event_create(int dev, int timing, void** event);
+int mgpu__cu_event_destroy(int dev, void* event);
+int mgpu__cu_event_record(int dev, void* event, void* stream);
+int mgpu__cu_stream_wait_event(int dev, void* stream, void* event);
+int mgpu__cu_event_synchronize(int dev, void* event);
+int mgpu__cu_event_elapsed_ms(int dev, void* start, void* end, float* ms);
+
+/* memory */
+int mgpu__cu_malloc(int dev, size_t bytes, void** ptr);   /* MGPU__CU_ERR_OOM when out of memory */
+int mgpu__cu_free(int dev, void* ptr);
+int mgpu__cu_mem_info(int dev, size_t* free_mem, size_t* total_mem);
+int mgpu__cu_host_alloc(size_t bytes, void** ptr);        /* page-locked */
+int mgpu__cu_host_free(void* ptr);
+/* Any direction (unified addressing), asynchronous on stream of dev. */
+int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* stream);
+int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream);
+int mgpu__cu_memset_zero(int dev, void* ptr, size_t bytes, void* stream);
+
+/* cuBLAS; the handle is bound to one stream */
+int mgpu__cu_blas_create(int dev, void* stream, void** handle);
+int mgpu__cu_blas_destroy(int dev, void* handle);
+int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow);
+/* Row-major: C[m,n] = alpha * op(A) @ op(B) + beta * C, op(A) [m,k], op(B) [k,n]; lda, ldb, ldc
+   are the row strides of A, B, C as stored (A is [k,m] when trans_a). */
+int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
+                  float alpha, const float* a, int lda, const float* b, int ldb,
+                  float beta, float* c, int ldc);
+
+/* kernels; dtype values are mgpu_dtype's */
+int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value);
+int mgpu__cu_convert(int dev, void* stream, size_t n, int src_dtype, const void* src,
+                     int dst_dtype, void* dst, float scale, float shift);  /* dst = src*scale+shift */
+int mgpu__cu_rand(int dev, void* stream, int normal, size_t n, uint64_t seed, uint64_t offset,
+                  float a, float b, float* out);   /* out[i] = mgpu__rand_element(seed, offset, i, normal, a, b) */
+int mgpu__cu_unary(int dev, void* stream, int op, size_t n, const float* x, float* y, float alpha);
+int mgpu__cu_binary(int dev, void* stream, int op, size_t n, const float* a, const float* b,
+                    float* y, float alpha);
+/* y[o,c,i] = x[o,c,i] + bias[c] over [outer, channels, inner] */
+int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
+                      const float* x, const float* bias, float* y);
+/* out[c] = scale * sum over o, i of x[o,c,i]; a fixed summation order (deterministic) */
+int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
+                         const float* x, float* out, float scale);
+int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
+/* loss[0] = mean over rows of -log softmax(logits)[label]; dlogits (may be NULL) =
+   (softmax - onehot) * grad_scale. A label outside [0, cols) makes its row's loss NaN and its
+   gradient row NaN. scratch: rows floats. Deterministic. */
+int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
+                          const int32_t* labels, float* loss, float* dlogits, float grad_scale,
+                          float* scratch);
+/* loss[0] = mean of (pred - target)^2; dpred (may be NULL) = 2 (pred - target) * grad_scale.
+   scratch: MGPU__CU_REDUCE_SCRATCH floats. Deterministic. */
+#define MGPU__CU_REDUCE_SCRATCH 1024
+int mgpu__cu_mse(int dev, void* stream, size_t n, const float* pred, const float* target,
+                 float* loss, float* dpred, float grad_scale, float* scratch);
+int mgpu__cu_argmax(int dev, void* stream, int rows, int cols, const float* x, int32_t* out);
+/* *count (device int32) = number of i with argmax(logits row i) == labels[i]; scratch: as mse */
+int mgpu__cu_count_correct(int dev, void* stream, int rows, int cols, const float* logits,
+                           const int32_t* labels, int32_t* count, float* scratch);
+
+/* layers */
+/* y = x * mask, mask[i] = mgpu__dropout_scale(seed, offset, i, p) */
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, float p,
+                     const float* x, float* y, float* mask);
+/* cols [n*oh*ow, c*kh*kw]: row (img, oy, ox), column (ch, ky, kx); zero where the window is in
+   the padding. col2im is its adjoint: dx (overwritten) gathers every column entry that reads it. */
+int mgpu__cu_im2col(int dev, void* stream, const mgpu__window* g, const float* x, float* cols);
+int mgpu__cu_col2im(int dev, void* stream, const mgpu__window* g, const float* cols, float* dx);
+/* y[b][j][i] = x[b][i][j] for x [batch, rows, cols] */
+int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64_t cols,
+                       const float* x, float* y);
+/* Max over each window (padding counts as -inf); argmax is the index h*w-plane offset of the
+   chosen input element, or -1 if the window is all padding (y is then -inf). */
+int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* x, float* y, int32_t* argmax);
+/* dx (overwritten) = sum of dy over the windows whose argmax is this element; deterministic */
+int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
+                              const int32_t* argmax, float* dx);
+
+/* optimizers over a flat buffer, one fused kernel each */
+int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
+                 mgpu__sgd_args args);
+int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
+                   mgpu__adamw_args args);
+
+/* NCCL, loaded at run time with dlopen("libnccl.so.2"); nothing links against it */
+int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed */
+int mgpu__cu_nccl_comm_init_all(int count, const int* devs, void** comms);   /* comms[count] */
+int mgpu__cu_nccl_comm_destroy(void* comm);
+int mgpu__cu_nccl_group_start(void);
+int mgpu__cu_nccl_group_end(void);
+/* In-place float32 sum all-reduce of buf[n] on one rank; call for every rank inside a group. */
+int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* seam */
+
+/* ============================================================================================ */
+/* >>impl                                                                                       */
+/* ============================================================================================ */
+#if defined(MGPU_IMPLEMENTATION) && !defined(MGPU__IMPLEMENTATION_DONE)
+#define MGPU__IMPLEMENTATION_DONE
+
+/* ---- >>impl config ---------------------------------------------------------------------- */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdarg.h>
+#include <errno.h>
+#include <time.h>
+#ifndef MGPU_NO_THREADS
+#include <pthread.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
+#if defined(MGPU_MALLOC) && defined(MGPU_REALLOC) && defined(MGPU_FREE)
+/* all three supplied by the user */
+#elif !defined(MGPU_MALLOC) && !defined(MGPU_REALLOC) && !defined(MGPU_FREE)
+#define MGPU_MALLOC(sz) malloc(sz)
+#define MGPU_REALLOC(p, sz) realloc(p, sz)
+#define MGPU_FREE(p) free(p)
+#else
+#error "mgpu: define all of MGPU_MALLOC, MGPU_REALLOC and MGPU_FREE, or none of them"
+#endif
+
+#ifndef MGPU_ASSERT
+#include <assert.h>
+#define MGPU_ASSERT(x) assert(x)
+#endif
+
+#if defined(__cplusplus)
+#define MGPU__TLS thread_local
+#elif defined(_MSC_VER)
+#define MGPU__TLS __declspec(thread)
+#else
+#define MGPU__TLS __thread
+#endif
+
+/* sokol-style default for zero-initialised description fields */
+#define MGPU__DEF(v, d) ((v) ? (v) : (d))
+#define MGPU__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MGPU__MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+static void* mgpu__calloc(size_t count, size_t size) {
+    void* p;
+    if (size && count > SIZE_MAX / size) return NULL;
+    p = MGPU_MALLOC(count * size);
+    if (p) memset(p, 0, count * size);
+    return p;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MGPU__MAYBE_UNUSED __attribute__((unused))
+#else
+#define MGPU__MAYBE_UNUSED
+#endif
+
+/* Seconds on a monotonic clock, for timers and throughput figures. */
+static MGPU__MAYBE_UNUSED double mgpu__now(void) {
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#else
+    return (double)clock() / CLOCKS_PER_SEC;
+#endif
+}
+
+/* ---- >>impl result ---------------------------------------------------------------------- */
+static MGPU__TLS char mgpu__error_text[1024];
+static MGPU__TLS mgpu_result mgpu__error_code;
+static mgpu_log_fn mgpu__log_fn;
+static void* mgpu__log_user;
+
+MGPUDEF const char* mgpu_result_string(mgpu_result r) {
+    switch (r) {
+#define MGPU__STRING_ITEM(name, value, text) case name: return text;
+        MGPU_RESULT_LIST(MGPU__STRING_ITEM)
+#undef MGPU__STRING_ITEM
+    default: return "unknown result";
+    }
+}
+MGPUDEF const char* mgpu_last_error(void) { return mgpu__error_text; }
+MGPUDEF mgpu_result mgpu_last_result(void) { return mgpu__error_code; }
+MGPUDEF void mgpu_clear_error(void) { mgpu__error_text[0] = 0; mgpu__error_code = MGPU_OK; }
+MGPUDEF void mgpu_set_logger(mgpu_log_fn fn, void* user) { mgpu__log_fn = fn; mgpu__log_user = user; }
+
+static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (mgpu__log_fn) mgpu__log_fn(level, msg, mgpu__log_user);
+    else if (level != MGPU_LOG_ERROR) fprintf(stderr, "mgpu: %s\n", msg);
+}
+
+/* Record why an operation failed ("mgpu_matmul: ...") and return the code. */
+static mgpu_result mgpu__fail(mgpu_result r, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(mgpu__error_text, sizeof mgpu__error_text, fmt, ap);
+    va_end(ap);
+    mgpu__error_code = r;
+    if (mgpu__log_fn) mgpu__log_fn(MGPU_LOG_ERROR, mgpu__error_text, mgpu__log_user);
+    return r;
+}
+
+/* ---- >>impl threads: a small pool for the CPU backend ----------------------------------- */
+/* parallel_for(n, fn, ctx) runs fn(ctx, 0..n-1) on up to mgpu_cpu_threads() threads. Tasks are
+   coarse (a block of GEMM rows, a slice of a vector). A call made while the pool is busy (from
+   another thread, e.g. a CPU replica) runs inline, so the pool never deadlocks. */
+typedef void (*mgpu__task_fn)(void* ctx, int64_t task);
+static int mgpu__cpu_thread_count;   /* 0 until first asked */
+
+MGPUDEF void mgpu_set_cpu_threads(int n) { mgpu__cpu_thread_count = n > 0 ? n : 1; }
+MGPUDEF int mgpu_cpu_threads(void) {
+    if (mgpu__cpu_thread_count <= 0) {
+        const char* env = getenv("MGPU_CPU_THREADS");
+        long n = env ? strtol(env, NULL, 10) : 0;
+#if defined(_SC_NPROCESSORS_ONLN)
+        if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+        mgpu__cpu_thread_count = n > 0 ? (int)MGPU__MIN(n, 256) : 1;
+    }
+    return mgpu__cpu_thread_count;
+}
+
+#ifndef MGPU_NO_THREADS
+typedef struct mgpu__pool {
+    pthread_mutex_t lock;
+    pthread_cond_t work_ready, work_done;
+    int workers;               /* threads started (the caller is one more) */
+    int busy;                  /* a parallel_for is running */
+    uint64_t generation;       /* bumped for every job */
+    mgpu__task_fn fn;
+    void* ctx;
+    int64_t next, count, finished;
+    int active;                /* workers still inside the current job */
+} mgpu__pool;
+static mgpu__pool mgpu__the_pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                                     PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0 };
+
+static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
+    while (p->next < p->count) {
+        int64_t task = p->next++;
+        pthread_mutex_unlock(&p->lock);
+        p->fn(p->ctx, task);
+        pthread_mutex_lock(&p->lock);
+        p->finished++;
+    }
+}
+
+static void* mgpu__pool_worker(void* arg) {
+    mgpu__pool* p = (mgpu__pool*)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        while (p->generation == seen) pthread_cond_wait(&p->work_ready, &p->lock);
+        seen = p->generation;
+        p->active++;
+        mgpu__pool_drain(p);
+        p->active--;
+        if (p->finished == p->count && p->active == 0) pthread_cond_broadcast(&p->work_done);
+    }
+    return NULL;
+}
+#endif
+
+static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
+    int64_t i;
+#ifndef MGPU_NO_THREADS
+    mgpu__pool* p = &mgpu__the_pool;
+    int want = mgpu_cpu_threads() - 1;
+    if (count > 1 && want > 0) {
+        pthread_mutex_lock(&p->lock);
+        if (!p->busy) {
+            while (p->workers < want) {   /* grow lazily; a failed start just means fewer */
+                pthread_t t;
+                if (pthread_create(&t, NULL, mgpu__pool_worker, p) != 0) break;
+                pthread_detach(t);
+                p->workers++;
+            }
+            if (p->workers > 0) {
+                p->busy = 1;
+                p->fn = fn; p->ctx = ctx;
+                p->next = 0; p->count = count; p->finished = 0;
+                p->generation++;
+                pthread_cond_broadcast(&p->work_ready);
+                mgpu__pool_drain(p);
+                while (p->finished < p->count || p->active > 0) pthread_cond_wait(&p->work_done, &p->lock);
+                p->busy = 0;
+                pthread_mutex_unlock(&p->lock);
+                return;
+            }
+        }
+        pthread_mutex_unlock(&p->lock);
+    }
+#endif
+    for (i = 0; i < count; ++i) fn(ctx, i);
+}
+
+/* Elementwise work over n items, cut into about one slice per thread (none when small). */
+typedef void (*mgpu__range_fn)(void* ctx, int64_t begin, int64_t end);
+typedef struct mgpu__range_job { mgpu__range_fn fn; void* ctx; int64_t n, chunk; } mgpu__range_job;
+static void mgpu__range_task(void* ctx, int64_t task) {
+    mgpu__range_job* j = (mgpu__range_job*)ctx;
+    int64_t b = task * j->chunk, e = MGPU__MIN(b + j->chunk, j->n);
+    if (b < e) j->fn(j->ctx, b, e);
+}
+static void mgpu__parallel_range(int64_t n, int64_t min_per_task, mgpu__range_fn fn, void* ctx) {
+    mgpu__range_job job;
+    int64_t tasks = MGPU__MIN((int64_t)mgpu_cpu_threads(), n / MGPU__MAX(min_per_task, 1));
+    if (tasks <= 1) { if (n > 0) fn(ctx, 0, n); return; }
+    job.fn = fn; job.ctx = ctx; job.n = n; job.chunk = (n + tasks - 1) / tasks;
+    mgpu__parallel_for(tasks, mgpu__range_task, &job);
+}
+
+/* ---- >>impl device ---------------------------------------------------------------------- */
+/* A cached block of device (or host) memory, kept in a list sorted by size. */
+typedef struct mgpu__block {
+    void* ptr;
+    size_t size;
+    struct mgpu__block* next;
+} mgpu__block;
+
+typedef struct mgpu__allocator {
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_t lock;
+#endif
+    mgpu__block* cached;          /* free blocks, ascending size */
+    mgpu_memory_stats stats;
+} mgpu__allocator;
+
+struct mgpu_device {
+    mgpu_device_kind kind;
+    int ordinal;                  /* CUDA device number */
+    int replica;                  /* index in its set */
+    char label[32];
+    void* stream;                 /* CUDA: the compute stream every op of this device runs on */
+    void* blas;                   /* CUDA: cuBLAS handle bound to stream */
+    mgpu__allocator alloc;
+    float* gemm_pack;             /* CPU: packed panel of B for the blocked GEMM */
+    size_t gemm_pack_floats;
+};
+
+struct mgpu_device_set {
+    int count;
+    mgpu_device** devices;
+    char spec[256];
+};
+
+#ifdef MGPU_CUDA
+/* Turn a backend failure into an mgpu_result with the operation and the device named. */
+static mgpu_result mgpu__cu_result(int code, const char* op, const mgpu_device* dev) {
+    mgpu_result r;
+    switch (code) {
+    case MGPU__CU_ERR_CUBLAS: r = MGPU_ERROR_CUBLAS; break;
+    case MGPU__CU_ERR_NCCL: r = MGPU_ERROR_NCCL; break;
+    case MGPU__CU_ERR_OOM: r = MGPU_ERROR_OUT_OF_MEMORY; break;
+    case MGPU__CU_ERR_NO_DEVICE: r = MGPU_ERROR_NO_DEVICE; break;
+    case MGPU__CU_ERR_ARGUMENT: r = MGPU_ERROR_INVALID_ARGUMENT; break;
+    default: r = MGPU_ERROR_CUDA; break;
+    }
+    return mgpu__fail(r, "%s on %s: %s", op, dev ? dev->label : "cuda", mgpu__cu_error_message());
+}
+/* Call the backend; on failure return its error from the enclosing function. */
+#define MGPU__CU(op, dev, call)                                   \
+    do {                                                          \
+        int mgpu__rc_ = (call);                                   \
+        if (mgpu__rc_ != 0) return mgpu__cu_result(mgpu__rc_, op, dev); \
+    } while (0)
+#endif
+
+static void mgpu__allocator_init(mgpu__allocator* a) {
+    memset(a, 0, sizeof *a);
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_init(&a->lock, NULL);
+#endif
+}
+
+static void mgpu__device_init(mgpu_device* d, mgpu_device_kind kind, int ordinal, int replica) {
+    memset(d, 0, sizeof *d);
+    d->kind = kind;
+    d->ordinal = ordinal;
+    d->replica = replica;
+    mgpu__allocator_init(&d->alloc);
+}
+
+static mgpu_device mgpu__cpu_device;
+#ifndef MGPU_NO_THREADS
+static pthread_once_t mgpu__cpu_once = PTHREAD_ONCE_INIT;
+#endif
+static void mgpu__cpu_device_setup(void) {
+    mgpu__device_init(&mgpu__cpu_device, MGPU_DEVICE_CPU, 0, 0);
+    strcpy(mgpu__cpu_device.label, "cpu");
+}
+MGPUDEF mgpu_device* mgpu_device_cpu(void) {
+#ifndef MGPU_NO_THREADS
+    pthread_once(&mgpu__cpu_once, mgpu__cpu_device_setup);
+#else
+    if (!mgpu__cpu_device.label[0]) mgpu__cpu_device_setup();
+#endif
+    return &mgpu__cpu_device;
+}
+
+MGPUDEF int mgpu_cuda_device_count(void) {
+#ifdef MGPU_CUDA
+    int n = 0;
+    if (mgpu__cu_device_count(&n) != 0) return 0;
+    return n;
+#else
+    return 0;
+#endif
+}
+
+static mgpu_result mgpu__memory_release_cached(mgpu_device* dev);
+
+static void mgpu__device_free(mgpu_device* d) {
+    if (!d || d == &mgpu__cpu_device) return;
+    mgpu__memory_release_cached(d);
+    if (d->alloc.stats.bytes_in_use)
+        mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
+                  d->alloc.stats.bytes_in_use);
+#ifdef MGPU_CUDA
+    if (d->kind == MGPU_DEVICE_CUDA) {
+        if (d->stream) mgpu__cu_stream_synchronize(d->ordinal, d->stream);
+        if (d->blas) mgpu__cu_blas_destroy(d->ordinal, d->blas);
+        if (d->stream) mgpu__cu_stream_destroy(d->ordinal, d->stream);
+    }
+#endif
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_destroy(&d->alloc.lock);
+#endif
+    MGPU_FREE(d->gemm_pack);
+    MGPU_FREE(d);
+}
+
+MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set) {
+    int i;
+    if (!set) return;
+    for (i = 0; i < set->count; ++i) mgpu__device_free(set->devices[i]);
+    MGPU_FREE(set->devices);
+    MGPU_FREE(set);
+}
+
+#ifdef MGPU_CUDA
+/* Parse "N" or "N,M,..." into ordinals; returns how many, or -1 if malformed. */
+static int mgpu__parse_list(const char* s, int* out, int max) {
+    int n = 0;
+    while (*s) {
+        char* end;
+        long v;
+        if (*s < '0' || *s > '9') return -1;
+        v = strtol(s, &end, 10);
+        if (v > 1000000 || n == max) return -1;
+        out[n++] = (int)v;
+        s = end;
+        if (*s == ',') { ++s; if (!*s) return -1; }
+        else if (*s) return -1;
+    }
+    return n;
+}
+#endif
+
+#define MGPU__MAX_REPLICAS 256
+
+static mgpu_device_set* mgpu__device_set_fail_free(mgpu_device_set* set) {
+    mgpu_device_set_destroy(set);
+    return NULL;
+}
+
+MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
+    int ordinals[MGPU__MAX_REPLICAS];
+    int count = 0, i, cuda = 0, cuda_count = 0;
+    const char* s = spec ? spec : "auto";
+    mgpu_device_set* set;
+
+    if (strcmp(s, "auto") == 0 || !*s) {
+        const char* env = getenv("MGPU_DEVICES");
+        if (env && *env && strcmp(env, "auto") != 0) s = env;
+    }
+#ifdef MGPU_CUDA
+    {
+        int rc = mgpu__cu_device_count(&cuda_count);
+        if (rc != 0) cuda_count = 0;
+        if (strcmp(s, "auto") == 0 || !*s) {
+            static int noticed = 0;
+            if (cuda_count > 0) s = "cuda";
+            else {
+                if (!noticed) mgpu__log(MGPU_LOG_INFO, "no usable CUDA device (%s); running on the CPU",
+                                        rc ? mgpu__cu_error_message() : "0 devices");
+                noticed = 1;
+                s = "cpu";
+            }
+        }
+    }
+#endif
+    if (strcmp(s, "auto") == 0 || !*s) s = "cpu";
+
+    if (strcmp(s, "cpu") == 0) {
+        count = 1;
+    } else if (strncmp(s, "cpu:", 4) == 0) {
+        char* end;
+        long n = strtol(s + 4, &end, 10);
+        if (s[4] < '0' || s[4] > '9' || *end || n < 1 || n > MGPU__MAX_REPLICAS) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                       "mgpu_device_set_create: bad device spec '%s' (cpu:N wants 1 <= N <= %d)", s,
+                       MGPU__MAX_REPLICAS);
+            return NULL;
+        }
+        count = (int)n;
+    } else if (strcmp(s, "cuda") == 0 || strncmp(s, "cuda:", 5) == 0) {
+        cuda = 1;
+#ifndef MGPU_CUDA
+        mgpu__fail(MGPU_ERROR_NO_DEVICE,
+                   "mgpu_device_set_create: device spec '%s' asks for CUDA, but this program was built "
+                   "without it (define MGPU_CUDA and link mgpu_kernels.cu)", s);
+        return NULL;
+#else
+        if (cuda_count == 0) {
+            mgpu__fail(MGPU_ERROR_NO_DEVICE, "mgpu_device_set_create: device spec '%s': no CUDA device (%s)",
+                       s, mgpu__cu_error_message());
+            return NULL;
+        }
+        if (s[4] == 0) {
+            count = MGPU__MIN(cuda_count, MGPU__MAX_REPLICAS);
+            for (i = 0; i < count; ++i) ordinals[i] = i;
+        } else {
+            count = mgpu__parse_list(s + 5, ordinals, MGPU__MAX_REPLICAS);
+            if (count <= 0) {
+                mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                           "mgpu_device_set_create: bad device spec '%s' (want cuda, cuda:0 or cuda:0,1,...)", s);
+                return NULL;
+            }
+            for (i = 0; i < count; ++i)
+                if (ordinals[i] >= cuda_count) {
+                    mgpu__fail(MGPU_ERROR_NO_DEVICE,
+                               "mgpu_device_set_create: device spec '%s' names cuda:%d, but this machine has "
+                               "%d CUDA device%s (cuda:0..cuda:%d)", s, ordinals[i], cuda_count,
+                               cuda_count == 1 ? "" : "s", cuda_count - 1);
+                    return NULL;
+                }
+        }
+#endif
+    } else {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                   "mgpu_device_set_create: unknown device spec '%s' (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", s);
+        return NULL;
+    }
+    (void)cuda_count;
+
+    set = (mgpu_device_set*)mgpu__calloc(1, sizeof *set);
+    if (set) set->devices = (mgpu_device**)mgpu__calloc((size_t)count, sizeof(mgpu_device*));
+    if (!set || !set->devices) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_device_set_create: out of host memory");
+        return mgpu__device_set_fail_free(set);
+    }
+    set->count = count;
+    for (i = 0; i < count; ++i) {
+        mgpu_device* d;
+        int same = 0, j;
+        if (!cuda && i == 0) {   /* replica 0 of a CPU set is the library's CPU device */
+            set->devices[0] = mgpu_device_cpu();
+            continue;
+        }
+        d = (mgpu_device*)MGPU_MALLOC(sizeof *d);
+        if (!d) {
+            set->count = i;
+            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_device_set_create: out of host memory");
+            return mgpu__device_set_fail_free(set);
+        }
+        mgpu__device_init(d, cuda ? MGPU_DEVICE_CUDA : MGPU_DEVICE_CPU, cuda ? ordinals[i] : 0, i);
+        set->devices[i] = d;
+        for (j = 0; j < i; ++j) same += cuda && ordinals[j] == ordinals[i];
+        if (!cuda) snprintf(d->label, sizeof d->label, "cpu#%d", i);
+        else if (same) snprintf(d->label, sizeof d->label, "cuda:%d#%d", ordinals[i], same);
+        else snprintf(d->label, sizeof d->label, "cuda:%d", ordinals[i]);
+#ifdef MGPU_CUDA
+        if (cuda) {
+            int rc = mgpu__cu_stream_create(d->ordinal, &d->stream);
+            if (rc == 0) rc = mgpu__cu_blas_create(d->ordinal, d->stream, &d->blas);
+            if (rc != 0) {
+                set->count = i + 1;
+                mgpu__cu_result(rc, "mgpu_device_set_create", d);
+                return mgpu__device_set_fail_free(set);
+            }
+        }
+#endif
+    }
+#ifdef MGPU_CUDA
+    /* Peer access between distinct GPUs where the hardware allows; not having it is fine. */
+    for (i = 0; cuda && i < count; ++i) {
+        int j;
+        for (j = 0; j < count; ++j) {
+            int can = 0;
+            if (ordinals[i] == ordinals[j]) continue;
+            if (mgpu__cu_can_access_peer(ordinals[i], ordinals[j], &can) == 0 && can &&
+                mgpu__cu_enable_peer_access(ordinals[i], ordinals[j]) != 0)
+                mgpu__log(MGPU_LOG_WARN, "peer access cuda:%d -> cuda:%d: %s", ordinals[i], ordinals[j],
+                          mgpu__cu_error_message());
+        }
+    }
+#endif
+    /* the resolved spec, e.g. "cuda:0,0" or "cpu:2" */
+    if (!cuda) snprintf(set->spec, sizeof set->spec, count == 1 ? "cpu" : "cpu:%d", count);
+    else {
+        size_t len = (size_t)snprintf(set->spec, sizeof set->spec, "cuda:");
+        for (i = 0; i < count && len + 12 < sizeof set->spec; ++i)
+            len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", ordinals[i]);
+    }
+    return set;
+}
+
+MGPUDEF int mgpu_device_set_count(const mgpu_device_set* set) { return set ? set->count : 0; }
+MGPUDEF mgpu_device* mgpu_device_set_get(const mgpu_device_set* set, int index) {
+    if (!set || index < 0 || index >= set->count) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_set_get: index %d outside a set of %d devices",
+                   index, set ? set->count : 0);
+        return NULL;
+    }
+    return set->devices[index];
+}
+MGPUDEF const char* mgpu_device_set_spec(const mgpu_device_set* set) { return set ? set->spec : ""; }
+MGPUDEF mgpu_device_kind mgpu_device_kind_of(const mgpu_device* dev) { return dev ? dev->kind : MGPU_DEVICE_CPU; }
+MGPUDEF const char* mgpu_device_label(const mgpu_device* dev) { return dev ? dev->label : "(null)"; }
+
+MGPUDEF mgpu_result mgpu_device_get_info(const mgpu_device* dev, mgpu_device_info* info) {
+    if (!dev || !info) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_get_info: NULL argument");
+    memset(info, 0, sizeof *info);
+    info->kind = dev->kind;
+    info->ordinal = dev->ordinal;
+    info->replica = dev->replica;
+    snprintf(info->label, sizeof info->label, "%s", dev->label);
+    if (dev->kind == MGPU_DEVICE_CPU) {
+        snprintf(info->name, sizeof info->name, "cpu");
+        info->multiprocessors = mgpu_cpu_threads();
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+        info->total_memory = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+#endif
+#if defined(_SC_AVPHYS_PAGES) && defined(_SC_PAGESIZE)
+        info->free_memory = (size_t)sysconf(_SC_AVPHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+#endif
+        return MGPU_OK;
+    }
+#ifdef MGPU_CUDA
+    MGPU__CU("mgpu_device_get_info", dev,
+             mgpu__cu_device_info(dev->ordinal, info->name, sizeof info->name, &info->total_memory,
+                                  &info->free_memory, &info->compute_major, &info->compute_minor,
+                                  &info->multiprocessors));
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF int mgpu_device_can_access_peer(const mgpu_device* a, const mgpu_device* b) {
+    if (!a || !b) return 0;
+    if (a->kind == MGPU_DEVICE_CPU && b->kind == MGPU_DEVICE_CPU) return 1;
+    if (a->kind != b->kind) return 0;
+    if (a->ordinal == b->ordinal) return 1;
+#ifdef MGPU_CUDA
+    {
+        int can = 0;
+        if (mgpu__cu_can_access_peer(a->ordinal, b->ordinal, &can) != 0) return 0;
+        return can;
+    }
+#else
+    return 0;
+#endif
+}
+
+MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev) {
+    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_synchronize: NULL device");
+#ifdef MGPU_CUDA
+    if (dev->kind == MGPU_DEVICE_CUDA)
+        MGPU__CU("mgpu_device_synchronize", dev, mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_device_set_tf32(mgpu_device* dev, int allow) {
+    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_set_tf32: NULL device");
+#ifdef MGPU_CUDA
+    if (dev->kind == MGPU_DEVICE_CUDA)
+        MGPU__CU("mgpu_device_set_tf32", dev, mgpu__cu_blas_set_tf32(dev->ordinal, dev->blas, allow));
+#else
+    (void)allow;
+#endif
+    return MGPU_OK;
+}
+
+/* ---- >>impl memory ---------------------------------------------------------------------- */
+/* A caching allocator per device, after PyTorch's: freed blocks are kept and handed out again
+   for a request of about the same size, so a training loop stops calling cudaMalloc (or
+   malloc) after its first step. Sizes are rounded so that near-equal requests share blocks. */
+#define MGPU__CPU_ALIGN 64
+
+static size_t mgpu__round_size(size_t bytes) {
+    size_t g = bytes < ((size_t)1 << 20) ? 256 : ((size_t)1 << 17);
+    if (bytes == 0) bytes = 1;
+    if (bytes > SIZE_MAX - g) return 0;
+    return (bytes + g - 1) / g * g;
+}
+
+static void* mgpu__cpu_raw_alloc(size_t bytes) {   /* 64-byte aligned, original pointer before it */
+    unsigned char* raw = bytes > SIZE_MAX - MGPU__CPU_ALIGN - sizeof(void*) ? NULL
+                       : (unsigned char*)MGPU_MALLOC(bytes + MGPU__CPU_ALIGN + sizeof(void*));
+    uintptr_t aligned;
+    if (!raw) return NULL;
+    aligned = ((uintptr_t)(raw + sizeof(void*)) + MGPU__CPU_ALIGN - 1) & ~(uintptr_t)(MGPU__CPU_ALIGN - 1);
+    ((void**)aligned)[-1] = raw;
+    return (void*)aligned;
+}
+static void mgpu__cpu_raw_free(void* p) { if (p) MGPU_FREE(((void**)p)[-1]); }
+
+static int mgpu__backend_alloc(mgpu_device* dev, size_t bytes, void** ptr) {   /* 0 ok, else backend code */
+    if (dev->kind == MGPU_DEVICE_CPU) {
+        *ptr = mgpu__cpu_raw_alloc(bytes);
+        return *ptr ? 0 : 4;
+    }
+#ifdef MGPU_CUDA
+    return mgpu__cu_malloc(dev->ordinal, bytes, ptr);
+#else
+    return 4;
+#endif
+}
+static void mgpu__backend_free(mgpu_device* dev, void* ptr) {
+    if (dev->kind == MGPU_DEVICE_CPU) { mgpu__cpu_raw_free(ptr); return; }
+#ifdef MGPU_CUDA
+    /* The stream may still use it: wait first, as cudaFree would for the legacy stream. */
+    mgpu__cu_stream_synchronize(dev->ordinal, dev->stream);
+    if (mgpu__cu_free(dev->ordinal, ptr) != 0)
+        mgpu__log(MGPU_LOG_WARN, "%s: freeing device memory failed: %s", dev->label, mgpu__cu_error_message());
+#endif
+}
+
+static void mgpu__lock(mgpu__allocator* a) {
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_lock(&a->lock);
+#else
+    (void)a;
+#endif
+}
+static void mgpu__unlock(mgpu__allocator* a) {
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_unlock(&a->lock);
+#else
+    (void)a;
+#endif
+}
+
+static mgpu_result mgpu__memory_release_cached(mgpu_device* dev) {
+    mgpu__block* b;
+    mgpu__lock(&dev->alloc);
+    b = dev->alloc.cached;
+    dev->alloc.cached = NULL;
+    while (b) {
+        mgpu__block* next = b->next;
+        mgpu__backend_free(dev, b->ptr);
+        dev->alloc.stats.bytes_reserved -= b->size;
+        dev->alloc.stats.backend_frees++;
+        MGPU_FREE(b);
+        b = next;
+    }
+    mgpu__unlock(&dev->alloc);
+    return MGPU_OK;
+}
+
+static void mgpu__human_bytes(double bytes, char* buf, size_t size) {
+    const char* unit[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) { bytes /= 1024.0; ++u; }
+    snprintf(buf, size, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
+}
+
+/* Get a block of at least `bytes` (its rounded size in *block_size). Serves from the cache when
+   a block of the right size class is free; on out-of-memory empties the cache and tries again. */
+static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_size, const char* op) {
+    size_t size = mgpu__round_size(bytes);
+    mgpu__block **link, *b;
+    void* ptr = NULL;
+    int rc;
+    if (size == 0) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes on %s", op, bytes, dev->label);
+        return NULL;
+    }
+    mgpu__lock(&dev->alloc);
+    for (link = &dev->alloc.cached; (b = *link) != NULL; link = &b->next) {
+        if (b->size < size) continue;
+        if (b->size - size > size / 4 && b->size - size > 4096) break;   /* too big: don't waste it */
+        *link = b->next;
+        ptr = b->ptr;
+        size = b->size;
+        MGPU_FREE(b);
+        dev->alloc.stats.cache_hits++;
+        break;
+    }
+    mgpu__unlock(&dev->alloc);
+    if (!ptr) {
+        rc = mgpu__backend_alloc(dev, size, &ptr);
+        if (rc == 4) {   /* out of memory: give back the cache and try once more */
+            mgpu__memory_release_cached(dev);
+            rc = mgpu__backend_alloc(dev, size, &ptr);
+        }
+        if (rc != 0) {
+            char want[32], freeb[32], used[32];
+            mgpu_device_info info;
+            memset(&info, 0, sizeof info);
+            mgpu_device_get_info(dev, &info);
+            mgpu__human_bytes((double)size, want, sizeof want);
+            mgpu__human_bytes((double)info.free_memory, freeb, sizeof freeb);
+            mgpu__human_bytes((double)dev->alloc.stats.bytes_in_use, used, sizeof used);
+            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY,
+                       "%s: out of memory on %s allocating %s (%zu bytes); %s free on the device, %s held by "
+                       "live mgpu tensors", op, dev->label, want, size, freeb, used);
+            return NULL;
+        }
+        mgpu__lock(&dev->alloc);
+        dev->alloc.stats.backend_allocs++;
+        dev->alloc.stats.bytes_reserved += size;
+        mgpu__unlock(&dev->alloc);
+    }
+    mgpu__lock(&dev->alloc);
+    dev->alloc.stats.bytes_in_use += size;
+    if (dev->alloc.stats.bytes_in_use > dev->alloc.stats.peak_bytes_in_use)
+        dev->alloc.stats.peak_bytes_in_use = dev->alloc.stats.bytes_in_use;
+    mgpu__unlock(&dev->alloc);
+    *block_size = size;
+    return ptr;
+}
+
+/* Return a block to the cache (kept sorted by size for best fit). */
+static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size) {
+    mgpu__block *b = (mgpu__block*)MGPU_MALLOC(sizeof *b), **link;
+    mgpu__lock(&dev->alloc);
+    dev->alloc.stats.bytes_in_use -= size;
+    if (!b) {   /* no host memory for the list node: give the block straight back */
+        mgpu__backend_free(dev, ptr);
+        dev->alloc.stats.bytes_reserved -= size;
+        dev->alloc.stats.backend_frees++;
+        mgpu__unlock(&dev->alloc);
+        return;
+    }
+    b->ptr = ptr;
+    b->size = size;
+    for (link = &dev->alloc.cached; *link && (*link)->size < size; link = &(*link)->next) {}
+    b->next = *link;
+    *link = b;
+    mgpu__unlock(&dev->alloc);
+}
+
+MGPUDEF mgpu_result mgpu_memory_get_stats(const mgpu_device* dev, mgpu_memory_stats* stats) {
+    if (!dev || !stats) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_memory_get_stats: NULL argument");
+    mgpu__lock((mgpu__allocator*)&dev->alloc);
+    *stats = dev->alloc.stats;
+    mgpu__unlock((mgpu__allocator*)&dev->alloc);
+    return MGPU_OK;
+}
+MGPUDEF void mgpu_memory_reset_peak(mgpu_device* dev) {
+    if (!dev) return;
+    mgpu__lock(&dev->alloc);
+    dev->alloc.stats.peak_bytes_in_use = dev->alloc.stats.bytes_in_use;
+    mgpu__unlock(&dev->alloc);
+}
+MGPUDEF mgpu_result mgpu_memory_empty_cache(mgpu_device* dev) {
+    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_memory_empty_cache: NULL device");
+    return mgpu__memory_release_cached(dev);
+}
+
+/* Pinned blocks carry a 64-byte header: [-1] the base pointer, [-2] 1 if page-locked by CUDA. */
+MGPUDEF void* mgpu_pinned_alloc(size_t bytes) {
+    unsigned char* base = NULL;
+    uintptr_t* user;
+    int pinned = 0;
+    if (bytes > SIZE_MAX - 2 * MGPU__CPU_ALIGN) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_pinned_alloc: cannot allocate %zu bytes", bytes);
+        return NULL;
+    }
+#ifdef MGPU_CUDA
+    if (mgpu_cuda_device_count() > 0 && mgpu__cu_host_alloc(bytes + MGPU__CPU_ALIGN, (void**)&base) == 0) pinned = 1;
+    else base = NULL;
+#endif
+    if (!base) base = (unsigned char*)MGPU_MALLOC(bytes + 2 * MGPU__CPU_ALIGN);
+    if (!base) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_pinned_alloc: cannot allocate %zu bytes of host memory", bytes);
+        return NULL;
+    }
+    user = (uintptr_t*)(((uintptr_t)base + MGPU__CPU_ALIGN + MGPU__CPU_ALIGN - 1) & ~(uintptr_t)(MGPU__CPU_ALIGN - 1));
+    if (pinned) user = (uintptr_t*)(base + MGPU__CPU_ALIGN);   /* cudaHostAlloc is page-aligned */
+    user[-1] = (uintptr_t)base;
+    user[-2] = (uintptr_t)pinned;
+    return user;
+}
+MGPUDEF void mgpu_pinned_free(void* ptr) {
+    uintptr_t* user = (uintptr_t*)ptr;
+    if (!ptr) return;
+#ifdef MGPU_CUDA
+    if (user[-2]) {
+        if (mgpu__cu_host_free((void*)user[-1]) != 0)
+            mgpu__log(MGPU_LOG_WARN, "mgpu_pinned_free: %s", mgpu__cu_error_message());
+        return;
+    }
+#endif
+    MGPU_FREE((void*)user[-1]);
+}
+
+/* ---- >>impl tensor ---------------------------------------------------------------------- */
+/* Storage is shared by a tensor and its views and freed with the last of them. A tensor and
+   its views belong to one thread at a time (the count is not atomic). */
+typedef struct mgpu__storage {
+    mgpu_device* dev;
+    void* ptr;
+    size_t size;        /* block size from the allocator */
+    int refs;
+} mgpu__storage;
+
+struct mgpu_tensor {
+    mgpu__storage* storage;
+    size_t offset;      /* bytes from storage->ptr */
+    mgpu_dtype dtype;
+    mgpu_shape shape;
+};
+
+#define MGPU__TRY(expr) do { mgpu_result mgpu__r_ = (expr); if (mgpu__r_ != MGPU_OK) return mgpu__r_; } while (0)
+
+MGPUDEF mgpu_shape mgpu_shape1(int64_t d0) { mgpu_shape s; memset(&s, 0, sizeof s); s.ndim = 1; s.dim[0] = d0; return s; }
+MGPUDEF mgpu_shape mgpu_shape2(int64_t d0, int64_t d1) { mgpu_shape s = mgpu_shape1(d0); s.ndim = 2; s.dim[1] = d1; return s; }
+MGPUDEF mgpu_shape mgpu_shape3(int64_t d0, int64_t d1, int64_t d2) { mgpu_shape s = mgpu_shape2(d0, d1); s.ndim = 3; s.dim[2] = d2; return s; }
+MGPUDEF mgpu_shape mgpu_shape4(int64_t d0, int64_t d1, int64_t d2, int64_t d3) { mgpu_shape s = mgpu_shape3(d0, d1, d2); s.ndim = 4; s.dim[3] = d3; return s; }
+MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s) {
+    int64_t n = 1;
+    int i;
+    for (i = 0; i < s.ndim && i < MGPU_MAX_DIMS; ++i) n *= s.dim[i];
+    return n;
+}
+MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b) {
+    int i;
+    if (a.ndim != b.ndim) return 0;
+    for (i = 0; i < a.ndim; ++i) if (a.dim[i] != b.dim[i]) return 0;
+    return 1;
+}
+MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt) { return dt == MGPU_U8 ? 1 : 4; }
+MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt) {
+    switch (dt) { case MGPU_F32: return "f32"; case MGPU_I32: return "i32"; case MGPU_U8: return "u8"; }
+    return "?";
+}
+
+static const char* mgpu__shape_text(mgpu_shape s, char* buf, size_t size) {
+    size_t len = 0;
+    int i;
+    len += (size_t)snprintf(buf, size, "[");
+    for (i = 0; i < s.ndim && i < MGPU_MAX_DIMS && len < size; ++i)
+        len += (size_t)snprintf(buf + len, size - len, i ? ",%lld" : "%lld", (long long)s.dim[i]);
+    if (len < size) snprintf(buf + len, size - len, "]");
+    return buf;
+}
+
+MGPUDEF const char* mgpu_tensor_describe(const mgpu_tensor* t, char* buf, size_t size) {
+    char shape[96];
+    if (!buf || !size) return "";
+    if (!t) { snprintf(buf, size, "(null)"); return buf; }
+    snprintf(buf, size, "%s%s@%s", mgpu_dtype_name(t->dtype), mgpu__shape_text(t->shape, shape, sizeof shape),
+             t->storage->dev->label);
+    return buf;
+}
+
+/* Valid ndim and dims, and a byte count that fits; else an error naming op. */
+static mgpu_result mgpu__check_shape(const char* op, mgpu_dtype dt, mgpu_shape s, size_t* bytes) {
+    char text[96];
+    int64_t n = 1;
+    int i;
+    if (s.ndim < 0 || s.ndim > MGPU_MAX_DIMS)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d dimensions (mgpu tensors have 0 to %d)", op, s.ndim,
+                          MGPU_MAX_DIMS);
+    if (dt != MGPU_F32 && dt != MGPU_I32 && dt != MGPU_U8)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: unknown dtype %d", op, (int)dt);
+    for (i = 0; i < s.ndim; ++i) {
+        if (s.dim[i] < 0 || (s.dim[i] > 0 && n > INT64_MAX / s.dim[i]))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: impossible shape %s", op,
+                              mgpu__shape_text(s, text, sizeof text));
+        n *= s.dim[i];
+    }
+    if ((uint64_t)n > (uint64_t)(SIZE_MAX / 2) / mgpu_dtype_size(dt))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: shape %s is too large to allocate", op,
+                          mgpu__shape_text(s, text, sizeof text));
+    *bytes = (size_t)n * mgpu_dtype_size(dt);
+    return MGPU_OK;
+}
+
+static mgpu_tensor* mgpu__tensor_wrap(mgpu__storage* st, size_t offset, mgpu_dtype dt, mgpu_shape shape, const char* op) {
+    mgpu_tensor* t = (mgpu_tensor*)MGPU_MALLOC(sizeof *t);
+    if (!t) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    t->storage = st;
+    t->offset = offset;
+    t->dtype = dt;
+    t->shape = shape;
+    st->refs++;
+    return t;
+}
+
+MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
+    size_t bytes;
+    mgpu__storage* st;
+    mgpu_tensor* t;
+    if (!dev) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_create: NULL device"); return NULL; }
+    if (mgpu__check_shape("mgpu_tensor_create", dt, shape, &bytes) != MGPU_OK) return NULL;
+    st = (mgpu__storage*)mgpu__calloc(1, sizeof *st);
+    if (!st) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_tensor_create: out of host memory"); return NULL; }
+    st->dev = dev;
+    st->ptr = mgpu__device_alloc(dev, bytes, &st->size, "mgpu_tensor_create");
+    if (!st->ptr) { MGPU_FREE(st); return NULL; }
+    t = mgpu__tensor_wrap(st, 0, dt, shape, "mgpu_tensor_create");
+    if (!t) { mgpu__device_release(dev, st->ptr, st->size); MGPU_FREE(st); }
+    return t;
+}
+
+MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t) {
+    mgpu__storage* st;
+    if (!t) return;
+    st = t->storage;
+    MGPU_FREE(t);
+    if (--st->refs == 0) {
+        mgpu__device_release(st->dev, st->ptr, st->size);
+        MGPU_FREE(st);
+    }
+}
+
+MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count) {
+    char text[96];
+    mgpu_shape s;
+    if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_view_rows: NULL tensor"); return NULL; }
+    if (t->shape.ndim < 1 || start < 0 || count < 0 || start > t->shape.dim[0] - count) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: rows [%lld, %lld) outside %s",
+                   (long long)start, (long long)(start + count), mgpu_tensor_describe(t, text, sizeof text));
+        return NULL;
+    }
+    s = t->shape;
+    s.dim[0] = count;
+    return mgpu__tensor_wrap(t->storage, t->offset + (size_t)start * (mgpu_tensor_bytes(t) / (size_t)MGPU__MAX(t->shape.dim[0], 1)),
+                             t->dtype, s, "mgpu_tensor_view_rows");
+}
+
+MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape) {
+    char a[96], b[96];
+    size_t bytes;
+    if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_view_reshape: NULL tensor"); return NULL; }
+    if (mgpu__check_shape("mgpu_tensor_view_reshape", t->dtype, shape, &bytes) != MGPU_OK) return NULL;
+    if (mgpu_shape_numel(shape) != mgpu_tensor_numel(t)) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_reshape: %s has %lld elements, shape %s has %lld",
+                   mgpu_tensor_describe(t, a, sizeof a), (long long)mgpu_tensor_numel(t),
+                   mgpu__shape_text(shape, b, sizeof b), (long long)mgpu_shape_numel(shape));
+        return NULL;
+    }
+    return mgpu__tensor_wrap(t->storage, t->offset, t->dtype, shape, "mgpu_tensor_view_reshape");
+}
+
+MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t) { mgpu_shape s; memset(&s, 0, sizeof s); return t ? t->shape : s; }
+MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i) {
+    if (!t) return 0;
+    if (i < 0) i += t->shape.ndim;
+    return i >= 0 && i < t->shape.ndim ? t->shape.dim[i] : 1;
+}
+MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t) { return t ? mgpu_shape_numel(t->shape) : 0; }
+MGPUDEF size_t mgpu_tensor_bytes(const mgpu_tensor* t) { return t ? (size_t)mgpu_tensor_numel(t) * mgpu_dtype_size(t->dtype) : 0; }
+MGPUDEF mgpu_dtype mgpu_tensor_dtype(const mgpu_tensor* t) { return t ? t->dtype : MGPU_F32; }
+MGPUDEF mgpu_device* mgpu_tensor_device(const mgpu_tensor* t) { return t ? t->storage->dev : NULL; }
+MGPUDEF void* mgpu_tensor_data(const mgpu_tensor* t) { return t ? (void*)((char*)t->storage->ptr + t->offset) : NULL; }
+
+#define MGPU__DEV(t) ((t)->storage->dev)
+#define MGPU__F32(t) ((float*)mgpu_tensor_data(t))
+#define MGPU__I32(t) ((int32_t*)mgpu_tensor_data(t))
+#define MGPU__IS_CPU(t) (MGPU__DEV(t)->kind == MGPU_DEVICE_CPU)
+
+/* ---- argument checks shared by every op ---- */
+static mgpu_result mgpu__check_tensor(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt) {
+    char text[128];
+    if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' is NULL", op, name);
+    if (t->dtype != dt)
+        return mgpu__fail(MGPU_ERROR_DTYPE_MISMATCH, "%s: '%s' is %s, expected dtype %s", op, name,
+                          mgpu_tensor_describe(t, text, sizeof text), mgpu_dtype_name(dt));
+    return MGPU_OK;
+}
+/* Tensors on the CPU may mix freely (all host memory); a CUDA op needs all on one device. */
+static mgpu_result mgpu__check_same_device(const char* op, const char* an, const mgpu_tensor* a,
+                                           const char* bn, const mgpu_tensor* b) {
+    char ta[128], tb[128];
+    if (MGPU__DEV(a) == MGPU__DEV(b) || (MGPU__IS_CPU(a) && MGPU__IS_CPU(b))) return MGPU_OK;
+    return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: '%s' %s and '%s' %s are on different devices", op, an,
+                      mgpu_tensor_describe(a, ta, sizeof ta), bn, mgpu_tensor_describe(b, tb, sizeof tb));
+}
+static mgpu_result mgpu__check_same_shape(const char* op, const char* an, const mgpu_tensor* a,
+                                          const char* bn, const mgpu_tensor* b) {
+    char ta[128], tb[128];
+    if (mgpu_shape_equal(a->shape, b->shape)) return MGPU_OK;
+    return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s and '%s' %s differ in shape", op, an,
+                      mgpu_tensor_describe(a, ta, sizeof ta), bn, mgpu_tensor_describe(b, tb, sizeof tb));
+}
+/* f32, same device and same shape as the reference tensor */
+static mgpu_result mgpu__check_like(const char* op, const char* name, const mgpu_tensor* t,
+                                    const char* ref_name, const mgpu_tensor* ref) {
+    MGPU__TRY(mgpu__check_tensor(op, name, t, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, name, t, ref_name, ref));
+    return mgpu__check_same_shape(op, name, t, ref_name, ref);
+}
+static mgpu_result mgpu__check_rank(const char* op, const char* name, const mgpu_tensor* t, int ndim) {
+    char text[128];
+    if (t->shape.ndim == ndim) return MGPU_OK;
+    return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should have %d dimensions", op, name,
+                      mgpu_tensor_describe(t, text, sizeof text), ndim);
+}
+
+/* ---- copies ---- */
+MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t bytes) {
+    char text[128];
+    if (!t || (!host && bytes)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_upload: NULL argument");
+    if (bytes != mgpu_tensor_bytes(t))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_upload: %zu bytes given for %s (%zu bytes)", bytes,
+                          mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
+    if (!bytes) return MGPU_OK;
+    if (MGPU__IS_CPU(t)) { memcpy(mgpu_tensor_data(t), host, bytes); return MGPU_OK; }
+#ifdef MGPU_CUDA
+    MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t),
+             mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, mgpu_tensor_data(t), host, bytes, MGPU__DEV(t)->stream));
+    MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_t bytes) {
+    char text[128];
+    if (!t || (!host && bytes)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_download: NULL argument");
+    if (bytes != mgpu_tensor_bytes(t))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_download: %zu bytes of room for %s (%zu bytes)", bytes,
+                          mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
+    if (!bytes) return MGPU_OK;
+    if (MGPU__IS_CPU(t)) { memcpy(host, mgpu_tensor_data(t), bytes); return MGPU_OK; }
+#ifdef MGPU_CUDA
+    MGPU__CU("mgpu_tensor_download", MGPU__DEV(t),
+             mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, host, mgpu_tensor_data(t), bytes, MGPU__DEV(t)->stream));
+    MGPU__CU("mgpu_tensor_download", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
+    char a[128], b[128];
+    size_t bytes;
+    mgpu_device *dd, *sd;
+    if (!dst || !src) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_copy: NULL tensor");
+    if (dst->dtype != src->dtype)
+        return mgpu__fail(MGPU_ERROR_DTYPE_MISMATCH, "mgpu_tensor_copy: dst %s and src %s differ in dtype",
+                          mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
+    if (mgpu_tensor_numel(dst) != mgpu_tensor_numel(src))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_copy: dst %s and src %s differ in element count",
+                          mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
+    bytes = mgpu_tensor_bytes(src);
+    dd = MGPU__DEV(dst);
+    sd = MGPU__DEV(src);
+    if (!bytes || mgpu_tensor_data(dst) == mgpu_tensor_data(src)) return MGPU_OK;
+    if (sd->kind == MGPU_DEVICE_CPU && dd->kind == MGPU_DEVICE_CPU) {
+        memmove(mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes);
+        return MGPU_OK;
+    }
+    if (sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_upload(dst, mgpu_tensor_data(src), bytes);
+    if (dd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_download(src, mgpu_tensor_data(dst), bytes);
+#ifdef MGPU_CUDA
+    if (sd == dd) {   /* same stream: ordered with everything else on it */
+        MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
+        return MGPU_OK;
+    }
+    /* Another stream or GPU: src must be ready before, and dst's users wait after. A peer copy
+       goes directly over NVLink/PCIe where peer access is on, or through the host otherwise. */
+    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_stream_synchronize(sd->ordinal, sd->stream));
+    if (sd->ordinal == dd->ordinal)
+        MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
+    else
+        MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy_peer(dd->ordinal, mgpu_tensor_data(dst), sd->ordinal,
+                                                              mgpu_tensor_data(src), bytes, dd->stream));
+    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_synchronize(dd->ordinal, dd->stream));
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
+    mgpu_tensor* t;
+    if (!src) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_to: NULL tensor"); return NULL; }
+    t = mgpu_tensor_create(dev, src->dtype, src->shape);
+    if (t && mgpu_tensor_copy(t, src) != MGPU_OK) { mgpu_tensor_destroy(t); return NULL; }
+    return t;
+}
+
+/* Read element i of any dtype as float, and write a float as any dtype (C conversion rules). */
+static float mgpu__load_as_float(mgpu_dtype dt, const void* p, int64_t i) {
+    switch (dt) {
+    case MGPU_F32: return ((const float*)p)[i];
+    case MGPU_I32: return (float)((const int32_t*)p)[i];
+    default: return (float)((const uint8_t*)p)[i];
+    }
+}
+static void mgpu__store_float(mgpu_dtype dt, void* p, int64_t i, float v) {
+    switch (dt) {
+    case MGPU_F32: ((float*)p)[i] = v; break;
+    case MGPU_I32: ((int32_t*)p)[i] = (int32_t)v; break;
+    default: ((uint8_t*)p)[i] = (uint8_t)v; break;
+    }
+}
+
+MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
+    int64_t i, n;
+    if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_fill: NULL tensor");
+    n = mgpu_tensor_numel(t);
+    if (!MGPU__IS_CPU(t)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("mgpu_tensor_fill", MGPU__DEV(t),
+                 mgpu__cu_fill(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, mgpu_tensor_data(t), (int)t->dtype, (size_t)n, value));
+#endif
+        return MGPU_OK;
+    }
+    if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
+    if (t->dtype == MGPU_F32) { float v = (float)value, *p = MGPU__F32(t); for (i = 0; i < n; ++i) p[i] = v; }
+    else for (i = 0; i < n; ++i) mgpu__store_float(t->dtype, mgpu_tensor_data(t), i, (float)value);
+    return MGPU_OK;
+}
+MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t) { return mgpu_tensor_fill(t, 0.0); }
+
+MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src, float scale, float shift) {
+    static const char* op = "mgpu_tensor_convert";
+    char a[128], b[128];
+    int64_t i, n;
+    if (!dst || !src) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL tensor", op);
+    MGPU__TRY(mgpu__check_same_device(op, "dst", dst, "src", src));
+    if (mgpu_tensor_numel(dst) != mgpu_tensor_numel(src))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: dst %s and src %s differ in element count", op,
+                          mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
+    n = mgpu_tensor_numel(src);
+    if (!MGPU__IS_CPU(src)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(src), mgpu__cu_convert(MGPU__DEV(src)->ordinal, MGPU__DEV(src)->stream, (size_t)n,
+                                                      (int)src->dtype, mgpu_tensor_data(src), (int)dst->dtype,
+                                                      mgpu_tensor_data(dst), scale, shift));
+#endif
+        return MGPU_OK;
+    }
+    for (i = 0; i < n; ++i)
+        mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i) * scale + shift);
+    return MGPU_OK;
+}
+
+/* ---- >>impl random ---------------------------------------------------------------------- */
+MGPUDEF uint64_t mgpu_rand_offsets(int64_t n) { return n > 0 ? ((uint64_t)n + 3) / 4 : 0; }
+
+typedef struct mgpu__rand_job { float* out; uint64_t seed, offset; int normal; float a, b; } mgpu__rand_job;
+static void mgpu__rand_range(void* ctx, int64_t begin, int64_t end) {
+    mgpu__rand_job* j = (mgpu__rand_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) j->out[i] = mgpu__rand_element(j->seed, j->offset, (uint64_t)i, j->normal, j->a, j->b);
+}
+static mgpu_result mgpu__rand(const char* op, mgpu_tensor* t, uint64_t seed, uint64_t offset, int normal, float a, float b) {
+    mgpu__rand_job job;
+    MGPU__TRY(mgpu__check_tensor(op, "t", t, MGPU_F32));
+    if (!MGPU__IS_CPU(t)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(t), mgpu__cu_rand(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, normal,
+                                                 (size_t)mgpu_tensor_numel(t), seed, offset, a, b, MGPU__F32(t)));
+#endif
+        return MGPU_OK;
+    }
+    job.out = MGPU__F32(t); job.seed = seed; job.offset = offset; job.normal = normal; job.a = a; job.b = b;
+    mgpu__parallel_range(mgpu_tensor_numel(t), 1 << 14, mgpu__rand_range, &job);
+    return MGPU_OK;
+}
+MGPUDEF mgpu_result mgpu_rand_uniform(mgpu_tensor* t, uint64_t seed, uint64_t offset, float low, float high) {
+    return mgpu__rand("mgpu_rand_uniform", t, seed, offset, 0, low, high);
+}
+MGPUDEF mgpu_result mgpu_rand_normal(mgpu_tensor* t, uint64_t seed, uint64_t offset, float mean, float std) {
+    if (!(std >= 0.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_rand_normal: std %g is negative", (double)std);
+    return mgpu__rand("mgpu_rand_normal", t, seed, offset, 1, mean, std);
+}
+
+/* ---- >>impl ops ------------------------------------------------------------------------- */
+/* Each op: check the arguments, then run the CPU reference loop here or the CUDA kernel in
+   mgpu_kernels.cu; this is the one dispatch point. */
+#ifdef MGPU_CUDA
+#define MGPU__CUDA_ARGS(dev) (dev)->ordinal, (dev)->stream
+#endif
+
+#ifdef MGPU_CUDA
+/* Scratch device memory for one op, from (and back to) the caching allocator. */
+typedef struct mgpu__scratch { mgpu_device* dev; void* ptr; size_t size; } mgpu__scratch;
+static mgpu_result mgpu__scratch_get(mgpu__scratch* s, mgpu_device* dev, size_t bytes, const char* op) {
+    s->dev = dev;
+    s->ptr = mgpu__device_alloc(dev, bytes, &s->size, op);
+    return s->ptr ? MGPU_OK : mgpu_last_result();
+}
+static void mgpu__scratch_put(mgpu__scratch* s) { if (s->ptr) mgpu__device_release(s->dev, s->ptr, s->size); s->ptr = NULL; }
+#endif
+
+/* -- elementwise -- */
+typedef struct mgpu__ew_job { int op; const float *a, *b; float* y; float alpha; } mgpu__ew_job;
+static void mgpu__unary_range(void* ctx, int64_t begin, int64_t end) {
+    mgpu__ew_job* j = (mgpu__ew_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) j->y[i] = mgpu__unary_apply(j->op, j->a[i], j->alpha);
+}
+static void mgpu__binary_range(void* ctx, int64_t begin, int64_t end) {
+    mgpu__ew_job* j = (mgpu__ew_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) j->y[i] = mgpu__binary_apply(j->op, j->a[i], j->b[i], j->alpha);
+}
+#define MGPU__EW_MIN_PER_THREAD (1 << 15)
+
+static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const mgpu_tensor* x, float alpha) {
+    mgpu__ew_job job;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
+                                                  MGPU__F32(x), MGPU__F32(out), alpha));
+#endif
+        return MGPU_OK;
+    }
+    job.op = code; job.a = MGPU__F32(x); job.b = NULL; job.y = MGPU__F32(out); job.alpha = alpha;
+    mgpu__parallel_range(mgpu_tensor_numel(x), MGPU__EW_MIN_PER_THREAD, mgpu__unary_range, &job);
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, const char* an, const mgpu_tensor* a,
+                                const char* bn, const mgpu_tensor* b, float alpha) {
+    mgpu__ew_job job;
+    MGPU__TRY(mgpu__check_tensor(op, an, a, MGPU_F32));
+    MGPU__TRY(mgpu__check_like(op, bn, b, an, a));
+    MGPU__TRY(mgpu__check_like(op, "out", out, an, a));
+    if (!MGPU__IS_CPU(a)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (size_t)mgpu_tensor_numel(a),
+                                                   MGPU__F32(a), MGPU__F32(b), MGPU__F32(out), alpha));
+#endif
+        return MGPU_OK;
+    }
+    job.op = code; job.a = MGPU__F32(a); job.b = MGPU__F32(b); job.y = MGPU__F32(out); job.alpha = alpha;
+    mgpu__parallel_range(mgpu_tensor_numel(a), MGPU__EW_MIN_PER_THREAD, mgpu__binary_range, &job);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_add(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__binary("mgpu_add", MGPU__BINARY_ADD, out, "a", a, "b", b, 0.0f); }
+MGPUDEF mgpu_result mgpu_sub(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__binary("mgpu_sub", MGPU__BINARY_SUB, out, "a", a, "b", b, 0.0f); }
+MGPUDEF mgpu_result mgpu_mul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__binary("mgpu_mul", MGPU__BINARY_MUL, out, "a", a, "b", b, 0.0f); }
+MGPUDEF mgpu_result mgpu_axpy(mgpu_tensor* y, float alpha, const mgpu_tensor* x) { return mgpu__binary("mgpu_axpy", MGPU__BINARY_AXPY, y, "x", x, "y", y, alpha); }
+MGPUDEF mgpu_result mgpu_scale(mgpu_tensor* out, const mgpu_tensor* x, float alpha) { return mgpu__unary("mgpu_scale", MGPU__UNARY_SCALE, out, x, alpha); }
+MGPUDEF mgpu_result mgpu_relu(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_relu", MGPU__UNARY_RELU, out, x, 0.0f); }
+MGPUDEF mgpu_result mgpu_gelu(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_gelu", MGPU__UNARY_GELU, out, x, 0.0f); }
+MGPUDEF mgpu_result mgpu_tanh(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_tanh", MGPU__UNARY_TANH, out, x, 0.0f); }
+MGPUDEF mgpu_result mgpu_sigmoid(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_sigmoid", MGPU__UNARY_SIGMOID, out, x, 0.0f); }
+MGPUDEF mgpu_result mgpu_relu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x) { return mgpu__binary("mgpu_relu_backward", MGPU__BINARY_RELU_BWD, dx, "dy", dy, "x", x, 0.0f); }
+MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x) { return mgpu__binary("mgpu_gelu_backward", MGPU__BINARY_GELU_BWD, dx, "dy", dy, "x", x, 0.0f); }
+MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_tanh_backward", MGPU__BINARY_TANH_BWD, dx, "dy", dy, "y", y, 0.0f); }
+MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_sigmoid_backward", MGPU__BINARY_SIGMOID_BWD, dx, "dy", dy, "y", y, 0.0f); }
+
+/* -- matmul: cuBLAS on the GPU; on the CPU a blocked GEMM -- */
+/* C += alpha * op(A) @ Bp for a panel Bp of op(B) packed row-major [kc, nc]: four rows of C at
+   a time share each load of Bp, and the inner loop over columns vectorises. */
+#define MGPU__GEMM_KC 256
+#define MGPU__GEMM_NC 512
+typedef struct mgpu__gemm_job {
+    int trans_a;
+    int64_t m, kc, nc, k0, j0, rows_per_task, lda, ldc;
+    float alpha;
+    const float* a;
+    const float* bp;
+    float* c;
+} mgpu__gemm_job;
+
+static void mgpu__gemm_task(void* ctx, int64_t task) {
+    const mgpu__gemm_job* g = (const mgpu__gemm_job*)ctx;
+    int64_t i0 = task * g->rows_per_task, i1 = MGPU__MIN(g->m, i0 + g->rows_per_task), i, kk, j, r;
+    const int64_t nc = g->nc;
+#define MGPU__A(i, kk) (g->trans_a ? g->a[(g->k0 + (kk)) * g->lda + (i)] : g->a[(i) * g->lda + g->k0 + (kk)])
+    for (i = i0; i + 4 <= i1; i += 4) {
+        float* c0 = g->c + i * g->ldc + g->j0;
+        float* c1 = c0 + g->ldc;
+        float* c2 = c1 + g->ldc;
+        float* c3 = c2 + g->ldc;
+        for (kk = 0; kk < g->kc; ++kk) {
+            const float* b = g->bp + kk * nc;
+            const float a0 = g->alpha * MGPU__A(i, kk), a1 = g->alpha * MGPU__A(i + 1, kk);
+            const float a2 = g->alpha * MGPU__A(i + 2, kk), a3 = g->alpha * MGPU__A(i + 3, kk);
+            for (j = 0; j < nc; ++j) {
+                const float bj = b[j];
+                c0[j] += a0 * bj; c1[j] += a1 * bj; c2[j] += a2 * bj; c3[j] += a3 * bj;
+            }
+        }
+    }
+    for (r = i; r < i1; ++r) {   /* the last rows, one at a time */
+        float* c0 = g->c + r * g->ldc + g->j0;
+        for (kk = 0; kk < g->kc; ++kk) {
+            const float* b = g->bp + kk * nc;
+            const float a0 = g->alpha * MGPU__A(r, kk);
+            for (j = 0; j < nc; ++j) c0[j] += a0 * b[j];
+        }
+    }
+#undef MGPU__A
+}
+
+static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
+                                  float* c, int64_t ldc) {
+    mgpu__gemm_job g;
+    int64_t i, j, kk, threads = mgpu_cpu_threads(), tasks;
+    for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
+        float* row = c + i * ldc;
+        if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
+        else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
+    }
+    if (k == 0 || alpha == 0.0f || m == 0 || n == 0) return MGPU_OK;
+    if (dev->gemm_pack_floats < (size_t)MGPU__GEMM_KC * MGPU__GEMM_NC) {
+        float* p = (float*)MGPU_REALLOC(dev->gemm_pack, sizeof(float) * MGPU__GEMM_KC * MGPU__GEMM_NC);
+        if (!p) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_matmul: out of host memory for the GEMM panel");
+        dev->gemm_pack = p;
+        dev->gemm_pack_floats = (size_t)MGPU__GEMM_KC * MGPU__GEMM_NC;
+    }
+    g.trans_a = ta; g.m = m; g.lda = lda; g.ldc = ldc; g.alpha = alpha; g.a = a; g.bp = dev->gemm_pack; g.c = c;
+    g.rows_per_task = MGPU__MAX(4, ((m + threads - 1) / threads + 3) / 4 * 4);
+    tasks = (m + g.rows_per_task - 1) / g.rows_per_task;
+    for (g.j0 = 0; g.j0 < n; g.j0 += MGPU__GEMM_NC) {
+        g.nc = MGPU__MIN(MGPU__GEMM_NC, n - g.j0);
+        for (g.k0 = 0; g.k0 < k; g.k0 += MGPU__GEMM_KC) {
+            float* bp = dev->gemm_pack;
+            g.kc = MGPU__MIN(MGPU__GEMM_KC, k - g.k0);
+            if (tb) for (j = 0; j < g.nc; ++j) for (kk = 0; kk < g.kc; ++kk) bp[kk * g.nc + j] = b[(g.j0 + j) * ldb + g.k0 + kk];
+            else for (kk = 0; kk < g.kc; ++kk) memcpy(bp + kk * g.nc, b + (g.k0 + kk) * ldb + g.j0, (size_t)g.nc * sizeof(float));
+            mgpu__parallel_for(tasks, mgpu__gemm_task, &g);
+        }
+    }
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
+                                int transpose_a, int transpose_b, float alpha, float beta) {
+    static const char* op = "mgpu_matmul";
+    char ta[128], tb[128], tc[128];
+    int64_t m, n, k, kb;
+    MGPU__TRY(mgpu__check_tensor(op, "a", a, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "b", b, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "out", out, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, "a", a, "b", b));
+    MGPU__TRY(mgpu__check_same_device(op, "out", out, "a", a));
+    MGPU__TRY(mgpu__check_rank(op, "a", a, 2));
+    MGPU__TRY(mgpu__check_rank(op, "b", b, 2));
+    MGPU__TRY(mgpu__check_rank(op, "out", out, 2));
+    m = a->shape.dim[transpose_a ? 1 : 0];
+    k = a->shape.dim[transpose_a ? 0 : 1];
+    kb = b->shape.dim[transpose_b ? 1 : 0];
+    n = b->shape.dim[transpose_b ? 0 : 1];
+    if (k != kb || out->shape.dim[0] != m || out->shape.dim[1] != n)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH,
+                          "%s: a %s%s @ b %s%s cannot give out %s (want inner dimensions equal and out [%lld,%lld])",
+                          op, mgpu_tensor_describe(a, ta, sizeof ta), transpose_a ? " transposed" : "",
+                          mgpu_tensor_describe(b, tb, sizeof tb), transpose_b ? " transposed" : "",
+                          mgpu_tensor_describe(out, tc, sizeof tc), (long long)m, (long long)n);
+    if (MGPU__IS_CPU(a))
+        return mgpu__cpu_gemm(MGPU__DEV(a), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
+                              MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
+#ifdef MGPU_CUDA
+    if (m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff)
+        return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31 are not supported by cuBLAS", op);
+    MGPU__CU(op, MGPU__DEV(a), mgpu__cu_gemm(MGPU__DEV(a)->ordinal, MGPU__DEV(a)->blas, transpose_a, transpose_b,
+                                             (int)m, (int)n, (int)k, alpha, MGPU__F32(a), (int)a->shape.dim[1],
+                                             MGPU__F32(b), (int)b->shape.dim[1], beta, MGPU__F32(out), (int)n));
+#endif
+    return MGPU_OK;
+}
+
+/* -- bias and reductions, all as [outer, channels, inner] -- */
+static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale) {
+    int64_t o, c, i;
+    if (inner == 1) {   /* sum down the rows of a matrix: accumulate whole rows, vectorised */
+        memset(out, 0, (size_t)channels * sizeof(float));
+        for (o = 0; o < outer; ++o) for (c = 0; c < channels; ++c) out[c] += x[o * channels + c];
+        for (c = 0; c < channels; ++c) out[c] *= scale;
+        return;
+    }
+    for (c = 0; c < channels; ++c) {
+        double s = 0.0;
+        for (o = 0; o < outer; ++o) {
+            const float* p = x + (o * channels + c) * inner;
+            for (i = 0; i < inner; ++i) s += p[i];
+        }
+        out[c] = (float)(s * scale);
+    }
+}
+
+/* x viewed as [outer, channels, inner] around dimension 1 (a 2-D x is [rows, cols, 1]). */
+static void mgpu__channel_split(const mgpu_tensor* x, int64_t* outer, int64_t* channels, int64_t* inner) {
+    int i;
+    *outer = x->shape.dim[0];
+    *channels = x->shape.dim[1];
+    *inner = 1;
+    for (i = 2; i < x->shape.ndim; ++i) *inner *= x->shape.dim[i];
+}
+
+static mgpu_result mgpu__check_channels(const char* op, const char* vn, const mgpu_tensor* v, const char* xn, const mgpu_tensor* x) {
+    char tv[128], tx[128];
+    MGPU__TRY(mgpu__check_tensor(op, xn, x, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, vn, v, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, vn, v, xn, x));
+    if (x->shape.ndim < 2 || v->shape.ndim != 1 || v->shape.dim[0] != x->shape.dim[1])
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s must be 1-D with one entry per channel (dimension 1) of '%s' %s",
+                          op, vn, mgpu_tensor_describe(v, tv, sizeof tv), xn, mgpu_tensor_describe(x, tx, sizeof tx));
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias) {
+    static const char* op = "mgpu_bias_add";
+    int64_t outer, channels, inner, o, c, i;
+    MGPU__TRY(mgpu__check_channels(op, "bias", bias, "x", x));
+    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    mgpu__channel_split(x, &outer, &channels, &inner);
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
+                                                     MGPU__F32(x), MGPU__F32(bias), MGPU__F32(out)));
+#endif
+        return MGPU_OK;
+    }
+    {
+        const float *px = MGPU__F32(x), *pb = MGPU__F32(bias);
+        float* py = MGPU__F32(out);
+        for (o = 0; o < outer; ++o)
+            for (c = 0; c < channels; ++c) {
+                const int64_t base = (o * channels + c) * inner;
+                for (i = 0; i < inner; ++i) py[base + i] = px[base + i] + pb[c];
+            }
+    }
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t outer,
+                                     int64_t channels, int64_t inner, float scale) {
+    (void)op;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
+                                                        MGPU__F32(x), MGPU__F32(out), scale));
+#endif
+        return MGPU_OK;
+    }
+    mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_bias_backward(mgpu_tensor* dbias, const mgpu_tensor* dy) {
+    int64_t outer, channels, inner;
+    MGPU__TRY(mgpu__check_channels("mgpu_bias_backward", "dbias", dbias, "dy", dy));
+    mgpu__channel_split(dy, &outer, &channels, &inner);
+    return mgpu__channel_sum("mgpu_bias_backward", dbias, dy, outer, channels, inner, 1.0f);
+}
+
+static mgpu_result mgpu__sum_axis(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int axis, int mean) {
+    char tx[128], to[128];
+    int64_t rows, cols;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "out", out, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, "out", out, "x", x));
+    MGPU__TRY(mgpu__check_rank(op, "x", x, 2));
+    if (axis != 0 && axis != 1) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: axis %d (want 0 or 1)", op, axis);
+    rows = x->shape.dim[0];
+    cols = x->shape.dim[1];
+    if (mgpu_tensor_numel(out) != (axis == 0 ? cols : rows))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s cannot hold the axis-%d result of x %s", op,
+                          mgpu_tensor_describe(out, to, sizeof to), axis, mgpu_tensor_describe(x, tx, sizeof tx));
+    if (axis == 0) return mgpu__channel_sum(op, out, x, rows, cols, 1, mean && rows ? 1.0f / (float)rows : 1.0f);
+    return mgpu__channel_sum(op, out, x, 1, rows, cols, mean && cols ? 1.0f / (float)cols : 1.0f);
+}
+MGPUDEF mgpu_result mgpu_sum(mgpu_tensor* out, const mgpu_tensor* x, int axis) { return mgpu__sum_axis("mgpu_sum", out, x, axis, 0); }
+MGPUDEF mgpu_result mgpu_mean(mgpu_tensor* out, const mgpu_tensor* x, int axis) { return mgpu__sum_axis("mgpu_mean", out, x, axis, 1); }
+
+/* -- softmax and losses -- */
+MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
+    static const char* op = "mgpu_softmax";
+    int64_t rows, cols, r, c;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_rank(op, "x", x, 2));
+    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    rows = x->shape.dim[0];
+    cols = x->shape.dim[1];
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_softmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__F32(out)));
+#endif
+        return MGPU_OK;
+    }
+    for (r = 0; r < rows && cols > 0; ++r) {
+        const float* px = MGPU__F32(x) + r * cols;
+        float* py = MGPU__F32(out) + r * cols;
+        float mx = px[0];
+        double s = 0.0;
+        for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
+        for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
+        for (c = 0; c < cols; ++c) py[c] = (float)(exp((double)px[c] - mx) / s);
+    }
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__check_loss_tensor(const char* op, const mgpu_tensor* loss, const mgpu_tensor* ref) {
+    char text[128];
+    MGPU__TRY(mgpu__check_tensor(op, "loss", loss, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, "loss", loss, "logits", ref));
+    if (mgpu_tensor_numel(loss) != 1)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'loss' %s must have exactly one element", op,
+                          mgpu_tensor_describe(loss, text, sizeof text));
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
+                                               const mgpu_tensor* labels, float grad_scale) {
+    static const char* op = "mgpu_softmax_cross_entropy";
+    char tl[128], tx[128];
+    int64_t rows, cols, r, c;
+    MGPU__TRY(mgpu__check_tensor(op, "logits", logits, MGPU_F32));
+    MGPU__TRY(mgpu__check_rank(op, "logits", logits, 2));
+    MGPU__TRY(mgpu__check_tensor(op, "labels", labels, MGPU_I32));
+    MGPU__TRY(mgpu__check_same_device(op, "labels", labels, "logits", logits));
+    MGPU__TRY(mgpu__check_loss_tensor(op, loss, logits));
+    if (dlogits) MGPU__TRY(mgpu__check_like(op, "dlogits", dlogits, "logits", logits));
+    rows = logits->shape.dim[0];
+    cols = logits->shape.dim[1];
+    if (labels->shape.ndim != 1 || labels->shape.dim[0] != rows)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: labels %s must be [%lld], one per row of logits %s", op,
+                          mgpu_tensor_describe(labels, tl, sizeof tl), (long long)rows,
+                          mgpu_tensor_describe(logits, tx, sizeof tx));
+    if (rows == 0 || cols == 0)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: logits %s is empty", op, mgpu_tensor_describe(logits, tx, sizeof tx));
+    if (grad_scale == 0.0f) grad_scale = 1.0f / (float)rows;
+    if (!MGPU__IS_CPU(logits)) {
+#ifdef MGPU_CUDA
+        mgpu__scratch s;
+        int rc;
+        if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
+        MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)rows * sizeof(float), op));
+        rc = mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
+                                   MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL, grad_scale,
+                                   (float*)s.ptr);
+        mgpu__scratch_put(&s);
+        if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(logits));
+#endif
+        return MGPU_OK;
+    }
+    {
+        double total = 0.0;
+        for (r = 0; r < rows; ++r) {
+            const float* px = MGPU__F32(logits) + r * cols;
+            int32_t label = MGPU__I32(labels)[r];
+            float mx = px[0];
+            double s = 0.0, lse;
+            if (label < 0 || label >= cols)
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
+                                  (int)label, (long long)r, (long long)cols);
+            for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
+            for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
+            lse = mx + log(s);
+            total += lse - px[label];
+            if (dlogits) {
+                float* pd = MGPU__F32(dlogits) + r * cols;
+                for (c = 0; c < cols; ++c) pd[c] = (float)((exp((double)px[c] - lse) - (c == label)) * grad_scale);
+            }
+        }
+        MGPU__F32(loss)[0] = (float)(total / (double)rows);
+    }
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_tensor* pred,
+                             const mgpu_tensor* target, float grad_scale) {
+    static const char* op = "mgpu_mse";
+    int64_t n, i;
+    MGPU__TRY(mgpu__check_tensor(op, "pred", pred, MGPU_F32));
+    MGPU__TRY(mgpu__check_like(op, "target", target, "pred", pred));
+    MGPU__TRY(mgpu__check_loss_tensor(op, loss, pred));
+    if (dpred) MGPU__TRY(mgpu__check_like(op, "dpred", dpred, "pred", pred));
+    n = mgpu_tensor_numel(pred);
+    if (n == 0) return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'pred' is empty", op);
+    if (grad_scale == 0.0f) grad_scale = 1.0f / (float)n;
+    if (!MGPU__IS_CPU(pred)) {
+#ifdef MGPU_CUDA
+        mgpu__scratch s;
+        int rc;
+        MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(pred), MGPU__CU_REDUCE_SCRATCH * sizeof(float), op));
+        rc = mgpu__cu_mse(MGPU__CUDA_ARGS(MGPU__DEV(pred)), (size_t)n, MGPU__F32(pred), MGPU__F32(target), MGPU__F32(loss),
+                          dpred ? MGPU__F32(dpred) : NULL, grad_scale, (float*)s.ptr);
+        mgpu__scratch_put(&s);
+        if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(pred));
+#endif
+        return MGPU_OK;
+    }
+    {
+        const float *p = MGPU__F32(pred), *t = MGPU__F32(target);
+        double total = 0.0;
+        for (i = 0; i < n; ++i) {
+            float d = p[i] - t[i];
+            total += (double)d * d;
+            if (dpred) MGPU__F32(dpred)[i] = 2.0f * d * grad_scale;
+        }
+        MGPU__F32(loss)[0] = (float)(total / (double)n);
+    }
+    return MGPU_OK;
+}
+
+/* -- argmax and accuracy -- */
+static int64_t mgpu__row_argmax(const float* row, int64_t cols) {
+    int64_t best = 0, c;
+    for (c = 1; c < cols; ++c) if (row[c] > row[best]) best = c;
+    return best;
+}
+
+MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
+    static const char* op = "mgpu_argmax";
+    char to[128], tx[128];
+    int64_t rows, cols, r;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_rank(op, "x", x, 2));
+    MGPU__TRY(mgpu__check_tensor(op, "out", out, MGPU_I32));
+    MGPU__TRY(mgpu__check_same_device(op, "out", out, "x", x));
+    rows = x->shape.dim[0];
+    cols = x->shape.dim[1];
+    if (out->shape.ndim != 1 || out->shape.dim[0] != rows || cols == 0)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s must be [%lld] for x %s (with at least one column)", op,
+                          mgpu_tensor_describe(out, to, sizeof to), (long long)rows, mgpu_tensor_describe(x, tx, sizeof tx));
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_argmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__I32(out)));
+#endif
+        return MGPU_OK;
+    }
+    for (r = 0; r < rows; ++r) MGPU__I32(out)[r] = (int32_t)mgpu__row_argmax(MGPU__F32(x) + r * cols, cols);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count) {
+    static const char* op = "mgpu_count_correct";
+    char tl[128], tx[128];
+    int64_t rows, cols, r, n = 0;
+    if (!count) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: 'count' is NULL", op);
+    *count = 0;
+    MGPU__TRY(mgpu__check_tensor(op, "logits", logits, MGPU_F32));
+    MGPU__TRY(mgpu__check_rank(op, "logits", logits, 2));
+    MGPU__TRY(mgpu__check_tensor(op, "labels", labels, MGPU_I32));
+    MGPU__TRY(mgpu__check_same_device(op, "labels", labels, "logits", logits));
+    rows = logits->shape.dim[0];
+    cols = logits->shape.dim[1];
+    if (labels->shape.ndim != 1 || labels->shape.dim[0] != rows || cols == 0)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: labels %s must be [%lld] for logits %s", op,
+                          mgpu_tensor_describe(labels, tl, sizeof tl), (long long)rows,
+                          mgpu_tensor_describe(logits, tx, sizeof tx));
+    if (!MGPU__IS_CPU(logits)) {
+#ifdef MGPU_CUDA
+        mgpu__scratch s;
+        int32_t host_count = 0;
+        int rc;
+        mgpu_device* dev = MGPU__DEV(logits);
+        MGPU__TRY(mgpu__scratch_get(&s, dev, (MGPU__CU_REDUCE_SCRATCH + 1) * sizeof(float), op));
+        rc = mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)rows, (int)cols, MGPU__F32(logits), MGPU__I32(labels),
+                                    (int32_t*)s.ptr, (float*)s.ptr + 1);
+        if (!rc) rc = mgpu__cu_memcpy(dev->ordinal, &host_count, s.ptr, sizeof host_count, dev->stream);
+        if (!rc) rc = mgpu__cu_stream_synchronize(dev->ordinal, dev->stream);
+        mgpu__scratch_put(&s);
+        if (rc) return mgpu__cu_result(rc, op, dev);
+        *count = host_count;
+#endif
+        return MGPU_OK;
+    }
+    for (r = 0; r < rows; ++r) n += mgpu__row_argmax(MGPU__F32(logits) + r * cols, cols) == MGPU__I32(labels)[r];
+    *count = n;
+    return MGPU_OK;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MGPU_IMPLEMENTATION */
+
+/* ============================================================================================ */
+/* >>license                                                                                    */
+/* ============================================================================================ */
+/*
+This software is available under two licenses; choose whichever you prefer.
+------------------------------------------------------------------------------
+ALTERNATIVE A - MIT License
+Copyright (c) 2026 the mgpu authors
+Permission is hereby granted, free of charge, to any person obtaining a copy of this software and
+associated documentation files (the "Software"), to deal in the Software without restriction,
+including without limitation the rights to use, copy, modify, merge, publish, distribute,
+sublicense, and/or sell copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+The above copyright notice and this permission notice shall be included in all copies or
+substantial portions of the Software.
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT
+NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND
+NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM,
+DAMAGES OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT
+OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
+------------------------------------------------------------------------------
+ALTERNATIVE B - Public Domain (www.unlicense.org)
+This is free and unencumbered software released into the public domain. Anyone is free to copy,
+modify, publish, use, compile, sell, or distribute this software, either in source code form or as
+a compiled binary, for any purpose, commercial or non-commercial, and by any means.
+------------------------------------------------------------------------------
+*/
