@@ -64,6 +64,10 @@
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
    >>random      counter-based Philox RNG, identical on CPU and GPU
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax
+   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
+   >>model       models with flat parameter/gradient buffers, replicas, forward/backward
+   >>optim       SGD and AdamW over the flat buffer, schedules, the whole training step
+   >>io          safetensors checkpoints, IDX data sets, a shuffling batch loader
    >>seam        the interface between mgpu.h and mgpu_kernels.cu, and the math both share
    >>impl        the implementation (same order as above)
    >>license
@@ -318,6 +322,189 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x);
 /* How many rows of logits have their argmax equal to the int32 label (waits for the result). */
 MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count);
 
+/* Dropout as an op: mask[i] is 0 (dropped, probability p) or 1/(1-p); out = x * mask. The mask
+   comes from Philox (seed, offset), so CPU and GPU drop the same elements. */
+MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
+                                 uint64_t seed, uint64_t offset);
+
+/* ============================================================================================ */
+/* >>layer                                                                                      */
+/* ============================================================================================ */
+/* A layer is a description (sizes, hyper-parameters) plus a small vtable. It holds no tensors:
+   a model keeps each replica's parameters, gradients and saved buffers and passes them in.
+   Write your own by filling an mgpu_layer_vtable (see examples/custom_layer.c). */
+typedef struct mgpu_layer mgpu_layer;
+
+typedef struct mgpu_layer_ctx {
+    mgpu_device* device;
+    mgpu_tensor* const* params;  /* this layer's parameters (views into the model's flat buffer) */
+    mgpu_tensor* const* grads;   /* their gradients: backward ADDS into them */
+    mgpu_tensor* const* aux;     /* the buffers declared by aux_shape, kept from forward to backward */
+    int training;                /* 1 in a training forward pass */
+    uint64_t seed, offset;       /* a fresh random stream for this layer and step */
+} mgpu_layer_ctx;
+
+typedef struct mgpu_layer_vtable {
+    const char* type;   /* "Linear": the PyTorch class name, shown in summaries */
+    /* y's shape for x's shape (dimension 0 is the batch). NULL: same as x. */
+    mgpu_result (*output_shape)(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y);
+    /* Parameters in PyTorch state_dict order ("weight", then "bias"). NULL: none. */
+    int (*param_count)(const mgpu_layer* l);
+    mgpu_result (*param_shape)(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape);
+    /* Initial values; called once, on the first replica. NULL: zeros. */
+    mgpu_result (*init)(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed);
+    /* Buffers kept from forward to backward, for input shape x. NULL: none. */
+    int (*aux_count)(const mgpu_layer* l);
+    mgpu_result (*aux_shape)(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dtype, mgpu_shape* shape);
+    mgpu_result (*forward)(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y);
+    /* dx is NULL for the first layer (no input gradient needed). */
+    mgpu_result (*backward)(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                            const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx);
+    /* A short description of the configuration, e.g. "784 -> 128". NULL: none. */
+    void (*describe)(const mgpu_layer* l, char* buf, size_t size);
+    /* Frees the user data. NULL: nothing to free. */
+    void (*destroy)(mgpu_layer* l);
+} mgpu_layer_vtable;
+
+/* A custom layer: vt must outlive it; user is handed back by mgpu_layer_user_data. */
+MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user);
+MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l);
+MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l);
+MGPUDEF void mgpu_layer_destroy(mgpu_layer* l);   /* only for a layer no model owns */
+
+/* Built-in layers, named and initialised as in torch.nn. */
+MGPUDEF mgpu_layer* mgpu_linear(int in_features, int out_features);
+MGPUDEF mgpu_layer* mgpu_relu_layer(void);
+MGPUDEF mgpu_layer* mgpu_gelu_layer(void);
+MGPUDEF mgpu_layer* mgpu_tanh_layer(void);
+MGPUDEF mgpu_layer* mgpu_sigmoid_layer(void);
+MGPUDEF mgpu_layer* mgpu_dropout_layer(float p);
+MGPUDEF mgpu_layer* mgpu_flatten(void);
+MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
+MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
+
+/* ============================================================================================ */
+/* >>model                                                                                      */
+/* ============================================================================================ */
+/* A sequence of layers (nn.Sequential), replicated once onto every device of a set. On each
+   replica the parameters are views into ONE flat buffer, and so are the gradients: the all-reduce
+   is one call (or a few buckets), the optimizer one fused kernel, a checkpoint one write. */
+typedef struct mgpu_model mgpu_model;
+
+typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
+
+typedef struct mgpu_model_desc {
+    mgpu_shape input;             /* one sample's shape, e.g. shape1(784) or shape3(1, 28, 28) */
+    mgpu_layer** layers;          /* the model takes ownership of these (even on failure) */
+    int layer_count;
+    const mgpu_device_set* devices; /* one replica per device; NULL: the CPU. Must outlive the model. */
+    mgpu_loss_kind loss;          /* default cross-entropy (int32 labels) */
+    uint64_t seed;                /* parameter initialisation and dropout */
+} mgpu_model_desc;
+
+MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
+MGPUDEF void mgpu_model_destroy(mgpu_model* m);
+MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
+MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
+MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
+/* The flat parameter and gradient buffers of one replica. */
+MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
+MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica);
+/* Named parameter views ("0.weight", "0.bias", "2.weight", ...) in state_dict order. */
+MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m);
+MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i);
+MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
+/* Prints layers, output shapes and parameter counts (like torchsummary); to stdout if f is NULL. */
+MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
+
+/* The building blocks of a step, for a loop of your own (one replica):
+   forward on x (on the replica's device) returns the output tensor, owned by the model;
+   backward takes d(loss)/d(output) and ADDS the parameter gradients into mgpu_model_grads. */
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training);
+MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
+MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
+
+/* ============================================================================================ */
+/* >>optim                                                                                      */
+/* ============================================================================================ */
+typedef enum mgpu_optimizer_kind { MGPU_SGD = 0, MGPU_ADAMW = 1 } mgpu_optimizer_kind;
+typedef enum mgpu_schedule_kind { MGPU_SCHEDULE_CONSTANT = 0, MGPU_SCHEDULE_STEP = 1, MGPU_SCHEDULE_COSINE = 2 } mgpu_schedule_kind;
+
+typedef struct mgpu_optimizer_desc {
+    mgpu_optimizer_kind kind;
+    float lr;                 /* default 0.01 (SGD), 0.001 (AdamW) */
+    float weight_decay;       /* taken as given (PyTorch's AdamW default is 0.01: pass it) */
+    float momentum, dampening;/* SGD */
+    int nesterov;             /* SGD */
+    float beta1, beta2, eps;  /* AdamW; defaults 0.9, 0.999, 1e-8 */
+    mgpu_schedule_kind schedule;
+    int step_size;            /* STEP: multiply lr by gamma every step_size steps */
+    float gamma;              /* STEP: default 0.1 */
+    int total_steps;          /* COSINE: steps from lr down to min_lr (CosineAnnealingLR T_max) */
+    float min_lr;             /* COSINE: eta_min */
+} mgpu_optimizer_desc;
+
+typedef struct mgpu_optimizer mgpu_optimizer;
+MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimizer_desc* desc);
+MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt);
+/* One update of every replica's parameters from its gradients (already reduced). */
+MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt);
+MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt);     /* the rate the next step uses */
+MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken */
+
+/* ---- a whole training step ---- */
+/* x [B, sample...] and target (int32 [B] for cross-entropy; f32 like the output for MSE) on any
+   device, usually the CPU. Zeroes the gradients, splits the batch across replicas, runs forward,
+   the loss and backward, reduces the gradients, and takes the optimizer step. *loss, if not NULL,
+   receives the batch's mean loss (which waits for the GPU). */
+MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
+                                          const mgpu_tensor* target, float* loss);
+/* Evaluation (dropout off) of x against target: mean loss and, for cross-entropy, the number of
+   correct predictions. Either output may be NULL. */
+MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
+                                        float* loss, int64_t* correct);
+
+/* ============================================================================================ */
+/* >>io                                                                                         */
+/* ============================================================================================ */
+/* Checkpoints in the safetensors format with PyTorch's nn.Sequential state_dict names and layouts
+   ("0.weight" [out, in], "0.bias", Conv2d weight [out, in, kh, kw]): safetensors.torch.load_file
+   plus load_state_dict reads them unchanged, and a file saved by PyTorch loads here. With an
+   optimizer, its state goes in the same file ("optimizer.0.weight.momentum_buffer", ...) and the
+   step count in the metadata, so training resumes exactly. Saving is atomic (temporary file,
+   flush, rename); loading validates the whole file before it changes anything. */
+MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path);
+MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path);
+
+/* The MNIST family's IDX files, gzipped or plain: images [count, rows, cols] u8, labels [count]. */
+typedef struct mgpu_dataset {
+    int64_t count;
+    int rows, cols;
+    uint8_t* images;   /* count * rows * cols */
+    uint8_t* labels;   /* count */
+} mgpu_dataset;
+MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path);
+MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds);
+
+/* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
+   shuffled order, assembled in pinned host memory (so uploads are asynchronous). */
+typedef struct mgpu_loader_desc {
+    int batch;            /* default 64 */
+    int shuffle;          /* reshuffle every epoch */
+    int drop_last;        /* skip a last, smaller batch */
+    uint64_t seed;
+    float mean, std;      /* normalisation; defaults 0 and 1 */
+} mgpu_loader_desc;
+typedef struct mgpu_loader mgpu_loader;
+MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc);
+MGPUDEF void mgpu_loader_destroy(mgpu_loader* l);
+/* Start epoch `epoch` (its shuffle is a function of seed and epoch alone). */
+MGPUDEF void mgpu_loader_start(mgpu_loader* l, int epoch);
+/* The next batch (tensors on the CPU, owned by the loader, valid until the next call); 0 at the
+   end of the epoch. */
+MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_tensor** y);
+MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l);   /* per epoch */
+
 #ifdef __cplusplus
 }
 #endif
@@ -362,6 +549,16 @@ static inline MGPU__HD void mgpu__philox4x32(uint32_t ctr[4], uint32_t k0, uint3
     }
 }
 
+/* A multiply that is never fused with a following add into an FMA (nvcc fuses by default, and
+   so does gcc in GNU mode): the RNG must round the same way on the CPU and the GPU. */
+#ifdef __CUDA_ARCH__
+static inline MGPU__HD float mgpu__mul_rounded(float a, float b) { return __fmul_rn(a, b); }
+static inline MGPU__HD double mgpu__dmul_rounded(double a, double b) { return __dmul_rn(a, b); }
+#else
+static inline MGPU__HD float mgpu__mul_rounded(float a, float b) { volatile float r = a * b; return r; }
+static inline MGPU__HD double mgpu__dmul_rounded(double a, double b) { volatile double r = a * b; return r; }
+#endif
+
 /* Element i of a draw: counter (offset + i/4), word i%4. Uniform in [low, high) from 24 bits;
    normal by Box-Muller over word pairs, computed in double so CPU and GPU round alike. */
 static inline MGPU__HD float mgpu__rand_element(uint64_t seed, uint64_t offset, uint64_t i,
@@ -372,7 +569,7 @@ static inline MGPU__HD float mgpu__rand_element(uint64_t seed, uint64_t offset, 
     mgpu__philox4x32(ctr, (uint32_t)seed, (uint32_t)(seed >> 32));
     if (!normal) {
         float u = (float)(ctr[i & 3] >> 8) * (1.0f / 16777216.0f);
-        return a + (b - a) * u;
+        return a + mgpu__mul_rounded(b - a, u);
     } else {
         int pair = (int)((i & 3) >> 1) * 2;
         double u1 = ((double)ctr[pair] + 1.0) * (1.0 / 4294967296.0);   /* (0, 1] */
@@ -380,7 +577,7 @@ static inline MGPU__HD float mgpu__rand_element(uint64_t seed, uint64_t offset, 
         double r = sqrt(-2.0 * log(u1));
         double t = 6.283185307179586476925286766559 * u2;
         double z = (i & 1) ? r * sin(t) : r * cos(t);
-        return (float)(a + (double)b * z);
+        return (float)(a + mgpu__dmul_rounded((double)b, z));
     }
 }
 
@@ -1990,13 +2187,17 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
 }
 
 /* -- bias and reductions, all as [outer, channels, inner] -- */
-static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale) {
+/* out[c] = scale * sum over (o, i) of x[o, c, i] + (accumulate ? out[c] : 0) */
+static mgpu_result mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out,
+                                         float scale, int accumulate) {
     int64_t o, c, i;
-    if (inner == 1) {   /* sum down the rows of a matrix: accumulate whole rows, vectorised */
-        memset(out, 0, (size_t)channels * sizeof(float));
-        for (o = 0; o < outer; ++o) for (c = 0; c < channels; ++c) out[c] += x[o * channels + c];
-        for (c = 0; c < channels; ++c) out[c] *= scale;
-        return;
+    if (inner == 1) {   /* sum down the rows of a matrix: whole rows at a time, vectorised */
+        float* sum = (float*)mgpu__calloc((size_t)MGPU__MAX(channels, 1), sizeof(float));
+        if (!sum) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "channel sum: out of host memory");
+        for (o = 0; o < outer; ++o) for (c = 0; c < channels; ++c) sum[c] += x[o * channels + c];
+        for (c = 0; c < channels; ++c) out[c] = sum[c] * scale + (accumulate ? out[c] : 0.0f);
+        MGPU_FREE(sum);
+        return MGPU_OK;
     }
     for (c = 0; c < channels; ++c) {
         double s = 0.0;
@@ -2004,8 +2205,9 @@ static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner
             const float* p = x + (o * channels + c) * inner;
             for (i = 0; i < inner; ++i) s += p[i];
         }
-        out[c] = (float)(s * scale);
+        out[c] = (float)(s * scale) + (accumulate ? out[c] : 0.0f);
     }
+    return MGPU_OK;
 }
 
 /* x viewed as [outer, channels, inner] around dimension 1 (a 2-D x is [rows, cols, 1]). */
@@ -2054,24 +2256,34 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
 }
 
 static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t outer,
-                                     int64_t channels, int64_t inner, float scale) {
+                                     int64_t channels, int64_t inner, float scale, int accumulate) {
     (void)op;
     if (!MGPU__IS_CPU(x)) {
 #ifdef MGPU_CUDA
-        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
-                                                        MGPU__F32(x), MGPU__F32(out), scale));
+        mgpu_device* dev = MGPU__DEV(x);
+        if (accumulate) {   /* sum into scratch, then add */
+            mgpu__scratch s;
+            int rc;
+            MGPU__TRY(mgpu__scratch_get(&s, dev, (size_t)channels * sizeof(float), op));
+            rc = mgpu__cu_channel_sum(MGPU__CUDA_ARGS(dev), outer, channels, inner, MGPU__F32(x), (float*)s.ptr, scale);
+            if (!rc) rc = mgpu__cu_binary(MGPU__CUDA_ARGS(dev), MGPU__BINARY_ADD, (size_t)channels, (const float*)s.ptr,
+                                          MGPU__F32(out), MGPU__F32(out), 0.0f);
+            mgpu__scratch_put(&s);
+            if (rc) return mgpu__cu_result(rc, op, dev);
+            return MGPU_OK;
+        }
+        MGPU__CU(op, dev, mgpu__cu_channel_sum(MGPU__CUDA_ARGS(dev), outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale));
 #endif
         return MGPU_OK;
     }
-    mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale);
-    return MGPU_OK;
+    return mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale, accumulate);
 }
 
 MGPUDEF mgpu_result mgpu_bias_backward(mgpu_tensor* dbias, const mgpu_tensor* dy) {
     int64_t outer, channels, inner;
     MGPU__TRY(mgpu__check_channels("mgpu_bias_backward", "dbias", dbias, "dy", dy));
     mgpu__channel_split(dy, &outer, &channels, &inner);
-    return mgpu__channel_sum("mgpu_bias_backward", dbias, dy, outer, channels, inner, 1.0f);
+    return mgpu__channel_sum("mgpu_bias_backward", dbias, dy, outer, channels, inner, 1.0f, 0);
 }
 
 static mgpu_result mgpu__sum_axis(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int axis, int mean) {
@@ -2087,8 +2299,8 @@ static mgpu_result mgpu__sum_axis(const char* op, mgpu_tensor* out, const mgpu_t
     if (mgpu_tensor_numel(out) != (axis == 0 ? cols : rows))
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s cannot hold the axis-%d result of x %s", op,
                           mgpu_tensor_describe(out, to, sizeof to), axis, mgpu_tensor_describe(x, tx, sizeof tx));
-    if (axis == 0) return mgpu__channel_sum(op, out, x, rows, cols, 1, mean && rows ? 1.0f / (float)rows : 1.0f);
-    return mgpu__channel_sum(op, out, x, 1, rows, cols, mean && cols ? 1.0f / (float)cols : 1.0f);
+    if (axis == 0) return mgpu__channel_sum(op, out, x, rows, cols, 1, mean && rows ? 1.0f / (float)rows : 1.0f, 0);
+    return mgpu__channel_sum(op, out, x, 1, rows, cols, mean && cols ? 1.0f / (float)cols : 1.0f, 0);
 }
 MGPUDEF mgpu_result mgpu_sum(mgpu_tensor* out, const mgpu_tensor* x, int axis) { return mgpu__sum_axis("mgpu_sum", out, x, axis, 0); }
 MGPUDEF mgpu_result mgpu_mean(mgpu_tensor* out, const mgpu_tensor* x, int axis) { return mgpu__sum_axis("mgpu_mean", out, x, axis, 1); }
@@ -2290,6 +2502,1204 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
     }
     for (r = 0; r < rows; ++r) n += mgpu__row_argmax(MGPU__F32(logits) + r * cols, cols) == MGPU__I32(labels)[r];
     *count = n;
+    return MGPU_OK;
+}
+
+
+/* -- dropout -- */
+typedef struct mgpu__dropout_job { const float* x; float *y, *mask; uint64_t seed, offset; float p; } mgpu__dropout_job;
+static void mgpu__dropout_range(void* ctx, int64_t begin, int64_t end) {
+    mgpu__dropout_job* j = (mgpu__dropout_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) {
+        float s = mgpu__dropout_scale(j->seed, j->offset, (uint64_t)i, j->p);
+        j->mask[i] = s;
+        j->y[i] = j->x[i] * s;
+    }
+}
+MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
+                                 uint64_t seed, uint64_t offset) {
+    static const char* op = "mgpu_dropout";
+    mgpu__dropout_job job;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
+    if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, offset,
+                                                    p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
+#endif
+        return MGPU_OK;
+    }
+    job.x = MGPU__F32(x); job.y = MGPU__F32(out); job.mask = MGPU__F32(mask); job.seed = seed; job.offset = offset; job.p = p;
+    mgpu__parallel_range(mgpu_tensor_numel(x), MGPU__EW_MIN_PER_THREAD, mgpu__dropout_range, &job);
+    return MGPU_OK;
+}
+
+/* -- internal ops of the convolution and pooling layers (the layer checks the shapes) -- */
+/* x [n, c, h, w] -> cols [n*oh*ow, c*kh*kw] */
+static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
+    int64_t n, c, oy, ox, ky, kx, row = 0;
+    const int64_t ckk = (int64_t)g->c * g->kh * g->kw;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
+#endif
+        return MGPU_OK;
+    }
+    for (n = 0; n < g->n; ++n)
+        for (oy = 0; oy < g->oh; ++oy)
+            for (ox = 0; ox < g->ow; ++ox, ++row) {
+                float* out = MGPU__F32(cols) + row * ckk;
+                for (c = 0; c < g->c; ++c) {
+                    const float* plane = MGPU__F32(x) + (n * g->c + c) * g->h * g->w;
+                    for (ky = 0; ky < g->kh; ++ky) {
+                        const int64_t iy = oy * g->stride - g->pad + ky;
+                        for (kx = 0; kx < g->kw; ++kx) {
+                            const int64_t ix = ox * g->stride - g->pad + kx;
+                            *out++ = (iy >= 0 && iy < g->h && ix >= 0 && ix < g->w) ? plane[iy * g->w + ix] : 0.0f;
+                        }
+                    }
+                }
+            }
+    return MGPU_OK;
+}
+
+/* the adjoint of im2col: dx (overwritten) sums every column entry that reads it */
+static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
+    int64_t n, c, oy, ox, ky, kx, row = 0;
+    const int64_t ckk = (int64_t)g->c * g->kh * g->kw;
+    if (!MGPU__IS_CPU(dx)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("Conv2d backward (col2im)", MGPU__DEV(dx), mgpu__cu_col2im(MGPU__CUDA_ARGS(MGPU__DEV(dx)), g, MGPU__F32(cols), MGPU__F32(dx)));
+#endif
+        return MGPU_OK;
+    }
+    memset(MGPU__F32(dx), 0, mgpu_tensor_bytes(dx));
+    for (n = 0; n < g->n; ++n)
+        for (oy = 0; oy < g->oh; ++oy)
+            for (ox = 0; ox < g->ow; ++ox, ++row) {
+                const float* in = MGPU__F32(cols) + row * ckk;
+                for (c = 0; c < g->c; ++c) {
+                    float* plane = MGPU__F32(dx) + (n * g->c + c) * g->h * g->w;
+                    for (ky = 0; ky < g->kh; ++ky) {
+                        const int64_t iy = oy * g->stride - g->pad + ky;
+                        for (kx = 0; kx < g->kw; ++kx, ++in) {
+                            const int64_t ix = ox * g->stride - g->pad + kx;
+                            if (iy >= 0 && iy < g->h && ix >= 0 && ix < g->w) plane[iy * g->w + ix] += *in;
+                        }
+                    }
+                }
+            }
+    return MGPU_OK;
+}
+
+/* y[b][j][i] = x[b][i][j] for x [batch, rows, cols] */
+static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
+    int64_t b, i, j;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("transpose", MGPU__DEV(x), mgpu__cu_transpose(MGPU__CUDA_ARGS(MGPU__DEV(x)), batch, rows, cols, MGPU__F32(x), MGPU__F32(y)));
+#endif
+        return MGPU_OK;
+    }
+    for (b = 0; b < batch; ++b) {
+        const float* px = MGPU__F32(x) + b * rows * cols;
+        float* py = MGPU__F32(y) + b * rows * cols;
+        for (i = 0; i < rows; ++i)
+            for (j = 0; j < cols; ++j) py[j * rows + i] = px[i * cols + j];
+    }
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
+    int64_t plane, oy, ox, ky, kx;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
+#endif
+        return MGPU_OK;
+    }
+    for (plane = 0; plane < (int64_t)g->n * g->c; ++plane) {
+        const float* px = MGPU__F32(x) + plane * g->h * g->w;
+        float* py = MGPU__F32(y) + plane * g->oh * g->ow;
+        int32_t* pa = MGPU__I32(argmax) + plane * g->oh * g->ow;
+        for (oy = 0; oy < g->oh; ++oy)
+            for (ox = 0; ox < g->ow; ++ox) {
+                float best = -INFINITY;
+                int32_t at = -1;
+                for (ky = 0; ky < g->kh; ++ky)
+                    for (kx = 0; kx < g->kw; ++kx) {
+                        const int64_t iy = oy * g->stride - g->pad + ky, ix = ox * g->stride - g->pad + kx;
+                        if (iy < 0 || iy >= g->h || ix < 0 || ix >= g->w) continue;
+                        if (at < 0 || px[iy * g->w + ix] > best) { best = px[iy * g->w + ix]; at = (int32_t)(iy * g->w + ix); }
+                    }
+                py[oy * g->ow + ox] = best;
+                pa[oy * g->ow + ox] = at;
+            }
+    }
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
+    int64_t plane, o;
+    if (!MGPU__IS_CPU(dy)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("MaxPool2d backward", MGPU__DEV(dy), mgpu__cu_maxpool_backward(MGPU__CUDA_ARGS(MGPU__DEV(dy)), g, MGPU__F32(dy), MGPU__I32(argmax), MGPU__F32(dx)));
+#endif
+        return MGPU_OK;
+    }
+    memset(MGPU__F32(dx), 0, mgpu_tensor_bytes(dx));
+    for (plane = 0; plane < (int64_t)g->n * g->c; ++plane) {
+        const float* pdy = MGPU__F32(dy) + plane * g->oh * g->ow;
+        const int32_t* pa = MGPU__I32(argmax) + plane * g->oh * g->ow;
+        float* pdx = MGPU__F32(dx) + plane * g->h * g->w;
+        for (o = 0; o < (int64_t)g->oh * g->ow; ++o) if (pa[o] >= 0) pdx[pa[o]] += pdy[o];
+    }
+    return MGPU_OK;
+}
+
+
+/* ---- >>impl layer ----------------------------------------------------------------------- */
+/* The built-in layers keep their sizes in cfg; a custom layer keeps whatever it likes in user. */
+typedef struct mgpu__layer_cfg {
+    int in, out;            /* Linear features, Conv2d channels */
+    int kernel, stride, pad;
+    float p;                /* Dropout */
+    int forward_op, backward_op, backward_uses_output;   /* activations */
+} mgpu__layer_cfg;
+
+struct mgpu_layer {
+    const mgpu_layer_vtable* vt;
+    void* user;
+    mgpu__layer_cfg cfg;
+};
+
+MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
+    mgpu_layer* l;
+    if (!vt || !vt->forward || !vt->backward) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_create: a layer needs a vtable with forward and backward");
+        return NULL;
+    }
+    if ((vt->param_count && !vt->param_shape) || (vt->aux_count && !vt->aux_shape)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_create: %s: param_count needs param_shape, aux_count needs aux_shape",
+                   vt->type ? vt->type : "layer");
+        return NULL;
+    }
+    l = (mgpu_layer*)mgpu__calloc(1, sizeof *l);
+    if (!l) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_layer_create: out of host memory"); return NULL; }
+    l->vt = vt;
+    l->user = user;
+    return l;
+}
+MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l) { return l ? l->user : NULL; }
+MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l) { return l && l->vt->type ? l->vt->type : "Layer"; }
+MGPUDEF void mgpu_layer_destroy(mgpu_layer* l) {
+    if (!l) return;
+    if (l->vt->destroy) l->vt->destroy(l);
+    MGPU_FREE(l);
+}
+
+static mgpu_layer* mgpu__builtin_layer(const mgpu_layer_vtable* vt, const mgpu__layer_cfg* cfg) {
+    mgpu_layer* l = mgpu_layer_create(vt, NULL);
+    if (l) l->cfg = *cfg;
+    return l;
+}
+
+/* A tensor header seen with another shape, on the stack: no allocation, same storage. */
+static mgpu_tensor mgpu__reshaped(const mgpu_tensor* t, mgpu_shape shape) {
+    mgpu_tensor r = *t;
+    r.shape = shape;
+    return r;
+}
+
+static mgpu_result mgpu__layer_shape_error(const mgpu_layer* l, mgpu_shape x, const char* want) {
+    char text[96], cfg[96] = "";
+    if (l->vt->describe) l->vt->describe(l, cfg, sizeof cfg);
+    return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s(%s): input %s, expected %s", mgpu_layer_type(l), cfg,
+                      mgpu__shape_text(x, text, sizeof text), want);
+}
+
+/* PyTorch's default for Linear and Conv2d: kaiming_uniform_(a=sqrt(5)) for the weight, which
+   is U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the same bound for the bias. */
+static mgpu_result mgpu__init_fan_in(const mgpu_layer_ctx* ctx, uint64_t seed, int64_t fan_in) {
+    float bound = 1.0f / sqrtf((float)fan_in);
+    MGPU__TRY(mgpu_rand_uniform(ctx->params[0], seed, 0, -bound, bound));
+    return mgpu_rand_uniform(ctx->params[1], seed, mgpu_rand_offsets(mgpu_tensor_numel(ctx->params[0])), -bound, bound);
+}
+
+/* dbias += sum of dy over every dimension but 1 */
+static mgpu_result mgpu__bias_grad_add(mgpu_tensor* dbias, const mgpu_tensor* dy) {
+    int64_t outer, channels, inner;
+    mgpu__channel_split(dy, &outer, &channels, &inner);
+    return mgpu__channel_sum("bias gradient", dbias, dy, outer, channels, inner, 1.0f, 1);
+}
+
+static int mgpu__two_params(const mgpu_layer* l) { (void)l; return 2; }
+static int mgpu__one_aux(const mgpu_layer* l) { (void)l; return 1; }
+static int mgpu__two_aux(const mgpu_layer* l) { (void)l; return 2; }
+
+/* -- Linear: y = x W^T + b, W [out, in] -- */
+static mgpu_result mgpu__linear_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char want[64];
+    if (x.ndim != 2 || x.dim[1] != l->cfg.in) {
+        snprintf(want, sizeof want, "[batch,%d]%s", l->cfg.in, x.ndim > 2 ? " (add a Flatten before it)" : "");
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    *y = mgpu_shape2(x.dim[0], l->cfg.out);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__linear_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    *name = i == 0 ? "weight" : "bias";
+    *shape = i == 0 ? mgpu_shape2(l->cfg.out, l->cfg.in) : mgpu_shape1(l->cfg.out);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__linear_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    return mgpu__init_fan_in(ctx, seed, l->cfg.in);
+}
+static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l;
+    MGPU__TRY(mgpu_matmul(y, x, ctx->params[0], 0, 1, 1.0f, 0.0f));
+    return mgpu_bias_add(y, y, ctx->params[1]);
+}
+static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                         const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)y;
+    MGPU__TRY(mgpu_matmul(ctx->grads[0], dy, x, 1, 0, 1.0f, 1.0f));      /* dW += dy^T x */
+    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));                  /* db += sum(dy) */
+    return dx ? mgpu_matmul(dx, dy, ctx->params[0], 0, 0, 1.0f, 0.0f) : MGPU_OK;   /* dx = dy W */
+}
+static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "%d -> %d", l->cfg.in, l->cfg.out);
+}
+static const mgpu_layer_vtable mgpu__linear_vt = {
+    "Linear", mgpu__linear_output_shape, mgpu__two_params, mgpu__linear_param_shape, mgpu__linear_init,
+    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_linear(int in_features, int out_features) {
+    mgpu__layer_cfg cfg;
+    if (in_features <= 0 || out_features <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_linear: features %d -> %d must be positive", in_features, out_features);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = in_features;
+    cfg.out = out_features;
+    return mgpu__builtin_layer(&mgpu__linear_vt, &cfg);
+}
+
+/* -- activations: one implementation, the op codes in cfg -- */
+static mgpu_result mgpu__activation_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)ctx;
+    return mgpu__unary(mgpu_layer_type(l), l->cfg.forward_op, y, x, 0.0f);
+}
+static mgpu_result mgpu__activation_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                             const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)ctx;
+    if (!dx) return MGPU_OK;
+    return mgpu__binary(mgpu_layer_type(l), l->cfg.backward_op, dx, "dy", dy, "x", l->cfg.backward_uses_output ? y : x, 0.0f);
+}
+#define MGPU__ACTIVATION_VT(name, type)                                                                \
+    static const mgpu_layer_vtable name = { type, NULL, NULL, NULL, NULL, NULL, NULL,                  \
+                                            mgpu__activation_forward, mgpu__activation_backward, NULL, NULL }
+MGPU__ACTIVATION_VT(mgpu__relu_vt, "ReLU");
+MGPU__ACTIVATION_VT(mgpu__gelu_vt, "GELU");
+MGPU__ACTIVATION_VT(mgpu__tanh_vt, "Tanh");
+MGPU__ACTIVATION_VT(mgpu__sigmoid_vt, "Sigmoid");
+static mgpu_layer* mgpu__activation(const mgpu_layer_vtable* vt, int forward_op, int backward_op, int uses_output) {
+    mgpu__layer_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.forward_op = forward_op;
+    cfg.backward_op = backward_op;
+    cfg.backward_uses_output = uses_output;
+    return mgpu__builtin_layer(vt, &cfg);
+}
+MGPUDEF mgpu_layer* mgpu_relu_layer(void) { return mgpu__activation(&mgpu__relu_vt, MGPU__UNARY_RELU, MGPU__BINARY_RELU_BWD, 0); }
+MGPUDEF mgpu_layer* mgpu_gelu_layer(void) { return mgpu__activation(&mgpu__gelu_vt, MGPU__UNARY_GELU, MGPU__BINARY_GELU_BWD, 0); }
+MGPUDEF mgpu_layer* mgpu_tanh_layer(void) { return mgpu__activation(&mgpu__tanh_vt, MGPU__UNARY_TANH, MGPU__BINARY_TANH_BWD, 1); }
+MGPUDEF mgpu_layer* mgpu_sigmoid_layer(void) { return mgpu__activation(&mgpu__sigmoid_vt, MGPU__UNARY_SIGMOID, MGPU__BINARY_SIGMOID_BWD, 1); }
+
+/* -- Dropout: a Philox mask, kept for backward; the identity when not training -- */
+static mgpu_result mgpu__same_shape_aux(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    (void)l; (void)i;
+    *dt = MGPU_F32;
+    *shape = x;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__dropout_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    if (!ctx->training || l->cfg.p == 0.0f) return mgpu_tensor_copy(y, x);
+    return mgpu_dropout(y, ctx->aux[0], x, l->cfg.p, ctx->seed, ctx->offset);
+}
+static mgpu_result mgpu__dropout_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)x; (void)y;
+    if (!dx) return MGPU_OK;
+    if (!ctx->training || l->cfg.p == 0.0f) return mgpu_tensor_copy(dx, dy);
+    return mgpu_mul(dx, dy, ctx->aux[0]);
+}
+static void mgpu__dropout_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "p=%g", (double)l->cfg.p); }
+static const mgpu_layer_vtable mgpu__dropout_vt = {
+    "Dropout", NULL, NULL, NULL, NULL, mgpu__one_aux, mgpu__same_shape_aux,
+    mgpu__dropout_forward, mgpu__dropout_backward, mgpu__dropout_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_dropout_layer(float p) {
+    mgpu__layer_cfg cfg;
+    if (!(p >= 0.0f && p < 1.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dropout_layer: p = %g, want 0 <= p < 1", (double)p);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.p = p;
+    return mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+}
+
+/* -- Flatten: [N, ...] -> [N, rest] -- */
+static mgpu_result mgpu__flatten_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    int64_t rest = 1;
+    int i;
+    if (x.ndim < 1) return mgpu__layer_shape_error(l, x, "a batch dimension");
+    for (i = 1; i < x.ndim; ++i) rest *= x.dim[i];
+    *y = mgpu_shape2(x.dim[0], rest);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__flatten_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    return mgpu_tensor_copy(y, x);
+}
+static mgpu_result mgpu__flatten_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static const mgpu_layer_vtable mgpu__flatten_vt = {
+    "Flatten", mgpu__flatten_output_shape, NULL, NULL, NULL, NULL, NULL,
+    mgpu__flatten_forward, mgpu__flatten_backward, NULL, NULL
+};
+MGPUDEF mgpu_layer* mgpu_flatten(void) {
+    mgpu__layer_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    return mgpu__builtin_layer(&mgpu__flatten_vt, &cfg);
+}
+
+/* -- Conv2d: im2col, one GEMM against W [out, in*k*k], and a transpose to NCHW -- */
+static mgpu_result mgpu__window_for(const mgpu_layer* l, mgpu_shape x, int channels, mgpu__window* g) {
+    char want[96];
+    memset(g, 0, sizeof *g);
+    if (x.ndim != 4 || (channels > 0 && x.dim[1] != channels) || x.dim[2] + 2 * l->cfg.pad < l->cfg.kernel ||
+        x.dim[3] + 2 * l->cfg.pad < l->cfg.kernel || x.dim[0] > 0x7fffffff || x.dim[1] * x.dim[2] * x.dim[3] > 0x7fffffff) {
+        if (channels > 0) snprintf(want, sizeof want, "[batch,%d,height,width] with height and width >= %d", channels, l->cfg.kernel - 2 * l->cfg.pad);
+        else snprintf(want, sizeof want, "[batch,channels,height,width] with height and width >= %d", l->cfg.kernel - 2 * l->cfg.pad);
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    g->n = (int)x.dim[0]; g->c = (int)x.dim[1]; g->h = (int)x.dim[2]; g->w = (int)x.dim[3];
+    g->kh = g->kw = l->cfg.kernel;
+    g->stride = l->cfg.stride;
+    g->pad = l->cfg.pad;
+    g->oh = (g->h + 2 * g->pad - g->kh) / g->stride + 1;
+    g->ow = (g->w + 2 * g->pad - g->kw) / g->stride + 1;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__conv_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    mgpu__window g;
+    MGPU__TRY(mgpu__window_for(l, x, l->cfg.in, &g));
+    *y = mgpu_shape4(g.n, l->cfg.out, g.oh, g.ow);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__conv_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    *name = i == 0 ? "weight" : "bias";
+    *shape = i == 0 ? mgpu_shape4(l->cfg.out, l->cfg.in, l->cfg.kernel, l->cfg.kernel) : mgpu_shape1(l->cfg.out);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__conv_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    return mgpu__init_fan_in(ctx, seed, (int64_t)l->cfg.in * l->cfg.kernel * l->cfg.kernel);
+}
+/* aux 0: cols [n*oh*ow, in*k*k]; aux 1: rows [n*oh*ow, out], the GEMM result before the transpose */
+static mgpu_result mgpu__conv_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    mgpu__window g;
+    MGPU__TRY(mgpu__window_for(l, x, l->cfg.in, &g));
+    *dt = MGPU_F32;
+    *shape = mgpu_shape2((int64_t)g.n * g.oh * g.ow, i == 0 ? (int64_t)g.c * g.kh * g.kw : (int64_t)l->cfg.out);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu__window g;
+    mgpu_tensor w2;
+    MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, (int64_t)g.c * g.kh * g.kw));
+    MGPU__TRY(mgpu__im2col(&g, x, ctx->aux[0]));
+    MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, 0, 1, 1.0f, 0.0f));             /* [n*p, out] */
+    MGPU__TRY(mgpu__transpose(g.n, (int64_t)g.oh * g.ow, l->cfg.out, ctx->aux[1], y));   /* -> [n, out, p] */
+    return mgpu_bias_add(y, y, ctx->params[1]);
+}
+static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu__window g;
+    mgpu_tensor w2, dw2;
+    int64_t ckk;
+    (void)y;
+    MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    ckk = (int64_t)g.c * g.kh * g.kw;
+    w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, ckk));
+    dw2 = mgpu__reshaped(ctx->grads[0], mgpu_shape2(l->cfg.out, ckk));
+    MGPU__TRY(mgpu__transpose(g.n, l->cfg.out, (int64_t)g.oh * g.ow, dy, ctx->aux[1]));  /* drows [n*p, out] */
+    MGPU__TRY(mgpu_matmul(&dw2, ctx->aux[1], ctx->aux[0], 1, 0, 1.0f, 1.0f));           /* dW += drows^T cols */
+    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));
+    if (!dx) return MGPU_OK;
+    MGPU__TRY(mgpu_matmul(ctx->aux[0], ctx->aux[1], &w2, 0, 0, 1.0f, 0.0f));             /* dcols = drows W */
+    return mgpu__col2im(&g, ctx->aux[0], dx);
+}
+static void mgpu__conv_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "%d -> %d, kernel %d, stride %d, padding %d", l->cfg.in, l->cfg.out, l->cfg.kernel, l->cfg.stride, l->cfg.pad);
+}
+static const mgpu_layer_vtable mgpu__conv_vt = {
+    "Conv2d", mgpu__conv_output_shape, mgpu__two_params, mgpu__conv_param_shape, mgpu__conv_init,
+    mgpu__two_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
+    mgpu__layer_cfg cfg;
+    if (in_channels <= 0 || out_channels <= 0 || kernel_size <= 0 || stride <= 0 || padding < 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_conv2d: channels %d -> %d, kernel %d, stride %d, padding %d: "
+                   "all must be positive (padding >= 0)", in_channels, out_channels, kernel_size, stride, padding);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = in_channels; cfg.out = out_channels; cfg.kernel = kernel_size; cfg.stride = stride; cfg.pad = padding;
+    return mgpu__builtin_layer(&mgpu__conv_vt, &cfg);
+}
+
+/* -- MaxPool2d (no padding, floor mode, as nn.MaxPool2d's defaults) -- */
+static mgpu_result mgpu__pool_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    mgpu__window g;
+    MGPU__TRY(mgpu__window_for(l, x, 0, &g));
+    *y = mgpu_shape4(g.n, g.c, g.oh, g.ow);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__pool_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    (void)i;
+    *dt = MGPU_I32;
+    return mgpu__pool_output_shape(l, x, shape);
+}
+static mgpu_result mgpu__pool_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu__window g;
+    MGPU__TRY(mgpu__window_for(l, x->shape, 0, &g));
+    return mgpu__maxpool(&g, x, y, ctx->aux[0]);
+}
+static mgpu_result mgpu__pool_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu__window g;
+    (void)y;
+    if (!dx) return MGPU_OK;
+    MGPU__TRY(mgpu__window_for(l, x->shape, 0, &g));
+    return mgpu__maxpool_backward(&g, dy, ctx->aux[0], dx);
+}
+static void mgpu__pool_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "kernel %d, stride %d", l->cfg.kernel, l->cfg.stride);
+}
+static const mgpu_layer_vtable mgpu__pool_vt = {
+    "MaxPool2d", mgpu__pool_output_shape, NULL, NULL, NULL, mgpu__one_aux, mgpu__pool_aux_shape,
+    mgpu__pool_forward, mgpu__pool_backward, mgpu__pool_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride) {
+    mgpu__layer_cfg cfg;
+    if (kernel_size <= 0 || stride < 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_maxpool2d: kernel %d, stride %d", kernel_size, stride);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.kernel = kernel_size;
+    cfg.stride = stride ? stride : kernel_size;
+    return mgpu__builtin_layer(&mgpu__pool_vt, &cfg);
+}
+
+
+/* ---- >>impl model ----------------------------------------------------------------------- */
+typedef struct mgpu__param {
+    char name[64];          /* "0.weight" */
+    mgpu_shape shape;
+    int64_t offset;         /* floats from the start of the flat buffer */
+} mgpu__param;
+
+/* Everything one device holds of a model. */
+typedef struct mgpu__replica {
+    mgpu_device* dev;
+    mgpu_tensor *params, *grads;        /* the flat buffers */
+    mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count] */
+    mgpu_shape in_shape;                /* the input shape the buffers below are sized for */
+    const mgpu_tensor* input;           /* x of the last forward (not owned) */
+    mgpu_tensor** act;                  /* act[i]: output of layer i, [layer_count] */
+    mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], for i < layer_count - 1 */
+    mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
+    mgpu_tensor *xbuf, *tbuf, *dout, *loss;   /* this replica's slice of a batch, and its loss */
+    mgpu_tensor* reduce_tmp;            /* replica 0: a gradient-sized buffer for the reduction */
+    int training;
+} mgpu__replica;
+
+struct mgpu_model {
+    mgpu_layer** layers;
+    int layer_count;
+    mgpu_shape input;
+    mgpu_loss_kind loss;
+    uint64_t seed;
+    uint64_t forwards;                  /* training forward passes: each gets fresh dropout masks */
+    mgpu__param* tensors;
+    int tensor_count;
+    int* first_tensor;                  /* [layer_count + 1]: layer i owns tensors [first[i], first[i+1]) */
+    int* first_aux;                     /* likewise for aux buffers */
+    int64_t flat_floats, param_count;
+    mgpu__replica* rep;
+    int replica_count;
+};
+
+/* splitmix64: decorrelates the seeds of layers and steps */
+static uint64_t mgpu__mix(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* A view of `count` floats at `offset` of a flat buffer, with a shape. */
+static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape shape, const char* op) {
+    return mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op);
+}
+
+/* Rows [start, start+count) of t as a header on the stack (no allocation). */
+static mgpu_tensor mgpu__rows(const mgpu_tensor* t, int64_t start, int64_t count) {
+    mgpu_tensor r = *t;
+    r.offset += (size_t)start * (mgpu_tensor_bytes(t) / (size_t)MGPU__MAX(t->shape.dim[0], 1));
+    r.shape.dim[0] = count;
+    return r;
+}
+
+/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one. */
+static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
+    if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
+    mgpu_tensor_destroy(*t);
+    *t = mgpu_tensor_create(dev, dt, shape);
+    return *t ? MGPU_OK : mgpu_last_result();
+}
+
+static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
+    int i;
+    for (i = 0; i < m->layer_count; ++i) {
+        if (r->act) { mgpu_tensor_destroy(r->act[i]); r->act[i] = NULL; }
+        if (r->dact) { mgpu_tensor_destroy(r->dact[i]); r->dact[i] = NULL; }
+    }
+    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu_tensor_destroy(r->aux[i]); r->aux[i] = NULL; }
+    r->in_shape.ndim = -1;
+}
+
+/* Re-prefix the last error with where it happened. */
+static mgpu_result mgpu__refail(const char* where) {
+    char msg[sizeof mgpu__error_text];
+    memcpy(msg, mgpu__error_text, sizeof msg);
+    return mgpu__fail(mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", where, msg);
+}
+
+/* Output shape of layer i for input shape x. */
+static mgpu_result mgpu__layer_output(const mgpu_model* m, int i, mgpu_shape x, mgpu_shape* y) {
+    const mgpu_layer* l = m->layers[i];
+    if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
+    return l->vt->output_shape(l, x, y);
+}
+
+/* Size every activation, gradient and aux buffer of a replica for input shape x. */
+static mgpu_result mgpu__replica_resize(mgpu_model* m, mgpu__replica* r, mgpu_shape x) {
+    mgpu_shape shape = x;
+    int i, j;
+    if (mgpu_shape_equal(r->in_shape, x)) return MGPU_OK;
+    mgpu__replica_free_buffers(m, r);
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        mgpu_shape out;
+        for (j = 0; j < m->first_aux[i + 1] - m->first_aux[i]; ++j) {
+            mgpu_dtype dt;
+            mgpu_shape as;
+            MGPU__TRY(l->vt->aux_shape(l, j, shape, &dt, &as));
+            MGPU__TRY(mgpu__ensure(&r->aux[m->first_aux[i] + j], r->dev, dt, as));
+        }
+        MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
+        MGPU__TRY(mgpu__ensure(&r->act[i], r->dev, MGPU_F32, out));
+        if (i < m->layer_count - 1) MGPU__TRY(mgpu__ensure(&r->dact[i], r->dev, MGPU_F32, out));
+        shape = out;
+    }
+    r->in_shape = x;
+    return MGPU_OK;
+}
+
+static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int training, mgpu_layer_ctx* ctx) {
+    const mgpu__replica* r = &m->rep[replica];
+    ctx->device = r->dev;
+    ctx->params = r->pview + m->first_tensor[i];
+    ctx->grads = r->gview + m->first_tensor[i];
+    ctx->aux = r->aux + m->first_aux[i];
+    ctx->training = training;
+    /* every step a new key; within it, every layer and replica its own counter range */
+    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->forwards));
+    ctx->offset = ((uint64_t)i * 1024u + (uint64_t)replica) << 34;
+}
+
+MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
+    int i, j;
+    if (!m) return;
+    for (i = 0; m->rep && i < m->replica_count; ++i) {
+        mgpu__replica* r = &m->rep[i];
+        if (r->act || r->aux) mgpu__replica_free_buffers(m, r);
+        for (j = 0; j < m->tensor_count; ++j) {
+            if (r->pview) mgpu_tensor_destroy(r->pview[j]);
+            if (r->gview) mgpu_tensor_destroy(r->gview[j]);
+        }
+        mgpu_tensor_destroy(r->params); mgpu_tensor_destroy(r->grads);
+        mgpu_tensor_destroy(r->xbuf); mgpu_tensor_destroy(r->tbuf);
+        mgpu_tensor_destroy(r->dout); mgpu_tensor_destroy(r->loss);
+        mgpu_tensor_destroy(r->reduce_tmp);
+        MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
+    }
+    for (i = 0; m->layers && i < m->layer_count; ++i) mgpu_layer_destroy(m->layers[i]);
+    MGPU_FREE(m->layers); MGPU_FREE(m->rep); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
+    MGPU_FREE(m);
+}
+
+static mgpu_model* mgpu__model_fail(mgpu_model* m, const char* where) {
+    mgpu__refail(where);
+    mgpu_model_destroy(m);
+    return NULL;
+}
+
+MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
+    static const char* op = "mgpu_model_create";
+    mgpu_model* m;
+    mgpu_shape shape;
+    int i, j, t, aux_total = 0;
+    char where[96];
+    if (!desc || !desc->layers || desc->layer_count <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
+        if (desc && desc->layers) for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        return NULL;
+    }
+    m = (mgpu_model*)mgpu__calloc(1, sizeof *m);
+    if (m) m->layers = (mgpu_layer**)mgpu__calloc((size_t)desc->layer_count, sizeof(mgpu_layer*));
+    if (!m || !m->layers) {
+        MGPU_FREE(m);
+        for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        return NULL;
+    }
+    m->layer_count = desc->layer_count;
+    for (i = 0; i < m->layer_count; ++i) m->layers[i] = desc->layers[i];   /* owned from here on */
+    for (i = 0; i < m->layer_count; ++i)
+        if (!m->layers[i]) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "layer %d is NULL (did its constructor fail? %s)", i, mgpu_last_error());
+            return mgpu__model_fail(m, op);
+        }
+    m->input = desc->input;
+    m->loss = desc->loss;
+    m->seed = desc->seed;
+    if (m->input.ndim < 1 || m->input.ndim > MGPU_MAX_DIMS - 1) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "the sample shape has %d dimensions (want 1 to %d; the batch adds one)",
+                   m->input.ndim, MGPU_MAX_DIMS - 1);
+        return mgpu__model_fail(m, op);
+    }
+    /* walk the shapes with a batch of one: every layer must accept what the previous gives */
+    shape.ndim = m->input.ndim + 1;
+    shape.dim[0] = 1;
+    for (i = 0; i < m->input.ndim; ++i) shape.dim[i + 1] = m->input.dim[i];
+    for (i = m->input.ndim + 1; i < MGPU_MAX_DIMS; ++i) shape.dim[i] = 0;
+    m->first_tensor = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
+    m->first_aux = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
+    if (!m->first_tensor || !m->first_aux) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        int pc = l->vt->param_count ? l->vt->param_count(l) : 0;
+        int ac = l->vt->aux_count ? l->vt->aux_count(l) : 0;
+        snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
+        if (mgpu__layer_output(m, i, shape, &shape) != MGPU_OK) return mgpu__model_fail(m, where);
+        if (pc < 0 || ac < 0) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "negative parameter or buffer count"); return mgpu__model_fail(m, where); }
+        m->first_tensor[i + 1] = m->first_tensor[i] + pc;
+        m->first_aux[i + 1] = m->first_aux[i] + ac;
+    }
+    m->tensor_count = m->first_tensor[m->layer_count];
+    aux_total = m->first_aux[m->layer_count];
+    m->tensors = (mgpu__param*)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu__param));
+    if (!m->tensors) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
+    /* lay the parameters out in one flat buffer, each at a 64-byte boundary */
+    for (i = 0, t = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        for (j = 0; j < m->first_tensor[i + 1] - m->first_tensor[i]; ++j, ++t) {
+            const char* name = "param";
+            size_t bytes;
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
+            if (l->vt->param_shape(l, j, &name, &m->tensors[t].shape) != MGPU_OK ||
+                mgpu__check_shape("parameter shape", MGPU_F32, m->tensors[t].shape, &bytes) != MGPU_OK)
+                return mgpu__model_fail(m, where);
+            snprintf(m->tensors[t].name, sizeof m->tensors[t].name, "%d.%s", i, name);
+            m->tensors[t].offset = m->flat_floats;
+            m->param_count += mgpu_shape_numel(m->tensors[t].shape);
+            m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
+        }
+    }
+    /* one replica per device */
+    m->replica_count = desc->devices ? desc->devices->count : 1;
+    m->rep = (mgpu__replica*)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu__replica));
+    if (!m->rep) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
+    for (i = 0; i < m->replica_count; ++i) {
+        mgpu__replica* r = &m->rep[i];
+        r->in_shape.ndim = -1;
+        r->dev = desc->devices ? desc->devices->devices[i] : mgpu_device_cpu();
+        r->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        r->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        r->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+        r->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+        r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
+        if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux) {
+            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+            return mgpu__model_fail(m, op);
+        }
+        r->params = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
+        r->grads = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
+        r->loss = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1));
+        if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
+            return mgpu__model_fail(m, op);
+        for (t = 0; t < m->tensor_count; ++t) {
+            r->pview[t] = mgpu__view_at(r->params, m->tensors[t].offset, m->tensors[t].shape, op);
+            r->gview[t] = mgpu__view_at(r->grads, m->tensors[t].offset, m->tensors[t].shape, op);
+            if (!r->pview[t] || !r->gview[t]) return mgpu__model_fail(m, op);
+        }
+    }
+    /* initialise on replica 0, then broadcast: every replica starts from the same model */
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        mgpu_layer_ctx ctx;
+        if (!l->vt->init || m->first_tensor[i + 1] == m->first_tensor[i]) continue;
+        mgpu__layer_ctx_for(m, 0, i, 0, &ctx);
+        snprintf(where, sizeof where, "%s: initialising layer %d (%s)", op, i, mgpu_layer_type(l));
+        if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__model_fail(m, where);
+    }
+    for (i = 1; i < m->replica_count; ++i)
+        if (mgpu_tensor_copy(m->rep[i].params, m->rep[0].params) != MGPU_OK) return mgpu__model_fail(m, op);
+    return m;
+}
+
+MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
+MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
+    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].dev : NULL;
+}
+MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
+MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
+    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].params : NULL;
+}
+MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica) {
+    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].grads : NULL;
+}
+MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count : 0; }
+MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i) {
+    return m && i >= 0 && i < m->tensor_count ? m->tensors[i].name : NULL;
+}
+MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i) {
+    if (!m || replica < 0 || replica >= m->replica_count || i < 0 || i >= m->tensor_count) return NULL;
+    return m->rep[replica].pview[i];
+}
+
+MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
+    FILE* f = file ? (FILE*)file : stdout;
+    mgpu_shape shape;
+    char text[96], cfg[96], bytes[32];
+    int i, j;
+    if (!m) return;
+    shape.ndim = m->input.ndim + 1;
+    shape.dim[0] = 1;
+    for (i = 0; i < m->input.ndim; ++i) shape.dim[i + 1] = m->input.dim[i];
+    fprintf(f, "%-4s %-34s %-18s %12s\n", "#", "Layer (type)", "Output shape", "Params");
+    fprintf(f, "%-4s %-34s %-18s %12s\n", "", "Input", mgpu__shape_text(shape, text, sizeof text), "");
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        int64_t n = 0;
+        char label[128];
+        for (j = m->first_tensor[i]; j < m->first_tensor[i + 1]; ++j) n += mgpu_shape_numel(m->tensors[j].shape);
+        cfg[0] = 0;
+        if (l->vt->describe) l->vt->describe(l, cfg, sizeof cfg);
+        snprintf(label, sizeof label, cfg[0] ? "%s(%s)" : "%s", mgpu_layer_type(l), cfg);
+        if (mgpu__layer_output(m, i, shape, &shape) != MGPU_OK) break;
+        fprintf(f, "%-4d %-34s %-18s %12lld\n", i, label, mgpu__shape_text(shape, text, sizeof text), (long long)n);
+    }
+    mgpu__human_bytes((double)m->param_count * 4.0, bytes, sizeof bytes);
+    fprintf(f, "Total parameters: %lld (%s as float32), on %d replica%s:", (long long)m->param_count, bytes,
+            m->replica_count, m->replica_count == 1 ? "" : "s");
+    for (i = 0; i < m->replica_count; ++i) fprintf(f, " %s", m->rep[i].dev->label);
+    fprintf(f, "\n");
+}
+
+static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int replica) {
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (replica < 0 || replica >= m->replica_count)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count);
+    return MGPU_OK;
+}
+
+/* x must be [batch, sample shape...] */
+static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const mgpu_tensor* x) {
+    char tx[128], ts[96];
+    int i, ok;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    ok = x->shape.ndim == m->input.ndim + 1;
+    for (i = 0; ok && i < m->input.ndim; ++i) ok = x->shape.dim[i + 1] == m->input.dim[i];
+    if (!ok)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: x %s is not [batch, %s] (the model's sample shape)", op,
+                          mgpu_tensor_describe(x, tx, sizeof tx), mgpu__shape_text(m->input, ts, sizeof ts));
+    return MGPU_OK;
+}
+
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+    static const char* op = "mgpu_model_forward";
+    mgpu__replica* r;
+    char where[96];
+    int i;
+    if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
+    r = &m->rep[replica];
+    if (MGPU__DEV(x) != r->dev && !(MGPU__IS_CPU(x) && r->dev->kind == MGPU_DEVICE_CPU)) {
+        char tx[128];
+        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
+                   mgpu_tensor_describe(x, tx, sizeof tx), replica, r->dev->label);
+        return NULL;
+    }
+    if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
+    r->input = x;
+    r->training = training;
+    for (i = 0; i < m->layer_count; ++i) {
+        mgpu_layer_ctx ctx;
+        mgpu__layer_ctx_for(m, replica, i, training, &ctx);
+        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i ? r->act[i - 1] : x, r->act[i]) != MGPU_OK) {
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
+            mgpu__refail(where);
+            return NULL;
+        }
+    }
+    return r->act[m->layer_count - 1];
+}
+
+MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
+    static const char* op = "mgpu_model_backward";
+    mgpu__replica* r;
+    char where[96];
+    int i;
+    MGPU__TRY(mgpu__check_replica(op, m, replica));
+    r = &m->rep[replica];
+    if (!r->input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
+    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
+    for (i = m->layer_count - 1; i >= 0; --i) {
+        mgpu_layer_ctx ctx;
+        const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
+        mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
+        if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : r->input, r->act[i], dy,
+                                       i ? r->dact[i - 1] : NULL) != MGPU_OK) {
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
+            return mgpu__refail(where);
+        }
+    }
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
+    int i;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_zero_grad: NULL model");
+    for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_zero(m->rep[i].grads));
+    return MGPU_OK;
+}
+
+/* Sum the replicas' gradients into replica 0 in a fixed order, then copy the sum back to every
+   replica: all end bit-identical. (The data-parallel layer brings the faster backends.) */
+static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
+    mgpu__replica* r0 = &m->rep[0];
+    int i;
+    if (m->replica_count == 1) return MGPU_OK;
+    MGPU__TRY(mgpu__ensure(&r0->reduce_tmp, r0->dev, MGPU_F32, r0->grads->shape));
+    for (i = 1; i < m->replica_count; ++i) {
+        MGPU__TRY(mgpu_tensor_copy(r0->reduce_tmp, m->rep[i].grads));
+        MGPU__TRY(mgpu_add(r0->grads, r0->grads, r0->reduce_tmp));
+    }
+    for (i = 1; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_copy(m->rep[i].grads, r0->grads));
+    return MGPU_OK;
+}
+
+/* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
+static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target) {
+    char tt[128], tx[128];
+    MGPU__TRY(mgpu__check_tensor(op, "target", target, m->loss == MGPU_LOSS_MSE ? MGPU_F32 : MGPU_I32));
+    if (target->shape.ndim < 1 || target->shape.dim[0] != x->shape.dim[0] || (m->loss != MGPU_LOSS_MSE && target->shape.ndim != 1))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s (want one %s per sample)", op,
+                          mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx),
+                          m->loss == MGPU_LOSS_MSE ? "row" : "int32 label");
+    return MGPU_OK;
+}
+
+/* Replica r's rows of a batch of n: an even split, the first n % R replicas one row more. */
+static void mgpu__split(int64_t n, int replicas, int r, int64_t* start, int64_t* count) {
+    int64_t base = n / replicas, extra = n % replicas;
+    *count = base + (r < extra ? 1 : 0);
+    *start = (int64_t)r * base + MGPU__MIN((int64_t)r, extra);
+}
+
+/* Replica r's slice of t, on its device: t itself where possible, else a copy in *buf. */
+static mgpu_result mgpu__replica_slice(mgpu__replica* r, const mgpu_tensor* t, int64_t start, int64_t count,
+                                       mgpu_tensor** buf, mgpu_tensor* view) {
+    *view = mgpu__rows(t, start, count);
+    if (MGPU__DEV(t) == r->dev || (MGPU__IS_CPU(t) && r->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
+    MGPU__TRY(mgpu__ensure(buf, r->dev, t->dtype, view->shape));
+    MGPU__TRY(mgpu_tensor_copy(*buf, view));
+    *view = **buf;
+    return MGPU_OK;
+}
+
+/* Loss (and, with dout, its gradient scaled by grad_scale) of one replica's output. */
+static mgpu_result mgpu__replica_loss(mgpu_model* m, mgpu__replica* r, const mgpu_tensor* out, const mgpu_tensor* target,
+                                      mgpu_tensor* dout, float grad_scale) {
+    if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(r->loss, dout, out, target, grad_scale);
+    return mgpu_softmax_cross_entropy(r->loss, dout, out, target, grad_scale);
+}
+
+static mgpu_result mgpu__loss_value(mgpu__replica* r, double* value) {
+    float v;
+    MGPU__TRY(mgpu_tensor_download(r->loss, &v, sizeof v));
+    *value = v;
+    return MGPU_OK;
+}
+
+
+/* ---- >>impl optim ----------------------------------------------------------------------- */
+struct mgpu_optimizer {
+    mgpu_model* model;
+    mgpu_optimizer_desc d;      /* with defaults filled in */
+    int64_t steps;
+    mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
+    mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
+};
+
+MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
+    int i;
+    if (!opt) return;
+    for (i = 0; i < opt->model->replica_count; ++i) {
+        if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
+        if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
+    }
+    MGPU_FREE(opt->state1);
+    MGPU_FREE(opt->state2);
+    MGPU_FREE(opt);
+}
+
+static int mgpu__optimizer_state_count(const mgpu_optimizer* opt) {
+    if (opt->d.kind == MGPU_ADAMW) return 2;
+    return opt->d.momentum != 0.0f ? 1 : 0;
+}
+static const char* mgpu__optimizer_state_name(const mgpu_optimizer* opt, int i) {
+    if (opt->d.kind == MGPU_ADAMW) return i == 0 ? "exp_avg" : "exp_avg_sq";
+    return "momentum_buffer";
+}
+
+MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimizer_desc* desc) {
+    static const char* op = "mgpu_optimizer_create";
+    mgpu_optimizer* opt;
+    mgpu_optimizer_desc d;
+    int i, s;
+    if (!m) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op); return NULL; }
+    if (desc) d = *desc; else memset(&d, 0, sizeof d);
+    /* defaults, all in one place (PyTorch's) */
+    d.lr = MGPU__DEF(d.lr, d.kind == MGPU_ADAMW ? 1e-3f : 1e-2f);
+    d.beta1 = MGPU__DEF(d.beta1, 0.9f);
+    d.beta2 = MGPU__DEF(d.beta2, 0.999f);
+    d.eps = MGPU__DEF(d.eps, 1e-8f);
+    d.gamma = MGPU__DEF(d.gamma, 0.1f);
+    if (d.kind != MGPU_SGD && d.kind != MGPU_ADAMW) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: unknown optimizer kind %d", op, (int)d.kind); return NULL; }
+    if (!(d.lr > 0.0f) || !(d.weight_decay >= 0.0f) || !(d.momentum >= 0.0f && d.momentum < 1.0f) ||
+        !(d.beta1 >= 0.0f && d.beta1 < 1.0f) || !(d.beta2 >= 0.0f && d.beta2 < 1.0f) || !(d.eps > 0.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: lr %g, weight_decay %g, momentum %g, betas (%g, %g), eps %g: "
+                   "want lr > 0, weight_decay >= 0, 0 <= momentum, betas < 1, eps > 0", op, (double)d.lr,
+                   (double)d.weight_decay, (double)d.momentum, (double)d.beta1, (double)d.beta2, (double)d.eps);
+        return NULL;
+    }
+    if (d.nesterov && (d.momentum <= 0.0f || d.dampening != 0.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: Nesterov momentum requires a momentum and zero dampening", op);
+        return NULL;
+    }
+    if ((d.schedule == MGPU_SCHEDULE_STEP && d.step_size <= 0) || (d.schedule == MGPU_SCHEDULE_COSINE && d.total_steps <= 0) ||
+        d.schedule < MGPU_SCHEDULE_CONSTANT || d.schedule > MGPU_SCHEDULE_COSINE) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: schedule %d needs step_size > 0 (step) or total_steps > 0 (cosine)", op, (int)d.schedule);
+        return NULL;
+    }
+    opt = (mgpu_optimizer*)mgpu__calloc(1, sizeof *opt);
+    if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    opt->model = m;
+    opt->d = d;
+    opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
+    opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
+    if (!opt->state1 || !opt->state2) { mgpu_optimizer_destroy(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    for (i = 0; i < m->replica_count; ++i)
+        for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
+            mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
+            *t = mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape);
+            if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu_optimizer_destroy(opt); return NULL; }
+        }
+    return opt;
+}
+
+MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt) {
+    const mgpu_optimizer_desc* d;
+    if (!opt) return 0.0f;
+    d = &opt->d;
+    switch (d->schedule) {
+    case MGPU_SCHEDULE_STEP: return (float)(d->lr * pow(d->gamma, (double)(opt->steps / d->step_size)));
+    case MGPU_SCHEDULE_COSINE: {
+        double t = (double)MGPU__MIN(opt->steps, (int64_t)d->total_steps) / d->total_steps;
+        return (float)(d->min_lr + (d->lr - d->min_lr) * 0.5 * (1.0 + cos(3.14159265358979323846 * t)));
+    }
+    default: return d->lr;
+    }
+}
+MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt) { return opt ? opt->steps : 0; }
+
+typedef struct mgpu__optim_job {
+    float *p, *m, *v;
+    const float* g;
+    mgpu__sgd_args sgd;
+    mgpu__adamw_args adamw;
+    int adamw_kind;
+} mgpu__optim_job;
+static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
+    mgpu__optim_job* j = (mgpu__optim_job*)ctx;
+    int64_t i;
+    float unused = 0.0f;
+    if (j->adamw_kind) for (i = begin; i < end; ++i) mgpu__adamw_update(&j->p[i], j->g[i], &j->m[i], &j->v[i], &j->adamw);
+    else for (i = begin; i < end; ++i) mgpu__sgd_update(&j->p[i], j->g[i], j->m ? &j->m[i] : &unused, &j->sgd);
+}
+
+MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
+    static const char* op = "mgpu_optimizer_step";
+    mgpu__optim_job job;
+    int i;
+    if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
+    memset(&job, 0, sizeof job);
+    job.adamw_kind = opt->d.kind == MGPU_ADAMW;
+    job.sgd.lr = job.adamw.lr = mgpu_optimizer_lr(opt);
+    job.sgd.weight_decay = job.adamw.weight_decay = opt->d.weight_decay;
+    job.sgd.momentum = opt->d.momentum;
+    job.sgd.dampening = opt->d.dampening;
+    job.sgd.nesterov = opt->d.nesterov;
+    job.sgd.first_step = opt->steps == 0;
+    job.adamw.beta1 = opt->d.beta1;
+    job.adamw.beta2 = opt->d.beta2;
+    job.adamw.eps = opt->d.eps;
+    job.adamw.bias_correction1 = (float)(1.0 - pow(opt->d.beta1, (double)(opt->steps + 1)));
+    job.adamw.bias_correction2_sqrt = (float)sqrt(1.0 - pow(opt->d.beta2, (double)(opt->steps + 1)));
+    for (i = 0; i < opt->model->replica_count; ++i) {
+        mgpu__replica* r = &opt->model->rep[i];
+        size_t n = (size_t)mgpu_tensor_numel(r->params);
+        job.p = MGPU__F32(r->params);
+        job.g = MGPU__F32(r->grads);
+        job.m = opt->state1[i] ? MGPU__F32(opt->state1[i]) : NULL;
+        job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
+        if (r->dev->kind == MGPU_DEVICE_CPU) {
+            mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
+            continue;
+        }
+#ifdef MGPU_CUDA
+        if (job.adamw_kind) MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v, job.adamw));
+        else MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.sgd));
+#endif
+    }
+    opt->steps++;
+    return MGPU_OK;
+}
+
+/* ---- a whole training step, and evaluation ---- */
+MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
+                                          const mgpu_tensor* target, float* loss) {
+    static const char* op = "mgpu_model_train_step";
+    int64_t batch, start, count;
+    double total = 0.0;
+    int i;
+    if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
+    if (opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    MGPU__TRY(mgpu__check_input(op, m, x));
+    MGPU__TRY(mgpu__check_target(op, m, x, target));
+    batch = x->shape.dim[0];
+    if (batch < m->replica_count)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replicas", op,
+                          (long long)batch, m->replica_count);
+    MGPU__TRY(mgpu_model_zero_grad(m));
+    m->forwards++;
+    for (i = 0; i < m->replica_count; ++i) {
+        mgpu__replica* r = &m->rep[i];
+        mgpu_tensor xs, ts;
+        const mgpu_tensor* out;
+        mgpu__split(batch, m->replica_count, i, &start, &count);
+        MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, &xs));
+        MGPU__TRY(mgpu__replica_slice(r, target, start, count, &r->tbuf, &ts));
+        out = mgpu_model_forward(m, i, &xs, 1);
+        if (!out) return mgpu__refail(op);
+        if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
+        MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
+        /* The gradient of the WHOLE batch's mean loss: summed over replicas it is exactly the
+           one-device gradient, however unevenly the rows were split. MSE averages every element. */
+        {
+            double per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)count : 1.0;
+            MGPU__TRY(mgpu__replica_loss(m, r, out, &ts, r->dout, (float)(1.0 / ((double)batch * per_row))));
+        }
+        MGPU__TRY(mgpu_model_backward(m, i, r->dout));
+    }
+    MGPU__TRY(mgpu__reduce_grads(m));
+    MGPU__TRY(mgpu_optimizer_step(opt));
+    if (loss) {
+        for (i = 0; i < m->replica_count; ++i) {
+            double v;
+            mgpu__split(batch, m->replica_count, i, &start, &count);
+            MGPU__TRY(mgpu__loss_value(&m->rep[i], &v));
+            total += v * (double)count;
+        }
+        *loss = (float)(total / (double)batch);
+    }
+    return MGPU_OK;
+}
+
+#define MGPU__EVAL_ROWS 512   /* rows per replica per evaluation pass */
+
+MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
+                                        float* loss, int64_t* correct) {
+    static const char* op = "mgpu_model_evaluate";
+    int64_t n, chunk_start, chunk, start, count, hits = 0, c;
+    double total = 0.0;
+    int i;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    MGPU__TRY(mgpu__check_input(op, m, x));
+    MGPU__TRY(mgpu__check_target(op, m, x, target));
+    n = x->shape.dim[0];
+    for (chunk_start = 0; chunk_start < n; chunk_start += chunk) {
+        mgpu_tensor xc, tc;
+        chunk = MGPU__MIN(n - chunk_start, (int64_t)MGPU__EVAL_ROWS * m->replica_count);
+        xc = mgpu__rows(x, chunk_start, chunk);
+        tc = mgpu__rows(target, chunk_start, chunk);
+        for (i = 0; i < m->replica_count; ++i) {
+            mgpu__replica* r = &m->rep[i];
+            mgpu_tensor xs, ts;
+            const mgpu_tensor* out;
+            double v;
+            mgpu__split(chunk, m->replica_count, i, &start, &count);
+            if (count == 0) continue;
+            MGPU__TRY(mgpu__replica_slice(r, &xc, start, count, &r->xbuf, &xs));
+            MGPU__TRY(mgpu__replica_slice(r, &tc, start, count, &r->tbuf, &ts));
+            out = mgpu_model_forward(m, i, &xs, 0);
+            if (!out) return mgpu__refail(op);
+            if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
+            MGPU__TRY(mgpu__replica_loss(m, r, out, &ts, NULL, 1.0f));
+            MGPU__TRY(mgpu__loss_value(r, &v));
+            total += v * (double)count;
+            if (correct && m->loss == MGPU_LOSS_CROSS_ENTROPY) {
+                MGPU__TRY(mgpu_count_correct(out, &ts, &c));
+                hits += c;
+            }
+        }
+    }
+    if (loss) *loss = n ? (float)(total / (double)n) : 0.0f;
+    if (correct) *correct = hits;
     return MGPU_OK;
 }
 

@@ -1,0 +1,1228 @@
+/* mgpu_kernels.cu - the CUDA backend of mgpu.h: devices, streams, memory, cuBLAS GEMM, the kernels
+   and NCCL (loaded at run time).
+
+   Compile it once with nvcc and link it into the program whose implementation file defines
+   MGPU_IMPLEMENTATION and MGPU_CUDA:
+
+       nvcc -std=c++17 -O3 -arch=sm_90 -c mgpu_kernels.cu -o mgpu_kernels.o
+       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lstdc++ -lm -lpthread -ldl
+
+   Every function defined here is declared in the >>seam section of mgpu.h, inside extern "C", so
+   it keeps C linkage. The per-element math (Philox, activations, optimizer rules) lives in mgpu.h as
+   __host__ __device__ functions: the CPU loops and these kernels evaluate the very same formulas
+   (nvcc may fuse a*b + c into one FMA by default, so float results can differ in the last bit).
+   Every reduction adds in a fixed order (no float atomics), so results repeat bit for bit.
+
+   Sections: >>errors >>launching >>devices >>memory >>blas >>elementwise >>reductions >>layers
+             >>optimizers >>nccl
+*/
+#define MGPU_KERNELS
+#include "mgpu.h"
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <dlfcn.h>
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <mutex>
+
+// ============================================================================================
+// >>errors  every failure leaves "<call and arguments>: <error name> (<description>) at
+//           mgpu_kernels.cu:<line>" in a thread-local buffer and returns an MGPU__CU_ERR_* code
+// ============================================================================================
+static thread_local char g_message[512];
+
+const char* mgpu__cu_error_message(void) { return g_message; }
+
+__attribute__((format(printf, 5, 6)))
+static int report(int code, const char* name, const char* text, int line, const char* what, ...) {
+    va_list ap;
+    va_start(ap, what);
+    int len = vsnprintf(g_message, sizeof g_message, what, ap);
+    va_end(ap);
+    size_t used = len < 0 ? 0 : (size_t)len < sizeof g_message ? (size_t)len : sizeof g_message - 1;
+    if (name)
+        snprintf(g_message + used, sizeof g_message - used, ": %s (%s) at mgpu_kernels.cu:%d", name, text, line);
+    else
+        snprintf(g_message + used, sizeof g_message - used, " at mgpu_kernels.cu:%d", line);
+    return code;
+}
+
+#define CUBLAS_STATUSES(X)                                                            \
+    X(CUBLAS_STATUS_NOT_INITIALIZED, "cuBLAS not initialized")                       \
+    X(CUBLAS_STATUS_ALLOC_FAILED, "resource allocation failed")                      \
+    X(CUBLAS_STATUS_INVALID_VALUE, "unsupported value or parameter")                 \
+    X(CUBLAS_STATUS_ARCH_MISMATCH, "feature absent from the device architecture")    \
+    X(CUBLAS_STATUS_MAPPING_ERROR, "access to GPU memory space failed")              \
+    X(CUBLAS_STATUS_EXECUTION_FAILED, "GPU program failed to execute")               \
+    X(CUBLAS_STATUS_INTERNAL_ERROR, "internal operation failed")                     \
+    X(CUBLAS_STATUS_NOT_SUPPORTED, "functionality not supported")                    \
+    X(CUBLAS_STATUS_LICENSE_ERROR, "license error")
+
+static const char* cublas_status(cublasStatus_t s, bool text) {
+    switch (s) {
+#define CASE(code, desc) case code: return text ? desc : #code;
+        CUBLAS_STATUSES(CASE)
+#undef CASE
+    default: return text ? "unknown status" : "CUBLAS_STATUS_UNKNOWN";
+    }
+}
+
+// Each checked call is one line: CUDA_TRY(cudaFoo(...), "cudaFoo(%d) on device %d", x, dev);
+// A failed CUDA call is also cleared from the runtime's last-error slot (sticky errors stay), so
+// the next launch check does not report it a second time.
+#define CUDA_TRY(call, ...)                                                                     \
+    do {                                                                                        \
+        cudaError_t e_ = (call);                                                                \
+        if (e_ != cudaSuccess) {                                                                \
+            (void)cudaGetLastError();                                                           \
+            return report(e_ == cudaErrorMemoryAllocation ? MGPU__CU_ERR_OOM : MGPU__CU_ERR_CUDA, \
+                          cudaGetErrorName(e_), cudaGetErrorString(e_), __LINE__, __VA_ARGS__);  \
+        }                                                                                       \
+    } while (0)
+#define CUBLAS_TRY(call, ...)                                                                   \
+    do {                                                                                        \
+        cublasStatus_t s_ = (call);                                                             \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                        \
+            return report(MGPU__CU_ERR_CUBLAS, cublas_status(s_, false), cublas_status(s_, true), \
+                          __LINE__, __VA_ARGS__);                                               \
+    } while (0)
+#define TRY(call)                                 \
+    do {                                          \
+        int r_ = (call);                          \
+        if (r_ != MGPU__CU_OK) return r_;         \
+    } while (0)
+#define ARGUMENT_ERROR(...) report(MGPU__CU_ERR_ARGUMENT, NULL, NULL, __LINE__, __VA_ARGS__)
+#define CHECK_LAUNCH(kernel, dev) CUDA_TRY(cudaGetLastError(), "launch of %s on device %d", kernel, dev)
+
+// Makes dev the calling thread's current device (cudaSetDevice only when it changes).
+static int use_device(int dev) {
+    int current = -1;
+    CUDA_TRY(cudaGetDevice(&current), "cudaGetDevice() while selecting device %d", dev);
+    if (current != dev) CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice(%d)", dev);
+    return MGPU__CU_OK;
+}
+#define USE_DEVICE(dev) TRY(use_device(dev))
+
+static cudaStream_t as_stream(void* stream) { return (cudaStream_t)stream; }
+
+// ============================================================================================
+// >>launching  the building blocks of every kernel below: launch shapes, vector packs, block
+//              reductions, and the two loop skeletons (elementwise and indexed)
+// ============================================================================================
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 65535;
+
+// Blocks for `items` units of work, `per_block` units per block, at most `cap` blocks (the
+// grid-stride loops cover the rest).
+static unsigned blocks_for(uint64_t items, uint64_t per_block, unsigned cap = kMaxBlocks) {
+    const uint64_t b = items / per_block + (items % per_block != 0);
+    return (unsigned)(b < cap ? b : cap);
+}
+
+// V consecutive elements moved as one aligned access (V = 4 floats: one 16-byte load or store).
+template <class T, int V> struct alignas(sizeof(T) * V) pack { T v[V]; };
+
+template <int V, class T> __device__ __forceinline__ pack<T, V> load(const T* p, size_t i) {
+    return *reinterpret_cast<const pack<T, V>*>(p + i);
+}
+template <int V, class T> __device__ __forceinline__ void store(T* p, size_t i, const pack<T, V>& x) {
+    *reinterpret_cast<pack<T, V>*>(p + i) = x;
+}
+
+// True when every pointer allows 4-wide packs (NULL does). Views of a tensor may be unaligned.
+template <class... T> static bool vec4_ok(const T*... p) {
+    return ((reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0) && ...);
+}
+
+template <class T> struct sum_op {
+    __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct max_op {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Halving tree over a warp; lane 0 ends with the result.
+template <class T, class Op> __device__ T warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, d));
+    return v;
+}
+
+// Reduction over a block of kThreads threads; every thread gets the result, so every thread
+// must call it.
+template <class T, class Op> __device__ T block_reduce(T v, Op op) {
+    __shared__ T warp_part[kThreads / 32];
+    v = warp_reduce(v, op);
+    __syncthreads();   // a previous call may still be reading warp_part
+    if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    T r = warp_part[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) r = op(r, warp_part[w]);
+    return r;
+}
+
+// The elementwise skeleton. An op's apply<V>(i) handles elements [i, i + V) and returns what they
+// add to a sum (0 for plain maps; mse's squared errors). Packs of V first, then the last n % V
+// elements one by one. With part != NULL, the block's sum goes to part[blockIdx.x].
+template <int V, class F> __global__ void __launch_bounds__(kThreads) map_kernel(size_t n, F f, float* part) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t packs = n / V;
+    float acc = 0.0f;
+    for (size_t j = t; j < packs; j += stride) acc += f.template apply<V>(j * V);
+    for (size_t i = packs * V + t; i < n; i += stride) acc += f.template apply<1>(i);
+    if (part) {
+        acc = block_reduce(acc, sum_op<float>());
+        if (threadIdx.x == 0) part[blockIdx.x] = acc;
+    }
+}
+
+template <class F> static int launch_map(int dev, void* stream, const char* name, size_t n, const F& f, bool vec4) {
+    if (n == 0) return MGPU__CU_OK;
+    if (vec4)
+        map_kernel<4><<<blocks_for(n / 4 + 1, kThreads), kThreads, 0, as_stream(stream)>>>(n, f, nullptr);
+    else
+        map_kernel<1><<<blocks_for(n, kThreads), kThreads, 0, as_stream(stream)>>>(n, f, nullptr);
+    CHECK_LAUNCH(name, dev);
+    return MGPU__CU_OK;
+}
+
+// The indexed skeleton, for ops that decode an index into coordinates: f(i) for i in [0, n).
+// 32-bit indices when n allows, because 64-bit division is several times slower on GPUs
+// (n < 2^31 keeps i + stride below 2^32).
+template <class I, class F> __global__ void __launch_bounds__(kThreads) index_kernel(I n, F f) {
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
+
+template <class F> static int launch_index(int dev, void* stream, const char* name, int64_t n, const F& f) {
+    if (n <= 0) return MGPU__CU_OK;
+    const unsigned blocks = blocks_for((uint64_t)n, kThreads);
+    if (n < INT_MAX)
+        index_kernel<uint32_t><<<blocks, kThreads, 0, as_stream(stream)>>>((uint32_t)n, f);
+    else
+        index_kernel<uint64_t><<<blocks, kThreads, 0, as_stream(stream)>>>((uint64_t)n, f);
+    CHECK_LAUNCH(name, dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>devices
+// ============================================================================================
+int mgpu__cu_device_count(int* count) {
+    *count = 0;
+    cudaError_t e = cudaGetDeviceCount(count);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || e == cudaErrorStubLibrary) {
+        (void)cudaGetLastError();
+        *count = 0;
+        return report(MGPU__CU_ERR_NO_DEVICE, cudaGetErrorName(e), cudaGetErrorString(e), __LINE__,
+                      "cudaGetDeviceCount()");
+    }
+    CUDA_TRY(e, "cudaGetDeviceCount()");
+    if (*count == 0)
+        return report(MGPU__CU_ERR_NO_DEVICE, cudaGetErrorName(cudaErrorNoDevice),
+                      cudaGetErrorString(cudaErrorNoDevice), __LINE__, "cudaGetDeviceCount() found 0 devices");
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_device_info(int dev, char* name, size_t name_size, size_t* total_mem, size_t* free_mem,
+                         int* major, int* minor, int* multiprocessors) {
+    cudaDeviceProp prop;
+    size_t free_bytes = 0, total_bytes = 0;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties(device %d)", dev);
+    CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo() on device %d", dev);
+    if (name && name_size) snprintf(name, name_size, "%s", prop.name);
+    if (total_mem) *total_mem = total_bytes;
+    if (free_mem) *free_mem = free_bytes;
+    if (major) *major = prop.major;
+    if (minor) *minor = prop.minor;
+    if (multiprocessors) *multiprocessors = prop.multiProcessorCount;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_can_access_peer(int dev, int peer, int* can) {
+    *can = 0;
+    USE_DEVICE(dev);
+    if (dev == peer) { *can = 1; return MGPU__CU_OK; }   // a device always reaches its own memory
+    CUDA_TRY(cudaDeviceCanAccessPeer(can, dev, peer), "cudaDeviceCanAccessPeer(%d, %d)", dev, peer);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_enable_peer_access(int dev, int peer) {
+    USE_DEVICE(dev);
+    if (dev == peer) return MGPU__CU_OK;
+    cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {   // fine: another caller got there first
+        (void)cudaGetLastError();
+        return MGPU__CU_OK;
+    }
+    CUDA_TRY(e, "cudaDeviceEnablePeerAccess(peer %d) on device %d", peer, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_device_synchronize(int dev) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize() on device %d", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_stream_create(int dev, void** stream) {
+    cudaStream_t s = NULL;
+    *stream = NULL;
+    USE_DEVICE(dev);
+    // Non-blocking: no implicit synchronisation with the legacy default stream.
+    CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags() on device %d", dev);
+    *stream = s;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_stream_destroy(int dev, void* stream) {
+    USE_DEVICE(dev);
+    if (stream) CUDA_TRY(cudaStreamDestroy(as_stream(stream)), "cudaStreamDestroy(%p) on device %d", stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_stream_synchronize(int dev, void* stream) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize(%p) on device %d", stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_create(int dev, int timing, void** event) {
+    cudaEvent_t e = NULL;
+    *event = NULL;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming),
+             "cudaEventCreateWithFlags(timing %d) on device %d", timing, dev);
+    *event = e;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_destroy(int dev, void* event) {
+    USE_DEVICE(dev);
+    if (event) CUDA_TRY(cudaEventDestroy((cudaEvent_t)event), "cudaEventDestroy(%p) on device %d", event, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_record(int dev, void* event, void* stream) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventRecord((cudaEvent_t)event, as_stream(stream)), "cudaEventRecord(%p, stream %p) on device %d",
+             event, stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaStreamWaitEvent(as_stream(stream), (cudaEvent_t)event, 0),
+             "cudaStreamWaitEvent(stream %p, event %p) on device %d", stream, event, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_synchronize(int dev, void* event) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventSynchronize((cudaEvent_t)event), "cudaEventSynchronize(%p) on device %d", event, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_elapsed_ms(int dev, void* start, void* end, float* ms) {
+    *ms = 0.0f;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)end),
+             "cudaEventElapsedTime(%p, %p) on device %d", start, end, dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>memory
+// ============================================================================================
+int mgpu__cu_malloc(int dev, size_t bytes, void** ptr) {
+    *ptr = NULL;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaMalloc(ptr, bytes), "cudaMalloc(%zu bytes) on device %d", bytes, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_free(int dev, void* ptr) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaFree(ptr), "cudaFree(%p) on device %d", ptr, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_mem_info(int dev, size_t* free_mem, size_t* total_mem) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaMemGetInfo(free_mem, total_mem), "cudaMemGetInfo() on device %d", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_host_alloc(size_t bytes, void** ptr) {
+    *ptr = NULL;
+    // Portable: pinned for every device's context, not only the current one.
+    CUDA_TRY(cudaHostAlloc(ptr, bytes, cudaHostAllocPortable), "cudaHostAlloc(%zu bytes)", bytes);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_host_free(void* ptr) {
+    CUDA_TRY(cudaFreeHost(ptr), "cudaFreeHost(%p)", ptr);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* stream) {
+    USE_DEVICE(dev);
+    if (bytes == 0) return MGPU__CU_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
+             "cudaMemcpyAsync(%zu bytes, %p -> %p) on device %d", bytes, src, dst, dev);
+    return MGPU__CU_OK;
+}
+
+// `stream` is the destination device's (as mgpu.h passes it), so dst_dev is made current.
+int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream) {
+    USE_DEVICE(dst_dev);
+    if (bytes == 0) return MGPU__CU_OK;
+    CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, bytes, as_stream(stream)),
+             "cudaMemcpyPeerAsync(%zu bytes, device %d -> device %d)", bytes, src_dev, dst_dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_memset_zero(int dev, void* ptr, size_t bytes, void* stream) {
+    USE_DEVICE(dev);
+    if (bytes == 0) return MGPU__CU_OK;
+    CUDA_TRY(cudaMemsetAsync(ptr, 0, bytes, as_stream(stream)), "cudaMemsetAsync(%p, 0, %zu bytes) on device %d",
+             ptr, bytes, dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>blas
+// ============================================================================================
+static int blas_configure(int dev, cublasHandle_t h, void* stream) {
+    CUBLAS_TRY(cublasSetStream(h, as_stream(stream)), "cublasSetStream(%p) on device %d", stream, dev);
+    // After cublasSetStream (which resets it): no workspace, so cuBLAS allocates nothing behind the
+    // caching allocator's back and shares no scratch between streams (the documented source of
+    // run-to-run differences); no atomics; plain FP32 until mgpu__cu_blas_set_tf32 allows TF32.
+    CUBLAS_TRY(cublasSetWorkspace(h, NULL, 0), "cublasSetWorkspace(NULL, 0) on device %d", dev);
+    CUBLAS_TRY(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode() on device %d", dev);
+    CUBLAS_TRY(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode() on device %d", dev);
+    CUBLAS_TRY(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode(default) on device %d", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_blas_create(int dev, void* stream, void** handle) {
+    cublasHandle_t h = NULL;
+    *handle = NULL;
+    USE_DEVICE(dev);
+    CUBLAS_TRY(cublasCreate(&h), "cublasCreate() on device %d", dev);
+    int r = blas_configure(dev, h, stream);
+    if (r != MGPU__CU_OK) {
+        (void)cublasDestroy(h);   // already failing: keep the first error's message
+        return r;
+    }
+    *handle = h;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_blas_destroy(int dev, void* handle) {
+    USE_DEVICE(dev);
+    if (handle) CUBLAS_TRY(cublasDestroy((cublasHandle_t)handle), "cublasDestroy(%p) on device %d", handle, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow) {
+    USE_DEVICE(dev);
+    CUBLAS_TRY(cublasSetMathMode((cublasHandle_t)handle, allow ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+               "cublasSetMathMode(%s) on device %d", allow ? "TF32" : "default", dev);
+    return MGPU__CU_OK;
+}
+
+// C = beta * C over the rows x cols matrix with row stride ldc: a GEMM with k == 0. beta == 0
+// writes zeros without reading C (BLAS semantics: NaNs in C are ignored).
+struct scale_matrix_op {
+    int64_t cols, ldc;
+    float beta;
+    float* c;
+    template <class I> __device__ void operator()(I i) const {
+        float* p = c + (int64_t)(i / (I)cols) * ldc + (int64_t)(i % (I)cols);
+        *p = beta == 0.0f ? 0.0f : beta * *p;
+    }
+};
+
+int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
+                  float alpha, const float* a, int lda, const float* b, int ldb,
+                  float beta, float* c, int ldc) {
+    cublasHandle_t h = (cublasHandle_t)handle;
+    USE_DEVICE(dev);
+    if (m < 0 || n < 0 || k < 0) return ARGUMENT_ERROR("gemm with m=%d n=%d k=%d", m, n, k);
+    if (m == 0 || n == 0) return MGPU__CU_OK;
+    if (k == 0) {   // done here: cuBLAS's handling of k == 0 is not documented
+        cudaStream_t s = NULL;
+        CUBLAS_TRY(cublasGetStream(h, &s), "cublasGetStream() on device %d", dev);
+        return launch_index(dev, s, "gemm_scale", (int64_t)m * n, scale_matrix_op{n, ldc, beta, c});
+    }
+    // cuBLAS is column-major, and a row-major matrix is its column-major transpose. So compute
+    // C^T [n, m] = op(B)^T op(A)^T: B comes first, and each operand keeps its own op flag.
+    CUBLAS_TRY(cublasSgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                           &alpha, b, ldb, a, lda, &beta, c, ldc),
+               "cublasSgemm(m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
+               m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>elementwise  grid-stride loops of 256 threads; 4-wide vector accesses when aligned
+// ============================================================================================
+// Calls f(T()) with T the C type of an mgpu dtype.
+template <class F> static int with_dtype(int dtype, F&& f) {
+    switch (dtype) {
+    case MGPU_F32: return f(float());
+    case MGPU_I32: return f(int32_t());
+    case MGPU_U8: return f(uint8_t());
+    default: return ARGUMENT_ERROR("unknown dtype %d", dtype);
+    }
+}
+
+// float -> dtype. Integers truncate toward zero like a C cast and saturate at the type's range
+// (NaN gives 0): what the GPU's conversion instruction does, where a C cast is undefined.
+template <class D> __device__ D from_float(float x);
+template <> __device__ float from_float<float>(float x) { return x; }
+template <> __device__ int32_t from_float<int32_t>(float x) { return __float2int_rz(x); }
+template <> __device__ uint8_t from_float<uint8_t>(float x) { return (uint8_t)min(__float2uint_rz(x), 255u); }
+
+// The same rule on the host for fill's value, which goes through float as on the CPU.
+static double trunc_clamp(float v, double lo, double hi) {
+    return v != v ? 0.0 : v < lo ? lo : v > hi ? hi : truncf(v);
+}
+template <class T> static T fill_value(double v);
+template <> float fill_value<float>(double v) { return (float)v; }
+template <> int32_t fill_value<int32_t>(double v) { return (int32_t)trunc_clamp((float)v, INT32_MIN, INT32_MAX); }
+template <> uint8_t fill_value<uint8_t>(double v) { return (uint8_t)trunc_clamp((float)v, 0, 255); }
+
+template <class T> struct fill_op {
+    T* p;
+    T value;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<T, V> x;
+#pragma unroll
+        for (int k = 0; k < V; ++k) x.v[k] = value;
+        store<V>(p, i, x);
+        return 0.0f;
+    }
+};
+
+template <class S, class D> struct convert_op {
+    const S* src;
+    D* dst;
+    float scale, shift;
+    template <int V> __device__ float apply(size_t i) const {
+        const pack<S, V> x = load<V>(src, i);
+        pack<D, V> y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.v[k] = from_float<D>((float)x.v[k] * scale + shift);
+        store<V>(dst, i, y);
+        return 0.0f;
+    }
+};
+
+struct rand_op {
+    uint64_t seed, offset;
+    float a, b;
+    int normal;
+    float* out;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> y;
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.v[k] = mgpu__rand_element(seed, offset, i + k, normal, a, b);
+        store<V>(out, i, y);
+        return 0.0f;
+    }
+};
+
+struct unary_op {
+    int op;
+    float alpha;
+    const float* x;
+    float* y;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> v = load<V>(x, i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v.v[k] = mgpu__unary_apply(op, v.v[k], alpha);
+        store<V>(y, i, v);
+        return 0.0f;
+    }
+};
+
+struct binary_op {
+    int op;
+    float alpha;
+    const float* a;
+    const float* b;
+    float* y;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> u = load<V>(a, i);
+        const pack<float, V> w = load<V>(b, i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) u.v[k] = mgpu__binary_apply(op, u.v[k], w.v[k], alpha);
+        store<V>(y, i, u);
+        return 0.0f;
+    }
+};
+
+// y[o, c, i] = x[o, c, i] + bias[c]
+struct bias_add_op {
+    int64_t channels, inner;
+    const float* x;
+    const float* bias;
+    float* y;
+    template <class I> __device__ void operator()(I i) const { y[i] = x[i] + bias[i / (I)inner % (I)channels]; }
+};
+
+int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value) {
+    USE_DEVICE(dev);
+    return with_dtype(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        return launch_map(dev, stream, "fill", n, fill_op<T>{(T*)ptr, fill_value<T>(value)}, vec4_ok((T*)ptr));
+    });
+}
+
+int mgpu__cu_convert(int dev, void* stream, size_t n, int src_dtype, const void* src, int dst_dtype, void* dst,
+                     float scale, float shift) {
+    USE_DEVICE(dev);
+    return with_dtype(src_dtype, [&](auto s) {
+        return with_dtype(dst_dtype, [&](auto d) {
+            using S = decltype(s);
+            using D = decltype(d);
+            const convert_op<S, D> op{(const S*)src, (D*)dst, scale, shift};
+            return launch_map(dev, stream, "convert", n, op, vec4_ok(op.src, op.dst));
+        });
+    });
+}
+
+int mgpu__cu_rand(int dev, void* stream, int normal, size_t n, uint64_t seed, uint64_t offset,
+                  float a, float b, float* out) {
+    USE_DEVICE(dev);
+    return launch_map(dev, stream, "rand", n, rand_op{seed, offset, a, b, normal, out}, vec4_ok(out));
+}
+
+int mgpu__cu_unary(int dev, void* stream, int op, size_t n, const float* x, float* y, float alpha) {
+    USE_DEVICE(dev);
+    return launch_map(dev, stream, "unary", n, unary_op{op, alpha, x, y}, vec4_ok(x, y));
+}
+
+int mgpu__cu_binary(int dev, void* stream, int op, size_t n, const float* a, const float* b,
+                    float* y, float alpha) {
+    USE_DEVICE(dev);
+    return launch_map(dev, stream, "binary", n, binary_op{op, alpha, a, b, y}, vec4_ok(a, b, y));
+}
+
+int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
+                      const float* x, const float* bias, float* y) {
+    USE_DEVICE(dev);
+    if (outer <= 0 || channels <= 0 || inner <= 0) return MGPU__CU_OK;
+    return launch_index(dev, stream, "bias_add", outer * channels * inner, bias_add_op{channels, inner, x, bias, y});
+}
+
+// ============================================================================================
+// >>reductions  deterministic: each thread adds in a fixed order, then a fixed tree per block,
+//               then (where there are several blocks) one block adds the partials in order
+// ============================================================================================
+// Reduction over the G threads that share a row (a warp, or the whole block); all get the result.
+template <int G, class T, class Op> __device__ T group_reduce(T v, Op op) {
+    if constexpr (G == 32)
+        return __shfl_sync(0xffffffffu, warp_reduce(v, op), 0);
+    else
+        return block_reduce(v, op);
+}
+
+// The second pass of every reduction: one block adds count partials in a fixed order and writes
+// out[0] = sum / divisor (Acc: double for losses, int for counts).
+template <class T, class Acc>
+__global__ void __launch_bounds__(kThreads) finish_kernel(const T* part, int64_t count, Acc divisor, T* out) {
+    Acc acc = 0;
+    for (int64_t i = threadIdx.x; i < count; i += kThreads) acc += (Acc)part[i];
+    acc = block_reduce(acc, sum_op<Acc>());
+    if (threadIdx.x == 0) out[0] = (T)(acc / divisor);
+}
+
+// channel_sum with inner == 1: column sums of x [rows, cols] (e.g. a bias gradient). A block owns
+// `width` adjacent columns; its threads form kThreads / width row groups striding down the rows,
+// so each warp reads contiguous memory. The groups' partials meet in shared memory in order.
+__global__ void __launch_bounds__(kThreads)
+column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* out, float scale) {
+    __shared__ float part[kThreads];
+    const int groups = kThreads / width, lane = threadIdx.x % width, group = threadIdx.x / width;
+    for (int64_t c0 = (int64_t)blockIdx.x * width; c0 < cols; c0 += (int64_t)gridDim.x * width) {
+        const int64_t c = c0 + lane;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;   // four chains: more loads in flight
+        if (group < groups && c < cols) {
+            const int64_t step = (int64_t)groups * cols;
+            const float* p = x + group * cols + c;
+            int64_t r = group;
+            for (; r + 3 * groups < rows; r += 4 * groups, p += 4 * step) {
+                s0 += p[0];
+                s1 += p[step];
+                s2 += p[2 * step];
+                s3 += p[3 * step];
+            }
+            for (; r < rows; r += groups, p += step) s0 += p[0];
+        }
+        part[threadIdx.x] = (s0 + s1) + (s2 + s3);
+        __syncthreads();
+        if (group == 0 && c < cols) {
+            float s = 0.0f;
+            for (int g = 0; g < groups; ++g) s += part[g * width + lane];
+            out[c] = scale * s;
+        }
+        __syncthreads();
+    }
+}
+
+// channel_sum with inner > 1 (e.g. a conv bias gradient over [N, C, H*W]): a block per channel
+// walks its outer * inner elements. Thread t visits flat offsets t, t + 256, ... as (o, i), which
+// advance by constant steps, so the loop has no division.
+__global__ void __launch_bounds__(kThreads)
+channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale) {
+    const int64_t step_o = kThreads / inner, step_i = kThreads % inner;
+    for (int64_t c = blockIdx.x; c < channels; c += gridDim.x) {
+        int64_t o = threadIdx.x / inner, i = threadIdx.x % inner;
+        float acc = 0.0f;
+        while (o < outer) {
+            acc += x[(o * channels + c) * inner + i];
+            o += step_o;
+            i += step_i;
+            if (i >= inner) { i -= inner; ++o; }
+        }
+        acc = block_reduce(acc, sum_op<float>());
+        if (threadIdx.x == 0) out[c] = scale * acc;
+    }
+}
+
+int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
+                         const float* x, float* out, float scale) {
+    USE_DEVICE(dev);
+    if (channels <= 0) return MGPU__CU_OK;
+    cudaStream_t s = as_stream(stream);
+    if (outer <= 0 || inner <= 0) {   // empty sums
+        CUDA_TRY(cudaMemsetAsync(out, 0, (size_t)channels * sizeof(float), s), "cudaMemsetAsync() on device %d", dev);
+        return MGPU__CU_OK;
+    }
+    if (inner == 1) {
+        const int width = channels < 32 ? (int)channels : 32;
+        column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, x, out, scale);
+    } else {
+        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, x, out, scale);
+    }
+    CHECK_LAUNCH("channel_sum", dev);
+    return MGPU__CU_OK;
+}
+
+// Softmax over rows, one row per group of G threads: a warp for narrow rows, the whole block for
+// wide ones. Computes the row max m and s = sum exp(x - m) (subtracting m keeps exp finite).
+// Without labels, y = exp(x - m) / s. With labels (cross-entropy), row_loss[r] = m + log(s) -
+// x[label] and, when y is given, y = (softmax - onehot) * grad_scale; an out-of-range label
+// makes both NaN.
+template <int G>
+__global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, const float* x, float* y,
+                                                           const int32_t* labels, float* row_loss, float grad_scale) {
+    constexpr int kRowsPerBlock = kThreads / G;
+    const int lane = threadIdx.x % G;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / G; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const float* xr = x + r * cols;
+        float* yr = y ? y + r * cols : nullptr;
+        float m = -INFINITY, s = 0.0f;
+        for (int j = lane; j < cols; j += G) m = fmaxf(m, xr[j]);
+        m = group_reduce<G>(m, max_op());
+        for (int j = lane; j < cols; j += G) s += expf(xr[j] - m);
+        s = group_reduce<G>(s, sum_op<float>());
+        if (!labels) {
+            for (int j = lane; j < cols; j += G) yr[j] = expf(xr[j] - m) / s;
+            continue;
+        }
+        const int label = labels[r];
+        const bool valid = label >= 0 && label < cols;
+        if (lane == 0) row_loss[r] = valid ? m + logf(s) - xr[label] : NAN;
+        if (yr)
+            for (int j = lane; j < cols; j += G)
+                yr[j] = valid ? (expf(xr[j] - m) / s - (j == label ? 1.0f : 0.0f)) * grad_scale : NAN;
+    }
+}
+
+static int launch_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y,
+                          const int32_t* labels, float* row_loss, float grad_scale) {
+    if (rows <= 0) return MGPU__CU_OK;
+    if (cols <= 1024)
+        softmax_kernel<32><<<blocks_for(rows, kThreads / 32), kThreads, 0, as_stream(stream)>>>(
+            rows, cols, x, y, labels, row_loss, grad_scale);
+    else
+        softmax_kernel<kThreads><<<blocks_for(rows, 1), kThreads, 0, as_stream(stream)>>>(
+            rows, cols, x, y, labels, row_loss, grad_scale);
+    CHECK_LAUNCH(labels ? "softmax_xent" : "softmax", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y) {
+    USE_DEVICE(dev);
+    return launch_softmax(dev, stream, rows, cols, x, y, nullptr, nullptr, 0.0f);
+}
+
+int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
+                          const int32_t* labels, float* loss, float* dlogits, float grad_scale,
+                          float* scratch) {
+    USE_DEVICE(dev);
+    TRY(launch_softmax(dev, stream, rows, cols, logits, dlogits, labels, scratch, grad_scale));
+    finish_kernel<float, double><<<1, kThreads, 0, as_stream(stream)>>>(scratch, rows, (double)rows, loss);
+    CHECK_LAUNCH("softmax_xent mean", dev);
+    return MGPU__CU_OK;
+}
+
+// Squared errors (summed by map_kernel) and, when dpred is given, 2 (pred - target) * grad_scale.
+struct mse_op {
+    const float* pred;
+    const float* target;
+    float* dpred;
+    float grad_scale;
+    template <int V> __device__ float apply(size_t i) const {
+        const pack<float, V> p = load<V>(pred, i), t = load<V>(target, i);
+        pack<float, V> g;
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float d = p.v[k] - t.v[k];
+            s += d * d;
+            g.v[k] = 2.0f * d * grad_scale;
+        }
+        if (dpred) store<V>(dpred, i, g);
+        return s;
+    }
+};
+
+int mgpu__cu_mse(int dev, void* stream, size_t n, const float* pred, const float* target,
+                 float* loss, float* dpred, float grad_scale, float* scratch) {
+    USE_DEVICE(dev);
+    cudaStream_t s = as_stream(stream);
+    // Scalar accesses, so which thread adds which element (the summation order) depends on n
+    // alone, not on the pointers' alignment.
+    const unsigned blocks = n ? blocks_for(n, kThreads, MGPU__CU_REDUCE_SCRATCH) : 0;
+    if (blocks) {
+        map_kernel<1><<<blocks, kThreads, 0, s>>>(n, mse_op{pred, target, dpred, grad_scale}, scratch);
+        CHECK_LAUNCH("mse", dev);
+    }
+    finish_kernel<float, double><<<1, kThreads, 0, s>>>(scratch, blocks, (double)n, loss);
+    CHECK_LAUNCH("mse mean", dev);
+    return MGPU__CU_OK;
+}
+
+// Index of the first maximum of row[0, cols), matching the sequential loop `best = row[0]; for j:
+// if (row[j] > best) ...`: a NaN row[0] wins (nothing compares greater) and later NaNs are
+// skipped. Each lane scans a strided share; the lanes then merge by (larger value, then smaller
+// index), an order-independent rule. Returns the index in every lane (0 when cols == 0, as on the CPU).
+__device__ int warp_row_argmax(const float* row, int cols, int lane) {
+    if (cols <= 0) return 0;
+    if (isnan(row[0])) return 0;
+    float best = -INFINITY;
+    int idx = INT_MAX;   // INT_MAX: this lane has seen no number yet
+    for (int j = lane; j < cols; j += 32) {
+        const float v = row[j];
+        if (v > best || (idx == INT_MAX && !isnan(v))) { best = v; idx = j; }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        const float other_best = __shfl_xor_sync(0xffffffffu, best, d);
+        const int other_idx = __shfl_xor_sync(0xffffffffu, idx, d);
+        if (other_idx != INT_MAX &&
+            (idx == INT_MAX || other_best > best || (other_best == best && other_idx < idx))) {
+            best = other_best;
+            idx = other_idx;
+        }
+    }
+    return idx;
+}
+
+// A warp per row. Writes out[row] when out is given; with labels, counts the rows whose argmax
+// equals the label into part[blockIdx.x].
+__global__ void __launch_bounds__(kThreads)
+argmax_kernel(int rows, int cols, const float* x, int32_t* out, const int32_t* labels, int* part) {
+    constexpr int kRowsPerBlock = kThreads / 32;
+    const int lane = threadIdx.x & 31;
+    int hits = 0;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / 32; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const int a = warp_row_argmax(x + r * cols, cols, lane);
+        if (lane == 0) {
+            if (out) out[r] = a;
+            if (labels && a == labels[r]) ++hits;
+        }
+    }
+    if (labels) {
+        hits = block_reduce(hits, sum_op<int>());
+        if (threadIdx.x == 0) part[blockIdx.x] = hits;
+    }
+}
+
+int mgpu__cu_argmax(int dev, void* stream, int rows, int cols, const float* x, int32_t* out) {
+    USE_DEVICE(dev);
+    if (rows <= 0) return MGPU__CU_OK;
+    argmax_kernel<<<blocks_for(rows, kThreads / 32), kThreads, 0, as_stream(stream)>>>(rows, cols, x, out, nullptr,
+                                                                                        nullptr);
+    CHECK_LAUNCH("argmax", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_count_correct(int dev, void* stream, int rows, int cols, const float* logits,
+                           const int32_t* labels, int32_t* count, float* scratch) {
+    USE_DEVICE(dev);
+    cudaStream_t s = as_stream(stream);
+    int* part = reinterpret_cast<int*>(scratch);   // the scratch floats hold int partial counts
+    const unsigned blocks = rows > 0 ? blocks_for(rows, kThreads / 32, MGPU__CU_REDUCE_SCRATCH) : 0;
+    if (blocks) {
+        argmax_kernel<<<blocks, kThreads, 0, s>>>(rows, cols, logits, nullptr, labels, part);
+        CHECK_LAUNCH("count_correct", dev);
+    }
+    finish_kernel<int, int><<<1, kThreads, 0, s>>>(part, blocks, 1, count);
+    CHECK_LAUNCH("count_correct sum", dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>layers  im2col / col2im, max pooling, dropout, transpose. The backward passes are gathers:
+//           each input element adds up the windows that cover it, so no atomics are needed.
+// ============================================================================================
+
+// The output positions o in [lo, hi] (empty when lo > hi) whose window [o*stride - pad,
+// o*stride - pad + k) covers input position i.
+__device__ __forceinline__ void covering_windows(int i, int pad, int k, int stride, int out, int& lo, int& hi) {
+    const int p = i + pad;                      // o*stride <= p < o*stride + k
+    lo = p >= k ? (p - k) / stride + 1 : 0;     // ceil((p - k + 1) / stride)
+    hi = min(p / stride, out - 1);
+}
+
+// cols [n*oh*ow, c*kh*kw]: row (img, oy, ox), column (ch, ky, kx); one thread per entry.
+struct im2col_op {
+    mgpu__window g;
+    const float* x;
+    float* cols;
+    template <class I> __device__ void operator()(I idx) const {
+        I t = idx;
+        const int kx = (int)(t % (I)g.kw); t /= (I)g.kw;
+        const int ky = (int)(t % (I)g.kh); t /= (I)g.kh;
+        const int ch = (int)(t % (I)g.c);  t /= (I)g.c;
+        const int ox = (int)(t % (I)g.ow); t /= (I)g.ow;
+        const int oy = (int)(t % (I)g.oh);
+        const int64_t img = (int64_t)(t / (I)g.oh);
+        const int iy = oy * g.stride - g.pad + ky, ix = ox * g.stride - g.pad + kx;
+        const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+        cols[idx] = inside ? x[((img * g.c + ch) * g.h + iy) * g.w + ix] : 0.0f;
+    }
+};
+
+// dx[img, ch, iy, ix] = sum of the cols entries that im2col filled from it; one thread per input.
+struct col2im_op {
+    mgpu__window g;
+    const float* cols;
+    float* dx;
+    template <class I> __device__ void operator()(I idx) const {
+        I t = idx;
+        const int ix = (int)(t % (I)g.w); t /= (I)g.w;
+        const int iy = (int)(t % (I)g.h); t /= (I)g.h;
+        const int ch = (int)(t % (I)g.c);
+        const int64_t img = (int64_t)(t / (I)g.c), width = (int64_t)g.c * g.kh * g.kw;
+        int oy0, oy1, ox0, ox1;
+        covering_windows(iy, g.pad, g.kh, g.stride, g.oh, oy0, oy1);
+        covering_windows(ix, g.pad, g.kw, g.stride, g.ow, ox0, ox1);
+        float acc = 0.0f;
+        for (int oy = oy0; oy <= oy1; ++oy) {
+            const int ky = iy + g.pad - oy * g.stride;
+            for (int ox = ox0; ox <= ox1; ++ox) {
+                const int kx = ix + g.pad - ox * g.stride;
+                acc += cols[((img * g.oh + oy) * g.ow + ox) * width + (ch * g.kh + ky) * g.kw + kx];
+            }
+        }
+        dx[idx] = acc;
+    }
+};
+
+// One thread per output. Padding is skipped (it counts as -inf); the first in-window element is
+// taken unconditionally, then only a strictly greater one replaces it (first maximum wins).
+struct maxpool_op {
+    mgpu__window g;
+    const float* x;
+    float* y;
+    int32_t* argmax;
+    template <class I> __device__ void operator()(I idx) const {
+        I t = idx;
+        const int ox = (int)(t % (I)g.ow); t /= (I)g.ow;
+        const int oy = (int)(t % (I)g.oh); t /= (I)g.oh;   // t is now the plane img * c + ch
+        const float* plane = x + (int64_t)t * g.h * g.w;
+        float best = -INFINITY;
+        int arg = -1;
+        for (int ky = 0; ky < g.kh; ++ky) {
+            const int iy = oy * g.stride - g.pad + ky;
+            if (iy < 0 || iy >= g.h) continue;
+            for (int kx = 0; kx < g.kw; ++kx) {
+                const int ix = ox * g.stride - g.pad + kx;
+                if (ix < 0 || ix >= g.w) continue;
+                const float v = plane[iy * g.w + ix];
+                if (arg < 0 || v > best) { best = v; arg = iy * g.w + ix; }
+            }
+        }
+        y[idx] = best;
+        argmax[idx] = arg;
+    }
+};
+
+// dx[img, ch, iy, ix] = sum of dy over the covering windows whose argmax is this element.
+struct maxpool_backward_op {
+    mgpu__window g;
+    const float* dy;
+    const int32_t* argmax;
+    float* dx;
+    template <class I> __device__ void operator()(I idx) const {
+        I t = idx;
+        const int ix = (int)(t % (I)g.w); t /= (I)g.w;
+        const int iy = (int)(t % (I)g.h); t /= (I)g.h;      // t is now the plane img * c + ch
+        const int64_t base = (int64_t)t * g.oh * g.ow;
+        const int self = iy * g.w + ix;
+        int oy0, oy1, ox0, ox1;
+        covering_windows(iy, g.pad, g.kh, g.stride, g.oh, oy0, oy1);
+        covering_windows(ix, g.pad, g.kw, g.stride, g.ow, ox0, ox1);
+        float acc = 0.0f;
+        for (int oy = oy0; oy <= oy1; ++oy)
+            for (int ox = ox0; ox <= ox1; ++ox) {
+                const int64_t o = base + (int64_t)oy * g.ow + ox;
+                if (argmax[o] == self) acc += dy[o];
+            }
+        dx[idx] = acc;
+    }
+};
+
+struct dropout_op {
+    uint64_t seed, offset;
+    float p;
+    const float* x;
+    float* y;
+    float* mask;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> v = load<V>(x, i), m;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            m.v[k] = mgpu__dropout_scale(seed, offset, i + k, p);
+            v.v[k] *= m.v[k];
+        }
+        store<V>(y, i, v);
+        if (mask) store<V>(mask, i, m);
+        return 0.0f;
+    }
+};
+
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, float p,
+                     const float* x, float* y, float* mask) {
+    USE_DEVICE(dev);
+    return launch_map(dev, stream, "dropout", n, dropout_op{seed, offset, p, x, y, mask}, vec4_ok(x, y, mask));
+}
+
+static int64_t window_inputs(const mgpu__window* g) { return (int64_t)g->n * g->c * g->h * g->w; }
+static int64_t window_outputs(const mgpu__window* g) { return (int64_t)g->n * g->c * g->oh * g->ow; }
+
+int mgpu__cu_im2col(int dev, void* stream, const mgpu__window* g, const float* x, float* cols) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "im2col", window_outputs(g) * g->kh * g->kw, im2col_op{*g, x, cols});
+}
+
+int mgpu__cu_col2im(int dev, void* stream, const mgpu__window* g, const float* cols, float* dx) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "col2im", window_inputs(g), col2im_op{*g, cols, dx});
+}
+
+int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* x, float* y, int32_t* argmax) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "maxpool", window_outputs(g), maxpool_op{*g, x, y, argmax});
+}
+
+int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
+                              const int32_t* argmax, float* dx) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "maxpool_backward", window_inputs(g), maxpool_backward_op{*g, dy, argmax, dx});
+}
+
+// y[b][j][i] = x[b][i][j] through a 32 x 32 shared tile (33 columns wide, against bank conflicts),
+// so that both the reads and the writes are coalesced. Blocks of 32 x 8 threads loop over tiles.
+__global__ void __launch_bounds__(kThreads)
+transpose_kernel(int64_t batch, int64_t rows, int64_t cols, const float* x, float* y) {
+    __shared__ float tile[32][33];
+    const int64_t tiles_r = (rows + 31) / 32, tiles_c = (cols + 31) / 32, tiles = batch * tiles_r * tiles_c;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int64_t b = t / (tiles_r * tiles_c), r0 = t / tiles_c % tiles_r * 32, c0 = t % tiles_c * 32;
+        const float* xb = x + b * rows * cols;
+        float* yb = y + b * rows * cols;
+        for (int k = ty; k < 32; k += kThreads / 32)
+            if (r0 + k < rows && c0 + tx < cols) tile[k][tx] = xb[(r0 + k) * cols + c0 + tx];
+        __syncthreads();
+        for (int k = ty; k < 32; k += kThreads / 32)
+            if (c0 + k < cols && r0 + tx < rows) yb[(c0 + k) * rows + r0 + tx] = tile[tx][k];
+        __syncthreads();
+    }
+}
+
+int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64_t cols,
+                       const float* x, float* y) {
+    USE_DEVICE(dev);
+    if (batch <= 0 || rows <= 0 || cols <= 0) return MGPU__CU_OK;
+    const uint64_t tiles = (uint64_t)batch * ((rows + 31) / 32) * ((cols + 31) / 32);
+    transpose_kernel<<<blocks_for(tiles, 1), dim3(32, kThreads / 32), 0, as_stream(stream)>>>(batch, rows, cols, x, y);
+    CHECK_LAUNCH("transpose", dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
+// >>optimizers  one fused elementwise pass per step, the update rules from mgpu.h
+// ============================================================================================
+struct sgd_op {
+    float* param;
+    const float* grad;
+    float* buf;   // NULL without momentum
+    mgpu__sgd_args args;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> p = load<V>(param, i), b = {};
+        const pack<float, V> g = load<V>(grad, i);
+        if (buf) b = load<V>(buf, i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) mgpu__sgd_update(&p.v[k], g.v[k], &b.v[k], &args);
+        store<V>(param, i, p);
+        if (buf) store<V>(buf, i, b);
+        return 0.0f;
+    }
+};
+
+struct adamw_op {
+    float* param;
+    const float* grad;
+    float* m;
+    float* v;
+    mgpu__adamw_args args;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> p = load<V>(param, i), mv = load<V>(m, i), vv = load<V>(v, i);
+        const pack<float, V> g = load<V>(grad, i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) mgpu__adamw_update(&p.v[k], g.v[k], &mv.v[k], &vv.v[k], &args);
+        store<V>(param, i, p);
+        store<V>(m, i, mv);
+        store<V>(v, i, vv);
+        return 0.0f;
+    }
+};
+
+int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
+                 mgpu__sgd_args args) {
+    USE_DEVICE(dev);
+    float* buf = args.momentum != 0.0f ? momentum_buf : nullptr;   // unused without momentum
+    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, buf, args}, vec4_ok(param, grad, buf));
+}
+
+int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
+                   mgpu__adamw_args args) {
+    USE_DEVICE(dev);
+    return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args}, vec4_ok(param, grad, m, v));
+}
+
+// ============================================================================================
+// >>nccl  loaded with dlopen, so neither building nor running needs NCCL unless it is used.
+//         The few declarations needed are copied from nccl.h (NCCL 2.x ABI).
+// ============================================================================================
+typedef struct ncclComm* ncclComm_t;
+typedef int ncclResult_t;                          // an enum in nccl.h
+enum { ncclSuccess = 0, ncclSum = 0, ncclFloat32 = 7 };
+
+static struct {
+    ncclResult_t (*CommInitAll)(ncclComm_t* comms, int count, const int* devs);
+    ncclResult_t (*CommDestroy)(ncclComm_t comm);
+    ncclResult_t (*GroupStart)(void);
+    ncclResult_t (*GroupEnd)(void);
+    ncclResult_t (*AllReduce)(const void* send, void* recv, size_t count, int datatype, int op, ncclComm_t comm,
+                              cudaStream_t stream);
+    const char* (*GetErrorString)(ncclResult_t result);
+    bool loaded;
+    char why[256];   // why it did not load
+} nccl;
+
+template <class F> static bool nccl_symbol(void* lib, const char* name, F* fn) {
+    void* p = dlsym(lib, name);
+    if (!p) snprintf(nccl.why, sizeof nccl.why, "libnccl.so.2 has no symbol %s", name);
+    *fn = reinterpret_cast<F>(p);
+    return p != nullptr;
+}
+
+static void nccl_load(void) {
+    void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char* e = dlerror();
+        snprintf(nccl.why, sizeof nccl.why, "dlopen(libnccl.so.2): %s", e ? e : "failed");
+        return;
+    }
+    nccl.loaded = nccl_symbol(lib, "ncclCommInitAll", &nccl.CommInitAll) &&
+                  nccl_symbol(lib, "ncclCommDestroy", &nccl.CommDestroy) &&
+                  nccl_symbol(lib, "ncclGroupStart", &nccl.GroupStart) &&
+                  nccl_symbol(lib, "ncclGroupEnd", &nccl.GroupEnd) &&
+                  nccl_symbol(lib, "ncclAllReduce", &nccl.AllReduce) &&
+                  nccl_symbol(lib, "ncclGetErrorString", &nccl.GetErrorString);
+    if (!nccl.loaded) (void)dlclose(lib);
+}
+
+// Loads NCCL on first use (once, thread-safe); fails with the reason when it is unavailable.
+static int nccl_ready(void) {
+    static std::once_flag once;
+    std::call_once(once, nccl_load);
+    if (nccl.loaded) return MGPU__CU_OK;
+    return report(MGPU__CU_ERR_NCCL, NULL, NULL, __LINE__, "NCCL unavailable: %s", nccl.why);
+}
+
+static const char* nccl_name(ncclResult_t r) {
+    static const char* const names[] = {"ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError",
+                                        "ncclInternalError", "ncclInvalidArgument", "ncclInvalidUsage",
+                                        "ncclRemoteError", "ncclInProgress"};
+    return r >= 0 && r < (int)(sizeof names / sizeof names[0]) ? names[r] : "ncclUnknownError";
+}
+
+#define NCCL_TRY(call, ...)                                                                       \
+    do {                                                                                          \
+        ncclResult_t r_ = (call);                                                                 \
+        if (r_ != ncclSuccess)                                                                    \
+            return report(MGPU__CU_ERR_NCCL, nccl_name(r_), nccl.GetErrorString(r_), __LINE__, __VA_ARGS__); \
+    } while (0)
+
+int mgpu__cu_nccl_available(void) { return nccl_ready() == MGPU__CU_OK; }
+
+int mgpu__cu_nccl_comm_init_all(int count, const int* devs, void** comms) {
+    TRY(nccl_ready());
+    NCCL_TRY(nccl.CommInitAll(reinterpret_cast<ncclComm_t*>(comms), count, devs), "ncclCommInitAll(%d devices)", count);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_comm_destroy(void* comm) {
+    TRY(nccl_ready());
+    if (comm) NCCL_TRY(nccl.CommDestroy((ncclComm_t)comm), "ncclCommDestroy(%p)", comm);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_group_start(void) {
+    TRY(nccl_ready());
+    NCCL_TRY(nccl.GroupStart(), "ncclGroupStart()");
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_group_end(void) {
+    TRY(nccl_ready());
+    NCCL_TRY(nccl.GroupEnd(), "ncclGroupEnd()");
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream) {
+    TRY(nccl_ready());
+    USE_DEVICE(dev);
+    NCCL_TRY(nccl.AllReduce(buf, buf, n, ncclFloat32, ncclSum, (ncclComm_t)comm, as_stream(stream)),
+             "ncclAllReduce(%zu floats, in place) on device %d", n, dev);
+    return MGPU__CU_OK;
+}
