@@ -143,6 +143,9 @@ typedef void (*mgpu_log_fn)(mgpu_log_level level, const char* message, void* use
    A callback set here receives failures too. NULL restores the default. */
 MGPUDEF void mgpu_set_logger(mgpu_log_fn fn, void* user);
 
+/* Seconds on a monotonic clock (for timing steps and throughput). */
+MGPUDEF double mgpu_seconds(void);
+
 /* ============================================================================================ */
 /* >>device                                                                                     */
 /* ============================================================================================ */
@@ -823,6 +826,10 @@ int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void*
 #endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
+/* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno. */
+#if !defined(__cplusplus) && !defined(fileno)
+int fileno(FILE* stream);
+#endif
 #endif
 
 #if defined(MGPU_MALLOC) && defined(MGPU_REALLOC) && defined(MGPU_FREE)
@@ -865,14 +872,7 @@ static void* mgpu__calloc(size_t count, size_t size) {
     return p;
 }
 
-#if defined(__GNUC__) || defined(__clang__)
-#define MGPU__MAYBE_UNUSED __attribute__((unused))
-#else
-#define MGPU__MAYBE_UNUSED
-#endif
-
-/* Seconds on a monotonic clock, for timers and throughput figures. */
-static MGPU__MAYBE_UNUSED double mgpu__now(void) {
+MGPUDEF double mgpu_seconds(void) {
 #if defined(CLOCK_MONOTONIC)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -3701,6 +3701,1735 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
     if (loss) *loss = n ? (float)(total / (double)n) : 0.0f;
     if (correct) *correct = hits;
     return MGPU_OK;
+}
+
+
+/* ---- >>impl io: gzip/DEFLATE decoder, IDX parser, safetensors reader and atomic writer -- */
+/* Needs <stdint.h> <stddef.h> <stdio.h> <stdlib.h> <string.h> <stdarg.h> <errno.h> and, on
+   POSIX, <unistd.h> (fsync, fileno, getpid), all of which the implementation includes before
+   this point, plus MGPU_MALLOC/MGPU_REALLOC/MGPU_FREE and mgpu__fail. Every failure is reported
+   through mgpu__fail with the file's name and what is wrong. No global mutable state. */
+
+/* ============================== gzip (RFC 1952) / DEFLATE (RFC 1951) ======================== */
+/* A compact table-driven inflater in the style of stb_image's zlib: codes of up to
+   MGPU__ZFAST_BITS bits are decoded with one table lookup, longer ones by a canonical-code
+   search. Bits are read LSB first from a 64-bit buffer; reading past the end of the input feeds
+   zero bytes and counts them (overrun), so a truncated stream is detected as soon as one of
+   those invented bits is consumed, and no read ever leaves the input buffer. */
+#define MGPU__ZFAST_BITS 10
+#define MGPU__ZFAST_MASK ((1 << MGPU__ZFAST_BITS) - 1)
+
+typedef struct mgpu__zhuff {
+    uint16_t fast[1 << MGPU__ZFAST_BITS]; /* (code length << 9) | symbol; 0: use the slow path */
+    uint16_t firstcode[16];               /* first canonical code of each length */
+    int maxcode[17];                      /* one past the last code of each length, 16-bit aligned */
+    uint16_t firstsymbol[16];             /* index into size[]/value[] of each length's first code */
+    uint8_t size[288];
+    uint16_t value[288];
+} mgpu__zhuff;
+
+typedef struct mgpu__zin {
+    const uint8_t* p;   /* next input byte */
+    const uint8_t* end;
+    uint64_t bits;      /* bit buffer, next bit in bit 0 */
+    int nbits;
+    int overrun;        /* zero bytes fed to the bit buffer past the end of the input */
+} mgpu__zin;
+
+typedef struct mgpu__zbuf {
+    mgpu__zin in;
+    uint8_t* out;
+    size_t len, cap;
+    const char* name;
+    mgpu__zhuff lit, dist;
+} mgpu__zbuf;
+
+typedef struct mgpu__crc32_table { uint32_t t[8][256]; } mgpu__crc32_table;
+
+static void mgpu__crc32_init(mgpu__crc32_table* c) {
+    uint32_t i, r;
+    int k;
+    for (i = 0; i < 256; ++i) {
+        r = i;
+        for (k = 0; k < 8; ++k) r = (r & 1) ? 0xEDB88320u ^ (r >> 1) : r >> 1;
+        c->t[0][i] = r;
+    }
+    for (i = 0; i < 256; ++i)
+        for (k = 1; k < 8; ++k) c->t[k][i] = (c->t[k - 1][i] >> 8) ^ c->t[0][c->t[k - 1][i] & 0xFF];
+}
+
+/* CRC-32 (ISO 3309, as in gzip), slicing by 8 bytes. */
+static uint32_t mgpu__crc32(const mgpu__crc32_table* c, uint32_t crc, const uint8_t* p, size_t n) {
+    crc = ~crc;
+    while (n >= 8) {
+        uint32_t hi = (uint32_t)p[4] | ((uint32_t)p[5] << 8) | ((uint32_t)p[6] << 16) | ((uint32_t)p[7] << 24);
+        crc ^= (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+        crc = c->t[7][crc & 0xFF] ^ c->t[6][(crc >> 8) & 0xFF] ^ c->t[5][(crc >> 16) & 0xFF] ^ c->t[4][crc >> 24] ^
+              c->t[3][hi & 0xFF] ^ c->t[2][(hi >> 8) & 0xFF] ^ c->t[1][(hi >> 16) & 0xFF] ^ c->t[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = c->t[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+static int mgpu__zrev16(int n) {
+    n = ((n & 0xAAAA) >> 1) | ((n & 0x5555) << 1);
+    n = ((n & 0xCCCC) >> 2) | ((n & 0x3333) << 2);
+    n = ((n & 0xF0F0) >> 4) | ((n & 0x0F0F) << 4);
+    n = ((n & 0xFF00) >> 8) | ((n & 0x00FF) << 8);
+    return n;
+}
+
+/* Builds the canonical Huffman code for n symbols with code lengths lens[] (0..15).
+   Returns 0 for an oversubscribed code. Incomplete codes are accepted (RFC 1951 allows a
+   single distance code); a bit pattern that maps to no symbol is caught when decoded. */
+static int mgpu__zbuild(mgpu__zhuff* h, const uint8_t* lens, int n) {
+    int i, k = 0, code = 0, next[16], count[16];
+    memset(count, 0, sizeof count);
+    memset(h->fast, 0, sizeof h->fast);
+    for (i = 0; i < n; ++i) count[lens[i]]++;
+    count[0] = 0;
+    for (i = 1; i < 16; ++i) {
+        next[i] = code;
+        h->firstcode[i] = (uint16_t)code;
+        h->firstsymbol[i] = (uint16_t)k;
+        code += count[i];
+        if (code > (1 << i)) return 0;
+        h->maxcode[i] = code << (16 - i);
+        code <<= 1;
+        k += count[i];
+    }
+    h->maxcode[16] = 0x10000; /* sentinel: the slow search always stops */
+    for (i = 0; i < n; ++i) {
+        int s = lens[i];
+        if (s) {
+            int c = next[s] - h->firstcode[s] + h->firstsymbol[s];
+            h->size[c] = (uint8_t)s;
+            h->value[c] = (uint16_t)i;
+            if (s <= MGPU__ZFAST_BITS) {
+                int j = mgpu__zrev16(next[s]) >> (16 - s);
+                while (j < (1 << MGPU__ZFAST_BITS)) {
+                    h->fast[j] = (uint16_t)((s << 9) | i);
+                    j += 1 << s;
+                }
+            }
+            ++next[s];
+        }
+    }
+    return 1;
+}
+
+/* Tops the bit buffer up to at least 57 bits. With 8 input bytes left it ORs in one 64-bit load
+   and advances over the whole bytes that fit; the bits of a partly fitting byte are the same ones
+   the next refill ORs in again, so they do no harm. */
+static inline void mgpu__zfill(mgpu__zin* z) {
+    if (z->end - z->p >= 8) {
+        const uint8_t* q = z->p;
+        uint64_t w = (uint64_t)q[0] | ((uint64_t)q[1] << 8) | ((uint64_t)q[2] << 16) | ((uint64_t)q[3] << 24) |
+                     ((uint64_t)q[4] << 32) | ((uint64_t)q[5] << 40) | ((uint64_t)q[6] << 48) | ((uint64_t)q[7] << 56);
+        z->bits |= w << z->nbits;
+        z->p += (63 - z->nbits) >> 3;
+        z->nbits |= 56;
+        return;
+    }
+    while (z->nbits <= 56) {
+        uint64_t byte = 0;
+        if (z->p < z->end) byte = *z->p++;
+        else z->overrun++;
+        z->bits |= byte << z->nbits;
+        z->nbits += 8;
+    }
+}
+
+/* Nonzero once a bit that lies past the end of the input has been consumed. */
+#define MGPU__ZPAST_END(z) ((z)->nbits < 8 * (z)->overrun)
+
+static inline uint32_t mgpu__zbits(mgpu__zin* z, int n) { /* n <= 16 */
+    uint32_t v;
+    if (z->nbits < n) mgpu__zfill(z);
+    v = (uint32_t)z->bits & ((1u << n) - 1);
+    z->bits >>= n;
+    z->nbits -= n;
+    return v;
+}
+
+/* Codes longer than MGPU__ZFAST_BITS: (length << 9) | symbol for the next 16 bits, 0 if they
+   start with no code. Takes the bits by value so the caller's bit buffer can stay in registers. */
+static int mgpu__zslow(const mgpu__zhuff* h, uint32_t bits) {
+    int b, s, k = mgpu__zrev16((int)(bits & 0xFFFF));
+    for (s = MGPU__ZFAST_BITS + 1; k >= h->maxcode[s]; ++s) {}
+    if (s >= 16) return 0;
+    b = (k >> (16 - s)) - h->firstcode[s] + h->firstsymbol[s];
+    if (b < 0 || b >= 288 || h->size[b] != s) return 0;
+    return (s << 9) | h->value[b];
+}
+
+/* Next symbol of code h, or -1 for a bit pattern that is no code. */
+static inline int mgpu__zdecode(mgpu__zin* z, const mgpu__zhuff* h) {
+    int b;
+    if (z->nbits < 16) mgpu__zfill(z);
+    b = h->fast[z->bits & MGPU__ZFAST_MASK];
+    if (!b && !(b = mgpu__zslow(h, (uint32_t)z->bits))) return -1;
+    z->bits >>= b >> 9;
+    z->nbits -= b >> 9;
+    return b & 511;
+}
+
+static mgpu_result mgpu__ztruncated(const mgpu__zbuf* z) {
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: gzip data is truncated (the compressed stream ends early)",
+                      z->name);
+}
+
+static mgpu_result mgpu__zbad(const mgpu__zbuf* z, const char* what) {
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: corrupt gzip data: %s", z->name, what);
+}
+
+/* Makes room for `need` more output bytes, doubling the buffer. */
+static mgpu_result mgpu__zgrow(mgpu__zbuf* z, size_t need) {
+    size_t cap = z->cap ? z->cap : 4096;
+    uint8_t* p;
+    if (need > SIZE_MAX - z->len) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: gunzip output too large", z->name);
+    while (cap - z->len < need) {
+        if (cap > SIZE_MAX / 2) { cap = z->len + need; break; }
+        cap *= 2;
+    }
+    p = (uint8_t*)MGPU_REALLOC(z->out, cap);
+    if (!p)
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory growing the gunzip output to %zu bytes",
+                          z->name, cap);
+    z->out = p;
+    z->cap = cap;
+    return MGPU_OK;
+}
+
+/* Drops to a byte boundary and hands the whole bytes still in the bit buffer back to the input,
+   so stored blocks and the gzip trailer can be read directly. */
+static mgpu_result mgpu__zalign(mgpu__zbuf* z) {
+    int drop = z->in.nbits & 7;
+    z->in.bits >>= drop;
+    z->in.nbits -= drop;
+    if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
+    while (z->in.nbits >= 8) {
+        if (z->in.overrun) z->in.overrun--; /* the most recently buffered bytes are the invented ones */
+        else z->in.p--;
+        z->in.nbits -= 8;
+    }
+    z->in.bits = 0;
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__zstored(mgpu__zbuf* z) {
+    size_t n, avail;
+    mgpu_result r = mgpu__zalign(z);
+    if (r) return r;
+    if (z->in.end - z->in.p < 4) return mgpu__ztruncated(z);
+    n = (size_t)z->in.p[0] | ((size_t)z->in.p[1] << 8);
+    if (n != (((size_t)z->in.p[2] | ((size_t)z->in.p[3] << 8)) ^ 0xFFFF))
+        return mgpu__zbad(z, "stored block length does not match its one's complement");
+    z->in.p += 4;
+    avail = (size_t)(z->in.end - z->in.p);
+    if (n > avail)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE,
+                          "%s: gzip data is truncated (a stored block claims %zu bytes but only %zu remain)",
+                          z->name, n, avail);
+    if (z->cap - z->len < n && (r = mgpu__zgrow(z, n)) != MGPU_OK) return r;
+    if (n) memcpy(z->out + z->len, z->in.p, n);
+    z->len += n;
+    z->in.p += n;
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__zfixed(mgpu__zbuf* z) {
+    uint8_t lens[288];
+    memset(lens, 8, 144);
+    memset(lens + 144, 9, 112);
+    memset(lens + 256, 7, 24);
+    memset(lens + 280, 8, 8);
+    mgpu__zbuild(&z->lit, lens, 288);
+    memset(lens, 5, 32);
+    mgpu__zbuild(&z->dist, lens, 32);
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__zdynamic(mgpu__zbuf* z) {
+    static const uint8_t order[19] = {16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15};
+    mgpu__zhuff cl;
+    uint8_t cllens[19], lens[286 + 30];
+    int hlit, hdist, hclen, total, i, n = 0;
+    hlit = (int)mgpu__zbits(&z->in, 5) + 257;
+    hdist = (int)mgpu__zbits(&z->in, 5) + 1;
+    hclen = (int)mgpu__zbits(&z->in, 4) + 4;
+    if (hlit > 286) return mgpu__zbad(z, "too many literal/length codes in a dynamic block");
+    if (hdist > 30) return mgpu__zbad(z, "too many distance codes in a dynamic block");
+    total = hlit + hdist;
+    memset(cllens, 0, sizeof cllens);
+    for (i = 0; i < hclen; ++i) cllens[order[i]] = (uint8_t)mgpu__zbits(&z->in, 3);
+    if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
+    if (!mgpu__zbuild(&cl, cllens, 19)) return mgpu__zbad(z, "bad Huffman table (oversubscribed code-length code)");
+    while (n < total) {
+        int c = mgpu__zdecode(&z->in, &cl), rep;
+        uint8_t fill = 0;
+        if (c < 0) return MGPU__ZPAST_END(&z->in) ? mgpu__ztruncated(z) : mgpu__zbad(z, "bad Huffman table (invalid code-length code)");
+        if (c < 16) {
+            lens[n++] = (uint8_t)c;
+        } else {
+            if (c == 16) {
+                if (n == 0) return mgpu__zbad(z, "bad Huffman table (repeat code with no previous length)");
+                fill = lens[n - 1];
+                rep = 3 + (int)mgpu__zbits(&z->in, 2);
+            } else if (c == 17) {
+                rep = 3 + (int)mgpu__zbits(&z->in, 3);
+            } else {
+                rep = 11 + (int)mgpu__zbits(&z->in, 7);
+            }
+            if (rep > total - n) return mgpu__zbad(z, "bad Huffman table (code lengths overflow the table)");
+            memset(lens + n, fill, (size_t)rep);
+            n += rep;
+        }
+        if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
+    }
+    if (lens[256] == 0) return mgpu__zbad(z, "bad Huffman table (no end-of-block code)");
+    if (!mgpu__zbuild(&z->lit, lens, hlit)) return mgpu__zbad(z, "bad Huffman table (oversubscribed literal/length code)");
+    if (!mgpu__zbuild(&z->dist, lens + hlit, hdist)) return mgpu__zbad(z, "bad Huffman table (oversubscribed distance code)");
+    return MGPU_OK;
+}
+
+/* Decodes one Huffman-coded block with the codes in z->lit and z->dist. This is the hot loop:
+   the bit reader and the output cursor live in locals and go back to *z on the way out. */
+static mgpu_result mgpu__zblock(mgpu__zbuf* z, size_t member_start) {
+    static const uint16_t len_base[29] = {3,  4,  5,  6,  7,  8,  9,  10, 11,  13,  15,  17,  19,  23, 27,
+                                          31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258};
+    static const uint8_t len_extra[29] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0};
+    static const uint16_t dist_base[30] = {1,   2,   3,   4,   5,   7,    9,    13,   17,   25,
+                                           33,  49,  65,  97,  129, 193,  257,  385,  513,  769,
+                                           1025, 1537, 2049, 3073, 4097, 6145, 8193, 12289, 16385, 24577};
+    static const uint8_t dist_extra[30] = {0, 0, 0, 0, 1, 1, 2, 2,  3,  3,  4,  4,  5,  5,  6,
+                                           6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13};
+    mgpu__zin in = z->in;
+    uint8_t* out = z->out;
+    size_t len = z->len, cap = z->cap;
+    mgpu_result r = MGPU_OK;
+    for (;;) {
+        int sym = mgpu__zdecode(&in, &z->lit);
+        if (MGPU__ZPAST_END(&in)) { r = mgpu__ztruncated(z); break; }
+        if (sym >= 0 && sym < 256) {
+            if (len == cap) {
+                z->len = len;
+                if ((r = mgpu__zgrow(z, 1)) != MGPU_OK) break;
+                out = z->out;
+                cap = z->cap;
+            }
+            out[len++] = (uint8_t)sym;
+        } else if (sym == 256) {
+            break;
+        } else {
+            size_t length, dist;
+            const uint8_t* src;
+            uint8_t* dst;
+            if (sym < 0 || sym >= 286) { r = mgpu__zbad(z, "invalid literal/length code"); break; }
+            sym -= 257;
+            length = len_base[sym] + mgpu__zbits(&in, len_extra[sym]);
+            sym = mgpu__zdecode(&in, &z->dist);
+            if (MGPU__ZPAST_END(&in)) { r = mgpu__ztruncated(z); break; }
+            if (sym < 0 || sym >= 30) { r = mgpu__zbad(z, "invalid distance code"); break; }
+            dist = dist_base[sym] + mgpu__zbits(&in, dist_extra[sym]);
+            if (MGPU__ZPAST_END(&in)) { r = mgpu__ztruncated(z); break; }
+            if (dist > len - member_start) {
+                r = mgpu__fail(MGPU_ERROR_BAD_FILE,
+                               "%s: corrupt gzip data: distance %zu reaches back before the start of the output (%zu bytes written)",
+                               z->name, dist, len - member_start);
+                break;
+            }
+            if (cap - len < length) {
+                z->len = len;
+                if ((r = mgpu__zgrow(z, length)) != MGPU_OK) break;
+                out = z->out;
+                cap = z->cap;
+            }
+            dst = out + len;
+            src = dst - dist;
+            len += length;
+            if (dist == 1) memset(dst, *src, length);
+            else if (dist >= length) memcpy(dst, src, length);
+            else while (length--) *dst++ = *src++; /* overlapping copy repeats the pattern */
+        }
+    }
+    z->in = in;
+    z->len = len;
+    return r;
+}
+
+/* Inflates one raw DEFLATE stream starting at z->in.p; leaves z->in.p just after it. */
+static mgpu_result mgpu__zinflate(mgpu__zbuf* z) {
+    size_t member_start = z->len;
+    int final, type;
+    mgpu_result r;
+    z->in.bits = 0;
+    z->in.nbits = 0;
+    z->in.overrun = 0;
+    do {
+        final = (int)mgpu__zbits(&z->in, 1);
+        type = (int)mgpu__zbits(&z->in, 2);
+        if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
+        if (type == 0) r = mgpu__zstored(z);
+        else if (type == 1) r = mgpu__zfixed(z);
+        else if (type == 2) r = mgpu__zdynamic(z);
+        else return mgpu__zbad(z, "reserved block type 3");
+        if (r == MGPU_OK && type != 0) r = mgpu__zblock(z, member_start);
+        if (r) return r;
+    } while (!final);
+    return mgpu__zalign(z);
+}
+
+static uint32_t mgpu__le32(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Decodes a gzip file (every member, concatenated) or, when src does not start with the gzip
+   magic 1f 8b, copies it through unchanged. *out is MGPU_MALLOC'd (never NULL on success, even
+   for empty output); the caller frees it with MGPU_FREE. */
+static mgpu_result mgpu__gunzip(const uint8_t* src, size_t len, const char* name, uint8_t** out, size_t* out_len) {
+    mgpu__zbuf* z;
+    mgpu__crc32_table* crc;
+    const uint8_t *p, *end;
+    mgpu_result r = MGPU_OK;
+    if (!name) name = "(memory)";
+    if (!out || !out_len || (!src && len))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__gunzip(%s): NULL argument", name);
+    *out = NULL;
+    *out_len = 0;
+    if (len < 2 || src[0] != 0x1F || src[1] != 0x8B) { /* not gzip: plain copy */
+        uint8_t* copy = (uint8_t*)MGPU_MALLOC(len ? len : 1);
+        if (!copy) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory copying %zu bytes", name, len);
+        if (len) memcpy(copy, src, len);
+        *out = copy;
+        *out_len = len;
+        return MGPU_OK;
+    }
+    z = (mgpu__zbuf*)MGPU_MALLOC(sizeof *z);
+    crc = (mgpu__crc32_table*)MGPU_MALLOC(sizeof *crc);
+    if (!z || !crc) {
+        MGPU_FREE(z);
+        MGPU_FREE(crc);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory starting gunzip", name);
+    }
+    memset(z, 0, sizeof *z);
+    z->name = name;
+    mgpu__crc32_init(crc);
+    /* Size the output from the last member's ISIZE (the length mod 2^32) when it is plausible
+       (at most 256 times the input); a wrong guess only costs reallocations. */
+    if (len >= 18) {
+        size_t hint = mgpu__le32(src + len - 4);
+        if (hint / 256 <= len) r = mgpu__zgrow(z, hint ? hint : 1);
+    }
+    p = src;
+    end = src + len;
+    while (r == MGPU_OK) {
+        size_t member_start = z->len, hdr_len;
+        int flags;
+        uint32_t want_crc, want_size;
+        if (end - p < 10) { r = mgpu__ztruncated(z); break; }
+        if (p[2] != 8) {
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: unsupported gzip compression method %d (only 8, deflate)", name, p[2]);
+            break;
+        }
+        flags = p[3];
+        if (flags & 0xE0) { r = mgpu__zbad(z, "reserved header flags are set"); break; }
+        hdr_len = 10;
+        if (flags & 4) { /* FEXTRA */
+            size_t xlen;
+            if ((size_t)(end - p) < hdr_len + 2) { r = mgpu__ztruncated(z); break; }
+            xlen = (size_t)p[hdr_len] | ((size_t)p[hdr_len + 1] << 8);
+            hdr_len += 2;
+            if ((size_t)(end - p) - hdr_len < xlen) { r = mgpu__ztruncated(z); break; }
+            hdr_len += xlen;
+        }
+        if (flags & 8) { /* FNAME, zero-terminated */
+            const uint8_t* nul = (const uint8_t*)memchr(p + hdr_len, 0, (size_t)(end - p) - hdr_len);
+            if (!nul) { r = mgpu__ztruncated(z); break; }
+            hdr_len = (size_t)(nul - p) + 1;
+        }
+        if (flags & 16) { /* FCOMMENT, zero-terminated */
+            const uint8_t* nul = (const uint8_t*)memchr(p + hdr_len, 0, (size_t)(end - p) - hdr_len);
+            if (!nul) { r = mgpu__ztruncated(z); break; }
+            hdr_len = (size_t)(nul - p) + 1;
+        }
+        if (flags & 2) { /* FHCRC: low 16 bits of the CRC-32 of the header so far */
+            if ((size_t)(end - p) - hdr_len < 2) { r = mgpu__ztruncated(z); break; }
+            if ((mgpu__crc32(crc, 0, p, hdr_len) & 0xFFFF) != ((uint32_t)p[hdr_len] | ((uint32_t)p[hdr_len + 1] << 8))) {
+                r = mgpu__zbad(z, "header CRC mismatch");
+                break;
+            }
+            hdr_len += 2;
+        }
+        z->in.p = p + hdr_len;
+        z->in.end = end;
+        r = mgpu__zinflate(z);
+        if (r) break;
+        if (z->in.end - z->in.p < 8) { r = mgpu__ztruncated(z); break; }
+        want_crc = mgpu__le32(z->in.p);
+        want_size = mgpu__le32(z->in.p + 4);
+        p = z->in.p + 8;
+        if (mgpu__crc32(crc, 0, z->out + member_start, z->len - member_start) != want_crc) {
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: corrupt gzip data: CRC-32 mismatch (the decoded data is damaged)", name);
+            break;
+        }
+        if ((uint32_t)(z->len - member_start) != want_size) {
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE,
+                           "%s: corrupt gzip data: length mismatch (trailer says %lu bytes mod 2^32, decoded %zu)",
+                           name, (unsigned long)want_size, z->len - member_start);
+            break;
+        }
+        if (p == end) break;
+        if (end - p >= 2 && p[0] == 0x1F && p[1] == 0x8B) continue; /* another member */
+        while (p < end && *p == 0) ++p;                             /* zero padding is tolerated */
+        if (p != end)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: %zu bytes of trailing garbage after the gzip data", name,
+                           (size_t)(end - p));
+        break;
+    }
+    MGPU_FREE(crc);
+    if (r == MGPU_OK) {
+        if (!z->out || z->cap != z->len) { /* shrink to fit; keep the larger block if that fails */
+            uint8_t* shrunk = (uint8_t*)MGPU_REALLOC(z->out, z->len ? z->len : 1);
+            if (shrunk) z->out = shrunk;
+            else if (!z->out) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory", name);
+        }
+    }
+    if (r == MGPU_OK) {
+        *out = z->out;
+        *out_len = z->len;
+    } else {
+        MGPU_FREE(z->out);
+    }
+    MGPU_FREE(z);
+    return r;
+}
+
+/* ========================================= IDX (MNIST) ====================================== */
+typedef struct mgpu__idx {
+    int type;              /* 0x08: unsigned byte (the only one accepted) */
+    int ndim;              /* 1..4 */
+    int64_t dims[4];
+    const uint8_t* data;   /* points into the parsed buffer */
+    size_t data_bytes;
+} mgpu__idx;
+
+static mgpu_result mgpu__idx_parse(const uint8_t* buf, size_t len, const char* name, mgpu__idx* out) {
+    const char* tname;
+    size_t hdr, have;
+    uint64_t want = 1;
+    int i, overflow = 0;
+    if (!name) name = "(memory)";
+    if (!out || (!buf && len)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__idx_parse(%s): NULL argument", name);
+    memset(out, 0, sizeof *out);
+    if (len < 4) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: %zu bytes is too short for an IDX header", name, len);
+    if (buf[0] != 0 || buf[1] != 0)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: not an IDX file (it starts with %02x %02x, expected 00 00)", name,
+                          buf[0], buf[1]);
+    switch (buf[2]) {
+    case 0x08: tname = NULL; break;
+    case 0x09: tname = "signed byte"; break;
+    case 0x0B: tname = "int16"; break;
+    case 0x0C: tname = "int32"; break;
+    case 0x0D: tname = "float32"; break;
+    case 0x0E: tname = "float64"; break;
+    default:
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: unknown IDX element type 0x%02X", name, buf[2]);
+    }
+    if (tname)
+        return mgpu__fail(MGPU_ERROR_UNSUPPORTED,
+                          "%s: IDX element type 0x%02X (%s) is not supported; only 0x08 (unsigned byte) is", name,
+                          buf[2], tname);
+    if (buf[3] < 1 || buf[3] > 4)
+        return mgpu__fail(buf[3] ? MGPU_ERROR_UNSUPPORTED : MGPU_ERROR_BAD_FILE,
+                          "%s: IDX file has %d dimensions; 1 to 4 are supported", name, buf[3]);
+    out->type = buf[2];
+    out->ndim = buf[3];
+    hdr = 4 + 4 * (size_t)out->ndim;
+    if (len < hdr)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: IDX header is truncated (%d dimensions need %zu bytes, the file holds %zu)",
+                          name, out->ndim, hdr, len);
+    for (i = 0; i < out->ndim; ++i) {
+        const uint8_t* d = buf + 4 + 4 * i;
+        uint64_t v = ((uint64_t)d[0] << 24) | ((uint64_t)d[1] << 16) | ((uint64_t)d[2] << 8) | d[3];
+        if (v == 0) {
+            memset(out, 0, sizeof *out);
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: IDX dimension %d is zero", name, i);
+        }
+        out->dims[i] = (int64_t)v;
+        if (want > UINT64_MAX / v) overflow = 1;
+        else want *= v;
+    }
+    have = len - hdr;
+    if (overflow || want > (uint64_t)SIZE_MAX) {
+        memset(out, 0, sizeof *out);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: IDX dimensions overflow (the product of the dimensions is too large)", name);
+    }
+    if (want != (uint64_t)have) {
+        memset(out, 0, sizeof *out);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: IDX header promises %llu bytes of data but the file holds %llu (%s)", name,
+                          (unsigned long long)want, (unsigned long long)have,
+                          want > (uint64_t)have ? "truncated" : "trailing garbage");
+    }
+    out->data = buf + hdr;
+    out->data_bytes = have;
+    return MGPU_OK;
+}
+
+/* ======================================== safetensors ======================================= */
+typedef struct mgpu__st_tensor {
+    char name[256];
+    char dtype[8];
+    int ndim;
+    int64_t shape[8];
+    uint64_t begin, end; /* relative to the start of the byte buffer */
+} mgpu__st_tensor;
+typedef struct mgpu__st_meta { char key[128]; char value[1024]; } mgpu__st_meta;
+typedef struct mgpu__st_file {
+    mgpu__st_tensor* tensors;
+    int count;
+    mgpu__st_meta* meta;
+    int meta_count;
+    uint64_t data_start; /* file offset of the byte buffer */
+} mgpu__st_file;
+
+#define MGPU__ST_MAX_HEADER ((uint64_t)100 * 1000 * 1000)
+#define MGPU__ST_MAX_TENSORS (1 << 20)
+#define MGPU__ST_MAX_META 4096
+#define MGPU__JSON_MAX_DEPTH 64
+
+static size_t mgpu__st_dtype_size(const char* dtype) {
+    static const char* const names[10] = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
+    static const uint8_t sizes[10] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
+    int i;
+    if (!dtype) return 0;
+    for (i = 0; i < 10; ++i)
+        if (!strcmp(dtype, names[i])) return sizes[i];
+    return 0;
+}
+
+/* dtypes that the safetensors format defines but mgpu does not read. */
+static int mgpu__st_dtype_known_unsupported(const char* dtype) {
+    static const char* const names[] = {"U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; ++i)
+        if (!strcmp(dtype, names[i])) return 1;
+    return 0;
+}
+
+/* Length of the valid UTF-8 sequence at s (at most n bytes), 0 if invalid (overlong forms,
+   surrogates and code points above U+10FFFF are invalid). */
+static int mgpu__utf8_len(const uint8_t* s, size_t n) {
+    uint8_t c = s[0], lo = 0x80, hi = 0xBF;
+    int len, i;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+    } else return 0;
+    if (n < (size_t)len) return 0;
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (i = 2; i < len; ++i)
+        if (s[i] < 0x80 || s[i] > 0xBF) return 0;
+    return len;
+}
+
+/* ---- a small strict JSON reader over the header ---- */
+typedef struct mgpu__json {
+    const uint8_t* s;
+    size_t pos, len;
+    const char* name; /* the file, for messages */
+} mgpu__json;
+
+static mgpu_result mgpu__json_error(const mgpu__json* j, const char* what) {
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header is not valid JSON at byte %zu of %zu: %s", j->name,
+                      j->pos, j->len, what);
+}
+
+static int mgpu__json_peek(mgpu__json* j) { /* skips whitespace; -1 at the end */
+    while (j->pos < j->len && (j->s[j->pos] == ' ' || j->s[j->pos] == '\t' || j->s[j->pos] == '\n' || j->s[j->pos] == '\r'))
+        j->pos++;
+    return j->pos < j->len ? j->s[j->pos] : -1;
+}
+
+static mgpu_result mgpu__json_expect(mgpu__json* j, int c, const char* what) {
+    if (mgpu__json_peek(j) != c) return mgpu__json_error(j, what);
+    j->pos++;
+    return MGPU_OK;
+}
+
+static int mgpu__json_hex4(const uint8_t* s, uint32_t* v) {
+    int i;
+    *v = 0;
+    for (i = 0; i < 4; ++i) {
+        int c = s[i], d;
+        if (c >= '0' && c <= '9') d = c - '0';
+        else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+        else return 0;
+        *v = (*v << 4) | (uint32_t)d;
+    }
+    return 1;
+}
+
+/* Reads a string (the cursor is on its opening quote), decoding escapes to UTF-8. Up to cap-1
+   bytes go to dst (NUL-terminated, when dst is not NULL); *out_len gets the full decoded length. */
+static mgpu_result mgpu__json_string(mgpu__json* j, char* dst, size_t cap, size_t* out_len) {
+    size_t n = 0;
+    if (mgpu__json_peek(j) != '"') return mgpu__json_error(j, "expected a string");
+    j->pos++;
+    for (;;) {
+        uint8_t buf[4];
+        int k, blen;
+        uint32_t c;
+        if (j->pos >= j->len) return mgpu__json_error(j, "unterminated string");
+        c = j->s[j->pos];
+        if (c == '"') { j->pos++; break; }
+        if (c < 0x20) return mgpu__json_error(j, "control character in a string");
+        if (c == '\\') {
+            if (j->len - j->pos < 2) return mgpu__json_error(j, "unterminated string");
+            c = j->s[j->pos + 1];
+            blen = 1;
+            switch (c) {
+            case '"': case '\\': case '/': buf[0] = (uint8_t)c; break;
+            case 'b': buf[0] = '\b'; break;
+            case 'f': buf[0] = '\f'; break;
+            case 'n': buf[0] = '\n'; break;
+            case 'r': buf[0] = '\r'; break;
+            case 't': buf[0] = '\t'; break;
+            case 'u':
+                if (j->len - j->pos < 6 || !mgpu__json_hex4(j->s + j->pos + 2, &c))
+                    return mgpu__json_error(j, "bad \\u escape");
+                if (c >= 0xDC00 && c <= 0xDFFF) return mgpu__json_error(j, "unpaired UTF-16 surrogate in a \\u escape");
+                if (c >= 0xD800 && c <= 0xDBFF) {
+                    uint32_t lo;
+                    if (j->len - j->pos < 12 || j->s[j->pos + 6] != '\\' || j->s[j->pos + 7] != 'u' ||
+                        !mgpu__json_hex4(j->s + j->pos + 8, &lo) || lo < 0xDC00 || lo > 0xDFFF)
+                        return mgpu__json_error(j, "unpaired UTF-16 surrogate in a \\u escape");
+                    c = 0x10000 + ((c - 0xD800) << 10) + (lo - 0xDC00);
+                    j->pos += 6;
+                }
+                if (c < 0x80) buf[0] = (uint8_t)c;
+                else if (c < 0x800) {
+                    buf[0] = (uint8_t)(0xC0 | (c >> 6));
+                    buf[1] = (uint8_t)(0x80 | (c & 0x3F));
+                    blen = 2;
+                } else if (c < 0x10000) {
+                    buf[0] = (uint8_t)(0xE0 | (c >> 12));
+                    buf[1] = (uint8_t)(0x80 | ((c >> 6) & 0x3F));
+                    buf[2] = (uint8_t)(0x80 | (c & 0x3F));
+                    blen = 3;
+                } else {
+                    buf[0] = (uint8_t)(0xF0 | (c >> 18));
+                    buf[1] = (uint8_t)(0x80 | ((c >> 12) & 0x3F));
+                    buf[2] = (uint8_t)(0x80 | ((c >> 6) & 0x3F));
+                    buf[3] = (uint8_t)(0x80 | (c & 0x3F));
+                    blen = 4;
+                }
+                j->pos += 4;
+                break;
+            default: return mgpu__json_error(j, "bad escape in a string");
+            }
+            j->pos += 2;
+        } else {
+            blen = mgpu__utf8_len(j->s + j->pos, j->len - j->pos);
+            if (!blen) return mgpu__json_error(j, "invalid UTF-8 in a string");
+            memcpy(buf, j->s + j->pos, (size_t)blen);
+            j->pos += (size_t)blen;
+        }
+        for (k = 0; k < blen; ++k, ++n)
+            if (dst && n + 1 < cap) dst[n] = (char)buf[k];
+    }
+    if (dst && cap) dst[n < cap ? n : cap - 1] = 0;
+    if (out_len) *out_len = n;
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__json_number(mgpu__json* j) { /* validates and skips a JSON number */
+    const uint8_t* s = j->s;
+    size_t p = j->pos, n = j->len;
+    if (p < n && s[p] == '-') p++;
+    if (p < n && s[p] == '0') p++;
+    else if (p < n && s[p] >= '1' && s[p] <= '9') while (p < n && s[p] >= '0' && s[p] <= '9') p++;
+    else return mgpu__json_error(j, "bad number");
+    if (p < n && s[p] == '.') {
+        if (++p >= n || s[p] < '0' || s[p] > '9') { j->pos = p; return mgpu__json_error(j, "bad number"); }
+        while (p < n && s[p] >= '0' && s[p] <= '9') p++;
+    }
+    if (p < n && (s[p] == 'e' || s[p] == 'E')) {
+        p++;
+        if (p < n && (s[p] == '+' || s[p] == '-')) p++;
+        if (p >= n || s[p] < '0' || s[p] > '9') { j->pos = p; return mgpu__json_error(j, "bad number"); }
+        while (p < n && s[p] >= '0' && s[p] <= '9') p++;
+    }
+    j->pos = p;
+    return MGPU_OK;
+}
+
+/* Validates and skips any JSON value, nesting at most MGPU__JSON_MAX_DEPTH deep. */
+static mgpu_result mgpu__json_skip(mgpu__json* j, int depth) {
+    mgpu_result r;
+    int c = mgpu__json_peek(j);
+    if (depth > MGPU__JSON_MAX_DEPTH) return mgpu__json_error(j, "nested too deeply");
+    if (c == '{' || c == '[') {
+        int close = c == '{' ? '}' : ']';
+        j->pos++;
+        if (mgpu__json_peek(j) == close) { j->pos++; return MGPU_OK; }
+        for (;;) {
+            if (close == '}') {
+                if ((r = mgpu__json_string(j, NULL, 0, NULL)) != MGPU_OK) return r;
+                if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
+            }
+            if ((r = mgpu__json_skip(j, depth + 1)) != MGPU_OK) return r;
+            c = mgpu__json_peek(j);
+            j->pos++;
+            if (c == close) return MGPU_OK;
+            if (c != ',') { j->pos--; return mgpu__json_error(j, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'"); }
+        }
+    }
+    if (c == '"') return mgpu__json_string(j, NULL, 0, NULL);
+    if (c == '-' || (c >= '0' && c <= '9')) return mgpu__json_number(j);
+    if (c == 't' && j->len - j->pos >= 4 && !memcmp(j->s + j->pos, "true", 4)) { j->pos += 4; return MGPU_OK; }
+    if (c == 'f' && j->len - j->pos >= 5 && !memcmp(j->s + j->pos, "false", 5)) { j->pos += 5; return MGPU_OK; }
+    if (c == 'n' && j->len - j->pos >= 4 && !memcmp(j->s + j->pos, "null", 4)) { j->pos += 4; return MGPU_OK; }
+    return mgpu__json_error(j, c < 0 ? "unexpected end of the header" : "expected a value");
+}
+
+/* Reads a non-negative integer. Returns 0 on success, else what is wrong with it. */
+static const char* mgpu__json_uint(mgpu__json* j, uint64_t* v) {
+    const uint8_t* s = j->s;
+    size_t p;
+    int c = mgpu__json_peek(j);
+    *v = 0;
+    if (c == '-') return "is negative";
+    if (c < '0' || c > '9') return "is not a number";
+    p = j->pos;
+    if (s[p] == '0' && p + 1 < j->len && s[p + 1] >= '0' && s[p + 1] <= '9') return "has a leading zero";
+    while (p < j->len && s[p] >= '0' && s[p] <= '9') {
+        uint64_t d = (uint64_t)(s[p] - '0');
+        if (*v > (UINT64_MAX - d) / 10) return "is too large (overflows 64 bits)";
+        *v = *v * 10 + d;
+        p++;
+    }
+    if (p < j->len && (s[p] == '.' || s[p] == 'e' || s[p] == 'E')) return "is not an integer";
+    j->pos = p;
+    return NULL;
+}
+
+/* Reads an array of non-negative integers (at most max of them) for tensor t. */
+static mgpu_result mgpu__st_uint_array(mgpu__json* j, const char* field, const char* tname, uint64_t* vals, int max,
+                                       int* count) {
+    const char* why;
+    int c;
+    *count = 0;
+    if (mgpu__json_peek(j) != '[')
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': %s is not an array", j->name, tname, field);
+    j->pos++;
+    if (mgpu__json_peek(j) == ']') { j->pos++; return MGPU_OK; }
+    for (;;) {
+        uint64_t v;
+        if (*count == max)
+            return mgpu__fail(max == 8 ? MGPU_ERROR_UNSUPPORTED : MGPU_ERROR_BAD_FILE,
+                              "%s: tensor '%s': %s has more than %d entries%s", j->name, tname, field, max,
+                              max == 8 ? " (more than 8 dimensions is not supported)" : "");
+        why = mgpu__json_uint(j, &v);
+        if (why)
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': %s entry %d %s", j->name, tname, field, *count, why);
+        vals[(*count)++] = v;
+        c = mgpu__json_peek(j);
+        j->pos++;
+        if (c == ']') return MGPU_OK;
+        if (c != ',') { j->pos--; return mgpu__json_error(j, "expected ',' or ']'"); }
+    }
+}
+
+static void mgpu__st_shape_str(const mgpu__st_tensor* t, char* buf, size_t cap) {
+    size_t n = 0;
+    int i;
+    buf[0] = 0;
+    n += (size_t)snprintf(buf, cap, "[");
+    for (i = 0; i < t->ndim && n < cap; ++i)
+        n += (size_t)snprintf(buf + n, cap - n, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+/* Parses one tensor entry {"dtype":..., "shape":[...], "data_offsets":[b, e]} and checks it
+   against the byte buffer of buf_len bytes. */
+static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_tensor* t, uint64_t buf_len) {
+    int have_dtype = 0, have_shape = 0, have_offsets = 0, n, i, c;
+    uint64_t vals[8], elems = 1, bytes;
+    size_t dsize;
+    mgpu_result r;
+    char shape[200];
+    if (mgpu__json_peek(j) != '{')
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry is not a JSON object", j->name, t->name);
+    j->pos++;
+    if (mgpu__json_peek(j) == '}') j->pos++;
+    else for (;;) {
+        char key[16];
+        size_t klen;
+        if ((r = mgpu__json_string(j, key, sizeof key, &klen)) != MGPU_OK) return r;
+        if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
+        if (klen == 5 && !strcmp(key, "dtype")) {
+            char dt[16];
+            size_t dlen;
+            if (have_dtype++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"dtype\"", j->name, t->name);
+            int clean;
+            if (mgpu__json_peek(j) != '"')
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': dtype is not a string", j->name, t->name);
+            if ((r = mgpu__json_string(j, dt, sizeof dt, &dlen)) != MGPU_OK) return r;
+            clean = dlen < sizeof dt && strlen(dt) == dlen;
+            if (clean && dlen < sizeof t->dtype && mgpu__st_dtype_size(dt)) {
+                memcpy(t->dtype, dt, dlen + 1);
+            } else if (clean && mgpu__st_dtype_known_unsupported(dt)) {
+                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported", j->name, t->name, dt);
+            } else {
+                return mgpu__fail(MGPU_ERROR_BAD_FILE,
+                                  "%s: tensor '%s': unknown dtype '%s%s' (expected F64, F32, F16, BF16, I64, I32, I16, I8, U8 or BOOL)",
+                                  j->name, t->name, dt, clean ? "" : "...");
+            }
+        } else if (klen == 5 && !strcmp(key, "shape")) {
+            if (have_shape++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"shape\"", j->name, t->name);
+            if ((r = mgpu__st_uint_array(j, "shape", t->name, vals, 8, &n)) != MGPU_OK) return r;
+            t->ndim = n;
+            for (i = 0; i < n; ++i) {
+                if (vals[i] > (uint64_t)INT64_MAX)
+                    return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape entry %d is too large (overflow)", j->name,
+                                      t->name, i);
+                t->shape[i] = (int64_t)vals[i];
+            }
+        } else if (klen == 12 && !strcmp(key, "data_offsets")) {
+            if (have_offsets++)
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"data_offsets\"", j->name, t->name);
+            if ((r = mgpu__st_uint_array(j, "data_offsets", t->name, vals, 2, &n)) != MGPU_OK) return r;
+            if (n != 2)
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': data_offsets must hold 2 entries [begin, end], not %d",
+                                  j->name, t->name, n);
+            t->begin = vals[0];
+            t->end = vals[1];
+        } else {
+            if ((r = mgpu__json_skip(j, 2)) != MGPU_OK) return r; /* unknown keys are ignored */
+        }
+        c = mgpu__json_peek(j);
+        j->pos++;
+        if (c == '}') break;
+        if (c != ',') { j->pos--; return mgpu__json_error(j, "expected ',' or '}'"); }
+    }
+    if (!have_dtype || !have_shape || !have_offsets)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry has no \"%s\"", j->name, t->name,
+                          !have_dtype ? "dtype" : !have_shape ? "shape" : "data_offsets");
+    /* sizes, overflow-safe: a zero dimension makes the tensor empty whatever the others are */
+    for (i = 0; i < t->ndim; ++i)
+        if (t->shape[i] == 0) elems = 0;
+    mgpu__st_shape_str(t, shape, sizeof shape);
+    for (i = 0; i < t->ndim && elems; ++i) {
+        if (elems > UINT64_MAX / (uint64_t)t->shape[i])
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape %s overflows (too many elements)", j->name,
+                              t->name, shape);
+        elems *= (uint64_t)t->shape[i];
+    }
+    dsize = mgpu__st_dtype_size(t->dtype);
+    if (elems > UINT64_MAX / dsize)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape %s of %s overflows (too many bytes)", j->name, t->name,
+                          shape, t->dtype);
+    bytes = elems * dsize;
+    if (t->begin > t->end)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': data_offsets begin %llu > end %llu", j->name, t->name,
+                          (unsigned long long)t->begin, (unsigned long long)t->end);
+    if (t->end > buf_len)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE,
+                          "%s: tensor '%s': data_offsets end %llu is beyond the end of the byte buffer (%llu bytes; file truncated?)",
+                          j->name, t->name, (unsigned long long)t->end, (unsigned long long)buf_len);
+    if (t->end - t->begin != bytes)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE,
+                          "%s: tensor '%s': data_offsets [%llu, %llu] span %llu bytes but %s %s needs %llu (size mismatch)",
+                          j->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                          (unsigned long long)(t->end - t->begin), t->dtype, shape, (unsigned long long)bytes);
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__st_metadata(mgpu__json* j, mgpu__st_file* out) {
+    mgpu_result r;
+    int c, cap = 0;
+    if (mgpu__json_peek(j) != '{')
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" is not a JSON object of strings", j->name);
+    j->pos++;
+    if (mgpu__json_peek(j) == '}') { j->pos++; return MGPU_OK; }
+    for (;;) {
+        mgpu__st_meta* m;
+        size_t klen, vlen;
+        if (out->meta_count == cap) {
+            mgpu__st_meta* grown;
+            if (cap >= MGPU__ST_MAX_META)
+                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: more than %d \"__metadata__\" entries", j->name, MGPU__ST_MAX_META);
+            cap = cap ? cap * 2 : 8;
+            grown = (mgpu__st_meta*)MGPU_REALLOC(out->meta, (size_t)cap * sizeof *grown);
+            if (!grown) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
+            out->meta = grown;
+        }
+        m = &out->meta[out->meta_count];
+        if ((r = mgpu__json_string(j, m->key, sizeof m->key, &klen)) != MGPU_OK) return r;
+        if (klen >= sizeof m->key)
+            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" key '%.40s...' is %zu bytes; at most %d are supported",
+                              j->name, m->key, klen, (int)sizeof m->key - 1);
+        if (strlen(m->key) != klen)
+            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" key '%s' contains a NUL character", j->name, m->key);
+        if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
+        if (mgpu__json_peek(j) != '"')
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" value of '%s' is not a string", j->name, m->key);
+        if ((r = mgpu__json_string(j, m->value, sizeof m->value, &vlen)) != MGPU_OK) return r;
+        if (vlen >= sizeof m->value)
+            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" value of '%s' is %zu bytes; at most %d are supported",
+                              j->name, m->key, vlen, (int)sizeof m->value - 1);
+        if (strlen(m->value) != vlen)
+            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" value of '%s' contains a NUL character", j->name, m->key);
+        out->meta_count++;
+        c = mgpu__json_peek(j);
+        j->pos++;
+        if (c == '}') return MGPU_OK;
+        if (c != ',') { j->pos--; return mgpu__json_error(j, "expected ',' or '}'"); }
+    }
+}
+
+static int mgpu__st_cmp_name(const void* a, const void* b) {
+    return strcmp(*(const char* const*)a, *(const char* const*)b);
+}
+static int mgpu__st_cmp_offsets(const void* a, const void* b) {
+    const mgpu__st_tensor* x = *(const mgpu__st_tensor* const*)a;
+    const mgpu__st_tensor* y = *(const mgpu__st_tensor* const*)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    if (x->end != y->end) return x->end < y->end ? -1 : 1;
+    return 0;
+}
+
+/* Sorts the n string pointers names[] and returns one that occurs twice, or NULL. */
+static const char* mgpu__dup_name(const char** names, int n) {
+    int i;
+    if (n < 2) return NULL;
+    qsort((void*)names, (size_t)n, sizeof *names, mgpu__st_cmp_name);
+    for (i = 1; i < n; ++i)
+        if (!strcmp(names[i - 1], names[i])) return names[i];
+    return NULL;
+}
+
+/* Duplicate names, duplicate metadata keys and overlapping data ranges. */
+static mgpu_result mgpu__st_cross_check(const mgpu__st_file* f, const char* name) {
+    int n = f->count > f->meta_count ? f->count : f->meta_count, i;
+    const char** names;
+    const char* d;
+    const mgpu__st_tensor** byoff;
+    mgpu_result r = MGPU_OK;
+    uint64_t maxend = 0;
+    const mgpu__st_tensor* holder = NULL;
+    if (n == 0) return MGPU_OK;
+    names = (const char**)MGPU_MALLOC((size_t)n * sizeof *names);
+    byoff = (const mgpu__st_tensor**)MGPU_MALLOC((size_t)n * sizeof *byoff);
+    if (!names || !byoff) {
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory checking the header", name);
+    }
+    if (r == MGPU_OK) {
+        for (i = 0; i < f->count; ++i) names[i] = f->tensors[i].name;
+        if ((d = mgpu__dup_name(names, f->count)) != NULL)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate tensor name '%s'", name, d);
+    }
+    if (r == MGPU_OK) {
+        for (i = 0; i < f->meta_count; ++i) names[i] = f->meta[i].key;
+        if ((d = mgpu__dup_name(names, f->meta_count)) != NULL)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate \"__metadata__\" key '%s'", name, d);
+    }
+    if (r == MGPU_OK) {
+        for (i = 0; i < f->count; ++i) byoff[i] = &f->tensors[i];
+        qsort(byoff, (size_t)f->count, sizeof *byoff, mgpu__st_cmp_offsets);
+        for (i = 0; i < f->count; ++i) {
+            if (holder && byoff[i]->begin < maxend) {
+                r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensors '%s' [%llu, %llu) and '%s' [%llu, %llu) overlap", name,
+                               holder->name, (unsigned long long)holder->begin, (unsigned long long)holder->end,
+                               byoff[i]->name, (unsigned long long)byoff[i]->begin, (unsigned long long)byoff[i]->end);
+                break;
+            }
+            if (byoff[i]->end > maxend || !holder) {
+                maxend = byoff[i]->end;
+                holder = byoff[i];
+            }
+        }
+    }
+    MGPU_FREE((void*)names);
+    MGPU_FREE((void*)byoff);
+    return r;
+}
+
+static void mgpu__st_free(mgpu__st_file* f) {
+    if (!f) return;
+    MGPU_FREE(f->tensors);
+    MGPU_FREE(f->meta);
+    memset(f, 0, sizeof *f);
+}
+
+/* Parses and validates the header of a safetensors file held in memory. On success the caller
+   owns out's arrays (mgpu__st_free); on failure out is zeroed. */
+static mgpu_result mgpu__st_parse(const uint8_t* file, size_t file_len, const char* name, mgpu__st_file* out) {
+    mgpu__json j;
+    uint64_t hlen, buf_len;
+    int c, cap = 0, have_meta = 0;
+    mgpu_result r = MGPU_OK;
+    if (!name) name = "(memory)";
+    if (!out || (!file && file_len)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_parse(%s): NULL argument", name);
+    memset(out, 0, sizeof *out);
+    if (file_len < 8)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: %zu bytes is too short for a safetensors file (need at least 8)", name, file_len);
+    hlen = (uint64_t)mgpu__le32(file) | ((uint64_t)mgpu__le32(file + 4) << 32);
+    if (hlen > MGPU__ST_MAX_HEADER)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header length %llu exceeds the 100 MB limit (not a safetensors file?)",
+                          name, (unsigned long long)hlen);
+    if (hlen > (uint64_t)file_len - 8)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header length %llu is larger than the rest of the file (%zu bytes)",
+                          name, (unsigned long long)hlen, file_len - 8);
+    out->data_start = 8 + hlen;
+    buf_len = (uint64_t)file_len - out->data_start;
+    j.s = file + 8;
+    j.pos = 0;
+    j.len = (size_t)hlen;
+    j.name = name;
+    if (mgpu__json_peek(&j) != '{') {
+        if (mgpu__json_peek(&j) < 0) return mgpu__json_error(&j, "the header is empty");
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header is not a JSON object", name);
+    }
+    j.pos++;
+    if (mgpu__json_peek(&j) == '}') j.pos++;
+    else for (;;) {
+        char key[256];
+        size_t klen;
+        if ((r = mgpu__json_string(&j, key, sizeof key, &klen)) != MGPU_OK) break;
+        if ((r = mgpu__json_expect(&j, ':', "expected ':'")) != MGPU_OK) break;
+        if (klen == 12 && !strcmp(key, "__metadata__")) {
+            if (have_meta++) { r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate \"__metadata__\"", name); break; }
+            if ((r = mgpu__st_metadata(&j, out)) != MGPU_OK) break;
+        } else {
+            mgpu__st_tensor* t;
+            if (klen >= sizeof key) {
+                r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor name '%.40s...' is %zu bytes; at most 255 are supported",
+                               name, key, klen);
+                break;
+            }
+            if (strlen(key) != klen) {
+                r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor name '%s' contains a NUL character", name, key);
+                break;
+            }
+            if (out->count == cap) {
+                mgpu__st_tensor* grown;
+                if (cap >= MGPU__ST_MAX_TENSORS) {
+                    r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: more than %d tensors", name, MGPU__ST_MAX_TENSORS);
+                    break;
+                }
+                cap = cap ? cap * 2 : 16;
+                grown = (mgpu__st_tensor*)MGPU_REALLOC(out->tensors, (size_t)cap * sizeof *grown);
+                if (!grown) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", name); break; }
+                out->tensors = grown;
+            }
+            t = &out->tensors[out->count];
+            memset(t, 0, sizeof *t);
+            memcpy(t->name, key, klen + 1);
+            if ((r = mgpu__st_entry(&j, t, buf_len)) != MGPU_OK) break;
+            out->count++;
+        }
+        c = mgpu__json_peek(&j);
+        j.pos++;
+        if (c == '}') break;
+        if (c != ',') { j.pos--; r = mgpu__json_error(&j, "expected ',' or '}'"); break; }
+    }
+    if (r == MGPU_OK && mgpu__json_peek(&j) >= 0) /* only whitespace padding may follow */
+        r = mgpu__json_error(&j, "trailing characters after the header object");
+    if (r == MGPU_OK) r = mgpu__st_cross_check(out, name);
+    if (r != MGPU_OK) mgpu__st_free(out);
+    return r;
+}
+
+/* ---- the writer ---- */
+typedef struct mgpu__st_write_item {
+    const char* name;
+    const char* dtype;      /* "F32", ... (mgpu__st_dtype_size knows it) */
+    int ndim;               /* 0..8 */
+    const int64_t* shape;
+    const void* data;
+    size_t bytes;           /* must equal product(shape) * dtype size */
+} mgpu__st_write_item;
+
+typedef struct mgpu__sbuf { char* p; size_t len, cap; int oom; } mgpu__sbuf;
+
+static void mgpu__sb_put(mgpu__sbuf* b, const char* s, size_t n) {
+    if (b->oom) return;
+    if (b->cap - b->len < n + 1) {
+        size_t cap = b->cap ? b->cap : 256;
+        char* p;
+        while (cap - b->len < n + 1) cap *= 2;
+        p = (char*)MGPU_REALLOC(b->p, cap);
+        if (!p) { b->oom = 1; return; }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+static void mgpu__sb_str(mgpu__sbuf* b, const char* s) { mgpu__sb_put(b, s, strlen(s)); }
+static void mgpu__sb_u64(mgpu__sbuf* b, uint64_t v) {
+    char tmp[32];
+    snprintf(tmp, sizeof tmp, "%llu", (unsigned long long)v);
+    mgpu__sb_str(b, tmp);
+}
+static void mgpu__sb_json(mgpu__sbuf* b, const char* s) { /* a JSON string literal */
+    mgpu__sb_put(b, "\"", 1);
+    for (; *s; ++s) {
+        unsigned char c = (unsigned char)*s;
+        char esc[8];
+        if (c == '"') mgpu__sb_put(b, "\\\"", 2);
+        else if (c == '\\') mgpu__sb_put(b, "\\\\", 2);
+        else if (c == '\n') mgpu__sb_put(b, "\\n", 2);
+        else if (c == '\r') mgpu__sb_put(b, "\\r", 2);
+        else if (c == '\t') mgpu__sb_put(b, "\\t", 2);
+        else if (c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", c);
+            mgpu__sb_put(b, esc, 6);
+        } else mgpu__sb_put(b, s, 1);
+    }
+    mgpu__sb_put(b, "\"", 1);
+}
+
+static int mgpu__utf8_valid(const char* s) {
+    size_t n = strlen(s), i = 0;
+    while (i < n) {
+        int k = mgpu__utf8_len((const uint8_t*)s + i, n - i);
+        if (!k) return 0;
+        i += (size_t)k;
+    }
+    return 1;
+}
+
+/* Checks the arguments of mgpu__st_write and builds the padded JSON header. */
+static mgpu_result mgpu__st_header(const char* path, const mgpu__st_write_item* items, int count,
+                                   const char* const* meta_keys, const char* const* meta_values, int meta_count,
+                                   mgpu__sbuf* b) {
+    int i, k, n = count > meta_count ? count : meta_count;
+    uint64_t offset = 0;
+    const char** names;
+    const char* d = NULL;
+    if (count < 0 || meta_count < 0 || (count > 0 && !items) || (meta_count > 0 && (!meta_keys || !meta_values)))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): bad item or metadata arrays", path);
+    for (i = 0; i < meta_count; ++i) {
+        const char* key = meta_keys[i];
+        const char* val = meta_values[i];
+        if (!key || !val || strlen(key) > 127 || strlen(val) > 1023 || !mgpu__utf8_valid(key) || !mgpu__utf8_valid(val))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                              "mgpu__st_write(%s): metadata entry %d must be UTF-8 strings of at most 127 (key) and 1023 (value) bytes",
+                              path, i);
+    }
+    for (i = 0; i < count; ++i) {
+        const mgpu__st_write_item* it = &items[i];
+        uint64_t elems = 1;
+        size_t dsize = mgpu__st_dtype_size(it->dtype);
+        if (!it->name || !strlen(it->name) || strlen(it->name) > 255 || !mgpu__utf8_valid(it->name) || !strcmp(it->name, "__metadata__"))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                              "mgpu__st_write(%s): item %d: the name must be non-empty UTF-8 of at most 255 bytes, not \"__metadata__\"",
+                              path, i);
+        if (!dsize)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): tensor '%s': unknown dtype '%s'", path, it->name,
+                              it->dtype ? it->dtype : "(null)");
+        if (it->ndim < 0 || it->ndim > 8 || (it->ndim > 0 && !it->shape))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): tensor '%s': ndim %d (0..8 with a shape)", path,
+                              it->name, it->ndim);
+        for (k = 0; k < it->ndim; ++k)
+            if (it->shape[k] < 0)
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): tensor '%s': negative dimension", path, it->name);
+        for (k = 0; k < it->ndim; ++k)
+            if (it->shape[k] == 0) elems = 0;
+        for (k = 0; k < it->ndim && elems; ++k) {
+            if (elems > UINT64_MAX / (uint64_t)it->shape[k] / dsize)
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): tensor '%s': shape overflows", path, it->name);
+            elems *= (uint64_t)it->shape[k];
+        }
+        if (elems * dsize != (uint64_t)it->bytes || (it->bytes && !it->data))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                              "mgpu__st_write(%s): tensor '%s': %zu bytes of data given, the shape and dtype need %llu", path,
+                              it->name, it->bytes, (unsigned long long)(elems * dsize));
+        if (offset > UINT64_MAX - it->bytes)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): total size overflows", path);
+        offset += it->bytes;
+    }
+    if (n > 0) {
+        names = (const char**)MGPU_MALLOC((size_t)n * sizeof *names);
+        if (!names) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path);
+        for (i = 0; i < count; ++i) names[i] = items[i].name;
+        if ((d = mgpu__dup_name(names, count)) != NULL) {
+            MGPU_FREE((void*)names);
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): duplicate tensor name '%s'", path, d);
+        }
+        for (i = 0; i < meta_count; ++i) names[i] = meta_keys[i];
+        if ((d = mgpu__dup_name(names, meta_count)) != NULL) {
+            MGPU_FREE((void*)names);
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): duplicate metadata key '%s'", path, d);
+        }
+        MGPU_FREE((void*)names);
+    }
+    mgpu__sb_put(b, "{", 1);
+    if (meta_count > 0) {
+        mgpu__sb_str(b, "\"__metadata__\":{");
+        for (i = 0; i < meta_count; ++i) {
+            if (i) mgpu__sb_put(b, ",", 1);
+            mgpu__sb_json(b, meta_keys[i]);
+            mgpu__sb_put(b, ":", 1);
+            mgpu__sb_json(b, meta_values[i]);
+        }
+        mgpu__sb_put(b, "}", 1);
+    }
+    offset = 0;
+    for (i = 0; i < count; ++i) {
+        if (i || meta_count > 0) mgpu__sb_put(b, ",", 1);
+        mgpu__sb_json(b, items[i].name);
+        mgpu__sb_str(b, ":{\"dtype\":");
+        mgpu__sb_json(b, items[i].dtype);
+        mgpu__sb_str(b, ",\"shape\":[");
+        for (k = 0; k < items[i].ndim; ++k) {
+            if (k) mgpu__sb_put(b, ",", 1);
+            mgpu__sb_u64(b, (uint64_t)items[i].shape[k]);
+        }
+        mgpu__sb_str(b, "],\"data_offsets\":[");
+        mgpu__sb_u64(b, offset);
+        mgpu__sb_put(b, ",", 1);
+        offset += items[i].bytes;
+        mgpu__sb_u64(b, offset);
+        mgpu__sb_str(b, "]}");
+    }
+    mgpu__sb_put(b, "}", 1);
+    while (!b->oom && b->len % 8) mgpu__sb_put(b, " ", 1); /* the byte buffer starts 8-aligned */
+    if (b->oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory building the header", path);
+    return MGPU_OK;
+}
+
+/* Writes a safetensors file atomically: everything goes to <path>.tmp.<pid>.<n> in the same
+   directory, which is flushed, fsync'ed, closed and then renamed over path. On any failure the
+   temporary file is removed and path is left untouched. */
+static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* items, int count,
+                                  const char* const* meta_keys, const char* const* meta_values, int meta_count) {
+    mgpu__sbuf b;
+    char* tmp = NULL;
+    FILE* f = NULL;
+    uint8_t len8[8];
+    const char* step = NULL;
+    int i, err = 0;
+    unsigned long pid = 0;
+    mgpu_result r;
+    if (!path || !*path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write: no path");
+    memset(&b, 0, sizeof b);
+    r = mgpu__st_header(path, items, count, meta_keys, meta_values, meta_count, &b);
+    if (r) {
+        MGPU_FREE(b.p);
+        return r;
+    }
+    for (i = 0; i < 8; ++i) len8[i] = (uint8_t)((uint64_t)b.len >> (8 * i));
+#if defined(__unix__) || defined(__APPLE__)
+    pid = (unsigned long)getpid();
+#endif
+    tmp = (char*)MGPU_MALLOC(strlen(path) + 64);
+    if (!tmp) {
+        MGPU_FREE(b.p);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path);
+    }
+    /* pid plus the address of a local variable: unique across processes and live threads */
+    sprintf(tmp, "%s.tmp.%lu.%lx", path, pid, (unsigned long)(size_t)&b);
+    f = fopen(tmp, "wb");
+    if (!f) { err = errno; step = "cannot create the temporary file"; }
+    if (!step && (fwrite(len8, 1, 8, f) != 8 || fwrite(b.p, 1, b.len, f) != b.len)) { err = errno; step = "write failed"; }
+    for (i = 0; !step && i < count; ++i)
+        if (items[i].bytes && fwrite(items[i].data, 1, items[i].bytes, f) != items[i].bytes) { err = errno; step = "write failed"; }
+    if (!step && fflush(f) != 0) { err = errno; step = "write failed"; }
+#if defined(__unix__) || defined(__APPLE__)
+    if (!step && fsync(fileno(f)) != 0) { err = errno; step = "fsync failed"; }
+#endif
+    if (f && fclose(f) != 0 && !step) { err = errno; step = "close failed"; }
+    if (!step && rename(tmp, path) != 0) {
+        err = errno;
+        step = "cannot rename the temporary file over it";
+#if !(defined(__unix__) || defined(__APPLE__))
+        /* Windows' rename does not replace an existing file (so this fallback is not atomic) */
+        if (remove(path) == 0 && rename(tmp, path) == 0) step = NULL;
+#endif
+    }
+    if (step) {
+        if (f) remove(tmp);
+        r = mgpu__fail(MGPU_ERROR_IO, "%s: %s (%s): %s", path, step, tmp, err ? strerror(err) : "unknown error");
+    }
+    MGPU_FREE(tmp);
+    MGPU_FREE(b.p);
+    return r;
+}
+
+
+/* ---- checkpoints, data sets and the loader, on top of the readers above ---- */
+static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len) {
+    FILE* f;
+    long size;
+    size_t got;
+    *data = NULL;
+    *len = 0;
+    if (!path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "read: NULL path");
+    f = fopen(path, "rb");
+    if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if (fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        fclose(f);
+        return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(errno));
+    }
+    *data = (uint8_t*)MGPU_MALLOC((size_t)size + 1);
+    if (!*data) { fclose(f); return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %ld bytes", path, size); }
+    got = fread(*data, 1, (size_t)size, f);
+    fclose(f);
+    if (got != (size_t)size) {
+        MGPU_FREE(*data);
+        *data = NULL;
+        return mgpu__fail(MGPU_ERROR_IO, "'%s': read %zu of %ld bytes", path, got, size);
+    }
+    *len = (size_t)size;
+    return MGPU_OK;
+}
+
+/* -- checkpoints -- */
+#define MGPU__OPT_PREFIX "optimizer."
+
+static void mgpu__state_tensor_name(char* buf, size_t size, const char* param, const char* state) {
+    snprintf(buf, size, MGPU__OPT_PREFIX "%s.%s", param, state);
+}
+
+MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path) {
+    static const char* op = "mgpu_model_save";
+    mgpu__st_write_item* items = NULL;
+    float* host = NULL;
+    char (*names)[96] = NULL;
+    char step[32], layers_text[512];
+    const char* keys[5];
+    const char* values[5];
+    int states = 0, n = 0, i, s, meta = 0;
+    size_t len = 0;
+    mgpu_result r = MGPU_OK;
+    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
+    if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    states = opt ? mgpu__optimizer_state_count(opt) : 0;
+    host = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
+    items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *items);
+    names = (char(*)[96])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *names);
+    if (!host || !items || !names) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
+    /* replica 0 holds the model; every replica is identical */
+    r = mgpu_tensor_download(m->rep[0].params, host, (size_t)m->flat_floats * sizeof(float));
+    for (s = 0; r == MGPU_OK && s < states; ++s)
+        r = mgpu_tensor_download(s == 0 ? opt->state1[0] : opt->state2[0], host + (size_t)m->flat_floats * (size_t)(s + 1),
+                                 (size_t)m->flat_floats * sizeof(float));
+    if (r != MGPU_OK) { mgpu__refail(op); goto done; }
+    for (s = 0; s <= states; ++s)
+        for (i = 0; i < m->tensor_count; ++i, ++n) {
+            const mgpu__param* p = &m->tensors[i];
+            if (s == 0) snprintf(names[n], sizeof names[n], "%s", p->name);
+            else mgpu__state_tensor_name(names[n], sizeof names[n], p->name, mgpu__optimizer_state_name(opt, s - 1));
+            items[n].name = names[n];
+            items[n].dtype = "F32";
+            items[n].ndim = p->shape.ndim;
+            items[n].shape = p->shape.dim;
+            items[n].data = host + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
+            items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * sizeof(float);
+        }
+    for (i = 0, layers_text[0] = 0; i < m->layer_count; ++i)
+        len += (size_t)snprintf(layers_text + len, len < sizeof layers_text ? sizeof layers_text - len : 0, "%s%s",
+                                i ? "," : "", mgpu_layer_type(m->layers[i]));
+    keys[meta] = "format"; values[meta++] = "pt";
+    keys[meta] = "mgpu.version"; values[meta++] = MGPU_VERSION_STRING;
+    keys[meta] = "mgpu.layers"; values[meta++] = layers_text;
+    if (opt) {
+        snprintf(step, sizeof step, "%lld", (long long)opt->steps);
+        keys[meta] = "mgpu.optimizer"; values[meta++] = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
+        keys[meta] = "mgpu.step"; values[meta++] = step;
+    }
+    r = mgpu__st_write(path, items, n, keys, values, meta);
+    if (r != MGPU_OK) mgpu__refail(op);
+done:
+    MGPU_FREE(host);
+    MGPU_FREE(items);
+    MGPU_FREE(names);
+    return r;
+}
+
+static const mgpu__st_tensor* mgpu__st_find(const mgpu__st_file* f, const char* name) {
+    int i;
+    for (i = 0; i < f->count; ++i) if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+static const char* mgpu__st_meta_value(const mgpu__st_file* f, const char* key) {
+    int i;
+    for (i = 0; i < f->meta_count; ++i) if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
+    return NULL;
+}
+
+/* The entry for a model tensor must be F32 with exactly the model's shape. */
+static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, const char* name, mgpu_shape shape) {
+    char want[96], got[96];
+    mgpu_shape s;
+    int i;
+    if (!e) return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has no tensor '%s'", path, name);
+    memset(&s, 0, sizeof s);
+    s.ndim = MGPU__MIN(e->ndim, MGPU_MAX_DIMS);
+    for (i = 0; i < s.ndim; ++i) s.dim[i] = e->shape[i];
+    if (strcmp(e->dtype, "F32") != 0)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': tensor '%s' is %s, expected F32", path, name, e->dtype);
+    if (e->ndim != shape.ndim || !mgpu_shape_equal(s, shape))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "'%s': tensor '%s' has shape %s, the model's is %s", path, name,
+                          mgpu__shape_text(s, got, sizeof got), mgpu__shape_text(shape, want, sizeof want));
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path) {
+    static const char* op = "mgpu_model_load";
+    uint8_t* file = NULL;
+    size_t len = 0;
+    mgpu__st_file st;
+    float* host = NULL;
+    char name[96];
+    int states, found_states = 0, used = 0, i, s;
+    int64_t step = 0;
+    mgpu_result r;
+    memset(&st, 0, sizeof st);
+    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
+    if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    states = opt ? mgpu__optimizer_state_count(opt) : 0;
+    r = mgpu__read_file(path, &file, &len);
+    if (r == MGPU_OK) r = mgpu__st_parse(file, len, path, &st);
+    if (r != MGPU_OK) goto done;
+    /* check everything before changing anything: a failed load leaves the model as it was */
+    for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i)
+        r = mgpu__st_expect(path, mgpu__st_find(&st, m->tensors[i].name), m->tensors[i].name, m->tensors[i].shape);
+    for (i = 0; r == MGPU_OK && i < st.count; ++i) {   /* strict, like load_state_dict */
+        int known = 0, t;
+        for (t = 0; t < m->tensor_count && !known; ++t) known = strcmp(st.tensors[i].name, m->tensors[t].name) == 0;
+        if (!known && strncmp(st.tensors[i].name, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... )", path,
+                           st.tensors[i].name, m->tensor_count, m->tensor_count ? m->tensors[0].name : "");
+        used += known;
+    }
+    for (s = 0; r == MGPU_OK && s < states; ++s)
+        for (i = 0; i < m->tensor_count; ++i) {
+            mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
+            found_states += mgpu__st_find(&st, name) != NULL;
+        }
+    if (r == MGPU_OK && opt && found_states) {
+        const char* kind = mgpu__st_meta_value(&st, "mgpu.optimizer");
+        const char* steps = mgpu__st_meta_value(&st, "mgpu.step");
+        char* end = NULL;
+        if (found_states != states * m->tensor_count)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %d of the %d optimizer state tensors", path, found_states,
+                           states * m->tensor_count);
+        else if (kind && strcmp(kind, opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd") != 0)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s state; the optimizer is %s", path, kind,
+                           opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd");
+        else if (!steps || (step = strtoll(steps, &end, 10)) < 0 || !end || *end)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': optimizer state without a valid 'mgpu.step' in its metadata", path);
+        for (s = 0; r == MGPU_OK && s < states; ++s)
+            for (i = 0; r == MGPU_OK && i < m->tensor_count; ++i) {
+                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
+                r = mgpu__st_expect(path, mgpu__st_find(&st, name), name, m->tensors[i].shape);
+            }
+    } else if (r == MGPU_OK && opt && states) {
+        mgpu__log(MGPU_LOG_WARN, "'%s' has no optimizer state: the optimizer starts fresh", path);
+    }
+    if (r != MGPU_OK) goto done;
+    /* assemble the flat buffers on the host, then upload to every replica */
+    host = (float*)mgpu__calloc((size_t)m->flat_floats + 1, sizeof(float));
+    if (!host) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
+    for (s = 0; s <= (found_states ? states : 0) && r == MGPU_OK; ++s) {
+        memset(host, 0, (size_t)m->flat_floats * sizeof(float));
+        for (i = 0; i < m->tensor_count; ++i) {
+            const mgpu__st_tensor* e;
+            if (s == 0) e = mgpu__st_find(&st, m->tensors[i].name);
+            else {
+                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s - 1));
+                e = mgpu__st_find(&st, name);
+            }
+            memcpy(host + m->tensors[i].offset, file + st.data_start + e->begin, (size_t)(e->end - e->begin));
+        }
+        for (i = 0; i < m->replica_count && r == MGPU_OK; ++i)
+            r = mgpu_tensor_upload(s == 0 ? m->rep[i].params : s == 1 ? opt->state1[i] : opt->state2[i], host,
+                                   (size_t)m->flat_floats * sizeof(float));
+    }
+    if (r == MGPU_OK && opt && found_states) opt->steps = step;
+    else if (r == MGPU_OK && opt) {   /* fresh state for a model loaded without one */
+        opt->steps = 0;
+        for (i = 0; i < m->replica_count && r == MGPU_OK; ++i) {
+            if (opt->state1[i]) r = mgpu_tensor_zero(opt->state1[i]);
+            if (r == MGPU_OK && opt->state2[i]) r = mgpu_tensor_zero(opt->state2[i]);
+        }
+    }
+    (void)used;
+done:
+    if (r != MGPU_OK) mgpu__refail(op);
+    mgpu__st_free(&st);
+    MGPU_FREE(file);
+    MGPU_FREE(host);
+    return r;
+}
+
+/* -- IDX data sets -- */
+static mgpu_result mgpu__load_idx(const char* path, int want_ndim, uint8_t** out, mgpu__idx* idx) {
+    uint8_t *file = NULL, *raw = NULL;
+    size_t len = 0, raw_len = 0;
+    mgpu_result r = mgpu__read_file(path, &file, &len);
+    *out = NULL;
+    if (r == MGPU_OK) r = mgpu__gunzip(file, len, path, &raw, &raw_len);
+    MGPU_FREE(file);
+    if (r == MGPU_OK) r = mgpu__idx_parse(raw, raw_len, path, idx);
+    if (r == MGPU_OK && idx->ndim != want_ndim)
+        r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has %d dimensions, expected %d (%s)", path, idx->ndim, want_ndim,
+                       want_ndim == 3 ? "images: count, rows, cols" : "labels: count");
+    if (r == MGPU_OK) {   /* keep just the data */
+        *out = (uint8_t*)MGPU_MALLOC(idx->data_bytes ? idx->data_bytes : 1);
+        if (!*out) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': out of host memory", path);
+        else memcpy(*out, idx->data, idx->data_bytes);
+        idx->data = *out;
+    }
+    MGPU_FREE(raw);
+    return r;
+}
+
+MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds) {
+    if (!ds) return;
+    MGPU_FREE(ds->images);
+    MGPU_FREE(ds->labels);
+    MGPU_FREE(ds);
+}
+
+MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path) {
+    mgpu__idx im, lb;
+    mgpu_dataset* ds = (mgpu_dataset*)mgpu__calloc(1, sizeof *ds);
+    if (!ds) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_dataset_load_idx: out of host memory"); return NULL; }
+    if (mgpu__load_idx(images_path, 3, &ds->images, &im) != MGPU_OK || mgpu__load_idx(labels_path, 1, &ds->labels, &lb) != MGPU_OK) {
+        mgpu__refail("mgpu_dataset_load_idx");
+        mgpu_dataset_destroy(ds);
+        return NULL;
+    }
+    if (im.dims[0] != lb.dims[0]) {
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_dataset_load_idx: '%s' has %lld images but '%s' has %lld labels", images_path,
+                   (long long)im.dims[0], labels_path, (long long)lb.dims[0]);
+        mgpu_dataset_destroy(ds);
+        return NULL;
+    }
+    ds->count = im.dims[0];
+    ds->rows = (int)im.dims[1];
+    ds->cols = (int)im.dims[2];
+    return ds;
+}
+
+/* -- the batch loader -- */
+struct mgpu_loader {
+    const mgpu_dataset* ds;
+    mgpu_loader_desc d;
+    int64_t* order;
+    int64_t pos;
+    float* x_pinned;
+    int32_t* y_pinned;
+    mgpu__storage x_storage, y_storage;   /* the pinned buffers seen as CPU tensors */
+    mgpu_tensor x, y;
+};
+
+MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
+    if (!l) return;
+    MGPU_FREE(l->order);
+    mgpu_pinned_free(l->x_pinned);
+    mgpu_pinned_free(l->y_pinned);
+    MGPU_FREE(l);
+}
+
+MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc) {
+    mgpu_loader* l;
+    size_t pixels;
+    if (!ds || ds->count <= 0) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: empty or NULL data set"); return NULL; }
+    l = (mgpu_loader*)mgpu__calloc(1, sizeof *l);
+    if (!l) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory"); return NULL; }
+    if (desc) l->d = *desc;
+    l->d.batch = MGPU__DEF(l->d.batch, 64);
+    l->d.std = MGPU__DEF(l->d.std, 1.0f);
+    if (l->d.batch < 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: batch %d", l->d.batch);
+        mgpu_loader_destroy(l);
+        return NULL;
+    }
+    l->ds = ds;
+    pixels = (size_t)ds->rows * (size_t)ds->cols;
+    l->order = (int64_t*)MGPU_MALLOC((size_t)ds->count * sizeof(int64_t));
+    l->x_pinned = (float*)mgpu_pinned_alloc((size_t)l->d.batch * pixels * sizeof(float));
+    l->y_pinned = (int32_t*)mgpu_pinned_alloc((size_t)l->d.batch * sizeof(int32_t));
+    if (!l->order || !l->x_pinned || !l->y_pinned) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory for batches of %d", l->d.batch);
+        mgpu_loader_destroy(l);
+        return NULL;
+    }
+    l->x_storage.dev = l->y_storage.dev = mgpu_device_cpu();
+    l->x_storage.ptr = l->x_pinned;
+    l->y_storage.ptr = l->y_pinned;
+    l->x_storage.refs = l->y_storage.refs = 1;   /* never released: the loader frees the memory */
+    l->x.storage = &l->x_storage;
+    l->x.dtype = MGPU_F32;
+    l->x.shape = mgpu_shape4(l->d.batch, 1, ds->rows, ds->cols);
+    l->y.storage = &l->y_storage;
+    l->y.dtype = MGPU_I32;
+    l->y.shape = mgpu_shape1(l->d.batch);
+    mgpu_loader_start(l, 0);
+    return l;
+}
+
+MGPUDEF void mgpu_loader_start(mgpu_loader* l, int epoch) {
+    int64_t i;
+    uint64_t state;
+    if (!l) return;
+    for (i = 0; i < l->ds->count; ++i) l->order[i] = i;
+    state = mgpu__mix(l->d.seed ^ mgpu__mix((uint64_t)epoch));
+    for (i = l->ds->count - 1; l->d.shuffle && i > 0; --i) {   /* Fisher-Yates */
+        int64_t j, t;
+        state = mgpu__mix(state);
+        j = (int64_t)(state % (uint64_t)(i + 1));
+        t = l->order[i]; l->order[i] = l->order[j]; l->order[j] = t;
+    }
+    l->pos = 0;
+}
+
+MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_tensor** y) {
+    int64_t b, i, p;
+    const int64_t pixels = l ? (int64_t)l->ds->rows * l->ds->cols : 0;
+    float scale, shift;
+    if (!l || l->pos >= l->ds->count) return 0;
+    b = MGPU__MIN((int64_t)l->d.batch, l->ds->count - l->pos);
+    if (b < l->d.batch && l->d.drop_last) return 0;
+    scale = 1.0f / (255.0f * l->d.std);
+    shift = -l->d.mean / l->d.std;
+    for (i = 0; i < b; ++i) {
+        const int64_t k = l->order[l->pos + i];
+        const uint8_t* img = l->ds->images + k * pixels;
+        float* out = l->x_pinned + i * pixels;
+        for (p = 0; p < pixels; ++p) out[p] = (float)img[p] * scale + shift;
+        l->y_pinned[i] = l->ds->labels[k];
+    }
+    l->x.shape.dim[0] = b;
+    l->y.shape.dim[0] = b;
+    l->pos += b;
+    if (x) *x = &l->x;
+    if (y) *y = &l->y;
+    return 1;
+}
+
+MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l) {
+    if (!l) return 0;
+    return l->d.drop_last ? l->ds->count / l->d.batch : (l->ds->count + l->d.batch - 1) / l->d.batch;
 }
 
 #ifdef __cplusplus

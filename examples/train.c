@@ -1,0 +1,296 @@
+/* train.c - train a classifier on Fashion-MNIST with mgpu, on every GPU present or on the CPU.
+
+   make demo                   (or: build/train --data /usr/share/datasets/fashion-mnist)
+   build/train --model cnn --epochs 5 --devices cuda:0,1 --save fashion.safetensors
+   build/train --help
+
+   The last line it prints is key=value pairs (test_acc=, steps=, samples_per_s=, seconds=, ...),
+   easy to grep from scripts and tests. */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct options {
+    const char* data;
+    const char* model;       /* mlp | cnn */
+    const char* optimizer;   /* sgd | adamw */
+    const char* devices;
+    const char* save;
+    const char* load;
+    const char* schedule;    /* cosine | step | constant */
+    int epochs, batch, max_steps, quiet;
+    float lr, momentum, weight_decay;
+    unsigned long long seed;
+} options;
+
+static void usage(FILE* f) {
+    fprintf(f,
+            "usage: train [options]\n"
+            "  --data DIR          Fashion-MNIST IDX files (.gz or plain) [/usr/share/datasets/fashion-mnist]\n"
+            "  --model mlp|cnn     mlp: 784-128-10 with ReLU; cnn: two conv blocks and two linear layers [mlp]\n"
+            "  --epochs N          passes over the training set [5]\n"
+            "  --batch N           global batch, split across the devices [64]\n"
+            "  --lr F              learning rate [0.05 sgd, 0.001 adamw]\n"
+            "  --momentum F        SGD momentum [0.9]\n"
+            "  --weight-decay F    [0 sgd, 0.01 adamw]\n"
+            "  --optimizer NAME    sgd | adamw [sgd]\n"
+            "  --schedule NAME     cosine | step | constant [cosine]\n"
+            "  --seed N            initialisation, shuffling and dropout [1]\n"
+            "  --devices SPEC      auto, cpu, cpu:4, cuda, cuda:0,1, cuda:0,0 [auto]\n"
+            "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
+            "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch\n"
+            "  --load FILE         resume from a checkpoint written by --save (or a PyTorch state_dict)\n"
+            "  --quiet             no progress bars\n"
+            "  --help              this text\n");
+}
+
+static int parse_args(int argc, char** argv, options* o) {
+    int i;
+    memset(o, 0, sizeof *o);
+    o->data = "/usr/share/datasets/fashion-mnist";
+    o->model = "mlp";
+    o->optimizer = "sgd";
+    o->devices = "auto";
+    o->schedule = "cosine";
+    o->epochs = 5;
+    o->batch = 64;
+    o->momentum = 0.9f;
+    o->weight_decay = -1.0f;
+    o->seed = 1;
+    for (i = 1; i < argc; ++i) {
+        const char* a = argv[i];
+        const char* v = i + 1 < argc ? argv[i + 1] : NULL;
+        char* end = NULL;
+        int takes = 1;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        else if (!strcmp(a, "--quiet")) { o->quiet = 1; takes = 0; }
+        else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
+        else if (!strcmp(a, "--data")) o->data = v;
+        else if (!strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--optimizer")) o->optimizer = v;
+        else if (!strcmp(a, "--schedule")) o->schedule = v;
+        else if (!strcmp(a, "--devices")) o->devices = v;
+        else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--load")) o->load = v;
+        else if (!strcmp(a, "--epochs")) o->epochs = (int)strtol(v, &end, 10);
+        else if (!strcmp(a, "--batch")) o->batch = (int)strtol(v, &end, 10);
+        else if (!strcmp(a, "--max-steps")) o->max_steps = (int)strtol(v, &end, 10);
+        else if (!strcmp(a, "--seed")) o->seed = strtoull(v, &end, 10);
+        else if (!strcmp(a, "--lr")) o->lr = strtof(v, &end);
+        else if (!strcmp(a, "--momentum")) o->momentum = strtof(v, &end);
+        else if (!strcmp(a, "--weight-decay")) o->weight_decay = strtof(v, &end);
+        else { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
+        if (end && *end) { fprintf(stderr, "train: %s: '%s' is not a number\n", a, v); return 0; }
+        i += takes;
+    }
+    if (strcmp(o->model, "mlp") && strcmp(o->model, "cnn")) { fprintf(stderr, "train: --model must be mlp or cnn, not '%s'\n", o->model); return 0; }
+    if (strcmp(o->optimizer, "sgd") && strcmp(o->optimizer, "adamw")) { fprintf(stderr, "train: --optimizer must be sgd or adamw, not '%s'\n", o->optimizer); return 0; }
+    if (strcmp(o->schedule, "cosine") && strcmp(o->schedule, "step") && strcmp(o->schedule, "constant")) { fprintf(stderr, "train: --schedule must be cosine, step or constant\n"); return 0; }
+    if (o->epochs < 1 || o->batch < 1 || o->max_steps < 0 || o->lr < 0 || o->momentum < 0 || o->momentum >= 1) {
+        fprintf(stderr, "train: --epochs and --batch must be >= 1, --max-steps >= 0, --lr >= 0, 0 <= --momentum < 1\n");
+        return 0;
+    }
+    if (o->lr == 0) o->lr = strcmp(o->optimizer, "adamw") ? 0.05f : 0.001f;
+    if (o->weight_decay < 0) o->weight_decay = strcmp(o->optimizer, "adamw") ? 0.0f : 0.01f;
+    return 1;
+}
+
+/* The IDX file NAME in dir, gzipped or not; NULL (with a message) if neither is there. */
+static const char* find_file(const char* dir, const char* name, char* buf, size_t size) {
+    FILE* f;
+    snprintf(buf, size, "%s/%s.gz", dir, name);
+    if ((f = fopen(buf, "rb")) != NULL) { fclose(f); return buf; }
+    snprintf(buf, size, "%s/%s", dir, name);
+    if ((f = fopen(buf, "rb")) != NULL) { fclose(f); return buf; }
+    fprintf(stderr,
+            "train: Fashion-MNIST not found: no %s(.gz) in '%s'.\n"
+            "  On Debian or Ubuntu:  sudo apt-get install dataset-fashion-mnist   (installs /usr/share/datasets/fashion-mnist)\n"
+            "  Elsewhere: download train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and\n"
+            "  t10k-labels-idx1-ubyte.gz from https://github.com/zalandoresearch/fashion-mnist (folder data/fashion)\n"
+            "  into one folder, and pass it with --data DIR.\n",
+            name, dir);
+    return NULL;
+}
+
+static mgpu_dataset* load_split(const char* dir, const char* prefix) {
+    char ip[1024], lp[1024], in[64], ln[64];
+    mgpu_dataset* ds;
+    snprintf(in, sizeof in, "%s-images-idx3-ubyte", prefix);
+    snprintf(ln, sizeof ln, "%s-labels-idx1-ubyte", prefix);
+    if (!find_file(dir, in, ip, sizeof ip) || !find_file(dir, ln, lp, sizeof lp)) return NULL;
+    ds = mgpu_dataset_load_idx(ip, lp);
+    if (!ds) fprintf(stderr, "train: %s\n", mgpu_last_error());
+    return ds;
+}
+
+static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
+    mgpu_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.devices = set;
+    d.seed = o->seed;
+    d.input = mgpu_shape3(1, 28, 28);
+    if (!strcmp(o->model, "mlp")) {
+        mgpu_layer* layers[4];
+        layers[0] = mgpu_flatten();
+        layers[1] = mgpu_linear(784, 128);
+        layers[2] = mgpu_relu_layer();
+        layers[3] = mgpu_linear(128, 10);
+        d.layers = layers;
+        d.layer_count = 4;
+        return mgpu_model_create(&d);
+    } else {
+        mgpu_layer* layers[10];
+        layers[0] = mgpu_conv2d(1, 16, 3, 1, 1);    /* 16 x 28 x 28 */
+        layers[1] = mgpu_relu_layer();
+        layers[2] = mgpu_maxpool2d(2, 2);          /* 16 x 14 x 14 */
+        layers[3] = mgpu_conv2d(16, 32, 3, 1, 1);   /* 32 x 14 x 14 */
+        layers[4] = mgpu_relu_layer();
+        layers[5] = mgpu_maxpool2d(2, 2);          /* 32 x 7 x 7 */
+        layers[6] = mgpu_flatten();
+        layers[7] = mgpu_linear(32 * 7 * 7, 128);
+        layers[8] = mgpu_relu_layer();
+        layers[9] = mgpu_linear(128, 10);
+        d.layers = layers;
+        d.layer_count = 10;
+        return mgpu_model_create(&d);
+    }
+}
+
+/* Test-set tensors on the CPU, normalised like the training batches. */
+static int make_test_tensors(const mgpu_dataset* ds, float mean, float std, mgpu_tensor** x, mgpu_tensor** y) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_tensor* raw = mgpu_tensor_create(cpu, MGPU_U8, mgpu_shape4(ds->count, 1, ds->rows, ds->cols));
+    mgpu_tensor* lab = mgpu_tensor_create(cpu, MGPU_U8, mgpu_shape1(ds->count));
+    int ok;
+    *x = mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape4(ds->count, 1, ds->rows, ds->cols));
+    *y = mgpu_tensor_create(cpu, MGPU_I32, mgpu_shape1(ds->count));
+    ok = raw && lab && *x && *y &&
+         !mgpu_tensor_upload(raw, ds->images, (size_t)ds->count * ds->rows * ds->cols) &&
+         !mgpu_tensor_upload(lab, ds->labels, (size_t)ds->count) &&
+         !mgpu_tensor_convert(*x, raw, 1.0f / (255.0f * std), -mean / std) &&
+         !mgpu_tensor_convert(*y, lab, 1.0f, 0.0f);
+    mgpu_tensor_destroy(raw);
+    mgpu_tensor_destroy(lab);
+    return ok;
+}
+
+static void progress(const options* o, int epoch, int64_t done, int64_t total, float loss, double rate, int final) {
+    int width = 30, filled = total ? (int)(width * done / total) : width, i;
+    char bar[64];
+    if (o->quiet) return;
+    for (i = 0; i < width; ++i) bar[i] = i < filled ? '#' : '.';
+    bar[width] = 0;
+    printf("\repoch %d [%s] %5lld/%lld  loss %.4f  %8.0f samples/s", epoch + 1, bar, (long long)done, (long long)total,
+           (double)loss, rate);
+    if (final) printf("\n");
+    fflush(stdout);
+}
+
+int main(int argc, char** argv) {
+    options o;
+    mgpu_device_set* set = NULL;
+    mgpu_dataset *train = NULL, *test = NULL;
+    mgpu_model* model = NULL;
+    mgpu_optimizer* opt = NULL;
+    mgpu_loader* loader = NULL;
+    mgpu_tensor *test_x = NULL, *test_y = NULL;
+    mgpu_optimizer_desc od;
+    mgpu_loader_desc ld;
+    const float mean = 0.2860f, std = 0.3530f;   /* Fashion-MNIST training-set pixel statistics */
+    int64_t batches, steps = 0, samples = 0, correct = 0, first_step;
+    double train_seconds = 0.0, start = mgpu_seconds();
+    float loss = 0.0f, test_loss = 0.0f, test_acc = 0.0f;
+    int epoch, status = 1, interactive = 0, stop = 0;
+#if defined(__unix__) || defined(__APPLE__)
+    interactive = isatty(1);
+#endif
+    if (!parse_args(argc, argv, &o)) return 2;
+    if (!(train = load_split(o.data, "train")) || !(test = load_split(o.data, "t10k"))) { status = 2; goto done; }
+    set = mgpu_device_set_create(o.devices);
+    if (!set) { fprintf(stderr, "train: %s\n", mgpu_last_error()); status = 2; goto done; }
+    if (o.batch < mgpu_device_set_count(set)) {
+        fprintf(stderr, "train: --batch %d is smaller than the %d devices of '%s'\n", o.batch, mgpu_device_set_count(set), o.devices);
+        status = 2;
+        goto done;
+    }
+    model = build_model(&o, set);
+    if (!model) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    memset(&ld, 0, sizeof ld);
+    ld.batch = o.batch;
+    ld.shuffle = 1;
+    ld.seed = o.seed;
+    ld.mean = mean;
+    ld.std = std;
+    loader = mgpu_loader_create(train, &ld);
+    if (!loader || !make_test_tensors(test, mean, std, &test_x, &test_y)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    batches = mgpu_loader_batches(loader);
+    memset(&od, 0, sizeof od);
+    od.kind = strcmp(o.optimizer, "adamw") ? MGPU_SGD : MGPU_ADAMW;
+    od.lr = o.lr;
+    od.momentum = od.kind == MGPU_SGD ? o.momentum : 0.0f;
+    od.weight_decay = o.weight_decay;
+    od.schedule = !strcmp(o.schedule, "cosine") ? MGPU_SCHEDULE_COSINE : !strcmp(o.schedule, "step") ? MGPU_SCHEDULE_STEP : MGPU_SCHEDULE_CONSTANT;
+    od.total_steps = (int)(batches * o.epochs);
+    od.step_size = (int)(batches * 2 > 0 ? batches * 2 : 1);
+    opt = mgpu_optimizer_create(model, &od);
+    if (!opt) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    if (o.load && mgpu_model_load(model, opt, o.load) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    if (!o.quiet) {
+        mgpu_model_summary(model, stdout);
+        printf("training %s on %s (%d device%s), %lld images, batch %d, %s lr %g, %d epochs\n", o.model,
+               mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_device_set_count(set) == 1 ? "" : "s",
+               (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
+    }
+    steps = first_step = mgpu_optimizer_steps(opt);   /* resuming: continue where the checkpoint stopped */
+    for (epoch = (int)(steps / batches); epoch < o.epochs && !stop; ++epoch) {
+        const mgpu_tensor *x, *y;
+        int64_t b = 0, epoch_samples = 0;
+        double t0 = mgpu_seconds(), rate = 0.0;
+        mgpu_memory_stats ms;
+        mgpu_loader_start(loader, epoch);
+        for (; b < steps - (int64_t)epoch * batches; ++b) mgpu_loader_next(loader, NULL, NULL);   /* resumed mid-epoch */
+        while (mgpu_loader_next(loader, &x, &y)) {
+            if (o.max_steps && steps >= o.max_steps) { stop = 1; break; }
+            if (mgpu_model_train_step(model, opt, x, y, &loss) != MGPU_OK) { fprintf(stderr, "\ntrain: %s\n", mgpu_last_error()); goto done; }
+            ++steps;
+            ++b;
+            epoch_samples += mgpu_tensor_dim(x, 0);
+            rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
+            if (interactive ? (b % 20 == 0) : (b % (batches / 4 > 0 ? batches / 4 : 1) == 0))
+                progress(&o, epoch, b, batches, loss, rate, !interactive);
+        }
+        train_seconds += mgpu_seconds() - t0;
+        samples += epoch_samples;
+        progress(&o, epoch, b, batches, loss, rate, 1);
+        if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+        test_acc = (float)correct / (float)test->count;
+        mgpu_memory_get_stats(mgpu_model_device(model, 0), &ms);
+        if (!o.quiet)
+            printf("epoch %d: test accuracy %.4f, test loss %.4f, lr %.4g, device memory %.1f MiB in use (peak %.1f MiB) on %s\n",
+                   epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
+                   ms.bytes_in_use / 1048576.0, ms.peak_bytes_in_use / 1048576.0, mgpu_device_label(mgpu_model_device(model, 0)));
+        if (o.save && mgpu_model_save(model, opt, o.save) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    }
+    if (steps == first_step) {   /* nothing trained (a finished checkpoint): still report the model */
+        if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+        test_acc = (float)correct / (float)test->count;
+    }
+    printf("model=%s devices=%s replicas=%d optimizer=%s batch=%d epochs=%d steps=%lld train_loss=%.4f test_loss=%.4f "
+           "test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
+           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), o.optimizer, o.batch, o.epochs, (long long)steps,
+           (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
+    status = 0;
+done:
+    /* one destroy per create, in reverse order; each takes NULL */
+    mgpu_tensor_destroy(test_x);
+    mgpu_tensor_destroy(test_y);
+    mgpu_loader_destroy(loader);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(model);
+    mgpu_device_set_destroy(set);
+    mgpu_dataset_destroy(train);
+    mgpu_dataset_destroy(test);
+    return status;
+}
