@@ -20,7 +20,10 @@ SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-san
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
-TESTS     = test_core
+TESTS     = test_core test_io test_model
+# per-test extras: test_io checks the gzip decoder against zlib
+EXTRA_io  = -DHAVE_ZLIB
+LIBS_io   = -lz
 HEADERS   = mgpu.h tests/test.h
 
 CPU_BINS  = $(B)/train_cpu $(B)/hello $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
@@ -55,13 +58,13 @@ $(B)/train: $(if $(NVCC),$(B)/train_cuda,$(B)/train_cpu)
 
 # ---- tests -----------------------------------------------------------------------------------
 $(B)/test_%: tests/test_%.c $(HEADERS) | $(B)
-	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
 
 $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
-	$(CC) $(WARN) $(SANITIZE) -I. $< -o $@ $(LDLIBS)
+	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
 
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
-	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
 
 # The header alone: C99 and C++ with -Werror, included twice with the implementation once, and a
 # CPU-only program built with nothing but cc -std=c99 prog.c -lm -lpthread.
@@ -75,9 +78,15 @@ test: compile-check test-cpu test-cuda
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda))
 
 # ---- the main job ----------------------------------------------------------------------------
+# On Debian the data is one package away; elsewhere build/train says where to get it.
 DATA ?= /usr/share/datasets/fashion-mnist
+MODEL ?= mlp
 demo: $(B)/train
-	$(B)/train --data $(DATA) --save $(B)/fashion_mlp.safetensors
+	@if [ ! -e $(DATA)/train-images-idx3-ubyte.gz ] && [ "$(DATA)" = /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then \
+	  echo "Fashion-MNIST is missing: installing Debian's dataset-fashion-mnist"; \
+	  $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist || \
+	  { $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get update -qq && $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist; }; fi
+	$(B)/train --data $(DATA) --model $(MODEL) --save $(B)/fashion_$(MODEL).safetensors
 
 # ---- on a machine with a GPU -----------------------------------------------------------------
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')

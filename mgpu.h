@@ -65,6 +65,7 @@
    >>random      counter-based Philox RNG, identical on CPU and GPU
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
+   >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, schedules, the whole training step
    >>io          safetensors checkpoints, IDX data sets, a shuffling batch loader
@@ -121,7 +122,8 @@ extern "C" {
     X(MGPU_ERROR_NCCL,             9, "NCCL error")                            \
     X(MGPU_ERROR_IO,              10, "I/O error")                             \
     X(MGPU_ERROR_BAD_FILE,        11, "malformed file")                        \
-    X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")
+    X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")                         \
+    X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")
 
 typedef enum mgpu_result {
 #define MGPU__ENUM_ITEM(name, value, text) name = value,
@@ -386,6 +388,36 @@ MGPUDEF mgpu_layer* mgpu_flatten(void);
 MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
 MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
 
+
+/* ============================================================================================ */
+/* >>parallel                                                                                   */
+/* ============================================================================================ */
+/* Summing a tensor across the devices of a set (an all-reduce), the heart of data parallelism.
+   Backends, chosen at run time:
+     NCCL  libnccl.so.2 loaded with dlopen; distinct GPUs only (ncclCommInitAll).
+     P2P   ring reduce-scatter + all-gather with peer copies and an add kernel; works for several
+           replicas on one GPU, and through the host where two GPUs cannot reach each other.
+     HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
+           through pinned host memory, the slow but simple reference.)
+   AUTO picks HOST for CPU sets, NCCL for distinct GPUs when it loads, P2P otherwise; the
+   environment variable MGPU_ALLREDUCE=nccl|p2p|host overrides AUTO. Every backend sums in a fixed
+   order, so all replicas get bit-identical results, run after run. */
+typedef enum mgpu_allreduce_kind {
+    MGPU_ALLREDUCE_AUTO = 0, MGPU_ALLREDUCE_NCCL = 1, MGPU_ALLREDUCE_P2P = 2, MGPU_ALLREDUCE_HOST = 3,
+    MGPU_ALLREDUCE_NONE = 4   /* one replica: nothing to reduce */
+} mgpu_allreduce_kind;
+MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind);   /* "nccl", "p2p", "host", ... */
+
+typedef struct mgpu_allreduce mgpu_allreduce;
+/* A communicator over the devices of set (which must outlive it). */
+MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind);
+MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar);
+MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
+/* tensors[i] lives on device i of the set; all f32 with the same element count. Afterwards each
+   holds the element-wise sum. Ordered after earlier work on each device's stream, and before
+   later work (it does not wait on the host). */
+MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count);
+
 /* ============================================================================================ */
 /* >>model                                                                                      */
 /* ============================================================================================ */
@@ -403,6 +435,10 @@ typedef struct mgpu_model_desc {
     const mgpu_device_set* devices; /* one replica per device; NULL: the CPU. Must outlive the model. */
     mgpu_loss_kind loss;          /* default cross-entropy (int32 labels) */
     uint64_t seed;                /* parameter initialisation and dropout */
+    /* data parallelism (more than one device) */
+    mgpu_allreduce_kind allreduce;/* default AUTO */
+    size_t bucket_bytes;          /* gradient bucket size, default 25 MiB (the first: 1 MiB) */
+    int verify_every;             /* check every N steps that replicas hold identical parameters */
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -410,6 +446,8 @@ MGPUDEF void mgpu_model_destroy(mgpu_model* m);
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
+MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce(const mgpu_model* m);   /* the backend in use */
+MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
 /* The flat parameter and gradient buffers of one replica. */
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica);
@@ -462,6 +500,16 @@ MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken 
    receives the batch's mean loss (which waits for the GPU). */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
+/* The same step in two halves, for gradient accumulation over micro-batches: accumulate adds
+   the gradients of one micro-batch (scaled as part of a batch of batch_total samples; 0 means
+   this micro-batch alone) without reducing them; apply reduces the gradients across replicas,
+   takes the optimizer step and zeroes the gradients for the next batch. */
+MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
+                                          int64_t batch_total, float* loss);
+MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt);
+/* Compare every replica's parameters with replica 0's, bit for bit (MGPU_ERROR_DIVERGED names
+   the first difference). */
+MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m);
 /* Evaluation (dropout off) of x against target: mean loss and, for cross-entropy, the number of
    correct predictions. Either output may be NULL. */
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
@@ -1674,8 +1722,13 @@ MGPUDEF const char* mgpu_tensor_describe(const mgpu_tensor* t, char* buf, size_t
     char shape[96];
     if (!buf || !size) return "";
     if (!t) { snprintf(buf, size, "(null)"); return buf; }
-    snprintf(buf, size, "%s%s@%s", mgpu_dtype_name(t->dtype), mgpu__shape_text(t->shape, shape, sizeof shape),
-             t->storage->dev->label);
+    {   /* "f32[2,3]" then "@label", cut to fit */
+        size_t len = (size_t)snprintf(buf, size, "%s%s", mgpu_dtype_name(t->dtype), mgpu__shape_text(t->shape, shape, sizeof shape));
+        const char* label = t->storage->dev->label;
+        if (len + 1 < size) buf[len++] = '@';
+        while (len + 1 < size && *label) buf[len++] = *label++;
+        if (len < size) buf[len] = 0;
+    }
     return buf;
 }
 
@@ -3013,12 +3066,310 @@ MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride) {
 }
 
 
+/* ---- >>impl parallel -------------------------------------------------------------------- */
+typedef struct mgpu__rank {
+    mgpu_device* dev;
+    void* stream;           /* CUDA: the communication stream of this replica */
+    void* ev_compute;       /* CUDA: marks the compute stream's progress, for the comm stream */
+    void* ev_comm;          /* CUDA: marks the comm stream's progress (ring steps, the final join) */
+    void* nccl_comm;
+    float* ring_tmp;        /* P2P: where a neighbour's chunk lands before it is added */
+    size_t ring_tmp_block;  /* the allocator block size of ring_tmp (0: none yet) */
+    size_t ring_tmp_floats;
+} mgpu__rank;
+
+struct mgpu_allreduce {
+    mgpu_allreduce_kind kind;
+    int count;
+    mgpu__rank* rank;
+    float* host_stage;      /* HOST with GPU replicas: pinned staging of count buffers */
+    size_t host_stage_floats;
+};
+
+MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
+    switch (kind) {
+    case MGPU_ALLREDUCE_NCCL: return "nccl";
+    case MGPU_ALLREDUCE_P2P: return "p2p";
+    case MGPU_ALLREDUCE_HOST: return "host";
+    case MGPU_ALLREDUCE_NONE: return "none";
+    default: return "auto";
+    }
+}
+
+MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
+    int i;
+    if (!ar) return;
+    for (i = 0; ar->rank && i < ar->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+#ifdef MGPU_CUDA
+        if (r->stream) mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream);
+        if (r->nccl_comm) mgpu__cu_nccl_comm_destroy(r->nccl_comm);
+        if (r->ev_compute) mgpu__cu_event_destroy(r->dev->ordinal, r->ev_compute);
+        if (r->ev_comm) mgpu__cu_event_destroy(r->dev->ordinal, r->ev_comm);
+        if (r->stream) mgpu__cu_stream_destroy(r->dev->ordinal, r->stream);
+#endif
+        if (r->ring_tmp) mgpu__device_release(r->dev, r->ring_tmp, r->ring_tmp_block);
+    }
+    mgpu_pinned_free(ar->host_stage);
+    MGPU_FREE(ar->rank);
+    MGPU_FREE(ar);
+}
+
+static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
+    const char* env = getenv("MGPU_ALLREDUCE");
+    if (kind != MGPU_ALLREDUCE_AUTO || !env || !*env) return kind;
+    if (!strcmp(env, "nccl")) return MGPU_ALLREDUCE_NCCL;
+    if (!strcmp(env, "p2p")) return MGPU_ALLREDUCE_P2P;
+    if (!strcmp(env, "host")) return MGPU_ALLREDUCE_HOST;
+    mgpu__log(MGPU_LOG_WARN, "MGPU_ALLREDUCE='%s' is not nccl, p2p or host; choosing automatically", env);
+    return kind;
+}
+
+MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
+    static const char* op = "mgpu_allreduce_create";
+    mgpu_allreduce* ar;
+    int i, cuda;
+    if (!set || set->count < 1) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL or empty device set", op); return NULL; }
+    if (kind < MGPU_ALLREDUCE_AUTO || kind > MGPU_ALLREDUCE_NONE) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", op, (int)kind); return NULL; }
+    cuda = set->devices[0]->kind == MGPU_DEVICE_CUDA;
+    kind = mgpu__allreduce_from_env(kind);
+    if (set->count == 1) kind = MGPU_ALLREDUCE_NONE;
+    else if (!cuda && kind != MGPU_ALLREDUCE_HOST) {
+        if (kind != MGPU_ALLREDUCE_AUTO) mgpu__log(MGPU_LOG_INFO, "all-reduce: %s needs GPUs; CPU replicas use host", mgpu_allreduce_name(kind));
+        kind = MGPU_ALLREDUCE_HOST;
+    }
+#ifdef MGPU_CUDA
+    if (cuda && (kind == MGPU_ALLREDUCE_AUTO || kind == MGPU_ALLREDUCE_NCCL)) {
+        int distinct = 1, j;
+        for (i = 0; i < set->count; ++i) for (j = 0; j < i; ++j) distinct &= set->devices[i]->ordinal != set->devices[j]->ordinal;
+        if (distinct && mgpu__cu_nccl_available()) kind = MGPU_ALLREDUCE_NCCL;
+        else {
+            if (kind == MGPU_ALLREDUCE_NCCL)
+                mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s; using peer-to-peer instead",
+                          distinct ? "could not be loaded (libnccl.so.2)" : "cannot use one GPU twice");
+            kind = MGPU_ALLREDUCE_P2P;
+        }
+    }
+#endif
+    ar = (mgpu_allreduce*)mgpu__calloc(1, sizeof *ar);
+    if (ar) ar->rank = (mgpu__rank*)mgpu__calloc((size_t)set->count, sizeof(mgpu__rank));
+    if (!ar || !ar->rank) { MGPU_FREE(ar); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    ar->kind = kind;
+    ar->count = set->count;
+    for (i = 0; i < set->count; ++i) ar->rank[i].dev = set->devices[i];
+#ifdef MGPU_CUDA
+    for (i = 0; cuda && i < set->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+        int rc = mgpu__cu_stream_create(r->dev->ordinal, &r->stream);
+        if (!rc) rc = mgpu__cu_event_create(r->dev->ordinal, 0, &r->ev_compute);
+        if (!rc) rc = mgpu__cu_event_create(r->dev->ordinal, 0, &r->ev_comm);
+        if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu_allreduce_destroy(ar); return NULL; }
+    }
+    if (kind == MGPU_ALLREDUCE_NCCL) {
+        int ordinals[MGPU__MAX_REPLICAS];
+        void* comms[MGPU__MAX_REPLICAS];
+        for (i = 0; i < set->count; ++i) ordinals[i] = set->devices[i]->ordinal;
+        if (mgpu__cu_nccl_comm_init_all(set->count, ordinals, comms) != 0) {   /* fall back, nothing lost */
+            mgpu__log(MGPU_LOG_WARN, "all-reduce: NCCL initialisation failed (%s); using peer-to-peer", mgpu__cu_error_message());
+            ar->kind = MGPU_ALLREDUCE_P2P;
+        } else {
+            for (i = 0; i < set->count; ++i) ar->rank[i].nccl_comm = comms[i];
+        }
+    }
+#endif
+    return ar;
+}
+
+MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) { return ar ? ar->kind : MGPU_ALLREDUCE_NONE; }
+
+/* -- HOST: CPU replicas sum slices of the buffers in parallel, replicas always in order 0..n-1 -- */
+typedef struct mgpu__host_sum_job { float* const* bufs; int count; } mgpu__host_sum_job;
+static void mgpu__host_sum_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__host_sum_job* j = (const mgpu__host_sum_job*)ctx;
+    int64_t i;
+    int r;
+    for (i = begin; i < end; ++i) {
+        float s = j->bufs[0][i];
+        for (r = 1; r < j->count; ++r) s += j->bufs[r][i];
+        for (r = 0; r < j->count; ++r) j->bufs[r][i] = s;
+    }
+}
+
+#ifdef MGPU_CUDA
+/* Each comm stream waits for what its replica's compute stream has issued so far. */
+static mgpu_result mgpu__ar_after_compute(mgpu_allreduce* ar) {
+    int i;
+    for (i = 0; i < ar->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_compute, r->dev->stream));
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_wait_event(r->dev->ordinal, r->stream, r->ev_compute));
+    }
+    return MGPU_OK;
+}
+/* Each compute stream waits for EVERY comm stream: later work sees the reduced values, and does
+   not overwrite a buffer that a neighbour's comm stream is still reading (the ring's last step
+   reads the predecessor's buffer). */
+static mgpu_result mgpu__ar_before_compute(mgpu_allreduce* ar) {
+    int i, j;
+    for (i = 0; i < ar->count; ++i)
+        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_event_record(ar->rank[i].dev->ordinal, ar->rank[i].ev_comm, ar->rank[i].stream));
+    for (i = 0; i < ar->count; ++i)
+        for (j = 0; j < ar->count; ++j)
+            MGPU__CU("all-reduce", ar->rank[i].dev,
+                     mgpu__cu_stream_wait_event(ar->rank[i].dev->ordinal, ar->rank[i].dev->stream, ar->rank[j].ev_comm));
+    return MGPU_OK;
+}
+
+/* P2P ring over R replicas, the buffer cut into R chunks. Reduce-scatter: at step s replica r
+   sends chunk (r - s) to r + 1, which adds it to its own; after R - 1 steps replica r holds the
+   full sum of chunk (r + 1). All-gather: at step s replica r sends chunk (r + 1 - s) to r + 1,
+   which keeps it. A chunk is always summed starting from the same replica, so the result is the
+   same every run, and every replica ends with the same bits. Events order the neighbours. */
+static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+    const int R = ar->count;
+    const size_t chunk = (n + (size_t)R - 1) / (size_t)R;
+    int s, i, phase;
+    for (i = 0; i < R; ++i) {   /* a landing buffer of one chunk per replica, kept between calls */
+        mgpu__rank* r = &ar->rank[i];
+        if (r->ring_tmp_floats < chunk) {
+            MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream));
+            if (r->ring_tmp) mgpu__device_release(r->dev, r->ring_tmp, r->ring_tmp_block);
+            r->ring_tmp = (float*)mgpu__device_alloc(r->dev, chunk * sizeof(float), &r->ring_tmp_block, "all-reduce");
+            r->ring_tmp_floats = r->ring_tmp ? chunk : 0;
+            if (!r->ring_tmp) return mgpu_last_result();
+        }
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_comm, r->stream));
+    }
+    for (phase = 0; phase < 2; ++phase)
+        for (s = 0; s < R - 1; ++s) {
+            for (i = 0; i < R; ++i) {
+                const int src = i, dst = (i + 1) % R;
+                const int k = phase == 0 ? ((i - s) % R + R) % R : ((i + 1 - s) % R + R) % R;
+                const size_t begin = MGPU__MIN((size_t)k * chunk, n), len = MGPU__MIN(chunk, n - begin);
+                mgpu__rank *a = &ar->rank[src], *b = &ar->rank[dst];
+                if (!len) continue;
+                MGPU__CU("all-reduce", b->dev, mgpu__cu_stream_wait_event(b->dev->ordinal, b->stream, a->ev_comm));
+                if (phase == 0) {
+                    MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, b->ring_tmp, a->dev->ordinal,
+                                                                        bufs[src] + begin, len * sizeof(float), b->stream));
+                    MGPU__CU("all-reduce", b->dev, mgpu__cu_binary(b->dev->ordinal, b->stream, MGPU__BINARY_ADD, len, b->ring_tmp,
+                                                                   bufs[dst] + begin, bufs[dst] + begin, 0.0f));
+                } else {
+                    MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, bufs[dst] + begin, a->dev->ordinal,
+                                                                        bufs[src] + begin, len * sizeof(float), b->stream));
+                }
+            }
+            /* A replica's chunk is ready for its successor only after this step's work. The
+               events are recorded after every replica has issued its step, so a successor
+               waits on the step it needs and not a later one. */
+            for (i = 0; i < R; ++i)
+                MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_event_record(ar->rank[i].dev->ordinal, ar->rank[i].ev_comm, ar->rank[i].stream));
+        }
+    return MGPU_OK;
+}
+
+/* HOST for GPU replicas: download everything, sum on the host in replica order, upload. */
+static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+    mgpu__host_sum_job job;
+    float* host[MGPU__MAX_REPLICAS];
+    int i;
+    if (ar->host_stage_floats < n * (size_t)ar->count) {
+        mgpu_pinned_free(ar->host_stage);
+        ar->host_stage = (float*)mgpu_pinned_alloc(n * (size_t)ar->count * sizeof(float));
+        ar->host_stage_floats = ar->host_stage ? n * (size_t)ar->count : 0;
+        if (!ar->host_stage) return mgpu_last_result();
+    }
+    for (i = 0; i < ar->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+        host[i] = ar->host_stage + (size_t)i * n;
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_memcpy(r->dev->ordinal, host[i], bufs[i], n * sizeof(float), r->stream));
+    }
+    for (i = 0; i < ar->count; ++i)
+        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_synchronize(ar->rank[i].dev->ordinal, ar->rank[i].stream));
+    job.bufs = host;
+    job.count = ar->count;
+    mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__host_sum_range, &job);
+    for (i = 0; i < ar->count; ++i) {   /* every replica uploads the same (replica 0's) sum */
+        mgpu__rank* r = &ar->rank[i];
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_memcpy(r->dev->ordinal, bufs[i], host[0], n * sizeof(float), r->stream));
+    }
+    for (i = 0; i < ar->count; ++i)   /* the host buffer is reused by the next call */
+        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_synchronize(ar->rank[i].dev->ordinal, ar->rank[i].stream));
+    return MGPU_OK;
+}
+#endif
+
+/* Sum bufs[i][0..n) across replicas, on the comm streams (GPU) or right away (CPU). The caller
+   orders it with the compute streams (mgpu__ar_after_compute / mgpu__ar_before_compute). */
+static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+    if (ar->kind == MGPU_ALLREDUCE_NONE || n == 0) return MGPU_OK;
+    if (ar->rank[0].dev->kind == MGPU_DEVICE_CPU) {
+        mgpu__host_sum_job job;
+        job.bufs = bufs;
+        job.count = ar->count;
+        mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__host_sum_range, &job);
+        return MGPU_OK;
+    }
+#ifdef MGPU_CUDA
+    if (ar->kind == MGPU_ALLREDUCE_NCCL) {
+        int i, rc = mgpu__cu_nccl_group_start();
+        for (i = 0; !rc && i < ar->count; ++i)
+            rc = mgpu__cu_nccl_allreduce_sum(ar->rank[i].dev->ordinal, ar->rank[i].nccl_comm, bufs[i], n, ar->rank[i].stream);
+        if (i > 0 || !rc) {   /* a group that was started is always ended */
+            int end = mgpu__cu_nccl_group_end();
+            if (!rc) rc = end;
+        }
+        if (rc) return mgpu__cu_result(rc, "all-reduce (NCCL)", ar->rank[0].dev);
+        return MGPU_OK;
+    }
+    if (ar->kind == MGPU_ALLREDUCE_HOST) return mgpu__ar_staged(ar, bufs, n);
+    return mgpu__ar_ring(ar, bufs, n);
+#else
+    return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "all-reduce: GPU replicas in a build without CUDA");
+#endif
+}
+
+MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count) {
+    static const char* op = "mgpu_allreduce_sum";
+    float* bufs[MGPU__MAX_REPLICAS];
+    char a[128], b[128];
+    int i;
+    if (!ar || !tensors) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    if (count != ar->count)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d tensors for a communicator of %d devices", op, count, ar->count);
+    for (i = 0; i < count; ++i) {
+        MGPU__TRY(mgpu__check_tensor(op, "tensors[i]", tensors[i], MGPU_F32));
+        if (MGPU__DEV(tensors[i]) != ar->rank[i].dev)
+            return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: tensors[%d] %s is not on device %d of the set (%s)", op, i,
+                              mgpu_tensor_describe(tensors[i], a, sizeof a), i, ar->rank[i].dev->label);
+        if (mgpu_tensor_numel(tensors[i]) != mgpu_tensor_numel(tensors[0]))
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: tensors[%d] %s and tensors[0] %s differ in size", op, i,
+                              mgpu_tensor_describe(tensors[i], a, sizeof a), mgpu_tensor_describe(tensors[0], b, sizeof b));
+        bufs[i] = MGPU__F32(tensors[i]);
+    }
+#ifdef MGPU_CUDA
+    if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
+        MGPU__TRY(mgpu__ar_after_compute(ar));
+        MGPU__TRY(mgpu__ar_reduce(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0])));
+        return mgpu__ar_before_compute(ar);
+    }
+#endif
+    return mgpu__ar_reduce(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+}
+
 /* ---- >>impl model ----------------------------------------------------------------------- */
 typedef struct mgpu__param {
     char name[64];          /* "0.weight" */
     mgpu_shape shape;
     int64_t offset;         /* floats from the start of the flat buffer */
 } mgpu__param;
+
+/* A contiguous range of the flat gradient buffer, reduced as one all-reduce as soon as the
+   backward pass of its lowest layer is done (buckets go from the last layers to the first). */
+typedef struct mgpu__bucket {
+    int64_t begin, end;     /* floats */
+    int ready_layer;
+} mgpu__bucket;
 
 /* Everything one device holds of a model. */
 typedef struct mgpu__replica {
@@ -3049,6 +3400,13 @@ struct mgpu_model {
     int64_t flat_floats, param_count;
     mgpu__replica* rep;
     int replica_count;
+    /* data parallelism */
+    mgpu_allreduce* ar;                 /* NULL with one replica */
+    mgpu__bucket* buckets;              /* gradient buckets, last layers first */
+    int bucket_count;
+    int verify_every;
+    int64_t steps;                      /* optimizer steps applied through this model */
+    char (*task_error)[sizeof mgpu__error_text];   /* CPU replicas run on threads: each one's failure text */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -3156,6 +3514,9 @@ MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
         mgpu_tensor_destroy(r->reduce_tmp);
         MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
     }
+    mgpu_allreduce_destroy(m->ar);
+    MGPU_FREE(m->buckets);
+    MGPU_FREE(m->task_error);
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu_layer_destroy(m->layers[i]);
     MGPU_FREE(m->layers); MGPU_FREE(m->rep); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m);
@@ -3165,6 +3526,30 @@ static mgpu_model* mgpu__model_fail(mgpu_model* m, const char* where) {
     mgpu__refail(where);
     mgpu_model_destroy(m);
     return NULL;
+}
+
+/* Cut the flat gradient buffer into buckets, walking the tensors from the last layer back: a
+   small first bucket (1 MiB, or bucket_bytes if smaller) so communication starts early, then
+   buckets of about bucket_bytes. Whole tensors only; together the buckets tile the buffer. */
+static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
+    const size_t first_bytes = MGPU__MIN(bucket_bytes, (size_t)1 << 20);
+    int64_t end = m->flat_floats;
+    int t, layer = m->layer_count - 1;
+    m->buckets = (mgpu__bucket*)mgpu__calloc((size_t)m->tensor_count + 1, sizeof(mgpu__bucket));
+    if (!m->buckets) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory for gradient buckets");
+    m->bucket_count = 0;
+    for (t = m->tensor_count - 1; t >= 0; --t) {
+        const size_t limit = m->bucket_count == 0 ? first_bytes : bucket_bytes;
+        while (layer > 0 && m->first_tensor[layer] > t) --layer;   /* the layer owning tensor t */
+        if ((size_t)(end - m->tensors[t].offset) * sizeof(float) >= limit || t == 0) {
+            mgpu__bucket* b = &m->buckets[m->bucket_count++];
+            b->begin = t == 0 ? 0 : m->tensors[t].offset;
+            b->end = end;
+            b->ready_layer = layer;
+            end = b->begin;
+        }
+    }
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
@@ -3278,8 +3663,20 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     }
     for (i = 1; i < m->replica_count; ++i)
         if (mgpu_tensor_copy(m->rep[i].params, m->rep[0].params) != MGPU_OK) return mgpu__model_fail(m, op);
+    m->verify_every = desc->verify_every;
+    if (m->replica_count > 1) {
+        m->ar = mgpu_allreduce_create(desc->devices, desc->allreduce);
+        m->task_error = (char(*)[sizeof mgpu__error_text])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
+        if (!m->ar || !m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
+            return mgpu__model_fail(m, op);
+    }
     return m;
 }
+
+MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce(const mgpu_model* m) {
+    return m && m->ar ? m->ar->kind : MGPU_ALLREDUCE_NONE;
+}
+MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
@@ -3378,25 +3775,30 @@ MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const 
     return r->act[m->layer_count - 1];
 }
 
+/* Backward through layer i of a replica: d output of the model is doutput. */
+static mgpu_result mgpu__backward_layer(mgpu_model* m, int replica, int i, const mgpu_tensor* doutput) {
+    mgpu__replica* r = &m->rep[replica];
+    mgpu_layer_ctx ctx;
+    char where[96];
+    const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
+    mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
+    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : r->input, r->act[i], dy,
+                                   i ? r->dact[i - 1] : NULL) != MGPU_OK) {
+        snprintf(where, sizeof where, "mgpu_model_backward: layer %d (%s)", i, mgpu_layer_type(m->layers[i]));
+        return mgpu__refail(where);
+    }
+    return MGPU_OK;
+}
+
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
     static const char* op = "mgpu_model_backward";
     mgpu__replica* r;
-    char where[96];
     int i;
     MGPU__TRY(mgpu__check_replica(op, m, replica));
     r = &m->rep[replica];
     if (!r->input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
     MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
-    for (i = m->layer_count - 1; i >= 0; --i) {
-        mgpu_layer_ctx ctx;
-        const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
-        mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
-        if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : r->input, r->act[i], dy,
-                                       i ? r->dact[i - 1] : NULL) != MGPU_OK) {
-            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
-            return mgpu__refail(where);
-        }
-    }
+    for (i = m->layer_count - 1; i >= 0; --i) MGPU__TRY(mgpu__backward_layer(m, replica, i, doutput));
     return MGPU_OK;
 }
 
@@ -3407,19 +3809,20 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
     return MGPU_OK;
 }
 
-/* Sum the replicas' gradients into replica 0 in a fixed order, then copy the sum back to every
-   replica: all end bit-identical. (The data-parallel layer brings the faster backends.) */
+/* All-reduce the gradient buffers of every replica (the whole flat buffer at once). */
 static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
-    mgpu__replica* r0 = &m->rep[0];
+    float* bufs[MGPU__MAX_REPLICAS];
     int i;
-    if (m->replica_count == 1) return MGPU_OK;
-    MGPU__TRY(mgpu__ensure(&r0->reduce_tmp, r0->dev, MGPU_F32, r0->grads->shape));
-    for (i = 1; i < m->replica_count; ++i) {
-        MGPU__TRY(mgpu_tensor_copy(r0->reduce_tmp, m->rep[i].grads));
-        MGPU__TRY(mgpu_add(r0->grads, r0->grads, r0->reduce_tmp));
+    if (!m->ar) return MGPU_OK;
+    for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads);
+#ifdef MGPU_CUDA
+    if (m->rep[0].dev->kind == MGPU_DEVICE_CUDA) {
+        MGPU__TRY(mgpu__ar_after_compute(m->ar));
+        MGPU__TRY(mgpu__ar_reduce(m->ar, bufs, (size_t)m->flat_floats));
+        return mgpu__ar_before_compute(m->ar);
     }
-    for (i = 1; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_copy(m->rep[i].grads, r0->grads));
-    return MGPU_OK;
+#endif
+    return mgpu__ar_reduce(m->ar, bufs, (size_t)m->flat_floats);
 }
 
 /* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
@@ -3611,44 +4014,86 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
 }
 
 /* ---- a whole training step, and evaluation ---- */
-MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
-                                          const mgpu_tensor* target, float* loss) {
+/* Replica r's part of a batch: its slice of x and target, forward, and the loss with its
+   gradient (scaled for a batch of batch_total samples) in r->dout. */
+static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
+                                              int64_t batch_total) {
     static const char* op = "mgpu_model_train_step";
+    mgpu__replica* r = &m->rep[replica];
+    mgpu_tensor xs, ts;
+    const mgpu_tensor* out;
+    int64_t start, count;
+    double per_row;
+    mgpu__split(x->shape.dim[0], m->replica_count, replica, &start, &count);
+    MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, &xs));
+    MGPU__TRY(mgpu__replica_slice(r, target, start, count, &r->tbuf, &ts));
+    out = mgpu_model_forward(m, replica, &xs, 1);
+    if (!out) return mgpu__refail(op);
+    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
+    MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
+    /* The gradient of the WHOLE batch's mean loss: summed over replicas it is exactly the
+       one-device gradient, however unevenly the rows were split. MSE averages every element. */
+    per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1) : 1.0;
+    return mgpu__replica_loss(m, r, out, &ts, r->dout, (float)(1.0 / ((double)batch_total * per_row)));
+}
+
+/* CPU replicas run on the thread pool, one task per replica (a task's own ops then run
+   single-threaded: the pool is busy). Failures are carried back as text. */
+typedef struct mgpu__replica_job { mgpu_model* m; const mgpu_tensor *x, *target; int64_t batch_total; mgpu_result* results; } mgpu__replica_job;
+static void mgpu__replica_task(void* ctx, int64_t task) {
+    mgpu__replica_job* j = (mgpu__replica_job*)ctx;
+    const int r = (int)task;
+    mgpu_result res = mgpu__replica_forward_loss(j->m, r, j->x, j->target, j->batch_total);
+    if (res == MGPU_OK) res = mgpu_model_backward(j->m, r, j->m->rep[r].dout);
+    j->results[r] = res;
+    if (res != MGPU_OK) snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "%s", mgpu_last_error());
+}
+
+/* Forward, loss and backward of a batch on every replica, gradients ADDED to the gradient
+   buffers. With reduce, the gradients are all-reduced too: on GPUs bucket by bucket while the
+   backward pass goes on (communication overlaps computation). */
+static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
+                                   int64_t batch_total, int reduce, float* loss) {
     int64_t batch, start, count;
     double total = 0.0;
-    int i;
-    if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
-    if (opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    int i, l, b;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     batch = x->shape.dim[0];
     if (batch < m->replica_count)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replicas", op,
                           (long long)batch, m->replica_count);
-    MGPU__TRY(mgpu_model_zero_grad(m));
+    if (batch_total < batch) batch_total = batch;
     m->forwards++;
-    for (i = 0; i < m->replica_count; ++i) {
-        mgpu__replica* r = &m->rep[i];
-        mgpu_tensor xs, ts;
-        const mgpu_tensor* out;
-        mgpu__split(batch, m->replica_count, i, &start, &count);
-        MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, &xs));
-        MGPU__TRY(mgpu__replica_slice(r, target, start, count, &r->tbuf, &ts));
-        out = mgpu_model_forward(m, i, &xs, 1);
-        if (!out) return mgpu__refail(op);
-        if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
-        MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
-        /* The gradient of the WHOLE batch's mean loss: summed over replicas it is exactly the
-           one-device gradient, however unevenly the rows were split. MSE averages every element. */
-        {
-            double per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)count : 1.0;
-            MGPU__TRY(mgpu__replica_loss(m, r, out, &ts, r->dout, (float)(1.0 / ((double)batch * per_row))));
+    if (m->replica_count > 1 && m->rep[0].dev->kind == MGPU_DEVICE_CPU) {
+        mgpu_result results[MGPU__MAX_REPLICAS];
+        mgpu__replica_job job;
+        job.m = m; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
+        mgpu__parallel_for(m->replica_count, mgpu__replica_task, &job);
+        for (i = 0; i < m->replica_count; ++i)
+            if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
+        if (reduce) MGPU__TRY(mgpu__reduce_grads(m));
+    } else {
+        /* one host thread drives every GPU: launches are asynchronous, so the replicas run at once */
+        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, i, x, target, batch_total));
+        for (l = m->layer_count - 1, b = 0; l >= 0; --l) {
+            for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__backward_layer(m, i, l, m->rep[i].dout));
+#ifdef MGPU_CUDA
+            for (; reduce && m->ar && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {
+                float* bufs[MGPU__MAX_REPLICAS];
+                const mgpu__bucket* bk = &m->buckets[b];
+                for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads) + bk->begin;
+                MGPU__TRY(mgpu__ar_after_compute(m->ar));
+                MGPU__TRY(mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin)));
+            }
+#endif
         }
-        MGPU__TRY(mgpu_model_backward(m, i, r->dout));
+#ifdef MGPU_CUDA
+        if (reduce && m->ar) MGPU__TRY(mgpu__ar_before_compute(m->ar));
+#endif
+        (void)b;
     }
-    MGPU__TRY(mgpu__reduce_grads(m));
-    MGPU__TRY(mgpu_optimizer_step(opt));
-    if (loss) {
+    if (loss) {   /* the batch's mean loss, from each replica's mean over its rows */
         for (i = 0; i < m->replica_count; ++i) {
             double v;
             mgpu__split(batch, m->replica_count, i, &start, &count);
@@ -3658,6 +4103,72 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
         *loss = (float)(total / (double)batch);
     }
     return MGPU_OK;
+}
+
+static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const mgpu_optimizer* opt) {
+    if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
+    if (opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    return MGPU_OK;
+}
+
+/* The optimizer step after reduced gradients, and the optional replica check. */
+static mgpu_result mgpu__step(mgpu_model* m, mgpu_optimizer* opt) {
+    MGPU__TRY(mgpu_optimizer_step(opt));
+    m->steps++;
+    if (m->verify_every > 0 && m->replica_count > 1 && m->steps % m->verify_every == 0) return mgpu_model_verify_replicas(m);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
+                                          const mgpu_tensor* target, float* loss) {
+    static const char* op = "mgpu_model_train_step";
+    MGPU__TRY(mgpu__check_step(op, m, opt));
+    MGPU__TRY(mgpu_model_zero_grad(m));
+    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, loss));
+    return mgpu__step(m, opt);
+}
+
+MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
+                                          int64_t batch_total, float* loss) {
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
+    return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);
+}
+
+MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
+    MGPU__TRY(mgpu__check_step("mgpu_model_apply", m, opt));
+    MGPU__TRY(mgpu__reduce_grads(m));
+    MGPU__TRY(mgpu__step(m, opt));
+    return mgpu_model_zero_grad(m);
+}
+
+MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
+    static const char* op = "mgpu_model_verify_replicas";
+    float *first, *other;
+    mgpu_result r = MGPU_OK;
+    int i, t;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (m->replica_count == 1) return MGPU_OK;
+    first = (float*)mgpu__calloc((size_t)m->flat_floats * 2 + 1, sizeof(float));
+    if (!first) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    other = first + m->flat_floats;
+    r = mgpu_tensor_download(m->rep[0].params, first, (size_t)m->flat_floats * sizeof(float));
+    for (i = 1; i < m->replica_count && r == MGPU_OK; ++i) {
+        r = mgpu_tensor_download(m->rep[i].params, other, (size_t)m->flat_floats * sizeof(float));
+        if (r != MGPU_OK || memcmp(first, other, (size_t)m->flat_floats * sizeof(float)) == 0) continue;
+        for (t = 0; t < m->tensor_count && r == MGPU_OK; ++t) {
+            const int64_t n = mgpu_shape_numel(m->tensors[t].shape), o = m->tensors[t].offset;
+            int64_t k;
+            for (k = 0; k < n; ++k)
+                if (memcmp(&first[o + k], &other[o + k], sizeof(float)) != 0) {
+                    r = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: after %lld steps replica %d (%s) differs from replica 0 (%s) at "
+                                   "'%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, i, m->rep[i].dev->label,
+                                   m->rep[0].dev->label, m->tensors[t].name, (long long)k, (double)other[o + k], (double)first[o + k]);
+                    break;
+                }
+        }
+    }
+    MGPU_FREE(first);
+    return r;
 }
 
 #define MGPU__EVAL_ROWS 512   /* rows per replica per evaluation pass */

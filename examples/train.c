@@ -239,9 +239,9 @@ int main(int argc, char** argv) {
     if (o.load && mgpu_model_load(model, opt, o.load) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     if (!o.quiet) {
         mgpu_model_summary(model, stdout);
-        printf("training %s on %s (%d device%s), %lld images, batch %d, %s lr %g, %d epochs\n", o.model,
+        printf("training %s on %s (%d device%s, all-reduce: %s), %lld images, batch %d, %s lr %g, %d epochs\n", o.model,
                mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_device_set_count(set) == 1 ? "" : "s",
-               (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
+               mgpu_allreduce_name(mgpu_model_allreduce(model)), (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
     }
     steps = first_step = mgpu_optimizer_steps(opt);   /* resuming: continue where the checkpoint stopped */
     for (epoch = (int)(steps / batches); epoch < o.epochs && !stop; ++epoch) {
@@ -277,9 +277,10 @@ int main(int argc, char** argv) {
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
     }
-    printf("model=%s devices=%s replicas=%d optimizer=%s batch=%d epochs=%d steps=%lld train_loss=%.4f test_loss=%.4f "
-           "test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
-           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), o.optimizer, o.batch, o.epochs, (long long)steps,
+    printf("model=%s devices=%s replicas=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld train_loss=%.4f "
+           "test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
+           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_allreduce_name(mgpu_model_allreduce(model)),
+           o.optimizer, o.batch, o.epochs, (long long)steps,
            (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
     status = 0;
 done:
