@@ -74,8 +74,13 @@ compile-check: | $(B)
 test-cpu: $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
 test-cuda: $(CUDA_BINS)
 
-test: compile-check test-cpu test-cuda
-	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda))
+$(B)/interop: tests/interop.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+# Order matters a little: test_io writes the file interop.sh reads back in Python.
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
+	    "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

@@ -620,7 +620,8 @@ static inline MGPU__HD float mgpu__rand_element(uint64_t seed, uint64_t offset, 
     mgpu__philox4x32(ctr, (uint32_t)seed, (uint32_t)(seed >> 32));
     if (!normal) {
         float u = (float)(ctr[i & 3] >> 8) * (1.0f / 16777216.0f);
-        return a + mgpu__mul_rounded(b - a, u);
+        float v = a + mgpu__mul_rounded(b - a, u);
+        return v < b ? v : nextafterf(b, a);   /* rounding can reach b when |a| >> b - a */
     } else {
         int pair = (int)((i & 3) >> 1) * 2;
         double u1 = ((double)ctr[pair] + 1.0) * (1.0 / 4294967296.0);   /* (0, 1] */
@@ -1986,7 +1987,10 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     }
     if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
     if (t->dtype == MGPU_F32) { float v = (float)value, *p = MGPU__F32(t); for (i = 0; i < n; ++i) p[i] = v; }
-    else for (i = 0; i < n; ++i) mgpu__store_float(t->dtype, mgpu_tensor_data(t), i, (float)value);
+    else if (t->dtype == MGPU_I32) {   /* exact from the double; NaN 0, out of range saturates (as on the GPU) */
+        int32_t v = value != value ? 0 : value <= INT32_MIN ? INT32_MIN : value >= INT32_MAX ? INT32_MAX : (int32_t)value, *p = MGPU__I32(t);
+        for (i = 0; i < n; ++i) p[i] = v;
+    } else memset(mgpu_tensor_data(t), value != value || value <= 0 ? 0 : value >= 255 ? 255 : (int)value, (size_t)n);
     return MGPU_OK;
 }
 MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t) { return mgpu_tensor_fill(t, 0.0); }
@@ -2430,6 +2434,10 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
 #endif
         return MGPU_OK;
     }
+    for (r = 0; r < rows; ++r)   /* every label first: a failed call writes nothing */
+        if (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
+                              (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
     {
         double total = 0.0;
         for (r = 0; r < rows; ++r) {
@@ -2437,9 +2445,6 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
             int32_t label = MGPU__I32(labels)[r];
             float mx = px[0];
             double s = 0.0, lse;
-            if (label < 0 || label >= cols)
-                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
-                                  (int)label, (long long)r, (long long)cols);
             for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
             for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
             lse = mx + log(s);

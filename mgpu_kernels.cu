@@ -491,14 +491,11 @@ template <> __device__ float from_float<float>(float x) { return x; }
 template <> __device__ int32_t from_float<int32_t>(float x) { return __float2int_rz(x); }
 template <> __device__ uint8_t from_float<uint8_t>(float x) { return (uint8_t)min(__float2uint_rz(x), 255u); }
 
-// The same rule on the host for fill's value, which goes through float as on the CPU.
-static double trunc_clamp(float v, double lo, double hi) {
-    return v != v ? 0.0 : v < lo ? lo : v > hi ? hi : truncf(v);
-}
 template <class T> static T fill_value(double v);
 template <> float fill_value<float>(double v) { return (float)v; }
-template <> int32_t fill_value<int32_t>(double v) { return (int32_t)trunc_clamp((float)v, INT32_MIN, INT32_MAX); }
-template <> uint8_t fill_value<uint8_t>(double v) { return (uint8_t)trunc_clamp((float)v, 0, 255); }
+/* integers straight from the double (a float would round 16777217), as mgpu_tensor_fill does */
+template <> int32_t fill_value<int32_t>(double v) { return v != v ? 0 : v <= INT32_MIN ? INT32_MIN : v >= INT32_MAX ? INT32_MAX : (int32_t)v; }
+template <> uint8_t fill_value<uint8_t>(double v) { return v != v || v <= 0 ? 0 : v >= 255 ? 255 : (uint8_t)v; }
 
 template <class T> struct fill_op {
     T* p;

@@ -64,8 +64,14 @@ static int parse_args(int argc, char** argv, options* o) {
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
         char* end = NULL;
         int takes = 1;
+        static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
+                                        "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay" };
+        int known = 0;
+        size_t k;
+        for (k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(a, valued[k]);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--quiet")) { o->quiet = 1; takes = 0; }
+        else if (!known) { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         else if (!strcmp(a, "--data")) o->data = v;
         else if (!strcmp(a, "--model")) o->model = v;

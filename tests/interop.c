@@ -1,0 +1,109 @@
+/* interop.c - the mgpu side of the PyTorch interop test (tests/interop.py drives it).
+     interop save DIR   build the mlp and the cnn of build/train (seed 7), train each a few steps
+                        with SGD+momentum (so optimizer state exists), save DIR/mgpu_NAME.safetensors,
+                        and write the logits of DIR/inputs.f32 to DIR/mgpu_NAME.logits
+     interop load DIR   load DIR/torch_NAME.safetensors (saved by PyTorch) into mgpu and write the
+                        logits of DIR/inputs.f32 to DIR/torch_NAME.mgpu_logits
+   inputs.f32 holds N x 1 x 28 x 28 float32 values (N from the file size). */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static mgpu_model* make_model(const char* name) {
+    mgpu_model_desc d;
+    mgpu_layer* layers[10];
+    memset(&d, 0, sizeof d);
+    d.input = mgpu_shape3(1, 28, 28);
+    d.seed = 7;
+    d.layers = layers;
+    if (!strcmp(name, "mlp")) {   /* nn.Sequential(Flatten, Linear(784,128), ReLU, Linear(128,10)) */
+        layers[0] = mgpu_flatten(); layers[1] = mgpu_linear(784, 128); layers[2] = mgpu_relu_layer(); layers[3] = mgpu_linear(128, 10);
+        d.layer_count = 4;
+    } else {                      /* the cnn of examples/train.c */
+        layers[0] = mgpu_conv2d(1, 16, 3, 1, 1); layers[1] = mgpu_relu_layer(); layers[2] = mgpu_maxpool2d(2, 2);
+        layers[3] = mgpu_conv2d(16, 32, 3, 1, 1); layers[4] = mgpu_relu_layer(); layers[5] = mgpu_maxpool2d(2, 2);
+        layers[6] = mgpu_flatten(); layers[7] = mgpu_linear(32 * 7 * 7, 128); layers[8] = mgpu_relu_layer(); layers[9] = mgpu_linear(128, 10);
+        d.layer_count = 10;
+    }
+    return mgpu_model_create(&d);
+}
+
+static float* read_all(const char* path, long* count) {
+    FILE* f = fopen(path, "rb");
+    float* p;
+    long bytes;
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    bytes = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    p = (float*)malloc((size_t)bytes);
+    if (p && fread(p, 1, (size_t)bytes, f) != (size_t)bytes) { free(p); p = NULL; }
+    fclose(f);
+    *count = bytes / (long)sizeof(float);
+    return p;
+}
+
+/* logits of the inputs, written raw to path */
+static int write_logits(mgpu_model* m, const float* inputs, long n, const char* path) {
+    mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(n, 1, 28, 28));
+    const mgpu_tensor* out;
+    float* logits = (float*)malloc((size_t)n * 10 * sizeof(float));
+    FILE* f;
+    int ok = x && logits && mgpu_tensor_upload(x, inputs, (size_t)n * 784 * sizeof(float)) == MGPU_OK &&
+             (out = mgpu_model_forward(m, 0, x, 0)) != NULL &&
+             mgpu_tensor_download(out, logits, (size_t)n * 10 * sizeof(float)) == MGPU_OK &&
+             (f = fopen(path, "wb")) != NULL && fwrite(logits, sizeof(float), (size_t)n * 10, f) == (size_t)n * 10 && fclose(f) == 0;
+    mgpu_tensor_destroy(x);
+    free(logits);
+    return ok;
+}
+
+int main(int argc, char** argv) {
+    const char* names[2] = { "mlp", "cnn" };
+    char path[1024];
+    long count, n;
+    float* inputs;
+    int i, k;
+    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load"))) {
+        fprintf(stderr, "usage: interop save|load DIR\n");
+        return 2;
+    }
+    snprintf(path, sizeof path, "%s/inputs.f32", argv[2]);
+    inputs = read_all(path, &count);
+    if (!inputs) { fprintf(stderr, "interop: cannot read %s\n", path); return 2; }
+    n = count / 784;
+    for (i = 0; i < 2; ++i) {
+        mgpu_model* m = make_model(names[i]);
+        if (!m) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
+        if (!strcmp(argv[1], "save")) {
+            mgpu_optimizer_desc od;
+            mgpu_optimizer* opt;
+            mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 28, 28));
+            mgpu_tensor* y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(8));
+            memset(&od, 0, sizeof od);
+            od.lr = 0.05f;
+            od.momentum = 0.9f;
+            opt = mgpu_optimizer_create(m, &od);
+            for (k = 0; k < 8; ++k) ((int32_t*)mgpu_tensor_data(y))[k] = k % 10;
+            for (k = 0; k < 3 && opt && x && y; ++k)
+                if (mgpu_tensor_upload(x, inputs + (size_t)(k % (n / 8 > 0 ? n / 8 : 1)) * 8 * 784, 8 * 784 * sizeof(float)) ||
+                    mgpu_model_train_step(m, opt, x, y, NULL)) break;
+            snprintf(path, sizeof path, "%s/mgpu_%s.safetensors", argv[2], names[i]);
+            if (k < 3 || mgpu_model_save(m, opt, path) != MGPU_OK) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
+            snprintf(path, sizeof path, "%s/mgpu_%s.logits", argv[2], names[i]);
+            mgpu_optimizer_destroy(opt);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(y);
+        } else {
+            snprintf(path, sizeof path, "%s/torch_%s.safetensors", argv[2], names[i]);
+            if (mgpu_model_load(m, NULL, path) != MGPU_OK) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
+            snprintf(path, sizeof path, "%s/torch_%s.mgpu_logits", argv[2], names[i]);
+        }
+        if (!write_logits(m, inputs, n, path)) { fprintf(stderr, "interop: writing %s: %s\n", path, mgpu_last_error()); return 1; }
+        mgpu_model_destroy(m);
+    }
+    free(inputs);
+    return 0;
+}

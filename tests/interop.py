@@ -1,0 +1,118 @@
+"""PyTorch interop of mgpu checkpoints, both ways, with the real safetensors and torch packages.
+
+  python3 tests/interop.py BUILD_DIR   (needs BUILD_DIR/interop, built by make)
+
+1. mgpu -> PyTorch: build/interop saves the mlp and the cnn; safetensors.torch.load_file plus
+   load_state_dict (strict, once the optimizer.* entries are set aside) loads them into the
+   equivalent nn.Sequential, whose logits must equal mgpu's.
+2. PyTorch -> mgpu: torch saves its own models' state_dict with safetensors.torch.save_file;
+   build/interop loads them, and its logits must equal PyTorch's.
+3. The file test_io wrote with mgpu's writer reads back in Python (tests/check_c_written.py).
+Prints 'N passed, N failed, N skipped' last; skips (exit 0) when torch or safetensors is missing.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+build = sys.argv[1] if len(sys.argv) > 1 else "build"
+here = os.path.dirname(os.path.abspath(__file__))
+passed = failed = skipped = 0
+
+
+def check(ok, what):
+    global passed, failed
+    if ok:
+        passed += 1
+    else:
+        failed += 1
+        print("  FAIL", what)
+
+
+try:
+    import numpy as np
+    import torch
+    from torch import nn
+    from safetensors.torch import load_file, save_file
+except ImportError as e:
+    print("  skip PyTorch interop: %s (install python3-torch and pip install safetensors)" % e)
+    print("0 passed, 0 failed, 3 skipped")
+    sys.exit(0)
+
+
+def mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2, 2),
+                         nn.Conv2d(16, 32, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2, 2),
+                         nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def logits_file(path, n):
+    return torch.from_numpy(np.fromfile(path, dtype=np.float32).reshape(n, 10))
+
+
+torch.manual_seed(0)
+n = 32
+x = torch.rand(n, 1, 28, 28) * 2.0 - 0.5
+with tempfile.TemporaryDirectory() as d:
+    x.numpy().astype(np.float32).tofile(os.path.join(d, "inputs.f32"))
+    rc = subprocess.run([os.path.join(build, "interop"), "save", d]).returncode
+    check(rc == 0, "interop save ran (exit %d)" % rc)
+    for name, make in (("mlp", mlp), ("cnn", cnn)):
+        path = os.path.join(d, "mgpu_%s.safetensors" % name)
+        if rc != 0 or not os.path.exists(path):
+            check(False, "mgpu wrote %s" % path)
+            continue
+        sd = load_file(path)
+        state = {k: v for k, v in sd.items() if not k.startswith("optimizer.")}
+        extra = sorted(k for k in sd if k.startswith("optimizer."))
+        model = make()
+        try:
+            model.load_state_dict(state, strict=True)
+            loaded = True
+        except Exception as e:
+            print("   load_state_dict:", e)
+            loaded = False
+        check(loaded, "PyTorch load_state_dict(strict=True) of mgpu's %s checkpoint" % name)
+        check(len(extra) == len(state) and all(k.endswith(".momentum_buffer") for k in extra),
+              "%s: one momentum_buffer per parameter (%d of %d)" % (name, len(extra), len(state)))
+        if loaded:
+            with torch.no_grad():
+                ref = model(x)
+            got = logits_file(os.path.join(d, "mgpu_%s.logits" % name), n)
+            err = (got - ref).abs().max().item()
+            print("   mgpu -> torch %s: max |logit difference| %.3g" % (name, err))
+            check(err < 1e-4, "%s logits from mgpu equal PyTorch's (max diff %.3g)" % (name, err))
+    # PyTorch -> mgpu
+    ref = {}
+    for name, make in (("mlp", mlp), ("cnn", cnn)):
+        torch.manual_seed(1)
+        model = make()
+        with torch.no_grad():
+            for p in model.parameters():   # not zero-mean, so a transposed weight would show
+                p.add_(0.01)
+            ref[name] = model(x)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(d, "torch_%s.safetensors" % name))
+    rc = subprocess.run([os.path.join(build, "interop"), "load", d]).returncode
+    check(rc == 0, "interop load ran (exit %d)" % rc)
+    for name in ("mlp", "cnn"):
+        path = os.path.join(d, "torch_%s.mgpu_logits" % name)
+        if rc != 0 or not os.path.exists(path):
+            check(False, "mgpu computed logits for PyTorch's %s" % name)
+            continue
+        err = (logits_file(path, n) - ref[name]).abs().max().item()
+        print("   torch -> mgpu %s: max |logit difference| %.3g" % (name, err))
+        check(err < 1e-4, "%s: mgpu's logits from PyTorch's checkpoint equal PyTorch's (max diff %.3g)" % (name, err))
+
+c_written = os.path.join(build, "c_written.safetensors")
+if os.path.exists(c_written):
+    rc = subprocess.run([sys.executable, os.path.join(here, "check_c_written.py"), c_written]).returncode
+    check(rc == 0, "Python safetensors reads the file mgpu's writer produced")
+else:
+    skipped += 1
+    print("  skip %s not found (test_io writes it)" % c_written)
+print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
+sys.exit(1 if failed else 0)
