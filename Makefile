@@ -26,9 +26,11 @@ EXTRA_io  = -DHAVE_ZLIB
 LIBS_io   = -lz
 HEADERS   = mgpu.h tests/test.h
 
-CPU_BINS  = $(B)/train_cpu $(B)/hello $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
+EXAMPLES  = hello custom_layer data_parallel
+
+CPU_BINS  = $(B)/train_cpu $(EXAMPLES:%=$(B)/%) $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
 ifneq ($(NVCC),)
-CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(TESTS:%=$(B)/%_cuda)
+CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
 .PHONY: all test test-cpu test-cuda compile-check demo gpu-check clean
@@ -42,8 +44,11 @@ $(B)/mgpu_kernels.o: mgpu_kernels.cu mgpu.h | $(B)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
 # ---- programs --------------------------------------------------------------------------------
-$(B)/hello: examples/hello.c mgpu.h | $(B)
+$(B)/%: examples/%.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+$(B)/%_cuda: examples/%.c mgpu.h $(B)/mgpu_kernels.o | $(B)
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/train_cpu: examples/train.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
@@ -78,9 +83,9 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
+	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

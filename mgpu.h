@@ -3382,7 +3382,9 @@ typedef struct mgpu__replica {
     mgpu_tensor *params, *grads;        /* the flat buffers */
     mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count] */
     mgpu_shape in_shape;                /* the input shape the buffers below are sized for */
-    const mgpu_tensor* input;           /* x of the last forward (not owned) */
+    mgpu_tensor input;                  /* x of the last forward: a copy of its header (callers
+                                           pass slices that live on their stack), storage not owned */
+    int has_input;
     mgpu_tensor** act;                  /* act[i]: output of layer i, [layer_count] */
     mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], for i < layer_count - 1 */
     mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
@@ -3766,7 +3768,8 @@ MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const 
         return NULL;
     }
     if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
-    r->input = x;
+    r->input = *x;
+    r->has_input = 1;
     r->training = training;
     for (i = 0; i < m->layer_count; ++i) {
         mgpu_layer_ctx ctx;
@@ -3787,7 +3790,7 @@ static mgpu_result mgpu__backward_layer(mgpu_model* m, int replica, int i, const
     char where[96];
     const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
     mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
-    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : r->input, r->act[i], dy,
+    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : &r->input, r->act[i], dy,
                                    i ? r->dact[i - 1] : NULL) != MGPU_OK) {
         snprintf(where, sizeof where, "mgpu_model_backward: layer %d (%s)", i, mgpu_layer_type(m->layers[i]));
         return mgpu__refail(where);
@@ -3801,7 +3804,7 @@ MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_t
     int i;
     MGPU__TRY(mgpu__check_replica(op, m, replica));
     r = &m->rep[replica];
-    if (!r->input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
+    if (!r->has_input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
     MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
     for (i = m->layer_count - 1; i >= 0; --i) MGPU__TRY(mgpu__backward_layer(m, replica, i, doutput));
     return MGPU_OK;

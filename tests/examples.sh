@@ -1,0 +1,20 @@
+#!/bin/sh
+# The examples run and succeed: hello multiplies, custom_layer learns with its SiLU (exit 0 when
+# the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical.
+# With a CUDA build of data_parallel and a GPU, also four replicas on one GPU.
+b=${1:-build}
+passed=0; failed=0; skipped=0
+run() {
+    if out=$("$@" 2>&1); then passed=$((passed + 1)); echo "  ok   $*"
+    else failed=$((failed + 1)); echo "  FAIL $*"; echo "$out" | tail -n 5; fi
+}
+run "$b/hello"
+run "$b/custom_layer"
+for spec in cpu:2 cpu:3 cpu:4; do run "$b/data_parallel" $spec; done
+if [ -x "$b/data_parallel_cuda" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    run "$b/data_parallel_cuda" cuda:0,0,0,0
+else
+    skipped=$((skipped + 1)); echo "  skip data_parallel on cuda:0,0,0,0: no GPU"
+fi
+echo "$passed passed, $failed failed, $skipped skipped"
+[ $failed -eq 0 ]
