@@ -1911,6 +1911,12 @@ MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_
     return MGPU_OK;
 }
 
+typedef struct mgpu__copy_job { char* dst; const char* src; } mgpu__copy_job;
+static void mgpu__copy_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__copy_job* j = (const mgpu__copy_job*)ctx;
+    memcpy(j->dst + begin, j->src + begin, (size_t)(end - begin));
+}
+
 MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     char a[128], b[128];
     size_t bytes;
@@ -1927,7 +1933,15 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     sd = MGPU__DEV(src);
     if (!bytes || mgpu_tensor_data(dst) == mgpu_tensor_data(src)) return MGPU_OK;
     if (sd->kind == MGPU_DEVICE_CPU && dd->kind == MGPU_DEVICE_CPU) {
-        memmove(mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes);
+        char *d = (char*)mgpu_tensor_data(dst), *s = (char*)mgpu_tensor_data(src);
+        if (d + bytes <= s || s + bytes <= d) {   /* disjoint: copy slices on every thread */
+            mgpu__copy_job job;
+            job.dst = d;
+            job.src = s;
+            mgpu__parallel_range((int64_t)bytes, (int64_t)1 << 20, mgpu__copy_range, &job);
+        } else {
+            memmove(d, s, bytes);
+        }
         return MGPU_OK;
     }
     if (sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_upload(dst, mgpu_tensor_data(src), bytes);
@@ -2069,16 +2083,41 @@ static void mgpu__scratch_put(mgpu__scratch* s) { if (s->ptr) mgpu__device_relea
 
 /* -- elementwise -- */
 typedef struct mgpu__ew_job { int op; const float *a, *b; float* y; float alpha; } mgpu__ew_job;
+/* One loop per op code, each calling the shared formula with a constant op: the compiler folds
+   the switch inside mgpu__*_apply away and vectorises the loop. */
+#define MGPU__UNARY_LOOP(code) for (i = begin; i < end; ++i) y[i] = mgpu__unary_apply(code, a[i], alpha)
+#define MGPU__BINARY_LOOP(code) for (i = begin; i < end; ++i) y[i] = mgpu__binary_apply(code, a[i], b[i], alpha)
 static void mgpu__unary_range(void* ctx, int64_t begin, int64_t end) {
-    mgpu__ew_job* j = (mgpu__ew_job*)ctx;
+    const mgpu__ew_job* j = (const mgpu__ew_job*)ctx;
+    const float *a = j->a, alpha = j->alpha;
+    float* y = j->y;
     int64_t i;
-    for (i = begin; i < end; ++i) j->y[i] = mgpu__unary_apply(j->op, j->a[i], j->alpha);
+    switch (j->op) {
+    case MGPU__UNARY_SCALE: MGPU__UNARY_LOOP(MGPU__UNARY_SCALE); break;
+    case MGPU__UNARY_RELU: MGPU__UNARY_LOOP(MGPU__UNARY_RELU); break;
+    case MGPU__UNARY_GELU: MGPU__UNARY_LOOP(MGPU__UNARY_GELU); break;
+    case MGPU__UNARY_TANH: MGPU__UNARY_LOOP(MGPU__UNARY_TANH); break;
+    default: MGPU__UNARY_LOOP(MGPU__UNARY_SIGMOID); break;
+    }
 }
 static void mgpu__binary_range(void* ctx, int64_t begin, int64_t end) {
-    mgpu__ew_job* j = (mgpu__ew_job*)ctx;
+    const mgpu__ew_job* j = (const mgpu__ew_job*)ctx;
+    const float *a = j->a, *b = j->b, alpha = j->alpha;
+    float* y = j->y;
     int64_t i;
-    for (i = begin; i < end; ++i) j->y[i] = mgpu__binary_apply(j->op, j->a[i], j->b[i], j->alpha);
+    switch (j->op) {
+    case MGPU__BINARY_ADD: MGPU__BINARY_LOOP(MGPU__BINARY_ADD); break;
+    case MGPU__BINARY_SUB: MGPU__BINARY_LOOP(MGPU__BINARY_SUB); break;
+    case MGPU__BINARY_MUL: MGPU__BINARY_LOOP(MGPU__BINARY_MUL); break;
+    case MGPU__BINARY_AXPY: MGPU__BINARY_LOOP(MGPU__BINARY_AXPY); break;
+    case MGPU__BINARY_RELU_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_RELU_BWD); break;
+    case MGPU__BINARY_GELU_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_GELU_BWD); break;
+    case MGPU__BINARY_TANH_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_TANH_BWD); break;
+    default: MGPU__BINARY_LOOP(MGPU__BINARY_SIGMOID_BWD); break;
+    }
 }
+#undef MGPU__UNARY_LOOP
+#undef MGPU__BINARY_LOOP
 #define MGPU__EW_MIN_PER_THREAD (1 << 15)
 
 static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const mgpu_tensor* x, float alpha) {
@@ -2230,8 +2269,8 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
                           op, mgpu_tensor_describe(a, ta, sizeof ta), transpose_a ? " transposed" : "",
                           mgpu_tensor_describe(b, tb, sizeof tb), transpose_b ? " transposed" : "",
                           mgpu_tensor_describe(out, tc, sizeof tc), (long long)m, (long long)n);
-    if (MGPU__IS_CPU(a))
-        return mgpu__cpu_gemm(MGPU__DEV(a), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
+    if (MGPU__IS_CPU(a))   /* the output's device owns the packing buffer: CPU replicas on threads each write their own */
+        return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
 #ifdef MGPU_CUDA
     if (m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff)
@@ -2796,7 +2835,6 @@ static mgpu_result mgpu__bias_grad_add(mgpu_tensor* dbias, const mgpu_tensor* dy
 
 static int mgpu__two_params(const mgpu_layer* l) { (void)l; return 2; }
 static int mgpu__one_aux(const mgpu_layer* l) { (void)l; return 1; }
-static int mgpu__two_aux(const mgpu_layer* l) { (void)l; return 2; }
 
 /* -- Linear: y = x W^T + b, W [out, in] -- */
 static mgpu_result mgpu__linear_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
@@ -2972,12 +3010,15 @@ static mgpu_result mgpu__conv_param_shape(const mgpu_layer* l, int i, const char
 static mgpu_result mgpu__conv_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
     return mgpu__init_fan_in(ctx, seed, (int64_t)l->cfg.in * l->cfg.kernel * l->cfg.kernel);
 }
-/* aux 0: cols [n*oh*ow, in*k*k]; aux 1: rows [n*oh*ow, out], the GEMM result before the transpose */
+/* aux 0: cols [n*oh*ow, in*k*k] (kept for the weight gradient); aux 1: rows [n*oh*ow, out], the
+   GEMM result before the transpose; aux 2: the input gradient's columns, same shape as cols
+   (backward must not overwrite what a second backward would need) */
+static int mgpu__three_aux(const mgpu_layer* l) { (void)l; return 3; }
 static mgpu_result mgpu__conv_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     mgpu__window g;
     MGPU__TRY(mgpu__window_for(l, x, l->cfg.in, &g));
     *dt = MGPU_F32;
-    *shape = mgpu_shape2((int64_t)g.n * g.oh * g.ow, i == 0 ? (int64_t)g.c * g.kh * g.kw : (int64_t)l->cfg.out);
+    *shape = mgpu_shape2((int64_t)g.n * g.oh * g.ow, i == 1 ? (int64_t)l->cfg.out : (int64_t)g.c * g.kh * g.kw);
     return MGPU_OK;
 }
 static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
@@ -3004,15 +3045,15 @@ static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx
     MGPU__TRY(mgpu_matmul(&dw2, ctx->aux[1], ctx->aux[0], 1, 0, 1.0f, 1.0f));           /* dW += drows^T cols */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));
     if (!dx) return MGPU_OK;
-    MGPU__TRY(mgpu_matmul(ctx->aux[0], ctx->aux[1], &w2, 0, 0, 1.0f, 0.0f));             /* dcols = drows W */
-    return mgpu__col2im(&g, ctx->aux[0], dx);
+    MGPU__TRY(mgpu_matmul(ctx->aux[2], ctx->aux[1], &w2, 0, 0, 1.0f, 0.0f));             /* dcols = drows W */
+    return mgpu__col2im(&g, ctx->aux[2], dx);
 }
 static void mgpu__conv_describe(const mgpu_layer* l, char* buf, size_t size) {
     snprintf(buf, size, "%d -> %d, kernel %d, stride %d, padding %d", l->cfg.in, l->cfg.out, l->cfg.kernel, l->cfg.stride, l->cfg.pad);
 }
 static const mgpu_layer_vtable mgpu__conv_vt = {
     "Conv2d", mgpu__conv_output_shape, mgpu__two_params, mgpu__conv_param_shape, mgpu__conv_init,
-    mgpu__two_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL
+    mgpu__three_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL
 };
 MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
     mgpu__layer_cfg cfg;
@@ -3191,13 +3232,15 @@ MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) { r
 typedef struct mgpu__host_sum_job { float* const* bufs; int count; } mgpu__host_sum_job;
 static void mgpu__host_sum_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__host_sum_job* j = (const mgpu__host_sum_job*)ctx;
+    float* sum = j->bufs[0];
     int64_t i;
     int r;
-    for (i = begin; i < end; ++i) {
-        float s = j->bufs[0][i];
-        for (r = 1; r < j->count; ++r) s += j->bufs[r][i];
-        for (r = 0; r < j->count; ++r) j->bufs[r][i] = s;
+    /* ((b0 + b1) + b2) + ... into b0, a whole buffer at a time (vectorised), then copied out */
+    for (r = 1; r < j->count; ++r) {
+        const float* src = j->bufs[r];
+        for (i = begin; i < end; ++i) sum[i] += src[i];
     }
+    for (r = 1; r < j->count; ++r) memcpy(j->bufs[r] + begin, sum + begin, (size_t)(end - begin) * sizeof(float));
 }
 
 #ifdef MGPU_CUDA
@@ -3582,7 +3625,9 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     for (i = 0; i < m->layer_count; ++i) m->layers[i] = desc->layers[i];   /* owned from here on */
     for (i = 0; i < m->layer_count; ++i)
         if (!m->layers[i]) {
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "layer %d is NULL (did its constructor fail? %s)", i, mgpu_last_error());
+            char why[sizeof mgpu__error_text];
+            memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "layer %d is NULL (did its constructor fail? %s)", i, why[0] ? why : "no error recorded");
             return mgpu__model_fail(m, op);
         }
     m->input = desc->input;
@@ -5593,29 +5638,40 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
 
 
 /* ---- checkpoints, data sets and the loader, on top of the readers above ---- */
+/* The whole file in memory. Reads to the end rather than trusting ftell (a directory opens, and
+   its "size" is nonsense); a read error, such as EISDIR, is reported as such. */
 static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len) {
     FILE* f;
-    long size;
-    size_t got;
+    size_t cap = (size_t)1 << 20, n = 0, got;
     *data = NULL;
     *len = 0;
     if (!path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "read: NULL path");
     f = fopen(path, "rb");
     if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0 || (size = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
-        fclose(f);
-        return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(errno));
+    for (;;) {
+        if (!*data || n == cap) {
+            uint8_t* grown = (uint8_t*)MGPU_REALLOC(*data, *data ? cap *= 2 : cap);
+            if (!grown) {
+                MGPU_FREE(*data);
+                *data = NULL;
+                fclose(f);
+                return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %zu bytes", path, cap);
+            }
+            *data = grown;
+        }
+        got = fread(*data + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
     }
-    *data = (uint8_t*)MGPU_MALLOC((size_t)size + 1);
-    if (!*data) { fclose(f); return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %ld bytes", path, size); }
-    got = fread(*data, 1, (size_t)size, f);
-    fclose(f);
-    if (got != (size_t)size) {
+    if (ferror(f)) {
+        int err = errno;
+        fclose(f);
         MGPU_FREE(*data);
         *data = NULL;
-        return mgpu__fail(MGPU_ERROR_IO, "'%s': read %zu of %ld bytes", path, got, size);
+        return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(err));
     }
-    *len = (size_t)size;
+    fclose(f);
+    *len = n;
     return MGPU_OK;
 }
 
@@ -5631,9 +5687,9 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
     char (*names)[96] = NULL;
-    char step[32], layers_text[512];
-    const char* keys[5];
-    const char* values[5];
+    char step[32], forwards[32], layers_text[512];
+    const char* keys[6];
+    const char* values[6];
     int states = 0, n = 0, i, s, meta = 0;
     size_t len = 0;
     mgpu_result r = MGPU_OK;
@@ -5668,6 +5724,8 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
     keys[meta] = "format"; values[meta++] = "pt";
     keys[meta] = "mgpu.version"; values[meta++] = MGPU_VERSION_STRING;
     keys[meta] = "mgpu.layers"; values[meta++] = layers_text;
+    snprintf(forwards, sizeof forwards, "%llu", (unsigned long long)m->forwards);
+    keys[meta] = "mgpu.forwards"; values[meta++] = forwards;   /* where the dropout masks' sequence is */
     if (opt) {
         snprintf(step, sizeof step, "%lld", (long long)opt->steps);
         keys[meta] = "mgpu.optimizer"; values[meta++] = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
@@ -5719,6 +5777,8 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
     char name[96];
     int states, found_states = 0, used = 0, i, s;
     int64_t step = 0;
+    const char* forwards = NULL;
+    unsigned long long forward_count = 0;
     mgpu_result r;
     memset(&st, 0, sizeof st);
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
@@ -5738,30 +5798,41 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
                            st.tensors[i].name, m->tensor_count, m->tensor_count ? m->tensors[0].name : "");
         used += known;
     }
-    for (s = 0; r == MGPU_OK && s < states; ++s)
-        for (i = 0; i < m->tensor_count; ++i) {
-            mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
-            found_states += mgpu__st_find(&st, name) != NULL;
-        }
-    if (r == MGPU_OK && opt && found_states) {
+    /* The optimizer: its kind must match the file's, and its step count and state come from the
+       file when the file has them. A PyTorch state_dict has neither: the optimizer starts fresh. */
+    if (r == MGPU_OK && opt) {
         const char* kind = mgpu__st_meta_value(&st, "mgpu.optimizer");
         const char* steps = mgpu__st_meta_value(&st, "mgpu.step");
+        const char* mine = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
         char* end = NULL;
-        if (found_states != states * m->tensor_count)
+        for (s = 0; s < states; ++s)
+            for (i = 0; i < m->tensor_count; ++i) {
+                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
+                found_states += mgpu__st_find(&st, name) != NULL;
+            }
+        if (kind && strcmp(kind, mine) != 0)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s optimizer state; the optimizer is %s", path, kind, mine);
+        else if (steps && ((step = strtoll(steps, &end, 10)) < 0 || !end || *end || end == steps))
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%s', not a step count", path, steps);
+        else if (found_states && found_states != states * m->tensor_count)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %d of the %d optimizer state tensors", path, found_states,
                            states * m->tensor_count);
-        else if (kind && strcmp(kind, opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd") != 0)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s state; the optimizer is %s", path, kind,
-                           opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd");
-        else if (!steps || (step = strtoll(steps, &end, 10)) < 0 || !end || *end)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': optimizer state without a valid 'mgpu.step' in its metadata", path);
-        for (s = 0; r == MGPU_OK && s < states; ++s)
+        else if (found_states && !steps)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': optimizer state without 'mgpu.step' in the metadata", path);
+        for (s = 0; r == MGPU_OK && found_states && s < states; ++s)
             for (i = 0; r == MGPU_OK && i < m->tensor_count; ++i) {
                 mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
                 r = mgpu__st_expect(path, mgpu__st_find(&st, name), name, m->tensors[i].shape);
             }
-    } else if (r == MGPU_OK && opt && states) {
-        mgpu__log(MGPU_LOG_WARN, "'%s' has no optimizer state: the optimizer starts fresh", path);
+        if (r == MGPU_OK && states && !found_states)
+            mgpu__log(MGPU_LOG_WARN, "'%s' has no optimizer state: the optimizer's %s start from zero", path,
+                      mgpu__optimizer_state_name(opt, 0));
+    }
+    if (r == MGPU_OK && (forwards = mgpu__st_meta_value(&st, "mgpu.forwards")) != NULL) {
+        char* end = NULL;
+        forward_count = strtoull(forwards, &end, 10);
+        if (!end || *end || end == forwards)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.forwards' in the metadata is '%s', not a count", path, forwards);
     }
     if (r != MGPU_OK) goto done;
     /* assemble the flat buffers on the host, then upload to every replica */
@@ -5782,14 +5853,15 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
             r = mgpu_tensor_upload(s == 0 ? m->rep[i].params : s == 1 ? opt->state1[i] : opt->state2[i], host,
                                    (size_t)m->flat_floats * sizeof(float));
     }
-    if (r == MGPU_OK && opt && found_states) opt->steps = step;
-    else if (r == MGPU_OK && opt) {   /* fresh state for a model loaded without one */
-        opt->steps = 0;
-        for (i = 0; i < m->replica_count && r == MGPU_OK; ++i) {
+    if (r == MGPU_OK && opt) {
+        opt->steps = step;   /* schedules and bias corrections resume where they were */
+        m->steps = step;
+        for (i = 0; !found_states && i < m->replica_count && r == MGPU_OK; ++i) {   /* fresh state */
             if (opt->state1[i]) r = mgpu_tensor_zero(opt->state1[i]);
             if (r == MGPU_OK && opt->state2[i]) r = mgpu_tensor_zero(opt->state2[i]);
         }
     }
+    if (r == MGPU_OK && forwards) m->forwards = forward_count;   /* dropout masks continue their sequence */
     (void)used;
 done:
     if (r != MGPU_OK) mgpu__refail(op);

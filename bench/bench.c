@@ -1,0 +1,248 @@
+/* bench.c - mgpu's side of `make bench`. Prints one tab-separated row per measurement:
+     workload  device  metric  value  unit  note
+   bench/bench_torch.py prints the same workloads for PyTorch; bench/run.sh joins the two into
+   the table (ratios, memory, allocations per step) and writes it to bench/results/.
+   Usage: bench [cpu|cuda|all] [--quick]. Times are medians over repeated runs after warm-up. */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int quick;
+
+static int cmp_double(const void* a, const void* b) {
+    double x = *(const double*)a, y = *(const double*)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double* v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void row(const char* workload, const char* device, const char* metric, double value, const char* unit, const char* note) {
+    printf("%s\t%s\t%s\t%.6g\t%s\t%s\n", workload, device, metric, value, unit, note ? note : "");
+    fflush(stdout);
+}
+
+static void fail(const char* what) {
+    fprintf(stderr, "bench: %s: %s\n", what, mgpu_last_error());
+    exit(1);
+}
+
+/* ---- training steps: median seconds per step, peak memory, device allocations per step ---- */
+static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
+    mgpu_model_desc d;
+    mgpu_layer* layers[12];
+    int n = 0, i;
+    memset(&d, 0, sizeof d);
+    d.devices = set;
+    d.seed = 1;
+    d.layers = layers;
+    if (!strcmp(name, "mlp784")) {
+        d.input = mgpu_shape1(784);
+        layers[n++] = mgpu_linear(784, 128); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_linear(128, 10);
+    } else if (!strcmp(name, "mlp4096")) {
+        d.input = mgpu_shape1(4096);
+        for (i = 0; i < 4; ++i) { layers[n++] = mgpu_linear(4096, 4096); layers[n++] = mgpu_relu_layer(); }
+        layers[n++] = mgpu_linear(4096, 10);
+    } else {   /* the cnn of examples/train.c */
+        d.input = mgpu_shape3(1, 28, 28);
+        layers[n++] = mgpu_conv2d(1, 16, 3, 1, 1); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_maxpool2d(2, 2);
+        layers[n++] = mgpu_conv2d(16, 32, 3, 1, 1); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_maxpool2d(2, 2);
+        layers[n++] = mgpu_flatten(); layers[n++] = mgpu_linear(32 * 7 * 7, 128); layers[n++] = mgpu_relu_layer();
+        layers[n++] = mgpu_linear(128, 10);
+    }
+    d.layer_count = n;
+    return mgpu_model_create(&d);
+}
+
+static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_optimizer_desc od;
+    mgpu_tensor *x, *y;
+    mgpu_memory_stats before, after;
+    mgpu_shape xs;
+    double* t;
+    int i, r;
+    if (!set) fail(spec);
+    for (r = 0; r < mgpu_device_set_count(set); ++r) mgpu_memory_reset_peak(mgpu_device_set_get(set, r));
+    m = make_model(model_name, set);
+    if (!m) fail(model_name);
+    for (r = 0; tf32 && r < mgpu_model_replica_count(m); ++r) mgpu_device_set_tf32(mgpu_model_device(m, r), 1);
+    memset(&od, 0, sizeof od);
+    od.lr = 0.01f;
+    od.momentum = 0.9f;
+    opt = mgpu_optimizer_create(m, &od);
+    xs = !strcmp(model_name, "cnn") ? mgpu_shape4(batch, 1, 28, 28) : mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
+    /* the batch lives where the model's first replica does: the step itself is measured */
+    x = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_F32, xs);
+    y = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_I32, mgpu_shape1(batch));
+    if (!opt || !x || !y || mgpu_rand_normal(x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(y, 3.0)) fail(workload);
+    t = (double*)malloc(sizeof(double) * (size_t)steps);
+    for (i = 0; i < 3; ++i) if (mgpu_model_train_step(m, opt, x, y, NULL)) fail(workload);   /* warm-up */
+    mgpu_device_synchronize(mgpu_model_device(m, 0));
+    mgpu_memory_get_stats(mgpu_model_device(m, 0), &before);
+    for (i = 0; i < steps; ++i) {
+        double t0 = mgpu_seconds();
+        if (mgpu_model_train_step(m, opt, x, y, NULL)) fail(workload);
+        for (r = 0; r < mgpu_model_replica_count(m); ++r) mgpu_device_synchronize(mgpu_model_device(m, r));
+        t[i] = mgpu_seconds() - t0;
+    }
+    mgpu_memory_get_stats(mgpu_model_device(m, 0), &after);
+    row(workload, spec, "step", median(t, steps) * 1e3, "ms", NULL);
+    if (!strcmp(model_name, "mlp4096")) {   /* 3 GEMMs per Linear: forward, weight and input gradients */
+        double flops = 2.0 * 3.0 * batch * (4.0 * 4096.0 * 4096.0 + 4096.0 * 10.0);
+        row(workload, spec, "tflops", flops / median(t, steps) / 1e12, "TFLOP/s", NULL);
+    }
+    row(workload, spec, "peak_mem", (double)after.peak_bytes_in_use / 1048576.0, "MiB", NULL);
+    row(workload, spec, "allocs_per_step", (double)(after.backend_allocs - before.backend_allocs) / steps, "allocs", NULL);
+    free(t);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+/* ---- bandwidth: optimizer step and elementwise ops against a plain copy ---- */
+static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_device* dev;
+    const int64_t n = (int64_t)(bytes / sizeof(float));
+    mgpu_tensor *a, *b, *c;
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_optimizer_desc od;
+    mgpu_model_desc md;
+    mgpu_layer* layer;
+    double *t = (double*)malloc(sizeof(double) * (size_t)reps), copy_gbs = 0.0;
+    int i, k;
+    if (!set) fail(spec);
+    dev = mgpu_device_set_get(set, 0);
+    a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(n));
+    b = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(n));
+    c = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(n));
+    if (!a || !b || !c || mgpu_rand_uniform(a, 1, 0, -1, 1) || mgpu_rand_uniform(b, 1, 1u << 30, -1, 1)) fail("bandwidth");
+    for (k = 0; k < 2; ++k) {   /* 0: a copy, the yardstick; 1: an elementwise add */
+        for (i = -1; i < reps; ++i) {   /* i = -1 warms up */
+            double t0;
+            mgpu_device_synchronize(dev);
+            t0 = mgpu_seconds();
+            if (k == 0 && mgpu_tensor_copy(c, a)) fail("copy");
+            if (k == 1 && mgpu_add(c, a, b)) fail("add");
+            mgpu_device_synchronize(dev);
+            if (i >= 0) t[i] = mgpu_seconds() - t0;
+        }
+        if (k == 0) {
+            copy_gbs = 2.0 * (double)bytes / median(t, reps) / 1e9;   /* read + write */
+            row("copy_256MiB", spec, "bandwidth", copy_gbs, "GB/s", "reads+writes per second");
+        } else if (k == 1) {
+            double gbs = 3.0 * (double)bytes / median(t, reps) / 1e9;
+            row("add_256MiB", spec, "bandwidth", gbs, "GB/s", NULL);
+            row("add_256MiB", spec, "of_copy", gbs / copy_gbs, "x", NULL);
+        }
+    }
+    mgpu_tensor_destroy(a);
+    mgpu_tensor_destroy(b);
+    mgpu_tensor_destroy(c);
+    /* SGD with momentum over one flat buffer of n parameters: reads p, g, buf; writes p, buf */
+    memset(&md, 0, sizeof md);
+    layer = mgpu_linear((int)(n / 1024), 1024);   /* n weights (+1024 biases) */
+    md.input = mgpu_shape1(n / 1024);
+    md.layers = &layer;
+    md.layer_count = 1;
+    md.devices = set;
+    m = mgpu_model_create(&md);
+    memset(&od, 0, sizeof od);
+    od.lr = 0.01f;
+    od.momentum = 0.9f;
+    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    if (!opt) fail("optimizer");
+    for (i = -1; i < reps; ++i) {
+        double t0;
+        mgpu_device_synchronize(dev);
+        t0 = mgpu_seconds();
+        if (mgpu_optimizer_step(opt)) fail("optimizer step");
+        mgpu_device_synchronize(dev);
+        if (i >= 0) t[i] = mgpu_seconds() - t0;
+    }
+    {
+        double gbs = 5.0 * (double)mgpu_tensor_bytes(mgpu_model_params(m, 0)) / median(t, reps) / 1e9;
+        row("sgd_step_256MiB", spec, "bandwidth", gbs, "GB/s", NULL);
+        row("sgd_step_256MiB", spec, "of_copy", gbs / copy_gbs, "x", NULL);
+    }
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    free(t);
+}
+
+/* ---- all-reduce: algorithm and bus bandwidth ---- */
+static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_kind kind) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_allreduce* ar;
+    mgpu_tensor* t[MGPU__MAX_REPLICAS];
+    size_t bytes;
+    int n, i, r, reps;
+    char name[64];
+    if (!set) fail(spec);
+    n = mgpu_device_set_count(set);
+    ar = mgpu_allreduce_create(set, kind);
+    if (!ar) fail("allreduce");
+    for (bytes = 4096; bytes <= max_bytes; bytes *= 16) {
+        const int64_t count = (int64_t)(bytes / sizeof(float));
+        double times[32], sec;
+        reps = bytes <= (1u << 20) ? 31 : 7;
+        for (r = 0; r < n; ++r) {
+            t[r] = mgpu_tensor_create(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(count));
+            if (!t[r] || mgpu_rand_uniform(t[r], 2, (uint64_t)r << 32, -1, 1)) fail("allreduce buffers");
+        }
+        for (i = -2; i < reps; ++i) {
+            double t0;
+            for (r = 0; r < n; ++r) mgpu_device_synchronize(mgpu_device_set_get(set, r));
+            t0 = mgpu_seconds();
+            if (mgpu_allreduce_sum(ar, t, n)) fail("allreduce");
+            for (r = 0; r < n; ++r) mgpu_device_synchronize(mgpu_device_set_get(set, r));
+            if (i >= 0) times[i] = mgpu_seconds() - t0;
+        }
+        sec = median(times, reps);
+        snprintf(name, sizeof name, "allreduce_%s_%zuKiB", mgpu_allreduce_name(mgpu_allreduce_backend(ar)), bytes / 1024);
+        row(name, spec, "time", sec * 1e6, "us", NULL);
+        row(name, spec, "algbw", (double)bytes / sec / 1e9, "GB/s", NULL);
+        row(name, spec, "busbw", (double)bytes / sec / 1e9 * 2.0 * (n - 1) / n, "GB/s", NULL);
+        for (r = 0; r < n; ++r) mgpu_tensor_destroy(t[r]);
+    }
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+}
+
+int main(int argc, char** argv) {
+    const char* which = argc > 1 ? argv[1] : "all";
+    int cpu = strcmp(which, "cuda") != 0, cuda = strcmp(which, "cpu") != 0 && mgpu_cuda_device_count() > 0, i;
+    for (i = 1; i < argc; ++i) quick |= !strcmp(argv[i], "--quick");
+    row("threads", "cpu", "count", mgpu_cpu_threads(), "threads", NULL);
+    if (cpu) {
+        bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
+        bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 10, 0);
+        bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);
+        bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
+        bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST);
+    }
+    if (cuda) {
+        bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
+        bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
+        bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
+        bench_training("mlp784_b64", "mlp784", "cuda:0,0", 64, 300, 0);
+        bench_training("mlp4096_b2048", "mlp4096", "cuda:0,0", 2048, 20, 1);
+        bench_bandwidth("cuda:0", (size_t)256 << 20, 20);
+        bench_allreduce("cuda:0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P);
+        bench_allreduce("cuda:0,0,0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P);
+        if (mgpu_cuda_device_count() > 1) bench_allreduce("cuda", (size_t)1 << 30, MGPU_ALLREDUCE_AUTO);
+    } else if (strcmp(which, "cpu") != 0) {
+        row("gpu_workloads", "cuda", "skipped", 0, "", "no GPU on this machine");
+    }
+    return 0;
+}

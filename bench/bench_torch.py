@@ -1,0 +1,115 @@
+"""PyTorch's side of `make bench`: the workloads of bench/bench.c with the same shapes, dtypes and
+optimizer, printed as the same tab-separated rows (workload, device, metric, value, unit, note).
+Usage: python3 bench_torch.py THREADS [cpu|cuda|all] [--quick]. CPU runs use THREADS threads,
+as mgpu does. Times are medians after warm-up; GPU times include a synchronize per step."""
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+which = sys.argv[2] if len(sys.argv) > 2 else "all"
+quick = "--quick" in sys.argv
+torch.set_num_threads(threads)
+
+
+def row(workload, device, metric, value, unit, note=""):
+    print("%s\t%s\t%s\t%.6g\t%s\t%s" % (workload, device, metric, value, unit, note), flush=True)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def model_for(name):
+    if name == "mlp784":
+        return nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10)), (784,)
+    if name == "mlp4096":
+        layers = []
+        for _ in range(4):
+            layers += [nn.Linear(4096, 4096), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(4096, 10)), (4096,)
+    return nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2, 2),
+                         nn.Conv2d(16, 32, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2, 2),
+                         nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10)), (1, 28, 28)
+
+
+def bench_training(workload, name, label, batch, steps, tf32=False):
+    dev = torch.device("cuda:0" if label.startswith("cuda") else "cpu")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.cuda.reset_peak_memory_stats(dev)
+    model, shape = model_for(name)
+    model = model.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x = torch.randn(batch, *shape, device=dev)
+    y = torch.full((batch,), 3, dtype=torch.long, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    sync(dev)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    row(workload, label, "step", t * 1e3, "ms")
+    if name == "mlp4096":
+        flops = 2.0 * 3.0 * batch * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0)
+        row(workload, label, "tflops", flops / t / 1e12, "TFLOP/s")
+    if dev.type == "cuda":
+        row(workload, label, "peak_mem", torch.cuda.max_memory_allocated(dev) / 1048576.0, "MiB")
+
+
+def bench_bandwidth(label, nbytes, reps):
+    dev = torch.device("cuda:0" if label.startswith("cuda") else "cpu")
+    n = nbytes // 4
+    a = torch.rand(n, device=dev)
+    b = torch.rand(n, device=dev)
+    c = torch.empty(n, device=dev)
+
+    def timed(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    copy = 2.0 * nbytes / timed(lambda: c.copy_(a)) / 1e9
+    row("copy_256MiB", label, "bandwidth", copy, "GB/s", "reads+writes per second")
+    add = 3.0 * nbytes / timed(lambda: torch.add(a, b, out=c)) / 1e9
+    row("add_256MiB", label, "bandwidth", add, "GB/s")
+    row("add_256MiB", label, "of_copy", add / copy, "x")
+    p = nn.Parameter(torch.rand(n, device=dev))
+    p.grad = torch.rand(n, device=dev)
+    opt = torch.optim.SGD([p], lr=0.01, momentum=0.9)
+    sgd = 5.0 * nbytes / timed(opt.step) / 1e9
+    row("sgd_step_256MiB", label, "bandwidth", sgd, "GB/s")
+    row("sgd_step_256MiB", label, "of_copy", sgd / copy, "x")
+
+
+row("torch", "-", "version", 0, torch.__version__)
+if which in ("cpu", "all"):
+    bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
+    bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 10)
+    bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
+if which in ("cuda", "all") and torch.cuda.is_available():
+    bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300)
+    bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, tf32=True)
+    bench_training("cnn_b128", "cnn", "cuda:0", 128, 100)
+    bench_bandwidth("cuda:0", 256 << 20, 20)

@@ -1,0 +1,22 @@
+#!/bin/sh
+# make bench: mgpu's and PyTorch's benchmarks on this machine, joined into one table that is
+# printed and written to bench/results/DATE-HOST.md. Usage: run.sh BENCH_BINARY [--quick]
+bench=${1:-build/bench}
+shift
+dir=$(dirname "$0")
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$bench" all "$@" > "$out/mgpu.tsv" || exit 1
+threads=$(awk -F'\t' '$1 == "threads" { print $4 }' "$out/mgpu.tsv")
+py=""
+for p in python3 /usr/bin/python3; do
+    command -v $p >/dev/null 2>&1 && $p -c "import torch" 2>/dev/null && { py=$p; break; }
+done
+if [ -n "$py" ]; then $py "$dir/bench_torch.py" "${threads:-1}" all "$@" > "$out/torch.tsv" || echo "bench: the PyTorch side failed" >&2
+else echo "bench: no PyTorch found: the table says so" >&2; fi
+commit=$(git -C "$dir/.." rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -n "$(git -C "$dir/.." status --porcelain -- mgpu.h mgpu_kernels.cu bench 2>/dev/null)" ] && commit="$commit+changes"
+mkdir -p "$dir/results"
+name="$dir/results/$(date +%Y-%m-%d)-$(hostname | cut -c1-20)$(echo " $*" | grep -q -- --quick && echo -quick).md"
+python3 "$dir/report.py" "$out/mgpu.tsv" "$out/torch.tsv" "$name" "$commit"
+echo "written to $name"
