@@ -3275,7 +3275,7 @@ static mgpu_result mgpu__ar_before_compute(mgpu_allreduce* ar) {
    same every run, and every replica ends with the same bits. Events order the neighbours. */
 static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     const int R = ar->count;
-    const size_t chunk = (n + (size_t)R - 1) / (size_t)R;
+    const size_t chunk = (((n + (size_t)R - 1) / (size_t)R) + 31) & ~(size_t)31;   /* 128-byte aligned chunks: vector loads */
     int s, i, phase;
     for (i = 0; i < R; ++i) {   /* a landing buffer of one chunk per replica, kept between calls */
         mgpu__rank* r = &ar->rank[i];
@@ -3432,7 +3432,6 @@ typedef struct mgpu__replica {
     mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], for i < layer_count - 1 */
     mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
     mgpu_tensor *xbuf, *tbuf, *dout, *loss;   /* this replica's slice of a batch, and its loss */
-    mgpu_tensor* reduce_tmp;            /* replica 0: a gradient-sized buffer for the reduction */
     int training;
 } mgpu__replica;
 
@@ -3561,7 +3560,6 @@ MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
         mgpu_tensor_destroy(r->params); mgpu_tensor_destroy(r->grads);
         mgpu_tensor_destroy(r->xbuf); mgpu_tensor_destroy(r->tbuf);
         mgpu_tensor_destroy(r->dout); mgpu_tensor_destroy(r->loss);
-        mgpu_tensor_destroy(r->reduce_tmp);
         MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
     }
     mgpu_allreduce_destroy(m->ar);
@@ -4069,25 +4067,45 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
 /* ---- a whole training step, and evaluation ---- */
 /* Replica r's part of a batch: its slice of x and target, forward, and the loss with its
    gradient (scaled for a batch of batch_total samples) in r->dout. */
-static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
+/* Replica r's rows of the batch, on its device (copied, or a view when already there). */
+static mgpu_result mgpu__replica_inputs(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
+                                        mgpu_tensor* xs, mgpu_tensor* ts) {
+    mgpu__replica* r = &m->rep[replica];
+    int64_t start, count;
+    mgpu__split(x->shape.dim[0], m->replica_count, replica, &start, &count);
+    MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, xs));
+    return mgpu__replica_slice(r, target, start, count, &r->tbuf, ts);
+}
+
+static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, int replica, const mgpu_tensor* xs, const mgpu_tensor* ts,
                                               int64_t batch_total) {
     static const char* op = "mgpu_model_train_step";
     mgpu__replica* r = &m->rep[replica];
-    mgpu_tensor xs, ts;
     const mgpu_tensor* out;
-    int64_t start, count;
+    const int64_t count = xs->shape.dim[0];
     double per_row;
-    mgpu__split(x->shape.dim[0], m->replica_count, replica, &start, &count);
-    MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, &xs));
-    MGPU__TRY(mgpu__replica_slice(r, target, start, count, &r->tbuf, &ts));
-    out = mgpu_model_forward(m, replica, &xs, 1);
+    out = mgpu_model_forward(m, replica, xs, 1);
     if (!out) return mgpu__refail(op);
-    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
+    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", ts, "output", out));
     MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
     /* The gradient of the WHOLE batch's mean loss: summed over replicas it is exactly the
        one-device gradient, however unevenly the rows were split. MSE averages every element. */
     per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1) : 1.0;
-    return mgpu__replica_loss(m, r, out, &ts, r->dout, (float)(1.0 / ((double)batch_total * per_row)));
+    return mgpu__replica_loss(m, r, out, ts, r->dout, (float)(1.0 / ((double)batch_total * per_row)));
+}
+
+/* The batch's mean loss, from each replica's mean over its rows (waits for the devices). */
+static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
+    double total = 0.0, v;
+    int64_t start, count;
+    int i;
+    for (i = 0; i < m->replica_count; ++i) {
+        mgpu__split(batch, m->replica_count, i, &start, &count);
+        MGPU__TRY(mgpu__loss_value(&m->rep[i], &v));
+        total += v * (double)count;
+    }
+    *loss = (float)(total / (double)batch);
+    return MGPU_OK;
 }
 
 /* CPU replicas run on the thread pool, one task per replica (a task's own ops then run
@@ -4096,7 +4114,9 @@ typedef struct mgpu__replica_job { mgpu_model* m; const mgpu_tensor *x, *target;
 static void mgpu__replica_task(void* ctx, int64_t task) {
     mgpu__replica_job* j = (mgpu__replica_job*)ctx;
     const int r = (int)task;
-    mgpu_result res = mgpu__replica_forward_loss(j->m, r, j->x, j->target, j->batch_total);
+    mgpu_tensor xs, ts;
+    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts);
+    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, r, &xs, &ts, j->batch_total);
     if (res == MGPU_OK) res = mgpu_model_backward(j->m, r, j->m->rep[r].dout);
     j->results[r] = res;
     if (res != MGPU_OK) snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "%s", mgpu_last_error());
@@ -4107,8 +4127,7 @@ static void mgpu__replica_task(void* ctx, int64_t task) {
    backward pass goes on (communication overlaps computation). */
 static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
                                    int64_t batch_total, int reduce, float* loss) {
-    int64_t batch, start, count;
-    double total = 0.0;
+    int64_t batch;
     int i, l, b;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
@@ -4127,35 +4146,41 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
             if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
         if (reduce) MGPU__TRY(mgpu__reduce_grads(m));
     } else {
-        /* one host thread drives every GPU: launches are asynchronous, so the replicas run at once */
-        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, i, x, target, batch_total));
-        for (l = m->layer_count - 1, b = 0; l >= 0; --l) {
-            for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__backward_layer(m, i, l, m->rep[i].dout));
+        /* One host thread drives every GPU; launches are asynchronous, so the replicas run at
+           once. Every replica's inputs are copied over first, before any forward is queued. */
+        mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
+        mgpu_result res = MGPU_OK;
+        int overlap = reduce && m->ar && m->ar->kind != MGPU_ALLREDUCE_HOST, issued = 0;
+        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i]));
+        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, i, &xs[i], &ts[i], batch_total));
+        /* backward layer by layer across replicas; a bucket is all-reduced on the comm streams as
+           soon as its last layer is done, while the compute streams go on with the next layers */
+        for (l = m->layer_count - 1, b = 0; l >= 0 && res == MGPU_OK; --l) {
+            for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) res = mgpu__backward_layer(m, i, l, m->rep[i].dout);
 #ifdef MGPU_CUDA
-            for (; reduce && m->ar && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {
+            for (; overlap && res == MGPU_OK && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {
                 float* bufs[MGPU__MAX_REPLICAS];
                 const mgpu__bucket* bk = &m->buckets[b];
                 for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads) + bk->begin;
-                MGPU__TRY(mgpu__ar_after_compute(m->ar));
-                MGPU__TRY(mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin)));
+                issued = 1;
+                res = mgpu__ar_after_compute(m->ar);
+                if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin));
             }
 #endif
         }
 #ifdef MGPU_CUDA
-        if (reduce && m->ar) MGPU__TRY(mgpu__ar_before_compute(m->ar));
-#endif
-        (void)b;
-    }
-    if (loss) {   /* the batch's mean loss, from each replica's mean over its rows */
-        for (i = 0; i < m->replica_count; ++i) {
-            double v;
-            mgpu__split(batch, m->replica_count, i, &start, &count);
-            MGPU__TRY(mgpu__loss_value(&m->rep[i], &v));
-            total += v * (double)count;
+        /* join the comm streams, also after a failure: nothing may touch the gradients while
+           an all-reduce still reads or writes them */
+        if (issued) {
+            mgpu_result joined = mgpu__ar_before_compute(m->ar);
+            if (res == MGPU_OK) res = joined;
         }
-        *loss = (float)(total / (double)batch);
+#endif
+        (void)b; (void)issued;
+        MGPU__TRY(res);
+        if (reduce && !overlap) MGPU__TRY(mgpu__reduce_grads(m));   /* host-staged: once, after backward */
     }
-    return MGPU_OK;
+    return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
 }
 
 static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const mgpu_optimizer* opt) {
@@ -4177,8 +4202,10 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     static const char* op = "mgpu_model_train_step";
     MGPU__TRY(mgpu__check_step(op, m, opt));
     MGPU__TRY(mgpu_model_zero_grad(m));
-    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, loss));
-    return mgpu__step(m, opt);
+    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, NULL));
+    MGPU__TRY(mgpu__step(m, opt));
+    /* read the loss only now: the optimizer step is already queued behind it */
+    return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,

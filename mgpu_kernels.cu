@@ -21,11 +21,14 @@
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 #include <dlfcn.h>
+#include <new>
 
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <mutex>
 
 // ============================================================================================
@@ -399,41 +402,67 @@ int mgpu__cu_memset_zero(int dev, void* ptr, size_t bytes, void* stream) {
 // ============================================================================================
 // >>blas
 // ============================================================================================
-static int blas_configure(int dev, cublasHandle_t h, void* stream) {
-    CUBLAS_TRY(cublasSetStream(h, as_stream(stream)), "cublasSetStream(%p) on device %d", stream, dev);
-    // After cublasSetStream (which resets it): no workspace, so cuBLAS allocates nothing behind the
-    // caching allocator's back and shares no scratch between streams (the documented source of
-    // run-to-run differences); no atomics; plain FP32 until mgpu__cu_blas_set_tf32 allows TF32.
-    CUBLAS_TRY(cublasSetWorkspace(h, NULL, 0), "cublasSetWorkspace(NULL, 0) on device %d", dev);
-    CUBLAS_TRY(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode() on device %d", dev);
-    CUBLAS_TRY(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode() on device %d", dev);
-    CUBLAS_TRY(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode(default) on device %d", dev);
-    return MGPU__CU_OK;
-}
+// The handle mgpu.h holds: cuBLAS's, and the workspace it owns. A fixed workspace per handle
+// (allocated once, with the device) lets cuBLAS pick its faster Hopper kernels (NVIDIA recommends
+// 32 MiB on sm_90) without allocating behind the caching allocator's back; each handle is bound
+// to one stream, so results stay deterministic.
+struct blas_handle {
+    cublasHandle_t h;
+    void* workspace;
+};
+static const size_t kBlasWorkspace = (size_t)32 << 20;
 
-int mgpu__cu_blas_create(int dev, void* stream, void** handle) {
-    cublasHandle_t h = NULL;
-    *handle = NULL;
-    USE_DEVICE(dev);
-    CUBLAS_TRY(cublasCreate(&h), "cublasCreate() on device %d", dev);
-    int r = blas_configure(dev, h, stream);
-    if (r != MGPU__CU_OK) {
-        (void)cublasDestroy(h);   // already failing: keep the first error's message
-        return r;
-    }
-    *handle = h;
+static int blas_configure(int dev, blas_handle* b, void* stream) {
+    CUBLAS_TRY(cublasSetStream(b->h, as_stream(stream)), "cublasSetStream(%p) on device %d", stream, dev);
+    // After cublasSetStream (which resets it): our workspace; no atomics (run-to-run identical
+    // results); plain FP32 until mgpu__cu_blas_set_tf32 allows TF32.
+    CUBLAS_TRY(cublasSetWorkspace(b->h, b->workspace, kBlasWorkspace), "cublasSetWorkspace(%zu bytes) on device %d",
+               kBlasWorkspace, dev);
+    CUBLAS_TRY(cublasSetAtomicsMode(b->h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode() on device %d", dev);
+    CUBLAS_TRY(cublasSetPointerMode(b->h, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode() on device %d", dev);
+    CUBLAS_TRY(cublasSetMathMode(b->h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode(default) on device %d", dev);
     return MGPU__CU_OK;
 }
 
 int mgpu__cu_blas_destroy(int dev, void* handle) {
+    blas_handle* b = (blas_handle*)handle;
+    if (!b) return MGPU__CU_OK;
     USE_DEVICE(dev);
-    if (handle) CUBLAS_TRY(cublasDestroy((cublasHandle_t)handle), "cublasDestroy(%p) on device %d", handle, dev);
+    cublasStatus_t st = b->h ? cublasDestroy(b->h) : CUBLAS_STATUS_SUCCESS;
+    cudaError_t e = b->workspace ? cudaFree(b->workspace) : cudaSuccess;
+    delete b;
+    CUBLAS_TRY(st, "cublasDestroy() on device %d", dev);
+    CUDA_TRY(e, "cudaFree(the cuBLAS workspace) on device %d", dev);
+    return MGPU__CU_OK;
+}
+
+static int blas_setup(int dev, blas_handle* b, void* stream) {
+    CUBLAS_TRY(cublasCreate(&b->h), "cublasCreate() on device %d", dev);
+    CUDA_TRY(cudaMalloc(&b->workspace, kBlasWorkspace), "cudaMalloc(%zu bytes) for the cuBLAS workspace on device %d",
+             kBlasWorkspace, dev);
+    return blas_configure(dev, b, stream);
+}
+
+int mgpu__cu_blas_create(int dev, void* stream, void** handle) {
+    *handle = NULL;
+    USE_DEVICE(dev);
+    blas_handle* b = new (std::nothrow) blas_handle();
+    if (!b) return report(MGPU__CU_ERR_OOM, NULL, NULL, __LINE__, "out of host memory for a cuBLAS handle on device %d", dev);
+    int r = blas_setup(dev, b, stream);
+    if (r != MGPU__CU_OK) {   // undo what was made, keeping the first error's message
+        char first[sizeof g_message];
+        memcpy(first, g_message, sizeof first);
+        (void)mgpu__cu_blas_destroy(dev, b);
+        memcpy(g_message, first, sizeof first);
+        return r;
+    }
+    *handle = b;
     return MGPU__CU_OK;
 }
 
 int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow) {
     USE_DEVICE(dev);
-    CUBLAS_TRY(cublasSetMathMode((cublasHandle_t)handle, allow ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+    CUBLAS_TRY(cublasSetMathMode(((blas_handle*)handle)->h, allow ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
                "cublasSetMathMode(%s) on device %d", allow ? "TF32" : "default", dev);
     return MGPU__CU_OK;
 }
@@ -453,7 +482,7 @@ struct scale_matrix_op {
 int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
                   float alpha, const float* a, int lda, const float* b, int ldb,
                   float beta, float* c, int ldc) {
-    cublasHandle_t h = (cublasHandle_t)handle;
+    cublasHandle_t h = ((blas_handle*)handle)->h;
     USE_DEVICE(dev);
     if (m < 0 || n < 0 || k < 0) return ARGUMENT_ERROR("gemm with m=%d n=%d k=%d", m, n, k);
     if (m == 0 || n == 0) return MGPU__CU_OK;
@@ -733,14 +762,17 @@ __global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, c
         for (int j = lane; j < cols; j += G) m = fmaxf(m, xr[j]);
         m = group_reduce<G>(m, max_op());
         for (int j = lane; j < cols; j += G) s += expf(xr[j] - m);
+        // x[label] is read before the reduction's barrier, so before any lane writes y (which
+        // may be x itself: an in-place gradient)
+        const int label = labels ? labels[r] : 0;
+        const bool valid = label >= 0 && label < cols;
+        const float x_label = labels && valid ? xr[label] : 0.0f;
         s = group_reduce<G>(s, sum_op<float>());
         if (!labels) {
             for (int j = lane; j < cols; j += G) yr[j] = expf(xr[j] - m) / s;
             continue;
         }
-        const int label = labels[r];
-        const bool valid = label >= 0 && label < cols;
-        if (lane == 0) row_loss[r] = valid ? m + logf(s) - xr[label] : NAN;
+        if (lane == 0) row_loss[r] = valid ? m + logf(s) - x_label : NAN;
         if (yr)
             for (int j = lane; j < cols; j += G)
                 yr[j] = valid ? (expf(xr[j] - m) / s - (j == label ? 1.0f : 0.0f)) * grad_scale : NAN;
@@ -1147,18 +1179,25 @@ static struct {
 
 template <class F> static bool nccl_symbol(void* lib, const char* name, F* fn) {
     void* p = dlsym(lib, name);
-    if (!p) snprintf(nccl.why, sizeof nccl.why, "libnccl.so.2 has no symbol %s", name);
+    if (!p) snprintf(nccl.why, sizeof nccl.why, "the NCCL library has no symbol %s", name);
     *fn = reinterpret_cast<F>(p);
     return p != nullptr;
 }
 
+// MGPU_NCCL_LIBRARY names the library (say a pip-installed NCCL outside the loader's path);
+// otherwise libnccl.so.2, then libnccl.so.
 static void nccl_load(void) {
-    void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        const char* e = dlerror();
-        snprintf(nccl.why, sizeof nccl.why, "dlopen(libnccl.so.2): %s", e ? e : "failed");
-        return;
+    const char* env = getenv("MGPU_NCCL_LIBRARY");
+    const char* names[3] = { env && *env ? env : "libnccl.so.2", "libnccl.so", NULL };
+    void* lib = NULL;
+    for (int i = 0; !lib && names[i] && (i == 0 || !(env && *env)); ++i) {
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!lib) {
+            const char* e = dlerror();
+            snprintf(nccl.why, sizeof nccl.why, "dlopen(%s): %s", names[i], e ? e : "failed");
+        }
     }
+    if (!lib) return;
     nccl.loaded = nccl_symbol(lib, "ncclCommInitAll", &nccl.CommInitAll) &&
                   nccl_symbol(lib, "ncclCommDestroy", &nccl.CommDestroy) &&
                   nccl_symbol(lib, "ncclGroupStart", &nccl.GroupStart) &&
