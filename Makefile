@@ -20,7 +20,7 @@ SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-san
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
-TESTS     = test_core test_io test_model
+TESTS     = test_core test_io test_model test_parallel
 # per-test extras: test_io checks the gzip decoder against zlib
 EXTRA_io  = -DHAVE_ZLIB
 LIBS_io   = -lz
@@ -33,7 +33,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda compile-check demo gpu-check clean
+.PHONY: all test test-cpu test-cuda compile-check demo bench gpu-check clean
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -97,6 +97,16 @@ demo: $(B)/train
 	  $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist || \
 	  { $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get update -qq && $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist; }; fi
 	$(B)/train --data $(DATA) --model $(MODEL) --save $(B)/fashion_$(MODEL).safetensors
+
+# ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
+$(B)/bench: bench/bench.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+$(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench)
+	sh bench/run.sh $<
 
 # ---- on a machine with a GPU -----------------------------------------------------------------
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')

@@ -2635,22 +2635,29 @@ MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
 }
 
 /* -- internal ops of the convolution and pooling layers (the layer checks the shapes) -- */
+/* On the CPU each image (or channel plane) is independent work for one thread: the results do
+   not depend on the thread count. */
+typedef struct mgpu__window_job {
+    const mgpu__window* g;
+    const float* in;
+    float* out;
+    const int32_t* index_in;
+    int32_t* index_out;
+    int64_t rows, cols;   /* the transpose */
+} mgpu__window_job;
+
 /* x [n, c, h, w] -> cols [n*oh*ow, c*kh*kw] */
-static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
-    int64_t n, c, oy, ox, ky, kx, row = 0;
+static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
+    const mgpu__window_job* j = (const mgpu__window_job*)ctx;
+    const mgpu__window* g = j->g;
     const int64_t ckk = (int64_t)g->c * g->kh * g->kw;
-    if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
-        MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
-#endif
-        return MGPU_OK;
-    }
-    for (n = 0; n < g->n; ++n)
+    int64_t n, c, oy, ox, ky, kx;
+    for (n = n0; n < n1; ++n) {
+        float* out = j->out + n * g->oh * g->ow * ckk;
         for (oy = 0; oy < g->oh; ++oy)
-            for (ox = 0; ox < g->ow; ++ox, ++row) {
-                float* out = MGPU__F32(cols) + row * ckk;
+            for (ox = 0; ox < g->ow; ++ox)
                 for (c = 0; c < g->c; ++c) {
-                    const float* plane = MGPU__F32(x) + (n * g->c + c) * g->h * g->w;
+                    const float* plane = j->in + (n * g->c + c) * g->h * g->w;
                     for (ky = 0; ky < g->kh; ++ky) {
                         const int64_t iy = oy * g->stride - g->pad + ky;
                         for (kx = 0; kx < g->kw; ++kx) {
@@ -2659,27 +2666,35 @@ static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgp
                         }
                     }
                 }
-            }
+    }
+}
+static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
+    mgpu__window_job job;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
+#endif
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.g = g; job.in = MGPU__F32(x); job.out = MGPU__F32(cols);
+    mgpu__parallel_range(g->n, 1, mgpu__im2col_range, &job);
     return MGPU_OK;
 }
 
 /* the adjoint of im2col: dx (overwritten) sums every column entry that reads it */
-static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
-    int64_t n, c, oy, ox, ky, kx, row = 0;
+static void mgpu__col2im_range(void* ctx, int64_t n0, int64_t n1) {
+    const mgpu__window_job* j = (const mgpu__window_job*)ctx;
+    const mgpu__window* g = j->g;
     const int64_t ckk = (int64_t)g->c * g->kh * g->kw;
-    if (!MGPU__IS_CPU(dx)) {
-#ifdef MGPU_CUDA
-        MGPU__CU("Conv2d backward (col2im)", MGPU__DEV(dx), mgpu__cu_col2im(MGPU__CUDA_ARGS(MGPU__DEV(dx)), g, MGPU__F32(cols), MGPU__F32(dx)));
-#endif
-        return MGPU_OK;
-    }
-    memset(MGPU__F32(dx), 0, mgpu_tensor_bytes(dx));
-    for (n = 0; n < g->n; ++n)
+    int64_t n, c, oy, ox, ky, kx;
+    memset(j->out + n0 * g->c * g->h * g->w, 0, (size_t)((n1 - n0) * g->c * g->h * g->w) * sizeof(float));
+    for (n = n0; n < n1; ++n) {
+        const float* in = j->in + n * g->oh * g->ow * ckk;
         for (oy = 0; oy < g->oh; ++oy)
-            for (ox = 0; ox < g->ow; ++ox, ++row) {
-                const float* in = MGPU__F32(cols) + row * ckk;
+            for (ox = 0; ox < g->ow; ++ox)
                 for (c = 0; c < g->c; ++c) {
-                    float* plane = MGPU__F32(dx) + (n * g->c + c) * g->h * g->w;
+                    float* plane = j->out + (n * g->c + c) * g->h * g->w;
                     for (ky = 0; ky < g->kh; ++ky) {
                         const int64_t iy = oy * g->stride - g->pad + ky;
                         for (kx = 0; kx < g->kw; ++kx, ++in) {
@@ -2688,40 +2703,56 @@ static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, 
                         }
                     }
                 }
-            }
+    }
+}
+static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
+    mgpu__window_job job;
+    if (!MGPU__IS_CPU(dx)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("Conv2d backward (col2im)", MGPU__DEV(dx), mgpu__cu_col2im(MGPU__CUDA_ARGS(MGPU__DEV(dx)), g, MGPU__F32(cols), MGPU__F32(dx)));
+#endif
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.g = g; job.in = MGPU__F32(cols); job.out = MGPU__F32(dx);
+    mgpu__parallel_range(g->n, 1, mgpu__col2im_range, &job);
     return MGPU_OK;
 }
 
 /* y[b][j][i] = x[b][i][j] for x [batch, rows, cols] */
+static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
+    const mgpu__window_job* j = (const mgpu__window_job*)ctx;
+    int64_t b, r, c;
+    for (b = b0; b < b1; ++b) {
+        const float* px = j->in + b * j->rows * j->cols;
+        float* py = j->out + b * j->rows * j->cols;
+        for (r = 0; r < j->rows; ++r)
+            for (c = 0; c < j->cols; ++c) py[c * j->rows + r] = px[r * j->cols + c];
+    }
+}
 static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
-    int64_t b, i, j;
+    mgpu__window_job job;
     if (!MGPU__IS_CPU(x)) {
 #ifdef MGPU_CUDA
         MGPU__CU("transpose", MGPU__DEV(x), mgpu__cu_transpose(MGPU__CUDA_ARGS(MGPU__DEV(x)), batch, rows, cols, MGPU__F32(x), MGPU__F32(y)));
 #endif
         return MGPU_OK;
     }
-    for (b = 0; b < batch; ++b) {
-        const float* px = MGPU__F32(x) + b * rows * cols;
-        float* py = MGPU__F32(y) + b * rows * cols;
-        for (i = 0; i < rows; ++i)
-            for (j = 0; j < cols; ++j) py[j * rows + i] = px[i * cols + j];
-    }
+    memset(&job, 0, sizeof job);
+    job.in = MGPU__F32(x); job.out = MGPU__F32(y); job.rows = rows; job.cols = cols;
+    mgpu__parallel_range(batch, 1, mgpu__transpose_range, &job);
     return MGPU_OK;
 }
 
-static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
+/* max over each window of each (image, channel) plane; padding counts as -inf */
+static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
+    const mgpu__window_job* j = (const mgpu__window_job*)ctx;
+    const mgpu__window* g = j->g;
     int64_t plane, oy, ox, ky, kx;
-    if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
-        MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
-#endif
-        return MGPU_OK;
-    }
-    for (plane = 0; plane < (int64_t)g->n * g->c; ++plane) {
-        const float* px = MGPU__F32(x) + plane * g->h * g->w;
-        float* py = MGPU__F32(y) + plane * g->oh * g->ow;
-        int32_t* pa = MGPU__I32(argmax) + plane * g->oh * g->ow;
+    for (plane = p0; plane < p1; ++plane) {
+        const float* px = j->in + plane * g->h * g->w;
+        float* py = j->out + plane * g->oh * g->ow;
+        int32_t* pa = j->index_out + plane * g->oh * g->ow;
         for (oy = 0; oy < g->oh; ++oy)
             for (ox = 0; ox < g->ow; ++ox) {
                 float best = -INFINITY;
@@ -2736,24 +2767,44 @@ static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mg
                 pa[oy * g->ow + ox] = at;
             }
     }
+}
+static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
+    mgpu__window_job job;
+    if (!MGPU__IS_CPU(x)) {
+#ifdef MGPU_CUDA
+        MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
+#endif
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.g = g; job.in = MGPU__F32(x); job.out = MGPU__F32(y); job.index_out = MGPU__I32(argmax);
+    mgpu__parallel_range((int64_t)g->n * g->c, 8, mgpu__maxpool_range, &job);
     return MGPU_OK;
 }
 
-static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
+static void mgpu__maxpool_backward_range(void* ctx, int64_t p0, int64_t p1) {
+    const mgpu__window_job* j = (const mgpu__window_job*)ctx;
+    const mgpu__window* g = j->g;
     int64_t plane, o;
+    memset(j->out + p0 * g->h * g->w, 0, (size_t)((p1 - p0) * g->h * g->w) * sizeof(float));
+    for (plane = p0; plane < p1; ++plane) {
+        const float* pdy = j->in + plane * g->oh * g->ow;
+        const int32_t* pa = j->index_in + plane * g->oh * g->ow;
+        float* pdx = j->out + plane * g->h * g->w;
+        for (o = 0; o < (int64_t)g->oh * g->ow; ++o) if (pa[o] >= 0) pdx[pa[o]] += pdy[o];
+    }
+}
+static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
+    mgpu__window_job job;
     if (!MGPU__IS_CPU(dy)) {
 #ifdef MGPU_CUDA
         MGPU__CU("MaxPool2d backward", MGPU__DEV(dy), mgpu__cu_maxpool_backward(MGPU__CUDA_ARGS(MGPU__DEV(dy)), g, MGPU__F32(dy), MGPU__I32(argmax), MGPU__F32(dx)));
 #endif
         return MGPU_OK;
     }
-    memset(MGPU__F32(dx), 0, mgpu_tensor_bytes(dx));
-    for (plane = 0; plane < (int64_t)g->n * g->c; ++plane) {
-        const float* pdy = MGPU__F32(dy) + plane * g->oh * g->ow;
-        const int32_t* pa = MGPU__I32(argmax) + plane * g->oh * g->ow;
-        float* pdx = MGPU__F32(dx) + plane * g->h * g->w;
-        for (o = 0; o < (int64_t)g->oh * g->ow; ++o) if (pa[o] >= 0) pdx[pa[o]] += pdy[o];
-    }
+    memset(&job, 0, sizeof job);
+    job.g = g; job.in = MGPU__F32(dy); job.out = MGPU__F32(dx); job.index_in = MGPU__I32(argmax);
+    mgpu__parallel_range((int64_t)g->n * g->c, 8, mgpu__maxpool_backward_range, &job);
     return MGPU_OK;
 }
 
@@ -3179,6 +3230,10 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
     if (kind < MGPU_ALLREDUCE_AUTO || kind > MGPU_ALLREDUCE_NONE) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: unknown backend %d", op, (int)kind); return NULL; }
     cuda = set->devices[0]->kind == MGPU_DEVICE_CUDA;
     kind = mgpu__allreduce_from_env(kind);
+    if (kind == MGPU_ALLREDUCE_NONE && set->count > 1) {   /* nothing else would keep replicas equal */
+        mgpu__log(MGPU_LOG_INFO, "all-reduce: 'none' asked for %d devices; choosing a backend", set->count);
+        kind = MGPU_ALLREDUCE_AUTO;
+    }
     if (set->count == 1) kind = MGPU_ALLREDUCE_NONE;
     else if (!cuda && kind != MGPU_ALLREDUCE_HOST) {
         if (kind != MGPU_ALLREDUCE_AUTO) mgpu__log(MGPU_LOG_INFO, "all-reduce: %s needs GPUs; CPU replicas use host", mgpu_allreduce_name(kind));

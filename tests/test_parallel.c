@@ -1,0 +1,1450 @@
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include "test.h"
+
+/* tests/test_parallel.c - data parallelism: the all-reduce communicator and training on several
+   replicas, against one device.
+
+   1. all-reduce: every backend available (HOST on cpu:2, cpu:3, cpu:4; P2P and HOST on
+      cuda:0,0 and cuda:0,0,0,0; NCCL on distinct GPUs), sizes 0, 1, 3, 7, 4 x odd, not a multiple
+      of the replica count, about 2^20 (2^14 with MGPU_TEST_QUICK=1), views inside larger
+      buffers: the float64 sum on every replica, every replica the same bits, the same bits run
+      after run. Backend choice: NONE for one device, HOST for CPU sets whatever is asked
+      (MGPU_ALLREDUCE=nccl included, with a notice).
+   2. errors: wrong tensor counts, devices, sizes, dtypes, NULLs; bad device specs; a batch
+      smaller than the replica count (and the model untouched after it)
+   3. equivalence: an MLP trained on cpu and on cpu:2, cpu:3, cpu:4 (B = 24, and 25 unevenly
+      split), SGD with momentum and weight decay, AdamW, cross-entropy and MSE: the same losses
+      and parameters, every replica the same bits
+   4. determinism: two fresh runs on cpu:3 give the same bits
+   5. gradient buckets: the counts mgpu__make_buckets must give (derived by hand below), and
+      training with several buckets gives the same bits as with one
+   6. gradient accumulation: accumulate + apply equals one step on the whole batch
+   7. verify mode: replicas checked every step; a corrupted replica is named with the tensor and
+      the element
+   8. the examples' path: forward/backward per replica + mgpu_allreduce_sum + mgpu_optimizer_step
+      equals mgpu_model_train_step
+   9. CPU replicas running at once, reading one host batch, first layer wider than a GEMM panel
+      (a regression test: they once shared one GEMM packing buffer, fixed in c7ee5ad)
+  10. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
+      and the CPU (a skip without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
+
+   MGPU_TEST_QUICK=1 uses smaller all-reduce sizes; MGPU_TEST_SEED=N repeats a run's inputs. */
+
+#include <stdint.h>
+#include <time.h>
+
+#define MAX_STEPS 8
+#define MAX_REP 8
+
+/* ============================================================================================ */
+/* globals and helpers                                                                          */
+/* ============================================================================================ */
+static int g_quick, g_require_gpu, g_gpus;
+
+static void header(const char* name) {
+    printf("== %s\n", name);
+    fflush(stdout);
+}
+static int env_is_1(const char* name) {
+    const char* v = getenv(name);
+    return v && strcmp(v, "1") == 0;
+}
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it.
+   Returns 1 when the GPU part should run. */
+static int gpu_group(const char* group) {
+#ifdef MGPU_CUDA
+    if (g_gpus > 0) return 1;
+    if (g_require_gpu) CHECK(0, "cuda %s: no GPU, and MGPU_TEST_REQUIRE_GPU=1", group);
+    else SKIP("cuda %s: no GPU", group);
+#else
+    if (g_require_gpu) CHECK(0, "cuda %s: built without CUDA, and MGPU_TEST_REQUIRE_GPU=1", group);
+    else SKIP("cuda %s: built without CUDA", group);
+#endif
+    return 0;
+}
+
+/* host random numbers for test inputs (splitmix64) */
+static uint64_t g_rng_state;
+static uint64_t rng_u64(void) {
+    uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double rng_unit(void) { return (double)(rng_u64() >> 11) * (1.0 / 9007199254740992.0); }
+static double rng_gauss(void) {
+    double u1 = rng_unit(), u2 = rng_unit();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+static int rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
+
+static void* xmalloc(size_t bytes) {
+    void* p = calloc(1, bytes ? bytes : 1);
+    if (!p) {
+        printf("  FAIL out of host memory for %zu bytes\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+static float* fbuf(int64_t n) { return (float*)xmalloc((size_t)n * sizeof(float)); }
+static double* dbuf(int64_t n) { return (double*)xmalloc((size_t)n * sizeof(double)); }
+
+/* A tensor or set the test cannot go on without: a failure here ends the run (with its summary). */
+static mgpu_tensor* tmake(mgpu_device* d, mgpu_dtype dt, mgpu_shape s) {
+    mgpu_tensor* t = mgpu_tensor_create(d, dt, s);
+    if (!t) {
+        CHECK(0, "mgpu_tensor_create on %s failed: %s", mgpu_device_label(d), mgpu_last_error());
+        exit(test_summary("test_parallel"));
+    }
+    return t;
+}
+static mgpu_device_set* mkset(const char* spec) {
+    mgpu_device_set* s = mgpu_device_set_create(spec);
+    if (!s) {
+        CHECK(0, "mgpu_device_set_create(\"%s\"): %s", spec, mgpu_last_error());
+        exit(test_summary("test_parallel"));
+    }
+    return s;
+}
+static void tput(mgpu_tensor* t, const void* host) {
+    mgpu_result r = mgpu_tensor_upload(t, host, mgpu_tensor_bytes(t));
+    if (r != MGPU_OK) CHECK(0, "upload: %s: %s", mgpu_result_string(r), mgpu_last_error());
+}
+static void tget(const mgpu_tensor* t, void* host) {
+    mgpu_result r = mgpu_tensor_download(t, host, mgpu_tensor_bytes(t));
+    if (r != MGPU_OK) CHECK(0, "download: %s: %s", mgpu_result_string(r), mgpu_last_error());
+}
+static int has(const char* s, const char* needle) { return s && strstr(s, needle) != NULL; }
+/* n appears in s as a whole number (no digit right before or after it) */
+static int has_number(const char* s, long long n) {
+    char buf[32];
+    const char* p = s;
+    size_t len;
+    snprintf(buf, sizeof buf, "%lld", n);
+    len = strlen(buf);
+    while (p && (p = strstr(p, buf)) != NULL) {
+        int before = p > s && p[-1] >= '0' && p[-1] <= '9';
+        int after = p[len] >= '0' && p[len] <= '9';
+        if (!before && !after) return 1;
+        ++p;
+    }
+    return 0;
+}
+
+/* Notices and warnings, captured while a test looks for one. */
+static char g_log[4096];
+static void capture_log(mgpu_log_level level, const char* msg, void* user) {
+    size_t len = strlen(g_log);
+    (void)user;
+    if (level == MGPU_LOG_ERROR) return;
+    snprintf(g_log + len, sizeof g_log - len, "%s\n", msg);
+}
+static void log_capture_start(void) {
+    g_log[0] = 0;
+    mgpu_set_logger(capture_log, NULL);
+}
+static void log_capture_stop(void) { mgpu_set_logger(NULL, NULL); }
+
+/* ============================================================================================ */
+/* models, batches and runs                                                                     */
+/* ============================================================================================ */
+typedef struct mlp_cfg {
+    int in, hidden, out;
+    mgpu_loss_kind loss;
+    uint64_t seed;
+    size_t bucket_bytes;
+    int verify_every;
+    mgpu_allreduce_kind allreduce;
+} mlp_cfg;
+
+static mlp_cfg mlp_default(mgpu_loss_kind loss) {
+    mlp_cfg c;
+    memset(&c, 0, sizeof c);
+    c.in = 12;
+    c.hidden = 16;
+    c.out = 5;
+    c.loss = loss;
+    c.seed = 1234;
+    return c;
+}
+
+/* input [in] -> Linear(in, hidden) -> ReLU -> Linear(hidden, out) */
+static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
+    mgpu_layer* layers[3];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_linear(c->in, c->hidden);
+    layers[1] = mgpu_relu_layer();
+    layers[2] = mgpu_linear(c->hidden, c->out);
+    d.input = mgpu_shape1(c->in);
+    d.layers = layers;
+    d.layer_count = 3;
+    d.devices = set;
+    d.loss = c->loss;
+    d.seed = c->seed;
+    d.allreduce = c->allreduce;
+    d.bucket_bytes = c->bucket_bytes;
+    d.verify_every = c->verify_every;
+    m = mgpu_model_create(&d);
+    CHECK(m != NULL, "mgpu_model_create on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
+    return m;
+}
+
+static mgpu_optimizer_desc sgd_desc(void) {
+    mgpu_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = MGPU_SGD;
+    d.lr = 0.1f;
+    d.momentum = 0.9f;
+    d.weight_decay = 1e-3f;
+    return d;
+}
+static mgpu_optimizer_desc adamw_desc(void) {
+    mgpu_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = MGPU_ADAMW;
+    d.lr = 1e-2f;
+    d.weight_decay = 1e-2f;
+    return d;
+}
+
+/* Host batches (CPU tensors), made once and fed to every run being compared. */
+typedef struct batch_set {
+    int steps;
+    int64_t B;
+    mgpu_tensor* x[MAX_STEPS];
+    mgpu_tensor* y[MAX_STEPS];
+} batch_set;
+
+static void make_batches(batch_set* bs, int steps, int64_t B, const mlp_cfg* c) {
+    int s;
+    int64_t i;
+    memset(bs, 0, sizeof *bs);
+    bs->steps = steps;
+    bs->B = B;
+    for (s = 0; s < steps; ++s) {
+        float* px;
+        bs->x[s] = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(B, c->in));
+        px = (float*)mgpu_tensor_data(bs->x[s]);
+        for (i = 0; i < B * c->in; ++i) px[i] = (float)rng_gauss();
+        if (c->loss == MGPU_LOSS_MSE) {
+            float* py;
+            bs->y[s] = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(B, c->out));
+            py = (float*)mgpu_tensor_data(bs->y[s]);
+            for (i = 0; i < B * c->out; ++i) py[i] = (float)rng_gauss();
+        } else {
+            int32_t* py;
+            bs->y[s] = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(B));
+            py = (int32_t*)mgpu_tensor_data(bs->y[s]);
+            for (i = 0; i < B; ++i) py[i] = rng_int(c->out);
+        }
+    }
+}
+static void free_batches(batch_set* bs) {
+    int s;
+    for (s = 0; s < bs->steps; ++s) {
+        mgpu_tensor_destroy(bs->x[s]);
+        mgpu_tensor_destroy(bs->y[s]);
+    }
+}
+
+/* What a run leaves behind. */
+typedef struct run_out {
+    int ok;                     /* the model was made and every step returned MGPU_OK */
+    int replicas;
+    float loss[MAX_STEPS];
+    int64_t n;                  /* floats in the flat parameter buffer */
+    float* params;              /* replica 0's, after the run */
+    int identical;              /* every replica's parameters equal replica 0's, bit for bit */
+    int first_differing;        /* the first replica that did not (-1: none) */
+    mgpu_result verify;         /* mgpu_model_verify_replicas after the run */
+    int buckets;
+    mgpu_allreduce_kind backend;
+    char error[1400];
+} run_out;
+
+static void run_free(run_out* o) {
+    free(o->params);
+    o->params = NULL;
+}
+
+/* Parameters of every replica against replica 0, and the library's own check. */
+static void run_finish(mgpu_model* m, run_out* o) {
+    int r;
+    float* other;
+    o->replicas = mgpu_model_replica_count(m);
+    o->n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+    o->params = fbuf(o->n);
+    other = fbuf(o->n);
+    tget(mgpu_model_params(m, 0), o->params);
+    o->identical = 1;
+    o->first_differing = -1;
+    for (r = 1; r < o->replicas; ++r) {
+        tget(mgpu_model_params(m, r), other);
+        if (memcmp(other, o->params, (size_t)o->n * sizeof(float)) != 0 && o->identical) {
+            o->identical = 0;
+            o->first_differing = r;
+        }
+    }
+    o->verify = mgpu_model_verify_replicas(m);
+    if (o->verify != MGPU_OK && !o->error[0]) snprintf(o->error, sizeof o->error, "%s", mgpu_last_error());
+    o->buckets = mgpu_model_bucket_count(m);
+    o->backend = mgpu_model_allreduce(m);
+    free(other);
+}
+
+/* steps of mgpu_model_train_step on spec */
+static void train_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_desc* od, const batch_set* bs, run_out* o) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = make_mlp(set, c);
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, od) : NULL;
+    int s;
+    memset(o, 0, sizeof *o);
+    o->ok = opt != NULL;
+    if (!opt) snprintf(o->error, sizeof o->error, "%s", mgpu_last_error());
+    for (s = 0; o->ok && s < bs->steps; ++s) {
+        mgpu_result r = mgpu_model_train_step(m, opt, bs->x[s], bs->y[s], &o->loss[s]);
+        if (r != MGPU_OK) {
+            o->ok = 0;
+            snprintf(o->error, sizeof o->error, "step %d: %s: %s", s, mgpu_result_string(r), mgpu_last_error());
+        }
+    }
+    if (m) run_finish(m, o);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+/* The examples' path (examples/data_parallel.c): split the batch by hand, forward, loss scaled
+   for the whole batch and backward on every replica, mgpu_allreduce_sum over mgpu_model_grads,
+   then mgpu_optimizer_step. */
+static void manual_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_desc* od, const batch_set* bs, run_out* o) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = make_mlp(set, c);
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, od) : NULL;
+    mgpu_allreduce* ar = mgpu_allreduce_create(set, c->allreduce);
+    const int R = mgpu_device_set_count(set);
+    int s, r;
+    memset(o, 0, sizeof *o);
+    o->ok = opt && ar && R <= MAX_REP;
+    if (!o->ok) snprintf(o->error, sizeof o->error, "setup: %s", mgpu_last_error());
+    for (s = 0; o->ok && s < bs->steps; ++s) {
+        const int64_t B = bs->B;
+        mgpu_tensor* grads[MAX_REP];
+        int64_t start = 0;
+        double total = 0.0;
+        mgpu_result res = mgpu_model_zero_grad(m);
+        for (r = 0; r < R && res == MGPU_OK; ++r) {
+            const int64_t rows = B / R + (r < B % R ? 1 : 0);
+            mgpu_device* dev = mgpu_model_device(m, r);
+            mgpu_tensor* xv = mgpu_tensor_view_rows(bs->x[s], start, rows);
+            mgpu_tensor* yv = mgpu_tensor_view_rows(bs->y[s], start, rows);
+            mgpu_tensor *xd = xv, *yd = yv, *loss = NULL, *dout = NULL;
+            const mgpu_tensor* out;
+            float l = 0.0f;
+            if (mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA) {
+                xd = mgpu_tensor_to(xv, dev);
+                yd = mgpu_tensor_to(yv, dev);
+            }
+            out = xd && yd ? mgpu_model_forward(m, r, xd, 1) : NULL;
+            if (!out) res = mgpu_last_result() ? mgpu_last_result() : MGPU_ERROR_INVALID_ARGUMENT;
+            if (out) {
+                loss = tmake(dev, MGPU_F32, mgpu_shape1(1));
+                dout = tmake(dev, MGPU_F32, mgpu_tensor_shape(out));
+                if (c->loss == MGPU_LOSS_MSE) res = mgpu_mse(loss, dout, out, yd, (float)(1.0 / ((double)B * c->out)));
+                else res = mgpu_softmax_cross_entropy(loss, dout, out, yd, (float)(1.0 / (double)B));
+                if (res == MGPU_OK) res = mgpu_model_backward(m, r, dout);
+                if (res == MGPU_OK) res = mgpu_tensor_download(loss, &l, sizeof l);
+                total += (double)l * (double)rows;
+            }
+            if (res != MGPU_OK) snprintf(o->error, sizeof o->error, "step %d replica %d: %s", s, r, mgpu_last_error());
+            mgpu_tensor_destroy(loss);
+            mgpu_tensor_destroy(dout);
+            if (xd != xv) mgpu_tensor_destroy(xd);
+            if (yd != yv) mgpu_tensor_destroy(yd);
+            mgpu_tensor_destroy(xv);
+            mgpu_tensor_destroy(yv);
+            start += rows;
+        }
+        for (r = 0; r < R; ++r) grads[r] = mgpu_model_grads(m, r);
+        if (res == MGPU_OK) {
+            res = mgpu_allreduce_sum(ar, grads, R);
+            if (res != MGPU_OK) snprintf(o->error, sizeof o->error, "step %d all-reduce: %s", s, mgpu_last_error());
+        }
+        if (res == MGPU_OK) {
+            res = mgpu_optimizer_step(opt);
+            if (res != MGPU_OK) snprintf(o->error, sizeof o->error, "step %d optimizer: %s", s, mgpu_last_error());
+        }
+        o->loss[s] = (float)(total / (double)B);
+        o->ok = res == MGPU_OK;
+    }
+    if (m) run_finish(m, o);
+    mgpu_allreduce_destroy(ar);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static double rel_diff(double a, double ref) {
+    double d = fabs(a - ref);
+    return d / (fabs(ref) > 1e-12 ? fabs(ref) : 1.0);
+}
+static double params_error(const run_out* got, const run_out* ref) {
+    double* r;
+    double e;
+    int64_t i;
+    if (!got->params || !ref->params || got->n != ref->n) return INFINITY;
+    r = dbuf(ref->n);
+    for (i = 0; i < ref->n; ++i) r[i] = ref->params[i];
+    e = test_rel_error(got->params, r, (size_t)ref->n);
+    free(r);
+    return e;
+}
+
+/* got against a reference run: every step's loss and the final parameters within tol, and got's
+   replicas bit-identical. */
+static void compare_runs(const char* what, const run_out* got, const run_out* ref, int steps, double tol) {
+    int s, worst = 0;
+    double wl = 0.0, pe;
+    CHECK(ref->ok, "%s: the reference run failed: %s", what, ref->error);
+    CHECK(got->ok, "%s: the run failed: %s", what, got->error);
+    if (!got->ok || !ref->ok) return;
+    for (s = 0; s < steps; ++s) {
+        double d = rel_diff(got->loss[s], ref->loss[s]);
+        if (d > wl || d != d) { wl = d; worst = s; }
+    }
+    CHECK(wl <= tol, "%s: step %d loss %.9g vs %.9g (relative difference %.3g > %.0e)", what, worst,
+          (double)got->loss[worst], (double)ref->loss[worst], wl, tol);
+    pe = params_error(got, ref);
+    CHECK(pe <= tol, "%s: parameters after %d steps differ from the reference by %.3g (normalised) > %.0e", what, steps, pe, tol);
+    CHECK(got->identical, "%s: replica %d's parameters differ from replica 0's", what, got->first_differing);
+    CHECK(got->verify == MGPU_OK, "%s: mgpu_model_verify_replicas: %s: %s", what, mgpu_result_string(got->verify), got->error);
+}
+
+/* two runs gave the same bits: every loss and every parameter */
+static int same_bits(const run_out* a, const run_out* b, int steps) {
+    return a->ok && b->ok && a->n == b->n && memcmp(a->loss, b->loss, (size_t)steps * sizeof(float)) == 0 &&
+           memcmp(a->params, b->params, (size_t)a->n * sizeof(float)) == 0;
+}
+
+/* ============================================================================================ */
+/* 1. all-reduce                                                                                */
+/* ============================================================================================ */
+/* Each replica's tensor gets its own random values; afterwards every replica must hold the float64
+   sum (per element within 1e-6 of the sum of magnitudes), all replicas the same bits, and a second
+   run on the same inputs the same bits again. With view set, the tensors are views [1, n+1) of
+   buffers of n + 2 whose first and last elements must stay untouched. */
+static void allreduce_case(mgpu_allreduce* ar, const mgpu_device_set* set, int64_t n, int view, const char* what) {
+    const int R = mgpu_device_set_count(set);
+    const int64_t total = n + (view ? 2 : 0), off = view ? 1 : 0;
+    mgpu_tensor *base[MAX_REP], *t[MAX_REP];
+    float *in[MAX_REP], *firsts[MAX_REP], *got = fbuf(total);
+    double *ref = dbuf(n), *mag = dbuf(n);
+    int r, border_ok = 1, identical = 1, same_again = 1;
+    int64_t i, bad = 0, worst_i = 0;
+    double worst = 0.0;
+    mgpu_result res;
+    if (R > MAX_REP) { CHECK(0, "%s: more than %d replicas", what, MAX_REP); return; }
+    for (r = 0; r < R; ++r) {
+        base[r] = tmake(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(total));
+        t[r] = view ? mgpu_tensor_view_rows(base[r], 1, n) : base[r];
+        if (!t[r]) { CHECK(0, "%s: view: %s", what, mgpu_last_error()); exit(test_summary("test_parallel")); }
+        in[r] = fbuf(total);
+        firsts[r] = fbuf(total);
+        for (i = 0; i < total; ++i) in[r][i] = (float)(2.0 * rng_unit() - 1.0) * (float)(1 + r);
+        tput(base[r], in[r]);
+    }
+    for (i = 0; i < n; ++i) {
+        ref[i] = 0.0;
+        mag[i] = 0.0;
+        for (r = 0; r < R; ++r) {
+            ref[i] += in[r][off + i];
+            mag[i] += fabs(in[r][off + i]);
+        }
+    }
+    res = mgpu_allreduce_sum(ar, t, R);
+    CHECK(res == MGPU_OK, "%s: mgpu_allreduce_sum of %lld floats: %s", what, (long long)n, mgpu_last_error());
+    for (r = 0; r < R; ++r) {
+        tget(base[r], got);
+        if (view && (memcmp(&got[0], &in[r][0], sizeof(float)) != 0 || memcmp(&got[total - 1], &in[r][total - 1], sizeof(float)) != 0))
+            border_ok = 0;
+        for (i = 0; i < n; ++i) {
+            double e = fabs((double)got[off + i] - ref[i]);
+            if (!(e <= 1e-6 * mag[i] + 1e-30)) {
+                if (!bad || e / (mag[i] + 1e-30) > worst) { worst = e / (mag[i] + 1e-30); worst_i = i; }
+                ++bad;
+            }
+        }
+        memcpy(firsts[r], got, (size_t)total * sizeof(float));
+        if (memcmp(firsts[0] + off, got + off, (size_t)n * sizeof(float)) != 0) identical = 0;
+    }
+    CHECK(bad == 0, "%s: %lld of %lld sums off the float64 reference (worst element %lld: %.3g of the magnitude)", what,
+          (long long)bad, (long long)(n * R), (long long)worst_i, worst);
+    CHECK(identical, "%s: replicas hold different bits after the all-reduce of %lld floats", what, (long long)n);
+    CHECK(border_ok, "%s: the all-reduce of a view wrote outside it", what);
+    /* the same inputs again: the same bits */
+    for (r = 0; r < R; ++r) tput(base[r], in[r]);
+    res = mgpu_allreduce_sum(ar, t, R);
+    CHECK(res == MGPU_OK, "%s: second mgpu_allreduce_sum: %s", what, mgpu_last_error());
+    for (r = 0; r < R; ++r) {
+        tget(base[r], got);
+        if (memcmp(firsts[r] + off, got + off, (size_t)n * sizeof(float)) != 0) same_again = 0;
+    }
+    CHECK(same_again, "%s: a second all-reduce of the same %lld floats gave other bits", what, (long long)n);
+    for (r = 0; r < R; ++r) {
+        if (t[r] != base[r]) mgpu_tensor_destroy(t[r]);
+        mgpu_tensor_destroy(base[r]);
+        free(in[r]);
+        free(firsts[r]);
+    }
+    free(got);
+    free(ref);
+    free(mag);
+}
+
+/* Every size on one communicator. */
+static void allreduce_sizes(mgpu_allreduce* ar, const mgpu_device_set* set, const char* label) {
+    const int R = mgpu_device_set_count(set);
+    const int64_t large = g_quick ? (1 << 14) + 3 : (1 << 20) + 3;
+    int64_t sizes[8];
+    int k, ns = 0;
+    char what[160];
+    sizes[ns++] = 0;                           /* empty */
+    sizes[ns++] = 1;                           /* fewer elements than replicas */
+    sizes[ns++] = 3;
+    sizes[ns++] = 7;                           /* odd */
+    sizes[ns++] = 4 * 2047;                    /* 4 replicas x odd */
+    sizes[ns++] = (int64_t)R * 250 + 1;        /* not a multiple of the replica count */
+    sizes[ns++] = 1001;                        /* 7*11*13: a multiple of none of 2, 3, 4 */
+    sizes[ns++] = large;
+    for (k = 0; k < ns; ++k) {
+        snprintf(what, sizeof what, "%s n=%lld", label, (long long)sizes[k]);
+        allreduce_case(ar, set, sizes[k], 0, what);
+    }
+    snprintf(what, sizeof what, "%s view n=7", label);
+    allreduce_case(ar, set, 7, 1, what);
+    snprintf(what, sizeof what, "%s view n=1001", label);
+    allreduce_case(ar, set, 1001, 1, what);
+}
+
+static void allreduce_on(const char* spec, mgpu_allreduce_kind kind, mgpu_allreduce_kind want) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_allreduce* ar;
+    char label[96];
+    log_capture_start();   /* the notice when kind is not available is checked in backend_for */
+    ar = mgpu_allreduce_create(set, kind);
+    log_capture_stop();
+    CHECK(ar != NULL, "mgpu_allreduce_create(%s, %s): %s", spec, mgpu_allreduce_name(kind), mgpu_last_error());
+    if (ar) {
+        CHECK(mgpu_allreduce_backend(ar) == want, "%s asking for %s: backend %s, want %s", spec, mgpu_allreduce_name(kind),
+              mgpu_allreduce_name(mgpu_allreduce_backend(ar)), mgpu_allreduce_name(want));
+        snprintf(label, sizeof label, "%s %s", spec, mgpu_allreduce_name(mgpu_allreduce_backend(ar)));
+        allreduce_sizes(ar, set, label);
+    }
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+}
+
+/* The backend a communicator on spec gets when asked for kind (with MGPU_ALLREDUCE=env when env
+   is not NULL); the notices it logs land in g_log. */
+static mgpu_allreduce_kind backend_for(const char* spec, mgpu_allreduce_kind kind, const char* env) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_allreduce* ar;
+    mgpu_allreduce_kind got = (mgpu_allreduce_kind)-1;
+    if (env) setenv("MGPU_ALLREDUCE", env, 1);
+    log_capture_start();
+    ar = mgpu_allreduce_create(set, kind);
+    log_capture_stop();
+    if (env) unsetenv("MGPU_ALLREDUCE");
+    CHECK(ar != NULL, "mgpu_allreduce_create(%s, %s)%s%s: %s", spec, mgpu_allreduce_name(kind), env ? " with MGPU_ALLREDUCE=" : "",
+          env ? env : "", mgpu_last_error());
+    if (ar) got = mgpu_allreduce_backend(ar);
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+    return got;
+}
+
+/* MGPU_ALLREDUCE_NONE names the one-replica case; asked for on several devices it must either be
+   refused or give a communicator (and a model) that really sums. */
+static void none_request_case(const char* spec) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_allreduce* ar;
+    log_capture_start();
+    mgpu_clear_error();
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_NONE);
+    log_capture_stop();
+    if (!ar) {
+        CHECK(mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT, "%s asking for none: refused with %s (%s)", spec,
+              mgpu_result_string(mgpu_last_result()), mgpu_last_error());
+    } else {
+        char what[96];
+        CHECK(mgpu_allreduce_backend(ar) != MGPU_ALLREDUCE_NONE, "%s asking for none: a communicator of %d devices with backend none",
+              spec, mgpu_device_set_count(set));
+        snprintf(what, sizeof what, "%s asking for none (backend %s)", spec, mgpu_allreduce_name(mgpu_allreduce_backend(ar)));
+        allreduce_case(ar, set, 7, 0, what);
+        allreduce_case(ar, set, 1001, 0, what);
+    }
+    mgpu_allreduce_destroy(ar);
+    /* a model asking for none: made and training like one device, or refused */
+    {
+        mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+        mgpu_optimizer_desc od = sgd_desc();
+        mgpu_layer* layers[3];
+        mgpu_model_desc d;
+        mgpu_model* m;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_linear(c.in, c.hidden);
+        layers[1] = mgpu_relu_layer();
+        layers[2] = mgpu_linear(c.hidden, c.out);
+        d.input = mgpu_shape1(c.in);
+        d.layers = layers;
+        d.layer_count = 3;
+        d.devices = set;
+        d.seed = c.seed;
+        d.allreduce = MGPU_ALLREDUCE_NONE;
+        log_capture_start();
+        m = mgpu_model_create(&d);
+        log_capture_stop();
+        if (m) {
+            batch_set bs;
+            run_out ref, got;
+            char what[96];
+            CHECK(mgpu_model_allreduce(m) != MGPU_ALLREDUCE_NONE, "%s model asking for none: backend none with %d replicas", spec,
+                  mgpu_model_replica_count(m));
+            mgpu_model_destroy(m);
+            c.allreduce = MGPU_ALLREDUCE_NONE;
+            make_batches(&bs, 4, 24, &c);
+            log_capture_start();
+            train_run(spec, &c, &od, &bs, &got);
+            log_capture_stop();
+            c.allreduce = MGPU_ALLREDUCE_AUTO;
+            train_run(strncmp(spec, "cuda", 4) == 0 ? "cuda:0" : "cpu", &c, &od, &bs, &ref);
+            snprintf(what, sizeof what, "%s model asking for none", spec);
+            compare_runs(what, &got, &ref, 4, strncmp(spec, "cuda", 4) == 0 ? 1e-4 : 1e-5);
+            run_free(&got);
+            run_free(&ref);
+            free_batches(&bs);
+        }
+    }
+    mgpu_device_set_destroy(set);
+}
+
+static void test_allreduce(void) {
+    const char* cpu_specs[3] = {"cpu:2", "cpu:3", "cpu:4"};
+    int i;
+    header("all-reduce");
+    CHECK(strcmp(mgpu_allreduce_name(MGPU_ALLREDUCE_NCCL), "nccl") == 0 && strcmp(mgpu_allreduce_name(MGPU_ALLREDUCE_P2P), "p2p") == 0 &&
+          strcmp(mgpu_allreduce_name(MGPU_ALLREDUCE_HOST), "host") == 0 && strcmp(mgpu_allreduce_name(MGPU_ALLREDUCE_NONE), "none") == 0 &&
+          strcmp(mgpu_allreduce_name(MGPU_ALLREDUCE_AUTO), "auto") == 0, "mgpu_allreduce_name");
+    CHECK(mgpu_allreduce_backend(NULL) == MGPU_ALLREDUCE_NONE, "mgpu_allreduce_backend(NULL)");
+    mgpu_allreduce_destroy(NULL);
+
+    /* which backend: NONE for one device; HOST for CPU replicas, whatever is asked */
+    CHECK(backend_for("cpu", MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_NONE, "cpu: backend is not none");
+    CHECK(backend_for("cpu:1", MGPU_ALLREDUCE_HOST, NULL) == MGPU_ALLREDUCE_NONE, "cpu:1 asking for host: backend is not none");
+    for (i = 0; i < 3; ++i)
+        CHECK(backend_for(cpu_specs[i], MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_HOST, "%s auto: backend is not host", cpu_specs[i]);
+    CHECK(backend_for("cpu:2", MGPU_ALLREDUCE_HOST, NULL) == MGPU_ALLREDUCE_HOST, "cpu:2 asking for host");
+    CHECK(backend_for("cpu:2", MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_HOST, "cpu:2 asking for nccl: not host");
+    CHECK(has(g_log, "host"), "cpu:2 asking for nccl: no notice that host is used (log: '%s')", g_log);
+    CHECK(backend_for("cpu:3", MGPU_ALLREDUCE_P2P, NULL) == MGPU_ALLREDUCE_HOST, "cpu:3 asking for p2p: not host");
+    CHECK(backend_for("cpu:2", MGPU_ALLREDUCE_AUTO, "nccl") == MGPU_ALLREDUCE_HOST, "cpu:2 with MGPU_ALLREDUCE=nccl: not host");
+    CHECK(has(g_log, "nccl") && has(g_log, "host"), "cpu:2 with MGPU_ALLREDUCE=nccl: no notice naming nccl and host (log: '%s')", g_log);
+    CHECK(getenv("MGPU_ALLREDUCE") == NULL, "MGPU_ALLREDUCE still set");
+    CHECK(backend_for("cpu:4", MGPU_ALLREDUCE_AUTO, "p2p") == MGPU_ALLREDUCE_HOST, "cpu:4 with MGPU_ALLREDUCE=p2p: not host");
+    CHECK(backend_for("cpu:2", MGPU_ALLREDUCE_AUTO, "host") == MGPU_ALLREDUCE_HOST, "cpu:2 with MGPU_ALLREDUCE=host: not host");
+    CHECK(backend_for("cpu:2", MGPU_ALLREDUCE_AUTO, "bogus") == MGPU_ALLREDUCE_HOST, "cpu:2 with MGPU_ALLREDUCE=bogus: not host");
+    CHECK(has(g_log, "bogus"), "MGPU_ALLREDUCE=bogus: no warning naming it (log: '%s')", g_log);
+    CHECK(backend_for("cpu", MGPU_ALLREDUCE_AUTO, "nccl") == MGPU_ALLREDUCE_NONE, "cpu with MGPU_ALLREDUCE=nccl: not none");
+
+    /* one device: nothing to reduce, the tensor unchanged */
+    {
+        mgpu_device_set* set = mkset("cpu");
+        mgpu_allreduce* ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+        mgpu_tensor* t = tmake(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(5));
+        float v[5] = {1, -2, 3.5f, 4, 5}, got[5];
+        tput(t, v);
+        CHECK(ar && mgpu_allreduce_sum(ar, &t, 1) == MGPU_OK, "one-device all-reduce: %s", mgpu_last_error());
+        tget(t, got);
+        CHECK(memcmp(v, got, sizeof v) == 0, "one-device all-reduce changed the tensor");
+        mgpu_tensor_destroy(t);
+        mgpu_allreduce_destroy(ar);
+        mgpu_device_set_destroy(set);
+    }
+
+    /* tensors of the same element count but different shapes are fine */
+    {
+        mgpu_device_set* set = mkset("cpu:2");
+        mgpu_allreduce* ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+        mgpu_tensor* t[2];
+        float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {10, 20, 30, 40, 50, 60}, got[6];
+        int k, ok = 1;
+        t[0] = tmake(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape2(2, 3));
+        t[1] = tmake(mgpu_device_set_get(set, 1), MGPU_F32, mgpu_shape1(6));
+        tput(t[0], a);
+        tput(t[1], b);
+        CHECK(ar && mgpu_allreduce_sum(ar, t, 2) == MGPU_OK, "all-reduce of [2,3] and [6]: %s", mgpu_last_error());
+        tget(t[0], got);
+        for (k = 0; k < 6; ++k) ok &= got[k] == a[k] + b[k];
+        tget(t[1], got);
+        for (k = 0; k < 6; ++k) ok &= got[k] == a[k] + b[k];
+        CHECK(ok, "all-reduce of [2,3] and [6]: wrong sums");
+        mgpu_tensor_destroy(t[0]);
+        mgpu_tensor_destroy(t[1]);
+        mgpu_allreduce_destroy(ar);
+        mgpu_device_set_destroy(set);
+    }
+
+    /* a model's communicator */
+    {
+        mgpu_device_set *s1 = mkset("cpu"), *s2 = mkset("cpu:2");
+        mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+        mgpu_model *m1 = make_mlp(s1, &c), *m2, *m3;
+        m2 = make_mlp(s2, &c);
+        c.allreduce = MGPU_ALLREDUCE_NCCL;
+        log_capture_start();
+        m3 = make_mlp(s2, &c);
+        log_capture_stop();
+        CHECK(mgpu_model_allreduce(m1) == MGPU_ALLREDUCE_NONE, "cpu model: backend %s, want none", mgpu_allreduce_name(mgpu_model_allreduce(m1)));
+        CHECK(mgpu_model_allreduce(m2) == MGPU_ALLREDUCE_HOST, "cpu:2 model: backend %s, want host", mgpu_allreduce_name(mgpu_model_allreduce(m2)));
+        CHECK(mgpu_model_allreduce(m3) == MGPU_ALLREDUCE_HOST, "cpu:2 model asking for nccl: backend %s, want host",
+              mgpu_allreduce_name(mgpu_model_allreduce(m3)));
+        CHECK(mgpu_model_allreduce(NULL) == MGPU_ALLREDUCE_NONE, "mgpu_model_allreduce(NULL)");
+        mgpu_model_destroy(m1);
+        mgpu_model_destroy(m2);
+        mgpu_model_destroy(m3);
+        mgpu_device_set_destroy(s1);
+        mgpu_device_set_destroy(s2);
+    }
+
+    /* sums on every CPU set */
+    for (i = 0; i < 3; ++i) allreduce_on(cpu_specs[i], MGPU_ALLREDUCE_AUTO, MGPU_ALLREDUCE_HOST);
+    allreduce_on("cpu:3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_HOST);
+    none_request_case("cpu:2");
+
+    /* GPUs: several replicas of one GPU with P2P and HOST; NCCL on distinct GPUs */
+    if (gpu_group("all-reduce")) {
+        const char* gpu_specs[2] = {"cuda:0,0", "cuda:0,0,0,0"};
+        for (i = 0; i < 2; ++i) {
+            allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
+            CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_P2P, "%s auto: backend is not p2p", gpu_specs[i]);
+            CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_P2P, "%s asking for nccl (one GPU twice): not p2p",
+                  gpu_specs[i]);
+        }
+        CHECK(backend_for("cuda:0", MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_NONE, "cuda:0: backend is not none");
+        none_request_case("cuda:0,0");
+        if (g_gpus >= 2) {
+            mgpu_allreduce_kind k = backend_for("cuda:0,1", MGPU_ALLREDUCE_NCCL, NULL);
+            if (k == MGPU_ALLREDUCE_NCCL) allreduce_on("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL);
+            else {
+                CHECK(k == MGPU_ALLREDUCE_P2P, "cuda:0,1 asking for nccl without NCCL: backend %s, want p2p", mgpu_allreduce_name(k));
+                SKIP("nccl all-reduce: libnccl.so.2 could not be loaded");
+            }
+            allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            allreduce_on("cuda:0,1", MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
+        } else {
+            SKIP("nccl all-reduce: needs two distinct GPUs (this machine has %d)", g_gpus);
+        }
+    }
+}
+
+/* ============================================================================================ */
+/* 2. errors                                                                                    */
+/* ============================================================================================ */
+static void expect_fail(mgpu_result got, mgpu_result want, const char* what, const char* must1, const char* must2) {
+    const char* msg = mgpu_last_error();
+    CHECK(got == want, "%s: %s, want %s (%s)", what, mgpu_result_string(got), mgpu_result_string(want), msg);
+    CHECK(got == MGPU_OK || mgpu_last_result() == got, "%s: mgpu_last_result %s, returned %s", what,
+          mgpu_result_string(mgpu_last_result()), mgpu_result_string(got));
+    if (must1) CHECK(has(msg, must1), "%s: message '%s' does not name '%s'", what, msg, must1);
+    if (must2) CHECK(has(msg, must2), "%s: message '%s' does not name '%s'", what, msg, must2);
+}
+
+static void expect_bad_spec(const char* spec, mgpu_result want) {
+    mgpu_device_set* s;
+    mgpu_clear_error();
+    s = mgpu_device_set_create(spec);
+    CHECK(s == NULL, "mgpu_device_set_create(\"%s\") succeeded (%s)", spec, s ? mgpu_device_set_spec(s) : "");
+    CHECK(mgpu_last_result() == want, "mgpu_device_set_create(\"%s\"): %s, want %s (%s)", spec,
+          mgpu_result_string(mgpu_last_result()), mgpu_result_string(want), mgpu_last_error());
+    CHECK(has(mgpu_last_error(), "mgpu_device_set_create") && has(mgpu_last_error(), spec),
+          "mgpu_device_set_create(\"%s\"): message '%s' does not name the function and the spec", spec, mgpu_last_error());
+    mgpu_device_set_destroy(s);
+}
+
+static void test_errors(void) {
+    mgpu_device_set *set3 = mkset("cpu:3"), *set4;
+    mgpu_allreduce* ar = mgpu_allreduce_create(set3, MGPU_ALLREDUCE_AUTO);
+    mgpu_tensor *t[3], *args[4], *wrong_size, *wrong_dtype, *on_cpu;
+    float v[3][5], got[5];
+    int r, k, unchanged = 1;
+    header("errors");
+    if (!ar) { CHECK(0, "mgpu_allreduce_create(cpu:3): %s", mgpu_last_error()); exit(test_summary("test_parallel")); }
+    for (r = 0; r < 3; ++r) {
+        t[r] = tmake(mgpu_device_set_get(set3, r), MGPU_F32, mgpu_shape1(5));
+        for (k = 0; k < 5; ++k) v[r][k] = (float)(10 * r + k);
+        tput(t[r], v[r]);
+    }
+    wrong_size = tmake(mgpu_device_set_get(set3, 2), MGPU_F32, mgpu_shape1(6));
+    wrong_dtype = tmake(mgpu_device_set_get(set3, 1), MGPU_I32, mgpu_shape1(5));
+    on_cpu = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(5));   /* the library's CPU: replica 0's device */
+
+    expect_fail(mgpu_allreduce_sum(ar, t, 2), MGPU_ERROR_INVALID_ARGUMENT, "2 tensors for 3 devices", "mgpu_allreduce_sum", "3 devices");
+    CHECK(has_number(mgpu_last_error(), 2), "2 tensors for 3 devices: message '%s' does not give the count", mgpu_last_error());
+    args[0] = t[0]; args[1] = t[1]; args[2] = t[2]; args[3] = t[0];
+    expect_fail(mgpu_allreduce_sum(ar, args, 4), MGPU_ERROR_INVALID_ARGUMENT, "4 tensors for 3 devices", "mgpu_allreduce_sum", "4 tensors");
+    expect_fail(mgpu_allreduce_sum(ar, t, 0), MGPU_ERROR_INVALID_ARGUMENT, "0 tensors", "mgpu_allreduce_sum", NULL);
+    expect_fail(mgpu_allreduce_sum(ar, t, -1), MGPU_ERROR_INVALID_ARGUMENT, "-1 tensors", "mgpu_allreduce_sum", NULL);
+    /* replicas 0 and 1 swapped */
+    args[0] = t[1]; args[1] = t[0]; args[2] = t[2];
+    expect_fail(mgpu_allreduce_sum(ar, args, 3), MGPU_ERROR_DEVICE_MISMATCH, "tensors of replicas 0 and 1 swapped", "mgpu_allreduce_sum", "tensors[0]");
+    CHECK(has(mgpu_last_error(), "cpu#1"), "swapped tensors: message '%s' does not say where the tensor is", mgpu_last_error());
+    /* replica 2's tensor on the CPU device of replica 0 */
+    args[0] = t[0]; args[1] = t[1]; args[2] = on_cpu;
+    expect_fail(mgpu_allreduce_sum(ar, args, 3), MGPU_ERROR_DEVICE_MISMATCH, "replica 2's tensor on replica 0's device", "mgpu_allreduce_sum", "tensors[2]");
+    /* one tensor bigger */
+    args[2] = wrong_size;
+    expect_fail(mgpu_allreduce_sum(ar, args, 3), MGPU_ERROR_SHAPE_MISMATCH, "tensors of 5, 5 and 6 floats", "mgpu_allreduce_sum", "tensors[2]");
+    /* int32 */
+    args[1] = wrong_dtype; args[2] = t[2];
+    expect_fail(mgpu_allreduce_sum(ar, args, 3), MGPU_ERROR_DTYPE_MISMATCH, "an i32 tensor", "mgpu_allreduce_sum", "i32");
+    /* NULLs */
+    args[1] = NULL;
+    expect_fail(mgpu_allreduce_sum(ar, args, 3), MGPU_ERROR_INVALID_ARGUMENT, "a NULL tensor", "mgpu_allreduce_sum", "NULL");
+    expect_fail(mgpu_allreduce_sum(ar, NULL, 3), MGPU_ERROR_INVALID_ARGUMENT, "NULL tensors", "mgpu_allreduce_sum", NULL);
+    expect_fail(mgpu_allreduce_sum(NULL, t, 3), MGPU_ERROR_INVALID_ARGUMENT, "NULL communicator", "mgpu_allreduce_sum", NULL);
+    /* nothing was summed by any failed call */
+    for (r = 0; r < 3; ++r) {
+        tget(t[r], got);
+        unchanged &= memcmp(got, v[r], sizeof got) == 0;
+    }
+    CHECK(unchanged, "a failed mgpu_allreduce_sum changed a tensor");
+    /* and the communicator still works */
+    CHECK(mgpu_allreduce_sum(ar, t, 3) == MGPU_OK, "all-reduce after failures: %s", mgpu_last_error());
+    tget(t[1], got);
+    CHECK(got[4] == v[0][4] + v[1][4] + v[2][4], "all-reduce after failures: %g, want %g", (double)got[4],
+          (double)(v[0][4] + v[1][4] + v[2][4]));
+    for (r = 0; r < 3; ++r) mgpu_tensor_destroy(t[r]);
+    mgpu_tensor_destroy(wrong_size);
+    mgpu_tensor_destroy(wrong_dtype);
+    mgpu_tensor_destroy(on_cpu);
+    mgpu_allreduce_destroy(ar);
+
+    /* communicators that cannot be made */
+    mgpu_clear_error();
+    CHECK(mgpu_allreduce_create(NULL, MGPU_ALLREDUCE_AUTO) == NULL, "mgpu_allreduce_create(NULL) succeeded");
+    CHECK(mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "mgpu_allreduce_create"),
+          "mgpu_allreduce_create(NULL): %s", mgpu_last_error());
+    CHECK(mgpu_allreduce_create(set3, (mgpu_allreduce_kind)9) == NULL, "mgpu_allreduce_create with kind 9 succeeded");
+    CHECK(mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "mgpu_allreduce_create") && has_number(mgpu_last_error(), 9),
+          "mgpu_allreduce_create with kind 9: %s", mgpu_last_error());
+    CHECK(mgpu_allreduce_create(set3, (mgpu_allreduce_kind)-1) == NULL, "mgpu_allreduce_create with kind -1 succeeded");
+    {
+        mgpu_layer* layers[1];
+        mgpu_model_desc d;
+        mgpu_model* m;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_linear(4, 2);
+        d.input = mgpu_shape1(4);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = set3;
+        d.allreduce = (mgpu_allreduce_kind)9;
+        mgpu_clear_error();
+        m = mgpu_model_create(&d);
+        CHECK(m == NULL, "a model with all-reduce kind 9 was made");
+        CHECK(mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "mgpu_model_create"),
+              "a model with all-reduce kind 9: %s", mgpu_last_error());
+        mgpu_model_destroy(m);
+    }
+    mgpu_device_set_destroy(set3);
+
+    /* device specs */
+    {
+        const char* bad[] = {"cpu:0", "cpu:-1", "cpu:x", "cpu:2x", "cpu:", "cpu:+2", "cpu:2 ", "cpu:257", "cpu2", "gpu", "cuda0", "CPU"};
+        const char* bad_cuda[] = {"cuda:0,,1", "cuda:x", "cuda:0,", "cuda:-1"};
+        for (k = 0; k < (int)(sizeof bad / sizeof bad[0]); ++k) expect_bad_spec(bad[k], MGPU_ERROR_INVALID_ARGUMENT);
+        /* malformed CUDA specs: INVALID_ARGUMENT where there are GPUs; without, the missing GPU is the error */
+        for (k = 0; k < (int)(sizeof bad_cuda / sizeof bad_cuda[0]); ++k)
+            expect_bad_spec(bad_cuda[k], g_gpus > 0 ? MGPU_ERROR_INVALID_ARGUMENT : MGPU_ERROR_NO_DEVICE);
+        if (g_gpus <= 7) expect_bad_spec("cuda:7", MGPU_ERROR_NO_DEVICE);
+        expect_bad_spec("cuda:999", MGPU_ERROR_NO_DEVICE);
+        expect_bad_spec("cuda:0,999", MGPU_ERROR_NO_DEVICE);
+        if (g_gpus == 0) {
+            expect_bad_spec("cuda", MGPU_ERROR_NO_DEVICE);
+            expect_bad_spec("cuda:0,0", MGPU_ERROR_NO_DEVICE);
+        }
+    }
+
+    /* a batch of 3 on 4 replicas: an error naming both numbers, and nothing changed */
+    set4 = mkset("cpu:4");
+    {
+        mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+        mgpu_optimizer_desc od = sgd_desc();
+        mgpu_model* m = make_mlp(set4, &c);
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+        batch_set b3, b4;
+        float *before[4], *after, loss = -1.0f;
+        int64_t n;
+        int same = 1, grads_zero = 1;
+        int64_t i;
+        if (!opt) { CHECK(0, "cpu:4 model: %s", mgpu_last_error()); exit(test_summary("test_parallel")); }
+        make_batches(&b3, 1, 3, &c);
+        make_batches(&b4, 1, 4, &c);
+        n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+        after = fbuf(n);
+        for (r = 0; r < 4; ++r) {
+            before[r] = fbuf(n);
+            tget(mgpu_model_params(m, r), before[r]);
+        }
+        expect_fail(mgpu_model_train_step(m, opt, b3.x[0], b3.y[0], &loss), MGPU_ERROR_INVALID_ARGUMENT, "a batch of 3 on cpu:4",
+                    "mgpu_model_train_step", NULL);
+        CHECK(has_number(mgpu_last_error(), 3) && has_number(mgpu_last_error(), 4), "a batch of 3 on cpu:4: message '%s' does not give 3 and 4",
+              mgpu_last_error());
+        for (r = 0; r < 4; ++r) {
+            tget(mgpu_model_params(m, r), after);
+            same &= memcmp(after, before[r], (size_t)n * sizeof(float)) == 0;
+            tget(mgpu_model_grads(m, r), after);
+            for (i = 0; i < n; ++i) grads_zero &= after[i] == 0.0f;
+        }
+        CHECK(same, "the failed step on cpu:4 changed the parameters");
+        CHECK(grads_zero, "the failed step on cpu:4 left gradients");
+        CHECK(mgpu_optimizer_steps(opt) == 0, "the failed step counted as an optimizer step (%lld)", (long long)mgpu_optimizer_steps(opt));
+        expect_fail(mgpu_model_accumulate(m, b3.x[0], b3.y[0], 6, &loss), MGPU_ERROR_INVALID_ARGUMENT, "accumulating a batch of 3 on cpu:4",
+                    "mgpu_model_accumulate", NULL);
+        CHECK(has_number(mgpu_last_error(), 3) && has_number(mgpu_last_error(), 4), "accumulating 3 on cpu:4: message '%s' does not give 3 and 4",
+              mgpu_last_error());
+        /* a batch of 4 then works: one row per replica */
+        CHECK(mgpu_model_train_step(m, opt, b4.x[0], b4.y[0], &loss) == MGPU_OK, "a batch of 4 on cpu:4: %s", mgpu_last_error());
+        CHECK(loss > 0.0f && loss == loss, "a batch of 4 on cpu:4: loss %g", (double)loss);
+        CHECK(mgpu_model_verify_replicas(m) == MGPU_OK, "after a batch of 4 on cpu:4: %s", mgpu_last_error());
+        for (r = 0; r < 4; ++r) free(before[r]);
+        free(after);
+        free_batches(&b3);
+        free_batches(&b4);
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+    }
+    mgpu_device_set_destroy(set4);
+}
+
+/* ============================================================================================ */
+/* 3. equivalence with one device; 4. determinism                                               */
+/* ============================================================================================ */
+static const char* loss_name(mgpu_loss_kind k) { return k == MGPU_LOSS_MSE ? "mse" : "cross-entropy"; }
+static const char* opt_name(const mgpu_optimizer_desc* d) { return d->kind == MGPU_ADAMW ? "adamw" : "sgd+momentum"; }
+
+/* Train ref_spec once and every spec of specs on the same batches; compare. */
+static void equivalence_case(const char* ref_spec, const char* const* specs, int nspecs, const mlp_cfg* c,
+                             const mgpu_optimizer_desc* od, int64_t B, int steps, double tol, const char* note) {
+    batch_set bs;
+    run_out ref, got;
+    char what[192];
+    int i;
+    make_batches(&bs, steps, B, c);
+    train_run(ref_spec, c, od, &bs, &ref);
+    for (i = 0; i < nspecs; ++i) {
+        train_run(specs[i], c, od, &bs, &got);
+        snprintf(what, sizeof what, "%s vs %s, B=%lld, %s, %s%s", specs[i], ref_spec, (long long)B, opt_name(od), loss_name(c->loss), note);
+        compare_runs(what, &got, &ref, steps, tol);
+        run_free(&got);
+    }
+    run_free(&ref);
+    free_batches(&bs);
+}
+
+static void test_equivalence(void) {
+    const char* even[3] = {"cpu:2", "cpu:3", "cpu:4"};
+    const char* uneven[2] = {"cpu:3", "cpu:4"};
+    mgpu_loss_kind losses[2] = {MGPU_LOSS_CROSS_ENTROPY, MGPU_LOSS_MSE};
+    mgpu_optimizer_desc ods[2];
+    int l, o;
+    header("equivalence with one device");
+    ods[0] = sgd_desc();
+    ods[1] = adamw_desc();
+    for (l = 0; l < 2; ++l)
+        for (o = 0; o < 2; ++o) {
+            mlp_cfg c = mlp_default(losses[l]);
+            equivalence_case("cpu", even, 3, &c, &ods[o], 24, 6, 1e-5, "");
+            equivalence_case("cpu", uneven, 2, &c, &ods[o], 25, 6, 1e-5, " (uneven split)");
+        }
+}
+
+static void test_determinism(void) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = adamw_desc();
+    batch_set bs;
+    run_out a, b;
+    header("determinism");
+    make_batches(&bs, 6, 25, &c);
+    train_run("cpu:3", &c, &od, &bs, &a);
+    train_run("cpu:3", &c, &od, &bs, &b);
+    CHECK(a.ok && b.ok, "cpu:3 runs: %s %s", a.error, b.error);
+    CHECK(same_bits(&a, &b, 6), "two cpu:3 runs (AdamW, cross-entropy, B=25) differ in losses or parameters");
+    CHECK(a.identical && b.identical, "cpu:3 replicas differ");
+    run_free(&a);
+    run_free(&b);
+    free_batches(&bs);
+
+    c = mlp_default(MGPU_LOSS_MSE);
+    od = sgd_desc();
+    make_batches(&bs, 6, 24, &c);
+    train_run("cpu:4", &c, &od, &bs, &a);
+    train_run("cpu:4", &c, &od, &bs, &b);
+    CHECK(same_bits(&a, &b, 6), "two cpu:4 runs (SGD, MSE, B=24) differ in losses or parameters: %s %s", a.error, b.error);
+    run_free(&a);
+    run_free(&b);
+    free_batches(&bs);
+}
+
+/* ============================================================================================ */
+/* 5. gradient buckets                                                                          */
+/* ============================================================================================ */
+/* The bucket count of a model made on spec with these bucket_bytes (0: the default). */
+static int buckets_of(const char* spec, const mlp_cfg* c, size_t bucket_bytes) {
+    mgpu_device_set* set = mkset(spec);
+    mlp_cfg cc = *c;
+    mgpu_model* m;
+    int n;
+    cc.bucket_bytes = bucket_bytes;
+    m = make_mlp(set, &cc);
+    n = m ? mgpu_model_bucket_count(m) : -1;
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return n;
+}
+
+static void test_buckets(void) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    batch_set bs;
+    run_out def, small, tiny;
+    /* The flat buffer of the 12 -> 16 -> 5 MLP, each tensor at a 16-float boundary:
+         0.weight [16,12] 192 floats at 0, 0.bias [16] at 192, 2.weight [5,16] 80 at 208,
+         2.bias [5] at 288 (padded to 16), 304 floats in all.
+       mgpu__make_buckets walks the tensors from the last, closing a bucket when the bytes from
+       the tensor's start to the open end reach the limit (the first bucket: min(bucket_bytes,
+       1 MiB)), and always at tensor 0:
+         default (25 MiB): nothing reaches 1 MiB                         -> 1 bucket
+         2000 bytes: 64, 384, 448 bytes, all under                       -> 1
+         400: 2.bias 64, 2.weight 384 < 400, 0.bias 448 closes [192,304) -> 2
+         256: 2.weight 384 closes [208,304), then 0.bias 64, 0.weight    -> 2
+         64: every tensor closes its own                                 -> 4
+         1: likewise                                                     -> 4 (the tensor count) */
+    header("gradient buckets");
+    CHECK(buckets_of("cpu:2", &c, 0) == 1, "default buckets: %d, want 1", buckets_of("cpu:2", &c, 0));
+    CHECK(buckets_of("cpu:2", &c, 2000) == 1, "2000-byte buckets: %d, want 1", buckets_of("cpu:2", &c, 2000));
+    CHECK(buckets_of("cpu:2", &c, 400) == 2, "400-byte buckets: %d, want 2", buckets_of("cpu:2", &c, 400));
+    CHECK(buckets_of("cpu:2", &c, 256) == 2, "256-byte buckets: %d, want 2", buckets_of("cpu:2", &c, 256));
+    CHECK(buckets_of("cpu:3", &c, 64) == 4, "64-byte buckets: %d, want 4", buckets_of("cpu:3", &c, 64));
+    CHECK(buckets_of("cpu:2", &c, 1) == 4, "1-byte buckets: %d, want 4 (one per tensor)", buckets_of("cpu:2", &c, 1));
+    CHECK(buckets_of("cpu", &c, 1) <= 1, "a one-device model has %d buckets", buckets_of("cpu", &c, 1));
+
+    /* The first bucket is at most 1 MiB even with the default 25 MiB: 256 -> 1024 -> 1024 -> 10
+       has 0.weight 1 MiB, 0.bias 4 KiB, 2.weight 4 MiB, 2.bias 4 KiB, 4.weight 40 KiB, 4.bias
+       (16 floats). From the end: 64 B, 41 KB, 45 KB, then 2.weight takes it past 1 MiB: bucket 1 is
+       [2.weight, end); 0.bias and 0.weight stay under 25 MiB: bucket 2. */
+    {
+        mgpu_device_set* set = mkset("cpu:2");
+        mgpu_layer* layers[5];
+        mgpu_model_desc d;
+        mgpu_model* m;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_linear(256, 1024);
+        layers[1] = mgpu_relu_layer();
+        layers[2] = mgpu_linear(1024, 1024);
+        layers[3] = mgpu_relu_layer();
+        layers[4] = mgpu_linear(1024, 10);
+        d.input = mgpu_shape1(256);
+        d.layers = layers;
+        d.layer_count = 5;
+        d.devices = set;
+        m = mgpu_model_create(&d);
+        CHECK(m != NULL, "the 5 MiB model: %s", mgpu_last_error());
+        if (m) CHECK(mgpu_model_bucket_count(m) == 2, "the 5 MiB model with default buckets: %d buckets, want 2 (a first bucket of 1 MiB)",
+                     mgpu_model_bucket_count(m));
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    }
+
+    /* several buckets train exactly as one (the host backend reduces the whole buffer) */
+    make_batches(&bs, 6, 24, &c);
+    c.bucket_bytes = 0;
+    train_run("cpu:2", &c, &od, &bs, &def);
+    c.bucket_bytes = 256;
+    train_run("cpu:2", &c, &od, &bs, &small);
+    c.bucket_bytes = 1;
+    train_run("cpu:2", &c, &od, &bs, &tiny);
+    CHECK(def.buckets == 1 && small.buckets == 2 && tiny.buckets == 4, "bucket counts in training: %d %d %d", def.buckets, small.buckets,
+          tiny.buckets);
+    CHECK(same_bits(&def, &small, 6), "cpu:2 with 256-byte buckets differs from the default: %s %s", def.error, small.error);
+    CHECK(same_bits(&def, &tiny, 6), "cpu:2 with 1-byte buckets differs from the default: %s", tiny.error);
+    CHECK(small.identical && tiny.identical, "cpu:2 replicas differ with small buckets");
+    run_free(&def);
+    run_free(&small);
+    run_free(&tiny);
+    free_batches(&bs);
+}
+
+/* ============================================================================================ */
+/* 6. gradient accumulation                                                                     */
+/* ============================================================================================ */
+static void accumulate_case(const char* spec, const int64_t* micro, int nmicro, int steps) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    mgpu_device_set *set = mkset(spec), *set_b = mkset(spec);
+    mgpu_model *ma = make_mlp(set, &c), *mb = make_mlp(set_b, &c);
+    mgpu_optimizer *oa = ma ? mgpu_optimizer_create(ma, &od) : NULL, *ob = mb ? mgpu_optimizer_create(mb, &od) : NULL;
+    batch_set bs;
+    run_out ra, rb;
+    int64_t B = 0, i;
+    int s, k, r;
+    char what[128];
+    for (k = 0; k < nmicro; ++k) B += micro[k];
+    snprintf(what, sizeof what, "accumulate on %s (micro-batches of %lld..%lld, B=%lld)", spec, (long long)micro[0],
+             (long long)micro[nmicro - 1], (long long)B);
+    if (!oa || !ob) { CHECK(0, "%s: %s", what, mgpu_last_error()); exit(test_summary("test_parallel")); }
+    make_batches(&bs, steps, B, &c);
+    for (s = 0; s < steps; ++s) {
+        int64_t start = 0;
+        double weighted = 0.0;
+        float lb = 0.0f;
+        int zero = 1;
+        CHECK(mgpu_model_zero_grad(ma) == MGPU_OK, "%s: zero_grad: %s", what, mgpu_last_error());
+        for (k = 0; k < nmicro; ++k) {
+            mgpu_tensor* xv = mgpu_tensor_view_rows(bs.x[s], start, micro[k]);
+            mgpu_tensor* yv = mgpu_tensor_view_rows(bs.y[s], start, micro[k]);
+            float la = -1.0f, le = -2.0f;
+            /* the micro-batch's mean loss at the current parameters, for the loss accumulate returns */
+            CHECK(mgpu_model_evaluate(ma, xv, yv, &le, NULL) == MGPU_OK, "%s: evaluate: %s", what, mgpu_last_error());
+            CHECK(mgpu_model_accumulate(ma, xv, yv, B, &la) == MGPU_OK, "%s: step %d micro-batch %d: %s", what, s, k, mgpu_last_error());
+            CHECK(rel_diff(la, le) <= 1e-6, "%s: step %d micro-batch %d: accumulate's loss %.9g is not the micro-batch's mean %.9g", what, s,
+                  k, (double)la, (double)le);
+            weighted += (double)la * (double)micro[k];
+            start += micro[k];
+            mgpu_tensor_destroy(xv);
+            mgpu_tensor_destroy(yv);
+        }
+        CHECK(mgpu_model_apply(ma, oa) == MGPU_OK, "%s: apply: %s", what, mgpu_last_error());
+        CHECK(mgpu_model_train_step(mb, ob, bs.x[s], bs.y[s], &lb) == MGPU_OK, "%s: train_step: %s", what, mgpu_last_error());
+        CHECK(rel_diff(weighted / (double)B, lb) <= 1e-6, "%s: step %d: micro-batch losses average %.9g, the whole batch's %.9g", what, s,
+              weighted / (double)B, (double)lb);
+        for (r = 0; r < mgpu_model_replica_count(ma); ++r) {
+            const mgpu_tensor* g = mgpu_model_grads(ma, r);
+            float* h = fbuf(mgpu_tensor_numel(g));
+            tget(g, h);
+            for (i = 0; i < mgpu_tensor_numel(g); ++i) zero &= h[i] == 0.0f;
+            free(h);
+        }
+        CHECK(zero, "%s: step %d: gradients not zero after mgpu_model_apply", what, s);
+    }
+    memset(&ra, 0, sizeof ra);
+    memset(&rb, 0, sizeof rb);
+    ra.ok = rb.ok = 1;
+    run_finish(ma, &ra);
+    run_finish(mb, &rb);
+    CHECK(params_error(&ra, &rb) <= 1e-6, "%s: parameters differ from mgpu_model_train_step by %.3g (normalised) > 1e-6", what,
+          params_error(&ra, &rb));
+    CHECK(ra.identical && ra.verify == MGPU_OK, "%s: replicas differ after accumulate/apply: %s", what, ra.error);
+    CHECK(mgpu_optimizer_steps(oa) == steps, "%s: %lld optimizer steps, want %d", what, (long long)mgpu_optimizer_steps(oa), steps);
+    run_free(&ra);
+    run_free(&rb);
+    free_batches(&bs);
+    mgpu_optimizer_destroy(oa);
+    mgpu_optimizer_destroy(ob);
+    mgpu_model_destroy(ma);
+    mgpu_model_destroy(mb);
+    mgpu_device_set_destroy(set);
+    mgpu_device_set_destroy(set_b);
+}
+
+static void test_accumulate(void) {
+    const int64_t halves[2] = {12, 12}, uneven[3] = {7, 11, 6};
+    header("gradient accumulation");
+    accumulate_case("cpu", halves, 2, 3);
+    accumulate_case("cpu:2", halves, 2, 3);
+    accumulate_case("cpu:3", uneven, 3, 3);
+}
+
+/* ============================================================================================ */
+/* 7. verify mode                                                                               */
+/* ============================================================================================ */
+static void verify_case(const char* spec) {
+    const int corrupt = 2;
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    batch_set bs;
+    mgpu_tensor* flat;
+    float* h;
+    float loss, b3[5];
+    int s, t_bias = -1, t;
+    mgpu_result r;
+    char what[64], num[32];
+    snprintf(what, sizeof what, "verify_every=1 on %s", spec);
+    c.verify_every = 1;
+    m = make_mlp(set, &c);
+    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    if (!opt) { CHECK(0, "%s: %s", what, mgpu_last_error()); exit(test_summary("test_parallel")); }
+    make_batches(&bs, 4, 24, &c);
+    for (s = 0; s < 3; ++s)
+        CHECK(mgpu_model_train_step(m, opt, bs.x[s], bs.y[s], &loss) == MGPU_OK, "%s: step %d: %s", what, s, mgpu_last_error());
+    CHECK(mgpu_model_verify_replicas(m) == MGPU_OK, "%s: replicas differ after 3 steps: %s", what, mgpu_last_error());
+
+    /* corrupt replica 2's flat buffer at element 5 (0.weight is the first tensor, at offset 0) */
+    flat = mgpu_model_params(m, corrupt);
+    h = fbuf(mgpu_tensor_numel(flat));
+    tget(flat, h);
+    h[5] += 0.25f;
+    tput(flat, h);
+    r = mgpu_model_verify_replicas(m);
+    expect_fail(r, MGPU_ERROR_DIVERGED, "a corrupted replica 2", "replica 2", "'0.weight'");
+    CHECK(has(mgpu_last_error(), "element 5"), "%s: message '%s' does not give element 5", what, mgpu_last_error());
+    CHECK(!has(mgpu_last_error(), "replica 1 "), "%s: message '%s' names replica 1", what, mgpu_last_error());
+    /* a train step with verify_every = 1 reports it too */
+    r = mgpu_model_train_step(m, opt, bs.x[3], bs.y[3], &loss);
+    expect_fail(r, MGPU_ERROR_DIVERGED, "a train step with a corrupted replica 2", "replica 2", "'0.weight'");
+    /* repair it from replica 0, then corrupt 2.bias element 3 through the named view */
+    CHECK(mgpu_tensor_copy(flat, mgpu_model_params(m, 0)) == MGPU_OK, "copy: %s", mgpu_last_error());
+    CHECK(mgpu_model_verify_replicas(m) == MGPU_OK, "%s: after repair: %s", what, mgpu_last_error());
+    for (t = 0; t < mgpu_model_tensor_count(m); ++t)
+        if (strcmp(mgpu_model_tensor_name(m, t), "2.bias") == 0) t_bias = t;
+    CHECK(t_bias >= 0, "no tensor named 2.bias");
+    if (t_bias >= 0) {
+        mgpu_tensor* bias = mgpu_model_tensor(m, corrupt, t_bias);
+        tget(bias, b3);
+        b3[3] = -b3[3] - 1.0f;
+        tput(bias, b3);
+        r = mgpu_model_verify_replicas(m);
+        expect_fail(r, MGPU_ERROR_DIVERGED, "replica 2's 2.bias corrupted", "replica 2", "'2.bias'");
+        snprintf(num, sizeof num, "element %d", 3);
+        CHECK(has(mgpu_last_error(), num), "%s: message '%s' does not give element 3", what, mgpu_last_error());
+    }
+    free(h);
+    free_batches(&bs);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_verify(void) {
+    header("verify mode");
+    verify_case("cpu:3");
+    verify_case("cpu:4");
+    {
+        mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+        mgpu_device_set* set = mkset("cpu");
+        mgpu_model* m;
+        c.verify_every = 1;
+        m = make_mlp(set, &c);
+        CHECK(m && mgpu_model_verify_replicas(m) == MGPU_OK, "verify on one device: %s", mgpu_last_error());
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    }
+    CHECK(mgpu_model_verify_replicas(NULL) == MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_verify_replicas(NULL)");
+}
+
+/* ============================================================================================ */
+/* 8. the examples' path                                                                        */
+/* ============================================================================================ */
+static void manual_case(const char* spec, mgpu_loss_kind loss, const mgpu_optimizer_desc* od, int64_t B, double tol) {
+    mlp_cfg c = mlp_default(loss);
+    batch_set bs;
+    run_out man, step;
+    char what[160];
+    make_batches(&bs, 5, B, &c);
+    manual_run(spec, &c, od, &bs, &man);
+    train_run(spec, &c, od, &bs, &step);
+    snprintf(what, sizeof what, "forward/backward + mgpu_allreduce_sum + optimizer_step on %s (%s, %s, B=%lld) vs train_step", spec,
+             opt_name(od), loss_name(loss), (long long)B);
+    compare_runs(what, &man, &step, 5, tol);
+    if (man.ok && step.ok && params_error(&man, &step) <= tol && !same_bits(&man, &step, 5))
+        printf("  note: %s: equal within %.0e, not bit for bit\n", what, tol);
+    run_free(&man);
+    run_free(&step);
+    free_batches(&bs);
+}
+
+static void test_examples_path(void) {
+    mgpu_optimizer_desc sgd = sgd_desc(), adamw = adamw_desc();
+    header("the examples' path");
+    manual_case("cpu:2", MGPU_LOSS_CROSS_ENTROPY, &sgd, 24, 1e-6);
+    manual_case("cpu:3", MGPU_LOSS_CROSS_ENTROPY, &adamw, 25, 1e-6);
+    manual_case("cpu:4", MGPU_LOSS_MSE, &sgd, 26, 1e-6);
+    manual_case("cpu", MGPU_LOSS_CROSS_ENTROPY, &sgd, 24, 1e-6);
+}
+
+/* ============================================================================================ */
+/* 9. replicas reading one host batch, first layer wider than a GEMM panel                      */
+/* ============================================================================================ */
+/* CPU replicas run at once on the thread pool, and the first layer of each reads its rows of the
+   same host tensor. With 600 inputs the first layer's GEMM needs more than one packed panel, so
+   replicas that shared any per-device scratch would read each other's data mid-product (as they
+   did before c7ee5ad: the panel belonged to the device of 'a', here the library's CPU device,
+   which is also replica 0's). */
+static void test_wide_first_layer(void) {
+    const char* specs[3] = {"cpu:2", "cpu:3", "cpu:4"};
+    const int rounds = 8, steps = 6;
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    int differ[3] = {0, 0, 0}, nondet = 0, failed = 0, k, i, s;
+    char first[3][256];
+    header("concurrent CPU replicas (first layer 600 wide, B=256)");
+    c.in = 600;
+    c.hidden = 64;
+    od.lr = 0.05f;
+    memset(first, 0, sizeof first);
+    /* Several rounds, as a race does not show every time: each round trains cpu and cpu:2, 3, 4
+       on fresh batches and counts the runs that leave the one-device result; cpu:3 twice must
+       give the same bits. */
+    for (k = 0; k < rounds; ++k) {
+        batch_set bs;
+        run_out ref, got, again;
+        make_batches(&bs, steps, 256, &c);
+        train_run("cpu", &c, &od, &bs, &ref);
+        failed += !ref.ok;
+        for (i = 0; i < 3; ++i) {
+            double worst = 0.0;
+            int ws = 0;
+            train_run(specs[i], &c, &od, &bs, &got);
+            failed += !got.ok;
+            for (s = 0; s < steps; ++s)
+                if (rel_diff(got.loss[s], ref.loss[s]) > worst) { worst = rel_diff(got.loss[s], ref.loss[s]); ws = s; }
+            if (got.ok && ref.ok && (worst > 1e-5 || params_error(&got, &ref) > 1e-5 || !got.identical)) {
+                if (!differ[i]++)
+                    snprintf(first[i], sizeof first[i], "round %d: step %d loss %.9g vs %.9g, parameters %.3g (normalised)%s", k, ws,
+                             (double)got.loss[ws], (double)ref.loss[ws], params_error(&got, &ref), got.identical ? "" : ", replicas differ");
+            }
+            if (i == 1) {
+                train_run(specs[i], &c, &od, &bs, &again);
+                nondet += !same_bits(&got, &again, steps);
+                run_free(&again);
+            }
+            run_free(&got);
+        }
+        run_free(&ref);
+        free_batches(&bs);
+    }
+    CHECK(failed == 0, "%d runs failed", failed);
+    for (i = 0; i < 3; ++i)
+        CHECK(differ[i] == 0, "%s vs cpu: %d of %d rounds differ beyond 1e-5 (first: %s)", specs[i], differ[i], rounds, first[i]);
+    CHECK(nondet == 0, "cpu:3 twice on the same batches: %d of %d rounds gave other bits", nondet, rounds);
+}
+
+/* ============================================================================================ */
+/* 10. CUDA                                                                                     */
+/* ============================================================================================ */
+static void test_cuda_training(void) {
+    const char* specs[2] = {"cuda:0,0", "cuda:0,0,0,0"};
+    mgpu_allreduce_kind kinds[2] = {MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_HOST};
+    mgpu_loss_kind losses[2] = {MGPU_LOSS_CROSS_ENTROPY, MGPU_LOSS_MSE};
+    mgpu_optimizer_desc ods[2];
+    int64_t Bs[2] = {24, 25};
+    int l, o, bi, i, k;
+    header("cuda data-parallel training");
+    if (!gpu_group("data-parallel training")) return;
+    ods[0] = sgd_desc();
+    ods[1] = adamw_desc();
+    for (l = 0; l < 2; ++l)
+        for (o = 0; o < 2; ++o)
+            for (bi = 0; bi < 2; ++bi) {
+                mlp_cfg c = mlp_default(losses[l]);
+                batch_set bs;
+                run_out ref_gpu, ref_cpu, got;
+                char what[192];
+                c.bucket_bytes = 256;   /* two buckets, reduced while backward runs */
+                make_batches(&bs, 6, Bs[bi], &c);
+                train_run("cuda:0", &c, &ods[o], &bs, &ref_gpu);
+                train_run("cpu", &c, &ods[o], &bs, &ref_cpu);
+                snprintf(what, sizeof what, "cuda:0 vs cpu, B=%lld, %s, %s", (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
+                compare_runs(what, &ref_gpu, &ref_cpu, 6, 1e-4);
+                for (i = 0; i < 2; ++i)
+                    for (k = 0; k < 2; ++k) {
+                        c.allreduce = kinds[k];
+                        train_run(specs[i], &c, &ods[o], &bs, &got);
+                        snprintf(what, sizeof what, "%s %s vs cuda:0, B=%lld, %s, %s", specs[i], mgpu_allreduce_name(kinds[k]),
+                                 (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
+                        CHECK(got.backend == kinds[k], "%s: backend %s", what, mgpu_allreduce_name(got.backend));
+                        CHECK(got.buckets == 2, "%s: %d buckets, want 2", what, got.buckets);
+                        compare_runs(what, &got, &ref_gpu, 6, 1e-4);
+                        snprintf(what, sizeof what, "%s %s vs cpu, B=%lld, %s, %s", specs[i], mgpu_allreduce_name(kinds[k]),
+                                 (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
+                        compare_runs(what, &got, &ref_cpu, 6, 1e-4);
+                        run_free(&got);
+                    }
+                c.allreduce = MGPU_ALLREDUCE_AUTO;
+                run_free(&ref_gpu);
+                run_free(&ref_cpu);
+                free_batches(&bs);
+            }
+    /* determinism, the examples' path, accumulation and verify mode on GPU replicas */
+    {
+        mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+        mgpu_optimizer_desc od = adamw_desc();
+        batch_set bs;
+        run_out a, b;
+        const int64_t halves[2] = {12, 12};
+        c.bucket_bytes = 64;
+        make_batches(&bs, 6, 25, &c);
+        train_run("cuda:0,0,0,0", &c, &od, &bs, &a);
+        train_run("cuda:0,0,0,0", &c, &od, &bs, &b);
+        CHECK(a.buckets == 4, "cuda:0,0,0,0 with 64-byte buckets: %d buckets, want 4", a.buckets);
+        CHECK(same_bits(&a, &b, 6), "two cuda:0,0,0,0 runs differ (%s %s)", a.error, b.error);
+        run_free(&a);
+        run_free(&b);
+        free_batches(&bs);
+        manual_case("cuda:0,0", MGPU_LOSS_CROSS_ENTROPY, &od, 24, 1e-5);
+        manual_case("cuda:0,0,0,0", MGPU_LOSS_MSE, &od, 25, 1e-5);
+        accumulate_case("cuda:0,0", halves, 2, 3);
+        verify_case("cuda:0,0,0");
+        if (g_gpus >= 2) {
+            const char* distinct[1] = {"cuda:0,1"};
+            equivalence_case("cuda:0", distinct, 1, &c, &od, 24, 6, 1e-4, " (distinct GPUs)");
+        }
+    }
+}
+
+/* ============================================================================================ */
+int main(void) {
+    const char* seed_env = getenv("MGPU_TEST_SEED");
+    uint64_t seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
+    double t0 = now_seconds();
+    g_rng_state = seed;
+    g_quick = env_is_1("MGPU_TEST_QUICK");
+    g_require_gpu = env_is_1("MGPU_TEST_REQUIRE_GPU");
+    g_gpus = mgpu_cuda_device_count();
+    printf("test_parallel: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
+           (unsigned long long)seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
+#ifdef MGPU_CUDA
+    printf("built with CUDA: %d GPU(s)\n", g_gpus);
+#else
+    printf("built without CUDA\n");
+#endif
+    unsetenv("MGPU_ALLREDUCE");   /* the tests choose backends themselves */
+
+    test_allreduce();
+    test_errors();
+    test_equivalence();
+    test_determinism();
+    test_buckets();
+    test_accumulate();
+    test_verify();
+    test_examples_path();
+    test_wide_first_layer();
+    test_cuda_training();
+
+    printf("(%.1f s)\n", now_seconds() - t0);
+    return test_summary("test_parallel");
+}
