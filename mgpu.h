@@ -1738,6 +1738,7 @@ static mgpu_result mgpu__check_shape(const char* op, mgpu_dtype dt, mgpu_shape s
     char text[96];
     int64_t n = 1;
     int i;
+    *bytes = 0;
     if (s.ndim < 0 || s.ndim > MGPU_MAX_DIMS)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d dimensions (mgpu tensors have 0 to %d)", op, s.ndim,
                           MGPU_MAX_DIMS);
@@ -1768,7 +1769,7 @@ static mgpu_tensor* mgpu__tensor_wrap(mgpu__storage* st, size_t offset, mgpu_dty
 }
 
 MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
-    size_t bytes;
+    size_t bytes = 0;
     mgpu__storage* st;
     mgpu_tensor* t;
     if (!dev) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_create: NULL device"); return NULL; }

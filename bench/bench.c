@@ -213,6 +213,10 @@ static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_k
         row(name, spec, "time", sec * 1e6, "us", NULL);
         row(name, spec, "algbw", (double)bytes / sec / 1e9, "GB/s", NULL);
         row(name, spec, "busbw", (double)bytes / sec / 1e9 * 2.0 * (n - 1) / n, "GB/s", NULL);
+        if (mgpu_allreduce_backend(ar) == MGPU_ALLREDUCE_P2P)   /* the ring's own device-memory traffic: per
+            step and replica, reduce-scatter copies (read+write) and adds (2 reads+write) a chunk of
+            bytes/n, all-gather copies one: 7 (n-1) bytes/n per replica, 7 (n-1) bytes in all */
+            row(name, spec, "mem_bw", 7.0 * (n - 1) * (double)bytes / sec / 1e9, "GB/s", "device memory read+written");
         for (r = 0; r < n; ++r) mgpu_tensor_destroy(t[r]);
     }
     mgpu_allreduce_destroy(ar);
