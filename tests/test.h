@@ -57,4 +57,76 @@ static double test_rel_error(const float* x, const double* ref, size_t n) {
     }
     return sqrt(num) / (den > 1e-30 ? sqrt(den) : 1.0);
 }
+/* ---- helpers for the suites that test mgpu.h (included after it) ---- */
+#ifdef MGPU_H
+#include <stdint.h>
+
+static const char* test_name = "test";   /* the suite, for test_summary on an early exit */
+static uint64_t g_rng_state;             /* host random numbers for test inputs (splitmix64) */
+
+static inline void header(const char* name) {
+    printf("== %s\n", name);
+    fflush(stdout);
+}
+static inline int env_is_1(const char* name) {
+    const char* v = getenv(name);
+    return v && strcmp(v, "1") == 0;
+}
+static inline double now_seconds(void) { return mgpu_seconds(); }
+
+static inline uint64_t rng_u64(void) {
+    uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static inline double rng_unit(void) { return (double)(rng_u64() >> 11) * (1.0 / 9007199254740992.0); }
+static inline double rng_gauss(void) {
+    double u1 = rng_unit(), u2 = rng_unit();
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
+}
+static inline int rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
+
+/* zeroed host memory, or the test stops */
+static inline void* xmalloc(size_t bytes) {
+    void* p = calloc(1, bytes ? bytes : 1);
+    if (!p) {
+        printf("  FAIL out of host memory for %zu bytes\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+static inline float* fbuf(int64_t n) { return (float*)xmalloc((size_t)n * sizeof(float)); }
+static inline double* dbuf(int64_t n) { return (double*)xmalloc((size_t)n * sizeof(double)); }
+
+/* tensors that must be made, filled and read back, or the suite stops with its summary */
+static inline mgpu_tensor* tmake(mgpu_device* d, mgpu_dtype dt, mgpu_shape s) {
+    mgpu_tensor* t = mgpu_tensor_create(d, dt, s);
+    if (!t) {
+        CHECK(0, "mgpu_tensor_create on %s failed: %s", mgpu_device_label(d), mgpu_last_error());
+        exit(test_summary(test_name));
+    }
+    return t;
+}
+/* (failures are recorded; a working copy is plumbing, not a passed check) */
+static inline void tput(mgpu_tensor* t, const void* host) {
+    mgpu_result r = mgpu_tensor_upload(t, host, mgpu_tensor_bytes(t));
+    if (r != MGPU_OK) CHECK(0, "upload: %s: %s", mgpu_result_string(r), mgpu_last_error());
+}
+static inline void tget(const mgpu_tensor* t, void* host) {
+    mgpu_result r = mgpu_tensor_download(t, host, mgpu_tensor_bytes(t));
+    if (r != MGPU_OK) CHECK(0, "download: %s: %s", mgpu_result_string(r), mgpu_last_error());
+}
+static inline mgpu_tensor* tfrom(mgpu_device* d, mgpu_shape s, const float* host) {
+    mgpu_tensor* t = tmake(d, MGPU_F32, s);
+    tput(t, host);
+    return t;
+}
+static inline mgpu_tensor* tfrom_i32(mgpu_device* d, mgpu_shape s, const int32_t* host) {
+    mgpu_tensor* t = tmake(d, MGPU_I32, s);
+    tput(t, host);
+    return t;
+}
+#endif
 #endif

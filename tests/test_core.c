@@ -41,21 +41,8 @@ static int g_ndev;
 static mgpu_device_set* g_gpu_set;
 static mgpu_device* g_gpu;
 
-static void header(const char* name) {
-    printf("== %s\n", name);
-    fflush(stdout);
-}
 
-static int env_is_1(const char* name) {
-    const char* v = getenv(name);
-    return v && strcmp(v, "1") == 0;
-}
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int is_gpu(const mgpu_device* d) { return mgpu_device_kind_of(d) == MGPU_DEVICE_CUDA; }
 
@@ -72,31 +59,7 @@ static void gpu_group_note(const char* group) {
 }
 
 /* host random numbers for test inputs (splitmix64) */
-static uint64_t g_rng_state;
-static uint64_t rng_u64(void) {
-    uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rng_unit(void) { return (double)(rng_u64() >> 11) * (1.0 / 9007199254740992.0); }
-static double rng_gauss(void) {
-    double u1 = rng_unit(), u2 = rng_unit();
-    if (u1 < 1e-300) u1 = 1e-300;
-    return sqrt(-2.0 * log(u1)) * cos(2.0 * TEST_PI * u2);
-}
-static int rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
 
-static void* xmalloc(size_t bytes) {
-    void* p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        printf("  FAIL out of host memory for %zu bytes\n", bytes);
-        exit(2);
-    }
-    return p;
-}
-static float* fbuf(int64_t n) { return (float*)xmalloc((size_t)n * sizeof(float)); }
-static double* dbuf(int64_t n) { return (double*)xmalloc((size_t)n * sizeof(double)); }
 static void rnd_uniform(float* x, int64_t n, double lo, double hi) {
     int64_t i;
     for (i = 0; i < n; ++i) x[i] = (float)(lo + (hi - lo) * rng_unit());
@@ -107,32 +70,6 @@ static void rnd_normal(float* x, int64_t n, double std) {
 }
 
 /* A tensor the test cannot go on without: a failure here ends the run (with its summary). */
-static mgpu_tensor* tmake(mgpu_device* d, mgpu_dtype dt, mgpu_shape s) {
-    mgpu_tensor* t = mgpu_tensor_create(d, dt, s);
-    if (!t) {
-        CHECK(0, "mgpu_tensor_create on %s failed: %s", mgpu_device_label(d), mgpu_last_error());
-        exit(test_summary("test_core"));
-    }
-    return t;
-}
-static void tput(mgpu_tensor* t, const void* host) {
-    mgpu_result r = mgpu_tensor_upload(t, host, mgpu_tensor_bytes(t));
-    if (r != MGPU_OK) CHECK(0, "upload: %s: %s", mgpu_result_string(r), mgpu_last_error());
-}
-static void tget(const mgpu_tensor* t, void* host) {
-    mgpu_result r = mgpu_tensor_download(t, host, mgpu_tensor_bytes(t));
-    if (r != MGPU_OK) CHECK(0, "download: %s: %s", mgpu_result_string(r), mgpu_last_error());
-}
-static mgpu_tensor* tfrom(mgpu_device* d, mgpu_shape s, const float* host) {
-    mgpu_tensor* t = tmake(d, MGPU_F32, s);
-    tput(t, host);
-    return t;
-}
-static mgpu_tensor* tfrom_i32(mgpu_device* d, mgpu_shape s, const int32_t* host) {
-    mgpu_tensor* t = tmake(d, MGPU_I32, s);
-    tput(t, host);
-    return t;
-}
 
 /* An op that must succeed: a failure is recorded with the message; a success is not counted. */
 #define MUST(expr)                                                                          \
@@ -2425,6 +2362,7 @@ static void test_concurrency(void) {
 
 /* ============================================================================================ */
 int main(void) {
+    test_name = "test_core";
     const char* seed_env = getenv("MGPU_TEST_SEED");
     uint64_t seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
     double t0 = now_seconds();

@@ -42,19 +42,6 @@
 /* ============================================================================================ */
 static int g_quick, g_require_gpu, g_gpus;
 
-static void header(const char* name) {
-    printf("== %s\n", name);
-    fflush(stdout);
-}
-static int env_is_1(const char* name) {
-    const char* v = getenv(name);
-    return v && strcmp(v, "1") == 0;
-}
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it.
    Returns 1 when the GPU part should run. */
@@ -71,41 +58,9 @@ static int gpu_group(const char* group) {
 }
 
 /* host random numbers for test inputs (splitmix64) */
-static uint64_t g_rng_state;
-static uint64_t rng_u64(void) {
-    uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rng_unit(void) { return (double)(rng_u64() >> 11) * (1.0 / 9007199254740992.0); }
-static double rng_gauss(void) {
-    double u1 = rng_unit(), u2 = rng_unit();
-    if (u1 < 1e-300) u1 = 1e-300;
-    return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.14159265358979323846 * u2);
-}
-static int rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
 
-static void* xmalloc(size_t bytes) {
-    void* p = calloc(1, bytes ? bytes : 1);
-    if (!p) {
-        printf("  FAIL out of host memory for %zu bytes\n", bytes);
-        exit(2);
-    }
-    return p;
-}
-static float* fbuf(int64_t n) { return (float*)xmalloc((size_t)n * sizeof(float)); }
-static double* dbuf(int64_t n) { return (double*)xmalloc((size_t)n * sizeof(double)); }
 
 /* A tensor or set the test cannot go on without: a failure here ends the run (with its summary). */
-static mgpu_tensor* tmake(mgpu_device* d, mgpu_dtype dt, mgpu_shape s) {
-    mgpu_tensor* t = mgpu_tensor_create(d, dt, s);
-    if (!t) {
-        CHECK(0, "mgpu_tensor_create on %s failed: %s", mgpu_device_label(d), mgpu_last_error());
-        exit(test_summary("test_parallel"));
-    }
-    return t;
-}
 static mgpu_device_set* mkset(const char* spec) {
     mgpu_device_set* s = mgpu_device_set_create(spec);
     if (!s) {
@@ -113,14 +68,6 @@ static mgpu_device_set* mkset(const char* spec) {
         exit(test_summary("test_parallel"));
     }
     return s;
-}
-static void tput(mgpu_tensor* t, const void* host) {
-    mgpu_result r = mgpu_tensor_upload(t, host, mgpu_tensor_bytes(t));
-    if (r != MGPU_OK) CHECK(0, "upload: %s: %s", mgpu_result_string(r), mgpu_last_error());
-}
-static void tget(const mgpu_tensor* t, void* host) {
-    mgpu_result r = mgpu_tensor_download(t, host, mgpu_tensor_bytes(t));
-    if (r != MGPU_OK) CHECK(0, "download: %s: %s", mgpu_result_string(r), mgpu_last_error());
 }
 static int has(const char* s, const char* needle) { return s && strstr(s, needle) != NULL; }
 /* n appears in s as a whole number (no digit right before or after it) */
@@ -1418,6 +1365,7 @@ static void test_cuda_training(void) {
 
 /* ============================================================================================ */
 int main(void) {
+    test_name = "test_parallel";
     const char* seed_env = getenv("MGPU_TEST_SEED");
     uint64_t seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
     double t0 = now_seconds();
