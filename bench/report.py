@@ -69,7 +69,17 @@ for w, d, m, v, u, note in mine:
         continue
     t = ref.get((w, d, m))
     if t is None:
-        theirs_text, ratio = ("not measured" if torch_version else "no PyTorch"), ""
+        if not torch_version:
+            theirs_text = "no PyTorch"
+        elif m == "allocs_per_step":
+            theirs_text = "no counterpart"
+        elif m == "peak_mem" and d.startswith("cpu"):
+            theirs_text = "no CPU peak counter"
+        elif d.startswith("cpu:") or w.startswith("allreduce"):
+            theirs_text = "no one-process counterpart (DDP needs a process per replica)"
+        else:
+            theirs_text = "not measured"
+        ratio = ""
     else:
         theirs_text = "%.4g %s" % (t, u)
         if u in lower_is_better:
