@@ -60,9 +60,27 @@ static double test_rel_error(const float* x, const double* ref, size_t n) {
 /* ---- helpers for the suites that test mgpu.h (included after it) ---- */
 #ifdef MGPU_H
 #include <stdint.h>
+#include <time.h>
 
 static const char* test_name = "test";   /* the suite, for test_summary on an early exit */
 static uint64_t g_rng_state;             /* host random numbers for test inputs (splitmix64) */
+static uint64_t g_test_seed;             /* where g_rng_state started: MGPU_TEST_SEED repeats a run */
+static int g_quick;                      /* MGPU_TEST_QUICK=1: smaller sizes (compute-sanitizer) */
+static int g_require_gpu;                /* MGPU_TEST_REQUIRE_GPU=1: a GPU test that cannot run fails */
+
+/* Out-of-memory tests ask malloc for absurd sizes; under AddressSanitizer that must return NULL
+   (as glibc's malloc does) instead of aborting the program. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TEST_ASAN 1
+#endif
+#endif
+#ifdef TEST_ASAN
+const char* __asan_default_options(void);
+const char* __asan_default_options(void) { return "allocator_may_return_null=1"; }
+#endif
 
 static inline void header(const char* name) {
     printf("== %s\n", name);
@@ -73,6 +91,18 @@ static inline int env_is_1(const char* name) {
     return v && strcmp(v, "1") == 0;
 }
 static inline double now_seconds(void) { return mgpu_seconds(); }
+
+/* The start of every suite's main: its name, the seed (MGPU_TEST_SEED, else the clock), the
+   flags. Returns the start time. */
+static inline double test_start(const char* name) {
+    const char* seed_env = getenv("MGPU_TEST_SEED");
+    test_name = name;
+    g_test_seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
+    g_rng_state = g_test_seed;
+    g_quick = env_is_1("MGPU_TEST_QUICK");
+    g_require_gpu = env_is_1("MGPU_TEST_REQUIRE_GPU");
+    return now_seconds();
+}
 
 static inline uint64_t rng_u64(void) {
     uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);

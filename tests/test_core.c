@@ -16,26 +16,12 @@
 #include <time.h>
 #include <pthread.h>
 
-/* The OOM test asks malloc for 2^48 bytes; under AddressSanitizer that must return NULL (as
-   glibc's malloc does) instead of aborting the program. */
-#if defined(__SANITIZE_ADDRESS__)
-#define TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define TEST_ASAN 1
-#endif
-#endif
-#ifdef TEST_ASAN
-const char* __asan_default_options(void);
-const char* __asan_default_options(void) { return "allocator_may_return_null=1"; }
-#endif
 
 #define TEST_PI 3.14159265358979323846
 
 /* ============================================================================================ */
 /* globals and helpers                                                                          */
 /* ============================================================================================ */
-static int g_quick, g_require_gpu;
 static mgpu_device* g_devs[2];
 static int g_ndev;
 static mgpu_device_set* g_gpu_set;
@@ -2362,15 +2348,9 @@ static void test_concurrency(void) {
 
 /* ============================================================================================ */
 int main(void) {
-    test_name = "test_core";
-    const char* seed_env = getenv("MGPU_TEST_SEED");
-    uint64_t seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
-    double t0 = now_seconds();
-    g_rng_state = seed;
-    g_quick = env_is_1("MGPU_TEST_QUICK");
-    g_require_gpu = env_is_1("MGPU_TEST_REQUIRE_GPU");
+    double t0 = test_start("test_core");
     printf("test_core: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
-           (unsigned long long)seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
+           (unsigned long long)g_test_seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
 
     g_devs[g_ndev++] = mgpu_device_cpu();
 #ifdef MGPU_CUDA

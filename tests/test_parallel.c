@@ -40,7 +40,7 @@
 /* ============================================================================================ */
 /* globals and helpers                                                                          */
 /* ============================================================================================ */
-static int g_quick, g_require_gpu, g_gpus;
+static int g_gpus;
 
 
 /* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it.
@@ -1365,16 +1365,10 @@ static void test_cuda_training(void) {
 
 /* ============================================================================================ */
 int main(void) {
-    test_name = "test_parallel";
-    const char* seed_env = getenv("MGPU_TEST_SEED");
-    uint64_t seed = seed_env ? (uint64_t)strtoull(seed_env, NULL, 10) : (uint64_t)time(NULL);
-    double t0 = now_seconds();
-    g_rng_state = seed;
-    g_quick = env_is_1("MGPU_TEST_QUICK");
-    g_require_gpu = env_is_1("MGPU_TEST_REQUIRE_GPU");
+    double t0 = test_start("test_parallel");
     g_gpus = mgpu_cuda_device_count();
     printf("test_parallel: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
-           (unsigned long long)seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
+           (unsigned long long)g_test_seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
 #ifdef MGPU_CUDA
     printf("built with CUDA: %d GPU(s)\n", g_gpus);
 #else
