@@ -44,11 +44,23 @@
        mgpu_tensor* w = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(128, 784));
        mgpu_tensor* y = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(64, 128));
        mgpu_rand_normal(a, 42, 0, 0.0f, 1.0f);                     // seed 42, offset 0
-       mgpu_rand_uniform(w, 42, a_count, -0.1f, 0.1f);
+       mgpu_rand_uniform(w, 42, mgpu_rand_offsets(64 * 784), -0.1f, 0.1f); // fresh numbers
        if (mgpu_matmul(y, a, w, 0, 1, 1.0f, 0.0f) != MGPU_OK)      // y = a @ w^T
            fprintf(stderr, "%s\n", mgpu_last_error());
        mgpu_relu(y, y);
        mgpu_tensor_destroy(a); ...; mgpu_device_set_destroy(set);
+
+   Training (see examples/train.c and the >>model and >>optim sections):
+
+       mgpu_layer* layers[] = { mgpu_flatten(), mgpu_linear(784, 128), mgpu_relu_layer(), mgpu_linear(128, 10) };
+       mgpu_model_desc md;  memset(&md, 0, sizeof md);         // zero means default
+       md.input = mgpu_shape3(1, 28, 28); md.layers = layers; md.layer_count = 4; md.devices = set;
+       mgpu_model* model = mgpu_model_create(&md);             // one replica per device of the set
+       mgpu_optimizer_desc od;  memset(&od, 0, sizeof od);
+       od.kind = MGPU_SGD; od.lr = 0.05f; od.momentum = 0.9f;
+       mgpu_optimizer* opt = mgpu_optimizer_create(model, &od);
+       mgpu_model_train_step(model, opt, x, labels, &loss);    // split, forward, backward, all-reduce, step
+       mgpu_model_save(model, opt, "model.safetensors");       // PyTorch state_dict names and layouts
 
    Functions that create something return it, or NULL with mgpu_last_error() saying why.
    Functions that do something return an mgpu_result (MGPU_OK is 0).
