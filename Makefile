@@ -112,12 +112,9 @@ bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench)
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')
 gpu-check:
 	@test -n "$(GPU_CC)" || { echo "gpu-check: no GPU found (nvidia-smi)"; exit 1; }
-	$(MAKE) B=$(B)/gpu ARCH="-gencode arch=compute_$(GPU_CC),code=[sm_$(GPU_CC),compute_$(GPU_CC)]" test-cuda
-	@echo "== CUDA tests (a skip is a failure here)"
-	MGPU_TEST_REQUIRE_GPU=1 sh tests/run_all.sh $(TESTS:%=$(B)/gpu/%_cuda)
-	@echo "== the same under compute-sanitizer memcheck"
-	@for t in $(TESTS:%=$(B)/gpu/%_cuda); do \
-	  MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 $$t | tail -n 1 || exit 1; done
+	$(MAKE) B=$(B)/gpu ARCH="-gencode arch=compute_$(GPU_CC),code=[sm_$(GPU_CC),compute_$(GPU_CC)]" \
+	    test-cuda $(B)/gpu/train_cuda $(B)/gpu/data_parallel_cuda $(B)/gpu/bench_cuda
+	sh tests/gpu_check.sh $(B)/gpu
 
 clean:
 	rm -rf $(B)
