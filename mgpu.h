@@ -312,8 +312,8 @@ MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, c
 MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 
-/* out = alpha * op(a) @ op(b) + beta * out, op(x) = x or x^T; a, b, out are 2-D.
-   (With beta == 0, out's old contents are ignored, NaNs included.) */
+/* out = alpha * op(a) @ op(b) + beta * out, op(x) = x or x^T; a, b, out are 2-D, and out must
+   not share memory with a or b. (With beta == 0, out's old contents are ignored, NaNs included.) */
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
                                 int transpose_a, int transpose_b, float alpha, float beta);
 /* out[r, c] = x[r, c] + bias[c] for x [rows, cols]; also x [N, C, H, W] with bias [C]. */
@@ -327,7 +327,9 @@ MGPUDEF mgpu_result mgpu_mean(mgpu_tensor* out, const mgpu_tensor* x, int axis);
 MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x);
 /* Mean softmax cross-entropy of logits [rows, classes] against int32 labels [rows]; loss is an
    f32 tensor of one element (on the same device, so no sync). dlogits, when not NULL, receives
-   (softmax - onehot) * grad_scale; grad_scale 0 means 1/rows, the gradient of the mean. */
+   (softmax - onehot) * grad_scale; grad_scale 0 means 1/rows, the gradient of the mean.
+   A label outside [0, classes): on the CPU an error naming the row; on a GPU (which cannot
+   check without a sync) the loss and that row's gradient become NaN. */
 MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits,
                                                const mgpu_tensor* logits, const mgpu_tensor* labels,
                                                float grad_scale);
@@ -359,6 +361,8 @@ typedef struct mgpu_layer_ctx {
     mgpu_tensor* const* aux;     /* the buffers declared by aux_shape, kept from forward to backward */
     int training;                /* 1 in a training forward pass */
     uint64_t seed, offset;       /* a fresh random stream for this layer and step */
+    int64_t first_row;           /* this replica's first sample in the whole batch: draw random
+                                    numbers by sample, and N replicas match one device */
 } mgpu_layer_ctx;
 
 typedef struct mgpu_layer_vtable {
@@ -450,7 +454,8 @@ typedef struct mgpu_model_desc {
     /* data parallelism (more than one device) */
     mgpu_allreduce_kind allreduce;/* default AUTO */
     size_t bucket_bytes;          /* gradient bucket size, default 25 MiB (the first: 1 MiB) */
-    int verify_every;             /* check every N steps that replicas hold identical parameters */
+    int verify_every;             /* check every N steps that replicas hold identical parameters
+                                     (0: never; mgpu_model_verify_replicas checks on demand) */
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -471,8 +476,10 @@ MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
 
 /* The building blocks of a step, for a loop of your own (one replica):
-   forward on x (on the replica's device) returns the output tensor, owned by the model;
-   backward takes d(loss)/d(output) and ADDS the parameter gradients into mgpu_model_grads. */
+   forward on x (on the replica's device) returns the output tensor, owned by the model; x must
+   stay alive and unchanged until backward (the model keeps only its header). A training forward
+   of replica 0 starts a new step: fresh dropout masks. Backward takes d(loss)/d(output) and ADDS
+   the parameter gradients into mgpu_model_grads. */
 MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training);
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
@@ -489,7 +496,8 @@ typedef struct mgpu_optimizer_desc {
     float weight_decay;       /* taken as given (PyTorch's AdamW default is 0.01: pass it) */
     float momentum, dampening;/* SGD */
     int nesterov;             /* SGD */
-    float beta1, beta2, eps;  /* AdamW; defaults 0.9, 0.999, 1e-8 */
+    float beta1, beta2, eps;  /* AdamW; defaults 0.9, 0.999, 1e-8 (0 means default, so a beta of
+                                 exactly 0 cannot be asked for; use 1e-9) */
     mgpu_schedule_kind schedule;
     int step_size;            /* STEP: multiply lr by gamma every step_size steps */
     float gamma;              /* STEP: default 0.1 */
@@ -512,10 +520,13 @@ MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken 
    receives the batch's mean loss (which waits for the GPU). */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
-/* The same step in two halves, for gradient accumulation over micro-batches: accumulate adds
+/* The same step in two halves, for gradient accumulation over micro-batches: accumulate ADDS
    the gradients of one micro-batch (scaled as part of a batch of batch_total samples; 0 means
-   this micro-batch alone) without reducing them; apply reduces the gradients across replicas,
-   takes the optimizer step and zeroes the gradients for the next batch. */
+   this micro-batch alone) to whatever the gradient buffers hold, without reducing them; apply
+   reduces the gradients across replicas, takes the optimizer step and zeroes the gradients for
+   the next batch. Start from zeroed gradients (a new model, mgpu_model_apply or
+   mgpu_model_zero_grad; mgpu_model_train_step leaves its reduced gradients in place). After a
+   failed accumulate the gradients are partial: zero them before going on. */
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss);
 MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt);
@@ -550,7 +561,8 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
 MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds);
 
 /* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
-   shuffled order, assembled in pinned host memory (so uploads are asynchronous). */
+   shuffled order, assembled in pinned host memory (uploads from it run at full DMA speed; they
+   still complete before the training step returns, so the next batch may overwrite it). */
 typedef struct mgpu_loader_desc {
     int batch;            /* default 64 */
     int shuffle;          /* reshuffle every epoch */
@@ -832,8 +844,8 @@ int mgpu__cu_count_correct(int dev, void* stream, int rows, int cols, const floa
                            const int32_t* labels, int32_t* count, float* scratch);
 
 /* layers */
-/* y = x * mask, mask[i] = mgpu__dropout_scale(seed, offset, i, p) */
-int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, float p,
+/* y = x * mask, mask[i] = mgpu__dropout_scale(seed, offset, first + i, p) */
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, uint64_t first, float p,
                      const float* x, float* y, float* mask);
 /* cols [n*oh*ow, c*kh*kw]: row (img, oy, ox), column (ch, ky, kx); zero where the window is in
    the padding. col2im is its adjoint: dx (overwritten) gathers every column entry that reads it. */
@@ -1117,8 +1129,6 @@ struct mgpu_device {
     void* stream;                 /* CUDA: the compute stream every op of this device runs on */
     void* blas;                   /* CUDA: cuBLAS handle bound to stream */
     mgpu__allocator alloc;
-    float* gemm_pack;             /* CPU: packed panel of B for the blocked GEMM */
-    size_t gemm_pack_floats;
 };
 
 struct mgpu_device_set {
@@ -1209,7 +1219,6 @@ static void mgpu__device_free(mgpu_device* d) {
 #ifndef MGPU_NO_THREADS
     pthread_mutex_destroy(&d->alloc.lock);
 #endif
-    MGPU_FREE(d->gemm_pack);
     MGPU_FREE(d);
 }
 
@@ -1251,11 +1260,12 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
     int ordinals[MGPU__MAX_REPLICAS];
     int count = 0, i, cuda = 0, cuda_count = 0;
     const char* s = spec ? spec : "auto";
+    const char* from = "";   /* where the spec came from, for the messages */
     mgpu_device_set* set;
 
     if (strcmp(s, "auto") == 0 || !*s) {
         const char* env = getenv("MGPU_DEVICES");
-        if (env && *env && strcmp(env, "auto") != 0) s = env;
+        if (env && *env && strcmp(env, "auto") != 0) { s = env; from = " (from MGPU_DEVICES)"; }
     }
 #ifdef MGPU_CUDA
     {
@@ -1282,8 +1292,8 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
         long n = strtol(s + 4, &end, 10);
         if (s[4] < '0' || s[4] > '9' || *end || n < 1 || n > MGPU__MAX_REPLICAS) {
             mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                       "mgpu_device_set_create: bad device spec '%s' (cpu:N wants 1 <= N <= %d)", s,
-                       MGPU__MAX_REPLICAS);
+                       "mgpu_device_set_create: bad device spec '%s'%s (cpu:N wants 1 <= N <= %d)", s,
+                       from, MGPU__MAX_REPLICAS);
             return NULL;
         }
         count = (int)n;
@@ -1291,8 +1301,8 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
         cuda = 1;
 #ifndef MGPU_CUDA
         mgpu__fail(MGPU_ERROR_NO_DEVICE,
-                   "mgpu_device_set_create: device spec '%s' asks for CUDA, but this program was built "
-                   "without it (define MGPU_CUDA and link mgpu_kernels.cu)", s);
+                   "mgpu_device_set_create: device spec '%s'%s asks for CUDA, but this program was built "
+                   "without it (define MGPU_CUDA and link mgpu_kernels.cu)", s, from);
         return NULL;
 #else
         if (cuda_count == 0) {
@@ -1307,7 +1317,7 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
             count = mgpu__parse_list(s + 5, ordinals, MGPU__MAX_REPLICAS);
             if (count <= 0) {
                 mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                           "mgpu_device_set_create: bad device spec '%s' (want cuda, cuda:0 or cuda:0,1,...)", s);
+                           "mgpu_device_set_create: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)", s, from);
                 return NULL;
             }
             for (i = 0; i < count; ++i)
@@ -1322,7 +1332,7 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
 #endif
     } else {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                   "mgpu_device_set_create: unknown device spec '%s' (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", s);
+                   "mgpu_device_set_create: unknown device spec '%s'%s (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", s, from);
         return NULL;
     }
     (void)cuda_count;
@@ -1489,15 +1499,16 @@ static void* mgpu__cpu_raw_alloc(size_t bytes) {   /* 64-byte aligned, original 
 }
 static void mgpu__cpu_raw_free(void* p) { if (p) MGPU_FREE(((void**)p)[-1]); }
 
+#define MGPU__ALLOC_OOM 4   /* the backend's out-of-memory code (MGPU__CU_ERR_OOM) */
 static int mgpu__backend_alloc(mgpu_device* dev, size_t bytes, void** ptr) {   /* 0 ok, else backend code */
     if (dev->kind == MGPU_DEVICE_CPU) {
         *ptr = mgpu__cpu_raw_alloc(bytes);
-        return *ptr ? 0 : 4;
+        return *ptr ? 0 : MGPU__ALLOC_OOM;
     }
 #ifdef MGPU_CUDA
     return mgpu__cu_malloc(dev->ordinal, bytes, ptr);
 #else
-    return 4;
+    return MGPU__ALLOC_OOM;
 #endif
 }
 static void mgpu__backend_free(mgpu_device* dev, void* ptr) {
@@ -1574,10 +1585,16 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
     mgpu__unlock(&dev->alloc);
     if (!ptr) {
         rc = mgpu__backend_alloc(dev, size, &ptr);
-        if (rc == 4) {   /* out of memory: give back the cache and try once more */
+        if (rc == MGPU__ALLOC_OOM) {   /* out of memory: give back the cache and try once more */
             mgpu__memory_release_cached(dev);
             rc = mgpu__backend_alloc(dev, size, &ptr);
         }
+#ifdef MGPU_CUDA
+        if (rc != 0 && rc != MGPU__ALLOC_OOM) {   /* not memory: a CUDA failure, named as such */
+            mgpu__cu_result(rc, op, dev);
+            return NULL;
+        }
+#endif
         if (rc != 0) {
             char want[32], freeb[32], used[32];
             mgpu_device_info info;
@@ -1985,7 +2002,12 @@ MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
     return t;
 }
 
-/* Read element i of any dtype as float, and write a float as any dtype (C conversion rules). */
+/* Integers from floating point as the GPU converts: toward zero, saturating, NaN to 0 (a plain C
+   cast out of range is undefined). */
+static int32_t mgpu__to_i32(double v) { return v != v ? 0 : v <= INT32_MIN ? INT32_MIN : v >= INT32_MAX ? INT32_MAX : (int32_t)v; }
+static uint8_t mgpu__to_u8(double v) { return (uint8_t)(v != v || v <= 0 ? 0 : v >= 255 ? 255 : (int)v); }
+
+/* Read element i of any dtype as float, and write a float as any dtype (saturating). */
 static float mgpu__load_as_float(mgpu_dtype dt, const void* p, int64_t i) {
     switch (dt) {
     case MGPU_F32: return ((const float*)p)[i];
@@ -1996,8 +2018,8 @@ static float mgpu__load_as_float(mgpu_dtype dt, const void* p, int64_t i) {
 static void mgpu__store_float(mgpu_dtype dt, void* p, int64_t i, float v) {
     switch (dt) {
     case MGPU_F32: ((float*)p)[i] = v; break;
-    case MGPU_I32: ((int32_t*)p)[i] = (int32_t)v; break;
-    default: ((uint8_t*)p)[i] = (uint8_t)v; break;
+    case MGPU_I32: ((int32_t*)p)[i] = mgpu__to_i32(v); break;
+    default: ((uint8_t*)p)[i] = mgpu__to_u8(v); break;
     }
 }
 
@@ -2014,10 +2036,10 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     }
     if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
     if (t->dtype == MGPU_F32) { float v = (float)value, *p = MGPU__F32(t); for (i = 0; i < n; ++i) p[i] = v; }
-    else if (t->dtype == MGPU_I32) {   /* exact from the double; NaN 0, out of range saturates (as on the GPU) */
-        int32_t v = value != value ? 0 : value <= INT32_MIN ? INT32_MIN : value >= INT32_MAX ? INT32_MAX : (int32_t)value, *p = MGPU__I32(t);
+    else if (t->dtype == MGPU_I32) {   /* exact from the double (a float would round 16777217) */
+        int32_t v = mgpu__to_i32(value), *p = MGPU__I32(t);
         for (i = 0; i < n; ++i) p[i] = v;
-    } else memset(mgpu_tensor_data(t), value != value || value <= 0 ? 0 : value >= 255 ? 255 : (int)value, (size_t)n);
+    } else memset(mgpu_tensor_data(t), mgpu__to_u8(value), (size_t)n);
     return MGPU_OK;
 }
 MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t) { return mgpu_tensor_fill(t, 0.0); }
@@ -2182,6 +2204,9 @@ MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, c
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_sigmoid_backward", MGPU__BINARY_SIGMOID_BWD, dx, "dy", dy, "y", y, 0.0f); }
 
 /* -- matmul: cuBLAS on the GPU; on the CPU a blocked GEMM -- */
+static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
+    return a->storage == b->storage && a->offset < b->offset + mgpu_tensor_bytes(b) && b->offset < a->offset + mgpu_tensor_bytes(a);
+}
 /* C += alpha * op(A) @ Bp for a panel Bp of op(B) packed row-major [kc, nc]: four rows of C at
    a time share each load of Bp, and the inner loop over columns vectorises. */
 #define MGPU__GEMM_KC 256
@@ -2231,31 +2256,32 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
                                   float* c, int64_t ldc) {
     mgpu__gemm_job g;
     int64_t i, j, kk, threads = mgpu_cpu_threads(), tasks;
+    size_t panel_size;
+    float* panel;
     for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
         float* row = c + i * ldc;
         if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
         else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
     }
     if (k == 0 || alpha == 0.0f || m == 0 || n == 0) return MGPU_OK;
-    if (dev->gemm_pack_floats < (size_t)MGPU__GEMM_KC * MGPU__GEMM_NC) {
-        float* p = (float*)MGPU_REALLOC(dev->gemm_pack, sizeof(float) * MGPU__GEMM_KC * MGPU__GEMM_NC);
-        if (!p) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_matmul: out of host memory for the GEMM panel");
-        dev->gemm_pack = p;
-        dev->gemm_pack_floats = (size_t)MGPU__GEMM_KC * MGPU__GEMM_NC;
-    }
-    g.trans_a = ta; g.m = m; g.lda = lda; g.ldc = ldc; g.alpha = alpha; g.a = a; g.bp = dev->gemm_pack; g.c = c;
+    /* The packed panel comes from the caching allocator on every call (a cache hit after the
+       first): nothing shared to race on when several threads multiply on one device. */
+    panel = (float*)mgpu__device_alloc(dev, sizeof(float) * MGPU__GEMM_KC * MGPU__GEMM_NC, &panel_size, "mgpu_matmul");
+    if (!panel) return mgpu_last_result();
+    g.trans_a = ta; g.m = m; g.lda = lda; g.ldc = ldc; g.alpha = alpha; g.a = a; g.bp = panel; g.c = c;
     g.rows_per_task = MGPU__MAX(4, ((m + threads - 1) / threads + 3) / 4 * 4);
     tasks = (m + g.rows_per_task - 1) / g.rows_per_task;
     for (g.j0 = 0; g.j0 < n; g.j0 += MGPU__GEMM_NC) {
         g.nc = MGPU__MIN(MGPU__GEMM_NC, n - g.j0);
         for (g.k0 = 0; g.k0 < k; g.k0 += MGPU__GEMM_KC) {
-            float* bp = dev->gemm_pack;
+            float* bp = panel;
             g.kc = MGPU__MIN(MGPU__GEMM_KC, k - g.k0);
             if (tb) for (j = 0; j < g.nc; ++j) for (kk = 0; kk < g.kc; ++kk) bp[kk * g.nc + j] = b[(g.j0 + j) * ldb + g.k0 + kk];
             else for (kk = 0; kk < g.kc; ++kk) memcpy(bp + kk * g.nc, b + (g.k0 + kk) * ldb + g.j0, (size_t)g.nc * sizeof(float));
             mgpu__parallel_for(tasks, mgpu__gemm_task, &g);
         }
     }
+    mgpu__device_release(dev, panel, panel_size);
     return MGPU_OK;
 }
 
@@ -2282,7 +2308,10 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
                           op, mgpu_tensor_describe(a, ta, sizeof ta), transpose_a ? " transposed" : "",
                           mgpu_tensor_describe(b, tb, sizeof tb), transpose_b ? " transposed" : "",
                           mgpu_tensor_describe(out, tc, sizeof tc), (long long)m, (long long)n);
-    if (MGPU__IS_CPU(a))   /* the output's device owns the packing buffer: CPU replicas on threads each write their own */
+    if (mgpu__overlap(out, a) || mgpu__overlap(out, b))   /* out is cleared/accumulated while a and b are read */
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with an input", op,
+                          mgpu_tensor_describe(out, tc, sizeof tc));
+    if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
         return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
 #ifdef MGPU_CUDA
@@ -2617,18 +2646,20 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
 
 
 /* -- dropout -- */
-typedef struct mgpu__dropout_job { const float* x; float *y, *mask; uint64_t seed, offset; float p; } mgpu__dropout_job;
+typedef struct mgpu__dropout_job { const float* x; float *y, *mask; uint64_t seed, offset, first; float p; } mgpu__dropout_job;
 static void mgpu__dropout_range(void* ctx, int64_t begin, int64_t end) {
     mgpu__dropout_job* j = (mgpu__dropout_job*)ctx;
     int64_t i;
     for (i = begin; i < end; ++i) {
-        float s = mgpu__dropout_scale(j->seed, j->offset, (uint64_t)i, j->p);
+        float s = mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)i, j->p);
         j->mask[i] = s;
         j->y[i] = j->x[i] * s;
     }
 }
-MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
-                                 uint64_t seed, uint64_t offset) {
+/* Element i of x draws as element first + i of a larger tensor: a slice of a batch draws what the
+   whole batch would have drawn for those elements. */
+static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p, uint64_t seed,
+                                 uint64_t offset, uint64_t first) {
     static const char* op = "mgpu_dropout";
     mgpu__dropout_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
@@ -2638,13 +2669,18 @@ MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     if (!MGPU__IS_CPU(x)) {
 #ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, offset,
-                                                    p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
+                                                    first, p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
 #endif
         return MGPU_OK;
     }
-    job.x = MGPU__F32(x); job.y = MGPU__F32(out); job.mask = MGPU__F32(mask); job.seed = seed; job.offset = offset; job.p = p;
+    job.x = MGPU__F32(x); job.y = MGPU__F32(out); job.mask = MGPU__F32(mask);
+    job.seed = seed; job.offset = offset; job.first = first; job.p = p;
     mgpu__parallel_range(mgpu_tensor_numel(x), MGPU__EW_MIN_PER_THREAD, mgpu__dropout_range, &job);
     return MGPU_OK;
+}
+MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
+                                 uint64_t seed, uint64_t offset) {
+    return mgpu__dropout(out, mask, x, p, seed, offset, 0);
 }
 
 /* -- internal ops of the convolution and pooling layers (the layer checks the shapes) -- */
@@ -2989,7 +3025,9 @@ static mgpu_result mgpu__same_shape_aux(const mgpu_layer* l, int i, mgpu_shape x
 }
 static mgpu_result mgpu__dropout_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     if (!ctx->training || l->cfg.p == 0.0f) return mgpu_tensor_copy(y, x);
-    return mgpu_dropout(y, ctx->aux[0], x, l->cfg.p, ctx->seed, ctx->offset);
+    /* by sample: the mask of row r is the same whichever replica holds it */
+    return mgpu__dropout(y, ctx->aux[0], x, l->cfg.p, ctx->seed, ctx->offset,
+                         (uint64_t)ctx->first_row * (uint64_t)(mgpu_tensor_numel(x) / MGPU__MAX(x->shape.dim[0], 1)));
 }
 static mgpu_result mgpu__dropout_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                           const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
@@ -3495,7 +3533,9 @@ typedef struct mgpu__replica {
     mgpu_shape in_shape;                /* the input shape the buffers below are sized for */
     mgpu_tensor input;                  /* x of the last forward: a copy of its header (callers
                                            pass slices that live on their stack), storage not owned */
-    int has_input;
+    int has_input;                      /* a complete forward pass to go back through */
+    int64_t first_row;                  /* where this replica's rows start in the whole batch */
+    int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
     mgpu_tensor** act;                  /* act[i]: output of layer i, [layer_count] */
     mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], for i < layer_count - 1 */
     mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
@@ -3509,7 +3549,12 @@ struct mgpu_model {
     mgpu_shape input;
     mgpu_loss_kind loss;
     uint64_t seed;
-    uint64_t forwards;                  /* training forward passes: each gets fresh dropout masks */
+    /* Dropout masks are a function of (seed, step, layer, sample row): every forward within a
+       step draws the same masks (a gradient check, a recomputation), every optimizer step new
+       ones, and rows count on across the micro-batches of a step, so N replicas, or K
+       accumulated micro-batches, draw exactly what one device on the whole batch would. */
+    uint64_t dropout_step;              /* advanced by every optimizer step */
+    int64_t rows_in_step;               /* samples already run in this step (accumulation) */
     mgpu__param* tensors;
     int tensor_count;
     int* first_tensor;                  /* [layer_count + 1]: layer i owns tensors [first[i], first[i+1]) */
@@ -3523,7 +3568,8 @@ struct mgpu_model {
     int bucket_count;
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
-    char (*task_error)[sizeof mgpu__error_text];   /* CPU replicas run on threads: each one's failure text */
+    char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU replicas run on threads: each one's failure,
+                                                           prefixed with the replica */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -3611,8 +3657,11 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int tra
     ctx->aux = r->aux + m->first_aux[i];
     ctx->training = training;
     /* every step a new key; within it, every layer and replica its own counter range */
-    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->forwards));
-    ctx->offset = ((uint64_t)i * 1024u + (uint64_t)replica) << 34;
+    /* a loop of your own (mgpu_model_forward) salts each replica's stream: it does not say which
+       rows a replica holds */
+    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->dropout_step) ^ (uint64_t)r->stream_salt);
+    ctx->offset = (uint64_t)i << 40;   /* each layer its own counter range; rows within it by first_row */
+    ctx->first_row = r->first_row;
 }
 
 MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
@@ -3784,7 +3833,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     m->verify_every = desc->verify_every;
     if (m->replica_count > 1) {
         m->ar = mgpu_allreduce_create(desc->devices, desc->allreduce);
-        m->task_error = (char(*)[sizeof mgpu__error_text])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
+        m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
         if (!m->ar || !m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
             return mgpu__model_fail(m, op);
     }
@@ -3865,13 +3914,15 @@ static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const 
     return MGPU_OK;
 }
 
-MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+/* Forward of one replica, whose rows start at row first_row of the whole batch. */
+static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training, int64_t first_row) {
     static const char* op = "mgpu_model_forward";
     mgpu__replica* r;
     char where[96];
     int i;
     if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
     r = &m->rep[replica];
+    r->has_input = 0;   /* until every layer has run: backward needs a whole forward */
     if (MGPU__DEV(x) != r->dev && !(MGPU__IS_CPU(x) && r->dev->kind == MGPU_DEVICE_CPU)) {
         char tx[128];
         mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
@@ -3880,8 +3931,8 @@ MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const 
     }
     if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
     r->input = *x;
-    r->has_input = 1;
     r->training = training;
+    r->first_row = first_row;
     for (i = 0; i < m->layer_count; ++i) {
         mgpu_layer_ctx ctx;
         mgpu__layer_ctx_for(m, replica, i, training, &ctx);
@@ -3891,7 +3942,13 @@ MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const 
             return NULL;
         }
     }
+    r->has_input = 1;
     return r->act[m->layer_count - 1];
+}
+
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+    if (m && replica >= 0 && replica < m->replica_count) m->rep[replica].stream_salt = replica + 1;
+    return mgpu__forward(m, replica, x, training, 0);
 }
 
 /* Backward through layer i of a replica: d output of the model is doutput. */
@@ -3991,6 +4048,7 @@ static mgpu_result mgpu__loss_value(mgpu__replica* r, double* value) {
 /* ---- >>impl optim ----------------------------------------------------------------------- */
 struct mgpu_optimizer {
     mgpu_model* model;
+    int replica_count;          /* its own copy: the optimizer may outlive the model */
     mgpu_optimizer_desc d;      /* with defaults filled in */
     int64_t steps;
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
@@ -4000,7 +4058,7 @@ struct mgpu_optimizer {
 MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
     int i;
     if (!opt) return;
-    for (i = 0; i < opt->model->replica_count; ++i) {
+    for (i = 0; i < opt->replica_count; ++i) {
         if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
         if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
     }
@@ -4051,6 +4109,7 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     opt = (mgpu_optimizer*)mgpu__calloc(1, sizeof *opt);
     if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     opt->model = m;
+    opt->replica_count = m->replica_count;
     opt->d = d;
     opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
     opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
@@ -4129,6 +4188,8 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
 #endif
     }
     opt->steps++;
+    opt->model->dropout_step++;   /* the next step draws new dropout masks */
+    opt->model->rows_in_step = 0;
     return MGPU_OK;
 }
 
@@ -4137,22 +4198,22 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
    gradient (scaled for a batch of batch_total samples) in r->dout. */
 /* Replica r's rows of the batch, on its device (copied, or a view when already there). */
 static mgpu_result mgpu__replica_inputs(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
-                                        mgpu_tensor* xs, mgpu_tensor* ts) {
+                                        mgpu_tensor* xs, mgpu_tensor* ts, int64_t* first_row) {
     mgpu__replica* r = &m->rep[replica];
-    int64_t start, count;
-    mgpu__split(x->shape.dim[0], m->replica_count, replica, &start, &count);
-    MGPU__TRY(mgpu__replica_slice(r, x, start, count, &r->xbuf, xs));
-    return mgpu__replica_slice(r, target, start, count, &r->tbuf, ts);
+    int64_t count;
+    mgpu__split(x->shape.dim[0], m->replica_count, replica, first_row, &count);
+    MGPU__TRY(mgpu__replica_slice(r, x, *first_row, count, &r->xbuf, xs));
+    return mgpu__replica_slice(r, target, *first_row, count, &r->tbuf, ts);
 }
 
-static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, int replica, const mgpu_tensor* xs, const mgpu_tensor* ts,
-                                              int64_t batch_total) {
-    static const char* op = "mgpu_model_train_step";
+/* Replica r's forward and loss; the loss gradient (scaled for a batch of batch_total) in r->dout. */
+static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, const char* op, int replica, const mgpu_tensor* xs,
+                                              const mgpu_tensor* ts, int64_t first_row, int64_t batch_total) {
     mgpu__replica* r = &m->rep[replica];
     const mgpu_tensor* out;
     const int64_t count = xs->shape.dim[0];
     double per_row;
-    out = mgpu_model_forward(m, replica, xs, 1);
+    out = mgpu__forward(m, replica, xs, 1, m->rows_in_step + first_row);
     if (!out) return mgpu__refail(op);
     if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", ts, "output", out));
     MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
@@ -4178,16 +4239,24 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
 
 /* CPU replicas run on the thread pool, one task per replica (a task's own ops then run
    single-threaded: the pool is busy). Failures are carried back as text. */
-typedef struct mgpu__replica_job { mgpu_model* m; const mgpu_tensor *x, *target; int64_t batch_total; mgpu_result* results; } mgpu__replica_job;
+typedef struct mgpu__replica_job {
+    mgpu_model* m;
+    const char* op;
+    const mgpu_tensor *x, *target;
+    int64_t batch_total;
+    mgpu_result* results;
+} mgpu__replica_job;
 static void mgpu__replica_task(void* ctx, int64_t task) {
     mgpu__replica_job* j = (mgpu__replica_job*)ctx;
     const int r = (int)task;
     mgpu_tensor xs, ts;
-    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts);
-    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, r, &xs, &ts, j->batch_total);
+    int64_t first_row = 0;
+    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts, &first_row);
+    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, j->op, r, &xs, &ts, first_row, j->batch_total);
     if (res == MGPU_OK) res = mgpu_model_backward(j->m, r, j->m->rep[r].dout);
     j->results[r] = res;
-    if (res != MGPU_OK) snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "%s", mgpu_last_error());
+    if (res != MGPU_OK)
+        snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "replica %d (%s): %s", r, j->m->rep[r].dev->label, mgpu_last_error());
 }
 
 /* Forward, loss and backward of a batch on every replica, gradients ADDED to the gradient
@@ -4204,11 +4273,11 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replicas", op,
                           (long long)batch, m->replica_count);
     if (batch_total < batch) batch_total = batch;
-    m->forwards++;
+    for (i = 0; i < m->replica_count; ++i) m->rep[i].stream_salt = 0;
     if (m->replica_count > 1 && m->rep[0].dev->kind == MGPU_DEVICE_CPU) {
         mgpu_result results[MGPU__MAX_REPLICAS];
         mgpu__replica_job job;
-        job.m = m; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
+        job.m = m; job.op = op; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
         mgpu__parallel_for(m->replica_count, mgpu__replica_task, &job);
         for (i = 0; i < m->replica_count; ++i)
             if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
@@ -4217,10 +4286,11 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
         /* One host thread drives every GPU; launches are asynchronous, so the replicas run at
            once. Every replica's inputs are copied over first, before any forward is queued. */
         mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
+        int64_t first[MGPU__MAX_REPLICAS];
         mgpu_result res = MGPU_OK;
         int overlap = reduce && m->ar && m->ar->kind != MGPU_ALLREDUCE_HOST, issued = 0;
-        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i]));
-        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, i, &xs[i], &ts[i], batch_total));
+        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i], &first[i]));
+        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, op, i, &xs[i], &ts[i], first[i], batch_total));
         /* backward layer by layer across replicas; a bucket is all-reduced on the comm streams as
            soon as its last layer is done, while the compute streams go on with the next layers */
         for (l = m->layer_count - 1, b = 0; l >= 0 && res == MGPU_OK; --l) {
@@ -4248,6 +4318,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
         MGPU__TRY(res);
         if (reduce && !overlap) MGPU__TRY(mgpu__reduce_grads(m));   /* host-staged: once, after backward */
     }
+    m->rows_in_step += batch;   /* a next micro-batch of this step continues the row numbering */
     return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
 }
 
@@ -4270,6 +4341,7 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     static const char* op = "mgpu_model_train_step";
     MGPU__TRY(mgpu__check_step(op, m, opt));
     MGPU__TRY(mgpu_model_zero_grad(m));
+    m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
     MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, NULL));
     MGPU__TRY(mgpu__step(m, opt));
     /* read the loss only now: the optimizer step is already queued behind it */
@@ -4345,7 +4417,7 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             if (count == 0) continue;
             MGPU__TRY(mgpu__replica_slice(r, &xc, start, count, &r->xbuf, &xs));
             MGPU__TRY(mgpu__replica_slice(r, &tc, start, count, &r->tbuf, &ts));
-            out = mgpu_model_forward(m, i, &xs, 0);
+            out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
             MGPU__TRY(mgpu__replica_loss(m, r, out, &ts, NULL, 1.0f));
@@ -5782,7 +5854,7 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
     char (*names)[96] = NULL;
-    char step[32], forwards[32], layers_text[512];
+    char step[32], dropout_step[32], layers_text[512];
     const char* keys[6];
     const char* values[6];
     int states = 0, n = 0, i, s, meta = 0;
@@ -5813,14 +5885,13 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
             items[n].data = host + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
             items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * sizeof(float);
         }
-    for (i = 0, layers_text[0] = 0; i < m->layer_count; ++i)
-        len += (size_t)snprintf(layers_text + len, len < sizeof layers_text ? sizeof layers_text - len : 0, "%s%s",
-                                i ? "," : "", mgpu_layer_type(m->layers[i]));
+    for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
+        len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
     keys[meta] = "format"; values[meta++] = "pt";
     keys[meta] = "mgpu.version"; values[meta++] = MGPU_VERSION_STRING;
     keys[meta] = "mgpu.layers"; values[meta++] = layers_text;
-    snprintf(forwards, sizeof forwards, "%llu", (unsigned long long)m->forwards);
-    keys[meta] = "mgpu.forwards"; values[meta++] = forwards;   /* where the dropout masks' sequence is */
+    snprintf(dropout_step, sizeof dropout_step, "%llu", (unsigned long long)m->dropout_step);
+    keys[meta] = "mgpu.dropout_step"; values[meta++] = dropout_step;   /* where the dropout masks' sequence is */
     if (opt) {
         snprintf(step, sizeof step, "%lld", (long long)opt->steps);
         keys[meta] = "mgpu.optimizer"; values[meta++] = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
@@ -5870,10 +5941,10 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
     mgpu__st_file st;
     float* host = NULL;
     char name[96];
-    int states, found_states = 0, used = 0, i, s;
+    int states, found_states = 0, i, s;
     int64_t step = 0;
-    const char* forwards = NULL;
-    unsigned long long forward_count = 0;
+    const char* dropout_text = NULL;
+    unsigned long long dropout_step = 0;
     mgpu_result r;
     memset(&st, 0, sizeof st);
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
@@ -5891,7 +5962,6 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
         if (!known && strncmp(st.tensors[i].name, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... )", path,
                            st.tensors[i].name, m->tensor_count, m->tensor_count ? m->tensors[0].name : "");
-        used += known;
     }
     /* The optimizer: its kind must match the file's, and its step count and state come from the
        file when the file has them. A PyTorch state_dict has neither: the optimizer starts fresh. */
@@ -5923,11 +5993,11 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
             mgpu__log(MGPU_LOG_WARN, "'%s' has no optimizer state: the optimizer's %s start from zero", path,
                       mgpu__optimizer_state_name(opt, 0));
     }
-    if (r == MGPU_OK && (forwards = mgpu__st_meta_value(&st, "mgpu.forwards")) != NULL) {
+    if (r == MGPU_OK && (dropout_text = mgpu__st_meta_value(&st, "mgpu.dropout_step")) != NULL) {
         char* end = NULL;
-        forward_count = strtoull(forwards, &end, 10);
-        if (!end || *end || end == forwards)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.forwards' in the metadata is '%s', not a count", path, forwards);
+        dropout_step = strtoull(dropout_text, &end, 10);
+        if (!end || *end || end == dropout_text)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.dropout_step' in the metadata is '%s', not a count", path, dropout_text);
     }
     if (r != MGPU_OK) goto done;
     /* assemble the flat buffers on the host, then upload to every replica */
@@ -5956,8 +6026,10 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
             if (r == MGPU_OK && opt->state2[i]) r = mgpu_tensor_zero(opt->state2[i]);
         }
     }
-    if (r == MGPU_OK && forwards) m->forwards = forward_count;   /* dropout masks continue their sequence */
-    (void)used;
+    if (r == MGPU_OK && dropout_text) {   /* dropout masks continue their sequence */
+        m->dropout_step = dropout_step;
+        m->rows_in_step = 0;
+    }
 done:
     if (r != MGPU_OK) mgpu__refail(op);
     mgpu__st_free(&st);

@@ -1028,7 +1028,7 @@ struct maxpool_backward_op {
 };
 
 struct dropout_op {
-    uint64_t seed, offset;
+    uint64_t seed, offset, first;   // element i draws as element first + i (a slice of a batch)
     float p;
     const float* x;
     float* y;
@@ -1037,7 +1037,7 @@ struct dropout_op {
         pack<float, V> v = load<V>(x, i), m;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            m.v[k] = mgpu__dropout_scale(seed, offset, i + k, p);
+            m.v[k] = mgpu__dropout_scale(seed, offset, first + i + k, p);
             v.v[k] *= m.v[k];
         }
         store<V>(y, i, v);
@@ -1046,10 +1046,10 @@ struct dropout_op {
     }
 };
 
-int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, float p,
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, uint64_t first, float p,
                      const float* x, float* y, float* mask) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "dropout", n, dropout_op{seed, offset, p, x, y, mask}, vec4_ok(x, y, mask));
+    return launch_map(dev, stream, "dropout", n, dropout_op{seed, offset, first, p, x, y, mask}, vec4_ok(x, y, mask));
 }
 
 static int64_t window_inputs(const mgpu__window* g) { return (int64_t)g->n * g->c * g->h * g->w; }

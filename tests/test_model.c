@@ -1,6 +1,7 @@
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "test.h"
+#include <pthread.h>
 
 /* tests/test_model.c - layers, models, optimizers, training, checkpoints and the data loader.
 
@@ -2737,6 +2738,190 @@ static void test_cuda_twins(void) {
 }
 
 /* ============================================================================================ */
+/* 10. regressions from the code review: each check failed before its fix                        */
+/* ============================================================================================ */
+static void dropout_batch(mgpu_tensor* x, mgpu_tensor* y, int64_t rows, uint64_t salt) {
+    float* px = (float*)mgpu_tensor_data(x);
+    int32_t* py = (int32_t*)mgpu_tensor_data(y);
+    int64_t i;
+    for (i = 0; i < rows * 12; ++i) px[i] = (float)sin(0.37 * (double)(i + 1) + (double)salt);
+    for (i = 0; i < rows; ++i) py[i] = (int32_t)((i * 7 + (int64_t)salt) % 5);
+}
+
+/* a Linear-Dropout-Linear model on spec, trained `steps` SGD steps on fixed batches of `rows` */
+static float* dropout_run(const char* spec, int64_t rows, int steps, int micro, int64_t* count) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m = MODEL(mgpu_shape1(12), set, MGPU_LOSS_CROSS_ENTROPY, 21, mgpu_linear(12, 16), mgpu_dropout_layer(0.5f),
+                          mgpu_linear(16, 5));
+    mgpu_optimizer* o = m ? make_opt(m, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(rows, 12)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(rows));
+    float* params = NULL;
+    int step;
+    for (step = 0; o && step < steps; ++step) {
+        dropout_batch(x, y, rows, (uint64_t)step);
+        if (micro <= 1) MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        else {   /* the same batch as `micro` micro-batches, accumulated */
+            int64_t per = rows / micro, k;
+            for (k = 0; k < micro; ++k) {
+                mgpu_tensor* xv = mgpu_tensor_view_rows(x, k * per, per);
+                mgpu_tensor* yv = mgpu_tensor_view_rows(y, k * per, per);
+                MUST(mgpu_model_accumulate(m, xv, yv, rows, NULL));
+                mgpu_tensor_destroy(xv);
+                mgpu_tensor_destroy(yv);
+            }
+            MUST(mgpu_model_apply(m, o));
+        }
+    }
+    if (o) {
+        params = get_flat(m, 0);
+        *count = flat_n(m);
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return params;
+}
+
+/* Picky: the identity, but its forward fails when the first input is negative */
+static mgpu_result picky_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    if (((const float*)mgpu_tensor_data(x))[0] < 0.0f) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "Picky: negative input");
+    return mgpu_tensor_copy(y, x);
+}
+static mgpu_result picky_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                  const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static const mgpu_layer_vtable picky_vt = { "Picky", NULL, NULL, NULL, NULL, NULL, NULL, picky_forward, picky_backward, NULL, NULL };
+
+typedef struct gemm_thread_arg { mgpu_tensor *a, *b, *c; int ok; } gemm_thread_arg;
+static void* gemm_thread(void* p) {
+    gemm_thread_arg* g = (gemm_thread_arg*)p;
+    int i;
+    g->ok = 1;
+    for (i = 0; i < 40; ++i) g->ok &= mgpu_matmul(g->c, g->a, g->b, 0, 1, 1.0f, 0.0f) == MGPU_OK;
+    return NULL;
+}
+
+static void test_review_regressions(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    header("10. regressions from the code review");
+    {   /* dropout by sample: 3 replicas and 2 accumulated micro-batches draw the masks of one device */
+        int64_t n = 0, i;
+        float *one = dropout_run("cpu", 24, 4, 1, &n), *three = dropout_run("cpu:3", 24, 4, 1, &n);
+        float *acc = dropout_run("cpu", 24, 4, 2, &n), *again = dropout_run("cpu", 24, 4, 1, &n);
+        double* ref = dbuf(n);
+        if (!one || !three || !acc || !again) { CHECK(0, "dropout runs failed"); return; }
+        for (i = 0; i < n; ++i) ref[i] = one[i];
+        CHECK(test_rel_error(three, ref, (size_t)n) < 1e-5, "dropout: cpu:3 differs from cpu (normalised %.3g)",
+              test_rel_error(three, ref, (size_t)n));
+        CHECK(test_rel_error(acc, ref, (size_t)n) < 1e-5, "dropout: 2 accumulated micro-batches differ from one batch (%.3g)",
+              test_rel_error(acc, ref, (size_t)n));
+        CHECK(same_bits(one, again, (size_t)n * sizeof(float)), "dropout: the same run twice is not bit-identical");
+        free(one); free(three); free(acc); free(again); free(ref);
+    }
+    {   /* a loop of your own: forwards within a step share masks, the next step draws new ones */
+        mgpu_model* m = MODEL(mgpu_shape1(12), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_dropout_layer(0.5f));
+        mgpu_optimizer* o = m ? make_opt(m, MGPU_SGD, 0.1f, 0.0f, 0.0f) : NULL;
+        mgpu_tensor* x = tmake(cpu, MGPU_F32, mgpu_shape2(8, 12));
+        float a[96], b[96], c[96];
+        const mgpu_tensor* out;
+        MUST(mgpu_tensor_fill(x, 1.0));
+        if (o) {
+            out = mgpu_model_forward(m, 0, x, 1); if (out) tget(out, a);
+            out = mgpu_model_forward(m, 0, x, 1); if (out) tget(out, b);
+            MUST(mgpu_optimizer_step(o));
+            out = mgpu_model_forward(m, 0, x, 1); if (out) tget(out, c);
+            CHECK(same_bits(a, b, sizeof a), "dropout: two forwards in one step drew different masks");
+            CHECK(!same_bits(a, c, sizeof a), "dropout: the step after an optimizer step drew the same masks");
+        }
+        mgpu_tensor_destroy(x);
+        mgpu_optimizer_destroy(o);
+        mgpu_model_destroy(m);
+    }
+    {   /* the optimizer may be destroyed after its model */
+        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(4, 2));
+        mgpu_optimizer* o = m ? make_opt(m, MGPU_ADAMW, 0.01f, 0.0f, 0.0f) : NULL;
+        mgpu_model_destroy(m);
+        mgpu_optimizer_destroy(o);   /* ASan reports a use after free if it reads the model */
+        CHECK(1, "optimizer destroyed after its model");
+    }
+    {   /* a forward that fails inside a layer leaves nothing for backward to go through */
+        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(4, 3),
+                              mgpu_layer_create(&picky_vt, NULL));
+        mgpu_tensor *x = tmake(cpu, MGPU_F32, mgpu_shape2(2, 4)), *d = tmake(cpu, MGPU_F32, mgpu_shape2(2, 3));
+        MUST(mgpu_tensor_fill(d, 1.0));
+        if (m) {
+            MUST(mgpu_tensor_fill(x, 0.0));   /* Linear's output is its bias: fine for Picky when positive */
+            MUST(mgpu_tensor_fill(mgpu_model_tensor(m, 0, 1), 1.0));
+            CHECK(mgpu_model_forward(m, 0, x, 1) != NULL, "forward: %s", mgpu_last_error());
+            MUST(mgpu_tensor_fill(mgpu_model_tensor(m, 0, 1), -1.0));   /* now Picky refuses */
+            CHECK(mgpu_model_forward(m, 0, x, 1) == NULL, "a forward whose layer failed succeeded");
+            CHECK(mgpu_model_backward(m, 0, d) == MGPU_ERROR_INVALID_ARGUMENT, "backward after a failed forward: %s",
+                  mgpu_last_error());
+        }
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(d);
+        mgpu_model_destroy(m);
+    }
+    {   /* converting out of range saturates (and NaN gives 0), as on the GPU */
+        float src[5] = { -1.0f, 300.0f, 1e10f, NAN, 7.9f };
+        mgpu_tensor* f = tfrom(cpu, mgpu_shape1(5), src);
+        mgpu_tensor *u = tmake(cpu, MGPU_U8, mgpu_shape1(5)), *i32 = tmake(cpu, MGPU_I32, mgpu_shape1(5));
+        uint8_t ub[5];
+        int32_t ib[5];
+        MUST(mgpu_tensor_convert(u, f, 1.0f, 0.0f));
+        MUST(mgpu_tensor_convert(i32, f, 1.0f, 0.0f));
+        tget(u, ub);
+        tget(i32, ib);
+        CHECK(ub[0] == 0 && ub[1] == 255 && ub[2] == 255 && ub[3] == 0 && ub[4] == 7, "u8 convert: %d %d %d %d %d",
+              ub[0], ub[1], ub[2], ub[3], ub[4]);
+        CHECK(ib[0] == -1 && ib[1] == 300 && ib[2] == INT32_MAX && ib[3] == 0 && ib[4] == 7, "i32 convert: %d %d %d %d %d",
+              ib[0], ib[1], ib[2], ib[3], ib[4]);
+        mgpu_tensor_destroy(f); mgpu_tensor_destroy(u); mgpu_tensor_destroy(i32);
+    }
+    {   /* matmul refuses an output that is also an input */
+        mgpu_tensor* a = tmake(cpu, MGPU_F32, mgpu_shape2(4, 4));
+        MUST(mgpu_tensor_fill(a, 1.0));
+        expect_fail(mgpu_matmul(a, a, a, 0, 0, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul out == a",
+                    "mgpu_matmul", "shares memory", NULL);
+        mgpu_tensor_destroy(a);
+    }
+    {   /* a bad MGPU_DEVICES says where the spec came from */
+        setenv("MGPU_DEVICES", "gpu:9", 1);
+        CHECK(mgpu_device_set_create("auto") == NULL && strstr(mgpu_last_error(), "MGPU_DEVICES") != NULL,
+              "bad MGPU_DEVICES: %s", mgpu_last_error());
+        unsetenv("MGPU_DEVICES");
+    }
+    {   /* two threads multiplying on the library's CPU device at once get right answers */
+        gemm_thread_arg g[2];
+        pthread_t t[2];
+        float hc[2][64 * 32];
+        double ref = 0.0;
+        int i, k, ok = 1;
+        for (i = 0; i < 2; ++i) {
+            g[i].a = tmake(cpu, MGPU_F32, mgpu_shape2(64, 300));
+            g[i].b = tmake(cpu, MGPU_F32, mgpu_shape2(32, 300));
+            g[i].c = tmake(cpu, MGPU_F32, mgpu_shape2(64, 32));
+            MUST(mgpu_tensor_fill(g[i].a, i ? 0.5 : 0.25));
+            MUST(mgpu_tensor_fill(g[i].b, 1.0));
+        }
+        for (i = 0; i < 2; ++i) pthread_create(&t[i], NULL, gemm_thread, &g[i]);
+        for (i = 0; i < 2; ++i) pthread_join(t[i], NULL);
+        for (i = 0; i < 2; ++i) {
+            tget(g[i].c, hc[i]);
+            ref = (i ? 0.5 : 0.25) * 300.0;
+            for (k = 0; k < 64 * 32; ++k) ok &= hc[i][k] == (float)ref;
+            ok &= g[i].ok;
+            mgpu_tensor_destroy(g[i].a); mgpu_tensor_destroy(g[i].b); mgpu_tensor_destroy(g[i].c);
+        }
+        CHECK(ok, "two threads multiplying on the CPU device got wrong results");
+    }
+}
+
+/* ============================================================================================ */
 int main(void) {
     double t0 = test_start("test_model");
     printf("test_model: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
@@ -2767,6 +2952,7 @@ int main(void) {
     test_checkpoints();
     test_data();
     test_cuda_twins();
+    test_review_regressions();
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
