@@ -71,6 +71,7 @@
    ---------------------------------------------------------------------------------------------
    >>config      version, MGPUDEF, allocator and assert overrides
    >>result      result codes, last error, logger
+   >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range
    >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation
    >>memory      caching allocator statistics, empty_cache, pinned host memory
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
