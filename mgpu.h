@@ -4147,11 +4147,17 @@ typedef struct mgpu__optim_job {
     int adamw_kind;
 } mgpu__optim_job;
 static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
-    mgpu__optim_job* j = (mgpu__optim_job*)ctx;
+    const mgpu__optim_job* j = (const mgpu__optim_job*)ctx;
+    /* the arguments and pointers as locals: a store through p could otherwise alias the floats
+       of the job, and the compiler would reload them every element instead of vectorising */
+    const mgpu__sgd_args sgd = j->sgd;
+    const mgpu__adamw_args adamw = j->adamw;
+    float *p = j->p, *m = j->m, *v = j->v, unused = 0.0f;
+    const float* g = j->g;
     int64_t i;
-    float unused = 0.0f;
-    if (j->adamw_kind) for (i = begin; i < end; ++i) mgpu__adamw_update(&j->p[i], j->g[i], &j->m[i], &j->v[i], &j->adamw);
-    else for (i = begin; i < end; ++i) mgpu__sgd_update(&j->p[i], j->g[i], j->m ? &j->m[i] : &unused, &j->sgd);
+    if (j->adamw_kind) for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
+    else if (m) for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &m[i], &sgd);
+    else for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &unused, &sgd);
 }
 
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
