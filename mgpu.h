@@ -3484,6 +3484,19 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
 #endif
 }
 
+/* A whole all-reduce ordered with the compute streams: after the work issued so far, before the
+   work issued next (on the CPU, simply now). */
+static mgpu_result mgpu__ar_sum(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+#ifdef MGPU_CUDA
+    if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
+        MGPU__TRY(mgpu__ar_after_compute(ar));
+        MGPU__TRY(mgpu__ar_reduce(ar, bufs, n));
+        return mgpu__ar_before_compute(ar);
+    }
+#endif
+    return mgpu__ar_reduce(ar, bufs, n);
+}
+
 MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count) {
     static const char* op = "mgpu_allreduce_sum";
     float* bufs[MGPU__MAX_REPLICAS];
@@ -3502,14 +3515,7 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
                               mgpu_tensor_describe(tensors[i], a, sizeof a), mgpu_tensor_describe(tensors[0], b, sizeof b));
         bufs[i] = MGPU__F32(tensors[i]);
     }
-#ifdef MGPU_CUDA
-    if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
-        MGPU__TRY(mgpu__ar_after_compute(ar));
-        MGPU__TRY(mgpu__ar_reduce(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0])));
-        return mgpu__ar_before_compute(ar);
-    }
-#endif
-    return mgpu__ar_reduce(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+    return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
 }
 
 /* ---- >>impl model ----------------------------------------------------------------------- */
@@ -3617,6 +3623,17 @@ static mgpu_result mgpu__refail(const char* where) {
     char msg[sizeof mgpu__error_text];
     memcpy(msg, mgpu__error_text, sizeof msg);
     return mgpu__fail(mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", where, msg);
+}
+
+/* The shape of a batch of `batch` samples: [batch, sample shape...]. */
+static mgpu_shape mgpu__batch_shape(const mgpu_model* m, int64_t batch) {
+    mgpu_shape s;
+    int i;
+    memset(&s, 0, sizeof s);
+    s.ndim = m->input.ndim + 1;
+    s.dim[0] = batch;
+    for (i = 0; i < m->input.ndim; ++i) s.dim[i + 1] = m->input.dim[i];
+    return s;
 }
 
 /* Output shape of layer i for input shape x. */
@@ -3755,10 +3772,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         return mgpu__model_fail(m, op);
     }
     /* walk the shapes with a batch of one: every layer must accept what the previous gives */
-    shape.ndim = m->input.ndim + 1;
-    shape.dim[0] = 1;
-    for (i = 0; i < m->input.ndim; ++i) shape.dim[i + 1] = m->input.dim[i];
-    for (i = m->input.ndim + 1; i < MGPU_MAX_DIMS; ++i) shape.dim[i] = 0;
+    shape = mgpu__batch_shape(m, 1);
     m->first_tensor = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
     m->first_aux = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
     if (!m->first_tensor || !m->first_aux) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
@@ -3872,9 +3886,7 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
     char text[96], cfg[96], bytes[32];
     int i, j;
     if (!m) return;
-    shape.ndim = m->input.ndim + 1;
-    shape.dim[0] = 1;
-    for (i = 0; i < m->input.ndim; ++i) shape.dim[i + 1] = m->input.dim[i];
+    shape = mgpu__batch_shape(m, 1);
     fprintf(f, "%-4s %-34s %-18s %12s\n", "#", "Layer (type)", "Output shape", "Params");
     fprintf(f, "%-4s %-34s %-18s %12s\n", "", "Input", mgpu__shape_text(shape, text, sizeof text), "");
     for (i = 0; i < m->layer_count; ++i) {
@@ -3992,14 +4004,7 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     int i;
     if (!m->ar) return MGPU_OK;
     for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads);
-#ifdef MGPU_CUDA
-    if (m->rep[0].dev->kind == MGPU_DEVICE_CUDA) {
-        MGPU__TRY(mgpu__ar_after_compute(m->ar));
-        MGPU__TRY(mgpu__ar_reduce(m->ar, bufs, (size_t)m->flat_floats));
-        return mgpu__ar_before_compute(m->ar);
-    }
-#endif
-    return mgpu__ar_reduce(m->ar, bufs, (size_t)m->flat_floats);
+    return mgpu__ar_sum(m->ar, bufs, (size_t)m->flat_floats);
 }
 
 /* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
