@@ -182,14 +182,16 @@ static int make_test_tensors(const mgpu_dataset* ds, float mean, float std, mgpu
     return ok;
 }
 
-static void progress(const options* o, int epoch, int64_t done, int64_t total, float loss, double rate, int final) {
+/* One line per epoch, redrawn: progress, loss, throughput, and where it runs ("4 x cpu, host"). */
+static void progress(const options* o, const char* where, int epoch, int64_t done, int64_t total, float loss, double rate,
+                     int final) {
     int width = 30, filled = total ? (int)(width * done / total) : width, i;
     char bar[64];
     if (o->quiet) return;
     for (i = 0; i < width; ++i) bar[i] = i < filled ? '#' : '.';
     bar[width] = 0;
-    printf("\repoch %d [%s] %5lld/%lld  loss %.4f  %8.0f samples/s", epoch + 1, bar, (long long)done, (long long)total,
-           (double)loss, rate);
+    printf("\repoch %d [%s] %5lld/%lld  loss %.4f  %8.0f samples/s  %s", epoch + 1, bar, (long long)done, (long long)total,
+           (double)loss, rate, where);
     if (final) printf("\n");
     fflush(stdout);
 }
@@ -209,6 +211,7 @@ int main(int argc, char** argv) {
     double train_seconds = 0.0, start = mgpu_seconds();
     float loss = 0.0f, test_loss = 0.0f, test_acc = 0.0f;
     int epoch, status = 1, interactive = 0, stop = 0;
+    char where[96];
 #if defined(__unix__) || defined(__APPLE__)
     interactive = isatty(1);
 #endif
@@ -249,6 +252,8 @@ int main(int argc, char** argv) {
                mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_device_set_count(set) == 1 ? "" : "s",
                mgpu_allreduce_name(mgpu_model_allreduce(model)), (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
     }
+    snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
+             mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce(model)));
     steps = first_step = mgpu_optimizer_steps(opt);   /* resuming: continue where the checkpoint stopped */
     for (epoch = (int)(steps / batches); epoch < o.epochs && !stop; ++epoch) {
         const mgpu_tensor *x, *y;
@@ -265,11 +270,11 @@ int main(int argc, char** argv) {
             epoch_samples += mgpu_tensor_dim(x, 0);
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
             if (interactive ? (b % 20 == 0) : (b % (batches / 4 > 0 ? batches / 4 : 1) == 0))
-                progress(&o, epoch, b, batches, loss, rate, !interactive);
+                progress(&o, where, epoch, b, batches, loss, rate, !interactive);
         }
         train_seconds += mgpu_seconds() - t0;
         samples += epoch_samples;
-        progress(&o, epoch, b, batches, loss, rate, 1);
+        progress(&o, where, epoch, b, batches, loss, rate, 1);
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
         mgpu_memory_get_stats(mgpu_model_device(model, 0), &ms);
