@@ -824,9 +824,10 @@ int mgpu__cu_binary(int dev, void* stream, int op, size_t n, const float* a, con
 /* y[o,c,i] = x[o,c,i] + bias[c] over [outer, channels, inner] */
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
                       const float* x, const float* bias, float* y);
-/* out[c] = scale * sum over o, i of x[o,c,i]; a fixed summation order (deterministic) */
+/* out[c] = scale * sum over o, i of x[o,c,i] (+ out[c] when accumulate); a fixed summation
+   order (deterministic) */
 int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                         const float* x, float* out, float scale);
+                         const float* x, float* out, float scale, int accumulate);
 int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
 /* loss[0] = mean over rows of -log softmax(logits)[label]; dlogits (may be NULL) =
    (softmax - onehot) * grad_scale. A label outside [0, cols) makes its row's loss NaN and its
@@ -2327,16 +2328,19 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
 
 /* -- bias and reductions, all as [outer, channels, inner] -- */
 /* out[c] = scale * sum over (o, i) of x[o, c, i] + (accumulate ? out[c] : 0) */
-static mgpu_result mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out,
-                                         float scale, int accumulate) {
+static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out,
+                                  float scale, int accumulate) {
     int64_t o, c, i;
-    if (inner == 1) {   /* sum down the rows of a matrix: whole rows at a time, vectorised */
-        float* sum = (float*)mgpu__calloc((size_t)MGPU__MAX(channels, 1), sizeof(float));
-        if (!sum) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "channel sum: out of host memory");
-        for (o = 0; o < outer; ++o) for (c = 0; c < channels; ++c) sum[c] += x[o * channels + c];
-        for (c = 0; c < channels; ++c) out[c] = sum[c] * scale + (accumulate ? out[c] : 0.0f);
-        MGPU_FREE(sum);
-        return MGPU_OK;
+    if (inner == 1) {   /* sum down the rows of a matrix, 256 columns at a time on the stack, vectorised */
+        float sum[256];
+        int64_t c0, w;
+        for (c0 = 0; c0 < channels; c0 += w) {
+            w = MGPU__MIN(channels - c0, (int64_t)256);
+            memset(sum, 0, sizeof sum);
+            for (o = 0; o < outer; ++o) for (c = 0; c < w; ++c) sum[c] += x[o * channels + c0 + c];
+            for (c = 0; c < w; ++c) out[c0 + c] = sum[c] * scale + (accumulate ? out[c0 + c] : 0.0f);
+        }
+        return;
     }
     for (c = 0; c < channels; ++c) {
         double s = 0.0;
@@ -2346,7 +2350,6 @@ static mgpu_result mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_
         }
         out[c] = (float)(s * scale) + (accumulate ? out[c] : 0.0f);
     }
-    return MGPU_OK;
 }
 
 /* x viewed as [outer, channels, inner] around dimension 1 (a 2-D x is [rows, cols, 1]). */
@@ -2399,23 +2402,13 @@ static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgp
     (void)op;
     if (!MGPU__IS_CPU(x)) {
 #ifdef MGPU_CUDA
-        mgpu_device* dev = MGPU__DEV(x);
-        if (accumulate) {   /* sum into scratch, then add */
-            mgpu__scratch s;
-            int rc;
-            MGPU__TRY(mgpu__scratch_get(&s, dev, (size_t)channels * sizeof(float), op));
-            rc = mgpu__cu_channel_sum(MGPU__CUDA_ARGS(dev), outer, channels, inner, MGPU__F32(x), (float*)s.ptr, scale);
-            if (!rc) rc = mgpu__cu_binary(MGPU__CUDA_ARGS(dev), MGPU__BINARY_ADD, (size_t)channels, (const float*)s.ptr,
-                                          MGPU__F32(out), MGPU__F32(out), 0.0f);
-            mgpu__scratch_put(&s);
-            if (rc) return mgpu__cu_result(rc, op, dev);
-            return MGPU_OK;
-        }
-        MGPU__CU(op, dev, mgpu__cu_channel_sum(MGPU__CUDA_ARGS(dev), outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale));
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, MGPU__F32(x),
+                                                        MGPU__F32(out), scale, accumulate));
 #endif
         return MGPU_OK;
     }
-    return mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale, accumulate);
+    mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale, accumulate);
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_bias_backward(mgpu_tensor* dbias, const mgpu_tensor* dy) {

@@ -676,7 +676,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const T* part, int64_t
 // `width` adjacent columns; its threads form kThreads / width row groups striding down the rows,
 // so each warp reads contiguous memory. The groups' partials meet in shared memory in order.
 __global__ void __launch_bounds__(kThreads)
-column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* out, float scale) {
+column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* out, float scale, int accumulate) {
     __shared__ float part[kThreads];
     const int groups = kThreads / width, lane = threadIdx.x % width, group = threadIdx.x / width;
     for (int64_t c0 = (int64_t)blockIdx.x * width; c0 < cols; c0 += (int64_t)gridDim.x * width) {
@@ -699,7 +699,7 @@ column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* 
         if (group == 0 && c < cols) {
             float s = 0.0f;
             for (int g = 0; g < groups; ++g) s += part[g * width + lane];
-            out[c] = scale * s;
+            out[c] = scale * s + (accumulate ? out[c] : 0.0f);
         }
         __syncthreads();
     }
@@ -709,7 +709,8 @@ column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* 
 // walks its outer * inner elements. Thread t visits flat offsets t, t + 256, ... as (o, i), which
 // advance by constant steps, so the loop has no division.
 __global__ void __launch_bounds__(kThreads)
-channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale) {
+channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale,
+                   int accumulate) {
     const int64_t step_o = kThreads / inner, step_i = kThreads % inner;
     for (int64_t c = blockIdx.x; c < channels; c += gridDim.x) {
         int64_t o = threadIdx.x / inner, i = threadIdx.x % inner;
@@ -721,24 +722,25 @@ channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* 
             if (i >= inner) { i -= inner; ++o; }
         }
         acc = block_reduce(acc, sum_op<float>());
-        if (threadIdx.x == 0) out[c] = scale * acc;
+        if (threadIdx.x == 0) out[c] = scale * acc + (accumulate ? out[c] : 0.0f);
     }
 }
 
 int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                         const float* x, float* out, float scale) {
+                         const float* x, float* out, float scale, int accumulate) {
     USE_DEVICE(dev);
     if (channels <= 0) return MGPU__CU_OK;
     cudaStream_t s = as_stream(stream);
-    if (outer <= 0 || inner <= 0) {   // empty sums
+    if (outer <= 0 || inner <= 0) {   // empty sums: nothing to add, or zeros
+        if (accumulate) return MGPU__CU_OK;
         CUDA_TRY(cudaMemsetAsync(out, 0, (size_t)channels * sizeof(float), s), "cudaMemsetAsync() on device %d", dev);
         return MGPU__CU_OK;
     }
     if (inner == 1) {
         const int width = channels < 32 ? (int)channels : 32;
-        column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, x, out, scale);
+        column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, x, out, scale, accumulate);
     } else {
-        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, x, out, scale);
+        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, x, out, scale, accumulate);
     }
     CHECK_LAUNCH("channel_sum", dev);
     return MGPU__CU_OK;
