@@ -153,6 +153,20 @@ static inline mgpu_tensor* tfrom(mgpu_device* d, mgpu_shape s, const float* host
     tput(t, host);
     return t;
 }
+/* A call that must fail with `want`, leaving a message that contains each of s1..s3 (NULL: skip). */
+static inline void expect_fail(mgpu_result got, mgpu_result want, const char* what, const char* s1, const char* s2,
+                        const char* s3) {
+    const char* msg = mgpu_last_error();
+    const char* need[3];
+    int i;
+    need[0] = s1; need[1] = s2; need[2] = s3;
+    CHECK(got == want, "%s: got %s, expected %s (message: %s)", what, mgpu_result_string(got),
+          mgpu_result_string(want), msg);
+    CHECK(mgpu_last_result() == want, "%s: mgpu_last_result() %s, expected %s", what,
+          mgpu_result_string(mgpu_last_result()), mgpu_result_string(want));
+    for (i = 0; i < 3; ++i)
+        if (need[i]) CHECK(strstr(msg, need[i]) != NULL, "%s: message \"%s\" lacks \"%s\"", what, msg, need[i]);
+}
 static inline mgpu_tensor* tfrom_i32(mgpu_device* d, mgpu_shape s, const int32_t* host) {
     mgpu_tensor* t = tmake(d, MGPU_I32, s);
     tput(t, host);

@@ -86,20 +86,6 @@ static void rnd_distinct(float* x, int64_t n) {
             CHECK(0, "%s -> %s: %s", #expr, mgpu_result_string(must_r_), mgpu_last_error()); \
     } while (0)
 
-/* A call that must fail with `want`, leaving a message that contains each of s1..s3 (NULL: skip). */
-static void expect_fail(mgpu_result got, mgpu_result want, const char* what, const char* s1, const char* s2,
-                        const char* s3) {
-    const char* msg = mgpu_last_error();
-    const char* need[3];
-    int i;
-    need[0] = s1; need[1] = s2; need[2] = s3;
-    CHECK(got == want, "%s: got %s, expected %s (message: %s)", what, mgpu_result_string(got),
-          mgpu_result_string(want), msg);
-    CHECK(mgpu_last_result() == want, "%s: mgpu_last_result() %s, expected %s", what,
-          mgpu_result_string(mgpu_last_result()), mgpu_result_string(want));
-    for (i = 0; i < 3; ++i)
-        if (need[i]) CHECK(strstr(msg, need[i]) != NULL, "%s: message \"%s\" lacks \"%s\"", what, msg, need[i]);
-}
 static void expect_null(const void* p, mgpu_result want, const char* what, const char* s1, const char* s2,
                         const char* s3) {
     CHECK(p == NULL, "%s: expected NULL", what);
