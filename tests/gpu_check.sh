@@ -3,9 +3,11 @@
 # after it built the CUDA variant for this GPU into BUILD (build/gpu). Prints a results table.
 #   1. the CUDA test suites (every CUDA op against the CPU reference; a skip counts as a failure)
 #   2. the examples on the GPU: four replicas of one GPU; build/train on cuda:0 and cuda:0,0
-#   3. the suites again under compute-sanitizer memcheck (quick sizes)
-#   4. the benchmarks beside PyTorch (bench/results/)
+#   3. the benchmarks beside PyTorch (bench/results/)
+#   4. the suites again under compute-sanitizer memcheck (quick sizes)
+# STEP_TIMEOUT (seconds, default 900) bounds each program, so a hang shows as a failed row.
 b=${1:-build/gpu}
+to="timeout ${STEP_TIMEOUT:-900}"
 data=${DATA:-/usr/share/datasets/fashion-mnist}
 log=$b/gpu-check.log
 : > "$log"
@@ -17,7 +19,7 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | tee -a "$log"
 echo "== 1. CUDA test suites" | tee -a "$log"
-MGPU_TEST_REQUIRE_GPU=1 sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda \
+MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda \
     > $b/suites.txt 2>&1 || status=1
 cat $b/suites.txt >> "$log"
 grep -E "^(test_core|test_model|test_parallel): " $b/suites.txt | while read -r line; do echo "   $line"; done
@@ -25,21 +27,24 @@ add "CUDA test suites" "$(last $b/suites.txt)"
 grep -E "rel(ative)? error|relerr|max \|" $b/suites.txt | head -n 40 > $b/errors.txt
 
 echo "== 2. examples on the GPU" | tee -a "$log"
-if $b/data_parallel_cuda cuda:0,0,0,0 > $b/dp.txt 2>&1; then add "data_parallel cuda:0,0,0,0" "ok: $(tail -n 1 $b/dp.txt)"
+if $to $b/data_parallel_cuda cuda:0,0,0,0 > $b/dp.txt 2>&1; then add "data_parallel cuda:0,0,0,0" "ok: $(tail -n 1 $b/dp.txt)"
 else add "data_parallel cuda:0,0,0,0" "FAILED: $(tail -n 1 $b/dp.txt)"; status=1; fi
 cat $b/dp.txt >> "$log"
 for run in "mlp cuda:0" "cnn cuda:0" "mlp cuda:0,0" "cnn cuda:0,0,0,0"; do
     set -- $run
-    out=$($b/train_cuda --data "$data" --quiet --model $1 --devices $2 2>>"$log" | tail -n 1)
+    out=$($to $b/train_cuda --data "$data" --quiet --model $1 --devices $2 2>>"$log" | tail -n 1)
     echo "   $out" | tee -a "$log"
     add "train --model $1 --devices $2" "${out:-FAILED}"
     [ -n "$out" ] || status=1
 done
 
-echo "== 3. compute-sanitizer memcheck" | tee -a "$log"
+echo "== 3. benchmarks" | tee -a "$log"
+$to sh bench/run.sh $b/bench_cuda >> "$log" 2>&1 && add "benchmarks" "$(ls -t bench/results/*.md | head -n 1)" || add "benchmarks" "FAILED"
+
+echo "== 4. compute-sanitizer memcheck" | tee -a "$log"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for t in test_core_cuda test_model_cuda test_parallel_cuda; do
-        MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 $b/$t > $b/san_$t.txt 2>&1
+        MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $to compute-sanitizer --tool memcheck --error-exitcode 99 $b/$t > $b/san_$t.txt 2>&1
         rc=$?
         cat $b/san_$t.txt >> "$log"
         add "memcheck $t" "exit $rc: $(grep -E 'ERROR SUMMARY' $b/san_$t.txt | tail -n 1) $(last $b/san_$t.txt)"
@@ -49,11 +54,8 @@ else
     add "compute-sanitizer" "not installed"; status=1
 fi
 
-echo "== 4. benchmarks" | tee -a "$log"
-sh bench/run.sh $b/bench_cuda >> "$log" 2>&1 && add "benchmarks" "$(ls -t bench/results/*.md | head -n 1)" || add "benchmarks" "FAILED"
-
 echo
-echo "| gpu-check ($(date +%Y-%m-%d), $(git rev-parse --short HEAD 2>/dev/null)) | result |"
+echo "| gpu-check ($(date +%Y-%m-%d), ${MGPU_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}) | result |"
 echo "| --- | --- |"
 printf '%s' "$rows"
 echo
