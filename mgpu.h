@@ -412,8 +412,13 @@ MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride);   /* stride 0: 
 /* Summing a tensor across the devices of a set (an all-reduce), the heart of data parallelism.
    Backends, chosen at run time:
      NCCL  libnccl.so.2 loaded with dlopen; distinct GPUs only (ncclCommInitAll).
-     P2P   ring reduce-scatter + all-gather with peer copies and an add kernel; works for several
-           replicas on one GPU, and through the host where two GPUs cannot reach each other.
+     P2P   peer-to-peer, two algorithms. One-shot: a single kernel on replica 0's GPU reads every
+           buffer and writes the sum into each; it serves every size when the replicas share one
+           GPU (it moves the fewest bytes) and buffers up to 256 KiB across GPUs with peer access
+           (one launch instead of 2R(R-1) copies and adds). Otherwise a ring: reduce-scatter +
+           all-gather with peer copies and an add kernel, through the host where two GPUs cannot
+           reach each other. MGPU_P2P=ring|oneshot overrides the choice (oneshot only where
+           replica 0's GPU reaches every replica's memory).
      HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
            through pinned host memory, the slow but simple reference.)
    AUTO picks HOST for CPU sets, NCCL for distinct GPUs when it loads, P2P otherwise; the
@@ -430,6 +435,12 @@ typedef struct mgpu_allreduce mgpu_allreduce;
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind);
 MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar);
 MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
+/* The algorithm a sum of `bytes` per replica takes ("nccl", "oneshot", "ring", "host", "none"),
+   and the bytes it reads plus writes in memory where it sums (device memory for P2P, host memory
+   for HOST), copies and sum kernels together; 0 where that is not known, as inside NCCL. For
+   bandwidth figures. */
+MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes);
+MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes);
 /* tensors[i] lives on device i of the set; all f32 with the same element count. Afterwards each
    holds the element-wise sum. Ordered after earlier work on each device's stream, and before
    later work (it does not wait on the host). */
@@ -877,6 +888,12 @@ int mgpu__cu_nccl_group_start(void);
 int mgpu__cu_nccl_group_end(void);
 /* In-place float32 sum all-reduce of buf[n] on one rank; call for every rank inside a group. */
 int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream);
+
+/* The one-shot all-reduce of the P2P backend: one kernel on dev reads bufs[0..count)[0..n) (each
+   reachable from dev: the same GPU, or peer access on), sums them in replica order
+   ((b0 + b1) + b2) + ..., as the host backend does, and writes the sum into every buffer. */
+#define MGPU__CU_ONESHOT_MAX 16
+int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int count, size_t n);
 
 #ifdef __cplusplus
 }
@@ -3226,6 +3243,9 @@ struct mgpu_allreduce {
     mgpu__rank* rank;
     float* host_stage;      /* HOST with GPU replicas: pinned staging of count buffers */
     size_t host_stage_floats;
+    int one_gpu;            /* every replica on the same GPU (virtual devices) */
+    int oneshot_reach;      /* P2P: replica 0's GPU can read and write every replica's memory */
+    char p2p_choice;        /* P2P: 'a' automatic, 'r' always the ring, 'o' always one-shot (MGPU_P2P) */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -3266,6 +3286,17 @@ static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
     mgpu__log(MGPU_LOG_WARN, "MGPU_ALLREDUCE='%s' is not nccl, p2p or host; choosing automatically", env);
     return kind;
 }
+
+#ifdef MGPU_CUDA
+static char mgpu__p2p_choice_from_env(void) {
+    const char* env = getenv("MGPU_P2P");
+    if (!env || !*env || !strcmp(env, "auto")) return 'a';
+    if (!strcmp(env, "ring")) return 'r';
+    if (!strcmp(env, "oneshot")) return 'o';
+    mgpu__log(MGPU_LOG_WARN, "MGPU_P2P='%s' is not ring, oneshot or auto; choosing automatically", env);
+    return 'a';
+}
+#endif
 
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
     static const char* op = "mgpu_allreduce_create";
@@ -3322,11 +3353,44 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
             for (i = 0; i < set->count; ++i) ar->rank[i].nccl_comm = comms[i];
         }
     }
+    ar->p2p_choice = mgpu__p2p_choice_from_env();
+    ar->one_gpu = 1;
+    ar->oneshot_reach = set->count <= MGPU__CU_ONESHOT_MAX;
+    for (i = 1; cuda && i < set->count; ++i) {   /* peer access is switched on by the device set */
+        const int o0 = set->devices[0]->ordinal, oi = set->devices[i]->ordinal;
+        ar->one_gpu &= oi == o0;
+        ar->oneshot_reach &= oi == o0 || (mgpu_device_can_access_peer(set->devices[0], set->devices[i]) &&
+                                          mgpu__cu_enable_peer_access(o0, oi) == 0);
+    }
 #endif
     return ar;
 }
 
 MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) { return ar ? ar->kind : MGPU_ALLREDUCE_NONE; }
+
+/* Across GPUs the one-shot funnels everything through replica 0's links: small buffers only. */
+#define MGPU__ONESHOT_CROSS_GPU_BYTES ((size_t)256 << 10)
+static int mgpu__ar_oneshot_fits(const mgpu_allreduce* ar, size_t bytes) {
+    if (ar->kind != MGPU_ALLREDUCE_P2P || !ar->oneshot_reach || ar->p2p_choice == 'r') return 0;
+    return ar->p2p_choice == 'o' || ar->one_gpu || bytes <= MGPU__ONESHOT_CROSS_GPU_BYTES;
+}
+
+MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes) {
+    if (!ar || ar->kind == MGPU_ALLREDUCE_NONE) return "none";
+    if (ar->kind == MGPU_ALLREDUCE_P2P) return mgpu__ar_oneshot_fits(ar, bytes) ? "oneshot" : "ring";
+    return mgpu_allreduce_name(ar->kind);
+}
+
+MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes) {
+    const double n = ar ? (double)ar->count : 0.0, b = (double)bytes;
+    if (!ar || ar->kind == MGPU_ALLREDUCE_NONE || ar->kind == MGPU_ALLREDUCE_NCCL) return 0.0;
+    if (ar->kind == MGPU_ALLREDUCE_HOST)   /* host sum: n - 1 adds (2 reads + write), n - 1 copies */
+        return (n - 1.0) * 5.0 * b;
+    if (mgpu__ar_oneshot_fits(ar, bytes)) return 2.0 * n * b;   /* each buffer read once, written once */
+    /* ring, per replica and step (chunks of b/n): reduce-scatter copies (read + write) and adds
+       (2 reads + write), all-gather copies: 7 (n - 1) b/n per replica, 7 (n - 1) b in all */
+    return 7.0 * (n - 1.0) * b;
+}
 
 /* -- HOST: CPU replicas sum slices of the buffers in parallel, replicas always in order 0..n-1 -- */
 typedef struct mgpu__host_sum_job { float* const* bufs; int count; } mgpu__host_sum_job;
@@ -3416,6 +3480,24 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
     return MGPU_OK;
 }
 
+/* One-shot: replica 0's comm stream waits for every comm stream's work so far (each of which
+   waits for its compute stream), runs the one sum kernel, and every other comm stream waits for
+   it. Replicas are summed in order, as the host does, so every replica gets the same bits. */
+static mgpu_result mgpu__ar_oneshot(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+    mgpu__rank* first = &ar->rank[0];
+    int i;
+    for (i = 1; i < ar->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_comm, r->stream));
+        MGPU__CU("all-reduce", first->dev, mgpu__cu_stream_wait_event(first->dev->ordinal, first->stream, r->ev_comm));
+    }
+    MGPU__CU("all-reduce", first->dev, mgpu__cu_allreduce_oneshot(first->dev->ordinal, first->stream, bufs, ar->count, n));
+    MGPU__CU("all-reduce", first->dev, mgpu__cu_event_record(first->dev->ordinal, first->ev_comm, first->stream));
+    for (i = 1; i < ar->count; ++i)
+        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_wait_event(ar->rank[i].dev->ordinal, ar->rank[i].stream, first->ev_comm));
+    return MGPU_OK;
+}
+
 /* HOST for GPU replicas: download everything, sum on the host in replica order, upload. */
 static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     mgpu__host_sum_job job;
@@ -3471,6 +3553,7 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
         return MGPU_OK;
     }
     if (ar->kind == MGPU_ALLREDUCE_HOST) return mgpu__ar_staged(ar, bufs, n);
+    if (mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n);
     return mgpu__ar_ring(ar, bufs, n);
 #else
     return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "all-reduce: GPU replicas in a build without CUDA");

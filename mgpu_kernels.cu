@@ -14,7 +14,7 @@
    Every reduction adds in a fixed order (no float atomics), so results repeat bit for bit.
 
    Sections: >>errors >>launching >>devices >>memory >>blas >>elementwise >>reductions >>layers
-             >>optimizers >>nccl
+             >>optimizers >>oneshot >>nccl
 */
 #define MGPU_KERNELS
 #include "mgpu.h"
@@ -1157,6 +1157,40 @@ int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* g
                    mgpu__adamw_args args) {
     USE_DEVICE(dev);
     return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args}, vec4_ok(param, grad, m, v));
+}
+
+// ============================================================================================
+// >>oneshot  the P2P backend's small-buffer (and one-GPU) all-reduce: one launch in all
+// ============================================================================================
+// Element i of every buffer is read and written by the same thread, so the buffers may be
+// summed and overwritten in one pass without a race between replicas.
+struct oneshot_sum_op {
+    float* buf[MGPU__CU_ONESHOT_MAX];
+    int count;
+    template <int V> __device__ float apply(size_t i) const {
+        pack<float, V> sum = load<V>(buf[0], i);
+        for (int r = 1; r < count; ++r) {
+            const pack<float, V> x = load<V>(buf[r], i);
+#pragma unroll
+            for (int k = 0; k < V; ++k) sum.v[k] += x.v[k];
+        }
+        for (int r = 0; r < count; ++r) store<V>(buf[r], i, sum);
+        return 0.0f;
+    }
+};
+
+int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int count, size_t n) {
+    if (count < 1 || count > MGPU__CU_ONESHOT_MAX)
+        return ARGUMENT_ERROR("one-shot all-reduce of %d buffers (at most %d)", count, MGPU__CU_ONESHOT_MAX);
+    USE_DEVICE(dev);
+    oneshot_sum_op op = {};
+    bool vec4 = true;
+    for (int r = 0; r < count; ++r) {
+        op.buf[r] = bufs[r];
+        vec4 = vec4 && vec4_ok(bufs[r]);
+    }
+    op.count = count;
+    return launch_map(dev, stream, "allreduce_oneshot", n, op, vec4);
 }
 
 // ============================================================================================

@@ -5,8 +5,9 @@
 /* tests/test_parallel.c - data parallelism: the all-reduce communicator and training on several
    replicas, against one device.
 
-   1. all-reduce: every backend available (HOST on cpu:2, cpu:3, cpu:4; P2P and HOST on
-      cuda:0,0 and cuda:0,0,0,0; NCCL on distinct GPUs), sizes 0, 1, 3, 7, 4 x odd, not a multiple
+   1. all-reduce: every backend available (HOST on cpu:2, cpu:3, cpu:4; P2P, both its one-shot
+      and its ring (MGPU_P2P), and HOST on cuda:0,0 and cuda:0,0,0,0; NCCL on distinct GPUs), and
+      the algorithm and memory traffic each reports; sizes 0, 1, 3, 7, 4 x odd, not a multiple
       of the replica count, about 2^20 (2^14 with MGPU_TEST_QUICK=1), views inside larger
       buffers: the float64 sum on every replica, every replica the same bits, the same bits run
       after run. Backend choice: NONE for one device, HOST for CPU sets whatever is asked
@@ -520,6 +521,27 @@ static mgpu_allreduce_kind backend_for(const char* spec, mgpu_allreduce_kind kin
     return got;
 }
 
+/* The algorithm a communicator on spec picks for `bytes` (with MGPU_P2P=env when env is not
+   NULL), and the memory traffic it reports. */
+static void algorithm_case(const char* spec, const char* env, size_t bytes, const char* want, double want_traffic) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_allreduce* ar;
+    if (env) setenv("MGPU_P2P", env, 1);
+    log_capture_start();
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+    log_capture_stop();
+    if (env) unsetenv("MGPU_P2P");
+    CHECK(ar != NULL, "mgpu_allreduce_create(%s): %s", spec, mgpu_last_error());
+    if (ar) {
+        CHECK(strcmp(mgpu_allreduce_algorithm(ar, bytes), want) == 0, "%s%s%s, %zu bytes: algorithm %s, want %s", spec,
+              env ? " with MGPU_P2P=" : "", env ? env : "", bytes, mgpu_allreduce_algorithm(ar, bytes), want);
+        CHECK(mgpu_allreduce_memory_traffic(ar, bytes) == want_traffic, "%s%s%s, %zu bytes: memory traffic %.0f, want %.0f", spec,
+              env ? " with MGPU_P2P=" : "", env ? env : "", bytes, mgpu_allreduce_memory_traffic(ar, bytes), want_traffic);
+    }
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+}
+
 /* MGPU_ALLREDUCE_NONE names the one-replica case; asked for on several devices it must either be
    refused or give a communicator (and a model) that really sums. */
 static void none_request_case(const char* spec) {
@@ -673,6 +695,13 @@ static void test_allreduce(void) {
         mgpu_device_set_destroy(s2);
     }
 
+    /* the algorithm and the memory it moves, for the benchmarks */
+    CHECK(strcmp(mgpu_allreduce_algorithm(NULL, 4096), "none") == 0 && mgpu_allreduce_memory_traffic(NULL, 4096) == 0.0,
+          "mgpu_allreduce_algorithm / memory_traffic (NULL)");
+    algorithm_case("cpu", NULL, 4096, "none", 0.0);
+    algorithm_case("cpu:2", NULL, 4096, "host", 5.0 * 4096);          /* one add (2 reads + write), one copy */
+    algorithm_case("cpu:4", "ring", 1 << 20, "host", 15.0 * (1 << 20));   /* MGPU_P2P means nothing to CPU replicas */
+
     /* sums on every CPU set */
     for (i = 0; i < 3; ++i) allreduce_on(cpu_specs[i], MGPU_ALLREDUCE_AUTO, MGPU_ALLREDUCE_HOST);
     allreduce_on("cpu:3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_HOST);
@@ -682,7 +711,18 @@ static void test_allreduce(void) {
     if (gpu_group("all-reduce")) {
         const char* gpu_specs[2] = {"cuda:0,0", "cuda:0,0,0,0"};
         for (i = 0; i < 2; ++i) {
+            const double R = (double)(i == 0 ? 2 : 4);
+            /* one GPU: one-shot at every size (2R bytes per byte, against the ring's 7(R-1)) */
+            algorithm_case(gpu_specs[i], NULL, 4096, "oneshot", 2.0 * R * 4096);
+            algorithm_case(gpu_specs[i], NULL, (size_t)1 << 30, "oneshot", 2.0 * R * (double)(1 << 30));
+            algorithm_case(gpu_specs[i], "ring", 4096, "ring", 7.0 * (R - 1.0) * 4096);
+            algorithm_case(gpu_specs[i], "oneshot", 4096, "oneshot", 2.0 * R * 4096);
+            algorithm_case(gpu_specs[i], "bogus", 4096, "oneshot", 2.0 * R * 4096);
+            CHECK(has(g_log, "bogus"), "MGPU_P2P=bogus: no warning naming it (log: '%s')", g_log);
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            setenv("MGPU_P2P", "ring", 1);   /* the ring, which distinct GPUs take for large buffers */
+            allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            unsetenv("MGPU_P2P");
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
             CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_P2P, "%s auto: backend is not p2p", gpu_specs[i]);
             CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_P2P, "%s asking for nccl (one GPU twice): not p2p",
@@ -698,6 +738,9 @@ static void test_allreduce(void) {
                 SKIP("nccl all-reduce: libnccl.so.2 could not be loaded");
             }
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            setenv("MGPU_P2P", "oneshot", 1);   /* one-shot at every size, where peer access allows */
+            allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            unsetenv("MGPU_P2P");
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
         } else {
             SKIP("nccl all-reduce: needs two distinct GPUs (this machine has %d)", g_gpus);
@@ -1287,7 +1330,9 @@ static void test_wide_first_layer(void) {
 /* ============================================================================================ */
 static void test_cuda_training(void) {
     const char* specs[2] = {"cuda:0,0", "cuda:0,0,0,0"};
-    mgpu_allreduce_kind kinds[2] = {MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_HOST};
+    /* P2P twice: its automatic choice (one-shot on one GPU) and the ring (MGPU_P2P=ring) */
+    mgpu_allreduce_kind kinds[3] = {MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_HOST};
+    const char* p2p_env[3] = {NULL, "ring", NULL};
     mgpu_loss_kind losses[2] = {MGPU_LOSS_CROSS_ENTROPY, MGPU_LOSS_MSE};
     mgpu_optimizer_desc ods[2];
     int64_t Bs[2] = {24, 25};
@@ -1310,15 +1355,18 @@ static void test_cuda_training(void) {
                 snprintf(what, sizeof what, "cuda:0 vs cpu, B=%lld, %s, %s", (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
                 compare_runs(what, &ref_gpu, &ref_cpu, 6, 1e-4);
                 for (i = 0; i < 2; ++i)
-                    for (k = 0; k < 2; ++k) {
+                    for (k = 0; k < 3; ++k) {
+                        const char* name = p2p_env[k] ? p2p_env[k] : mgpu_allreduce_name(kinds[k]);
                         c.allreduce = kinds[k];
+                        if (p2p_env[k]) setenv("MGPU_P2P", p2p_env[k], 1);
                         train_run(specs[i], &c, &ods[o], &bs, &got);
-                        snprintf(what, sizeof what, "%s %s vs cuda:0, B=%lld, %s, %s", specs[i], mgpu_allreduce_name(kinds[k]),
+                        if (p2p_env[k]) unsetenv("MGPU_P2P");
+                        snprintf(what, sizeof what, "%s %s vs cuda:0, B=%lld, %s, %s", specs[i], name,
                                  (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
                         CHECK(got.backend == kinds[k], "%s: backend %s", what, mgpu_allreduce_name(got.backend));
                         CHECK(got.buckets == 2, "%s: %d buckets, want 2", what, got.buckets);
                         compare_runs(what, &got, &ref_gpu, 6, 1e-4);
-                        snprintf(what, sizeof what, "%s %s vs cpu, B=%lld, %s, %s", specs[i], mgpu_allreduce_name(kinds[k]),
+                        snprintf(what, sizeof what, "%s %s vs cpu, B=%lld, %s, %s", specs[i], name,
                                  (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
                         compare_runs(what, &got, &ref_cpu, 6, 1e-4);
                         run_free(&got);
