@@ -10,6 +10,8 @@
 #include <string.h>
 
 static int quick;
+static double copy_gbs[2];     /* device-to-device copy bandwidth, [0] CPU, [1] GPU: the yardstick */
+static double gemm_tflops;     /* cuBLAS on the large MLP's GEMM shape, measured in the same run */
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;
@@ -57,6 +59,12 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     return mgpu_model_create(&d);
 }
 
+/* a batch of inputs for the model */
+static mgpu_shape batch_shape(const char* model_name, int batch) {
+    if (!strcmp(model_name, "cnn")) return mgpu_shape4(batch, 1, 28, 28);
+    return mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
+}
+
 static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
     mgpu_model* m;
@@ -76,7 +84,7 @@ static void bench_training(const char* workload, const char* model_name, const c
     od.lr = 0.01f;
     od.momentum = 0.9f;
     opt = mgpu_optimizer_create(m, &od);
-    xs = !strcmp(model_name, "cnn") ? mgpu_shape4(batch, 1, 28, 28) : mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
+    xs = batch_shape(model_name, batch);
     /* the batch lives where the model's first replica does: the step itself is measured */
     x = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_F32, xs);
     y = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_I32, mgpu_shape1(batch));
@@ -96,6 +104,7 @@ static void bench_training(const char* workload, const char* model_name, const c
     if (!strcmp(model_name, "mlp4096")) {   /* 3 GEMMs per Linear: forward, weight and input gradients */
         double flops = 2.0 * 3.0 * batch * (4.0 * 4096.0 * 4096.0 + 4096.0 * 10.0);
         row(workload, spec, "tflops", flops / median(t, steps) / 1e12, "TFLOP/s", NULL);
+        if (gemm_tflops > 0.0) row(workload, spec, "of_gemm", flops / median(t, steps) / 1e12 / gemm_tflops, "x", "of the bare GEMM rate");
     }
     row(workload, spec, "peak_mem", (double)after.peak_bytes_in_use / 1048576.0, "MiB", NULL);
     row(workload, spec, "allocs_per_step", (double)(after.backend_allocs - before.backend_allocs) / steps, "allocs", NULL);
@@ -105,6 +114,43 @@ static void bench_training(const char* workload, const char* model_name, const c
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
     mgpu_device_set_destroy(set);
+}
+
+static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
+
+/* ---- the bare GEMM of the large MLP (out [2048, 4096] = x [2048, 4096] @ W^T), TF32 allowed:
+   the rate its training step is measured against ---- */
+static void bench_gemm(const char* spec, int m, int n, int k, int reps) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_device* dev;
+    mgpu_tensor *a, *b, *c;
+    double* t = (double*)malloc(sizeof(double) * (size_t)reps);
+    char name[64];
+    int i;
+    if (!set) fail(spec);
+    dev = mgpu_device_set_get(set, 0);
+    a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(m, k));
+    b = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(n, k));
+    c = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(m, n));
+    if (!a || !b || !c || mgpu_device_set_tf32(dev, 1) || mgpu_rand_normal(a, 5, 0, 0.0f, 1.0f) || mgpu_rand_normal(b, 5, 1u << 30, 0.0f, 1.0f))
+        fail("gemm");
+    for (i = -3; i < reps; ++i) {
+        double t0;
+        mgpu_device_synchronize(dev);
+        t0 = mgpu_seconds();
+        if (mgpu_matmul(c, a, b, 0, 1, 1.0f, 0.0f)) fail("gemm");
+        mgpu_device_synchronize(dev);
+        if (i >= 0) t[i] = mgpu_seconds() - t0;
+    }
+    gemm_tflops = 2.0 * m * n * (double)k / median(t, reps) / 1e12;
+    snprintf(name, sizeof name, "gemm_%dx%dx%d", m, n, k);
+    row(name, spec, "tflops", gemm_tflops, "TFLOP/s", "TF32, cuBLAS");
+    mgpu_device_set_tf32(dev, 0);
+    mgpu_tensor_destroy(a);
+    mgpu_tensor_destroy(b);
+    mgpu_tensor_destroy(c);
+    mgpu_device_set_destroy(set);
+    free(t);
 }
 
 /* ---- bandwidth: optimizer step and elementwise ops against a plain copy ---- */
@@ -118,7 +164,7 @@ static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
     mgpu_optimizer_desc od;
     mgpu_model_desc md;
     mgpu_layer* layer;
-    double *t = (double*)malloc(sizeof(double) * (size_t)reps), copy_gbs = 0.0;
+    double *t = (double*)malloc(sizeof(double) * (size_t)reps), copy = 0.0;
     int i, k;
     if (!set) fail(spec);
     dev = mgpu_device_set_get(set, 0);
@@ -137,12 +183,13 @@ static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
             if (i >= 0) t[i] = mgpu_seconds() - t0;
         }
         if (k == 0) {
-            copy_gbs = 2.0 * (double)bytes / median(t, reps) / 1e9;   /* read + write */
-            row("copy_256MiB", spec, "bandwidth", copy_gbs, "GB/s", "reads+writes per second");
+            copy = 2.0 * (double)bytes / median(t, reps) / 1e9;   /* read + write */
+            copy_gbs[dev_is_gpu(dev)] = copy;
+            row("copy_256MiB", spec, "bandwidth", copy, "GB/s", "reads+writes per second");
         } else if (k == 1) {
             double gbs = 3.0 * (double)bytes / median(t, reps) / 1e9;
             row("add_256MiB", spec, "bandwidth", gbs, "GB/s", NULL);
-            row("add_256MiB", spec, "of_copy", gbs / copy_gbs, "x", NULL);
+            row("add_256MiB", spec, "of_copy", gbs / copy, "x", NULL);
         }
     }
     mgpu_tensor_destroy(a);
@@ -172,7 +219,7 @@ static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
     {
         double gbs = 5.0 * (double)mgpu_tensor_bytes(mgpu_model_params(m, 0)) / median(t, reps) / 1e9;
         row("sgd_step_256MiB", spec, "bandwidth", gbs, "GB/s", NULL);
-        row("sgd_step_256MiB", spec, "of_copy", gbs / copy_gbs, "x", NULL);
+        row("sgd_step_256MiB", spec, "of_copy", gbs / copy, "x", NULL);
     }
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
@@ -180,22 +227,26 @@ static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
     free(t);
 }
 
-/* ---- all-reduce: algorithm and bus bandwidth ---- */
-static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_kind kind) {
+/* ---- all-reduce: algorithm and bus bandwidth, and the memory it moves against a copy ----
+   p2p_env, where not NULL, is put in MGPU_P2P while the communicator is made (ring, oneshot). */
+static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_kind kind, const char* p2p_env) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
     mgpu_allreduce* ar;
     mgpu_tensor* t[MGPU__MAX_REPLICAS];
     size_t bytes;
     int n, i, r, reps;
-    char name[64];
+    char name[96];
     if (!set) fail(spec);
     n = mgpu_device_set_count(set);
+    if (p2p_env) setenv("MGPU_P2P", p2p_env, 1);
     ar = mgpu_allreduce_create(set, kind);
+    if (p2p_env) unsetenv("MGPU_P2P");
     if (!ar) fail("allreduce");
-    for (bytes = 4096; bytes <= max_bytes; bytes *= 16) {
+    for (bytes = 4096; bytes <= max_bytes; bytes *= 4) {
         const int64_t count = (int64_t)(bytes / sizeof(float));
-        double times[32], sec;
-        reps = bytes <= (1u << 20) ? 31 : 7;
+        const double copy = copy_gbs[dev_is_gpu(mgpu_device_set_get(set, 0))];
+        double times[32], sec, traffic;
+        reps = bytes <= ((size_t)1 << 20) ? 31 : bytes <= ((size_t)64 << 20) ? 11 : 5;
         for (r = 0; r < n; ++r) {
             t[r] = mgpu_tensor_create(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(count));
             if (!t[r] || mgpu_rand_uniform(t[r], 2, (uint64_t)r << 32, -1, 1)) fail("allreduce buffers");
@@ -209,18 +260,111 @@ static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_k
             if (i >= 0) times[i] = mgpu_seconds() - t0;
         }
         sec = median(times, reps);
-        snprintf(name, sizeof name, "allreduce_%s_%zuKiB", mgpu_allreduce_name(mgpu_allreduce_backend(ar)), bytes / 1024);
+        {   /* allreduce_host_4KiB, allreduce_p2p-oneshot_4KiB */
+            const char *backend = mgpu_allreduce_name(mgpu_allreduce_backend(ar)), *algorithm = mgpu_allreduce_algorithm(ar, bytes);
+            if (!strcmp(backend, algorithm)) snprintf(name, sizeof name, "allreduce_%s_%zuKiB", backend, bytes / 1024);
+            else snprintf(name, sizeof name, "allreduce_%s-%s_%zuKiB", backend, algorithm, bytes / 1024);
+        }
         row(name, spec, "time", sec * 1e6, "us", NULL);
         row(name, spec, "algbw", (double)bytes / sec / 1e9, "GB/s", NULL);
         row(name, spec, "busbw", (double)bytes / sec / 1e9 * 2.0 * (n - 1) / n, "GB/s", NULL);
-        if (mgpu_allreduce_backend(ar) == MGPU_ALLREDUCE_P2P)   /* the ring's own device-memory traffic: per
-            step and replica, reduce-scatter copies (read+write) and adds (2 reads+write) a chunk of
-            bytes/n, all-gather copies one: 7 (n-1) bytes/n per replica, 7 (n-1) bytes in all */
-            row(name, spec, "mem_bw", 7.0 * (n - 1) * (double)bytes / sec / 1e9, "GB/s", "device memory read+written");
+        traffic = mgpu_allreduce_memory_traffic(ar, bytes);
+        if (traffic > 0.0 && bytes * (size_t)n >= ((size_t)64 << 20)) {   /* what the sum reads and writes per second in
+            the memory the replicas share; from 64 MiB in all (beyond the caches) */
+            row(name, spec, "mem_bw", traffic / sec / 1e9, "GB/s", "memory read+written");
+            if (copy > 0.0) row(name, spec, "mem_of_copy", traffic / sec / 1e9 / copy, "x", "of the copy bandwidth");
+        }
         for (r = 0; r < n; ++r) mgpu_tensor_destroy(t[r]);
     }
     mgpu_allreduce_destroy(ar);
     mgpu_device_set_destroy(set);
+}
+
+/* ---- data parallelism: a step on N replicas against one, and how much of the all-reduce time
+   the step hides behind backward. Measured apart on the N replicas, interleaved step by step so
+   that a slow spell of the machine touches all three alike: the training step; the step without
+   any all-reduce (forward, backward and the optimizer: mgpu_model_accumulate +
+   mgpu_optimizer_step); one all-reduce of the whole gradient buffer alone.
+   hidden = (compute + all-reduce - step) / all-reduce, kept within [0, 1]; not given where the
+   all-reduce is under 5% of the step, which is within the timing noise. ---- */
+enum { TIME_STEP, TIME_COMPUTE, TIME_ALLREDUCE, TIME_KINDS };
+
+static double time_one(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x, const mgpu_tensor* y, int what, mgpu_allreduce* ar) {
+    mgpu_tensor* grads[MGPU__MAX_REPLICAS];
+    const int n = mgpu_model_replica_count(m);
+    double t0;
+    int r, bad;
+    for (r = 0; r < n; ++r) grads[r] = mgpu_model_grads(m, r);
+    for (r = 0; r < n; ++r) mgpu_device_synchronize(mgpu_model_device(m, r));
+    t0 = mgpu_seconds();
+    if (what == TIME_STEP) bad = mgpu_model_train_step(m, opt, x, y, NULL) != MGPU_OK;
+    else if (what == TIME_COMPUTE) bad = mgpu_model_zero_grad(m) || mgpu_model_accumulate(m, x, y, 0, NULL) || mgpu_optimizer_step(opt);
+    else bad = mgpu_allreduce_sum(ar, grads, n) != MGPU_OK;
+    if (bad) fail("data-parallel step");
+    for (r = 0; r < n; ++r) mgpu_device_synchronize(mgpu_model_device(m, r));
+    return mgpu_seconds() - t0;
+}
+
+/* median seconds of each kind (only the step for one replica) */
+static void dp_measure(const char* model_name, const char* spec, int batch, int steps, int tf32, double sec[TIME_KINDS]) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_optimizer_desc od;
+    mgpu_allreduce* ar = NULL;
+    mgpu_tensor *x, *y;
+    double* t[TIME_KINDS];
+    int i, k, r, kinds;
+    if (!set) fail(spec);
+    m = make_model(model_name, set);
+    if (!m) fail(model_name);
+    for (r = 0; tf32 && r < mgpu_model_replica_count(m); ++r) mgpu_device_set_tf32(mgpu_model_device(m, r), 1);
+    memset(&od, 0, sizeof od);
+    od.lr = 0.01f;
+    od.momentum = 0.9f;
+    opt = mgpu_optimizer_create(m, &od);
+    x = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_F32, batch_shape(model_name, batch));
+    y = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_I32, mgpu_shape1(batch));
+    if (!opt || !x || !y || mgpu_rand_normal(x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(y, 3.0)) fail(spec);
+    kinds = mgpu_model_replica_count(m) > 1 ? TIME_KINDS : 1;
+    if (kinds > 1 && !(ar = mgpu_allreduce_create(set, mgpu_model_allreduce(m)))) fail("data-parallel all-reduce");
+    for (k = 0; k < TIME_KINDS; ++k) t[k] = (double*)calloc((size_t)steps, sizeof(double));
+    for (i = -3; i < steps; ++i)   /* three warm-ups */
+        for (k = 0; k < kinds; ++k) {
+            const double s = time_one(m, opt, x, y, k, ar);
+            if (i >= 0) t[k][i] = s;
+        }
+    for (k = 0; k < TIME_KINDS; ++k) {
+        sec[k] = median(t[k], steps);
+        free(t[k]);
+    }
+    mgpu_allreduce_destroy(ar);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static void bench_data_parallel(const char* model_name, const char* one, const char* spec, int batch, int steps, int tf32) {
+    double a[TIME_KINDS], b[TIME_KINDS], hidden;
+    char name[64], note[96];
+    dp_measure(model_name, one, batch, steps, tf32, a);
+    dp_measure(model_name, spec, batch, steps, tf32, b);
+    snprintf(name, sizeof name, "dp_%s_b%d", model_name, batch);
+    snprintf(note, sizeof note, "one device (%s): %.4g ms", one, a[TIME_STEP] * 1e3);
+    row(name, spec, "step", b[TIME_STEP] * 1e3, "ms", NULL);
+    row(name, spec, "vs_one_device", a[TIME_STEP] / b[TIME_STEP], "x", note);
+    row(name, spec, "compute_only", b[TIME_COMPUTE] * 1e3, "ms", "forward, backward, optimizer; no all-reduce");
+    row(name, spec, "allreduce", b[TIME_ALLREDUCE] * 1e3, "ms", "the whole gradient buffer, alone");
+    if (b[TIME_ALLREDUCE] < 0.05 * b[TIME_STEP]) {
+        snprintf(note, sizeof note, "hidden fraction: the all-reduce is %.1f%% of the step, within timing noise",
+                 100.0 * b[TIME_ALLREDUCE] / b[TIME_STEP]);
+        row(name, spec, "skipped", 0, "", note);
+        return;
+    }
+    hidden = (b[TIME_COMPUTE] + b[TIME_ALLREDUCE] - b[TIME_STEP]) / b[TIME_ALLREDUCE];
+    row(name, spec, "hidden", hidden < 0.0 ? 0.0 : hidden > 1.0 ? 1.0 : hidden, "x", "of the all-reduce time hidden behind backward");
 }
 
 int main(int argc, char** argv) {
@@ -233,18 +377,25 @@ int main(int argc, char** argv) {
         bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 10, 0);
         bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);
         bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
-        bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST);
+        bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
+        bench_data_parallel("cnn", "cpu", "cpu:2", 128, quick ? 3 : 20, 0);
     }
     if (cuda) {
+        bench_gemm("cuda:0", 2048, 4096, 4096, 20);
         bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("mlp784_b64", "mlp784", "cuda:0,0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0,0", 2048, 20, 1);
         bench_bandwidth("cuda:0", (size_t)256 << 20, 20);
-        bench_allreduce("cuda:0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P);
-        bench_allreduce("cuda:0,0,0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P);
-        if (mgpu_cuda_device_count() > 1) bench_allreduce("cuda", (size_t)1 << 30, MGPU_ALLREDUCE_AUTO);
+        bench_allreduce("cuda:0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P, NULL);
+        bench_allreduce("cuda:0,0,0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P, NULL);
+        bench_allreduce("cuda:0,0,0,0", (size_t)1 << 30, MGPU_ALLREDUCE_P2P, "ring");
+        bench_allreduce("cuda:0,0,0,0", (size_t)1 << 30, MGPU_ALLREDUCE_HOST, NULL);
+        if (mgpu_cuda_device_count() > 1) bench_allreduce("cuda", (size_t)1 << 30, MGPU_ALLREDUCE_AUTO, NULL);
+        bench_data_parallel("mlp4096", "cuda:0", "cuda:0,0", 2048, 20, 1);
+        bench_data_parallel("mlp4096", "cuda:0", "cuda:0,0,0,0", 2048, 20, 1);
+        if (mgpu_cuda_device_count() > 1) bench_data_parallel("mlp4096", "cuda:0", "cuda", 2048, 20, 1);
     } else if (strcmp(which, "cpu") != 0) {
         row("gpu_workloads", "cuda", "skipped", 0, "", "no GPU on this machine");
     }

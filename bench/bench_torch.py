@@ -13,6 +13,7 @@ threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 which = sys.argv[2] if len(sys.argv) > 2 else "all"
 quick = "--quick" in sys.argv
 torch.set_num_threads(threads)
+gemm_tflops = None   # the bare GEMM rate, measured first on the GPU
 
 
 def row(workload, device, metric, value, unit, note=""):
@@ -68,6 +69,8 @@ def bench_training(workload, name, label, batch, steps, tf32=False):
     if name == "mlp4096":
         flops = 2.0 * 3.0 * batch * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0)
         row(workload, label, "tflops", flops / t / 1e12, "TFLOP/s")
+        if gemm_tflops:
+            row(workload, label, "of_gemm", flops / t / 1e12 / gemm_tflops, "x", "of the bare GEMM rate")
     if dev.type == "cuda":
         row(workload, label, "peak_mem", torch.cuda.max_memory_allocated(dev) / 1048576.0, "MiB")
 
@@ -103,12 +106,33 @@ def bench_bandwidth(label, nbytes, reps):
     row("sgd_step_256MiB", label, "of_copy", sgd / copy, "x")
 
 
+def bench_gemm(label, m, n, k, reps):
+    """The large MLP's GEMM, out = x @ W^T with TF32: the rate its step is measured against."""
+    dev = torch.device("cuda:0")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    a = torch.randn(m, k, device=dev)
+    b = torch.randn(n, k, device=dev)
+    times = []
+    for i in range(reps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        torch.matmul(a, b.t())
+        sync(dev)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    global gemm_tflops
+    gemm_tflops = 2.0 * m * n * k / statistics.median(times) / 1e12
+    row("gemm_%dx%dx%d" % (m, n, k), label, "tflops", gemm_tflops, "TFLOP/s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 row("torch", "-", "version", 0, torch.__version__)
 if which in ("cpu", "all"):
     bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
     bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 10)
     bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
 if which in ("cuda", "all") and torch.cuda.is_available():
+    bench_gemm("cuda:0", 2048, 4096, 4096, 20)
     bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300)
     bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, tf32=True)
     bench_training("cnn_b128", "cnn", "cuda:0", 128, 100)
