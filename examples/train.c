@@ -264,13 +264,19 @@ int main(int argc, char** argv) {
         for (; b < steps - (int64_t)epoch * batches; ++b) mgpu_loader_next(loader, NULL, NULL);   /* resumed mid-epoch */
         while (mgpu_loader_next(loader, &x, &y)) {
             if (o.max_steps && steps >= o.max_steps) { stop = 1; break; }
-            if (mgpu_model_train_step(model, opt, x, y, &loss) != MGPU_OK) { fprintf(stderr, "\ntrain: %s\n", mgpu_last_error()); goto done; }
+            /* the loss only when a line shows it: reading it waits for the GPU, which otherwise
+               runs behind the host, one step queued after another */
+            const int64_t every = interactive ? 20 : (batches / 4 > 0 ? batches / 4 : 1);
+            const int show = (b + 1) % every == 0, last = b + 1 == batches || (o.max_steps && steps + 1 >= o.max_steps);
+            if (mgpu_model_train_step(model, opt, x, y, show || last ? &loss : NULL) != MGPU_OK) {
+                fprintf(stderr, "\ntrain: %s\n", mgpu_last_error());
+                goto done;
+            }
             ++steps;
             ++b;
             epoch_samples += mgpu_tensor_dim(x, 0);
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
-            if (interactive ? (b % 20 == 0) : (b % (batches / 4 > 0 ? batches / 4 : 1) == 0))
-                progress(&o, where, epoch, b, batches, loss, rate, !interactive);
+            if (show) progress(&o, where, epoch, b, batches, loss, rate, !interactive);
         }
         train_seconds += mgpu_seconds() - t0;
         samples += epoch_samples;
