@@ -436,9 +436,10 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
 MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar);
 MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
 /* The algorithm a sum of `bytes` per replica takes ("nccl", "oneshot", "ring", "host", "none"),
-   and the bytes it reads plus writes in memory where it sums (device memory for P2P, host memory
-   for HOST), copies and sum kernels together; 0 where that is not known, as inside NCCL. For
-   bandwidth figures. */
+   and the bytes it reads plus writes in the memory where it sums (device memory for P2P, host
+   memory for HOST on CPU replicas), copies and sum kernels together; 0 where that is not one
+   memory's figure (NCCL's internals, HOST staging GPU buffers through the host). For bandwidth
+   figures. */
 MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes);
 MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes);
 /* tensors[i] lives on device i of the set; all f32 with the same element count. Afterwards each
@@ -3384,8 +3385,8 @@ MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t by
 MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes) {
     const double n = ar ? (double)ar->count : 0.0, b = (double)bytes;
     if (!ar || ar->kind == MGPU_ALLREDUCE_NONE || ar->kind == MGPU_ALLREDUCE_NCCL) return 0.0;
-    if (ar->kind == MGPU_ALLREDUCE_HOST)   /* host sum: n - 1 adds (2 reads + write), n - 1 copies */
-        return (n - 1.0) * 5.0 * b;
+    if (ar->kind == MGPU_ALLREDUCE_HOST)   /* CPU replicas: n - 1 adds (2 reads + write), n - 1 copies; */
+        return ar->rank[0].dev->kind == MGPU_DEVICE_CPU ? (n - 1.0) * 5.0 * b : 0.0;   /* GPUs: two memories */
     if (mgpu__ar_oneshot_fits(ar, bytes)) return 2.0 * n * b;   /* each buffer read once, written once */
     /* ring, per replica and step (chunks of b/n): reduce-scatter copies (read + write) and adds
        (2 reads + write), all-gather copies: 7 (n - 1) b/n per replica, 7 (n - 1) b in all */
@@ -3480,21 +3481,27 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
     return MGPU_OK;
 }
 
-/* One-shot: replica 0's comm stream waits for every comm stream's work so far (each of which
-   waits for its compute stream), runs the one sum kernel, and every other comm stream waits for
-   it. Replicas are summed in order, as the host does, so every replica gets the same bits. */
-static mgpu_result mgpu__ar_oneshot(mgpu_allreduce* ar, float* const* bufs, size_t n) {
+/* One-shot: replica 0's stream waits for every other replica's stream, runs the one sum kernel,
+   and every other stream waits for it. On the comm streams for a bucket while backward goes on
+   (after mgpu__ar_after_compute); for a whole all-reduce directly on the compute streams, which
+   takes a third of the calls (latency is what counts for small sums). Replicas are summed in
+   order, as the host does, so every replica gets the same bits. */
+static mgpu_result mgpu__ar_oneshot(mgpu_allreduce* ar, float* const* bufs, size_t n, int on_compute) {
     mgpu__rank* first = &ar->rank[0];
+    void* first_stream = on_compute ? first->dev->stream : first->stream;
     int i;
     for (i = 1; i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
-        MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_comm, r->stream));
-        MGPU__CU("all-reduce", first->dev, mgpu__cu_stream_wait_event(first->dev->ordinal, first->stream, r->ev_comm));
+        void* ready = on_compute ? r->ev_compute : r->ev_comm;
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, ready, on_compute ? r->dev->stream : r->stream));
+        MGPU__CU("all-reduce", first->dev, mgpu__cu_stream_wait_event(first->dev->ordinal, first_stream, ready));
     }
-    MGPU__CU("all-reduce", first->dev, mgpu__cu_allreduce_oneshot(first->dev->ordinal, first->stream, bufs, ar->count, n));
-    MGPU__CU("all-reduce", first->dev, mgpu__cu_event_record(first->dev->ordinal, first->ev_comm, first->stream));
-    for (i = 1; i < ar->count; ++i)
-        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_wait_event(ar->rank[i].dev->ordinal, ar->rank[i].stream, first->ev_comm));
+    MGPU__CU("all-reduce", first->dev, mgpu__cu_allreduce_oneshot(first->dev->ordinal, first_stream, bufs, ar->count, n));
+    MGPU__CU("all-reduce", first->dev, mgpu__cu_event_record(first->dev->ordinal, first->ev_comm, first_stream));
+    for (i = 1; i < ar->count; ++i) {
+        mgpu__rank* r = &ar->rank[i];
+        MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_wait_event(r->dev->ordinal, on_compute ? r->dev->stream : r->stream, first->ev_comm));
+    }
     return MGPU_OK;
 }
 
@@ -3553,7 +3560,7 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
         return MGPU_OK;
     }
     if (ar->kind == MGPU_ALLREDUCE_HOST) return mgpu__ar_staged(ar, bufs, n);
-    if (mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n);
+    if (mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n, 0);
     return mgpu__ar_ring(ar, bufs, n);
 #else
     return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "all-reduce: GPU replicas in a build without CUDA");
@@ -3565,6 +3572,7 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
 static mgpu_result mgpu__ar_sum(mgpu_allreduce* ar, float* const* bufs, size_t n) {
 #ifdef MGPU_CUDA
     if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
+        if (n > 0 && mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n, 1);
         MGPU__TRY(mgpu__ar_after_compute(ar));
         MGPU__TRY(mgpu__ar_reduce(ar, bufs, n));
         return mgpu__ar_before_compute(ar);

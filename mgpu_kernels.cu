@@ -1163,18 +1163,26 @@ int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* g
 // >>oneshot  the P2P backend's small-buffer (and one-GPU) all-reduce: one launch in all
 // ============================================================================================
 // Element i of every buffer is read and written by the same thread, so the buffers may be
-// summed and overwritten in one pass without a race between replicas.
+// summed and overwritten in one pass without a race between replicas. The loads are unrolled
+// over the largest replica count, so they are all in flight at once (across GPUs each is a
+// round trip over the link), and then added in replica order.
 struct oneshot_sum_op {
     float* buf[MGPU__CU_ONESHOT_MAX];
     int count;
     template <int V> __device__ float apply(size_t i) const {
-        pack<float, V> sum = load<V>(buf[0], i);
-        for (int r = 1; r < count; ++r) {
-            const pack<float, V> x = load<V>(buf[r], i);
+        pack<float, V> x[MGPU__CU_ONESHOT_MAX];
 #pragma unroll
-            for (int k = 0; k < V; ++k) sum.v[k] += x.v[k];
-        }
-        for (int r = 0; r < count; ++r) store<V>(buf[r], i, sum);
+        for (int r = 0; r < MGPU__CU_ONESHOT_MAX; ++r)
+            if (r < count) x[r] = load<V>(buf[r], i);
+#pragma unroll
+        for (int r = 1; r < MGPU__CU_ONESHOT_MAX; ++r)
+            if (r < count) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) x[0].v[k] += x[r].v[k];
+            }
+#pragma unroll
+        for (int r = 0; r < MGPU__CU_ONESHOT_MAX; ++r)
+            if (r < count) store<V>(buf[r], i, x[0]);
         return 0.0f;
     }
 };

@@ -67,7 +67,8 @@ def bench_training(workload, name, label, batch, steps, tf32=False):
     t = statistics.median(times)
     row(workload, label, "step", t * 1e3, "ms")
     if name == "mlp4096":
-        flops = 2.0 * 3.0 * batch * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0)
+        # 3 GEMMs per Linear, none for the first layer's input gradient (x needs no gradient)
+        flops = 2.0 * batch * (3.0 * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0) - 4096.0 * 4096.0)
         row(workload, label, "tflops", flops / t / 1e12, "TFLOP/s")
         if gemm_tflops:
             row(workload, label, "of_gemm", flops / t / 1e12 / gemm_tflops, "x", "of the bare GEMM rate")
@@ -113,13 +114,14 @@ def bench_gemm(label, m, n, k, reps):
     a = torch.randn(m, k, device=dev)
     b = torch.randn(n, k, device=dev)
     times = []
-    for i in range(reps + 3):
+    for i in range(reps + 3):   # 10 back to back per timing, as bench.c does
         sync(dev)
         t0 = time.perf_counter()
-        torch.matmul(a, b.t())
+        for _ in range(10):
+            torch.matmul(a, b.t())
         sync(dev)
         if i >= 3:
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / 10)
     global gemm_tflops
     gemm_tflops = 2.0 * m * n * k / statistics.median(times) / 1e12
     row("gemm_%dx%dx%d" % (m, n, k), label, "tflops", gemm_tflops, "TFLOP/s")

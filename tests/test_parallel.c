@@ -36,7 +36,7 @@
 #include <time.h>
 
 #define MAX_STEPS 8
-#define MAX_REP 8
+#define MAX_REP 17   /* one more than the one-shot kernel takes */
 
 /* ============================================================================================ */
 /* globals and helpers                                                                          */
@@ -542,6 +542,46 @@ static void algorithm_case(const char* spec, const char* env, size_t bytes, cons
     mgpu_device_set_destroy(set);
 }
 
+/* The one-shot adds replicas in the host backend's order, ((b0 + b1) + b2) + ...: on the same
+   inputs both give the same bits (a float64 reference cannot tell summation orders apart). */
+static void oneshot_matches_host(const char* spec, int64_t n) {
+    mgpu_device_set* set = mkset(spec);
+    const int R = mgpu_device_set_count(set);
+    mgpu_allreduce *p2p = mgpu_allreduce_create(set, MGPU_ALLREDUCE_P2P), *host = mgpu_allreduce_create(set, MGPU_ALLREDUCE_HOST);
+    mgpu_tensor *a[MAX_REP], *b[MAX_REP];
+    float *in = fbuf(n), *x = fbuf(n), *y = fbuf(n);
+    int r, same = 1;
+    int64_t i;
+    CHECK(p2p && host && R <= MAX_REP, "%s: communicators: %s", spec, mgpu_last_error());
+    if (!p2p || !host || R > MAX_REP) goto done;
+    CHECK(strcmp(mgpu_allreduce_algorithm(p2p, (size_t)n * sizeof(float)), "oneshot") == 0, "%s: %lld floats take %s, not oneshot",
+          spec, (long long)n, mgpu_allreduce_algorithm(p2p, (size_t)n * sizeof(float)));
+    for (r = 0; r < R; ++r) {
+        for (i = 0; i < n; ++i) in[i] = (float)(2.0 * rng_unit() - 1.0) * (float)(1 << r);   /* magnitudes that round */
+        a[r] = tmake(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(n));
+        b[r] = tmake(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(n));
+        tput(a[r], in);
+        tput(b[r], in);
+    }
+    CHECK(mgpu_allreduce_sum(p2p, a, R) == MGPU_OK && mgpu_allreduce_sum(host, b, R) == MGPU_OK, "%s: all-reduce: %s", spec,
+          mgpu_last_error());
+    for (r = 0; r < R; ++r) {
+        tget(a[r], x);
+        tget(b[r], y);
+        same &= memcmp(x, y, (size_t)n * sizeof(float)) == 0;
+        mgpu_tensor_destroy(a[r]);
+        mgpu_tensor_destroy(b[r]);
+    }
+    CHECK(same, "%s: the one-shot and the host backend give different bits for %lld floats (summation order)", spec, (long long)n);
+done:
+    free(in);
+    free(x);
+    free(y);
+    mgpu_allreduce_destroy(p2p);
+    mgpu_allreduce_destroy(host);
+    mgpu_device_set_destroy(set);
+}
+
 /* MGPU_ALLREDUCE_NONE names the one-replica case; asked for on several devices it must either be
    refused or give a communicator (and a model) that really sums. */
 static void none_request_case(const char* spec) {
@@ -719,6 +759,8 @@ static void test_allreduce(void) {
             algorithm_case(gpu_specs[i], "oneshot", 4096, "oneshot", 2.0 * R * 4096);
             algorithm_case(gpu_specs[i], "bogus", 4096, "oneshot", 2.0 * R * 4096);
             CHECK(has(g_log, "bogus"), "MGPU_P2P=bogus: no warning naming it (log: '%s')", g_log);
+            oneshot_matches_host(gpu_specs[i], 1001);
+            oneshot_matches_host(gpu_specs[i], (1 << 16) + 5);
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
             setenv("MGPU_P2P", "ring", 1);   /* the ring, which distinct GPUs take for large buffers */
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
@@ -729,6 +771,16 @@ static void test_allreduce(void) {
                   gpu_specs[i]);
         }
         CHECK(backend_for("cuda:0", MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_NONE, "cuda:0: backend is not none");
+        /* more replicas than the one-shot kernel takes (16): the ring, at every size */
+        algorithm_case("cuda:0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0", NULL, 4096, "ring", 7.0 * 16.0 * 4096);
+        {
+            mgpu_device_set* s17 = mkset("cuda:0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0");
+            mgpu_allreduce* ar17 = mgpu_allreduce_create(s17, MGPU_ALLREDUCE_P2P);
+            CHECK(ar17 != NULL, "17 replicas: %s", mgpu_last_error());
+            if (ar17) allreduce_case(ar17, s17, 1001, 0, "cuda:0 x 17 p2p (ring) n=1001");
+            mgpu_allreduce_destroy(ar17);
+            mgpu_device_set_destroy(s17);
+        }
         none_request_case("cuda:0,0");
         if (g_gpus >= 2) {
             mgpu_allreduce_kind k = backend_for("cuda:0,1", MGPU_ALLREDUCE_NCCL, NULL);
@@ -738,6 +790,15 @@ static void test_allreduce(void) {
                 SKIP("nccl all-reduce: libnccl.so.2 could not be loaded");
             }
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
+            {   /* across GPUs: the one-shot up to 256 KiB where peer access allows, the ring above */
+                mgpu_device_set* s2 = mkset("cuda:0,1");
+                const int peer = mgpu_device_can_access_peer(mgpu_device_set_get(s2, 0), mgpu_device_set_get(s2, 1));
+                mgpu_device_set_destroy(s2);
+                setenv("MGPU_ALLREDUCE", "p2p", 1);
+                algorithm_case("cuda:0,1", NULL, (size_t)256 << 10, peer ? "oneshot" : "ring", (peer ? 4.0 : 7.0) * (256 << 10));
+                algorithm_case("cuda:0,1", NULL, ((size_t)256 << 10) + 4, "ring", 7.0 * ((256 << 10) + 4));
+                unsetenv("MGPU_ALLREDUCE");
+            }
             setenv("MGPU_P2P", "oneshot", 1);   /* one-shot at every size, where peer access allows */
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
             unsetenv("MGPU_P2P");
