@@ -378,7 +378,7 @@ int main(int argc, char** argv) {
     row("threads", "cpu", "count", mgpu_cpu_threads(), "threads", NULL);
     if (cpu) {
         bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
-        bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 10, 0);
+        bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
         bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);
         bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
         bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);

@@ -131,7 +131,7 @@ def bench_gemm(label, m, n, k, reps):
 row("torch", "-", "version", 0, torch.__version__)
 if which in ("cpu", "all"):
     bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
-    bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 10)
+    bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 30)
     bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
 if which in ("cuda", "all") and torch.cuda.is_available():
     bench_gemm("cuda:0", 2048, 4096, 4096, 20)
