@@ -2233,7 +2233,7 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_NC 512
 typedef struct mgpu__gemm_job {
     int trans_a;
-    int64_t m, kc, nc, k0, j0, rows_per_task, lda, ldc;
+    int64_t m, kc, nc, k0, j0, rows_per_task, lda, ldc, ldbp;   /* ldbp: row stride of bp */
     float alpha;
     const float* a;
     const float* bp;
@@ -2251,7 +2251,7 @@ static void mgpu__gemm_task(void* ctx, int64_t task) {
         float* c2 = c1 + g->ldc;
         float* c3 = c2 + g->ldc;
         for (kk = 0; kk < g->kc; ++kk) {
-            const float* b = g->bp + kk * nc;
+            const float* b = g->bp + kk * g->ldbp;
             const float a0 = g->alpha * MGPU__A(i, kk), a1 = g->alpha * MGPU__A(i + 1, kk);
             const float a2 = g->alpha * MGPU__A(i + 2, kk), a3 = g->alpha * MGPU__A(i + 3, kk);
             for (j = 0; j < nc; ++j) {
@@ -2263,12 +2263,69 @@ static void mgpu__gemm_task(void* ctx, int64_t task) {
     for (r = i; r < i1; ++r) {   /* the last rows, one at a time */
         float* c0 = g->c + r * g->ldc + g->j0;
         for (kk = 0; kk < g->kc; ++kk) {
-            const float* b = g->bp + kk * nc;
+            const float* b = g->bp + kk * g->ldbp;
             const float a0 = g->alpha * MGPU__A(r, kk);
             for (j = 0; j < nc; ++j) c0[j] += a0 * b[j];
         }
     }
 #undef MGPU__A
+}
+
+/* Few outputs over a long sum (a convolution's weight gradient: 16 x 9 values, each a sum over
+   100k positions): too few rows of C to share out, so the sum is cut into chunks instead, each
+   multiplied by one task into its own partial C, straight from B (not transposed, so no packing).
+   The partials are then added in chunk order. Chunks do not depend on the thread count, nor
+   therefore do the bits. */
+#define MGPU__GEMM_SPLIT_MIN_K 8192
+#define MGPU__GEMM_SPLIT_MAX_C 65536   /* m * n */
+#define MGPU__GEMM_SPLIT_CHUNKS 64     /* at most */
+typedef struct mgpu__gemm_split_job {
+    mgpu__gemm_job g;   /* the shared fields: trans_a, m, lda, alpha, a */
+    int64_t n, k, ldb, chunk;
+    const float* b;
+    float* partials;    /* [chunks][m][n] */
+} mgpu__gemm_split_job;
+
+static void mgpu__gemm_split_task(void* ctx, int64_t task) {
+    const mgpu__gemm_split_job* s = (const mgpu__gemm_split_job*)ctx;
+    const int64_t k_end = MGPU__MIN(s->k, (task + 1) * s->chunk);
+    mgpu__gemm_job g = s->g;
+    g.c = s->partials + task * s->g.m * s->n;
+    g.ldc = s->n;
+    g.rows_per_task = g.m;
+    g.ldbp = s->ldb;
+    memset(g.c, 0, sizeof(float) * (size_t)(s->g.m * s->n));
+    for (g.j0 = 0; g.j0 < s->n; g.j0 += MGPU__GEMM_NC) {
+        g.nc = MGPU__MIN(MGPU__GEMM_NC, s->n - g.j0);
+        for (g.k0 = task * s->chunk; g.k0 < k_end; g.k0 += MGPU__GEMM_KC) {
+            g.kc = MGPU__MIN(MGPU__GEMM_KC, k_end - g.k0);
+            g.bp = s->b + g.k0 * s->ldb + g.j0;
+            mgpu__gemm_task(&g, 0);
+        }
+    }
+}
+
+static mgpu_result mgpu__cpu_gemm_split_k(mgpu_device* dev, int ta, int64_t m, int64_t n, int64_t k, float alpha,
+                                          const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+    mgpu__gemm_split_job s;
+    int64_t chunks, t, i, j;
+    size_t size;
+    memset(&s, 0, sizeof s);
+    s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_SPLIT_MIN_K / 4, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
+    s.chunk = (s.chunk + MGPU__GEMM_KC - 1) / MGPU__GEMM_KC * MGPU__GEMM_KC;
+    chunks = (k + s.chunk - 1) / s.chunk;
+    s.partials = (float*)mgpu__device_alloc(dev, sizeof(float) * (size_t)(chunks * m * n), &size, "mgpu_matmul");
+    if (!s.partials) return mgpu_last_result();
+    s.g.trans_a = ta; s.g.m = m; s.g.lda = lda; s.g.alpha = alpha; s.g.a = a;
+    s.n = n; s.k = k; s.ldb = ldb; s.b = b;
+    mgpu__parallel_for(chunks, mgpu__gemm_split_task, &s);
+    for (t = 0; t < chunks; ++t) {   /* C (already scaled by beta) += each partial, in order */
+        const float* p = s.partials + t * m * n;
+        for (i = 0; i < m; ++i)
+            for (j = 0; j < n; ++j) c[i * ldc + j] += p[i * n + j];
+    }
+    mgpu__device_release(dev, s.partials, size);
+    return MGPU_OK;
 }
 
 static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
@@ -2284,6 +2341,8 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
         else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
     }
     if (k == 0 || alpha == 0.0f || m == 0 || n == 0) return MGPU_OK;
+    if (!tb && k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C)
+        return mgpu__cpu_gemm_split_k(dev, ta, m, n, k, alpha, a, lda, b, ldb, c, ldc);
     /* The packed panel comes from the caching allocator on every call (a cache hit after the
        first): nothing shared to race on when several threads multiply on one device. */
     panel = (float*)mgpu__device_alloc(dev, sizeof(float) * MGPU__GEMM_KC * MGPU__GEMM_NC, &panel_size, "mgpu_matmul");
@@ -2292,7 +2351,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     g.rows_per_task = MGPU__MAX(4, ((m + threads - 1) / threads + 3) / 4 * 4);
     tasks = (m + g.rows_per_task - 1) / g.rows_per_task;
     for (g.j0 = 0; g.j0 < n; g.j0 += MGPU__GEMM_NC) {
-        g.nc = MGPU__MIN(MGPU__GEMM_NC, n - g.j0);
+        g.nc = g.ldbp = MGPU__MIN(MGPU__GEMM_NC, n - g.j0);
         for (g.k0 = 0; g.k0 < k; g.k0 += MGPU__GEMM_KC) {
             float* bp = panel;
             g.kc = MGPU__MIN(MGPU__GEMM_KC, k - g.k0);

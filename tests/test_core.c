@@ -1443,6 +1443,37 @@ static void matmul_case(mgpu_device* dev, int64_t m, int64_t n, int64_t k, int t
     free(a); free(b); free(c); free(got); free(ref);
 }
 
+/* The CPU GEMM's bits do not depend on the thread count: rows are shared out whole, and a long
+   sum is cut into chunks fixed by the shape alone. */
+static void matmul_same_bits_any_threads(void) {
+    const int64_t shapes[3][3] = {{16, 9, 40000}, {70, 90, 300}, {130, 5, 9000}};
+    const int threads = mgpu_cpu_threads();
+    int s, same = 1;
+    for (s = 0; s < 3; ++s) {
+        const int64_t m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
+        float *a = fbuf(k * m), *b = fbuf(k * n), *one = fbuf(m * n), *many = fbuf(m * n);
+        mgpu_tensor *ta, *tb, *tc;
+        rnd_normal(a, k * m, 1.0);
+        rnd_normal(b, k * n, 1.0);
+        ta = tfrom(g_devs[0], mgpu_shape2(k, m), a);
+        tb = tfrom(g_devs[0], mgpu_shape2(k, n), b);
+        tc = tmake(g_devs[0], MGPU_F32, mgpu_shape2(m, n));
+        mgpu_set_cpu_threads(1);
+        CHECK(mgpu_matmul(tc, ta, tb, 1, 0, 1.0f, 0.0f) == MGPU_OK, "matmul on 1 thread: %s", mgpu_last_error());
+        tget(tc, one);
+        mgpu_set_cpu_threads(3);
+        CHECK(mgpu_matmul(tc, ta, tb, 1, 0, 1.0f, 0.0f) == MGPU_OK, "matmul on 3 threads: %s", mgpu_last_error());
+        tget(tc, many);
+        same &= memcmp(one, many, sizeof(float) * (size_t)(m * n)) == 0;
+        mgpu_tensor_destroy(ta);
+        mgpu_tensor_destroy(tb);
+        mgpu_tensor_destroy(tc);
+        free(a); free(b); free(one); free(many);
+    }
+    mgpu_set_cpu_threads(threads);
+    CHECK(same, "CPU matmul: 1 thread and 3 threads give different bits");
+}
+
 static void test_matmul(void) {
     int d, t;
     header("matmul");
@@ -1469,7 +1500,13 @@ static void test_matmul(void) {
         matmul_case(dev, 17, 19, 23, 0, 0, 0.0f, 1.5f, 0);   /* alpha 0 */
         matmul_case(dev, 17, 19, 23, 0, 0, 1.0f, 0.0f, 1);
         if (!g_quick) matmul_case(dev, 1000, 1000, 500, 0, 0, 1.0f, 0.0f, 0);
+        /* few outputs over a long sum: the CPU cuts k into chunks (a convolution's weight gradient) */
+        matmul_case(dev, 5, 9, 30001, 0, 0, 0.75f, -0.5f, 0);
+        matmul_case(dev, 16, 9, 20000, 1, 0, 1.0f, 0.0f, 1);
+        matmul_case(dev, 3, 520, 8199, 1, 0, -1.0f, 1.0f, 0);   /* across the n blocks */
+        matmul_case(dev, 4, 6, 600000, 1, 0, 1.0f, 0.0f, 0);    /* more than 64 chunks of the least size */
     }
+    matmul_same_bits_any_threads();
     gpu_group_note("matmul");
 }
 
