@@ -15,7 +15,7 @@ done
 if [ -n "$py" ]; then $py "$dir/bench_torch.py" "${threads:-1}" all "$@" > "$out/torch.tsv" || echo "bench: the PyTorch side failed" >&2
 else echo "bench: no PyTorch found: the table says so" >&2; fi
 commit=${MGPU_COMMIT:-$(git -C "$dir/.." rev-parse --short HEAD 2>/dev/null || echo unknown)}
-[ -n "$(git -C "$dir/.." status --porcelain -- mgpu.h mgpu_kernels.cu bench 2>/dev/null)" ] && commit="$commit+changes"
+[ -n "$(git -C "$dir/.." status --porcelain -- mgpu.h mgpu_kernels.cu bench ':!bench/results' 2>/dev/null)" ] && commit="$commit+changes"
 mkdir -p "$dir/results"
 name="$dir/results/$(date +%Y-%m-%d)-$(hostname | cut -c1-20)$(echo " $*" | grep -q -- --quick && echo -quick).md"
 python3 "$dir/report.py" "$out/mgpu.tsv" "$out/torch.tsv" "$name" "$commit"
