@@ -65,41 +65,60 @@ static mgpu_shape batch_shape(const char* model_name, int batch) {
     return mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
 }
 
-static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
-    mgpu_device_set* set = mgpu_device_set_create(spec);
+/* A model on spec with SGD (momentum 0.9) and one random batch on its first replica's device:
+   the step itself is measured, not the copy of a host batch. */
+typedef struct training {
+    mgpu_device_set* set;
     mgpu_model* m;
     mgpu_optimizer* opt;
-    mgpu_optimizer_desc od;
     mgpu_tensor *x, *y;
-    mgpu_memory_stats before, after;
-    mgpu_shape xs;
-    double* t;
-    int i, r;
-    if (!set) fail(spec);
-    for (r = 0; r < mgpu_device_set_count(set); ++r) mgpu_memory_reset_peak(mgpu_device_set_get(set, r));
-    m = make_model(model_name, set);
-    if (!m) fail(model_name);
-    for (r = 0; tf32 && r < mgpu_model_replica_count(m); ++r) mgpu_device_set_tf32(mgpu_model_device(m, r), 1);
+} training;
+
+static training training_create(const char* model_name, const char* spec, int batch, int tf32) {
+    training tr;
+    mgpu_optimizer_desc od;
+    int r;
+    tr.set = mgpu_device_set_create(spec);
+    if (!tr.set) fail(spec);
+    for (r = 0; r < mgpu_device_set_count(tr.set); ++r) mgpu_memory_reset_peak(mgpu_device_set_get(tr.set, r));
+    tr.m = make_model(model_name, tr.set);
+    if (!tr.m) fail(model_name);
+    for (r = 0; tf32 && r < mgpu_model_replica_count(tr.m); ++r) mgpu_device_set_tf32(mgpu_model_device(tr.m, r), 1);
     memset(&od, 0, sizeof od);
     od.lr = 0.01f;
     od.momentum = 0.9f;
-    opt = mgpu_optimizer_create(m, &od);
-    xs = batch_shape(model_name, batch);
-    /* the batch lives where the model's first replica does: the step itself is measured */
-    x = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_F32, xs);
-    y = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_I32, mgpu_shape1(batch));
-    if (!opt || !x || !y || mgpu_rand_normal(x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(y, 3.0)) fail(workload);
-    t = (double*)malloc(sizeof(double) * (size_t)steps);
-    for (i = 0; i < 3; ++i) if (mgpu_model_train_step(m, opt, x, y, NULL)) fail(workload);   /* warm-up */
-    mgpu_device_synchronize(mgpu_model_device(m, 0));
-    mgpu_memory_get_stats(mgpu_model_device(m, 0), &before);
+    tr.opt = mgpu_optimizer_create(tr.m, &od);
+    tr.x = mgpu_tensor_create(mgpu_model_device(tr.m, 0), MGPU_F32, batch_shape(model_name, batch));
+    tr.y = mgpu_tensor_create(mgpu_model_device(tr.m, 0), MGPU_I32, mgpu_shape1(batch));
+    if (!tr.opt || !tr.x || !tr.y || mgpu_rand_normal(tr.x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(tr.y, 3.0)) fail(spec);
+    return tr;
+}
+
+static void training_destroy(training* tr) {
+    mgpu_tensor_destroy(tr->x);
+    mgpu_tensor_destroy(tr->y);
+    mgpu_optimizer_destroy(tr->opt);
+    mgpu_model_destroy(tr->m);
+    mgpu_device_set_destroy(tr->set);
+}
+
+static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
+    training tr = training_create(model_name, spec, batch, tf32);
+    const int replicas = mgpu_model_replica_count(tr.m);
+    mgpu_device* first = mgpu_model_device(tr.m, 0);
+    mgpu_memory_stats before, after;
+    double* t = (double*)malloc(sizeof(double) * (size_t)steps);
+    int i, r;
+    for (i = 0; i < 3; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);   /* warm-up */
+    for (r = 0; r < replicas; ++r) mgpu_device_synchronize(mgpu_model_device(tr.m, r));
+    mgpu_memory_get_stats(first, &before);
     for (i = 0; i < steps; ++i) {
         double t0 = mgpu_seconds();
-        if (mgpu_model_train_step(m, opt, x, y, NULL)) fail(workload);
-        for (r = 0; r < mgpu_model_replica_count(m); ++r) mgpu_device_synchronize(mgpu_model_device(m, r));
+        if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);
+        for (r = 0; r < replicas; ++r) mgpu_device_synchronize(mgpu_model_device(tr.m, r));
         t[i] = mgpu_seconds() - t0;
     }
-    mgpu_memory_get_stats(mgpu_model_device(m, 0), &after);
+    mgpu_memory_get_stats(first, &after);
     row(workload, spec, "step", median(t, steps) * 1e3, "ms", NULL);
     if (!strcmp(model_name, "mlp4096")) {   /* 3 GEMMs per Linear (forward, weight and input gradients),
         but none for the input gradient of the first layer, which nothing needs */
@@ -110,11 +129,7 @@ static void bench_training(const char* workload, const char* model_name, const c
     row(workload, spec, "peak_mem", (double)after.peak_bytes_in_use / 1048576.0, "MiB", NULL);
     row(workload, spec, "allocs_per_step", (double)(after.backend_allocs - before.backend_allocs) / steps, "allocs", NULL);
     free(t);
-    mgpu_tensor_destroy(x);
-    mgpu_tensor_destroy(y);
-    mgpu_optimizer_destroy(opt);
-    mgpu_model_destroy(m);
-    mgpu_device_set_destroy(set);
+    training_destroy(&tr);
 }
 
 static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
@@ -311,31 +326,16 @@ static double time_one(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
 
 /* median seconds of each kind (only the step for one replica) */
 static void dp_measure(const char* model_name, const char* spec, int batch, int steps, int tf32, double sec[TIME_KINDS]) {
-    mgpu_device_set* set = mgpu_device_set_create(spec);
-    mgpu_model* m;
-    mgpu_optimizer* opt;
-    mgpu_optimizer_desc od;
+    training tr = training_create(model_name, spec, batch, tf32);
     mgpu_allreduce* ar = NULL;
-    mgpu_tensor *x, *y;
     double* t[TIME_KINDS];
-    int i, k, r, kinds;
-    if (!set) fail(spec);
-    m = make_model(model_name, set);
-    if (!m) fail(model_name);
-    for (r = 0; tf32 && r < mgpu_model_replica_count(m); ++r) mgpu_device_set_tf32(mgpu_model_device(m, r), 1);
-    memset(&od, 0, sizeof od);
-    od.lr = 0.01f;
-    od.momentum = 0.9f;
-    opt = mgpu_optimizer_create(m, &od);
-    x = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_F32, batch_shape(model_name, batch));
-    y = mgpu_tensor_create(mgpu_model_device(m, 0), MGPU_I32, mgpu_shape1(batch));
-    if (!opt || !x || !y || mgpu_rand_normal(x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(y, 3.0)) fail(spec);
-    kinds = mgpu_model_replica_count(m) > 1 ? TIME_KINDS : 1;
-    if (kinds > 1 && !(ar = mgpu_allreduce_create(set, mgpu_model_allreduce(m)))) fail("data-parallel all-reduce");
+    int i, k;
+    const int kinds = mgpu_model_replica_count(tr.m) > 1 ? TIME_KINDS : 1;
+    if (kinds > 1 && !(ar = mgpu_allreduce_create(tr.set, mgpu_model_allreduce(tr.m)))) fail("data-parallel all-reduce");
     for (k = 0; k < TIME_KINDS; ++k) t[k] = (double*)calloc((size_t)steps, sizeof(double));
     for (i = -3; i < steps; ++i)   /* three warm-ups */
         for (k = 0; k < kinds; ++k) {
-            const double s = time_one(m, opt, x, y, k, ar);
+            const double s = time_one(tr.m, tr.opt, tr.x, tr.y, k, ar);
             if (i >= 0) t[k][i] = s;
         }
     for (k = 0; k < TIME_KINDS; ++k) {
@@ -343,11 +343,7 @@ static void dp_measure(const char* model_name, const char* spec, int batch, int 
         free(t[k]);
     }
     mgpu_allreduce_destroy(ar);
-    mgpu_tensor_destroy(x);
-    mgpu_tensor_destroy(y);
-    mgpu_optimizer_destroy(opt);
-    mgpu_model_destroy(m);
-    mgpu_device_set_destroy(set);
+    training_destroy(&tr);
 }
 
 static void bench_data_parallel(const char* model_name, const char* one, const char* spec, int batch, int steps, int tf32) {
