@@ -104,6 +104,21 @@ static inline double test_start(const char* name) {
     return now_seconds();
 }
 
+/* A group's GPU part: 1 when a GPU runs it; otherwise one skip naming the group and why (a
+   failure with MGPU_TEST_REQUIRE_GPU=1). */
+static inline int test_gpu_group(const char* group, int have_gpu) {
+#ifdef MGPU_CUDA
+    const char* why = "no GPU";
+#else
+    const char* why = "built without CUDA";
+    have_gpu = 0;
+#endif
+    if (have_gpu) return 1;
+    if (g_require_gpu) CHECK(0, "cuda %s: %s, and MGPU_TEST_REQUIRE_GPU=1", group, why);
+    else SKIP("cuda %s: %s", group, why);
+    return 0;
+}
+
 static inline uint64_t rng_u64(void) {
     uint64_t z = (g_rng_state += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

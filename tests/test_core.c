@@ -32,17 +32,8 @@ static mgpu_device* g_gpu;
 
 static int is_gpu(const mgpu_device* d) { return mgpu_device_kind_of(d) == MGPU_DEVICE_CUDA; }
 
-/* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it. */
-static void gpu_group_note(const char* group) {
-#ifdef MGPU_CUDA
-    if (g_gpu) return;
-    if (g_require_gpu) CHECK(0, "cuda %s: no GPU, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: no GPU", group);
-#else
-    if (g_require_gpu) CHECK(0, "cuda %s: built without CUDA, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: built without CUDA", group);
-#endif
-}
+/* A group's GPU part that no GPU runs: a skip (test_gpu_group). */
+static void gpu_group_note(const char* group) { (void)test_gpu_group(group, g_gpu != NULL); }
 
 /* host random numbers for test inputs (splitmix64) */
 

@@ -43,15 +43,12 @@ static mgpu_device* g_gpu;
 static char g_tmpdir[256];
 
 
-/* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it. */
+/* A group's GPU part that no GPU runs: a skip (test_gpu_group). */
 static void gpu_group_note(const char* group) {
 #ifdef MGPU_CUDA
-    if (g_gpu) return;
-    if (g_require_gpu) CHECK(0, "cuda %s: no GPU, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: no GPU", group);
+    (void)test_gpu_group(group, g_gpu != NULL);
 #else
-    if (g_require_gpu) CHECK(0, "cuda %s: built without CUDA, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: built without CUDA", group);
+    (void)test_gpu_group(group, 0);
 #endif
 }
 

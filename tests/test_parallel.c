@@ -44,19 +44,8 @@
 static int g_gpus;
 
 
-/* One skip (or failure, with MGPU_TEST_REQUIRE_GPU=1) for a group's GPU part when no GPU runs it.
-   Returns 1 when the GPU part should run. */
-static int gpu_group(const char* group) {
-#ifdef MGPU_CUDA
-    if (g_gpus > 0) return 1;
-    if (g_require_gpu) CHECK(0, "cuda %s: no GPU, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: no GPU", group);
-#else
-    if (g_require_gpu) CHECK(0, "cuda %s: built without CUDA, and MGPU_TEST_REQUIRE_GPU=1", group);
-    else SKIP("cuda %s: built without CUDA", group);
-#endif
-    return 0;
-}
+/* 1 when a GPU runs the group's GPU part; otherwise a skip (test_gpu_group). */
+static int gpu_group(const char* group) { return test_gpu_group(group, g_gpus > 0); }
 
 /* host random numbers for test inputs (splitmix64) */
 
