@@ -32,7 +32,6 @@
    MGPU_CUDA             call the CUDA backend in mgpu_kernels.cu (link it)
    MGPU_MALLOC(sz), MGPU_REALLOC(p,sz), MGPU_FREE(p)
                          host allocator; define all three or none
-   MGPU_ASSERT(x)        internal invariant checks (default: assert.h); never used for user errors
    MGPU_NO_THREADS       single-threaded CPU backend (no pthreads)
 
    ---------------------------------------------------------------------------------------------
@@ -790,29 +789,24 @@ int mgpu__cu_device_info(int dev, char* name, size_t name_size, size_t* total_me
                          int* major, int* minor, int* multiprocessors);
 int mgpu__cu_can_access_peer(int dev, int peer, int* can);
 int mgpu__cu_enable_peer_access(int dev, int peer);   /* "already enabled" is success */
-int mgpu__cu_device_synchronize(int dev);
 
 /* streams and events */
 int mgpu__cu_stream_create(int dev, void** stream);    /* non-blocking stream */
 int mgpu__cu_stream_destroy(int dev, void* stream);
 int mgpu__cu_stream_synchronize(int dev, void* stream);
-int mgpu__cu_event_create(int dev, int timing, void** event);
+int mgpu__cu_event_create(int dev, void** event);   /* for ordering streams (no timing) */
 int mgpu__cu_event_destroy(int dev, void* event);
 int mgpu__cu_event_record(int dev, void* event, void* stream);
 int mgpu__cu_stream_wait_event(int dev, void* stream, void* event);
-int mgpu__cu_event_synchronize(int dev, void* event);
-int mgpu__cu_event_elapsed_ms(int dev, void* start, void* end, float* ms);
 
 /* memory */
 int mgpu__cu_malloc(int dev, size_t bytes, void** ptr);   /* MGPU__CU_ERR_OOM when out of memory */
 int mgpu__cu_free(int dev, void* ptr);
-int mgpu__cu_mem_info(int dev, size_t* free_mem, size_t* total_mem);
 int mgpu__cu_host_alloc(size_t bytes, void** ptr);        /* page-locked */
 int mgpu__cu_host_free(void* ptr);
 /* Any direction (unified addressing), asynchronous on stream of dev. */
 int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* stream);
 int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream);
-int mgpu__cu_memset_zero(int dev, void* ptr, size_t bytes, void* stream);
 
 /* cuBLAS; the handle is bound to one stream */
 int mgpu__cu_blas_create(int dev, void* stream, void** handle);
@@ -933,11 +927,6 @@ int fileno(FILE* stream);
 #define MGPU_FREE(p) free(p)
 #else
 #error "mgpu: define all of MGPU_MALLOC, MGPU_REALLOC and MGPU_FREE, or none of them"
-#endif
-
-#ifndef MGPU_ASSERT
-#include <assert.h>
-#define MGPU_ASSERT(x) assert(x)
 #endif
 
 #if defined(__cplusplus)
@@ -1157,7 +1146,37 @@ struct mgpu_device_set {
     char spec[256];
 };
 
+/* The one dispatch mechanism between the two backends. Op bodies check their arguments, run
+   the CPU loop for CPU tensors, and otherwise call the CUDA backend through these macros, the
+   same code in both builds:
+     MGPU__CUDA(call)         the call into mgpu_kernels.cu, and in a build without MGPU_CUDA
+                              simply "no device": the call is only type-checked (sizeof does not
+                              evaluate it), nothing links the .cu, and since no CUDA device can
+                              exist there the line is never reached;
+     MGPU__CU(op, dev, call)  the same call, returning its failure from the enclosing function
+                              as an mgpu_result that names the operation and the device. */
 #ifdef MGPU_CUDA
+#define MGPU__CUDA(call) (call)
+#define MGPU__CUDA_BUILT 1
+#else
+#define MGPU__CUDA(call) ((void)sizeof(call), MGPU__CU_ERR_NO_DEVICE)
+#define MGPU__CUDA_BUILT 0
+#endif
+#define MGPU__CU(op, dev, call)                                            \
+    do {                                                                   \
+        int mgpu__rc_ = MGPU__CUDA(call);                                  \
+        if (mgpu__rc_ != 0) return mgpu__cu_result(mgpu__rc_, op, dev);   \
+    } while (0)
+
+/* What the CUDA backend said about its last failure (this thread). */
+static const char* mgpu__cuda_message(void) {
+#ifdef MGPU_CUDA
+    return mgpu__cu_error_message();
+#else
+    return "this program was built without CUDA (define MGPU_CUDA and link mgpu_kernels.cu)";
+#endif
+}
+
 /* Turn a backend failure into an mgpu_result with the operation and the device named. */
 static mgpu_result mgpu__cu_result(int code, const char* op, const mgpu_device* dev) {
     mgpu_result r;
@@ -1169,15 +1188,8 @@ static mgpu_result mgpu__cu_result(int code, const char* op, const mgpu_device* 
     case MGPU__CU_ERR_ARGUMENT: r = MGPU_ERROR_INVALID_ARGUMENT; break;
     default: r = MGPU_ERROR_CUDA; break;
     }
-    return mgpu__fail(r, "%s on %s: %s", op, dev ? dev->label : "cuda", mgpu__cu_error_message());
+    return mgpu__fail(r, "%s on %s: %s", op, dev ? dev->label : "cuda", mgpu__cuda_message());
 }
-/* Call the backend; on failure return its error from the enclosing function. */
-#define MGPU__CU(op, dev, call)                                   \
-    do {                                                          \
-        int mgpu__rc_ = (call);                                   \
-        if (mgpu__rc_ != 0) return mgpu__cu_result(mgpu__rc_, op, dev); \
-    } while (0)
-#endif
 
 static void mgpu__allocator_init(mgpu__allocator* a) {
     memset(a, 0, sizeof *a);
@@ -1212,13 +1224,9 @@ MGPUDEF mgpu_device* mgpu_device_cpu(void) {
 }
 
 MGPUDEF int mgpu_cuda_device_count(void) {
-#ifdef MGPU_CUDA
     int n = 0;
-    if (mgpu__cu_device_count(&n) != 0) return 0;
+    if (MGPU__CUDA(mgpu__cu_device_count(&n)) != 0) return 0;
     return n;
-#else
-    return 0;
-#endif
 }
 
 static mgpu_result mgpu__memory_release_cached(mgpu_device* dev);
@@ -1229,13 +1237,11 @@ static void mgpu__device_free(mgpu_device* d) {
     if (d->alloc.stats.bytes_in_use)
         mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
                   d->alloc.stats.bytes_in_use);
-#ifdef MGPU_CUDA
     if (d->kind == MGPU_DEVICE_CUDA) {
-        if (d->stream) mgpu__cu_stream_synchronize(d->ordinal, d->stream);
-        if (d->blas) mgpu__cu_blas_destroy(d->ordinal, d->blas);
-        if (d->stream) mgpu__cu_stream_destroy(d->ordinal, d->stream);
+        if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
+        if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
+        if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(d->ordinal, d->stream));
     }
-#endif
 #ifndef MGPU_NO_THREADS
     pthread_mutex_destroy(&d->alloc.lock);
 #endif
@@ -1250,7 +1256,6 @@ MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set) {
     MGPU_FREE(set);
 }
 
-#ifdef MGPU_CUDA
 /* Parse "N" or "N,M,..." into ordinals; returns how many, or -1 if malformed. */
 static int mgpu__parse_list(const char* s, int* out, int max) {
     int n = 0;
@@ -1267,7 +1272,6 @@ static int mgpu__parse_list(const char* s, int* out, int max) {
     }
     return n;
 }
-#endif
 
 #define MGPU__MAX_REPLICAS 256
 
@@ -1276,145 +1280,136 @@ static mgpu_device_set* mgpu__device_set_fail_free(mgpu_device_set* set) {
     return NULL;
 }
 
-MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
-    int ordinals[MGPU__MAX_REPLICAS];
-    int count = 0, i, cuda = 0, cuda_count = 0;
+/* Step 1 of a device set: read the spec ("auto" resolved through MGPU_DEVICES and the GPUs
+   present) into a device kind, a replica count and, for CUDA, the GPU of each replica. */
+typedef struct mgpu__device_plan {
+    int cuda;                             /* 1: CUDA replicas, 0: CPU replicas */
+    int count;
+    int ordinals[MGPU__MAX_REPLICAS];     /* CUDA: the GPU of each replica */
+} mgpu__device_plan;
+
+static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_plan* plan) {
+    static const char* op = "mgpu_device_set_create";
     const char* s = spec ? spec : "auto";
     const char* from = "";   /* where the spec came from, for the messages */
-    mgpu_device_set* set;
-
+    int cuda_count = 0, i, rc;
+    memset(plan, 0, sizeof *plan);
     if (strcmp(s, "auto") == 0 || !*s) {
         const char* env = getenv("MGPU_DEVICES");
         if (env && *env && strcmp(env, "auto") != 0) { s = env; from = " (from MGPU_DEVICES)"; }
     }
-#ifdef MGPU_CUDA
-    {
-        int rc = mgpu__cu_device_count(&cuda_count);
-        if (rc != 0) cuda_count = 0;
-        if (strcmp(s, "auto") == 0 || !*s) {
-            static int noticed = 0;
-            if (cuda_count > 0) s = "cuda";
-            else {
-                if (!noticed) mgpu__log(MGPU_LOG_INFO, "no usable CUDA device (%s); running on the CPU",
-                                        rc ? mgpu__cu_error_message() : "0 devices");
-                noticed = 1;
-                s = "cpu";
-            }
+    rc = MGPU__CUDA(mgpu__cu_device_count(&cuda_count));
+    if (rc != 0) cuda_count = 0;
+    if (strcmp(s, "auto") == 0 || !*s) {   /* every GPU, or the CPU with a one-line notice */
+        static int noticed = 0;
+        if (cuda_count > 0) s = "cuda";
+        else {
+            if (!noticed && MGPU__CUDA_BUILT)
+                mgpu__log(MGPU_LOG_INFO, "no usable CUDA device (%s); running on the CPU",
+                          rc ? mgpu__cuda_message() : "0 devices");
+            noticed = 1;
+            s = "cpu";
         }
     }
-#endif
-    if (strcmp(s, "auto") == 0 || !*s) s = "cpu";
-
     if (strcmp(s, "cpu") == 0) {
-        count = 1;
-    } else if (strncmp(s, "cpu:", 4) == 0) {
+        plan->count = 1;
+        return MGPU_OK;
+    }
+    if (strncmp(s, "cpu:", 4) == 0) {
         char* end;
         long n = strtol(s + 4, &end, 10);
-        if (s[4] < '0' || s[4] > '9' || *end || n < 1 || n > MGPU__MAX_REPLICAS) {
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                       "mgpu_device_set_create: bad device spec '%s'%s (cpu:N wants 1 <= N <= %d)", s,
-                       from, MGPU__MAX_REPLICAS);
-            return NULL;
-        }
-        count = (int)n;
-    } else if (strcmp(s, "cuda") == 0 || strncmp(s, "cuda:", 5) == 0) {
-        cuda = 1;
-#ifndef MGPU_CUDA
-        mgpu__fail(MGPU_ERROR_NO_DEVICE,
-                   "mgpu_device_set_create: device spec '%s'%s asks for CUDA, but this program was built "
-                   "without it (define MGPU_CUDA and link mgpu_kernels.cu)", s, from);
-        return NULL;
-#else
-        if (cuda_count == 0) {
-            mgpu__fail(MGPU_ERROR_NO_DEVICE, "mgpu_device_set_create: device spec '%s': no CUDA device (%s)",
-                       s, mgpu__cu_error_message());
-            return NULL;
-        }
-        if (s[4] == 0) {
-            count = MGPU__MIN(cuda_count, MGPU__MAX_REPLICAS);
-            for (i = 0; i < count; ++i) ordinals[i] = i;
-        } else {
-            count = mgpu__parse_list(s + 5, ordinals, MGPU__MAX_REPLICAS);
-            if (count <= 0) {
-                mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                           "mgpu_device_set_create: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)", s, from);
-                return NULL;
-            }
-            for (i = 0; i < count; ++i)
-                if (ordinals[i] >= cuda_count) {
-                    mgpu__fail(MGPU_ERROR_NO_DEVICE,
-                               "mgpu_device_set_create: device spec '%s' names cuda:%d, but this machine has "
-                               "%d CUDA device%s (cuda:0..cuda:%d)", s, ordinals[i], cuda_count,
-                               cuda_count == 1 ? "" : "s", cuda_count - 1);
-                    return NULL;
-                }
-        }
-#endif
-    } else {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                   "mgpu_device_set_create: unknown device spec '%s'%s (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", s, from);
-        return NULL;
+        if (s[4] < '0' || s[4] > '9' || *end || n < 1 || n > MGPU__MAX_REPLICAS)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (cpu:N wants 1 <= N <= %d)",
+                              op, s, from, MGPU__MAX_REPLICAS);
+        plan->count = (int)n;
+        return MGPU_OK;
     }
-    (void)cuda_count;
+    if (strcmp(s, "cuda") != 0 && strncmp(s, "cuda:", 5) != 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                          "%s: unknown device spec '%s'%s (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", op, s, from);
+    plan->cuda = 1;
+    if (cuda_count == 0)
+        return mgpu__fail(MGPU_ERROR_NO_DEVICE, "%s: device spec '%s'%s: no CUDA device (%s)", op, s, from,
+                          mgpu__cuda_message());
+    if (s[4] == 0) {   /* "cuda": every GPU */
+        plan->count = MGPU__MIN(cuda_count, MGPU__MAX_REPLICAS);
+        for (i = 0; i < plan->count; ++i) plan->ordinals[i] = i;
+        return MGPU_OK;
+    }
+    plan->count = mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
+    if (plan->count <= 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
+                          op, s, from);
+    for (i = 0; i < plan->count; ++i)
+        if (plan->ordinals[i] >= cuda_count)
+            return mgpu__fail(MGPU_ERROR_NO_DEVICE,
+                              "%s: device spec '%s'%s names cuda:%d, but this machine has %d CUDA device%s (cuda:0..cuda:%d)",
+                              op, s, from, plan->ordinals[i], cuda_count, cuda_count == 1 ? "" : "s", cuda_count - 1);
+    return MGPU_OK;
+}
 
+/* Step 2: replica i of the plan, labelled "cpu#2", "cuda:1" or "cuda:0#1" (second replica on
+   GPU 0); a CUDA replica gets its own compute stream and a cuBLAS handle bound to it. Replica 0
+   of a CPU set is the library's CPU device. */
+static mgpu_result mgpu__device_create(const mgpu__device_plan* plan, int i, mgpu_device** out) {
+    mgpu_device* d;
+    int same = 0, j, rc;
+    *out = NULL;
+    if (!plan->cuda && i == 0) { *out = mgpu_device_cpu(); return MGPU_OK; }
+    d = (mgpu_device*)MGPU_MALLOC(sizeof *d);
+    if (!d) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_device_set_create: out of host memory");
+    mgpu__device_init(d, plan->cuda ? MGPU_DEVICE_CUDA : MGPU_DEVICE_CPU, plan->cuda ? plan->ordinals[i] : 0, i);
+    *out = d;   /* owned by the set from here on, also when the rest fails */
+    if (!plan->cuda) {
+        snprintf(d->label, sizeof d->label, "cpu#%d", i);
+        return MGPU_OK;
+    }
+    for (j = 0; j < i; ++j) same += plan->ordinals[j] == plan->ordinals[i];
+    if (same) snprintf(d->label, sizeof d->label, "cuda:%d#%d", d->ordinal, same);
+    else snprintf(d->label, sizeof d->label, "cuda:%d", d->ordinal);
+    rc = MGPU__CUDA(mgpu__cu_stream_create(d->ordinal, &d->stream));
+    if (rc == 0) rc = MGPU__CUDA(mgpu__cu_blas_create(d->ordinal, d->stream, &d->blas));
+    return rc ? mgpu__cu_result(rc, "mgpu_device_set_create", d) : MGPU_OK;
+}
+
+/* Step 3: peer access between distinct GPUs where the hardware allows; not having it is fine
+   (copies then go through the host). */
+static void mgpu__enable_peer_access(const mgpu__device_plan* plan) {
+    int i, j;
+    for (i = 0; plan->cuda && i < plan->count; ++i)
+        for (j = 0; j < plan->count; ++j) {
+            int can = 0;
+            const int a = plan->ordinals[i], b = plan->ordinals[j];
+            if (a == b) continue;
+            if (MGPU__CUDA(mgpu__cu_can_access_peer(a, b, &can)) == 0 && can &&
+                MGPU__CUDA(mgpu__cu_enable_peer_access(a, b)) != 0)
+                mgpu__log(MGPU_LOG_WARN, "peer access cuda:%d -> cuda:%d: %s", a, b, mgpu__cuda_message());
+        }
+}
+
+MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
+    mgpu__device_plan plan;
+    mgpu_device_set* set;
+    int i;
+    if (mgpu__device_plan_from_spec(spec, &plan) != MGPU_OK) return NULL;
     set = (mgpu_device_set*)mgpu__calloc(1, sizeof *set);
-    if (set) set->devices = (mgpu_device**)mgpu__calloc((size_t)count, sizeof(mgpu_device*));
+    if (set) set->devices = (mgpu_device**)mgpu__calloc((size_t)plan.count, sizeof(mgpu_device*));
     if (!set || !set->devices) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_device_set_create: out of host memory");
         return mgpu__device_set_fail_free(set);
     }
-    set->count = count;
-    for (i = 0; i < count; ++i) {
-        mgpu_device* d;
-        int same = 0, j;
-        if (!cuda && i == 0) {   /* replica 0 of a CPU set is the library's CPU device */
-            set->devices[0] = mgpu_device_cpu();
-            continue;
-        }
-        d = (mgpu_device*)MGPU_MALLOC(sizeof *d);
-        if (!d) {
-            set->count = i;
-            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_device_set_create: out of host memory");
-            return mgpu__device_set_fail_free(set);
-        }
-        mgpu__device_init(d, cuda ? MGPU_DEVICE_CUDA : MGPU_DEVICE_CPU, cuda ? ordinals[i] : 0, i);
-        set->devices[i] = d;
-        for (j = 0; j < i; ++j) same += cuda && ordinals[j] == ordinals[i];
-        if (!cuda) snprintf(d->label, sizeof d->label, "cpu#%d", i);
-        else if (same) snprintf(d->label, sizeof d->label, "cuda:%d#%d", ordinals[i], same);
-        else snprintf(d->label, sizeof d->label, "cuda:%d", ordinals[i]);
-#ifdef MGPU_CUDA
-        if (cuda) {
-            int rc = mgpu__cu_stream_create(d->ordinal, &d->stream);
-            if (rc == 0) rc = mgpu__cu_blas_create(d->ordinal, d->stream, &d->blas);
-            if (rc != 0) {
-                set->count = i + 1;
-                mgpu__cu_result(rc, "mgpu_device_set_create", d);
-                return mgpu__device_set_fail_free(set);
-            }
-        }
-#endif
+    for (i = 0; i < plan.count; ++i) {
+        mgpu_result r = mgpu__device_create(&plan, i, &set->devices[i]);
+        set->count = set->devices[i] ? i + 1 : i;   /* what the set owns, for the destroy */
+        if (r != MGPU_OK) return mgpu__device_set_fail_free(set);
     }
-#ifdef MGPU_CUDA
-    /* Peer access between distinct GPUs where the hardware allows; not having it is fine. */
-    for (i = 0; cuda && i < count; ++i) {
-        int j;
-        for (j = 0; j < count; ++j) {
-            int can = 0;
-            if (ordinals[i] == ordinals[j]) continue;
-            if (mgpu__cu_can_access_peer(ordinals[i], ordinals[j], &can) == 0 && can &&
-                mgpu__cu_enable_peer_access(ordinals[i], ordinals[j]) != 0)
-                mgpu__log(MGPU_LOG_WARN, "peer access cuda:%d -> cuda:%d: %s", ordinals[i], ordinals[j],
-                          mgpu__cu_error_message());
-        }
-    }
-#endif
-    /* the resolved spec, e.g. "cuda:0,0" or "cpu:2" */
-    if (!cuda) snprintf(set->spec, sizeof set->spec, count == 1 ? "cpu" : "cpu:%d", count);
+    mgpu__enable_peer_access(&plan);
+    /* Step 4: the resolved spec, e.g. "cuda:0,0" or "cpu:2" */
+    if (!plan.cuda) snprintf(set->spec, sizeof set->spec, plan.count == 1 ? "cpu" : "cpu:%d", plan.count);
     else {
         size_t len = (size_t)snprintf(set->spec, sizeof set->spec, "cuda:");
-        for (i = 0; i < count && len + 12 < sizeof set->spec; ++i)
-            len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", ordinals[i]);
+        for (i = 0; i < plan.count && len + 12 < sizeof set->spec; ++i)
+            len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", plan.ordinals[i]);
     }
     return set;
 }
@@ -1450,12 +1445,10 @@ MGPUDEF mgpu_result mgpu_device_get_info(const mgpu_device* dev, mgpu_device_inf
 #endif
         return MGPU_OK;
     }
-#ifdef MGPU_CUDA
     MGPU__CU("mgpu_device_get_info", dev,
              mgpu__cu_device_info(dev->ordinal, info->name, sizeof info->name, &info->total_memory,
                                   &info->free_memory, &info->compute_major, &info->compute_minor,
                                   &info->multiprocessors));
-#endif
     return MGPU_OK;
 }
 
@@ -1464,34 +1457,24 @@ MGPUDEF int mgpu_device_can_access_peer(const mgpu_device* a, const mgpu_device*
     if (a->kind == MGPU_DEVICE_CPU && b->kind == MGPU_DEVICE_CPU) return 1;
     if (a->kind != b->kind) return 0;
     if (a->ordinal == b->ordinal) return 1;
-#ifdef MGPU_CUDA
     {
         int can = 0;
-        if (mgpu__cu_can_access_peer(a->ordinal, b->ordinal, &can) != 0) return 0;
+        if (MGPU__CUDA(mgpu__cu_can_access_peer(a->ordinal, b->ordinal, &can)) != 0) return 0;
         return can;
     }
-#else
-    return 0;
-#endif
 }
 
 MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev) {
     if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_synchronize: NULL device");
-#ifdef MGPU_CUDA
     if (dev->kind == MGPU_DEVICE_CUDA)
         MGPU__CU("mgpu_device_synchronize", dev, mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
-#endif
     return MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_device_set_tf32(mgpu_device* dev, int allow) {
     if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_set_tf32: NULL device");
-#ifdef MGPU_CUDA
     if (dev->kind == MGPU_DEVICE_CUDA)
         MGPU__CU("mgpu_device_set_tf32", dev, mgpu__cu_blas_set_tf32(dev->ordinal, dev->blas, allow));
-#else
-    (void)allow;
-#endif
     return MGPU_OK;
 }
 
@@ -1519,26 +1502,19 @@ static void* mgpu__cpu_raw_alloc(size_t bytes) {   /* 64-byte aligned, original 
 }
 static void mgpu__cpu_raw_free(void* p) { if (p) MGPU_FREE(((void**)p)[-1]); }
 
-#define MGPU__ALLOC_OOM 4   /* the backend's out-of-memory code (MGPU__CU_ERR_OOM) */
-static int mgpu__backend_alloc(mgpu_device* dev, size_t bytes, void** ptr) {   /* 0 ok, else backend code */
+static int mgpu__backend_alloc(mgpu_device* dev, size_t bytes, void** ptr) {   /* 0 ok, else MGPU__CU_ERR_* */
     if (dev->kind == MGPU_DEVICE_CPU) {
         *ptr = mgpu__cpu_raw_alloc(bytes);
-        return *ptr ? 0 : MGPU__ALLOC_OOM;
+        return *ptr ? 0 : MGPU__CU_ERR_OOM;
     }
-#ifdef MGPU_CUDA
-    return mgpu__cu_malloc(dev->ordinal, bytes, ptr);
-#else
-    return MGPU__ALLOC_OOM;
-#endif
+    return MGPU__CUDA(mgpu__cu_malloc(dev->ordinal, bytes, ptr));
 }
 static void mgpu__backend_free(mgpu_device* dev, void* ptr) {
     if (dev->kind == MGPU_DEVICE_CPU) { mgpu__cpu_raw_free(ptr); return; }
-#ifdef MGPU_CUDA
     /* The stream may still use it: wait first, as cudaFree would for the legacy stream. */
-    mgpu__cu_stream_synchronize(dev->ordinal, dev->stream);
-    if (mgpu__cu_free(dev->ordinal, ptr) != 0)
-        mgpu__log(MGPU_LOG_WARN, "%s: freeing device memory failed: %s", dev->label, mgpu__cu_error_message());
-#endif
+    (void)MGPU__CUDA(mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
+    if (MGPU__CUDA(mgpu__cu_free(dev->ordinal, ptr)) != 0)
+        mgpu__log(MGPU_LOG_WARN, "%s: freeing device memory failed: %s", dev->label, mgpu__cuda_message());
 }
 
 static void mgpu__lock(mgpu__allocator* a) {
@@ -1605,16 +1581,14 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
     mgpu__unlock(&dev->alloc);
     if (!ptr) {
         rc = mgpu__backend_alloc(dev, size, &ptr);
-        if (rc == MGPU__ALLOC_OOM) {   /* out of memory: give back the cache and try once more */
+        if (rc == MGPU__CU_ERR_OOM) {   /* out of memory: give back the cache and try once more */
             mgpu__memory_release_cached(dev);
             rc = mgpu__backend_alloc(dev, size, &ptr);
         }
-#ifdef MGPU_CUDA
-        if (rc != 0 && rc != MGPU__ALLOC_OOM) {   /* not memory: a CUDA failure, named as such */
+        if (rc != 0 && rc != MGPU__CU_ERR_OOM) {   /* not memory: a CUDA failure, named as such */
             mgpu__cu_result(rc, op, dev);
             return NULL;
         }
-#endif
         if (rc != 0) {
             char want[32], freeb[32], used[32];
             mgpu_device_info info;
@@ -1689,10 +1663,8 @@ MGPUDEF void* mgpu_pinned_alloc(size_t bytes) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_pinned_alloc: cannot allocate %zu bytes", bytes);
         return NULL;
     }
-#ifdef MGPU_CUDA
-    if (mgpu_cuda_device_count() > 0 && mgpu__cu_host_alloc(bytes + MGPU__CPU_ALIGN, (void**)&base) == 0) pinned = 1;
+    if (mgpu_cuda_device_count() > 0 && MGPU__CUDA(mgpu__cu_host_alloc(bytes + MGPU__CPU_ALIGN, (void**)&base)) == 0) pinned = 1;
     else base = NULL;
-#endif
     if (!base) base = (unsigned char*)MGPU_MALLOC(bytes + 2 * MGPU__CPU_ALIGN);
     if (!base) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_pinned_alloc: cannot allocate %zu bytes of host memory", bytes);
@@ -1707,13 +1679,11 @@ MGPUDEF void* mgpu_pinned_alloc(size_t bytes) {
 MGPUDEF void mgpu_pinned_free(void* ptr) {
     uintptr_t* user = (uintptr_t*)ptr;
     if (!ptr) return;
-#ifdef MGPU_CUDA
     if (user[-2]) {
-        if (mgpu__cu_host_free((void*)user[-1]) != 0)
-            mgpu__log(MGPU_LOG_WARN, "mgpu_pinned_free: %s", mgpu__cu_error_message());
+        if (MGPU__CUDA(mgpu__cu_host_free((void*)user[-1])) != 0)
+            mgpu__log(MGPU_LOG_WARN, "mgpu_pinned_free: %s", mgpu__cuda_message());
         return;
     }
-#endif
     MGPU_FREE((void*)user[-1]);
 }
 
@@ -1937,11 +1907,9 @@ MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t 
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
     if (!bytes) return MGPU_OK;
     if (MGPU__IS_CPU(t)) { memcpy(mgpu_tensor_data(t), host, bytes); return MGPU_OK; }
-#ifdef MGPU_CUDA
     MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t),
              mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, mgpu_tensor_data(t), host, bytes, MGPU__DEV(t)->stream));
     MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
-#endif
     return MGPU_OK;
 }
 
@@ -1953,11 +1921,9 @@ MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
     if (!bytes) return MGPU_OK;
     if (MGPU__IS_CPU(t)) { memcpy(host, mgpu_tensor_data(t), bytes); return MGPU_OK; }
-#ifdef MGPU_CUDA
     MGPU__CU("mgpu_tensor_download", MGPU__DEV(t),
              mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, host, mgpu_tensor_data(t), bytes, MGPU__DEV(t)->stream));
     MGPU__CU("mgpu_tensor_download", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
-#endif
     return MGPU_OK;
 }
 
@@ -1996,7 +1962,6 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     }
     if (sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_upload(dst, mgpu_tensor_data(src), bytes);
     if (dd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_download(src, mgpu_tensor_data(dst), bytes);
-#ifdef MGPU_CUDA
     if (sd == dd) {   /* same stream: ordered with everything else on it */
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
         return MGPU_OK;
@@ -2010,7 +1975,6 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy_peer(dd->ordinal, mgpu_tensor_data(dst), sd->ordinal,
                                                               mgpu_tensor_data(src), bytes, dd->stream));
     MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_synchronize(dd->ordinal, dd->stream));
-#endif
     return MGPU_OK;
 }
 
@@ -2048,10 +2012,8 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_fill: NULL tensor");
     n = mgpu_tensor_numel(t);
     if (!MGPU__IS_CPU(t)) {
-#ifdef MGPU_CUDA
         MGPU__CU("mgpu_tensor_fill", MGPU__DEV(t),
                  mgpu__cu_fill(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, mgpu_tensor_data(t), (int)t->dtype, (size_t)n, value));
-#endif
         return MGPU_OK;
     }
     if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
@@ -2075,11 +2037,9 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
                           mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
     n = mgpu_tensor_numel(src);
     if (!MGPU__IS_CPU(src)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(src), mgpu__cu_convert(MGPU__DEV(src)->ordinal, MGPU__DEV(src)->stream, (size_t)n,
                                                       (int)src->dtype, mgpu_tensor_data(src), (int)dst->dtype,
                                                       mgpu_tensor_data(dst), scale, shift));
-#endif
         return MGPU_OK;
     }
     for (i = 0; i < n; ++i)
@@ -2100,10 +2060,8 @@ static mgpu_result mgpu__rand(const char* op, mgpu_tensor* t, uint64_t seed, uin
     mgpu__rand_job job;
     MGPU__TRY(mgpu__check_tensor(op, "t", t, MGPU_F32));
     if (!MGPU__IS_CPU(t)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(t), mgpu__cu_rand(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, normal,
                                                  (size_t)mgpu_tensor_numel(t), seed, offset, a, b, MGPU__F32(t)));
-#endif
         return MGPU_OK;
     }
     job.out = MGPU__F32(t); job.seed = seed; job.offset = offset; job.normal = normal; job.a = a; job.b = b;
@@ -2121,11 +2079,8 @@ MGPUDEF mgpu_result mgpu_rand_normal(mgpu_tensor* t, uint64_t seed, uint64_t off
 /* ---- >>impl ops ------------------------------------------------------------------------- */
 /* Each op: check the arguments, then run the CPU reference loop here or the CUDA kernel in
    mgpu_kernels.cu; this is the one dispatch point. */
-#ifdef MGPU_CUDA
 #define MGPU__CUDA_ARGS(dev) (dev)->ordinal, (dev)->stream
-#endif
 
-#ifdef MGPU_CUDA
 /* Scratch device memory for one op, from (and back to) the caching allocator. */
 typedef struct mgpu__scratch { mgpu_device* dev; void* ptr; size_t size; } mgpu__scratch;
 static mgpu_result mgpu__scratch_get(mgpu__scratch* s, mgpu_device* dev, size_t bytes, const char* op) {
@@ -2134,7 +2089,6 @@ static mgpu_result mgpu__scratch_get(mgpu__scratch* s, mgpu_device* dev, size_t 
     return s->ptr ? MGPU_OK : mgpu_last_result();
 }
 static void mgpu__scratch_put(mgpu__scratch* s) { if (s->ptr) mgpu__device_release(s->dev, s->ptr, s->size); s->ptr = NULL; }
-#endif
 
 /* -- elementwise -- */
 typedef struct mgpu__ew_job { int op; const float *a, *b; float* y; float alpha; } mgpu__ew_job;
@@ -2180,10 +2134,8 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
                                                   MGPU__F32(x), MGPU__F32(out), alpha));
-#endif
         return MGPU_OK;
     }
     job.op = code; job.a = MGPU__F32(x); job.b = NULL; job.y = MGPU__F32(out); job.alpha = alpha;
@@ -2198,10 +2150,8 @@ static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, cons
     MGPU__TRY(mgpu__check_like(op, bn, b, an, a));
     MGPU__TRY(mgpu__check_like(op, "out", out, an, a));
     if (!MGPU__IS_CPU(a)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (size_t)mgpu_tensor_numel(a),
                                                    MGPU__F32(a), MGPU__F32(b), MGPU__F32(out), alpha));
-#endif
         return MGPU_OK;
     }
     job.op = code; job.a = MGPU__F32(a); job.b = MGPU__F32(b); job.y = MGPU__F32(out); job.alpha = alpha;
@@ -2393,13 +2343,11 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
     if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
         return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
-#ifdef MGPU_CUDA
     if (m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff)
         return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31 are not supported by cuBLAS", op);
     MGPU__CU(op, MGPU__DEV(a), mgpu__cu_gemm(MGPU__DEV(a)->ordinal, MGPU__DEV(a)->blas, transpose_a, transpose_b,
                                              (int)m, (int)n, (int)k, alpha, MGPU__F32(a), (int)a->shape.dim[1],
                                              MGPU__F32(b), (int)b->shape.dim[1], beta, MGPU__F32(out), (int)n));
-#endif
     return MGPU_OK;
 }
 
@@ -2456,10 +2404,8 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     mgpu__channel_split(x, &outer, &channels, &inner);
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
                                                      MGPU__F32(x), MGPU__F32(bias), MGPU__F32(out)));
-#endif
         return MGPU_OK;
     }
     {
@@ -2478,10 +2424,8 @@ static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgp
                                      int64_t channels, int64_t inner, float scale, int accumulate) {
     (void)op;
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, MGPU__F32(x),
                                                         MGPU__F32(out), scale, accumulate));
-#endif
         return MGPU_OK;
     }
     mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale, accumulate);
@@ -2524,10 +2468,8 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_softmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__F32(out)));
-#endif
         return MGPU_OK;
     }
     for (r = 0; r < rows && cols > 0; ++r) {
@@ -2573,17 +2515,15 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: logits %s is empty", op, mgpu_tensor_describe(logits, tx, sizeof tx));
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)rows;
     if (!MGPU__IS_CPU(logits)) {
-#ifdef MGPU_CUDA
         mgpu__scratch s;
         int rc;
         if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
         MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)rows * sizeof(float), op));
-        rc = mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
-                                   MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL, grad_scale,
-                                   (float*)s.ptr);
+        rc = MGPU__CUDA(mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
+                                              MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL,
+                                              grad_scale, (float*)s.ptr));
         mgpu__scratch_put(&s);
         if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(logits));
-#endif
         return MGPU_OK;
     }
     for (r = 0; r < rows; ++r)   /* every label first: a failed call writes nothing */
@@ -2623,15 +2563,13 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
     if (n == 0) return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'pred' is empty", op);
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)n;
     if (!MGPU__IS_CPU(pred)) {
-#ifdef MGPU_CUDA
         mgpu__scratch s;
         int rc;
         MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(pred), MGPU__CU_REDUCE_SCRATCH * sizeof(float), op));
-        rc = mgpu__cu_mse(MGPU__CUDA_ARGS(MGPU__DEV(pred)), (size_t)n, MGPU__F32(pred), MGPU__F32(target), MGPU__F32(loss),
-                          dpred ? MGPU__F32(dpred) : NULL, grad_scale, (float*)s.ptr);
+        rc = MGPU__CUDA(mgpu__cu_mse(MGPU__CUDA_ARGS(MGPU__DEV(pred)), (size_t)n, MGPU__F32(pred), MGPU__F32(target),
+                                     MGPU__F32(loss), dpred ? MGPU__F32(dpred) : NULL, grad_scale, (float*)s.ptr));
         mgpu__scratch_put(&s);
         if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(pred));
-#endif
         return MGPU_OK;
     }
     {
@@ -2668,9 +2606,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s must be [%lld] for x %s (with at least one column)", op,
                           mgpu_tensor_describe(out, to, sizeof to), (long long)rows, mgpu_tensor_describe(x, tx, sizeof tx));
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_argmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__I32(out)));
-#endif
         return MGPU_OK;
     }
     for (r = 0; r < rows; ++r) MGPU__I32(out)[r] = (int32_t)mgpu__row_argmax(MGPU__F32(x) + r * cols, cols);
@@ -2694,20 +2630,18 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
                           mgpu_tensor_describe(labels, tl, sizeof tl), (long long)rows,
                           mgpu_tensor_describe(logits, tx, sizeof tx));
     if (!MGPU__IS_CPU(logits)) {
-#ifdef MGPU_CUDA
         mgpu__scratch s;
         int32_t host_count = 0;
         int rc;
         mgpu_device* dev = MGPU__DEV(logits);
         MGPU__TRY(mgpu__scratch_get(&s, dev, (MGPU__CU_REDUCE_SCRATCH + 1) * sizeof(float), op));
-        rc = mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)rows, (int)cols, MGPU__F32(logits), MGPU__I32(labels),
-                                    (int32_t*)s.ptr, (float*)s.ptr + 1);
-        if (!rc) rc = mgpu__cu_memcpy(dev->ordinal, &host_count, s.ptr, sizeof host_count, dev->stream);
-        if (!rc) rc = mgpu__cu_stream_synchronize(dev->ordinal, dev->stream);
+        rc = MGPU__CUDA(mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)rows, (int)cols, MGPU__F32(logits),
+                                               MGPU__I32(labels), (int32_t*)s.ptr, (float*)s.ptr + 1));
+        if (!rc) rc = MGPU__CUDA(mgpu__cu_memcpy(dev->ordinal, &host_count, s.ptr, sizeof host_count, dev->stream));
+        if (!rc) rc = MGPU__CUDA(mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
         mgpu__scratch_put(&s);
         if (rc) return mgpu__cu_result(rc, op, dev);
         *count = host_count;
-#endif
         return MGPU_OK;
     }
     for (r = 0; r < rows; ++r) n += mgpu__row_argmax(MGPU__F32(logits) + r * cols, cols) == MGPU__I32(labels)[r];
@@ -2738,10 +2672,8 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
     if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, offset,
                                                     first, p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
-#endif
         return MGPU_OK;
     }
     job.x = MGPU__F32(x); job.y = MGPU__F32(out); job.mask = MGPU__F32(mask);
@@ -2791,9 +2723,7 @@ static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
 static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
     mgpu__window_job job;
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
-#endif
         return MGPU_OK;
     }
     memset(&job, 0, sizeof job);
@@ -2828,9 +2758,7 @@ static void mgpu__col2im_range(void* ctx, int64_t n0, int64_t n1) {
 static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
     mgpu__window_job job;
     if (!MGPU__IS_CPU(dx)) {
-#ifdef MGPU_CUDA
         MGPU__CU("Conv2d backward (col2im)", MGPU__DEV(dx), mgpu__cu_col2im(MGPU__CUDA_ARGS(MGPU__DEV(dx)), g, MGPU__F32(cols), MGPU__F32(dx)));
-#endif
         return MGPU_OK;
     }
     memset(&job, 0, sizeof job);
@@ -2853,9 +2781,7 @@ static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
 static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
     mgpu__window_job job;
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU("transpose", MGPU__DEV(x), mgpu__cu_transpose(MGPU__CUDA_ARGS(MGPU__DEV(x)), batch, rows, cols, MGPU__F32(x), MGPU__F32(y)));
-#endif
         return MGPU_OK;
     }
     memset(&job, 0, sizeof job);
@@ -2891,9 +2817,7 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
 static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
     mgpu__window_job job;
     if (!MGPU__IS_CPU(x)) {
-#ifdef MGPU_CUDA
         MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
-#endif
         return MGPU_OK;
     }
     memset(&job, 0, sizeof job);
@@ -2917,9 +2841,7 @@ static void mgpu__maxpool_backward_range(void* ctx, int64_t p0, int64_t p1) {
 static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
     mgpu__window_job job;
     if (!MGPU__IS_CPU(dy)) {
-#ifdef MGPU_CUDA
         MGPU__CU("MaxPool2d backward", MGPU__DEV(dy), mgpu__cu_maxpool_backward(MGPU__CUDA_ARGS(MGPU__DEV(dy)), g, MGPU__F32(dy), MGPU__I32(argmax), MGPU__F32(dx)));
-#endif
         return MGPU_OK;
     }
     memset(&job, 0, sizeof job);
@@ -3323,13 +3245,11 @@ MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
     if (!ar) return;
     for (i = 0; ar->rank && i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
-#ifdef MGPU_CUDA
-        if (r->stream) mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream);
-        if (r->nccl_comm) mgpu__cu_nccl_comm_destroy(r->nccl_comm);
-        if (r->ev_compute) mgpu__cu_event_destroy(r->dev->ordinal, r->ev_compute);
-        if (r->ev_comm) mgpu__cu_event_destroy(r->dev->ordinal, r->ev_comm);
-        if (r->stream) mgpu__cu_stream_destroy(r->dev->ordinal, r->stream);
-#endif
+        if (r->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream));
+        if (r->nccl_comm) (void)MGPU__CUDA(mgpu__cu_nccl_comm_destroy(r->nccl_comm));
+        if (r->ev_compute) (void)MGPU__CUDA(mgpu__cu_event_destroy(r->dev->ordinal, r->ev_compute));
+        if (r->ev_comm) (void)MGPU__CUDA(mgpu__cu_event_destroy(r->dev->ordinal, r->ev_comm));
+        if (r->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(r->dev->ordinal, r->stream));
         if (r->ring_tmp) mgpu__device_release(r->dev, r->ring_tmp, r->ring_tmp_block);
     }
     mgpu_pinned_free(ar->host_stage);
@@ -3347,7 +3267,6 @@ static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
     return kind;
 }
 
-#ifdef MGPU_CUDA
 static char mgpu__p2p_choice_from_env(void) {
     const char* env = getenv("MGPU_P2P");
     if (!env || !*env || !strcmp(env, "auto")) return 'a';
@@ -3356,7 +3275,6 @@ static char mgpu__p2p_choice_from_env(void) {
     mgpu__log(MGPU_LOG_WARN, "MGPU_P2P='%s' is not ring, oneshot or auto; choosing automatically", env);
     return 'a';
 }
-#endif
 
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
     static const char* op = "mgpu_allreduce_create";
@@ -3375,11 +3293,10 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
         if (kind != MGPU_ALLREDUCE_AUTO) mgpu__log(MGPU_LOG_INFO, "all-reduce: %s needs GPUs; CPU replicas use host", mgpu_allreduce_name(kind));
         kind = MGPU_ALLREDUCE_HOST;
     }
-#ifdef MGPU_CUDA
     if (cuda && (kind == MGPU_ALLREDUCE_AUTO || kind == MGPU_ALLREDUCE_NCCL)) {
         int distinct = 1, j;
         for (i = 0; i < set->count; ++i) for (j = 0; j < i; ++j) distinct &= set->devices[i]->ordinal != set->devices[j]->ordinal;
-        if (distinct && mgpu__cu_nccl_available()) kind = MGPU_ALLREDUCE_NCCL;
+        if (distinct && MGPU__CUDA(mgpu__cu_nccl_available()) == 1) kind = MGPU_ALLREDUCE_NCCL;
         else {
             if (kind == MGPU_ALLREDUCE_NCCL)
                 mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s; using peer-to-peer instead",
@@ -3387,27 +3304,25 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
             kind = MGPU_ALLREDUCE_P2P;
         }
     }
-#endif
     ar = (mgpu_allreduce*)mgpu__calloc(1, sizeof *ar);
     if (ar) ar->rank = (mgpu__rank*)mgpu__calloc((size_t)set->count, sizeof(mgpu__rank));
     if (!ar || !ar->rank) { MGPU_FREE(ar); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     ar->kind = kind;
     ar->count = set->count;
     for (i = 0; i < set->count; ++i) ar->rank[i].dev = set->devices[i];
-#ifdef MGPU_CUDA
     for (i = 0; cuda && i < set->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
-        int rc = mgpu__cu_stream_create(r->dev->ordinal, &r->stream);
-        if (!rc) rc = mgpu__cu_event_create(r->dev->ordinal, 0, &r->ev_compute);
-        if (!rc) rc = mgpu__cu_event_create(r->dev->ordinal, 0, &r->ev_comm);
+        int rc = MGPU__CUDA(mgpu__cu_stream_create(r->dev->ordinal, &r->stream));
+        if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_compute));
+        if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_comm));
         if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu_allreduce_destroy(ar); return NULL; }
     }
     if (kind == MGPU_ALLREDUCE_NCCL) {
         int ordinals[MGPU__MAX_REPLICAS];
         void* comms[MGPU__MAX_REPLICAS];
         for (i = 0; i < set->count; ++i) ordinals[i] = set->devices[i]->ordinal;
-        if (mgpu__cu_nccl_comm_init_all(set->count, ordinals, comms) != 0) {   /* fall back, nothing lost */
-            mgpu__log(MGPU_LOG_WARN, "all-reduce: NCCL initialisation failed (%s); using peer-to-peer", mgpu__cu_error_message());
+        if (MGPU__CUDA(mgpu__cu_nccl_comm_init_all(set->count, ordinals, comms)) != 0) {   /* fall back, nothing lost */
+            mgpu__log(MGPU_LOG_WARN, "all-reduce: NCCL initialisation failed (%s); using peer-to-peer", mgpu__cuda_message());
             ar->kind = MGPU_ALLREDUCE_P2P;
         } else {
             for (i = 0; i < set->count; ++i) ar->rank[i].nccl_comm = comms[i];
@@ -3420,9 +3335,8 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
         const int o0 = set->devices[0]->ordinal, oi = set->devices[i]->ordinal;
         ar->one_gpu &= oi == o0;
         ar->oneshot_reach &= oi == o0 || (mgpu_device_can_access_peer(set->devices[0], set->devices[i]) &&
-                                          mgpu__cu_enable_peer_access(o0, oi) == 0);
+                                          MGPU__CUDA(mgpu__cu_enable_peer_access(o0, oi)) == 0);
     }
-#endif
     return ar;
 }
 
@@ -3467,7 +3381,6 @@ static void mgpu__host_sum_range(void* ctx, int64_t begin, int64_t end) {
     for (r = 1; r < j->count; ++r) memcpy(j->bufs[r] + begin, sum + begin, (size_t)(end - begin) * sizeof(float));
 }
 
-#ifdef MGPU_CUDA
 /* Each comm stream waits for what its replica's compute stream has issued so far. */
 static mgpu_result mgpu__ar_after_compute(mgpu_allreduce* ar) {
     int i;
@@ -3593,7 +3506,6 @@ static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_
         MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_synchronize(ar->rank[i].dev->ordinal, ar->rank[i].stream));
     return MGPU_OK;
 }
-#endif
 
 /* Sum bufs[i][0..n) across replicas, on the comm streams (GPU) or right away (CPU). The caller
    orders it with the compute streams (mgpu__ar_after_compute / mgpu__ar_before_compute). */
@@ -3606,13 +3518,13 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
         mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__host_sum_range, &job);
         return MGPU_OK;
     }
-#ifdef MGPU_CUDA
     if (ar->kind == MGPU_ALLREDUCE_NCCL) {
-        int i, rc = mgpu__cu_nccl_group_start();
+        int i, rc = MGPU__CUDA(mgpu__cu_nccl_group_start());
         for (i = 0; !rc && i < ar->count; ++i)
-            rc = mgpu__cu_nccl_allreduce_sum(ar->rank[i].dev->ordinal, ar->rank[i].nccl_comm, bufs[i], n, ar->rank[i].stream);
+            rc = MGPU__CUDA(mgpu__cu_nccl_allreduce_sum(ar->rank[i].dev->ordinal, ar->rank[i].nccl_comm, bufs[i], n,
+                                                        ar->rank[i].stream));
         if (i > 0 || !rc) {   /* a group that was started is always ended */
-            int end = mgpu__cu_nccl_group_end();
+            int end = MGPU__CUDA(mgpu__cu_nccl_group_end());
             if (!rc) rc = end;
         }
         if (rc) return mgpu__cu_result(rc, "all-reduce (NCCL)", ar->rank[0].dev);
@@ -3621,22 +3533,17 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
     if (ar->kind == MGPU_ALLREDUCE_HOST) return mgpu__ar_staged(ar, bufs, n);
     if (mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n, 0);
     return mgpu__ar_ring(ar, bufs, n);
-#else
-    return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "all-reduce: GPU replicas in a build without CUDA");
-#endif
 }
 
 /* A whole all-reduce ordered with the compute streams: after the work issued so far, before the
    work issued next (on the CPU, simply now). */
 static mgpu_result mgpu__ar_sum(mgpu_allreduce* ar, float* const* bufs, size_t n) {
-#ifdef MGPU_CUDA
     if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
         if (n > 0 && mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n, 1);
         MGPU__TRY(mgpu__ar_after_compute(ar));
         MGPU__TRY(mgpu__ar_reduce(ar, bufs, n));
         return mgpu__ar_before_compute(ar);
     }
-#endif
     return mgpu__ar_reduce(ar, bufs, n);
 }
 
@@ -4337,10 +4244,8 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
             continue;
         }
-#ifdef MGPU_CUDA
         if (job.adamw_kind) MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v, job.adamw));
         else MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.sgd));
-#endif
     }
     opt->steps++;
     opt->model->dropout_step++;   /* the next step draws new dropout masks */
@@ -4450,7 +4355,6 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
            soon as its last layer is done, while the compute streams go on with the next layers */
         for (l = m->layer_count - 1, b = 0; l >= 0 && res == MGPU_OK; --l) {
             for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) res = mgpu__backward_layer(m, i, l, m->rep[i].dout);
-#ifdef MGPU_CUDA
             for (; overlap && res == MGPU_OK && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {
                 float* bufs[MGPU__MAX_REPLICAS];
                 const mgpu__bucket* bk = &m->buckets[b];
@@ -4459,16 +4363,13 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
                 res = mgpu__ar_after_compute(m->ar);
                 if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin));
             }
-#endif
         }
-#ifdef MGPU_CUDA
         /* join the comm streams, also after a failure: nothing may touch the gradients while
            an all-reduce still reads or writes them */
         if (issued) {
             mgpu_result joined = mgpu__ar_before_compute(m->ar);
             if (res == MGPU_OK) res = joined;
         }
-#endif
         (void)b; (void)issued;
         MGPU__TRY(res);
         if (reduce && !overlap) MGPU__TRY(mgpu__reduce_grads(m));   /* host-staged: once, after backward */

@@ -268,12 +268,6 @@ int mgpu__cu_enable_peer_access(int dev, int peer) {
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_device_synchronize(int dev) {
-    USE_DEVICE(dev);
-    CUDA_TRY(cudaDeviceSynchronize(), "cudaDeviceSynchronize() on device %d", dev);
-    return MGPU__CU_OK;
-}
-
 int mgpu__cu_stream_create(int dev, void** stream) {
     cudaStream_t s = NULL;
     *stream = NULL;
@@ -296,12 +290,11 @@ int mgpu__cu_stream_synchronize(int dev, void* stream) {
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_event_create(int dev, int timing, void** event) {
+int mgpu__cu_event_create(int dev, void** event) {   // ordering only: no timing, so cheaper
     cudaEvent_t e = NULL;
     *event = NULL;
     USE_DEVICE(dev);
-    CUDA_TRY(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming),
-             "cudaEventCreateWithFlags(timing %d) on device %d", timing, dev);
+    CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags() on device %d", dev);
     *event = e;
     return MGPU__CU_OK;
 }
@@ -326,20 +319,6 @@ int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_event_synchronize(int dev, void* event) {
-    USE_DEVICE(dev);
-    CUDA_TRY(cudaEventSynchronize((cudaEvent_t)event), "cudaEventSynchronize(%p) on device %d", event, dev);
-    return MGPU__CU_OK;
-}
-
-int mgpu__cu_event_elapsed_ms(int dev, void* start, void* end, float* ms) {
-    *ms = 0.0f;
-    USE_DEVICE(dev);
-    CUDA_TRY(cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)end),
-             "cudaEventElapsedTime(%p, %p) on device %d", start, end, dev);
-    return MGPU__CU_OK;
-}
-
 // ============================================================================================
 // >>memory
 // ============================================================================================
@@ -353,12 +332,6 @@ int mgpu__cu_malloc(int dev, size_t bytes, void** ptr) {
 int mgpu__cu_free(int dev, void* ptr) {
     USE_DEVICE(dev);
     CUDA_TRY(cudaFree(ptr), "cudaFree(%p) on device %d", ptr, dev);
-    return MGPU__CU_OK;
-}
-
-int mgpu__cu_mem_info(int dev, size_t* free_mem, size_t* total_mem) {
-    USE_DEVICE(dev);
-    CUDA_TRY(cudaMemGetInfo(free_mem, total_mem), "cudaMemGetInfo() on device %d", dev);
     return MGPU__CU_OK;
 }
 
@@ -388,14 +361,6 @@ int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, s
     if (bytes == 0) return MGPU__CU_OK;
     CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, bytes, as_stream(stream)),
              "cudaMemcpyPeerAsync(%zu bytes, device %d -> device %d)", bytes, src_dev, dst_dev);
-    return MGPU__CU_OK;
-}
-
-int mgpu__cu_memset_zero(int dev, void* ptr, size_t bytes, void* stream) {
-    USE_DEVICE(dev);
-    if (bytes == 0) return MGPU__CU_OK;
-    CUDA_TRY(cudaMemsetAsync(ptr, 0, bytes, as_stream(stream)), "cudaMemsetAsync(%p, 0, %zu bytes) on device %d",
-             ptr, bytes, dev);
     return MGPU__CU_OK;
 }
 
