@@ -79,7 +79,8 @@
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
-   >>optim       SGD and AdamW over the flat buffer, schedules, the whole training step
+   >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
+   >>train       the data-parallel step in five moves: split, compute, reduce, update; evaluate
    >>io          safetensors checkpoints, IDX data sets, a shuffling batch loader
    >>seam        the interface between mgpu.h and mgpu_kernels.cu, and the math both share
    >>impl        the implementation (same order as above)
@@ -487,15 +488,6 @@ MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
 /* Prints layers, output shapes and parameter counts (like torchsummary); to stdout if f is NULL. */
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
 
-/* The building blocks of a step, for a loop of your own (one replica):
-   forward on x (on the replica's device) returns the output tensor, owned by the model; x must
-   stay alive and unchanged until backward (the model keeps only its header). A training forward
-   of replica 0 starts a new step: fresh dropout masks. Backward takes d(loss)/d(output) and ADDS
-   the parameter gradients into mgpu_model_grads. */
-MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training);
-MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
-MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
-
 /* ============================================================================================ */
 /* >>optim                                                                                      */
 /* ============================================================================================ */
@@ -525,22 +517,33 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt);
 MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt);     /* the rate the next step uses */
 MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken */
 
-/* ---- a whole training step ---- */
-/* x [B, sample...] and target (int32 [B] for cross-entropy; f32 like the output for MSE) on any
-   device, usually the CPU. Zeroes the gradients, splits the batch across replicas, runs forward,
-   the loss and backward, reduces the gradients, and takes the optimizer step. *loss, if not NULL,
-   receives the batch's mean loss (which waits for the GPU). */
+/* ============================================================================================ */
+/* >>train                                                                                      */
+/* ============================================================================================ */
+/* Data-parallel training in five moves (the implementation's >>train opens with them):
+   1 replicate (once, at mgpu_model_create), 2 split the batch across replicas, 3 compute
+   forward, loss and backward on each, 4 reduce the gradients across replicas (all-reduce,
+   overlapped with backward), 5 update every replica with the same optimizer step.
+
+   A whole step: x [B, sample...] and target (int32 [B] for cross-entropy; f32 like the output
+   for MSE) on any device, usually the CPU. Zeroes the gradients, then moves 2 to 5. *loss, if
+   not NULL, receives the batch's mean loss (which waits for the GPU). It leaves the reduced
+   gradients in place (mgpu_model_grads), for a look at them. */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
-/* The same step in two halves, for gradient accumulation over micro-batches: accumulate ADDS
-   the gradients of one micro-batch (scaled as part of a batch of batch_total samples; 0 means
-   this micro-batch alone) to whatever the gradient buffers hold, without reducing them; apply
-   reduces the gradients across replicas, takes the optimizer step and zeroes the gradients for
-   the next batch. Start from zeroed gradients (a new model, mgpu_model_apply or
-   mgpu_model_zero_grad; mgpu_model_train_step leaves its reduced gradients in place). After a
-   failed accumulate the gradients are partial: zero them before going on. */
+/* The same step in parts, for gradient accumulation over micro-batches (DDP's no_sync()):
+   accumulate ADDS the gradients of one micro-batch (scaled as part of a batch of batch_total
+   samples; 0 means this micro-batch alone) to the gradient buffers, without reducing them
+   (moves 2 and 3); apply reduces them across replicas, takes the optimizer step and zeroes the
+   gradients for the next batch (moves 4 and 5). Start from zeroed gradients (a new model,
+   mgpu_model_apply or mgpu_model_zero_grad). After a failed accumulate the gradients are
+   partial: zero them before going on. */
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss);
+/* Move 4 alone: sum the gradients across replicas without an optimizer step (to read or clip
+   them first). Once per batch: a second call, or mgpu_model_apply after it, does not sum again;
+   accumulating onto reduced gradients is an error until they are zeroed or applied. */
+MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt);
 /* Compare every replica's parameters with replica 0's, bit for bit (MGPU_ERROR_DIVERGED names
    the first difference). */
@@ -549,6 +552,15 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m);
    correct predictions. Either output may be NULL. */
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                         float* loss, int64_t* correct);
+
+/* The building blocks of a step, for a loop of your own (one replica):
+   forward on x (on the replica's device) returns the output tensor, owned by the model; x must
+   stay alive and unchanged until backward (the model keeps only its header). A training forward
+   of replica 0 starts a new step: fresh dropout masks. Backward takes d(loss)/d(output) and ADDS
+   the parameter gradients into mgpu_model_grads. */
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training);
+MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
+MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
 
 /* ============================================================================================ */
 /* >>io                                                                                         */
@@ -1002,6 +1014,13 @@ static mgpu_result mgpu__fail(mgpu_result r, const char* fmt, ...) {
     mgpu__error_code = r;
     if (mgpu__log_fn) mgpu__log_fn(MGPU_LOG_ERROR, mgpu__error_text, mgpu__log_user);
     return r;
+}
+
+/* Re-prefix the last error with where it happened. */
+static mgpu_result mgpu__refail(const char* where) {
+    char msg[sizeof mgpu__error_text];
+    memcpy(msg, mgpu__error_text, sizeof msg);
+    return mgpu__fail(mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", where, msg);
 }
 
 /* ---- >>impl threads: a small pool for the CPU backend ----------------------------------- */
@@ -2045,6 +2064,22 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
     for (i = 0; i < n; ++i)
         mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i) * scale + shift);
     return MGPU_OK;
+}
+
+/* Rows [start, start+count) of t as a header on the stack (no allocation). */
+static mgpu_tensor mgpu__rows(const mgpu_tensor* t, int64_t start, int64_t count) {
+    mgpu_tensor r = *t;
+    r.offset += (size_t)start * (mgpu_tensor_bytes(t) / (size_t)MGPU__MAX(t->shape.dim[0], 1));
+    r.shape.dim[0] = count;
+    return r;
+}
+
+/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one. */
+static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
+    if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
+    mgpu_tensor_destroy(*t);
+    *t = mgpu_tensor_create(dev, dt, shape);
+    return *t ? MGPU_OK : mgpu_last_result();
 }
 
 /* ---- >>impl random ---------------------------------------------------------------------- */
@@ -3625,6 +3660,7 @@ struct mgpu_model {
     int bucket_count;
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
+    int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU replicas run on threads: each one's failure,
                                                            prefixed with the replica */
 };
@@ -3642,22 +3678,6 @@ static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape 
     return mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op);
 }
 
-/* Rows [start, start+count) of t as a header on the stack (no allocation). */
-static mgpu_tensor mgpu__rows(const mgpu_tensor* t, int64_t start, int64_t count) {
-    mgpu_tensor r = *t;
-    r.offset += (size_t)start * (mgpu_tensor_bytes(t) / (size_t)MGPU__MAX(t->shape.dim[0], 1));
-    r.shape.dim[0] = count;
-    return r;
-}
-
-/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one. */
-static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
-    if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
-    mgpu_tensor_destroy(*t);
-    *t = mgpu_tensor_create(dev, dt, shape);
-    return *t ? MGPU_OK : mgpu_last_result();
-}
-
 static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
     int i;
     for (i = 0; i < m->layer_count; ++i) {
@@ -3666,13 +3686,6 @@ static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
     }
     for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu_tensor_destroy(r->aux[i]); r->aux[i] = NULL; }
     r->in_shape.ndim = -1;
-}
-
-/* Re-prefix the last error with where it happened. */
-static mgpu_result mgpu__refail(const char* where) {
-    char msg[sizeof mgpu__error_text];
-    memcpy(msg, mgpu__error_text, sizeof msg);
-    return mgpu__fail(mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", where, msg);
 }
 
 /* The shape of a batch of `batch` samples: [batch, sample shape...]. */
@@ -3691,30 +3704,6 @@ static mgpu_result mgpu__layer_output(const mgpu_model* m, int i, mgpu_shape x, 
     const mgpu_layer* l = m->layers[i];
     if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
     return l->vt->output_shape(l, x, y);
-}
-
-/* Size every activation, gradient and aux buffer of a replica for input shape x. */
-static mgpu_result mgpu__replica_resize(mgpu_model* m, mgpu__replica* r, mgpu_shape x) {
-    mgpu_shape shape = x;
-    int i, j;
-    if (mgpu_shape_equal(r->in_shape, x)) return MGPU_OK;
-    mgpu__replica_free_buffers(m, r);
-    for (i = 0; i < m->layer_count; ++i) {
-        const mgpu_layer* l = m->layers[i];
-        mgpu_shape out;
-        for (j = 0; j < m->first_aux[i + 1] - m->first_aux[i]; ++j) {
-            mgpu_dtype dt;
-            mgpu_shape as;
-            MGPU__TRY(l->vt->aux_shape(l, j, shape, &dt, &as));
-            MGPU__TRY(mgpu__ensure(&r->aux[m->first_aux[i] + j], r->dev, dt, as));
-        }
-        MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
-        MGPU__TRY(mgpu__ensure(&r->act[i], r->dev, MGPU_F32, out));
-        if (i < m->layer_count - 1) MGPU__TRY(mgpu__ensure(&r->dact[i], r->dev, MGPU_F32, out));
-        shape = out;
-    }
-    r->in_shape = x;
-    return MGPU_OK;
 }
 
 static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int training, mgpu_layer_ctx* ctx) {
@@ -3785,12 +3774,105 @@ static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
     return MGPU_OK;
 }
 
+/* Step 1 of a model: walk the shapes with a batch of one (every layer must accept what the
+   previous one gives), count each layer's parameters and saved buffers, and lay the parameters
+   out in one flat buffer, each at a 64-byte boundary, named as in PyTorch's state_dict. */
+static mgpu_result mgpu__model_layout(mgpu_model* m) {
+    static const char* op = "mgpu_model_create";
+    mgpu_shape shape = mgpu__batch_shape(m, 1);
+    char where[96];
+    int i, j, t;
+    m->first_tensor = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
+    m->first_aux = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
+    if (!m->first_tensor || !m->first_aux) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        int pc = l->vt->param_count ? l->vt->param_count(l) : 0;
+        int ac = l->vt->aux_count ? l->vt->aux_count(l) : 0;
+        snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
+        if (mgpu__layer_output(m, i, shape, &shape) != MGPU_OK) return mgpu__refail(where);
+        if (pc < 0 || ac < 0) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: negative parameter or buffer count", where);
+        m->first_tensor[i + 1] = m->first_tensor[i] + pc;
+        m->first_aux[i + 1] = m->first_aux[i] + ac;
+    }
+    m->tensor_count = m->first_tensor[m->layer_count];
+    m->tensors = (mgpu__param*)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu__param));
+    if (!m->tensors) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0, t = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        for (j = 0; j < m->first_tensor[i + 1] - m->first_tensor[i]; ++j, ++t) {
+            const char* name = "param";
+            size_t bytes;
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
+            if (l->vt->param_shape(l, j, &name, &m->tensors[t].shape) != MGPU_OK ||
+                mgpu__check_shape("parameter shape", MGPU_F32, m->tensors[t].shape, &bytes) != MGPU_OK)
+                return mgpu__refail(where);
+            snprintf(m->tensors[t].name, sizeof m->tensors[t].name, "%d.%s", i, name);
+            m->tensors[t].offset = m->flat_floats;
+            m->param_count += mgpu_shape_numel(m->tensors[t].shape);
+            m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
+        }
+    }
+    return MGPU_OK;
+}
+
+/* Step 2: one replica per device, each with its flat parameter and gradient buffers (zeroed)
+   and the named views into them. */
+static mgpu_result mgpu__model_replicas(mgpu_model* m, const mgpu_device_set* devices) {
+    static const char* op = "mgpu_model_create";
+    const int aux_total = m->first_aux[m->layer_count];
+    int i, t;
+    m->replica_count = devices ? devices->count : 1;
+    m->rep = (mgpu__replica*)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu__replica));
+    if (!m->rep) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0; i < m->replica_count; ++i) {
+        mgpu__replica* r = &m->rep[i];
+        r->in_shape.ndim = -1;
+        r->dev = devices ? devices->devices[i] : mgpu_device_cpu();
+        r->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        r->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        r->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+        r->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+        r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
+        if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux)
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        r->params = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
+        r->grads = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
+        r->loss = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1));
+        if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
+            return mgpu__refail(op);
+        for (t = 0; t < m->tensor_count; ++t) {
+            r->pview[t] = mgpu__view_at(r->params, m->tensors[t].offset, m->tensors[t].shape, op);
+            r->gview[t] = mgpu__view_at(r->grads, m->tensors[t].offset, m->tensors[t].shape, op);
+            if (!r->pview[t] || !r->gview[t]) return mgpu__refail(op);
+        }
+    }
+    return MGPU_OK;
+}
+
+/* Step 3, data parallelism's first move (replicate): initialise on replica 0, then copy to every
+   other replica, so all start from the same model. Never again: replicas stay in step because
+   each takes the same update (>>train). */
+static mgpu_result mgpu__model_init(mgpu_model* m) {
+    char where[96];
+    int i;
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        mgpu_layer_ctx ctx;
+        if (!l->vt->init || m->first_tensor[i + 1] == m->first_tensor[i]) continue;
+        mgpu__layer_ctx_for(m, 0, i, 0, &ctx);
+        snprintf(where, sizeof where, "mgpu_model_create: initialising layer %d (%s)", i, mgpu_layer_type(l));
+        if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__refail(where);
+    }
+    for (i = 1; i < m->replica_count; ++i)
+        if (mgpu_tensor_copy(m->rep[i].params, m->rep[0].params) != MGPU_OK) return mgpu__refail("mgpu_model_create");
+    return MGPU_OK;
+}
+
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
-    mgpu_shape shape;
-    int i, j, t, aux_total = 0;
-    char where[96];
+    int i;
     if (!desc || !desc->layers || desc->layer_count <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
         if (desc && desc->layers) for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
@@ -3816,90 +3898,23 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     m->input = desc->input;
     m->loss = desc->loss;
     m->seed = desc->seed;
+    m->verify_every = desc->verify_every;
     if (m->input.ndim < 1 || m->input.ndim > MGPU_MAX_DIMS - 1) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "the sample shape has %d dimensions (want 1 to %d; the batch adds one)",
                    m->input.ndim, MGPU_MAX_DIMS - 1);
         return mgpu__model_fail(m, op);
     }
-    /* walk the shapes with a batch of one: every layer must accept what the previous gives */
-    shape = mgpu__batch_shape(m, 1);
-    m->first_tensor = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
-    m->first_aux = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
-    if (!m->first_tensor || !m->first_aux) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
-    for (i = 0; i < m->layer_count; ++i) {
-        const mgpu_layer* l = m->layers[i];
-        int pc = l->vt->param_count ? l->vt->param_count(l) : 0;
-        int ac = l->vt->aux_count ? l->vt->aux_count(l) : 0;
-        snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
-        if (mgpu__layer_output(m, i, shape, &shape) != MGPU_OK) return mgpu__model_fail(m, where);
-        if (pc < 0 || ac < 0) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "negative parameter or buffer count"); return mgpu__model_fail(m, where); }
-        m->first_tensor[i + 1] = m->first_tensor[i] + pc;
-        m->first_aux[i + 1] = m->first_aux[i] + ac;
+    if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_replicas(m, desc->devices) != MGPU_OK ||
+        mgpu__model_init(m) != MGPU_OK) {
+        mgpu_model_destroy(m);
+        return NULL;
     }
-    m->tensor_count = m->first_tensor[m->layer_count];
-    aux_total = m->first_aux[m->layer_count];
-    m->tensors = (mgpu__param*)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu__param));
-    if (!m->tensors) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
-    /* lay the parameters out in one flat buffer, each at a 64-byte boundary */
-    for (i = 0, t = 0; i < m->layer_count; ++i) {
-        const mgpu_layer* l = m->layers[i];
-        for (j = 0; j < m->first_tensor[i + 1] - m->first_tensor[i]; ++j, ++t) {
-            const char* name = "param";
-            size_t bytes;
-            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
-            if (l->vt->param_shape(l, j, &name, &m->tensors[t].shape) != MGPU_OK ||
-                mgpu__check_shape("parameter shape", MGPU_F32, m->tensors[t].shape, &bytes) != MGPU_OK)
-                return mgpu__model_fail(m, where);
-            snprintf(m->tensors[t].name, sizeof m->tensors[t].name, "%d.%s", i, name);
-            m->tensors[t].offset = m->flat_floats;
-            m->param_count += mgpu_shape_numel(m->tensors[t].shape);
-            m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
-        }
-    }
-    /* one replica per device */
-    m->replica_count = desc->devices ? desc->devices->count : 1;
-    m->rep = (mgpu__replica*)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu__replica));
-    if (!m->rep) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory"); return mgpu__model_fail(m, op); }
-    for (i = 0; i < m->replica_count; ++i) {
-        mgpu__replica* r = &m->rep[i];
-        r->in_shape.ndim = -1;
-        r->dev = desc->devices ? desc->devices->devices[i] : mgpu_device_cpu();
-        r->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
-        r->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
-        r->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
-        r->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
-        r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
-        if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux) {
-            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
-            return mgpu__model_fail(m, op);
-        }
-        r->params = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->grads = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->loss = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1));
-        if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
-            return mgpu__model_fail(m, op);
-        for (t = 0; t < m->tensor_count; ++t) {
-            r->pview[t] = mgpu__view_at(r->params, m->tensors[t].offset, m->tensors[t].shape, op);
-            r->gview[t] = mgpu__view_at(r->grads, m->tensors[t].offset, m->tensors[t].shape, op);
-            if (!r->pview[t] || !r->gview[t]) return mgpu__model_fail(m, op);
-        }
-    }
-    /* initialise on replica 0, then broadcast: every replica starts from the same model */
-    for (i = 0; i < m->layer_count; ++i) {
-        const mgpu_layer* l = m->layers[i];
-        mgpu_layer_ctx ctx;
-        if (!l->vt->init || m->first_tensor[i + 1] == m->first_tensor[i]) continue;
-        mgpu__layer_ctx_for(m, 0, i, 0, &ctx);
-        snprintf(where, sizeof where, "%s: initialising layer %d (%s)", op, i, mgpu_layer_type(l));
-        if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__model_fail(m, where);
-    }
-    for (i = 1; i < m->replica_count; ++i)
-        if (mgpu_tensor_copy(m->rep[i].params, m->rep[0].params) != MGPU_OK) return mgpu__model_fail(m, op);
-    m->verify_every = desc->verify_every;
-    if (m->replica_count > 1) {
+    if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
         m->ar = mgpu_allreduce_create(desc->devices, desc->allreduce);
+        if (!m->ar) return mgpu__model_fail(m, op);
         m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
-        if (!m->ar || !m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
+        if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+        if (!m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
             return mgpu__model_fail(m, op);
     }
     return m;
@@ -3963,143 +3978,6 @@ static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int 
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count);
     return MGPU_OK;
 }
-
-/* x must be [batch, sample shape...] */
-static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const mgpu_tensor* x) {
-    char tx[128], ts[96];
-    int i, ok;
-    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
-    ok = x->shape.ndim == m->input.ndim + 1;
-    for (i = 0; ok && i < m->input.ndim; ++i) ok = x->shape.dim[i + 1] == m->input.dim[i];
-    if (!ok)
-        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: x %s is not [batch, %s] (the model's sample shape)", op,
-                          mgpu_tensor_describe(x, tx, sizeof tx), mgpu__shape_text(m->input, ts, sizeof ts));
-    return MGPU_OK;
-}
-
-/* Forward of one replica, whose rows start at row first_row of the whole batch. */
-static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training, int64_t first_row) {
-    static const char* op = "mgpu_model_forward";
-    mgpu__replica* r;
-    char where[96];
-    int i;
-    if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
-    r = &m->rep[replica];
-    r->has_input = 0;   /* until every layer has run: backward needs a whole forward */
-    if (MGPU__DEV(x) != r->dev && !(MGPU__IS_CPU(x) && r->dev->kind == MGPU_DEVICE_CPU)) {
-        char tx[128];
-        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
-                   mgpu_tensor_describe(x, tx, sizeof tx), replica, r->dev->label);
-        return NULL;
-    }
-    if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
-    r->input = *x;
-    r->training = training;
-    r->first_row = first_row;
-    for (i = 0; i < m->layer_count; ++i) {
-        mgpu_layer_ctx ctx;
-        mgpu__layer_ctx_for(m, replica, i, training, &ctx);
-        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i ? r->act[i - 1] : x, r->act[i]) != MGPU_OK) {
-            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
-            mgpu__refail(where);
-            return NULL;
-        }
-    }
-    r->has_input = 1;
-    return r->act[m->layer_count - 1];
-}
-
-MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
-    if (m && replica >= 0 && replica < m->replica_count) m->rep[replica].stream_salt = replica + 1;
-    return mgpu__forward(m, replica, x, training, 0);
-}
-
-/* Backward through layer i of a replica: d output of the model is doutput. */
-static mgpu_result mgpu__backward_layer(mgpu_model* m, int replica, int i, const mgpu_tensor* doutput) {
-    mgpu__replica* r = &m->rep[replica];
-    mgpu_layer_ctx ctx;
-    char where[96];
-    const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
-    mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
-    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : &r->input, r->act[i], dy,
-                                   i ? r->dact[i - 1] : NULL) != MGPU_OK) {
-        snprintf(where, sizeof where, "mgpu_model_backward: layer %d (%s)", i, mgpu_layer_type(m->layers[i]));
-        return mgpu__refail(where);
-    }
-    return MGPU_OK;
-}
-
-MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
-    static const char* op = "mgpu_model_backward";
-    mgpu__replica* r;
-    int i;
-    MGPU__TRY(mgpu__check_replica(op, m, replica));
-    r = &m->rep[replica];
-    if (!r->has_input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
-    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
-    for (i = m->layer_count - 1; i >= 0; --i) MGPU__TRY(mgpu__backward_layer(m, replica, i, doutput));
-    return MGPU_OK;
-}
-
-MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
-    int i;
-    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_zero_grad: NULL model");
-    for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_zero(m->rep[i].grads));
-    return MGPU_OK;
-}
-
-/* All-reduce the gradient buffers of every replica (the whole flat buffer at once). */
-static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
-    float* bufs[MGPU__MAX_REPLICAS];
-    int i;
-    if (!m->ar) return MGPU_OK;
-    for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads);
-    return mgpu__ar_sum(m->ar, bufs, (size_t)m->flat_floats);
-}
-
-/* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
-static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target) {
-    char tt[128], tx[128];
-    MGPU__TRY(mgpu__check_tensor(op, "target", target, m->loss == MGPU_LOSS_MSE ? MGPU_F32 : MGPU_I32));
-    if (target->shape.ndim < 1 || target->shape.dim[0] != x->shape.dim[0] || (m->loss != MGPU_LOSS_MSE && target->shape.ndim != 1))
-        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s (want one %s per sample)", op,
-                          mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx),
-                          m->loss == MGPU_LOSS_MSE ? "row" : "int32 label");
-    return MGPU_OK;
-}
-
-/* Replica r's rows of a batch of n: an even split, the first n % R replicas one row more. */
-static void mgpu__split(int64_t n, int replicas, int r, int64_t* start, int64_t* count) {
-    int64_t base = n / replicas, extra = n % replicas;
-    *count = base + (r < extra ? 1 : 0);
-    *start = (int64_t)r * base + MGPU__MIN((int64_t)r, extra);
-}
-
-/* Replica r's slice of t, on its device: t itself where possible, else a copy in *buf. */
-static mgpu_result mgpu__replica_slice(mgpu__replica* r, const mgpu_tensor* t, int64_t start, int64_t count,
-                                       mgpu_tensor** buf, mgpu_tensor* view) {
-    *view = mgpu__rows(t, start, count);
-    if (MGPU__DEV(t) == r->dev || (MGPU__IS_CPU(t) && r->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
-    MGPU__TRY(mgpu__ensure(buf, r->dev, t->dtype, view->shape));
-    MGPU__TRY(mgpu_tensor_copy(*buf, view));
-    *view = **buf;
-    return MGPU_OK;
-}
-
-/* Loss (and, with dout, its gradient scaled by grad_scale) of one replica's output. */
-static mgpu_result mgpu__replica_loss(mgpu_model* m, mgpu__replica* r, const mgpu_tensor* out, const mgpu_tensor* target,
-                                      mgpu_tensor* dout, float grad_scale) {
-    if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(r->loss, dout, out, target, grad_scale);
-    return mgpu_softmax_cross_entropy(r->loss, dout, out, target, grad_scale);
-}
-
-static mgpu_result mgpu__loss_value(mgpu__replica* r, double* value) {
-    float v;
-    MGPU__TRY(mgpu_tensor_download(r->loss, &v, sizeof v));
-    *value = v;
-    return MGPU_OK;
-}
-
 
 /* ---- >>impl optim ----------------------------------------------------------------------- */
 struct mgpu_optimizer {
@@ -4253,10 +4131,176 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     return MGPU_OK;
 }
 
-/* ---- a whole training step, and evaluation ---- */
-/* Replica r's part of a batch: its slice of x and target, forward, and the loss with its
-   gradient (scaled for a batch of batch_total samples) in r->dout. */
-/* Replica r's rows of the batch, on its device (copied, or a view when already there). */
+/* ---- >>impl train: the data-parallel training step -------------------------------------- */
+/* Data parallelism in five moves, the thing to read to see how multi-GPU training works:
+
+     1. replicate  every device holds a full copy of the model (mgpu_model_create, once: replica
+                   0 initialises, the others copy it; never again per step, unlike
+                   nn.DataParallel);
+     2. split      the host batch is cut into one slice of rows per replica, as even as can be
+                   (the first B % R replicas take one row more), each copied to its device;
+     3. compute    each replica runs forward, the loss and backward on its slice; the loss is
+                   scaled by the WHOLE batch, so the replicas' gradients add up to exactly the
+                   one-device gradient, however uneven the split;
+     4. reduce     the gradients are summed across replicas (an all-reduce, >>parallel), bucket
+                   by bucket from the last layer back, each as soon as backward has produced
+                   it, while backward goes on with the earlier layers (DDP's bucketed overlap);
+     5. update     every replica takes the same optimizer step on the same summed gradient, so
+                   they stay identical, bit for bit (mgpu_model_verify_replicas checks it).
+
+   Moves 2 to 4 run in one of two ways, each a function of its own: CPU replicas run one thread
+   each, then reduce (mgpu__run_batch_threads); GPU replicas are all driven from this one host
+   thread, which only queues work on each device's stream, so the devices compute at once
+   (mgpu__run_batch_streams; a single CPU replica takes this path too, its ops simply running
+   as they are called). In PyTorch's terms: mgpu_model_train_step is DDP's forward, backward
+   and optimizer.step(); mgpu_model_accumulate is a backward under DDP's no_sync();
+   mgpu_model_desc.bucket_bytes is bucket_cap_mb; mgpu_allreduce_sum is a group of
+   ncclAllReduce calls, one per GPU. */
+
+/* ---- the building blocks: forward and backward of one replica ---- */
+
+/* x must be [batch, sample shape...] */
+static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const mgpu_tensor* x) {
+    char tx[128], ts[96];
+    int i, ok;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    ok = x->shape.ndim == m->input.ndim + 1;
+    for (i = 0; ok && i < m->input.ndim; ++i) ok = x->shape.dim[i + 1] == m->input.dim[i];
+    if (!ok)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: x %s is not [batch, %s] (the model's sample shape)", op,
+                          mgpu_tensor_describe(x, tx, sizeof tx), mgpu__shape_text(m->input, ts, sizeof ts));
+    return MGPU_OK;
+}
+
+/* Size every activation, gradient and aux buffer of a replica for input shape x. */
+static mgpu_result mgpu__replica_resize(mgpu_model* m, mgpu__replica* r, mgpu_shape x) {
+    mgpu_shape shape = x;
+    int i, j;
+    if (mgpu_shape_equal(r->in_shape, x)) return MGPU_OK;
+    mgpu__replica_free_buffers(m, r);
+    for (i = 0; i < m->layer_count; ++i) {
+        const mgpu_layer* l = m->layers[i];
+        mgpu_shape out;
+        for (j = 0; j < m->first_aux[i + 1] - m->first_aux[i]; ++j) {
+            mgpu_dtype dt;
+            mgpu_shape as;
+            MGPU__TRY(l->vt->aux_shape(l, j, shape, &dt, &as));
+            MGPU__TRY(mgpu__ensure(&r->aux[m->first_aux[i] + j], r->dev, dt, as));
+        }
+        MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
+        MGPU__TRY(mgpu__ensure(&r->act[i], r->dev, MGPU_F32, out));
+        if (i < m->layer_count - 1) MGPU__TRY(mgpu__ensure(&r->dact[i], r->dev, MGPU_F32, out));
+        shape = out;
+    }
+    r->in_shape = x;
+    return MGPU_OK;
+}
+
+/* Forward of one replica, whose rows start at row first_row of the whole batch. */
+static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training, int64_t first_row) {
+    static const char* op = "mgpu_model_forward";
+    mgpu__replica* r;
+    char where[96];
+    int i;
+    if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
+    r = &m->rep[replica];
+    r->has_input = 0;   /* until every layer has run: backward needs a whole forward */
+    if (MGPU__DEV(x) != r->dev && !(MGPU__IS_CPU(x) && r->dev->kind == MGPU_DEVICE_CPU)) {
+        char tx[128];
+        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
+                   mgpu_tensor_describe(x, tx, sizeof tx), replica, r->dev->label);
+        return NULL;
+    }
+    if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
+    r->input = *x;
+    r->training = training;
+    r->first_row = first_row;
+    for (i = 0; i < m->layer_count; ++i) {
+        mgpu_layer_ctx ctx;
+        mgpu__layer_ctx_for(m, replica, i, training, &ctx);
+        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i ? r->act[i - 1] : x, r->act[i]) != MGPU_OK) {
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
+            mgpu__refail(where);
+            return NULL;
+        }
+    }
+    r->has_input = 1;
+    return r->act[m->layer_count - 1];
+}
+
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+    if (m && replica >= 0 && replica < m->replica_count) m->rep[replica].stream_salt = replica + 1;
+    return mgpu__forward(m, replica, x, training, 0);
+}
+
+/* Backward through layer i of a replica: d output of the model is doutput. */
+static mgpu_result mgpu__backward_layer(mgpu_model* m, int replica, int i, const mgpu_tensor* doutput) {
+    mgpu__replica* r = &m->rep[replica];
+    mgpu_layer_ctx ctx;
+    char where[96];
+    const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
+    mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
+    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : &r->input, r->act[i], dy,
+                                   i ? r->dact[i - 1] : NULL) != MGPU_OK) {
+        snprintf(where, sizeof where, "mgpu_model_backward: layer %d (%s)", i, mgpu_layer_type(m->layers[i]));
+        return mgpu__refail(where);
+    }
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
+    static const char* op = "mgpu_model_backward";
+    mgpu__replica* r;
+    int i;
+    MGPU__TRY(mgpu__check_replica(op, m, replica));
+    r = &m->rep[replica];
+    if (!r->has_input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
+    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
+    for (i = m->layer_count - 1; i >= 0; --i) MGPU__TRY(mgpu__backward_layer(m, replica, i, doutput));
+    return MGPU_OK;
+}
+
+
+MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
+    int i;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_zero_grad: NULL model");
+    for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_zero(m->rep[i].grads));
+    m->grads_reduced = 0;
+    return MGPU_OK;
+}
+
+/* ---- move 2, split: each replica's rows of the batch, on its device ---- */
+
+/* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
+static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target) {
+    char tt[128], tx[128];
+    MGPU__TRY(mgpu__check_tensor(op, "target", target, m->loss == MGPU_LOSS_MSE ? MGPU_F32 : MGPU_I32));
+    if (target->shape.ndim < 1 || target->shape.dim[0] != x->shape.dim[0] || (m->loss != MGPU_LOSS_MSE && target->shape.ndim != 1))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s (want one %s per sample)", op,
+                          mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx),
+                          m->loss == MGPU_LOSS_MSE ? "row" : "int32 label");
+    return MGPU_OK;
+}
+
+/* Replica r's rows of a batch of n: an even split, the first n % R replicas one row more. */
+static void mgpu__split(int64_t n, int replicas, int r, int64_t* start, int64_t* count) {
+    int64_t base = n / replicas, extra = n % replicas;
+    *count = base + (r < extra ? 1 : 0);
+    *start = (int64_t)r * base + MGPU__MIN((int64_t)r, extra);
+}
+
+/* Replica r's slice of t, on its device: t itself where possible, else a copy in *buf. */
+static mgpu_result mgpu__replica_slice(mgpu__replica* r, const mgpu_tensor* t, int64_t start, int64_t count,
+                                       mgpu_tensor** buf, mgpu_tensor* view) {
+    *view = mgpu__rows(t, start, count);
+    if (MGPU__DEV(t) == r->dev || (MGPU__IS_CPU(t) && r->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
+    MGPU__TRY(mgpu__ensure(buf, r->dev, t->dtype, view->shape));
+    MGPU__TRY(mgpu_tensor_copy(*buf, view));
+    *view = **buf;
+    return MGPU_OK;
+}
+
+/* Replica r's rows of x and target (xs, ts), and where they start in the batch. */
 static mgpu_result mgpu__replica_inputs(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
                                         mgpu_tensor* xs, mgpu_tensor* ts, int64_t* first_row) {
     mgpu__replica* r = &m->rep[replica];
@@ -4264,6 +4308,15 @@ static mgpu_result mgpu__replica_inputs(mgpu_model* m, int replica, const mgpu_t
     mgpu__split(x->shape.dim[0], m->replica_count, replica, first_row, &count);
     MGPU__TRY(mgpu__replica_slice(r, x, *first_row, count, &r->xbuf, xs));
     return mgpu__replica_slice(r, target, *first_row, count, &r->tbuf, ts);
+}
+
+/* ---- move 3, compute: forward, loss and backward of one replica ---- */
+
+/* Loss (and, with dout, its gradient scaled by grad_scale) of one replica's output. */
+static mgpu_result mgpu__replica_loss(mgpu_model* m, mgpu__replica* r, const mgpu_tensor* out, const mgpu_tensor* target,
+                                      mgpu_tensor* dout, float grad_scale) {
+    if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(r->loss, dout, out, target, grad_scale);
+    return mgpu_softmax_cross_entropy(r->loss, dout, out, target, grad_scale);
 }
 
 /* Replica r's forward and loss; the loss gradient (scaled for a batch of batch_total) in r->dout. */
@@ -4283,6 +4336,13 @@ static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, const char* op, int
     return mgpu__replica_loss(m, r, out, ts, r->dout, (float)(1.0 / ((double)batch_total * per_row)));
 }
 
+static mgpu_result mgpu__loss_value(mgpu__replica* r, double* value) {
+    float v;
+    MGPU__TRY(mgpu_tensor_download(r->loss, &v, sizeof v));
+    *value = v;
+    return MGPU_OK;
+}
+
 /* The batch's mean loss, from each replica's mean over its rows (waits for the devices). */
 static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
     double total = 0.0, v;
@@ -4297,8 +4357,24 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
     return MGPU_OK;
 }
 
-/* CPU replicas run on the thread pool, one task per replica (a task's own ops then run
-   single-threaded: the pool is busy). Failures are carried back as text. */
+/* ---- move 4, reduce: the gradients summed across replicas ---- */
+
+/* The whole flat gradient buffer of every replica in one all-reduce (once per step at most). */
+static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
+    float* bufs[MGPU__MAX_REPLICAS];
+    int i;
+    if (m->grads_reduced) return MGPU_OK;
+    if (m->ar) {
+        for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads);
+        MGPU__TRY(mgpu__ar_sum(m->ar, bufs, (size_t)m->flat_floats));
+    }
+    m->grads_reduced = 1;
+    return MGPU_OK;
+}
+
+/* ---- moves 2 to 4 for a batch, on CPU replicas: one thread each ---- */
+/* Each replica is one task of the thread pool (its own ops then run single-threaded: the pool
+   is busy). Failures come back as text, each prefixed with its replica. */
 typedef struct mgpu__replica_job {
     mgpu_model* m;
     const char* op;
@@ -4306,77 +4382,100 @@ typedef struct mgpu__replica_job {
     int64_t batch_total;
     mgpu_result* results;
 } mgpu__replica_job;
+
 static void mgpu__replica_task(void* ctx, int64_t task) {
     mgpu__replica_job* j = (mgpu__replica_job*)ctx;
     const int r = (int)task;
     mgpu_tensor xs, ts;
     int64_t first_row = 0;
-    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts, &first_row);
-    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, j->op, r, &xs, &ts, first_row, j->batch_total);
+    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts, &first_row);              /* 2. split */
+    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, j->op, r, &xs, &ts, first_row, j->batch_total); /* 3. compute */
     if (res == MGPU_OK) res = mgpu_model_backward(j->m, r, j->m->rep[r].dout);
     j->results[r] = res;
     if (res != MGPU_OK)
-        snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "replica %d (%s): %s", r, j->m->rep[r].dev->label, mgpu_last_error());
+        snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "replica %d (%s): %s", r, j->m->rep[r].dev->label,
+                 mgpu_last_error());
 }
 
-/* Forward, loss and backward of a batch on every replica, gradients ADDED to the gradient
-   buffers. With reduce, the gradients are all-reduced too: on GPUs bucket by bucket while the
-   backward pass goes on (communication overlaps computation). */
+static mgpu_result mgpu__run_batch_threads(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
+                                       int64_t batch_total, int reduce) {
+    mgpu_result results[MGPU__MAX_REPLICAS];
+    mgpu__replica_job job;
+    int i;
+    job.m = m; job.op = op; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
+    mgpu__parallel_for(m->replica_count, mgpu__replica_task, &job);
+    for (i = 0; i < m->replica_count; ++i)
+        if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
+    return reduce ? mgpu__reduce_grads(m) : MGPU_OK;                                                /* 4. reduce */
+}
+
+/* ---- moves 2 to 4 for a batch, on GPU replicas: one host thread queues every device's work - */
+/* Launches do not wait, so while this thread queues replica 1's work, replica 0's GPU is
+   already running its own. Backward goes layer by layer across the replicas; when a bucket's
+   last layer is done, its all-reduce is queued on the communication streams (after an event
+   that marks backward's progress) while the compute streams go on with the earlier layers. */
+static mgpu_result mgpu__run_batch_streams(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
+                                       int64_t batch_total, int reduce) {
+    mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
+    int64_t first[MGPU__MAX_REPLICAS];
+    mgpu_result res = MGPU_OK;
+    /* host-staged sums wait for the host: they run once, after the whole backward */
+    const int overlap = reduce && m->ar && m->ar->kind != MGPU_ALLREDUCE_HOST;
+    int i, l, b = 0, issued = 0;
+    for (i = 0; i < m->replica_count; ++i)                                                          /* 2. split */
+        MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i], &first[i]));
+    for (i = 0; i < m->replica_count; ++i)                                                          /* 3. compute */
+        MGPU__TRY(mgpu__replica_forward_loss(m, op, i, &xs[i], &ts[i], first[i], batch_total));
+    for (l = m->layer_count - 1; l >= 0 && res == MGPU_OK; --l) {
+        for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) res = mgpu__backward_layer(m, i, l, m->rep[i].dout);
+        for (; overlap && res == MGPU_OK && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {   /* 4. reduce */
+            float* bufs[MGPU__MAX_REPLICAS];
+            const mgpu__bucket* bk = &m->buckets[b];
+            for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads) + bk->begin;
+            issued = 1;
+            res = mgpu__ar_after_compute(m->ar);
+            if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin));
+        }
+    }
+    /* The compute streams wait for the comm streams, also after a failure: nothing may touch
+       the gradients while an all-reduce still reads or writes them. */
+    if (issued) {
+        mgpu_result joined = mgpu__ar_before_compute(m->ar);
+        if (res == MGPU_OK) res = joined;
+    }
+    MGPU__TRY(res);
+    if (overlap) m->grads_reduced = 1;
+    else if (reduce) MGPU__TRY(mgpu__reduce_grads(m));
+    return MGPU_OK;
+}
+
+/* Moves 2 to 4 for one batch: the gradients of every replica ADDED to its gradient buffer and,
+   with reduce, summed across the replicas. */
 static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
                                    int64_t batch_total, int reduce, float* loss) {
     int64_t batch;
-    int i, l, b;
+    int i;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     batch = x->shape.dim[0];
     if (batch < m->replica_count)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replicas", op,
                           (long long)batch, m->replica_count);
+    if (m->grads_reduced)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the gradients were already reduced across replicas "
+                          "(mgpu_model_train_step or mgpu_model_reduce_grads); zero them (mgpu_model_zero_grad) or "
+                          "apply them (mgpu_model_apply) before adding more", op);
     if (batch_total < batch) batch_total = batch;
     for (i = 0; i < m->replica_count; ++i) m->rep[i].stream_salt = 0;
-    if (m->replica_count > 1 && m->rep[0].dev->kind == MGPU_DEVICE_CPU) {
-        mgpu_result results[MGPU__MAX_REPLICAS];
-        mgpu__replica_job job;
-        job.m = m; job.op = op; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
-        mgpu__parallel_for(m->replica_count, mgpu__replica_task, &job);
-        for (i = 0; i < m->replica_count; ++i)
-            if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
-        if (reduce) MGPU__TRY(mgpu__reduce_grads(m));
-    } else {
-        /* One host thread drives every GPU; launches are asynchronous, so the replicas run at
-           once. Every replica's inputs are copied over first, before any forward is queued. */
-        mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
-        int64_t first[MGPU__MAX_REPLICAS];
-        mgpu_result res = MGPU_OK;
-        int overlap = reduce && m->ar && m->ar->kind != MGPU_ALLREDUCE_HOST, issued = 0;
-        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i], &first[i]));
-        for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu__replica_forward_loss(m, op, i, &xs[i], &ts[i], first[i], batch_total));
-        /* backward layer by layer across replicas; a bucket is all-reduced on the comm streams as
-           soon as its last layer is done, while the compute streams go on with the next layers */
-        for (l = m->layer_count - 1, b = 0; l >= 0 && res == MGPU_OK; --l) {
-            for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) res = mgpu__backward_layer(m, i, l, m->rep[i].dout);
-            for (; overlap && res == MGPU_OK && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {
-                float* bufs[MGPU__MAX_REPLICAS];
-                const mgpu__bucket* bk = &m->buckets[b];
-                for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads) + bk->begin;
-                issued = 1;
-                res = mgpu__ar_after_compute(m->ar);
-                if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin));
-            }
-        }
-        /* join the comm streams, also after a failure: nothing may touch the gradients while
-           an all-reduce still reads or writes them */
-        if (issued) {
-            mgpu_result joined = mgpu__ar_before_compute(m->ar);
-            if (res == MGPU_OK) res = joined;
-        }
-        (void)b; (void)issued;
-        MGPU__TRY(res);
-        if (reduce && !overlap) MGPU__TRY(mgpu__reduce_grads(m));   /* host-staged: once, after backward */
-    }
+    if (m->replica_count > 1 && m->rep[0].dev->kind == MGPU_DEVICE_CPU)
+        MGPU__TRY(mgpu__run_batch_threads(m, op, x, target, batch_total, reduce));
+    else
+        MGPU__TRY(mgpu__run_batch_streams(m, op, x, target, batch_total, reduce));
     m->rows_in_step += batch;   /* a next micro-batch of this step continues the row numbering */
     return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
 }
+
+/* ---- move 5, update: the same optimizer step on every replica ---- */
 
 static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const mgpu_optimizer* opt) {
     if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
@@ -4385,12 +4484,14 @@ static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const m
 }
 
 /* The optimizer step after reduced gradients, and the optional replica check. */
-static mgpu_result mgpu__step(mgpu_model* m, mgpu_optimizer* opt) {
+static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     MGPU__TRY(mgpu_optimizer_step(opt));
     m->steps++;
     if (m->verify_every > 0 && m->replica_count > 1 && m->steps % m->verify_every == 0) return mgpu_model_verify_replicas(m);
     return MGPU_OK;
 }
+
+/* ---- the public steps ---- */
 
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss) {
@@ -4398,8 +4499,8 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     MGPU__TRY(mgpu__check_step(op, m, opt));
     MGPU__TRY(mgpu_model_zero_grad(m));
     m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
-    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, NULL));
-    MGPU__TRY(mgpu__step(m, opt));
+    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, NULL));                                       /* 2, 3, 4 */
+    MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     /* read the loss only now: the optimizer step is already queued behind it */
     return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
@@ -4407,13 +4508,18 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
-    return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);
+    return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);          /* 2, 3 */
+}
+
+MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_reduce_grads: NULL model");
+    return mgpu__reduce_grads(m);                                                                   /* 4 */
 }
 
 MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
     MGPU__TRY(mgpu__check_step("mgpu_model_apply", m, opt));
-    MGPU__TRY(mgpu__reduce_grads(m));
-    MGPU__TRY(mgpu__step(m, opt));
+    MGPU__TRY(mgpu__reduce_grads(m));                                                               /* 4 */
+    MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     return mgpu_model_zero_grad(m);
 }
 
@@ -4489,7 +4595,6 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
     if (correct) *correct = hits;
     return MGPU_OK;
 }
-
 
 /* ---- >>impl io: gzip/DEFLATE decoder, IDX parser, safetensors reader and atomic writer -- */
 /* Needs <stdint.h> <stddef.h> <stdio.h> <stdlib.h> <string.h> <stdarg.h> <errno.h> and, on
