@@ -20,7 +20,8 @@
    4. determinism: two fresh runs on cpu:3 give the same bits
    5. gradient buckets: the counts mgpu__make_buckets must give (derived by hand below), and
       training with several buckets gives the same bits as with one
-   6. gradient accumulation: accumulate + apply equals one step on the whole batch
+   6. gradient accumulation: accumulate + apply equals one step on the whole batch; reduce_grads
+      (move 4 alone) leaves train_step's gradients, sums once, and blocks more accumulation
    7. verify mode: replicas checked every step; a corrupted replica is named with the tensor and
       the element
    8. the examples' path: forward/backward per replica + mgpu_allreduce_sum + mgpu_optimizer_step
@@ -1200,12 +1201,72 @@ static void accumulate_case(const char* spec, const int64_t* micro, int nmicro, 
     mgpu_device_set_destroy(set_b);
 }
 
+/* mgpu_model_reduce_grads, move 4 alone: after accumulating a whole batch it leaves the
+   gradients mgpu_model_train_step leaves (the same bits), sums them only once however often it
+   is called, refuses more accumulation onto them, and apply after it takes the same step. */
+static void reduce_grads_case(const char* spec) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    mgpu_device_set *set = mkset(spec), *set_b = mkset(spec);
+    mgpu_model *ma = make_mlp(set, &c), *mb = make_mlp(set_b, &c);
+    mgpu_optimizer *oa = ma ? mgpu_optimizer_create(ma, &od) : NULL, *ob = mb ? mgpu_optimizer_create(mb, &od) : NULL;
+    batch_set bs;
+    int64_t n, i;
+    int r, same_grads = 1, twice_same = 1, same_params = 1;
+    char what[96];
+    const int64_t B = 25;
+    snprintf(what, sizeof what, "mgpu_model_reduce_grads on %s", spec);
+    if (!oa || !ob) { CHECK(0, "%s: %s", what, mgpu_last_error()); exit(test_summary("test_parallel")); }
+    make_batches(&bs, 1, B, &c);
+    CHECK(mgpu_model_accumulate(ma, bs.x[0], bs.y[0], B, NULL) == MGPU_OK, "%s: accumulate: %s", what, mgpu_last_error());
+    CHECK(mgpu_model_reduce_grads(ma) == MGPU_OK, "%s: %s", what, mgpu_last_error());
+    CHECK(mgpu_model_train_step(mb, ob, bs.x[0], bs.y[0], NULL) == MGPU_OK, "%s: train_step: %s", what, mgpu_last_error());
+    n = mgpu_tensor_numel(mgpu_model_grads(ma, 0));
+    for (r = 0; r < mgpu_model_replica_count(ma); ++r) {
+        float *ga = fbuf(n), *gb = fbuf(n), *again = fbuf(n);
+        tget(mgpu_model_grads(ma, r), ga);
+        tget(mgpu_model_grads(mb, r), gb);
+        CHECK(mgpu_model_reduce_grads(ma) == MGPU_OK, "%s: a second call: %s", what, mgpu_last_error());
+        tget(mgpu_model_grads(ma, r), again);
+        for (i = 0; i < n; ++i) {
+            same_grads &= memcmp(&ga[i], &gb[i], sizeof(float)) == 0;
+            twice_same &= memcmp(&ga[i], &again[i], sizeof(float)) == 0;
+        }
+        free(ga); free(gb); free(again);
+    }
+    CHECK(same_grads, "%s: reduced gradients differ from those mgpu_model_train_step leaves", what);
+    CHECK(twice_same, "%s: a second call changed the reduced gradients (summed twice?)", what);
+    expect_fail(mgpu_model_accumulate(ma, bs.x[0], bs.y[0], B, NULL), MGPU_ERROR_INVALID_ARGUMENT,
+                "accumulating onto reduced gradients", "already reduced", "mgpu_model_zero_grad", NULL);
+    CHECK(mgpu_model_apply(ma, oa) == MGPU_OK, "%s: apply: %s", what, mgpu_last_error());
+    {
+        float *pa = fbuf(n), *pb = fbuf(n);
+        tget(mgpu_model_params(ma, 0), pa);
+        tget(mgpu_model_params(mb, 0), pb);
+        for (i = 0; i < n; ++i) same_params &= memcmp(&pa[i], &pb[i], sizeof(float)) == 0;
+        free(pa); free(pb);
+    }
+    CHECK(same_params, "%s: apply after reduce_grads is not mgpu_model_train_step's step (reduced twice?)", what);
+    /* apply zeroed the gradients: accumulating works again */
+    CHECK(mgpu_model_accumulate(ma, bs.x[0], bs.y[0], B, NULL) == MGPU_OK, "%s: accumulate after apply: %s", what, mgpu_last_error());
+    free_batches(&bs);
+    mgpu_optimizer_destroy(oa);
+    mgpu_optimizer_destroy(ob);
+    mgpu_model_destroy(ma);
+    mgpu_model_destroy(mb);
+    mgpu_device_set_destroy(set);
+    mgpu_device_set_destroy(set_b);
+}
+
 static void test_accumulate(void) {
     const int64_t halves[2] = {12, 12}, uneven[3] = {7, 11, 6};
     header("gradient accumulation");
     accumulate_case("cpu", halves, 2, 3);
     accumulate_case("cpu:2", halves, 2, 3);
     accumulate_case("cpu:3", uneven, 3, 3);
+    reduce_grads_case("cpu");
+    reduce_grads_case("cpu:3");
+    if (gpu_group("reduce_grads")) reduce_grads_case("cuda:0,0");
 }
 
 /* ============================================================================================ */
