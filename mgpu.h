@@ -35,35 +35,89 @@
    MGPU_NO_THREADS       single-threaded CPU backend (no pthreads)
 
    ---------------------------------------------------------------------------------------------
-   QUICK START
+   QUICK START (the gist of examples/tour.c, the complete program, which CI builds and runs)
    ---------------------------------------------------------------------------------------------
-       mgpu_device_set* set = mgpu_device_set_create("auto");      // every GPU, or the CPU
-       mgpu_device* dev = mgpu_device_set_get(set, 0);
-       mgpu_tensor* a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(64, 784));
-       mgpu_tensor* w = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(128, 784));
-       mgpu_tensor* y = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(64, 128));
-       mgpu_rand_normal(a, 42, 0, 0.0f, 1.0f);                     // seed 42, offset 0
-       mgpu_rand_uniform(w, 42, mgpu_rand_offsets(64 * 784), -0.1f, 0.1f); // fresh numbers
-       if (mgpu_matmul(y, a, w, 0, 1, 1.0f, 0.0f) != MGPU_OK)      // y = a @ w^T
-           fprintf(stderr, "%s\n", mgpu_last_error());
-       mgpu_relu(y, y);
-       mgpu_tensor_destroy(a); ...; mgpu_device_set_destroy(set);
-
-   Training (see examples/train.c and the >>model and >>optim sections):
-
-       mgpu_layer* layers[] = { mgpu_flatten(), mgpu_linear(784, 128), mgpu_relu_layer(), mgpu_linear(128, 10) };
-       mgpu_model_desc md;  memset(&md, 0, sizeof md);         // zero means default
-       md.input = mgpu_shape3(1, 28, 28); md.layers = layers; md.layer_count = 4; md.devices = set;
-       mgpu_model* model = mgpu_model_create(&md);             // one replica per device of the set
-       mgpu_optimizer_desc od;  memset(&od, 0, sizeof od);
-       od.kind = MGPU_SGD; od.lr = 0.05f; od.momentum = 0.9f;
-       mgpu_optimizer* opt = mgpu_optimizer_create(model, &od);
-       mgpu_model_train_step(model, opt, x, labels, &loss);    // split, forward, backward, all-reduce, step
-       mgpu_model_save(model, opt, "model.safetensors");       // PyTorch state_dict names and layouts
+       mgpu_device_set* set = mgpu_device_set_create("auto");   // every GPU, or the CPU
+       mgpu_layer* layers[] = { mgpu_layer_flatten(), mgpu_layer_linear(784, 128), mgpu_layer_relu(),
+                                mgpu_layer_linear(128, 10) };
+       mgpu_model* model = mgpu_model_create(&(mgpu_model_desc){
+           .input = mgpu_shape3(1, 28, 28), .layers = layers, .layer_count = 4, .devices = set });
+       mgpu_optimizer* opt = mgpu_optimizer_create(model, &(mgpu_optimizer_desc){
+           .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f });
+       mgpu_dataset* data = mgpu_dataset_load_idx("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz");
+       mgpu_loader* loader = mgpu_loader_create(data, &(mgpu_loader_desc){
+           .batch = 64, .shuffle = 1, .mean = 0.2860f, .std = 0.3530f });
+       const mgpu_tensor *x, *y;
+       float loss;
+       mgpu_loader_start(loader, 0);                                  // epoch 0
+       while (mgpu_loader_next(loader, &x, &y))                       // x, y on the CPU
+           if (mgpu_model_train_step(model, opt, x, y, &loss) != MGPU_OK)   // split, compute,
+               return fprintf(stderr, "%s\n", mgpu_last_error()), 1;        // reduce, update
+       mgpu_model_save(model, opt, "model.safetensors");   // PyTorch's state_dict names
+       // then destroy in reverse: loader, data, opt, model (it owns the layers), set
 
    Functions that create something return it, or NULL with mgpu_last_error() saying why.
-   Functions that do something return an mgpu_result (MGPU_OK is 0).
-   GPU work is asynchronous on the device's stream; downloads and mgpu_device_synchronize wait.
+   Functions that do something return an mgpu_result (MGPU_OK is 0); mgpu_result_string names it.
+   Every *_desc struct is zero-initialised and zero means default: the table above each one says
+   what the defaults are. One destroy per create; destroying NULL does nothing.
+
+   ---------------------------------------------------------------------------------------------
+   CONCEPTS
+   ---------------------------------------------------------------------------------------------
+   device        The CPU, or a share of one CUDA GPU with its own compute stream, cuBLAS handle
+                 and caching allocator ("cuda:0,0" makes two devices on GPU 0).
+   device spec   A string naming a set of devices: "auto" (every GPU, or the CPU when there is
+                 none), "cpu", "cpu:4" (four CPU devices), "cuda" (every GPU), "cuda:0,1",
+                 "cuda:0,0" (two on GPU 0, to try multi-GPU code on one GPU).
+   replica       One whole copy of a model on one device of its set. Data parallelism trains R
+                 replicas on R slices of every batch and keeps them bit-identical.
+   flat buffers  A replica's parameters are views into ONE buffer, and so are its gradients:
+                 one all-reduce (or a few buckets), one fused optimizer kernel, one write to save.
+   streams       On a GPU, every op of a device is queued on its compute stream and returns at
+                 once; a communication stream per replica carries the all-reduce, ordered after
+                 backward by events, never by the host waiting. Downloads, losses read back and
+                 mgpu_device_synchronize wait for the device.
+   all-reduce    Summing a buffer across replicas so that each ends with the sum. The backend
+                 is who sums (NCCL, P2P or HOST, chosen once per model); the algorithm is how
+                 (P2P's one-shot kernel or ring, chosen per call by size and peer access).
+   bucket        A range of the flat gradient buffer, all-reduced as soon as backward has
+                 produced it while backward goes on with earlier layers (DDP's gradient buckets).
+   five moves    replicate, split, compute, reduce, update: one training step (>>train).
+
+   ---------------------------------------------------------------------------------------------
+   ENVIRONMENT
+   ---------------------------------------------------------------------------------------------
+   MGPU_DEVICES=spec          what "auto" means (e.g. cpu:4 to try data parallelism on a laptop)
+   MGPU_ALLREDUCE=nccl|p2p|host   the all-reduce backend, where the model asks for AUTO
+   MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
+   MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
+   MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
+
+   ---------------------------------------------------------------------------------------------
+   THREADS
+   ---------------------------------------------------------------------------------------------
+   - The last error is per thread.
+   - A tensor (with its views), a model, an optimizer, a loader or a communicator is used by one
+     thread at a time; different models may train on different threads.
+   - Tensors on one device may be created and destroyed from several threads (its allocator
+     locks).
+   - Call mgpu_cpu_set_threads and mgpu_log_set_callback before the work starts. The callback
+     may run on the library's worker threads (a CPU replica's failure is reported there).
+   - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
+     thread alone (so CPU replicas, one thread each, never deadlock).
+   - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
+     set your own device again before your own CUDA calls.
+
+   ---------------------------------------------------------------------------------------------
+   DOES NOT (yet)
+   ---------------------------------------------------------------------------------------------
+   - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
+     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU, Tanh, Sigmoid, Dropout,
+     Flatten, Conv2d, MaxPool2d (no normalisation layers, no attention).
+   - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
+   - model parallelism: every replica holds the whole model (no pipeline or tensor parallelism).
+   - more than one process: no MPI, no multi-node training (DistributedDataParallel's setting).
+   - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
 
    ---------------------------------------------------------------------------------------------
    CONTENTS (grep for the tag; declarations and implementation follow the same order)
@@ -156,7 +210,7 @@ typedef enum mgpu_log_level { MGPU_LOG_ERROR = 0, MGPU_LOG_WARN = 1, MGPU_LOG_IN
 typedef void (*mgpu_log_fn)(mgpu_log_level level, const char* message, void* user);
 /* Default: warnings and notices go to stderr as "mgpu: ..."; failures are returned, not printed.
    A callback set here receives failures too. NULL restores the default. */
-MGPUDEF void mgpu_set_logger(mgpu_log_fn fn, void* user);
+MGPUDEF void mgpu_log_set_callback(mgpu_log_fn fn, void* user);
 
 /* Seconds on a monotonic clock (for timing steps and throughput). */
 MGPUDEF double mgpu_seconds(void);
@@ -202,10 +256,10 @@ MGPUDEF const char* mgpu_device_label(const mgpu_device* dev);
 MGPUDEF int mgpu_device_can_access_peer(const mgpu_device* a, const mgpu_device* b);
 MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev);
 /* Threads the CPU backend uses for GEMM and large elementwise ops (default: all cores). */
-MGPUDEF void mgpu_set_cpu_threads(int n);
+MGPUDEF void mgpu_cpu_set_threads(int n);
 MGPUDEF int mgpu_cpu_threads(void);
 /* Allow TF32 tensor-core math in float32 GEMMs on this device (default off, as in PyTorch). */
-MGPUDEF mgpu_result mgpu_device_set_tf32(mgpu_device* dev, int allow);
+MGPUDEF mgpu_result mgpu_device_allow_tf32(mgpu_device* dev, int allow);
 
 /* ============================================================================================ */
 /* >>memory                                                                                     */
@@ -313,10 +367,13 @@ MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, c
 MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 
-/* out = alpha * op(a) @ op(b) + beta * out, op(x) = x or x^T; a, b, out are 2-D, and out must
-   not share memory with a or b. (With beta == 0, out's old contents are ignored, NaNs included.) */
+/* out = alpha * op(a) @ op(b) + beta * out, op(x) = x (MGPU_NO_TRANS) or x^T (MGPU_TRANS), as
+   BLAS's CblasNoTrans/CblasTrans and cuBLAS's CUBLAS_OP_N/T; a, b, out are 2-D, and out must not
+   share memory with a or b. (With beta == 0, out's old contents are ignored, NaNs included.)
+   A Linear layer's forward is mgpu_matmul(y, x, w, MGPU_NO_TRANS, MGPU_TRANS, 1, 0): y = x w^T. */
+typedef enum mgpu_transpose { MGPU_NO_TRANS = 0, MGPU_TRANS = 1 } mgpu_transpose;
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
-                                int transpose_a, int transpose_b, float alpha, float beta);
+                                mgpu_transpose transpose_a, mgpu_transpose transpose_b, float alpha, float beta);
 /* out[r, c] = x[r, c] + bias[c] for x [rows, cols]; also x [N, C, H, W] with bias [C]. */
 MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias);
 /* The bias gradient: dbias[c] = sum of dy over every dimension but the channel one (1). */
@@ -395,15 +452,15 @@ MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l);
 MGPUDEF void mgpu_layer_destroy(mgpu_layer* l);   /* only for a layer no model owns */
 
 /* Built-in layers, named and initialised as in torch.nn. */
-MGPUDEF mgpu_layer* mgpu_linear(int in_features, int out_features);
-MGPUDEF mgpu_layer* mgpu_relu_layer(void);
-MGPUDEF mgpu_layer* mgpu_gelu_layer(void);
-MGPUDEF mgpu_layer* mgpu_tanh_layer(void);
-MGPUDEF mgpu_layer* mgpu_sigmoid_layer(void);
-MGPUDEF mgpu_layer* mgpu_dropout_layer(float p);
-MGPUDEF mgpu_layer* mgpu_flatten(void);
-MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
-MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
+MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features);
+MGPUDEF mgpu_layer* mgpu_layer_relu(void);
+MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
+MGPUDEF mgpu_layer* mgpu_layer_tanh(void);
+MGPUDEF mgpu_layer* mgpu_layer_sigmoid(void);
+MGPUDEF mgpu_layer* mgpu_layer_dropout(float p);
+MGPUDEF mgpu_layer* mgpu_layer_flatten(void);
+MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
+MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
 
 
 /* ============================================================================================ */
@@ -443,7 +500,7 @@ MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
 MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes);
 MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes);
 /* tensors[i] lives on device i of the set; all f32 with the same element count. Afterwards each
-   holds the element-wise sum. Ordered after earlier work on each device's stream, and before
+   holds the element-wise sum (in NCCL's terms, one ncclAllReduce per GPU inside a group). Ordered after earlier work on each device's stream, and before
    later work (it does not wait on the host). */
 MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count);
 
@@ -457,18 +514,27 @@ typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
 
+/* mgpu_model_desc, zero-initialised; zero means default:
+     field          default                       meaning
+     input          (required)                    one sample's shape: shape1(784), shape3(1, 28, 28)
+     layers         (required)                    owned by the model from here on, even on failure
+     layer_count    (required)
+     devices        NULL: the CPU                 one replica per device; must outlive the model
+     loss           MGPU_LOSS_CROSS_ENTROPY       int32 labels; MGPU_LOSS_MSE takes f32 targets
+     seed           0                             parameter initialisation and dropout
+     allreduce      MGPU_ALLREDUCE_AUTO           the backend (MGPU_ALLREDUCE overrides AUTO)
+     bucket_bytes   25 MiB (the first 1 MiB)      gradient bucket size (DDP's bucket_cap_mb)
+     verify_every   0: never                      check replicas are identical every N steps */
 typedef struct mgpu_model_desc {
-    mgpu_shape input;             /* one sample's shape, e.g. shape1(784) or shape3(1, 28, 28) */
-    mgpu_layer** layers;          /* the model takes ownership of these (even on failure) */
+    mgpu_shape input;
+    mgpu_layer** layers;
     int layer_count;
-    const mgpu_device_set* devices; /* one replica per device; NULL: the CPU. Must outlive the model. */
-    mgpu_loss_kind loss;          /* default cross-entropy (int32 labels) */
-    uint64_t seed;                /* parameter initialisation and dropout */
-    /* data parallelism (more than one device) */
-    mgpu_allreduce_kind allreduce;/* default AUTO */
-    size_t bucket_bytes;          /* gradient bucket size, default 25 MiB (the first: 1 MiB) */
-    int verify_every;             /* check every N steps that replicas hold identical parameters
-                                     (0: never; mgpu_model_verify_replicas checks on demand) */
+    const mgpu_device_set* devices;
+    mgpu_loss_kind loss;
+    uint64_t seed;
+    mgpu_allreduce_kind allreduce;
+    size_t bucket_bytes;
+    int verify_every;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -476,7 +542,7 @@ MGPUDEF void mgpu_model_destroy(mgpu_model* m);
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
-MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce(const mgpu_model* m);   /* the backend in use */
+MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m);   /* the backend in use */
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
 /* The flat parameter and gradient buffers of one replica. */
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
@@ -494,19 +560,33 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
 typedef enum mgpu_optimizer_kind { MGPU_SGD = 0, MGPU_ADAMW = 1 } mgpu_optimizer_kind;
 typedef enum mgpu_schedule_kind { MGPU_SCHEDULE_CONSTANT = 0, MGPU_SCHEDULE_STEP = 1, MGPU_SCHEDULE_COSINE = 2 } mgpu_schedule_kind;
 
+/* mgpu_optimizer_desc, zero-initialised; zero means default (PyTorch's defaults):
+     field          default                       meaning
+     kind           MGPU_SGD                      or MGPU_ADAMW
+     lr             0.01 (SGD), 0.001 (AdamW)     the learning rate (before the schedule)
+     weight_decay   0                             as given (PyTorch's AdamW default is 0.01: pass it)
+     momentum       0                             SGD
+     dampening      0                             SGD
+     nesterov       0                             SGD; needs a momentum and no dampening
+     beta1, beta2   0.9, 0.999                    AdamW (0 means default: ask 1e-9 for "zero")
+     eps            1e-8                          AdamW
+     schedule       MGPU_SCHEDULE_CONSTANT        or STEP (StepLR) or COSINE (CosineAnnealingLR)
+     step_size      (required by STEP)            multiply lr by gamma every step_size steps
+     gamma          0.1                           STEP
+     total_steps    (required by COSINE)          steps from lr down to min_lr (T_max)
+     min_lr         0                             COSINE (eta_min) */
 typedef struct mgpu_optimizer_desc {
     mgpu_optimizer_kind kind;
-    float lr;                 /* default 0.01 (SGD), 0.001 (AdamW) */
-    float weight_decay;       /* taken as given (PyTorch's AdamW default is 0.01: pass it) */
-    float momentum, dampening;/* SGD */
-    int nesterov;             /* SGD */
-    float beta1, beta2, eps;  /* AdamW; defaults 0.9, 0.999, 1e-8 (0 means default, so a beta of
-                                 exactly 0 cannot be asked for; use 1e-9) */
+    float lr;
+    float weight_decay;
+    float momentum, dampening;
+    int nesterov;
+    float beta1, beta2, eps;
     mgpu_schedule_kind schedule;
-    int step_size;            /* STEP: multiply lr by gamma every step_size steps */
-    float gamma;              /* STEP: default 0.1 */
-    int total_steps;          /* COSINE: steps from lr down to min_lr (CosineAnnealingLR T_max) */
-    float min_lr;             /* COSINE: eta_min */
+    int step_size;
+    float gamma;
+    int total_steps;
+    float min_lr;
 } mgpu_optimizer_desc;
 
 typedef struct mgpu_optimizer mgpu_optimizer;
@@ -515,7 +595,7 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt);
 /* One update of every replica's parameters from its gradients (already reduced). */
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt);
 MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt);     /* the rate the next step uses */
-MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken */
+MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps taken */
 
 /* ============================================================================================ */
 /* >>train                                                                                      */
@@ -587,12 +667,19 @@ MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds);
 /* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
    shuffled order, assembled in pinned host memory (uploads from it run at full DMA speed; they
    still complete before the training step returns, so the next batch may overwrite it). */
+/* mgpu_loader_desc, zero-initialised; zero means default:
+     field          default                       meaning
+     batch          64                            samples per batch
+     shuffle        0: in file order              reshuffle every epoch (seeded)
+     drop_last      0: keep it                    skip a last, smaller batch
+     seed           0                             the shuffle's seed
+     mean, std      0, 1                          x = (pixel / 255 - mean) / std */
 typedef struct mgpu_loader_desc {
-    int batch;            /* default 64 */
-    int shuffle;          /* reshuffle every epoch */
-    int drop_last;        /* skip a last, smaller batch */
+    int batch;
+    int shuffle;
+    int drop_last;
     uint64_t seed;
-    float mean, std;      /* normalisation; defaults 0 and 1 */
+    float mean, std;
 } mgpu_loader_desc;
 typedef struct mgpu_loader mgpu_loader;
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc);
@@ -993,7 +1080,7 @@ MGPUDEF const char* mgpu_result_string(mgpu_result r) {
 MGPUDEF const char* mgpu_last_error(void) { return mgpu__error_text; }
 MGPUDEF mgpu_result mgpu_last_result(void) { return mgpu__error_code; }
 MGPUDEF void mgpu_clear_error(void) { mgpu__error_text[0] = 0; mgpu__error_code = MGPU_OK; }
-MGPUDEF void mgpu_set_logger(mgpu_log_fn fn, void* user) { mgpu__log_fn = fn; mgpu__log_user = user; }
+MGPUDEF void mgpu_log_set_callback(mgpu_log_fn fn, void* user) { mgpu__log_fn = fn; mgpu__log_user = user; }
 
 static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
     char msg[1024];
@@ -1030,7 +1117,7 @@ static mgpu_result mgpu__refail(const char* where) {
 typedef void (*mgpu__task_fn)(void* ctx, int64_t task);
 static int mgpu__cpu_thread_count;   /* 0 until first asked */
 
-MGPUDEF void mgpu_set_cpu_threads(int n) { mgpu__cpu_thread_count = n > 0 ? n : 1; }
+MGPUDEF void mgpu_cpu_set_threads(int n) { mgpu__cpu_thread_count = n > 0 ? n : 1; }
 MGPUDEF int mgpu_cpu_threads(void) {
     if (mgpu__cpu_thread_count <= 0) {
         const char* env = getenv("MGPU_CPU_THREADS");
@@ -1490,10 +1577,10 @@ MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev) {
     return MGPU_OK;
 }
 
-MGPUDEF mgpu_result mgpu_device_set_tf32(mgpu_device* dev, int allow) {
-    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_set_tf32: NULL device");
+MGPUDEF mgpu_result mgpu_device_allow_tf32(mgpu_device* dev, int allow) {
+    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_allow_tf32: NULL device");
     if (dev->kind == MGPU_DEVICE_CUDA)
-        MGPU__CU("mgpu_device_set_tf32", dev, mgpu__cu_blas_set_tf32(dev->ordinal, dev->blas, allow));
+        MGPU__CU("mgpu_device_allow_tf32", dev, mgpu__cu_blas_set_tf32(dev->ordinal, dev->blas, allow));
     return MGPU_OK;
 }
 
@@ -2350,7 +2437,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
 }
 
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
-                                int transpose_a, int transpose_b, float alpha, float beta) {
+                                mgpu_transpose transpose_a, mgpu_transpose transpose_b, float alpha, float beta) {
     static const char* op = "mgpu_matmul";
     char ta[128], tb[128], tc[128];
     int64_t m, n, k, kb;
@@ -2984,15 +3071,15 @@ static mgpu_result mgpu__linear_init(const mgpu_layer* l, const mgpu_layer_ctx* 
 }
 static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     (void)l;
-    MGPU__TRY(mgpu_matmul(y, x, ctx->params[0], 0, 1, 1.0f, 0.0f));
+    MGPU__TRY(mgpu_matmul(y, x, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
     return mgpu_bias_add(y, y, ctx->params[1]);
 }
 static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     (void)l; (void)y;
-    MGPU__TRY(mgpu_matmul(ctx->grads[0], dy, x, 1, 0, 1.0f, 1.0f));      /* dW += dy^T x */
+    MGPU__TRY(mgpu_matmul(ctx->grads[0], dy, x, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));      /* dW += dy^T x */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));                  /* db += sum(dy) */
-    return dx ? mgpu_matmul(dx, dy, ctx->params[0], 0, 0, 1.0f, 0.0f) : MGPU_OK;   /* dx = dy W */
+    return dx ? mgpu_matmul(dx, dy, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) : MGPU_OK;   /* dx = dy W */
 }
 static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
     snprintf(buf, size, "%d -> %d", l->cfg.in, l->cfg.out);
@@ -3001,10 +3088,10 @@ static const mgpu_layer_vtable mgpu__linear_vt = {
     "Linear", mgpu__linear_output_shape, mgpu__two_params, mgpu__linear_param_shape, mgpu__linear_init,
     NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
 };
-MGPUDEF mgpu_layer* mgpu_linear(int in_features, int out_features) {
+MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
     mgpu__layer_cfg cfg;
     if (in_features <= 0 || out_features <= 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_linear: features %d -> %d must be positive", in_features, out_features);
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_linear: features %d -> %d must be positive", in_features, out_features);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
@@ -3039,10 +3126,10 @@ static mgpu_layer* mgpu__activation(const mgpu_layer_vtable* vt, int forward_op,
     cfg.backward_uses_output = uses_output;
     return mgpu__builtin_layer(vt, &cfg);
 }
-MGPUDEF mgpu_layer* mgpu_relu_layer(void) { return mgpu__activation(&mgpu__relu_vt, MGPU__UNARY_RELU, MGPU__BINARY_RELU_BWD, 0); }
-MGPUDEF mgpu_layer* mgpu_gelu_layer(void) { return mgpu__activation(&mgpu__gelu_vt, MGPU__UNARY_GELU, MGPU__BINARY_GELU_BWD, 0); }
-MGPUDEF mgpu_layer* mgpu_tanh_layer(void) { return mgpu__activation(&mgpu__tanh_vt, MGPU__UNARY_TANH, MGPU__BINARY_TANH_BWD, 1); }
-MGPUDEF mgpu_layer* mgpu_sigmoid_layer(void) { return mgpu__activation(&mgpu__sigmoid_vt, MGPU__UNARY_SIGMOID, MGPU__BINARY_SIGMOID_BWD, 1); }
+MGPUDEF mgpu_layer* mgpu_layer_relu(void) { return mgpu__activation(&mgpu__relu_vt, MGPU__UNARY_RELU, MGPU__BINARY_RELU_BWD, 0); }
+MGPUDEF mgpu_layer* mgpu_layer_gelu(void) { return mgpu__activation(&mgpu__gelu_vt, MGPU__UNARY_GELU, MGPU__BINARY_GELU_BWD, 0); }
+MGPUDEF mgpu_layer* mgpu_layer_tanh(void) { return mgpu__activation(&mgpu__tanh_vt, MGPU__UNARY_TANH, MGPU__BINARY_TANH_BWD, 1); }
+MGPUDEF mgpu_layer* mgpu_layer_sigmoid(void) { return mgpu__activation(&mgpu__sigmoid_vt, MGPU__UNARY_SIGMOID, MGPU__BINARY_SIGMOID_BWD, 1); }
 
 /* -- Dropout: a Philox mask, kept for backward; the identity when not training -- */
 static mgpu_result mgpu__same_shape_aux(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
@@ -3069,10 +3156,10 @@ static const mgpu_layer_vtable mgpu__dropout_vt = {
     "Dropout", NULL, NULL, NULL, NULL, mgpu__one_aux, mgpu__same_shape_aux,
     mgpu__dropout_forward, mgpu__dropout_backward, mgpu__dropout_describe, NULL
 };
-MGPUDEF mgpu_layer* mgpu_dropout_layer(float p) {
+MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     mgpu__layer_cfg cfg;
     if (!(p >= 0.0f && p < 1.0f)) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dropout_layer: p = %g, want 0 <= p < 1", (double)p);
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout: p = %g, want 0 <= p < 1", (double)p);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
@@ -3102,7 +3189,7 @@ static const mgpu_layer_vtable mgpu__flatten_vt = {
     "Flatten", mgpu__flatten_output_shape, NULL, NULL, NULL, NULL, NULL,
     mgpu__flatten_forward, mgpu__flatten_backward, NULL, NULL
 };
-MGPUDEF mgpu_layer* mgpu_flatten(void) {
+MGPUDEF mgpu_layer* mgpu_layer_flatten(void) {
     mgpu__layer_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     return mgpu__builtin_layer(&mgpu__flatten_vt, &cfg);
@@ -3157,7 +3244,7 @@ static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, (int64_t)g.c * g.kh * g.kw));
     MGPU__TRY(mgpu__im2col(&g, x, ctx->aux[0]));
-    MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, 0, 1, 1.0f, 0.0f));             /* [n*p, out] */
+    MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));             /* [n*p, out] */
     MGPU__TRY(mgpu__transpose(g.n, (int64_t)g.oh * g.ow, l->cfg.out, ctx->aux[1], y));   /* -> [n, out, p] */
     return mgpu_bias_add(y, y, ctx->params[1]);
 }
@@ -3172,10 +3259,10 @@ static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, ckk));
     dw2 = mgpu__reshaped(ctx->grads[0], mgpu_shape2(l->cfg.out, ckk));
     MGPU__TRY(mgpu__transpose(g.n, l->cfg.out, (int64_t)g.oh * g.ow, dy, ctx->aux[1]));  /* drows [n*p, out] */
-    MGPU__TRY(mgpu_matmul(&dw2, ctx->aux[1], ctx->aux[0], 1, 0, 1.0f, 1.0f));           /* dW += drows^T cols */
+    MGPU__TRY(mgpu_matmul(&dw2, ctx->aux[1], ctx->aux[0], MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));           /* dW += drows^T cols */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));
     if (!dx) return MGPU_OK;
-    MGPU__TRY(mgpu_matmul(ctx->aux[2], ctx->aux[1], &w2, 0, 0, 1.0f, 0.0f));             /* dcols = drows W */
+    MGPU__TRY(mgpu_matmul(ctx->aux[2], ctx->aux[1], &w2, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));             /* dcols = drows W */
     return mgpu__col2im(&g, ctx->aux[2], dx);
 }
 static void mgpu__conv_describe(const mgpu_layer* l, char* buf, size_t size) {
@@ -3185,10 +3272,10 @@ static const mgpu_layer_vtable mgpu__conv_vt = {
     "Conv2d", mgpu__conv_output_shape, mgpu__two_params, mgpu__conv_param_shape, mgpu__conv_init,
     mgpu__three_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL
 };
-MGPUDEF mgpu_layer* mgpu_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
+MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
     mgpu__layer_cfg cfg;
     if (in_channels <= 0 || out_channels <= 0 || kernel_size <= 0 || stride <= 0 || padding < 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_conv2d: channels %d -> %d, kernel %d, stride %d, padding %d: "
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_conv2d: channels %d -> %d, kernel %d, stride %d, padding %d: "
                    "all must be positive (padding >= 0)", in_channels, out_channels, kernel_size, stride, padding);
         return NULL;
     }
@@ -3229,10 +3316,10 @@ static const mgpu_layer_vtable mgpu__pool_vt = {
     "MaxPool2d", mgpu__pool_output_shape, NULL, NULL, NULL, mgpu__one_aux, mgpu__pool_aux_shape,
     mgpu__pool_forward, mgpu__pool_backward, mgpu__pool_describe, NULL
 };
-MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride) {
+MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     mgpu__layer_cfg cfg;
     if (kernel_size <= 0 || stride < 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_maxpool2d: kernel %d, stride %d", kernel_size, stride);
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_maxpool2d: kernel %d, stride %d", kernel_size, stride);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
@@ -3243,6 +3330,9 @@ MGPUDEF mgpu_layer* mgpu_maxpool2d(int kernel_size, int stride) {
 
 
 /* ---- >>impl parallel -------------------------------------------------------------------- */
+/* The P2P algorithm: chosen by size and reach (AUTO), or forced by MGPU_P2P=ring|oneshot. */
+typedef enum mgpu__p2p_choice { MGPU__P2P_AUTO = 0, MGPU__P2P_RING = 1, MGPU__P2P_ONESHOT = 2 } mgpu__p2p_choice;
+
 typedef struct mgpu__rank {
     mgpu_device* dev;
     void* stream;           /* CUDA: the communication stream of this replica */
@@ -3262,7 +3352,7 @@ struct mgpu_allreduce {
     size_t host_stage_floats;
     int one_gpu;            /* every replica on the same GPU (virtual devices) */
     int oneshot_reach;      /* P2P: replica 0's GPU can read and write every replica's memory */
-    char p2p_choice;        /* P2P: 'a' automatic, 'r' always the ring, 'o' always one-shot (MGPU_P2P) */
+    mgpu__p2p_choice p2p;   /* P2P: the algorithm MGPU_P2P asks for, or automatic */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -3302,13 +3392,13 @@ static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
     return kind;
 }
 
-static char mgpu__p2p_choice_from_env(void) {
+static mgpu__p2p_choice mgpu__p2p_choice_from_env(void) {
     const char* env = getenv("MGPU_P2P");
-    if (!env || !*env || !strcmp(env, "auto")) return 'a';
-    if (!strcmp(env, "ring")) return 'r';
-    if (!strcmp(env, "oneshot")) return 'o';
+    if (!env || !*env || !strcmp(env, "auto")) return MGPU__P2P_AUTO;
+    if (!strcmp(env, "ring")) return MGPU__P2P_RING;
+    if (!strcmp(env, "oneshot")) return MGPU__P2P_ONESHOT;
     mgpu__log(MGPU_LOG_WARN, "MGPU_P2P='%s' is not ring, oneshot or auto; choosing automatically", env);
-    return 'a';
+    return MGPU__P2P_AUTO;
 }
 
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
@@ -3363,7 +3453,7 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
             for (i = 0; i < set->count; ++i) ar->rank[i].nccl_comm = comms[i];
         }
     }
-    ar->p2p_choice = mgpu__p2p_choice_from_env();
+    ar->p2p = mgpu__p2p_choice_from_env();
     ar->one_gpu = 1;
     ar->oneshot_reach = set->count <= MGPU__CU_ONESHOT_MAX;
     for (i = 1; cuda && i < set->count; ++i) {   /* peer access is switched on by the device set */
@@ -3380,8 +3470,8 @@ MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) { r
 /* Across GPUs the one-shot funnels everything through replica 0's links: small buffers only. */
 #define MGPU__ONESHOT_CROSS_GPU_BYTES ((size_t)256 << 10)
 static int mgpu__ar_oneshot_fits(const mgpu_allreduce* ar, size_t bytes) {
-    if (ar->kind != MGPU_ALLREDUCE_P2P || !ar->oneshot_reach || ar->p2p_choice == 'r') return 0;
-    return ar->p2p_choice == 'o' || ar->one_gpu || bytes <= MGPU__ONESHOT_CROSS_GPU_BYTES;
+    if (ar->kind != MGPU_ALLREDUCE_P2P || !ar->oneshot_reach || ar->p2p == MGPU__P2P_RING) return 0;
+    return ar->p2p == MGPU__P2P_ONESHOT || ar->one_gpu || bytes <= MGPU__ONESHOT_CROSS_GPU_BYTES;
 }
 
 MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes) {
@@ -3920,7 +4010,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     return m;
 }
 
-MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce(const mgpu_model* m) {
+MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
     return m && m->ar ? m->ar->kind : MGPU_ALLREDUCE_NONE;
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
@@ -4070,7 +4160,7 @@ MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt) {
     default: return d->lr;
     }
 }
-MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt) { return opt ? opt->steps : 0; }
+MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt) { return opt ? opt->steps : 0; }
 
 typedef struct mgpu__optim_job {
     float *p, *m, *v;

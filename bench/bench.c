@@ -43,17 +43,17 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     d.layers = layers;
     if (!strcmp(name, "mlp784")) {
         d.input = mgpu_shape1(784);
-        layers[n++] = mgpu_linear(784, 128); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_linear(128, 10);
+        layers[n++] = mgpu_layer_linear(784, 128); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_linear(128, 10);
     } else if (!strcmp(name, "mlp4096")) {
         d.input = mgpu_shape1(4096);
-        for (i = 0; i < 4; ++i) { layers[n++] = mgpu_linear(4096, 4096); layers[n++] = mgpu_relu_layer(); }
-        layers[n++] = mgpu_linear(4096, 10);
+        for (i = 0; i < 4; ++i) { layers[n++] = mgpu_layer_linear(4096, 4096); layers[n++] = mgpu_layer_relu(); }
+        layers[n++] = mgpu_layer_linear(4096, 10);
     } else {   /* the cnn of examples/train.c */
         d.input = mgpu_shape3(1, 28, 28);
-        layers[n++] = mgpu_conv2d(1, 16, 3, 1, 1); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_maxpool2d(2, 2);
-        layers[n++] = mgpu_conv2d(16, 32, 3, 1, 1); layers[n++] = mgpu_relu_layer(); layers[n++] = mgpu_maxpool2d(2, 2);
-        layers[n++] = mgpu_flatten(); layers[n++] = mgpu_linear(32 * 7 * 7, 128); layers[n++] = mgpu_relu_layer();
-        layers[n++] = mgpu_linear(128, 10);
+        layers[n++] = mgpu_layer_conv2d(1, 16, 3, 1, 1); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_maxpool2d(2, 2);
+        layers[n++] = mgpu_layer_conv2d(16, 32, 3, 1, 1); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_maxpool2d(2, 2);
+        layers[n++] = mgpu_layer_flatten(); layers[n++] = mgpu_layer_linear(32 * 7 * 7, 128); layers[n++] = mgpu_layer_relu();
+        layers[n++] = mgpu_layer_linear(128, 10);
     }
     d.layer_count = n;
     return mgpu_model_create(&d);
@@ -83,7 +83,7 @@ static training training_create(const char* model_name, const char* spec, int ba
     for (r = 0; r < mgpu_device_set_count(tr.set); ++r) mgpu_memory_reset_peak(mgpu_device_set_get(tr.set, r));
     tr.m = make_model(model_name, tr.set);
     if (!tr.m) fail(model_name);
-    for (r = 0; tf32 && r < mgpu_model_replica_count(tr.m); ++r) mgpu_device_set_tf32(mgpu_model_device(tr.m, r), 1);
+    for (r = 0; tf32 && r < mgpu_model_replica_count(tr.m); ++r) mgpu_device_allow_tf32(mgpu_model_device(tr.m, r), 1);
     memset(&od, 0, sizeof od);
     od.lr = 0.01f;
     od.momentum = 0.9f;
@@ -148,7 +148,7 @@ static void bench_gemm(const char* spec, int m, int n, int k, int reps) {
     a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(m, k));
     b = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(n, k));
     c = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(m, n));
-    if (!a || !b || !c || mgpu_device_set_tf32(dev, 1) || mgpu_rand_normal(a, 5, 0, 0.0f, 1.0f) || mgpu_rand_normal(b, 5, 1u << 30, 0.0f, 1.0f))
+    if (!a || !b || !c || mgpu_device_allow_tf32(dev, 1) || mgpu_rand_normal(a, 5, 0, 0.0f, 1.0f) || mgpu_rand_normal(b, 5, 1u << 30, 0.0f, 1.0f))
         fail("gemm");
     for (i = -3; i < reps; ++i) {   /* 10 back to back per timing: one sync's cost spread thin */
         double t0;
@@ -156,14 +156,14 @@ static void bench_gemm(const char* spec, int m, int n, int k, int reps) {
         mgpu_device_synchronize(dev);
         t0 = mgpu_seconds();
         for (j = 0; j < 10; ++j)
-            if (mgpu_matmul(c, a, b, 0, 1, 1.0f, 0.0f)) fail("gemm");
+            if (mgpu_matmul(c, a, b, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f)) fail("gemm");
         mgpu_device_synchronize(dev);
         if (i >= 0) t[i] = (mgpu_seconds() - t0) / 10.0;
     }
     gemm_tflops = 2.0 * m * n * (double)k / median(t, reps) / 1e12;
     snprintf(name, sizeof name, "gemm_%dx%dx%d", m, n, k);
     row(name, spec, "tflops", gemm_tflops, "TFLOP/s", "TF32, cuBLAS");
-    mgpu_device_set_tf32(dev, 0);
+    mgpu_device_allow_tf32(dev, 0);
     mgpu_tensor_destroy(a);
     mgpu_tensor_destroy(b);
     mgpu_tensor_destroy(c);
@@ -215,7 +215,7 @@ static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
     mgpu_tensor_destroy(c);
     /* SGD with momentum over one flat buffer of n parameters: reads p, g, buf; writes p, buf */
     memset(&md, 0, sizeof md);
-    layer = mgpu_linear((int)(n / 1024), 1024);   /* n weights (+1024 biases) */
+    layer = mgpu_layer_linear((int)(n / 1024), 1024);   /* n weights (+1024 biases) */
     md.input = mgpu_shape1(n / 1024);
     md.layers = &layer;
     md.layer_count = 1;
@@ -331,7 +331,7 @@ static void dp_measure(const char* model_name, const char* spec, int batch, int 
     double* t[TIME_KINDS];
     int i, k;
     const int kinds = mgpu_model_replica_count(tr.m) > 1 ? TIME_KINDS : 1;
-    if (kinds > 1 && !(ar = mgpu_allreduce_create(tr.set, mgpu_model_allreduce(tr.m)))) fail("data-parallel all-reduce");
+    if (kinds > 1 && !(ar = mgpu_allreduce_create(tr.set, mgpu_model_allreduce_backend(tr.m)))) fail("data-parallel all-reduce");
     for (k = 0; k < TIME_KINDS; ++k) t[k] = (double*)calloc((size_t)steps, sizeof(double));
     for (i = -3; i < steps; ++i)   /* three warm-ups */
         for (k = 0; k < kinds; ++k) {

@@ -49,28 +49,19 @@ static const mgpu_layer_vtable silu_vtable = {
 };
 
 int main(void) {
-    mgpu_layer* layers[4];
-    mgpu_model_desc md;
-    mgpu_optimizer_desc od;
+    mgpu_layer* layers[3];
     mgpu_model* model;
     mgpu_optimizer* opt;
     mgpu_tensor *x, *y;
     float loss = 0.0f, *px;
     int32_t* py;
     int step, i, j;
-    memset(&md, 0, sizeof md);   /* zero means default, sokol-style */
-    memset(&od, 0, sizeof od);
-    layers[0] = mgpu_linear(16, 32);
+    layers[0] = mgpu_layer_linear(16, 32);
     layers[1] = mgpu_layer_create(&silu_vtable, NULL);   /* ours, beside the built-ins */
-    layers[2] = mgpu_linear(32, 4);
-    md.input = mgpu_shape1(16);
-    md.layers = layers;
-    md.layer_count = 3;
-    md.seed = 3;
-    model = mgpu_model_create(&md);
-    od.lr = 0.1f;
-    od.momentum = 0.9f;
-    opt = mgpu_optimizer_create(model, &od);
+    layers[2] = mgpu_layer_linear(32, 4);
+    /* fields left out are zero, and zero means default (sokol-style) */
+    model = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(16), .layers = layers, .layer_count = 3, .seed = 3 });
+    opt = mgpu_optimizer_create(model, &(mgpu_optimizer_desc){ .lr = 0.1f, .momentum = 0.9f });
     x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(64, 16));
     y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(64));
     if (!model || !opt || !x || !y) { fprintf(stderr, "%s\n", mgpu_last_error()); return 1; }

@@ -48,8 +48,6 @@ static void make_batch(mgpu_tensor* x, mgpu_tensor* y, int step) {
 int main(int argc, char** argv) {
     mgpu_device_set* devices = mgpu_device_set_create(argc > 1 ? argv[1] : "cpu:4");
     mgpu_layer* layers[3];
-    mgpu_model_desc md;
-    mgpu_optimizer_desc od;
     mgpu_model* model;
     mgpu_optimizer* opt;
     mgpu_allreduce* allreduce;
@@ -60,20 +58,14 @@ int main(int argc, char** argv) {
     if (n > MAX_DEVICES) { fprintf(stderr, "at most %d devices here\n", MAX_DEVICES); return 1; }
 
     /* 1. REPLICATE: a model with one replica per device of the set */
-    memset(&md, 0, sizeof md);   /* zero means default, sokol-style */
-    memset(&od, 0, sizeof od);
-    layers[0] = mgpu_linear(FEATURES, 32);
-    layers[1] = mgpu_relu_layer();
-    layers[2] = mgpu_linear(32, CLASSES);
-    md.input = mgpu_shape1(FEATURES);
-    md.layers = layers;
-    md.layer_count = 3;
-    md.devices = devices;
-    model = mgpu_model_create(&md);
+    layers[0] = mgpu_layer_linear(FEATURES, 32);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(32, CLASSES);
+    /* fields left out are zero, and zero means default (sokol-style) */
+    model = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(FEATURES), .layers = layers, .layer_count = 3,
+                                                   .devices = devices });
     if (!model) { fprintf(stderr, "%s\n", mgpu_last_error()); return 1; }
-    od.lr = 0.1f;
-    od.momentum = 0.9f;
-    opt = mgpu_optimizer_create(model, &od);   /* it updates every replica */
+    opt = mgpu_optimizer_create(model, &(mgpu_optimizer_desc){ .lr = 0.1f, .momentum = 0.9f });   /* it updates every replica */
     allreduce = mgpu_allreduce_create(devices, MGPU_ALLREDUCE_AUTO);
     if (!opt || !allreduce) { fprintf(stderr, "%s\n", mgpu_last_error()); return 1; }
     printf("%d replicas on %s, all-reduce backend: %s\n", n, mgpu_device_set_spec(devices),

@@ -16,7 +16,7 @@ int main(void) {
     tb = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(3, 2));
     tc = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(2, 2));
     if (!ta || !tb || !tc || mgpu_tensor_upload(ta, a, sizeof a) || mgpu_tensor_upload(tb, b, sizeof b) ||
-        mgpu_matmul(tc, ta, tb, 0, 0, 1.0f, 0.0f) || mgpu_tensor_download(tc, c, sizeof c)) {
+        mgpu_matmul(tc, ta, tb, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) || mgpu_tensor_download(tc, c, sizeof c)) {
         fprintf(stderr, "%s\n", mgpu_last_error());
         return 1;
     }

@@ -132,32 +132,28 @@ static mgpu_dataset* load_split(const char* dir, const char* prefix) {
 }
 
 static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
-    mgpu_model_desc d;
-    memset(&d, 0, sizeof d);
-    d.devices = set;
-    d.seed = o->seed;
-    d.input = mgpu_shape3(1, 28, 28);
+    mgpu_model_desc d = { .input = mgpu_shape3(1, 28, 28), .devices = set, .seed = o->seed };   /* the rest: defaults */
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[4];
-        layers[0] = mgpu_flatten();
-        layers[1] = mgpu_linear(784, 128);
-        layers[2] = mgpu_relu_layer();
-        layers[3] = mgpu_linear(128, 10);
+        layers[0] = mgpu_layer_flatten();
+        layers[1] = mgpu_layer_linear(784, 128);
+        layers[2] = mgpu_layer_relu();
+        layers[3] = mgpu_layer_linear(128, 10);
         d.layers = layers;
         d.layer_count = 4;
         return mgpu_model_create(&d);
     } else {
         mgpu_layer* layers[10];
-        layers[0] = mgpu_conv2d(1, 16, 3, 1, 1);    /* 16 x 28 x 28 */
-        layers[1] = mgpu_relu_layer();
-        layers[2] = mgpu_maxpool2d(2, 2);          /* 16 x 14 x 14 */
-        layers[3] = mgpu_conv2d(16, 32, 3, 1, 1);   /* 32 x 14 x 14 */
-        layers[4] = mgpu_relu_layer();
-        layers[5] = mgpu_maxpool2d(2, 2);          /* 32 x 7 x 7 */
-        layers[6] = mgpu_flatten();
-        layers[7] = mgpu_linear(32 * 7 * 7, 128);
-        layers[8] = mgpu_relu_layer();
-        layers[9] = mgpu_linear(128, 10);
+        layers[0] = mgpu_layer_conv2d(1, 16, 3, 1, 1);    /* 16 x 28 x 28 */
+        layers[1] = mgpu_layer_relu();
+        layers[2] = mgpu_layer_maxpool2d(2, 2);          /* 16 x 14 x 14 */
+        layers[3] = mgpu_layer_conv2d(16, 32, 3, 1, 1);   /* 32 x 14 x 14 */
+        layers[4] = mgpu_layer_relu();
+        layers[5] = mgpu_layer_maxpool2d(2, 2);          /* 32 x 7 x 7 */
+        layers[6] = mgpu_layer_flatten();
+        layers[7] = mgpu_layer_linear(32 * 7 * 7, 128);
+        layers[8] = mgpu_layer_relu();
+        layers[9] = mgpu_layer_linear(128, 10);
         d.layers = layers;
         d.layer_count = 10;
         return mgpu_model_create(&d);
@@ -204,8 +200,6 @@ int main(int argc, char** argv) {
     mgpu_optimizer* opt = NULL;
     mgpu_loader* loader = NULL;
     mgpu_tensor *test_x = NULL, *test_y = NULL;
-    mgpu_optimizer_desc od;
-    mgpu_loader_desc ld;
     const float mean = 0.2860f, std = 0.3530f;   /* Fashion-MNIST training-set pixel statistics */
     int64_t batches, steps = 0, samples = 0, correct = 0, first_step;
     double train_seconds = 0.0, start = mgpu_seconds();
@@ -226,35 +220,32 @@ int main(int argc, char** argv) {
     }
     model = build_model(&o, set);
     if (!model) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
-    memset(&ld, 0, sizeof ld);
-    ld.batch = o.batch;
-    ld.shuffle = 1;
-    ld.seed = o.seed;
-    ld.mean = mean;
-    ld.std = std;
-    loader = mgpu_loader_create(train, &ld);
+    loader = mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = 1, .seed = o.seed, .mean = mean, .std = std });
     if (!loader || !make_test_tensors(test, mean, std, &test_x, &test_y)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     batches = mgpu_loader_batches(loader);
-    memset(&od, 0, sizeof od);
-    od.kind = strcmp(o.optimizer, "adamw") ? MGPU_SGD : MGPU_ADAMW;
-    od.lr = o.lr;
-    od.momentum = od.kind == MGPU_SGD ? o.momentum : 0.0f;
-    od.weight_decay = o.weight_decay;
-    od.schedule = !strcmp(o.schedule, "cosine") ? MGPU_SCHEDULE_COSINE : !strcmp(o.schedule, "step") ? MGPU_SCHEDULE_STEP : MGPU_SCHEDULE_CONSTANT;
-    od.total_steps = (int)(batches * o.epochs);
-    od.step_size = (int)(batches * 2 > 0 ? batches * 2 : 1);
-    opt = mgpu_optimizer_create(model, &od);
+    {
+        const int adamw = !strcmp(o.optimizer, "adamw");
+        opt = mgpu_optimizer_create(model, &(mgpu_optimizer_desc){
+            .kind = adamw ? MGPU_ADAMW : MGPU_SGD,
+            .lr = o.lr,
+            .momentum = adamw ? 0.0f : o.momentum,
+            .weight_decay = o.weight_decay,
+            .schedule = !strcmp(o.schedule, "cosine") ? MGPU_SCHEDULE_COSINE
+                      : !strcmp(o.schedule, "step") ? MGPU_SCHEDULE_STEP : MGPU_SCHEDULE_CONSTANT,
+            .total_steps = (int)(batches * o.epochs),
+            .step_size = (int)(batches * 2 > 0 ? batches * 2 : 1) });
+    }
     if (!opt) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     if (o.load && mgpu_model_load(model, opt, o.load) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     if (!o.quiet) {
         mgpu_model_summary(model, stdout);
         printf("training %s on %s (%d device%s, all-reduce: %s), %lld images, batch %d, %s lr %g, %d epochs\n", o.model,
                mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_device_set_count(set) == 1 ? "" : "s",
-               mgpu_allreduce_name(mgpu_model_allreduce(model)), (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
+               mgpu_allreduce_name(mgpu_model_allreduce_backend(model)), (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
     }
     snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
-             mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce(model)));
-    steps = first_step = mgpu_optimizer_steps(opt);   /* resuming: continue where the checkpoint stopped */
+             mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
+    steps = first_step = mgpu_optimizer_step_count(opt);   /* resuming: continue where the checkpoint stopped */
     for (epoch = (int)(steps / batches); epoch < o.epochs && !stop; ++epoch) {
         const mgpu_tensor *x, *y;
         int64_t b = 0, epoch_samples = 0;
@@ -296,7 +287,7 @@ int main(int argc, char** argv) {
     }
     printf("model=%s devices=%s replicas=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld train_loss=%.4f "
            "test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
-           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_allreduce_name(mgpu_model_allreduce(model)),
+           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
            o.optimizer, o.batch, o.epochs, (long long)steps,
            (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
     status = 0;

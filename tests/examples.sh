@@ -1,6 +1,7 @@
 #!/bin/sh
 # The examples run and succeed: hello multiplies, custom_layer learns with its SiLU (exit 0 when
-# the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical.
+# the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical, the
+# README's tour trains an epoch of Fashion-MNIST (and the README's copy of it is the file).
 # With a CUDA build of data_parallel and a GPU, also four replicas on one GPU.
 b=${1:-build}
 passed=0; failed=0; skipped=0
@@ -11,6 +12,13 @@ run() {
 run "$b/hello"
 run "$b/custom_layer"
 for spec in cpu:2 cpu:3 cpu:4; do run "$b/data_parallel" $spec; done
+run sh tests/readme_tour.sh
+data=/usr/share/datasets/fashion-mnist
+if [ -e "$data/train-images-idx3-ubyte.gz" ]; then
+    run "$b/tour" "$data" "$b/tour.safetensors"
+else
+    skipped=$((skipped + 1)); echo "  skip tour: no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"
+fi
 if [ -x "$b/data_parallel_cuda" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     run "$b/data_parallel_cuda" cuda:0,0,0,0
 else

@@ -19,12 +19,12 @@ static mgpu_model* make_model(const char* name) {
     d.seed = 7;
     d.layers = layers;
     if (!strcmp(name, "mlp")) {   /* nn.Sequential(Flatten, Linear(784,128), ReLU, Linear(128,10)) */
-        layers[0] = mgpu_flatten(); layers[1] = mgpu_linear(784, 128); layers[2] = mgpu_relu_layer(); layers[3] = mgpu_linear(128, 10);
+        layers[0] = mgpu_layer_flatten(); layers[1] = mgpu_layer_linear(784, 128); layers[2] = mgpu_layer_relu(); layers[3] = mgpu_layer_linear(128, 10);
         d.layer_count = 4;
     } else {                      /* the cnn of examples/train.c */
-        layers[0] = mgpu_conv2d(1, 16, 3, 1, 1); layers[1] = mgpu_relu_layer(); layers[2] = mgpu_maxpool2d(2, 2);
-        layers[3] = mgpu_conv2d(16, 32, 3, 1, 1); layers[4] = mgpu_relu_layer(); layers[5] = mgpu_maxpool2d(2, 2);
-        layers[6] = mgpu_flatten(); layers[7] = mgpu_linear(32 * 7 * 7, 128); layers[8] = mgpu_relu_layer(); layers[9] = mgpu_linear(128, 10);
+        layers[0] = mgpu_layer_conv2d(1, 16, 3, 1, 1); layers[1] = mgpu_layer_relu(); layers[2] = mgpu_layer_maxpool2d(2, 2);
+        layers[3] = mgpu_layer_conv2d(16, 32, 3, 1, 1); layers[4] = mgpu_layer_relu(); layers[5] = mgpu_layer_maxpool2d(2, 2);
+        layers[6] = mgpu_layer_flatten(); layers[7] = mgpu_layer_linear(32 * 7 * 7, 128); layers[8] = mgpu_layer_relu(); layers[9] = mgpu_layer_linear(128, 10);
         d.layer_count = 10;
     }
     return mgpu_model_create(&d);

@@ -38,7 +38,26 @@ static int test_is_verbose(void) {
         printf("\n");                                                             \
     } while (0)
 
+/* Running one group: "build/test_core matmul" (or TEST_ONLY=matmul) runs only the groups whose
+   function name contains "matmul"; TEST_GROUP(test_matmul()) is how main calls a group. A filter
+   that matches no group is a failure, so a typo never passes as an empty run. */
+static const char* test_only;
+static int test_groups_run;
+static void test_select(int argc, char** argv) {
+    test_only = argc > 1 ? argv[1] : getenv("TEST_ONLY");
+    if (test_only && !*test_only) test_only = NULL;
+    if (test_only) printf("only the groups matching '%s'\n", test_only);
+}
+#define TEST_GROUP(call)                                                          \
+    do {                                                                          \
+        if (!test_only || strstr(#call, test_only)) { test_groups_run++; call; } \
+    } while (0)
+
 static int test_summary(const char* name) {
+    if (test_only && test_groups_run == 0) {
+        test_failed++;
+        printf("  FAIL no group of %s matches '%s'\n", name, test_only);
+    }
     printf("%s: %d passed, %d failed, %d skipped\n", name, test_passed, test_failed, test_skipped);
     printf("%d passed, %d failed, %d skipped\n", test_passed, test_failed, test_skipped);
     return test_failed ? 1 : 0;

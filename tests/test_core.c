@@ -135,7 +135,7 @@ static void test_results(void) {
     a = tmake(cpu, MGPU_F32, mgpu_shape2(5, 7));
     b = tmake(cpu, MGPU_F32, mgpu_shape2(6, 3));
     o = tmake(cpu, MGPU_F32, mgpu_shape2(5, 3));
-    rc = mgpu_matmul(o, a, b, 0, 0, 1.0f, 0.0f);
+    rc = mgpu_matmul(o, a, b, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);
     expect_fail(rc, MGPU_ERROR_SHAPE_MISMATCH, "matmul [5,7]@[6,3]", "mgpu_matmul", "[5,7]", "[6,3]");
     CHECK(strstr(mgpu_last_error(), "cpu") != NULL, "message \"%s\" does not name the device", mgpu_last_error());
     CHECK(strstr(mgpu_last_error(), "f32[5,7]@cpu") != NULL, "message \"%s\" lacks the description f32[5,7]@cpu",
@@ -149,7 +149,7 @@ static void test_results(void) {
         pthread_t th;
         thread_probe probe;
         memset(&probe, 0, sizeof probe);
-        rc = mgpu_matmul(o, a, b, 0, 0, 1.0f, 0.0f);
+        rc = mgpu_matmul(o, a, b, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);
         if (pthread_create(&th, NULL, error_thread, &probe) == 0) {
             pthread_join(th, NULL);
             CHECK(probe.r == MGPU_ERROR_INVALID_ARGUMENT && probe.last == MGPU_ERROR_INVALID_ARGUMENT &&
@@ -165,18 +165,18 @@ static void test_results(void) {
 
     /* logger */
     memset(&cap, 0, sizeof cap);
-    mgpu_set_logger(capture_log, &cap);
-    rc = mgpu_matmul(o, a, b, 0, 0, 1.0f, 0.0f);
+    mgpu_log_set_callback(capture_log, &cap);
+    rc = mgpu_matmul(o, a, b, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);
     CHECK(rc == MGPU_ERROR_SHAPE_MISMATCH, "matmul with a logger: %s", mgpu_result_string(rc));
     CHECK(cap.calls == 1, "logger called %d times for one failure", cap.calls);
     CHECK(cap.level == MGPU_LOG_ERROR, "logger level %d for a failure", (int)cap.level);
     CHECK(strstr(cap.last, "mgpu_matmul") && strstr(cap.last, "[5,7]"), "logger got \"%s\"", cap.last);
     CHECK(strcmp(cap.last, mgpu_last_error()) == 0, "logger message \"%s\" differs from last_error \"%s\"", cap.last,
           mgpu_last_error());
-    mgpu_set_logger(NULL, NULL);
+    mgpu_log_set_callback(NULL, NULL);
     rc = mgpu_add(o, a, b);
     CHECK(rc == MGPU_ERROR_SHAPE_MISMATCH, "add [5,7]+[6,3]: %s", mgpu_result_string(rc));
-    CHECK(cap.calls == 1, "logger still called after mgpu_set_logger(NULL) (%d calls)", cap.calls);
+    CHECK(cap.calls == 1, "logger still called after mgpu_log_set_callback(NULL) (%d calls)", cap.calls);
     mgpu_clear_error();
 
     mgpu_tensor_destroy(a);
@@ -372,7 +372,7 @@ static void test_devices(void) {
     expect_fail(mgpu_device_get_info(cpu, NULL), MGPU_ERROR_INVALID_ARGUMENT, "get_info(cpu, NULL)", NULL, NULL, NULL);
     CHECK(mgpu_device_synchronize(cpu) == MGPU_OK, "synchronize(cpu)");
     expect_fail(mgpu_device_synchronize(NULL), MGPU_ERROR_INVALID_ARGUMENT, "synchronize(NULL)", NULL, NULL, NULL);
-    CHECK(mgpu_device_set_tf32(cpu, 1) == MGPU_OK, "set_tf32(cpu)");
+    CHECK(mgpu_device_allow_tf32(cpu, 1) == MGPU_OK, "set_tf32(cpu)");
 
     /* destroy(NULL) does nothing */
     mgpu_device_set_destroy(NULL);
@@ -1449,11 +1449,11 @@ static void matmul_same_bits_any_threads(void) {
         ta = tfrom(g_devs[0], mgpu_shape2(k, m), a);
         tb = tfrom(g_devs[0], mgpu_shape2(k, n), b);
         tc = tmake(g_devs[0], MGPU_F32, mgpu_shape2(m, n));
-        mgpu_set_cpu_threads(1);
-        CHECK(mgpu_matmul(tc, ta, tb, 1, 0, 1.0f, 0.0f) == MGPU_OK, "matmul on 1 thread: %s", mgpu_last_error());
+        mgpu_cpu_set_threads(1);
+        CHECK(mgpu_matmul(tc, ta, tb, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) == MGPU_OK, "matmul on 1 thread: %s", mgpu_last_error());
         tget(tc, one);
-        mgpu_set_cpu_threads(3);
-        CHECK(mgpu_matmul(tc, ta, tb, 1, 0, 1.0f, 0.0f) == MGPU_OK, "matmul on 3 threads: %s", mgpu_last_error());
+        mgpu_cpu_set_threads(3);
+        CHECK(mgpu_matmul(tc, ta, tb, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) == MGPU_OK, "matmul on 3 threads: %s", mgpu_last_error());
         tget(tc, many);
         same &= memcmp(one, many, sizeof(float) * (size_t)(m * n)) == 0;
         mgpu_tensor_destroy(ta);
@@ -1461,7 +1461,7 @@ static void matmul_same_bits_any_threads(void) {
         mgpu_tensor_destroy(tc);
         free(a); free(b); free(one); free(many);
     }
-    mgpu_set_cpu_threads(threads);
+    mgpu_cpu_set_threads(threads);
     CHECK(same, "CPU matmul: 1 thread and 3 threads give different bits");
 }
 
@@ -1971,7 +1971,7 @@ static void views_in_ops_on(mgpu_device* dev) {
         mgpu_tensor *a2 = mgpu_tensor_view_rows(pa2, 1, m), *b2 = mgpu_tensor_view_rows(pb2, 1, nn);
         mgpu_tensor* o2 = mgpu_tensor_view_rows(po2, 1, m);
         ref_matmul(m, nn, kk, 0, 1, pa + kk, pb + kk, 1.0, 0.0, NULL, ref);
-        MUST(mgpu_matmul(o2, a2, b2, 0, 1, 1.0f, 0.0f));
+        MUST(mgpu_matmul(o2, a2, b2, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
         tget(po2, got);
         check_err(dev, "matmul 13x7x5 NT on row views", got + nn, ref, m * nn, 1e-5);
         CHECK(edges_intact(got, sent, m + 2, nn), "matmul on %s wrote outside its row view", L);
@@ -2054,9 +2054,9 @@ static void errors_on(mgpu_device* dev) {
     expect_fail(mgpu_gelu(o34, NULL), MGPU_ERROR_INVALID_ARGUMENT, "gelu(NULL x)", "mgpu_gelu", NULL, NULL);
     expect_fail(mgpu_tanh_backward(o34, a34, NULL), MGPU_ERROR_INVALID_ARGUMENT, "tanh_backward(NULL y)",
                 "mgpu_tanh_backward", NULL, NULL);
-    expect_fail(mgpu_matmul(o34, NULL, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul(NULL a)",
+    expect_fail(mgpu_matmul(o34, NULL, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul(NULL a)",
                 "mgpu_matmul", NULL, NULL);
-    expect_fail(mgpu_matmul(NULL, a34, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul(NULL out)",
+    expect_fail(mgpu_matmul(NULL, a34, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul(NULL out)",
                 "mgpu_matmul", NULL, NULL);
     expect_fail(mgpu_bias_add(o34, a34, NULL), MGPU_ERROR_INVALID_ARGUMENT, "bias_add(NULL bias)", "mgpu_bias_add",
                 NULL, NULL);
@@ -2085,7 +2085,7 @@ static void errors_on(mgpu_device* dev) {
     expect_fail(mgpu_add(i34, a34, a34), MGPU_ERROR_DTYPE_MISMATCH, "add(i32 out)", "mgpu_add", "i32[3,4]", NULL);
     expect_fail(mgpu_relu(i34, a34), MGPU_ERROR_DTYPE_MISMATCH, "relu(i32 out)", "mgpu_relu", NULL, NULL);
     expect_fail(mgpu_scale(o34, i34, 2.0f), MGPU_ERROR_DTYPE_MISMATCH, "scale(i32 x)", "mgpu_scale", NULL, NULL);
-    expect_fail(mgpu_matmul(o34, i34, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_DTYPE_MISMATCH, "matmul(i32 a)",
+    expect_fail(mgpu_matmul(o34, i34, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_DTYPE_MISMATCH, "matmul(i32 a)",
                 "mgpu_matmul", "i32[3,4]", NULL);
     expect_fail(mgpu_softmax_cross_entropy(loss1, NULL, a34, flab3, 0.0f), MGPU_ERROR_DTYPE_MISMATCH,
                 "cross_entropy(f32 labels)", "mgpu_softmax_cross_entropy", "f32[3]", "i32");
@@ -2104,11 +2104,11 @@ static void errors_on(mgpu_device* dev) {
                 "[12]");
     expect_fail(mgpu_gelu_backward(o34, a34, b43), MGPU_ERROR_SHAPE_MISMATCH, "gelu_backward [3,4] [4,3]",
                 "mgpu_gelu_backward", "[3,4]", "[4,3]");
-    expect_fail(mgpu_matmul(o34, a34, a34, 0, 0, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul [3,4]@[3,4]",
+    expect_fail(mgpu_matmul(o34, a34, a34, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul [3,4]@[3,4]",
                 "mgpu_matmul", "[3,4]", NULL);
-    expect_fail(mgpu_matmul(o34, a34, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul [3,4]@[4,3] -> [3,4]",
+    expect_fail(mgpu_matmul(o34, a34, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul [3,4]@[4,3] -> [3,4]",
                 "mgpu_matmul", "[4,3]", "[3,4]");
-    expect_fail(mgpu_matmul(o34, a34, b43, 1, 1, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH,
+    expect_fail(mgpu_matmul(o34, a34, b43, MGPU_TRANS, MGPU_TRANS, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH,
                 "matmul [3,4]^T@[4,3]^T -> [3,4]", "mgpu_matmul", "transposed", NULL);
     expect_fail(mgpu_bias_add(o34, a34, b5), MGPU_ERROR_SHAPE_MISMATCH, "bias_add [3,4] + [5]", "mgpu_bias_add", "[3,4]",
                 "[5]");
@@ -2140,9 +2140,9 @@ static void errors_on(mgpu_device* dev) {
                 "mgpu_count_correct", "[4]", "[3,4]");
 
     /* wrong ranks */
-    expect_fail(mgpu_matmul(o34, c3, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul with a 3-D a",
+    expect_fail(mgpu_matmul(o34, c3, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul with a 3-D a",
                 "mgpu_matmul", "[2,3,4]", NULL);
-    expect_fail(mgpu_matmul(v12, a34, b43, 0, 0, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul with a 1-D out",
+    expect_fail(mgpu_matmul(v12, a34, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_SHAPE_MISMATCH, "matmul with a 1-D out",
                 "mgpu_matmul", "[12]", NULL);
     expect_fail(mgpu_softmax(v12, v12), MGPU_ERROR_SHAPE_MISMATCH, "softmax of 1-D", "mgpu_softmax", "[12]", NULL);
     expect_fail(mgpu_sum(o4, c3, 0), MGPU_ERROR_SHAPE_MISMATCH, "sum of 3-D", "mgpu_sum", "[2,3,4]", NULL);
@@ -2172,7 +2172,7 @@ static void errors_on(mgpu_device* dev) {
         tput(o4, s4);
         CHECK(mgpu_sum(o4, a34, 7) != MGPU_OK, "sum axis 7 succeeded");
         CHECK(mgpu_softmax(o4, a34) != MGPU_OK, "softmax into [4] succeeded");
-        CHECK(mgpu_matmul(o4, a34, b43, 0, 0, 1.0f, 0.0f) != MGPU_OK, "matmul into [4] succeeded");
+        CHECK(mgpu_matmul(o4, a34, b43, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) != MGPU_OK, "matmul into [4] succeeded");
         tget(o4, g4);
         CHECK(all_equal_f(s4, g4, 4), "%s: failed sum/softmax/matmul changed their output", L);
     }
@@ -2215,7 +2215,7 @@ static void test_op_errors(void) {
         expect_fail(mgpu_add(c, c, g), MGPU_ERROR_DEVICE_MISMATCH, "add cpu + cuda", "mgpu_add", "cpu", "cuda:0");
         expect_fail(mgpu_add(g, g, c), MGPU_ERROR_DEVICE_MISMATCH, "add cuda + cpu", "mgpu_add", "@cpu", "@cuda:0");
         expect_fail(mgpu_relu(c, g), MGPU_ERROR_DEVICE_MISMATCH, "relu cuda -> cpu", "mgpu_relu", "cpu", "cuda:0");
-        expect_fail(mgpu_matmul(g, c, gb, 0, 1, 1.0f, 0.0f), MGPU_ERROR_DEVICE_MISMATCH, "matmul cpu @ cuda",
+        expect_fail(mgpu_matmul(g, c, gb, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f), MGPU_ERROR_DEVICE_MISMATCH, "matmul cpu @ cuda",
                     "mgpu_matmul", "cpu", "cuda:0");
         expect_fail(mgpu_softmax_cross_entropy(gl, NULL, g, cl, 0.0f), MGPU_ERROR_DEVICE_MISMATCH,
                     "cross_entropy with cpu labels", "mgpu_softmax_cross_entropy", "cpu", "cuda:0");
@@ -2250,7 +2250,7 @@ static void test_threads(void) {
             t_b = tfrom(cpu, tb ? mgpu_shape2(n, k) : mgpu_shape2(k, n), b);
             t_c = tmake(cpu, MGPU_F32, mgpu_shape2(m, n));
             for (t = 0; t < 2; ++t) {
-                mgpu_set_cpu_threads(t ? 4 : 1);
+                mgpu_cpu_set_threads(t ? 4 : 1);
                 CHECK(mgpu_cpu_threads() == (t ? 4 : 1), "mgpu_cpu_threads() %d after set", mgpu_cpu_threads());
                 MUST(mgpu_matmul(t_c, t_a, t_b, ta, tb, 1.0f, 0.0f));
                 tget(t_c, t ? r4 : r1);
@@ -2270,13 +2270,13 @@ static void test_threads(void) {
         ty = tmake(cpu, MGPU_F32, mgpu_shape1(ne));
         ts = tmake(cpu, MGPU_F32, mgpu_shape1(ne));
         for (t = 0; t < 2; ++t) {
-            mgpu_set_cpu_threads(t ? 4 : 1);
+            mgpu_cpu_set_threads(t ? 4 : 1);
             MUST(mgpu_gelu(ty, tx));
             tget(ty, t ? r4 : r1);
         }
         CHECK(all_equal_f(r1, r4, ne), "gelu: 1 and 4 threads differ");
         for (t = 0; t < 2; ++t) {
-            mgpu_set_cpu_threads(t ? 4 : 1);
+            mgpu_cpu_set_threads(t ? 4 : 1);
             MUST(mgpu_rand_normal(ts, 3, 9, 0.0f, 1.0f));
             tget(ts, t ? r4 : r1);
         }
@@ -2286,11 +2286,11 @@ static void test_threads(void) {
         mgpu_tensor_destroy(ts);
         free(x); free(r1); free(r4);
     }
-    mgpu_set_cpu_threads(0);
+    mgpu_cpu_set_threads(0);
     CHECK(mgpu_cpu_threads() == 1, "set_cpu_threads(0) gives %d threads, want 1", mgpu_cpu_threads());
-    mgpu_set_cpu_threads(-5);
+    mgpu_cpu_set_threads(-5);
     CHECK(mgpu_cpu_threads() == 1, "set_cpu_threads(-5) gives %d threads, want 1", mgpu_cpu_threads());
-    mgpu_set_cpu_threads(saved);
+    mgpu_cpu_set_threads(saved);
     CHECK(mgpu_cpu_threads() == saved, "threads not restored: %d, want %d", mgpu_cpu_threads(), saved);
 }
 
@@ -2302,7 +2302,7 @@ static void* conc_thread(void* arg) {
     int r, i;
     for (r = 0; r < j->reps; ++r) {
         mgpu_tensor* t[3];
-        if (mgpu_matmul(j->c, j->a, j->b, 0, 1, 1.0f, 0.0f) != MGPU_OK) j->failures++;
+        if (mgpu_matmul(j->c, j->a, j->b, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f) != MGPU_OK) j->failures++;
         for (i = 0; i < 3; ++i) t[i] = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(1000 + 300 * i + r));
         for (i = 0; i < 3; ++i) { if (!t[i]) j->failures++; mgpu_tensor_destroy(t[i]); }
     }
@@ -2332,7 +2332,7 @@ static void test_concurrency(void) {
         job[i].reps = 20;
         job[i].failures = 0;
         want[i] = fbuf(m * n);
-        MUST(mgpu_matmul(job[i].c, job[i].a, job[i].b, 0, 1, 1.0f, 0.0f));   /* alone first */
+        MUST(mgpu_matmul(job[i].c, job[i].a, job[i].b, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));   /* alone first */
         tget(job[i].c, want[i]);
         MUST(mgpu_tensor_fill(job[i].c, NAN));
         free(a);
@@ -2361,8 +2361,9 @@ static void test_concurrency(void) {
 }
 
 /* ============================================================================================ */
-int main(void) {
+int main(int argc, char** argv) {
     double t0 = test_start("test_core");
+    test_select(argc, argv);
     printf("test_core: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
            (unsigned long long)g_test_seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
 
@@ -2379,19 +2380,19 @@ int main(void) {
     printf("built without CUDA\n");
 #endif
 
-    test_results();
-    test_devices();
-    test_memory();
-    test_tensors();
-    test_random();
-    test_elementwise();
-    test_matmul();
-    test_bias_reduce();
-    test_softmax_losses();
-    test_views_in_ops();
-    test_op_errors();
-    test_threads();
-    test_concurrency();
+    TEST_GROUP(test_results());
+    TEST_GROUP(test_devices());
+    TEST_GROUP(test_memory());
+    TEST_GROUP(test_tensors());
+    TEST_GROUP(test_random());
+    TEST_GROUP(test_elementwise());
+    TEST_GROUP(test_matmul());
+    TEST_GROUP(test_bias_reduce());
+    TEST_GROUP(test_softmax_losses());
+    TEST_GROUP(test_views_in_ops());
+    TEST_GROUP(test_op_errors());
+    TEST_GROUP(test_threads());
+    TEST_GROUP(test_concurrency());
 
     mgpu_device_set_destroy(g_gpu_set);
     printf("(%.1f s)\n", now_seconds() - t0);

@@ -365,15 +365,15 @@ typedef struct layer_spec {
 
 static mgpu_layer* spec_layer(const layer_spec* s) {
     switch (s->kind) {
-    case LK_LINEAR: return mgpu_linear(s->in, s->out);
-    case LK_RELU: return mgpu_relu_layer();
-    case LK_GELU: return mgpu_gelu_layer();
-    case LK_TANH: return mgpu_tanh_layer();
-    case LK_SIGMOID: return mgpu_sigmoid_layer();
-    case LK_DROPOUT: return mgpu_dropout_layer(s->p);
-    case LK_FLATTEN: return mgpu_flatten();
-    case LK_CONV: return mgpu_conv2d(s->in, s->out, s->k, s->stride, s->pad);
-    case LK_POOL: return mgpu_maxpool2d(s->k, s->stride);
+    case LK_LINEAR: return mgpu_layer_linear(s->in, s->out);
+    case LK_RELU: return mgpu_layer_relu();
+    case LK_GELU: return mgpu_layer_gelu();
+    case LK_TANH: return mgpu_layer_tanh();
+    case LK_SIGMOID: return mgpu_layer_sigmoid();
+    case LK_DROPOUT: return mgpu_layer_dropout(s->p);
+    case LK_FLATTEN: return mgpu_layer_flatten();
+    case LK_CONV: return mgpu_layer_conv2d(s->in, s->out, s->k, s->stride, s->pad);
+    case LK_POOL: return mgpu_layer_maxpool2d(s->k, s->stride);
     case LK_SCALE: return scale_layer(1.5f, NULL);
     }
     return NULL;
@@ -640,8 +640,8 @@ static void init_specs(void) {
    Linear stack: parameter gradients against finite differences through the whole chain. */
 static void gradcheck_stack(void) {
     mgpu_device* cpu = mgpu_device_cpu();
-    mgpu_model* m = MODEL(mgpu_shape3(1, 6, 6), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_conv2d(1, 2, 3, 1, 1),
-                          mgpu_tanh_layer(), mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(18, 3));
+    mgpu_model* m = MODEL(mgpu_shape3(1, 6, 6), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_layer_conv2d(1, 2, 3, 1, 1),
+                          mgpu_layer_tanh(), mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(18, 3));
     float *x, *flat, *R, *g, *y;
     double* num;
     mgpu_tensor *tx, *tr;
@@ -753,12 +753,12 @@ static void test_init(void) {
     int64_t nf;
     header("2. initialisation");
     /* Linear(200 -> 64): fan_in 200; a second Linear(64 -> 64) gets its own stream */
-    m = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 42, mgpu_linear(200, 64), mgpu_relu_layer(),
-              mgpu_linear(64, 64), mgpu_linear(64, 64));
-    m2 = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 42, mgpu_linear(200, 64), mgpu_relu_layer(),
-               mgpu_linear(64, 64), mgpu_linear(64, 64));
-    m3 = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 43, mgpu_linear(200, 64), mgpu_relu_layer(),
-               mgpu_linear(64, 64), mgpu_linear(64, 64));
+    m = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 42, mgpu_layer_linear(200, 64), mgpu_layer_relu(),
+              mgpu_layer_linear(64, 64), mgpu_layer_linear(64, 64));
+    m2 = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 42, mgpu_layer_linear(200, 64), mgpu_layer_relu(),
+               mgpu_layer_linear(64, 64), mgpu_layer_linear(64, 64));
+    m3 = MODEL(mgpu_shape1(200), NULL, MGPU_LOSS_CROSS_ENTROPY, 43, mgpu_layer_linear(200, 64), mgpu_layer_relu(),
+               mgpu_layer_linear(64, 64), mgpu_layer_linear(64, 64));
     if (m && m2 && m3) {
         int w2 = tindex(m, "2.weight"), w3 = tindex(m, "3.weight");
         nf = flat_n(m);
@@ -783,7 +783,7 @@ static void test_init(void) {
     mgpu_model_destroy(m); mgpu_model_destroy(m2); mgpu_model_destroy(m3);
 
     /* Conv2d(3 -> 16, k3): fan_in 27 */
-    m = MODEL(mgpu_shape3(3, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_conv2d(3, 16, 3, 1, 1));
+    m = MODEL(mgpu_shape3(3, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_conv2d(3, 16, 3, 1, 1));
     if (m) {
         p = get_flat(m, 0);
         CHECK(tnumel(m, 0) == 16 * 3 * 3 * 3 && mgpu_tensor_shape(mgpu_model_tensor(m, 0, 0)).ndim == 4 &&
@@ -799,8 +799,8 @@ static void test_init(void) {
     set3 = mgpu_device_set_create("cpu:3");
     CHECK(set3 && mgpu_device_set_count(set3) == 3, "cpu:3: %s", mgpu_last_error());
     if (set3) {
-        m = MODEL(mgpu_shape1(20), set3, MGPU_LOSS_CROSS_ENTROPY, 77, mgpu_linear(20, 10), mgpu_gelu_layer(), mgpu_linear(10, 4));
-        m2 = MODEL(mgpu_shape1(20), NULL, MGPU_LOSS_CROSS_ENTROPY, 77, mgpu_linear(20, 10), mgpu_gelu_layer(), mgpu_linear(10, 4));
+        m = MODEL(mgpu_shape1(20), set3, MGPU_LOSS_CROSS_ENTROPY, 77, mgpu_layer_linear(20, 10), mgpu_layer_gelu(), mgpu_layer_linear(10, 4));
+        m2 = MODEL(mgpu_shape1(20), NULL, MGPU_LOSS_CROSS_ENTROPY, 77, mgpu_layer_linear(20, 10), mgpu_layer_gelu(), mgpu_layer_linear(10, 4));
         if (m && m2) {
             CHECK(mgpu_model_replica_count(m) == 3, "replica count %d", mgpu_model_replica_count(m));
             CHECK(replicas_identical(m), "cpu:3 replicas do not start bit-identical");
@@ -831,42 +831,42 @@ static void test_model_errors(void) {
     header("3. model errors");
 
     /* a layer that rejects its input: Linear(10, 5) right after a [1, 28, 28] input */
-    m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(10, 5));
+    m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(10, 5));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Linear(10,5) on [1,28,28]", "layer 0 (Linear)", "[1,1,28,28]", "[batch,10]");
     CHECK(strstr(mgpu_last_error(), "mgpu_model_create") != NULL, "message names the call: %s", mgpu_last_error());
-    m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_flatten(), mgpu_linear(10, 5));
+    m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_flatten(), mgpu_layer_linear(10, 5));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Flatten, Linear(10,5) on [1,28,28]", "layer 1 (Linear)", "[1,784]", "10");
-    m = TRY_MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_relu_layer(), mgpu_conv2d(3, 4, 3, 1, 0));
+    m = TRY_MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_relu(), mgpu_layer_conv2d(3, 4, 3, 1, 0));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Conv2d(3 channels) on [1,8,8]", "layer 1 (Conv2d)", "[1,1,8,8]", "3");
-    m = TRY_MODEL(mgpu_shape3(1, 2, 2), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_maxpool2d(3, 0));
+    m = TRY_MODEL(mgpu_shape3(1, 2, 2), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_maxpool2d(3, 0));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "MaxPool2d(3) on 2x2", "layer 0 (MaxPool2d)", "[1,1,2,2]", NULL);
 
     /* constructors that fail return NULL with a message */
-    expect_null(mgpu_linear(0, 5), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_linear(0, 5)", "mgpu_linear", NULL, NULL);
-    expect_null(mgpu_conv2d(1, 2, 3, 0, 0), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_conv2d stride 0", "mgpu_conv2d", NULL, NULL);
-    expect_null(mgpu_conv2d(1, 2, 3, 1, -1), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_conv2d padding -1", "mgpu_conv2d", NULL, NULL);
-    expect_null(mgpu_maxpool2d(0, 0), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_maxpool2d(0)", "mgpu_maxpool2d", NULL, NULL);
-    expect_null(mgpu_dropout_layer(1.0f), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dropout_layer(1)", "p = 1", NULL, NULL);
-    expect_null(mgpu_dropout_layer(-0.1f), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dropout_layer(-0.1)", "mgpu_dropout_layer", NULL, NULL);
+    expect_null(mgpu_layer_linear(0, 5), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_linear(0, 5)", "mgpu_layer_linear", NULL, NULL);
+    expect_null(mgpu_layer_conv2d(1, 2, 3, 0, 0), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_conv2d stride 0", "mgpu_layer_conv2d", NULL, NULL);
+    expect_null(mgpu_layer_conv2d(1, 2, 3, 1, -1), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_conv2d padding -1", "mgpu_layer_conv2d", NULL, NULL);
+    expect_null(mgpu_layer_maxpool2d(0, 0), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_maxpool2d(0)", "mgpu_layer_maxpool2d", NULL, NULL);
+    expect_null(mgpu_layer_dropout(1.0f), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout(1)", "p = 1", NULL, NULL);
+    expect_null(mgpu_layer_dropout(-0.1f), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout(-0.1)", "mgpu_layer_dropout", NULL, NULL);
 
     /* a NULL layer in the list: a clear error, the model still owns (and frees) the others */
     {
         mgpu_layer* layers[4];
         layers[0] = scale_layer(1.0f, &destroyed);
-        layers[1] = mgpu_linear(0, 5);
-        layers[2] = mgpu_relu_layer();
+        layers[1] = mgpu_layer_linear(0, 5);
+        layers[2] = mgpu_layer_relu();
         layers[3] = scale_layer(2.0f, &destroyed);
         memset(&d, 0, sizeof d);
         d.input = mgpu_shape1(4);
         d.layers = layers;
         d.layer_count = 4;
         m = mgpu_model_create(&d);
-        expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, "a NULL layer (mgpu_linear(0, 5)) in the list", "layer 1 is NULL",
-                    "mgpu_linear: features 0 -> 5", NULL);
+        expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, "a NULL layer (mgpu_layer_linear(0, 5)) in the list", "layer 1 is NULL",
+                    "mgpu_layer_linear: features 0 -> 5", NULL);
         mgpu_model_destroy(m);
         CHECK(destroyed == 2, "after a failed create the other layers are destroyed exactly once: %d of 2", destroyed);
     }
@@ -877,7 +877,7 @@ static void test_model_errors(void) {
     expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, "a 4-D sample shape", "dimensions", NULL, NULL);
     CHECK(destroyed == 1, "layers destroyed after a bad sample shape: %d of 1", destroyed);
     destroyed = 0;
-    m = TRY_MODEL(mgpu_shape1(3), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, scale_layer(1.0f, &destroyed), mgpu_linear(4, 2));
+    m = TRY_MODEL(mgpu_shape1(3), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, scale_layer(1.0f, &destroyed), mgpu_layer_linear(4, 2));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Linear(4, 2) after a [3] sample", "layer 1 (Linear)", NULL, NULL);
     CHECK(destroyed == 1, "layers destroyed after a shape error: %d of 1", destroyed);
@@ -887,7 +887,7 @@ static void test_model_errors(void) {
     expect_null(mgpu_model_create(NULL), MGPU_ERROR_INVALID_ARGUMENT, "NULL desc", NULL, NULL, NULL);
 
     /* forward, backward and train_step with bad arguments */
-    m = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_linear(6, 5), mgpu_relu_layer(), mgpu_linear(5, 3));
+    m = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(6, 5), mgpu_layer_relu(), mgpu_layer_linear(5, 3));
     if (!m) return;
     opt = make_opt(m, MGPU_SGD, 0.1f, 0.0f, 0.0f);
     rnd_normal(xs, 48, 1.0);
@@ -934,7 +934,7 @@ static void test_model_errors(void) {
         expect_fail(mgpu_model_evaluate(m, x, labf, NULL, NULL), MGPU_ERROR_DTYPE_MISMATCH, "evaluate with f32 labels",
                     "mgpu_model_evaluate", NULL, NULL);
         after = get_flat(m, 0);
-        CHECK(same_bits(before, after, (size_t)flat_n(m) * sizeof(float)) && mgpu_optimizer_steps(opt) == 0,
+        CHECK(same_bits(before, after, (size_t)flat_n(m) * sizeof(float)) && mgpu_optimizer_step_count(opt) == 0,
               "failed train steps changed the parameters or the step count");
         free(before);
         free(after);
@@ -944,7 +944,7 @@ static void test_model_errors(void) {
     set4 = mgpu_device_set_create("cpu:4");
     CHECK(set4 != NULL, "cpu:4: %s", mgpu_last_error());
     if (set4) {
-        m4 = MODEL(mgpu_shape1(6), set4, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_linear(6, 3));
+        m4 = MODEL(mgpu_shape1(6), set4, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(6, 3));
         opt4 = m4 ? make_opt(m4, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
         if (m4 && opt4) {
             mgpu_tensor* x3 = mgpu_tensor_view_rows(x, 0, 3);
@@ -954,7 +954,7 @@ static void test_model_errors(void) {
             expect_fail(mgpu_model_train_step(m4, opt4, x3, l3, NULL), MGPU_ERROR_INVALID_ARGUMENT,
                         "a batch of 3 on cpu:4", "batch of 3", "4 replicas", NULL);
             after = get_flat(m4, 0);
-            CHECK(same_bits(before, after, (size_t)flat_n(m4) * sizeof(float)) && mgpu_optimizer_steps(opt4) == 0,
+            CHECK(same_bits(before, after, (size_t)flat_n(m4) * sizeof(float)) && mgpu_optimizer_step_count(opt4) == 0,
                   "the failed step on cpu:4 changed something");
             expect_fail(mgpu_model_train_step(m4, opt, x, lab, NULL), MGPU_ERROR_INVALID_ARGUMENT,
                         "train_step with another model's optimizer", "another model", NULL, NULL);
@@ -984,7 +984,7 @@ static void test_model_errors(void) {
 
     /* MSE targets: f32 shaped like the output */
     {
-        mgpu_model* mm = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_MSE, 3, mgpu_linear(6, 2));
+        mgpu_model* mm = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_MSE, 3, mgpu_layer_linear(6, 2));
         mgpu_optimizer* mo = mm ? make_opt(mm, MGPU_SGD, 0.1f, 0.0f, 0.0f) : NULL;
         if (mm && mo) {
             mgpu_tensor* t3 = tmake(cpu, MGPU_F32, mgpu_shape2(8, 3));
@@ -1004,9 +1004,9 @@ static void test_model_errors(void) {
         FILE* f = tmpfile();
         char text[4096];
         size_t n;
-        mgpu_model* cm = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_conv2d(1, 4, 3, 1, 1),
-                               mgpu_relu_layer(), mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_dropout_layer(0.25f),
-                               mgpu_linear(64, 10), scale_layer(1.0f, NULL));
+        mgpu_model* cm = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_conv2d(1, 4, 3, 1, 1),
+                               mgpu_layer_relu(), mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_dropout(0.25f),
+                               mgpu_layer_linear(64, 10), scale_layer(1.0f, NULL));
         CHECK(f != NULL, "tmpfile()");
         if (f && cm) {
             mgpu_model_summary(cm, f);
@@ -1106,7 +1106,7 @@ static double sched_lr(const mgpu_optimizer_desc* d, double lr, int64_t t) {
 }
 
 static void opt_case(const char* label, mgpu_optimizer_desc d, int steps) {
-    mgpu_model* m = MODEL(mgpu_shape1(5), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_linear(5, 3), mgpu_linear(3, 2));
+    mgpu_model* m = MODEL(mgpu_shape1(5), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(5, 3), mgpu_layer_linear(3, 2));
     mgpu_optimizer* opt;
     int adamw = d.kind == MGPU_ADAMW, t;
     double lr = d.lr ? d.lr : (adamw ? 1e-3f : 1e-2f), b1 = d.beta1 ? d.beta1 : 0.9f, b2 = d.beta2 ? d.beta2 : 0.999f;
@@ -1164,7 +1164,7 @@ static void opt_case(const char* label, mgpu_optimizer_desc d, int steps) {
             free(dgot);
         }
         free(got);
-        CHECK(mgpu_optimizer_steps(opt) == t + 1, "%s: steps %lld after %d", label, (long long)mgpu_optimizer_steps(opt), t + 1);
+        CHECK(mgpu_optimizer_step_count(opt) == t + 1, "%s: steps %lld after %d", label, (long long)mgpu_optimizer_step_count(opt), t + 1);
     }
     /* the state buffers themselves (white box: the optimizer's flat state tensors) */
     if (!adamw && mom != 0.0 && opt->state1 && opt->state1[0]) {
@@ -1225,7 +1225,7 @@ static void test_optimizers(void) {
     opt_case("AdamW, cosine T=4 (6 steps)", d, 6);
 
     /* schedules alone */
-    m = MODEL(mgpu_shape1(2), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(2, 2));
+    m = MODEL(mgpu_shape1(2), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(2, 2));
     if (m) {
         mgpu_optimizer* o;
         d = odesc(MGPU_SGD, 0.1f); d.schedule = MGPU_SCHEDULE_STEP; d.step_size = 3;   /* gamma defaults to 0.1 */
@@ -1354,7 +1354,7 @@ static void first_step_case(const char* spec, mgpu_loss_kind loss) {
     int i, o, k, r, np;
     const char* label = loss == MGPU_LOSS_MSE ? "MSE" : "cross-entropy";
     if (spec && !set) { CHECK(0, "%s: %s", spec, mgpu_last_error()); return; }
-    m = MODEL(mgpu_shape1(in), set, loss, 21, mgpu_linear(in, out));
+    m = MODEL(mgpu_shape1(in), set, loss, 21, mgpu_layer_linear(in, out));
     opt = m ? make_opt(m, MGPU_SGD, lr, 0.0f, 0.0f) : NULL;
     if (!m || !opt) { mgpu_model_destroy(m); mgpu_device_set_destroy(set); return; }
     p0 = get_flat(m, 0);
@@ -1409,7 +1409,7 @@ static void evaluate_case(const char* spec) {
     mgpu_model* m;
     mgpu_tensor *x, *y;
     int i;
-    m = MODEL(mgpu_shape1(in), set, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_linear(in, out), mgpu_dropout_layer(0.5f));
+    m = MODEL(mgpu_shape1(in), set, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_layer_linear(in, out), mgpu_layer_dropout(0.5f));
     if (m) {
         rnd_normal(xs, (int64_t)n * in, 1.0);
         for (i = 0; i < n; ++i) ys[i] = rng_int(out);
@@ -1430,7 +1430,7 @@ static void evaluate_case(const char* spec) {
     }
     mgpu_model_destroy(m);
     /* MSE */
-    m = MODEL(mgpu_shape1(in), set, MGPU_LOSS_MSE, 6, mgpu_linear(in, 2));
+    m = MODEL(mgpu_shape1(in), set, MGPU_LOSS_MSE, 6, mgpu_layer_linear(in, 2));
     if (m) {
         float* ts = fbuf((int64_t)n * 2);
         double r = 0.0;
@@ -1458,10 +1458,10 @@ static void evaluate_case(const char* spec) {
 /* A small CNN with Dropout, trained `steps` steps: the losses and the final parameters. */
 static mgpu_model* cnn_model(const mgpu_device_set* set, uint64_t seed, float dropout) {
     if (dropout > 0.0f)
-        return MODEL(mgpu_shape3(1, 8, 8), set, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_conv2d(1, 3, 3, 1, 1), mgpu_relu_layer(),
-                     mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_dropout_layer(dropout), mgpu_linear(48, 4));
-    return MODEL(mgpu_shape3(1, 8, 8), set, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_conv2d(1, 3, 3, 1, 1), mgpu_relu_layer(),
-                 mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(48, 4));
+        return MODEL(mgpu_shape3(1, 8, 8), set, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_layer_conv2d(1, 3, 3, 1, 1), mgpu_layer_relu(),
+                     mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_dropout(dropout), mgpu_layer_linear(48, 4));
+    return MODEL(mgpu_shape3(1, 8, 8), set, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_layer_conv2d(1, 3, 3, 1, 1), mgpu_layer_relu(),
+                 mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(48, 4));
 }
 static float* cnn_run(uint64_t seed, int steps, const float* xs, const int32_t* ys, int batch, float* losses, int64_t* nflat) {
     mgpu_device* cpu = mgpu_device_cpu();
@@ -1497,16 +1497,16 @@ static void dp_case(const char* spec, int conv, const mgpu_optimizer_desc* od, c
     double worst_loss = 0.0, e = 0.0;
     if (!set) { CHECK(0, "%s: %s", spec, mgpu_last_error()); return; }
     if (conv == 2) {
-        m1 = MODEL(mgpu_shape1(32), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_linear(32, 96), mgpu_tanh_layer(), mgpu_linear(96, 10));
-        mp = MODEL(mgpu_shape1(32), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_linear(32, 96), mgpu_tanh_layer(), mgpu_linear(96, 10));
+        m1 = MODEL(mgpu_shape1(32), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_linear(32, 96), mgpu_layer_tanh(), mgpu_layer_linear(96, 10));
+        mp = MODEL(mgpu_shape1(32), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_linear(32, 96), mgpu_layer_tanh(), mgpu_layer_linear(96, 10));
     } else if (conv) {
-        m1 = MODEL(mgpu_shape3(1, 6, 6), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_conv2d(1, 2, 3, 1, 1), mgpu_relu_layer(),
-                   mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(18, 3));
-        mp = MODEL(mgpu_shape3(1, 6, 6), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_conv2d(1, 2, 3, 1, 1), mgpu_relu_layer(),
-                   mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(18, 3));
+        m1 = MODEL(mgpu_shape3(1, 6, 6), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_conv2d(1, 2, 3, 1, 1), mgpu_layer_relu(),
+                   mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(18, 3));
+        mp = MODEL(mgpu_shape3(1, 6, 6), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_conv2d(1, 2, 3, 1, 1), mgpu_layer_relu(),
+                   mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(18, 3));
     } else {
-        m1 = MODEL(mgpu_shape1(10), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_linear(10, 16), mgpu_tanh_layer(), mgpu_linear(16, 3));
-        mp = MODEL(mgpu_shape1(10), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_linear(10, 16), mgpu_tanh_layer(), mgpu_linear(16, 3));
+        m1 = MODEL(mgpu_shape1(10), NULL, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_linear(10, 16), mgpu_layer_tanh(), mgpu_layer_linear(16, 3));
+        mp = MODEL(mgpu_shape1(10), set, MGPU_LOSS_CROSS_ENTROPY, 8, mgpu_layer_linear(10, 16), mgpu_layer_tanh(), mgpu_layer_linear(16, 3));
     }
     o1 = m1 ? mgpu_optimizer_create(m1, od) : NULL;
     op = mp ? mgpu_optimizer_create(mp, od) : NULL;
@@ -1557,8 +1557,8 @@ static void accumulate_case(const char* spec) {
     int i;
     if (spec && !set) { CHECK(0, "%s: %s", spec, mgpu_last_error()); return; }
     make_clusters(16, 6, 3, xs, ys, 1.0);
-    m1 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_linear(6, 8), mgpu_tanh_layer(), mgpu_linear(8, 3));
-    m2 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_linear(6, 8), mgpu_tanh_layer(), mgpu_linear(8, 3));
+    m1 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_layer_linear(6, 8), mgpu_layer_tanh(), mgpu_layer_linear(8, 3));
+    m2 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_layer_linear(6, 8), mgpu_layer_tanh(), mgpu_layer_linear(8, 3));
     o1 = m1 ? make_opt(m1, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
     o2 = m2 ? make_opt(m2, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
     if (m1 && m2 && o1 && o2) {
@@ -1578,7 +1578,7 @@ static void accumulate_case(const char* spec) {
         p2 = get_flat(m2, 0);
         CHECK(rel_error_ff(p2, p1, flat_n(m1)) < 1e-6, "%s: two accumulated halves + apply differ from train_step: %.3g", name,
               rel_error_ff(p2, p1, flat_n(m1)));
-        CHECK(mgpu_optimizer_steps(o2) == 2, "%s: apply took %lld steps", name, (long long)mgpu_optimizer_steps(o2));
+        CHECK(mgpu_optimizer_step_count(o2) == 2, "%s: apply took %lld steps", name, (long long)mgpu_optimizer_step_count(o2));
         free(p2);
         /* a whole batch through accumulate (batch_total 0) and apply: the same bits as train_step */
         MUST(mgpu_model_train_step(m1, o1, x, y, &l1));
@@ -1587,8 +1587,8 @@ static void accumulate_case(const char* spec) {
         free(p1);
         {
             /* make m2's optimizer state equal m1's before its third step (white box) */
-            mgpu_model* m3 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_linear(6, 8), mgpu_tanh_layer(),
-                                   mgpu_linear(8, 3));
+            mgpu_model* m3 = MODEL(mgpu_shape1(6), set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_layer_linear(6, 8), mgpu_layer_tanh(),
+                                   mgpu_layer_linear(8, 3));
             mgpu_optimizer* o3 = m3 ? make_opt(m3, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
             if (m3 && o3) {
                 float *pa, *pb;
@@ -1633,8 +1633,8 @@ static void test_training(void) {
         const int n = 128, B = 32;
         float *xs = fbuf(n * 8), first = 0.0f, last = 0.0f, loss;
         int32_t* ys = (int32_t*)xmalloc(n * sizeof(int32_t));
-        mgpu_model* m = MODEL(mgpu_shape1(8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(8, 16), mgpu_relu_layer(),
-                              mgpu_linear(16, 3));
+        mgpu_model* m = MODEL(mgpu_shape1(8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(8, 16), mgpu_layer_relu(),
+                              mgpu_layer_linear(16, 3));
         mgpu_optimizer* opt = m ? make_opt(m, MGPU_SGD, 0.05f, 0.9f, 0.0f) : NULL;
         make_clusters(n, 8, 3, xs, ys, 0.5);
         if (m && opt) {
@@ -1665,7 +1665,7 @@ static void test_training(void) {
         const int n = 64;
         float xs[64 * 3], ts[64 * 2], first = 0.0f, loss = 0.0f;
         const float A[6] = {0.5f, -1.0f, 2.0f, 1.5f, 0.25f, -0.75f}, c[2] = {0.3f, -0.2f};
-        mgpu_model* m = MODEL(mgpu_shape1(3), NULL, MGPU_LOSS_MSE, 2, mgpu_linear(3, 2));
+        mgpu_model* m = MODEL(mgpu_shape1(3), NULL, MGPU_LOSS_MSE, 2, mgpu_layer_linear(3, 2));
         mgpu_optimizer* opt = m ? make_opt(m, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
         rnd_normal(xs, n * 3, 1.0);
         for (i = 0; i < n; ++i) {
@@ -1843,9 +1843,9 @@ static void check_st_tensor(const char* path, const char* name, const char* shap
 
 static mgpu_model* ck_model(uint64_t seed, int dropout) {
     if (dropout)
-        return MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_linear(6, 12), mgpu_relu_layer(),
-                     mgpu_dropout_layer(0.3f), mgpu_linear(12, 3));
-    return MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_linear(6, 12), mgpu_relu_layer(), mgpu_linear(12, 3));
+        return MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_layer_linear(6, 12), mgpu_layer_relu(),
+                     mgpu_layer_dropout(0.3f), mgpu_layer_linear(12, 3));
+    return MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, seed, mgpu_layer_linear(6, 12), mgpu_layer_relu(), mgpu_layer_linear(12, 3));
 }
 static void train_batches(mgpu_model* m, mgpu_optimizer* o, const float* xs, const int32_t* ys, int B, int from, int count,
                           float* losses) {
@@ -1893,8 +1893,8 @@ static void resume_case(const char* label, mgpu_optimizer_desc od, int dropout) 
     MUST(mgpu_model_load(b, ob, path));
     pb_loaded = get_flat(b, 0);
     CHECK(same_bits(pa_save, pb_loaded, (size_t)n * sizeof(float)), "%s: loaded parameters differ from the saved ones", label);
-    CHECK(mgpu_optimizer_steps(ob) == N, "%s: the loaded optimizer has taken %lld steps, the saved one %d", label,
-          (long long)mgpu_optimizer_steps(ob), N);
+    CHECK(mgpu_optimizer_step_count(ob) == N, "%s: the loaded optimizer has taken %lld steps, the saved one %d", label,
+          (long long)mgpu_optimizer_step_count(ob), N);
     CHECK(mgpu_optimizer_lr(ob) == lr_at_save, "%s: loaded learning rate %.9g, saved %.9g", label,
           (double)mgpu_optimizer_lr(ob), (double)lr_at_save);
     train_batches(b, ob, xs, ys, B, N, M, lb);
@@ -1919,7 +1919,7 @@ static snapshot take_snapshot(const mgpu_model* m, const mgpu_optimizer* o) {
     s.p = get_flat(m, 0);
     s.s = fbuf(flat_n(m));
     if (o->state1 && o->state1[0]) tget(o->state1[0], s.s);
-    s.steps = mgpu_optimizer_steps(o);
+    s.steps = mgpu_optimizer_step_count(o);
     return s;
 }
 static void check_unchanged(const char* what, const mgpu_model* m, const mgpu_optimizer* o, const snapshot* s) {
@@ -1927,7 +1927,7 @@ static void check_unchanged(const char* what, const mgpu_model* m, const mgpu_op
     float* st = fbuf(flat_n(m));
     if (o->state1 && o->state1[0]) tget(o->state1[0], st);
     CHECK(same_bits(p, s->p, (size_t)flat_n(m) * sizeof(float)), "%s: a failed load changed the parameters", what);
-    CHECK(same_bits(st, s->s, (size_t)flat_n(m) * sizeof(float)) && mgpu_optimizer_steps(o) == s->steps,
+    CHECK(same_bits(st, s->s, (size_t)flat_n(m) * sizeof(float)) && mgpu_optimizer_step_count(o) == s->steps,
           "%s: a failed load changed the optimizer", what);
     /* put everything back (white box for the step count), so that one failure does not cascade */
     put_flat((mgpu_model*)m, 0, s->p);
@@ -1947,10 +1947,10 @@ static void test_checkpoints(void) {
     header("7. checkpoints");
 
     /* round trip, PyTorch names and layouts in the file */
-    m = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_conv2d(1, 2, 3, 1, 1), mgpu_relu_layer(),
-              mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(32, 3));
-    m2 = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 2, mgpu_conv2d(1, 2, 3, 1, 1), mgpu_relu_layer(),
-               mgpu_maxpool2d(2, 0), mgpu_flatten(), mgpu_linear(32, 3));
+    m = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_conv2d(1, 2, 3, 1, 1), mgpu_layer_relu(),
+              mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(32, 3));
+    m2 = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 2, mgpu_layer_conv2d(1, 2, 3, 1, 1), mgpu_layer_relu(),
+               mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_linear(32, 3));
     tpath(path, sizeof path, "cnn.safetensors");
     if (m && m2) {
         char* h;
@@ -2010,15 +2010,15 @@ static void test_checkpoints(void) {
             }
             mgpu_model_destroy(m2);
             if (set2) {
-                m2 = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_linear(6, 12), mgpu_relu_layer(),
-                           mgpu_linear(12, 3));
+                m2 = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_layer_linear(6, 12), mgpu_layer_relu(),
+                           mgpu_layer_linear(12, 3));
                 o2 = m2 ? mgpu_optimizer_create(m2, &d) : NULL;
                 if (m2 && o2) {
                     MUST(mgpu_model_load(m2, o2, path));
                     p2 = get_flat(m2, 1);
                     CHECK(same_bits(p, p2, (size_t)flat_n(m) * sizeof(float)) && replicas_identical(m2),
                           "load into cpu:2: replica 1 does not hold the checkpoint");
-                    CHECK(mgpu_optimizer_steps(o2) == 2, "load into cpu:2: steps %lld", (long long)mgpu_optimizer_steps(o2));
+                    CHECK(mgpu_optimizer_step_count(o2) == 2, "load into cpu:2: steps %lld", (long long)mgpu_optimizer_step_count(o2));
                     free(p2);
                 }
                 mgpu_optimizer_destroy(o2);
@@ -2027,12 +2027,12 @@ static void test_checkpoints(void) {
             /* a checkpoint without optimizer state: the optimizer starts fresh, with a warning */
             MUST(mgpu_model_save(m, NULL, path));
             memset(&cap, 0, sizeof cap);
-            mgpu_set_logger(capture_log, &cap);
+            mgpu_log_set_callback(capture_log, &cap);
             MUST(mgpu_model_load(m, o, path));
-            mgpu_set_logger(NULL, NULL);
+            mgpu_log_set_callback(NULL, NULL);
             CHECK(cap.warnings == 1 && strstr(cap.last, "optimizer"), "loading without optimizer state warns once: %d, '%s'",
                   cap.warnings, cap.last);
-            CHECK(mgpu_optimizer_steps(o) == 0, "the optimizer restarts at step 0, not %lld", (long long)mgpu_optimizer_steps(o));
+            CHECK(mgpu_optimizer_step_count(o) == 0, "the optimizer restarts at step 0, not %lld", (long long)mgpu_optimizer_step_count(o));
             {
                 float* s1 = fbuf(flat_n(m));
                 int64_t i, nz = 0;
@@ -2061,7 +2061,7 @@ static void test_checkpoints(void) {
     resume_case("resume SGD momentum, model with Dropout", d, 1);
 
     /* every kind of bad file: a clear error, and nothing changes */
-    m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_linear(4, 3));
+    m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
     d = odesc(MGPU_SGD, 0.1f); d.momentum = 0.9f;
     o = m ? mgpu_optimizer_create(m, &d) : NULL;
     if (m && o) {
@@ -2134,18 +2134,18 @@ static void test_checkpoints(void) {
         {
             /* a file written by the same model with an AdamW optimizer, loaded into an SGD one (and back) */
             mgpu_optimizer_desc da = odesc(MGPU_ADAMW, 1e-3f);
-            mgpu_model* ma = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_linear(4, 3));
+            mgpu_model* ma = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
             mgpu_optimizer* oa = ma ? mgpu_optimizer_create(ma, &da) : NULL;
             if (ma && oa) {
                 MUST(mgpu_model_train_step(ma, oa, x, y, NULL));
                 log_capture cap;
                 MUST(mgpu_model_save(ma, oa, path));
                 memset(&cap, 0, sizeof cap);
-                mgpu_set_logger(capture_log, &cap);
+                mgpu_log_set_callback(capture_log, &cap);
                 mgpu_clear_error();
                 expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE,
                             "an AdamW checkpoint loaded with an SGD optimizer (kind mismatch)", "adamw", "sgd", NULL);
-                mgpu_set_logger(NULL, NULL);
+                mgpu_log_set_callback(NULL, NULL);
                 CHECK(cap.warnings == 0, "AdamW checkpoint into SGD: a warning instead of an error: '%s'", cap.last);
                 check_unchanged("AdamW checkpoint into SGD", m, o, &snap);
                 tpath(path2, sizeof path2, "sgd.safetensors");
@@ -2153,11 +2153,11 @@ static void test_checkpoints(void) {
                 {
                     snapshot sa = take_snapshot(ma, oa);
                     memset(&cap, 0, sizeof cap);
-                    mgpu_set_logger(capture_log, &cap);
+                    mgpu_log_set_callback(capture_log, &cap);
                     mgpu_clear_error();
                     expect_fail(mgpu_model_load(ma, oa, path2), MGPU_ERROR_BAD_FILE,
                                 "an SGD checkpoint loaded with an AdamW optimizer (kind mismatch)", "sgd", "adamw", NULL);
-                    mgpu_set_logger(NULL, NULL);
+                    mgpu_log_set_callback(NULL, NULL);
                     CHECK(cap.warnings == 0, "SGD checkpoint into AdamW: a warning instead of an error: '%s'", cap.last);
                     check_unchanged("SGD checkpoint into AdamW", ma, oa, &sa);
                     free(sa.p);
@@ -2250,7 +2250,7 @@ static void test_checkpoints(void) {
         }
         /* a later save replaces an earlier one */
         {
-            mgpu_model* other = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 99, mgpu_linear(4, 3));
+            mgpu_model* other = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 99, mgpu_layer_linear(4, 3));
             snprintf(path, sizeof path, "%s/ck.safetensors", g_tmpdir);
             if (other) {
                 float *po, *pm;
@@ -2515,7 +2515,7 @@ static void test_data(void) {
         expect_null(mgpu_loader_create(NULL, NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL data set", NULL, NULL, NULL);
         /* train a model straight from loader batches */
         {
-            mgpu_model* m = MODEL(mgpu_shape3(1, R, C), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_flatten(), mgpu_linear(R * C, 10));
+            mgpu_model* m = MODEL(mgpu_shape3(1, R, C), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_flatten(), mgpu_layer_linear(R * C, 10));
             mgpu_optimizer* o = m ? make_opt(m, MGPU_SGD, 0.1f, 0.0f, 0.0f) : NULL;
             ld.batch = 8;
             l = mgpu_loader_create(ds, &ld);
@@ -2688,8 +2688,8 @@ static void test_cuda_twins(void) {
         if (dp) twin_train(g_gpu_set, dp, "CNN, 5 SGD steps: cuda:0 vs cuda:0,0", 1e-5, 1e-5);
         /* device mismatch, and a checkpoint from the GPU loads on the CPU */
         {
-            mgpu_model* mg = MODEL(mgpu_shape1(6), g_gpu_set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_linear(6, 3));
-            mgpu_model* mc = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_linear(6, 3));
+            mgpu_model* mg = MODEL(mgpu_shape1(6), g_gpu_set, MGPU_LOSS_CROSS_ENTROPY, 4, mgpu_layer_linear(6, 3));
+            mgpu_model* mc = MODEL(mgpu_shape1(6), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_layer_linear(6, 3));
             if (mg && mc) {
                 mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 6));
                 char path[512];
@@ -2734,8 +2734,8 @@ static void dropout_batch(mgpu_tensor* x, mgpu_tensor* y, int64_t rows, uint64_t
 /* a Linear-Dropout-Linear model on spec, trained `steps` SGD steps on fixed batches of `rows` */
 static float* dropout_run(const char* spec, int64_t rows, int steps, int micro, int64_t* count) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
-    mgpu_model* m = MODEL(mgpu_shape1(12), set, MGPU_LOSS_CROSS_ENTROPY, 21, mgpu_linear(12, 16), mgpu_dropout_layer(0.5f),
-                          mgpu_linear(16, 5));
+    mgpu_model* m = MODEL(mgpu_shape1(12), set, MGPU_LOSS_CROSS_ENTROPY, 21, mgpu_layer_linear(12, 16), mgpu_layer_dropout(0.5f),
+                          mgpu_layer_linear(16, 5));
     mgpu_optimizer* o = m ? make_opt(m, MGPU_SGD, 0.1f, 0.9f, 0.0f) : NULL;
     mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(rows, 12)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(rows));
     float* params = NULL;
@@ -2785,7 +2785,7 @@ static void* gemm_thread(void* p) {
     gemm_thread_arg* g = (gemm_thread_arg*)p;
     int i;
     g->ok = 1;
-    for (i = 0; i < 40; ++i) g->ok &= mgpu_matmul(g->c, g->a, g->b, 0, 1, 1.0f, 0.0f) == MGPU_OK;
+    for (i = 0; i < 40; ++i) g->ok &= mgpu_matmul(g->c, g->a, g->b, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f) == MGPU_OK;
     return NULL;
 }
 
@@ -2807,7 +2807,7 @@ static void test_review_regressions(void) {
         free(one); free(three); free(acc); free(again); free(ref);
     }
     {   /* a loop of your own: forwards within a step share masks, the next step draws new ones */
-        mgpu_model* m = MODEL(mgpu_shape1(12), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_dropout_layer(0.5f));
+        mgpu_model* m = MODEL(mgpu_shape1(12), NULL, MGPU_LOSS_CROSS_ENTROPY, 5, mgpu_layer_dropout(0.5f));
         mgpu_optimizer* o = m ? make_opt(m, MGPU_SGD, 0.1f, 0.0f, 0.0f) : NULL;
         mgpu_tensor* x = tmake(cpu, MGPU_F32, mgpu_shape2(8, 12));
         float a[96], b[96], c[96];
@@ -2826,14 +2826,14 @@ static void test_review_regressions(void) {
         mgpu_model_destroy(m);
     }
     {   /* the optimizer may be destroyed after its model */
-        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(4, 2));
+        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(4, 2));
         mgpu_optimizer* o = m ? make_opt(m, MGPU_ADAMW, 0.01f, 0.0f, 0.0f) : NULL;
         mgpu_model_destroy(m);
         mgpu_optimizer_destroy(o);   /* ASan reports a use after free if it reads the model */
         CHECK(1, "optimizer destroyed after its model");
     }
     {   /* a forward that fails inside a layer leaves nothing for backward to go through */
-        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_linear(4, 3),
+        mgpu_model* m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(4, 3),
                               mgpu_layer_create(&picky_vt, NULL));
         mgpu_tensor *x = tmake(cpu, MGPU_F32, mgpu_shape2(2, 4)), *d = tmake(cpu, MGPU_F32, mgpu_shape2(2, 3));
         MUST(mgpu_tensor_fill(d, 1.0));
@@ -2868,7 +2868,7 @@ static void test_review_regressions(void) {
     {   /* matmul refuses an output that is also an input */
         mgpu_tensor* a = tmake(cpu, MGPU_F32, mgpu_shape2(4, 4));
         MUST(mgpu_tensor_fill(a, 1.0));
-        expect_fail(mgpu_matmul(a, a, a, 0, 0, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul out == a",
+        expect_fail(mgpu_matmul(a, a, a, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_INVALID_ARGUMENT, "matmul out == a",
                     "mgpu_matmul", "shares memory", NULL);
         mgpu_tensor_destroy(a);
     }
@@ -2905,8 +2905,9 @@ static void test_review_regressions(void) {
 }
 
 /* ============================================================================================ */
-int main(void) {
+int main(int argc, char** argv) {
     double t0 = test_start("test_model");
+    test_select(argc, argv);
     printf("test_model: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
            (unsigned long long)g_test_seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
 #ifdef MGPU_CUDA
@@ -2926,16 +2927,16 @@ int main(void) {
         return test_summary("test_model");
     }
 
-    test_gradients();
-    test_init();
-    test_model_errors();
-    test_custom_layer();
-    test_optimizers();
-    test_training();
-    test_checkpoints();
-    test_data();
-    test_cuda_twins();
-    test_review_regressions();
+    TEST_GROUP(test_gradients());
+    TEST_GROUP(test_init());
+    TEST_GROUP(test_model_errors());
+    TEST_GROUP(test_custom_layer());
+    TEST_GROUP(test_optimizers());
+    TEST_GROUP(test_training());
+    TEST_GROUP(test_checkpoints());
+    TEST_GROUP(test_data());
+    TEST_GROUP(test_cuda_twins());
+    TEST_GROUP(test_review_regressions());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA

@@ -87,9 +87,9 @@ static void capture_log(mgpu_log_level level, const char* msg, void* user) {
 }
 static void log_capture_start(void) {
     g_log[0] = 0;
-    mgpu_set_logger(capture_log, NULL);
+    mgpu_log_set_callback(capture_log, NULL);
 }
-static void log_capture_stop(void) { mgpu_set_logger(NULL, NULL); }
+static void log_capture_stop(void) { mgpu_log_set_callback(NULL, NULL); }
 
 /* ============================================================================================ */
 /* models, batches and runs                                                                     */
@@ -120,9 +120,9 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
     mgpu_model_desc d;
     mgpu_model* m;
     memset(&d, 0, sizeof d);
-    layers[0] = mgpu_linear(c->in, c->hidden);
-    layers[1] = mgpu_relu_layer();
-    layers[2] = mgpu_linear(c->hidden, c->out);
+    layers[0] = mgpu_layer_linear(c->in, c->hidden);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(c->hidden, c->out);
     d.input = mgpu_shape1(c->in);
     d.layers = layers;
     d.layer_count = 3;
@@ -236,7 +236,7 @@ static void run_finish(mgpu_model* m, run_out* o) {
     o->verify = mgpu_model_verify_replicas(m);
     if (o->verify != MGPU_OK && !o->error[0]) snprintf(o->error, sizeof o->error, "%s", mgpu_last_error());
     o->buckets = mgpu_model_bucket_count(m);
-    o->backend = mgpu_model_allreduce(m);
+    o->backend = mgpu_model_allreduce_backend(m);
     free(other);
 }
 
@@ -601,9 +601,9 @@ static void none_request_case(const char* spec) {
         mgpu_model_desc d;
         mgpu_model* m;
         memset(&d, 0, sizeof d);
-        layers[0] = mgpu_linear(c.in, c.hidden);
-        layers[1] = mgpu_relu_layer();
-        layers[2] = mgpu_linear(c.hidden, c.out);
+        layers[0] = mgpu_layer_linear(c.in, c.hidden);
+        layers[1] = mgpu_layer_relu();
+        layers[2] = mgpu_layer_linear(c.hidden, c.out);
         d.input = mgpu_shape1(c.in);
         d.layers = layers;
         d.layer_count = 3;
@@ -617,7 +617,7 @@ static void none_request_case(const char* spec) {
             batch_set bs;
             run_out ref, got;
             char what[96];
-            CHECK(mgpu_model_allreduce(m) != MGPU_ALLREDUCE_NONE, "%s model asking for none: backend none with %d replicas", spec,
+            CHECK(mgpu_model_allreduce_backend(m) != MGPU_ALLREDUCE_NONE, "%s model asking for none: backend none with %d replicas", spec,
                   mgpu_model_replica_count(m));
             mgpu_model_destroy(m);
             c.allreduce = MGPU_ALLREDUCE_NONE;
@@ -713,11 +713,11 @@ static void test_allreduce(void) {
         log_capture_start();
         m3 = make_mlp(s2, &c);
         log_capture_stop();
-        CHECK(mgpu_model_allreduce(m1) == MGPU_ALLREDUCE_NONE, "cpu model: backend %s, want none", mgpu_allreduce_name(mgpu_model_allreduce(m1)));
-        CHECK(mgpu_model_allreduce(m2) == MGPU_ALLREDUCE_HOST, "cpu:2 model: backend %s, want host", mgpu_allreduce_name(mgpu_model_allreduce(m2)));
-        CHECK(mgpu_model_allreduce(m3) == MGPU_ALLREDUCE_HOST, "cpu:2 model asking for nccl: backend %s, want host",
-              mgpu_allreduce_name(mgpu_model_allreduce(m3)));
-        CHECK(mgpu_model_allreduce(NULL) == MGPU_ALLREDUCE_NONE, "mgpu_model_allreduce(NULL)");
+        CHECK(mgpu_model_allreduce_backend(m1) == MGPU_ALLREDUCE_NONE, "cpu model: backend %s, want none", mgpu_allreduce_name(mgpu_model_allreduce_backend(m1)));
+        CHECK(mgpu_model_allreduce_backend(m2) == MGPU_ALLREDUCE_HOST, "cpu:2 model: backend %s, want host", mgpu_allreduce_name(mgpu_model_allreduce_backend(m2)));
+        CHECK(mgpu_model_allreduce_backend(m3) == MGPU_ALLREDUCE_HOST, "cpu:2 model asking for nccl: backend %s, want host",
+              mgpu_allreduce_name(mgpu_model_allreduce_backend(m3)));
+        CHECK(mgpu_model_allreduce_backend(NULL) == MGPU_ALLREDUCE_NONE, "mgpu_model_allreduce_backend(NULL)");
         mgpu_model_destroy(m1);
         mgpu_model_destroy(m2);
         mgpu_model_destroy(m3);
@@ -887,7 +887,7 @@ static void test_errors(void) {
         mgpu_model_desc d;
         mgpu_model* m;
         memset(&d, 0, sizeof d);
-        layers[0] = mgpu_linear(4, 2);
+        layers[0] = mgpu_layer_linear(4, 2);
         d.input = mgpu_shape1(4);
         d.layers = layers;
         d.layer_count = 1;
@@ -952,7 +952,7 @@ static void test_errors(void) {
         }
         CHECK(same, "the failed step on cpu:4 changed the parameters");
         CHECK(grads_zero, "the failed step on cpu:4 left gradients");
-        CHECK(mgpu_optimizer_steps(opt) == 0, "the failed step counted as an optimizer step (%lld)", (long long)mgpu_optimizer_steps(opt));
+        CHECK(mgpu_optimizer_step_count(opt) == 0, "the failed step counted as an optimizer step (%lld)", (long long)mgpu_optimizer_step_count(opt));
         expect_fail(mgpu_model_accumulate(m, b3.x[0], b3.y[0], 6, &loss), MGPU_ERROR_INVALID_ARGUMENT, "accumulating a batch of 3 on cpu:4",
                     "mgpu_model_accumulate", NULL, NULL);
         CHECK(has_number(mgpu_last_error(), 3) && has_number(mgpu_last_error(), 4), "accumulating 3 on cpu:4: message '%s' does not give 3 and 4",
@@ -1093,11 +1093,11 @@ static void test_buckets(void) {
         mgpu_model_desc d;
         mgpu_model* m;
         memset(&d, 0, sizeof d);
-        layers[0] = mgpu_linear(256, 1024);
-        layers[1] = mgpu_relu_layer();
-        layers[2] = mgpu_linear(1024, 1024);
-        layers[3] = mgpu_relu_layer();
-        layers[4] = mgpu_linear(1024, 10);
+        layers[0] = mgpu_layer_linear(256, 1024);
+        layers[1] = mgpu_layer_relu();
+        layers[2] = mgpu_layer_linear(1024, 1024);
+        layers[3] = mgpu_layer_relu();
+        layers[4] = mgpu_layer_linear(1024, 10);
         d.input = mgpu_shape1(256);
         d.layers = layers;
         d.layer_count = 5;
@@ -1189,7 +1189,7 @@ static void accumulate_case(const char* spec, const int64_t* micro, int nmicro, 
     CHECK(params_error(&ra, &rb) <= 1e-6, "%s: parameters differ from mgpu_model_train_step by %.3g (normalised) > 1e-6", what,
           params_error(&ra, &rb));
     CHECK(ra.identical && ra.verify == MGPU_OK, "%s: replicas differ after accumulate/apply: %s", what, ra.error);
-    CHECK(mgpu_optimizer_steps(oa) == steps, "%s: %lld optimizer steps, want %d", what, (long long)mgpu_optimizer_steps(oa), steps);
+    CHECK(mgpu_optimizer_step_count(oa) == steps, "%s: %lld optimizer steps, want %d", what, (long long)mgpu_optimizer_step_count(oa), steps);
     run_free(&ra);
     run_free(&rb);
     free_batches(&bs);
@@ -1515,8 +1515,9 @@ static void test_cuda_training(void) {
 }
 
 /* ============================================================================================ */
-int main(void) {
+int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
+    test_select(argc, argv);
     g_gpus = mgpu_cuda_device_count();
     printf("test_parallel: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
            (unsigned long long)g_test_seed, g_quick ? ", quick sizes" : "", mgpu_cpu_threads());
@@ -1527,16 +1528,16 @@ int main(void) {
 #endif
     unsetenv("MGPU_ALLREDUCE");   /* the tests choose backends themselves */
 
-    test_allreduce();
-    test_errors();
-    test_equivalence();
-    test_determinism();
-    test_buckets();
-    test_accumulate();
-    test_verify();
-    test_examples_path();
-    test_wide_first_layer();
-    test_cuda_training();
+    TEST_GROUP(test_allreduce());
+    TEST_GROUP(test_errors());
+    TEST_GROUP(test_equivalence());
+    TEST_GROUP(test_determinism());
+    TEST_GROUP(test_buckets());
+    TEST_GROUP(test_accumulate());
+    TEST_GROUP(test_verify());
+    TEST_GROUP(test_examples_path());
+    TEST_GROUP(test_wide_first_layer());
+    TEST_GROUP(test_cuda_training());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");
