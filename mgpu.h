@@ -1010,6 +1010,12 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #ifndef MGPU_NO_THREADS
 #include <pthread.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>   /* the CPU GEMM's micro-kernel */
+#endif
+#ifdef MGPU_CBLAS
+#include <cblas.h>       /* CPU GEMMs by the BLAS of your choice */
+#endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 /* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno. */
@@ -2295,145 +2301,269 @@ MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, c
 MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_tanh_backward", MGPU__BINARY_TANH_BWD, dx, "dy", dy, "y", y, 0.0f); }
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_sigmoid_backward", MGPU__BINARY_SIGMOID_BWD, dx, "dy", dy, "y", y, 0.0f); }
 
-/* -- matmul: cuBLAS on the GPU; on the CPU a blocked GEMM -- */
+/* -- matmul: cuBLAS on the GPU; on the CPU a blocked GEMM built like BLIS's -- */
 static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
     return a->storage == b->storage && a->offset < b->offset + mgpu_tensor_bytes(b) && b->offset < a->offset + mgpu_tensor_bytes(a);
 }
-/* C += alpha * op(A) @ Bp for a panel Bp of op(B) packed row-major [kc, nc]: four rows of C at
-   a time share each load of Bp, and the inner loop over columns vectorises. */
-#define MGPU__GEMM_KC 256
-#define MGPU__GEMM_NC 512
-typedef struct mgpu__gemm_job {
-    int trans_a;
-    int64_t m, kc, nc, k0, j0, rows_per_task, lda, ldc, ldbp;   /* ldbp: row stride of bp */
-    float alpha;
-    const float* a;
-    const float* bp;
-    float* c;
-} mgpu__gemm_job;
 
-static void mgpu__gemm_task(void* ctx, int64_t task) {
-    const mgpu__gemm_job* g = (const mgpu__gemm_job*)ctx;
-    int64_t i0 = task * g->rows_per_task, i1 = MGPU__MIN(g->m, i0 + g->rows_per_task), i, kk, j, r;
-    const int64_t nc = g->nc;
-#define MGPU__A(i, kk) (g->trans_a ? g->a[(g->k0 + (kk)) * g->lda + (i)] : g->a[(i) * g->lda + g->k0 + (kk)])
-    for (i = i0; i + 4 <= i1; i += 4) {
-        float* c0 = g->c + i * g->ldc + g->j0;
-        float* c1 = c0 + g->ldc;
-        float* c2 = c1 + g->ldc;
-        float* c3 = c2 + g->ldc;
-        for (kk = 0; kk < g->kc; ++kk) {
-            const float* b = g->bp + kk * g->ldbp;
-            const float a0 = g->alpha * MGPU__A(i, kk), a1 = g->alpha * MGPU__A(i + 1, kk);
-            const float a2 = g->alpha * MGPU__A(i + 2, kk), a3 = g->alpha * MGPU__A(i + 3, kk);
-            for (j = 0; j < nc; ++j) {
-                const float bj = b[j];
-                c0[j] += a0 * bj; c1[j] += a1 * bj; c2[j] += a2 * bj; c3[j] += a3 * bj;
+/* C[m,n] = beta C + alpha op(A)[m,k] op(B)[k,n], all row-major, in the BLIS way:
+     - op(B) is cut into panels of KC rows by NC columns, each packed into slivers of NR columns
+       (kc x NR floats, contiguous); op(A) into slivers of MR rows (kc x MR floats);
+     - the micro-kernel multiplies one A sliver by one B sliver into an MR x NR tile of C kept in
+       registers the whole time (AVX2+FMA: 6 x 16 = twelve 8-float registers), the sliver of B
+       staying in the L1 cache while the slivers of A go by;
+     - threads share out the tiles of C, never the sum: every element of C is summed in the same
+       order (KC blocks in turn, k in order within one) whatever the thread count, so the bits
+       do not depend on it; partial tiles at the edges go through a scratch tile and the same
+       micro-kernel, so they round alike too.
+   With MGPU_CBLAS, cblas_sgemm does it instead (see the doc block). */
+#define MGPU__GEMM_MR 6
+#define MGPU__GEMM_NR 16
+#define MGPU__GEMM_KC 256
+#define MGPU__GEMM_MC 96      /* rows of C per task: an MC x KC block of A stays in the L2 cache */
+#define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* C[0..MR)[0..NR) += alpha * sum over kk of a[kk*MR + r] * b[kk*NR + j] */
+static void mgpu__gemm_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, float alpha) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    const __m256 va = _mm256_set1_ps(alpha);
+    int64_t kk;
+    for (kk = 0; kk < kc; ++kk, a += MGPU__GEMM_MR, b += MGPU__GEMM_NR) {
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        __m256 ar = _mm256_broadcast_ss(a);
+        c00 = _mm256_fmadd_ps(ar, b0, c00); c01 = _mm256_fmadd_ps(ar, b1, c01);
+        ar = _mm256_broadcast_ss(a + 1);
+        c10 = _mm256_fmadd_ps(ar, b0, c10); c11 = _mm256_fmadd_ps(ar, b1, c11);
+        ar = _mm256_broadcast_ss(a + 2);
+        c20 = _mm256_fmadd_ps(ar, b0, c20); c21 = _mm256_fmadd_ps(ar, b1, c21);
+        ar = _mm256_broadcast_ss(a + 3);
+        c30 = _mm256_fmadd_ps(ar, b0, c30); c31 = _mm256_fmadd_ps(ar, b1, c31);
+        ar = _mm256_broadcast_ss(a + 4);
+        c40 = _mm256_fmadd_ps(ar, b0, c40); c41 = _mm256_fmadd_ps(ar, b1, c41);
+        ar = _mm256_broadcast_ss(a + 5);
+        c50 = _mm256_fmadd_ps(ar, b0, c50); c51 = _mm256_fmadd_ps(ar, b1, c51);
+    }
+#define MGPU__GEMM_ROW(r, lo, hi)                                                                        \
+    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, _mm256_loadu_ps(c + (r) * ldc)));         \
+    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, _mm256_loadu_ps(c + (r) * ldc + 8)))
+    MGPU__GEMM_ROW(0, c00, c01); MGPU__GEMM_ROW(1, c10, c11); MGPU__GEMM_ROW(2, c20, c21);
+    MGPU__GEMM_ROW(3, c30, c31); MGPU__GEMM_ROW(4, c40, c41); MGPU__GEMM_ROW(5, c50, c51);
+#undef MGPU__GEMM_ROW
+}
+#else
+/* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
+static void mgpu__gemm_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, float alpha) {
+    float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
+    int64_t kk;
+    int r, j;
+    memset(acc, 0, sizeof acc);
+    for (kk = 0; kk < kc; ++kk, a += MGPU__GEMM_MR, b += MGPU__GEMM_NR)
+        for (r = 0; r < MGPU__GEMM_MR; ++r) {
+            const float ar = a[r];
+            for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
+        }
+    for (r = 0; r < MGPU__GEMM_MR; ++r)
+        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] += alpha * acc[r][j];
+}
+#endif
+
+/* One GEMM's operands, and its packed panels (from the caching allocator, 64-byte aligned). */
+typedef struct mgpu__gemm {
+    int ta, tb;
+    int64_t m, n, lda, ldb, ldc;
+    float alpha;
+    const float *a, *b;
+    float* c;
+    float *ap, *bp;           /* packed op(A) [ceil(m/MR)][kc][MR], op(B) [ceil(nc/NR)][kc][NR] */
+    int64_t k0, kc, j0, nc;   /* the panel being multiplied */
+} mgpu__gemm;
+
+/* Pack slivers [first, last) of op(A) rows, or of op(B) columns, for the current panel; zeros
+   pad the last sliver. */
+static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) {
+    int64_t s, kk, r;
+    for (s = first; s < last; ++s) {
+        float* p = g->ap + s * g->kc * MGPU__GEMM_MR;
+        const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - s * MGPU__GEMM_MR);
+        for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_MR) {
+            for (r = 0; r < rows; ++r) {
+                const int64_t i = s * MGPU__GEMM_MR + r, k = g->k0 + kk;
+                p[r] = g->ta ? g->a[k * g->lda + i] : g->a[i * g->lda + k];
+            }
+            for (; r < MGPU__GEMM_MR; ++r) p[r] = 0.0f;
+        }
+    }
+}
+static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
+    int64_t s, kk, j;
+    for (s = first; s < last; ++s) {
+        float* p = g->bp + s * g->kc * MGPU__GEMM_NR;
+        const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
+        for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
+            const int64_t k = g->k0 + kk;
+            if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
+            for (j = 0; j < cols; ++j) p[j] = g->tb ? g->b[(j0 + j) * g->ldb + k] : g->b[k * g->ldb + j0 + j];
+            for (; j < MGPU__GEMM_NR; ++j) p[j] = 0.0f;
+        }
+    }
+}
+
+/* The tiles of C in rows [i0, i1) x panel columns [jb0, jb1) (multiples of MR and NR). */
+static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_t jb0, int64_t jb1) {
+    int64_t jb, i;
+    for (jb = jb0; jb < jb1; jb += MGPU__GEMM_NR) {   /* one B sliver stays in L1 over the A slivers */
+        const float* bs = g->bp + (jb / MGPU__GEMM_NR) * g->kc * MGPU__GEMM_NR;
+        const int64_t cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->nc - jb);
+        for (i = i0; i < i1; i += MGPU__GEMM_MR) {
+            const float* as = g->ap + (i / MGPU__GEMM_MR) * g->kc * MGPU__GEMM_MR;
+            const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - i);
+            float* c = g->c + i * g->ldc + g->j0 + jb;
+            if (rows == MGPU__GEMM_MR && cols == MGPU__GEMM_NR) {
+                mgpu__gemm_kernel(g->kc, as, bs, c, g->ldc, g->alpha);
+            } else {   /* an edge: through a scratch tile, with the same kernel */
+                float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
+                int64_t r, j;
+                memset(tile, 0, sizeof tile);
+                for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
+                mgpu__gemm_kernel(g->kc, as, bs, tile, MGPU__GEMM_NR, g->alpha);
+                for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
         }
     }
-    for (r = i; r < i1; ++r) {   /* the last rows, one at a time */
-        float* c0 = g->c + r * g->ldc + g->j0;
-        for (kk = 0; kk < g->kc; ++kk) {
-            const float* b = g->bp + kk * g->ldbp;
-            const float a0 = g->alpha * MGPU__A(r, kk);
-            for (j = 0; j < nc; ++j) c0[j] += a0 * b[j];
+}
+
+/* The whole product over k in [k_begin, k_end) into g->c, panel by panel. With tasks > 1 the
+   packing and the tiles of each panel are shared out over the thread pool. */
+typedef struct mgpu__gemm_job { mgpu__gemm* g; int64_t row_blocks, col_groups, group_cols; } mgpu__gemm_job;
+static void mgpu__gemm_pack_task(void* ctx, int64_t task) {
+    const mgpu__gemm_job* j = (const mgpu__gemm_job*)ctx;
+    const int64_t sa = (j->g->m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR, sb = (j->g->nc + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR;
+    const int64_t tasks = j->row_blocks * j->col_groups;   /* each packs its share of both */
+    mgpu__gemm_pack_a(j->g, sa * task / tasks, sa * (task + 1) / tasks);
+    mgpu__gemm_pack_b(j->g, sb * task / tasks, sb * (task + 1) / tasks);
+}
+static void mgpu__gemm_tile_task(void* ctx, int64_t task) {
+    const mgpu__gemm_job* j = (const mgpu__gemm_job*)ctx;
+    const int64_t rb = task % j->row_blocks, cg = task / j->row_blocks;
+    const int64_t i0 = rb * MGPU__GEMM_MC, i1 = MGPU__MIN(j->g->m, i0 + MGPU__GEMM_MC);
+    const int64_t jb0 = cg * j->group_cols, jb1 = MGPU__MIN(j->g->nc, jb0 + j->group_cols);
+    if (i0 < i1 && jb0 < jb1) mgpu__gemm_tiles(j->g, i0, i1, jb0, jb1);
+}
+static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int threads) {
+    mgpu__gemm_job job;
+    job.g = g;
+    for (g->j0 = 0; g->j0 < g->n; g->j0 += MGPU__GEMM_NC) {
+        g->nc = MGPU__MIN((int64_t)MGPU__GEMM_NC, g->n - g->j0);
+        /* tasks: blocks of MC rows, and the columns cut in groups of slivers when the rows are
+           too few to keep every thread busy */
+        job.row_blocks = (g->m + MGPU__GEMM_MC - 1) / MGPU__GEMM_MC;
+        job.col_groups = MGPU__MAX((int64_t)1, MGPU__MIN((threads + job.row_blocks - 1) / job.row_blocks,
+                                                        (g->nc + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR));
+        job.group_cols = ((g->nc + job.col_groups - 1) / job.col_groups + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR;
+        for (g->k0 = k_begin; g->k0 < k_end; g->k0 += MGPU__GEMM_KC) {
+            g->kc = MGPU__MIN((int64_t)MGPU__GEMM_KC, k_end - g->k0);
+            if (threads > 1) {
+                mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_pack_task, &job);
+                mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_tile_task, &job);
+            } else {
+                mgpu__gemm_pack_a(g, 0, (g->m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR);
+                mgpu__gemm_pack_b(g, 0, (g->nc + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR);
+                mgpu__gemm_tiles(g, 0, g->m, 0, g->nc);
+            }
         }
     }
-#undef MGPU__A
+}
+
+/* Floats of packing space for op(A) and op(B) panels of a GEMM with m rows and n columns. */
+static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
+    return (size_t)(((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR +
+                     (MGPU__MIN(n, (int64_t)MGPU__GEMM_NC) + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR) *
+                    MGPU__GEMM_KC);
 }
 
 /* Few outputs over a long sum (a convolution's weight gradient: 16 x 9 values, each a sum over
-   100k positions): too few rows of C to share out, so the sum is cut into chunks instead, each
-   multiplied by one task into its own partial C, straight from B (not transposed, so no packing).
-   The partials are then added in chunk order. Chunks do not depend on the thread count, nor
-   therefore do the bits. */
+   100k positions): too few tiles of C to share out, so the sum is cut into chunks instead, each
+   multiplied by one task into its own partial C, and the partials are added in chunk order.
+   Chunks do not depend on the thread count, nor therefore do the bits. */
 #define MGPU__GEMM_SPLIT_MIN_K 8192
 #define MGPU__GEMM_SPLIT_MAX_C 65536   /* m * n */
 #define MGPU__GEMM_SPLIT_CHUNKS 64     /* at most */
 typedef struct mgpu__gemm_split_job {
-    mgpu__gemm_job g;   /* the shared fields: trans_a, m, lda, alpha, a */
-    int64_t n, k, ldb, chunk;
-    const float* b;
-    float* partials;    /* [chunks][m][n] */
+    mgpu__gemm g;
+    int64_t k, chunk;
+    size_t pack_floats;
+    float* space;       /* [chunks][m * n partial + pack_floats] */
 } mgpu__gemm_split_job;
 
 static void mgpu__gemm_split_task(void* ctx, int64_t task) {
     const mgpu__gemm_split_job* s = (const mgpu__gemm_split_job*)ctx;
-    const int64_t k_end = MGPU__MIN(s->k, (task + 1) * s->chunk);
-    mgpu__gemm_job g = s->g;
-    g.c = s->partials + task * s->g.m * s->n;
-    g.ldc = s->n;
-    g.rows_per_task = g.m;
-    g.ldbp = s->ldb;
-    memset(g.c, 0, sizeof(float) * (size_t)(s->g.m * s->n));
-    for (g.j0 = 0; g.j0 < s->n; g.j0 += MGPU__GEMM_NC) {
-        g.nc = MGPU__MIN(MGPU__GEMM_NC, s->n - g.j0);
-        for (g.k0 = task * s->chunk; g.k0 < k_end; g.k0 += MGPU__GEMM_KC) {
-            g.kc = MGPU__MIN(MGPU__GEMM_KC, k_end - g.k0);
-            g.bp = s->b + g.k0 * s->ldb + g.j0;
-            mgpu__gemm_task(&g, 0);
-        }
-    }
+    mgpu__gemm g = s->g;
+    const size_t cn = (size_t)(g.m * g.n + 15) / 16 * 16;   /* keeps each chunk's space 64-byte aligned */
+    g.c = s->space + (size_t)task * (cn + s->pack_floats);
+    g.ldc = g.n;
+    g.ap = g.c + cn;
+    g.bp = g.ap + (size_t)((g.m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    memset(g.c, 0, sizeof(float) * (size_t)(g.m * g.n));
+    mgpu__gemm_run(&g, task * s->chunk, MGPU__MIN(s->k, (task + 1) * s->chunk), 1);
 }
 
-static mgpu_result mgpu__cpu_gemm_split_k(mgpu_device* dev, int ta, int64_t m, int64_t n, int64_t k, float alpha,
-                                          const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+static mgpu_result mgpu__cpu_gemm_split_k(mgpu_device* dev, const mgpu__gemm* g, int64_t k) {
     mgpu__gemm_split_job s;
     int64_t chunks, t, i, j;
-    size_t size;
-    memset(&s, 0, sizeof s);
+    size_t size, cn = (size_t)(g->m * g->n + 15) / 16 * 16;
+    s.g = *g;
+    s.k = k;
     s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_SPLIT_MIN_K / 4, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
     s.chunk = (s.chunk + MGPU__GEMM_KC - 1) / MGPU__GEMM_KC * MGPU__GEMM_KC;
     chunks = (k + s.chunk - 1) / s.chunk;
-    s.partials = (float*)mgpu__device_alloc(dev, sizeof(float) * (size_t)(chunks * m * n), &size, "mgpu_matmul");
-    if (!s.partials) return mgpu_last_result();
-    s.g.trans_a = ta; s.g.m = m; s.g.lda = lda; s.g.alpha = alpha; s.g.a = a;
-    s.n = n; s.k = k; s.ldb = ldb; s.b = b;
+    s.pack_floats = mgpu__gemm_pack_floats(g->m, g->n);
+    s.space = (float*)mgpu__device_alloc(dev, sizeof(float) * (size_t)chunks * (cn + s.pack_floats), &size, "mgpu_matmul");
+    if (!s.space) return mgpu_last_result();
     mgpu__parallel_for(chunks, mgpu__gemm_split_task, &s);
-    for (t = 0; t < chunks; ++t) {   /* C (already scaled by beta) += each partial, in order */
-        const float* p = s.partials + t * m * n;
-        for (i = 0; i < m; ++i)
-            for (j = 0; j < n; ++j) c[i * ldc + j] += p[i * n + j];
+    for (t = 0; t < chunks; ++t) {   /* C (already scaled by beta) += each partial (alpha applied), in order */
+        const float* p = s.space + (size_t)t * (cn + s.pack_floats);
+        for (i = 0; i < g->m; ++i)
+            for (j = 0; j < g->n; ++j) g->c[i * g->ldc + j] += p[i * g->n + j];
     }
-    mgpu__device_release(dev, s.partials, size);
+    mgpu__device_release(dev, s.space, size);
     return MGPU_OK;
 }
 
 static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
                                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                                   float* c, int64_t ldc) {
-    mgpu__gemm_job g;
-    int64_t i, j, kk, threads = mgpu_cpu_threads(), tasks;
-    size_t panel_size;
-    float* panel;
+    mgpu__gemm g;
+    int64_t i, j;
+    size_t size;
     for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
         float* row = c + i * ldc;
         if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
         else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
     }
     if (k == 0 || alpha == 0.0f || m == 0 || n == 0) return MGPU_OK;
-    if (!tb && k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C)
-        return mgpu__cpu_gemm_split_k(dev, ta, m, n, k, alpha, a, lda, b, ldb, c, ldc);
-    /* The packed panel comes from the caching allocator on every call (a cache hit after the
-       first): nothing shared to race on when several threads multiply on one device. */
-    panel = (float*)mgpu__device_alloc(dev, sizeof(float) * MGPU__GEMM_KC * MGPU__GEMM_NC, &panel_size, "mgpu_matmul");
-    if (!panel) return mgpu_last_result();
-    g.trans_a = ta; g.m = m; g.lda = lda; g.ldc = ldc; g.alpha = alpha; g.a = a; g.bp = panel; g.c = c;
-    g.rows_per_task = MGPU__MAX(4, ((m + threads - 1) / threads + 3) / 4 * 4);
-    tasks = (m + g.rows_per_task - 1) / g.rows_per_task;
-    for (g.j0 = 0; g.j0 < n; g.j0 += MGPU__GEMM_NC) {
-        g.nc = g.ldbp = MGPU__MIN(MGPU__GEMM_NC, n - g.j0);
-        for (g.k0 = 0; g.k0 < k; g.k0 += MGPU__GEMM_KC) {
-            float* bp = panel;
-            g.kc = MGPU__MIN(MGPU__GEMM_KC, k - g.k0);
-            if (tb) for (j = 0; j < g.nc; ++j) for (kk = 0; kk < g.kc; ++kk) bp[kk * g.nc + j] = b[(g.j0 + j) * ldb + g.k0 + kk];
-            else for (kk = 0; kk < g.kc; ++kk) memcpy(bp + kk * g.nc, b + (g.k0 + kk) * ldb + g.j0, (size_t)g.nc * sizeof(float));
-            mgpu__parallel_for(tasks, mgpu__gemm_task, &g);
-        }
-    }
-    mgpu__device_release(dev, panel, panel_size);
+#ifdef MGPU_CBLAS
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n, (int)k,
+                alpha, a, (int)lda, b, (int)ldb, 1.0f, c, (int)ldc);
+    (void)dev; (void)g; (void)size;
     return MGPU_OK;
+#else
+    memset(&g, 0, sizeof g);
+    g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
+    g.alpha = alpha; g.a = a; g.b = b; g.c = c;
+    if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
+    /* The packing space comes from the caching allocator on every call (a cache hit after the
+       first): nothing shared to race on when several threads multiply on one device. */
+    g.ap = (float*)mgpu__device_alloc(dev, sizeof(float) * mgpu__gemm_pack_floats(m, n), &size, "mgpu_matmul");
+    if (!g.ap) return mgpu_last_result();
+    g.bp = g.ap + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    /* a small product is over before the pool's threads would have woken up */
+    mgpu__gemm_run(&g, 0, k, m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads());
+    mgpu__device_release(dev, g.ap, size);
+    return MGPU_OK;
+#endif
 }
 
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
