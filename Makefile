@@ -71,6 +71,13 @@ $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
 
+# MGPU_CBLAS: test_core with every CPU GEMM sent to OpenBLAS's cblas_sgemm (Debian's
+# libopenblas-dev, which .ci/run installs); without it, one skip says so.
+HAVE_CBLAS := $(shell printf '\043include <cblas.h>\nint main(void){return 0;}\n' | $(CC) -x c - -o /dev/null -lopenblas 2>/dev/null && echo 1)
+$(B)/test_core_cblas: tests/test_core.c $(HEADERS) | $(B)
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CBLAS -I. $< -o $@ -lopenblas $(LDLIBS)
+CBLAS_TEST = $(if $(HAVE_CBLAS),$(B)/test_core_cblas,"sh -c 'echo skip test_core_cblas: no OpenBLAS, apt-get install libopenblas-dev; echo 0 passed, 0 failed, 1 skipped'")
+
 # The header alone: C99 and C++ with -Werror, included twice with the implementation once, and a
 # CPU-only program built with nothing but cc -std=c99 prog.c -lm -lpthread.
 compile-check: | $(B)
@@ -83,8 +90,8 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%)
-	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas)
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
 
 # ---- the main job ----------------------------------------------------------------------------
