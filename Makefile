@@ -107,7 +107,7 @@ demo: $(B)/train
 
 # ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
 $(B)/bench: bench/bench.c mgpu.h | $(B)
-	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS) -ldl
 
 $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)

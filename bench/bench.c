@@ -8,8 +8,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dlfcn.h>
 
 static int quick;
+
+/* OpenBLAS, when installed, for its cblas_sgemm: the GEMM a user would otherwise pick */
+static void* open_blas(void) {
+    void* lib = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
+    return lib ? lib : dlopen("libopenblas.so", RTLD_NOW | RTLD_LOCAL);
+}
+static void (*blas_symbol(void* lib, const char* name))(void) {
+    void (*fn)(void);
+    void* p = dlsym(lib, name);
+    memcpy(&fn, &p, sizeof fn);   /* object to function pointer, the POSIX way */
+    return fn;
+}
 static double copy_gbs[2];     /* device-to-device copy bandwidth, [0] CPU, [1] GPU: the yardstick */
 static double gemm_tflops;     /* cuBLAS on the large MLP's GEMM shape, measured in the same run */
 
@@ -169,6 +182,86 @@ static void bench_gemm(const char* spec, int m, int n, int k, int reps) {
     mgpu_tensor_destroy(c);
     mgpu_device_set_destroy(set);
     free(t);
+}
+
+/* ---- CPU GEMMs against OpenBLAS's cblas_sgemm (loaded at run time: no build dependency) on
+   the same shapes and thread count, and the machine's FMA peak as the physical limit ---- */
+typedef void (*cblas_sgemm_fn)(int order, int ta, int tb, int m, int n, int k, float alpha, const float* a, int lda,
+                               const float* b, int ldb, float beta, float* c, int ldc);
+static double time_gemm(int reps, int use_blas, cblas_sgemm_fn blas, int m, int n, int k, int ta, int tb,
+                        mgpu_tensor* a, mgpu_tensor* b, mgpu_tensor* c) {
+    double* t = (double*)malloc(sizeof(double) * (size_t)reps), best;
+    int i;
+    for (i = -2; i < reps; ++i) {
+        double t0 = mgpu_seconds();
+        if (use_blas)
+            blas(101 /* row-major */, ta ? 112 : 111, tb ? 112 : 111, m, n, k, 1.0f, (const float*)mgpu_tensor_data(a),
+                 ta ? m : k, (const float*)mgpu_tensor_data(b), tb ? k : n, 0.0f, (float*)mgpu_tensor_data(c), n);
+        else if (mgpu_matmul(c, a, b, ta ? MGPU_TRANS : MGPU_NO_TRANS, tb ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f))
+            fail("gemm");
+        if (i >= 0) t[i] = mgpu_seconds() - t0;
+    }
+    best = median(t, reps);
+    free(t);
+    return best;
+}
+
+static double cpu_fma_peak_gflops(char* note, size_t size) {
+    /* cores x 2 FMA units x 8 float lanes (AVX2; 16 with AVX-512) x 2 flops x the top clock */
+    double mhz = 0.0;
+    const int lanes = 8, units = 2;
+    FILE* f = fopen("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq", "r");
+    if (f) { long khz = 0; if (fscanf(f, "%ld", &khz) == 1) mhz = khz / 1000.0; fclose(f); }
+    if (mhz <= 0.0 && (f = fopen("/proc/cpuinfo", "r")) != NULL) {
+        char line[256];
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "cpu MHz", 7) && strchr(line, ':')) { mhz = atof(strchr(line, ':') + 1); break; }
+        fclose(f);
+    }
+    snprintf(note, size, "%d threads x %d FMA units x %d lanes x 2 x %.0f MHz", mgpu_cpu_threads(), units, lanes, mhz);
+    return mgpu_cpu_threads() * units * lanes * 2.0 * mhz / 1000.0;
+}
+
+static void bench_cpu_gemms(void) {
+    static const int shapes[][5] = {   /* m, n, k, transpose a, transpose b */
+        {64, 128, 784, 0, 1}, {128, 784, 64, 1, 0}, {64, 784, 128, 0, 0},         /* the MLP: forward, dW, dx */
+        {128, 10, 64, 1, 0},                                                       /* its last layer's dW */
+        {100352, 16, 9, 0, 1}, {25088, 32, 144, 0, 1},                             /* the CNN's convolutions (im2col) */
+        {16, 9, 100352, 1, 0}, {32, 144, 25088, 1, 0}, {25088, 144, 32, 0, 0},   /* their dW and dcols */
+        {512, 512, 512, 0, 0}, {2048, 4096, 4096, 0, 0}};
+    void* lib = open_blas();
+    cblas_sgemm_fn blas = lib ? (cblas_sgemm_fn)blas_symbol(lib, "cblas_sgemm") : NULL;
+    void (*set_threads)(int) = lib ? (void (*)(int))blas_symbol(lib, "openblas_set_num_threads") : NULL;
+    char note[128];
+    const double peak = cpu_fma_peak_gflops(note, sizeof note);
+    size_t s;
+    row("fma_peak", "cpu", "gflops", peak, "GFLOP/s", note);
+    if (set_threads) set_threads(mgpu_cpu_threads());
+    if (!blas) row("gemm_openblas", "cpu", "skipped", 0, "", "libopenblas.so.0 not found (apt-get install libopenblas0-pthread)");
+    for (s = 0; s < sizeof shapes / sizeof shapes[0]; ++s) {
+        const int m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], ta = shapes[s][3], tb = shapes[s][4];
+        const double flops = 2.0 * m * n * (double)k;
+        const int reps = quick ? 3 : flops > 1e10 ? 5 : flops > 1e8 ? 20 : 200;
+        mgpu_device* dev = mgpu_device_cpu();
+        mgpu_tensor* a = mgpu_tensor_create(dev, MGPU_F32, ta ? mgpu_shape2(k, m) : mgpu_shape2(m, k));
+        mgpu_tensor* b = mgpu_tensor_create(dev, MGPU_F32, tb ? mgpu_shape2(n, k) : mgpu_shape2(k, n));
+        mgpu_tensor* c = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape2(m, n));
+        double mine, theirs;
+        char name[64];
+        if (!a || !b || !c || mgpu_rand_uniform(a, 1, 0, -1.0f, 1.0f) || mgpu_rand_uniform(b, 2, 0, -1.0f, 1.0f)) fail("gemm");
+        snprintf(name, sizeof name, "gemm_%dx%dx%d%s%s", m, n, k, ta ? "_ta" : "", tb ? "_tb" : "");
+        mine = time_gemm(reps, 0, blas, m, n, k, ta, tb, a, b, c);
+        row(name, "cpu", "gflops", flops / mine * 1e-9, "GFLOP/s", NULL);
+        if (blas) {
+            theirs = time_gemm(reps, 1, blas, m, n, k, ta, tb, a, b, c);
+            row(name, "cpu", "openblas_gflops", flops / theirs * 1e-9, "GFLOP/s", "cblas_sgemm, same threads");
+            row(name, "cpu", "of_openblas", theirs / mine, "x", NULL);
+        }
+        row(name, "cpu", "of_peak", flops / mine * 1e-9 / peak, "x", NULL);
+        mgpu_tensor_destroy(a);
+        mgpu_tensor_destroy(b);
+        mgpu_tensor_destroy(c);
+    }
 }
 
 /* ---- bandwidth: optimizer step and elementwise ops against a plain copy ---- */
@@ -373,6 +466,7 @@ int main(int argc, char** argv) {
     for (i = 1; i < argc; ++i) quick |= !strcmp(argv[i], "--quick");
     row("threads", "cpu", "count", mgpu_cpu_threads(), "threads", NULL);
     if (cpu) {
+        bench_cpu_gemms();
         bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
         bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
         bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);

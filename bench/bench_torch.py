@@ -129,6 +129,22 @@ def bench_gemm(label, m, n, k, reps):
 
 
 row("torch", "-", "version", 0, torch.__version__)
+
+
+def blas_library():
+    """The BLAS PyTorch's CPU matmul runs on: the library mapped into this process after one
+    (Debian's torch calls libblas.so.3, which is OpenBLAS when libopenblas0-pthread is installed
+    and the slow reference BLAS otherwise)."""
+    import os
+    torch.mm(torch.ones(64, 64), torch.ones(64, 64))
+    try:
+        libs = {line.split()[-1] for line in open("/proc/self/maps") if "blas" in line.lower() or "mkl" in line.lower()}
+    except OSError:
+        return "unknown"
+    return ", ".join(sorted(os.path.realpath(x) for x in libs if x.startswith("/"))) or "none found (its own)"
+
+
+row("torch", "-", "blas", 0, "", blas_library())
 if which in ("cpu", "all"):
     bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
     bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 30)
