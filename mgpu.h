@@ -2390,12 +2390,17 @@ static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) 
     for (s = first; s < last; ++s) {
         float* p = g->ap + s * g->kc * MGPU__GEMM_MR;
         const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - s * MGPU__GEMM_MR);
-        for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_MR) {
+        const int64_t i0 = s * MGPU__GEMM_MR;
+        if (rows < MGPU__GEMM_MR) memset(p, 0, sizeof(float) * (size_t)(g->kc * MGPU__GEMM_MR));
+        if (g->ta) {   /* op(A) = A^T: the sliver's rows are contiguous in each row of A */
+            const float* src = g->a + g->k0 * g->lda + i0;
+            for (kk = 0; kk < g->kc; ++kk, src += g->lda)
+                for (r = 0; r < rows; ++r) p[kk * MGPU__GEMM_MR + r] = src[r];
+        } else {       /* each of the sliver's rows, along k */
             for (r = 0; r < rows; ++r) {
-                const int64_t i = s * MGPU__GEMM_MR + r, k = g->k0 + kk;
-                p[r] = g->ta ? g->a[k * g->lda + i] : g->a[i * g->lda + k];
+                const float* src = g->a + (i0 + r) * g->lda + g->k0;
+                for (kk = 0; kk < g->kc; ++kk) p[kk * MGPU__GEMM_MR + r] = src[kk];
             }
-            for (; r < MGPU__GEMM_MR; ++r) p[r] = 0.0f;
         }
     }
 }
@@ -2951,6 +2956,11 @@ typedef struct mgpu__window_job {
 } mgpu__window_job;
 
 /* x [n, c, h, w] -> cols [n*oh*ow, c*kh*kw] */
+/* 1 when the window at (iy0, ix0) lies wholly inside the image (no padding in it) */
+static int mgpu__window_inside(const mgpu__window* g, int64_t iy0, int64_t ix0) {
+    return iy0 >= 0 && ix0 >= 0 && iy0 + g->kh <= g->h && ix0 + g->kw <= g->w;
+}
+
 static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
     const mgpu__window_job* j = (const mgpu__window_job*)ctx;
     const mgpu__window* g = j->g;
@@ -2959,17 +2969,27 @@ static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
     for (n = n0; n < n1; ++n) {
         float* out = j->out + n * g->oh * g->ow * ckk;
         for (oy = 0; oy < g->oh; ++oy)
-            for (ox = 0; ox < g->ow; ++ox)
+            for (ox = 0; ox < g->ow; ++ox) {
+                const int64_t iy0 = oy * g->stride - g->pad, ix0 = ox * g->stride - g->pad;
+                if (mgpu__window_inside(g, iy0, ix0)) {   /* most windows: no padding to test for */
+                    for (c = 0; c < g->c; ++c) {
+                        const float* src = j->in + (n * g->c + c) * g->h * g->w + iy0 * g->w + ix0;
+                        for (ky = 0; ky < g->kh; ++ky, src += g->w)
+                            for (kx = 0; kx < g->kw; ++kx) *out++ = src[kx];
+                    }
+                    continue;
+                }
                 for (c = 0; c < g->c; ++c) {
                     const float* plane = j->in + (n * g->c + c) * g->h * g->w;
                     for (ky = 0; ky < g->kh; ++ky) {
-                        const int64_t iy = oy * g->stride - g->pad + ky;
+                        const int64_t iy = iy0 + ky;
                         for (kx = 0; kx < g->kw; ++kx) {
-                            const int64_t ix = ox * g->stride - g->pad + kx;
+                            const int64_t ix = ix0 + kx;
                             *out++ = (iy >= 0 && iy < g->h && ix >= 0 && ix < g->w) ? plane[iy * g->w + ix] : 0.0f;
                         }
                     }
                 }
+            }
     }
 }
 static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
@@ -2994,17 +3014,27 @@ static void mgpu__col2im_range(void* ctx, int64_t n0, int64_t n1) {
     for (n = n0; n < n1; ++n) {
         const float* in = j->in + n * g->oh * g->ow * ckk;
         for (oy = 0; oy < g->oh; ++oy)
-            for (ox = 0; ox < g->ow; ++ox)
+            for (ox = 0; ox < g->ow; ++ox) {
+                const int64_t iy0 = oy * g->stride - g->pad, ix0 = ox * g->stride - g->pad;
+                if (mgpu__window_inside(g, iy0, ix0)) {   /* the same sums in the same order, unchecked */
+                    for (c = 0; c < g->c; ++c) {
+                        float* dst = j->out + (n * g->c + c) * g->h * g->w + iy0 * g->w + ix0;
+                        for (ky = 0; ky < g->kh; ++ky, dst += g->w)
+                            for (kx = 0; kx < g->kw; ++kx) dst[kx] += *in++;
+                    }
+                    continue;
+                }
                 for (c = 0; c < g->c; ++c) {
                     float* plane = j->out + (n * g->c + c) * g->h * g->w;
                     for (ky = 0; ky < g->kh; ++ky) {
-                        const int64_t iy = oy * g->stride - g->pad + ky;
+                        const int64_t iy = iy0 + ky;
                         for (kx = 0; kx < g->kw; ++kx, ++in) {
-                            const int64_t ix = ox * g->stride - g->pad + kx;
+                            const int64_t ix = ix0 + kx;
                             if (iy >= 0 && iy < g->h && ix >= 0 && ix < g->w) plane[iy * g->w + ix] += *in;
                         }
                     }
                 }
+            }
     }
 }
 static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
@@ -3026,8 +3056,11 @@ static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
     for (b = b0; b < b1; ++b) {
         const float* px = j->in + b * j->rows * j->cols;
         float* py = j->out + b * j->rows * j->cols;
-        for (r = 0; r < j->rows; ++r)
-            for (c = 0; c < j->cols; ++c) py[c * j->rows + r] = px[r * j->cols + c];
+        int64_t r0, c0;
+        for (r0 = 0; r0 < j->rows; r0 += 32)   /* in 32 x 32 blocks, so both sides stay in cache */
+            for (c0 = 0; c0 < j->cols; c0 += 32)
+                for (r = r0; r < MGPU__MIN(r0 + 32, j->rows); ++r)
+                    for (c = c0; c < MGPU__MIN(c0 + 32, j->cols); ++c) py[c * j->rows + r] = px[r * j->cols + c];
     }
 }
 static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
@@ -3053,8 +3086,26 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
         int32_t* pa = j->index_out + plane * g->oh * g->ow;
         for (oy = 0; oy < g->oh; ++oy)
             for (ox = 0; ox < g->ow; ++ox) {
+                const int64_t iy0 = oy * g->stride - g->pad, ix0 = ox * g->stride - g->pad;
                 float best = -INFINITY;
                 int32_t at = -1;
+                if (mgpu__window_inside(g, iy0, ix0)) {   /* the same choice (first of equals), unchecked */
+                    const float* src = px + iy0 * g->w + ix0;
+                    at = (int32_t)(iy0 * g->w + ix0);
+                    best = src[0];
+                    if (g->kh == 2 && g->kw == 2) {   /* the common 2 x 2 pool, spelled out */
+                        if (src[1] > best) { best = src[1]; at = (int32_t)(iy0 * g->w + ix0 + 1); }
+                        if (src[g->w] > best) { best = src[g->w]; at = (int32_t)((iy0 + 1) * g->w + ix0); }
+                        if (src[g->w + 1] > best) { best = src[g->w + 1]; at = (int32_t)((iy0 + 1) * g->w + ix0 + 1); }
+                    } else {
+                        for (ky = 0; ky < g->kh; ++ky)
+                            for (kx = 0; kx < g->kw; ++kx)
+                                if (src[ky * g->w + kx] > best) { best = src[ky * g->w + kx]; at = (int32_t)((iy0 + ky) * g->w + ix0 + kx); }
+                    }
+                    py[oy * g->ow + ox] = best;
+                    pa[oy * g->ow + ox] = at;
+                    continue;
+                }
                 for (ky = 0; ky < g->kh; ++ky)
                     for (kx = 0; kx < g->kw; ++kx) {
                         const int64_t iy = oy * g->stride - g->pad + ky, ix = ox * g->stride - g->pad + kx;
