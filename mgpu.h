@@ -298,7 +298,8 @@ MGPUDEF mgpu_shape mgpu_shape1(int64_t d0);
 MGPUDEF mgpu_shape mgpu_shape2(int64_t d0, int64_t d1);
 MGPUDEF mgpu_shape mgpu_shape3(int64_t d0, int64_t d1, int64_t d2);
 MGPUDEF mgpu_shape mgpu_shape4(int64_t d0, int64_t d1, int64_t d2, int64_t d3);
-MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s);
+MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s);   /* -1 for a shape no tensor can have (a
+                                                      negative dimension, a count past int64) */
 MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b);
 MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt);
 MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8" */
@@ -398,7 +399,8 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
                              const mgpu_tensor* target, float grad_scale);
 /* int32 out [rows] = index of the largest value in each row of x [rows, cols] (first on ties). */
 MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x);
-/* How many rows of logits have their argmax equal to the int32 label (waits for the result). */
+/* How many rows of logits have their argmax equal to the int32 label (waits for the result).
+   A label outside [0, classes) is an error on the CPU; on a GPU its row counts as wrong. */
 MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count);
 
 /* Dropout as an op: mask[i] is 0 (dropped, probability p) or 1/(1-p); out = x * mask. The mask
@@ -1827,7 +1829,11 @@ MGPUDEF mgpu_shape mgpu_shape4(int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
 MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s) {
     int64_t n = 1;
     int i;
-    for (i = 0; i < s.ndim && i < MGPU_MAX_DIMS; ++i) n *= s.dim[i];
+    if (s.ndim < 0 || s.ndim > MGPU_MAX_DIMS) return -1;
+    for (i = 0; i < s.ndim; ++i) {
+        if (s.dim[i] < 0 || (s.dim[i] > 0 && n > INT64_MAX / s.dim[i])) return -1;   /* no overflow: -1 */
+        n *= s.dim[i];
+    }
     return n;
 }
 MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b) {
@@ -1933,8 +1939,8 @@ MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_
     mgpu_shape s;
     if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_view_rows: NULL tensor"); return NULL; }
     if (t->shape.ndim < 1 || start < 0 || count < 0 || start > t->shape.dim[0] - count) {
-        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: rows [%lld, %lld) outside %s",
-                   (long long)start, (long long)(start + count), mgpu_tensor_describe(t, text, sizeof text));
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: %lld rows from row %lld, outside %s",
+                   (long long)count, (long long)start, mgpu_tensor_describe(t, text, sizeof text));
         return NULL;
     }
     s = t->shape;
@@ -2901,6 +2907,10 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
         *count = host_count;
         return MGPU_OK;
     }
+    for (r = 0; r < rows; ++r)   /* a label no class has is an error, not a wrong guess */
+        if (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
+                              (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
     for (r = 0; r < rows; ++r) n += mgpu__row_argmax(MGPU__F32(logits) + r * cols, cols) == MGPU__I32(labels)[r];
     *count = n;
     return MGPU_OK;
@@ -4175,6 +4185,13 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
                    m->input.ndim, MGPU_MAX_DIMS - 1);
         return mgpu__model_fail(m, op);
     }
+    for (i = 0; i < m->input.ndim; ++i)
+        if (m->input.dim[i] < 1) {
+            char text[96];
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "the sample shape %s has a dimension below 1",
+                       mgpu__shape_text(m->input, text, sizeof text));
+            return mgpu__model_fail(m, op);
+        }
     if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_replicas(m, desc->devices) != MGPU_OK ||
         mgpu__model_init(m) != MGPU_OK) {
         mgpu_model_destroy(m);

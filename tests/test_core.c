@@ -2186,6 +2186,32 @@ static void errors_on(mgpu_device* dev) {
     mgpu_tensor_destroy(flab3); mgpu_tensor_destroy(e010); mgpu_tensor_destroy(lab0);
 }
 
+/* Sizes and values at the edge of what the types hold: never undefined behaviour (the asan
+   build runs UBSan), always a clear answer. */
+static void test_hostile_sizes(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_tensor *t = tmake(cpu, MGPU_F32, mgpu_shape2(4, 3)), *v;
+    mgpu_tensor *logits = tmake(cpu, MGPU_F32, mgpu_shape2(2, 3)), *labels;
+    const int32_t bad[2] = {1, 99};
+    const float zeros[6] = {0};
+    int64_t count = -7;
+    header("hostile sizes");
+    CHECK(mgpu_shape_numel(mgpu_shape2(INT64_MAX / 2, 3)) == -1, "numel of [2^62, 3]: %lld, want -1 (overflow)",
+          (long long)mgpu_shape_numel(mgpu_shape2(INT64_MAX / 2, 3)));
+    CHECK(mgpu_shape_numel(mgpu_shape2(-2, 3)) == -1, "numel of [-2, 3]: %lld, want -1", (long long)mgpu_shape_numel(mgpu_shape2(-2, 3)));
+    CHECK(mgpu_shape_numel(mgpu_shape3(1 << 20, 1 << 20, 1 << 20)) == (int64_t)1 << 60, "numel of [2^20]^3 is 2^60");
+    v = mgpu_tensor_view_rows(t, INT64_MAX - 1, 5);
+    expect_null(v, MGPU_ERROR_SHAPE_MISMATCH, "view of 5 rows from row 2^63-2", "from row 9223372036854775806", NULL);
+    mgpu_tensor_destroy(v);
+    tput(logits, zeros);
+    labels = tfrom_i32(cpu, mgpu_shape1(2), bad);
+    expect_fail(mgpu_count_correct(logits, labels, &count), MGPU_ERROR_INVALID_ARGUMENT, "count_correct with label 99",
+                "label 99", "row 1", "[0, 3)");
+    mgpu_tensor_destroy(labels);
+    mgpu_tensor_destroy(logits);
+    mgpu_tensor_destroy(t);
+}
+
 static void test_op_errors(void) {
     int d;
     header("op error paths");
@@ -2391,6 +2417,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_softmax_losses());
     TEST_GROUP(test_views_in_ops());
     TEST_GROUP(test_op_errors());
+    TEST_GROUP(test_hostile_sizes());
     TEST_GROUP(test_threads());
     TEST_GROUP(test_concurrency());
 

@@ -835,6 +835,13 @@ static void test_model_errors(void) {
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Linear(10,5) on [1,28,28]", "layer 0 (Linear)", "[1,1,28,28]", "[batch,10]");
     CHECK(strstr(mgpu_last_error(), "mgpu_model_create") != NULL, "message names the call: %s", mgpu_last_error());
+    /* a sample shape no tensor can have: [-5], [3, 0] */
+    m = TRY_MODEL(mgpu_shape1(-5), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_relu());
+    expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, "a sample shape [-5]", "[-5]", "below 1", NULL);
+    mgpu_model_destroy(m);
+    m = TRY_MODEL(mgpu_shape2(3, 0), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_relu());
+    expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, "a sample shape [3,0]", "[3,0]", NULL, NULL);
+    mgpu_model_destroy(m);
     m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_flatten(), mgpu_layer_linear(10, 5));
     mgpu_model_destroy(m);
     expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Flatten, Linear(10,5) on [1,28,28]", "layer 1 (Linear)", "[1,784]", "10");
