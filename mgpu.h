@@ -5352,7 +5352,8 @@ static mgpu_result mgpu__gunzip(const uint8_t* src, size_t len, const char* name
         want_crc = mgpu__le32(z->in.p);
         want_size = mgpu__le32(z->in.p + 4);
         p = z->in.p + 8;
-        if (mgpu__crc32(crc, 0, z->out + member_start, z->len - member_start) != want_crc) {
+        /* (an empty first member leaves z->out NULL: no pointer arithmetic on it) */
+        if (mgpu__crc32(crc, 0, z->out ? z->out + member_start : NULL, z->len - member_start) != want_crc) {
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: corrupt gzip data: CRC-32 mismatch (the decoded data is damaged)", name);
             break;
         }
