@@ -497,6 +497,13 @@ MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const 
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
 
+/* One parameter, or its gradient, by its state_dict name ("0.weight", "2.bias", ...) on one
+   replica: a view into the flat buffer, owned by the model (do not destroy it). For a harness
+   that compares a layer's gradients with PyTorch's without arithmetic on the flat buffer. NULL,
+   with mgpu_last_error() naming the unknown name, when the model has no such parameter. */
+MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name);
+MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name);
+
 /* ============================================================================================ */
 /* >>optim                                                                                      */
 /* ============================================================================================ */
@@ -4008,19 +4015,57 @@ MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
     return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].dev : NULL;
 }
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
+/* For the getters: 1 when m is a model, replica one of its replicas (unless replica is
+   MGPU__ANY) and tensor one of its tensors (unless MGPU__ANY); else 0 and an error saying which. */
+#define MGPU__ANY INT32_MIN
+static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int tensor) {
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op), 0;
+    if (replica != MGPU__ANY && (replica < 0 || replica >= m->replica_count))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count), 0;
+    if (tensor != MGPU__ANY && (tensor < 0 || tensor >= m->tensor_count))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d", op, tensor, m->tensor_count), 0;
+    return 1;
+}
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].params : NULL;
+    return mgpu__model_has("mgpu_model_params", m, replica, MGPU__ANY) ? m->rep[replica].params : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].grads : NULL;
+    return mgpu__model_has("mgpu_model_grads", m, replica, MGPU__ANY) ? m->rep[replica].grads : NULL;
 }
 MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count : 0; }
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i) {
-    return m && i >= 0 && i < m->tensor_count ? m->tensors[i].name : NULL;
+    return mgpu__model_has("mgpu_model_tensor_name", m, MGPU__ANY, i) ? m->tensors[i].name : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i) {
-    if (!m || replica < 0 || replica >= m->replica_count || i < 0 || i >= m->tensor_count) return NULL;
+    return mgpu__model_has("mgpu_model_tensor", m, replica, i) ? m->rep[replica].pview[i] : NULL;
+}
+/* The index of the tensor called name, or -1 with an error naming it and a few of the model's. */
+static int mgpu__model_find(const char* op, const mgpu_model* m, const char* name) {
+    char list[256];
+    size_t len = 0;
+    int i;
+    if (!name) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL name", op), -1;
+    for (i = 0; i < m->tensor_count; ++i)
+        if (!strcmp(m->tensors[i].name, name)) return i;
+    list[0] = 0;
+    for (i = 0; i < m->tensor_count && len < sizeof list - 80; ++i)
+        len += (size_t)snprintf(list + len, sizeof list - len, "%s'%s'", i ? ", " : "", m->tensors[i].name);
+    if (i < m->tensor_count) snprintf(list + len, sizeof list - len, ", ...");
+    mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the model has no parameter '%.80s' (its %d: %s)", op, name, m->tensor_count,
+               m->tensor_count ? list : "none");
+    return -1;
+}
+MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name) {
+    static const char* op = "mgpu_model_param";
+    int i;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
     return m->rep[replica].pview[i];
+}
+MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name) {
+    static const char* op = "mgpu_model_grad";
+    int i;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
+    return m->rep[replica].gview[i];
 }
 
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {

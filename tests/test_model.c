@@ -17,6 +17,7 @@
    7. checkpoints: round trips, exact resume, every kind of bad file, atomic save
    8. IDX data sets (plain and gzipped) and the shuffling loader; Fashion-MNIST when installed
    9. CUDA twins of the above (a skip each without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
+   12. parameters and gradients by name; bad indices
 
    The input gradient of a layer is checked by putting a custom "AddInput" layer in front of it:
    y = x + P with a learnable P of the whole batch's shape, so dL/dP is exactly the layer's dx and
@@ -2905,6 +2906,84 @@ static void test_review_regressions(void) {
 }
 
 /* ============================================================================================ */
+/* ============================================================================================ */
+/* 12. the API a harness needs: parameters and gradients by name, bad indices                   */
+/* ============================================================================================ */
+static void test_named_views(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_device_set* set2 = mgpu_device_set_create("cpu:2");
+    mgpu_model* m = set2 ? MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 41, mgpu_linear(6, 12), mgpu_relu_layer(),
+                                 mgpu_linear(12, 3)) : NULL;
+    mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    float xs[8 * 6];
+    int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+    header("12. parameters and gradients by name; bad indices");
+    if (!m || !o) goto done;
+    rnd_normal(xs, 48, 1.0);
+    {
+        mgpu_tensor* x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+        mgpu_tensor* y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));   /* leaves its reduced gradients in place */
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    {
+        int r, i, ok = 1;
+        for (r = 0; r < 2; ++r) {
+            float* flat = get_flat(m, r);
+            float* grads = get_grads(m, r);
+            for (i = 0; i < mgpu_model_tensor_count(m); ++i) {
+                const char* name = mgpu_model_tensor_name(m, i);
+                mgpu_tensor* p = mgpu_model_param(m, r, name);
+                mgpu_tensor* g = mgpu_model_grad(m, r, name);
+                float* h = fbuf(tnumel(m, i));
+                ok &= p == mgpu_model_tensor(m, r, i) && g && mgpu_shape_equal(mgpu_tensor_shape(g), mgpu_tensor_shape(p));
+                if (!p || !g) { free(h); ok = 0; continue; }
+                tget(g, h);
+                ok &= same_bits(h, grads + toff(m, i), (size_t)tnumel(m, i) * 4);
+                tget(p, h);
+                ok &= same_bits(h, flat + toff(m, i), (size_t)tnumel(m, i) * 4);
+                free(h);
+            }
+            free(flat);
+            free(grads);
+        }
+        CHECK(ok, "every parameter and gradient by name is its slice of the flat buffers, on both replicas");
+    }
+    {   /* a view is the model's storage: writing it writes the parameter */
+        float b[3] = {1.5f, -2.5f, 3.5f};
+        float* flat;
+        MUST(mgpu_tensor_upload(mgpu_model_param(m, 1, "2.bias"), b, sizeof b));
+        flat = get_flat(m, 1);
+        CHECK(same_bits(flat + toff(m, 3), b, sizeof b), "writing mgpu_model_param writes the model");
+        free(flat);
+    }
+    expect_null(mgpu_model_grad(m, 0, "1.weight"), MGPU_ERROR_INVALID_ARGUMENT, "an unknown name", "mgpu_model_grad",
+                "no parameter '1.weight'", "'0.weight', '0.bias', '2.weight', '2.bias'");
+    expect_null(mgpu_model_param(m, 0, "weight"), MGPU_ERROR_INVALID_ARGUMENT, "a bare name", "mgpu_model_param", "'weight'", NULL);
+    expect_null(mgpu_model_param(m, 0, NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL name", "mgpu_model_param", "NULL name", NULL);
+    expect_null(mgpu_model_grad(m, 2, "0.weight"), MGPU_ERROR_INVALID_ARGUMENT, "replica 2 of 2", "mgpu_model_grad", "replica 2",
+                "with 2");
+    expect_null(mgpu_model_grad(NULL, 0, "0.weight"), MGPU_ERROR_INVALID_ARGUMENT, "a NULL model", "mgpu_model_grad", "NULL model", NULL);
+    /* the index getters say what is wrong too */
+    expect_null(mgpu_model_params(m, 2), MGPU_ERROR_INVALID_ARGUMENT, "params of replica 2", "mgpu_model_params", "replica 2", NULL);
+    expect_null(mgpu_model_params(m, -1), MGPU_ERROR_INVALID_ARGUMENT, "params of replica -1", "mgpu_model_params", "replica -1", NULL);
+    expect_null(mgpu_model_grads(m, 5), MGPU_ERROR_INVALID_ARGUMENT, "grads of replica 5", "mgpu_model_grads", "replica 5", NULL);
+    expect_null(mgpu_model_tensor(m, 0, 4), MGPU_ERROR_INVALID_ARGUMENT, "tensor 4 of 4", "mgpu_model_tensor", "tensor 4", "with 4");
+    expect_null(mgpu_model_tensor(m, 3, 0), MGPU_ERROR_INVALID_ARGUMENT, "tensor of replica 3", "mgpu_model_tensor", "replica 3", NULL);
+    expect_null(mgpu_model_tensor_name(m, -1), MGPU_ERROR_INVALID_ARGUMENT, "name of tensor -1", "mgpu_model_tensor_name", "tensor -1",
+                NULL);
+    expect_null(mgpu_model_tensor_name(NULL, 0), MGPU_ERROR_INVALID_ARGUMENT, "name from a NULL model", "mgpu_model_tensor_name",
+                "NULL model", NULL);
+    expect_null(mgpu_model_params(NULL, 0), MGPU_ERROR_INVALID_ARGUMENT, "params of a NULL model", "mgpu_model_params", "NULL model",
+                NULL);
+done:
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set2);
+}
+
 int main(void) {
     double t0 = test_start("test_model");
     printf("test_model: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
@@ -2936,6 +3015,7 @@ int main(void) {
     test_data();
     test_cuda_twins();
     test_review_regressions();
+    test_named_views();
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
