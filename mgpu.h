@@ -532,6 +532,16 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt);
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt);
 MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt);     /* the rate the next step uses */
 MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt); /* steps taken */
+/* The optimizer's state of one parameter on one replica, by PyTorch's optimizer state keys (the
+   names the checkpoint uses, "optimizer.0.weight.momentum_buffer"): "momentum_buffer" (SGD with
+   a momentum), "exp_avg" and "exp_avg_sq" (AdamW). A view owned by the optimizer (do not destroy
+   it); read it, or write it to set the state. The state exists from mgpu_optimizer_create on,
+   zero until the first step (whose SGD momentum buffer starts as the gradient, as PyTorch's
+   does). NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
+MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
+/* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
+   and AdamW's bias corrections) at 0. The parameters are left as they are. */
+MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
 
 /* ---- a whole training step ---- */
 /* x [B, sample...] and target (int32 [B] for cross-entropy; f32 like the output for MSE) on any
@@ -4247,6 +4257,8 @@ struct mgpu_optimizer {
     int64_t steps;
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
     mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
+    mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
+    int view_count;
 };
 
 MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
@@ -4256,6 +4268,8 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
         if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
         if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
     }
+    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu_tensor_destroy(opt->views[i]);
+    MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
     MGPU_FREE(opt->state2);
     MGPU_FREE(opt);
@@ -4331,6 +4345,50 @@ MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt) {
     }
 }
 MGPUDEF int64_t mgpu_optimizer_steps(const mgpu_optimizer* opt) { return opt ? opt->steps : 0; }
+
+MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state) {
+    static const char* op = "mgpu_optimizer_state";
+    const mgpu_model* m;
+    const char* kind;
+    int s, t, count, v;
+    if (!opt) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op); return NULL; }
+    m = opt->model;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (t = mgpu__model_find(op, m, param)) < 0) return NULL;
+    count = mgpu__optimizer_state_count(opt);
+    kind = opt->d.kind == MGPU_ADAMW ? "AdamW" : "SGD";
+    if (!state) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL state name", op); return NULL; }
+    for (s = 0; s < count && strcmp(state, mgpu__optimizer_state_name(opt, s)) != 0; ++s) {}
+    if (s == count) {
+        if (count == 0)
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%.40s' of '%s': SGD without momentum keeps no state", op, state, param);
+        else
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%.40s' of '%s': %s keeps %s%s%s, not '%.40s'", op, state, param, kind,
+                       mgpu__optimizer_state_name(opt, 0), count > 1 ? " and " : "", count > 1 ? mgpu__optimizer_state_name(opt, 1) : "",
+                       state);
+        return NULL;
+    }
+    if (!opt->views) {
+        opt->view_count = opt->replica_count * 2 * m->tensor_count;
+        opt->views = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(opt->view_count, 1), sizeof(mgpu_tensor*));
+        if (!opt->views) { opt->view_count = 0; mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    }
+    v = (replica * 2 + s) * m->tensor_count + t;
+    if (!opt->views[v])
+        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[replica] : opt->state2[replica], m->tensors[t].offset,
+                                      m->tensors[t].shape, op);
+    return opt->views[v];
+}
+
+MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
+    int i;
+    if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_reset: NULL optimizer");
+    for (i = 0; i < opt->replica_count; ++i) {
+        if (opt->state1[i]) MGPU__TRY(mgpu_tensor_zero(opt->state1[i]));
+        if (opt->state2[i]) MGPU__TRY(mgpu_tensor_zero(opt->state2[i]));
+    }
+    opt->steps = 0;
+    return MGPU_OK;
+}
 
 typedef struct mgpu__optim_job {
     float *p, *m, *v;

@@ -17,7 +17,7 @@
    7. checkpoints: round trips, exact resume, every kind of bad file, atomic save
    8. IDX data sets (plain and gzipped) and the shuffling loader; Fashion-MNIST when installed
    9. CUDA twins of the above (a skip each without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
-   12. parameters and gradients by name; bad indices
+   12-13. parameters and gradients by name; optimizer state by name and a reset
 
    The input gradient of a layer is checked by putting a custom "AddInput" layer in front of it:
    y = x + P with a learnable P of the whole batch's shape, so dL/dP is exactly the layer's dx and
@@ -2984,6 +2984,169 @@ done:
     mgpu_device_set_destroy(set2);
 }
 
+/* ============================================================================================ */
+/* 13. the API a harness needs: optimizer state by name, and a reset                            */
+/* ============================================================================================ */
+/* state `state` of parameter `param` on replica r, downloaded (NULL when there is none) */
+static float* get_state(mgpu_optimizer* o, int r, const char* param, const char* state, int64_t* n) {
+    mgpu_tensor* t = mgpu_optimizer_state(o, r, param, state);
+    float* h;
+    if (!t) { CHECK(0, "mgpu_optimizer_state(%d, %s, %s): %s", r, param, state, mgpu_last_error()); return NULL; }
+    *n = mgpu_tensor_numel(t);
+    h = fbuf(*n);
+    tget(t, h);
+    return h;
+}
+
+static void test_optimizer_state(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_device_set* set2 = mgpu_device_set_create("cpu:2");
+    mgpu_optimizer_desc d;
+    mgpu_model *m = NULL, *m2 = NULL;
+    mgpu_optimizer *o = NULL, *o2 = NULL;
+    mgpu_tensor *x = NULL, *y = NULL;
+    float xs[8 * 6];
+    int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+    int64_t n = 0, i;
+    float *s, *g, *s1, *p1, *p2;
+    char path[512];
+    header("13. optimizer state by name, reset");
+    rnd_normal(xs, 48, 1.0);
+    x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+    y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+    if (!set2) goto done;
+
+    /* SGD with momentum on two replicas: the buffer is zero, then the first gradient (PyTorch's
+       first step), then momentum * buffer + gradient */
+    d = odesc(MGPU_SGD, 0.1f);
+    d.momentum = 0.9f;
+    m = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 51, mgpu_linear(6, 12), mgpu_relu_layer(), mgpu_linear(12, 3));
+    o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    if (!m || !o) goto done;
+    s = get_state(o, 1, "0.weight", "momentum_buffer", &n);
+    if (s) {
+        int64_t nz = 0;
+        for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+        CHECK(n == 72 && nz == 0, "before the first step the momentum buffer is 72 zeros (%lld nonzero)", (long long)nz);
+    }
+    free(s);
+    CHECK(mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer") == mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer"),
+          "the same view on every call (owned by the optimizer)");
+    MUST(mgpu_model_train_step(m, o, x, y, NULL));
+    s = get_state(o, 1, "2.weight", "momentum_buffer", &n);
+    g = fbuf(36);
+    tget(mgpu_model_grad(m, 1, "2.weight"), g);
+    CHECK(s && same_bits(s, g, 36 * 4), "after the first step the momentum buffer is the gradient");
+    s1 = s;
+    MUST(mgpu_model_train_step(m, o, x, y, NULL));
+    s = get_state(o, 0, "2.weight", "momentum_buffer", &n);
+    tget(mgpu_model_grad(m, 0, "2.weight"), g);
+    if (s && s1) {
+        double err = 0.0;
+        for (i = 0; i < 36; ++i) err = fmax(err, fabs((double)s[i] - (0.9 * s1[i] + g[i])) / fmax(fabs(s[i]), 1e-6));
+        CHECK(err < 1e-6, "after the second step: 0.9 * buffer + gradient (rel err %.3g)", err);
+    }
+    free(s); free(s1); free(g);
+    expect_null(mgpu_optimizer_state(o, 0, "0.weight", "exp_avg"), MGPU_ERROR_INVALID_ARGUMENT, "exp_avg of SGD",
+                "mgpu_optimizer_state", "SGD keeps momentum_buffer", "not 'exp_avg'");
+    expect_null(mgpu_optimizer_state(o, 0, "0.weights", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "an unknown parameter",
+                "mgpu_optimizer_state", "no parameter '0.weights'", NULL);
+    expect_null(mgpu_optimizer_state(o, 2, "0.weight", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "replica 2 of 2",
+                "mgpu_optimizer_state", "replica 2", NULL);
+    expect_null(mgpu_optimizer_state(o, 0, "0.weight", NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL state name",
+                "mgpu_optimizer_state", "NULL state", NULL);
+    expect_null(mgpu_optimizer_state(NULL, 0, "0.weight", "exp_avg"), MGPU_ERROR_INVALID_ARGUMENT, "a NULL optimizer",
+                "mgpu_optimizer_state", "NULL optimizer", NULL);
+    /* writing the view sets the state, and the checkpoint saves it */
+    {
+        float b[3] = {0.25f, -0.5f, 4.0f};
+        MUST(mgpu_tensor_upload(mgpu_optimizer_state(o, 0, "2.bias", "momentum_buffer"), b, sizeof b));
+        tpath(path, sizeof path, "state.safetensors");
+        MUST(mgpu_model_save(m, o, path));
+        check_st_tensor(path, "optimizer.2.bias.momentum_buffer", "[3]", b, 3);
+    }
+    /* reset: zero state, step 0; the next step is a fresh optimizer's, bit for bit */
+    MUST(mgpu_optimizer_reset(o));
+    CHECK(mgpu_optimizer_steps(o) == 0, "reset: step count %lld", (long long)mgpu_optimizer_steps(o));
+    s = get_state(o, 1, "0.bias", "momentum_buffer", &n);
+    if (s) {
+        int64_t nz = 0;
+        for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+        CHECK(nz == 0, "reset zeroes the state on every replica (%lld nonzero)", (long long)nz);
+    }
+    free(s);
+    m2 = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 52, mgpu_linear(6, 12), mgpu_relu_layer(), mgpu_linear(12, 3));
+    o2 = m2 ? mgpu_optimizer_create(m2, &d) : NULL;
+    if (m2 && o2) {
+        p1 = get_flat(m, 0);
+        put_flat(m2, 0, p1);
+        put_flat(m2, 1, p1);
+        free(p1);
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        MUST(mgpu_model_train_step(m2, o2, x, y, NULL));
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        MUST(mgpu_model_train_step(m2, o2, x, y, NULL));
+        p1 = get_flat(m, 1);
+        p2 = get_flat(m2, 1);
+        CHECK(same_bits(p1, p2, (size_t)flat_n(m) * 4), "after a reset the optimizer steps as a fresh one");
+        free(p1); free(p2);
+    }
+    expect_fail(mgpu_optimizer_reset(NULL), MGPU_ERROR_INVALID_ARGUMENT, "reset NULL", "mgpu_optimizer_reset", "NULL", NULL);
+    mgpu_optimizer_destroy(o); o = NULL;
+    mgpu_optimizer_destroy(o2); o2 = NULL;
+    mgpu_model_destroy(m2); m2 = NULL;
+
+    /* SGD without momentum keeps nothing */
+    d = odesc(MGPU_SGD, 0.1f);
+    o = mgpu_optimizer_create(m, &d);
+    if (o) {
+        expect_null(mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "plain SGD",
+                    "mgpu_optimizer_state", "SGD without momentum keeps no state", NULL);
+        MUST(mgpu_optimizer_reset(o));
+    }
+    mgpu_optimizer_destroy(o); o = NULL;
+
+    /* AdamW: exp_avg and exp_avg_sq after one step are (1 - beta1) g and (1 - beta2) g^2 */
+    d = odesc(MGPU_ADAMW, 1e-3f);
+    o = mgpu_optimizer_create(m, &d);
+    if (o) {
+        float* v;
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        s = get_state(o, 0, "0.bias", "exp_avg", &n);
+        v = get_state(o, 1, "0.bias", "exp_avg_sq", &n);
+        g = fbuf(12);
+        tget(mgpu_model_grad(m, 0, "0.bias"), g);
+        if (s && v) {
+            double err = 0.0;
+            const float one_minus_b1 = 1.0f - 0.9f, one_minus_b2 = 1.0f - 0.999f;   /* as the optimizer rounds them */
+            for (i = 0; i < 12; ++i) {
+                err = fmax(err, fabs(s[i] - (double)one_minus_b1 * g[i]) / fmax(fabs((double)one_minus_b1 * g[i]), 1e-12));
+                err = fmax(err, fabs(v[i] - (double)one_minus_b2 * g[i] * g[i]) / fmax((double)one_minus_b2 * g[i] * g[i], 1e-20));
+            }
+            CHECK(err < 1e-6, "AdamW's exp_avg and exp_avg_sq after one step (rel err %.3g)", err);
+        }
+        free(s); free(v); free(g);
+        expect_null(mgpu_optimizer_state(o, 0, "0.bias", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "momentum_buffer of AdamW",
+                    "mgpu_optimizer_state", "AdamW keeps exp_avg and exp_avg_sq", NULL);
+        MUST(mgpu_optimizer_reset(o));
+        s = get_state(o, 0, "2.weight", "exp_avg_sq", &n);
+        if (s) {
+            int64_t nz = 0;
+            for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+            CHECK(nz == 0 && mgpu_optimizer_steps(o) == 0, "AdamW reset (%lld nonzero)", (long long)nz);
+        }
+        free(s);
+    }
+done:
+    mgpu_optimizer_destroy(o);
+    mgpu_optimizer_destroy(o2);
+    mgpu_model_destroy(m);
+    mgpu_model_destroy(m2);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_device_set_destroy(set2);
+}
+
 int main(void) {
     double t0 = test_start("test_model");
     printf("test_model: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
@@ -3016,6 +3179,7 @@ int main(void) {
     test_cuda_twins();
     test_review_regressions();
     test_named_views();
+    test_optimizer_state();
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
