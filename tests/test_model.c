@@ -18,7 +18,7 @@
    8. IDX data sets (plain and gzipped) and the shuffling loader; Fashion-MNIST when installed
    9. CUDA twins of the above (a skip each without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
    11-13. the API a harness needs: part of a file (prefix, extra tensors), user metadata,
-      parameters and gradients by name, optimizer state by name and a reset
+      parameters and gradients by name, optimizer state by name and a reset (and their CUDA twin)
 
    The input gradient of a layer is checked by putting a custom "AddInput" layer in front of it:
    y = x + P with a learnable P of the whole batch's shape, so dL/dP is exactly the layer's dx and
@@ -3399,6 +3399,68 @@ done:
     mgpu_device_set_destroy(set2);
 }
 
+/* the same on a GPU: a file's tensor read onto it, gradients and optimizer state by name there */
+static void test_harness_api_cuda(void) {
+#ifdef MGPU_CUDA
+    if (g_gpu) {
+        mgpu_device* cpu = mgpu_device_cpu();
+        mgpu_model* m = MODEL(mgpu_shape1(6), g_gpu_set, MGPU_LOSS_CROSS_ENTROPY, 61, mgpu_linear(6, 12), mgpu_relu_layer(),
+                              mgpu_linear(12, 3));
+        mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+        mgpu_optimizer* o;
+        float xs[8 * 6];
+        int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+        char path[512];
+        d.momentum = 0.9f;
+        o = m ? mgpu_optimizer_create(m, &d) : NULL;
+        if (m && o) {
+            mgpu_tensor *x, *y, *g, *b, *p, *r;
+            mgpu_safetensors* st;
+            float hg[72], hb[72], hp[72], hr[72];
+            rnd_normal(xs, 48, 1.0);
+            x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+            y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+            MUST(mgpu_model_train_step(m, o, x, y, NULL));
+            g = mgpu_model_grad(m, 0, "0.weight");
+            b = mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer");
+            CHECK(g && b && mgpu_tensor_device(g) == g_gpu && mgpu_tensor_device(b) == g_gpu, "views by name live on the GPU");
+            if (g && b) {
+                tget(g, hg);
+                tget(b, hb);
+                CHECK(same_bits(hg, hb, sizeof hg), "cuda: after the first step the momentum buffer is the gradient");
+            }
+            tpath(path, sizeof path, "gpu_read.safetensors");
+            MUST(mgpu_model_save(m, o, path));
+            st = mgpu_safetensors_open(path);
+            r = st ? mgpu_safetensors_read(st, "0.weight", g_gpu) : NULL;
+            p = mgpu_model_param(m, 0, "0.weight");
+            CHECK(r && mgpu_tensor_device(r) == g_gpu, "mgpu_safetensors_read onto the GPU: %s", mgpu_last_error());
+            if (r && p) {
+                tget(r, hr);
+                tget(p, hp);
+                CHECK(same_bits(hr, hp, sizeof hr), "cuda: the tensor read onto the GPU is the saved parameter");
+            }
+            MUST(mgpu_optimizer_reset(o));
+            if (b) {
+                int i, nz = 0;
+                tget(b, hb);
+                for (i = 0; i < 72; ++i) nz += hb[i] != 0.0f;
+                CHECK(nz == 0, "cuda: reset zeroes the state (%d nonzero)", nz);
+            }
+            mgpu_tensor_destroy(r);
+            mgpu_safetensors_close(st);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(y);
+            remove(path);
+        }
+        mgpu_optimizer_destroy(o);
+        mgpu_model_destroy(m);
+        return;
+    }
+#endif
+    gpu_group_note("reader, gradients and optimizer state by name");
+}
+
 int main(void) {
     double t0 = test_start("test_model");
     printf("test_model: mgpu %s, seed %llu (MGPU_TEST_SEED to repeat)%s, %d CPU threads\n", MGPU_VERSION_STRING,
@@ -3434,6 +3496,7 @@ int main(void) {
     test_user_metadata();
     test_named_views();
     test_optimizer_state();
+    test_harness_api_cuda();
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
