@@ -6494,12 +6494,14 @@ static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, c
     return MGPU_OK;
 }
 
-/* The file's name for model tensor i (and, with state, for its optimizer state): the prefix
-   first. 0 when it does not fit. */
-static int mgpu__load_name(char* buf, size_t size, const char* prefix, const char* param, const char* state) {
-    int n = state ? snprintf(buf, size, MGPU__OPT_PREFIX "%s%s.%s", prefix, param, state)
-                  : snprintf(buf, size, "%s%s", prefix, param);
-    return n >= 0 && (size_t)n < size;
+/* The file's name for a model parameter (prefix + param) or, with state, for its optimizer
+   state (the checkpoint's name for the state of prefix + param). Prefixes are at most 256 bytes
+   and parameter names 63: every name fits buf's 512. */
+static void mgpu__load_name(char* buf, size_t size, const char* prefix, const char* param, const char* state) {
+    char joined[400];
+    snprintf(joined, sizeof joined, "%s%s", prefix, param);
+    if (state) mgpu__state_tensor_name(buf, size, joined, state);
+    else snprintf(buf, size, "%s", joined);
 }
 
 /* The error for model tensor `want` missing from the file, with a hint when the file holds the
@@ -6554,12 +6556,12 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
         e = mgpu__st_find(st, name);
         r = e ? mgpu__st_expect(path, e, name, m->tensors[i].shape) : mgpu__load_missing(path, m, st, name, m->tensors[i].name);
     }
+    mgpu__load_name(name, sizeof name, prefix, m->tensor_count ? m->tensors[0].name : "", NULL);   /* for the message */
     for (i = 0; r == MGPU_OK && !allow_extra && i < st->count; ++i) {   /* strict, like load_state_dict */
         const char* fname = st->tensors[i].name;
         const size_t plen = strlen(prefix);
         int known = 0, t;
         for (t = 0; t < m->tensor_count && !known; ++t) known = !strncmp(fname, prefix, plen) && !strcmp(fname + plen, m->tensors[t].name);
-        mgpu__load_name(name, sizeof name, prefix, m->tensor_count ? m->tensors[0].name : "", NULL);
         if (!known && strncmp(fname, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... ; "
                            "mgpu_load_desc.allow_extra ignores the others)", path, st->tensors[i].name, m->tensor_count, name);
