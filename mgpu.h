@@ -120,6 +120,7 @@
    - model parallelism: every replica holds the whole model (no pipeline or tensor parallelism).
    - more than one process: no MPI, no multi-node training (DistributedDataParallel's setting).
    - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
+   - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
    CONTENTS (grep for the tag; declarations and implementation follow the same order)
@@ -137,7 +138,8 @@
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
    >>train       the data-parallel step in five moves: split, compute, reduce, update; evaluate
-   >>io          safetensors checkpoints, IDX data sets, a shuffling batch loader
+   >>io          safetensors checkpoints (whole or part, with metadata), a safetensors reader,
+                 IDX data sets, a shuffling batch loader
    >>seam        the interface between mgpu.h and mgpu_kernels.cu, and the math both share
    >>impl        the implementation (same order as above)
    >>license
@@ -558,6 +560,13 @@ MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
 /* Prints layers, output shapes and parameter counts (like torchsummary); to stdout if f is NULL. */
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
 
+/* One parameter, or its gradient, by its state_dict name ("0.weight", "2.bias", ...) on one
+   replica: a view into the flat buffer, owned by the model (do not destroy it). For a harness
+   that compares a layer's gradients with PyTorch's without arithmetic on the flat buffer. NULL,
+   with mgpu_last_error() naming the unknown name, when the model has no such parameter. */
+MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name);
+MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name);
+
 /* ============================================================================================ */
 /* >>optim                                                                                      */
 /* ============================================================================================ */
@@ -600,6 +609,16 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt);
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt);
 MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt);     /* the rate the next step uses */
 MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps taken */
+/* The optimizer's state of one parameter on one replica, by PyTorch's optimizer state keys (the
+   names the checkpoint uses, "optimizer.0.weight.momentum_buffer"): "momentum_buffer" (SGD with
+   a momentum), "exp_avg" and "exp_avg_sq" (AdamW). A view owned by the optimizer (do not destroy
+   it); read it, or write it to set the state. The state exists from mgpu_optimizer_create on,
+   zero until the first step (whose SGD momentum buffer starts as the gradient, as PyTorch's
+   does). NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
+MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
+/* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
+   and AdamW's bias corrections) at 0. The parameters are left as they are. */
+MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
 
 /* ============================================================================================ */
 /* >>train                                                                                      */
@@ -694,6 +713,59 @@ MGPUDEF void mgpu_loader_start(mgpu_loader* l, int epoch);
    end of the epoch. */
 MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_tensor** y);
 MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l);   /* per epoch */
+
+/* ---- any safetensors file, and checkpoints with more than the model ---- */
+/* A safetensors file read as named tensors (safetensors.safe_open): open validates the whole
+   header as strictly as mgpu_model_load does (and keeps the file in memory); list the tensors,
+   read one onto a device, read the "__metadata__" strings; close. Names and strings returned
+   live until close. */
+typedef struct mgpu_safetensors mgpu_safetensors;
+typedef struct mgpu_safetensors_info {
+    const char* name;       /* "model.0.weight" */
+    const char* dtype;      /* as in the file: "F32", "F16", "BF16", "F64", "I64", "I32", ... */
+    int ndim;               /* 0 to 8 (mgpu tensors take at most 4) */
+    int64_t shape[8];
+    uint64_t bytes;         /* in the file */
+    mgpu_dtype read_dtype;  /* what mgpu_safetensors_read makes of it: F32 from any float dtype,
+                               I32 from the integer ones, U8 from U8 and BOOL */
+} mgpu_safetensors_info;
+MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path);
+MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st);
+MGPUDEF int mgpu_safetensors_count(const mgpu_safetensors* st);   /* tensors, in the file's order */
+MGPUDEF mgpu_result mgpu_safetensors_get_info(const mgpu_safetensors* st, int i, mgpu_safetensors_info* info);
+/* Index of the tensor called name, or -1 (with mgpu_last_error() naming it). */
+MGPUDEF int mgpu_safetensors_find(const mgpu_safetensors* st, const char* name);
+/* A new tensor on dev (NULL: the CPU) with the named tensor's shape and values, converted to
+   info.read_dtype (F16, BF16 and F64 to F32; I64, I16 and I8 to I32, refusing a value outside
+   int32's range). The caller destroys it. */
+MGPUDEF mgpu_tensor* mgpu_safetensors_read(const mgpu_safetensors* st, const char* name, mgpu_device* dev);
+/* The "__metadata__" strings: how many, the i-th key in the file's order, and the value of a key
+   (NULL, with mgpu_last_error() naming the key, when the file has none). */
+MGPUDEF int mgpu_safetensors_metadata_count(const mgpu_safetensors* st);
+MGPUDEF const char* mgpu_safetensors_metadata_key(const mgpu_safetensors* st, int i);
+MGPUDEF const char* mgpu_safetensors_metadata(const mgpu_safetensors* st, const char* key);
+
+/* Loading the model's part of a larger file: a zeroed desc is mgpu_model_load. */
+typedef struct mgpu_load_desc {
+    const char* prefix;   /* the file names parameter "0.weight" prefix + "0.weight" (e.g. "model."),
+                             and its optimizer state "optimizer." prefix "0.weight.momentum_buffer";
+                             NULL: no prefix */
+    int allow_extra;      /* 1: ignore the file's other tensors (load_state_dict(strict=False));
+                             0: refuse them. Missing model tensors are an error either way. */
+} mgpu_load_desc;
+MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
+
+/* Your own strings in a checkpoint's "__metadata__" (e.g. the input normalisation), beside
+   mgpu's ("format", "mgpu.step", ...); mgpu_safetensors_metadata or PyTorch's
+   safe_open(path, "pt").metadata() reads them back. Keys: non-empty UTF-8 of at most 127 bytes,
+   not "format" nor starting with "mgpu.", no two alike; values: UTF-8 of at most 1023 bytes.
+   A zeroed desc is mgpu_model_save. */
+typedef struct mgpu_metadata { const char* key; const char* value; } mgpu_metadata;
+typedef struct mgpu_save_desc {
+    const mgpu_metadata* metadata;
+    int metadata_count;
+} mgpu_save_desc;
+MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
 
 #ifdef __cplusplus
 }
@@ -4218,19 +4290,57 @@ MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
     return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].dev : NULL;
 }
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
+/* For the getters: 1 when m is a model, replica one of its replicas (unless replica is
+   MGPU__ANY) and tensor one of its tensors (unless MGPU__ANY); else 0 and an error saying which. */
+#define MGPU__ANY INT32_MIN
+static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int tensor) {
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op), 0;
+    if (replica != MGPU__ANY && (replica < 0 || replica >= m->replica_count))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count), 0;
+    if (tensor != MGPU__ANY && (tensor < 0 || tensor >= m->tensor_count))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d", op, tensor, m->tensor_count), 0;
+    return 1;
+}
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].params : NULL;
+    return mgpu__model_has("mgpu_model_params", m, replica, MGPU__ANY) ? m->rep[replica].params : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].grads : NULL;
+    return mgpu__model_has("mgpu_model_grads", m, replica, MGPU__ANY) ? m->rep[replica].grads : NULL;
 }
 MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count : 0; }
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i) {
-    return m && i >= 0 && i < m->tensor_count ? m->tensors[i].name : NULL;
+    return mgpu__model_has("mgpu_model_tensor_name", m, MGPU__ANY, i) ? m->tensors[i].name : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i) {
-    if (!m || replica < 0 || replica >= m->replica_count || i < 0 || i >= m->tensor_count) return NULL;
+    return mgpu__model_has("mgpu_model_tensor", m, replica, i) ? m->rep[replica].pview[i] : NULL;
+}
+/* The index of the tensor called name, or -1 with an error naming it and a few of the model's. */
+static int mgpu__model_find(const char* op, const mgpu_model* m, const char* name) {
+    char list[256];
+    size_t len = 0;
+    int i;
+    if (!name) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL name", op), -1;
+    for (i = 0; i < m->tensor_count; ++i)
+        if (!strcmp(m->tensors[i].name, name)) return i;
+    list[0] = 0;
+    for (i = 0; i < m->tensor_count && len < sizeof list - 80; ++i)
+        len += (size_t)snprintf(list + len, sizeof list - len, "%s'%s'", i ? ", " : "", m->tensors[i].name);
+    if (i < m->tensor_count) snprintf(list + len, sizeof list - len, ", ...");
+    mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the model has no parameter '%.80s' (its %d: %s)", op, name, m->tensor_count,
+               m->tensor_count ? list : "none");
+    return -1;
+}
+MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name) {
+    static const char* op = "mgpu_model_param";
+    int i;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
     return m->rep[replica].pview[i];
+}
+MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name) {
+    static const char* op = "mgpu_model_grad";
+    int i;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
+    return m->rep[replica].gview[i];
 }
 
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
@@ -4275,6 +4385,8 @@ struct mgpu_optimizer {
     int64_t steps;
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
     mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
+    mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
+    int view_count;
 };
 
 MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
@@ -4284,6 +4396,8 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
         if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
         if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
     }
+    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu_tensor_destroy(opt->views[i]);
+    MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
     MGPU_FREE(opt->state2);
     MGPU_FREE(opt);
@@ -4359,6 +4473,50 @@ MGPUDEF float mgpu_optimizer_lr(const mgpu_optimizer* opt) {
     }
 }
 MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt) { return opt ? opt->steps : 0; }
+
+MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state) {
+    static const char* op = "mgpu_optimizer_state";
+    const mgpu_model* m;
+    const char* kind;
+    int s, t, count, v;
+    if (!opt) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op); return NULL; }
+    m = opt->model;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (t = mgpu__model_find(op, m, param)) < 0) return NULL;
+    count = mgpu__optimizer_state_count(opt);
+    kind = opt->d.kind == MGPU_ADAMW ? "AdamW" : "SGD";
+    if (!state) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL state name", op); return NULL; }
+    for (s = 0; s < count && strcmp(state, mgpu__optimizer_state_name(opt, s)) != 0; ++s) {}
+    if (s == count) {
+        if (count == 0)
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%.40s' of '%s': SGD without momentum keeps no state", op, state, param);
+        else
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%.40s' of '%s': %s keeps %s%s%s, not '%.40s'", op, state, param, kind,
+                       mgpu__optimizer_state_name(opt, 0), count > 1 ? " and " : "", count > 1 ? mgpu__optimizer_state_name(opt, 1) : "",
+                       state);
+        return NULL;
+    }
+    if (!opt->views) {
+        opt->view_count = opt->replica_count * 2 * m->tensor_count;
+        opt->views = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(opt->view_count, 1), sizeof(mgpu_tensor*));
+        if (!opt->views) { opt->view_count = 0; mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    }
+    v = (replica * 2 + s) * m->tensor_count + t;
+    if (!opt->views[v])
+        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[replica] : opt->state2[replica], m->tensors[t].offset,
+                                      m->tensors[t].shape, op);
+    return opt->views[v];
+}
+
+MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
+    int i;
+    if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_reset: NULL optimizer");
+    for (i = 0; i < opt->replica_count; ++i) {
+        if (opt->state1[i]) MGPU__TRY(mgpu_tensor_zero(opt->state1[i]));
+        if (opt->state2[i]) MGPU__TRY(mgpu_tensor_zero(opt->state2[i]));
+    }
+    opt->steps = 0;
+    return MGPU_OK;
+}
 
 typedef struct mgpu__optim_job {
     float *p, *m, *v;
@@ -6299,24 +6457,54 @@ static void mgpu__state_tensor_name(char* buf, size_t size, const char* param, c
     snprintf(buf, size, MGPU__OPT_PREFIX "%s.%s", param, state);
 }
 
-MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path) {
+#define MGPU__SAVE_META 6   /* the most metadata entries mgpu writes itself */
+
+/* A user's metadata entry i, checked before anything is written: NULL when fine, else why not. */
+static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
+    const char* k = meta[i].key;
+    const char* v = meta[i].value;
+    int j;
+    if (!k || !*k) return "the key is NULL or empty";
+    if (!v) return "the value is NULL";
+    if (strlen(k) > 127 || !mgpu__utf8_valid(k)) return "the key must be UTF-8 of at most 127 bytes";
+    if (strlen(v) > 1023 || !mgpu__utf8_valid(v)) return "the value must be UTF-8 of at most 1023 bytes";
+    if (!strcmp(k, "format") || !strncmp(k, "mgpu.", 5)) return "the key is mgpu's own ('format' and 'mgpu.*' are reserved)";
+    for (j = 0; j < i; ++j)
+        if (!strcmp(meta[j].key, k)) return "the key is given twice";
+    return NULL;
+}
+
+MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
     char (*names)[96] = NULL;
     char step[32], dropout_step[32], layers_text[512];
-    const char* keys[6];
-    const char* values[6];
+    const char** keys = NULL;
+    const char** values = NULL;
+    const mgpu_metadata* user = desc ? desc->metadata : NULL;
+    const int user_count = desc ? desc->metadata_count : 0;
     int states = 0, n = 0, i, s, meta = 0;
     size_t len = 0;
     mgpu_result r = MGPU_OK;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    if (user_count < 0 || user_count > MGPU__ST_MAX_META - MGPU__SAVE_META || (user_count > 0 && !user))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d metadata entries at %p (want 0 to %d, and the array)", op,
+                          user_count, (const void*)user, MGPU__ST_MAX_META - MGPU__SAVE_META);
+    for (i = 0; i < user_count; ++i) {
+        const char* why = mgpu__user_meta_problem(user, i);
+        if (why)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: metadata entry %d ('%.40s'): %s", op, i,
+                              user[i].key && mgpu__utf8_valid(user[i].key) ? user[i].key : "?", why);
+    }
     states = opt ? mgpu__optimizer_state_count(opt) : 0;
     host = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
     items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *items);
     names = (char(*)[96])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *names);
-    if (!host || !items || !names) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
+    keys = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *keys);
+    values = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *values);
+    if (!host || !items || !names || !keys || !values) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
     /* replica 0 holds the model; every replica is identical */
     r = mgpu_tensor_download(m->rep[0].params, host, (size_t)m->flat_floats * sizeof(float));
     for (s = 0; r == MGPU_OK && s < states; ++s)
@@ -6347,13 +6535,20 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
         keys[meta] = "mgpu.optimizer"; values[meta++] = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
         keys[meta] = "mgpu.step"; values[meta++] = step;
     }
+    for (i = 0; i < user_count; ++i) { keys[meta] = user[i].key; values[meta++] = user[i].value; }
     r = mgpu__st_write(path, items, n, keys, values, meta);
     if (r != MGPU_OK) mgpu__refail(op);
 done:
     MGPU_FREE(host);
     MGPU_FREE(items);
     MGPU_FREE(names);
+    MGPU_FREE((void*)keys);
+    MGPU_FREE((void*)values);
     return r;
+}
+
+MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path) {
+    return mgpu_model_save_ex(m, opt, path, NULL);
 }
 
 static const mgpu__st_tensor* mgpu__st_find(const mgpu__st_file* f, const char* name) {
@@ -6365,6 +6560,218 @@ static const char* mgpu__st_meta_value(const mgpu__st_file* f, const char* key) 
     int i;
     for (i = 0; i < f->meta_count; ++i) if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
     return NULL;
+}
+
+/* -- the public reader: a safetensors file as named tensors -- */
+/* A file read whole and its header validated by mgpu__st_parse: the one way into a safetensors
+   file, for mgpu_safetensors_open and for mgpu_model_load_ex. */
+struct mgpu_safetensors {
+    char* path;             /* for messages (owned by mgpu_safetensors_open's handles only) */
+    uint8_t* file;
+    size_t len;
+    mgpu__st_file st;
+};
+
+static mgpu_result mgpu__st_load(const char* path, mgpu_safetensors* f) {
+    mgpu_result r;
+    memset(f, 0, sizeof *f);
+    r = mgpu__read_file(path, &f->file, &f->len);
+    if (r == MGPU_OK) r = mgpu__st_parse(f->file, f->len, path, &f->st);
+    if (r != MGPU_OK) {
+        MGPU_FREE(f->file);
+        f->file = NULL;
+    }
+    return r;
+}
+static void mgpu__st_unload(mgpu_safetensors* f) {
+    mgpu__st_free(&f->st);
+    MGPU_FREE(f->file);
+    f->file = NULL;
+}
+/* The bytes of entry e. */
+static const uint8_t* mgpu__st_data(const mgpu_safetensors* f, const mgpu__st_tensor* e) {
+    return f->file + f->st.data_start + e->begin;
+}
+
+/* What mgpu_safetensors_read makes of a file dtype (the parser admits only the ten it knows). */
+static mgpu_dtype mgpu__st_read_dtype(const char* dtype) {
+    if (!strcmp(dtype, "F32") || !strcmp(dtype, "F64") || !strcmp(dtype, "F16") || !strcmp(dtype, "BF16")) return MGPU_F32;
+    if (!strcmp(dtype, "U8") || !strcmp(dtype, "BOOL")) return MGPU_U8;
+    return MGPU_I32;   /* I64, I32, I16, I8 */
+}
+
+/* IEEE half to float, exactly (every half is a float). */
+static float mgpu__half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (uint32_t)(h >> 10) & 0x1F, mant = (uint32_t)h & 0x3FF, bits;
+    float f;
+    if (exp == 0 && mant != 0) {   /* subnormal: mant * 2^-24 */
+        f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (mant << 13);      /* infinities and NaNs */
+    else if (exp == 0) bits = sign;                                 /* zeros */
+    else bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal: rebias 15 -> 127 */
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n elements of a file dtype at src (little-endian, unaligned) to out, of mgpu__st_read_dtype's
+   dtype; integers outside int32's range are an error naming the element. */
+static mgpu_result mgpu__st_convert(const char* op, const char* path, const mgpu__st_tensor* e, const uint8_t* src, size_t n,
+                                    void* out) {
+    float* f = (float*)out;
+    int32_t* q = (int32_t*)out;
+    const char* dt = e->dtype;
+    size_t i;
+    if (!strcmp(dt, "F64"))
+        for (i = 0; i < n; ++i) { double v; memcpy(&v, src + 8 * i, 8); f[i] = (float)v; }
+    else if (!strcmp(dt, "F16"))
+        for (i = 0; i < n; ++i) f[i] = mgpu__half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
+    else if (!strcmp(dt, "BF16"))
+        for (i = 0; i < n; ++i) {
+            uint32_t bits = ((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16;
+            memcpy(&f[i], &bits, sizeof bits);
+        }
+    else if (!strcmp(dt, "I64"))
+        for (i = 0; i < n; ++i) {
+            int64_t v;
+            memcpy(&v, src + 8 * i, 8);
+            if (v < INT32_MIN || v > INT32_MAX)
+                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s': tensor '%s' (I64) element %zu is %lld, outside int32's range",
+                                  op, path, e->name, i, (long long)v);
+            q[i] = (int32_t)v;
+        }
+    else if (!strcmp(dt, "I16"))
+        for (i = 0; i < n; ++i) { int16_t v; memcpy(&v, src + 2 * i, 2); q[i] = v; }
+    else if (!strcmp(dt, "I8"))
+        for (i = 0; i < n; ++i) q[i] = (int8_t)src[i];
+    else memcpy(out, src, n * mgpu__st_dtype_size(dt));   /* F32, I32, U8, BOOL: as stored */
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path) {
+    static const char* op = "mgpu_safetensors_open";
+    mgpu_safetensors* st;
+    if (!path) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL path", op); return NULL; }
+    st = (mgpu_safetensors*)mgpu__calloc(1, sizeof *st);
+    if (!st) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    if (mgpu__st_load(path, st) != MGPU_OK) {
+        mgpu__refail(op);
+        MGPU_FREE(st);
+        return NULL;
+    }
+    st->path = (char*)MGPU_MALLOC(strlen(path) + 1);
+    if (!st->path) {
+        mgpu_safetensors_close(st);
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        return NULL;
+    }
+    memcpy(st->path, path, strlen(path) + 1);
+    return st;
+}
+
+MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st) {
+    if (!st) return;
+    mgpu__st_unload(st);
+    MGPU_FREE(st->path);
+    MGPU_FREE(st);
+}
+
+MGPUDEF int mgpu_safetensors_count(const mgpu_safetensors* st) { return st ? st->st.count : 0; }
+
+MGPUDEF mgpu_result mgpu_safetensors_get_info(const mgpu_safetensors* st, int i, mgpu_safetensors_info* info) {
+    static const char* op = "mgpu_safetensors_get_info";
+    const mgpu__st_tensor* e;
+    int d;
+    if (!st || !info) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    if (i < 0 || i >= st->st.count)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of '%s', which has %d", op, i, st->path, st->st.count);
+    e = &st->st.tensors[i];
+    memset(info, 0, sizeof *info);
+    info->name = e->name;
+    info->dtype = e->dtype;
+    info->ndim = e->ndim;
+    for (d = 0; d < e->ndim; ++d) info->shape[d] = e->shape[d];
+    info->bytes = e->end - e->begin;
+    info->read_dtype = mgpu__st_read_dtype(e->dtype);
+    return MGPU_OK;
+}
+
+static int mgpu__st_index(const char* op, const mgpu_safetensors* st, const char* name) {
+    const mgpu__st_tensor* e;
+    if (!st || !name) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL argument", op), -1;
+    e = mgpu__st_find(&st->st, name);
+    if (!e) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' has no tensor '%.256s'", op, st->path, name), -1;
+    return (int)(e - st->st.tensors);
+}
+MGPUDEF int mgpu_safetensors_find(const mgpu_safetensors* st, const char* name) {
+    return mgpu__st_index("mgpu_safetensors_find", st, name);
+}
+
+MGPUDEF mgpu_tensor* mgpu_safetensors_read(const mgpu_safetensors* st, const char* name, mgpu_device* dev) {
+    static const char* op = "mgpu_safetensors_read";
+    const mgpu__st_tensor* e;
+    mgpu_shape shape;
+    mgpu_dtype dt;
+    mgpu_tensor* t;
+    const uint8_t* src;
+    void* host = NULL;
+    size_t n = 1;
+    int d, i = mgpu__st_index(op, st, name);
+    if (i < 0) return NULL;
+    e = &st->st.tensors[i];
+    if (e->ndim > MGPU_MAX_DIMS) {
+        mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s': tensor '%s' has %d dimensions; mgpu tensors have at most %d", op, st->path,
+                   name, e->ndim, MGPU_MAX_DIMS);
+        return NULL;
+    }
+    memset(&shape, 0, sizeof shape);
+    shape.ndim = e->ndim;
+    for (d = 0; d < e->ndim; ++d) shape.dim[d] = e->shape[d];
+    for (d = 0; d < e->ndim; ++d) n *= (size_t)e->shape[d];   /* the parser checked the bytes are in the file */
+    dt = mgpu__st_read_dtype(e->dtype);
+    t = mgpu_tensor_create(dev ? dev : mgpu_device_cpu(), dt, shape);
+    if (!t) { mgpu__refail(op); return NULL; }
+    src = mgpu__st_data(st, e);
+    if (mgpu__st_dtype_size(e->dtype) != mgpu_dtype_size(dt)) {
+        host = mgpu__calloc(n ? n : 1, mgpu_dtype_size(dt));
+        if (!host) {
+            mgpu_tensor_destroy(t);
+            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory converting '%s' (%s)", op, name, e->dtype);
+            return NULL;
+        }
+        if (mgpu__st_convert(op, st->path, e, src, n, host) != MGPU_OK) {
+            MGPU_FREE(host);
+            mgpu_tensor_destroy(t);
+            return NULL;
+        }
+        src = (const uint8_t*)host;
+    }
+    if (mgpu_tensor_upload(t, src, mgpu_tensor_bytes(t)) != MGPU_OK) {
+        mgpu__refail(op);
+        mgpu_tensor_destroy(t);
+        t = NULL;
+    }
+    MGPU_FREE(host);
+    return t;
+}
+
+MGPUDEF int mgpu_safetensors_metadata_count(const mgpu_safetensors* st) { return st ? st->st.meta_count : 0; }
+MGPUDEF const char* mgpu_safetensors_metadata_key(const mgpu_safetensors* st, int i) {
+    if (!st) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_metadata_key: NULL file"); return NULL; }
+    if (i < 0 || i >= st->st.meta_count) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_metadata_key: entry %d of '%s', which has %d", i, st->path,
+                   st->st.meta_count);
+        return NULL;
+    }
+    return st->st.meta[i].key;
+}
+MGPUDEF const char* mgpu_safetensors_metadata(const mgpu_safetensors* st, const char* key) {
+    const char* v;
+    if (!st || !key) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_metadata: NULL argument"); return NULL; }
+    v = mgpu__st_meta_value(&st->st, key);
+    if (!v) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_metadata: '%s' has no metadata key '%.128s'", st->path, key);
+    return v;
 }
 
 /* The entry for a model tensor must be F32 with exactly the model's shape. */
@@ -6384,46 +6791,89 @@ static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, c
     return MGPU_OK;
 }
 
-MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path) {
+/* The file's name for a model parameter (prefix + param) or, with state, for its optimizer
+   state (the checkpoint's name for the state of prefix + param). Prefixes are at most 256 bytes
+   and parameter names 63: every name fits buf's 512. */
+static void mgpu__load_name(char* buf, size_t size, const char* prefix, const char* param, const char* state) {
+    char joined[400];
+    snprintf(joined, sizeof joined, "%s%s", prefix, param);
+    if (state) mgpu__state_tensor_name(buf, size, joined, state);
+    else snprintf(buf, size, "%s", joined);
+}
+
+/* The error for model tensor `want` missing from the file, with a hint when the file holds the
+   whole model under a prefix (a PyTorch module's "model.0.weight" for "0.weight"). */
+static mgpu_result mgpu__load_missing(const char* path, const mgpu_model* m, const mgpu__st_file* st, const char* want,
+                                      const char* param) {
+    char name[512];
+    size_t n = strlen(param);
+    int i, t, all;
+    for (i = 0; i < st->count; ++i) {
+        const char* cand = st->tensors[i].name;
+        size_t k = strlen(cand);
+        if (k <= n || cand[k - n - 1] != '.' || strcmp(cand + k - n, param) != 0 || k - n > 256) continue;
+        for (t = 0, all = 1; t < m->tensor_count && all; ++t) {   /* does the prefix hold every model tensor? */
+            snprintf(name, sizeof name, "%.*s%s", (int)(k - n), cand, m->tensors[t].name);
+            all = mgpu__st_find(st, name) != NULL;
+        }
+        if (all)
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has no tensor '%s' (it has '%s': set mgpu_load_desc.prefix to '%.*s')",
+                              path, want, cand, (int)(k - n), cand);
+    }
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has no tensor '%s'", path, want);
+}
+
+MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     static const char* op = "mgpu_model_load";
-    uint8_t* file = NULL;
-    size_t len = 0;
-    mgpu__st_file st;
+    mgpu_safetensors sf;
+    mgpu__st_file* st = &sf.st;
     float* host = NULL;
-    char name[96];
-    int states, found_states = 0, i, s;
+    char name[512];
+    const char* prefix;
+    int states, found_states = 0, i, s, allow_extra;
     int64_t step = 0;
     const char* dropout_text = NULL;
     unsigned long long dropout_step = 0;
     mgpu_result r;
-    memset(&st, 0, sizeof st);
+    memset(&sf, 0, sizeof sf);
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    /* defaults, all in one place: no prefix, strict */
+    prefix = desc && desc->prefix ? desc->prefix : "";
+    allow_extra = desc ? desc->allow_extra : 0;
+    if (strlen(prefix) > 256)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the prefix '%.40s...' is %zu bytes; at most 256", op, prefix, strlen(prefix));
     states = opt ? mgpu__optimizer_state_count(opt) : 0;
-    r = mgpu__read_file(path, &file, &len);
-    if (r == MGPU_OK) r = mgpu__st_parse(file, len, path, &st);
+    r = mgpu__st_load(path, &sf);
     if (r != MGPU_OK) goto done;
     /* check everything before changing anything: a failed load leaves the model as it was */
-    for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i)
-        r = mgpu__st_expect(path, mgpu__st_find(&st, m->tensors[i].name), m->tensors[i].name, m->tensors[i].shape);
-    for (i = 0; r == MGPU_OK && i < st.count; ++i) {   /* strict, like load_state_dict */
+    for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i) {
+        const mgpu__st_tensor* e;
+        mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, NULL);
+        e = mgpu__st_find(st, name);
+        r = e ? mgpu__st_expect(path, e, name, m->tensors[i].shape) : mgpu__load_missing(path, m, st, name, m->tensors[i].name);
+    }
+    mgpu__load_name(name, sizeof name, prefix, m->tensor_count ? m->tensors[0].name : "", NULL);   /* for the message */
+    for (i = 0; r == MGPU_OK && !allow_extra && i < st->count; ++i) {   /* strict, like load_state_dict */
+        const char* fname = st->tensors[i].name;
+        const size_t plen = strlen(prefix);
         int known = 0, t;
-        for (t = 0; t < m->tensor_count && !known; ++t) known = strcmp(st.tensors[i].name, m->tensors[t].name) == 0;
-        if (!known && strncmp(st.tensors[i].name, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... )", path,
-                           st.tensors[i].name, m->tensor_count, m->tensor_count ? m->tensors[0].name : "");
+        for (t = 0; t < m->tensor_count && !known; ++t) known = !strncmp(fname, prefix, plen) && !strcmp(fname + plen, m->tensors[t].name);
+        if (!known && strncmp(fname, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... ; "
+                           "mgpu_load_desc.allow_extra ignores the others)", path, st->tensors[i].name, m->tensor_count, name);
     }
     /* The optimizer: its kind must match the file's, and its step count and state come from the
        file when the file has them. A PyTorch state_dict has neither: the optimizer starts fresh. */
     if (r == MGPU_OK && opt) {
-        const char* kind = mgpu__st_meta_value(&st, "mgpu.optimizer");
-        const char* steps = mgpu__st_meta_value(&st, "mgpu.step");
+        const char* kind = mgpu__st_meta_value(st, "mgpu.optimizer");
+        const char* steps = mgpu__st_meta_value(st, "mgpu.step");
         const char* mine = opt->d.kind == MGPU_ADAMW ? "adamw" : "sgd";
         char* end = NULL;
         for (s = 0; s < states; ++s)
             for (i = 0; i < m->tensor_count; ++i) {
-                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
-                found_states += mgpu__st_find(&st, name) != NULL;
+                mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
+                found_states += mgpu__st_find(st, name) != NULL;
             }
         if (kind && strcmp(kind, mine) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s optimizer state; the optimizer is %s", path, kind, mine);
@@ -6436,14 +6886,14 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': optimizer state without 'mgpu.step' in the metadata", path);
         for (s = 0; r == MGPU_OK && found_states && s < states; ++s)
             for (i = 0; r == MGPU_OK && i < m->tensor_count; ++i) {
-                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
-                r = mgpu__st_expect(path, mgpu__st_find(&st, name), name, m->tensors[i].shape);
+                mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
+                r = mgpu__st_expect(path, mgpu__st_find(st, name), name, m->tensors[i].shape);
             }
         if (r == MGPU_OK && states && !found_states)
             mgpu__log(MGPU_LOG_WARN, "'%s' has no optimizer state: the optimizer's %s start from zero", path,
                       mgpu__optimizer_state_name(opt, 0));
     }
-    if (r == MGPU_OK && (dropout_text = mgpu__st_meta_value(&st, "mgpu.dropout_step")) != NULL) {
+    if (r == MGPU_OK && (dropout_text = mgpu__st_meta_value(st, "mgpu.dropout_step")) != NULL) {
         char* end = NULL;
         dropout_step = strtoull(dropout_text, &end, 10);
         if (!end || *end || end == dropout_text)
@@ -6457,12 +6907,9 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
         memset(host, 0, (size_t)m->flat_floats * sizeof(float));
         for (i = 0; i < m->tensor_count; ++i) {
             const mgpu__st_tensor* e;
-            if (s == 0) e = mgpu__st_find(&st, m->tensors[i].name);
-            else {
-                mgpu__state_tensor_name(name, sizeof name, m->tensors[i].name, mgpu__optimizer_state_name(opt, s - 1));
-                e = mgpu__st_find(&st, name);
-            }
-            memcpy(host + m->tensors[i].offset, file + st.data_start + e->begin, (size_t)(e->end - e->begin));
+            mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, s == 0 ? NULL : mgpu__optimizer_state_name(opt, s - 1));
+            e = mgpu__st_find(st, name);
+            memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));
         }
         for (i = 0; i < m->replica_count && r == MGPU_OK; ++i)
             r = mgpu_tensor_upload(s == 0 ? m->rep[i].params : s == 1 ? opt->state1[i] : opt->state2[i], host,
@@ -6482,10 +6929,13 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
     }
 done:
     if (r != MGPU_OK) mgpu__refail(op);
-    mgpu__st_free(&st);
-    MGPU_FREE(file);
+    mgpu__st_unload(&sf);
     MGPU_FREE(host);
     return r;
+}
+
+MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path) {
+    return mgpu_model_load_ex(m, opt, path, NULL);
 }
 
 /* -- IDX data sets -- */

@@ -40,7 +40,8 @@ static void usage(FILE* f) {
             "  --seed N            initialisation, shuffling and dropout [1]\n"
             "  --devices SPEC      auto, cpu, cpu:4, cuda, cuda:0,1, cuda:0,0 [auto]\n"
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
-            "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch\n"
+            "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch, with the\n"
+            "                      input normalisation in its metadata (input.mean, input.std)\n"
             "  --load FILE         resume from a checkpoint written by --save (or a PyTorch state_dict)\n"
             "  --quiet             no progress bars\n"
             "  --help              this text\n");
@@ -178,6 +179,23 @@ static int make_test_tensors(const mgpu_dataset* ds, float mean, float std, mgpu
     return ok;
 }
 
+/* The checkpoint, with the input normalisation in its metadata: whoever loads the model (PyTorch
+   included: safetensors.safe_open(path, "pt").metadata()) must feed it (pixel/255 - mean) / std. */
+static int save_checkpoint(const mgpu_model* model, const mgpu_optimizer* opt, const char* path, float mean, float std) {
+    char mean_text[32], std_text[32];
+    mgpu_metadata meta[3];
+    mgpu_save_desc sd;
+    snprintf(mean_text, sizeof mean_text, "%.4f", (double)mean);
+    snprintf(std_text, sizeof std_text, "%.4f", (double)std);
+    meta[0].key = "input.mean";      meta[0].value = mean_text;
+    meta[1].key = "input.std";       meta[1].value = std_text;
+    meta[2].key = "input.transform"; meta[2].value = "(pixel / 255 - input.mean) / input.std";
+    memset(&sd, 0, sizeof sd);
+    sd.metadata = meta;
+    sd.metadata_count = 3;
+    return mgpu_model_save_ex(model, opt, path, &sd) == MGPU_OK;
+}
+
 /* One line per epoch, redrawn: progress, loss, throughput, and where it runs ("4 x cpu, host"). */
 static void progress(const options* o, const char* where, int epoch, int64_t done, int64_t total, float loss, double rate,
                      int final) {
@@ -279,7 +297,7 @@ int main(int argc, char** argv) {
             printf("epoch %d: test accuracy %.4f, test loss %.4f, lr %.4g, device memory %.1f MiB in use (peak %.1f MiB) on %s\n",
                    epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
                    ms.bytes_in_use / 1048576.0, ms.peak_bytes_in_use / 1048576.0, mgpu_device_label(mgpu_model_device(model, 0)));
-        if (o.save && mgpu_model_save(model, opt, o.save) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+        if (o.save && !save_checkpoint(model, opt, o.save, mean, std)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     }
     if (steps == first_step) {   /* nothing trained (a finished checkpoint): still report the model */
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }

@@ -3,7 +3,8 @@
 #   - mlp >= 0.87 and cnn >= 0.90 test accuracy in 5 epochs with the defaults;
 #   - --devices cpu:4 reaches the accuracy of --devices cpu from the same seed;
 #   - a run stopped and resumed from its checkpoint ends exactly as an uninterrupted one;
-#   - the checkpoint loads into PyTorch and gives the same test accuracy there;
+#   - the checkpoint records the input normalisation, and loads into PyTorch (normalising with
+#     the metadata's mean and std) with the same test accuracy there;
 #   - bad flags and missing data: a message and a non-zero exit.
 # Usage: demo.sh [TRAIN_BINARY] [DATA_DIR]. Skips (exit 0) when the data is not installed.
 # MGPU_TEST_QUICK=1 skips the 5-epoch cnn run.
@@ -48,6 +49,10 @@ echo "   $four"
 acc4=$(field "$four" test_acc)
 check 'close_to "$acc4" "$acc" 0.005' "mlp on cpu:4 reaches the accuracy of one device ($acc4 vs $acc)"
 
+# the checkpoint records the input normalisation a loader of the model must apply
+check 'head -c 4096 "$tmp/mlp.safetensors" | grep -q "\"input.mean\":\"0.2860\",\"input.std\":\"0.3530\""' \
+    "the checkpoint's metadata holds input.mean 0.2860 and input.std 0.3530"
+
 # resume: 300 steps straight, against 120 steps + save + resume to 300
 straight=$(run --model mlp --epochs 1 --max-steps 300)
 run --model mlp --epochs 1 --max-steps 120 --save "$tmp/part.safetensors" >/dev/null
@@ -65,8 +70,12 @@ if [ -n "$py" ]; then
 import gzip, sys
 import numpy as np, torch
 from torch import nn
+from safetensors import safe_open
 from safetensors.torch import load_file
 sd = {k: v for k, v in load_file(sys.argv[1]).items() if not k.startswith("optimizer.")}
+with safe_open(sys.argv[1], "pt") as f:   # the normalisation build/train recorded
+    meta = f.metadata()
+mean, std = float(meta["input.mean"]), float(meta["input.std"])
 model = nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
 model.load_state_dict(sd)
 def idx(name, offset):
@@ -74,7 +83,7 @@ def idx(name, offset):
         return np.frombuffer(f.read(), dtype=np.uint8)[offset:]
 x = torch.from_numpy(idx("t10k-images-idx3-ubyte", 16).reshape(-1, 1, 28, 28).astype(np.float32))
 y = torch.from_numpy(idx("t10k-labels-idx1-ubyte", 8).astype(np.int64))
-x = (x / 255.0 - 0.2860) / 0.3530
+x = (x / 255.0 - mean) / std
 with torch.no_grad():
     print("%.4f" % (model(x).argmax(1) == y).float().mean().item())
 PY

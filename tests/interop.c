@@ -4,6 +4,11 @@
                         and write the logits of DIR/inputs.f32 to DIR/mgpu_NAME.logits
      interop load DIR   load DIR/torch_NAME.safetensors (saved by PyTorch) into mgpu and write the
                         logits of DIR/inputs.f32 to DIR/torch_NAME.mgpu_logits
+     interop part DIR   DIR/torch_part.safetensors holds PyTorch's mlp under "model." beside other
+                        tensors: load it with mgpu_model_load_ex (prefix, allow_extra) and write
+                        the logits to DIR/torch_part.mgpu_logits; read its "encoder.weight" (F16)
+                        with mgpu_safetensors_read into DIR/encoder.f32, and its metadata "note"
+                        into DIR/note.txt
    inputs.f32 holds N x 1 x 28 x 28 float32 values (N from the file size). */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -60,20 +65,57 @@ static int write_logits(mgpu_model* m, const float* inputs, long n, const char* 
     return ok;
 }
 
+/* interop part DIR */
+static int part(const char* dir, const float* inputs, long n) {
+    char path[1024], out[1024];
+    mgpu_model* m = make_model("mlp");
+    mgpu_load_desc ld;
+    mgpu_safetensors* st;
+    mgpu_tensor* enc = NULL;
+    const char* note;
+    FILE* f;
+    int ok;
+    snprintf(path, sizeof path, "%s/torch_part.safetensors", dir);
+    memset(&ld, 0, sizeof ld);
+    ld.prefix = "model.";
+    ld.allow_extra = 1;
+    if (!m || mgpu_model_load_ex(m, NULL, path, &ld) != MGPU_OK) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 0; }
+    snprintf(out, sizeof out, "%s/torch_part.mgpu_logits", dir);
+    ok = write_logits(m, inputs, n, out);
+    mgpu_model_destroy(m);
+    st = mgpu_safetensors_open(path);
+    if (ok && st) enc = mgpu_safetensors_read(st, "encoder.weight", NULL);
+    note = st ? mgpu_safetensors_metadata(st, "note") : NULL;
+    snprintf(out, sizeof out, "%s/encoder.f32", dir);
+    ok = ok && enc && note && (f = fopen(out, "wb")) != NULL &&
+         fwrite(mgpu_tensor_data(enc), 1, mgpu_tensor_bytes(enc), f) == mgpu_tensor_bytes(enc) && fclose(f) == 0;
+    snprintf(out, sizeof out, "%s/note.txt", dir);
+    ok = ok && (f = fopen(out, "wb")) != NULL && fputs(note, f) >= 0 && fclose(f) == 0;
+    if (!ok) fprintf(stderr, "interop part: %s\n", mgpu_last_error());
+    mgpu_tensor_destroy(enc);
+    mgpu_safetensors_close(st);
+    return ok;
+}
+
 int main(int argc, char** argv) {
     const char* names[2] = { "mlp", "cnn" };
     char path[1024];
     long count, n;
     float* inputs;
     int i, k;
-    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load"))) {
-        fprintf(stderr, "usage: interop save|load DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "part"))) {
+        fprintf(stderr, "usage: interop save|load|part DIR\n");
         return 2;
     }
     snprintf(path, sizeof path, "%s/inputs.f32", argv[2]);
     inputs = read_all(path, &count);
     if (!inputs) { fprintf(stderr, "interop: cannot read %s\n", path); return 2; }
     n = count / 784;
+    if (!strcmp(argv[1], "part")) {
+        i = part(argv[2], inputs, n);
+        free(inputs);
+        return i ? 0 : 1;
+    }
     for (i = 0; i < 2; ++i) {
         mgpu_model* m = make_model(names[i]);
         if (!m) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }

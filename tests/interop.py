@@ -7,6 +7,8 @@
    equivalent nn.Sequential, whose logits must equal mgpu's.
 2. PyTorch -> mgpu: torch saves its own models' state_dict with safetensors.torch.save_file;
    build/interop loads them, and its logits must equal PyTorch's.
+   A PyTorch file holding the mlp under "model." beside other tensors loads with
+   mgpu_model_load_ex (prefix, allow_extra); mgpu's reader reads its F16 tensor and metadata.
 3. The file test_io wrote with mgpu's writer reads back in Python (tests/check_c_written.py).
 Prints 'N passed, N failed, N skipped' last; skips (exit 0) when torch or safetensors is missing.
 """
@@ -106,6 +108,28 @@ with tempfile.TemporaryDirectory() as d:
         err = (logits_file(path, n) - ref[name]).abs().max().item()
         print("   torch -> mgpu %s: max |logit difference| %.3g" % (name, err))
         check(err < 1e-4, "%s: mgpu's logits from PyTorch's checkpoint equal PyTorch's (max diff %.3g)" % (name, err))
+
+    # PyTorch -> mgpu, the model's part of a bigger file: the mlp under "model.", beside an
+    # encoder's F16 weight and a head mgpu's model does not have (mgpu_model_load_ex with a prefix
+    # and allow_extra; the encoder through mgpu's public reader)
+    torch.manual_seed(2)
+    model = mlp()
+    with torch.no_grad():
+        ref_part = model(x)
+    enc = torch.randn(4, 3).half()
+    part = {"model." + k: v.contiguous() for k, v in model.state_dict().items()}
+    part["encoder.weight"] = enc
+    part["head.bias"] = torch.zeros(7)
+    save_file(part, os.path.join(d, "torch_part.safetensors"), metadata={"note": "from PyTorch"})
+    rc = subprocess.run([os.path.join(build, "interop"), "part", d]).returncode
+    check(rc == 0, "interop part ran (exit %d)" % rc)
+    if rc == 0:
+        err = (logits_file(os.path.join(d, "torch_part.mgpu_logits"), n) - ref_part).abs().max().item()
+        print("   torch (prefix 'model.', extra tensors) -> mgpu mlp: max |logit difference| %.3g" % err)
+        check(err < 1e-4, "a prefixed PyTorch file with extra tensors loads (max diff %.3g)" % err)
+        got = torch.from_numpy(np.fromfile(os.path.join(d, "encoder.f32"), dtype=np.float32).reshape(4, 3))
+        check(torch.equal(got, enc.float()), "mgpu_safetensors_read of PyTorch's F16 tensor equals it in float32")
+        check(open(os.path.join(d, "note.txt")).read() == "from PyTorch", "mgpu_safetensors_metadata reads PyTorch's metadata")
 
 c_written = os.path.join(build, "c_written.safetensors")
 if os.path.exists(c_written):

@@ -1211,30 +1211,282 @@ static void test_st_writer_errors(void) {
     free(before);
 }
 
-int main(void) {
+/* ------------------------------------------------------------- the public safetensors reader --- */
+/* a file from a JSON header and the given byte buffer */
+static int write_st_bytes(const char* path, const char* json, const void* buf, size_t buf_len) {
+    size_t n;
+    uint8_t* p = mk_st(json, buf_len, &n);
+    int ok;
+    if (buf_len) memcpy(p + n - buf_len, buf, buf_len);
+    ok = write_file(path, p, n);
+    free(p);
+    return ok;
+}
+
+/* tensor `name` of st read onto the CPU: its dtype, shape text and the first `n` values as doubles */
+static int st_read_values(const mgpu_safetensors* st, const char* name, mgpu_dtype* dt, char* shape, size_t shape_size, double* v,
+                          int n) {
+    mgpu_tensor* t = mgpu_safetensors_read(st, name, NULL);
+    int64_t i, count;
+    if (!t) return 0;
+    *dt = mgpu_tensor_dtype(t);
+    mgpu_tensor_describe(t, shape, shape_size);
+    count = mgpu_tensor_numel(t);
+    for (i = 0; i < count && i < n; ++i) {
+        if (*dt == MGPU_F32) v[i] = ((const float*)mgpu_tensor_data(t))[i];
+        else if (*dt == MGPU_I32) v[i] = ((const int32_t*)mgpu_tensor_data(t))[i];
+        else v[i] = ((const uint8_t*)mgpu_tensor_data(t))[i];
+    }
+    mgpu_tensor_destroy(t);
+    return 1;
+}
+
+static void test_reader_roundtrip(void) {
+    char path[512], shape[96];
+    mgpu_safetensors* st;
+    mgpu_safetensors_info info;
+    mgpu_dtype dt = MGPU_U8;
+    double v[8];
+    int i;
+    snprintf(path, sizeof path, "%s/reader.safetensors", g_dir);
+    CHECK(write_known(path) == MGPU_OK, "write the known file");
+    st = mgpu_safetensors_open(path);
+    CHECK(st != NULL, "mgpu_safetensors_open(%s)", path);
+    if (!st) return;
+    CHECK(mgpu_safetensors_count(st) == 7, "7 tensors, not %d", mgpu_safetensors_count(st));
+    CHECK(mgpu_safetensors_get_info(st, 0, &info) == MGPU_OK && !strcmp(info.name, "w") && !strcmp(info.dtype, "F32") &&
+              info.ndim == 2 && info.shape[0] == 2 && info.shape[1] == 3 && info.bytes == 24 && info.read_dtype == MGPU_F32,
+          "info of 'w'");
+    CHECK(mgpu_safetensors_get_info(st, 6, &info) == MGPU_OK && !strcmp(info.name, "h\xc3\xa9llo \xf0\x9f\x98\x80") &&
+              !strcmp(info.dtype, "I64") && info.read_dtype == MGPU_I32,
+          "info of the last tensor, in the file's order");
+    CHECK(mgpu_safetensors_get_info(st, 3, &info) == MGPU_OK && info.ndim == 0 && info.read_dtype == MGPU_F32, "a scalar F64");
+    CHECK(err_is(mgpu_safetensors_get_info(st, 7, &info), MGPU_ERROR_INVALID_ARGUMENT, "tensor 7", "has 7"), "index 7 of 7");
+    CHECK(err_is(mgpu_safetensors_get_info(st, -1, &info), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_get_info", "-1"),
+          "index -1");
+    CHECK(mgpu_safetensors_find(st, "mask") == 2 && mgpu_safetensors_find(st, "name with \"quotes\", \\ and \n newline") == 5,
+          "find by name");
+    CHECK(mgpu_safetensors_find(st, "nope") == -1 && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "no tensor 'nope'", path),
+          "find an unknown name");
+    /* every tensor back, converted */
+    CHECK(st_read_values(st, "w", &dt, shape, sizeof shape, v, 6) && dt == MGPU_F32 && !strcmp(shape, "f32[2,3]@cpu") && v[0] == 0.0 &&
+              v[5] == 2.5,
+          "'w' reads back as f32[2,3]: %s", shape);
+    CHECK(st_read_values(st, "idx", &dt, shape, sizeof shape, v, 4) && dt == MGPU_I32 && v[0] == -1 && v[3] == 2, "'idx' as I32");
+    CHECK(st_read_values(st, "mask", &dt, shape, sizeof shape, v, 3) && dt == MGPU_U8 && v[1] == 0 && v[2] == 255, "'mask' as U8");
+    CHECK(st_read_values(st, "d", &dt, shape, sizeof shape, v, 1) && dt == MGPU_F32 && v[0] == 3.25 && !strcmp(shape, "f32[]@cpu"),
+          "the F64 scalar as an f32 scalar: %s", shape);
+    CHECK(st_read_values(st, "empty", &dt, shape, sizeof shape, v, 0) && !strcmp(shape, "f32[0,4]@cpu"), "an empty tensor: %s", shape);
+    CHECK(st_read_values(st, "h\xc3\xa9llo \xf0\x9f\x98\x80", &dt, shape, sizeof shape, v, 2) && dt == MGPU_I32 && v[0] == 1 &&
+              v[1] == -2,
+          "I64 as I32");
+    CHECK(mgpu_safetensors_read(st, "nope", NULL) == NULL &&
+              err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_read", "no tensor 'nope'"),
+          "reading an unknown name");
+    /* metadata */
+    CHECK(mgpu_safetensors_metadata_count(st) == 2, "2 metadata entries");
+    CHECK(mgpu_safetensors_metadata_key(st, 1) && !strcmp(mgpu_safetensors_metadata_key(st, 1), "note"), "key 1");
+    CHECK(mgpu_safetensors_metadata(st, "note") && !strcmp(mgpu_safetensors_metadata(st, "note"), "tab\there \"q\" \xc3\xa9"),
+          "value of 'note'");
+    CHECK(mgpu_safetensors_metadata(st, "mgpu.step") == NULL &&
+              err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "no metadata key 'mgpu.step'", path),
+          "an absent key");
+    CHECK(mgpu_safetensors_metadata_key(st, 2) == NULL && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "entry 2", "has 2"),
+          "key index 2 of 2");
+    for (i = 0; i < mgpu_safetensors_count(st); ++i) {   /* everything reads (and ASan sees every byte copied) */
+        mgpu_safetensors_info in;
+        mgpu_tensor* t;
+        if (mgpu_safetensors_get_info(st, i, &in) != MGPU_OK) continue;
+        t = mgpu_safetensors_read(st, in.name, mgpu_device_cpu());
+        CHECK(t && mgpu_tensor_dtype(t) == in.read_dtype, "tensor %d reads", i);
+        mgpu_tensor_destroy(t);
+    }
+    mgpu_safetensors_close(st);
+    mgpu_safetensors_close(NULL);   /* a no-op */
+    CHECK(mgpu_safetensors_count(NULL) == 0 && mgpu_safetensors_metadata_count(NULL) == 0, "NULL handle counts 0");
+    CHECK(mgpu_safetensors_read(NULL, "w", NULL) == NULL && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "NULL", NULL),
+          "NULL handle");
+}
+
+/* the dtypes mgpu converts, and the ones it refuses */
+static void test_reader_dtypes(void) {
+    char path[512], shape[96];
+    mgpu_safetensors* st;
+    mgpu_dtype dt = MGPU_U8;
+    double v[8];
+    /* F16: 1, -2, 0.5, 65504 (max), 2^-24 (smallest subnormal), -0, inf; BF16: 1, -3.5; I16, I8, BOOL; I64 out of range; 5-D */
+    static const uint16_t half[7] = {0x3C00, 0xC000, 0x3800, 0x7BFF, 0x0001, 0x8000, 0x7C00};
+    static const uint16_t bf16[2] = {0x3F80, 0xC060};
+    static const int16_t i16[2] = {-32768, 32767};
+    static const int8_t i8[2] = {-128, 127};
+    static const uint8_t flags[3] = {1, 0, 1};
+    static const int64_t big[2] = {5, 4294967296ll};
+    uint8_t buf[64];
+    size_t off = 0;
+    memset(buf, 0, sizeof buf);
+    memcpy(buf + off, half, 14); off += 14;    /* 0..14 */
+    memcpy(buf + off, bf16, 4); off += 4;      /* 14..18 */
+    memcpy(buf + off, i16, 4); off += 4;       /* 18..22 */
+    memcpy(buf + off, i8, 2); off += 2;        /* 22..24 */
+    memcpy(buf + off, flags, 3); off += 3;     /* 24..27 */
+    off = 32;
+    memcpy(buf + off, big, 16); off += 16;     /* 32..48 */
+    snprintf(path, sizeof path, "%s/dtypes.safetensors", g_dir);
+    CHECK(write_st_bytes(path,
+                         "{\"h\":{\"dtype\":\"F16\",\"shape\":[7],\"data_offsets\":[0,14]},"
+                         "\"b\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[14,18]},"
+                         "\"s\":{\"dtype\":\"I16\",\"shape\":[2],\"data_offsets\":[18,22]},"
+                         "\"c\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[22,24]},"
+                         "\"f\":{\"dtype\":\"BOOL\",\"shape\":[3],\"data_offsets\":[24,27]},"
+                         "\"big\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[32,48]},"
+                         "\"five\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,2],\"data_offsets\":[48,50]}}",
+                         buf, 50),
+          "write %s", path);
+    st = mgpu_safetensors_open(path);
+    CHECK(st != NULL, "open %s", path);
+    if (!st) return;
+    CHECK(st_read_values(st, "h", &dt, shape, sizeof shape, v, 7) && dt == MGPU_F32 && v[0] == 1.0 && v[1] == -2.0 && v[2] == 0.5 &&
+              v[3] == 65504.0 && v[4] == ldexp(1.0, -24) && v[5] == 0.0 && signbit(v[5]) && isinf(v[6]),
+          "F16 to F32, exactly: %g %g %g %g %g %g %g", v[0], v[1], v[2], v[3], v[4], v[5], v[6]);
+    CHECK(st_read_values(st, "b", &dt, shape, sizeof shape, v, 2) && dt == MGPU_F32 && v[0] == 1.0 && v[1] == -3.5, "BF16 to F32");
+    CHECK(st_read_values(st, "s", &dt, shape, sizeof shape, v, 2) && dt == MGPU_I32 && v[0] == -32768 && v[1] == 32767, "I16 to I32");
+    CHECK(st_read_values(st, "c", &dt, shape, sizeof shape, v, 2) && dt == MGPU_I32 && v[0] == -128 && v[1] == 127, "I8 to I32");
+    CHECK(st_read_values(st, "f", &dt, shape, sizeof shape, v, 3) && dt == MGPU_U8 && v[0] == 1 && v[1] == 0 && v[2] == 1, "BOOL to U8");
+    CHECK(mgpu_safetensors_read(st, "big", NULL) == NULL &&
+              err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'big'", "element 1 is 4294967296, outside int32's range"),
+          "an I64 beyond int32");
+    CHECK(mgpu_safetensors_read(st, "five", NULL) == NULL &&
+              err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'five' has 5 dimensions", "at most 4"),
+          "a 5-D tensor");
+    mgpu_safetensors_close(st);
+}
+
+/* the file Python's safetensors wrote, through the public reader */
+static void test_reader_python(void) {
+    char path[512], shape[96];
+    mgpu_safetensors* st;
+    mgpu_dtype dt = MGPU_U8;
+    double v[24];
+    snprintf(path, sizeof path, "%s/py.safetensors", FIXTURES);
+    st = mgpu_safetensors_open(path);
+    if (!st) {
+        SKIP("no Python fixture %s (%s)", path, mgpu_last_error());
+        return;
+    }
+    CHECK(mgpu_safetensors_count(st) == 9 && mgpu_safetensors_metadata(st, "author") &&
+              !strcmp(mgpu_safetensors_metadata(st, "author"), "gen_fixtures.py"),
+          "9 tensors and the author");
+    CHECK(st_read_values(st, "half", &dt, shape, sizeof shape, v, 3) && v[0] == 1.0 && v[1] == -2.0 && v[2] == 0.5, "numpy's float16");
+    CHECK(st_read_values(st, "longs", &dt, shape, sizeof shape, v, 4) && !strcmp(shape, "i32[2,2]@cpu") && v[3] == 4, "numpy's int64");
+    CHECK(st_read_values(st, "flags", &dt, shape, sizeof shape, v, 3) && v[0] == 1 && v[1] == 0 && v[2] == 1, "numpy's bool");
+    CHECK(st_read_values(st, "bytes", &dt, shape, sizeof shape, v, 10) && !strcmp(shape, "u8[5,1,2]@cpu") && v[9] == 9, "numpy's uint8");
+    CHECK(st_read_values(st, "layer.0.weight", &dt, shape, sizeof shape, v, 24) && v[0] == -1.0 && v[23] == 1.0, "numpy's linspace");
+    mgpu_safetensors_close(st);
+}
+
+/* damaged files through the public reader: NULL, and an error naming the operation and the file */
+static void test_reader_malformed(int iters) {
+    char path[512], good[512];
+    uint8_t *base, *m;
+    size_t n, cut;
+    mgpu_safetensors* st;
+    int i, accepted = 0, bad = 0;
+    st = mgpu_safetensors_open(NULL);
+    CHECK(!st && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_safetensors_open", "NULL path"), "NULL path");
+    snprintf(path, sizeof path, "%s/no/such.safetensors", g_dir);
+    st = mgpu_safetensors_open(path);
+    CHECK(!st && err_is(mgpu_last_result(), MGPU_ERROR_IO, "mgpu_safetensors_open", "No such file"), "a missing file");
+    st = mgpu_safetensors_open(g_dir);
+    CHECK(!st && err_is(mgpu_last_result(), MGPU_ERROR_IO, "mgpu_safetensors_open", g_dir), "a directory");
+    snprintf(good, sizeof good, "%s/good.safetensors", g_dir);
+    if (write_known(good) != MGPU_OK || !(base = read_file(good, &n))) { CHECK(0, "base file"); return; }
+    snprintf(path, sizeof path, "%s/cut.safetensors", g_dir);
+    for (cut = 0; cut < n; cut += (cut < 16 || n - cut < 16) ? 1 : 37) {   /* every truncation is refused */
+        write_file(path, base, cut);
+        st = mgpu_safetensors_open(path);
+        if (st || mgpu_last_result() != MGPU_ERROR_BAD_FILE || !strstr(mgpu_last_error(), "mgpu_safetensors_open") ||
+            !strstr(mgpu_last_error(), path)) {
+            CHECK(0, "truncated to %zu of %zu bytes: %s", cut, n, st ? "accepted" : mgpu_last_error());
+            bad++;
+        }
+        mgpu_safetensors_close(st);
+    }
+    CHECK(bad == 0, "every truncation of the file is refused with MGPU_ERROR_BAD_FILE naming the file");
+    write_file(path, base, 12);
+    CHECK(!mgpu_safetensors_open(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, "mgpu_safetensors_open", "larger than the rest"),
+          "a cut header");
+    CHECK(write_st_bytes(path, "{\"t\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", NULL, 0) &&
+              !mgpu_safetensors_open(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, "tensor 't'", "beyond the end"),
+          "a tensor beyond the end");
+    /* mutated files: never a crash (ASan watches); whatever opens reads every tensor in bounds */
+    m = (uint8_t*)malloc(n);
+    for (i = 0; i < iters; ++i) {
+        size_t pos = 8 + rnd() % (n - 8), len = n;
+        int t;
+        memcpy(m, base, n);
+        m[pos] = (uint8_t)("{}[]\":,0123456789-.eE\\ \xff"[rnd() % 25]);
+        if (rnd() % 4 == 0) len = rnd() % (n + 1);
+        write_file(path, m, len);
+        st = mgpu_safetensors_open(path);
+        if (!st) {
+            if (mgpu_last_result() == MGPU_OK || !strstr(mgpu_last_error(), "mgpu_safetensors_open")) bad++;
+            continue;
+        }
+        accepted++;
+        for (t = 0; t < mgpu_safetensors_count(st); ++t) {
+            mgpu_safetensors_info in;
+            mgpu_tensor* x;
+            if (mgpu_safetensors_get_info(st, t, &in) != MGPU_OK) { bad++; continue; }
+            x = mgpu_safetensors_read(st, in.name, NULL);
+            if (!x && in.ndim <= 4 && strcmp(in.dtype, "I64") != 0) bad++;
+            mgpu_tensor_destroy(x);
+        }
+        mgpu_safetensors_close(st);
+    }
+    CHECK(bad == 0, "mutated files: every refusal explained, every accepted tensor readable (%d bad)", bad);
+    printf("   public reader: %d mutated files, %d opened\n", iters, accepted);
+    free(m);
+    free(base);
+}
+
+/* build/test_io GROUP (or TEST_ONLY=GROUP) runs only the groups whose call contains GROUP, as in
+   the suites built on tests/test.h; a filter that matches nothing fails. */
+static const char* g_only;
+static int g_groups;
+#define TEST_GROUP(call) do { if (!g_only || strstr(#call, g_only)) { g_groups++; call; } } while (0)
+
+int main(int argc, char** argv) {
     char cmd[300];
     double t0 = now_s();
+    g_only = argc > 1 ? argv[1] : getenv("TEST_ONLY");
+    if (g_only && !*g_only) g_only = NULL;
     g_verbose = getenv("TEST_VERBOSE") != NULL;
     strcpy(g_dir, "/tmp/mgpu_io_test.XXXXXX");
     if (!mkdtemp(g_dir)) { perror("mkdtemp"); return 2; }
     chmod(g_dir, 0755); /* the unwritable-directory test runs as `nobody` when we are root */
     mkdir(FIXTURES, 0755);
     printf("== gzip\n");
-    test_gzip();
-    test_gzip_random_bodies(50000);
-    test_mnist();
+    TEST_GROUP(test_gzip());
+    TEST_GROUP(test_gzip_random_bodies(50000));
+    TEST_GROUP(test_mnist());
     printf("== IDX\n");
-    test_idx();
+    TEST_GROUP(test_idx());
     printf("== safetensors\n");
-    test_st_good_json();
-    test_st_malformed();
-    test_st_roundtrip();
-    test_st_python();
-    test_st_fuzz(20000);
-    test_st_writer_errors();
+    TEST_GROUP(test_st_good_json());
+    TEST_GROUP(test_st_malformed());
+    TEST_GROUP(test_st_roundtrip());
+    TEST_GROUP(test_st_python());
+    TEST_GROUP(test_st_fuzz(20000));
+    TEST_GROUP(test_st_writer_errors());
+    printf("== the public safetensors reader\n");
+    TEST_GROUP(test_reader_roundtrip());
+    TEST_GROUP(test_reader_dtypes());
+    TEST_GROUP(test_reader_python());
+    TEST_GROUP(test_reader_malformed(2000));
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
     if (system(cmd) != 0) printf("note: could not remove %s\n", g_dir);
     printf("(%.1f s)\n", now_s() - t0);
+    if (g_only && g_groups == 0) { g_fail++; printf("  FAIL no group of test_io matches '%s'\n", g_only); }
     printf("%d passed, %d failed, %d skipped\n", g_pass, g_fail, g_skip);
     return g_fail ? 1 : 0;
 }

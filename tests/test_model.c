@@ -17,6 +17,8 @@
    7. checkpoints: round trips, exact resume, every kind of bad file, atomic save
    8. IDX data sets (plain and gzipped) and the shuffling loader; Fashion-MNIST when installed
    9. CUDA twins of the above (a skip each without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
+   11-13. the API a harness needs: part of a file (prefix, extra tensors), user metadata,
+      parameters and gradients by name, optimizer state by name and a reset (and their CUDA twin)
 
    The input gradient of a layer is checked by putting a custom "AddInput" layer in front of it:
    y = x + P with a learnable P of the whole batch's shape, so dL/dP is exactly the layer's dx and
@@ -2912,6 +2914,559 @@ static void test_review_regressions(void) {
 }
 
 /* ============================================================================================ */
+/* 11. the API a harness needs: checkpoints with more than the model, user metadata             */
+/* ============================================================================================ */
+/* A PyTorch-style file: the model's tensors under "model.", an encoder's beside them. */
+static int write_prefixed(const char* path, const char* prefix, int extra, int drop_last, const char* meta_json) {
+    st_item it[8];
+    char names[8][96];
+    int n = 0, k;
+    static const char* const base[4] = {"0.weight", "0.bias", "2.weight", "2.bias"};
+    static const int64_t rows[4] = {12, 12, 3, 3}, cols[4] = {6, 0, 12, 0};
+    memset(it, 0, sizeof it);
+    if (extra) {
+        it[n].name = "encoder.0.weight"; it[n].dtype = "F16"; it[n].ndim = 2; it[n].shape[0] = 2; it[n].shape[1] = 2; it[n].bytes = 8;
+        n++;
+    }
+    for (k = 0; k < 4 - drop_last; ++k, ++n) {
+        snprintf(names[n], sizeof names[n], "%s%s", prefix, base[k]);
+        it[n].name = names[n];
+        it[n].dtype = "F32";
+        it[n].ndim = cols[k] ? 2 : 1;
+        it[n].shape[0] = rows[k];
+        it[n].shape[1] = cols[k];
+        it[n].bytes = (size_t)(rows[k] * (cols[k] ? cols[k] : 1)) * 4;
+    }
+    if (extra) {
+        it[n].name = "lm_head.bias"; it[n].dtype = "F32"; it[n].ndim = 1; it[n].shape[0] = 5; it[n].bytes = 20;
+        n++;
+    }
+    return write_st(path, it, n, meta_json);
+}
+
+/* parameter `name` of replica r equals the file's tensor `file_name`, bit for bit */
+static int param_equals_file(const mgpu_model* m, int r, const char* name, const char* path, const char* file_name) {
+    mgpu_safetensors* st = mgpu_safetensors_open(path);
+    mgpu_tensor* want = st ? mgpu_safetensors_read(st, file_name, NULL) : NULL;
+    mgpu_tensor* have = mgpu_model_param(m, r, name);
+    int ok = 0;
+    if (want && have && mgpu_tensor_numel(want) == mgpu_tensor_numel(have)) {
+        float* h = fbuf(mgpu_tensor_numel(have));
+        tget(have, h);
+        ok = same_bits(h, mgpu_tensor_data(want), mgpu_tensor_bytes(want));
+        free(h);
+    }
+    if (!ok) printf("   %s vs %s:%s: %s\n", name, path, file_name, want && have ? "values differ" : mgpu_last_error());
+    mgpu_tensor_destroy(want);
+    mgpu_safetensors_close(st);
+    return ok;
+}
+
+static void test_load_ex(void) {
+    char path[512], path2[512];
+    mgpu_load_desc ld;
+    mgpu_model *m, *m2;
+    mgpu_device_set* set2 = mgpu_device_set_create("cpu:2");
+    float* before;
+    header("11. loading part of a file (prefix, extra tensors), user metadata");
+    memset(&ld, 0, sizeof ld);
+    m = ck_model(21, 0);
+    m2 = set2 ? MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 22, mgpu_layer_linear(6, 12), mgpu_layer_relu(), mgpu_layer_linear(12, 3)) : NULL;
+    if (!m || !m2) goto done;
+    tpath(path, sizeof path, "prefixed.safetensors");
+    CHECK(write_prefixed(path, "model.", 1, 0, "\"format\":\"pt\""), "write %s", path);
+    before = get_flat(m, 0);
+    /* today's strict load: no tensor "0.weight", and a hint at the prefix */
+    expect_fail(mgpu_model_load(m, NULL, path), MGPU_ERROR_BAD_FILE, "prefixed file, plain load", "no tensor '0.weight'",
+                "it has 'model.0.weight'", "prefix to 'model.'");
+    /* the prefix alone: the extra tensors are still refused */
+    ld.prefix = "model.";
+    expect_fail(mgpu_model_load_ex(m, NULL, path, &ld), MGPU_ERROR_BAD_FILE, "prefix, strict", "mgpu_model_load",
+                "unexpected tensor 'encoder.0.weight'", "allow_extra");
+    {
+        float* p = get_flat(m, 0);
+        CHECK(same_bits(p, before, (size_t)flat_n(m) * 4), "a refused load changed the model");
+        free(p);
+    }
+    /* prefix and extra tensors allowed: the model's four load, on both replicas */
+    ld.allow_extra = 1;
+    MUST(mgpu_model_load_ex(m, NULL, path, &ld));
+    MUST(mgpu_model_load_ex(m2, NULL, path, &ld));
+    CHECK(param_equals_file(m, 0, "0.weight", path, "model.0.weight") && param_equals_file(m, 0, "2.bias", path, "model.2.bias"),
+          "prefix + allow_extra: the parameters are the file's");
+    CHECK(param_equals_file(m2, 1, "2.weight", path, "model.2.weight") && replicas_identical(m2),
+          "prefix + allow_extra into cpu:2: replica 1 holds the file's parameters");
+    /* a missing model tensor is an error, extra tensors allowed or not */
+    CHECK(write_prefixed(path, "model.", 1, 1, NULL), "write %s", path);
+    expect_fail(mgpu_model_load_ex(m, NULL, path, &ld), MGPU_ERROR_BAD_FILE, "missing tensor with allow_extra", "mgpu_model_load",
+                "no tensor 'model.2.bias'", NULL);
+    /* no prefix, extra tensors allowed: an mgpu checkpoint with more in it */
+    CHECK(write_prefixed(path, "", 1, 0, NULL), "write %s", path);
+    ld.prefix = NULL;
+    MUST(mgpu_model_load_ex(m, NULL, path, &ld));
+    CHECK(param_equals_file(m, 0, "0.bias", path, "0.bias"), "allow_extra without a prefix");
+    /* a zeroed desc, and NULL, are today's strict load */
+    memset(&ld, 0, sizeof ld);
+    expect_fail(mgpu_model_load_ex(m, NULL, path, &ld), MGPU_ERROR_BAD_FILE, "a zeroed desc is strict", "unexpected tensor", NULL, NULL);
+    expect_fail(mgpu_model_load_ex(m, NULL, path, NULL), MGPU_ERROR_BAD_FILE, "a NULL desc is strict", "unexpected tensor", NULL, NULL);
+    CHECK(write_prefixed(path, "", 0, 0, NULL), "write %s", path);
+    MUST(mgpu_model_load_ex(m, NULL, path, &ld));
+    /* a prefix too long for any name */
+    {
+        char longp[300];
+        memset(longp, 'p', sizeof longp - 1);
+        longp[sizeof longp - 1] = 0;
+        ld.prefix = longp;
+        expect_fail(mgpu_model_load_ex(m, NULL, path, &ld), MGPU_ERROR_INVALID_ARGUMENT, "a 299-byte prefix", "prefix", "at most 256", NULL);
+        ld.prefix = NULL;
+    }
+    /* the optimizer's state under the prefix: "optimizer." + prefix + name + "." + state */
+    {
+        mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+        mgpu_optimizer* o;
+        st_item it[8];
+        d.momentum = 0.9f;
+        o = mgpu_optimizer_create(m, &d);
+        tpath(path2, sizeof path2, "prefixed_opt.safetensors");
+        memset(it, 0, sizeof it);
+        it[0].name = "net.0.weight"; it[0].dtype = "F32"; it[0].ndim = 2; it[0].shape[0] = 12; it[0].shape[1] = 6; it[0].bytes = 288;
+        it[1].name = "net.0.bias"; it[1].dtype = "F32"; it[1].ndim = 1; it[1].shape[0] = 12; it[1].bytes = 48;
+        it[2].name = "net.2.weight"; it[2].dtype = "F32"; it[2].ndim = 2; it[2].shape[0] = 3; it[2].shape[1] = 12; it[2].bytes = 144;
+        it[3].name = "net.2.bias"; it[3].dtype = "F32"; it[3].ndim = 1; it[3].shape[0] = 3; it[3].bytes = 12;
+        it[4] = it[0]; it[4].name = "optimizer.net.0.weight.momentum_buffer";
+        it[5] = it[1]; it[5].name = "optimizer.net.0.bias.momentum_buffer";
+        it[6] = it[2]; it[6].name = "optimizer.net.2.weight.momentum_buffer";
+        it[7] = it[3]; it[7].name = "optimizer.net.2.bias.momentum_buffer";
+        CHECK(write_st(path2, it, 8, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"3\""), "write %s", path2);
+        ld.prefix = "net.";
+        if (o) {
+            mgpu_tensor* buf;
+            MUST(mgpu_model_load_ex(m, o, path2, &ld));
+            CHECK(mgpu_optimizer_step_count(o) == 3, "the step count of a prefixed file: %lld", (long long)mgpu_optimizer_step_count(o));
+            buf = mgpu_optimizer_state(o, 0, "2.weight", "momentum_buffer");
+            {
+                mgpu_safetensors* st = mgpu_safetensors_open(path2);
+                mgpu_tensor* want = st ? mgpu_safetensors_read(st, "optimizer.net.2.weight.momentum_buffer", NULL) : NULL;
+                float h[36];
+                if (buf && want) tget(buf, h);
+                CHECK(buf && want && same_bits(h, mgpu_tensor_data(want), sizeof h), "the prefixed momentum buffer is loaded");
+                mgpu_tensor_destroy(want);
+                mgpu_safetensors_close(st);
+            }
+        }
+        mgpu_optimizer_destroy(o);
+        ld.prefix = NULL;
+    }
+    free(before);
+done:
+    mgpu_model_destroy(m);
+    mgpu_model_destroy(m2);
+    mgpu_device_set_destroy(set2);
+}
+
+static void test_user_metadata(void) {
+    char path[512], path2[512];
+    mgpu_model* m = ck_model(31, 0);
+    mgpu_optimizer_desc d = odesc(MGPU_ADAMW, 1e-3f);
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    mgpu_save_desc sd;
+    mgpu_metadata meta[3];
+    mgpu_safetensors* st;
+    uint8_t *a, *b;
+    size_t na = 0, nb = 0;
+    if (!m || !o) goto done;
+    memset(&sd, 0, sizeof sd);
+    meta[0].key = "input.mean"; meta[0].value = "0.2860";
+    meta[1].key = "input.std"; meta[1].value = "0.3530";
+    meta[2].key = "note \xc3\xa9"; meta[2].value = "quotes \" and \\ and\nnewline";
+    sd.metadata = meta;
+    sd.metadata_count = 3;
+    tpath(path, sizeof path, "meta.safetensors");
+    MUST(mgpu_model_save_ex(m, o, path, &sd));
+    st = mgpu_safetensors_open(path);
+    CHECK(st != NULL, "open the checkpoint: %s", mgpu_last_error());
+    if (st) {
+        const char* mean = mgpu_safetensors_metadata(st, "input.mean");
+        const char* sdv = mgpu_safetensors_metadata(st, "input.std");
+        const char* note = mgpu_safetensors_metadata(st, "note \xc3\xa9");
+        const char* fmt = mgpu_safetensors_metadata(st, "format");
+        const char* step = mgpu_safetensors_metadata(st, "mgpu.step");
+        CHECK(mean && !strcmp(mean, "0.2860") && sdv && !strcmp(sdv, "0.3530"), "the user's metadata reads back");
+        CHECK(note && !strcmp(note, "quotes \" and \\ and\nnewline"), "escaped characters round trip");
+        CHECK(fmt && !strcmp(fmt, "pt") && step && !strcmp(step, "0"), "mgpu's own metadata is still there");
+        CHECK(mgpu_safetensors_metadata_count(st) == 6 + 3, "6 entries of mgpu's and 3 of the user's, not %d",
+              mgpu_safetensors_metadata_count(st));
+        CHECK(mgpu_safetensors_find(st, "optimizer.0.weight.exp_avg") >= 0, "the optimizer state is in the file");
+        mgpu_safetensors_close(st);
+    }
+    MUST(mgpu_model_load(m, o, path));   /* the user's entries do not disturb a load */
+    /* a zeroed desc, or NULL, writes exactly what mgpu_model_save writes */
+    tpath(path2, sizeof path2, "meta_plain.safetensors");
+    MUST(mgpu_model_save(m, o, path2));
+    a = read_file(path2, &na);
+    memset(&sd, 0, sizeof sd);
+    MUST(mgpu_model_save_ex(m, o, path2, &sd));
+    b = read_file(path2, &nb);
+    CHECK(a && b && na == nb && same_bits(a, b, na), "save_ex with a zeroed desc writes the bytes save writes");
+    free(b);
+    MUST(mgpu_model_save_ex(m, o, path2, NULL));
+    b = read_file(path2, &nb);
+    CHECK(a && b && na == nb && same_bits(a, b, na), "save_ex with NULL writes the bytes save writes");
+    free(b);
+    /* bad entries: an error naming the entry, and the file on disk untouched */
+    {
+        static const struct { const char* key; const char* value; const char* says; } bad[] = {
+            {"format", "np", "reserved"},
+            {"mgpu.step", "7", "reserved"},
+            {"mgpu.mine", "x", "reserved"},
+            {"", "x", "empty"},
+            {NULL, "x", "NULL"},
+            {"k", NULL, "value is NULL"},
+            {"\xff", "x", "UTF-8"},
+            {"k", "\xc3", "UTF-8"},
+        };
+        char longkey[200], longval[1100];
+        size_t i;
+        memset(longkey, 'k', 128); longkey[128] = 0;
+        memset(longval, 'v', 1024); longval[1024] = 0;
+        sd.metadata = meta;
+        sd.metadata_count = 2;
+        for (i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+            char what[96];
+            meta[1].key = bad[i].key;
+            meta[1].value = bad[i].value;
+            snprintf(what, sizeof what, "metadata entry %d ('%s')", (int)i, bad[i].key ? bad[i].key : "NULL");
+            expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, what, "mgpu_model_save", "metadata entry 1",
+                        bad[i].says);
+        }
+        meta[1].key = longkey; meta[1].value = "x";
+        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a 128-byte key", "metadata entry 1",
+                    "at most 127", NULL);
+        meta[1].key = "k"; meta[1].value = longval;
+        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a 1024-byte value", "metadata entry 1",
+                    "at most 1023", NULL);
+        meta[1].key = "input.mean"; meta[1].value = "1";
+        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a key twice", "'input.mean'", "twice", NULL);
+        sd.metadata_count = -1;
+        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a negative count", "-1 metadata entries", NULL,
+                    NULL);
+        sd.metadata = NULL;
+        sd.metadata_count = 1;
+        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "entries without an array", "metadata", NULL,
+                    NULL);
+        b = read_file(path2, &nb);
+        CHECK(a && b && na == nb && same_bits(a, b, na), "refused saves left the file as it was");
+        free(b);
+    }
+    free(a);
+done:
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+}
+
+/* ============================================================================================ */
+/* 12. the API a harness needs: parameters and gradients by name, bad indices                   */
+/* ============================================================================================ */
+static void test_named_views(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_device_set* set2 = mgpu_device_set_create("cpu:2");
+    mgpu_model* m = set2 ? MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 41, mgpu_layer_linear(6, 12), mgpu_layer_relu(),
+                                 mgpu_layer_linear(12, 3)) : NULL;
+    mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    float xs[8 * 6];
+    int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+    header("12. parameters and gradients by name; bad indices");
+    if (!m || !o) goto done;
+    rnd_normal(xs, 48, 1.0);
+    {
+        mgpu_tensor* x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+        mgpu_tensor* y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));   /* leaves its reduced gradients in place */
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    {
+        int r, i, ok = 1;
+        for (r = 0; r < 2; ++r) {
+            float* flat = get_flat(m, r);
+            float* grads = get_grads(m, r);
+            for (i = 0; i < mgpu_model_tensor_count(m); ++i) {
+                const char* name = mgpu_model_tensor_name(m, i);
+                mgpu_tensor* p = mgpu_model_param(m, r, name);
+                mgpu_tensor* g = mgpu_model_grad(m, r, name);
+                float* h = fbuf(tnumel(m, i));
+                ok &= p == mgpu_model_tensor(m, r, i) && g && mgpu_shape_equal(mgpu_tensor_shape(g), mgpu_tensor_shape(p));
+                if (!p || !g) { free(h); ok = 0; continue; }
+                tget(g, h);
+                ok &= same_bits(h, grads + toff(m, i), (size_t)tnumel(m, i) * 4);
+                tget(p, h);
+                ok &= same_bits(h, flat + toff(m, i), (size_t)tnumel(m, i) * 4);
+                free(h);
+            }
+            free(flat);
+            free(grads);
+        }
+        CHECK(ok, "every parameter and gradient by name is its slice of the flat buffers, on both replicas");
+    }
+    {   /* a view is the model's storage: writing it writes the parameter */
+        float b[3] = {1.5f, -2.5f, 3.5f};
+        float* flat;
+        MUST(mgpu_tensor_upload(mgpu_model_param(m, 1, "2.bias"), b, sizeof b));
+        flat = get_flat(m, 1);
+        CHECK(same_bits(flat + toff(m, 3), b, sizeof b), "writing mgpu_model_param writes the model");
+        free(flat);
+    }
+    expect_null(mgpu_model_grad(m, 0, "1.weight"), MGPU_ERROR_INVALID_ARGUMENT, "an unknown name", "mgpu_model_grad",
+                "no parameter '1.weight'", "'0.weight', '0.bias', '2.weight', '2.bias'");
+    expect_null(mgpu_model_param(m, 0, "weight"), MGPU_ERROR_INVALID_ARGUMENT, "a bare name", "mgpu_model_param", "'weight'", NULL);
+    expect_null(mgpu_model_param(m, 0, NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL name", "mgpu_model_param", "NULL name", NULL);
+    expect_null(mgpu_model_grad(m, 2, "0.weight"), MGPU_ERROR_INVALID_ARGUMENT, "replica 2 of 2", "mgpu_model_grad", "replica 2",
+                "with 2");
+    expect_null(mgpu_model_grad(NULL, 0, "0.weight"), MGPU_ERROR_INVALID_ARGUMENT, "a NULL model", "mgpu_model_grad", "NULL model", NULL);
+    /* the index getters say what is wrong too */
+    expect_null(mgpu_model_params(m, 2), MGPU_ERROR_INVALID_ARGUMENT, "params of replica 2", "mgpu_model_params", "replica 2", NULL);
+    expect_null(mgpu_model_params(m, -1), MGPU_ERROR_INVALID_ARGUMENT, "params of replica -1", "mgpu_model_params", "replica -1", NULL);
+    expect_null(mgpu_model_grads(m, 5), MGPU_ERROR_INVALID_ARGUMENT, "grads of replica 5", "mgpu_model_grads", "replica 5", NULL);
+    expect_null(mgpu_model_tensor(m, 0, 4), MGPU_ERROR_INVALID_ARGUMENT, "tensor 4 of 4", "mgpu_model_tensor", "tensor 4", "with 4");
+    expect_null(mgpu_model_tensor(m, 3, 0), MGPU_ERROR_INVALID_ARGUMENT, "tensor of replica 3", "mgpu_model_tensor", "replica 3", NULL);
+    expect_null(mgpu_model_tensor_name(m, -1), MGPU_ERROR_INVALID_ARGUMENT, "name of tensor -1", "mgpu_model_tensor_name", "tensor -1",
+                NULL);
+    expect_null(mgpu_model_tensor_name(NULL, 0), MGPU_ERROR_INVALID_ARGUMENT, "name from a NULL model", "mgpu_model_tensor_name",
+                "NULL model", NULL);
+    expect_null(mgpu_model_params(NULL, 0), MGPU_ERROR_INVALID_ARGUMENT, "params of a NULL model", "mgpu_model_params", "NULL model",
+                NULL);
+done:
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set2);
+}
+
+/* ============================================================================================ */
+/* 13. the API a harness needs: optimizer state by name, and a reset                            */
+/* ============================================================================================ */
+/* state `state` of parameter `param` on replica r, downloaded (NULL when there is none) */
+static float* get_state(mgpu_optimizer* o, int r, const char* param, const char* state, int64_t* n) {
+    mgpu_tensor* t = mgpu_optimizer_state(o, r, param, state);
+    float* h;
+    if (!t) { CHECK(0, "mgpu_optimizer_state(%d, %s, %s): %s", r, param, state, mgpu_last_error()); return NULL; }
+    *n = mgpu_tensor_numel(t);
+    h = fbuf(*n);
+    tget(t, h);
+    return h;
+}
+
+static void test_optimizer_state(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_device_set* set2 = mgpu_device_set_create("cpu:2");
+    mgpu_optimizer_desc d;
+    mgpu_model *m = NULL, *m2 = NULL;
+    mgpu_optimizer *o = NULL, *o2 = NULL;
+    mgpu_tensor *x = NULL, *y = NULL;
+    float xs[8 * 6];
+    int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+    int64_t n = 0, i;
+    float *s, *g, *s1, *p1, *p2;
+    char path[512];
+    header("13. optimizer state by name, reset");
+    rnd_normal(xs, 48, 1.0);
+    x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+    y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+    if (!set2) goto done;
+
+    /* SGD with momentum on two replicas: the buffer is zero, then the first gradient (PyTorch's
+       first step), then momentum * buffer + gradient */
+    d = odesc(MGPU_SGD, 0.1f);
+    d.momentum = 0.9f;
+    m = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 51, mgpu_layer_linear(6, 12), mgpu_layer_relu(), mgpu_layer_linear(12, 3));
+    o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    if (!m || !o) goto done;
+    s = get_state(o, 1, "0.weight", "momentum_buffer", &n);
+    if (s) {
+        int64_t nz = 0;
+        for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+        CHECK(n == 72 && nz == 0, "before the first step the momentum buffer is 72 zeros (%lld nonzero)", (long long)nz);
+    }
+    free(s);
+    CHECK(mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer") == mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer"),
+          "the same view on every call (owned by the optimizer)");
+    MUST(mgpu_model_train_step(m, o, x, y, NULL));
+    s = get_state(o, 1, "2.weight", "momentum_buffer", &n);
+    g = fbuf(36);
+    tget(mgpu_model_grad(m, 1, "2.weight"), g);
+    CHECK(s && same_bits(s, g, 36 * 4), "after the first step the momentum buffer is the gradient");
+    s1 = s;
+    MUST(mgpu_model_train_step(m, o, x, y, NULL));
+    s = get_state(o, 0, "2.weight", "momentum_buffer", &n);
+    tget(mgpu_model_grad(m, 0, "2.weight"), g);
+    if (s && s1) {
+        double err = 0.0;
+        for (i = 0; i < 36; ++i) err = fmax(err, fabs((double)s[i] - (0.9 * s1[i] + g[i])) / fmax(fabs(s[i]), 1e-6));
+        CHECK(err < 1e-6, "after the second step: 0.9 * buffer + gradient (rel err %.3g)", err);
+    }
+    free(s); free(s1); free(g);
+    expect_null(mgpu_optimizer_state(o, 0, "0.weight", "exp_avg"), MGPU_ERROR_INVALID_ARGUMENT, "exp_avg of SGD",
+                "mgpu_optimizer_state", "SGD keeps momentum_buffer", "not 'exp_avg'");
+    expect_null(mgpu_optimizer_state(o, 0, "0.weights", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "an unknown parameter",
+                "mgpu_optimizer_state", "no parameter '0.weights'", NULL);
+    expect_null(mgpu_optimizer_state(o, 2, "0.weight", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "replica 2 of 2",
+                "mgpu_optimizer_state", "replica 2", NULL);
+    expect_null(mgpu_optimizer_state(o, 0, "0.weight", NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL state name",
+                "mgpu_optimizer_state", "NULL state", NULL);
+    expect_null(mgpu_optimizer_state(NULL, 0, "0.weight", "exp_avg"), MGPU_ERROR_INVALID_ARGUMENT, "a NULL optimizer",
+                "mgpu_optimizer_state", "NULL optimizer", NULL);
+    /* writing the view sets the state, and the checkpoint saves it */
+    {
+        float b[3] = {0.25f, -0.5f, 4.0f};
+        MUST(mgpu_tensor_upload(mgpu_optimizer_state(o, 0, "2.bias", "momentum_buffer"), b, sizeof b));
+        tpath(path, sizeof path, "state.safetensors");
+        MUST(mgpu_model_save(m, o, path));
+        check_st_tensor(path, "optimizer.2.bias.momentum_buffer", "[3]", b, 3);
+    }
+    /* reset: zero state, step 0; the next step is a fresh optimizer's, bit for bit */
+    MUST(mgpu_optimizer_reset(o));
+    CHECK(mgpu_optimizer_step_count(o) == 0, "reset: step count %lld", (long long)mgpu_optimizer_step_count(o));
+    s = get_state(o, 1, "0.bias", "momentum_buffer", &n);
+    if (s) {
+        int64_t nz = 0;
+        for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+        CHECK(nz == 0, "reset zeroes the state on every replica (%lld nonzero)", (long long)nz);
+    }
+    free(s);
+    m2 = MODEL(mgpu_shape1(6), set2, MGPU_LOSS_CROSS_ENTROPY, 52, mgpu_layer_linear(6, 12), mgpu_layer_relu(), mgpu_layer_linear(12, 3));
+    o2 = m2 ? mgpu_optimizer_create(m2, &d) : NULL;
+    if (m2 && o2) {
+        p1 = get_flat(m, 0);
+        put_flat(m2, 0, p1);
+        put_flat(m2, 1, p1);
+        free(p1);
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        MUST(mgpu_model_train_step(m2, o2, x, y, NULL));
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        MUST(mgpu_model_train_step(m2, o2, x, y, NULL));
+        p1 = get_flat(m, 1);
+        p2 = get_flat(m2, 1);
+        CHECK(same_bits(p1, p2, (size_t)flat_n(m) * 4), "after a reset the optimizer steps as a fresh one");
+        free(p1); free(p2);
+    }
+    expect_fail(mgpu_optimizer_reset(NULL), MGPU_ERROR_INVALID_ARGUMENT, "reset NULL", "mgpu_optimizer_reset", "NULL", NULL);
+    mgpu_optimizer_destroy(o); o = NULL;
+    mgpu_optimizer_destroy(o2); o2 = NULL;
+    mgpu_model_destroy(m2); m2 = NULL;
+
+    /* SGD without momentum keeps nothing */
+    d = odesc(MGPU_SGD, 0.1f);
+    o = mgpu_optimizer_create(m, &d);
+    if (o) {
+        expect_null(mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "plain SGD",
+                    "mgpu_optimizer_state", "SGD without momentum keeps no state", NULL);
+        MUST(mgpu_optimizer_reset(o));
+    }
+    mgpu_optimizer_destroy(o); o = NULL;
+
+    /* AdamW: exp_avg and exp_avg_sq after one step are (1 - beta1) g and (1 - beta2) g^2 */
+    d = odesc(MGPU_ADAMW, 1e-3f);
+    o = mgpu_optimizer_create(m, &d);
+    if (o) {
+        float* v;
+        MUST(mgpu_model_train_step(m, o, x, y, NULL));
+        s = get_state(o, 0, "0.bias", "exp_avg", &n);
+        v = get_state(o, 1, "0.bias", "exp_avg_sq", &n);
+        g = fbuf(12);
+        tget(mgpu_model_grad(m, 0, "0.bias"), g);
+        if (s && v) {
+            double err = 0.0;
+            const float one_minus_b1 = 1.0f - 0.9f, one_minus_b2 = 1.0f - 0.999f;   /* as the optimizer rounds them */
+            for (i = 0; i < 12; ++i) {
+                err = fmax(err, fabs(s[i] - (double)one_minus_b1 * g[i]) / fmax(fabs((double)one_minus_b1 * g[i]), 1e-12));
+                err = fmax(err, fabs(v[i] - (double)one_minus_b2 * g[i] * g[i]) / fmax((double)one_minus_b2 * g[i] * g[i], 1e-20));
+            }
+            CHECK(err < 1e-6, "AdamW's exp_avg and exp_avg_sq after one step (rel err %.3g)", err);
+        }
+        free(s); free(v); free(g);
+        expect_null(mgpu_optimizer_state(o, 0, "0.bias", "momentum_buffer"), MGPU_ERROR_INVALID_ARGUMENT, "momentum_buffer of AdamW",
+                    "mgpu_optimizer_state", "AdamW keeps exp_avg and exp_avg_sq", NULL);
+        MUST(mgpu_optimizer_reset(o));
+        s = get_state(o, 0, "2.weight", "exp_avg_sq", &n);
+        if (s) {
+            int64_t nz = 0;
+            for (i = 0; i < n; ++i) nz += s[i] != 0.0f;
+            CHECK(nz == 0 && mgpu_optimizer_step_count(o) == 0, "AdamW reset (%lld nonzero)", (long long)nz);
+        }
+        free(s);
+    }
+done:
+    mgpu_optimizer_destroy(o);
+    mgpu_optimizer_destroy(o2);
+    mgpu_model_destroy(m);
+    mgpu_model_destroy(m2);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_device_set_destroy(set2);
+}
+
+/* the same on a GPU: a file's tensor read onto it, gradients and optimizer state by name there */
+static void test_harness_api_cuda(void) {
+#ifdef MGPU_CUDA
+    if (g_gpu) {
+        mgpu_device* cpu = mgpu_device_cpu();
+        mgpu_model* m = MODEL(mgpu_shape1(6), g_gpu_set, MGPU_LOSS_CROSS_ENTROPY, 61, mgpu_layer_linear(6, 12), mgpu_layer_relu(),
+                              mgpu_layer_linear(12, 3));
+        mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+        mgpu_optimizer* o;
+        float xs[8 * 6];
+        int32_t ys[8] = {0, 1, 2, 0, 1, 2, 0, 1};
+        char path[512];
+        d.momentum = 0.9f;
+        o = m ? mgpu_optimizer_create(m, &d) : NULL;
+        if (m && o) {
+            mgpu_tensor *x, *y, *g, *b, *p, *r;
+            mgpu_safetensors* st;
+            float hg[72], hb[72], hp[72], hr[72];
+            rnd_normal(xs, 48, 1.0);
+            x = tfrom(cpu, mgpu_shape2(8, 6), xs);
+            y = tfrom_i32(cpu, mgpu_shape1(8), ys);
+            MUST(mgpu_model_train_step(m, o, x, y, NULL));
+            g = mgpu_model_grad(m, 0, "0.weight");
+            b = mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer");
+            CHECK(g && b && mgpu_tensor_device(g) == g_gpu && mgpu_tensor_device(b) == g_gpu, "views by name live on the GPU");
+            if (g && b) {
+                tget(g, hg);
+                tget(b, hb);
+                CHECK(same_bits(hg, hb, sizeof hg), "cuda: after the first step the momentum buffer is the gradient");
+            }
+            tpath(path, sizeof path, "gpu_read.safetensors");
+            MUST(mgpu_model_save(m, o, path));
+            st = mgpu_safetensors_open(path);
+            r = st ? mgpu_safetensors_read(st, "0.weight", g_gpu) : NULL;
+            p = mgpu_model_param(m, 0, "0.weight");
+            CHECK(r && mgpu_tensor_device(r) == g_gpu, "mgpu_safetensors_read onto the GPU: %s", mgpu_last_error());
+            if (r && p) {
+                tget(r, hr);
+                tget(p, hp);
+                CHECK(same_bits(hr, hp, sizeof hr), "cuda: the tensor read onto the GPU is the saved parameter");
+            }
+            MUST(mgpu_optimizer_reset(o));
+            if (b) {
+                int i, nz = 0;
+                tget(b, hb);
+                for (i = 0; i < 72; ++i) nz += hb[i] != 0.0f;
+                CHECK(nz == 0, "cuda: reset zeroes the state (%d nonzero)", nz);
+            }
+            mgpu_tensor_destroy(r);
+            mgpu_safetensors_close(st);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(y);
+            remove(path);
+        }
+        mgpu_optimizer_destroy(o);
+        mgpu_model_destroy(m);
+        return;
+    }
+#endif
+    gpu_group_note("reader, gradients and optimizer state by name");
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_model");
     test_select(argc, argv);
@@ -2944,6 +3499,11 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_data());
     TEST_GROUP(test_cuda_twins());
     TEST_GROUP(test_review_regressions());
+    TEST_GROUP(test_load_ex());
+    TEST_GROUP(test_user_metadata());
+    TEST_GROUP(test_named_views());
+    TEST_GROUP(test_optimizer_state());
+    TEST_GROUP(test_harness_api_cuda());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
