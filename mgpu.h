@@ -2011,8 +2011,12 @@ MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_
     mgpu_shape s;
     if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_view_rows: NULL tensor"); return NULL; }
     if (t->shape.ndim < 1 || start < 0 || count < 0 || start > t->shape.dim[0] - count) {
-        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: %lld rows from row %lld, outside %s",
-                   (long long)count, (long long)start, mgpu_tensor_describe(t, text, sizeof text));
+        if (start >= 0 && count >= 0 && count <= INT64_MAX - start)
+            mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: rows [%lld, %lld) outside %s", (long long)start,
+                       (long long)(start + count), mgpu_tensor_describe(t, text, sizeof text));
+        else   /* no end to print without overflowing */
+            mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_view_rows: %lld rows from row %lld, outside %s",
+                       (long long)count, (long long)start, mgpu_tensor_describe(t, text, sizeof text));
         return NULL;
     }
     s = t->shape;
@@ -2041,7 +2045,13 @@ MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i) {
     if (i < 0) i += t->shape.ndim;
     return i >= 0 && i < t->shape.ndim ? t->shape.dim[i] : 1;
 }
-MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t) { return t ? mgpu_shape_numel(t->shape) : 0; }
+MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t) {   /* a tensor's shape was checked when it was made */
+    int64_t n = 1;
+    int i;
+    if (!t) return 0;
+    for (i = 0; i < t->shape.ndim; ++i) n *= t->shape.dim[i];
+    return n;
+}
 MGPUDEF size_t mgpu_tensor_bytes(const mgpu_tensor* t) { return t ? (size_t)mgpu_tensor_numel(t) * mgpu_dtype_size(t->dtype) : 0; }
 MGPUDEF mgpu_dtype mgpu_tensor_dtype(const mgpu_tensor* t) { return t ? t->dtype : MGPU_F32; }
 MGPUDEF mgpu_device* mgpu_tensor_device(const mgpu_tensor* t) { return t ? t->storage->dev : NULL; }
