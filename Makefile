@@ -2,6 +2,7 @@
 #   make            build the CPU-only variant, and the CUDA variant when nvcc is found, into build/
 #   make test       run every test on both variants (CUDA tests report skips without a GPU)
 #   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU)
+#   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
 # Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder).
@@ -33,7 +34,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda compile-check demo bench gpu-check clean
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -70,6 +71,59 @@ $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
 
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
+
+# ---- the GPU emulator (tests/emu): mgpu_kernels.cu compiled as host C++, run on the CPU --------
+# libmgpuemu.so stands for -lcudart -lcublas; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
+# $(B)/emu holds the normal build, $(B)/emu-asan the AddressSanitizer + UBSan one.
+PYTHON   ?= python3
+EMU       = $(B)/emu
+EMU_ASAN  = $(B)/emu-asan
+EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/emu.h
+EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
+EMU_OPT   = -O2 -g
+EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
+EMU_TESTS = $(TESTS:%=$(EMU)/%) $(EMU)/test_emu
+EMU_BINS  = $(EMU)/libmgpuemu.so $(EMU)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(EMU)/bench \
+            $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
+emu: $(EMU_BINS)
+
+$(EMU) $(EMU_ASAN):
+	@mkdir -p $@
+
+$(EMU)/mgpu_kernels.cpp: mgpu_kernels.cu tests/emu/cu2cpp.py | $(EMU)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+$(EMU)/selfcheck.cpp: tests/emu/selfcheck.cu tests/emu/cu2cpp.py | $(EMU)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+
+# the kernels file as nvcc sees it, but for the host: `#pragma unroll` is nvcc's, hence -Wno-unknown-pragmas
+$(EMU)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU)
+	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -lpthread
+$(EMU)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU)/libmgpuemu.so | $(EMU)
+	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -L$(EMU) $(EMU_LINK) -lpthread
+$(EMU)/mgpu_kernels.o: $(EMU)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
+	$(EMU_CXX) $(EMU_OPT) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
+$(EMU)/test_%: tests/test_%.c $(HEADERS) $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+$(EMU)/test_emu: tests/emu/test_emu.c $(EMU)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
+	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU)/selfcheck.cpp -o $(EMU)/selfcheck.o
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU)/selfcheck.o $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
+$(B)/train_emu: examples/train.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+$(EMU)/bench: bench/bench.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
+
+# the same under AddressSanitizer + UBSan
+$(EMU_ASAN)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -lpthread
+$(EMU_ASAN)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_ASAN)/libmgpuemu.so | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -L$(EMU_ASAN) $(EMU_LINK) -lpthread
+$(EMU_ASAN)/mgpu_kernels.o: $(EMU)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -Wno-unknown-pragmas -I. -c $< -o $@
+$(EMU_ASAN)/test_%: tests/test_%.c $(HEADERS) $(EMU_ASAN)/mgpu_kernels.o $(EMU_ASAN)/libmgpuemu.so
+	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+
+test-emu: $(EMU_BINS)
+	@sh tests/emu/run.sh $(B)
 
 # The header alone: C99 and C++ with -Werror, included twice with the implementation once, and a
 # CPU-only program built with nothing but cc -std=c99 prog.c -lm -lpthread.
