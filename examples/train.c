@@ -136,6 +136,8 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
     memset(&d, 0, sizeof d);
     d.devices = set;
     d.seed = o->seed;
+    /* MGPU_VERIFY_EVERY=N: check every N steps that the replicas hold identical parameters (tests) */
+    d.verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0;
     d.input = mgpu_shape3(1, 28, 28);
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[4];
