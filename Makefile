@@ -83,7 +83,7 @@ EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
 EMU_OPT   = -O2 -g
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
 EMU_TESTS = $(TESTS:%=$(EMU)/%) $(EMU)/test_emu
-EMU_BINS  = $(EMU)/libmgpuemu.so $(EMU)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(EMU)/bench \
+EMU_BINS  = $(EMU)/libmgpuemu.so $(EMU)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU)/ckpt_diff \
             $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
 emu: $(EMU_BINS)
 
@@ -109,6 +109,8 @@ $(EMU)/test_emu: tests/emu/test_emu.c $(EMU)/selfcheck.cpp $(HEADERS) tests/emu/
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU)/selfcheck.o $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
 $(B)/train_emu: examples/train.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+$(EMU)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU)
+	$(CC) $(WARN) -O2 $< -o $@ -lm
 $(EMU)/bench: bench/bench.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
 
@@ -137,9 +139,9 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%)
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(EMU_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
+	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

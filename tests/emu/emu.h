@@ -21,6 +21,10 @@ typedef struct mgpu_emu_counters {
 } mgpu_emu_counters;
 void mgpu_emu_get_counters(mgpu_emu_counters* out);
 
+/* Fault injection from a test: the next `count` calls of `what` ("malloc": cudaMalloc; "launch":
+   kernel launches) fail (cudaErrorMemoryAllocation; cudaErrorLaunchOutOfResources). */
+void mgpu_emu_fail_next(const char* what, long count);
+
 /* for the fake NCCL */
 int mgpu_emu_device_count(void);
 int mgpu_emu_stream_device(void* stream);   /* -1: not a live stream; NULL is the current device's */

@@ -54,6 +54,7 @@
 #endif
 #endif
 #ifdef EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -69,7 +70,7 @@ struct config {
     size_t memory = (size_t)16384 << 20;
     int max_threads = 1024;
     size_t max_shared = 49152;
-    long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0;
+    long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0, fail_launch_count = 1;
     bool no_peer = false;
     uint64_t chaos = 0;
     int chaos_us = 300;
@@ -428,6 +429,9 @@ char* get_stack() {
         if (!g_stacks.empty()) {
             char* s = g_stacks.back();
             g_stacks.pop_back();
+#ifdef EMU_ASAN
+            __asan_unpoison_memory_region(s, conf().stack);   // frames of the thread it ran before
+#endif
             return s;
         }
     }
@@ -465,7 +469,7 @@ void resume(block_run* b, fiber* f) {
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, f->stack, conf().stack);
     emu_ctx_switch(&b->sched_sp, f->sp);
-    __sanitizer_finish_switch_fiber(fake, &tl_sched_bottom, &tl_sched_size);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
     emu_ctx_switch(&b->sched_sp, f->sp);
 #endif
@@ -559,6 +563,13 @@ void run_block(block_run* b) {
         } else {
             char why[256];
             describe_waits(b, why, sizeof why);
+            for (size_t w = 0; w < b->warps.size(); ++w) {   // a shuffle whose missing lanes are gone
+                const warp_state& ws = b->warps[w];
+                for (int l = 0; ws.arrived && l < 32; ++l)
+                    if ((ws.want & ~ws.arrived & (1u << l)) && b->state[w * 32 + l] == T_DONE)
+                        kernel_die(b, "a warp shuffle with missing lanes: warp %zu waits with mask 0x%08x, but lane %d "
+                                   "(thread %zu) has exited without joining it (%s)", w, ws.want, l, w * 32 + l, why);
+            }
             kernel_die(b, "deadlock: no thread can go on (%s)", why);
         }
         resume(b, f);
@@ -701,7 +712,7 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
         fail(cudaErrorInvalidConfiguration);
         return;
     }
-    if (cf.fail_launch && call == cf.fail_launch) {
+    if (cf.fail_launch && call >= cf.fail_launch && call < cf.fail_launch + cf.fail_launch_count) {
         destroy(args);
         fail(cudaErrorLaunchOutOfResources);
         return;
@@ -1340,6 +1351,20 @@ EMU_EXPORT void mgpu_emu_get_counters(mgpu_emu_counters* out) {
 }
 
 EMU_EXPORT int mgpu_emu_device_count(void) { return conf().devices; }
+
+EMU_EXPORT void mgpu_emu_fail_next(const char* what, long count) {
+    config& c = const_cast<config&>(conf());
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) {
+        c.fail_malloc = g_malloc_calls + 1;
+        c.fail_malloc_count = count;
+    } else if (!strcmp(what, "launch")) {
+        c.fail_launch = g_launch_calls + 1;
+        c.fail_launch_count = count;
+    } else {
+        die("mgpu_emu_fail_next: unknown fault \"%s\" (malloc or launch)", what);
+    }
+}
 
 EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
     cudaStream_t s = resolve((cudaStream_t)stream);
