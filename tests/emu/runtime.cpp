@@ -15,7 +15,9 @@
      and the shuffles. A divergent barrier, a shuffle with missing lanes or a deadlock aborts the
      program with the kernel's name.
    - Chaos: MGPU_EMU_CHAOS=SEED delays each queued task by 0..MGPU_EMU_CHAOS_US (default 300)
-     microseconds, so work that is not ordered by an event runs in a different order.
+     microseconds, so work that is not ordered by an event runs in a different order; and the
+     warps of a block leave a barrier in a random order, and lanes woken by a shuffle run
+     before the rest (a warp runs ahead), so a missing __syncthreads shows in other interleavings.
    - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
      after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
      launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices).
@@ -412,6 +414,19 @@ thread_local const void* tl_sched_bottom = nullptr;
 thread_local size_t tl_sched_size = 0;
 #endif
 
+// the scheduling choices of chaos mode, per worker thread
+thread_local uint64_t tl_chaos = 0;
+uint64_t chaos_next() {
+    if (!tl_chaos) {
+        static std::atomic<uint64_t> workers{0};
+        tl_chaos = (conf().chaos + 0x9E3779B97F4A7C15ull * ++workers) | 1;
+    }
+    tl_chaos ^= tl_chaos << 13;
+    tl_chaos ^= tl_chaos >> 7;
+    tl_chaos ^= tl_chaos << 17;
+    return tl_chaos;
+}
+
 __attribute__((format(printf, 2, 3), noreturn)) void kernel_die(const block_run* b, const char* fmt, ...) {
     char msg[768];
     va_list ap;
@@ -558,6 +573,16 @@ void run_block(block_run* b) {
                     b->state[t] = T_RUNNING;
                     b->runnable.push_back(b->owner[t]);
                 }
+            if (conf().chaos) {   // chaos: the warps leave the barrier in a random order
+                const size_t warps = (b->runnable.size() + 31) / 32;
+                std::vector<size_t> order(warps);
+                for (size_t w = 0; w < warps; ++w) order[w] = w;
+                for (size_t i = warps; i > 1; --i) std::swap(order[i - 1], order[chaos_next() % i]);
+                std::deque<fiber*> shuffled;
+                for (size_t w : order)
+                    for (size_t t = w * 32; t < w * 32 + 32 && t < b->runnable.size(); ++t) shuffled.push_back(b->runnable[t]);
+                b->runnable.swap(shuffled);
+            }
             b->at_barrier = 0;
             continue;
         } else {
@@ -684,7 +709,11 @@ uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
                 if (l != lane) {
                     b->state[warp * 32 + l] = T_RUNNING;
                     --b->at_shuffle;
-                    b->runnable.push_back(b->owner[warp * 32 + l]);
+                    // chaos: the woken lanes go first (the warp runs ahead of the others)
+                    if (conf().chaos)
+                        b->runnable.push_front(b->owner[warp * 32 + l]);
+                    else
+                        b->runnable.push_back(b->owner[warp * 32 + l]);
                 }
             }
         w.arrived = 0;

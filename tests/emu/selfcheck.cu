@@ -5,6 +5,8 @@
 // compiles it too.
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 // Per thread: __shfl_sync from lane 5, __shfl_down_sync by 1, __shfl_xor_sync by 3,
@@ -49,6 +51,67 @@ __global__ void deadlock_kernel(int* out) {
 
 __global__ void write_kernel(float* p) { p[threadIdx.x] = 1.0f; }
 
+// mgpu_kernels.cu's kernels whose shared memory is reused across iterations of a grid-stride loop:
+// sizes that make blocks loop, which the test suites' sizes do not reach (a missing
+// __syncthreads between the iterations shows here); and the block-wide softmax.
+extern "C" int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64_t cols, const float* x,
+                                  float* y);
+extern "C" int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
+                                    const float* x, float* out, float scale, int accumulate);
+extern "C" int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
+
+static int check(cudaError_t e, const char* what);
+
+static float value_at(size_t i) { return (float)((i * 2654435761u) % 1000) * 0.001f - 0.5f; }
+
+static int grid_loops(const char* which) {
+    const bool transpose = !strcmp(which, "transpose"), column = !strcmp(which, "column_sum");
+    // transpose: 65537 2x2 matrices (65537 tiles, so blocks 0 and 1 do two); column sums of
+    // [3, 2097153] (65536 blocks of 32 columns would be needed); softmax of [3, 2000] rows (the
+    // block-wide path)
+    const size_t batch = 65537, cols = transpose ? 2 : column ? 2097153 : 2000, rows = transpose ? 2 : 3;
+    const size_t n = transpose ? batch * rows * cols : rows * cols, out_n = column ? cols : n;
+    float *x = nullptr, *y = nullptr;
+    float* h = new float[n];
+    float* r = new float[out_n];
+    for (size_t i = 0; i < n; ++i) h[i] = value_at(i);
+    if (check(cudaMalloc(&x, n * sizeof(float)), "cudaMalloc") || check(cudaMalloc(&y, out_n * sizeof(float)), "cudaMalloc"))
+        return 1;
+    if (check(cudaMemcpyAsync(x, h, n * sizeof(float), cudaMemcpyDefault, 0), "upload")) return 1;
+    int rc = transpose ? mgpu__cu_transpose(0, nullptr, (int64_t)batch, (int64_t)rows, (int64_t)cols, x, y)
+             : column  ? mgpu__cu_channel_sum(0, nullptr, (int64_t)rows, (int64_t)cols, 1, x, y, 1.0f, 0)
+                       : mgpu__cu_softmax(0, nullptr, (int)rows, (int)cols, x, y);
+    if (rc != 0 || check(cudaMemcpyAsync(r, y, out_n * sizeof(float), cudaMemcpyDefault, 0), "download") ||
+        check(cudaStreamSynchronize(0), "sync"))
+        return 1;
+    int bad = 0;
+    for (size_t i = 0; i < out_n && bad < 5; ++i) {
+        double want;
+        if (transpose) {
+            const size_t b = i / (rows * cols), j = i % (rows * cols) / rows, k = i % rows;   // y[b][j][k] = x[b][k][j]
+            want = h[b * rows * cols + k * cols + j];
+        } else if (column) {
+            want = 0.0;
+            for (size_t q = 0; q < rows; ++q) want += h[q * cols + i];
+        } else {
+            const size_t row = i / cols;
+            double m = -1e30, s = 0.0;
+            for (size_t q = 0; q < cols; ++q) m = h[row * cols + q] > m ? h[row * cols + q] : m;
+            for (size_t q = 0; q < cols; ++q) s += exp((double)h[row * cols + q] - m);
+            want = exp((double)h[i] - m) / s;
+        }
+        if (!(fabs(r[i] - want) <= 1e-5 * (1.0 + fabs(want)))) {
+            fprintf(stderr, "selfcheck: %s: element %zu is %.9g, want %.9g\n", which, i, (double)r[i], want);
+            ++bad;
+        }
+    }
+    cudaFree(x);
+    cudaFree(y);
+    delete[] h;
+    delete[] r;
+    return bad != 0;
+}
+
 static int check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) fprintf(stderr, "selfcheck: %s: %s\n", what, cudaGetErrorName(e));
     return e == cudaSuccess ? 0 : 1;
@@ -78,6 +141,7 @@ extern "C" int selfcheck_run(const char* which) {
         }
         return bad != 0;
     }
+    if (!strcmp(which, "transpose") || !strcmp(which, "column_sum") || !strcmp(which, "softmax_wide")) return grid_loops(which);
     if (!strcmp(which, "launch_limits")) {   // too many threads: a launch error, not a crash
         write_kernel<<<1, 2048>>>((float*)d);
         return cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess ? 0 : 1;

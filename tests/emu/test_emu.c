@@ -198,6 +198,14 @@ int main(void) {
     header("the emulator checks itself");
     expect_ok("selfcheck:shuffles", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:launch_limits", "MGPU_EMU_DEVICES=1");
+    /* kernels that reuse shared memory across loop iterations, at sizes where blocks loop: in
+       the plain order and in two chaos orders */
+    expect_ok("selfcheck:transpose", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:column_sum", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=2");
+    expect_ok("selfcheck:column_sum", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=1");
     expect_report("selfcheck:divergent", "MGPU_EMU_DEVICES=1", "divergent_barrier_kernel", "divergent __syncthreads");
     expect_report("selfcheck:missing_lanes", "MGPU_EMU_DEVICES=1", "missing_lanes_kernel", "has exited");
     expect_report("selfcheck:deadlock", "MGPU_EMU_DEVICES=1", "deadlock_kernel", "deadlock");
