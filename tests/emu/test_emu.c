@@ -9,7 +9,8 @@
       mgpu's out-of-memory error, and the next allocation works); a small device (out of
       memory with the sizes in the message); a failed launch (the op's error names it, and the
       next op works); NCCL that loads and works, that is absent, that fails to initialise (mgpu
-      falls back to peer-to-peer with a notice); no peer access (the host-staged path).
+      falls back to peer-to-peer with a notice); the P2P ring and one-shot across 4 GPUs; no peer
+      access (the host-staged path).
    MGPU_EMU_NCCL names the emulated NCCL library (the Makefile passes build/emu/libnccl_emu.so). */
 #define _DEFAULT_SOURCE   /* fork, pipe, setenv, strtok_r */
 #define MGPU_IMPLEMENTATION
@@ -104,26 +105,29 @@ static int case_launch_failure(void) {
     return 0;
 }
 
-/* an all-reduce over cuda:0,1 asking for `ask`: the backend must be `want`, the sums right */
-static int case_allreduce(mgpu_allreduce_kind ask, mgpu_allreduce_kind want, const char* notice) {
-    mgpu_device_set* set = mgpu_device_set_create("cuda:0,1");
+/* an all-reduce over spec asking for `ask`: the backend must be `want`, the sums right (replica i
+   holds i + 1 everywhere) */
+static int case_allreduce(const char* spec, mgpu_allreduce_kind ask, mgpu_allreduce_kind want, const char* notice) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
     mgpu_allreduce* ar;
-    mgpu_tensor* t[2];
-    int i;
+    mgpu_tensor* t[8] = {0};
+    int i, n;
     mgpu_set_logger(capture_log, NULL);
-    NEED(set, "cuda:0,1: %s", mgpu_last_error());
+    NEED(set, "%s: %s", spec, mgpu_last_error());
+    n = mgpu_device_set_count(set);
+    NEED(n >= 1 && n <= 8, "%d devices", n);
     ar = mgpu_allreduce_create(set, ask);
     NEED(ar, "allreduce_create: %s", mgpu_last_error());
     NEED(mgpu_allreduce_backend(ar) == want, "backend %s, want %s", mgpu_allreduce_name(mgpu_allreduce_backend(ar)),
          mgpu_allreduce_name(want));
     NEED(!notice || strstr(g_log, notice), "no notice with \"%s\" (log: %s)", notice, g_log);
-    for (i = 0; i < 2; ++i) {
-        t[i] = mgpu_tensor_create(mgpu_device_set_get(set, i), MGPU_F32, mgpu_shape1(3001));
-        NEED(t[i] && mgpu_tensor_fill(t[i], i ? 0.25 : 1.5) == MGPU_OK, "tensor %d: %s", i, mgpu_last_error());
+    for (i = 0; i < n; ++i) {   /* 300001 floats: above the one-shot's 256 KiB across GPUs */
+        t[i] = mgpu_tensor_create(mgpu_device_set_get(set, i), MGPU_F32, mgpu_shape1(300001));
+        NEED(t[i] && mgpu_tensor_fill(t[i], i + 1.0) == MGPU_OK, "tensor %d: %s", i, mgpu_last_error());
     }
-    NEED(mgpu_allreduce_sum(ar, t, 2) == MGPU_OK, "all-reduce: %s", mgpu_last_error());
-    for (i = 0; i < 2; ++i) NEED(tensor_value_is(t[i], 1.75f), "replica %d holds the wrong sum", i);
-    for (i = 0; i < 2; ++i) mgpu_tensor_destroy(t[i]);
+    NEED(mgpu_allreduce_sum(ar, t, n) == MGPU_OK, "all-reduce: %s", mgpu_last_error());
+    for (i = 0; i < n; ++i) NEED(tensor_value_is(t[i], (float)(n * (n + 1) / 2)), "replica %d holds the wrong sum", i);
+    for (i = 0; i < n; ++i) mgpu_tensor_destroy(t[i]);
     mgpu_allreduce_destroy(ar);
     mgpu_device_set_destroy(set);
     return 0;
@@ -135,10 +139,13 @@ static int run_case(const char* name) {
     if (!strcmp(name, "oom")) return case_oom(1);
     if (!strcmp(name, "small device")) return case_small_device();
     if (!strcmp(name, "launch failure")) return case_launch_failure();
-    if (!strcmp(name, "nccl")) return case_allreduce(MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL, NULL);
-    if (!strcmp(name, "nccl absent")) return case_allreduce(MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
-    if (!strcmp(name, "nccl init fails")) return case_allreduce(MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
-    if (!strcmp(name, "no peer access")) return case_allreduce(MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+    if (!strcmp(name, "nccl")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL, NULL);
+    if (!strcmp(name, "nccl absent"))
+        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
+    if (!strcmp(name, "nccl init fails"))
+        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
+    if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+    if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     fprintf(stderr, "unknown case %s\n", name);
     return 1;
 }
@@ -218,7 +225,7 @@ int main(void) {
     expect_ok("small device", "MGPU_EMU_DEVICES=1 MGPU_EMU_MEMORY=256");
     expect_ok("launch failure", "MGPU_EMU_DEVICES=1");
     if (lib) {
-        snprintf(nccl, sizeof nccl, "MGPU_EMU_DEVICES=2 MGPU_NCCL_LIBRARY=%s", lib);
+        snprintf(nccl, sizeof nccl, "MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=%s", lib);
         expect_ok("nccl", nccl);
         snprintf(nccl_fail, sizeof nccl_fail, "%s MGPU_EMU_NCCL_FAIL=init", nccl);
         expect_ok("nccl init fails", nccl_fail);
@@ -226,7 +233,10 @@ int main(void) {
         SKIP("the emulated NCCL: MGPU_EMU_NCCL is not set");
     }
     expect_ok("nccl absent", "MGPU_EMU_DEVICES=2 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
-    snprintf(env, sizeof env, "MGPU_EMU_DEVICES=2 MGPU_EMU_NO_PEER=1 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
+    /* the P2P ring across 4 GPUs (above the one-shot's size), and the one-shot at every size */
+    expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring");
+    expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=oneshot");
+    snprintf(env, sizeof env, "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
     expect_ok("no peer access", env);
     return test_summary("test_emu");
 }
