@@ -161,8 +161,11 @@ $(B)/bench: bench/bench.c mgpu.h | $(B)
 $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
-bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench)
+# then what a training step asks of the GPUs (launches, syncs, allocations, bytes), on 1 and 4
+# emulated GPUs: the shape of a step, which sets its speed at these sizes on a real GPU
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU)/bench $(EMU)/libnccl_emu.so
 	sh bench/run.sh $<
+	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU))/libnccl_emu.so $(EMU)/bench emu
 
 # ---- on a machine with a GPU -----------------------------------------------------------------
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')
