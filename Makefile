@@ -1,7 +1,8 @@
 # mgpu: build, test, demo.
 #   make            build the CPU-only variant, and the CUDA variant when nvcc is found, into build/
 #   make test       run every test on both variants (CUDA tests report skips without a GPU)
-#   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU)
+#   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU); EMU=4 DEVICES=cuda:0,1,2,3
+#                   MAX_STEPS=200: on 4 emulated GPUs
 #   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
@@ -76,50 +77,50 @@ $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
 # libmgpuemu.so stands for -lcudart -lcublas; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
 # $(B)/emu holds the normal build, $(B)/emu-asan the AddressSanitizer + UBSan one.
 PYTHON   ?= python3
-EMU       = $(B)/emu
+EMU_DIR   = $(B)/emu
 EMU_ASAN  = $(B)/emu-asan
 EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/emu.h
 EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
 EMU_OPT   = -O2 -g
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
-EMU_TESTS = $(TESTS:%=$(EMU)/%) $(EMU)/test_emu
-EMU_BINS  = $(EMU)/libmgpuemu.so $(EMU)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU)/ckpt_diff \
+EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
+EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff \
             $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
 emu: $(EMU_BINS)
 
-$(EMU) $(EMU_ASAN):
+$(EMU_DIR) $(EMU_ASAN):
 	@mkdir -p $@
 
-$(EMU)/mgpu_kernels.cpp: mgpu_kernels.cu tests/emu/cu2cpp.py | $(EMU)
+$(EMU_DIR)/mgpu_kernels.cpp: mgpu_kernels.cu tests/emu/cu2cpp.py | $(EMU_DIR)
 	$(PYTHON) tests/emu/cu2cpp.py $< $@
-$(EMU)/selfcheck.cpp: tests/emu/selfcheck.cu tests/emu/cu2cpp.py | $(EMU)
+$(EMU_DIR)/selfcheck.cpp: tests/emu/selfcheck.cu tests/emu/cu2cpp.py | $(EMU_DIR)
 	$(PYTHON) tests/emu/cu2cpp.py $< $@
 
 # the kernels file as nvcc sees it, but for the host: `#pragma unroll` is nvcc's, hence -Wno-unknown-pragmas
-$(EMU)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU)
+$(EMU_DIR)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_DIR)
 	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -lpthread
-$(EMU)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU)/libmgpuemu.so | $(EMU)
-	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -L$(EMU) $(EMU_LINK) -lpthread
-$(EMU)/mgpu_kernels.o: $(EMU)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
+$(EMU_DIR)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_DIR)/libmgpuemu.so | $(EMU_DIR)
+	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -L$(EMU_DIR) $(EMU_LINK) -lpthread
+$(EMU_DIR)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
 	$(EMU_CXX) $(EMU_OPT) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
-$(EMU)/test_%: tests/test_%.c $(HEADERS) $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
-	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
-$(EMU)/test_emu: tests/emu/test_emu.c $(EMU)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
-	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU)/selfcheck.cpp -o $(EMU)/selfcheck.o
-	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU)/selfcheck.o $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
-$(B)/train_emu: examples/train.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
-	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
-$(EMU)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU)
+$(EMU_DIR)/test_%: tests/test_%.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+$(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU_DIR)/selfcheck.cpp -o $(EMU_DIR)/selfcheck.o
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU_DIR)/selfcheck.o $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+$(B)/train_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+$(EMU_DIR)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU_DIR)
 	$(CC) $(WARN) -O2 $< -o $@ -lm
-$(EMU)/bench: bench/bench.c mgpu.h $(EMU)/mgpu_kernels.o $(EMU)/libmgpuemu.so
-	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU)/mgpu_kernels.o -o $@ -L$(EMU) $(EMU_LINK) $(LDLIBS)
+$(EMU_DIR)/bench: bench/bench.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 
 # the same under AddressSanitizer + UBSan
 $(EMU_ASAN)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_ASAN)
 	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -lpthread
 $(EMU_ASAN)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_ASAN)/libmgpuemu.so | $(EMU_ASAN)
 	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -L$(EMU_ASAN) $(EMU_LINK) -lpthread
-$(EMU_ASAN)/mgpu_kernels.o: $(EMU)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
+$(EMU_ASAN)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
 	$(EMU_CXX) $(SANITIZE) -Wno-unknown-pragmas -I. -c $< -o $@
 $(EMU_ASAN)/test_%: tests/test_%.c $(HEADERS) $(EMU_ASAN)/mgpu_kernels.o $(EMU_ASAN)/libmgpuemu.so
 	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
@@ -147,12 +148,18 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)
 # On Debian the data is one package away; elsewhere build/train says where to get it.
 DATA ?= /usr/share/datasets/fashion-mnist
 MODEL ?= mlp
-demo: $(B)/train
+# EMU=N: on N emulated GPUs (tests/emu), to watch the multi-GPU path without a GPU, slowly:
+#   make demo EMU=4 DEVICES=cuda:0,1,2,3 MAX_STEPS=200
+DEVICES ?=
+MAX_STEPS ?=
+DEMO_BIN = $(if $(EMU),$(B)/train_emu,$(B)/train)
+demo: $(DEMO_BIN) $(if $(EMU),$(EMU_DIR)/libnccl_emu.so)
 	@if [ ! -e $(DATA)/train-images-idx3-ubyte.gz ] && [ "$(DATA)" = /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then \
 	  echo "Fashion-MNIST is missing: installing Debian's dataset-fashion-mnist"; \
 	  $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist || \
 	  { $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get update -qq && $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist; }; fi
-	$(B)/train --data $(DATA) --model $(MODEL) --save $(B)/fashion_$(MODEL).safetensors
+	$(if $(EMU),MGPU_EMU_DEVICES=$(EMU) MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so )$(DEMO_BIN) --data $(DATA) --model $(MODEL) \
+	    $(if $(DEVICES),--devices $(DEVICES)) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS)) --save $(B)/fashion_$(MODEL).safetensors
 
 # ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
 $(B)/bench: bench/bench.c mgpu.h | $(B)
@@ -163,9 +170,9 @@ $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 
 # then what a training step asks of the GPUs (launches, syncs, allocations, bytes), on 1 and 4
 # emulated GPUs: the shape of a step, which sets its speed at these sizes on a real GPU
-bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU)/bench $(EMU)/libnccl_emu.so
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so
 	sh bench/run.sh $<
-	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU))/libnccl_emu.so $(EMU)/bench emu
+	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so $(EMU_DIR)/bench emu
 
 # ---- on a machine with a GPU -----------------------------------------------------------------
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')
