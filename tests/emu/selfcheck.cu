@@ -3,6 +3,7 @@
 // barrier, a shuffle with missing lanes, a deadlock, an out-of-bounds copy and a pointer of
 // another device without peer access each stop the program with a report. Plain CUDA: nvcc
 // compiles it too.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <math.h>
@@ -112,6 +113,76 @@ static int grid_loops(const char* which) {
     return bad != 0;
 }
 
+// cuBLAS SGEMM in every transpose form, column-major with leading dimensions above the minimum,
+// against a double loop; the argument checks; beta = 0 ignores NaNs in C; TF32 rounds the inputs.
+static int cublas_case(void) {
+    const int m = 5, n = 3, k = 7, ld = 9;   // every operand stored with leading dimension 9
+    float ha[ld * 9], hb[ld * 9], hc[ld * 9], out[ld * 9];
+    float *a = nullptr, *b = nullptr, *c = nullptr;
+    cublasHandle_t h;
+    int bad = 0;
+    for (int i = 0; i < ld * 9; ++i) {
+        ha[i] = value_at(i);
+        hb[i] = value_at(i + 1000);
+    }
+    if (check(cudaMalloc(&a, sizeof ha), "cudaMalloc") || check(cudaMalloc(&b, sizeof hb), "cudaMalloc") ||
+        check(cudaMalloc(&c, sizeof hc), "cudaMalloc") ||
+        check(cudaMemcpyAsync(a, ha, sizeof ha, cudaMemcpyDefault, 0), "upload") ||
+        check(cudaMemcpyAsync(b, hb, sizeof hb, cudaMemcpyDefault, 0), "upload") || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS)
+        return 1;
+    const float alpha = 1.5f, beta0 = 0.0f;
+    for (int form = 0; form < 4; ++form) {
+        const bool ta = form & 1, tb = form & 2;
+        for (int i = 0; i < ld * 9; ++i) hc[i] = NAN;   // beta = 0: C is not read
+        if (check(cudaMemcpyAsync(c, hc, sizeof hc, cudaMemcpyDefault, 0), "upload")) return 1;
+        if (cublasSgemm(h, ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &alpha, a, ld, b, ld,
+                        &beta0, c, ld) != CUBLAS_STATUS_SUCCESS)
+            return 1;
+        if (check(cudaMemcpyAsync(out, c, sizeof out, cudaMemcpyDefault, 0), "download") ||
+            check(cudaStreamSynchronize(0), "sync"))
+            return 1;
+        for (int j = 0; j < n; ++j)
+            for (int i = 0; i < m; ++i) {
+                double want = 0.0;
+                for (int l = 0; l < k; ++l)
+                    want += (double)(ta ? ha[l + i * ld] : ha[i + l * ld]) * (tb ? hb[j + l * ld] : hb[l + j * ld]);
+                want *= alpha;
+                if (!(fabs(out[i + j * ld] - want) <= 1e-5) && bad++ < 5)
+                    fprintf(stderr, "selfcheck: sgemm form %d C(%d,%d) = %g, want %g\n", form, i, j, out[i + j * ld], want);
+            }
+    }
+    // lda < rows of op(A), ldb < rows of op(B), ldc < m: CUBLAS_STATUS_INVALID_VALUE, as cuBLAS
+    if (cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, a, m - 1, b, ld, &beta0, c, ld) != CUBLAS_STATUS_INVALID_VALUE ||
+        cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, a, k - 1, b, ld, &beta0, c, ld) != CUBLAS_STATUS_INVALID_VALUE ||
+        cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, m, n, k, &alpha, a, ld, b, n - 1, &beta0, c, ld) != CUBLAS_STATUS_INVALID_VALUE ||
+        cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, a, ld, b, ld, &beta0, c, m - 1) != CUBLAS_STATUS_INVALID_VALUE ||
+        cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, -1, n, k, &alpha, a, ld, b, ld, &beta0, c, ld) != CUBLAS_STATUS_INVALID_VALUE) {
+        fprintf(stderr, "selfcheck: an SGEMM with a bad argument was accepted\n");
+        ++bad;
+    }
+    // TF32: 1 + 2^-12 has bits below TF32's 10-bit mantissa, so 1 x 1 x (1 + 2^-12) gives 1
+    const float one_plus = 1.0f + 1.0f / 4096.0f, one = 1.0f;
+    float r[2];
+    for (int mode = 0; mode < 2; ++mode) {
+        if (cublasSetMathMode(h, mode ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH) != CUBLAS_STATUS_SUCCESS ||
+            check(cudaMemcpyAsync(a, &one_plus, sizeof(float), cudaMemcpyDefault, 0), "upload") ||
+            check(cudaMemcpyAsync(b, &one, sizeof(float), cudaMemcpyDefault, 0), "upload") ||
+            cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, a, 1, b, 1, &beta0, c, 1) != CUBLAS_STATUS_SUCCESS ||
+            check(cudaMemcpyAsync(&r[mode], c, sizeof(float), cudaMemcpyDefault, 0), "download") ||
+            check(cudaStreamSynchronize(0), "sync"))
+            return 1;
+    }
+    if (r[0] != one_plus || r[1] != 1.0f) {
+        fprintf(stderr, "selfcheck: 1 x (1 + 2^-12) is %.9g in FP32 and %.9g in TF32, want %.9g and 1\n", r[0], r[1], one_plus);
+        ++bad;
+    }
+    cublasDestroy(h);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    return bad != 0;
+}
+
 static int check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) fprintf(stderr, "selfcheck: %s: %s\n", what, cudaGetErrorName(e));
     return e == cudaSuccess ? 0 : 1;
@@ -142,6 +213,7 @@ extern "C" int selfcheck_run(const char* which) {
         return bad != 0;
     }
     if (!strcmp(which, "transpose") || !strcmp(which, "column_sum") || !strcmp(which, "softmax_wide")) return grid_loops(which);
+    if (!strcmp(which, "cublas")) return cublas_case();
     if (!strcmp(which, "launch_limits")) {   // too many threads: a launch error, not a crash
         write_kernel<<<1, 2048>>>((float*)d);
         return cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess ? 0 : 1;

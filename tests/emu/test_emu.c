@@ -133,7 +133,21 @@ static int case_allreduce(const char* spec, mgpu_allreduce_kind ask, mgpu_allred
     return 0;
 }
 
+/* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
+static int case_no_gpu(void) {
+    mgpu_device_set* set;
+    NEED(mgpu_cuda_device_count() == 0, "%d GPUs", mgpu_cuda_device_count());
+    set = mgpu_device_set_create("auto");
+    NEED(set && mgpu_device_set_count(set) == 1 && mgpu_device_kind_of(mgpu_device_set_get(set, 0)) == MGPU_DEVICE_CPU,
+         "auto without a GPU: %s", set ? mgpu_device_set_spec(set) : mgpu_last_error());
+    mgpu_device_set_destroy(set);
+    set = mgpu_device_set_create("cuda");
+    NEED(!set && mgpu_last_result() == MGPU_ERROR_NO_DEVICE, "cuda without a GPU: %s", mgpu_last_error());
+    return 0;
+}
+
 static int run_case(const char* name) {
+    if (!strcmp(name, "no gpu")) return case_no_gpu();
     if (!strncmp(name, "selfcheck:", 10)) return selfcheck_run(name + 10);
     if (!strcmp(name, "oom retry")) return case_oom(0);
     if (!strcmp(name, "oom")) return case_oom(1);
@@ -205,6 +219,7 @@ int main(void) {
     header("the emulator checks itself");
     expect_ok("selfcheck:shuffles", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:launch_limits", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:cublas", "MGPU_EMU_DEVICES=1");
     /* kernels that reuse shared memory across loop iterations, at sizes where blocks loop: in
        the plain order and in two chaos orders */
     expect_ok("selfcheck:transpose", "MGPU_EMU_DEVICES=1");
@@ -220,6 +235,7 @@ int main(void) {
     expect_report("selfcheck:no_peer_kernel", "MGPU_EMU_DEVICES=2", "write_kernel", "without peer access");
 
     header("faults: mgpu's error or its documented fallback");
+    expect_ok("no gpu", "MGPU_EMU_DEVICES=0");
     expect_ok("oom retry", "MGPU_EMU_DEVICES=1");
     expect_ok("oom", "MGPU_EMU_DEVICES=1");
     expect_ok("small device", "MGPU_EMU_DEVICES=1 MGPU_EMU_MEMORY=256");
