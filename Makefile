@@ -1,7 +1,9 @@
 # mgpu: build, test, demo.
 #   make            build the CPU-only variant, and the CUDA variant when nvcc is found, into build/
 #   make test       run every test on both variants (CUDA tests report skips without a GPU)
-#   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU)
+#   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU); EMU=4 DEVICES=cuda:0,1,2,3
+#                   MAX_STEPS=200: on 4 emulated GPUs
+#   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
 # Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder).
@@ -33,7 +35,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda compile-check demo bench gpu-check clean
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -78,6 +80,61 @@ $(B)/test_core_cblas: tests/test_core.c $(HEADERS) | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CBLAS -I. $< -o $@ -lopenblas $(LDLIBS)
 CBLAS_TEST = $(if $(HAVE_CBLAS),$(B)/test_core_cblas,"sh -c 'echo skip test_core_cblas: no OpenBLAS, apt-get install libopenblas-dev; echo 0 passed, 0 failed, 1 skipped'")
 
+# ---- the GPU emulator (tests/emu): mgpu_kernels.cu compiled as host C++, run on the CPU --------
+# libmgpuemu.so stands for -lcudart -lcublas; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
+# $(B)/emu holds the normal build, $(B)/emu-asan the AddressSanitizer + UBSan one.
+PYTHON   ?= python3
+EMU_DIR   = $(B)/emu
+EMU_ASAN  = $(B)/emu-asan
+EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/emu.h
+EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
+EMU_OPT   = -O2 -g
+EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
+EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
+EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff \
+            $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
+emu: $(EMU_BINS)
+
+$(EMU_DIR) $(EMU_ASAN):
+	@mkdir -p $@
+
+$(EMU_DIR)/mgpu_kernels.cpp: mgpu_kernels.cu tests/emu/cu2cpp.py | $(EMU_DIR)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+$(EMU_DIR)/selfcheck.cpp: tests/emu/selfcheck.cu tests/emu/cu2cpp.py | $(EMU_DIR)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+
+# the kernels file as nvcc sees it, but for the host: `#pragma unroll` is nvcc's, hence -Wno-unknown-pragmas
+$(EMU_DIR)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_DIR)
+	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -lpthread
+$(EMU_DIR)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_DIR)/libmgpuemu.so | $(EMU_DIR)
+	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -L$(EMU_DIR) $(EMU_LINK) -lpthread
+$(EMU_DIR)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
+	$(EMU_CXX) $(EMU_OPT) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
+$(EMU_DIR)/test_%: tests/test_%.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+$(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU_DIR)/selfcheck.cpp -o $(EMU_DIR)/selfcheck.o
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU_DIR)/selfcheck.o $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+$(B)/train_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+$(EMU_DIR)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU_DIR)
+	$(CC) $(WARN) -O2 $< -o $@ -lm
+$(EMU_DIR)/bench: bench/bench.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+
+# the same under AddressSanitizer + UBSan
+$(EMU_ASAN)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -lpthread
+$(EMU_ASAN)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_ASAN)/libmgpuemu.so | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -L$(EMU_ASAN) $(EMU_LINK) -lpthread
+$(EMU_ASAN)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
+	$(EMU_CXX) $(SANITIZE) -Wno-unknown-pragmas -I. -c $< -o $@
+$(EMU_ASAN)/test_%: tests/test_%.c $(HEADERS) $(EMU_ASAN)/mgpu_kernels.o $(EMU_ASAN)/libmgpuemu.so
+	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+
+test-emu: $(EMU_BINS)
+	@sh tests/emu/run.sh $(B)
+
 # The header alone: C99 and C++ with -Werror, included twice with the implementation once, and a
 # CPU-only program built with nothing but cc -std=c99 prog.c -lm -lpthread.
 compile-check: | $(B)
@@ -90,20 +147,26 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas)
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train"
+	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.
 DATA ?= /usr/share/datasets/fashion-mnist
 MODEL ?= mlp
-demo: $(B)/train
+# EMU=N: on N emulated GPUs (tests/emu), to watch the multi-GPU path without a GPU, slowly:
+#   make demo EMU=4 DEVICES=cuda:0,1,2,3 MAX_STEPS=200
+DEVICES ?=
+MAX_STEPS ?=
+DEMO_BIN = $(if $(EMU),$(B)/train_emu,$(B)/train)
+demo: $(DEMO_BIN) $(if $(EMU),$(EMU_DIR)/libnccl_emu.so)
 	@if [ ! -e $(DATA)/train-images-idx3-ubyte.gz ] && [ "$(DATA)" = /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null; then \
 	  echo "Fashion-MNIST is missing: installing Debian's dataset-fashion-mnist"; \
 	  $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist || \
 	  { $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get update -qq && $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist; }; fi
-	$(B)/train --data $(DATA) --model $(MODEL) --save $(B)/fashion_$(MODEL).safetensors
+	$(if $(EMU),MGPU_EMU_DEVICES=$(EMU) MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so )$(DEMO_BIN) --data $(DATA) --model $(MODEL) \
+	    $(if $(DEVICES),--devices $(DEVICES)) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS)) --save $(B)/fashion_$(MODEL).safetensors
 
 # ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
 $(B)/bench: bench/bench.c mgpu.h | $(B)
@@ -112,8 +175,11 @@ $(B)/bench: bench/bench.c mgpu.h | $(B)
 $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
-bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench)
+# then what a training step asks of the GPUs (launches, syncs, allocations, bytes), on 1 and 4
+# emulated GPUs: the shape of a step, which sets its speed at these sizes on a real GPU
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so
 	sh bench/run.sh $<
+	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so $(EMU_DIR)/bench emu
 
 # ---- on a machine with a GPU -----------------------------------------------------------------
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.')

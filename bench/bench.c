@@ -2,7 +2,10 @@
      workload  device  metric  value  unit  note
    bench/bench_torch.py prints the same workloads for PyTorch; bench/run.sh joins the two into
    the table (ratios, memory, allocations per step) and writes it to bench/results/.
-   Usage: bench [cpu|cuda|all] [--quick]. Times are medians over repeated runs after warm-up. */
+   Usage: bench [cpu|cuda|all] [--quick]. Times are medians over repeated runs after warm-up.
+   Built against the GPU emulator (-DMGPU_BENCH_EMU, build/emu/bench), `bench emu` prints instead
+   what one training step asks of the GPUs: launches, host-device synchronisations, allocations
+   and bytes moved (the emulator's counters), a table of its own. */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -460,8 +463,54 @@ static void bench_data_parallel(const char* model_name, const char* one, const c
     row(name, spec, "hidden", hidden < 0.0 ? 0.0 : hidden > 1.0 ? 1.0 : hidden, "x", "of the all-reduce time hidden behind backward");
 }
 
+#ifdef MGPU_BENCH_EMU
+#include "emu.h"
+/* Per step, after two warm-up steps; the replicas are synchronised before each reading, and those
+   synchronisations are not counted. */
+static void emu_counts(const char* model_name, const char* spec, const char* allreduce, int batch, int steps) {
+    training tr;
+    mgpu_emu_counters a, b;
+    int i, r, replicas;
+    if (allreduce) setenv("MGPU_ALLREDUCE", allreduce, 1);
+    tr = training_create(model_name, spec, batch, 0);
+    replicas = mgpu_model_replica_count(tr.m);
+    for (i = 0; i < 2; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(spec);
+    for (r = 0; r < replicas; ++r) if (mgpu_device_synchronize(mgpu_model_device(tr.m, r))) fail(spec);
+    mgpu_emu_get_counters(&a);
+    for (i = 0; i < steps; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(spec);
+    for (r = 0; r < replicas; ++r) if (mgpu_device_synchronize(mgpu_model_device(tr.m, r))) fail(spec);
+    mgpu_emu_get_counters(&b);
+    printf("| %s b%d | %s | %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.1f |\n", model_name, batch, spec,
+           mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)), (double)(b.launches - a.launches) / steps,
+           (double)(b.syncs - a.syncs - (uint64_t)replicas) / steps, (double)(b.allocs - a.allocs) / steps,
+           (double)(b.h2d_bytes - a.h2d_bytes) / steps, (double)(b.d2h_bytes - a.d2h_bytes) / steps,
+           (double)(b.peer_bytes - a.peer_bytes) / steps, (double)(b.collectives - a.collectives) / steps);
+    fflush(stdout);
+    training_destroy(&tr);
+    if (allreduce) unsetenv("MGPU_ALLREDUCE");
+}
+
+static int bench_emu(void) {
+    printf("One training step on emulated GPUs (MGPU_EMU_DEVICES=%s), per step: kernel launches (cuBLAS GEMMs\n"
+           "included), host-device synchronisations, device allocations, bytes host-to-device, device-to-host\n"
+           "and between GPUs, NCCL all-reduce calls.\n\n", getenv("MGPU_EMU_DEVICES") ? getenv("MGPU_EMU_DEVICES") : "1");
+    printf("| model | devices | all-reduce | launches | syncs | allocs | H2D bytes | D2H bytes | peer bytes | NCCL calls |\n");
+    printf("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    emu_counts("mlp784", "cuda:0", NULL, 64, 5);
+    emu_counts("mlp784", "cuda:0,1,2,3", "nccl", 64, 5);
+    emu_counts("mlp784", "cuda:0,1,2,3", "p2p", 64, 5);
+    emu_counts("cnn", "cuda:0", NULL, 128, 2);
+    emu_counts("cnn", "cuda:0,1,2,3", "nccl", 128, 2);
+    emu_counts("cnn", "cuda:0,1,2,3", "p2p", 128, 2);
+    return 0;
+}
+#endif
+
 int main(int argc, char** argv) {
     const char* which = argc > 1 ? argv[1] : "all";
+#ifdef MGPU_BENCH_EMU
+    if (!strcmp(which, "emu")) return bench_emu();
+#endif
     int cpu = strcmp(which, "cuda") != 0, cuda = strcmp(which, "cpu") != 0 && mgpu_cuda_device_count() > 0, i;
     for (i = 1; i < argc; ++i) quick |= !strcmp(argv[i], "--quick");
     row("threads", "cpu", "count", mgpu_cpu_threads(), "threads", NULL);

@@ -133,7 +133,10 @@ static mgpu_dataset* load_split(const char* dir, const char* prefix) {
 }
 
 static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
-    mgpu_model_desc d = { .input = mgpu_shape3(1, 28, 28), .devices = set, .seed = o->seed };   /* the rest: defaults */
+    /* the rest: defaults. MGPU_VERIFY_EVERY=N checks every N steps that the replicas hold the same
+       parameters, bit for bit (the emulated multi-GPU tests use it) */
+    mgpu_model_desc d = { .input = mgpu_shape3(1, 28, 28), .devices = set, .seed = o->seed,
+                          .verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0 };
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[4];
         layers[0] = mgpu_layer_flatten();

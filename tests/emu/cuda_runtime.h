@@ -1,0 +1,204 @@
+/* tests/emu/cuda_runtime.h - the CUDA runtime subset mgpu_kernels.cu uses, for the GPU emulator.
+   mgpu_kernels.cu is compiled as host C++ against this header (after tests/emu/cu2cpp.py turned
+   its <<<...>>> launches into mgpu_emu::launch calls). Host API: declared here, implemented in
+   tests/emu/runtime.cpp (libmgpuemu.so). Device side: the built-in variables and intrinsics the
+   kernels use; the threads of a block run as fibers, so __syncthreads and the warp shuffles
+   behave as on hardware (warpSize 32). */
+#ifndef MGPU_EMU_CUDA_RUNTIME_H
+#define MGPU_EMU_CUDA_RUNTIME_H
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <new>
+#include <tuple>
+#include <utility>
+
+/* ---- host API ------------------------------------------------------------------------------ */
+enum cudaError {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInitializationError = 3,
+    cudaErrorInvalidConfiguration = 9,
+    cudaErrorInvalidDevicePointer = 17,
+    cudaErrorInsufficientDriver = 35,
+    cudaErrorNoDevice = 100,
+    cudaErrorInvalidDevice = 101,
+    cudaErrorStubLibrary = 34,
+    cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
+    cudaErrorPeerAccessUnsupported = 217,
+    cudaErrorPeerAccessAlreadyEnabled = 704,
+    cudaErrorPeerAccessNotEnabled = 705,
+    cudaErrorLaunchOutOfResources = 701,
+    cudaErrorLaunchFailure = 719
+};
+typedef enum cudaError cudaError_t;
+
+typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
+
+enum cudaMemcpyKind {
+    cudaMemcpyHostToHost = 0,
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3,
+    cudaMemcpyDefault = 4
+};
+
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDefault 0x00
+#define cudaEventBlockingSync 0x01
+#define cudaEventDisableTiming 0x02
+#define cudaHostAllocDefault 0x00
+#define cudaHostAllocPortable 0x01
+
+struct uint3 { unsigned int x, y, z; };
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+    constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+
+struct cudaDeviceProp {
+    char name[256];
+    size_t totalGlobalMem;
+    size_t sharedMemPerBlock;
+    int regsPerBlock;
+    int warpSize;
+    int maxThreadsPerBlock;
+    int maxThreadsDim[3];
+    int maxGridSize[3];
+    int major;
+    int minor;
+    int multiProcessorCount;
+    int unifiedAddressing;
+};
+
+extern "C" {
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaPeekAtLastError(void);
+const char* cudaGetErrorName(cudaError_t e);
+const char* cudaGetErrorString(cudaError_t e);
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaGetDevice(int* dev);
+cudaError_t cudaSetDevice(int dev);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int dev);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+cudaError_t cudaDeviceCanAccessPeer(int* can, int dev, int peer);
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
+cudaError_t cudaMalloc(void** ptr, size_t bytes);
+cudaError_t cudaFree(void* ptr);
+cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags);
+cudaError_t cudaFreeHost(void* ptr);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t stream);
+cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes, cudaStream_t stream);
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
+}
+template <class T> static inline cudaError_t cudaMalloc(T** ptr, size_t bytes) { return cudaMalloc((void**)ptr, bytes); }
+template <class T> static inline cudaError_t cudaHostAlloc(T** ptr, size_t bytes, unsigned int flags) {
+    return cudaHostAlloc((void**)ptr, bytes, flags);
+}
+
+/* ---- device side ----------------------------------------------------------------------------- */
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+/* One copy per stream worker thread, and a worker runs one block at a time: per-block storage. */
+#define __shared__ static thread_local
+static constexpr int warpSize = 32;
+
+namespace mgpu_emu {
+struct thread_coords { uint3 thread, block; dim3 block_dim, grid_dim; };
+extern thread_local thread_coords coords;
+
+/* the launch: the kernel's name and where, its shape, and a body that runs one thread */
+typedef void (*thread_body)(const void* args);
+struct launch_cfg { dim3 grid, block; size_t shared; cudaStream_t stream; };
+static inline launch_cfg cfg(dim3 grid, dim3 block, size_t shared = 0, cudaStream_t stream = 0) {
+    return launch_cfg{grid, block, shared, stream};
+}
+/* copies args_bytes from args (owned by the launch afterwards: destroy frees it) */
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, size_t args_bytes,
+                thread_body body, void (*destroy)(void*));
+
+template <class K, class Tuple> struct launch_of {
+    static void body(const void* a) {
+        const auto* p = static_cast<const std::pair<K, Tuple>*>(a);
+        std::apply(p->first, p->second);
+    }
+    static void destroy(void* a) { delete static_cast<std::pair<K, Tuple>*>(a); }
+};
+/* The kernel's arguments are copied at launch, as CUDA does; each thread gets them by const
+   reference and the kernel's by-value parameters copy them again. */
+template <class K, class... A>
+void launch(const char* name, const char* file, int line, const launch_cfg& c, K kernel, const A&... args) {
+    typedef std::tuple<typename std::decay<A>::type...> Tuple;
+    typedef std::pair<K, Tuple> Pack;
+    void* raw = ::operator new(sizeof(Pack));
+    memset(raw, 0, sizeof(Pack));   /* padding reads as zeros to the pointer scan */
+    Pack* p = new (raw) Pack(kernel, Tuple(args...));
+    launch_raw(name, file, line, c, p, sizeof(Pack), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
+}
+
+void syncthreads(void);
+uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width);
+enum { SHFL_IDX = 0, SHFL_DOWN = 1, SHFL_XOR = 2, SHFL_UP = 3 };
+template <class T> static inline T shfl_t(unsigned mask, T v, int kind, int arg, int width) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof v);
+    bits = shfl(mask, bits, kind, arg, width);
+    T r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+}  // namespace mgpu_emu
+
+#define threadIdx (mgpu_emu::coords.thread)
+#define blockIdx (mgpu_emu::coords.block)
+#define blockDim (mgpu_emu::coords.block_dim)
+#define gridDim (mgpu_emu::coords.grid_dim)
+
+static inline void __syncthreads(void) { mgpu_emu::syncthreads(); }
+template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = warpSize) {
+    return mgpu_emu::shfl_t(mask, v, mgpu_emu::SHFL_IDX, src, width);
+}
+template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {
+    return mgpu_emu::shfl_t(mask, v, mgpu_emu::SHFL_DOWN, (int)delta, width);
+}
+template <class T> static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = warpSize) {
+    return mgpu_emu::shfl_t(mask, v, mgpu_emu::SHFL_UP, (int)delta, width);
+}
+template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {
+    return mgpu_emu::shfl_t(mask, v, mgpu_emu::SHFL_XOR, lane_mask, width);
+}
+
+/* conversions with the hardware's saturation (NaN gives 0), and the integer min/max */
+static inline int __float2int_rz(float x) {
+    return x != x ? 0 : x >= 2147483648.0f ? 2147483647 : x <= -2147483648.0f ? (-2147483647 - 1) : (int)x;
+}
+static inline unsigned __float2uint_rz(float x) {
+    return x != x || x <= 0.0f ? 0u : x >= 4294967296.0f ? 4294967295u : (unsigned)x;
+}
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+#endif

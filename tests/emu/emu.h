@@ -1,0 +1,42 @@
+/* tests/emu/emu.h - what the GPU emulator's runtime (libmgpuemu.so) offers beyond the CUDA API:
+   to the fake NCCL (tests/emu/nccl.cpp), and to programs that read its counters (bench). */
+#ifndef MGPU_EMU_H
+#define MGPU_EMU_H
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Totals since the program started; a step's figures are the difference of two readings. */
+typedef struct mgpu_emu_counters {
+    uint64_t launches;     /* kernels, cuBLAS GEMMs included */
+    uint64_t syncs;        /* the host waited for a device: stream/event/device synchronize, a copy to pageable memory */
+    uint64_t allocs;       /* cudaMalloc calls that succeeded */
+    uint64_t frees;
+    uint64_t h2d_bytes, d2h_bytes;
+    uint64_t peer_bytes;   /* device to another device */
+    uint64_t d2d_bytes;    /* within one device */
+    uint64_t collectives;  /* NCCL all-reduce calls (one per rank) */
+} mgpu_emu_counters;
+void mgpu_emu_get_counters(mgpu_emu_counters* out);
+
+/* Fault injection from a test: the next `count` calls of `what` ("malloc": cudaMalloc; "launch":
+   kernel launches) fail (cudaErrorMemoryAllocation; cudaErrorLaunchOutOfResources). */
+void mgpu_emu_fail_next(const char* what, long count);
+
+/* for the fake NCCL */
+int mgpu_emu_device_count(void);
+int mgpu_emu_stream_device(void* stream);   /* -1: not a live stream; NULL is the current device's */
+/* Runs fn(arg) on stream's worker, in order with its other work; what names it in reports. */
+void mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, const char* what);
+/* Aborts with a report unless [p, p + bytes) lies in one live allocation of device dev. */
+void mgpu_emu_check_device_range(const char* what, const void* p, size_t bytes, int dev);
+void mgpu_emu_count_collective(void);
+/* Waits on cv-like state with the emulator's timeout; aborts with `what` if it runs out. */
+double mgpu_emu_timeout_seconds(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

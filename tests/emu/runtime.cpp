@@ -1,0 +1,1413 @@
+/* tests/emu/runtime.cpp - the GPU emulator: the CUDA runtime and cuBLAS subset mgpu uses, on the
+   CPU (built as libmgpuemu.so, linked in place of -lcudart -lcublas).
+
+   - Devices: MGPU_EMU_DEVICES (default 1, at most 8), each with MGPU_EMU_MEMORY MiB (default
+     16384); launch limits MGPU_EMU_MAX_THREADS (threads per block, default 1024) and
+     MGPU_EMU_MAX_SHARED (dynamic shared bytes, default 49152).
+   - Memory: cudaMalloc is a heap block of the exact size (so AddressSanitizer sees a kernel's
+     out-of-bounds access), 256-byte aligned, filled with 0xFF bytes (NaN floats, -1 integers).
+     A registry of live allocations checks every copy, memset, GEMM and NCCL operand, and every
+     pointer a kernel receives, against the device that uses it (or a peer with access enabled).
+   - Streams: ordered queues, each run by its own worker thread; events; waits with CUDA's
+     semantics (a wait is for the event's latest record at the time of the call). Not emulated:
+     the legacy default stream's implicit synchronisation with blocking streams (mgpu creates
+     only non-blocking ones).
+   - Kernels: the blocks of a launch run one after another on the stream's worker; the threads of
+     a block run as fibers (a small hand-written context switch) that switch only at __syncthreads
+     and the shuffles. A divergent barrier, a shuffle with missing lanes or a deadlock aborts the
+     program with the kernel's name.
+   - Chaos: MGPU_EMU_CHAOS=SEED delays each queued task by 0..MGPU_EMU_CHAOS_US (default 300)
+     microseconds, so work that is not ordered by an event runs in a different order; and the
+     warps of a block leave a barrier in a random order, and lanes woken by a shuffle run
+     before the rest (a warp runs ahead), so a missing __syncthreads shows in other interleavings.
+   - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
+     after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
+     launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices).
+   - A misuse the real GPU would not report reliably (an operand outside any allocation, a pointer
+     to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
+     seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
+   - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. */
+#include "cuda_runtime.h"
+#include "cublas_v2.h"
+#include "emu.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_ASAN 1
+#endif
+#endif
+#ifdef EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// ---- configuration and reports ---------------------------------------------------------------
+constexpr int kMaxDevices = 8;
+
+struct config {
+    int devices = 1;
+    size_t memory = (size_t)16384 << 20;
+    int max_threads = 1024;
+    size_t max_shared = 49152;
+    long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0, fail_launch_count = 1;
+    bool no_peer = false;
+    uint64_t chaos = 0;
+    int chaos_us = 300;
+    double timeout = 600.0;
+    size_t stack = 0;
+    bool print_counters = false;
+};
+
+long env_long(const char* name, long def) {
+    const char* v = getenv(name);
+    return v && *v ? strtol(v, nullptr, 10) : def;
+}
+
+std::atomic<uint64_t> c_launches{0}, c_syncs{0}, c_allocs{0}, c_frees{0}, c_h2d{0}, c_d2h{0}, c_peer{0}, c_d2d{0},
+    c_collectives{0};
+
+void print_counters_at_exit() {
+    fprintf(stderr,
+            "mgpu-emu counters: launches %llu, syncs %llu, allocs %llu, frees %llu, h2d %llu B, d2h %llu B, "
+            "peer %llu B, d2d %llu B, collectives %llu\n",
+            (unsigned long long)c_launches, (unsigned long long)c_syncs, (unsigned long long)c_allocs,
+            (unsigned long long)c_frees, (unsigned long long)c_h2d, (unsigned long long)c_d2h,
+            (unsigned long long)c_peer, (unsigned long long)c_d2d, (unsigned long long)c_collectives);
+}
+
+const config& conf() {
+    static config c;
+    static std::once_flag once;
+    std::call_once(once, [] {
+        c.devices = (int)env_long("MGPU_EMU_DEVICES", 1);
+        if (c.devices < 0) c.devices = 0;
+        if (c.devices > kMaxDevices) c.devices = kMaxDevices;
+        c.memory = (size_t)env_long("MGPU_EMU_MEMORY", 16384) << 20;
+        c.max_threads = (int)env_long("MGPU_EMU_MAX_THREADS", 1024);
+        c.max_shared = (size_t)env_long("MGPU_EMU_MAX_SHARED", 49152);
+        c.fail_malloc = env_long("MGPU_EMU_FAIL_MALLOC", 0);
+        c.fail_malloc_count = env_long("MGPU_EMU_FAIL_MALLOC_COUNT", 1);
+        c.fail_launch = env_long("MGPU_EMU_FAIL_LAUNCH", 0);
+        c.no_peer = env_long("MGPU_EMU_NO_PEER", 0) != 0;
+        c.chaos = (uint64_t)env_long("MGPU_EMU_CHAOS", 0);
+        c.chaos_us = (int)env_long("MGPU_EMU_CHAOS_US", 300);
+        c.timeout = (double)env_long("MGPU_EMU_TIMEOUT", 600);
+#ifdef EMU_ASAN
+        c.stack = (size_t)env_long("MGPU_EMU_STACK_KIB", 256) << 10;
+#else
+        c.stack = (size_t)env_long("MGPU_EMU_STACK_KIB", 64) << 10;
+#endif
+        c.print_counters = env_long("MGPU_EMU_COUNTERS", 0) != 0;
+        if (c.print_counters) atexit(print_counters_at_exit);
+    });
+    return c;
+}
+
+__attribute__((format(printf, 1, 2), noreturn)) void die(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "mgpu-emu: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    fflush(stderr);
+    abort();
+}
+
+double now_ms() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+thread_local int tl_device = 0;
+thread_local cudaError_t tl_last = cudaSuccess;
+
+cudaError_t fail(cudaError_t e) {
+    tl_last = e;
+    return e;
+}
+
+// ---- streams ---------------------------------------------------------------------------------
+struct task {
+    std::function<void()> fn;
+    const char* what;
+};
+
+}  // namespace
+
+struct CUstream_st {
+    int dev = 0;
+    unsigned flags = 0;
+    int id = 0;
+    std::mutex mu;
+    std::condition_variable cv_work, cv_done;
+    std::deque<task> queue;
+    uint64_t enqueued = 0, done = 0;
+    const char* running = nullptr;
+    bool stop = false;
+    uint64_t rng = 0;
+    std::thread worker;
+
+    void run() {
+        for (;;) {
+            task t;
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                cv_work.wait(lock, [&] { return stop || !queue.empty(); });
+                if (queue.empty()) return;
+                t = std::move(queue.front());
+                queue.pop_front();
+                running = t.what;
+            }
+            if (conf().chaos) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                const int us = (int)(rng % (uint64_t)(conf().chaos_us + 1));
+                if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
+            }
+            t.fn();
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                ++done;
+                running = nullptr;
+            }
+            cv_done.notify_all();
+        }
+    }
+    void push(std::function<void()> fn, const char* what) {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            queue.push_back(task{std::move(fn), what});
+            ++enqueued;
+        }
+        cv_work.notify_one();
+    }
+    void sync(const char* why) {
+        std::unique_lock<std::mutex> lock(mu);
+        const uint64_t target = enqueued;
+        if (!cv_done.wait_for(lock, std::chrono::duration<double>(conf().timeout), [&] { return done >= target; }))
+            die("%s: stream %d of device %d still busy after %.0f s (running: %s, %zu queued): a wait that never ends?",
+                why, id, dev, conf().timeout, running ? running : "nothing", queue.size());
+    }
+};
+
+struct CUevent_st {
+    int dev = 0;
+    unsigned flags = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t recorded = 0, completed = 0;
+    double time_ms = 0.0;
+    bool wait_for(uint64_t target, double seconds) {
+        std::unique_lock<std::mutex> lock(mu);
+        return cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return completed >= target; });
+    }
+};
+
+namespace {
+
+struct allocation {
+    size_t size;
+    int dev;   // -1: pinned host memory
+};
+
+struct device_state {
+    size_t used = 0;
+    bool peer[kMaxDevices] = {};
+    cudaStream_t legacy = nullptr;
+};
+
+std::mutex g_mu;   // guards everything below
+std::map<uintptr_t, allocation> g_allocs;
+device_state g_dev[kMaxDevices];
+std::set<cudaStream_t> g_streams;
+std::set<cudaEvent_t> g_events;
+int g_next_stream_id = 0;
+long g_malloc_calls = 0, g_launch_calls = 0;
+
+cudaStream_t make_stream(int dev, unsigned flags) {
+    cudaStream_t s = new CUstream_st();
+    s->dev = dev;
+    s->flags = flags;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        s->id = g_next_stream_id++;
+        g_streams.insert(s);
+    }
+    s->rng = (conf().chaos * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)(s->id + 1) * 0xBF58476D1CE4E5B9ull);
+    if (!s->rng) s->rng = 1;
+    s->worker = std::thread([s] { s->run(); });
+    return s;
+}
+
+// The stream a call names (NULL: the current device's legacy stream), or NULL if not live.
+std::mutex g_legacy_mu;
+cudaStream_t resolve(cudaStream_t s) {
+    if (!s) {
+        std::lock_guard<std::mutex> made(g_legacy_mu);
+        cudaStream_t* legacy;
+        {
+            std::lock_guard<std::mutex> lock(g_mu);
+            legacy = &g_dev[tl_device].legacy;
+            if (*legacy) return *legacy;
+        }
+        cudaStream_t n = make_stream(tl_device, cudaStreamDefault);
+        std::lock_guard<std::mutex> lock(g_mu);
+        *legacy = n;
+        return n;
+    }
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_streams.count(s) ? s : nullptr;
+}
+
+// The live allocation that contains p, or end. *base gets its start.
+std::map<uintptr_t, allocation>::iterator find_alloc(const void* p) {
+    const uintptr_t a = (uintptr_t)p;
+    auto it = g_allocs.upper_bound(a);
+    if (it == g_allocs.begin()) return g_allocs.end();
+    --it;
+    if (a >= it->first && a < it->first + (it->second.size ? it->second.size : 1)) return it;
+    return g_allocs.end();
+}
+
+enum mem_kind { PAGEABLE, PINNED, DEVICE };
+struct where {
+    mem_kind kind;
+    int dev;
+};
+
+// Classifies [p, p + bytes); a range that starts in an allocation and runs past its end aborts.
+where classify(const char* what, const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = find_alloc(p);
+    if (it == g_allocs.end()) return where{PAGEABLE, -1};
+    const uintptr_t end = it->first + it->second.size;
+    if ((uintptr_t)p + bytes > end)
+        die("%s: %zu bytes at %p run %zu bytes past the end of a %zu-byte %s allocation at %p", what, bytes, p,
+            (size_t)((uintptr_t)p + bytes - end), it->second.size,
+            it->second.dev < 0 ? "pinned host" : "device", (void*)it->first);
+    return it->second.dev < 0 ? where{PINNED, -1} : where{DEVICE, it->second.dev};
+}
+
+bool peer_enabled(int from, int to) {
+    return from == to || g_dev[from].peer[to];
+}
+
+// [p, p + bytes) must be device memory of dev, or of a peer that dev reaches (when allow_peer).
+void check_device(const char* what, const void* p, size_t bytes, int dev, bool allow_peer) {
+    where w = classify(what, p, bytes);
+    if (w.kind != DEVICE)
+        die("%s: %p (%zu bytes) is not in a live device allocation%s", what, p, bytes,
+            w.kind == PINNED ? " (it is pinned host memory)" : "");
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (w.dev != dev && !(allow_peer && peer_enabled(dev, w.dev)))
+        die("%s: %p is memory of device %d, used on device %d%s", what, p, w.dev, dev,
+            allow_peer ? " without peer access enabled" : "");
+}
+
+// ---- kernels: the threads of a block as fibers ------------------------------------------------
+extern "C" void emu_ctx_switch(void** save_sp, void* load_sp);
+extern "C" void emu_ctx_entry(void);
+// emu_ctx_switch saves the callee-saved registers and the FPU/SSE control words on the current
+// stack, stores its stack pointer in *save_sp, and resumes the context saved at load_sp.
+// emu_ctx_entry is where a new context starts: it calls r13(r12) and never returns.
+asm(R"(
+    .text
+    .globl emu_ctx_switch
+    .type emu_ctx_switch, @function
+emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_ctx_switch, .-emu_ctx_switch
+    .globl emu_ctx_entry
+    .type emu_ctx_entry, @function
+emu_ctx_entry:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size emu_ctx_entry, .-emu_ctx_entry
+)");
+
+enum thread_state { T_UNSTARTED, T_RUNNING, T_BARRIER, T_SHUFFLE, T_DONE };
+
+struct fiber {
+    void* sp = nullptr;
+    char* stack = nullptr;   // lowest usable byte
+    int tid = -1;            // the emulated thread it runs now
+    bool finished = false;
+};
+
+struct warp_state {
+    unsigned arrived = 0, want = 0;
+    uint64_t val[32], res[32];
+    int src[32];
+};
+
+struct block_run {
+    const char* name;
+    const char* file;
+    int line;
+    dim3 grid, block;
+    uint3 index;
+    mgpu_emu::thread_body body;
+    const void* args;
+    int threads;
+    std::vector<unsigned char> state;
+    std::vector<fiber*> owner;
+    std::vector<warp_state> warps;
+    std::deque<fiber*> runnable;
+    int next_unstarted = 0, done = 0, at_barrier = 0, at_shuffle = 0;
+    fiber* current = nullptr;
+    void* sched_sp = nullptr;
+};
+
+thread_local block_run* tl_block = nullptr;
+// free fiber stacks, shared by the workers (a block holds at most one per thread)
+std::mutex g_stack_mu;
+std::vector<char*> g_stacks;
+#ifdef EMU_ASAN
+thread_local const void* tl_sched_bottom = nullptr;
+thread_local size_t tl_sched_size = 0;
+#endif
+
+// the scheduling choices of chaos mode, per worker thread
+thread_local uint64_t tl_chaos = 0;
+uint64_t chaos_next() {
+    if (!tl_chaos) {
+        static std::atomic<uint64_t> workers{0};
+        tl_chaos = (conf().chaos + 0x9E3779B97F4A7C15ull * ++workers) | 1;
+    }
+    tl_chaos ^= tl_chaos << 13;
+    tl_chaos ^= tl_chaos >> 7;
+    tl_chaos ^= tl_chaos << 17;
+    return tl_chaos;
+}
+
+__attribute__((format(printf, 2, 3), noreturn)) void kernel_die(const block_run* b, const char* fmt, ...) {
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    die("kernel %s (launched at %s:%d), block (%u,%u,%u) of grid (%u,%u,%u), %u x %u x %u threads: %s", b->name,
+        b->file, b->line, b->index.x, b->index.y, b->index.z, b->grid.x, b->grid.y, b->grid.z, b->block.x, b->block.y,
+        b->block.z, msg);
+}
+
+char* get_stack() {
+    {
+        std::lock_guard<std::mutex> lock(g_stack_mu);
+        if (!g_stacks.empty()) {
+            char* s = g_stacks.back();
+            g_stacks.pop_back();
+#ifdef EMU_ASAN
+            __asan_unpoison_memory_region(s, conf().stack);   // frames of the thread it ran before
+#endif
+            return s;
+        }
+    }
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), size = conf().stack;
+    void* m = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) die("out of memory for a fiber stack of %zu bytes", size);
+    if (mprotect(m, page, PROT_NONE) != 0) die("mprotect of a fiber stack's guard page failed");
+    return (char*)m + page;
+}
+
+void set_coords(const block_run* b, int tid) {
+    mgpu_emu::coords.thread.x = (unsigned)tid % b->block.x;
+    mgpu_emu::coords.thread.y = (unsigned)tid / b->block.x % b->block.y;
+    mgpu_emu::coords.thread.z = (unsigned)tid / (b->block.x * b->block.y);
+}
+
+// from a fiber back to the block's scheduler (for good when the fiber finished)
+void to_scheduler(fiber* f) {
+    block_run* b = tl_block;
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(f->finished ? nullptr : &fake, tl_sched_bottom, tl_sched_size);
+    emu_ctx_switch(&f->sp, b->sched_sp);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    emu_ctx_switch(&f->sp, b->sched_sp);
+#endif
+}
+
+// from the scheduler into a fiber
+void resume(block_run* b, fiber* f) {
+    b->current = f;
+    if (f->tid >= 0) set_coords(b, f->tid);
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, f->stack, conf().stack);
+    emu_ctx_switch(&b->sched_sp, f->sp);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    emu_ctx_switch(&b->sched_sp, f->sp);
+#endif
+}
+
+// A fiber runs unstarted threads one after another until none is left; a thread that waits at a
+// barrier or shuffle keeps the fiber, and the scheduler starts a new one for the rest.
+void fiber_main(void* arg) {
+    fiber* f = (fiber*)arg;
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &tl_sched_bottom, &tl_sched_size);
+#endif
+    block_run* b = tl_block;
+    while (b->next_unstarted < b->threads) {
+        const int tid = b->next_unstarted++;
+        f->tid = tid;
+        b->state[tid] = T_RUNNING;
+        b->owner[tid] = f;
+        set_coords(b, tid);
+        b->body(b->args);
+        b->state[tid] = T_DONE;
+        ++b->done;
+    }
+    f->finished = true;
+    to_scheduler(f);
+    __builtin_unreachable();
+}
+
+fiber* new_fiber() {
+    fiber* f = new fiber();
+    f->stack = get_stack();
+    uintptr_t top = ((uintptr_t)f->stack + conf().stack) & ~(uintptr_t)15;
+    uint64_t* sp = (uint64_t*)(top - 64);
+    uint32_t mxcsr;
+    uint16_t fpcw;
+    __asm__ volatile("stmxcsr %0" : "=m"(mxcsr));
+    __asm__ volatile("fnstcw %0" : "=m"(fpcw));
+    sp[0] = (uint64_t)mxcsr | ((uint64_t)fpcw << 32);
+    sp[1] = 0;                                // r15
+    sp[2] = 0;                                // r14
+    sp[3] = (uint64_t)(uintptr_t)&fiber_main; // r13: the function
+    sp[4] = (uint64_t)(uintptr_t)f;           // r12: its argument
+    sp[5] = 0;                                // rbx
+    sp[6] = 0;                                // rbp
+    sp[7] = (uint64_t)(uintptr_t)&emu_ctx_entry;
+    f->sp = sp;
+    return f;
+}
+
+void describe_waits(const block_run* b, char* out, size_t size) {
+    int at_barrier = 0, at_shuffle = 0, done = 0, first_done = -1, first_barrier = -1, first_shuffle = -1;
+    for (int t = 0; t < b->threads; ++t) {
+        if (b->state[t] == T_BARRIER) { ++at_barrier; if (first_barrier < 0) first_barrier = t; }
+        if (b->state[t] == T_SHUFFLE) { ++at_shuffle; if (first_shuffle < 0) first_shuffle = t; }
+        if (b->state[t] == T_DONE) { ++done; if (first_done < 0) first_done = t; }
+    }
+    snprintf(out, size,
+             "%d threads wait at __syncthreads (first: %d), %d at a warp shuffle (first: %d), %d have exited "
+             "(first: %d)",
+             at_barrier, first_barrier, at_shuffle, first_shuffle, done, first_done);
+}
+
+void run_block(block_run* b) {
+    tl_block = b;
+    b->next_unstarted = b->done = b->at_barrier = b->at_shuffle = 0;
+    std::fill(b->state.begin(), b->state.end(), (unsigned char)T_UNSTARTED);
+    for (warp_state& w : b->warps) w.arrived = 0;
+    b->runnable.clear();
+    for (;;) {
+        fiber* f = nullptr;
+        if (!b->runnable.empty()) {
+            f = b->runnable.front();
+            b->runnable.pop_front();
+        } else if (b->next_unstarted < b->threads) {
+            f = new_fiber();
+        } else if (b->done == b->threads) {
+            break;
+        } else if (b->at_barrier > 0 && b->at_barrier + b->done == b->threads) {
+            if (b->done > 0) {
+                char why[256];
+                describe_waits(b, why, sizeof why);
+                kernel_die(b, "divergent __syncthreads: some threads exited while others wait at a barrier (%s)", why);
+            }
+            for (int t = 0; t < b->threads; ++t)
+                if (b->state[t] == T_BARRIER) {
+                    b->state[t] = T_RUNNING;
+                    b->runnable.push_back(b->owner[t]);
+                }
+            if (conf().chaos) {   // chaos: the warps leave the barrier in a random order
+                const size_t warps = (b->runnable.size() + 31) / 32;
+                std::vector<size_t> order(warps);
+                for (size_t w = 0; w < warps; ++w) order[w] = w;
+                for (size_t i = warps; i > 1; --i) std::swap(order[i - 1], order[chaos_next() % i]);
+                std::deque<fiber*> shuffled;
+                for (size_t w : order)
+                    for (size_t t = w * 32; t < w * 32 + 32 && t < b->runnable.size(); ++t) shuffled.push_back(b->runnable[t]);
+                b->runnable.swap(shuffled);
+            }
+            b->at_barrier = 0;
+            continue;
+        } else {
+            char why[256];
+            describe_waits(b, why, sizeof why);
+            for (size_t w = 0; w < b->warps.size(); ++w) {   // a shuffle whose missing lanes are gone
+                const warp_state& ws = b->warps[w];
+                for (int l = 0; ws.arrived && l < 32; ++l)
+                    if ((ws.want & ~ws.arrived & (1u << l)) && b->state[w * 32 + l] == T_DONE)
+                        kernel_die(b, "a warp shuffle with missing lanes: warp %zu waits with mask 0x%08x, but lane %d "
+                                   "(thread %zu) has exited without joining it (%s)", w, ws.want, l, w * 32 + l, why);
+            }
+            kernel_die(b, "deadlock: no thread can go on (%s)", why);
+        }
+        resume(b, f);
+        if (f->finished) {
+            std::lock_guard<std::mutex> lock(g_stack_mu);
+            g_stacks.push_back(f->stack);
+            delete f;
+        }
+    }
+    tl_block = nullptr;
+}
+
+struct kernel_launch {
+    const char* name;
+    const char* file;
+    int line;
+    mgpu_emu::launch_cfg c;
+    void* args;
+    mgpu_emu::thread_body body;
+    void (*destroy)(void*);
+};
+
+void run_kernel(const kernel_launch& k) {
+    block_run b;
+    b.name = k.name;
+    b.file = k.file;
+    b.line = k.line;
+    b.grid = k.c.grid;
+    b.block = k.c.block;
+    b.body = k.body;
+    b.args = k.args;
+    b.threads = (int)(k.c.block.x * k.c.block.y * k.c.block.z);
+    b.state.resize(b.threads);
+    b.owner.resize(b.threads);
+    b.warps.resize((b.threads + 31) / 32);
+    mgpu_emu::coords.block_dim = k.c.block;
+    mgpu_emu::coords.grid_dim = k.c.grid;
+    for (unsigned z = 0; z < k.c.grid.z; ++z)
+        for (unsigned y = 0; y < k.c.grid.y; ++y)
+            for (unsigned x = 0; x < k.c.grid.x; ++x) {
+                b.index = uint3{x, y, z};
+                mgpu_emu::coords.block = b.index;
+                run_block(&b);
+            }
+}
+
+// ---- cuBLAS state ----------------------------------------------------------------------------
+}  // namespace
+
+struct cublasContext {
+    int dev;
+    cudaStream_t stream = nullptr;
+    void* workspace = nullptr;
+    size_t workspace_bytes = 0;
+    cublasMath_t math = CUBLAS_DEFAULT_MATH;
+    cublasPointerMode_t pointer_mode = CUBLAS_POINTER_MODE_HOST;
+    cublasAtomicsMode_t atomics = CUBLAS_ATOMICS_NOT_ALLOWED;
+};
+
+namespace mgpu_emu {
+thread_local thread_coords coords;
+
+void syncthreads(void) {
+    block_run* b = tl_block;
+    if (!b) die("__syncthreads outside a kernel");
+    fiber* f = b->current;
+    b->state[f->tid] = T_BARRIER;
+    ++b->at_barrier;
+    to_scheduler(f);
+}
+
+uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
+    block_run* b = tl_block;
+    if (!b) die("a warp shuffle outside a kernel");
+    fiber* f = b->current;
+    const int tid = f->tid, lane = tid & 31, warp = tid >> 5;
+    static const char* const names[] = {"__shfl_sync", "__shfl_down_sync", "__shfl_xor_sync", "__shfl_up_sync"};
+    const char* name = names[kind];
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        kernel_die(b, "thread %d: %s with width %d (a power of two up to 32)", tid, name, width);
+    if (!(mask & (1u << lane))) kernel_die(b, "thread %d: %s with mask 0x%08x, which lacks its own lane %d", tid, name, mask, lane);
+    const int lanes = b->threads - warp * 32 < 32 ? b->threads - warp * 32 : 32;
+    if (lanes < 32 && (mask >> lanes))
+        kernel_die(b, "thread %d: %s with mask 0x%08x, but warp %d has only %d lanes", tid, name, mask, warp, lanes);
+    for (int l = 0; l < lanes; ++l)
+        if ((mask & (1u << l)) && b->state[warp * 32 + l] == T_DONE)
+            kernel_die(b, "thread %d: %s with mask 0x%08x, but lane %d (thread %d) has exited", tid, name, mask, l,
+                       warp * 32 + l);
+    warp_state& w = b->warps[warp];
+    if (w.arrived == 0)
+        w.want = mask;
+    else if (w.want != mask)
+        kernel_die(b, "thread %d: %s with mask 0x%08x while other lanes of warp %d wait with mask 0x%08x", tid, name,
+                   mask, warp, w.want);
+    const int base = lane & ~(width - 1), idx = lane & (width - 1);
+    int src = lane;
+    switch (kind) {
+    case SHFL_IDX: src = base + (arg & (width - 1)); break;
+    case SHFL_DOWN: src = idx + arg < width ? lane + arg : lane; break;
+    case SHFL_UP: src = idx - arg >= 0 ? lane - arg : lane; break;
+    case SHFL_XOR: src = (idx ^ arg) < width ? base + (idx ^ arg) : lane; break;
+    }
+    if (!(mask & (1u << src)))
+        kernel_die(b, "thread %d: %s reads lane %d, which is not in the mask 0x%08x", tid, name, src, mask);
+    w.val[lane] = bits;
+    w.src[lane] = src;
+    w.arrived |= 1u << lane;
+    if (w.arrived == w.want) {   // the last lane: everyone's result, and the others go on
+        for (int l = 0; l < 32; ++l)
+            if (w.want & (1u << l)) {
+                w.res[l] = w.val[w.src[l]];
+                if (l != lane) {
+                    b->state[warp * 32 + l] = T_RUNNING;
+                    --b->at_shuffle;
+                    // chaos: the woken lanes go first (the warp runs ahead of the others)
+                    if (conf().chaos)
+                        b->runnable.push_front(b->owner[warp * 32 + l]);
+                    else
+                        b->runnable.push_back(b->owner[warp * 32 + l]);
+                }
+            }
+        w.arrived = 0;
+        return w.res[lane];
+    }
+    b->state[tid] = T_SHUFFLE;
+    ++b->at_shuffle;
+    to_scheduler(f);
+    return w.res[lane];
+}
+
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, size_t args_bytes,
+                thread_body body, void (*destroy)(void*)) {
+    const config& cf = conf();
+    const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
+    long call;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        call = ++g_launch_calls;
+    }
+    if (!c.grid.x || !c.grid.y || !c.grid.z || !c.block.x || !c.block.y || !c.block.z || threads > (uint64_t)cf.max_threads ||
+        c.block.x > 1024 || c.block.y > 1024 || c.block.z > 64 || c.grid.x > 2147483647u || c.grid.y > 65535 ||
+        c.grid.z > 65535 || c.shared > cf.max_shared) {
+        destroy(args);
+        fail(cudaErrorInvalidConfiguration);
+        return;
+    }
+    if (cf.fail_launch && call >= cf.fail_launch && call < cf.fail_launch + cf.fail_launch_count) {
+        destroy(args);
+        fail(cudaErrorLaunchOutOfResources);
+        return;
+    }
+    cudaStream_t s = resolve(c.stream);
+    if (!s || s->dev != tl_device) {
+        destroy(args);
+        fail(cudaErrorInvalidResourceHandle);
+        return;
+    }
+    // every pointer among the arguments must be memory this device reaches
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        for (size_t off = 0; off + 8 <= args_bytes; off += 8) {
+            uintptr_t v;
+            memcpy(&v, (char*)args + off, 8);
+            if (v < 4096) continue;
+            auto it = find_alloc((const void*)v);
+            if (it == g_allocs.end() || it->second.dev < 0) continue;
+            if (!peer_enabled(s->dev, it->second.dev))
+                die("kernel %s (launched at %s:%d) on device %d receives %p, memory of device %d, without peer access",
+                    name, file, line, s->dev, (void*)v, it->second.dev);
+        }
+    }
+    ++c_launches;
+    kernel_launch k{name, file, line, c, args, body, destroy};
+    s->push([k] {
+        run_kernel(k);
+        k.destroy(k.args);
+    }, name);
+}
+}  // namespace mgpu_emu
+
+// ---- the CUDA runtime API ----------------------------------------------------------------------
+extern "C" {
+
+static const char* error_name(cudaError_t e) {
+    switch (e) {
+#define E(x) case x: return #x;
+        E(cudaSuccess) E(cudaErrorInvalidValue) E(cudaErrorMemoryAllocation) E(cudaErrorInitializationError)
+        E(cudaErrorInvalidConfiguration) E(cudaErrorInvalidDevicePointer) E(cudaErrorInsufficientDriver)
+        E(cudaErrorNoDevice) E(cudaErrorInvalidDevice) E(cudaErrorStubLibrary) E(cudaErrorInvalidResourceHandle)
+        E(cudaErrorNotReady) E(cudaErrorPeerAccessUnsupported) E(cudaErrorPeerAccessAlreadyEnabled)
+        E(cudaErrorPeerAccessNotEnabled) E(cudaErrorLaunchOutOfResources) E(cudaErrorLaunchFailure)
+#undef E
+    }
+    return "cudaErrorUnknown";
+}
+
+EMU_EXPORT const char* cudaGetErrorName(cudaError_t e) { return error_name(e); }
+
+EMU_EXPORT const char* cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
+    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
+    case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    default: return "unknown error";
+    }
+}
+
+EMU_EXPORT cudaError_t cudaGetLastError(void) {
+    cudaError_t e = tl_last;
+    tl_last = cudaSuccess;
+    return e;
+}
+
+EMU_EXPORT cudaError_t cudaPeekAtLastError(void) { return tl_last; }
+
+EMU_EXPORT cudaError_t cudaGetDeviceCount(int* count) {
+    if (!count) return fail(cudaErrorInvalidValue);
+    *count = conf().devices;
+    if (*count == 0) return fail(cudaErrorNoDevice);
+    return cudaSuccess;
+}
+
+static bool valid_device(int dev) { return dev >= 0 && dev < conf().devices; }
+
+EMU_EXPORT cudaError_t cudaGetDevice(int* dev) {
+    if (!dev) return fail(cudaErrorInvalidValue);
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    *dev = tl_device;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaSetDevice(int dev) {
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    if (!valid_device(dev)) return fail(cudaErrorInvalidDevice);
+    tl_device = dev;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int dev) {
+    if (!prop) return fail(cudaErrorInvalidValue);
+    if (!valid_device(dev)) return fail(cudaErrorInvalidDevice);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "mgpu-emu GPU %d (emulated on the CPU)", dev);
+    prop->totalGlobalMem = conf().memory;
+    prop->sharedMemPerBlock = conf().max_shared;
+    prop->regsPerBlock = 65536;
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = conf().max_threads;
+    prop->maxThreadsDim[0] = 1024;
+    prop->maxThreadsDim[1] = 1024;
+    prop->maxThreadsDim[2] = 64;
+    prop->maxGridSize[0] = 2147483647;
+    prop->maxGridSize[1] = 65535;
+    prop->maxGridSize[2] = 65535;
+    prop->major = 9;
+    prop->minor = 0;
+    prop->multiProcessorCount = 132;
+    prop->unifiedAddressing = 1;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (free_bytes) *free_bytes = conf().memory - g_dev[tl_device].used;
+    if (total_bytes) *total_bytes = conf().memory;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaDeviceCanAccessPeer(int* can, int dev, int peer) {
+    if (!can) return fail(cudaErrorInvalidValue);
+    if (!valid_device(dev) || !valid_device(peer)) return fail(cudaErrorInvalidDevice);
+    *can = dev != peer && !conf().no_peer;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+    if (flags != 0) return fail(cudaErrorInvalidValue);
+    if (!valid_device(peer) || peer == tl_device) return fail(cudaErrorInvalidDevice);
+    if (conf().no_peer) return fail(cudaErrorPeerAccessUnsupported);
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_dev[tl_device].peer[peer]) return fail(cudaErrorPeerAccessAlreadyEnabled);
+    g_dev[tl_device].peer[peer] = true;
+    return cudaSuccess;
+}
+
+static std::vector<cudaStream_t> streams_of(int dev) {
+    std::vector<cudaStream_t> out;
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (cudaStream_t s : g_streams)
+        if (s->dev == dev) out.push_back(s);
+    return out;
+}
+
+static void sync_device(int dev, const char* why) {
+    for (cudaStream_t s : streams_of(dev)) s->sync(why);
+}
+
+EMU_EXPORT cudaError_t cudaDeviceSynchronize(void) {
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    ++c_syncs;
+    sync_device(tl_device, "cudaDeviceSynchronize");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
+    if (!stream || flags > 1) return fail(cudaErrorInvalidValue);
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    *stream = make_stream(tl_device, flags);
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!stream || !g_streams.count(stream)) return fail(cudaErrorInvalidResourceHandle);
+        g_streams.erase(stream);
+    }
+    // pending work completes first (CUDA releases the stream once its work is done)
+    stream->sync("cudaStreamDestroy");
+    {
+        std::lock_guard<std::mutex> lock(stream->mu);
+        stream->stop = true;
+    }
+    stream->cv_work.notify_all();
+    stream->worker.join();
+    delete stream;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    ++c_syncs;
+    s->sync("cudaStreamSynchronize");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+    if (!event || flags > 3) return fail(cudaErrorInvalidValue);
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    cudaEvent_t e = new CUevent_st();
+    e->dev = tl_device;
+    e->flags = flags;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_events.insert(e);
+    *event = e;
+    return cudaSuccess;
+}
+
+static bool live_event(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return e && g_events.count(e);
+}
+
+// Destroyed events stay allocated: a record or wait still queued may refer to one, and CUDA lets
+// cudaEventDestroy return at once. (A vector never destroyed, so LeakSanitizer sees them at exit.)
+static std::vector<cudaEvent_t>* g_dead_events = new std::vector<cudaEvent_t>();   // guarded by g_mu
+
+EMU_EXPORT cudaError_t cudaEventDestroy(cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!event || !g_events.count(event)) return fail(cudaErrorInvalidResourceHandle);
+    g_events.erase(event);
+    g_dead_events->push_back(event);
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    cudaStream_t s = resolve(stream);
+    if (!s || s->dev != event->dev) return fail(cudaErrorInvalidResourceHandle);
+    uint64_t target;
+    {
+        std::lock_guard<std::mutex> lock(event->mu);
+        target = ++event->recorded;
+    }
+    s->push([event, target] {
+        {
+            std::lock_guard<std::mutex> lock(event->mu);
+            if (event->completed < target) {
+                event->completed = target;
+                event->time_ms = now_ms();
+            }
+        }
+        event->cv.notify_all();
+    }, "cudaEventRecord");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
+    if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    std::lock_guard<std::mutex> lock(event->mu);
+    return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+}
+
+EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+    if (flags != 0) return fail(cudaErrorInvalidValue);
+    if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    uint64_t target;
+    {
+        std::lock_guard<std::mutex> lock(event->mu);
+        target = event->recorded;   // the latest record at the time of the call
+    }
+    if (target == 0) return cudaSuccess;   // never recorded: nothing to wait for
+    s->push([event, target] {
+        if (!event->wait_for(target, conf().timeout))
+            die("cudaStreamWaitEvent: the event's record never completed (waited %.0f s)", conf().timeout);
+    }, "cudaStreamWaitEvent");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+    if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    uint64_t target;
+    {
+        std::lock_guard<std::mutex> lock(event->mu);
+        target = event->recorded;
+    }
+    ++c_syncs;
+    if (!event->wait_for(target, conf().timeout)) die("cudaEventSynchronize: the event never completed");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+    if (!ms) return fail(cudaErrorInvalidValue);
+    if (!live_event(start) || !live_event(end)) return fail(cudaErrorInvalidResourceHandle);
+    if ((start->flags | end->flags) & cudaEventDisableTiming) return fail(cudaErrorInvalidResourceHandle);
+    std::lock_guard<std::mutex> l1(start->mu);
+    std::lock_guard<std::mutex> l2(end->mu);
+    if (!start->recorded || !end->recorded) return fail(cudaErrorInvalidResourceHandle);
+    if (start->completed < start->recorded || end->completed < end->recorded) return fail(cudaErrorNotReady);
+    *ms = (float)(end->time_ms - start->time_ms);
+    return cudaSuccess;
+}
+
+// ---- memory ------------------------------------------------------------------------------------
+EMU_EXPORT cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+    if (!ptr) return fail(cudaErrorInvalidValue);
+    if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    *ptr = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        const long call = ++g_malloc_calls;
+        if (conf().fail_malloc && call >= conf().fail_malloc && call < conf().fail_malloc + conf().fail_malloc_count)
+            return fail(cudaErrorMemoryAllocation);
+        if (bytes > conf().memory - g_dev[tl_device].used) return fail(cudaErrorMemoryAllocation);
+    }
+    if (bytes == 0) return cudaSuccess;
+    void* p = nullptr;
+    if (posix_memalign(&p, 256, bytes) != 0 || !p) return fail(cudaErrorMemoryAllocation);
+    memset(p, 0xFF, bytes);   // NaN floats, -1 integers: never-written memory shows in results
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (bytes > conf().memory - g_dev[tl_device].used) {   // another thread got there first
+            free(p);
+            return fail(cudaErrorMemoryAllocation);
+        }
+        g_dev[tl_device].used += bytes;
+        g_allocs[(uintptr_t)p] = allocation{bytes, tl_device};
+    }
+    ++c_allocs;
+    *ptr = p;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaFree(void* ptr) {
+    if (!ptr) return cudaSuccess;
+    int dev;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        auto it = g_allocs.find((uintptr_t)ptr);
+        if (it == g_allocs.end() || it->second.dev < 0) return fail(cudaErrorInvalidValue);
+        dev = it->second.dev;
+    }
+    sync_device(dev, "cudaFree");   // cudaFree waits for the device's work, as CUDA's does
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        auto it = g_allocs.find((uintptr_t)ptr);
+        if (it == g_allocs.end()) return fail(cudaErrorInvalidValue);
+        g_dev[dev].used -= it->second.size;
+        g_allocs.erase(it);
+    }
+    free(ptr);
+    ++c_frees;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags) {
+    if (!ptr || flags > 0xF) return fail(cudaErrorInvalidValue);
+    *ptr = nullptr;
+    void* p = nullptr;
+    if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0 || !p) return fail(cudaErrorMemoryAllocation);
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_allocs[(uintptr_t)p] = allocation{bytes ? bytes : 1, -1};
+    *ptr = p;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaFreeHost(void* ptr) {
+    if (!ptr) return cudaSuccess;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        auto it = g_allocs.find((uintptr_t)ptr);
+        if (it == g_allocs.end() || it->second.dev >= 0) return fail(cudaErrorInvalidValue);
+        g_allocs.erase(it);
+    }
+    // pending copies from or to it finish first
+    for (int d = 0; d < conf().devices; ++d) sync_device(d, "cudaFreeHost");
+    free(ptr);
+    return cudaSuccess;
+}
+
+// A copy queued on s; from pageable memory the source is staged at once, and into pageable memory
+// the call returns when the copy is done (as the driver does).
+static cudaError_t queue_copy(void* dst, const void* src, size_t bytes, cudaStream_t s, where wd, where ws) {
+    if (ws.kind == PAGEABLE && wd.kind != PAGEABLE) {
+        std::shared_ptr<std::vector<char>> staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
+        s->push([dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync from pageable memory");
+        return cudaSuccess;
+    }
+    s->push([dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyAsync");
+    if (wd.kind == PAGEABLE) {
+        ++c_syncs;
+        s->sync("cudaMemcpyAsync to pageable memory");
+    }
+    return cudaSuccess;
+}
+
+static void count_copy(where wd, where ws, size_t bytes) {
+    if (wd.kind == DEVICE && ws.kind == DEVICE)
+        (wd.dev == ws.dev ? c_d2d : c_peer) += bytes;
+    else if (wd.kind == DEVICE)
+        c_h2d += bytes;
+    else if (ws.kind == DEVICE)
+        c_d2h += bytes;
+}
+
+EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind,
+                                       cudaStream_t stream) {
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    if (bytes == 0) return cudaSuccess;
+    if (!dst || !src) return fail(cudaErrorInvalidValue);
+    const where wd = classify("cudaMemcpyAsync destination", dst, bytes);
+    const where ws = classify("cudaMemcpyAsync source", src, bytes);
+    const bool want_dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+    const bool want_src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+    if (kind != cudaMemcpyDefault && ((wd.kind == DEVICE) != want_dst_dev || (ws.kind == DEVICE) != want_src_dev))
+        return fail(cudaErrorInvalidValue);
+    count_copy(wd, ws, bytes);
+    return queue_copy(dst, src, bytes, s, wd, ws);
+}
+
+EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes,
+                                           cudaStream_t stream) {
+    if (!valid_device(dst_dev) || !valid_device(src_dev)) return fail(cudaErrorInvalidDevice);
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    if (bytes == 0) return cudaSuccess;
+    char what[96];
+    snprintf(what, sizeof what, "cudaMemcpyPeerAsync destination on device %d", dst_dev);
+    check_device(what, dst, bytes, dst_dev, false);
+    snprintf(what, sizeof what, "cudaMemcpyPeerAsync source on device %d", src_dev);
+    check_device(what, src, bytes, src_dev, false);
+    (dst_dev == src_dev ? c_d2d : c_peer) += bytes;
+    s->push([dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyPeerAsync");
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    if (bytes == 0) return cudaSuccess;
+    check_device("cudaMemsetAsync", ptr, bytes, s->dev, true);
+    s->push([ptr, value, bytes] { memset(ptr, value, bytes); }, "cudaMemsetAsync");
+    return cudaSuccess;
+}
+
+// ---- cuBLAS ------------------------------------------------------------------------------------
+static std::set<cublasHandle_t> g_handles;   // guarded by g_mu
+
+static bool live_handle(cublasHandle_t h) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return h && g_handles.count(h);
+}
+
+EMU_EXPORT cublasStatus_t cublasCreate(cublasHandle_t* handle) {
+    if (!handle) return CUBLAS_STATUS_INVALID_VALUE;
+    if (conf().devices == 0) return CUBLAS_STATUS_NOT_INITIALIZED;
+    cublasHandle_t h = new cublasContext();
+    h->dev = tl_device;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_handles.insert(h);
+    *handle = h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasDestroy(cublasHandle_t handle) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!handle || !g_handles.count(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+        g_handles.erase(handle);
+    }
+    sync_device(handle->dev, "cublasDestroy");
+    delete handle;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (stream) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_streams.count(stream)) return CUBLAS_STATUS_INVALID_VALUE;
+        if (stream->dev != handle->dev)
+            die("cublasSetStream: a stream of device %d for a handle of device %d", stream->dev, handle->dev);
+    }
+    handle->stream = stream;
+    handle->workspace = nullptr;   // cuBLAS goes back to its own workspace on a new stream
+    handle->workspace_bytes = 0;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasGetStream(cublasHandle_t handle, cudaStream_t* stream) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (!stream) return CUBLAS_STATUS_INVALID_VALUE;
+    *stream = handle->stream;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSetWorkspace(cublasHandle_t handle, void* workspace, size_t bytes) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (workspace && bytes) check_device("cublasSetWorkspace", workspace, bytes, handle->dev, false);
+    if (workspace && ((uintptr_t)workspace % 256)) return CUBLAS_STATUS_INVALID_VALUE;
+    handle->workspace = workspace;
+    handle->workspace_bytes = bytes;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSetAtomicsMode(cublasHandle_t handle, cublasAtomicsMode_t mode) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (mode != CUBLAS_ATOMICS_NOT_ALLOWED && mode != CUBLAS_ATOMICS_ALLOWED) return CUBLAS_STATUS_INVALID_VALUE;
+    handle->atomics = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSetPointerMode(cublasHandle_t handle, cublasPointerMode_t mode) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (mode != CUBLAS_POINTER_MODE_HOST && mode != CUBLAS_POINTER_MODE_DEVICE) return CUBLAS_STATUS_INVALID_VALUE;
+    handle->pointer_mode = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (mode != CUBLAS_DEFAULT_MATH && mode != CUBLAS_TENSOR_OP_MATH && mode != CUBLAS_PEDANTIC_MATH &&
+        mode != CUBLAS_TF32_TENSOR_OP_MATH)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    handle->math = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// TF32: the 10 explicit mantissa bits of the tensor cores, rounded to nearest (ties away).
+static inline float tf32(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7F800000u) != 0x7F800000u) u = (u + 0x1000u) & 0xFFFFE000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+struct gemm_args {
+    int m, n, k, lda, ldb, ldc;
+    bool ta, tb, tf32;
+    float alpha, beta;
+    const float* alpha_dev;
+    const float* beta_dev;
+    const float* a;
+    const float* b;
+    float* c;
+};
+
+static void run_gemm(const gemm_args& g) {
+    const float alpha = g.alpha_dev ? *g.alpha_dev : g.alpha, beta = g.beta_dev ? *g.beta_dev : g.beta;
+    // op(A) rows and op(B) columns packed contiguous, so each C entry is one dot product
+    std::vector<float> ap((size_t)g.m * g.k), bp((size_t)g.n * g.k);
+    for (int i = 0; i < g.m; ++i)
+        for (int l = 0; l < g.k; ++l) {
+            const float v = g.ta ? g.a[(size_t)i * g.lda + l] : g.a[i + (size_t)l * g.lda];
+            ap[(size_t)i * g.k + l] = g.tf32 ? tf32(v) : v;
+        }
+    for (int j = 0; j < g.n; ++j)
+        for (int l = 0; l < g.k; ++l) {
+            const float v = g.tb ? g.b[j + (size_t)l * g.ldb] : g.b[l + (size_t)j * g.ldb];
+            bp[(size_t)j * g.k + l] = g.tf32 ? tf32(v) : v;
+        }
+    for (int j = 0; j < g.n; ++j) {
+        const float* bj = &bp[(size_t)j * g.k];
+        for (int i = 0; i < g.m; ++i) {
+            const float* ai = &ap[(size_t)i * g.k];
+            double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            int l = 0;
+            for (; l + 3 < g.k; l += 4) {
+                s0 += (double)ai[l] * bj[l];
+                s1 += (double)ai[l + 1] * bj[l + 1];
+                s2 += (double)ai[l + 2] * bj[l + 2];
+                s3 += (double)ai[l + 3] * bj[l + 3];
+            }
+            for (; l < g.k; ++l) s0 += (double)ai[l] * bj[l];
+            float* c = &g.c[i + (size_t)j * g.ldc];
+            const float prod = (float)((s0 + s1) + (s2 + s3));
+            *c = beta == 0.0f ? alpha * prod : alpha * prod + beta * *c;   // beta 0: C is not read
+        }
+    }
+}
+
+EMU_EXPORT cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                      int m, int n, int k, const float* alpha, const float* a, int lda, const float* b,
+                                      int ldb, const float* beta, float* c, int ldc) {
+    if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (tl_device != handle->dev)
+        die("cublasSgemm: a handle of device %d used while device %d is current", handle->dev, tl_device);
+    if (transa > CUBLAS_OP_C || transb > CUBLAS_OP_C || m < 0 || n < 0 || k < 0 || !alpha || !beta)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    const bool ta = transa != CUBLAS_OP_N, tb = transb != CUBLAS_OP_N;
+    const int rows_a = ta ? k : m, rows_b = tb ? n : k;
+    if (lda < (rows_a > 1 ? rows_a : 1) || ldb < (rows_b > 1 ? rows_b : 1) || ldc < (m > 1 ? m : 1))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+    cudaStream_t s = resolve(handle->stream);
+    if (!s) return CUBLAS_STATUS_INVALID_VALUE;
+    const int dev = handle->dev;
+    if (k > 0) {
+        const int cols_a = ta ? m : k, cols_b = tb ? k : n;
+        check_device("cublasSgemm A", a, ((size_t)(cols_a - 1) * lda + rows_a) * sizeof(float), dev, true);
+        check_device("cublasSgemm B", b, ((size_t)(cols_b - 1) * ldb + rows_b) * sizeof(float), dev, true);
+    }
+    check_device("cublasSgemm C", c, ((size_t)(n - 1) * ldc + m) * sizeof(float), dev, true);
+    gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, 0.0f, 0.0f,
+                nullptr, nullptr, a, b, c};
+    if (handle->pointer_mode == CUBLAS_POINTER_MODE_HOST) {
+        g.alpha = *alpha;
+        g.beta = *beta;
+    } else {
+        check_device("cublasSgemm alpha", alpha, sizeof(float), dev, true);
+        check_device("cublasSgemm beta", beta, sizeof(float), dev, true);
+        g.alpha_dev = alpha;
+        g.beta_dev = beta;
+    }
+    ++c_launches;
+    s->push([g] { run_gemm(g); }, "cublasSgemm");
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// ---- for the fake NCCL and the benchmarks ------------------------------------------------------
+EMU_EXPORT void mgpu_emu_get_counters(mgpu_emu_counters* out) {
+    out->launches = c_launches;
+    out->syncs = c_syncs;
+    out->allocs = c_allocs;
+    out->frees = c_frees;
+    out->h2d_bytes = c_h2d;
+    out->d2h_bytes = c_d2h;
+    out->peer_bytes = c_peer;
+    out->d2d_bytes = c_d2d;
+    out->collectives = c_collectives;
+}
+
+EMU_EXPORT int mgpu_emu_device_count(void) { return conf().devices; }
+
+EMU_EXPORT void mgpu_emu_fail_next(const char* what, long count) {
+    config& c = const_cast<config&>(conf());
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) {
+        c.fail_malloc = g_malloc_calls + 1;
+        c.fail_malloc_count = count;
+    } else if (!strcmp(what, "launch")) {
+        c.fail_launch = g_launch_calls + 1;
+        c.fail_launch_count = count;
+    } else {
+        die("mgpu_emu_fail_next: unknown fault \"%s\" (malloc or launch)", what);
+    }
+}
+
+EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
+    cudaStream_t s = resolve((cudaStream_t)stream);
+    return s ? s->dev : -1;
+}
+
+EMU_EXPORT void mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, const char* what) {
+    cudaStream_t s = resolve((cudaStream_t)stream);
+    if (!s) die("%s: not a live stream: %p", what, stream);
+    s->push([fn, arg] { fn(arg); }, what);
+}
+
+EMU_EXPORT void mgpu_emu_check_device_range(const char* what, const void* p, size_t bytes, int dev) {
+    check_device(what, p, bytes, dev, false);
+}
+
+EMU_EXPORT void mgpu_emu_count_collective(void) { ++c_collectives; }
+
+EMU_EXPORT double mgpu_emu_timeout_seconds(void) { return conf().timeout; }
+
+}  // extern "C"

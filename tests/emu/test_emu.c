@@ -1,0 +1,258 @@
+/* tests/emu/test_emu.c - the GPU emulator checks itself, and mgpu answers its injected faults.
+   Each case runs in a child process (forked before anything touches the emulator, so each has
+   its own devices and environment):
+   1. the emulator: shuffles and barriers give hardware's results (selfcheck.cu); launch limits
+      are launch errors; a divergent barrier, a shuffle with missing lanes, a deadlock, a copy
+      past an allocation's end and a kernel given another device's memory without peer access
+      each stop the program with a report naming the kernel or the call;
+   2. faults: a failed cudaMalloc (mgpu empties its cache and tries again; a second failure is
+      mgpu's out-of-memory error, and the next allocation works); a small device (out of
+      memory with the sizes in the message); a failed launch (the op's error names it, and the
+      next op works); NCCL that loads and works, that is absent, that fails to initialise (mgpu
+      falls back to peer-to-peer with a notice); the P2P ring and one-shot across 4 GPUs; no peer
+      access (the host-staged path).
+   MGPU_EMU_NCCL names the emulated NCCL library (the Makefile passes build/emu/libnccl_emu.so). */
+#define _DEFAULT_SOURCE   /* fork, pipe, setenv, strtok_r */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include "tests/test.h"
+#include "emu.h"
+
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+int selfcheck_run(const char* which);
+
+static char g_log[4096];
+static void capture_log(mgpu_log_level level, const char* message, void* user) {
+    size_t used = strlen(g_log);
+    (void)level;
+    (void)user;
+    snprintf(g_log + used, sizeof g_log - used, "%s\n", message);
+    fprintf(stderr, "log: %s\n", message);
+}
+
+/* ---- the cases, each run in its own process: 0 is success ---- */
+#define NEED(cond, ...) do { if (!(cond)) { fprintf(stderr, "case failed at line %d: ", __LINE__); fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); return 1; } } while (0)
+
+static int tensor_value_is(mgpu_tensor* t, float want) {
+    int64_t n = mgpu_tensor_bytes(t) / 4, i;
+    float* h = (float*)xmalloc((size_t)n * 4);
+    int ok = mgpu_tensor_download(t, h, (size_t)n * 4) == MGPU_OK;
+    for (i = 0; ok && i < n; ++i) ok = h[i] == want;
+    free(h);
+    return ok;
+}
+
+static int case_oom(int second_failure) {
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    mgpu_device* dev;
+    mgpu_tensor *a, *b, *c;
+    NEED(set, "cuda:0: %s", mgpu_last_error());
+    dev = mgpu_device_set_get(set, 0);
+    a = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(1000));
+    NEED(a, "first tensor: %s", mgpu_last_error());
+    mgpu_tensor_destroy(a);   /* its block stays in mgpu's cache */
+    mgpu_emu_fail_next("malloc", second_failure ? 2 : 1);
+    b = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(100000));
+    if (!second_failure) {
+        NEED(b, "one failed cudaMalloc: mgpu should empty its cache and succeed: %s", mgpu_last_error());
+        NEED(mgpu_tensor_fill(b, 2.0) == MGPU_OK && tensor_value_is(b, 2.0f), "the tensor after the retry");
+    } else {
+        NEED(!b, "two failed cudaMallocs: the tensor was made");
+        NEED(mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY, "result %s", mgpu_result_string(mgpu_last_result()));
+        NEED(strstr(mgpu_last_error(), "out of memory on cuda:0"), "message: %s", mgpu_last_error());
+    }
+    mgpu_tensor_destroy(b);
+    c = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape1(5000));   /* nothing lost */
+    NEED(c && mgpu_tensor_fill(c, 3.0) == MGPU_OK && tensor_value_is(c, 3.0f), "the next tensor: %s", mgpu_last_error());
+    mgpu_tensor_destroy(c);
+    mgpu_device_set_destroy(set);
+    return 0;
+}
+
+static int case_small_device(void) {   /* MGPU_EMU_MEMORY=256 (MiB) */
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    mgpu_tensor *big, *small;
+    NEED(set, "cuda:0: %s", mgpu_last_error());
+    big = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1((int64_t)300 << 18));
+    NEED(!big && mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY, "300 MiB on a 256 MiB device: %s", mgpu_last_error());
+    NEED(strstr(mgpu_last_error(), "free on the device"), "message: %s", mgpu_last_error());
+    small = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(1 << 18));
+    NEED(small && mgpu_tensor_fill(small, 1.0) == MGPU_OK && tensor_value_is(small, 1.0f), "1 MiB after: %s", mgpu_last_error());
+    mgpu_tensor_destroy(small);
+    mgpu_device_set_destroy(set);
+    return 0;
+}
+
+static int case_launch_failure(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    mgpu_tensor* t;
+    mgpu_result r;
+    NEED(set, "cuda:0: %s", mgpu_last_error());
+    t = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(1000));
+    NEED(t, "tensor: %s", mgpu_last_error());
+    mgpu_emu_fail_next("launch", 1);
+    r = mgpu_tensor_fill(t, 5.0);
+    NEED(r != MGPU_OK, "a failed launch reported success");
+    NEED(strstr(mgpu_last_error(), "launch of fill") && strstr(mgpu_last_error(), "cudaErrorLaunchOutOfResources"),
+         "message: %s", mgpu_last_error());
+    NEED(mgpu_tensor_fill(t, 6.0) == MGPU_OK && tensor_value_is(t, 6.0f), "the next fill: %s", mgpu_last_error());
+    mgpu_tensor_destroy(t);
+    mgpu_device_set_destroy(set);
+    return 0;
+}
+
+/* an all-reduce over spec asking for `ask`: the backend must be `want`, the sums right (replica i
+   holds i + 1 everywhere) */
+static int case_allreduce(const char* spec, mgpu_allreduce_kind ask, mgpu_allreduce_kind want, const char* notice) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_allreduce* ar;
+    mgpu_tensor* t[8] = {0};
+    int i, n;
+    mgpu_log_set_callback(capture_log, NULL);
+    NEED(set, "%s: %s", spec, mgpu_last_error());
+    n = mgpu_device_set_count(set);
+    NEED(n >= 1 && n <= 8, "%d devices", n);
+    ar = mgpu_allreduce_create(set, ask);
+    NEED(ar, "allreduce_create: %s", mgpu_last_error());
+    NEED(mgpu_allreduce_backend(ar) == want, "backend %s, want %s", mgpu_allreduce_name(mgpu_allreduce_backend(ar)),
+         mgpu_allreduce_name(want));
+    NEED(!notice || strstr(g_log, notice), "no notice with \"%s\" (log: %s)", notice, g_log);
+    for (i = 0; i < n; ++i) {   /* 300001 floats: above the one-shot's 256 KiB across GPUs */
+        t[i] = mgpu_tensor_create(mgpu_device_set_get(set, i), MGPU_F32, mgpu_shape1(300001));
+        NEED(t[i] && mgpu_tensor_fill(t[i], i + 1.0) == MGPU_OK, "tensor %d: %s", i, mgpu_last_error());
+    }
+    NEED(mgpu_allreduce_sum(ar, t, n) == MGPU_OK, "all-reduce: %s", mgpu_last_error());
+    for (i = 0; i < n; ++i) NEED(tensor_value_is(t[i], (float)(n * (n + 1) / 2)), "replica %d holds the wrong sum", i);
+    for (i = 0; i < n; ++i) mgpu_tensor_destroy(t[i]);
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+    return 0;
+}
+
+/* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
+static int case_no_gpu(void) {
+    mgpu_device_set* set;
+    NEED(mgpu_cuda_device_count() == 0, "%d GPUs", mgpu_cuda_device_count());
+    set = mgpu_device_set_create("auto");
+    NEED(set && mgpu_device_set_count(set) == 1 && mgpu_device_kind_of(mgpu_device_set_get(set, 0)) == MGPU_DEVICE_CPU,
+         "auto without a GPU: %s", set ? mgpu_device_set_spec(set) : mgpu_last_error());
+    mgpu_device_set_destroy(set);
+    set = mgpu_device_set_create("cuda");
+    NEED(!set && mgpu_last_result() == MGPU_ERROR_NO_DEVICE, "cuda without a GPU: %s", mgpu_last_error());
+    return 0;
+}
+
+static int run_case(const char* name) {
+    if (!strcmp(name, "no gpu")) return case_no_gpu();
+    if (!strncmp(name, "selfcheck:", 10)) return selfcheck_run(name + 10);
+    if (!strcmp(name, "oom retry")) return case_oom(0);
+    if (!strcmp(name, "oom")) return case_oom(1);
+    if (!strcmp(name, "small device")) return case_small_device();
+    if (!strcmp(name, "launch failure")) return case_launch_failure();
+    if (!strcmp(name, "nccl")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL, NULL);
+    if (!strcmp(name, "nccl absent"))
+        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
+    if (!strcmp(name, "nccl init fails"))
+        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
+    if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+    if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+    fprintf(stderr, "unknown case %s\n", name);
+    return 1;
+}
+
+/* Runs a case in a child with the given environment ("NAME=value ..."), collecting its output.
+   Returns the exit status, or 128 + the signal. */
+static int in_child(const char* name, const char* env, char* out, size_t size) {
+    int fds[2], status = 0;
+    size_t used = 0;
+    ssize_t got;
+    pid_t pid;
+    fflush(stdout);
+    fflush(stderr);
+    if (pipe(fds) != 0) return -1;
+    pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        char buf[512], *save = NULL, *kv;
+        close(fds[0]);
+        dup2(fds[1], 1);
+        dup2(fds[1], 2);
+        snprintf(buf, sizeof buf, "%s", env);
+        for (kv = strtok_r(buf, " ", &save); kv; kv = strtok_r(NULL, " ", &save)) {
+            char* eq = strchr(kv, '=');
+            if (eq) { *eq = 0; setenv(kv, eq + 1, 1); }
+        }
+        _exit(run_case(name));
+    }
+    close(fds[1]);
+    while (used + 1 < size && (got = read(fds[0], out + used, size - 1 - used)) > 0) used += (size_t)got;
+    out[used] = 0;
+    { char sink[256]; while (read(fds[0], sink, sizeof sink) > 0) {} }
+    close(fds[0]);
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void expect_ok(const char* name, const char* env) {
+    char out[8192];
+    int rc = in_child(name, env, out, sizeof out);
+    CHECK(rc == 0, "%s [%s]: exit %d, output:\n%s", name, env, rc, out);
+}
+
+/* the case must stop the program (abort) with a report containing `a` and `b` */
+static void expect_report(const char* name, const char* env, const char* a, const char* b) {
+    char out[8192];
+    int rc = in_child(name, env, out, sizeof out);
+    CHECK(rc == 128 + SIGABRT, "%s: exit %d, want an abort; output:\n%s", name, rc, out);
+    CHECK(strstr(out, "mgpu-emu") && strstr(out, a) && (!b || strstr(out, b)), "%s: report lacks \"%s\"/\"%s\":\n%s", name,
+          a, b ? b : "", out);
+}
+
+int main(void) {
+    char nccl[600], nccl_fail[700], env[700];
+    const char* lib = getenv("MGPU_EMU_NCCL");
+    (void)test_rel_error;
+    header("the emulator checks itself");
+    expect_ok("selfcheck:shuffles", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:launch_limits", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:cublas", "MGPU_EMU_DEVICES=1");
+    /* kernels that reuse shared memory across loop iterations, at sizes where blocks loop: in
+       the plain order and in two chaos orders */
+    expect_ok("selfcheck:transpose", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:column_sum", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=1");
+    expect_ok("selfcheck:softmax_wide", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=2");
+    expect_ok("selfcheck:column_sum", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=1");
+    expect_report("selfcheck:divergent", "MGPU_EMU_DEVICES=1", "divergent_barrier_kernel", "divergent __syncthreads");
+    expect_report("selfcheck:missing_lanes", "MGPU_EMU_DEVICES=1", "missing_lanes_kernel", "has exited");
+    expect_report("selfcheck:deadlock", "MGPU_EMU_DEVICES=1", "deadlock_kernel", "deadlock");
+    expect_report("selfcheck:oob_copy", "MGPU_EMU_DEVICES=1", "cudaMemcpyAsync source", "past the end");
+    expect_report("selfcheck:no_peer_kernel", "MGPU_EMU_DEVICES=2", "write_kernel", "without peer access");
+
+    header("faults: mgpu's error or its documented fallback");
+    expect_ok("no gpu", "MGPU_EMU_DEVICES=0");
+    expect_ok("oom retry", "MGPU_EMU_DEVICES=1");
+    expect_ok("oom", "MGPU_EMU_DEVICES=1");
+    expect_ok("small device", "MGPU_EMU_DEVICES=1 MGPU_EMU_MEMORY=256");
+    expect_ok("launch failure", "MGPU_EMU_DEVICES=1");
+    if (lib) {
+        snprintf(nccl, sizeof nccl, "MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=%s", lib);
+        expect_ok("nccl", nccl);
+        snprintf(nccl_fail, sizeof nccl_fail, "%s MGPU_EMU_NCCL_FAIL=init", nccl);
+        expect_ok("nccl init fails", nccl_fail);
+    } else {
+        SKIP("the emulated NCCL: MGPU_EMU_NCCL is not set");
+    }
+    expect_ok("nccl absent", "MGPU_EMU_DEVICES=2 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
+    /* the P2P ring across 4 GPUs (above the one-shot's size), and the one-shot at every size */
+    expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring");
+    expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=oneshot");
+    snprintf(env, sizeof env, "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
+    expect_ok("no peer access", env);
+    return test_summary("test_emu");
+}
