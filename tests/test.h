@@ -43,7 +43,7 @@ static int test_is_verbose(void) {
    that matches no group is a failure, so a typo never passes as an empty run. */
 static const char* test_only;
 static int test_groups_run;
-static void test_select(int argc, char** argv) {
+static inline void test_select(int argc, char** argv) {
     test_only = argc > 1 ? argv[1] : getenv("TEST_ONLY");
     if (test_only && !*test_only) test_only = NULL;
     if (test_only) printf("only the groups matching '%s'\n", test_only);
