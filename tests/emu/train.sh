@@ -1,16 +1,21 @@
 #!/bin/sh
 # build/train_emu (build/train on the GPU emulator) ends where the CPU run ends: 300 steps of the
 # MLP from the same seed on cuda:0, cuda:0,0, cuda:0,1 and cuda:0,1,2,3 with every all-reduce
-# backend and P2P algorithm; the final checkpoints (parameters and optimizer state) within 2e-5
-# (max relative, per tensor) of build/train_cpu's, and the replicas bit-identical at every step
-# (MGPU_VERIFY_EVERY=1). The P2P ring over 4 replicas adds each chunk in its own rotation of the
-# replicas (not in replica order as the other backends do): a different rounding, which after 300
-# steps of this chaotic map reaches about 6e-5 (1.6e-7 after one step), so it gets 1e-4. Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL,
-# EMU_TRAIN_MODEL change the steps, the tolerance and the model. Skips without Fashion-MNIST.
+# backend and P2P algorithm, the replicas bit-identical at every step (MGPU_VERIFY_EVERY=1), and
+# the final checkpoints (parameters and optimizer state, max relative difference per tensor):
+#   - cuda:0 within 1e-4 of build/train_cpu's: the two GEMMs round differently (the CPU's AVX2
+#     kernel fuses multiply-adds over blocks of 256, the emulated cuBLAS adds in plain k order),
+#     and 300 steps of this chaotic map grow that to about 6e-5;
+#   - every multi-GPU run within 2e-5 of cuda:0's: what the split and the all-reduce add. The P2P
+#     ring over 4 replicas adds each chunk in its own rotation of the replicas (not in replica
+#     order as the other backends do), a rounding of its own that grows the same way, so 1e-4.
+# Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
+# EMU_TRAIN_MODEL change the steps, the tolerances and the model. Skips without Fashion-MNIST.
 b=${1:-build}
 data=${2:-${DATA:-/usr/share/datasets/fashion-mnist}}
 steps=${EMU_TRAIN_STEPS:-300}
 tol=${EMU_TRAIN_TOL:-2e-5}
+cpu_tol=${EMU_TRAIN_CPU_TOL:-1e-4}
 model=${EMU_TRAIN_MODEL:-mlp}
 lib=$(cd "$b/emu" && pwd)
 tmp=$(mktemp -d)
@@ -40,11 +45,13 @@ for run in "cuda:0 - - none" \
     [ "$2" != - ] && env="$env MGPU_ALLREDUCE=$2"
     [ "$3" != - ] && env="$env MGPU_P2P=$3"
     what="train_emu --devices $spec ($env)"
-    t=$tol
+    t=$tol; ref="$tmp/gpu0.safetensors"   # the multi-GPU runs against the emulated single GPU
     [ "$3" = ring ] && [ "$spec" = cuda:0,1,2,3 ] && t=${EMU_TRAIN_RING_TOL:-1e-4}
+    [ "$spec" = cuda:0 ] && { t=$cpu_tol; ref="$tmp/cpu.safetensors"; }   # ... and that one against the CPU
     if env $env "$b/train_emu" $args --devices "$spec" --save "$tmp/gpu.safetensors" > "$tmp/gpu.txt" 2>&1; then
         last=$(tail -n 1 "$tmp/gpu.txt")
-        diff=$("$b/emu/ckpt_diff" "$tmp/gpu.safetensors" "$tmp/cpu.safetensors" "$t" 2>&1); rc=$?
+        [ "$spec" = cuda:0 ] && cp "$tmp/gpu.safetensors" "$tmp/gpu0.safetensors"
+        diff=$("$b/emu/ckpt_diff" "$tmp/gpu.safetensors" "$ref" "$t" 2>&1); rc=$?
         if [ $rc -eq 0 ] && echo "$last" | grep -q "allreduce=$want "; then
             passed=$((passed + 1)); echo "  ok   $what: $diff"
         else
