@@ -2572,6 +2572,40 @@ static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int th
     }
 }
 
+/* Small products (C of at most a few row blocks, as in the MLP's layers): one task per share of
+   C, cut along whole slivers so the tiles and the bits stay those of one thread, each task
+   packing what it needs itself through every panel. One dispatch to the pool per product,
+   instead of two per panel: at these sizes the dispatches are what costs. */
+#define MGPU__GEMM_SMALL_M (2 * MGPU__GEMM_MC)
+typedef struct mgpu__gemm_small_job {
+    const mgpu__gemm* g;
+    int64_t k, tasks, slivers;
+    int by_rows;           /* share the rows of C out (else its columns) */
+    size_t task_floats;    /* packing space per task */
+    float* space;
+} mgpu__gemm_small_job;
+static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n);
+static void mgpu__gemm_small_task(void* ctx, int64_t task) {
+    const mgpu__gemm_small_job* j = (const mgpu__gemm_small_job*)ctx;
+    mgpu__gemm g = *j->g;
+    const int64_t s0 = j->slivers * task / j->tasks, s1 = j->slivers * (task + 1) / j->tasks;
+    if (s0 == s1) return;
+    if (j->by_rows) {
+        const int64_t r0 = s0 * MGPU__GEMM_MR;
+        g.a += g.ta ? r0 : r0 * g.lda;
+        g.c += r0 * g.ldc;
+        g.m = MGPU__MIN(g.m, s1 * MGPU__GEMM_MR) - r0;
+    } else {
+        const int64_t c0 = s0 * MGPU__GEMM_NR;
+        g.b += g.tb ? c0 * g.ldb : c0;
+        g.c += c0;
+        g.n = MGPU__MIN(g.n, s1 * MGPU__GEMM_NR) - c0;
+    }
+    g.ap = j->space + (size_t)task * j->task_floats;
+    g.bp = g.ap + (size_t)((g.m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    mgpu__gemm_run(&g, 0, j->k, 1);
+}
+
 /* Floats of packing space for op(A) and op(B) panels of a GEMM with m rows and n columns. */
 static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
     return (size_t)(((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR +
@@ -2633,6 +2667,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     mgpu__gemm g;
     int64_t i, j;
     size_t size;
+    int threads;
     for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
         float* row = c + i * ldc;
         if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
@@ -2648,13 +2683,30 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = alpha; g.a = a; g.b = b; g.c = c;
     if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
+    /* a small product is over before the pool's threads would have woken up */
+    threads = m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads();
+    if (m <= MGPU__GEMM_SMALL_M && threads > 1) {
+        mgpu__gemm_small_job job;
+        const int64_t row_slivers = (m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR, col_slivers = (n + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR;
+        job.g = &g;
+        job.k = k;
+        job.by_rows = row_slivers >= col_slivers;
+        job.slivers = job.by_rows ? row_slivers : col_slivers;
+        job.tasks = MGPU__MIN((int64_t)threads, job.slivers);
+        job.task_floats = job.by_rows ? mgpu__gemm_pack_floats((job.slivers + job.tasks - 1) / job.tasks * MGPU__GEMM_MR, n)
+                                      : mgpu__gemm_pack_floats(m, (job.slivers + job.tasks - 1) / job.tasks * MGPU__GEMM_NR);
+        job.space = (float*)mgpu__device_alloc(dev, sizeof(float) * job.task_floats * (size_t)job.tasks, &size, "mgpu_matmul");
+        if (!job.space) return mgpu_last_result();
+        mgpu__parallel_for(job.tasks, mgpu__gemm_small_task, &job);
+        mgpu__device_release(dev, job.space, size);
+        return MGPU_OK;
+    }
     /* The packing space comes from the caching allocator on every call (a cache hit after the
        first): nothing shared to race on when several threads multiply on one device. */
     g.ap = (float*)mgpu__device_alloc(dev, sizeof(float) * mgpu__gemm_pack_floats(m, n), &size, "mgpu_matmul");
     if (!g.ap) return mgpu_last_result();
     g.bp = g.ap + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
-    /* a small product is over before the pool's threads would have woken up */
-    mgpu__gemm_run(&g, 0, k, m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads());
+    mgpu__gemm_run(&g, 0, k, threads);
     mgpu__device_release(dev, g.ap, size);
     return MGPU_OK;
 }

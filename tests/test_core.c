@@ -1434,13 +1434,14 @@ static void matmul_case(mgpu_device* dev, int64_t m, int64_t n, int64_t k, int t
     free(a); free(b); free(c); free(got); free(ref);
 }
 
-/* The CPU GEMM's bits do not depend on the thread count: rows are shared out whole, and a long
-   sum is cut into chunks fixed by the shape alone. */
+/* The CPU GEMM's bits do not depend on the thread count: whole tiles of C are shared out (a few
+   rows of C: slivers of its rows or columns; more: row blocks and column groups), and a long sum
+   is cut into chunks fixed by the shape alone. */
 static void matmul_same_bits_any_threads(void) {
-    const int64_t shapes[3][3] = {{16, 9, 40000}, {70, 90, 300}, {130, 5, 9000}};
+    const int64_t shapes[5][3] = {{16, 9, 40000}, {70, 90, 300}, {130, 5, 9000}, {20, 300, 260}, {400, 70, 300}};
     const int threads = mgpu_cpu_threads();
     int s, same = 1;
-    for (s = 0; s < 3; ++s) {
+    for (s = 0; s < 5; ++s) {
         const int64_t m = shapes[s][0], n = shapes[s][1], k = shapes[s][2];
         float *a = fbuf(k * m), *b = fbuf(k * n), *one = fbuf(m * n), *many = fbuf(m * n);
         mgpu_tensor *ta, *tb, *tc;
