@@ -2414,26 +2414,28 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* C[0..MR)[0..NR) += alpha * sum over kk of a[kk*MR + r] * b[kk*NR + j] */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, float alpha) {
+/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*NR + j]: A packed (rs 1, ks MR)
+   or read where it lies (row-major: rs lda, ks 1; transposed: rs 1, ks lda) */
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
+                              float alpha) {
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
     const __m256 va = _mm256_set1_ps(alpha);
     int64_t kk;
-    for (kk = 0; kk < kc; ++kk, a += MGPU__GEMM_MR, b += MGPU__GEMM_NR) {
+    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR) {
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
         __m256 ar = _mm256_broadcast_ss(a);
         c00 = _mm256_fmadd_ps(ar, b0, c00); c01 = _mm256_fmadd_ps(ar, b1, c01);
-        ar = _mm256_broadcast_ss(a + 1);
+        ar = _mm256_broadcast_ss(a + rs);
         c10 = _mm256_fmadd_ps(ar, b0, c10); c11 = _mm256_fmadd_ps(ar, b1, c11);
-        ar = _mm256_broadcast_ss(a + 2);
+        ar = _mm256_broadcast_ss(a + 2 * rs);
         c20 = _mm256_fmadd_ps(ar, b0, c20); c21 = _mm256_fmadd_ps(ar, b1, c21);
-        ar = _mm256_broadcast_ss(a + 3);
+        ar = _mm256_broadcast_ss(a + 3 * rs);
         c30 = _mm256_fmadd_ps(ar, b0, c30); c31 = _mm256_fmadd_ps(ar, b1, c31);
-        ar = _mm256_broadcast_ss(a + 4);
+        ar = _mm256_broadcast_ss(a + 4 * rs);
         c40 = _mm256_fmadd_ps(ar, b0, c40); c41 = _mm256_fmadd_ps(ar, b1, c41);
-        ar = _mm256_broadcast_ss(a + 5);
+        ar = _mm256_broadcast_ss(a + 5 * rs);
         c50 = _mm256_fmadd_ps(ar, b0, c50); c51 = _mm256_fmadd_ps(ar, b1, c51);
     }
 #define MGPU__GEMM_ROW(r, lo, hi)                                                                        \
@@ -2445,14 +2447,15 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, const float* b, float*
 }
 #else
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, float alpha) {
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
+                              float alpha) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
     int64_t kk;
     int r, j;
     memset(acc, 0, sizeof acc);
-    for (kk = 0; kk < kc; ++kk, a += MGPU__GEMM_MR, b += MGPU__GEMM_NR)
+    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR)
         for (r = 0; r < MGPU__GEMM_MR; ++r) {
-            const float ar = a[r];
+            const float ar = a[r * rs];
             for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
         }
     for (r = 0; r < MGPU__GEMM_MR; ++r)
@@ -2468,29 +2471,31 @@ typedef struct mgpu__gemm {
     const float *a, *b;
     float* c;
     float *ap, *bp;           /* packed op(A) [ceil(m/MR)][kc][MR], op(B) [ceil(nc/NR)][kc][NR] */
+    int pack_a;               /* 0: the kernel reads A where it lies (a narrow C reuses it too little
+                                 to pay for the copy); only the last, partial sliver is packed */
     int64_t k0, kc, j0, nc;   /* the panel being multiplied */
 } mgpu__gemm;
 
-/* Pack slivers [first, last) of op(A) rows, or of op(B) columns, for the current panel; zeros
-   pad the last sliver. */
-static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) {
-    int64_t s, kk, r;
-    for (s = first; s < last; ++s) {
-        float* p = g->ap + s * g->kc * MGPU__GEMM_MR;
-        const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - s * MGPU__GEMM_MR);
-        const int64_t i0 = s * MGPU__GEMM_MR;
-        if (rows < MGPU__GEMM_MR) memset(p, 0, sizeof(float) * (size_t)(g->kc * MGPU__GEMM_MR));
-        if (g->ta) {   /* op(A) = A^T: the sliver's rows are contiguous in each row of A */
-            const float* src = g->a + g->k0 * g->lda + i0;
-            for (kk = 0; kk < g->kc; ++kk, src += g->lda)
-                for (r = 0; r < rows; ++r) p[kk * MGPU__GEMM_MR + r] = src[r];
-        } else {       /* each of the sliver's rows, along k */
-            for (r = 0; r < rows; ++r) {
-                const float* src = g->a + (i0 + r) * g->lda + g->k0;
-                for (kk = 0; kk < g->kc; ++kk) p[kk * MGPU__GEMM_MR + r] = src[kk];
-            }
+/* Sliver s of op(A) rows for the current panel into p [kc][MR]; zeros pad a partial one. */
+static void mgpu__gemm_pack_a_sliver(const mgpu__gemm* g, int64_t s, float* p) {
+    const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - s * MGPU__GEMM_MR), i0 = s * MGPU__GEMM_MR;
+    int64_t kk, r;
+    if (rows < MGPU__GEMM_MR) memset(p, 0, sizeof(float) * (size_t)(g->kc * MGPU__GEMM_MR));
+    if (g->ta) {   /* op(A) = A^T: the sliver's rows are contiguous in each row of A */
+        const float* src = g->a + g->k0 * g->lda + i0;
+        for (kk = 0; kk < g->kc; ++kk, src += g->lda)
+            for (r = 0; r < rows; ++r) p[kk * MGPU__GEMM_MR + r] = src[r];
+    } else {       /* each of the sliver's rows, along k */
+        for (r = 0; r < rows; ++r) {
+            const float* src = g->a + (i0 + r) * g->lda + g->k0;
+            for (kk = 0; kk < g->kc; ++kk) p[kk * MGPU__GEMM_MR + r] = src[kk];
         }
     }
+}
+static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) {
+    int64_t s;
+    if (!g->pack_a) return;
+    for (s = first; s < last; ++s) mgpu__gemm_pack_a_sliver(g, s, g->ap + s * g->kc * MGPU__GEMM_MR);
 }
 static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
     int64_t s, kk, j;
@@ -2513,17 +2518,27 @@ static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_
         const float* bs = g->bp + (jb / MGPU__GEMM_NR) * g->kc * MGPU__GEMM_NR;
         const int64_t cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->nc - jb);
         for (i = i0; i < i1; i += MGPU__GEMM_MR) {
-            const float* as = g->ap + (i / MGPU__GEMM_MR) * g->kc * MGPU__GEMM_MR;
             const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - i);
             float* c = g->c + i * g->ldc + g->j0 + jb;
+            float edge[MGPU__GEMM_MR * MGPU__GEMM_KC];   /* the partial last sliver of an unpacked A */
+            const float* as = g->ap + (i / MGPU__GEMM_MR) * g->kc * MGPU__GEMM_MR;
+            int64_t rs = 1, ks = MGPU__GEMM_MR;
+            if (!g->pack_a && rows == MGPU__GEMM_MR) {
+                as = g->ta ? g->a + g->k0 * g->lda + i : g->a + i * g->lda + g->k0;
+                rs = g->ta ? 1 : g->lda;
+                ks = g->ta ? g->lda : 1;
+            } else if (!g->pack_a) {
+                mgpu__gemm_pack_a_sliver(g, i / MGPU__GEMM_MR, edge);
+                as = edge;
+            }
             if (rows == MGPU__GEMM_MR && cols == MGPU__GEMM_NR) {
-                mgpu__gemm_kernel(g->kc, as, bs, c, g->ldc, g->alpha);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, c, g->ldc, g->alpha);
             } else {   /* an edge: through a scratch tile, with the same kernel */
                 float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
                 int64_t r, j;
                 memset(tile, 0, sizeof tile);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
-                mgpu__gemm_kernel(g->kc, as, bs, tile, MGPU__GEMM_NR, g->alpha);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, tile, MGPU__GEMM_NR, g->alpha);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
         }
@@ -2682,6 +2697,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     memset(&g, 0, sizeof g);
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = alpha; g.a = a; g.b = b; g.c = c;
+    g.pack_a = n > 4 * MGPU__GEMM_NR;   /* A's rows are used by fewer than 5 slivers of B: read them in place */
     if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
     /* a small product is over before the pool's threads would have woken up */
     threads = m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads();
