@@ -1420,7 +1420,10 @@ static void test_wide_first_layer(void) {
             failed += !got.ok;
             for (s = 0; s < steps; ++s)
                 if (rel_diff(got.loss[s], ref.loss[s]) > worst) { worst = rel_diff(got.loss[s], ref.loss[s]); ws = s; }
-            if (got.ok && ref.ok && (worst > 1e-5 || params_error(&got, &ref) > 1e-5 || !got.identical)) {
+            /* 1e-3: the race this guards against gave differences of order 1; a ReLU whose input
+               sits at zero can flip between summation orders at lr 0.05, and moved the parameters
+               by 4.8e-5 (normalised) in one CI run. Bit-exact determinism is checked below. */
+            if (got.ok && ref.ok && (worst > 1e-3 || params_error(&got, &ref) > 1e-3 || !got.identical)) {
                 if (!differ[i]++)
                     snprintf(first[i], sizeof first[i], "round %d: step %d loss %.9g vs %.9g, parameters %.3g (normalised)%s", k, ws,
                              (double)got.loss[ws], (double)ref.loss[ws], params_error(&got, &ref), got.identical ? "" : ", replicas differ");
@@ -1437,7 +1440,7 @@ static void test_wide_first_layer(void) {
     }
     CHECK(failed == 0, "%d runs failed", failed);
     for (i = 0; i < 3; ++i)
-        CHECK(differ[i] == 0, "%s vs cpu: %d of %d rounds differ beyond 1e-5 (first: %s)", specs[i], differ[i], rounds, first[i]);
+        CHECK(differ[i] == 0, "%s vs cpu: %d of %d rounds differ beyond 1e-3 (first: %s)", specs[i], differ[i], rounds, first[i]);
     CHECK(nondet == 0, "cpu:3 twice on the same batches: %d of %d rounds gave other bits", nondet, rounds);
 }
 
