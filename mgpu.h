@@ -2587,6 +2587,13 @@ static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int th
     }
 }
 
+/* Floats of packing space for op(A) and op(B) panels of a GEMM with m rows and n columns. */
+static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
+    return (size_t)(((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR +
+                     (MGPU__MIN(n, (int64_t)MGPU__GEMM_NC) + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR) *
+                    MGPU__GEMM_KC);
+}
+
 /* Small products (C of at most a few row blocks, as in the MLP's layers): one task per share of
    C, cut along whole slivers so the tiles and the bits stay those of one thread, each task
    packing what it needs itself through every panel. One dispatch to the pool per product,
@@ -2599,7 +2606,6 @@ typedef struct mgpu__gemm_small_job {
     size_t task_floats;    /* packing space per task */
     float* space;
 } mgpu__gemm_small_job;
-static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n);
 static void mgpu__gemm_small_task(void* ctx, int64_t task) {
     const mgpu__gemm_small_job* j = (const mgpu__gemm_small_job*)ctx;
     mgpu__gemm g = *j->g;
@@ -2621,12 +2627,6 @@ static void mgpu__gemm_small_task(void* ctx, int64_t task) {
     mgpu__gemm_run(&g, 0, j->k, 1);
 }
 
-/* Floats of packing space for op(A) and op(B) panels of a GEMM with m rows and n columns. */
-static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
-    return (size_t)(((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR +
-                     (MGPU__MIN(n, (int64_t)MGPU__GEMM_NC) + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR) *
-                    MGPU__GEMM_KC);
-}
 
 /* Few outputs over a long sum (a convolution's weight gradient: 16 x 9 values, each a sum over
    100k positions): too few tiles of C to share out, so the sum is cut into chunks instead, each
