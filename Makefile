@@ -89,6 +89,9 @@ EMU_ASAN  = $(B)/emu-asan
 EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/emu.h
 EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
 EMU_OPT   = -O2 -g
+# grids of at most 61 blocks (65535 on a GPU): the grid-stride loops of the kernels run at the
+# quick sizes of the tests
+EMU_KERNELS = -DMGPU_CU_MAX_BLOCKS=61
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
 EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
 EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff \
@@ -109,7 +112,7 @@ $(EMU_DIR)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_DIR)
 $(EMU_DIR)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_DIR)/libmgpuemu.so | $(EMU_DIR)
 	$(EMU_CXX) $(EMU_OPT) -fPIC -shared $< -o $@ -L$(EMU_DIR) $(EMU_LINK) -lpthread
 $(EMU_DIR)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
-	$(EMU_CXX) $(EMU_OPT) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
+	$(EMU_CXX) $(EMU_OPT) $(EMU_KERNELS) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
 $(EMU_DIR)/test_%: tests/test_%.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
 $(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
@@ -128,7 +131,7 @@ $(EMU_ASAN)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_ASAN)
 $(EMU_ASAN)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_ASAN)/libmgpuemu.so | $(EMU_ASAN)
 	$(EMU_CXX) $(SANITIZE) -fPIC -shared $< -o $@ -L$(EMU_ASAN) $(EMU_LINK) -lpthread
 $(EMU_ASAN)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
-	$(EMU_CXX) $(SANITIZE) -Wno-unknown-pragmas -I. -c $< -o $@
+	$(EMU_CXX) $(SANITIZE) $(EMU_KERNELS) -Wno-unknown-pragmas -I. -c $< -o $@
 $(EMU_ASAN)/test_%: tests/test_%.c $(HEADERS) $(EMU_ASAN)/mgpu_kernels.o $(EMU_ASAN)/libmgpuemu.so
 	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
 

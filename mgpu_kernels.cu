@@ -116,7 +116,12 @@ static cudaStream_t as_stream(void* stream) { return (cudaStream_t)stream; }
 //              reductions, and the two loop skeletons (elementwise and indexed)
 // ============================================================================================
 constexpr int kThreads = 256;
-constexpr unsigned kMaxBlocks = 65535;
+// At most kMaxBlocks blocks per grid; every kernel's grid-stride loop covers the rest. The
+// emulator's build (tests/emu) sets a small cap, so that those loops run at small sizes too.
+#ifndef MGPU_CU_MAX_BLOCKS
+#define MGPU_CU_MAX_BLOCKS 65535
+#endif
+constexpr unsigned kMaxBlocks = MGPU_CU_MAX_BLOCKS;
 
 // Blocks for `items` units of work, `per_block` units per block, at most `cap` blocks (the
 // grid-stride loops cover the rest).

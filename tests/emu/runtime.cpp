@@ -14,12 +14,13 @@
      only non-blocking ones).
    - Kernels: the blocks of a launch run one after another on the stream's worker; the threads of
      a block run as fibers (a small hand-written context switch) that switch only at __syncthreads
-     and the shuffles. A divergent barrier, a shuffle with missing lanes or a deadlock aborts the
-     program with the kernel's name.
+     and the shuffles. The warps leave each barrier in a pseudo-random order, and a warp whose
+     shuffle completes goes on first, as far as its next barrier, ahead of the block's other warps:
+     a missing __syncthreads between two uses of shared memory shows. A divergent barrier, a shuffle with missing lanes or a
+     deadlock aborts the program with the kernel's name.
    - Chaos: MGPU_EMU_CHAOS=SEED delays each queued task by 0..MGPU_EMU_CHAOS_US (default 300)
      microseconds, so work that is not ordered by an event runs in a different order; and the
-     warps of a block leave a barrier in a random order, and lanes woken by a shuffle run
-     before the rest (a warp runs ahead), so a missing __syncthreads shows in other interleavings.
+     order of the warps leaving a barrier comes from that seed, so other interleavings run.
    - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
      after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
      launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices).
@@ -416,7 +417,8 @@ thread_local const void* tl_sched_bottom = nullptr;
 thread_local size_t tl_sched_size = 0;
 #endif
 
-// the scheduling choices of chaos mode, per worker thread
+// the scheduling choices (the order of the warps leaving a barrier), per worker thread: seeded by
+// MGPU_EMU_CHAOS in chaos mode, else by a fixed seed
 thread_local uint64_t tl_chaos = 0;
 uint64_t chaos_next() {
     if (!tl_chaos) {
@@ -575,7 +577,7 @@ void run_block(block_run* b) {
                     b->state[t] = T_RUNNING;
                     b->runnable.push_back(b->owner[t]);
                 }
-            if (conf().chaos) {   // chaos: the warps leave the barrier in a random order
+            {   // the warps leave the barrier in a random order
                 const size_t warps = (b->runnable.size() + 31) / 32;
                 std::vector<size_t> order(warps);
                 for (size_t w = 0; w < warps; ++w) order[w] = w;
@@ -711,11 +713,10 @@ uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
                 if (l != lane) {
                     b->state[warp * 32 + l] = T_RUNNING;
                     --b->at_shuffle;
-                    // chaos: the woken lanes go first (the warp runs ahead of the others)
-                    if (conf().chaos)
-                        b->runnable.push_front(b->owner[warp * 32 + l]);
-                    else
-                        b->runnable.push_back(b->owner[warp * 32 + l]);
+                    // the woken lanes go first: the warp goes on as one, ahead of the others,
+                    // so a block's other warps see what it writes next before they read what it
+                    // wrote before (a missing barrier between two uses of shared memory shows)
+                    b->runnable.push_front(b->owner[warp * 32 + l]);
                 }
             }
         w.arrived = 0;
