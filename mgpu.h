@@ -1104,9 +1104,21 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/types.h>
-/* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno. */
+/* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno, and
+   the calls and macros of the checkpoint writer (the same declarations again are harmless). */
 #if !defined(__cplusplus) && !defined(fileno)
 int fileno(FILE* stream);
+#endif
+#if !defined(__cplusplus)
+int lstat(const char* path, struct stat* st);
+ssize_t readlink(const char* path, char* buf, size_t size);
+int kill(pid_t pid, int sig);
+#endif
+#ifndef S_ISLNK
+#define S_ISLNK(m) (((m) & 0170000) == 0120000)
+#endif
+#ifndef S_ISSOCK
+#define S_ISSOCK(m) (((m) & 0170000) == 0140000)
 #endif
 #endif
 
