@@ -1538,6 +1538,11 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
                           "%s: unknown device spec '%s'%s (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", op, s, from);
     plan->cuda = 1;
+    /* the syntax first: a malformed spec is reported as such on a machine without a GPU too */
+    plan->count = s[4] == 0 ? 0 : mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
+    if (s[4] != 0 && plan->count <= 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
+                          op, s, from);
     if (cuda_count == 0)
         return mgpu__fail(MGPU_ERROR_NO_DEVICE, "%s: device spec '%s'%s: no CUDA device (%s)", op, s, from,
                           mgpu__cuda_message());
@@ -1546,10 +1551,6 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
         for (i = 0; i < plan->count; ++i) plan->ordinals[i] = i;
         return MGPU_OK;
     }
-    plan->count = mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
-    if (plan->count <= 0)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
-                          op, s, from);
     for (i = 0; i < plan->count; ++i)
         if (plan->ordinals[i] >= cuda_count)
             return mgpu__fail(MGPU_ERROR_NO_DEVICE,
@@ -4482,7 +4483,7 @@ struct mgpu_optimizer {
     mgpu_model* model;
     int replica_count;          /* its own copy: the optimizer may outlive the model */
     mgpu_optimizer_desc d;      /* with defaults filled in */
-    int64_t steps;
+    int64_t steps;              /* at most MGPU__MAX_STEPS */
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
     mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
     mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
@@ -4639,11 +4640,19 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
     else for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &unused, &sgd);
 }
 
+/* The most optimizer steps counted: 2^53, where a double still counts every step, so that
+   steps + 1 and the bias corrections' pow(beta, steps + 1) stay exact and nothing overflows; a
+   checkpoint claiming more is refused as malformed. */
+#define MGPU__MAX_STEPS ((int64_t)1 << 53)
+
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
     int i;
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
+    if (opt->steps >= MGPU__MAX_STEPS)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
+                          (long long)opt->steps);
     memset(&job, 0, sizeof job);
     job.adamw_kind = opt->d.kind == MGPU_ADAMW;
     job.sgd.lr = job.adamw.lr = mgpu_optimizer_lr(opt);
@@ -7182,8 +7191,10 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
             }
         if (kind && strcmp(kind, mine) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s optimizer state; the optimizer is %s", path, kind, mine);
-        else if (steps && ((step = strtoll(steps, &end, 10)) < 0 || !end || *end || end == steps))
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%s', not a step count", path, steps);
+        else if (steps && (steps[0] < '0' || steps[0] > '9' || (errno = 0, step = strtoll(steps, &end, 10)) < 0 ||
+                           errno == ERANGE || !end || *end || step > MGPU__MAX_STEPS))
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%.40s', not a step count from 0 to 2^53", path,
+                           steps);
         else if (found_states && found_states != states * m->tensor_count)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %d of the %d optimizer state tensors", path, found_states,
                            states * m->tensor_count);

@@ -2140,6 +2140,32 @@ static void test_checkpoints(void) {
         CHECK(write_st(path, it, 4, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"12x\""), "write %s", path);
         expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "mgpu.step 12x", "mgpu.step", NULL, NULL);
         check_unchanged("bad step", m, o, &snap);
+        /* a step count whose next step would overflow, or past what a double counts exactly */
+        {
+            static const char* const huge[] = {"9223372036854775807", "99999999999999999999", "9007199254740993", "+5", " 5"};
+            char meta[128];
+            int k;
+            for (k = 0; k < (int)(sizeof huge / sizeof huge[0]); ++k) {
+                snprintf(meta, sizeof meta, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"%s\"", huge[k]);
+                CHECK(write_st(path, it, 4, meta), "write %s", path);
+                expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, huge[k], "mgpu.step", NULL, NULL);
+                check_unchanged("step out of range", m, o, &snap);
+            }
+            /* 2^53 itself loads, and then the optimizer refuses to count further */
+            {
+                mgpu_model* m2 = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
+                mgpu_optimizer* o2 = m2 ? mgpu_optimizer_create(m2, &d) : NULL;
+                CHECK(write_st(path, it, 4, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"9007199254740992\""), "write %s", path);
+                CHECK(o2 && mgpu_model_load(m2, o2, path) == MGPU_OK && mgpu_optimizer_step_count(o2) == ((int64_t)1 << 53),
+                      "a step count of 2^53 loads: %s", mgpu_last_error());
+                if (o2)
+                    expect_fail(mgpu_optimizer_step(o2), MGPU_ERROR_INVALID_ARGUMENT, "a step past 2^53", "mgpu_optimizer_step", "2^53",
+                                NULL);
+                CHECK(mgpu_optimizer_step_count(o2) == ((int64_t)1 << 53), "the refused step is not counted");
+                mgpu_optimizer_destroy(o2);
+                mgpu_model_destroy(m2);
+            }
+        }
         {
             /* a file written by the same model with an AdamW optimizer, loaded into an SGD one (and back) */
             mgpu_optimizer_desc da = odesc(MGPU_ADAMW, 1e-3f);
