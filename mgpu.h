@@ -4387,9 +4387,6 @@ MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
-MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].dev : NULL;
-}
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
 /* For the getters: 1 when m is a model, replica one of its replicas (unless replica is
    MGPU__ANY) and tensor one of its tensors (unless MGPU__ANY); else 0 and an error saying which. */
@@ -4397,10 +4394,15 @@ MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->para
 static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int tensor) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op), 0;
     if (replica != MGPU__ANY && (replica < 0 || replica >= m->replica_count))
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count), 0;
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d replica%s (0 to %d)", op, replica,
+                          m->replica_count, m->replica_count == 1 ? "" : "s", m->replica_count - 1), 0;
     if (tensor != MGPU__ANY && (tensor < 0 || tensor >= m->tensor_count))
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d", op, tensor, m->tensor_count), 0;
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d tensor%s (0 to %d)", op, tensor,
+                          m->tensor_count, m->tensor_count == 1 ? "" : "s", m->tensor_count - 1), 0;
     return 1;
+}
+MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
+    return mgpu__model_has("mgpu_model_device", m, replica, MGPU__ANY) ? m->rep[replica].dev : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
     return mgpu__model_has("mgpu_model_params", m, replica, MGPU__ANY) ? m->rep[replica].params : NULL;

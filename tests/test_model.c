@@ -1759,6 +1759,47 @@ static void test_training(void) {
     }
 }
 
+
+/* Every getter that takes an index: NULL for one out of range, with an error naming the getter,
+   the index and how many there are. */
+static void test_getter_errors(void) {
+    mgpu_model* m;
+    mgpu_optimizer* o;
+    mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+    header("getters: bad indices");
+    d.momentum = 0.9f;
+    m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
+    o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    if (!m || !o) { CHECK(0, "model: %s", mgpu_last_error()); mgpu_model_destroy(m); return; }
+#define GETTER_FAILS(call, name, idx, count)                                                                          \
+    do {                                                                                                              \
+        const void* got_;                                                                                             \
+        mgpu_clear_error();                                                                                           \
+        got_ = (const void*)(call);                                                                                   \
+        CHECK(got_ == NULL && mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), name) &&  \
+                  strstr(mgpu_last_error(), idx) && strstr(mgpu_last_error(), count),                                   \
+              "%s: NULL and an error naming it, %s and %s (got %p, '%s')", #call, idx, count, got_, mgpu_last_error()); \
+    } while (0)
+    GETTER_FAILS(mgpu_model_params(m, 1), "mgpu_model_params", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_params(m, -1), "mgpu_model_params", "replica -1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_grads(m, 7), "mgpu_model_grads", "replica 7", "with 1 replica");
+    GETTER_FAILS(mgpu_model_device(m, 1), "mgpu_model_device", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_tensor_name(m, 2), "mgpu_model_tensor_name", "tensor 2", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor_name(m, -1), "mgpu_model_tensor_name", "tensor -1", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor(m, 0, 2), "mgpu_model_tensor", "tensor 2", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor(m, 3, 0), "mgpu_model_tensor", "replica 3", "with 1 replica");
+    GETTER_FAILS(mgpu_model_param(m, 1, "0.weight"), "mgpu_model_param", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_grad(m, 0, "9.weight"), "mgpu_model_grad", "9.weight", "its 2");
+    GETTER_FAILS(mgpu_optimizer_state(o, 2, "0.weight", "momentum_buffer"), "mgpu_optimizer_state", "replica 2", "with 1 replica");
+    GETTER_FAILS(mgpu_model_params(NULL, 0), "mgpu_model_params", "NULL", "model");
+#undef GETTER_FAILS
+    mgpu_clear_error();
+    CHECK(mgpu_model_device(m, 0) != NULL && mgpu_model_tensor(m, 0, 1) != NULL && mgpu_model_tensor_name(m, 1) != NULL &&
+              mgpu_last_result() == MGPU_OK, "good indices still work: %s", mgpu_last_error());
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+}
+
 /* ============================================================================================ */
 /* 7. checkpoints                                                                               */
 /* ============================================================================================ */
@@ -3518,6 +3559,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_gradients());
     TEST_GROUP(test_init());
     TEST_GROUP(test_model_errors());
+    TEST_GROUP(test_getter_errors());
     TEST_GROUP(test_custom_layer());
     TEST_GROUP(test_optimizers());
     TEST_GROUP(test_training());
