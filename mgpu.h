@@ -94,6 +94,9 @@
    MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
    MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
+   MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
+                              NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
+                              also done for a model with verify_every (see >>parallel)
 
    ---------------------------------------------------------------------------------------------
    THREADS
@@ -103,6 +106,8 @@
      thread at a time; different models may train on different threads.
    - Tensors on one device may be created and destroyed from several threads (its allocator
      locks).
+   - Pinning NCCL (MGPU_DETERMINISTIC=1 or verify_every) calls setenv when the communicator is
+     made: make such models before starting threads of your own that read the environment.
    - Call mgpu_cpu_set_threads and mgpu_log_set_callback before the work starts. The callback
      may run on the library's worker threads (a CPU replica's failure is reported there).
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
@@ -485,8 +490,14 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stri
      HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
            through pinned host memory, the slow but simple reference.)
    AUTO picks HOST for CPU sets, NCCL for distinct GPUs when it loads, P2P otherwise; the
-   environment variable MGPU_ALLREDUCE=nccl|p2p|host overrides AUTO. Every backend sums in a fixed
-   order, so all replicas get bit-identical results, run after run. */
+   environment variable MGPU_ALLREDUCE=nccl|p2p|host overrides AUTO. P2P and HOST sum in a fixed
+   order, so all replicas get bit-identical results, run after run. NCCL gives every replica the
+   same sum, but its order depends on the algorithm and protocol NCCL picks (tree, NVLS on H100,
+   LL protocols), which may change with the size, the topology and the NCCL version: results may
+   differ in the last bits from run to run. With MGPU_DETERMINISTIC=1, or a model whose
+   verify_every is set, mgpu pins NCCL to its ring algorithm and Simple protocol (NCCL_ALGO=Ring,
+   NCCL_PROTO=Simple in the environment, unless the user set them), which sum in a fixed order;
+   NCCL reads them once per process, at its first communicator. */
 typedef enum mgpu_allreduce_kind {
     MGPU_ALLREDUCE_AUTO = 0, MGPU_ALLREDUCE_NCCL = 1, MGPU_ALLREDUCE_P2P = 2, MGPU_ALLREDUCE_HOST = 3,
     MGPU_ALLREDUCE_NONE = 4   /* one replica: nothing to reduce */
@@ -1113,6 +1124,7 @@ int fileno(FILE* stream);
 int lstat(const char* path, struct stat* st);
 ssize_t readlink(const char* path, char* buf, size_t size);
 int kill(pid_t pid, int sig);
+int setenv(const char* name, const char* value, int overwrite);
 #endif
 #ifndef S_ISLNK
 #define S_ISLNK(m) (((m) & 0170000) == 0120000)
@@ -3765,7 +3777,37 @@ static mgpu__p2p_choice mgpu__p2p_choice_from_env(void) {
     return MGPU__P2P_AUTO;
 }
 
+/* NCCL picks an algorithm (ring, tree, NVLS, CollNet) and a protocol (LL, LL128, Simple) per call
+   from the size, the topology and its version; only ring with Simple adds in an order fixed by
+   the ranks (NVLS on H100 adds in the switch, in no promised order). When the user asks for
+   determinism (MGPU_DETERMINISTIC=1) or a model checks its replicas (verify_every), mgpu pins
+   NCCL_ALGO=Ring and NCCL_PROTO=Simple, before the communicators are made, unless the user set
+   them. NCCL reads them at its first initialisation in a process, so this holds when mgpu makes
+   the process's first NCCL communicator. */
+static int mgpu__deterministic_from_env(void) {
+    const char* env = getenv("MGPU_DETERMINISTIC");
+    return env && *env && strcmp(env, "0") != 0;
+}
+static void mgpu__nccl_pin(void) {
+#if defined(__unix__) || defined(__APPLE__)
+    static const char* const names[2] = {"NCCL_ALGO", "NCCL_PROTO"};
+    static const char* const values[2] = {"Ring", "Simple"};
+    int i;
+    for (i = 0; i < 2; ++i) {
+        const char* had = getenv(names[i]);
+        if (!had || !*had) setenv(names[i], values[i], 1);
+        else if (strcmp(had, values[i]) != 0)
+            mgpu__log(MGPU_LOG_INFO, "all-reduce: %s=%s set by the user is kept; NCCL sums in a fixed order only with "
+                      "NCCL_ALGO=Ring NCCL_PROTO=Simple", names[i], had);
+    }
+#endif
+}
+
+static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic);
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
+    return mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+}
+static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic) {
     static const char* op = "mgpu_allreduce_create";
     mgpu_allreduce* ar;
     int i, cuda;
@@ -3810,6 +3852,7 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
         int ordinals[MGPU__MAX_REPLICAS];
         void* comms[MGPU__MAX_REPLICAS];
         for (i = 0; i < set->count; ++i) ordinals[i] = set->devices[i]->ordinal;
+        if (deterministic) mgpu__nccl_pin();
         if (MGPU__CUDA(mgpu__cu_nccl_comm_init_all(set->count, ordinals, comms)) != 0) {   /* fall back, nothing lost */
             mgpu__log(MGPU_LOG_WARN, "all-reduce: NCCL initialisation failed (%s); using peer-to-peer", mgpu__cuda_message());
             ar->kind = MGPU_ALLREDUCE_P2P;
@@ -4371,7 +4414,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         return NULL;
     }
     if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
-        m->ar = mgpu_allreduce_create(desc->devices, desc->allreduce);
+        m->ar = mgpu__allreduce_create(desc->devices, desc->allreduce, desc->verify_every > 0 || mgpu__deterministic_from_env());
         if (!m->ar) return mgpu__model_fail(m, op);
         m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
         if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
