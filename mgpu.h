@@ -6515,7 +6515,9 @@ static mgpu_result mgpu__st_header(const char* path, const mgpu__st_write_item* 
    which fits NAME_MAX (255) whatever the target's name, and names its target and its writer: a
    save that succeeds removes the temporary files of earlier saves to the same target whose
    process no longer exists (kill(pid, 0) fails with ESRCH), such as one killed during a save.
-   Files of live processes, this one included, are left alone. A symlink is followed (the file it
+   Files of live processes, this one included, are left alone (the pids are those this process
+   sees: writers in other pid namespaces, such as containers sharing the folder, should not
+   share a target path). Windows keeps no such tidying. A symlink is followed (the file it
    points to is replaced, so the link keeps working); anything else that is not a regular file,
    a directory, a FIFO or a device, is refused before anything is written. */
 #define MGPU__TMP_SUFFIX ".tmp"
@@ -6574,8 +6576,13 @@ static uint32_t mgpu__fnv1a(const char* s) {
    temporary file for path starts with. */
 static void mgpu__tmp_prefix(const char* path, size_t* dir_len, char* prefix, size_t size) {
     const char* slash = strrchr(path, '/');
-    const char* base = slash ? slash + 1 : path;
-    size_t cut = strlen(base);
+    const char* base;
+    size_t cut;
+#ifdef _WIN32
+    if (strrchr(path, '\\') > slash) slash = strrchr(path, '\\');
+#endif
+    base = slash ? slash + 1 : path;
+    cut = strlen(base);
     if (cut > MGPU__TMP_BASE_MAX) {
         cut = MGPU__TMP_BASE_MAX;
         while (cut > 0 && ((uint8_t)base[cut] & 0xC0) == 0x80) --cut;   /* not inside a UTF-8 character */
