@@ -94,6 +94,9 @@
    MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
    MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
+   MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
+                              NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
+                              also done for a model with verify_every (see >>parallel)
 
    ---------------------------------------------------------------------------------------------
    THREADS
@@ -103,6 +106,8 @@
      thread at a time; different models may train on different threads.
    - Tensors on one device may be created and destroyed from several threads (its allocator
      locks).
+   - Pinning NCCL (MGPU_DETERMINISTIC=1 or verify_every) calls setenv when the communicator is
+     made: make such models before starting threads of your own that read the environment.
    - Call mgpu_cpu_set_threads and mgpu_log_set_callback before the work starts. The callback
      may run on the library's worker threads (a CPU replica's failure is reported there).
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
@@ -485,8 +490,14 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stri
      HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
            through pinned host memory, the slow but simple reference.)
    AUTO picks HOST for CPU sets, NCCL for distinct GPUs when it loads, P2P otherwise; the
-   environment variable MGPU_ALLREDUCE=nccl|p2p|host overrides AUTO. Every backend sums in a fixed
-   order, so all replicas get bit-identical results, run after run. */
+   environment variable MGPU_ALLREDUCE=nccl|p2p|host overrides AUTO. P2P and HOST sum in a fixed
+   order, so all replicas get bit-identical results, run after run. NCCL gives every replica the
+   same sum, but its order depends on the algorithm and protocol NCCL picks (tree, NVLS on H100,
+   LL protocols), which may change with the size, the topology and the NCCL version: results may
+   differ in the last bits from run to run. With MGPU_DETERMINISTIC=1, or a model whose
+   verify_every is set, mgpu pins NCCL to its ring algorithm and Simple protocol (NCCL_ALGO=Ring,
+   NCCL_PROTO=Simple in the environment, unless the user set them), which sum in a fixed order;
+   NCCL reads them once per process, at its first communicator. */
 typedef enum mgpu_allreduce_kind {
     MGPU_ALLREDUCE_AUTO = 0, MGPU_ALLREDUCE_NCCL = 1, MGPU_ALLREDUCE_P2P = 2, MGPU_ALLREDUCE_HOST = 3,
     MGPU_ALLREDUCE_NONE = 4   /* one replica: nothing to reduce */
@@ -672,8 +683,13 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
    ("0.weight" [out, in], "0.bias", Conv2d weight [out, in, kh, kw]): safetensors.torch.load_file
    plus load_state_dict reads them unchanged, and a file saved by PyTorch loads here. With an
    optimizer, its state goes in the same file ("optimizer.0.weight.momentum_buffer", ...) and the
-   step count in the metadata, so training resumes exactly. Saving is atomic (temporary file,
-   flush, rename); loading validates the whole file before it changes anything. */
+   step count in the metadata, so training resumes exactly. Saving is atomic: a temporary file
+   ".<name>.<hash>.<pid>.<n>.tmp" beside the target (cut to fit 255 bytes), fsync'ed, renamed over
+   the target, and the folder fsync'ed; a kill at any moment leaves the old file or the new one.
+   A successful save removes the temporary files that earlier saves to the same path left behind
+   when their process died (never a live process's). A symlink is followed (its target replaced,
+   the link kept); a directory, FIFO or device is refused. Loading reads regular files only and
+   validates the whole file before it changes anything. */
 MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path);
 MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path);
 
@@ -1094,9 +1110,27 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
-/* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno. */
+#include <fcntl.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+/* When a system header was read before _POSIX_C_SOURCE took effect, strict C hides fileno, and
+   the calls and macros of the checkpoint writer (the same declarations again are harmless). */
 #if !defined(__cplusplus) && !defined(fileno)
 int fileno(FILE* stream);
+#endif
+#if !defined(__cplusplus)
+int lstat(const char* path, struct stat* st);
+ssize_t readlink(const char* path, char* buf, size_t size);
+int kill(pid_t pid, int sig);
+int setenv(const char* name, const char* value, int overwrite);
+#endif
+#ifndef S_ISLNK
+#define S_ISLNK(m) (((m) & 0170000) == 0120000)
+#endif
+#ifndef S_ISSOCK
+#define S_ISSOCK(m) (((m) & 0170000) == 0140000)
 #endif
 #endif
 
@@ -1516,6 +1550,11 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
                           "%s: unknown device spec '%s'%s (want auto, cpu, cpu:N, cuda, cuda:0,1,...)", op, s, from);
     plan->cuda = 1;
+    /* the syntax first: a malformed spec is reported as such on a machine without a GPU too */
+    plan->count = s[4] == 0 ? 0 : mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
+    if (s[4] != 0 && plan->count <= 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
+                          op, s, from);
     if (cuda_count == 0)
         return mgpu__fail(MGPU_ERROR_NO_DEVICE, "%s: device spec '%s'%s: no CUDA device (%s)", op, s, from,
                           mgpu__cuda_message());
@@ -1524,10 +1563,6 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
         for (i = 0; i < plan->count; ++i) plan->ordinals[i] = i;
         return MGPU_OK;
     }
-    plan->count = mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
-    if (plan->count <= 0)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
-                          op, s, from);
     for (i = 0; i < plan->count; ++i)
         if (plan->ordinals[i] >= cuda_count)
             return mgpu__fail(MGPU_ERROR_NO_DEVICE,
@@ -3742,7 +3777,37 @@ static mgpu__p2p_choice mgpu__p2p_choice_from_env(void) {
     return MGPU__P2P_AUTO;
 }
 
+/* NCCL picks an algorithm (ring, tree, NVLS, CollNet) and a protocol (LL, LL128, Simple) per call
+   from the size, the topology and its version; only ring with Simple adds in an order fixed by
+   the ranks (NVLS on H100 adds in the switch, in no promised order). When the user asks for
+   determinism (MGPU_DETERMINISTIC=1) or a model checks its replicas (verify_every), mgpu pins
+   NCCL_ALGO=Ring and NCCL_PROTO=Simple, before the communicators are made, unless the user set
+   them. NCCL reads them at its first initialisation in a process, so this holds when mgpu makes
+   the process's first NCCL communicator. */
+static int mgpu__deterministic_from_env(void) {
+    const char* env = getenv("MGPU_DETERMINISTIC");
+    return env && *env && strcmp(env, "0") != 0;
+}
+static void mgpu__nccl_pin(void) {
+#if defined(__unix__) || defined(__APPLE__)
+    static const char* const names[2] = {"NCCL_ALGO", "NCCL_PROTO"};
+    static const char* const values[2] = {"Ring", "Simple"};
+    int i;
+    for (i = 0; i < 2; ++i) {
+        const char* had = getenv(names[i]);
+        if (!had || !*had) setenv(names[i], values[i], 1);
+        else if (strcmp(had, values[i]) != 0)
+            mgpu__log(MGPU_LOG_INFO, "all-reduce: %s=%s set by the user is kept; NCCL sums in a fixed order only with "
+                      "NCCL_ALGO=Ring NCCL_PROTO=Simple", names[i], had);
+    }
+#endif
+}
+
+static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic);
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
+    return mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+}
+static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic) {
     static const char* op = "mgpu_allreduce_create";
     mgpu_allreduce* ar;
     int i, cuda;
@@ -3787,6 +3852,7 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
         int ordinals[MGPU__MAX_REPLICAS];
         void* comms[MGPU__MAX_REPLICAS];
         for (i = 0; i < set->count; ++i) ordinals[i] = set->devices[i]->ordinal;
+        if (deterministic) mgpu__nccl_pin();
         if (MGPU__CUDA(mgpu__cu_nccl_comm_init_all(set->count, ordinals, comms)) != 0) {   /* fall back, nothing lost */
             mgpu__log(MGPU_LOG_WARN, "all-reduce: NCCL initialisation failed (%s); using peer-to-peer", mgpu__cuda_message());
             ar->kind = MGPU_ALLREDUCE_P2P;
@@ -4348,7 +4414,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         return NULL;
     }
     if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
-        m->ar = mgpu_allreduce_create(desc->devices, desc->allreduce);
+        m->ar = mgpu__allreduce_create(desc->devices, desc->allreduce, desc->verify_every > 0 || mgpu__deterministic_from_env());
         if (!m->ar) return mgpu__model_fail(m, op);
         m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
         if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
@@ -4364,9 +4430,6 @@ MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
-MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
-    return m && replica >= 0 && replica < m->replica_count ? m->rep[replica].dev : NULL;
-}
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
 /* For the getters: 1 when m is a model, replica one of its replicas (unless replica is
    MGPU__ANY) and tensor one of its tensors (unless MGPU__ANY); else 0 and an error saying which. */
@@ -4374,10 +4437,15 @@ MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->para
 static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int tensor) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op), 0;
     if (replica != MGPU__ANY && (replica < 0 || replica >= m->replica_count))
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count), 0;
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d replica%s (0 to %d)", op, replica,
+                          m->replica_count, m->replica_count == 1 ? "" : "s", m->replica_count - 1), 0;
     if (tensor != MGPU__ANY && (tensor < 0 || tensor >= m->tensor_count))
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d", op, tensor, m->tensor_count), 0;
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d tensor%s (0 to %d)", op, tensor,
+                          m->tensor_count, m->tensor_count == 1 ? "" : "s", m->tensor_count - 1), 0;
     return 1;
+}
+MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
+    return mgpu__model_has("mgpu_model_device", m, replica, MGPU__ANY) ? m->rep[replica].dev : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
     return mgpu__model_has("mgpu_model_params", m, replica, MGPU__ANY) ? m->rep[replica].params : NULL;
@@ -4460,7 +4528,7 @@ struct mgpu_optimizer {
     mgpu_model* model;
     int replica_count;          /* its own copy: the optimizer may outlive the model */
     mgpu_optimizer_desc d;      /* with defaults filled in */
-    int64_t steps;
+    int64_t steps;              /* at most MGPU__MAX_STEPS */
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
     mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
     mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
@@ -4617,11 +4685,19 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
     else for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &unused, &sgd);
 }
 
+/* The most optimizer steps counted: 2^53, where a double still counts every step, so that
+   steps + 1 and the bias corrections' pow(beta, steps + 1) stay exact and nothing overflows; a
+   checkpoint claiming more is refused as malformed. */
+#define MGPU__MAX_STEPS ((int64_t)1 << 53)
+
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
     int i;
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
+    if (opt->steps >= MGPU__MAX_STEPS)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
+                          (long long)opt->steps);
     memset(&job, 0, sizeof job);
     job.adamw_kind = opt->d.kind == MGPU_ADAMW;
     job.sgd.lr = job.adamw.lr = mgpu_optimizer_lr(opt);
@@ -6431,18 +6507,156 @@ static mgpu_result mgpu__st_header(const char* path, const mgpu__st_write_item* 
     return MGPU_OK;
 }
 
-/* Writes a safetensors file atomically: everything goes to <path>.tmp.<pid>.<n> in the same
-   directory, which is flushed, fsync'ed, closed and then renamed over path. On any failure the
-   temporary file is removed and path is left untouched. */
+/* -- the atomic writer --
+   A save writes a temporary file in the target's directory, flushes and fsyncs it, renames it
+   over the target and fsyncs the directory, so that after a crash the path holds the old file or
+   the new one, never a mix. The temporary name is
+       .<basename, cut to 160 bytes>.<hash of the whole basename>.<pid>.<n>.tmp
+   which fits NAME_MAX (255) whatever the target's name, and names its target and its writer: a
+   save that succeeds removes the temporary files of earlier saves to the same target whose
+   process no longer exists (kill(pid, 0) fails with ESRCH), such as one killed during a save.
+   Files of live processes, this one included, are left alone (the pids are those this process
+   sees: writers in other pid namespaces, such as containers sharing the folder, should not
+   share a target path). Windows keeps no such tidying. A symlink is followed (the file it
+   points to is replaced, so the link keeps working); anything else that is not a regular file,
+   a directory, a FIFO or a device, is refused before anything is written. */
+#define MGPU__TMP_SUFFIX ".tmp"
+#define MGPU__TMP_BASE_MAX 160
+
+#if defined(__unix__) || defined(__APPLE__)
+static const char* mgpu__file_kind(mode_t mode) {
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISREG(mode)) return "a regular file";
+    return "not a regular file";
+}
+
+/* path with its symlinks followed (also a dangling one: the file it would create), in a new
+   buffer; NULL with errno set when the chain is too long or unreadable. */
+static char* mgpu__follow_links(const char* path) {
+    char* cur = (char*)MGPU_MALLOC(strlen(path) + 1);
+    int hops;
+    if (!cur) { errno = ENOMEM; return NULL; }
+    strcpy(cur, path);
+    for (hops = 0; hops < 40; ++hops) {
+        struct stat st;
+        char target[4096], *next;
+        const char* slash;
+        ssize_t n;
+        size_t dir_len;
+        if (lstat(cur, &st) != 0 || !S_ISLNK(st.st_mode)) return cur;   /* not there yet, or not a link */
+        n = readlink(cur, target, sizeof target - 1);
+        if (n < 0 || n >= (ssize_t)sizeof target - 1) { if (n >= 0) errno = ENAMETOOLONG; MGPU_FREE(cur); return NULL; }
+        target[n] = 0;
+        slash = strrchr(cur, '/');
+        dir_len = target[0] == '/' || !slash ? 0 : (size_t)(slash - cur) + 1;   /* relative: to the link's folder */
+        next = (char*)MGPU_MALLOC(dir_len + (size_t)n + 1);
+        if (!next) { MGPU_FREE(cur); errno = ENOMEM; return NULL; }
+        memcpy(next, cur, dir_len);
+        memcpy(next + dir_len, target, (size_t)n + 1);
+        MGPU_FREE(cur);
+        cur = next;
+    }
+    MGPU_FREE(cur);
+    errno = ELOOP;
+    return NULL;
+}
+#endif
+
+static uint32_t mgpu__fnv1a(const char* s) {
+    uint32_t h = 2166136261u;
+    for (; *s; ++s) h = (h ^ (uint8_t)*s) * 16777619u;
+    return h;
+}
+
+/* The folder part of path ("" or "dir/"), and the prefix ".<cut basename>.<hash>." that every
+   temporary file for path starts with. */
+static void mgpu__tmp_prefix(const char* path, size_t* dir_len, char* prefix, size_t size) {
+    const char* slash = strrchr(path, '/');
+    const char* base;
+    size_t cut;
+#ifdef _WIN32
+    if (strrchr(path, '\\') > slash) slash = strrchr(path, '\\');
+#endif
+    base = slash ? slash + 1 : path;
+    cut = strlen(base);
+    if (cut > MGPU__TMP_BASE_MAX) {
+        cut = MGPU__TMP_BASE_MAX;
+        while (cut > 0 && ((uint8_t)base[cut] & 0xC0) == 0x80) --cut;   /* not inside a UTF-8 character */
+    }
+    *dir_len = (size_t)(base - path);
+    snprintf(prefix, size, ".%.*s.%08lx.", (int)cut, base, (unsigned long)mgpu__fnv1a(base));
+}
+
+#if defined(__unix__) || defined(__APPLE__)
+/* After a successful save: remove the temporary files for path whose writer is gone. */
+static void mgpu__remove_stale_tmp(const char* path) {
+    char prefix[MGPU__TMP_BASE_MAX + 16], *dir, *full;
+    size_t dir_len, plen;
+    DIR* d;
+    struct dirent* e;
+    mgpu__tmp_prefix(path, &dir_len, prefix, sizeof prefix);
+    plen = strlen(prefix);
+    dir = (char*)MGPU_MALLOC(dir_len + 2);
+    full = (char*)MGPU_MALLOC(dir_len + 256 + 2);
+    if (!dir || !full) { MGPU_FREE(dir); MGPU_FREE(full); return; }
+    if (dir_len) { memcpy(dir, path, dir_len); dir[dir_len] = 0; }
+    else strcpy(dir, ".");
+    d = opendir(dir);
+    while (d && (e = readdir(d)) != NULL) {
+        const char* rest = e->d_name + plen;
+        char* end = NULL;
+        long long pid;
+        size_t nlen = strlen(e->d_name), slen = strlen(MGPU__TMP_SUFFIX);
+        if (strncmp(e->d_name, prefix, plen) != 0 || nlen < plen + slen || strcmp(e->d_name + nlen - slen, MGPU__TMP_SUFFIX) != 0) continue;
+        if (*rest < '0' || *rest > '9') continue;
+        errno = 0;
+        pid = strtoll(rest, &end, 10);
+        if (errno || !end || *end != '.' || pid <= 0 || pid > 0x7fffffff || (pid_t)pid == getpid()) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;   /* alive (EPERM: alive, someone else's) */
+        snprintf(full, dir_len + 256 + 2, "%.*s%s", (int)dir_len, path, e->d_name);
+        remove(full);
+    }
+    if (d) closedir(d);
+    MGPU_FREE(dir);
+    MGPU_FREE(full);
+}
+
+/* fsync the folder holding path, so that the rename itself survives a power loss. Returns 0, or
+   an errno worth reporting (file systems that cannot fsync a folder say EINVAL: not an error). */
+static int mgpu__sync_dir(const char* path, size_t dir_len) {
+    char* dir = (char*)MGPU_MALLOC(dir_len + 2);
+    int fd, err = 0;
+    if (!dir) return 0;
+    if (dir_len) { memcpy(dir, path, dir_len); dir[dir_len] = 0; }
+    else strcpy(dir, ".");
+    fd = open(dir, O_RDONLY);
+    if (fd >= 0) {
+        if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS && errno != EBADF) err = errno;
+        close(fd);
+    }
+    MGPU_FREE(dir);
+    return err;
+}
+#endif
+
+/* Writes a safetensors file atomically, as described above. On any failure the temporary file
+   is removed and path is left untouched. */
 static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* items, int count,
                                   const char* const* meta_keys, const char* const* meta_values, int meta_count) {
     mgpu__sbuf b;
     char* tmp = NULL;
+    char* target = NULL;   /* path, its symlinks followed */
+    char prefix[MGPU__TMP_BASE_MAX + 16];
     FILE* f = NULL;
     uint8_t len8[8];
     const char* step = NULL;
     int i, err = 0;
-    unsigned long pid = 0;
+    unsigned long pid = 0, n;
+    size_t dir_len = 0;
     mgpu_result r;
     if (!path || !*path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write: no path");
     memset(&b, 0, sizeof b);
@@ -6453,15 +6667,37 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     }
     for (i = 0; i < 8; ++i) len8[i] = (uint8_t)((uint64_t)b.len >> (8 * i));
 #if defined(__unix__) || defined(__APPLE__)
-    pid = (unsigned long)getpid();
+    {
+        struct stat st;
+        pid = (unsigned long)getpid();
+        target = mgpu__follow_links(path);
+        if (!target) {
+            err = errno;
+            MGPU_FREE(b.p);
+            return mgpu__fail(MGPU_ERROR_IO, "%s: cannot follow the symbolic link: %s", path, strerror(err));
+        }
+        if (stat(target, &st) == 0 && !S_ISREG(st.st_mode)) {
+            r = mgpu__fail(MGPU_ERROR_IO, "%s: '%s' is %s, not a regular file; a checkpoint replaces only a regular file", path,
+                           target, mgpu__file_kind(st.st_mode));
+            MGPU_FREE(target);
+            MGPU_FREE(b.p);
+            return r;
+        }
+    }
+#else
+    target = (char*)MGPU_MALLOC(strlen(path) + 1);
+    if (target) strcpy(target, path);
 #endif
-    tmp = (char*)MGPU_MALLOC(strlen(path) + 64);
-    if (!tmp) {
+    mgpu__tmp_prefix(target ? target : path, &dir_len, prefix, sizeof prefix);
+    tmp = (char*)MGPU_MALLOC(dir_len + strlen(prefix) + 64);
+    if (!tmp || !target) {
+        MGPU_FREE(tmp);
+        MGPU_FREE(target);
         MGPU_FREE(b.p);
         return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path);
     }
-    /* pid plus the address of a local variable: unique across processes and live threads */
-    sprintf(tmp, "%s.tmp.%lu.%lx", path, pid, (unsigned long)(size_t)&b);
+    n = (unsigned long)(size_t)&b;   /* a local's address: distinct for the live threads of a process */
+    sprintf(tmp, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
     f = fopen(tmp, "wb");
     if (!f) { err = errno; step = "cannot create the temporary file"; }
     if (!step && (fwrite(len8, 1, 8, f) != 8 || fwrite(b.p, 1, b.len, f) != b.len)) { err = errno; step = "write failed"; }
@@ -6472,60 +6708,112 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     if (!step && fsync(fileno(f)) != 0) { err = errno; step = "fsync failed"; }
 #endif
     if (f && fclose(f) != 0 && !step) { err = errno; step = "close failed"; }
-    if (!step && rename(tmp, path) != 0) {
+    if (!step && rename(tmp, target) != 0) {
         err = errno;
         step = "cannot rename the temporary file over it";
 #if !(defined(__unix__) || defined(__APPLE__))
         /* Windows' rename does not replace an existing file (so this fallback is not atomic) */
-        if (remove(path) == 0 && rename(tmp, path) == 0) step = NULL;
+        if (remove(target) == 0 && rename(tmp, target) == 0) step = NULL;
 #endif
     }
     if (step) {
         if (f) remove(tmp);
         r = mgpu__fail(MGPU_ERROR_IO, "%s: %s (%s): %s", path, step, tmp, err ? strerror(err) : "unknown error");
     }
+#if defined(__unix__) || defined(__APPLE__)
+    else {
+        err = mgpu__sync_dir(target, dir_len);
+        if (err) r = mgpu__fail(MGPU_ERROR_IO, "%s: written and renamed, but fsync of its folder failed: %s", path, strerror(err));
+        mgpu__remove_stale_tmp(target);
+    }
+#endif
     MGPU_FREE(tmp);
+    MGPU_FREE(target);
     MGPU_FREE(b.p);
     return r;
 }
 
 
 /* ---- checkpoints, data sets and the loader, on top of the readers above ---- */
-/* The whole file in memory. Reads to the end rather than trusting ftell (a directory opens, and
-   its "size" is nonsense); a read error, such as EISDIR, is reported as such. */
+/* The whole file in memory. Only a regular file is read, and only as many bytes as its size
+   says: /dev/zero, a FIFO or a directory is refused up front (a FIFO is opened non-blocking, so
+   that opening it does not wait for a writer) instead of being read until memory runs out. */
 static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len) {
-    FILE* f;
     size_t cap = (size_t)1 << 20, n = 0, got;
     *data = NULL;
     *len = 0;
     if (!path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "read: NULL path");
-    f = fopen(path, "rb");
-    if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
-    for (;;) {
-        if (!*data || n == cap) {
-            uint8_t* grown = (uint8_t*)MGPU_REALLOC(*data, *data ? cap *= 2 : cap);
-            if (!grown) {
-                MGPU_FREE(*data);
-                *data = NULL;
-                fclose(f);
-                return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %zu bytes", path, cap);
-            }
-            *data = grown;
+#if defined(__unix__) || defined(__APPLE__)
+    {
+        struct stat st;
+        int fd = open(path, O_RDONLY | O_NONBLOCK), err;
+        ssize_t r = 0;
+        (void)cap;
+        (void)got;
+        if (fd < 0) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
+        if (fstat(fd, &st) != 0) {
+            err = errno;
+            close(fd);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(err));
         }
-        got = fread(*data + n, 1, cap - n, f);
-        n += got;
-        if (got == 0) break;
+        if (!S_ISREG(st.st_mode)) {
+            close(fd);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': it is %s, not a regular file", path, mgpu__file_kind(st.st_mode));
+        }
+        if ((uint64_t)st.st_size >= (uint64_t)(SIZE_MAX / 2)) {
+            close(fd);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %llu bytes is more than this machine can address", path,
+                              (unsigned long long)st.st_size);
+        }
+        *data = (uint8_t*)MGPU_MALLOC((size_t)st.st_size + 1);
+        if (!*data) {
+            close(fd);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %llu bytes", path, (unsigned long long)st.st_size);
+        }
+        while (n < (size_t)st.st_size && ((r = read(fd, *data + n, (size_t)st.st_size - n)) > 0 || (r < 0 && errno == EINTR)))
+            if (r > 0) n += (size_t)r;
+        err = r < 0 ? errno : 0;
+        close(fd);
+        if (n != (size_t)st.st_size) {
+            MGPU_FREE(*data);
+            *data = NULL;
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path,
+                              err ? strerror(err) : "it became shorter while it was read");
+        }
+        *len = n;
+        return MGPU_OK;
     }
-    if (ferror(f)) {
-        int err = errno;
+#else
+    {
+        FILE* f = fopen(path, "rb");
+        if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
+        for (;;) {
+            if (!*data || n == cap) {
+                uint8_t* grown = (uint8_t*)MGPU_REALLOC(*data, *data ? cap *= 2 : cap);
+                if (!grown) {
+                    MGPU_FREE(*data);
+                    *data = NULL;
+                    fclose(f);
+                    return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %zu bytes", path, cap);
+                }
+                *data = grown;
+            }
+            got = fread(*data + n, 1, cap - n, f);
+            n += got;
+            if (got == 0) break;
+        }
+        if (ferror(f)) {
+            int err = errno;
+            fclose(f);
+            MGPU_FREE(*data);
+            *data = NULL;
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(err));
+        }
         fclose(f);
-        MGPU_FREE(*data);
-        *data = NULL;
-        return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, strerror(err));
+        *len = n;
+        return MGPU_OK;
     }
-    fclose(f);
-    *len = n;
-    return MGPU_OK;
+#endif
 }
 
 /* -- checkpoints -- */
@@ -6955,8 +7243,10 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
             }
         if (kind && strcmp(kind, mine) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %s optimizer state; the optimizer is %s", path, kind, mine);
-        else if (steps && ((step = strtoll(steps, &end, 10)) < 0 || !end || *end || end == steps))
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%s', not a step count", path, steps);
+        else if (steps && (steps[0] < '0' || steps[0] > '9' || (errno = 0, step = strtoll(steps, &end, 10)) < 0 ||
+                           errno == ERANGE || !end || *end || step > MGPU__MAX_STEPS))
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%.40s', not a step count from 0 to 2^53", path,
+                           steps);
         else if (found_states && found_states != states * m->tensor_count)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %d of the %d optimizer state tensors", path, found_states,
                            states * m->tensor_count);

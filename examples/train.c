@@ -11,6 +11,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <math.h>
+#include <limits.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+#define MAX_EPOCHS 1000000
 
 typedef struct options {
     const char* data;
@@ -20,7 +29,8 @@ typedef struct options {
     const char* save;
     const char* load;
     const char* schedule;    /* cosine | step | constant */
-    int epochs, batch, max_steps, quiet;
+    int epochs, batch, quiet;
+    int64_t max_steps;
     float lr, momentum, weight_decay;
     unsigned long long seed;
 } options;
@@ -47,8 +57,70 @@ static void usage(FILE* f) {
             "  --help              this text\n");
 }
 
+/* An integer flag's value, whole and within [min, max]; else a message naming the flag. */
+static int parse_int(const char* flag, const char* v, long long min, long long max, long long* out) {
+    char* end = NULL;
+    long long x;
+    errno = 0;
+    x = strtoll(v, &end, 10);
+    if (end == v || *end) { fprintf(stderr, "train: %s: '%s' is not a whole number\n", flag, v); return 0; }
+    if (errno == ERANGE || x < min || x > max) {
+        fprintf(stderr, "train: %s: %s is out of range (%lld to %lld)\n", flag, v, min, max);
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+/* A float flag's value: a finite number (inf and nan are not learning rates). */
+static int parse_float(const char* flag, const char* v, float* out) {
+    char* end = NULL;
+    double x;
+    errno = 0;
+    x = strtod(v, &end);
+    if (end == v || *end) { fprintf(stderr, "train: %s: '%s' is not a number\n", flag, v); return 0; }
+    if (!isfinite(x) || errno == ERANGE || fabs(x) > 3.0e38) { fprintf(stderr, "train: %s: %s is not a finite float\n", flag, v); return 0; }
+    *out = (float)x;
+    return 1;
+}
+
+/* --save is checked before any training: its folder must exist and be writable, and the path,
+   its symlinks followed, must not be a directory, FIFO or device (mgpu_model_save would refuse
+   it too, but only after an epoch of work). */
+static int check_save_path(const char* path) {
+#if defined(__unix__) || defined(__APPLE__)
+    struct stat st;
+    char dir[4096];
+    const char* slash = strrchr(path, '/');
+    if (!*path) { fprintf(stderr, "train: --save: empty path\n"); return 0; }
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        fprintf(stderr, "train: --save: '%s' is %s, not a regular file\n", path,
+                S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO"
+                : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device" : "something else");
+        return 0;
+    }
+    if (!slash) strcpy(dir, ".");
+    else if ((size_t)(slash - path) + 1 >= sizeof dir) { fprintf(stderr, "train: --save: '%s': path too long\n", path); return 0; }
+    else {
+        memcpy(dir, path, (size_t)(slash - path) + 1);   /* keeps the slash: "/" stays the root */
+        dir[slash - path + 1] = 0;
+    }
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "train: --save: '%s': the folder '%s' does not exist\n", path, dir);
+        return 0;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        fprintf(stderr, "train: --save: '%s': cannot write in the folder '%s': %s\n", path, dir, strerror(errno));
+        return 0;
+    }
+#else
+    (void)path;
+#endif
+    return 1;
+}
+
 static int parse_args(int argc, char** argv, options* o) {
-    int i;
+    int i, have_lr = 0, have_wd = 0;
+    long long n;
     memset(o, 0, sizeof *o);
     o->data = "/usr/share/datasets/fashion-mnist";
     o->model = "mlp";
@@ -58,13 +130,11 @@ static int parse_args(int argc, char** argv, options* o) {
     o->epochs = 5;
     o->batch = 64;
     o->momentum = 0.9f;
-    o->weight_decay = -1.0f;
     o->seed = 1;
     for (i = 1; i < argc; ++i) {
         const char* a = argv[i];
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-        char* end = NULL;
-        int takes = 1;
+        int takes = 1, ok = 1;
         static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
                                         "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay" };
         int known = 0;
@@ -81,26 +151,31 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--devices")) o->devices = v;
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--load")) o->load = v;
-        else if (!strcmp(a, "--epochs")) o->epochs = (int)strtol(v, &end, 10);
-        else if (!strcmp(a, "--batch")) o->batch = (int)strtol(v, &end, 10);
-        else if (!strcmp(a, "--max-steps")) o->max_steps = (int)strtol(v, &end, 10);
-        else if (!strcmp(a, "--seed")) o->seed = strtoull(v, &end, 10);
-        else if (!strcmp(a, "--lr")) o->lr = strtof(v, &end);
-        else if (!strcmp(a, "--momentum")) o->momentum = strtof(v, &end);
-        else if (!strcmp(a, "--weight-decay")) o->weight_decay = strtof(v, &end);
+        else if (!strcmp(a, "--epochs")) { ok = parse_int(a, v, 1, MAX_EPOCHS, &n); o->epochs = (int)n; }
+        else if (!strcmp(a, "--batch")) { ok = parse_int(a, v, 1, 1 << 24, &n); o->batch = (int)n; }
+        else if (!strcmp(a, "--max-steps")) { ok = parse_int(a, v, 0, (long long)1 << 53, &n); o->max_steps = n; }
+        else if (!strcmp(a, "--seed")) {
+            char* end = NULL;
+            errno = 0;
+            o->seed = strtoull(v, &end, 10);
+            if (end == v || *end || errno == ERANGE || *v == '-') { fprintf(stderr, "train: --seed: '%s' is not a count from 0 to 2^64-1\n", v); return 0; }
+        }
+        else if (!strcmp(a, "--lr")) { ok = parse_float(a, v, &o->lr); have_lr = 1; }
+        else if (!strcmp(a, "--momentum")) ok = parse_float(a, v, &o->momentum);
+        else if (!strcmp(a, "--weight-decay")) { ok = parse_float(a, v, &o->weight_decay); have_wd = 1; }
         else { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
-        if (end && *end) { fprintf(stderr, "train: %s: '%s' is not a number\n", a, v); return 0; }
+        if (!ok) return 0;
         i += takes;
     }
     if (strcmp(o->model, "mlp") && strcmp(o->model, "cnn")) { fprintf(stderr, "train: --model must be mlp or cnn, not '%s'\n", o->model); return 0; }
     if (strcmp(o->optimizer, "sgd") && strcmp(o->optimizer, "adamw")) { fprintf(stderr, "train: --optimizer must be sgd or adamw, not '%s'\n", o->optimizer); return 0; }
     if (strcmp(o->schedule, "cosine") && strcmp(o->schedule, "step") && strcmp(o->schedule, "constant")) { fprintf(stderr, "train: --schedule must be cosine, step or constant\n"); return 0; }
-    if (o->epochs < 1 || o->batch < 1 || o->max_steps < 0 || o->lr < 0 || o->momentum < 0 || o->momentum >= 1) {
-        fprintf(stderr, "train: --epochs and --batch must be >= 1, --max-steps >= 0, --lr >= 0, 0 <= --momentum < 1\n");
-        return 0;
-    }
-    if (o->lr == 0) o->lr = strcmp(o->optimizer, "adamw") ? 0.05f : 0.001f;
-    if (o->weight_decay < 0) o->weight_decay = strcmp(o->optimizer, "adamw") ? 0.0f : 0.01f;
+    if (have_lr && !(o->lr > 0)) { fprintf(stderr, "train: --lr must be > 0, not %g\n", (double)o->lr); return 0; }
+    if (have_wd && !(o->weight_decay >= 0)) { fprintf(stderr, "train: --weight-decay must be >= 0, not %g\n", (double)o->weight_decay); return 0; }
+    if (!(o->momentum >= 0 && o->momentum < 1)) { fprintf(stderr, "train: --momentum must be in [0, 1), not %g\n", (double)o->momentum); return 0; }
+    if (!have_lr) o->lr = strcmp(o->optimizer, "adamw") ? 0.05f : 0.001f;
+    if (!have_wd) o->weight_decay = strcmp(o->optimizer, "adamw") ? 0.0f : 0.01f;
+    if (o->save && !check_save_path(o->save)) return 0;
     return 1;
 }
 
@@ -225,15 +300,16 @@ int main(int argc, char** argv) {
     int64_t batches, steps = 0, samples = 0, correct = 0, first_step;
     double train_seconds = 0.0, start = mgpu_seconds();
     float loss = 0.0f, test_loss = 0.0f, test_acc = 0.0f;
-    int epoch, status = 1, interactive = 0, stop = 0;
+    int64_t epoch;
+    int status = 1, interactive = 0, stop = 0;
     char where[96];
 #if defined(__unix__) || defined(__APPLE__)
     interactive = isatty(1);
 #endif
     if (!parse_args(argc, argv, &o)) return 2;
+    set = mgpu_device_set_create(o.devices);   /* before the data: a bad --devices fails at once */
+    if (!set) { fprintf(stderr, "train: --devices: %s\n", mgpu_last_error()); status = 2; goto done; }
     if (!(train = load_split(o.data, "train")) || !(test = load_split(o.data, "t10k"))) { status = 2; goto done; }
-    set = mgpu_device_set_create(o.devices);
-    if (!set) { fprintf(stderr, "train: %s\n", mgpu_last_error()); status = 2; goto done; }
     if (o.batch < mgpu_device_set_count(set)) {
         fprintf(stderr, "train: --batch %d is smaller than the %d devices of '%s'\n", o.batch, mgpu_device_set_count(set), o.devices);
         status = 2;
@@ -244,6 +320,12 @@ int main(int argc, char** argv) {
     loader = mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = 1, .seed = o.seed, .mean = mean, .std = std });
     if (!loader || !make_test_tensors(test, mean, std, &test_x, &test_y)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     batches = mgpu_loader_batches(loader);
+    if (batches < 1 || batches * o.epochs > INT_MAX) {   /* the schedule counts steps in an int */
+        fprintf(stderr, "train: --epochs %d: %lld batches per epoch make %lld steps, more than %d\n", o.epochs, (long long)batches,
+                (long long)batches * o.epochs, INT_MAX);
+        status = 2;
+        goto done;
+    }
     {
         const int adamw = !strcmp(o.optimizer, "adamw");
         opt = mgpu_optimizer_create(model, &(mgpu_optimizer_desc){
@@ -254,7 +336,7 @@ int main(int argc, char** argv) {
             .schedule = !strcmp(o.schedule, "cosine") ? MGPU_SCHEDULE_COSINE
                       : !strcmp(o.schedule, "step") ? MGPU_SCHEDULE_STEP : MGPU_SCHEDULE_CONSTANT,
             .total_steps = (int)(batches * o.epochs),
-            .step_size = (int)(batches * 2 > 0 ? batches * 2 : 1) });
+            .step_size = (int)(batches * 2 < INT_MAX ? batches * 2 : INT_MAX) });
     }
     if (!opt) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     if (o.load && mgpu_model_load(model, opt, o.load) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
@@ -267,13 +349,14 @@ int main(int argc, char** argv) {
     snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
              mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     steps = first_step = mgpu_optimizer_step_count(opt);   /* resuming: continue where the checkpoint stopped */
-    for (epoch = (int)(steps / batches); epoch < o.epochs && !stop; ++epoch) {
+    /* 64-bit: a checkpoint may hold up to 2^53 steps, far past an int's epochs */
+    for (epoch = steps / batches; epoch < o.epochs && !stop; ++epoch) {
         const mgpu_tensor *x, *y;
         int64_t b = 0, epoch_samples = 0;
         double t0 = mgpu_seconds(), rate = 0.0;
         mgpu_memory_stats ms;
-        mgpu_loader_start(loader, epoch);
-        for (; b < steps - (int64_t)epoch * batches; ++b) mgpu_loader_next(loader, NULL, NULL);   /* resumed mid-epoch */
+        mgpu_loader_start(loader, (int)epoch);
+        for (; b < steps - epoch * batches; ++b) mgpu_loader_next(loader, NULL, NULL);   /* resumed mid-epoch */
         while (mgpu_loader_next(loader, &x, &y)) {
             if (o.max_steps && steps >= o.max_steps) { stop = 1; break; }
             /* the loss only when a line shows it: reading it waits for the GPU, which otherwise
@@ -288,17 +371,17 @@ int main(int argc, char** argv) {
             ++b;
             epoch_samples += mgpu_tensor_dim(x, 0);
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
-            if (show) progress(&o, where, epoch, b, batches, loss, rate, !interactive);
+            if (show) progress(&o, where, (int)epoch, b, batches, loss, rate, !interactive);
         }
         train_seconds += mgpu_seconds() - t0;
         samples += epoch_samples;
-        progress(&o, where, epoch, b, batches, loss, rate, 1);
+        progress(&o, where, (int)epoch, b, batches, loss, rate, 1);
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
         mgpu_memory_get_stats(mgpu_model_device(model, 0), &ms);
         if (!o.quiet)
             printf("epoch %d: test accuracy %.4f, test loss %.4f, lr %.4g, device memory %.1f MiB in use (peak %.1f MiB) on %s\n",
-                   epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
+                   (int)epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
                    ms.bytes_in_use / 1048576.0, ms.peak_bytes_in_use / 1048576.0, mgpu_device_label(mgpu_model_device(model, 0)));
         if (o.save && !save_checkpoint(model, opt, o.save, mean, std)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     }

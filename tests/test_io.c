@@ -878,7 +878,7 @@ static int count_tmp_files(const char* dir) {
     int n = 0;
     if (!d) return -1;
     while ((e = readdir(d)) != NULL)
-        if (strstr(e->d_name, ".tmp.")) n++;
+        if (strstr(e->d_name, ".tmp")) n++;
     closedir(d);
     return n;
 }
@@ -1109,7 +1109,7 @@ static void test_st_writer_errors(void) {
     rc = mgpu__st_write(sub, it, 2, NULL, NULL, 0);
     {
         struct stat st;
-        CHECK(err_is(rc, MGPU_ERROR_IO, sub, "rename") && stat(sub, &st) == 0 && S_ISDIR(st.st_mode), "path is a directory");
+        CHECK(err_is(rc, MGPU_ERROR_IO, sub, "is a directory") && stat(sub, &st) == 0 && S_ISDIR(st.st_mode), "path is a directory");
     }
     CHECK(count_tmp_files(g_dir) == 0, "no temporary file left after the failed rename");
 
@@ -1209,6 +1209,154 @@ static void test_st_writer_errors(void) {
         free(p);
     }
     free(before);
+}
+
+
+/* The temporary file for a checkpoint of dir/base, made by process pid (an unused name with the
+   writer's own prefix, so that the writer takes it for one of its own). */
+static void fake_tmp_name(char* out, size_t size, const char* dir, const char* base, long pid) {
+    char target[700], prefix[MGPU__TMP_BASE_MAX + 16];
+    size_t dir_len;
+    snprintf(target, sizeof target, "%s/%s", dir, base);
+    mgpu__tmp_prefix(target, &dir_len, prefix, sizeof prefix);
+    snprintf(out, size, "%s/%s%ld.1%s", dir, prefix, pid, MGPU__TMP_SUFFIX);
+}
+static int exists(const char* path) {
+    struct stat st;
+    return lstat(path, &st) == 0;
+}
+static int files_equal(const char* a, const char* b) {
+    size_t na = 0, nb = 0;
+    uint8_t *pa = read_file(a, &na), *pb = read_file(b, &nb);
+    int same = pa && pb && na == nb && !memcmp(pa, pb, na);
+    free(pa);
+    free(pb);
+    return same;
+}
+
+/* Where a checkpoint goes: long names, what an interrupted save leaves behind, files that are
+   not regular files, symlinks; and reading refuses what is not a regular file. */
+static void test_st_save_paths(void) {
+    char dir[512], path[900], other[900], tmp[1200], live_tmp[1200], other_tmp[1200], ref[900];
+    static const float v[2] = {1, 2};
+    static const int64_t s2[1] = {2};
+    mgpu__st_write_item it;
+    mgpu_result rc;
+    struct stat st;
+    memset(&it, 0, sizeof it);
+    it.name = "a"; it.dtype = "F32"; it.ndim = 1; it.shape = s2; it.data = v; it.bytes = 8;
+    snprintf(dir, sizeof dir, "%s/paths", g_dir);
+    mkdir(dir, 0755);
+    snprintf(ref, sizeof ref, "%s/ref.safetensors", dir);
+    CHECK(mgpu__st_write(ref, &it, 1, NULL, NULL, 0) == MGPU_OK, "reference file");
+
+    /* a 252-byte name (NAME_MAX is 255): the temporary name must fit too */
+    {
+        char base[256];
+        memset(base, 'n', 240);
+        strcpy(base + 240, ".safetensors");
+        snprintf(path, sizeof path, "%s/%s", dir, base);
+        rc = mgpu__st_write(path, &it, 1, NULL, NULL, 0);
+        CHECK(rc == MGPU_OK && files_equal(path, ref) && count_tmp_files(dir) == 0, "a %zu-byte file name saves", strlen(base));
+        CHECK(mgpu__st_write(path, &it, 1, NULL, NULL, 0) == MGPU_OK, "and saves again over itself");
+        remove(path);
+    }
+
+    /* stale temporary files: a dead writer's goes, a live one's and another target's stay */
+    fflush(stdout);
+    {
+        pid_t dead = fork(), live;
+        int status;
+        if (dead == 0) _exit(0);
+        waitpid(dead, &status, 0);
+        live = fork();
+        if (live == 0) { pause(); _exit(0); }
+        snprintf(path, sizeof path, "%s/model.safetensors", dir);
+        snprintf(other, sizeof other, "%s/model.safetensors2", dir);
+        fake_tmp_name(tmp, sizeof tmp, dir, "model.safetensors", (long)dead);
+        fake_tmp_name(live_tmp, sizeof live_tmp, dir, "model.safetensors", (long)live);
+        fake_tmp_name(other_tmp, sizeof other_tmp, dir, "model.safetensors2", (long)dead);
+        CHECK(write_file(tmp, "junk", 4) && write_file(live_tmp, "junk", 4) && write_file(other_tmp, "junk", 4), "fake temporary files");
+        rc = mgpu__st_write(path, &it, 1, NULL, NULL, 0);
+        CHECK(rc == MGPU_OK && !exists(tmp), "a save removes the temporary file of a dead writer (%s)", tmp);
+        CHECK(exists(live_tmp), "a save leaves a live process's temporary file alone");
+        CHECK(exists(other_tmp), "a save leaves another target's temporary file alone");
+        kill(live, SIGKILL);
+        waitpid(live, &status, 0);
+        rc = mgpu__st_write(path, &it, 1, NULL, NULL, 0);
+        CHECK(rc == MGPU_OK && !exists(live_tmp), "once its writer is gone, the next save removes it");
+        remove(other_tmp);
+        CHECK(count_tmp_files(dir) == 0, "no temporary file left");
+        /* the same for a 252-byte name, whose temporary names are cut */
+        {
+            char base[256];
+            memset(base, 'q', 240);
+            strcpy(base + 240, ".safetensors");
+            fake_tmp_name(tmp, sizeof tmp, dir, base, (long)dead);
+            snprintf(path, sizeof path, "%s/%s", dir, base);
+            CHECK(strlen(strrchr(tmp, '/') + 1) <= 255 && write_file(tmp, "junk", 4), "a cut temporary name");
+            CHECK(mgpu__st_write(path, &it, 1, NULL, NULL, 0) == MGPU_OK && !exists(tmp) && count_tmp_files(dir) == 0,
+                  "a long name's stale temporary file is removed");
+            remove(path);
+        }
+    }
+
+    /* not a regular file: refused, left as it was, nothing written */
+    snprintf(path, sizeof path, "%s/fifo.safetensors", dir);
+    if (mkfifo(path, 0644) != 0) SKIP("mkfifo: %s", strerror(errno));
+    else {
+        rc = mgpu__st_write(path, &it, 1, NULL, NULL, 0);
+        CHECK(err_is(rc, MGPU_ERROR_IO, path, "is a FIFO") && stat(path, &st) == 0 && S_ISFIFO(st.st_mode) &&
+              count_tmp_files(dir) == 0, "saving over a FIFO is refused and leaves it");
+        /* and reading one fails at once instead of waiting for a writer */
+        CHECK(mgpu_safetensors_open(path) == NULL && err_is(MGPU_ERROR_IO, MGPU_ERROR_IO, path, "FIFO"), "opening a FIFO is refused");
+    }
+    snprintf(path, sizeof path, "%s/dir.safetensors", dir);
+    mkdir(path, 0755);
+    rc = mgpu__st_write(path, &it, 1, NULL, NULL, 0);
+    CHECK(err_is(rc, MGPU_ERROR_IO, path, "is a directory") && stat(path, &st) == 0 && S_ISDIR(st.st_mode), "saving over a directory");
+    CHECK(mgpu_safetensors_open(path) == NULL && err_is(MGPU_ERROR_IO, MGPU_ERROR_IO, path, "directory"), "opening a directory");
+    /* /dev/zero would be read until memory runs out: a child with little memory and a deadline */
+    fflush(stdout);
+    {
+        pid_t pid = fork();
+        int status = 0;
+        if (pid == 0) {
+            struct rlimit rl = {(rlim_t)1 << 30, (rlim_t)1 << 30};
+            setrlimit(RLIMIT_AS, &rl);
+            alarm(20);
+            _exit(mgpu_safetensors_open("/dev/zero") == NULL && strstr(mgpu_last_error(), "character device") ? 0 : 1);
+        }
+        waitpid(pid, &status, 0);
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "opening /dev/zero is refused at once (status %d)", status);
+    }
+
+    /* a symlink: the file it points to is replaced, and the link stays a link */
+    {
+        char sub[600], target[900], link1[900], link2[900];
+        snprintf(sub, sizeof sub, "%s/real", dir);
+        mkdir(sub, 0755);
+        snprintf(target, sizeof target, "%s/real/model.safetensors", dir);
+        snprintf(link1, sizeof link1, "%s/link.safetensors", dir);
+        snprintf(link2, sizeof link2, "%s/link2.safetensors", dir);
+        CHECK(write_file(target, "old", 3) && symlink("real/model.safetensors", link1) == 0 && symlink("link.safetensors", link2) == 0,
+              "symlinks");
+        rc = mgpu__st_write(link2, &it, 1, NULL, NULL, 0);
+        CHECK(rc == MGPU_OK && lstat(link1, &st) == 0 && S_ISLNK(st.st_mode) && lstat(link2, &st) == 0 && S_ISLNK(st.st_mode),
+              "saving through two symlinks keeps them links");
+        CHECK(files_equal(target, ref) && files_equal(link2, ref), "the file they point to holds the new checkpoint");
+        CHECK(count_tmp_files(dir) == 0 && count_tmp_files(sub) == 0, "no temporary file left");
+        remove(target);   /* dangling now: a save creates the file it points to */
+        rc = mgpu__st_write(link1, &it, 1, NULL, NULL, 0);
+        CHECK(rc == MGPU_OK && lstat(link1, &st) == 0 && S_ISLNK(st.st_mode) && files_equal(target, ref), "a dangling symlink");
+        /* a link to a FIFO is refused like the FIFO */
+        snprintf(path, sizeof path, "%s/fifo.safetensors", dir);
+        remove(link1);
+        if (exists(path) && symlink("fifo.safetensors", link1) == 0) {
+            rc = mgpu__st_write(link1, &it, 1, NULL, NULL, 0);
+            CHECK(err_is(rc, MGPU_ERROR_IO, "is a FIFO", NULL) && lstat(link1, &st) == 0 && S_ISLNK(st.st_mode), "a symlink to a FIFO");
+        }
+    }
 }
 
 /* ------------------------------------------------------------- the public safetensors reader --- */
@@ -1478,6 +1626,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_st_python());
     TEST_GROUP(test_st_fuzz(20000));
     TEST_GROUP(test_st_writer_errors());
+    TEST_GROUP(test_st_save_paths());
     printf("== the public safetensors reader\n");
     TEST_GROUP(test_reader_roundtrip());
     TEST_GROUP(test_reader_dtypes());

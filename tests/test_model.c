@@ -1759,6 +1759,47 @@ static void test_training(void) {
     }
 }
 
+
+/* Every getter that takes an index: NULL for one out of range, with an error naming the getter,
+   the index and how many there are. */
+static void test_getter_errors(void) {
+    mgpu_model* m;
+    mgpu_optimizer* o;
+    mgpu_optimizer_desc d = odesc(MGPU_SGD, 0.1f);
+    header("getters: bad indices");
+    d.momentum = 0.9f;
+    m = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
+    o = m ? mgpu_optimizer_create(m, &d) : NULL;
+    if (!m || !o) { CHECK(0, "model: %s", mgpu_last_error()); mgpu_model_destroy(m); return; }
+#define GETTER_FAILS(call, name, idx, count)                                                                          \
+    do {                                                                                                              \
+        const void* got_;                                                                                             \
+        mgpu_clear_error();                                                                                           \
+        got_ = (const void*)(call);                                                                                   \
+        CHECK(got_ == NULL && mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), name) &&  \
+                  strstr(mgpu_last_error(), idx) && strstr(mgpu_last_error(), count),                                   \
+              "%s: NULL and an error naming it, %s and %s (got %p, '%s')", #call, idx, count, got_, mgpu_last_error()); \
+    } while (0)
+    GETTER_FAILS(mgpu_model_params(m, 1), "mgpu_model_params", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_params(m, -1), "mgpu_model_params", "replica -1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_grads(m, 7), "mgpu_model_grads", "replica 7", "with 1 replica");
+    GETTER_FAILS(mgpu_model_device(m, 1), "mgpu_model_device", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_tensor_name(m, 2), "mgpu_model_tensor_name", "tensor 2", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor_name(m, -1), "mgpu_model_tensor_name", "tensor -1", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor(m, 0, 2), "mgpu_model_tensor", "tensor 2", "with 2 tensors");
+    GETTER_FAILS(mgpu_model_tensor(m, 3, 0), "mgpu_model_tensor", "replica 3", "with 1 replica");
+    GETTER_FAILS(mgpu_model_param(m, 1, "0.weight"), "mgpu_model_param", "replica 1", "with 1 replica");
+    GETTER_FAILS(mgpu_model_grad(m, 0, "9.weight"), "mgpu_model_grad", "9.weight", "its 2");
+    GETTER_FAILS(mgpu_optimizer_state(o, 2, "0.weight", "momentum_buffer"), "mgpu_optimizer_state", "replica 2", "with 1 replica");
+    GETTER_FAILS(mgpu_model_params(NULL, 0), "mgpu_model_params", "NULL", "model");
+#undef GETTER_FAILS
+    mgpu_clear_error();
+    CHECK(mgpu_model_device(m, 0) != NULL && mgpu_model_tensor(m, 0, 1) != NULL && mgpu_model_tensor_name(m, 1) != NULL &&
+              mgpu_last_result() == MGPU_OK, "good indices still work: %s", mgpu_last_error());
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+}
+
 /* ============================================================================================ */
 /* 7. checkpoints                                                                               */
 /* ============================================================================================ */
@@ -2140,6 +2181,32 @@ static void test_checkpoints(void) {
         CHECK(write_st(path, it, 4, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"12x\""), "write %s", path);
         expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "mgpu.step 12x", "mgpu.step", NULL, NULL);
         check_unchanged("bad step", m, o, &snap);
+        /* a step count whose next step would overflow, or past what a double counts exactly */
+        {
+            static const char* const huge[] = {"9223372036854775807", "99999999999999999999", "9007199254740993", "+5", " 5"};
+            char meta[128];
+            int k;
+            for (k = 0; k < (int)(sizeof huge / sizeof huge[0]); ++k) {
+                snprintf(meta, sizeof meta, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"%s\"", huge[k]);
+                CHECK(write_st(path, it, 4, meta), "write %s", path);
+                expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, huge[k], "mgpu.step", NULL, NULL);
+                check_unchanged("step out of range", m, o, &snap);
+            }
+            /* 2^53 itself loads, and then the optimizer refuses to count further */
+            {
+                mgpu_model* m2 = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 9, mgpu_layer_linear(4, 3));
+                mgpu_optimizer* o2 = m2 ? mgpu_optimizer_create(m2, &d) : NULL;
+                CHECK(write_st(path, it, 4, "\"mgpu.optimizer\":\"sgd\",\"mgpu.step\":\"9007199254740992\""), "write %s", path);
+                CHECK(o2 && mgpu_model_load(m2, o2, path) == MGPU_OK && mgpu_optimizer_step_count(o2) == ((int64_t)1 << 53),
+                      "a step count of 2^53 loads: %s", mgpu_last_error());
+                if (o2)
+                    expect_fail(mgpu_optimizer_step(o2), MGPU_ERROR_INVALID_ARGUMENT, "a step past 2^53", "mgpu_optimizer_step", "2^53",
+                                NULL);
+                CHECK(mgpu_optimizer_step_count(o2) == ((int64_t)1 << 53), "the refused step is not counted");
+                mgpu_optimizer_destroy(o2);
+                mgpu_model_destroy(m2);
+            }
+        }
         {
             /* a file written by the same model with an AdamW optimizer, loaded into an SGD one (and back) */
             mgpu_optimizer_desc da = odesc(MGPU_ADAMW, 1e-3f);
@@ -3492,6 +3559,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_gradients());
     TEST_GROUP(test_init());
     TEST_GROUP(test_model_errors());
+    TEST_GROUP(test_getter_errors());
     TEST_GROUP(test_custom_layer());
     TEST_GROUP(test_optimizers());
     TEST_GROUP(test_training());

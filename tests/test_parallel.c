@@ -28,6 +28,7 @@
       equals mgpu_model_train_step
    9. CPU replicas running at once, reading one host batch, first layer wider than a GEMM panel
       (a regression test: they once shared one GEMM packing buffer, fixed in c7ee5ad)
+   10. NCCL pinned to ring + Simple (NCCL_ALGO, NCCL_PROTO) when determinism or verify mode asks
   10. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
       and the CPU (a skip without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
 
@@ -907,9 +908,8 @@ static void test_errors(void) {
         const char* bad[] = {"cpu:0", "cpu:-1", "cpu:x", "cpu:2x", "cpu:", "cpu:+2", "cpu:2 ", "cpu:257", "cpu2", "gpu", "cuda0", "CPU"};
         const char* bad_cuda[] = {"cuda:0,,1", "cuda:x", "cuda:0,", "cuda:-1"};
         for (k = 0; k < (int)(sizeof bad / sizeof bad[0]); ++k) expect_bad_spec(bad[k], MGPU_ERROR_INVALID_ARGUMENT);
-        /* malformed CUDA specs: INVALID_ARGUMENT where there are GPUs; without, the missing GPU is the error */
-        for (k = 0; k < (int)(sizeof bad_cuda / sizeof bad_cuda[0]); ++k)
-            expect_bad_spec(bad_cuda[k], g_gpus > 0 ? MGPU_ERROR_INVALID_ARGUMENT : MGPU_ERROR_NO_DEVICE);
+        /* malformed CUDA specs: INVALID_ARGUMENT with or without GPUs (the syntax is checked first) */
+        for (k = 0; k < (int)(sizeof bad_cuda / sizeof bad_cuda[0]); ++k) expect_bad_spec(bad_cuda[k], MGPU_ERROR_INVALID_ARGUMENT);
         if (g_gpus <= 7) expect_bad_spec("cuda:7", MGPU_ERROR_NO_DEVICE);
         expect_bad_spec("cuda:999", MGPU_ERROR_NO_DEVICE);
         expect_bad_spec("cuda:0,999", MGPU_ERROR_NO_DEVICE);
@@ -1523,6 +1523,76 @@ static void test_cuda_training(void) {
 }
 
 /* ============================================================================================ */
+
+/* 10. NCCL's summation order: MGPU_DETERMINISTIC=1 or verify_every pins NCCL_ALGO=Ring and
+   NCCL_PROTO=Simple before the communicators are made, keeping what the user set. */
+static void env_restore(const char* name, const char* saved) {
+    if (saved) setenv(name, saved, 1);
+    else unsetenv(name);
+}
+static int env_is(const char* name, const char* want) {
+    const char* v = getenv(name);
+    return want ? v && !strcmp(v, want) : v == NULL;
+}
+static void test_nccl_pinning(void) {
+    char *algo = getenv("NCCL_ALGO") ? strdup(getenv("NCCL_ALGO")) : NULL;
+    char *proto = getenv("NCCL_PROTO") ? strdup(getenv("NCCL_PROTO")) : NULL;
+    char *det = getenv("MGPU_DETERMINISTIC") ? strdup(getenv("MGPU_DETERMINISTIC")) : NULL;
+    header("10. NCCL pinned to ring + Simple for determinism");
+    unsetenv("NCCL_ALGO");
+    unsetenv("NCCL_PROTO");
+    mgpu__nccl_pin();
+    CHECK(env_is("NCCL_ALGO", "Ring") && env_is("NCCL_PROTO", "Simple"), "pinning sets NCCL_ALGO=Ring, NCCL_PROTO=Simple");
+    setenv("NCCL_ALGO", "Tree", 1);
+    unsetenv("NCCL_PROTO");
+    log_capture_start();
+    mgpu__nccl_pin();
+    log_capture_stop();
+    CHECK(env_is("NCCL_ALGO", "Tree") && env_is("NCCL_PROTO", "Simple"), "the user's NCCL_ALGO is kept, NCCL_PROTO pinned");
+    CHECK(strstr(g_log, "NCCL_ALGO=Tree") != NULL, "a notice that the user's NCCL_ALGO is kept (log: '%s')", g_log);
+    if (g_gpus >= 2 && backend_for("cuda:0,1", MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_NCCL) {
+        mgpu_device_set* set = mkset("cuda:0,1");
+        mgpu_allreduce* ar;
+        mgpu_layer* layers[1];
+        mgpu_model_desc d;
+        mgpu_model* m;
+        unsetenv("NCCL_ALGO");
+        unsetenv("NCCL_PROTO");
+        unsetenv("MGPU_DETERMINISTIC");
+        ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_NCCL);
+        CHECK(ar && env_is("NCCL_ALGO", NULL) && env_is("NCCL_PROTO", NULL), "no determinism asked: NCCL chooses freely");
+        mgpu_allreduce_destroy(ar);
+        setenv("MGPU_DETERMINISTIC", "1", 1);
+        ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_NCCL);
+        CHECK(ar && env_is("NCCL_ALGO", "Ring") && env_is("NCCL_PROTO", "Simple"), "MGPU_DETERMINISTIC=1 pins NCCL");
+        mgpu_allreduce_destroy(ar);
+        unsetenv("MGPU_DETERMINISTIC");
+        unsetenv("NCCL_ALGO");
+        unsetenv("NCCL_PROTO");
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_layer_linear(4, 3);
+        d.input = mgpu_shape1(4);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = set;
+        d.allreduce = MGPU_ALLREDUCE_NCCL;
+        d.verify_every = 1;
+        m = mgpu_model_create(&d);
+        CHECK(m && mgpu_model_allreduce_backend(m) == MGPU_ALLREDUCE_NCCL && env_is("NCCL_ALGO", "Ring") &&
+                  env_is("NCCL_PROTO", "Simple"), "a model with verify_every pins NCCL: %s", mgpu_last_error());
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    } else {
+        SKIP("NCCL pinning at communicator creation: needs NCCL and two distinct GPUs");
+    }
+    env_restore("NCCL_ALGO", algo);
+    env_restore("NCCL_PROTO", proto);
+    env_restore("MGPU_DETERMINISTIC", det);
+    free(algo);
+    free(proto);
+    free(det);
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -1545,6 +1615,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_verify());
     TEST_GROUP(test_examples_path());
     TEST_GROUP(test_wide_first_layer());
+    TEST_GROUP(test_nccl_pinning());
     TEST_GROUP(test_cuda_training());
 
     printf("(%.1f s)\n", now_seconds() - t0);

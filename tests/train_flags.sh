@@ -1,0 +1,97 @@
+#!/bin/sh
+# build/train refuses bad flags before it trains: a non-zero exit and a message that names the
+# flag. Out-of-range numbers (not truncated), --lr 0/inf/nan, a negative --weight-decay (0 is
+# legal), a malformed --devices without a GPU, a --save path that cannot be written; and a
+# checkpoint whose step count is past every epoch resumes as finished instead of looping.
+# Usage: train_flags.sh [TRAIN_BINARY] [DATA_DIR]
+train=${1:-build/train}
+data=${2:-/usr/share/datasets/fashion-mnist}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0; failed=0; skipped=0
+ok() { passed=$((passed + 1)); echo "  ok   $1"; }
+bad() { failed=$((failed + 1)); echo "  FAIL $1"; [ -s "$tmp/err" ] && sed 's/^/       /' "$tmp/err" | tail -n 3; }
+
+# refused FLAG VALUE...: train, given the arguments after FLAG, exits 2 naming FLAG, within 30 s
+# (it must fail while parsing, before any data is read or training starts)
+refused() {
+    flag=$1; shift
+    timeout 30 "$train" --data "$tmp/nowhere" --quiet "$@" >/dev/null 2>"$tmp/err"; rc=$?
+    if [ $rc -eq 2 ] && grep -q -e "$flag" "$tmp/err"; then ok "refused: $* (exit 2, names $flag)"
+    else bad "refused: $* (exit $rc, want 2 and a message naming $flag)"; fi
+}
+refused --epochs --epochs 99999999999
+refused --epochs --epochs 4294967297
+refused --epochs --epochs 0
+refused --epochs --epochs 1.5
+refused --batch --batch 99999999999
+refused --batch --batch -64
+refused --max-steps --max-steps -1
+refused --max-steps --max-steps 99999999999999999999
+refused --seed --seed -1
+refused --seed --seed 99999999999999999999
+refused --lr --lr 0
+refused --lr --lr -0.1
+refused --lr --lr inf
+refused --lr --lr nan
+refused --lr --lr 1e40
+refused --lr --lr 0.1x
+refused --weight-decay --weight-decay -1
+refused --weight-decay --weight-decay nan
+refused --weight-decay --weight-decay inf
+refused --momentum --momentum 1
+refused --momentum --momentum nan
+refused --devices --devices cuda:0,,1
+refused --devices --devices cuda:
+refused --devices --devices cpu:0
+refused --save --save "$tmp/no/such/folder/model.safetensors"
+mkdir "$tmp/adir"
+refused --save --save "$tmp/adir"
+if mkfifo "$tmp/fifo" 2>/dev/null; then refused --save --save "$tmp/fifo"
+else skipped=$((skipped + 1)); echo "  skip --save onto a FIFO: mkfifo failed"; fi
+ln -s "$tmp/adir" "$tmp/link-to-dir"
+refused --save --save "$tmp/link-to-dir"
+if [ "$(id -u)" -ne 0 ]; then
+    mkdir "$tmp/ro" && chmod 555 "$tmp/ro"
+    refused --save --save "$tmp/ro/model.safetensors"
+    chmod 755 "$tmp/ro"
+else
+    skipped=$((skipped + 1)); echo "  skip --save into a read-only folder: running as root (permissions do not apply)"
+fi
+
+# legal values get past the flags: the run fails only for the missing data
+accepted() {
+    timeout 30 "$train" --data "$tmp/nowhere" --quiet --devices cpu "$@" >/dev/null 2>"$tmp/err"; rc=$?
+    if grep -q "Fashion-MNIST not found" "$tmp/err"; then ok "accepted: $*"
+    else bad "accepted: $* (exit $rc, the message is not about the missing data)"; fi
+}
+accepted --weight-decay 0
+accepted --lr 1e-6 --weight-decay 0.5 --momentum 0
+accepted --epochs 1000000 --max-steps 9007199254740992 --seed 18446744073709551615
+accepted --save "$tmp/model.safetensors"
+accepted --save model-in-cwd.safetensors
+
+# a checkpoint claiming 2^53 steps: every epoch is done, so train evaluates and stops
+if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
+    skipped=$((skipped + 1)); echo "  skip resuming from a huge step count: no Fashion-MNIST in $data"
+elif ! command -v python3 >/dev/null 2>&1; then
+    skipped=$((skipped + 1)); echo "  skip resuming from a huge step count: no python3 to edit the checkpoint"
+else
+    timeout 120 "$train" --data "$data" --quiet --devices cpu --epochs 1 --max-steps 2 --save "$tmp/c.safetensors" >/dev/null 2>"$tmp/err"
+    python3 - "$tmp/c.safetensors" <<'EOF'
+import json, struct, sys
+p = sys.argv[1]
+b = open(p, "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+h["__metadata__"]["mgpu.step"] = str(2 ** 53)
+t = json.dumps(h, separators=(",", ":")).encode()
+t += b" " * (-len(t) % 8)
+open(p, "wb").write(struct.pack("<Q", len(t)) + t + b[8 + n:])
+EOF
+    out=$(timeout 60 "$train" --data "$data" --quiet --devices cpu --epochs 3 --load "$tmp/c.safetensors" 2>"$tmp/err"); rc=$?
+    if [ $rc -eq 0 ] && echo "$out" | tail -n 1 | grep -q "steps=9007199254740992 "; then ok "a checkpoint at step 2^53 resumes as finished"
+    else bad "a checkpoint at step 2^53 (exit $rc: $(echo "$out" | tail -n 1))"; fi
+fi
+echo "$passed passed, $failed failed, $skipped skipped"
+[ $failed -eq 0 ]
