@@ -573,6 +573,51 @@ done:
     mgpu_device_set_destroy(set);
 }
 
+/* Work issued right after an all-reduce must not change what the other replicas receive: in the
+   ring's last step each replica copies a chunk out of its predecessor's buffer, so every compute
+   stream waits for every comm stream, not only its own. Each round overwrites one replica's
+   buffer at once (a different one each round) and checks the others' sums. Under the emulator's
+   chaos mode a comm stream that lags shows a missing wait. */
+static void write_after_allreduce(const char* spec, const char* p2p, int rounds) {
+    mgpu_device_set* set = mkset(spec);
+    const int R = mgpu_device_set_count(set);
+    const int64_t n = 4099;
+    mgpu_allreduce* ar;
+    mgpu_tensor* a[MAX_REP] = {0};
+    float* x = fbuf(n);
+    int r, k, bad = 0, bad_round = -1, bad_rep = -1;
+    int64_t i, bad_at = -1;
+    if (p2p) setenv("MGPU_P2P", p2p, 1);
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+    if (p2p) unsetenv("MGPU_P2P");
+    CHECK(ar && R <= MAX_REP, "%s: communicator: %s", spec, mgpu_last_error());
+    if (!ar || R > MAX_REP) goto done;
+    for (r = 0; r < R; ++r) a[r] = tmake(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(n));
+    for (k = 0; k < rounds && !bad; ++k) {
+        const int victim = k % R;
+        mgpu_result res = MGPU_OK;
+        for (r = 0; r < R; ++r) if (res == MGPU_OK) res = mgpu_tensor_fill(a[r], (float)(r + 1));
+        if (res == MGPU_OK) res = mgpu_allreduce_sum(ar, a, R);
+        if (res == MGPU_OK) res = mgpu_tensor_fill(a[victim], -1.0f);   /* on its compute stream, right away */
+        CHECK(res == MGPU_OK, "%s round %d: %s", spec, k, mgpu_last_error());
+        if (res != MGPU_OK) break;
+        for (r = 0; r < R && !bad; ++r) {
+            if (r == victim) continue;
+            tget(a[r], x);
+            for (i = 0; i < n; ++i)
+                if (x[i] != (float)(R * (R + 1) / 2)) { bad = 1; bad_round = k; bad_rep = r; bad_at = i; break; }
+        }
+    }
+    CHECK(!bad, "%s %s: replica %d got %g at element %lld in round %d, not %d: a write to replica %d after the all-reduce "
+          "reached it (a compute stream did not wait for every comm stream)", spec, mgpu_allreduce_algorithm(ar, (size_t)n * 4),
+          bad_rep, bad ? (double)x[bad_at] : 0.0, (long long)bad_at, bad_round, R * (R + 1) / 2, bad_round >= 0 ? bad_round % R : -1);
+done:
+    for (r = 0; r < MAX_REP && r < R; ++r) mgpu_tensor_destroy(a[r]);
+    free(x);
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+}
+
 /* MGPU_ALLREDUCE_NONE names the one-replica case; asked for on several devices it must either be
    refused or give a communicator (and a model) that really sums. */
 static void none_request_case(const char* spec) {
@@ -750,6 +795,7 @@ static void test_allreduce(void) {
             algorithm_case(gpu_specs[i], "oneshot", 4096, "oneshot", 2.0 * R * 4096);
             algorithm_case(gpu_specs[i], "bogus", 4096, "oneshot", 2.0 * R * 4096);
             CHECK(has(g_log, "bogus"), "MGPU_P2P=bogus: no warning naming it (log: '%s')", g_log);
+            write_after_allreduce(gpu_specs[i], "ring", 40);
             oneshot_matches_host(gpu_specs[i], 1001);
             oneshot_matches_host(gpu_specs[i], (1 << 16) + 5);
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);

@@ -16,11 +16,12 @@
      a block run as fibers (a small hand-written context switch) that switch only at __syncthreads
      and the shuffles. The warps leave each barrier in a pseudo-random order, and a warp whose
      shuffle completes goes on first, as far as its next barrier, ahead of the block's other warps:
-     a missing __syncthreads between two uses of shared memory shows. A divergent barrier, a shuffle with missing lanes or a
-     deadlock aborts the program with the kernel's name.
+     a missing __syncthreads between two uses of shared memory shows. A divergent barrier, a
+     shuffle with missing lanes or a deadlock aborts the program with the kernel's name.
    - Chaos: MGPU_EMU_CHAOS=SEED delays each queued task by 0..MGPU_EMU_CHAOS_US (default 300)
-     microseconds, so work that is not ordered by an event runs in a different order; and the
-     order of the warps leaving a barrier comes from that seed, so other interleavings run.
+     microseconds, and on every third stream (which ones, from the seed) by up to
+     MGPU_EMU_CHAOS_SLOW (default 10) times that, so work that is not ordered by an event runs in
+     a different order; the order of the warps leaving a barrier comes from that seed too.
    - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
      after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
      launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices).
@@ -79,6 +80,7 @@ struct config {
     bool no_peer = false;
     uint64_t chaos = 0;
     int chaos_us = 300;
+    int chaos_slow = 10;
     double timeout = 600.0;
     size_t stack = 0;
     bool print_counters = false;
@@ -117,6 +119,8 @@ const config& conf() {
         c.no_peer = env_long("MGPU_EMU_NO_PEER", 0) != 0;
         c.chaos = (uint64_t)env_long("MGPU_EMU_CHAOS", 0);
         c.chaos_us = (int)env_long("MGPU_EMU_CHAOS_US", 300);
+        c.chaos_slow = (int)env_long("MGPU_EMU_CHAOS_SLOW", 10);
+        if (c.chaos_slow < 1) c.chaos_slow = 1;
         c.timeout = (double)env_long("MGPU_EMU_TIMEOUT", 600);
 #ifdef EMU_ASAN
         c.stack = (size_t)env_long("MGPU_EMU_STACK_KIB", 256) << 10;
@@ -173,6 +177,7 @@ struct CUstream_st {
     const char* running = nullptr;
     bool stop = false;
     uint64_t rng = 0;
+    int slow = 1;   // chaos: this stream's delays are this many times longer
     std::thread worker;
 
     void run() {
@@ -190,7 +195,7 @@ struct CUstream_st {
                 rng ^= rng << 13;
                 rng ^= rng >> 7;
                 rng ^= rng << 17;
-                const int us = (int)(rng % (uint64_t)(conf().chaos_us + 1));
+                const int us = (int)(rng % ((uint64_t)conf().chaos_us * slow + 1));
                 if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
             }
             t.fn();
@@ -264,6 +269,10 @@ cudaStream_t make_stream(int dev, unsigned flags) {
     }
     s->rng = (conf().chaos * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)(s->id + 1) * 0xBF58476D1CE4E5B9ull);
     if (!s->rng) s->rng = 1;
+    // chaos: every third stream (which ones, from the seed) lags far behind the others, all the
+    // time, so that a stream that should wait for it but does not runs ahead by many tasks, not by
+    // a few microseconds
+    if (conf().chaos && (s->id + conf().chaos) % 3 == 0) s->slow = conf().chaos_slow;
     s->worker = std::thread([s] { s->run(); });
     return s;
 }
