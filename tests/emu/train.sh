@@ -3,12 +3,13 @@
 # MLP from the same seed on cuda:0, cuda:0,0, cuda:0,1 and cuda:0,1,2,3 with every all-reduce
 # backend and P2P algorithm, the replicas bit-identical at every step (MGPU_VERIFY_EVERY=1), and
 # the final checkpoints (parameters and optimizer state, max relative difference per tensor):
-#   - cuda:0 within 1e-4 of build/train_cpu's: the two GEMMs round differently (the CPU's AVX2
-#     kernel fuses multiply-adds over blocks of 256, the emulated cuBLAS adds in plain k order),
-#     and 300 steps of this chaotic map grow that to about 6e-5;
-#   - every multi-GPU run within 2e-5 of cuda:0's: what the split and the all-reduce add. The P2P
-#     ring over 4 replicas adds each chunk in its own rotation of the replicas (not in replica
-#     order as the other backends do), a rounding of its own that grows the same way, so 1e-4.
+#   - cuda:0 within 1e-4 of build/train_cpu's, and every multi-GPU run within 2e-5 of cuda:0's
+#     (what the split and the all-reduce add), except the 4-replica P2P ring (1e-4). The two
+#     exceptions measure 5.6e-5 at seed 7, at one hidden unit: a ReLU input within rounding of
+#     zero at some step goes one way or the other depending on the order of the sums (the CPU
+#     GEMM's blocks of 256 against the emulated cuBLAS's plain order; the ring's rotation of the
+#     replicas against replica order), and that one decision outweighs the rest (at most 4.2e-6).
+#     The ring run agrees with the CPU run to 3.6e-6.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
 # EMU_TRAIN_MODEL change the steps, the tolerances and the model. Skips without Fashion-MNIST.
 b=${1:-build}
