@@ -87,6 +87,28 @@
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
 
    ---------------------------------------------------------------------------------------------
+   LIFETIMES
+   ---------------------------------------------------------------------------------------------
+   One rule: destroying an object that something still uses fails with MGPU_ERROR_IN_USE, a
+   last error naming what uses it ("mgpu_device_set_destroy: 1 model and 3 tensors still use
+   this device set"), and changes nothing; destroy the users first, then try again. What counts:
+     device set    tensors on its devices (a model's and an optimizer's own among them), models,
+                   communicators (mgpu_allreduce_create)
+     model         optimizers made for it
+     dataset       loaders reading it
+     layer         the model that owns it: a layer passed to mgpu_model_create belongs to that
+                   model, which destroys it; the same layer twice in one model, or a layer of
+                   another model, makes mgpu_model_create fail (the layers it could own are
+                   destroyed, the other model's are left alone)
+     tensor        a tensor the library owns (a model's views, an optimizer's state, a loader's
+                   batch) is destroyed by its owner, never by mgpu_tensor_destroy
+   These destroy functions return mgpu_result so that a refusal is seen; ignoring it leaks the
+   object, it never frees memory still in use. Destroying twice is undefined (the handle is gone
+   after the first): the library cannot tell a freed handle from a live one without reading
+   freed memory. Objects without users (optimizer, loader, communicator, safetensors file)
+   keep destroy functions that return nothing.
+
+   ---------------------------------------------------------------------------------------------
    ENVIRONMENT
    ---------------------------------------------------------------------------------------------
    MGPU_DEVICES=spec          what "auto" means (e.g. cpu:4 to try data parallelism on a laptop)
@@ -199,7 +221,8 @@ extern "C" {
     X(MGPU_ERROR_IO,              10, "I/O error")                             \
     X(MGPU_ERROR_BAD_FILE,        11, "malformed file")                        \
     X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")                         \
-    X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")
+    X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")                     \
+    X(MGPU_ERROR_IN_USE,          14, "still in use")
 
 typedef enum mgpu_result {
 #define MGPU__ENUM_ITEM(name, value, text) name = value,
@@ -251,7 +274,8 @@ typedef struct mgpu_device_info {
    "cpu", "cpu:N" (N CPU replicas), "cuda" (every GPU), "cuda:0,1", "cuda:0,0,0,0" (four
    replicas on one GPU). NULL means "auto". */
 MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec);
-MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set);
+/* MGPU_ERROR_IN_USE, changing nothing, while tensors, models or communicators use its devices. */
+MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set);
 MGPUDEF int mgpu_device_set_count(const mgpu_device_set* set);
 MGPUDEF mgpu_device* mgpu_device_set_get(const mgpu_device_set* set, int index);
 MGPUDEF const char* mgpu_device_set_spec(const mgpu_device_set* set); /* as resolved: "cuda:0,1" */
@@ -316,14 +340,18 @@ MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8" */
 typedef struct mgpu_tensor mgpu_tensor;
 
 MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape);
-MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t);
+/* MGPU_ERROR_IN_USE, changing nothing, for a tensor the library owns (a model's parameter views,
+   an optimizer's state, a loader's batch). */
+MGPUDEF mgpu_result mgpu_tensor_destroy(mgpu_tensor* t);
 /* Rows [start, start+count) of dimension 0: a batch slice, without a copy. */
 MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count);
 /* The same storage seen with another shape of the same element count (like torch.view). */
 MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape);
 
 MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t);
-MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i);   /* negative i counts from the end */
+/* Negative i counts from the end; -1 (with mgpu_last_error() saying why) for a NULL tensor or a
+   dimension it does not have. */
+MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i);
 MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t);
 MGPUDEF size_t mgpu_tensor_bytes(const mgpu_tensor* t);
 MGPUDEF mgpu_dtype mgpu_tensor_dtype(const mgpu_tensor* t);
@@ -460,7 +488,8 @@ typedef struct mgpu_layer_vtable {
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user);
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l);
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l);
-MGPUDEF void mgpu_layer_destroy(mgpu_layer* l);   /* only for a layer no model owns */
+/* Only for a layer no model owns: MGPU_ERROR_IN_USE, changing nothing, for one a model owns. */
+MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l);
 
 /* Built-in layers, named and initialised as in torch.nn. */
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features);
@@ -534,7 +563,8 @@ typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } m
 /* mgpu_model_desc, zero-initialised; zero means default:
      field          default                       meaning
      input          (required)                    one sample's shape: shape1(784), shape3(1, 28, 28)
-     layers         (required)                    owned by the model from here on, even on failure
+     layers         (required)                    owned by the model from here on, even on failure;
+                                                  each distinct, and owned by no other model
      layer_count    (required)
      devices        NULL: the CPU                 one replica per device; must outlive the model
      loss           MGPU_LOSS_CROSS_ENTROPY       int32 labels; MGPU_LOSS_MSE takes f32 targets
@@ -555,7 +585,8 @@ typedef struct mgpu_model_desc {
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
-MGPUDEF void mgpu_model_destroy(mgpu_model* m);
+/* Destroys its layers too; MGPU_ERROR_IN_USE, changing nothing, while optimizers use it. */
+MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m);
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
@@ -699,9 +730,11 @@ typedef struct mgpu_dataset {
     int rows, cols;
     uint8_t* images;   /* count * rows * cols */
     uint8_t* labels;   /* count */
+    int loaders;       /* the library's: loaders reading it (mgpu_dataset_destroy refuses while any) */
 } mgpu_dataset;
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path);
-MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds);
+/* MGPU_ERROR_IN_USE, changing nothing, while loaders read it. */
+MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds);
 
 /* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
    shuffled order, assembled in pinned host memory (uploads from it run at full DMA speed; they
@@ -1360,12 +1393,15 @@ struct mgpu_device {
     void* stream;                 /* CUDA: the compute stream every op of this device runs on */
     void* blas;                   /* CUDA: cuBLAS handle bound to stream */
     mgpu__allocator alloc;
+    int64_t tensors;              /* live tensor storages on it (under alloc's lock): its set's
+                                     destroy refuses while any (LIFETIMES) */
 };
 
 struct mgpu_device_set {
     int count;
     mgpu_device** devices;
     char spec[256];
+    int models, allreduces;       /* users, under devices[0]'s allocator lock (LIFETIMES) */
 };
 
 /* The one dispatch mechanism between the two backends. Op bodies check their arguments, run
@@ -1470,12 +1506,53 @@ static void mgpu__device_free(mgpu_device* d) {
     MGPU_FREE(d);
 }
 
-MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set) {
+static void mgpu__lock(mgpu__allocator* a);
+static void mgpu__unlock(mgpu__allocator* a);
+
+/* A set's users come and go under its first device's allocator lock (models may be made on
+   several threads). */
+static void mgpu__set_users(const mgpu_device_set* set, int models, int allreduces) {
+    mgpu_device_set* s = (mgpu_device_set*)set;   /* the count is the library's, not the caller's */
+    if (!s || s->count < 1) return;
+    mgpu__lock(&s->devices[0]->alloc);
+    s->models += models;
+    s->allreduces += allreduces;
+    mgpu__unlock(&s->devices[0]->alloc);
+}
+
+static void mgpu__device_set_free(mgpu_device_set* set) {
     int i;
     if (!set) return;
-    for (i = 0; i < set->count; ++i) mgpu__device_free(set->devices[i]);
+    for (i = 0; set->devices && i < set->count; ++i) mgpu__device_free(set->devices[i]);
     MGPU_FREE(set->devices);
     MGPU_FREE(set);
+}
+
+MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set) {
+    int64_t tensors = 0;
+    int i, models = 0, allreduces = 0;
+    char what[160];
+    size_t len = 0;
+    if (!set) return MGPU_OK;
+    for (i = 0; set->devices && i < set->count; ++i) {
+        mgpu__lock(&set->devices[i]->alloc);
+        tensors += set->devices[i]->tensors;
+        mgpu__unlock(&set->devices[i]->alloc);
+    }
+    if (set->count >= 1) mgpu__lock(&set->devices[0]->alloc);
+    models = set->models;
+    allreduces = set->allreduces;
+    if (set->count >= 1) mgpu__unlock(&set->devices[0]->alloc);
+    if (!models && !allreduces && !tensors) { mgpu__device_set_free(set); return MGPU_OK; }
+    what[0] = 0;
+    if (models) len += (size_t)snprintf(what + len, sizeof what - len, "%d model%s", models, models == 1 ? "" : "s");
+    if (allreduces && len < sizeof what)
+        len += (size_t)snprintf(what + len, sizeof what - len, "%s%d communicator%s", len ? (tensors ? ", " : " and ") : "",
+                                allreduces, allreduces == 1 ? "" : "s");
+    if (tensors && len < sizeof what)
+        snprintf(what + len, sizeof what - len, "%s%lld tensor%s", len ? " and " : "", (long long)tensors, tensors == 1 ? "" : "s");
+    return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_device_set_destroy: %s still use%s this device set (%s); destroy them first",
+                      what, (models + allreduces + tensors) == 1 ? "s" : "", set->spec);
 }
 
 /* Parse "N" or "N,M,..." into ordinals; returns how many, or -1 if malformed. */
@@ -1498,7 +1575,7 @@ static int mgpu__parse_list(const char* s, int* out, int max) {
 #define MGPU__MAX_REPLICAS 256
 
 static mgpu_device_set* mgpu__device_set_fail_free(mgpu_device_set* set) {
-    mgpu_device_set_destroy(set);
+    mgpu__device_set_free(set);
     return NULL;
 }
 
@@ -1925,6 +2002,7 @@ struct mgpu_tensor {
     size_t offset;      /* bytes from storage->ptr */
     mgpu_dtype dtype;
     mgpu_shape shape;
+    int owned;          /* 1: the library's (a model's view, a loader's batch): mgpu_tensor_destroy refuses */
 };
 
 #define MGPU__TRY(expr) do { mgpu_result mgpu__r_ = (expr); if (mgpu__r_ != MGPU_OK) return mgpu__r_; } while (0)
@@ -2010,6 +2088,7 @@ static mgpu_tensor* mgpu__tensor_wrap(mgpu__storage* st, size_t offset, mgpu_dty
     t->offset = offset;
     t->dtype = dt;
     t->shape = shape;
+    t->owned = 0;
     st->refs++;
     return t;
 }
@@ -2026,19 +2105,37 @@ MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_sh
     st->ptr = mgpu__device_alloc(dev, bytes, &st->size, "mgpu_tensor_create");
     if (!st->ptr) { MGPU_FREE(st); return NULL; }
     t = mgpu__tensor_wrap(st, 0, dt, shape, "mgpu_tensor_create");
-    if (!t) { mgpu__device_release(dev, st->ptr, st->size); MGPU_FREE(st); }
+    if (!t) { mgpu__device_release(dev, st->ptr, st->size); MGPU_FREE(st); return NULL; }
+    mgpu__lock(&dev->alloc);
+    dev->tensors++;   /* its device set's destroy waits for it (LIFETIMES) */
+    mgpu__unlock(&dev->alloc);
     return t;
 }
 
-MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t) {
+/* The library's own destroy, for owned tensors too. */
+static void mgpu__tensor_free(mgpu_tensor* t) {
     mgpu__storage* st;
     if (!t) return;
     st = t->storage;
     MGPU_FREE(t);
     if (--st->refs == 0) {
-        mgpu__device_release(st->dev, st->ptr, st->size);
+        mgpu_device* dev = st->dev;
+        mgpu__device_release(dev, st->ptr, st->size);
+        mgpu__lock(&dev->alloc);
+        dev->tensors--;
+        mgpu__unlock(&dev->alloc);
         MGPU_FREE(st);
     }
+}
+
+MGPUDEF mgpu_result mgpu_tensor_destroy(mgpu_tensor* t) {
+    char text[96];
+    if (!t) return MGPU_OK;
+    if (t->owned)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_tensor_destroy: %s belongs to a model, optimizer or loader, which "
+                          "destroys it", mgpu_tensor_describe(t, text, sizeof text));
+    mgpu__tensor_free(t);
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count) {
@@ -2076,9 +2173,12 @@ MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape) 
 
 MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t) { mgpu_shape s; memset(&s, 0, sizeof s); return t ? t->shape : s; }
 MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i) {
-    if (!t) return 0;
-    if (i < 0) i += t->shape.ndim;
-    return i >= 0 && i < t->shape.ndim ? t->shape.dim[i] : 1;
+    int j;
+    if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_dim: NULL tensor"), -1;
+    j = i < 0 ? i + t->shape.ndim : i;
+    if (j < 0 || j >= t->shape.ndim)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_dim: dimension %d of a tensor with %d", i, t->shape.ndim), -1;
+    return t->shape.dim[j];
 }
 MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t) {   /* a tensor's shape was checked when it was made */
     int64_t n = 1;
@@ -2217,7 +2317,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
 
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
     mgpu_tensor* t;
-    if (!src) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_to: NULL tensor"); return NULL; }
+    if (!src || !dev) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_to: NULL %s", src ? "device" : "tensor"); return NULL; }
     t = mgpu_tensor_create(dev, src->dtype, src->shape);
     if (t && mgpu_tensor_copy(t, src) != MGPU_OK) { mgpu_tensor_destroy(t); return NULL; }
     return t;
@@ -2292,11 +2392,19 @@ static mgpu_tensor mgpu__rows(const mgpu_tensor* t, int64_t start, int64_t count
     return r;
 }
 
-/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one. */
+/* A tensor the library keeps for itself (a model's buffer or view, an optimizer's state):
+   mgpu_tensor_destroy refuses it, its owner frees it with mgpu__tensor_free. */
+static mgpu_tensor* mgpu__own(mgpu_tensor* t) {
+    if (t) t->owned = 1;
+    return t;
+}
+
+/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one (an owned
+   buffer of a model). */
 static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
     if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
-    mgpu_tensor_destroy(*t);
-    *t = mgpu_tensor_create(dev, dt, shape);
+    mgpu__tensor_free(*t);
+    *t = mgpu__own(mgpu_tensor_create(dev, dt, shape));
     return *t ? MGPU_OK : mgpu_last_result();
 }
 
@@ -3362,6 +3470,7 @@ struct mgpu_layer {
     const mgpu_layer_vtable* vt;
     void* user;
     mgpu__layer_cfg cfg;
+    const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -3383,10 +3492,18 @@ MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
 }
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l) { return l ? l->user : NULL; }
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l) { return l && l->vt->type ? l->vt->type : "Layer"; }
-MGPUDEF void mgpu_layer_destroy(mgpu_layer* l) {
+static void mgpu__layer_free(mgpu_layer* l) {
     if (!l) return;
     if (l->vt->destroy) l->vt->destroy(l);
     MGPU_FREE(l);
+}
+MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l) {
+    if (!l) return MGPU_OK;
+    if (l->owner)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_layer_destroy: this %s layer belongs to a model, which destroys it "
+                          "(mgpu_model_destroy)", mgpu_layer_type(l));
+    mgpu__layer_free(l);
+    return MGPU_OK;
 }
 
 static mgpu_layer* mgpu__builtin_layer(const mgpu_layer_vtable* vt, const mgpu__layer_cfg* cfg) {
@@ -3729,6 +3846,7 @@ struct mgpu_allreduce {
     int one_gpu;            /* every replica on the same GPU (virtual devices) */
     int oneshot_reach;      /* P2P: replica 0's GPU can read and write every replica's memory */
     mgpu__p2p_choice p2p;   /* P2P: the algorithm MGPU_P2P asks for, or automatic */
+    const mgpu_device_set* set;   /* made by mgpu_allreduce_create: counted among the set's users */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -3744,6 +3862,7 @@ MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
 MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
     int i;
     if (!ar) return;
+    if (ar->set) mgpu__set_users(ar->set, 0, -1);
     for (i = 0; ar->rank && i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
         if (r->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream));
@@ -3805,7 +3924,12 @@ static void mgpu__nccl_pin(void) {
 
 static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic);
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
-    return mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    mgpu_allreduce* ar = mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    if (ar) {   /* the set's destroy waits for this one's (LIFETIMES); a model's own is part of the model */
+        ar->set = set;
+        mgpu__set_users(set, 0, 1);
+    }
+    return ar;
 }
 static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic) {
     static const char* op = "mgpu_allreduce_create";
@@ -4158,6 +4282,8 @@ struct mgpu_model {
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
+    int optimizers;                     /* optimizers made for it: its destroy refuses while any */
+    const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
     char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU replicas run on threads: each one's failure,
                                                            prefixed with the replica */
 };
@@ -4172,16 +4298,16 @@ static uint64_t mgpu__mix(uint64_t x) {
 
 /* A view of `count` floats at `offset` of a flat buffer, with a shape. */
 static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape shape, const char* op) {
-    return mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op);
+    return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op));
 }
 
 static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
     int i;
     for (i = 0; i < m->layer_count; ++i) {
-        if (r->act) { mgpu_tensor_destroy(r->act[i]); r->act[i] = NULL; }
-        if (r->dact) { mgpu_tensor_destroy(r->dact[i]); r->dact[i] = NULL; }
+        if (r->act) { mgpu__tensor_free(r->act[i]); r->act[i] = NULL; }
+        if (r->dact) { mgpu__tensor_free(r->dact[i]); r->dact[i] = NULL; }
     }
-    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu_tensor_destroy(r->aux[i]); r->aux[i] = NULL; }
+    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(r->aux[i]); r->aux[i] = NULL; }
     r->in_shape.ndim = -1;
 }
 
@@ -4218,32 +4344,43 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int tra
     ctx->first_row = r->first_row;
 }
 
-MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
+static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
     for (i = 0; m->rep && i < m->replica_count; ++i) {
         mgpu__replica* r = &m->rep[i];
         if (r->act || r->aux) mgpu__replica_free_buffers(m, r);
         for (j = 0; j < m->tensor_count; ++j) {
-            if (r->pview) mgpu_tensor_destroy(r->pview[j]);
-            if (r->gview) mgpu_tensor_destroy(r->gview[j]);
+            if (r->pview) mgpu__tensor_free(r->pview[j]);
+            if (r->gview) mgpu__tensor_free(r->gview[j]);
         }
-        mgpu_tensor_destroy(r->params); mgpu_tensor_destroy(r->grads);
-        mgpu_tensor_destroy(r->xbuf); mgpu_tensor_destroy(r->tbuf);
-        mgpu_tensor_destroy(r->dout); mgpu_tensor_destroy(r->loss);
+        mgpu__tensor_free(r->params); mgpu__tensor_free(r->grads);
+        mgpu__tensor_free(r->xbuf); mgpu__tensor_free(r->tbuf);
+        mgpu__tensor_free(r->dout); mgpu__tensor_free(r->loss);
         MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
     }
     mgpu_allreduce_destroy(m->ar);
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
-    for (i = 0; m->layers && i < m->layer_count; ++i) mgpu_layer_destroy(m->layers[i]);
+    for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
+    if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->rep); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m);
 }
 
+MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m) {
+    if (!m) return MGPU_OK;
+    if (m->optimizers)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_model_destroy: %d optimizer%s still use%s this model; destroy %s first",
+                          m->optimizers, m->optimizers == 1 ? "" : "s", m->optimizers == 1 ? "s" : "",
+                          m->optimizers == 1 ? "it" : "them");
+    mgpu__model_free(m);
+    return MGPU_OK;
+}
+
 static mgpu_model* mgpu__model_fail(mgpu_model* m, const char* where) {
     mgpu__refail(where);
-    mgpu_model_destroy(m);
+    mgpu__model_free(m);
     return NULL;
 }
 
@@ -4333,9 +4470,9 @@ static mgpu_result mgpu__model_replicas(mgpu_model* m, const mgpu_device_set* de
         r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
         if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux)
             return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-        r->params = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->grads = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->loss = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1));
+        r->params = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
+        r->grads = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
+        r->loss = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1)));
         if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
             return mgpu__refail(op);
         for (t = 0; t < m->tensor_count; ++t) {
@@ -4366,32 +4503,61 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
     return MGPU_OK;
 }
 
+/* A failed mgpu_model_create still owns its layers (the desc's promise): destroy each one that
+   no other model owns, once, however often it appears. */
+static void mgpu__model_drop_layers(mgpu_layer** layers, int count) {
+    int i, j;
+    for (i = 0; i < count; ++i) {
+        if (!layers[i]) continue;
+        for (j = 0; j < i && layers[j] != layers[i]; ++j) {}
+        if (j == i && !layers[i]->owner) mgpu__layer_free(layers[i]);   /* pointers compared first: no freed one is read */
+    }
+}
+
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
     int i;
     if (!desc || !desc->layers || desc->layer_count <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
-        if (desc && desc->layers) for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        if (desc && desc->layers) mgpu__model_drop_layers(desc->layers, desc->layer_count);
         return NULL;
+    }
+    for (i = 0; i < desc->layer_count; ++i) {   /* each layer one model's, once (LIFETIMES) */
+        const mgpu_layer* l = desc->layers[i];
+        int j;
+        if (!l) {
+            char why[sizeof mgpu__error_text];
+            memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: layer %d is NULL (did its constructor fail? %s)", op, i,
+                       why[0] ? why : "no error recorded");
+            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            return NULL;
+        }
+        for (j = 0; j < i && desc->layers[j] != l; ++j) {}
+        if (j < i || l->owner) {
+            if (j < i)
+                mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: layers %d and %d are the same %s layer (make one per position)",
+                           op, j, i, mgpu_layer_type(l));
+            else
+                mgpu__fail(MGPU_ERROR_IN_USE, "%s: layer %d (%s) already belongs to another model", op, i, mgpu_layer_type(l));
+            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            return NULL;
+        }
     }
     m = (mgpu_model*)mgpu__calloc(1, sizeof *m);
     if (m) m->layers = (mgpu_layer**)mgpu__calloc((size_t)desc->layer_count, sizeof(mgpu_layer*));
     if (!m || !m->layers) {
         MGPU_FREE(m);
-        for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        mgpu__model_drop_layers(desc->layers, desc->layer_count);
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         return NULL;
     }
     m->layer_count = desc->layer_count;
-    for (i = 0; i < m->layer_count; ++i) m->layers[i] = desc->layers[i];   /* owned from here on */
-    for (i = 0; i < m->layer_count; ++i)
-        if (!m->layers[i]) {
-            char why[sizeof mgpu__error_text];
-            memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "layer %d is NULL (did its constructor fail? %s)", i, why[0] ? why : "no error recorded");
-            return mgpu__model_fail(m, op);
-        }
+    for (i = 0; i < m->layer_count; ++i) {   /* owned from here on */
+        m->layers[i] = desc->layers[i];
+        m->layers[i]->owner = m;
+    }
     m->input = desc->input;
     m->loss = desc->loss;
     m->seed = desc->seed;
@@ -4410,7 +4576,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         }
     if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_replicas(m, desc->devices) != MGPU_OK ||
         mgpu__model_init(m) != MGPU_OK) {
-        mgpu_model_destroy(m);
+        mgpu__model_free(m);
         return NULL;
     }
     if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
@@ -4420,6 +4586,10 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
         if (!m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
             return mgpu__model_fail(m, op);
+    }
+    if (desc->devices) {   /* the set's destroy waits for this model's (LIFETIMES) */
+        m->set = desc->devices;
+        mgpu__set_users(m->set, 1, 0);
     }
     return m;
 }
@@ -4526,7 +4696,7 @@ static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int 
 /* ---- >>impl optim ----------------------------------------------------------------------- */
 struct mgpu_optimizer {
     mgpu_model* model;
-    int replica_count;          /* its own copy: the optimizer may outlive the model */
+    int replica_count;
     mgpu_optimizer_desc d;      /* with defaults filled in */
     int64_t steps;              /* at most MGPU__MAX_STEPS */
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
@@ -4538,11 +4708,12 @@ struct mgpu_optimizer {
 MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
     int i;
     if (!opt) return;
+    if (opt->model) opt->model->optimizers--;
     for (i = 0; i < opt->replica_count; ++i) {
-        if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
-        if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
+        if (opt->state1) mgpu__tensor_free(opt->state1[i]);
+        if (opt->state2) mgpu__tensor_free(opt->state2[i]);
     }
-    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu_tensor_destroy(opt->views[i]);
+    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu__tensor_free(opt->views[i]);
     MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
     MGPU_FREE(opt->state2);
@@ -4591,6 +4762,7 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     opt = (mgpu_optimizer*)mgpu__calloc(1, sizeof *opt);
     if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     opt->model = m;
+    m->optimizers++;   /* the model's destroy waits for this one's (LIFETIMES) */
     opt->replica_count = m->replica_count;
     opt->d = d;
     opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
@@ -4599,7 +4771,7 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     for (i = 0; i < m->replica_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
-            *t = mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape);
+            *t = mgpu__own(mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape));
             if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu_optimizer_destroy(opt); return NULL; }
         }
     return opt;
@@ -7328,11 +7500,19 @@ static mgpu_result mgpu__load_idx(const char* path, int want_ndim, uint8_t** out
     return r;
 }
 
-MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds) {
+static void mgpu__dataset_free(mgpu_dataset* ds) {
     if (!ds) return;
     MGPU_FREE(ds->images);
     MGPU_FREE(ds->labels);
     MGPU_FREE(ds);
+}
+MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds) {
+    if (!ds) return MGPU_OK;
+    if (ds->loaders)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_dataset_destroy: %d loader%s still read%s this data set; destroy %s first",
+                          ds->loaders, ds->loaders == 1 ? "" : "s", ds->loaders == 1 ? "s" : "", ds->loaders == 1 ? "it" : "them");
+    mgpu__dataset_free(ds);
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path) {
@@ -7341,13 +7521,13 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
     if (!ds) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_dataset_load_idx: out of host memory"); return NULL; }
     if (mgpu__load_idx(images_path, 3, &ds->images, &im) != MGPU_OK || mgpu__load_idx(labels_path, 1, &ds->labels, &lb) != MGPU_OK) {
         mgpu__refail("mgpu_dataset_load_idx");
-        mgpu_dataset_destroy(ds);
+        mgpu__dataset_free(ds);
         return NULL;
     }
     if (im.dims[0] != lb.dims[0]) {
         mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_dataset_load_idx: '%s' has %lld images but '%s' has %lld labels", images_path,
                    (long long)im.dims[0], labels_path, (long long)lb.dims[0]);
-        mgpu_dataset_destroy(ds);
+        mgpu__dataset_free(ds);
         return NULL;
     }
     ds->count = im.dims[0];
@@ -7358,7 +7538,7 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
 
 /* -- the batch loader -- */
 struct mgpu_loader {
-    const mgpu_dataset* ds;
+    const mgpu_dataset* ds;     /* counted in ds->loaders while the loader lives (LIFETIMES) */
     mgpu_loader_desc d;
     int64_t* order;
     int64_t pos;
@@ -7370,6 +7550,7 @@ struct mgpu_loader {
 
 MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
     if (!l) return;
+    if (l->ds) ((mgpu_dataset*)l->ds)->loaders--;   /* the library's field of the caller's const data set */
     MGPU_FREE(l->order);
     mgpu_pinned_free(l->x_pinned);
     mgpu_pinned_free(l->y_pinned);
@@ -7391,6 +7572,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
         return NULL;
     }
     l->ds = ds;
+    ((mgpu_dataset*)ds)->loaders++;
     pixels = (size_t)ds->rows * (size_t)ds->cols;
     l->order = (int64_t*)MGPU_MALLOC((size_t)ds->count * sizeof(int64_t));
     l->x_pinned = (float*)mgpu_pinned_alloc((size_t)l->d.batch * pixels * sizeof(float));
@@ -7404,6 +7586,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->x_storage.ptr = l->x_pinned;
     l->y_storage.ptr = l->y_pinned;
     l->x_storage.refs = l->y_storage.refs = 1;   /* never released: the loader frees the memory */
+    l->x.owned = l->y.owned = 1;   /* the loader's own headers, inside it */
     l->x.storage = &l->x_storage;
     l->x.dtype = MGPU_F32;
     l->x.shape = mgpu_shape4(l->d.batch, 1, ds->rows, ds->cols);
