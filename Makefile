@@ -150,8 +150,9 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
-# misused (test_misuse, also under ASan+UBSan).
-RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan
+# misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
+# (test_alloc_faults, under ASan+UBSan as well).
+RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \

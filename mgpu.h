@@ -61,7 +61,8 @@
    Functions that create something return it, or NULL with mgpu_last_error() saying why.
    Functions that do something return an mgpu_result (MGPU_OK is 0); mgpu_result_string names it.
    Every *_desc struct is zero-initialised and zero means default: the table above each one says
-   what the defaults are. One destroy per create; destroying NULL does nothing.
+   what the defaults are. One destroy per create; destroying NULL does nothing; destroying what
+   something still uses is refused (LIFETIMES).
 
    ---------------------------------------------------------------------------------------------
    CONCEPTS
@@ -4529,8 +4530,9 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         if (!l) {
             char why[sizeof mgpu__error_text];
             memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: layer %d is NULL (did its constructor fail? %s)", op, i,
-                       why[0] ? why : "no error recorded");
+            /* a constructor out of memory makes the model out of memory too */
+            mgpu__fail(mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY ? MGPU_ERROR_OUT_OF_MEMORY : MGPU_ERROR_INVALID_ARGUMENT,
+                       "%s: layer %d is NULL (did its constructor fail? %s)", op, i, why[0] ? why : "no error recorded");
             mgpu__model_drop_layers(desc->layers, desc->layer_count);
             return NULL;
         }
@@ -6846,6 +6848,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         if (!target) {
             err = errno;
             MGPU_FREE(b.p);
+            if (err == ENOMEM) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for its path", path);
             return mgpu__fail(MGPU_ERROR_IO, "%s: cannot follow the symbolic link: %s", path, strerror(err));
         }
         if (stat(target, &st) == 0 && !S_ISREG(st.st_mode)) {
