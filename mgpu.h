@@ -104,10 +104,15 @@
      tensor        a tensor the library owns (a model's views, an optimizer's state, a loader's
                    batch) is destroyed by its owner, never by mgpu_tensor_destroy
    These destroy functions return mgpu_result so that a refusal is seen; ignoring it leaks the
-   object, it never frees memory still in use. Destroying twice is undefined (the handle is gone
-   after the first): the library cannot tell a freed handle from a live one without reading
-   freed memory. Objects without users (optimizer, loader, communicator, safetensors file)
-   keep destroy functions that return nothing.
+   object, it never frees memory still in use. Objects without users (optimizer, loader,
+   communicator, safetensors file) keep destroy functions that return nothing; they report a
+   refusal through mgpu_last_error() and the log callback.
+   Destroyed twice: device sets, models, optimizers, communicators, loaders and safetensors
+   files are listed while they live (by address, never read after their destroy), so a second
+   destroy, or a model or optimizer made on a destroyed set or model, fails with
+   MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model (destroyed already?)"), unless a new
+   object of the same kind took the old address meanwhile. Tensors, layers and data sets are
+   too many or too plain to list: destroying one twice is undefined, as free() twice is.
 
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
@@ -1507,6 +1512,69 @@ static void mgpu__device_free(mgpu_device* d) {
     MGPU_FREE(d);
 }
 
+/* Live handles (LIFETIMES): device sets, models, optimizers, communicators, loaders and
+   safetensors files are listed from their create to their destroy, so that destroying one a
+   second time (or making a model on a destroyed set) is refused instead of freeing twice. Only
+   pointer values are compared, nothing freed is read; a freed handle whose address a new object
+   of the same kind took is not told apart. A few dozen entries at most: a linear scan. */
+enum { MGPU__LIVE_SET = 1, MGPU__LIVE_MODEL, MGPU__LIVE_OPTIMIZER, MGPU__LIVE_ALLREDUCE, MGPU__LIVE_LOADER,
+       MGPU__LIVE_SAFETENSORS };
+typedef struct mgpu__live_entry { const void* p; int kind; } mgpu__live_entry;
+static mgpu__live_entry* mgpu__live;
+static int mgpu__live_count, mgpu__live_cap;
+#ifndef MGPU_NO_THREADS
+static pthread_mutex_t mgpu__live_lock = PTHREAD_MUTEX_INITIALIZER;
+#define MGPU__LIVE_LOCK() pthread_mutex_lock(&mgpu__live_lock)
+#define MGPU__LIVE_UNLOCK() pthread_mutex_unlock(&mgpu__live_lock)
+#else
+#define MGPU__LIVE_LOCK() ((void)0)
+#define MGPU__LIVE_UNLOCK() ((void)0)
+#endif
+/* MGPU_OK, or out of memory (named after op) with nothing listed. */
+static mgpu_result mgpu__live_add(const void* p, int kind, const char* op) {
+    mgpu_result r = MGPU_OK;
+    MGPU__LIVE_LOCK();
+    if (mgpu__live_count == mgpu__live_cap) {
+        int cap = mgpu__live_cap ? 2 * mgpu__live_cap : 16;
+        mgpu__live_entry* grown = (mgpu__live_entry*)MGPU_REALLOC(mgpu__live, (size_t)cap * sizeof *grown);
+        if (grown) { mgpu__live = grown; mgpu__live_cap = cap; }
+    }
+    if (mgpu__live_count < mgpu__live_cap) {
+        mgpu__live[mgpu__live_count].p = p;
+        mgpu__live[mgpu__live_count++].kind = kind;
+    } else r = MGPU_ERROR_OUT_OF_MEMORY;
+    MGPU__LIVE_UNLOCK();
+    return r ? mgpu__fail(r, "%s: out of host memory", op) : MGPU_OK;
+}
+static int mgpu__live_find(const void* p, int kind) {   /* under the lock */
+    int i;
+    for (i = 0; i < mgpu__live_count; ++i)
+        if (mgpu__live[i].p == p && mgpu__live[i].kind == kind) return i;
+    return -1;
+}
+/* 1 when p is a live handle of this kind; else 0 and an error naming op. */
+static int mgpu__live_check(const void* p, int kind, const char* op, const char* what) {
+    int found;
+    MGPU__LIVE_LOCK();
+    found = mgpu__live_find(p, kind) >= 0;
+    MGPU__LIVE_UNLOCK();
+    if (!found) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %p is not a live %s (destroyed already?)", op, p, what);
+    return found;
+}
+/* Unlist p (nothing if it is not listed: a create that failed); the list is freed once empty,
+   so that a program which destroyed everything holds no memory of mgpu's. */
+static void mgpu__live_remove(const void* p, int kind) {
+    int i;
+    MGPU__LIVE_LOCK();
+    if ((i = mgpu__live_find(p, kind)) >= 0) mgpu__live[i] = mgpu__live[--mgpu__live_count];
+    if (mgpu__live_count == 0) {
+        MGPU_FREE(mgpu__live);
+        mgpu__live = NULL;
+        mgpu__live_cap = 0;
+    }
+    MGPU__LIVE_UNLOCK();
+}
+
 static void mgpu__lock(mgpu__allocator* a);
 static void mgpu__unlock(mgpu__allocator* a);
 
@@ -1524,6 +1592,7 @@ static void mgpu__set_users(const mgpu_device_set* set, int models, int allreduc
 static void mgpu__device_set_free(mgpu_device_set* set) {
     int i;
     if (!set) return;
+    mgpu__live_remove(set, MGPU__LIVE_SET);
     for (i = 0; set->devices && i < set->count; ++i) mgpu__device_free(set->devices[i]);
     MGPU_FREE(set->devices);
     MGPU_FREE(set);
@@ -1535,6 +1604,7 @@ MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set) {
     char what[160];
     size_t len = 0;
     if (!set) return MGPU_OK;
+    if (!mgpu__live_check(set, MGPU__LIVE_SET, "mgpu_device_set_destroy", "device set")) return MGPU_ERROR_INVALID_ARGUMENT;
     for (i = 0; set->devices && i < set->count; ++i) {
         mgpu__lock(&set->devices[i]->alloc);
         tensors += set->devices[i]->tensors;
@@ -1712,6 +1782,7 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
         for (i = 0; i < plan.count && len + 12 < sizeof set->spec; ++i)
             len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", plan.ordinals[i]);
     }
+    if (mgpu__live_add(set, MGPU__LIVE_SET, "mgpu_device_set_create") != MGPU_OK) return mgpu__device_set_fail_free(set);
     return set;
 }
 
@@ -3860,9 +3931,10 @@ MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
     }
 }
 
-MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
+static void mgpu__allreduce_free(mgpu_allreduce* ar) {
     int i;
     if (!ar) return;
+    mgpu__live_remove(ar, MGPU__LIVE_ALLREDUCE);
     if (ar->set) mgpu__set_users(ar->set, 0, -1);
     for (i = 0; ar->rank && i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
@@ -3876,6 +3948,10 @@ MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
     mgpu_pinned_free(ar->host_stage);
     MGPU_FREE(ar->rank);
     MGPU_FREE(ar);
+}
+MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
+    if (!ar || !mgpu__live_check(ar, MGPU__LIVE_ALLREDUCE, "mgpu_allreduce_destroy", "communicator")) return;
+    mgpu__allreduce_free(ar);
 }
 
 static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
@@ -3925,7 +4001,10 @@ static void mgpu__nccl_pin(void) {
 
 static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic);
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
-    mgpu_allreduce* ar = mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    mgpu_allreduce* ar;
+    if (set && !mgpu__live_check(set, MGPU__LIVE_SET, "mgpu_allreduce_create", "device set")) return NULL;
+    ar = mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    if (ar && mgpu__live_add(ar, MGPU__LIVE_ALLREDUCE, "mgpu_allreduce_create") != MGPU_OK) { mgpu__allreduce_free(ar); return NULL; }
     if (ar) {   /* the set's destroy waits for this one's (LIFETIMES); a model's own is part of the model */
         ar->set = set;
         mgpu__set_users(set, 0, 1);
@@ -3971,7 +4050,7 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         int rc = MGPU__CUDA(mgpu__cu_stream_create(r->dev->ordinal, &r->stream));
         if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_compute));
         if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_comm));
-        if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu_allreduce_destroy(ar); return NULL; }
+        if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu__allreduce_free(ar); return NULL; }
     }
     if (kind == MGPU_ALLREDUCE_NCCL) {
         int ordinals[MGPU__MAX_REPLICAS];
@@ -4348,6 +4427,7 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int tra
 static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
+    mgpu__live_remove(m, MGPU__LIVE_MODEL);
     for (i = 0; m->rep && i < m->replica_count; ++i) {
         mgpu__replica* r = &m->rep[i];
         if (r->act || r->aux) mgpu__replica_free_buffers(m, r);
@@ -4360,7 +4440,7 @@ static void mgpu__model_free(mgpu_model* m) {
         mgpu__tensor_free(r->dout); mgpu__tensor_free(r->loss);
         MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
     }
-    mgpu_allreduce_destroy(m->ar);
+    mgpu__allreduce_free(m->ar);
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
@@ -4371,6 +4451,7 @@ static void mgpu__model_free(mgpu_model* m) {
 
 MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m) {
     if (!m) return MGPU_OK;
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_destroy", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     if (m->optimizers)
         return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_model_destroy: %d optimizer%s still use%s this model; destroy %s first",
                           m->optimizers, m->optimizers == 1 ? "" : "s", m->optimizers == 1 ? "s" : "",
@@ -4547,6 +4628,10 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
             return NULL;
         }
     }
+    if (desc->devices && !mgpu__live_check(desc->devices, MGPU__LIVE_SET, op, "device set")) {
+        mgpu__model_drop_layers(desc->layers, desc->layer_count);
+        return NULL;
+    }
     m = (mgpu_model*)mgpu__calloc(1, sizeof *m);
     if (m) m->layers = (mgpu_layer**)mgpu__calloc((size_t)desc->layer_count, sizeof(mgpu_layer*));
     if (!m || !m->layers) {
@@ -4589,6 +4674,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         if (!m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
             return mgpu__model_fail(m, op);
     }
+    if (mgpu__live_add(m, MGPU__LIVE_MODEL, op) != MGPU_OK) return mgpu__model_fail(m, op);
     if (desc->devices) {   /* the set's destroy waits for this model's (LIFETIMES) */
         m->set = desc->devices;
         mgpu__set_users(m->set, 1, 0);
@@ -4707,9 +4793,10 @@ struct mgpu_optimizer {
     int view_count;
 };
 
-MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
+static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     int i;
     if (!opt) return;
+    mgpu__live_remove(opt, MGPU__LIVE_OPTIMIZER);
     if (opt->model) opt->model->optimizers--;
     for (i = 0; i < opt->replica_count; ++i) {
         if (opt->state1) mgpu__tensor_free(opt->state1[i]);
@@ -4720,6 +4807,10 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
     MGPU_FREE(opt->state1);
     MGPU_FREE(opt->state2);
     MGPU_FREE(opt);
+}
+MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
+    if (!opt || !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_destroy", "optimizer")) return;
+    mgpu__optimizer_free(opt);
 }
 
 static int mgpu__optimizer_state_count(const mgpu_optimizer* opt) {
@@ -4737,6 +4828,7 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     mgpu_optimizer_desc d;
     int i, s;
     if (!m) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op); return NULL; }
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return NULL;
     if (desc) d = *desc; else memset(&d, 0, sizeof d);
     /* defaults, all in one place (PyTorch's) */
     d.lr = MGPU__DEF(d.lr, d.kind == MGPU_ADAMW ? 1e-3f : 1e-2f);
@@ -4769,13 +4861,14 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     opt->d = d;
     opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
     opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
-    if (!opt->state1 || !opt->state2) { mgpu_optimizer_destroy(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    if (!opt->state1 || !opt->state2) { mgpu__optimizer_free(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     for (i = 0; i < m->replica_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
             *t = mgpu__own(mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape));
-            if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu_optimizer_destroy(opt); return NULL; }
+            if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
+    if (mgpu__live_add(opt, MGPU__LIVE_OPTIMIZER, op) != MGPU_OK) { mgpu__optimizer_free(opt); return NULL; }
     return opt;
 }
 
@@ -7190,6 +7283,7 @@ static mgpu_result mgpu__st_convert(const char* op, const char* path, const mgpu
     return MGPU_OK;
 }
 
+static void mgpu__safetensors_free(mgpu_safetensors* st);
 MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path) {
     static const char* op = "mgpu_safetensors_open";
     mgpu_safetensors* st;
@@ -7203,19 +7297,25 @@ MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path) {
     }
     st->path = (char*)MGPU_MALLOC(strlen(path) + 1);
     if (!st->path) {
-        mgpu_safetensors_close(st);
+        mgpu__safetensors_free(st);
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         return NULL;
     }
     memcpy(st->path, path, strlen(path) + 1);
+    if (mgpu__live_add(st, MGPU__LIVE_SAFETENSORS, op) != MGPU_OK) { mgpu__safetensors_free(st); return NULL; }
     return st;
 }
 
-MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st) {
+static void mgpu__safetensors_free(mgpu_safetensors* st) {
     if (!st) return;
+    mgpu__live_remove(st, MGPU__LIVE_SAFETENSORS);
     mgpu__st_unload(st);
     MGPU_FREE(st->path);
     MGPU_FREE(st);
+}
+MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st) {
+    if (!st || !mgpu__live_check(st, MGPU__LIVE_SAFETENSORS, "mgpu_safetensors_close", "safetensors file")) return;
+    mgpu__safetensors_free(st);
 }
 
 MGPUDEF int mgpu_safetensors_count(const mgpu_safetensors* st) { return st ? st->st.count : 0; }
@@ -7551,13 +7651,18 @@ struct mgpu_loader {
     mgpu_tensor x, y;
 };
 
-MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
+static void mgpu__loader_free(mgpu_loader* l) {
     if (!l) return;
+    mgpu__live_remove(l, MGPU__LIVE_LOADER);
     if (l->ds) ((mgpu_dataset*)l->ds)->loaders--;   /* the library's field of the caller's const data set */
     MGPU_FREE(l->order);
     mgpu_pinned_free(l->x_pinned);
     mgpu_pinned_free(l->y_pinned);
     MGPU_FREE(l);
+}
+MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
+    if (!l || !mgpu__live_check(l, MGPU__LIVE_LOADER, "mgpu_loader_destroy", "loader")) return;
+    mgpu__loader_free(l);
 }
 
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc) {
@@ -7571,7 +7676,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->d.std = MGPU__DEF(l->d.std, 1.0f);
     if (l->d.batch < 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: batch %d", l->d.batch);
-        mgpu_loader_destroy(l);
+        mgpu__loader_free(l);
         return NULL;
     }
     l->ds = ds;
@@ -7582,7 +7687,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->y_pinned = (int32_t*)mgpu_pinned_alloc((size_t)l->d.batch * sizeof(int32_t));
     if (!l->order || !l->x_pinned || !l->y_pinned) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory for batches of %d", l->d.batch);
-        mgpu_loader_destroy(l);
+        mgpu__loader_free(l);
         return NULL;
     }
     l->x_storage.dev = l->y_storage.dev = mgpu_device_cpu();
@@ -7597,6 +7702,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->y.dtype = MGPU_I32;
     l->y.shape = mgpu_shape1(l->d.batch);
     mgpu_loader_start(l, 0);
+    if (mgpu__live_add(l, MGPU__LIVE_LOADER, "mgpu_loader_create") != MGPU_OK) { mgpu__loader_free(l); return NULL; }
     return l;
 }
 

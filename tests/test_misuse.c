@@ -6,6 +6,7 @@
      lifetimes  destroying what something still uses (LIFETIMES in mgpu.h): refused, nothing
                 changed, and it works once the users are gone; layers shared or repeated
      owned      tensors the library owns refuse mgpu_tensor_destroy
+     double_destroy  handles destroyed twice, or used at a create after their destroy, refused
    Usage: build/test_misuse [GROUP] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -521,6 +522,76 @@ static void test_owned(void) {
     mgpu_model_destroy(m);
 }
 
+/* Handles listed while they live: a second destroy, or a use at create time after the destroy,
+   is refused (LIFETIMES). No allocation happens between the two destroys, so the address is
+   not reused. */
+static void test_double_destroy(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+    mgpu_model* m;
+    mgpu_optimizer* o;
+    mgpu_allreduce* ar;
+    mgpu_safetensors* st;
+    mgpu_loader* l;
+    mgpu_dataset ds;
+    uint8_t images[8], labels[2] = { 0, 1 };
+    header("double_destroy");
+    if (!set) { CHECK(0, "set: %s", mgpu_last_error()); return; }
+    m = small_model(set);
+    o = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+    if (!m || !o || !ar) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+    CHECK(mgpu_model_save(m, o, "/tmp/mgpu_misuse_dd.safetensors") == MGPU_OK, "save: %s", mgpu_last_error());
+    st = mgpu_safetensors_open("/tmp/mgpu_misuse_dd.safetensors");
+    remove("/tmp/mgpu_misuse_dd.safetensors");
+    memset(&ds, 0, sizeof ds);
+    memset(images, 0, sizeof images);
+    ds.count = 2; ds.rows = 2; ds.cols = 2; ds.images = images; ds.labels = labels;
+    l = mgpu_loader_create(&ds, NULL);
+    if (!st || !l) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+
+    mgpu_safetensors_close(st);
+    mgpu_clear_error();
+    mgpu_safetensors_close(st);
+    CHECK(strstr(mgpu_last_error(), "mgpu_safetensors_close") && strstr(mgpu_last_error(), "not a live"), "close twice: %s",
+          mgpu_last_error());
+    mgpu_loader_destroy(l);
+    mgpu_clear_error();
+    mgpu_loader_destroy(l);
+    CHECK(strstr(mgpu_last_error(), "mgpu_loader_destroy") && strstr(mgpu_last_error(), "not a live"), "loader twice: %s",
+          mgpu_last_error());
+    CHECK(ds.loaders == 0, "the data set's count went down once (%d)", ds.loaders);
+    mgpu_allreduce_destroy(ar);
+    mgpu_clear_error();
+    mgpu_allreduce_destroy(ar);
+    CHECK(strstr(mgpu_last_error(), "mgpu_allreduce_destroy") && strstr(mgpu_last_error(), "not a live"), "communicator twice: %s",
+          mgpu_last_error());
+    mgpu_optimizer_destroy(o);
+    mgpu_clear_error();
+    mgpu_optimizer_destroy(o);
+    CHECK(strstr(mgpu_last_error(), "mgpu_optimizer_destroy") && strstr(mgpu_last_error(), "not a live"), "optimizer twice: %s",
+          mgpu_last_error());
+    CHECK(mgpu_model_destroy(m) == MGPU_OK, "model: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_model_destroy(m), "mgpu_model_destroy");
+    EXPECT_NULL(mgpu_optimizer_create(m, NULL), "mgpu_optimizer_create");
+    CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_device_set_destroy(set), "mgpu_device_set_destroy");
+    EXPECT_NULL(mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO), "mgpu_allreduce_create");
+    {   /* a model on a destroyed set: refused, and its layers freed (the desc's promise) */
+        mgpu_layer* layers[1];
+        mgpu_model_desc d;
+        g_user_destroyed = 0;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_layer_create(&ident_vt, NULL);
+        d.input = mgpu_shape1(4);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = set;
+        EXPECT_NULL(mgpu_model_create(&d), "mgpu_model_create");
+        CHECK(strstr(mgpu_last_error(), "not a live device set") && g_user_destroyed == 1, "model on a destroyed set: %s",
+              mgpu_last_error());
+    }
+}
+
 int main(int argc, char** argv) {
     (void)test_rel_error;   /* test.h's, unused here */
     test_start("test_misuse");
@@ -531,5 +602,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_shapes());
     TEST_GROUP(test_lifetimes());
     TEST_GROUP(test_owned());
+    TEST_GROUP(test_double_destroy());
     return test_summary("test_misuse");
 }
