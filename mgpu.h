@@ -93,8 +93,9 @@
    One rule: destroying an object that something still uses fails with MGPU_ERROR_IN_USE, a
    last error naming what uses it ("mgpu_device_set_destroy: 1 model and 3 tensors still use
    this device set"), and changes nothing; destroy the users first, then try again. What counts:
-     device set    tensors on its devices (a model's and an optimizer's own among them), models,
-                   communicators (mgpu_allreduce_create)
+     device set    tensors on its devices (a model's and an optimizer's own among them; not
+                   those on mgpu_device_cpu(), a set's CPU device too, which outlives every
+                   set), models, communicators (mgpu_allreduce_create)
      model         optimizers made for it
      dataset       loaders reading it
      layer         the model that owns it: a layer passed to mgpu_model_create belongs to that
@@ -1606,6 +1607,7 @@ MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set) {
     if (!set) return MGPU_OK;
     if (!mgpu__live_check(set, MGPU__LIVE_SET, "mgpu_device_set_destroy", "device set")) return MGPU_ERROR_INVALID_ARGUMENT;
     for (i = 0; set->devices && i < set->count; ++i) {
+        if (set->devices[i] == &mgpu__cpu_device) continue;   /* the library's, which outlives every set */
         mgpu__lock(&set->devices[i]->alloc);
         tensors += set->devices[i]->tensors;
         mgpu__unlock(&set->devices[i]->alloc);

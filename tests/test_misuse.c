@@ -422,7 +422,13 @@ static void test_lifetimes(void) {
     CHECK(mgpu_device_set_destroy(set) == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "1 tensor still uses"),
           "a view keeps the storage: %s", mgpu_last_error());
     mgpu_tensor_destroy(v);
-    CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set without users: %s", mgpu_last_error());
+    {   /* a set's first CPU device is mgpu_device_cpu(), which outlives the set: its tensors do not count */
+        mgpu_tensor* c = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(4));
+        CHECK(mgpu_device_set_get(set, 0) == mgpu_device_cpu(), "cpu:2's device 0 is the library's CPU device");
+        CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set without users: %s", mgpu_last_error());
+        CHECK(mgpu_tensor_fill(c, 1.0) == MGPU_OK, "the CPU tensor lives on: %s", mgpu_last_error());
+        mgpu_tensor_destroy(c);
+    }
 
     {   /* data set and loader */
         mgpu_dataset* ds = (mgpu_dataset*)calloc(1, sizeof *ds);
