@@ -737,7 +737,8 @@ typedef struct mgpu_dataset {
     int rows, cols;
     uint8_t* images;   /* count * rows * cols */
     uint8_t* labels;   /* count */
-    int loaders;       /* the library's: loaders reading it (mgpu_dataset_destroy refuses while any) */
+    int loaders;       /* the library's: loaders reading it (mgpu_dataset_destroy refuses while
+                          any); 0 in a data set you fill yourself */
 } mgpu_dataset;
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path);
 /* MGPU_ERROR_IN_USE, changing nothing, while loaders read it. */
