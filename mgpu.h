@@ -110,9 +110,11 @@
    refusal through mgpu_last_error() and the log callback.
    Destroyed twice: device sets, models, optimizers, communicators, loaders and safetensors
    files are listed while they live (by address, never read after their destroy), so a second
-   destroy, or a model or optimizer made on a destroyed set or model, fails with
-   MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model (destroyed already?)"), unless a new
-   object of the same kind took the old address meanwhile. Tensors, layers and data sets are
+   destroy, a model or optimizer made on a destroyed set or model, or a destroyed model or
+   optimizer given to a training step (train_step, accumulate, apply, evaluate,
+   mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
+   (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
+   Other calls do not look a handle up: using a destroyed one there is undefined. Tensors, layers and data sets are
    too many or too plain to list: destroying one twice is undefined, as free() twice is.
 
    ---------------------------------------------------------------------------------------------
@@ -4965,6 +4967,7 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     mgpu__optim_job job;
     int i;
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
+    if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
     if (opt->steps >= MGPU__MAX_STEPS)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
                           (long long)opt->steps);
@@ -5349,6 +5352,9 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
 
 static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const mgpu_optimizer* opt) {
     if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
+    /* a destroyed handle is an error, not a use after free (LIFETIMES); once per step */
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model") || !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer"))
+        return MGPU_ERROR_INVALID_ARGUMENT;
     if (opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
     return MGPU_OK;
 }
@@ -5378,6 +5384,7 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_accumulate", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);          /* 2, 3 */
 }
 
@@ -5432,6 +5439,7 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
     double total = 0.0;
     int i;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     n = x->shape.dim[0];

@@ -6,7 +6,8 @@
      lifetimes  destroying what something still uses (LIFETIMES in mgpu.h): refused, nothing
                 changed, and it works once the users are gone; layers shared or repeated
      owned      tensors the library owns refuse mgpu_tensor_destroy
-     double_destroy  handles destroyed twice, or used at a create after their destroy, refused
+     double_destroy  handles destroyed twice, or used by a create or a training step after their
+                destroy, refused
    Usage: build/test_misuse [GROUP] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -576,8 +577,12 @@ static void test_double_destroy(void) {
     mgpu_optimizer_destroy(o);
     CHECK(strstr(mgpu_last_error(), "mgpu_optimizer_destroy") && strstr(mgpu_last_error(), "not a live"), "optimizer twice: %s",
           mgpu_last_error());
+    EXPECT_FAIL(mgpu_optimizer_step(o), "mgpu_optimizer_step");
+    EXPECT_FAIL(mgpu_model_apply(m, o), "mgpu_model_apply");
     CHECK(mgpu_model_destroy(m) == MGPU_OK, "model: %s", mgpu_last_error());
     EXPECT_FAIL(mgpu_model_destroy(m), "mgpu_model_destroy");
+    EXPECT_FAIL(mgpu_model_accumulate(m, NULL, NULL, 0, NULL), "mgpu_model_accumulate");
+    EXPECT_FAIL(mgpu_model_evaluate(m, NULL, NULL, NULL, NULL), "mgpu_model_evaluate");
     EXPECT_NULL(mgpu_optimizer_create(m, NULL), "mgpu_optimizer_create");
     CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set: %s", mgpu_last_error());
     EXPECT_FAIL(mgpu_device_set_destroy(set), "mgpu_device_set_destroy");
