@@ -149,12 +149,17 @@ test-cuda: $(CUDA_BINS)
 $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
+# Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
+# misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
+# (test_alloc_faults, under ASan+UBSan as well).
+RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan
+
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(B)/test_save_faults
+      $(B)/test_save_faults $(RELIABILITY_TESTS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults
+	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS)
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

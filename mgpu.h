@@ -61,7 +61,8 @@
    Functions that create something return it, or NULL with mgpu_last_error() saying why.
    Functions that do something return an mgpu_result (MGPU_OK is 0); mgpu_result_string names it.
    Every *_desc struct is zero-initialised and zero means default: the table above each one says
-   what the defaults are. One destroy per create; destroying NULL does nothing.
+   what the defaults are. One destroy per create; destroying NULL does nothing; destroying what
+   something still uses is refused (LIFETIMES).
 
    ---------------------------------------------------------------------------------------------
    CONCEPTS
@@ -85,6 +86,36 @@
    bucket        A range of the flat gradient buffer, all-reduced as soon as backward has
                  produced it while backward goes on with earlier layers (DDP's gradient buckets).
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
+
+   ---------------------------------------------------------------------------------------------
+   LIFETIMES
+   ---------------------------------------------------------------------------------------------
+   One rule: destroying an object that something still uses fails with MGPU_ERROR_IN_USE, a
+   last error naming what uses it ("mgpu_device_set_destroy: 1 model and 3 tensors still use
+   this device set"), and changes nothing; destroy the users first, then try again. What counts:
+     device set    tensors on its devices (a model's and an optimizer's own among them; not
+                   those on mgpu_device_cpu(), a set's CPU device too, which outlives every
+                   set), models, communicators (mgpu_allreduce_create)
+     model         optimizers made for it
+     dataset       loaders reading it
+     layer         the model that owns it: a layer passed to mgpu_model_create belongs to that
+                   model, which destroys it; the same layer twice in one model, or a layer of
+                   another model, makes mgpu_model_create fail (the layers it could own are
+                   destroyed, the other model's are left alone)
+     tensor        a tensor the library owns (a model's views, an optimizer's state, a loader's
+                   batch) is destroyed by its owner, never by mgpu_tensor_destroy
+   These destroy functions return mgpu_result so that a refusal is seen; ignoring it leaks the
+   object, it never frees memory still in use. Objects without users (optimizer, loader,
+   communicator, safetensors file) keep destroy functions that return nothing; they report a
+   refusal through mgpu_last_error() and the log callback.
+   Destroyed twice: device sets, models, optimizers, communicators, loaders and safetensors
+   files are listed while they live (by address, never read after their destroy), so a second
+   destroy, a model or optimizer made on a destroyed set or model, or a destroyed model or
+   optimizer given to a training step (train_step, accumulate, apply, evaluate,
+   mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
+   (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
+   Other calls do not look a handle up: using a destroyed one there is undefined. Tensors, layers and data sets are
+   too many or too plain to list: destroying one twice is undefined, as free() twice is.
 
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
@@ -199,7 +230,8 @@ extern "C" {
     X(MGPU_ERROR_IO,              10, "I/O error")                             \
     X(MGPU_ERROR_BAD_FILE,        11, "malformed file")                        \
     X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")                         \
-    X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")
+    X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")                     \
+    X(MGPU_ERROR_IN_USE,          14, "still in use")
 
 typedef enum mgpu_result {
 #define MGPU__ENUM_ITEM(name, value, text) name = value,
@@ -251,7 +283,8 @@ typedef struct mgpu_device_info {
    "cpu", "cpu:N" (N CPU replicas), "cuda" (every GPU), "cuda:0,1", "cuda:0,0,0,0" (four
    replicas on one GPU). NULL means "auto". */
 MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec);
-MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set);
+/* MGPU_ERROR_IN_USE, changing nothing, while tensors, models or communicators use its devices. */
+MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set);
 MGPUDEF int mgpu_device_set_count(const mgpu_device_set* set);
 MGPUDEF mgpu_device* mgpu_device_set_get(const mgpu_device_set* set, int index);
 MGPUDEF const char* mgpu_device_set_spec(const mgpu_device_set* set); /* as resolved: "cuda:0,1" */
@@ -316,14 +349,18 @@ MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8" */
 typedef struct mgpu_tensor mgpu_tensor;
 
 MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape);
-MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t);
+/* MGPU_ERROR_IN_USE, changing nothing, for a tensor the library owns (a model's parameter views,
+   an optimizer's state, a loader's batch). */
+MGPUDEF mgpu_result mgpu_tensor_destroy(mgpu_tensor* t);
 /* Rows [start, start+count) of dimension 0: a batch slice, without a copy. */
 MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count);
 /* The same storage seen with another shape of the same element count (like torch.view). */
 MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape);
 
 MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t);
-MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i);   /* negative i counts from the end */
+/* Negative i counts from the end; -1 (with mgpu_last_error() saying why) for a NULL tensor or a
+   dimension it does not have. */
+MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i);
 MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t);
 MGPUDEF size_t mgpu_tensor_bytes(const mgpu_tensor* t);
 MGPUDEF mgpu_dtype mgpu_tensor_dtype(const mgpu_tensor* t);
@@ -460,7 +497,8 @@ typedef struct mgpu_layer_vtable {
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user);
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l);
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l);
-MGPUDEF void mgpu_layer_destroy(mgpu_layer* l);   /* only for a layer no model owns */
+/* Only for a layer no model owns: MGPU_ERROR_IN_USE, changing nothing, for one a model owns. */
+MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l);
 
 /* Built-in layers, named and initialised as in torch.nn. */
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features);
@@ -534,7 +572,8 @@ typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } m
 /* mgpu_model_desc, zero-initialised; zero means default:
      field          default                       meaning
      input          (required)                    one sample's shape: shape1(784), shape3(1, 28, 28)
-     layers         (required)                    owned by the model from here on, even on failure
+     layers         (required)                    owned by the model from here on, even on failure;
+                                                  each distinct, and owned by no other model
      layer_count    (required)
      devices        NULL: the CPU                 one replica per device; must outlive the model
      loss           MGPU_LOSS_CROSS_ENTROPY       int32 labels; MGPU_LOSS_MSE takes f32 targets
@@ -555,7 +594,8 @@ typedef struct mgpu_model_desc {
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
-MGPUDEF void mgpu_model_destroy(mgpu_model* m);
+/* Destroys its layers too; MGPU_ERROR_IN_USE, changing nothing, while optimizers use it. */
+MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m);
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
@@ -699,9 +739,12 @@ typedef struct mgpu_dataset {
     int rows, cols;
     uint8_t* images;   /* count * rows * cols */
     uint8_t* labels;   /* count */
+    int loaders;       /* the library's: loaders reading it (mgpu_dataset_destroy refuses while
+                          any); 0 in a data set you fill yourself */
 } mgpu_dataset;
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path);
-MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds);
+/* MGPU_ERROR_IN_USE, changing nothing, while loaders read it. */
+MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds);
 
 /* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
    shuffled order, assembled in pinned host memory (uploads from it run at full DMA speed; they
@@ -1360,12 +1403,15 @@ struct mgpu_device {
     void* stream;                 /* CUDA: the compute stream every op of this device runs on */
     void* blas;                   /* CUDA: cuBLAS handle bound to stream */
     mgpu__allocator alloc;
+    int64_t tensors;              /* live tensor storages on it (under alloc's lock): its set's
+                                     destroy refuses while any (LIFETIMES) */
 };
 
 struct mgpu_device_set {
     int count;
     mgpu_device** devices;
     char spec[256];
+    int models, allreduces;       /* users, under devices[0]'s allocator lock (LIFETIMES) */
 };
 
 /* The one dispatch mechanism between the two backends. Op bodies check their arguments, run
@@ -1470,12 +1516,119 @@ static void mgpu__device_free(mgpu_device* d) {
     MGPU_FREE(d);
 }
 
-MGPUDEF void mgpu_device_set_destroy(mgpu_device_set* set) {
+/* Live handles (LIFETIMES): device sets, models, optimizers, communicators, loaders and
+   safetensors files are listed from their create to their destroy, so that destroying one a
+   second time (or making a model on a destroyed set) is refused instead of freeing twice. Only
+   pointer values are compared, nothing freed is read; a freed handle whose address a new object
+   of the same kind took is not told apart. A few dozen entries at most: a linear scan. */
+enum { MGPU__LIVE_SET = 1, MGPU__LIVE_MODEL, MGPU__LIVE_OPTIMIZER, MGPU__LIVE_ALLREDUCE, MGPU__LIVE_LOADER,
+       MGPU__LIVE_SAFETENSORS };
+typedef struct mgpu__live_entry { const void* p; int kind; } mgpu__live_entry;
+static mgpu__live_entry* mgpu__live;
+static int mgpu__live_count, mgpu__live_cap;
+#ifndef MGPU_NO_THREADS
+static pthread_mutex_t mgpu__live_lock = PTHREAD_MUTEX_INITIALIZER;
+#define MGPU__LIVE_LOCK() pthread_mutex_lock(&mgpu__live_lock)
+#define MGPU__LIVE_UNLOCK() pthread_mutex_unlock(&mgpu__live_lock)
+#else
+#define MGPU__LIVE_LOCK() ((void)0)
+#define MGPU__LIVE_UNLOCK() ((void)0)
+#endif
+/* MGPU_OK, or out of memory (named after op) with nothing listed. */
+static mgpu_result mgpu__live_add(const void* p, int kind, const char* op) {
+    mgpu_result r = MGPU_OK;
+    MGPU__LIVE_LOCK();
+    if (mgpu__live_count == mgpu__live_cap) {
+        int cap = mgpu__live_cap ? 2 * mgpu__live_cap : 16;
+        mgpu__live_entry* grown = (mgpu__live_entry*)MGPU_REALLOC(mgpu__live, (size_t)cap * sizeof *grown);
+        if (grown) { mgpu__live = grown; mgpu__live_cap = cap; }
+    }
+    if (mgpu__live_count < mgpu__live_cap) {
+        mgpu__live[mgpu__live_count].p = p;
+        mgpu__live[mgpu__live_count++].kind = kind;
+    } else r = MGPU_ERROR_OUT_OF_MEMORY;
+    MGPU__LIVE_UNLOCK();
+    return r ? mgpu__fail(r, "%s: out of host memory", op) : MGPU_OK;
+}
+static int mgpu__live_find(const void* p, int kind) {   /* under the lock */
+    int i;
+    for (i = 0; i < mgpu__live_count; ++i)
+        if (mgpu__live[i].p == p && mgpu__live[i].kind == kind) return i;
+    return -1;
+}
+/* 1 when p is a live handle of this kind; else 0 and an error naming op. */
+static int mgpu__live_check(const void* p, int kind, const char* op, const char* what) {
+    int found;
+    MGPU__LIVE_LOCK();
+    found = mgpu__live_find(p, kind) >= 0;
+    MGPU__LIVE_UNLOCK();
+    if (!found) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %p is not a live %s (destroyed already?)", op, p, what);
+    return found;
+}
+/* Unlist p (nothing if it is not listed: a create that failed); the list is freed once empty,
+   so that a program which destroyed everything holds no memory of mgpu's. */
+static void mgpu__live_remove(const void* p, int kind) {
+    int i;
+    MGPU__LIVE_LOCK();
+    if ((i = mgpu__live_find(p, kind)) >= 0) mgpu__live[i] = mgpu__live[--mgpu__live_count];
+    if (mgpu__live_count == 0) {
+        MGPU_FREE(mgpu__live);
+        mgpu__live = NULL;
+        mgpu__live_cap = 0;
+    }
+    MGPU__LIVE_UNLOCK();
+}
+
+static void mgpu__lock(mgpu__allocator* a);
+static void mgpu__unlock(mgpu__allocator* a);
+
+/* A set's users come and go under its first device's allocator lock (models may be made on
+   several threads). */
+static void mgpu__set_users(const mgpu_device_set* set, int models, int allreduces) {
+    mgpu_device_set* s = (mgpu_device_set*)set;   /* the count is the library's, not the caller's */
+    if (!s || s->count < 1) return;
+    mgpu__lock(&s->devices[0]->alloc);
+    s->models += models;
+    s->allreduces += allreduces;
+    mgpu__unlock(&s->devices[0]->alloc);
+}
+
+static void mgpu__device_set_free(mgpu_device_set* set) {
     int i;
     if (!set) return;
-    for (i = 0; i < set->count; ++i) mgpu__device_free(set->devices[i]);
+    mgpu__live_remove(set, MGPU__LIVE_SET);
+    for (i = 0; set->devices && i < set->count; ++i) mgpu__device_free(set->devices[i]);
     MGPU_FREE(set->devices);
     MGPU_FREE(set);
+}
+
+MGPUDEF mgpu_result mgpu_device_set_destroy(mgpu_device_set* set) {
+    int64_t tensors = 0;
+    int i, models = 0, allreduces = 0;
+    char what[160];
+    size_t len = 0;
+    if (!set) return MGPU_OK;
+    if (!mgpu__live_check(set, MGPU__LIVE_SET, "mgpu_device_set_destroy", "device set")) return MGPU_ERROR_INVALID_ARGUMENT;
+    for (i = 0; set->devices && i < set->count; ++i) {
+        if (set->devices[i] == &mgpu__cpu_device) continue;   /* the library's, which outlives every set */
+        mgpu__lock(&set->devices[i]->alloc);
+        tensors += set->devices[i]->tensors;
+        mgpu__unlock(&set->devices[i]->alloc);
+    }
+    if (set->count >= 1) mgpu__lock(&set->devices[0]->alloc);
+    models = set->models;
+    allreduces = set->allreduces;
+    if (set->count >= 1) mgpu__unlock(&set->devices[0]->alloc);
+    if (!models && !allreduces && !tensors) { mgpu__device_set_free(set); return MGPU_OK; }
+    what[0] = 0;
+    if (models) len += (size_t)snprintf(what + len, sizeof what - len, "%d model%s", models, models == 1 ? "" : "s");
+    if (allreduces && len < sizeof what)
+        len += (size_t)snprintf(what + len, sizeof what - len, "%s%d communicator%s", len ? (tensors ? ", " : " and ") : "",
+                                allreduces, allreduces == 1 ? "" : "s");
+    if (tensors && len < sizeof what)
+        snprintf(what + len, sizeof what - len, "%s%lld tensor%s", len ? " and " : "", (long long)tensors, tensors == 1 ? "" : "s");
+    return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_device_set_destroy: %s still use%s this device set (%s); destroy them first",
+                      what, (models + allreduces + tensors) == 1 ? "s" : "", set->spec);
 }
 
 /* Parse "N" or "N,M,..." into ordinals; returns how many, or -1 if malformed. */
@@ -1498,7 +1651,7 @@ static int mgpu__parse_list(const char* s, int* out, int max) {
 #define MGPU__MAX_REPLICAS 256
 
 static mgpu_device_set* mgpu__device_set_fail_free(mgpu_device_set* set) {
-    mgpu_device_set_destroy(set);
+    mgpu__device_set_free(set);
     return NULL;
 }
 
@@ -1634,6 +1787,7 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
         for (i = 0; i < plan.count && len + 12 < sizeof set->spec; ++i)
             len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", plan.ordinals[i]);
     }
+    if (mgpu__live_add(set, MGPU__LIVE_SET, "mgpu_device_set_create") != MGPU_OK) return mgpu__device_set_fail_free(set);
     return set;
 }
 
@@ -1925,6 +2079,7 @@ struct mgpu_tensor {
     size_t offset;      /* bytes from storage->ptr */
     mgpu_dtype dtype;
     mgpu_shape shape;
+    int owned;          /* 1: the library's (a model's view, a loader's batch): mgpu_tensor_destroy refuses */
 };
 
 #define MGPU__TRY(expr) do { mgpu_result mgpu__r_ = (expr); if (mgpu__r_ != MGPU_OK) return mgpu__r_; } while (0)
@@ -2010,6 +2165,7 @@ static mgpu_tensor* mgpu__tensor_wrap(mgpu__storage* st, size_t offset, mgpu_dty
     t->offset = offset;
     t->dtype = dt;
     t->shape = shape;
+    t->owned = 0;
     st->refs++;
     return t;
 }
@@ -2026,19 +2182,37 @@ MGPUDEF mgpu_tensor* mgpu_tensor_create(mgpu_device* dev, mgpu_dtype dt, mgpu_sh
     st->ptr = mgpu__device_alloc(dev, bytes, &st->size, "mgpu_tensor_create");
     if (!st->ptr) { MGPU_FREE(st); return NULL; }
     t = mgpu__tensor_wrap(st, 0, dt, shape, "mgpu_tensor_create");
-    if (!t) { mgpu__device_release(dev, st->ptr, st->size); MGPU_FREE(st); }
+    if (!t) { mgpu__device_release(dev, st->ptr, st->size); MGPU_FREE(st); return NULL; }
+    mgpu__lock(&dev->alloc);
+    dev->tensors++;   /* its device set's destroy waits for it (LIFETIMES) */
+    mgpu__unlock(&dev->alloc);
     return t;
 }
 
-MGPUDEF void mgpu_tensor_destroy(mgpu_tensor* t) {
+/* The library's own destroy, for owned tensors too. */
+static void mgpu__tensor_free(mgpu_tensor* t) {
     mgpu__storage* st;
     if (!t) return;
     st = t->storage;
     MGPU_FREE(t);
     if (--st->refs == 0) {
-        mgpu__device_release(st->dev, st->ptr, st->size);
+        mgpu_device* dev = st->dev;
+        mgpu__device_release(dev, st->ptr, st->size);
+        mgpu__lock(&dev->alloc);
+        dev->tensors--;
+        mgpu__unlock(&dev->alloc);
         MGPU_FREE(st);
     }
+}
+
+MGPUDEF mgpu_result mgpu_tensor_destroy(mgpu_tensor* t) {
+    char text[96];
+    if (!t) return MGPU_OK;
+    if (t->owned)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_tensor_destroy: %s belongs to a model, optimizer or loader, which "
+                          "destroys it", mgpu_tensor_describe(t, text, sizeof text));
+    mgpu__tensor_free(t);
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_tensor* mgpu_tensor_view_rows(mgpu_tensor* t, int64_t start, int64_t count) {
@@ -2076,9 +2250,12 @@ MGPUDEF mgpu_tensor* mgpu_tensor_view_reshape(mgpu_tensor* t, mgpu_shape shape) 
 
 MGPUDEF mgpu_shape mgpu_tensor_shape(const mgpu_tensor* t) { mgpu_shape s; memset(&s, 0, sizeof s); return t ? t->shape : s; }
 MGPUDEF int64_t mgpu_tensor_dim(const mgpu_tensor* t, int i) {
-    if (!t) return 0;
-    if (i < 0) i += t->shape.ndim;
-    return i >= 0 && i < t->shape.ndim ? t->shape.dim[i] : 1;
+    int j;
+    if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_dim: NULL tensor"), -1;
+    j = i < 0 ? i + t->shape.ndim : i;
+    if (j < 0 || j >= t->shape.ndim)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_dim: dimension %d of a tensor with %d", i, t->shape.ndim), -1;
+    return t->shape.dim[j];
 }
 MGPUDEF int64_t mgpu_tensor_numel(const mgpu_tensor* t) {   /* a tensor's shape was checked when it was made */
     int64_t n = 1;
@@ -2217,7 +2394,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
 
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
     mgpu_tensor* t;
-    if (!src) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_to: NULL tensor"); return NULL; }
+    if (!src || !dev) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_to: NULL %s", src ? "device" : "tensor"); return NULL; }
     t = mgpu_tensor_create(dev, src->dtype, src->shape);
     if (t && mgpu_tensor_copy(t, src) != MGPU_OK) { mgpu_tensor_destroy(t); return NULL; }
     return t;
@@ -2292,11 +2469,19 @@ static mgpu_tensor mgpu__rows(const mgpu_tensor* t, int64_t start, int64_t count
     return r;
 }
 
-/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one. */
+/* A tensor the library keeps for itself (a model's buffer or view, an optimizer's state):
+   mgpu_tensor_destroy refuses it, its owner frees it with mgpu__tensor_free. */
+static mgpu_tensor* mgpu__own(mgpu_tensor* t) {
+    if (t) t->owned = 1;
+    return t;
+}
+
+/* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one (an owned
+   buffer of a model). */
 static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
     if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
-    mgpu_tensor_destroy(*t);
-    *t = mgpu_tensor_create(dev, dt, shape);
+    mgpu__tensor_free(*t);
+    *t = mgpu__own(mgpu_tensor_create(dev, dt, shape));
     return *t ? MGPU_OK : mgpu_last_result();
 }
 
@@ -3362,6 +3547,7 @@ struct mgpu_layer {
     const mgpu_layer_vtable* vt;
     void* user;
     mgpu__layer_cfg cfg;
+    const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -3383,10 +3569,18 @@ MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
 }
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l) { return l ? l->user : NULL; }
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l) { return l && l->vt->type ? l->vt->type : "Layer"; }
-MGPUDEF void mgpu_layer_destroy(mgpu_layer* l) {
+static void mgpu__layer_free(mgpu_layer* l) {
     if (!l) return;
     if (l->vt->destroy) l->vt->destroy(l);
     MGPU_FREE(l);
+}
+MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l) {
+    if (!l) return MGPU_OK;
+    if (l->owner)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_layer_destroy: this %s layer belongs to a model, which destroys it "
+                          "(mgpu_model_destroy)", mgpu_layer_type(l));
+    mgpu__layer_free(l);
+    return MGPU_OK;
 }
 
 static mgpu_layer* mgpu__builtin_layer(const mgpu_layer_vtable* vt, const mgpu__layer_cfg* cfg) {
@@ -3729,6 +3923,7 @@ struct mgpu_allreduce {
     int one_gpu;            /* every replica on the same GPU (virtual devices) */
     int oneshot_reach;      /* P2P: replica 0's GPU can read and write every replica's memory */
     mgpu__p2p_choice p2p;   /* P2P: the algorithm MGPU_P2P asks for, or automatic */
+    const mgpu_device_set* set;   /* made by mgpu_allreduce_create: counted among the set's users */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -3741,9 +3936,11 @@ MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
     }
 }
 
-MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
+static void mgpu__allreduce_free(mgpu_allreduce* ar) {
     int i;
     if (!ar) return;
+    mgpu__live_remove(ar, MGPU__LIVE_ALLREDUCE);
+    if (ar->set) mgpu__set_users(ar->set, 0, -1);
     for (i = 0; ar->rank && i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
         if (r->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream));
@@ -3756,6 +3953,10 @@ MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
     mgpu_pinned_free(ar->host_stage);
     MGPU_FREE(ar->rank);
     MGPU_FREE(ar);
+}
+MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
+    if (!ar || !mgpu__live_check(ar, MGPU__LIVE_ALLREDUCE, "mgpu_allreduce_destroy", "communicator")) return;
+    mgpu__allreduce_free(ar);
 }
 
 static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
@@ -3805,7 +4006,15 @@ static void mgpu__nccl_pin(void) {
 
 static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic);
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
-    return mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    mgpu_allreduce* ar;
+    if (set && !mgpu__live_check(set, MGPU__LIVE_SET, "mgpu_allreduce_create", "device set")) return NULL;
+    ar = mgpu__allreduce_create(set, kind, mgpu__deterministic_from_env());
+    if (ar && mgpu__live_add(ar, MGPU__LIVE_ALLREDUCE, "mgpu_allreduce_create") != MGPU_OK) { mgpu__allreduce_free(ar); return NULL; }
+    if (ar) {   /* the set's destroy waits for this one's (LIFETIMES); a model's own is part of the model */
+        ar->set = set;
+        mgpu__set_users(set, 0, 1);
+    }
+    return ar;
 }
 static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind, int deterministic) {
     static const char* op = "mgpu_allreduce_create";
@@ -3846,7 +4055,7 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         int rc = MGPU__CUDA(mgpu__cu_stream_create(r->dev->ordinal, &r->stream));
         if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_compute));
         if (!rc) rc = MGPU__CUDA(mgpu__cu_event_create(r->dev->ordinal, &r->ev_comm));
-        if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu_allreduce_destroy(ar); return NULL; }
+        if (rc) { mgpu__cu_result(rc, op, r->dev); mgpu__allreduce_free(ar); return NULL; }
     }
     if (kind == MGPU_ALLREDUCE_NCCL) {
         int ordinals[MGPU__MAX_REPLICAS];
@@ -4158,6 +4367,8 @@ struct mgpu_model {
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
+    int optimizers;                     /* optimizers made for it: its destroy refuses while any */
+    const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
     char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU replicas run on threads: each one's failure,
                                                            prefixed with the replica */
 };
@@ -4172,16 +4383,16 @@ static uint64_t mgpu__mix(uint64_t x) {
 
 /* A view of `count` floats at `offset` of a flat buffer, with a shape. */
 static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape shape, const char* op) {
-    return mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op);
+    return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op));
 }
 
 static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
     int i;
     for (i = 0; i < m->layer_count; ++i) {
-        if (r->act) { mgpu_tensor_destroy(r->act[i]); r->act[i] = NULL; }
-        if (r->dact) { mgpu_tensor_destroy(r->dact[i]); r->dact[i] = NULL; }
+        if (r->act) { mgpu__tensor_free(r->act[i]); r->act[i] = NULL; }
+        if (r->dact) { mgpu__tensor_free(r->dact[i]); r->dact[i] = NULL; }
     }
-    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu_tensor_destroy(r->aux[i]); r->aux[i] = NULL; }
+    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(r->aux[i]); r->aux[i] = NULL; }
     r->in_shape.ndim = -1;
 }
 
@@ -4218,32 +4429,45 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int tra
     ctx->first_row = r->first_row;
 }
 
-MGPUDEF void mgpu_model_destroy(mgpu_model* m) {
+static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
+    mgpu__live_remove(m, MGPU__LIVE_MODEL);
     for (i = 0; m->rep && i < m->replica_count; ++i) {
         mgpu__replica* r = &m->rep[i];
         if (r->act || r->aux) mgpu__replica_free_buffers(m, r);
         for (j = 0; j < m->tensor_count; ++j) {
-            if (r->pview) mgpu_tensor_destroy(r->pview[j]);
-            if (r->gview) mgpu_tensor_destroy(r->gview[j]);
+            if (r->pview) mgpu__tensor_free(r->pview[j]);
+            if (r->gview) mgpu__tensor_free(r->gview[j]);
         }
-        mgpu_tensor_destroy(r->params); mgpu_tensor_destroy(r->grads);
-        mgpu_tensor_destroy(r->xbuf); mgpu_tensor_destroy(r->tbuf);
-        mgpu_tensor_destroy(r->dout); mgpu_tensor_destroy(r->loss);
+        mgpu__tensor_free(r->params); mgpu__tensor_free(r->grads);
+        mgpu__tensor_free(r->xbuf); mgpu__tensor_free(r->tbuf);
+        mgpu__tensor_free(r->dout); mgpu__tensor_free(r->loss);
         MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
     }
-    mgpu_allreduce_destroy(m->ar);
+    mgpu__allreduce_free(m->ar);
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
-    for (i = 0; m->layers && i < m->layer_count; ++i) mgpu_layer_destroy(m->layers[i]);
+    for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
+    if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->rep); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m);
 }
 
+MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m) {
+    if (!m) return MGPU_OK;
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_destroy", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (m->optimizers)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_model_destroy: %d optimizer%s still use%s this model; destroy %s first",
+                          m->optimizers, m->optimizers == 1 ? "" : "s", m->optimizers == 1 ? "s" : "",
+                          m->optimizers == 1 ? "it" : "them");
+    mgpu__model_free(m);
+    return MGPU_OK;
+}
+
 static mgpu_model* mgpu__model_fail(mgpu_model* m, const char* where) {
     mgpu__refail(where);
-    mgpu_model_destroy(m);
+    mgpu__model_free(m);
     return NULL;
 }
 
@@ -4333,9 +4557,9 @@ static mgpu_result mgpu__model_replicas(mgpu_model* m, const mgpu_device_set* de
         r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
         if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux)
             return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-        r->params = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->grads = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1)));
-        r->loss = mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1));
+        r->params = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
+        r->grads = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
+        r->loss = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1)));
         if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
             return mgpu__refail(op);
         for (t = 0; t < m->tensor_count; ++t) {
@@ -4366,32 +4590,66 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
     return MGPU_OK;
 }
 
+/* A failed mgpu_model_create still owns its layers (the desc's promise): destroy each one that
+   no other model owns, once, however often it appears. */
+static void mgpu__model_drop_layers(mgpu_layer** layers, int count) {
+    int i, j;
+    for (i = 0; i < count; ++i) {
+        if (!layers[i]) continue;
+        for (j = 0; j < i && layers[j] != layers[i]; ++j) {}
+        if (j == i && !layers[i]->owner) mgpu__layer_free(layers[i]);   /* pointers compared first: no freed one is read */
+    }
+}
+
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
     int i;
     if (!desc || !desc->layers || desc->layer_count <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
-        if (desc && desc->layers) for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        if (desc && desc->layers) mgpu__model_drop_layers(desc->layers, desc->layer_count);
+        return NULL;
+    }
+    for (i = 0; i < desc->layer_count; ++i) {   /* each layer one model's, once (LIFETIMES) */
+        const mgpu_layer* l = desc->layers[i];
+        int j;
+        if (!l) {
+            char why[sizeof mgpu__error_text];
+            memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
+            /* a constructor out of memory makes the model out of memory too */
+            mgpu__fail(mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY ? MGPU_ERROR_OUT_OF_MEMORY : MGPU_ERROR_INVALID_ARGUMENT,
+                       "%s: layer %d is NULL (did its constructor fail? %s)", op, i, why[0] ? why : "no error recorded");
+            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            return NULL;
+        }
+        for (j = 0; j < i && desc->layers[j] != l; ++j) {}
+        if (j < i || l->owner) {
+            if (j < i)
+                mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: layers %d and %d are the same %s layer (make one per position)",
+                           op, j, i, mgpu_layer_type(l));
+            else
+                mgpu__fail(MGPU_ERROR_IN_USE, "%s: layer %d (%s) already belongs to another model", op, i, mgpu_layer_type(l));
+            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            return NULL;
+        }
+    }
+    if (desc->devices && !mgpu__live_check(desc->devices, MGPU__LIVE_SET, op, "device set")) {
+        mgpu__model_drop_layers(desc->layers, desc->layer_count);
         return NULL;
     }
     m = (mgpu_model*)mgpu__calloc(1, sizeof *m);
     if (m) m->layers = (mgpu_layer**)mgpu__calloc((size_t)desc->layer_count, sizeof(mgpu_layer*));
     if (!m || !m->layers) {
         MGPU_FREE(m);
-        for (i = 0; i < desc->layer_count; ++i) mgpu_layer_destroy(desc->layers[i]);
+        mgpu__model_drop_layers(desc->layers, desc->layer_count);
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         return NULL;
     }
     m->layer_count = desc->layer_count;
-    for (i = 0; i < m->layer_count; ++i) m->layers[i] = desc->layers[i];   /* owned from here on */
-    for (i = 0; i < m->layer_count; ++i)
-        if (!m->layers[i]) {
-            char why[sizeof mgpu__error_text];
-            memcpy(why, mgpu__error_text, sizeof why);   /* the constructor's own message, if any */
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "layer %d is NULL (did its constructor fail? %s)", i, why[0] ? why : "no error recorded");
-            return mgpu__model_fail(m, op);
-        }
+    for (i = 0; i < m->layer_count; ++i) {   /* owned from here on */
+        m->layers[i] = desc->layers[i];
+        m->layers[i]->owner = m;
+    }
     m->input = desc->input;
     m->loss = desc->loss;
     m->seed = desc->seed;
@@ -4410,7 +4668,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         }
     if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_replicas(m, desc->devices) != MGPU_OK ||
         mgpu__model_init(m) != MGPU_OK) {
-        mgpu_model_destroy(m);
+        mgpu__model_free(m);
         return NULL;
     }
     if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
@@ -4420,6 +4678,11 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
         if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
         if (!m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
             return mgpu__model_fail(m, op);
+    }
+    if (mgpu__live_add(m, MGPU__LIVE_MODEL, op) != MGPU_OK) return mgpu__model_fail(m, op);
+    if (desc->devices) {   /* the set's destroy waits for this model's (LIFETIMES) */
+        m->set = desc->devices;
+        mgpu__set_users(m->set, 1, 0);
     }
     return m;
 }
@@ -4526,7 +4789,7 @@ static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int 
 /* ---- >>impl optim ----------------------------------------------------------------------- */
 struct mgpu_optimizer {
     mgpu_model* model;
-    int replica_count;          /* its own copy: the optimizer may outlive the model */
+    int replica_count;
     mgpu_optimizer_desc d;      /* with defaults filled in */
     int64_t steps;              /* at most MGPU__MAX_STEPS */
     mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
@@ -4535,18 +4798,24 @@ struct mgpu_optimizer {
     int view_count;
 };
 
-MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
+static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     int i;
     if (!opt) return;
+    mgpu__live_remove(opt, MGPU__LIVE_OPTIMIZER);
+    if (opt->model) opt->model->optimizers--;
     for (i = 0; i < opt->replica_count; ++i) {
-        if (opt->state1) mgpu_tensor_destroy(opt->state1[i]);
-        if (opt->state2) mgpu_tensor_destroy(opt->state2[i]);
+        if (opt->state1) mgpu__tensor_free(opt->state1[i]);
+        if (opt->state2) mgpu__tensor_free(opt->state2[i]);
     }
-    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu_tensor_destroy(opt->views[i]);
+    for (i = 0; opt->views && i < opt->view_count; ++i) mgpu__tensor_free(opt->views[i]);
     MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
     MGPU_FREE(opt->state2);
     MGPU_FREE(opt);
+}
+MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
+    if (!opt || !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_destroy", "optimizer")) return;
+    mgpu__optimizer_free(opt);
 }
 
 static int mgpu__optimizer_state_count(const mgpu_optimizer* opt) {
@@ -4564,6 +4833,7 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     mgpu_optimizer_desc d;
     int i, s;
     if (!m) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op); return NULL; }
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return NULL;
     if (desc) d = *desc; else memset(&d, 0, sizeof d);
     /* defaults, all in one place (PyTorch's) */
     d.lr = MGPU__DEF(d.lr, d.kind == MGPU_ADAMW ? 1e-3f : 1e-2f);
@@ -4591,17 +4861,19 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     opt = (mgpu_optimizer*)mgpu__calloc(1, sizeof *opt);
     if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     opt->model = m;
+    m->optimizers++;   /* the model's destroy waits for this one's (LIFETIMES) */
     opt->replica_count = m->replica_count;
     opt->d = d;
     opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
     opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
-    if (!opt->state1 || !opt->state2) { mgpu_optimizer_destroy(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    if (!opt->state1 || !opt->state2) { mgpu__optimizer_free(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     for (i = 0; i < m->replica_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
-            *t = mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape);
-            if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu_optimizer_destroy(opt); return NULL; }
+            *t = mgpu__own(mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape));
+            if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
+    if (mgpu__live_add(opt, MGPU__LIVE_OPTIMIZER, op) != MGPU_OK) { mgpu__optimizer_free(opt); return NULL; }
     return opt;
 }
 
@@ -4695,6 +4967,7 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     mgpu__optim_job job;
     int i;
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
+    if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
     if (opt->steps >= MGPU__MAX_STEPS)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
                           (long long)opt->steps);
@@ -5079,6 +5352,9 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
 
 static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const mgpu_optimizer* opt) {
     if (!m || !opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or optimizer", op);
+    /* a destroyed handle is an error, not a use after free (LIFETIMES); once per step */
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model") || !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer"))
+        return MGPU_ERROR_INVALID_ARGUMENT;
     if (opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
     return MGPU_OK;
 }
@@ -5108,6 +5384,7 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_accumulate", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);          /* 2, 3 */
 }
 
@@ -5162,6 +5439,7 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
     double total = 0.0;
     int i;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     n = x->shape.dim[0];
@@ -6674,6 +6952,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         if (!target) {
             err = errno;
             MGPU_FREE(b.p);
+            if (err == ENOMEM) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for its path", path);
             return mgpu__fail(MGPU_ERROR_IO, "%s: cannot follow the symbolic link: %s", path, strerror(err));
         }
         if (stat(target, &st) == 0 && !S_ISREG(st.st_mode)) {
@@ -7015,6 +7294,7 @@ static mgpu_result mgpu__st_convert(const char* op, const char* path, const mgpu
     return MGPU_OK;
 }
 
+static void mgpu__safetensors_free(mgpu_safetensors* st);
 MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path) {
     static const char* op = "mgpu_safetensors_open";
     mgpu_safetensors* st;
@@ -7028,19 +7308,25 @@ MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path) {
     }
     st->path = (char*)MGPU_MALLOC(strlen(path) + 1);
     if (!st->path) {
-        mgpu_safetensors_close(st);
+        mgpu__safetensors_free(st);
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         return NULL;
     }
     memcpy(st->path, path, strlen(path) + 1);
+    if (mgpu__live_add(st, MGPU__LIVE_SAFETENSORS, op) != MGPU_OK) { mgpu__safetensors_free(st); return NULL; }
     return st;
 }
 
-MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st) {
+static void mgpu__safetensors_free(mgpu_safetensors* st) {
     if (!st) return;
+    mgpu__live_remove(st, MGPU__LIVE_SAFETENSORS);
     mgpu__st_unload(st);
     MGPU_FREE(st->path);
     MGPU_FREE(st);
+}
+MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st) {
+    if (!st || !mgpu__live_check(st, MGPU__LIVE_SAFETENSORS, "mgpu_safetensors_close", "safetensors file")) return;
+    mgpu__safetensors_free(st);
 }
 
 MGPUDEF int mgpu_safetensors_count(const mgpu_safetensors* st) { return st ? st->st.count : 0; }
@@ -7328,11 +7614,19 @@ static mgpu_result mgpu__load_idx(const char* path, int want_ndim, uint8_t** out
     return r;
 }
 
-MGPUDEF void mgpu_dataset_destroy(mgpu_dataset* ds) {
+static void mgpu__dataset_free(mgpu_dataset* ds) {
     if (!ds) return;
     MGPU_FREE(ds->images);
     MGPU_FREE(ds->labels);
     MGPU_FREE(ds);
+}
+MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds) {
+    if (!ds) return MGPU_OK;
+    if (ds->loaders)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_dataset_destroy: %d loader%s still read%s this data set; destroy %s first",
+                          ds->loaders, ds->loaders == 1 ? "" : "s", ds->loaders == 1 ? "s" : "", ds->loaders == 1 ? "it" : "them");
+    mgpu__dataset_free(ds);
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path) {
@@ -7341,13 +7635,13 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
     if (!ds) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_dataset_load_idx: out of host memory"); return NULL; }
     if (mgpu__load_idx(images_path, 3, &ds->images, &im) != MGPU_OK || mgpu__load_idx(labels_path, 1, &ds->labels, &lb) != MGPU_OK) {
         mgpu__refail("mgpu_dataset_load_idx");
-        mgpu_dataset_destroy(ds);
+        mgpu__dataset_free(ds);
         return NULL;
     }
     if (im.dims[0] != lb.dims[0]) {
         mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_dataset_load_idx: '%s' has %lld images but '%s' has %lld labels", images_path,
                    (long long)im.dims[0], labels_path, (long long)lb.dims[0]);
-        mgpu_dataset_destroy(ds);
+        mgpu__dataset_free(ds);
         return NULL;
     }
     ds->count = im.dims[0];
@@ -7358,7 +7652,7 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
 
 /* -- the batch loader -- */
 struct mgpu_loader {
-    const mgpu_dataset* ds;
+    const mgpu_dataset* ds;     /* counted in ds->loaders while the loader lives (LIFETIMES) */
     mgpu_loader_desc d;
     int64_t* order;
     int64_t pos;
@@ -7368,12 +7662,18 @@ struct mgpu_loader {
     mgpu_tensor x, y;
 };
 
-MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
+static void mgpu__loader_free(mgpu_loader* l) {
     if (!l) return;
+    mgpu__live_remove(l, MGPU__LIVE_LOADER);
+    if (l->ds) ((mgpu_dataset*)l->ds)->loaders--;   /* the library's field of the caller's const data set */
     MGPU_FREE(l->order);
     mgpu_pinned_free(l->x_pinned);
     mgpu_pinned_free(l->y_pinned);
     MGPU_FREE(l);
+}
+MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
+    if (!l || !mgpu__live_check(l, MGPU__LIVE_LOADER, "mgpu_loader_destroy", "loader")) return;
+    mgpu__loader_free(l);
 }
 
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc) {
@@ -7387,23 +7687,25 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->d.std = MGPU__DEF(l->d.std, 1.0f);
     if (l->d.batch < 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: batch %d", l->d.batch);
-        mgpu_loader_destroy(l);
+        mgpu__loader_free(l);
         return NULL;
     }
     l->ds = ds;
+    ((mgpu_dataset*)ds)->loaders++;
     pixels = (size_t)ds->rows * (size_t)ds->cols;
     l->order = (int64_t*)MGPU_MALLOC((size_t)ds->count * sizeof(int64_t));
     l->x_pinned = (float*)mgpu_pinned_alloc((size_t)l->d.batch * pixels * sizeof(float));
     l->y_pinned = (int32_t*)mgpu_pinned_alloc((size_t)l->d.batch * sizeof(int32_t));
     if (!l->order || !l->x_pinned || !l->y_pinned) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory for batches of %d", l->d.batch);
-        mgpu_loader_destroy(l);
+        mgpu__loader_free(l);
         return NULL;
     }
     l->x_storage.dev = l->y_storage.dev = mgpu_device_cpu();
     l->x_storage.ptr = l->x_pinned;
     l->y_storage.ptr = l->y_pinned;
     l->x_storage.refs = l->y_storage.refs = 1;   /* never released: the loader frees the memory */
+    l->x.owned = l->y.owned = 1;   /* the loader's own headers, inside it */
     l->x.storage = &l->x_storage;
     l->x.dtype = MGPU_F32;
     l->x.shape = mgpu_shape4(l->d.batch, 1, ds->rows, ds->cols);
@@ -7411,6 +7713,7 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->y.dtype = MGPU_I32;
     l->y.shape = mgpu_shape1(l->d.batch);
     mgpu_loader_start(l, 0);
+    if (mgpu__live_add(l, MGPU__LIVE_LOADER, "mgpu_loader_create") != MGPU_OK) { mgpu__loader_free(l); return NULL; }
     return l;
 }
 

@@ -1,0 +1,618 @@
+/* tests/test_misuse.c - the public API misused (issue 12): every wrong call fails with an error
+   code and a last error naming the operation, and never crashes.
+     nulls      NULL for every handle of every public function
+     indices    out-of-range replicas, tensors, dimensions, devices, file entries
+     shapes     shapes whose element or byte count overflows: an error, no allocation attempt
+     lifetimes  destroying what something still uses (LIFETIMES in mgpu.h): refused, nothing
+                changed, and it works once the users are gone; layers shared or repeated
+     owned      tensors the library owns refuse mgpu_tensor_destroy
+     double_destroy  handles destroyed twice, or used by a create or a training step after their
+                destroy, refused
+   Usage: build/test_misuse [GROUP] */
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include "test.h"
+
+/* The call failed (r != MGPU_OK) and the last error is set and names `op`. */
+static int failed_naming(mgpu_result r, const char* op) {
+    return r != MGPU_OK && mgpu_last_result() != MGPU_OK && strstr(mgpu_last_error(), op) != NULL;
+}
+/* A handle-returning call gave NULL and the last error names `op`. */
+static int null_naming(const void* p, const char* op) {
+    return p == NULL && mgpu_last_result() != MGPU_OK && strstr(mgpu_last_error(), op) != NULL;
+}
+#define EXPECT_FAIL(call, op)                                                                         \
+    do {                                                                                              \
+        mgpu_result r_;                                                                               \
+        mgpu_clear_error();                                                                           \
+        r_ = (call);                                                                                  \
+        CHECK(failed_naming(r_, op), "%s: got %s, last error '%s'", #call, mgpu_result_string(r_), mgpu_last_error()); \
+    } while (0)
+#define EXPECT_NULL(call, op)                                                                         \
+    do {                                                                                              \
+        const void* p_;                                                                               \
+        mgpu_clear_error();                                                                           \
+        p_ = (const void*)(call);                                                                     \
+        CHECK(null_naming(p_, op), "%s: got %p, last error '%s'", #call, p_, mgpu_last_error());     \
+    } while (0)
+
+static mgpu_model* small_model(const mgpu_device_set* set) {
+    mgpu_layer* layers[3];
+    mgpu_model_desc d;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_linear(4, 8);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(8, 3);
+    d.input = mgpu_shape1(4);
+    d.layers = layers;
+    d.layer_count = 3;
+    d.devices = set;
+    d.seed = 1;
+    return mgpu_model_create(&d);
+}
+
+static void test_nulls(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_tensor* t = mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape2(2, 3));
+    mgpu_tensor* lab = mgpu_tensor_create(cpu, MGPU_I32, mgpu_shape1(2));
+    mgpu_device_info info;
+    mgpu_memory_stats stats;
+    mgpu_safetensors_info sinfo;
+    float f[6] = { 0 }, loss = 0;
+    int64_t count = 0;
+    const mgpu_tensor *bx = NULL, *by = NULL;
+    header("nulls");
+    if (!t || !lab) { CHECK(0, "tensors: %s", mgpu_last_error()); return; }
+    /* destroying NULL does nothing */
+    CHECK(mgpu_device_set_destroy(NULL) == MGPU_OK, "set_destroy(NULL)");
+    CHECK(mgpu_tensor_destroy(NULL) == MGPU_OK, "tensor_destroy(NULL)");
+    CHECK(mgpu_layer_destroy(NULL) == MGPU_OK, "layer_destroy(NULL)");
+    CHECK(mgpu_model_destroy(NULL) == MGPU_OK, "model_destroy(NULL)");
+    CHECK(mgpu_dataset_destroy(NULL) == MGPU_OK, "dataset_destroy(NULL)");
+    mgpu_optimizer_destroy(NULL);
+    mgpu_loader_destroy(NULL);
+    mgpu_allreduce_destroy(NULL);
+    mgpu_safetensors_close(NULL);
+    mgpu_pinned_free(NULL);
+    /* devices */
+    CHECK(mgpu_device_set_count(NULL) == 0, "set_count(NULL)");
+    EXPECT_NULL(mgpu_device_set_get(NULL, 0), "mgpu_device_set_get");
+    CHECK(mgpu_device_set_spec(NULL) != NULL, "set_spec(NULL) is a string");
+    EXPECT_FAIL(mgpu_device_get_info(NULL, &info), "mgpu_device_get_info");
+    EXPECT_FAIL(mgpu_device_get_info(cpu, NULL), "mgpu_device_get_info");
+    CHECK(mgpu_device_label(NULL) != NULL, "device_label(NULL) is a string");
+    CHECK(mgpu_device_can_access_peer(NULL, cpu) == 0, "can_access_peer(NULL)");
+    EXPECT_FAIL(mgpu_device_synchronize(NULL), "mgpu_device_synchronize");
+    EXPECT_FAIL(mgpu_device_allow_tf32(NULL, 1), "mgpu_device_allow_tf32");
+    EXPECT_FAIL(mgpu_memory_get_stats(NULL, &stats), "mgpu_memory_get_stats");
+    EXPECT_FAIL(mgpu_memory_get_stats(cpu, NULL), "mgpu_memory_get_stats");
+    mgpu_memory_reset_peak(NULL);
+    EXPECT_FAIL(mgpu_memory_empty_cache(NULL), "mgpu_memory_empty_cache");
+    /* tensors */
+    EXPECT_NULL(mgpu_tensor_create(NULL, MGPU_F32, mgpu_shape1(1)), "mgpu_tensor_create");
+    EXPECT_NULL(mgpu_tensor_view_rows(NULL, 0, 1), "mgpu_tensor_view_rows");
+    EXPECT_NULL(mgpu_tensor_view_reshape(NULL, mgpu_shape1(1)), "mgpu_tensor_view_reshape");
+    CHECK(mgpu_tensor_shape(NULL).ndim == 0, "tensor_shape(NULL)");
+    CHECK(mgpu_tensor_numel(NULL) == 0, "tensor_numel(NULL)");
+    CHECK(mgpu_tensor_bytes(NULL) == 0, "tensor_bytes(NULL)");
+    CHECK(mgpu_tensor_device(NULL) == NULL, "tensor_device(NULL)");
+    CHECK(mgpu_tensor_data(NULL) == NULL, "tensor_data(NULL)");
+    {
+        char buf[64];
+        CHECK(strcmp(mgpu_tensor_describe(NULL, buf, sizeof buf), "(null)") == 0, "describe(NULL)");
+        CHECK(mgpu_tensor_describe(t, NULL, 10) != NULL, "describe into NULL");
+    }
+    EXPECT_FAIL(mgpu_tensor_upload(NULL, f, sizeof f), "mgpu_tensor_upload");
+    EXPECT_FAIL(mgpu_tensor_upload(t, NULL, 24), "mgpu_tensor_upload");
+    EXPECT_FAIL(mgpu_tensor_download(NULL, f, sizeof f), "mgpu_tensor_download");
+    EXPECT_FAIL(mgpu_tensor_download(t, NULL, 24), "mgpu_tensor_download");
+    EXPECT_FAIL(mgpu_tensor_copy(NULL, t), "mgpu_tensor_copy");
+    EXPECT_FAIL(mgpu_tensor_copy(t, NULL), "mgpu_tensor_copy");
+    EXPECT_NULL(mgpu_tensor_to(NULL, cpu), "mgpu_tensor_to");
+    EXPECT_NULL(mgpu_tensor_to(t, NULL), "mgpu_tensor_to");
+    EXPECT_FAIL(mgpu_tensor_fill(NULL, 1.0), "mgpu_tensor_fill");
+    EXPECT_FAIL(mgpu_tensor_zero(NULL), "mgpu_tensor_fill");
+    EXPECT_FAIL(mgpu_tensor_convert(NULL, t, 1, 0), "mgpu_tensor_convert");
+    EXPECT_FAIL(mgpu_tensor_convert(t, NULL, 1, 0), "mgpu_tensor_convert");
+    EXPECT_FAIL(mgpu_rand_uniform(NULL, 1, 0, 0, 1), "mgpu_rand_uniform");
+    EXPECT_FAIL(mgpu_rand_normal(NULL, 1, 0, 0, 1), "mgpu_rand_normal");
+    /* ops: NULL in each position */
+    EXPECT_FAIL(mgpu_add(NULL, t, t), "mgpu_add");
+    EXPECT_FAIL(mgpu_add(t, NULL, t), "mgpu_add");
+    EXPECT_FAIL(mgpu_add(t, t, NULL), "mgpu_add");
+    EXPECT_FAIL(mgpu_sub(t, NULL, t), "mgpu_sub");
+    EXPECT_FAIL(mgpu_mul(t, t, NULL), "mgpu_mul");
+    EXPECT_FAIL(mgpu_scale(NULL, t, 2), "mgpu_scale");
+    EXPECT_FAIL(mgpu_scale(t, NULL, 2), "mgpu_scale");
+    EXPECT_FAIL(mgpu_axpy(NULL, 2, t), "mgpu_axpy");
+    EXPECT_FAIL(mgpu_axpy(t, 2, NULL), "mgpu_axpy");
+    EXPECT_FAIL(mgpu_relu(NULL, t), "mgpu_relu");
+    EXPECT_FAIL(mgpu_gelu(t, NULL), "mgpu_gelu");
+    EXPECT_FAIL(mgpu_tanh(NULL, t), "mgpu_tanh");
+    EXPECT_FAIL(mgpu_sigmoid(t, NULL), "mgpu_sigmoid");
+    EXPECT_FAIL(mgpu_relu_backward(NULL, t, t), "mgpu_relu_backward");
+    EXPECT_FAIL(mgpu_gelu_backward(t, NULL, t), "mgpu_gelu_backward");
+    EXPECT_FAIL(mgpu_tanh_backward(t, t, NULL), "mgpu_tanh_backward");
+    EXPECT_FAIL(mgpu_sigmoid_backward(NULL, t, t), "mgpu_sigmoid_backward");
+    EXPECT_FAIL(mgpu_matmul(NULL, t, t, MGPU_NO_TRANS, MGPU_TRANS, 1, 0), "mgpu_matmul");
+    EXPECT_FAIL(mgpu_matmul(t, NULL, t, MGPU_NO_TRANS, MGPU_TRANS, 1, 0), "mgpu_matmul");
+    EXPECT_FAIL(mgpu_matmul(t, t, NULL, MGPU_NO_TRANS, MGPU_TRANS, 1, 0), "mgpu_matmul");
+    EXPECT_FAIL(mgpu_bias_add(NULL, t, t), "mgpu_bias_add");
+    EXPECT_FAIL(mgpu_bias_add(t, t, NULL), "mgpu_bias_add");
+    EXPECT_FAIL(mgpu_bias_backward(NULL, t), "mgpu_bias_backward");
+    EXPECT_FAIL(mgpu_bias_backward(t, NULL), "mgpu_bias_backward");
+    EXPECT_FAIL(mgpu_sum(NULL, t, 0), "mgpu_sum");
+    EXPECT_FAIL(mgpu_mean(t, NULL, 0), "mgpu_mean");
+    EXPECT_FAIL(mgpu_softmax(NULL, t), "mgpu_softmax");
+    EXPECT_FAIL(mgpu_softmax_cross_entropy(NULL, NULL, t, lab, 0), "mgpu_softmax_cross_entropy");
+    EXPECT_FAIL(mgpu_softmax_cross_entropy(t, NULL, NULL, lab, 0), "mgpu_softmax_cross_entropy");
+    EXPECT_FAIL(mgpu_softmax_cross_entropy(t, NULL, t, NULL, 0), "mgpu_softmax_cross_entropy");
+    EXPECT_FAIL(mgpu_mse(NULL, NULL, t, t, 0), "mgpu_mse");
+    EXPECT_FAIL(mgpu_mse(t, NULL, NULL, t, 0), "mgpu_mse");
+    EXPECT_FAIL(mgpu_argmax(NULL, t), "mgpu_argmax");
+    EXPECT_FAIL(mgpu_argmax(lab, NULL), "mgpu_argmax");
+    EXPECT_FAIL(mgpu_count_correct(NULL, lab, &count), "mgpu_count_correct");
+    EXPECT_FAIL(mgpu_count_correct(t, NULL, &count), "mgpu_count_correct");
+    EXPECT_FAIL(mgpu_count_correct(t, lab, NULL), "mgpu_count_correct");
+    EXPECT_FAIL(mgpu_dropout(NULL, t, t, 0.5f, 1, 0), "mgpu_dropout");
+    EXPECT_FAIL(mgpu_dropout(t, t, NULL, 0.5f, 1, 0), "mgpu_dropout");
+    /* layers */
+    EXPECT_NULL(mgpu_layer_create(NULL, NULL), "mgpu_layer_create");
+    CHECK(mgpu_layer_user_data(NULL) == NULL, "layer_user_data(NULL)");
+    CHECK(mgpu_layer_type(NULL) != NULL, "layer_type(NULL) is a string");
+    /* all-reduce */
+    EXPECT_NULL(mgpu_allreduce_create(NULL, MGPU_ALLREDUCE_AUTO), "mgpu_allreduce_create");
+    CHECK(mgpu_allreduce_backend(NULL) == MGPU_ALLREDUCE_NONE, "allreduce_backend(NULL)");
+    CHECK(mgpu_allreduce_algorithm(NULL, 16) != NULL, "allreduce_algorithm(NULL) is a string");
+    CHECK(mgpu_allreduce_memory_traffic(NULL, 16) == 0.0, "allreduce_memory_traffic(NULL)");
+    EXPECT_FAIL(mgpu_allreduce_sum(NULL, &t, 1), "mgpu_allreduce_sum");
+    /* models */
+    EXPECT_NULL(mgpu_model_create(NULL), "mgpu_model_create");
+    CHECK(mgpu_model_replica_count(NULL) == 0, "replica_count(NULL)");
+    EXPECT_NULL(mgpu_model_device(NULL, 0), "mgpu_model_device");
+    CHECK(mgpu_model_param_count(NULL) == 0, "param_count(NULL)");
+    CHECK(mgpu_model_allreduce_backend(NULL) == MGPU_ALLREDUCE_NONE, "model_allreduce_backend(NULL)");
+    CHECK(mgpu_model_bucket_count(NULL) == 0, "bucket_count(NULL)");
+    EXPECT_NULL(mgpu_model_params(NULL, 0), "mgpu_model_params");
+    EXPECT_NULL(mgpu_model_grads(NULL, 0), "mgpu_model_grads");
+    CHECK(mgpu_model_tensor_count(NULL) == 0, "tensor_count(NULL)");
+    EXPECT_NULL(mgpu_model_tensor_name(NULL, 0), "mgpu_model_tensor_name");
+    EXPECT_NULL(mgpu_model_tensor(NULL, 0, 0), "mgpu_model_tensor");
+    mgpu_model_summary(NULL, NULL);
+    EXPECT_NULL(mgpu_model_param(NULL, 0, "0.weight"), "mgpu_model_param");
+    EXPECT_NULL(mgpu_model_grad(NULL, 0, "0.weight"), "mgpu_model_grad");
+    EXPECT_NULL(mgpu_optimizer_create(NULL, NULL), "mgpu_optimizer_create");
+    EXPECT_FAIL(mgpu_optimizer_step(NULL), "mgpu_optimizer_step");
+    CHECK(mgpu_optimizer_lr(NULL) == 0.0f, "optimizer_lr(NULL)");
+    CHECK(mgpu_optimizer_step_count(NULL) == 0, "optimizer_step_count(NULL)");
+    EXPECT_NULL(mgpu_optimizer_state(NULL, 0, "0.weight", "momentum_buffer"), "mgpu_optimizer_state");
+    EXPECT_FAIL(mgpu_optimizer_reset(NULL), "mgpu_optimizer_reset");
+    EXPECT_FAIL(mgpu_model_train_step(NULL, NULL, t, lab, &loss), "mgpu_model_train_step");
+    EXPECT_FAIL(mgpu_model_accumulate(NULL, t, lab, 0, &loss), "mgpu_model_accumulate");
+    EXPECT_FAIL(mgpu_model_reduce_grads(NULL), "mgpu_model_reduce_grads");
+    EXPECT_FAIL(mgpu_model_apply(NULL, NULL), "mgpu_model_apply");
+    EXPECT_FAIL(mgpu_model_verify_replicas(NULL), "mgpu_model_verify_replicas");
+    EXPECT_FAIL(mgpu_model_evaluate(NULL, t, lab, &loss, &count), "mgpu_model_evaluate");
+    EXPECT_NULL(mgpu_model_forward(NULL, 0, t, 0), "mgpu_model_forward");
+    EXPECT_FAIL(mgpu_model_backward(NULL, 0, t), "mgpu_model_backward");
+    EXPECT_FAIL(mgpu_model_zero_grad(NULL), "mgpu_model_zero_grad");
+    EXPECT_FAIL(mgpu_model_save(NULL, NULL, "/tmp/never.safetensors"), "mgpu_model_save");
+    EXPECT_FAIL(mgpu_model_load(NULL, NULL, "/tmp/never.safetensors"), "mgpu_model_load");
+    EXPECT_FAIL(mgpu_model_save_ex(NULL, NULL, "/tmp/never.safetensors", NULL), "mgpu_model_save");
+    EXPECT_FAIL(mgpu_model_load_ex(NULL, NULL, "/tmp/never.safetensors", NULL), "mgpu_model_load");
+    /* data */
+    EXPECT_NULL(mgpu_dataset_load_idx(NULL, NULL), "mgpu_dataset_load_idx");
+    EXPECT_NULL(mgpu_loader_create(NULL, NULL), "mgpu_loader_create");
+    mgpu_loader_start(NULL, 0);
+    CHECK(mgpu_loader_next(NULL, &bx, &by) == 0, "loader_next(NULL)");
+    CHECK(mgpu_loader_batches(NULL) == 0, "loader_batches(NULL)");
+    EXPECT_NULL(mgpu_safetensors_open(NULL), "mgpu_safetensors_open");
+    CHECK(mgpu_safetensors_count(NULL) == 0, "safetensors_count(NULL)");
+    EXPECT_FAIL(mgpu_safetensors_get_info(NULL, 0, &sinfo), "mgpu_safetensors_get_info");
+    CHECK(mgpu_safetensors_find(NULL, "x") == -1, "safetensors_find(NULL)");
+    EXPECT_NULL(mgpu_safetensors_read(NULL, "x", cpu), "mgpu_safetensors_read");
+    CHECK(mgpu_safetensors_metadata_count(NULL) == 0, "metadata_count(NULL)");
+    CHECK(mgpu_safetensors_metadata_key(NULL, 0) == NULL, "metadata_key(NULL)");
+    CHECK(mgpu_safetensors_metadata(NULL, "format") == NULL, "metadata(NULL)");
+    mgpu_tensor_destroy(t);
+    mgpu_tensor_destroy(lab);
+}
+
+/* NULLs inside otherwise good calls: a model's own arguments, a loader's outputs */
+static void test_null_args(void) {
+    mgpu_model* m = small_model(NULL);
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 4));
+    mgpu_tensor* y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(2));
+    float loss;
+    header("null_args");
+    if (!m || !o || !x || !y) { CHECK(0, "setup: %s", mgpu_last_error()); goto done; }
+    mgpu_tensor_zero(x);
+    mgpu_tensor_zero(y);
+    EXPECT_FAIL(mgpu_model_train_step(m, NULL, x, y, &loss), "mgpu_model_train_step");
+    EXPECT_FAIL(mgpu_model_train_step(m, o, NULL, y, &loss), "mgpu_model_train_step");
+    EXPECT_FAIL(mgpu_model_train_step(m, o, x, NULL, &loss), "mgpu_model_train_step");
+    CHECK(mgpu_model_train_step(m, o, x, y, NULL) == MGPU_OK, "train_step with loss NULL: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_model_accumulate(m, NULL, y, 0, NULL), "mgpu_model_accumulate");
+    EXPECT_FAIL(mgpu_model_evaluate(m, x, NULL, NULL, NULL), "mgpu_model_evaluate");
+    EXPECT_FAIL(mgpu_model_apply(m, NULL), "mgpu_model_apply");
+    EXPECT_NULL(mgpu_model_forward(m, 0, NULL, 0), "mgpu_model_forward");
+    EXPECT_FAIL(mgpu_model_backward(m, 0, NULL), "mgpu_model_backward");
+    EXPECT_FAIL(mgpu_model_save(m, o, NULL), "mgpu_model_save");
+    EXPECT_FAIL(mgpu_model_load(m, o, NULL), "mgpu_model_load");
+    EXPECT_NULL(mgpu_model_param(m, 0, NULL), "mgpu_model_param");
+    EXPECT_NULL(mgpu_optimizer_state(o, 0, NULL, "momentum_buffer"), "mgpu_optimizer_state");
+    EXPECT_NULL(mgpu_optimizer_state(o, 0, "0.weight", NULL), "mgpu_optimizer_state");
+done:
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+}
+
+static void test_indices(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+    mgpu_model* m = set ? small_model(set) : NULL;
+    mgpu_optimizer* o = NULL;
+    mgpu_tensor* t = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 3));
+    header("indices");
+    if (!set || !m || !t) { CHECK(0, "setup: %s", mgpu_last_error()); goto done; }
+    o = mgpu_optimizer_create(m, NULL);
+    EXPECT_NULL(mgpu_device_set_get(set, 2), "mgpu_device_set_get");
+    EXPECT_NULL(mgpu_device_set_get(set, -1), "mgpu_device_set_get");
+    EXPECT_NULL(mgpu_model_device(m, 2), "mgpu_model_device");
+    EXPECT_NULL(mgpu_model_device(m, -1), "mgpu_model_device");
+    EXPECT_NULL(mgpu_model_params(m, 5), "mgpu_model_params");
+    EXPECT_NULL(mgpu_model_grads(m, -3), "mgpu_model_grads");
+    EXPECT_NULL(mgpu_model_tensor_name(m, 4), "mgpu_model_tensor_name");
+    EXPECT_NULL(mgpu_model_tensor_name(m, -1), "mgpu_model_tensor_name");
+    EXPECT_NULL(mgpu_model_tensor(m, 0, 4), "mgpu_model_tensor");
+    EXPECT_NULL(mgpu_model_tensor(m, 2, 0), "mgpu_model_tensor");
+    EXPECT_NULL(mgpu_model_param(m, 0, "9.weight"), "mgpu_model_param");
+    EXPECT_NULL(mgpu_model_grad(m, 7, "0.weight"), "mgpu_model_grad");
+    EXPECT_NULL(mgpu_model_forward(m, 2, t, 0), "mgpu_model_forward");
+    EXPECT_FAIL(mgpu_model_backward(m, -1, t), "mgpu_model_backward");
+    if (o) {
+        EXPECT_NULL(mgpu_optimizer_state(o, 2, "0.weight", "momentum_buffer"), "mgpu_optimizer_state");
+        EXPECT_NULL(mgpu_optimizer_state(o, 0, "0.weight", "exp_avg"), "mgpu_optimizer_state");
+    }
+    CHECK(mgpu_tensor_dim(t, 0) == 2 && mgpu_tensor_dim(t, -1) == 3, "tensor_dim in range");
+    mgpu_clear_error();
+    CHECK(mgpu_tensor_dim(t, 2) == -1 && strstr(mgpu_last_error(), "mgpu_tensor_dim"), "tensor_dim(2): %s", mgpu_last_error());
+    mgpu_clear_error();
+    CHECK(mgpu_tensor_dim(t, -3) == -1 && strstr(mgpu_last_error(), "mgpu_tensor_dim"), "tensor_dim(-3): %s", mgpu_last_error());
+    mgpu_clear_error();
+    CHECK(mgpu_tensor_dim(t, 1 << 30) == -1, "tensor_dim(2^30)");
+    EXPECT_NULL(mgpu_tensor_view_rows(t, 1, 2), "mgpu_tensor_view_rows");
+    EXPECT_NULL(mgpu_tensor_view_rows(t, -1, 1), "mgpu_tensor_view_rows");
+    EXPECT_NULL(mgpu_tensor_view_rows(t, INT64_MAX, INT64_MAX), "mgpu_tensor_view_rows");
+    EXPECT_NULL(mgpu_tensor_view_reshape(t, mgpu_shape1(7)), "mgpu_tensor_view_reshape");
+    EXPECT_FAIL(mgpu_tensor_upload(t, "abc", 3), "mgpu_tensor_upload");
+    EXPECT_FAIL(mgpu_sum(t, t, 2), "mgpu_sum");
+    EXPECT_FAIL(mgpu_mean(t, t, -1), "mgpu_mean");
+    {   /* a safetensors file's entries */
+        mgpu_safetensors* st;
+        mgpu_safetensors_info info;
+        CHECK(mgpu_model_save(m, o, "/tmp/mgpu_misuse_idx.safetensors") == MGPU_OK, "save: %s", mgpu_last_error());
+        st = mgpu_safetensors_open("/tmp/mgpu_misuse_idx.safetensors");
+        CHECK(st != NULL, "open: %s", mgpu_last_error());
+        if (st) {
+            int n = mgpu_safetensors_count(st);
+            EXPECT_FAIL(mgpu_safetensors_get_info(st, n, &info), "mgpu_safetensors_get_info");
+            EXPECT_FAIL(mgpu_safetensors_get_info(st, -1, &info), "mgpu_safetensors_get_info");
+            EXPECT_FAIL(mgpu_safetensors_get_info(st, 0, NULL), "mgpu_safetensors_get_info");
+            mgpu_clear_error();
+            CHECK(mgpu_safetensors_find(st, "nope") == -1 && strstr(mgpu_last_error(), "nope"), "find: %s", mgpu_last_error());
+            EXPECT_NULL(mgpu_safetensors_read(st, "nope", NULL), "mgpu_safetensors_read");
+            EXPECT_NULL(mgpu_safetensors_read(st, NULL, NULL), "mgpu_safetensors_read");
+            mgpu_clear_error();
+            CHECK(mgpu_safetensors_metadata_key(st, 1000) == NULL, "metadata_key(1000)");
+            CHECK(mgpu_safetensors_metadata_key(st, -1) == NULL, "metadata_key(-1)");
+            CHECK(mgpu_safetensors_metadata(st, NULL) == NULL, "metadata(NULL key)");
+            mgpu_safetensors_close(st);
+        }
+        remove("/tmp/mgpu_misuse_idx.safetensors");
+    }
+done:
+    mgpu_tensor_destroy(t);
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_shapes(void) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_memory_stats before, after;
+    mgpu_shape bad;
+    header("shapes");
+    CHECK(mgpu_shape_numel(mgpu_shape4(INT64_MAX, 2, 1, 1)) == -1, "numel overflow is -1");
+    CHECK(mgpu_shape_numel(mgpu_shape2((int64_t)1 << 32, (int64_t)1 << 32)) == -1, "2^64 elements is -1");
+    CHECK(mgpu_shape_numel(mgpu_shape2((int64_t)1 << 31, (int64_t)1 << 31)) == (int64_t)1 << 62, "2^62 elements fit");
+    CHECK(mgpu_shape_numel(mgpu_shape2(-1, 4)) == -1, "negative dimension is -1");
+    CHECK(mgpu_shape_numel(mgpu_shape2(0, INT64_MAX)) == 0, "a zero dimension is 0 elements");
+    memset(&bad, 0, sizeof bad);
+    bad.ndim = 5;
+    CHECK(mgpu_shape_numel(bad) == -1, "5 dimensions is -1");
+    bad.ndim = -1;
+    CHECK(mgpu_shape_numel(bad) == -1, "-1 dimensions is -1");
+    mgpu_memory_get_stats(cpu, &before);
+    EXPECT_NULL(mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape4(INT64_MAX, 2, 1, 1)), "mgpu_tensor_create");
+    EXPECT_NULL(mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape2((int64_t)1 << 32, (int64_t)1 << 32)), "mgpu_tensor_create");
+    /* the element count fits int64 but the bytes do not fit size_t */
+    EXPECT_NULL(mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape2((int64_t)1 << 31, (int64_t)1 << 31)), "mgpu_tensor_create");
+    EXPECT_NULL(mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape1(-5)), "mgpu_tensor_create");
+    EXPECT_NULL(mgpu_tensor_create(cpu, MGPU_F32, bad), "mgpu_tensor_create");
+    EXPECT_NULL(mgpu_tensor_create(cpu, (mgpu_dtype)7, mgpu_shape1(1)), "mgpu_tensor_create");
+    mgpu_memory_get_stats(cpu, &after);
+    CHECK(after.backend_allocs == before.backend_allocs, "no allocation was attempted for impossible shapes");
+    {   /* a model whose parameter count overflows fails at create, no allocation of a wrapped size */
+        mgpu_layer* l = mgpu_layer_linear(1 << 30, 1 << 30);
+        mgpu_model_desc d;
+        mgpu_model* m;
+        memset(&d, 0, sizeof d);
+        d.input = mgpu_shape1(1 << 30);
+        d.layers = &l;
+        d.layer_count = 1;
+        mgpu_clear_error();
+        m = mgpu_model_create(&d);
+        CHECK(m == NULL && mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY, "a 2^60-parameter model: %s", mgpu_last_error());
+        mgpu_model_destroy(m);
+    }
+    {   /* reshape to an overflowing shape */
+        mgpu_tensor* t = mgpu_tensor_create(cpu, MGPU_F32, mgpu_shape1(4));
+        EXPECT_NULL(mgpu_tensor_view_reshape(t, mgpu_shape2(INT64_MAX, 4)), "mgpu_tensor_view_reshape");
+        EXPECT_NULL(mgpu_tensor_view_reshape(t, mgpu_shape2(-2, -2)), "mgpu_tensor_view_reshape");
+        mgpu_tensor_destroy(t);
+    }
+}
+
+static int g_user_destroyed;
+static mgpu_result ident_forward(const mgpu_layer* l, const mgpu_layer_ctx* c, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)c;
+    return mgpu_tensor_copy(y, x);
+}
+static mgpu_result ident_backward(const mgpu_layer* l, const mgpu_layer_ctx* c, const mgpu_tensor* x, const mgpu_tensor* y,
+                                  const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)c; (void)x; (void)y;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static void ident_destroy(mgpu_layer* l) { (void)l; g_user_destroyed++; }
+static const mgpu_layer_vtable ident_vt = { "Identity", NULL, NULL, NULL, NULL, NULL, NULL, ident_forward, ident_backward, NULL, ident_destroy };
+
+static void test_lifetimes(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+    mgpu_model* m = NULL;
+    mgpu_optimizer* o = NULL;
+    mgpu_tensor *t = NULL, *v = NULL;
+    mgpu_allreduce* ar = NULL;
+    header("lifetimes");
+    if (!set) { CHECK(0, "set: %s", mgpu_last_error()); return; }
+    /* a set with a tensor, a view, a model, an optimizer and a communicator on it */
+    t = mgpu_tensor_create(mgpu_device_set_get(set, 1), MGPU_F32, mgpu_shape2(4, 4));
+    v = t ? mgpu_tensor_view_rows(t, 1, 2) : NULL;
+    m = small_model(set);
+    o = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+    if (!t || !v || !m || !o || !ar) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+    mgpu_clear_error();
+    CHECK(mgpu_device_set_destroy(set) == MGPU_ERROR_IN_USE, "set in use: refused");
+    CHECK(strstr(mgpu_last_error(), "mgpu_device_set_destroy") && strstr(mgpu_last_error(), "1 model") &&
+          strstr(mgpu_last_error(), "1 communicator") && strstr(mgpu_last_error(), "tensors"), "message: %s", mgpu_last_error());
+    CHECK(mgpu_device_set_count(set) == 2 && mgpu_device_set_get(set, 0) != NULL, "the set still works");
+    mgpu_clear_error();
+    CHECK(mgpu_model_destroy(m) == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "mgpu_model_destroy") &&
+          strstr(mgpu_last_error(), "1 optimizer"), "model with an optimizer: %s", mgpu_last_error());
+    {   /* both still work */
+        mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(4, 4));
+        mgpu_tensor* y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(4));
+        float loss = -1;
+        mgpu_tensor_fill(x, 0.5);
+        mgpu_tensor_zero(y);
+        CHECK(mgpu_model_train_step(m, o, x, y, &loss) == MGPU_OK && loss > 0, "train after refusals: %s", mgpu_last_error());
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    mgpu_optimizer_destroy(o);
+    CHECK(mgpu_model_destroy(m) == MGPU_OK, "model without optimizers: %s", mgpu_last_error());
+    mgpu_clear_error();
+    CHECK(mgpu_device_set_destroy(set) == MGPU_ERROR_IN_USE && !strstr(mgpu_last_error(), "model") &&
+          strstr(mgpu_last_error(), "1 communicator and 1 tensor"), "set with a communicator and a tensor: %s", mgpu_last_error());
+    mgpu_allreduce_destroy(ar);
+    mgpu_tensor_destroy(t);
+    mgpu_clear_error();
+    CHECK(mgpu_device_set_destroy(set) == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "1 tensor still uses"),
+          "a view keeps the storage: %s", mgpu_last_error());
+    mgpu_tensor_destroy(v);
+    {   /* a set's first CPU device is mgpu_device_cpu(), which outlives the set: its tensors do not count */
+        mgpu_tensor* c = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(4));
+        CHECK(mgpu_device_set_get(set, 0) == mgpu_device_cpu(), "cpu:2's device 0 is the library's CPU device");
+        CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set without users: %s", mgpu_last_error());
+        CHECK(mgpu_tensor_fill(c, 1.0) == MGPU_OK, "the CPU tensor lives on: %s", mgpu_last_error());
+        mgpu_tensor_destroy(c);
+    }
+
+    {   /* data set and loader */
+        mgpu_dataset* ds = (mgpu_dataset*)calloc(1, sizeof *ds);
+        mgpu_loader* l;
+        ds->count = 4;
+        ds->rows = ds->cols = 2;
+        ds->images = (uint8_t*)calloc(16, 1);
+        ds->labels = (uint8_t*)calloc(4, 1);
+        l = mgpu_loader_create(ds, NULL);
+        CHECK(l != NULL, "loader: %s", mgpu_last_error());
+        mgpu_clear_error();
+        CHECK(mgpu_dataset_destroy(ds) == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "1 loader"), "data set read by a loader: %s",
+              mgpu_last_error());
+        {
+            const mgpu_tensor *bx, *by;
+            CHECK(mgpu_loader_next(l, &bx, &by) == 1 && mgpu_tensor_numel(bx) == 16, "the loader still works");
+            mgpu_clear_error();
+            CHECK(mgpu_tensor_destroy((mgpu_tensor*)bx) == MGPU_ERROR_IN_USE, "a loader's batch: %s", mgpu_last_error());
+        }
+        mgpu_loader_destroy(l);
+        CHECK(mgpu_dataset_destroy(ds) == MGPU_OK, "data set without loaders");
+    }
+
+    {   /* layers: owned by their model */
+        mgpu_layer* a = mgpu_layer_linear(4, 4);
+        mgpu_layer* r = mgpu_layer_relu();
+        mgpu_layer* layers[3];
+        mgpu_model_desc d;
+        mgpu_model *m1, *m2;
+        memset(&d, 0, sizeof d);
+        d.input = mgpu_shape1(4);
+        layers[0] = a; layers[1] = r; layers[2] = a;   /* the same Linear twice */
+        d.layers = layers;
+        d.layer_count = 3;
+        mgpu_clear_error();
+        m1 = mgpu_model_create(&d);
+        CHECK(m1 == NULL && strstr(mgpu_last_error(), "layers 0 and 2 are the same"), "a layer twice: %s", mgpu_last_error());
+        /* the model owned both (freed once each; ASan and the leak checker watch) */
+        a = mgpu_layer_linear(4, 4);
+        layers[0] = a; layers[1] = mgpu_layer_relu(); layers[2] = NULL;
+        d.layer_count = 2;
+        m1 = mgpu_model_create(&d);
+        CHECK(m1 != NULL, "model: %s", mgpu_last_error());
+        mgpu_clear_error();
+        CHECK(mgpu_layer_destroy(a) == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "mgpu_layer_destroy"), "owned layer: %s",
+              mgpu_last_error());
+        /* a layer of m1 in a second model, beside a fresh one that the failed create destroys */
+        g_user_destroyed = 0;
+        layers[0] = mgpu_layer_create(&ident_vt, NULL);
+        layers[1] = a;
+        mgpu_clear_error();
+        m2 = mgpu_model_create(&d);
+        CHECK(m2 == NULL && mgpu_last_result() == MGPU_ERROR_IN_USE && strstr(mgpu_last_error(), "another model"),
+              "another model's layer: %s", mgpu_last_error());
+        CHECK(g_user_destroyed == 1, "the failed create destroyed its own layer once (%d)", g_user_destroyed);
+        CHECK(mgpu_model_param_count(m1) == 20, "m1 untouched");
+        {   /* m1 still trains its layer */
+            mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 4));
+            const mgpu_tensor* out;
+            mgpu_tensor_fill(x, 1.0);
+            out = mgpu_model_forward(m1, 0, x, 0);
+            CHECK(out && mgpu_tensor_numel(out) == 8, "m1 forward: %s", mgpu_last_error());
+            mgpu_clear_error();
+            CHECK(mgpu_tensor_destroy((mgpu_tensor*)out) == MGPU_ERROR_IN_USE, "a model's output: %s", mgpu_last_error());
+            mgpu_tensor_destroy(x);
+        }
+        /* a layer twice and NULL after it: each distinct layer freed once */
+        g_user_destroyed = 0;
+        layers[0] = mgpu_layer_create(&ident_vt, NULL);
+        layers[1] = layers[0];
+        layers[2] = NULL;
+        d.layer_count = 3;
+        mgpu_clear_error();
+        CHECK(mgpu_model_create(&d) == NULL && g_user_destroyed == 1, "twice then NULL: %d destroys, %s", g_user_destroyed,
+              mgpu_last_error());
+        CHECK(mgpu_model_destroy(m1) == MGPU_OK, "m1 destroyed");
+    }
+}
+
+static void test_owned(void) {
+    mgpu_model* m = small_model(NULL);
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .momentum = 0.9f }) : NULL;
+    header("owned");
+    if (!m || !o) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_model_params(m, 0)), "mgpu_tensor_destroy");
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_model_grads(m, 0)), "mgpu_tensor_destroy");
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_model_tensor(m, 0, 1)), "mgpu_tensor_destroy");
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_model_param(m, 0, "2.weight")), "mgpu_tensor_destroy");
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_model_grad(m, 0, "2.bias")), "mgpu_tensor_destroy");
+    EXPECT_FAIL(mgpu_tensor_destroy(mgpu_optimizer_state(o, 0, "0.weight", "momentum_buffer")), "mgpu_tensor_destroy");
+    CHECK(mgpu_tensor_numel(mgpu_model_params(m, 0)) > 0, "the parameters are still there");
+    {   /* a view of an owned tensor is the caller's */
+        mgpu_tensor* v = mgpu_tensor_view_rows(mgpu_model_params(m, 0), 0, 4);
+        CHECK(v && mgpu_tensor_destroy(v) == MGPU_OK, "a view the caller made: %s", mgpu_last_error());
+    }
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+}
+
+/* Handles listed while they live: a second destroy, or a use at create time after the destroy,
+   is refused (LIFETIMES). No allocation happens between the two destroys, so the address is
+   not reused. */
+static void test_double_destroy(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+    mgpu_model* m;
+    mgpu_optimizer* o;
+    mgpu_allreduce* ar;
+    mgpu_safetensors* st;
+    mgpu_loader* l;
+    mgpu_dataset ds;
+    uint8_t images[8], labels[2] = { 0, 1 };
+    header("double_destroy");
+    if (!set) { CHECK(0, "set: %s", mgpu_last_error()); return; }
+    m = small_model(set);
+    o = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
+    if (!m || !o || !ar) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+    CHECK(mgpu_model_save(m, o, "/tmp/mgpu_misuse_dd.safetensors") == MGPU_OK, "save: %s", mgpu_last_error());
+    st = mgpu_safetensors_open("/tmp/mgpu_misuse_dd.safetensors");
+    remove("/tmp/mgpu_misuse_dd.safetensors");
+    memset(&ds, 0, sizeof ds);
+    memset(images, 0, sizeof images);
+    ds.count = 2; ds.rows = 2; ds.cols = 2; ds.images = images; ds.labels = labels;
+    l = mgpu_loader_create(&ds, NULL);
+    if (!st || !l) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
+
+    mgpu_safetensors_close(st);
+    mgpu_clear_error();
+    mgpu_safetensors_close(st);
+    CHECK(strstr(mgpu_last_error(), "mgpu_safetensors_close") && strstr(mgpu_last_error(), "not a live"), "close twice: %s",
+          mgpu_last_error());
+    mgpu_loader_destroy(l);
+    mgpu_clear_error();
+    mgpu_loader_destroy(l);
+    CHECK(strstr(mgpu_last_error(), "mgpu_loader_destroy") && strstr(mgpu_last_error(), "not a live"), "loader twice: %s",
+          mgpu_last_error());
+    CHECK(ds.loaders == 0, "the data set's count went down once (%d)", ds.loaders);
+    mgpu_allreduce_destroy(ar);
+    mgpu_clear_error();
+    mgpu_allreduce_destroy(ar);
+    CHECK(strstr(mgpu_last_error(), "mgpu_allreduce_destroy") && strstr(mgpu_last_error(), "not a live"), "communicator twice: %s",
+          mgpu_last_error());
+    mgpu_optimizer_destroy(o);
+    mgpu_clear_error();
+    mgpu_optimizer_destroy(o);
+    CHECK(strstr(mgpu_last_error(), "mgpu_optimizer_destroy") && strstr(mgpu_last_error(), "not a live"), "optimizer twice: %s",
+          mgpu_last_error());
+    EXPECT_FAIL(mgpu_optimizer_step(o), "mgpu_optimizer_step");
+    EXPECT_FAIL(mgpu_model_apply(m, o), "mgpu_model_apply");
+    CHECK(mgpu_model_destroy(m) == MGPU_OK, "model: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_model_destroy(m), "mgpu_model_destroy");
+    EXPECT_FAIL(mgpu_model_accumulate(m, NULL, NULL, 0, NULL), "mgpu_model_accumulate");
+    EXPECT_FAIL(mgpu_model_evaluate(m, NULL, NULL, NULL, NULL), "mgpu_model_evaluate");
+    EXPECT_NULL(mgpu_optimizer_create(m, NULL), "mgpu_optimizer_create");
+    CHECK(mgpu_device_set_destroy(set) == MGPU_OK, "set: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_device_set_destroy(set), "mgpu_device_set_destroy");
+    EXPECT_NULL(mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO), "mgpu_allreduce_create");
+    {   /* a model on a destroyed set: refused, and its layers freed (the desc's promise) */
+        mgpu_layer* layers[1];
+        mgpu_model_desc d;
+        g_user_destroyed = 0;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_layer_create(&ident_vt, NULL);
+        d.input = mgpu_shape1(4);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = set;
+        EXPECT_NULL(mgpu_model_create(&d), "mgpu_model_create");
+        CHECK(strstr(mgpu_last_error(), "not a live device set") && g_user_destroyed == 1, "model on a destroyed set: %s",
+              mgpu_last_error());
+    }
+}
+
+int main(int argc, char** argv) {
+    (void)test_rel_error;   /* test.h's, unused here */
+    test_start("test_misuse");
+    test_select(argc, argv);
+    TEST_GROUP(test_nulls());
+    TEST_GROUP(test_null_args());
+    TEST_GROUP(test_indices());
+    TEST_GROUP(test_shapes());
+    TEST_GROUP(test_lifetimes());
+    TEST_GROUP(test_owned());
+    TEST_GROUP(test_double_destroy());
+    return test_summary("test_misuse");
+}
