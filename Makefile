@@ -6,7 +6,10 @@
 #   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
-# Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder).
+#   make fuzz       the libFuzzer harnesses (tests/fuzz), FUZZ_SECONDS each (default 600), two at a
+#                   time; make test runs each for 60 s
+#   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
+# Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder), CLANG.
 
 CC        ?= cc
 CXX       ?= c++
@@ -15,10 +18,16 @@ NVCC      ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bi
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 ARCH      ?= -gencode arch=compute_90,code=[sm_90,compute_90]
 B         ?= build
+CLANG     ?= clang
+FUZZ_SECONDS ?= 600
 
 WARN      = -std=c99 -Wall -Wextra -Werror
 LDLIBS    = -lm -lpthread
 SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+# clang's sanitizers beside gcc's: its UBSan checks more (e.g. -fsanitize=function, implicit
+# conversions it knows), and any report stops the run
+CLANG_SANITIZE = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+TSAN      = -O1 -g -fno-omit-frame-pointer -fsanitize=thread
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
@@ -35,7 +44,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -72,6 +81,14 @@ $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
 
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
+
+# the same suites built by clang with its ASan + UBSan (without clang, one skip says so)
+HAVE_CLANG := $(shell command -v $(CLANG) 2>/dev/null)
+$(B)/test_%_clang: tests/test_%.c $(HEADERS) | $(B)
+	$(CLANG) $(WARN) $(CLANG_SANITIZE) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
+CLANG_TESTS = $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang),"sh -c 'echo skip the clang sanitizer builds: no $(CLANG), apt-get install clang; echo 0 passed, 0 failed, 4 skipped'")
+test-clang: $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
+	@sh tests/run_all.sh $(CLANG_TESTS)
 
 # MGPU_CBLAS: test_core with every CPU GEMM sent to OpenBLAS's cblas_sgemm (Debian's
 # libopenblas-dev, which .ci/run installs); without it, one skip says so.
@@ -147,9 +164,17 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS)
-	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)"
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+      $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
+	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/fuzz/run.sh $(B) 60"
+
+# ---- fuzzing (tests/fuzz): libFuzzer harnesses built by clang with ASan + UBSan -----------------
+# FUZZ_SECONDS per harness, two at a time; new inputs collect in $(B)/fuzz/corpus, a crash's in
+# $(B)/fuzz/crash-<harness>-input. Without clang or libFuzzer the script reports skips.
+fuzz: | $(B)
+	@sh tests/fuzz/run.sh $(B) $(FUZZ_SECONDS)
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

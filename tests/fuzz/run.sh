@@ -23,12 +23,12 @@ skip_all() {
     exit 0
 }
 command -v "$CLANG" >/dev/null 2>&1 || skip_all "no $CLANG (apt-get install clang)"
-printf 'int LLVMFuzzerTestOneInput(const unsigned char* d, unsigned long n) { (void)d; (void)n; return 0; }\n' >"$DIR/probe.c"
-"$CLANG" $CFLAGS "$DIR/probe.c" -o "$DIR/probe" 2>"$DIR/probe.log" ||
-    skip_all "$CLANG cannot build a libFuzzer program with ASan and UBSan ($(head -n 1 "$DIR/probe.log"))"
+printf 'int LLVMFuzzerTestOneInput(const unsigned char* d, unsigned long n) { (void)d; (void)n; return 0; }\n' >"$DIR/probe$$.c"
+"$CLANG" $CFLAGS "$DIR/probe$$.c" -o "$DIR/probe$$" 2>"$DIR/probe$$.log" ||
+    skip_all "$CLANG cannot build a libFuzzer program with ASan and UBSan ($(head -n 1 "$DIR/probe$$.log"))"
 HAVE_ZLIB=1
-printf '#include <zlib.h>\nint main(void) { return zlibVersion() == 0; }\n' >"$DIR/probe.c"
-"$CLANG" "$DIR/probe.c" -o "$DIR/probe" -lz 2>/dev/null || HAVE_ZLIB=
+printf '#include <zlib.h>\nint main(void) { return zlibVersion() == 0; }\n' >"$DIR/probe$$.c"
+"$CLANG" "$DIR/probe$$.c" -o "$DIR/probe$$" -lz 2>/dev/null || HAVE_ZLIB=
 
 passed=0; failed=0; skipped=0
 
@@ -89,6 +89,6 @@ while [ $# -gt 0 ]; do
         fi
     done
 done
-rm -f "$DIR/probe.c" "$DIR/probe" "$DIR/probe.log"
+rm -f "$DIR/probe$$.c" "$DIR/probe$$" "$DIR/probe$$.log"
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]
