@@ -165,10 +165,19 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
+      $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/fuzz/run.sh $(B) 60"
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
+
+# ---- ThreadSanitizer (clang): the data-parallel suite and a cpu:3 training -----------------------
+$(B)/test_parallel_tsan: tests/test_parallel.c $(HEADERS) | $(B)
+	$(CLANG) $(WARN) $(TSAN) -I. $< -o $@ $(LDLIBS)
+$(B)/train_tsan: examples/train.c mgpu.h | $(B)
+	$(CLANG) $(WARN) $(TSAN) -I. $< -o $@ $(LDLIBS)
+TSAN_BINS = $(if $(HAVE_CLANG),$(B)/test_parallel_tsan $(B)/train_tsan)
+tsan: $(TSAN_BINS)
+	@sh tests/tsan.sh $(B) $(DATA)
 
 # ---- fuzzing (tests/fuzz): libFuzzer harnesses built by clang with ASan + UBSan -----------------
 # FUZZ_SECONDS per harness, two at a time; new inputs collect in $(B)/fuzz/corpus, a crash's in
