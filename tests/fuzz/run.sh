@@ -25,7 +25,7 @@ skip_all() {
 command -v "$CLANG" >/dev/null 2>&1 || skip_all "no $CLANG (apt-get install clang)"
 printf 'int LLVMFuzzerTestOneInput(const unsigned char* d, unsigned long n) { (void)d; (void)n; return 0; }\n' >"$DIR/probe$$.c"
 "$CLANG" $CFLAGS "$DIR/probe$$.c" -o "$DIR/probe$$" 2>"$DIR/probe$$.log" ||
-    skip_all "$CLANG cannot build a libFuzzer program with ASan and UBSan ($(head -n 1 "$DIR/probe$$.log"))"
+    skip_all "$CLANG cannot build a libFuzzer program with ASan and UBSan (apt-get install libclang-rt-dev; $(head -n 1 "$DIR/probe$$.log"))"
 HAVE_ZLIB=1
 printf '#include <zlib.h>\nint main(void) { return zlibVersion() == 0; }\n' >"$DIR/probe$$.c"
 "$CLANG" "$DIR/probe$$.c" -o "$DIR/probe$$" -lz 2>/dev/null || HAVE_ZLIB=
