@@ -167,7 +167,7 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS)
+      $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
@@ -184,7 +184,17 @@ tsan: $(TSAN_BINS)
 # ---- fuzzing (tests/fuzz): libFuzzer harnesses built by clang with ASan + UBSan -----------------
 # FUZZ_SECONDS per harness, two at a time; new inputs collect in $(B)/fuzz/corpus, a crash's in
 # $(B)/fuzz/crash-<harness>-input. Without clang or libFuzzer the script reports skips.
-fuzz: | $(B)
+# The harnesses are built here (so make -j2 builds them with the rest) and, with the same flags,
+# by run.sh itself when one is missing or older than its sources.
+FUZZ_HARNESSES = safetensors model_load idx gunzip inflate
+FUZZ_CFLAGS = $(WARN) -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char* d, long n) { (void)d; (void)n; return 0; }\n' | \
+               $(CLANG) -x c $(FUZZ_CFLAGS) - -o /dev/null 2>/dev/null && echo 1)
+FUZZ_BINS = $(if $(HAVE_FUZZ),$(FUZZ_HARNESSES:%=$(B)/fuzz/fuzz_%))
+$(B)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c mgpu.h tests/fuzz/fuzz.h tests/fuzz/zref.h
+	@mkdir -p $(B)/fuzz
+	$(CLANG) $(FUZZ_CFLAGS) -I. $< -o $@ -lz $(LDLIBS)
+fuzz: $(FUZZ_BINS) | $(B)
 	@sh tests/fuzz/run.sh $(B) $(FUZZ_SECONDS)
 
 # ---- the main job ----------------------------------------------------------------------------
