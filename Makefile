@@ -6,7 +6,10 @@
 #   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
-# Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder).
+#   make fuzz       the libFuzzer harnesses (tests/fuzz), FUZZ_SECONDS each (default 600), two at a
+#                   time; make test runs each for 60 s
+#   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
+# Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder), CLANG.
 
 CC        ?= cc
 CXX       ?= c++
@@ -15,10 +18,16 @@ NVCC      ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bi
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 ARCH      ?= -gencode arch=compute_90,code=[sm_90,compute_90]
 B         ?= build
+CLANG     ?= clang
+FUZZ_SECONDS ?= 600
 
 WARN      = -std=c99 -Wall -Wextra -Werror
 LDLIBS    = -lm -lpthread
 SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+# clang's sanitizers beside gcc's: its UBSan checks more (e.g. -fsanitize=function, implicit
+# conversions it knows), and any report stops the run
+CLANG_SANITIZE = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+TSAN      = -O1 -g -fno-omit-frame-pointer -fsanitize=thread
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
@@ -35,7 +44,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -72,6 +81,16 @@ $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
 
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
+
+# the same suites built by clang with its ASan + UBSan (without clang or its sanitizer runtimes,
+# Debian's libclang-rt-dev, one skip says so)
+HAVE_CLANG := $(shell printf 'int main(void){return 0;}\n' | $(CLANG) -x c $(CLANG_SANITIZE) - -o /dev/null 2>/dev/null && echo 1)
+HAVE_TSAN  := $(shell printf 'int main(void){return 0;}\n' | $(CLANG) -x c $(TSAN) - -o /dev/null 2>/dev/null && echo 1)
+$(B)/test_%_clang: tests/test_%.c $(HEADERS) | $(B)
+	$(CLANG) $(WARN) $(CLANG_SANITIZE) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
+CLANG_TESTS = $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang),"sh -c 'echo skip the clang sanitizer builds: no $(CLANG) with ASan and UBSan, apt-get install clang libclang-rt-dev; echo 0 passed, 0 failed, 4 skipped'")
+test-clang: $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
+	@sh tests/run_all.sh $(CLANG_TESTS)
 
 # MGPU_CBLAS: test_core with every CPU GEMM sent to OpenBLAS's cblas_sgemm (Debian's
 # libopenblas-dev, which .ci/run installs); without it, one skip says so.
@@ -156,10 +175,36 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 
 # Order matters a little: test_io writes the file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(B)/test_save_faults $(RELIABILITY_TESTS)
-	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
+      $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS)
+	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS) \
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
+
+# ---- ThreadSanitizer (clang): the data-parallel suite and a cpu:3 training -----------------------
+$(B)/test_parallel_tsan: tests/test_parallel.c $(HEADERS) | $(B)
+	$(CLANG) $(WARN) $(TSAN) -I. $< -o $@ $(LDLIBS)
+$(B)/train_tsan: examples/train.c mgpu.h | $(B)
+	$(CLANG) $(WARN) $(TSAN) -I. $< -o $@ $(LDLIBS)
+TSAN_BINS = $(if $(HAVE_TSAN),$(B)/test_parallel_tsan $(B)/train_tsan)
+tsan: $(TSAN_BINS)
+	@sh tests/tsan.sh $(B) $(DATA)
+
+# ---- fuzzing (tests/fuzz): libFuzzer harnesses built by clang with ASan + UBSan -----------------
+# FUZZ_SECONDS per harness, two at a time; new inputs collect in $(B)/fuzz/corpus, a crash's in
+# $(B)/fuzz/crash-<harness>-input. Without clang or libFuzzer the script reports skips.
+# The harnesses are built here (so make -j2 builds them with the rest) and, with the same flags,
+# by run.sh itself when one is missing or older than its sources.
+FUZZ_HARNESSES = safetensors model_load idx gunzip inflate
+FUZZ_CFLAGS = $(WARN) -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
+HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char* d, long n) { (void)d; (void)n; return 0; }\n' | \
+               $(CLANG) -x c $(FUZZ_CFLAGS) - -o /dev/null 2>/dev/null && echo 1)
+FUZZ_BINS = $(if $(HAVE_FUZZ),$(FUZZ_HARNESSES:%=$(B)/fuzz/fuzz_%))
+$(B)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c mgpu.h tests/fuzz/fuzz.h tests/fuzz/zref.h
+	@mkdir -p $(B)/fuzz
+	$(CLANG) $(FUZZ_CFLAGS) -I. $< -o $@ -lz $(LDLIBS)
+fuzz: $(FUZZ_BINS) | $(B)
+	@sh tests/fuzz/run.sh $(B) $(FUZZ_SECONDS)
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

@@ -5552,9 +5552,10 @@ static int mgpu__zrev16(int n) {
 }
 
 /* Builds the canonical Huffman code for n symbols with code lengths lens[] (0..15).
-   Returns 0 for an oversubscribed code. Incomplete codes are accepted (RFC 1951 allows a
-   single distance code); a bit pattern that maps to no symbol is caught when decoded. */
-static int mgpu__zbuild(mgpu__zhuff* h, const uint8_t* lens, int n) {
+   Returns 0 for an oversubscribed or an incomplete code, as zlib does, so that a stream one
+   decoder accepts the other does too: incomplete is allowed only for a code with no symbols
+   and, where single_ok (literal/length and distance codes), for one symbol of 1 bit. */
+static int mgpu__zbuild(mgpu__zhuff* h, const uint8_t* lens, int n, int single_ok) {
     int i, k = 0, code = 0, next[16], count[16];
     memset(count, 0, sizeof count);
     memset(h->fast, 0, sizeof h->fast);
@@ -5571,6 +5572,7 @@ static int mgpu__zbuild(mgpu__zhuff* h, const uint8_t* lens, int n) {
         k += count[i];
     }
     h->maxcode[16] = 0x10000; /* sentinel: the slow search always stops */
+    if (code != 1 << 16 && k != 0 && !(single_ok && k == 1 && count[1] == 1)) return 0; /* incomplete */
     for (i = 0; i < n; ++i) {
         int s = lens[i];
         if (s) {
@@ -5716,9 +5718,9 @@ static mgpu_result mgpu__zfixed(mgpu__zbuf* z) {
     memset(lens + 144, 9, 112);
     memset(lens + 256, 7, 24);
     memset(lens + 280, 8, 8);
-    mgpu__zbuild(&z->lit, lens, 288);
+    mgpu__zbuild(&z->lit, lens, 288, 1);
     memset(lens, 5, 32);
-    mgpu__zbuild(&z->dist, lens, 32);
+    mgpu__zbuild(&z->dist, lens, 32, 1);
     return MGPU_OK;
 }
 
@@ -5736,7 +5738,7 @@ static mgpu_result mgpu__zdynamic(mgpu__zbuf* z) {
     memset(cllens, 0, sizeof cllens);
     for (i = 0; i < hclen; ++i) cllens[order[i]] = (uint8_t)mgpu__zbits(&z->in, 3);
     if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
-    if (!mgpu__zbuild(&cl, cllens, 19)) return mgpu__zbad(z, "bad Huffman table (oversubscribed code-length code)");
+    if (!mgpu__zbuild(&cl, cllens, 19, 0)) return mgpu__zbad(z, "bad Huffman table (oversubscribed code-length code, or an incomplete one)");
     while (n < total) {
         int c = mgpu__zdecode(&z->in, &cl), rep;
         uint8_t fill = 0;
@@ -5760,8 +5762,8 @@ static mgpu_result mgpu__zdynamic(mgpu__zbuf* z) {
         if (MGPU__ZPAST_END(&z->in)) return mgpu__ztruncated(z);
     }
     if (lens[256] == 0) return mgpu__zbad(z, "bad Huffman table (no end-of-block code)");
-    if (!mgpu__zbuild(&z->lit, lens, hlit)) return mgpu__zbad(z, "bad Huffman table (oversubscribed literal/length code)");
-    if (!mgpu__zbuild(&z->dist, lens + hlit, hdist)) return mgpu__zbad(z, "bad Huffman table (oversubscribed distance code)");
+    if (!mgpu__zbuild(&z->lit, lens, hlit, 1)) return mgpu__zbad(z, "bad Huffman table (oversubscribed literal/length code, or an incomplete one)");
+    if (!mgpu__zbuild(&z->dist, lens + hlit, hdist, 1)) return mgpu__zbad(z, "bad Huffman table (oversubscribed distance code, or an incomplete one)");
     return MGPU_OK;
 }
 

@@ -337,6 +337,43 @@ static void test_gzip_handmade(void) {
     bw_huff(&w, 1, 2); bw_huff(&w, 2, 2); bw_put(&w, 0, 2);                       /* 1, repeat x3 */
     bw_put(&w, 0, 32); bw_flush(&w);
     CHECK(err_is(gunzip_bw(&w, ""), MGPU_ERROR_BAD_FILE, "hand.gz", "oversubscribed literal/length"), "oversubscribed lit code");
+    /* dynamic: an incomplete distance code (one code, of 2 bits) that the data never uses. zlib
+       refuses it (only a single 1-bit code may be incomplete), so mgpu does too: the two agree
+       on every stream (tests/fuzz/fuzz_inflate found them disagreeing). HLIT 257, HDIST 2,
+       cl codes 0 = 00, 1 = 01, 2 = 10, 18 = 11; literal 'a' and 256 of 1 bit, distances 2, 0. */
+    memset(&w, 0, sizeof w);
+    bw_put(&w, 1, 1); bw_put(&w, 2, 2);
+    bw_put(&w, 0, 5); bw_put(&w, 1, 5); bw_put(&w, 14, 4); /* HCLEN 18 */
+    {
+        static const int order[19] = {16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15};
+        for (i = 0; i < 18; ++i) {
+            int s = order[i];
+            bw_put(&w, (s == 0 || s == 1 || s == 2 || s == 18) ? 2u : 0u, 3);
+        }
+    }
+    bw_huff(&w, 3, 2); bw_put(&w, 86, 7);                                           /* 97 zeros */
+    bw_huff(&w, 1, 2);                                                              /* 'a': 1 */
+    bw_huff(&w, 3, 2); bw_put(&w, 127, 7); bw_huff(&w, 3, 2); bw_put(&w, 9, 7);     /* 158 zeros */
+    bw_huff(&w, 1, 2);                                                              /* 256: 1 */
+    bw_huff(&w, 2, 2); bw_huff(&w, 0, 2);                                           /* distances 2, 0 */
+    bw_huff(&w, 0, 1); bw_huff(&w, 1, 1); bw_flush(&w);                             /* 'a', end */
+    CHECK(err_is(gunzip_bw(&w, "a"), MGPU_ERROR_BAD_FILE, "hand.gz", "incomplete"), "incomplete distance code refused, as zlib does");
+    /* the same with a single 1-bit distance code: zlib accepts that, and so does mgpu */
+    memset(&w, 0, sizeof w);
+    bw_put(&w, 1, 1); bw_put(&w, 2, 2);
+    bw_put(&w, 0, 5); bw_put(&w, 1, 5); bw_put(&w, 14, 4);
+    {
+        static const int order[19] = {16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15};
+        for (i = 0; i < 18; ++i) {
+            int s = order[i];
+            bw_put(&w, (s == 0 || s == 1 || s == 2 || s == 18) ? 2u : 0u, 3);
+        }
+    }
+    bw_huff(&w, 3, 2); bw_put(&w, 86, 7); bw_huff(&w, 1, 2);
+    bw_huff(&w, 3, 2); bw_put(&w, 127, 7); bw_huff(&w, 3, 2); bw_put(&w, 9, 7); bw_huff(&w, 1, 2);
+    bw_huff(&w, 1, 2); bw_huff(&w, 0, 2);                                           /* distances 1, 0 */
+    bw_huff(&w, 0, 1); bw_huff(&w, 1, 1); bw_flush(&w);
+    CHECK(gunzip_bw(&w, "a") == MGPU_OK, "a single 1-bit distance code is accepted, as zlib does");
 }
 
 static void test_gzip_header_and_trailer(const uint8_t* data, size_t n, const uint8_t* gz, size_t gz_n) {

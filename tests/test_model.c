@@ -320,7 +320,7 @@ static mgpu_result scale_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     float* hx = fbuf(n);
     float* hdy = fbuf(n);
     double s = 0.0;
-    float g;
+    float g = 0.0f;   /* stays unused when a download fails; set for clang's -Wsometimes-uninitialized */
     mgpu_result r;
     (void)l; (void)y;
     r = mgpu_tensor_download(x, hx, mgpu_tensor_bytes(x));
