@@ -114,8 +114,9 @@
    optimizer given to a training step (train_step, accumulate, apply, evaluate,
    mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
    (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
-   Other calls do not look a handle up: using a destroyed one there is undefined. Tensors, layers and data sets are
-   too many or too plain to list: destroying one twice is undefined, as free() twice is.
+   Other calls do not look a handle up: using a destroyed one there is undefined. Tensors,
+   layers and data sets are too many or too plain to list: destroying one twice is undefined, as
+   free() twice is.
 
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
