@@ -168,18 +168,6 @@ test-cuda: $(CUDA_BINS)
 $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-# Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
-# misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
-# (test_alloc_faults, under ASan+UBSan as well).
-RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan
-
-# Order matters a little: test_io writes the file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
-	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS) \
-	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
 # ---- ThreadSanitizer (clang): the data-parallel suite and a cpu:3 training -----------------------
 $(B)/test_parallel_tsan: tests/test_parallel.c $(HEADERS) | $(B)
@@ -205,6 +193,21 @@ $(B)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c mgpu.h tests/fuzz/fuzz.h tests/fuzz/zref.h
 	$(CLANG) $(FUZZ_CFLAGS) -I. $< -o $@ -lz $(LDLIBS)
 fuzz: $(FUZZ_BINS) | $(B)
 	@sh tests/fuzz/run.sh $(B) $(FUZZ_SECONDS)
+
+# Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
+# misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
+# (test_alloc_faults, under ASan+UBSan as well).
+RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan
+
+# After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
+# TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
+# file interop.sh reads back in Python.
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+      $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
+	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
+	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS) \
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.
