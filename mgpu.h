@@ -4963,12 +4963,12 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
    checkpoint claiming more is refused as malformed. */
 #define MGPU__MAX_STEPS ((int64_t)1 << 53)
 
-MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
+/* The step itself, for an optimizer already known to be live (the training steps check it once
+   in mgpu__check_step). */
+static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
     int i;
-    if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op);
-    if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
     if (opt->steps >= MGPU__MAX_STEPS)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
                           (long long)opt->steps);
@@ -5003,6 +5003,12 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     opt->model->dropout_step++;   /* the next step draws new dropout masks */
     opt->model->rows_in_step = 0;
     return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
+    if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_step: NULL optimizer");
+    if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_step", "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
+    return mgpu__optimizer_step(opt);
 }
 
 /* ---- >>impl train: the data-parallel training step -------------------------------------- */
@@ -5362,7 +5368,7 @@ static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const m
 
 /* The optimizer step after reduced gradients, and the optional replica check. */
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
-    MGPU__TRY(mgpu_optimizer_step(opt));
+    MGPU__TRY(mgpu__optimizer_step(opt));   /* opt checked by mgpu__check_step */
     m->steps++;
     if (m->verify_every > 0 && m->replica_count > 1 && m->steps % m->verify_every == 0) return mgpu_model_verify_replicas(m);
     return MGPU_OK;
