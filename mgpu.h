@@ -6879,6 +6879,16 @@ static void mgpu__tmp_prefix(const char* path, size_t* dir_len, char* prefix, si
 }
 
 #if defined(__unix__) || defined(__APPLE__)
+/* The folder of path, whose first dir_len bytes name it ("." when dir_len is 0), in a new
+   buffer; NULL when out of memory. */
+static char* mgpu__dir_of(const char* path, size_t dir_len) {
+    char* dir = (char*)MGPU_MALLOC(dir_len + 2);
+    if (!dir) return NULL;
+    if (dir_len) { memcpy(dir, path, dir_len); dir[dir_len] = 0; }
+    else strcpy(dir, ".");
+    return dir;
+}
+
 /* After a successful save: remove the temporary files for path whose writer is gone. */
 static void mgpu__remove_stale_tmp(const char* path) {
     char prefix[MGPU__TMP_BASE_MAX + 16], *dir, *full;
@@ -6887,11 +6897,9 @@ static void mgpu__remove_stale_tmp(const char* path) {
     struct dirent* e;
     mgpu__tmp_prefix(path, &dir_len, prefix, sizeof prefix);
     plen = strlen(prefix);
-    dir = (char*)MGPU_MALLOC(dir_len + 2);
+    dir = mgpu__dir_of(path, dir_len);
     full = (char*)MGPU_MALLOC(dir_len + 256 + 2);
     if (!dir || !full) { MGPU_FREE(dir); MGPU_FREE(full); return; }
-    if (dir_len) { memcpy(dir, path, dir_len); dir[dir_len] = 0; }
-    else strcpy(dir, ".");
     d = opendir(dir);
     while (d && (e = readdir(d)) != NULL) {
         const char* rest = e->d_name + plen;
@@ -6915,11 +6923,9 @@ static void mgpu__remove_stale_tmp(const char* path) {
 /* fsync the folder holding path, so that the rename itself survives a power loss. Returns 0, or
    an errno worth reporting (file systems that cannot fsync a folder say EINVAL: not an error). */
 static int mgpu__sync_dir(const char* path, size_t dir_len) {
-    char* dir = (char*)MGPU_MALLOC(dir_len + 2);
+    char* dir = mgpu__dir_of(path, dir_len);
     int fd, err = 0;
     if (!dir) return 0;
-    if (dir_len) { memcpy(dir, path, dir_len); dir[dir_len] = 0; }
-    else strcpy(dir, ".");
     fd = open(dir, O_RDONLY);
     if (fd >= 0) {
         if (fsync(fd) != 0 && errno != EINVAL && errno != EROFS && errno != EBADF) err = errno;
