@@ -563,12 +563,23 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
 /* ============================================================================================ */
 /* >>model                                                                                      */
 /* ============================================================================================ */
-/* A sequence of layers (nn.Sequential), replicated once onto every device of a set. On each
-   replica the parameters are views into ONE flat buffer, and so are the gradients: the all-reduce
-   is one call (or a few buckets), the optimizer one fused kernel, a checkpoint one write. */
+/* A sequence of layers (nn.Sequential) on a device set. The set's devices hold R replicas of
+   the model (data parallelism); each replica is cut into S consecutive stages, each stage on its
+   own device (model parallelism: a pipeline), so the set has R x S devices, replica r's stage s
+   on device r * S + s. S = 1 is the plain data-parallel model, R = 1 the plain pipeline. On each
+   device the parameters of its stage are views into ONE flat buffer, and so are the gradients:
+   the all-reduce is one call (or a few buckets), the optimizer one fused kernel per device.
+
+   A pipeline runs each batch as M micro-batches: stage s passes micro-batch k's activations to
+   stage s+1 (a peer copy between GPUs, a copy between CPU devices) and gets their gradient back,
+   so that the stages work at once on different micro-batches. Two schedules: GPipe (every
+   forward, then every backward: M micro-batches' activations alive per stage) and 1F1B (after
+   S - s warm-up forwards, one forward then one backward: at most S - s alive on stage s). Both
+   add the micro-batches' gradients in the same order (0, 1, ...), so they give the same bits. */
 typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
+typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIPE = 1 } mgpu_pipeline_schedule;
 
 /* mgpu_model_desc, zero-initialised; zero means default:
      field          default                       meaning
@@ -581,7 +592,13 @@ typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } m
      seed           0                             parameter initialisation and dropout
      allreduce      MGPU_ALLREDUCE_AUTO           the backend (MGPU_ALLREDUCE overrides AUTO)
      bucket_bytes   25 MiB (the first 1 MiB)      gradient bucket size (DDP's bucket_cap_mb)
-     verify_every   0: never                      check replicas are identical every N steps */
+     verify_every   0: never                      check replicas are identical every N steps
+     stages         1                             S, pipeline stages per replica; the set holds R x S
+     split          NULL: balanced by parameters  the first layer of stages 1 .. S-1, ascending
+     micro_batches  1                             M, micro-batches per batch and replica (a batch
+                                                  needs at least R x M rows; uneven splits give the
+                                                  first micro-batches one row more)
+     schedule       MGPU_PIPELINE_1F1B            or MGPU_PIPELINE_GPIPE */
 typedef struct mgpu_model_desc {
     mgpu_shape input;
     mgpu_layer** layers;
@@ -592,17 +609,29 @@ typedef struct mgpu_model_desc {
     mgpu_allreduce_kind allreduce;
     size_t bucket_bytes;
     int verify_every;
+    int stages;
+    const int* split;
+    int micro_batches;
+    mgpu_pipeline_schedule schedule;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
 /* Destroys its layers too; MGPU_ERROR_IN_USE, changing nothing, while optimizers use it. */
 MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m);
-MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);
+MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);      /* R */
+MGPUDEF int mgpu_model_stage_count(const mgpu_model* m);        /* S */
+MGPUDEF int mgpu_model_micro_batches(const mgpu_model* m);      /* M */
+MGPUDEF int mgpu_model_stage_first_layer(const mgpu_model* m, int stage);   /* stage S: the layer count */
+/* The device of a replica's first stage (where its input goes), and of any stage. */
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
+MGPUDEF mgpu_device* mgpu_model_stage_device(const mgpu_model* m, int replica, int stage);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
 MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m);   /* the backend in use */
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
-/* The flat parameter and gradient buffers of one replica. */
+/* The flat parameter and gradient buffers of one replica's stage (all of the model with one
+   stage); mgpu_model_params and _grads are stage 0's, for models of one stage only. */
+MGPUDEF mgpu_tensor* mgpu_model_stage_params(const mgpu_model* m, int replica, int stage);
+MGPUDEF mgpu_tensor* mgpu_model_stage_grads(const mgpu_model* m, int replica, int stage);
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica);
 /* Named parameter views ("0.weight", "0.bias", "2.weight", ...) in state_dict order. */
@@ -709,12 +738,15 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
                                         float* loss, int64_t* correct);
 
 /* The building blocks of a step, for a loop of your own (one replica):
-   forward on x (on the replica's device) returns the output tensor, owned by the model; x must
-   stay alive and unchanged until backward (the model keeps only its header). A training forward
-   of replica 0 starts a new step: fresh dropout masks. Backward takes d(loss)/d(output) and ADDS
-   the parameter gradients into mgpu_model_grads. */
+   forward on x (on the replica's first device) returns the output tensor (on its last stage's
+   device), owned by the model; x must stay alive and unchanged until backward (the model keeps
+   only its header). Backward takes d(loss)/d(output) and ADDS the parameter gradients into the
+   gradient buffers. With stages, both go through every stage of the replica in turn. */
 MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training);
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput);
+/* After mgpu_model_backward: d(loss)/d(x), on the replica's first device, owned by the model (what
+   a stage before this model needs: examples/model_parallel.c). The library's steps skip it. */
+MGPUDEF const mgpu_tensor* mgpu_model_input_grad(const mgpu_model* m, int replica);
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
 
 /* ============================================================================================ */
@@ -4314,33 +4346,52 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
 typedef struct mgpu__param {
     char name[64];          /* "0.weight" */
     mgpu_shape shape;
-    int64_t offset;         /* floats from the start of the flat buffer */
+    int64_t offset;         /* floats from the start of the whole model's flat layout */
 } mgpu__param;
 
-/* A contiguous range of the flat gradient buffer, reduced as one all-reduce as soon as the
-   backward pass of its lowest layer is done (buckets go from the last layers to the first). */
+/* A contiguous range of one stage's flat gradient buffer, reduced as one all-reduce as soon as
+   the backward pass of its lowest layer is done (buckets go from the last layers to the first). */
 typedef struct mgpu__bucket {
-    int64_t begin, end;     /* floats */
+    int stage;
+    int64_t begin, end;     /* floats, in the whole model's layout */
     int ready_layer;
 } mgpu__bucket;
 
-/* Everything one device holds of a model. */
-typedef struct mgpu__replica {
-    mgpu_device* dev;
-    mgpu_tensor *params, *grads;        /* the flat buffers */
-    mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count] */
+/* One micro-batch in flight on one part: its input, every layer's output and gradient, the
+   layers' saved buffers. A part keeps as many as its schedule has micro-batches in flight. */
+typedef struct mgpu__slot {
     mgpu_shape in_shape;                /* the input shape the buffers below are sized for */
     mgpu_tensor input;                  /* x of the last forward: a copy of its header (callers
                                            pass slices that live on their stack), storage not owned */
     int has_input;                      /* a complete forward pass to go back through */
-    int64_t first_row;                  /* where this replica's rows start in the whole batch */
-    int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
-    mgpu_tensor** act;                  /* act[i]: output of layer i, [layer_count] */
-    mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], for i < layer_count - 1 */
-    mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
-    mgpu_tensor *xbuf, *tbuf, *dout, *loss;   /* this replica's slice of a batch, and its loss */
+    int64_t first_row;                  /* where these rows start in the whole batch */
     int training;
-} mgpu__replica;
+    mgpu_tensor** act;                  /* act[i]: output of layer i (this stage's), [layer_count] */
+    mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], below the stage's last layer */
+    mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
+    mgpu_tensor *xin;                   /* stages after the first: the input, from the stage before */
+    mgpu_tensor *dxin;                  /* d loss / d input: sent back to the stage before */
+    mgpu_tensor *dyin;                  /* stages before the last: d loss / d output, from the stage after */
+    mgpu_tensor *dout;                  /* the last stage: the loss gradient */
+} mgpu__slot;
+
+/* Everything one device holds of a model: one stage of one replica (the whole replica when
+   there is one stage). Part r * S + s is replica r's stage s, on device r * S + s of the set. */
+typedef struct mgpu__part {
+    mgpu_device* dev;
+    int replica, stage;
+    mgpu_tensor *params, *grads;        /* the stage's flat buffers */
+    mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count]; NULL for the
+                                           tensors of other stages */
+    mgpu__slot* slot;                   /* micro-batch k uses slot k % slot_count */
+    int slot_count;
+    mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
+                                           stage) or the target (last stage) lives elsewhere */
+    mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
+    int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
+    void** events;                      /* CUDA, S > 1: [2M], recorded after forward k and backward k */
+    int forwards_done, backwards_done;  /* CPU threads: progress in this step, under pipe_lock */
+} mgpu__part;
 
 struct mgpu_model {
     mgpu_layer** layers;
@@ -4350,8 +4401,8 @@ struct mgpu_model {
     uint64_t seed;
     /* Dropout masks are a function of (seed, step, layer, sample row): every forward within a
        step draws the same masks (a gradient check, a recomputation), every optimizer step new
-       ones, and rows count on across the micro-batches of a step, so N replicas, or K
-       accumulated micro-batches, draw exactly what one device on the whole batch would. */
+       ones, and rows count on across the micro-batches of a step, so N replicas, M micro-batches
+       or K accumulated batches draw exactly what one device on the whole batch would. */
     uint64_t dropout_step;              /* advanced by every optimizer step */
     int64_t rows_in_step;               /* samples already run in this step (accumulation) */
     mgpu__param* tensors;
@@ -4359,19 +4410,29 @@ struct mgpu_model {
     int* first_tensor;                  /* [layer_count + 1]: layer i owns tensors [first[i], first[i+1]) */
     int* first_aux;                     /* likewise for aux buffers */
     int64_t flat_floats, param_count;
-    mgpu__replica* rep;
-    int replica_count;
+    /* the layout: R replicas x S stages, M micro-batches */
+    mgpu__part* part;                   /* [R * S] */
+    int part_count, replica_count, stage_count, micro_batches;
+    mgpu_pipeline_schedule schedule;
+    int* stage_layer;                   /* [S + 1]: stage s runs layers [stage_layer[s], stage_layer[s+1]) */
+    int64_t* stage_off;                 /* [S + 1]: stage s's floats are [stage_off[s], stage_off[s+1]) */
     /* data parallelism */
-    mgpu_allreduce* ar;                 /* NULL with one replica */
-    mgpu__bucket* buckets;              /* gradient buckets, last layers first */
+    mgpu_allreduce** ar;                /* [S]: stage s's R copies; NULL with one replica */
+    mgpu__bucket* buckets;              /* gradient buckets, last stage and last layers first */
     int bucket_count;
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
-    char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU replicas run on threads: each one's failure,
-                                                           prefixed with the replica */
+    char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU parts run on threads: each one's failure,
+                                                           prefixed with the part */
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_t pipe_lock;          /* CPU stages on threads: the parts' progress counters */
+    pthread_cond_t pipe_moved;
+    int pipe_sync;                      /* the two above were made */
+#endif
+    int pipe_failed;                    /* a part failed: the others stop waiting */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -4387,14 +4448,30 @@ static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape 
     return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op));
 }
 
-static void mgpu__replica_free_buffers(mgpu_model* m, mgpu__replica* r) {
+static mgpu__part* mgpu__part_of(const mgpu_model* m, int replica, int stage) {
+    return &m->part[replica * m->stage_count + stage];
+}
+/* The stage that runs layer i, and the one that holds tensor t. */
+static int mgpu__layer_stage(const mgpu_model* m, int i) {
+    int s = 0;
+    while (s + 1 < m->stage_count && m->stage_layer[s + 1] <= i) ++s;
+    return s;
+}
+static int mgpu__tensor_stage(const mgpu_model* m, int t) {
+    int s = 0;
+    while (s + 1 < m->stage_count && m->first_tensor[m->stage_layer[s + 1]] <= t) ++s;
+    return s;
+}
+static int64_t mgpu__stage_floats(const mgpu_model* m, int stage) { return m->stage_off[stage + 1] - m->stage_off[stage]; }
+
+static void mgpu__slot_free_buffers(mgpu_model* m, mgpu__slot* sl) {
     int i;
     for (i = 0; i < m->layer_count; ++i) {
-        if (r->act) { mgpu__tensor_free(r->act[i]); r->act[i] = NULL; }
-        if (r->dact) { mgpu__tensor_free(r->dact[i]); r->dact[i] = NULL; }
+        if (sl->act) { mgpu__tensor_free(sl->act[i]); sl->act[i] = NULL; }
+        if (sl->dact) { mgpu__tensor_free(sl->dact[i]); sl->dact[i] = NULL; }
     }
-    for (i = 0; r->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(r->aux[i]); r->aux[i] = NULL; }
-    r->in_shape.ndim = -1;
+    for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(sl->aux[i]); sl->aux[i] = NULL; }
+    sl->in_shape.ndim = -1;
 }
 
 /* The shape of a batch of `batch` samples: [batch, sample shape...]. */
@@ -4415,43 +4492,54 @@ static mgpu_result mgpu__layer_output(const mgpu_model* m, int i, mgpu_shape x, 
     return l->vt->output_shape(l, x, y);
 }
 
-static void mgpu__layer_ctx_for(const mgpu_model* m, int replica, int i, int training, mgpu_layer_ctx* ctx) {
-    const mgpu__replica* r = &m->rep[replica];
-    ctx->device = r->dev;
-    ctx->params = r->pview + m->first_tensor[i];
-    ctx->grads = r->gview + m->first_tensor[i];
-    ctx->aux = r->aux + m->first_aux[i];
+static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const mgpu__slot* sl, int i, int training,
+                                mgpu_layer_ctx* ctx) {
+    ctx->device = p->dev;
+    ctx->params = p->pview + m->first_tensor[i];
+    ctx->grads = p->gview + m->first_tensor[i];
+    ctx->aux = sl->aux + m->first_aux[i];
     ctx->training = training;
-    /* every step a new key; within it, every layer and replica its own counter range */
-    /* a loop of your own (mgpu_model_forward) salts each replica's stream: it does not say which
-       rows a replica holds */
-    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->dropout_step) ^ (uint64_t)r->stream_salt);
-    ctx->offset = (uint64_t)i << 40;   /* each layer its own counter range; rows within it by first_row */
-    ctx->first_row = r->first_row;
+    /* every step a new key; within it, every layer its own counter range, rows within it by
+       first_row; a loop of your own (mgpu_model_forward) salts each replica's stream: it does
+       not say which rows a replica holds */
+    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->dropout_step) ^ (uint64_t)p->stream_salt);
+    ctx->offset = (uint64_t)i << 40;
+    ctx->first_row = sl->first_row;
 }
 
 static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
     mgpu__live_remove(m, MGPU__LIVE_MODEL);
-    for (i = 0; m->rep && i < m->replica_count; ++i) {
-        mgpu__replica* r = &m->rep[i];
-        if (r->act || r->aux) mgpu__replica_free_buffers(m, r);
-        for (j = 0; j < m->tensor_count; ++j) {
-            if (r->pview) mgpu__tensor_free(r->pview[j]);
-            if (r->gview) mgpu__tensor_free(r->gview[j]);
+    for (i = 0; m->part && i < m->part_count; ++i) {
+        mgpu__part* p = &m->part[i];
+        for (j = 0; p->slot && j < p->slot_count; ++j) {
+            mgpu__slot* sl = &p->slot[j];
+            mgpu__slot_free_buffers(m, sl);
+            mgpu__tensor_free(sl->xin); mgpu__tensor_free(sl->dxin); mgpu__tensor_free(sl->dyin); mgpu__tensor_free(sl->dout);
+            MGPU_FREE(sl->act); MGPU_FREE(sl->dact); MGPU_FREE(sl->aux);
         }
-        mgpu__tensor_free(r->params); mgpu__tensor_free(r->grads);
-        mgpu__tensor_free(r->xbuf); mgpu__tensor_free(r->tbuf);
-        mgpu__tensor_free(r->dout); mgpu__tensor_free(r->loss);
-        MGPU_FREE(r->pview); MGPU_FREE(r->gview); MGPU_FREE(r->act); MGPU_FREE(r->dact); MGPU_FREE(r->aux);
+        for (j = 0; j < m->tensor_count; ++j) {
+            if (p->pview) mgpu__tensor_free(p->pview[j]);
+            if (p->gview) mgpu__tensor_free(p->gview[j]);
+        }
+        for (j = 0; p->events && j < 2 * m->micro_batches; ++j)
+            if (p->events[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->events[j]));
+        mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
+        mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses);
+        MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events);
     }
-    mgpu__allreduce_free(m->ar);
+    for (i = 0; m->ar && i < m->stage_count; ++i) mgpu__allreduce_free(m->ar[i]);
+    MGPU_FREE(m->ar);
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
+#ifndef MGPU_NO_THREADS
+    if (m->pipe_sync) { pthread_mutex_destroy(&m->pipe_lock); pthread_cond_destroy(&m->pipe_moved); }
+#endif
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
     if (m->set) mgpu__set_users(m->set, -1, 0);
-    MGPU_FREE(m->layers); MGPU_FREE(m->rep); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
+    MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
+    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off);
     MGPU_FREE(m);
 }
 
@@ -4472,25 +4560,32 @@ static mgpu_model* mgpu__model_fail(mgpu_model* m, const char* where) {
     return NULL;
 }
 
-/* Cut the flat gradient buffer into buckets, walking the tensors from the last layer back: a
-   small first bucket (1 MiB, or bucket_bytes if smaller) so communication starts early, then
-   buckets of about bucket_bytes. Whole tensors only; together the buckets tile the buffer. */
+/* Cut each stage's flat gradient buffer into buckets, walking its tensors from the last layer
+   back: a small first bucket (1 MiB, or bucket_bytes if smaller) so communication starts early,
+   then buckets of about bucket_bytes. Whole tensors only; together a stage's buckets tile its
+   buffer. The last stage's buckets come first: its backward ends first. */
 static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
     const size_t first_bytes = MGPU__MIN(bucket_bytes, (size_t)1 << 20);
-    int64_t end = m->flat_floats;
-    int t, layer = m->layer_count - 1;
+    int s, t;
     m->buckets = (mgpu__bucket*)mgpu__calloc((size_t)m->tensor_count + 1, sizeof(mgpu__bucket));
     if (!m->buckets) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory for gradient buckets");
     m->bucket_count = 0;
-    for (t = m->tensor_count - 1; t >= 0; --t) {
-        const size_t limit = m->bucket_count == 0 ? first_bytes : bucket_bytes;
-        while (layer > 0 && m->first_tensor[layer] > t) --layer;   /* the layer owning tensor t */
-        if ((size_t)(end - m->tensors[t].offset) * sizeof(float) >= limit || t == 0) {
-            mgpu__bucket* b = &m->buckets[m->bucket_count++];
-            b->begin = t == 0 ? 0 : m->tensors[t].offset;
-            b->end = end;
-            b->ready_layer = layer;
-            end = b->begin;
+    for (s = m->stage_count - 1; s >= 0; --s) {
+        const int t0 = m->first_tensor[m->stage_layer[s]], t1 = m->first_tensor[m->stage_layer[s + 1]];
+        int64_t end = m->stage_off[s + 1];
+        int layer = m->stage_layer[s + 1] - 1, first = 1;
+        for (t = t1 - 1; t >= t0; --t) {
+            const size_t limit = first ? first_bytes : bucket_bytes;
+            while (layer > m->stage_layer[s] && m->first_tensor[layer] > t) --layer;   /* the layer owning tensor t */
+            if ((size_t)(end - m->tensors[t].offset) * sizeof(float) >= limit || t == t0) {
+                mgpu__bucket* b = &m->buckets[m->bucket_count++];
+                b->stage = s;
+                b->begin = t == t0 ? m->stage_off[s] : m->tensors[t].offset;
+                b->end = end;
+                b->ready_layer = layer;
+                end = b->begin;
+                first = 0;
+            }
         }
     }
     return MGPU_OK;
@@ -4498,7 +4593,7 @@ static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
 
 /* Step 1 of a model: walk the shapes with a batch of one (every layer must accept what the
    previous one gives), count each layer's parameters and saved buffers, and lay the parameters
-   out in one flat buffer, each at a 64-byte boundary, named as in PyTorch's state_dict. */
+   out in one flat layout, each at a 64-byte boundary, named as in PyTorch's state_dict. */
 static mgpu_result mgpu__model_layout(mgpu_model* m) {
     static const char* op = "mgpu_model_create";
     mgpu_shape shape = mgpu__batch_shape(m, 1);
@@ -4538,41 +4633,123 @@ static mgpu_result mgpu__model_layout(mgpu_model* m) {
     return MGPU_OK;
 }
 
-/* Step 2: one replica per device, each with its flat parameter and gradient buffers (zeroed)
-   and the named views into them. */
-static mgpu_result mgpu__model_replicas(mgpu_model* m, const mgpu_device_set* devices) {
+/* Step 2: the cut into stages, explicit (split) or balanced: the cut whose largest stage holds
+   the fewest parameters (a small dynamic programme over the layers; ties go to the earliest
+   cut). Then where each stage's floats lie in the flat layout. */
+static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc, int devices) {
+    static const char* op = "mgpu_model_create";
+    const int S = m->stage_count, L = m->layer_count;
+    int s, i;
+    if (S < 1 || S > L)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d stages for a model of %d layer%s (want 1 to %d: every stage "
+                          "needs a layer)", op, S, L, L == 1 ? "" : "s", L);
+    if (devices % S != 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d device%s cannot hold whole replicas of %d stages (want R x %d "
+                          "devices: replica r's stage s on device r * %d + s)", op, devices, devices == 1 ? "" : "s", S, S, S);
+    m->stage_layer = (int*)mgpu__calloc((size_t)S + 1, sizeof(int));
+    m->stage_off = (int64_t*)mgpu__calloc((size_t)S + 1, sizeof(int64_t));
+    if (!m->stage_layer || !m->stage_off) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    m->stage_layer[S] = L;
+    if (desc->split && S > 1) {
+        for (s = 1; s < S; ++s) {
+            const int first = desc->split[s - 1], before = m->stage_layer[s - 1];
+            if (first <= before || first >= L)
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: split[%d] = %d: stage %d would %s (the first layers of "
+                                  "stages 1 to %d must rise from 1 to at most %d)", op, s - 1, first, first <= before ? s - 1 : s,
+                                  "be empty", S - 1, L - 1);
+            m->stage_layer[s] = first;
+        }
+    } else if (S > 1) {
+        /* cost[s][i]: the least largest stage when layers [0, i) make s + 1 stages */
+        int64_t* prefix = (int64_t*)mgpu__calloc((size_t)L + 1, sizeof(int64_t));
+        int64_t* cost = (int64_t*)mgpu__calloc((size_t)S * (size_t)(L + 1), sizeof(int64_t));
+        int* cut = (int*)mgpu__calloc((size_t)S * (size_t)(L + 1), sizeof(int));
+        if (!prefix || !cost || !cut) {
+            MGPU_FREE(prefix); MGPU_FREE(cost); MGPU_FREE(cut);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        }
+        for (i = 0; i < L; ++i) {
+            int t;
+            prefix[i + 1] = prefix[i];
+            for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) prefix[i + 1] += mgpu_shape_numel(m->tensors[t].shape);
+        }
+        for (i = 1; i <= L; ++i) cost[i] = prefix[i];
+        for (s = 1; s < S; ++s)
+            for (i = s + 1; i <= L; ++i) {
+                int j;
+                cost[s * (L + 1) + i] = INT64_MAX;
+                for (j = s; j < i; ++j) {   /* the last stage is layers [j, i) */
+                    const int64_t c = MGPU__MAX(cost[(s - 1) * (L + 1) + j], prefix[i] - prefix[j]);
+                    if (c < cost[s * (L + 1) + i]) { cost[s * (L + 1) + i] = c; cut[s * (L + 1) + i] = j; }
+                }
+            }
+        for (s = S - 1, i = L; s >= 1; --s) i = m->stage_layer[s] = cut[s * (L + 1) + i];
+        MGPU_FREE(prefix); MGPU_FREE(cost); MGPU_FREE(cut);
+    }
+    for (s = 0; s < S; ++s) {
+        const int t = m->first_tensor[m->stage_layer[s]];
+        m->stage_off[s] = t < m->tensor_count ? m->tensors[t].offset : m->flat_floats;
+    }
+    m->stage_off[S] = m->flat_floats;
+    return MGPU_OK;
+}
+
+/* How many micro-batches stage s has in flight at most: its slots. */
+static int mgpu__slot_count(const mgpu_model* m, int s) {
+    return m->schedule == MGPU_PIPELINE_GPIPE ? m->micro_batches : MGPU__MIN(m->stage_count - s, m->micro_batches);
+}
+
+/* Step 3: one part per device, each with its stage's flat parameter and gradient buffers
+   (zeroed), the named views into them, and its slots. */
+static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devices) {
     static const char* op = "mgpu_model_create";
     const int aux_total = m->first_aux[m->layer_count];
-    int i, t;
-    m->replica_count = devices ? devices->count : 1;
-    m->rep = (mgpu__replica*)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu__replica));
-    if (!m->rep) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-    for (i = 0; i < m->replica_count; ++i) {
-        mgpu__replica* r = &m->rep[i];
-        r->in_shape.ndim = -1;
-        r->dev = devices ? devices->devices[i] : mgpu_device_cpu();
-        r->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
-        r->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
-        r->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
-        r->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
-        r->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
-        if (!r->pview || !r->gview || !r->act || !r->dact || !r->aux)
-            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-        r->params = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
-        r->grads = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(m->flat_floats, 1))));
-        r->loss = mgpu__own(mgpu_tensor_create(r->dev, MGPU_F32, mgpu_shape1(1)));
-        if (!r->params || !r->grads || !r->loss || mgpu_tensor_zero(r->params) || mgpu_tensor_zero(r->grads))
-            return mgpu__refail(op);
-        for (t = 0; t < m->tensor_count; ++t) {
-            r->pview[t] = mgpu__view_at(r->params, m->tensors[t].offset, m->tensors[t].shape, op);
-            r->gview[t] = mgpu__view_at(r->grads, m->tensors[t].offset, m->tensors[t].shape, op);
-            if (!r->pview[t] || !r->gview[t]) return mgpu__refail(op);
+    int i, j, t;
+    m->part = (mgpu__part*)mgpu__calloc((size_t)m->part_count, sizeof(mgpu__part));
+    if (!m->part) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0; i < m->part_count; ++i) {
+        mgpu__part* p = &m->part[i];
+        const int64_t floats = MGPU__MAX(mgpu__stage_floats(m, i % m->stage_count), 1);
+        p->replica = i / m->stage_count;
+        p->stage = i % m->stage_count;
+        p->dev = devices ? devices->devices[i] : mgpu_device_cpu();
+        p->slot_count = mgpu__slot_count(m, p->stage);
+        p->slot = (mgpu__slot*)mgpu__calloc((size_t)p->slot_count, sizeof(mgpu__slot));
+        p->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        p->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        if (!p->slot || !p->pview || !p->gview) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        for (j = 0; j < p->slot_count; ++j) {
+            mgpu__slot* sl = &p->slot[j];
+            sl->in_shape.ndim = -1;
+            sl->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+            sl->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+            sl->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
+            if (!sl->act || !sl->dact || !sl->aux) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        }
+        p->params = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
+        p->grads = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
+        if (!p->params || !p->grads || mgpu_tensor_zero(p->params) || mgpu_tensor_zero(p->grads)) return mgpu__refail(op);
+        if (p->stage == m->stage_count - 1) {
+            p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches)));
+            if (!p->losses || mgpu_tensor_zero(p->losses)) return mgpu__refail(op);
+        }
+        for (t = m->first_tensor[m->stage_layer[p->stage]]; t < m->first_tensor[m->stage_layer[p->stage + 1]]; ++t) {
+            const int64_t at = m->tensors[t].offset - m->stage_off[p->stage];
+            p->pview[t] = mgpu__view_at(p->params, at, m->tensors[t].shape, op);
+            p->gview[t] = mgpu__view_at(p->grads, at, m->tensors[t].shape, op);
+            if (!p->pview[t] || !p->gview[t]) return mgpu__refail(op);
+        }
+        if (p->dev->kind == MGPU_DEVICE_CUDA && m->stage_count > 1) {   /* the order between stages' streams */
+            p->events = (void**)mgpu__calloc((size_t)2 * (size_t)m->micro_batches, sizeof(void*));
+            if (!p->events) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+            for (j = 0; j < 2 * m->micro_batches; ++j)
+                MGPU__CU(op, p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->events[j]));
         }
     }
     return MGPU_OK;
 }
 
-/* Step 3, data parallelism's first move (replicate): initialise on replica 0, then copy to every
+/* Step 4, data parallelism's first move (replicate): initialise on replica 0, then copy to every
    other replica, so all start from the same model. Never again: replicas stay in step because
    each takes the same update (>>train). */
 static mgpu_result mgpu__model_init(mgpu_model* m) {
@@ -4580,14 +4757,48 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
     int i;
     for (i = 0; i < m->layer_count; ++i) {
         const mgpu_layer* l = m->layers[i];
+        const mgpu__part* p = mgpu__part_of(m, 0, mgpu__layer_stage(m, i));
         mgpu_layer_ctx ctx;
         if (!l->vt->init || m->first_tensor[i + 1] == m->first_tensor[i]) continue;
-        mgpu__layer_ctx_for(m, 0, i, 0, &ctx);
+        mgpu__layer_ctx_for(m, p, &p->slot[0], i, 0, &ctx);
         snprintf(where, sizeof where, "mgpu_model_create: initialising layer %d (%s)", i, mgpu_layer_type(l));
         if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__refail(where);
     }
-    for (i = 1; i < m->replica_count; ++i)
-        if (mgpu_tensor_copy(m->rep[i].params, m->rep[0].params) != MGPU_OK) return mgpu__refail("mgpu_model_create");
+    for (i = m->stage_count; i < m->part_count; ++i)
+        if (mgpu_tensor_copy(m->part[i].params, m->part[i % m->stage_count].params) != MGPU_OK)
+            return mgpu__refail("mgpu_model_create");
+    return MGPU_OK;
+}
+
+/* Step 5, what the reduce of every step needs: per stage, a communicator over its R copies, and
+   the gradient buckets. */
+static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_desc* desc) {
+    const int deterministic = desc->verify_every > 0 || mgpu__deterministic_from_env();
+    int s, r;
+    m->ar = (mgpu_allreduce**)mgpu__calloc((size_t)m->stage_count, sizeof(mgpu_allreduce*));
+    m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->part_count, sizeof *m->task_error);
+    if (!m->ar || !m->task_error) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+    for (s = 0; s < m->stage_count && m->replica_count > 1; ++s) {
+        mgpu_device* devs[MGPU__MAX_REPLICAS];
+        mgpu_device_set copies;   /* the stage's copies, a set of the library's own (counted in desc->devices) */
+        memset(&copies, 0, sizeof copies);
+        for (r = 0; r < m->replica_count; ++r) devs[r] = mgpu__part_of(m, r, s)->dev;
+        copies.count = m->replica_count;
+        copies.devices = devs;
+        m->ar[s] = mgpu__allreduce_create(&copies, desc->allreduce, deterministic);
+        if (!m->ar[s]) return mgpu_last_result();
+    }
+    if (m->replica_count > 1) MGPU__TRY(mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)));
+#ifndef MGPU_NO_THREADS
+    if (m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) {
+        if (pthread_mutex_init(&m->pipe_lock, NULL) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_mutex_init failed");
+        if (pthread_cond_init(&m->pipe_moved, NULL) != 0) {
+            pthread_mutex_destroy(&m->pipe_lock);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_cond_init failed");
+        }
+        m->pipe_sync = 1;
+    }
+#endif
     return MGPU_OK;
 }
 
@@ -4605,7 +4816,7 @@ static void mgpu__model_drop_layers(mgpu_layer** layers, int count) {
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
-    int i;
+    int i, devices;
     if (!desc || !desc->layers || desc->layer_count <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
         if (desc && desc->layers) mgpu__model_drop_layers(desc->layers, desc->layer_count);
@@ -4655,6 +4866,10 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
+    m->stage_count = MGPU__DEF(desc->stages, 1);
+    m->micro_batches = MGPU__DEF(desc->micro_batches, 1);
+    m->schedule = desc->schedule;
+    devices = desc->devices ? desc->devices->count : 1;
     if (m->input.ndim < 1 || m->input.ndim > MGPU_MAX_DIMS - 1) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "the sample shape has %d dimensions (want 1 to %d; the batch adds one)",
                    m->input.ndim, MGPU_MAX_DIMS - 1);
@@ -4667,19 +4882,17 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
                        mgpu__shape_text(m->input, text, sizeof text));
             return mgpu__model_fail(m, op);
         }
-    if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_replicas(m, desc->devices) != MGPU_OK ||
-        mgpu__model_init(m) != MGPU_OK) {
-        mgpu__model_free(m);
-        return NULL;
+    if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
+                   "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
+        return mgpu__model_fail(m, op);
     }
-    if (m->replica_count > 1) {   /* step 4: what the reduce of every step needs */
-        m->ar = mgpu__allreduce_create(desc->devices, desc->allreduce, desc->verify_every > 0 || mgpu__deterministic_from_env());
-        if (!m->ar) return mgpu__model_fail(m, op);
-        m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->replica_count, sizeof *m->task_error);
-        if (!m->task_error) mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
-        if (!m->task_error || mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)) != MGPU_OK)
-            return mgpu__model_fail(m, op);
-    }
+    if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_stages(m, desc, devices) != MGPU_OK) return mgpu__model_fail(m, op);
+    m->part_count = devices;
+    m->replica_count = devices / m->stage_count;
+    if (mgpu__model_parts(m, desc->devices) != MGPU_OK || mgpu__model_init(m) != MGPU_OK ||
+        mgpu__model_communicators(m, desc) != MGPU_OK)
+        return mgpu__model_fail(m, op);
     if (mgpu__live_add(m, MGPU__LIVE_MODEL, op) != MGPU_OK) return mgpu__model_fail(m, op);
     if (desc->devices) {   /* the set's destroy waits for this model's (LIFETIMES) */
         m->set = desc->devices;
@@ -4689,40 +4902,70 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
 }
 
 MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
-    return m && m->ar ? m->ar->kind : MGPU_ALLREDUCE_NONE;
+    return m && m->ar && m->ar[0] ? m->ar[0]->kind : MGPU_ALLREDUCE_NONE;
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
+MGPUDEF int mgpu_model_stage_count(const mgpu_model* m) { return m ? m->stage_count : 0; }
+MGPUDEF int mgpu_model_micro_batches(const mgpu_model* m) { return m ? m->micro_batches : 0; }
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
 /* For the getters: 1 when m is a model, replica one of its replicas (unless replica is
-   MGPU__ANY) and tensor one of its tensors (unless MGPU__ANY); else 0 and an error saying which. */
+   MGPU__ANY), stage one of its stages and tensor one of its tensors (likewise); else 0 and an
+   error saying which. */
 #define MGPU__ANY INT32_MIN
-static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int tensor) {
+static int mgpu__model_has(const char* op, const mgpu_model* m, int replica, int stage, int tensor) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op), 0;
     if (replica != MGPU__ANY && (replica < 0 || replica >= m->replica_count))
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d replica%s (0 to %d)", op, replica,
                           m->replica_count, m->replica_count == 1 ? "" : "s", m->replica_count - 1), 0;
+    if (stage != MGPU__ANY && (stage < 0 || stage >= m->stage_count))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: stage %d of a model with %d stage%s (0 to %d)", op, stage,
+                          m->stage_count, m->stage_count == 1 ? "" : "s", m->stage_count - 1), 0;
     if (tensor != MGPU__ANY && (tensor < 0 || tensor >= m->tensor_count))
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d tensor%s (0 to %d)", op, tensor,
                           m->tensor_count, m->tensor_count == 1 ? "" : "s", m->tensor_count - 1), 0;
     return 1;
 }
+MGPUDEF int mgpu_model_stage_first_layer(const mgpu_model* m, int stage) {
+    if (m && stage == m->stage_count) return m->layer_count;
+    return mgpu__model_has("mgpu_model_stage_first_layer", m, MGPU__ANY, stage, MGPU__ANY) ? m->stage_layer[stage] : -1;
+}
+MGPUDEF mgpu_device* mgpu_model_stage_device(const mgpu_model* m, int replica, int stage) {
+    return mgpu__model_has("mgpu_model_stage_device", m, replica, stage, MGPU__ANY) ? mgpu__part_of(m, replica, stage)->dev : NULL;
+}
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica) {
-    return mgpu__model_has("mgpu_model_device", m, replica, MGPU__ANY) ? m->rep[replica].dev : NULL;
+    return mgpu__model_has("mgpu_model_device", m, replica, MGPU__ANY, MGPU__ANY) ? mgpu__part_of(m, replica, 0)->dev : NULL;
+}
+/* A part's flat buffer (grads: 0 params, 1 gradients); with one_stage, of a model of one stage only. */
+static mgpu_tensor* mgpu__part_buffer(const char* op, const mgpu_model* m, int replica, int stage, int grads, int one_stage) {
+    if (one_stage && m && m->stage_count > 1) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the model has %d stages, each with buffers of its own "
+                   "(mgpu_model_stage_params, mgpu_model_stage_grads)", op, m->stage_count);
+        return NULL;
+    }
+    if (!mgpu__model_has(op, m, replica, stage, MGPU__ANY)) return NULL;
+    return grads ? mgpu__part_of(m, replica, stage)->grads : mgpu__part_of(m, replica, stage)->params;
+}
+MGPUDEF mgpu_tensor* mgpu_model_stage_params(const mgpu_model* m, int replica, int stage) {
+    return mgpu__part_buffer("mgpu_model_stage_params", m, replica, stage, 0, 0);
+}
+MGPUDEF mgpu_tensor* mgpu_model_stage_grads(const mgpu_model* m, int replica, int stage) {
+    return mgpu__part_buffer("mgpu_model_stage_grads", m, replica, stage, 1, 0);
 }
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
-    return mgpu__model_has("mgpu_model_params", m, replica, MGPU__ANY) ? m->rep[replica].params : NULL;
+    return mgpu__part_buffer("mgpu_model_params", m, replica, 0, 0, 1);
 }
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica) {
-    return mgpu__model_has("mgpu_model_grads", m, replica, MGPU__ANY) ? m->rep[replica].grads : NULL;
+    return mgpu__part_buffer("mgpu_model_grads", m, replica, 0, 1, 1);
 }
 MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count : 0; }
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i) {
-    return mgpu__model_has("mgpu_model_tensor_name", m, MGPU__ANY, i) ? m->tensors[i].name : NULL;
+    return mgpu__model_has("mgpu_model_tensor_name", m, MGPU__ANY, MGPU__ANY, i) ? m->tensors[i].name : NULL;
 }
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i) {
-    return mgpu__model_has("mgpu_model_tensor", m, replica, i) ? m->rep[replica].pview[i] : NULL;
+    return mgpu__model_has("mgpu_model_tensor", m, replica, MGPU__ANY, i) ? mgpu__part_of(m, replica, mgpu__tensor_stage(m, i))->pview[i]
+                                                                          : NULL;
 }
 /* The index of the tensor called name, or -1 with an error naming it and a few of the model's. */
 static int mgpu__model_find(const char* op, const mgpu_model* m, const char* name) {
@@ -4743,21 +4986,21 @@ static int mgpu__model_find(const char* op, const mgpu_model* m, const char* nam
 MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name) {
     static const char* op = "mgpu_model_param";
     int i;
-    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
-    return m->rep[replica].pview[i];
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
+    return mgpu__part_of(m, replica, mgpu__tensor_stage(m, i))->pview[i];
 }
 MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name) {
     static const char* op = "mgpu_model_grad";
     int i;
-    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
-    return m->rep[replica].gview[i];
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY, MGPU__ANY) || (i = mgpu__model_find(op, m, name)) < 0) return NULL;
+    return mgpu__part_of(m, replica, mgpu__tensor_stage(m, i))->gview[i];
 }
 
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
     FILE* f = file ? (FILE*)file : stdout;
     mgpu_shape shape;
     char text[96], cfg[96], bytes[32];
-    int i, j;
+    int i, j, s;
     if (!m) return;
     shape = mgpu__batch_shape(m, 1);
     fprintf(f, "%-4s %-34s %-18s %12s\n", "#", "Layer (type)", "Output shape", "Params");
@@ -4766,6 +5009,7 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         const mgpu_layer* l = m->layers[i];
         int64_t n = 0;
         char label[128];
+        if (m->stage_count > 1 && m->stage_layer[mgpu__layer_stage(m, i)] == i) fprintf(f, "---- stage %d\n", mgpu__layer_stage(m, i));
         for (j = m->first_tensor[i]; j < m->first_tensor[i + 1]; ++j) n += mgpu_shape_numel(m->tensors[j].shape);
         cfg[0] = 0;
         if (l->vt->describe) l->vt->describe(l, cfg, sizeof cfg);
@@ -4774,9 +5018,16 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         fprintf(f, "%-4d %-34s %-18s %12lld\n", i, label, mgpu__shape_text(shape, text, sizeof text), (long long)n);
     }
     mgpu__human_bytes((double)m->param_count * 4.0, bytes, sizeof bytes);
-    fprintf(f, "Total parameters: %lld (%s as float32), on %d replica%s:", (long long)m->param_count, bytes,
+    fprintf(f, "Total parameters: %lld (%s as float32), on %d replica%s", (long long)m->param_count, bytes,
             m->replica_count, m->replica_count == 1 ? "" : "s");
-    for (i = 0; i < m->replica_count; ++i) fprintf(f, " %s", m->rep[i].dev->label);
+    if (m->stage_count > 1)
+        fprintf(f, " of %d stages (%d micro-batch%s, %s)", m->stage_count, m->micro_batches, m->micro_batches == 1 ? "" : "es",
+                m->schedule == MGPU_PIPELINE_GPIPE ? "GPipe" : "1F1B");
+    fprintf(f, ":");
+    for (i = 0; i < m->replica_count; ++i) {
+        fprintf(f, " ");
+        for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
+    }
     fprintf(f, "\n");
 }
 
@@ -4790,11 +5041,12 @@ static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int 
 /* ---- >>impl optim ----------------------------------------------------------------------- */
 struct mgpu_optimizer {
     mgpu_model* model;
-    int replica_count;
+    int part_count;
     mgpu_optimizer_desc d;      /* with defaults filled in */
     int64_t steps;              /* at most MGPU__MAX_STEPS */
-    mgpu_tensor** state1;       /* per replica: SGD momentum buffer, AdamW exp_avg (NULL when unused) */
-    mgpu_tensor** state2;       /* per replica: AdamW exp_avg_sq */
+    mgpu_tensor** state1;       /* per part (like its flat buffers): SGD momentum buffer, AdamW
+                                   exp_avg (NULL when unused) */
+    mgpu_tensor** state2;       /* per part: AdamW exp_avg_sq */
     mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
     int view_count;
 };
@@ -4804,7 +5056,7 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     if (!opt) return;
     mgpu__live_remove(opt, MGPU__LIVE_OPTIMIZER);
     if (opt->model) opt->model->optimizers--;
-    for (i = 0; i < opt->replica_count; ++i) {
+    for (i = 0; i < opt->part_count; ++i) {
         if (opt->state1) mgpu__tensor_free(opt->state1[i]);
         if (opt->state2) mgpu__tensor_free(opt->state2[i]);
     }
@@ -4863,15 +5115,15 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     opt->model = m;
     m->optimizers++;   /* the model's destroy waits for this one's (LIFETIMES) */
-    opt->replica_count = m->replica_count;
+    opt->part_count = m->part_count;
     opt->d = d;
-    opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
-    opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->replica_count, sizeof(mgpu_tensor*));
+    opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
+    opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
     if (!opt->state1 || !opt->state2) { mgpu__optimizer_free(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
-    for (i = 0; i < m->replica_count; ++i)
+    for (i = 0; i < m->part_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
-            *t = mgpu__own(mgpu_tensor_create(m->rep[i].dev, MGPU_F32, m->rep[i].params->shape));
+            *t = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_F32, m->part[i].params->shape));
             if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
     if (mgpu__live_add(opt, MGPU__LIVE_OPTIMIZER, op) != MGPU_OK) { mgpu__optimizer_free(opt); return NULL; }
@@ -4897,10 +5149,10 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
     static const char* op = "mgpu_optimizer_state";
     const mgpu_model* m;
     const char* kind;
-    int s, t, count, v;
+    int s, t, count, v, stage;
     if (!opt) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL optimizer", op); return NULL; }
     m = opt->model;
-    if (!mgpu__model_has(op, m, replica, MGPU__ANY) || (t = mgpu__model_find(op, m, param)) < 0) return NULL;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY, MGPU__ANY) || (t = mgpu__model_find(op, m, param)) < 0) return NULL;
     count = mgpu__optimizer_state_count(opt);
     kind = opt->d.kind == MGPU_ADAMW ? "AdamW" : "SGD";
     if (!state) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL state name", op); return NULL; }
@@ -4915,21 +5167,24 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
         return NULL;
     }
     if (!opt->views) {
-        opt->view_count = opt->replica_count * 2 * m->tensor_count;
+        opt->view_count = m->replica_count * 2 * m->tensor_count;
         opt->views = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(opt->view_count, 1), sizeof(mgpu_tensor*));
         if (!opt->views) { opt->view_count = 0; mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     }
     v = (replica * 2 + s) * m->tensor_count + t;
-    if (!opt->views[v])
-        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[replica] : opt->state2[replica], m->tensors[t].offset,
+    stage = mgpu__tensor_stage(m, t);
+    if (!opt->views[v]) {
+        const int pi = replica * m->stage_count + stage;
+        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[pi] : opt->state2[pi], m->tensors[t].offset - m->stage_off[stage],
                                       m->tensors[t].shape, op);
+    }
     return opt->views[v];
 }
 
 MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
     int i;
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_reset: NULL optimizer");
-    for (i = 0; i < opt->replica_count; ++i) {
+    for (i = 0; i < opt->part_count; ++i) {
         if (opt->state1[i]) MGPU__TRY(mgpu_tensor_zero(opt->state1[i]));
         if (opt->state2[i]) MGPU__TRY(mgpu_tensor_zero(opt->state2[i]));
     }
@@ -4985,8 +5240,8 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     job.adamw.eps = opt->d.eps;
     job.adamw.bias_correction1 = (float)(1.0 - pow(opt->d.beta1, (double)(opt->steps + 1)));
     job.adamw.bias_correction2_sqrt = (float)sqrt(1.0 - pow(opt->d.beta2, (double)(opt->steps + 1)));
-    for (i = 0; i < opt->model->replica_count; ++i) {
-        mgpu__replica* r = &opt->model->rep[i];
+    for (i = 0; i < opt->model->part_count; ++i) {
+        mgpu__part* r = &opt->model->part[i];
         size_t n = (size_t)mgpu_tensor_numel(r->params);
         job.p = MGPU__F32(r->params);
         job.g = MGPU__F32(r->grads);
@@ -5037,7 +5292,7 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
    mgpu_model_desc.bucket_bytes is bucket_cap_mb; mgpu_allreduce_sum is a group of
    ncclAllReduce calls, one per GPU. */
 
-/* ---- the building blocks: forward and backward of one replica ---- */
+/* ---- the building blocks: forward and backward of one part ---- */
 
 /* x must be [batch, sample shape...] */
 static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const mgpu_tensor* x) {
@@ -5052,104 +5307,196 @@ static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const 
     return MGPU_OK;
 }
 
-/* Size every activation, gradient and aux buffer of a replica for input shape x. */
-static mgpu_result mgpu__replica_resize(mgpu_model* m, mgpu__replica* r, mgpu_shape x) {
+/* Size every activation, gradient and aux buffer of a part's slot for input shape x. */
+static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__slot* sl, mgpu_shape x) {
+    const int last = m->stage_layer[p->stage + 1] - 1;
     mgpu_shape shape = x;
     int i, j;
-    if (mgpu_shape_equal(r->in_shape, x)) return MGPU_OK;
-    mgpu__replica_free_buffers(m, r);
-    for (i = 0; i < m->layer_count; ++i) {
+    if (mgpu_shape_equal(sl->in_shape, x)) return MGPU_OK;
+    mgpu__slot_free_buffers(m, sl);
+    for (i = m->stage_layer[p->stage]; i <= last; ++i) {
         const mgpu_layer* l = m->layers[i];
         mgpu_shape out;
         for (j = 0; j < m->first_aux[i + 1] - m->first_aux[i]; ++j) {
             mgpu_dtype dt;
             mgpu_shape as;
             MGPU__TRY(l->vt->aux_shape(l, j, shape, &dt, &as));
-            MGPU__TRY(mgpu__ensure(&r->aux[m->first_aux[i] + j], r->dev, dt, as));
+            MGPU__TRY(mgpu__ensure(&sl->aux[m->first_aux[i] + j], p->dev, dt, as));
         }
         MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
-        MGPU__TRY(mgpu__ensure(&r->act[i], r->dev, MGPU_F32, out));
-        if (i < m->layer_count - 1) MGPU__TRY(mgpu__ensure(&r->dact[i], r->dev, MGPU_F32, out));
+        MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
+        if (i < last) MGPU__TRY(mgpu__ensure(&sl->dact[i], p->dev, MGPU_F32, out));
         shape = out;
     }
-    r->in_shape = x;
+    sl->in_shape = x;
     return MGPU_OK;
 }
 
-/* Forward of one replica, whose rows start at row first_row of the whole batch. */
-static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training, int64_t first_row) {
+/* The order of two parts' streams: `on`'s stream waits for event k of `from` (a CUDA pipeline). */
+static mgpu_result mgpu__part_wait(const char* op, const mgpu__part* on, const mgpu__part* from, int event) {
+    if (!from->events) return MGPU_OK;
+    MGPU__CU(op, on->dev, mgpu__cu_stream_wait_event(on->dev->ordinal, on->dev->stream, from->events[event]));
+    return MGPU_OK;
+}
+static mgpu_result mgpu__part_mark(const char* op, const mgpu__part* p, int event) {
+    if (!p->events) return MGPU_OK;
+    MGPU__CU(op, p->dev, mgpu__cu_event_record(p->dev->ordinal, p->events[event], p->dev->stream));
+    return MGPU_OK;
+}
+
+/* Between the stages of a pipeline: dst = src, queued on the stream of dst's or src's part
+   (`on`), never waiting for the host: a copy on the same GPU, a peer copy between two (which the
+   CUDA runtime stages through the host where there is no peer access), a plain copy between
+   CPU devices. The caller orders it after src's producer (mgpu__part_wait). */
+static mgpu_result mgpu__stage_copy(const mgpu__part* on, mgpu_tensor* dst, const mgpu_tensor* src) {
+    static const char* op = "pipeline copy";
+    mgpu_device *dd = MGPU__DEV(dst), *sd = MGPU__DEV(src);
+    if (dd->kind == MGPU_DEVICE_CPU && sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_copy(dst, src);
+    if (dd->ordinal == sd->ordinal)
+        MGPU__CU(op, on->dev, mgpu__cu_memcpy(on->dev->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), mgpu_tensor_bytes(src),
+                                             on->dev->stream));
+    else
+        MGPU__CU(op, on->dev, mgpu__cu_memcpy_peer(dd->ordinal, mgpu_tensor_data(dst), sd->ordinal, mgpu_tensor_data(src),
+                                                  mgpu_tensor_bytes(src), on->dev->stream));
+    return MGPU_OK;
+}
+
+/* Forward of micro-batch k on a part, whose rows start at row first_row of the whole batch. The
+   first stage reads x (on its device); a later stage first pulls the output of the stage
+   before (which ran forward k already: the CPU threads wait for it, GPU streams order it). */
+static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const mgpu_tensor* x, int training, int64_t first_row) {
     static const char* op = "mgpu_model_forward";
-    mgpu__replica* r;
+    mgpu__slot* sl = &p->slot[k % p->slot_count];
     char where[96];
     int i;
-    if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
-    r = &m->rep[replica];
-    r->has_input = 0;   /* until every layer has run: backward needs a whole forward */
-    if (MGPU__DEV(x) != r->dev && !(MGPU__IS_CPU(x) && r->dev->kind == MGPU_DEVICE_CPU)) {
-        char tx[128];
-        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
-                   mgpu_tensor_describe(x, tx, sizeof tx), replica, r->dev->label);
-        return NULL;
+    sl->has_input = 0;   /* until every layer has run: backward needs a whole forward */
+    if (p->stage > 0) {
+        const mgpu__part* from = p - 1;
+        const mgpu_tensor* y = from->slot[k % from->slot_count].act[m->stage_layer[p->stage] - 1];
+        MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, MGPU_F32, y->shape));
+        MGPU__TRY(mgpu__part_wait(op, p, from, k));
+        MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));
+        x = sl->xin;
     }
-    if (mgpu__replica_resize(m, r, x->shape) != MGPU_OK) { mgpu__refail(op); return NULL; }
-    r->input = *x;
-    r->training = training;
-    r->first_row = first_row;
-    for (i = 0; i < m->layer_count; ++i) {
+    MGPU__TRY(mgpu__slot_resize(m, p, sl, x->shape));
+    sl->input = *x;
+    sl->training = training;
+    sl->first_row = first_row;
+    for (i = m->stage_layer[p->stage]; i < m->stage_layer[p->stage + 1]; ++i) {
         mgpu_layer_ctx ctx;
-        mgpu__layer_ctx_for(m, replica, i, training, &ctx);
-        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i ? r->act[i - 1] : x, r->act[i]) != MGPU_OK) {
+        mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
+        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input,
+                                      sl->act[i]) != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
-            mgpu__refail(where);
-            return NULL;
+            return mgpu__refail(where);
         }
     }
-    r->has_input = 1;
-    return r->act[m->layer_count - 1];
+    sl->has_input = 1;
+    return mgpu__part_mark(op, p, k);
 }
 
-MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
-    if (m && replica >= 0 && replica < m->replica_count) m->rep[replica].stream_salt = replica + 1;
-    return mgpu__forward(m, replica, x, training, 0);
-}
-
-/* Backward through layer i of a replica: d output of the model is doutput. */
-static mgpu_result mgpu__backward_layer(mgpu_model* m, int replica, int i, const mgpu_tensor* doutput) {
-    mgpu__replica* r = &m->rep[replica];
+/* Backward of micro-batch k through layer i of a part. d output is doutput on the last stage,
+   else what the stage after sent back (it ran backward k already); the stage's first layer
+   gives d input when there is a stage before, or when asked (input_grad). */
+static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k, int i, const mgpu_tensor* doutput, int input_grad) {
+    static const char* op = "mgpu_model_backward";
+    mgpu__slot* sl = &p->slot[k % p->slot_count];
+    const int first = m->stage_layer[p->stage], last = m->stage_layer[p->stage + 1] - 1;
+    const mgpu_tensor* dy = i < last ? sl->dact[i] : p->stage == m->stage_count - 1 ? doutput : sl->dyin;
+    mgpu_tensor* dx = i > first ? sl->dact[i - 1] : NULL;
     mgpu_layer_ctx ctx;
     char where[96];
-    const mgpu_tensor* dy = i == m->layer_count - 1 ? doutput : r->dact[i];
-    mgpu__layer_ctx_for(m, replica, i, r->training, &ctx);
-    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i ? r->act[i - 1] : &r->input, r->act[i], dy,
-                                   i ? r->dact[i - 1] : NULL) != MGPU_OK) {
-        snprintf(where, sizeof where, "mgpu_model_backward: layer %d (%s)", i, mgpu_layer_type(m->layers[i]));
+    if (i == last && p->stage < m->stage_count - 1) MGPU__TRY(mgpu__part_wait(op, p, p + 1, m->micro_batches + k));
+    if (i == first && (p->stage > 0 || input_grad)) {
+        MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, MGPU_F32, sl->input.shape));
+        dx = sl->dxin;
+    }
+    mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
+    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx) != MGPU_OK) {
+        snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
         return mgpu__refail(where);
     }
     return MGPU_OK;
 }
 
+/* After a part's backward of micro-batch k: d input goes back to the stage before, pushed on
+   this part's stream into that stage's slot (free: that stage ran backward k - slots before
+   its forward k, which this part's forward k came after). */
+static mgpu_result mgpu__part_backward_done(mgpu_model* m, mgpu__part* p, int k) {
+    if (p->stage > 0) {
+        mgpu__part* to = p - 1;
+        mgpu__slot* dst = &to->slot[k % to->slot_count];
+        const mgpu_tensor* dx = p->slot[k % p->slot_count].dxin;
+        MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, MGPU_F32, dx->shape));
+        MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
+    }
+    return mgpu__part_mark("mgpu_model_backward", p, m->micro_batches + k);
+}
+
+static mgpu_result mgpu__part_backward(mgpu_model* m, mgpu__part* p, int k, const mgpu_tensor* doutput, int input_grad) {
+    int i;
+    for (i = m->stage_layer[p->stage + 1] - 1; i >= m->stage_layer[p->stage]; --i)
+        MGPU__TRY(mgpu__part_backward_layer(m, p, k, i, doutput, input_grad));
+    return mgpu__part_backward_done(m, p, k);
+}
+
+/* Forward of one replica, through its stages in turn, with micro-batch slot 0. */
+static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training, int64_t first_row) {
+    static const char* op = "mgpu_model_forward";
+    const mgpu__part* first;
+    int s;
+    if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
+    first = mgpu__part_of(m, replica, 0);
+    if (MGPU__DEV(x) != first->dev && !(MGPU__IS_CPU(x) && first->dev->kind == MGPU_DEVICE_CPU)) {
+        char tx[128];
+        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
+                   mgpu_tensor_describe(x, tx, sizeof tx), replica, first->dev->label);
+        return NULL;
+    }
+    for (s = 0; s < m->stage_count; ++s)
+        if (mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK) return NULL;
+    return mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1];
+}
+
+MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+    int s;
+    if (m && replica >= 0 && replica < m->replica_count)
+        for (s = 0; s < m->stage_count; ++s) mgpu__part_of(m, replica, s)->stream_salt = replica + 1;
+    return mgpu__forward(m, replica, x, training, 0);
+}
+
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
     static const char* op = "mgpu_model_backward";
-    mgpu__replica* r;
-    int i;
+    int s;
     MGPU__TRY(mgpu__check_replica(op, m, replica));
-    r = &m->rep[replica];
-    if (!r->has_input) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
-    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", r->act[m->layer_count - 1]));
-    for (i = m->layer_count - 1; i >= 0; --i) MGPU__TRY(mgpu__backward_layer(m, replica, i, doutput));
+    for (s = 0; s < m->stage_count; ++s)
+        if (!mgpu__part_of(m, replica, s)->slot[0].has_input)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
+    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1]));
+    for (s = m->stage_count - 1; s >= 0; --s) MGPU__TRY(mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1));
     return MGPU_OK;
 }
 
+MGPUDEF const mgpu_tensor* mgpu_model_input_grad(const mgpu_model* m, int replica) {
+    const mgpu__slot* sl;
+    if (mgpu__check_replica("mgpu_model_input_grad", m, replica) != MGPU_OK) return NULL;
+    sl = &mgpu__part_of(m, replica, 0)->slot[0];
+    if (!sl->dxin || !mgpu_shape_equal(sl->dxin->shape, sl->input.shape)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_input_grad: no mgpu_model_backward of replica %d yet", replica);
+        return NULL;
+    }
+    return sl->dxin;
+}
 
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
     int i;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_zero_grad: NULL model");
-    for (i = 0; i < m->replica_count; ++i) MGPU__TRY(mgpu_tensor_zero(m->rep[i].grads));
+    for (i = 0; i < m->part_count; ++i) MGPU__TRY(mgpu_tensor_zero(m->part[i].grads));
     m->grads_reduced = 0;
     return MGPU_OK;
 }
 
-/* ---- move 2, split: each replica's rows of the batch, on its device ---- */
+/* ---- move 2, split: each replica's rows of the batch, on its devices ---- */
 
 /* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
 static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target) {
@@ -5162,76 +5509,115 @@ static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const
     return MGPU_OK;
 }
 
-/* Replica r's rows of a batch of n: an even split, the first n % R replicas one row more. */
-static void mgpu__split(int64_t n, int replicas, int r, int64_t* start, int64_t* count) {
-    int64_t base = n / replicas, extra = n % replicas;
-    *count = base + (r < extra ? 1 : 0);
-    *start = (int64_t)r * base + MGPU__MIN((int64_t)r, extra);
+/* Piece i of n rows cut into `pieces`: an even split, the first n % pieces one row more. Rows go
+   to replicas, then a replica's rows to its micro-batches. */
+static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count) {
+    int64_t base = n / pieces, extra = n % pieces;
+    *count = base + (i < extra ? 1 : 0);
+    *start = (int64_t)i * base + MGPU__MIN((int64_t)i, extra);
 }
 
-/* Replica r's slice of t, on its device: t itself where possible, else a copy in *buf. */
-static mgpu_result mgpu__replica_slice(mgpu__replica* r, const mgpu_tensor* t, int64_t start, int64_t count,
-                                       mgpu_tensor** buf, mgpu_tensor* view) {
+/* A part's slice of t, on its device: t itself where possible, else a copy in *buf. */
+static mgpu_result mgpu__part_slice(const mgpu__part* p, const mgpu_tensor* t, int64_t start, int64_t count,
+                                    mgpu_tensor** buf, mgpu_tensor* view) {
     *view = mgpu__rows(t, start, count);
-    if (MGPU__DEV(t) == r->dev || (MGPU__IS_CPU(t) && r->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
-    MGPU__TRY(mgpu__ensure(buf, r->dev, t->dtype, view->shape));
+    if (MGPU__DEV(t) == p->dev || (MGPU__IS_CPU(t) && p->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
+    MGPU__TRY(mgpu__ensure(buf, p->dev, t->dtype, view->shape));
     MGPU__TRY(mgpu_tensor_copy(*buf, view));
     *view = **buf;
     return MGPU_OK;
 }
 
-/* Replica r's rows of x and target (xs, ts), and where they start in the batch. */
-static mgpu_result mgpu__replica_inputs(mgpu_model* m, int replica, const mgpu_tensor* x, const mgpu_tensor* target,
-                                        mgpu_tensor* xs, mgpu_tensor* ts, int64_t* first_row) {
-    mgpu__replica* r = &m->rep[replica];
-    int64_t count;
-    mgpu__split(x->shape.dim[0], m->replica_count, replica, first_row, &count);
-    MGPU__TRY(mgpu__replica_slice(r, x, *first_row, count, &r->xbuf, xs));
-    return mgpu__replica_slice(r, target, *first_row, count, &r->tbuf, ts);
-}
+/* A batch on its way through the model: each replica's rows, x on its first stage's device and
+   the target on its last's. */
+typedef struct mgpu__batch {
+    mgpu_model* m;
+    const char* op;
+    int64_t batch_total;
+    mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
+    int64_t first[MGPU__MAX_REPLICAS];   /* where each replica's rows start in the batch */
+    mgpu_result* results;                /* CPU threads: each part's */
+} mgpu__batch;
 
-/* ---- move 3, compute: forward, loss and backward of one replica ---- */
-
-/* Loss (and, with dout, its gradient scaled by grad_scale) of one replica's output. */
-static mgpu_result mgpu__replica_loss(mgpu_model* m, mgpu__replica* r, const mgpu_tensor* out, const mgpu_tensor* target,
-                                      mgpu_tensor* dout, float grad_scale) {
-    if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(r->loss, dout, out, target, grad_scale);
-    return mgpu_softmax_cross_entropy(r->loss, dout, out, target, grad_scale);
-}
-
-/* Replica r's forward and loss; the loss gradient (scaled for a batch of batch_total) in r->dout. */
-static mgpu_result mgpu__replica_forward_loss(mgpu_model* m, const char* op, int replica, const mgpu_tensor* xs,
-                                              const mgpu_tensor* ts, int64_t first_row, int64_t batch_total) {
-    mgpu__replica* r = &m->rep[replica];
-    const mgpu_tensor* out;
-    const int64_t count = xs->shape.dim[0];
-    double per_row;
-    out = mgpu__forward(m, replica, xs, 1, m->rows_in_step + first_row);
-    if (!out) return mgpu__refail(op);
-    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", ts, "output", out));
-    MGPU__TRY(mgpu__ensure(&r->dout, r->dev, MGPU_F32, out->shape));
-    /* The gradient of the WHOLE batch's mean loss: summed over replicas it is exactly the
-       one-device gradient, however unevenly the rows were split. MSE averages every element. */
-    per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1) : 1.0;
-    return mgpu__replica_loss(m, r, out, ts, r->dout, (float)(1.0 / ((double)batch_total * per_row)));
-}
-
-static mgpu_result mgpu__loss_value(mgpu__replica* r, double* value) {
-    float v;
-    MGPU__TRY(mgpu_tensor_download(r->loss, &v, sizeof v));
-    *value = v;
+static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const mgpu_tensor* target) {
+    mgpu_model* m = b->m;
+    int r;
+    for (r = 0; r < m->replica_count; ++r) {
+        mgpu__part *in = mgpu__part_of(m, r, 0), *out = mgpu__part_of(m, r, m->stage_count - 1);
+        int64_t count;
+        mgpu__split(x->shape.dim[0], m->replica_count, r, &b->first[r], &count);
+        MGPU__TRY(mgpu__part_slice(in, x, b->first[r], count, &in->xbuf, &b->xs[r]));
+        MGPU__TRY(mgpu__part_slice(out, target, b->first[r], count, &out->tbuf, &b->ts[r]));
+    }
     return MGPU_OK;
 }
 
-/* The batch's mean loss, from each replica's mean over its rows (waits for the devices). */
-static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
-    double total = 0.0, v;
+/* ---- move 3, compute: forward, loss and backward of micro-batch k on one part ---- */
+
+/* Loss (and, with dout, its gradient scaled by grad_scale) of an output into `loss` [1]. */
+static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tensor* out, const mgpu_tensor* target,
+                              mgpu_tensor* dout, float grad_scale) {
+    if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(loss, dout, out, target, grad_scale);
+    return mgpu_softmax_cross_entropy(loss, dout, out, target, grad_scale);
+}
+
+/* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
+   batch in the slot's dout. */
+static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
+    mgpu_model* m = b->m;
+    const int r = p->replica;
     int64_t start, count;
-    int i;
-    for (i = 0; i < m->replica_count; ++i) {
-        mgpu__split(batch, m->replica_count, i, &start, &count);
-        MGPU__TRY(mgpu__loss_value(&m->rep[i], &v));
-        total += v * (double)count;
+    mgpu_tensor xk, tk, lk;
+    mgpu__slot* sl = &p->slot[k % p->slot_count];
+    const mgpu_tensor* out;
+    double per_row;
+    mgpu__split(b->xs[r].shape.dim[0], m->micro_batches, k, &start, &count);
+    xk = mgpu__rows(&b->xs[r], start, count);
+    MGPU__TRY(mgpu__part_forward(m, p, k, &xk, 1, m->rows_in_step + b->first[r] + start));
+    if (p->stage < m->stage_count - 1) return MGPU_OK;
+    out = sl->act[m->layer_count - 1];
+    tk = mgpu__rows(&b->ts[r], start, count);
+    lk = mgpu__rows(p->losses, k, 1);
+    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(b->op, "target", &tk, "output", out));
+    MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, out->shape));
+    /* The gradient of the WHOLE batch's mean loss: summed over replicas and micro-batches it is
+       exactly the one-device gradient, however unevenly the rows were split. MSE averages
+       every element. */
+    per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1) : 1.0;
+    return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)));
+}
+
+static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k) {
+    return mgpu__part_backward(b->m, p, k, p->slot[k % p->slot_count].dout, 0);
+}
+
+/* Op j (0 to 2M - 1) of the order in which stage s runs its micro-batches: k for the forward of
+   micro-batch k, -1 - k for its backward. GPipe: every forward, then every backward. 1F1B:
+   S - s - 1 forwards to fill the pipeline, then a forward and a backward in turn, then the last
+   backwards. Backwards go 0, 1, ... in both, so the gradients add up in the same order. */
+static int mgpu__stage_op(const mgpu_model* m, int s, int j) {
+    const int M = m->micro_batches;
+    const int warm = m->schedule == MGPU_PIPELINE_GPIPE ? M : MGPU__MIN(m->stage_count - s - 1, M);
+    const int pairs = M - warm;
+    if (j < warm) return j;
+    j -= warm;
+    if (j < 2 * pairs) return j % 2 == 0 ? warm + j / 2 : -1 - j / 2;
+    return -1 - (pairs + j - 2 * pairs);
+}
+
+/* The batch's mean loss, from each micro-batch's mean over its rows (waits for the devices). */
+static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
+    double total = 0.0;
+    float v[4096];
+    int64_t start, count, mstart, mcount;
+    int r, k;
+    for (r = 0; r < m->replica_count; ++r) {
+        mgpu__split(batch, m->replica_count, r, &start, &count);
+        MGPU__TRY(mgpu_tensor_download(mgpu__part_of(m, r, m->stage_count - 1)->losses, v, (size_t)m->micro_batches * sizeof(float)));
+        for (k = 0; k < m->micro_batches; ++k) {
+            mgpu__split(count, m->micro_batches, k, &mstart, &mcount);
+            total += (double)v[k] * (double)mcount;
+        }
     }
     *loss = (float)(total / (double)batch);
     return MGPU_OK;
@@ -5239,119 +5625,217 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
 
 /* ---- move 4, reduce: the gradients summed across replicas ---- */
 
-/* The whole flat gradient buffer of every replica in one all-reduce (once per step at most). */
+/* Each stage's whole flat gradient buffer across its copies in one all-reduce (once per step at most). */
 static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     float* bufs[MGPU__MAX_REPLICAS];
-    int i;
+    int r, s;
     if (m->grads_reduced) return MGPU_OK;
-    if (m->ar) {
-        for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads);
-        MGPU__TRY(mgpu__ar_sum(m->ar, bufs, (size_t)m->flat_floats));
+    for (s = 0; m->replica_count > 1 && s < m->stage_count; ++s) {
+        for (r = 0; r < m->replica_count; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads);
+        MGPU__TRY(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)));
     }
     m->grads_reduced = 1;
     return MGPU_OK;
 }
 
-/* ---- moves 2 to 4 for a batch, on CPU replicas: one thread each ---- */
-/* Each replica is one task of the thread pool (its own ops then run single-threaded: the pool
-   is busy). Failures come back as text, each prefixed with its replica. */
-typedef struct mgpu__replica_job {
-    mgpu_model* m;
-    const char* op;
-    const mgpu_tensor *x, *target;
-    int64_t batch_total;
-    mgpu_result* results;
-} mgpu__replica_job;
-
-static void mgpu__replica_task(void* ctx, int64_t task) {
-    mgpu__replica_job* j = (mgpu__replica_job*)ctx;
-    const int r = (int)task;
-    mgpu_tensor xs, ts;
-    int64_t first_row = 0;
-    mgpu_result res = mgpu__replica_inputs(j->m, r, j->x, j->target, &xs, &ts, &first_row);              /* 2. split */
-    if (res == MGPU_OK) res = mgpu__replica_forward_loss(j->m, j->op, r, &xs, &ts, first_row, j->batch_total); /* 3. compute */
-    if (res == MGPU_OK) res = mgpu_model_backward(j->m, r, j->m->rep[r].dout);
-    j->results[r] = res;
-    if (res != MGPU_OK)
-        snprintf(j->m->task_error[r], sizeof j->m->task_error[r], "replica %d (%s): %s", r, j->m->rep[r].dev->label,
-                 mgpu_last_error());
+/* ---- moves 2 to 4 for a batch, on CPU parts: one thread each ---- */
+/* Each part runs its stage's order on a thread of its own (the pool's, when there is one stage
+   and so nothing to wait for; threads of its own otherwise, since stages wait for each other),
+   and its ops then run single-threaded. A forward waits until the stage before has run the same
+   forward, a backward until the stage after has run the same backward; a failure wakes every
+   waiting part. Failures come back as text, each prefixed with its part. */
+#ifndef MGPU_NO_THREADS
+static int mgpu__pipe_wait(mgpu_model* m, const int* done, int need) {
+    int ok;
+    if (!m->pipe_sync) return 1;
+    pthread_mutex_lock(&m->pipe_lock);
+    while (*done < need && !m->pipe_failed) pthread_cond_wait(&m->pipe_moved, &m->pipe_lock);
+    ok = !m->pipe_failed;
+    pthread_mutex_unlock(&m->pipe_lock);
+    return ok;
+}
+static void mgpu__pipe_moved(mgpu_model* m, int* done, int failed) {
+    if (!m->pipe_sync) { if (failed) m->pipe_failed = 1; else ++*done; return; }
+    pthread_mutex_lock(&m->pipe_lock);
+    if (failed) m->pipe_failed = 1; else ++*done;
+    pthread_cond_broadcast(&m->pipe_moved);
+    pthread_mutex_unlock(&m->pipe_lock);
 }
 
-static mgpu_result mgpu__run_batch_threads(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
-                                       int64_t batch_total, int reduce) {
+static void mgpu__part_task(void* ctx, int64_t task) {
+    mgpu__batch* b = (mgpu__batch*)ctx;
+    mgpu_model* m = b->m;
+    mgpu__part* p = &m->part[task];
+    mgpu_result res = MGPU_OK;
+    int j, stopped = 0;   /* stopped: by a neighbour's failure, not one of this part's */
+    for (j = 0; j < 2 * m->micro_batches && res == MGPU_OK; ++j) {
+        const int op = mgpu__stage_op(m, p->stage, j), k = op >= 0 ? op : -1 - op;
+        if (op >= 0) {
+            stopped = p->stage > 0 && !mgpu__pipe_wait(m, &(p - 1)->forwards_done, k + 1);
+            if (!stopped) res = mgpu__run_forward(b, p, k);
+            if (!stopped) mgpu__pipe_moved(m, &p->forwards_done, res != MGPU_OK);
+        } else {
+            stopped = p->stage < m->stage_count - 1 && !mgpu__pipe_wait(m, &(p + 1)->backwards_done, k + 1);
+            if (!stopped) res = mgpu__run_backward(b, p, k);
+            if (!stopped) mgpu__pipe_moved(m, &p->backwards_done, res != MGPU_OK);
+        }
+        if (stopped) res = MGPU_ERROR_INVALID_ARGUMENT;
+    }
+    b->results[task] = res;
+    if (res != MGPU_OK && !stopped)
+        snprintf(m->task_error[task], sizeof m->task_error[task], "replica %d stage %d (%s): %s", p->replica, p->stage,
+                 p->dev->label, mgpu_last_error());
+}
+
+typedef struct mgpu__part_thread { pthread_t thread; mgpu__batch* b; int64_t task; } mgpu__part_thread;
+static void* mgpu__part_thread_main(void* arg) {
+    mgpu__part_thread* t = (mgpu__part_thread*)arg;
+    mgpu__part_task(t->b, t->task);
+    return NULL;
+}
+
+static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
+    mgpu_model* m = b->m;
     mgpu_result results[MGPU__MAX_REPLICAS];
-    mgpu__replica_job job;
-    int i;
-    job.m = m; job.op = op; job.x = x; job.target = target; job.batch_total = batch_total; job.results = results;
-    mgpu__parallel_for(m->replica_count, mgpu__replica_task, &job);
-    for (i = 0; i < m->replica_count; ++i)
-        if (results[i] != MGPU_OK) return mgpu__fail(results[i], "%s", m->task_error[i]);
+    int i, failed = -1;
+    b->results = results;
+    for (i = 0; i < m->part_count; ++i) {
+        m->part[i].forwards_done = m->part[i].backwards_done = 0;
+        m->task_error[i][0] = 0;
+        results[i] = MGPU_OK;
+    }
+    m->pipe_failed = 0;
+    if (m->stage_count == 1) {
+        mgpu__parallel_for(m->part_count, mgpu__part_task, b);
+    } else {
+        mgpu__part_thread threads[MGPU__MAX_REPLICAS];
+        int started = 0;
+        for (i = 0; i < m->part_count; ++i) {
+            threads[i].b = b;
+            threads[i].task = i;
+            if (pthread_create(&threads[i].thread, NULL, mgpu__part_thread_main, &threads[i]) != 0) break;
+            started++;
+        }
+        if (started < m->part_count) {   /* no thread: stop those that started, and say so */
+            mgpu__pipe_moved(m, &m->part[0].forwards_done, 1);
+            for (i = 0; i < started; ++i) pthread_join(threads[i].thread, NULL);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: could not start a thread for each of %d pipeline parts", b->op,
+                              m->part_count);
+        }
+        for (i = 0; i < m->part_count; ++i) pthread_join(threads[i].thread, NULL);
+    }
+    for (i = 0; i < m->part_count; ++i)   /* the first part that failed by itself, not by a neighbour's failure */
+        if (results[i] != MGPU_OK && m->task_error[i][0]) { failed = i; break; }
+    for (i = 0; failed < 0 && i < m->part_count; ++i)
+        if (results[i] != MGPU_OK) failed = i;
+    if (failed >= 0)
+        return mgpu__fail(results[failed], "%s", m->task_error[failed][0] ? m->task_error[failed] : "a pipeline part failed");
     return reduce ? mgpu__reduce_grads(m) : MGPU_OK;                                                /* 4. reduce */
 }
+#endif
 
-/* ---- moves 2 to 4 for a batch, on GPU replicas: one host thread queues every device's work - */
-/* Launches do not wait, so while this thread queues replica 1's work, replica 0's GPU is
-   already running its own. Backward goes layer by layer across the replicas; when a bucket's
-   last layer is done, its all-reduce is queued on the communication streams (after an event
-   that marks backward's progress) while the compute streams go on with the earlier layers. */
-static mgpu_result mgpu__run_batch_streams(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
-                                       int64_t batch_total, int reduce) {
-    mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
-    int64_t first[MGPU__MAX_REPLICAS];
-    mgpu_result res = MGPU_OK;
+/* ---- moves 2 to 4 for a batch, on GPU parts: one host thread queues every device's work ---- */
+/* Launches do not wait, so while this thread queues one part's work, the GPUs of the others
+   already run theirs. The stages' orders are merged into one: a stage's next op is queued as soon
+   as what it needs is queued (a forward, the same forward of the stage before; a backward, the
+   same backward of the stage after), and events order the streams the same way. Each op is
+   queued for every replica at once. The last backward of a stage goes layer by layer across the
+   replicas: when a bucket's last layer is done, its all-reduce is queued on the communication
+   streams (after an event that marks backward's progress) while the compute streams go on with
+   the earlier layers. A single CPU part takes this path too, its ops simply running as they are
+   called. */
+static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
+    mgpu_model* m = b->m;
+    const int S = m->stage_count, M = m->micro_batches, R = m->replica_count;
     /* host-staged sums wait for the host: they run once, after the whole backward */
-    const int overlap = reduce && m->ar && m->ar->kind != MGPU_ALLREDUCE_HOST;
-    int i, l, b = 0, issued = 0;
-    for (i = 0; i < m->replica_count; ++i)                                                          /* 2. split */
-        MGPU__TRY(mgpu__replica_inputs(m, i, x, target, &xs[i], &ts[i], &first[i]));
-    for (i = 0; i < m->replica_count; ++i)                                                          /* 3. compute */
-        MGPU__TRY(mgpu__replica_forward_loss(m, op, i, &xs[i], &ts[i], first[i], batch_total));
-    for (l = m->layer_count - 1; l >= 0 && res == MGPU_OK; --l) {
-        for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) res = mgpu__backward_layer(m, i, l, m->rep[i].dout);
-        for (; overlap && res == MGPU_OK && b < m->bucket_count && m->buckets[b].ready_layer == l; ++b) {   /* 4. reduce */
-            float* bufs[MGPU__MAX_REPLICAS];
-            const mgpu__bucket* bk = &m->buckets[b];
-            for (i = 0; i < m->replica_count; ++i) bufs[i] = MGPU__F32(m->rep[i].grads) + bk->begin;
-            issued = 1;
-            res = mgpu__ar_after_compute(m->ar);
-            if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar, bufs, (size_t)(bk->end - bk->begin));
+    const int overlap = reduce && R > 1 && m->ar[0]->kind != MGPU_ALLREDUCE_HOST;
+    int next[64], fdone[64], bdone[64], issued[64];
+    mgpu_result res = MGPU_OK;
+    int s, r, queued = 0, bk = 0;
+    if (S > 64) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d stages (at most 64)", b->op, S);
+    for (s = 0; s < S; ++s) next[s] = fdone[s] = bdone[s] = issued[s] = 0;
+    while (queued < 2 * M * S && res == MGPU_OK) {
+        for (s = S - 1; s >= 0 && res == MGPU_OK; --s) {
+            int op, k, l;
+            if (next[s] == 2 * M) continue;
+            op = mgpu__stage_op(m, s, next[s]);
+            k = op >= 0 ? op : -1 - op;
+            if (op >= 0 ? s > 0 && fdone[s - 1] <= k : s < S - 1 && bdone[s + 1] <= k) continue;   /* not yet */
+            if (op >= 0) {
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__run_forward(b, mgpu__part_of(m, r, s), k);
+                fdone[s]++;
+            } else if (!overlap || k < M - 1) {
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__run_backward(b, mgpu__part_of(m, r, s), k);
+                bdone[s]++;
+            } else {   /* the stage's last backward, with its buckets' all-reduces */
+                for (l = m->stage_layer[s + 1] - 1; l >= m->stage_layer[s] && res == MGPU_OK; --l) {
+                    for (r = 0; r < R && res == MGPU_OK; ++r) {
+                        mgpu__part* p = mgpu__part_of(m, r, s);
+                        res = mgpu__part_backward_layer(m, p, k, l, p->slot[k % p->slot_count].dout, 0);
+                    }
+                    for (bk = 0; res == MGPU_OK && bk < m->bucket_count; ++bk) {                    /* 4. reduce */
+                        float* bufs[MGPU__MAX_REPLICAS];
+                        const mgpu__bucket* bu = &m->buckets[bk];
+                        if (bu->stage != s || bu->ready_layer != l) continue;
+                        for (r = 0; r < R; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads) + (bu->begin - m->stage_off[s]);
+                        issued[s] = 1;
+                        res = mgpu__ar_after_compute(m->ar[s]);
+                        if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
+                    }
+                }
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_backward_done(m, mgpu__part_of(m, r, s), k);
+                bdone[s]++;
+            }
+            next[s]++;
+            queued++;
         }
     }
     /* The compute streams wait for the comm streams, also after a failure: nothing may touch
        the gradients while an all-reduce still reads or writes them. */
-    if (issued) {
-        mgpu_result joined = mgpu__ar_before_compute(m->ar);
-        if (res == MGPU_OK) res = joined;
-    }
+    for (s = 0; s < S; ++s)
+        if (issued[s]) {
+            mgpu_result joined = mgpu__ar_before_compute(m->ar[s]);
+            if (res == MGPU_OK) res = joined;
+        }
     MGPU__TRY(res);
     if (overlap) m->grads_reduced = 1;
     else if (reduce) MGPU__TRY(mgpu__reduce_grads(m));
     return MGPU_OK;
 }
 
-/* Moves 2 to 4 for one batch: the gradients of every replica ADDED to its gradient buffer and,
+/* Moves 2 to 4 for one batch: the gradients of every part ADDED to its gradient buffer and,
    with reduce, summed across the replicas. */
 static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
                                    int64_t batch_total, int reduce, float* loss) {
+    mgpu__batch b;
+    mgpu_result res;
     int64_t batch;
     int i;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     batch = x->shape.dim[0];
-    if (batch < m->replica_count)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replicas", op,
-                          (long long)batch, m->replica_count);
+    if (batch < (int64_t)m->replica_count * m->micro_batches)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a batch of %lld cannot be split across %d replica%s x %d "
+                          "micro-batch%s (want at least %lld rows)", op, (long long)batch, m->replica_count,
+                          m->replica_count == 1 ? "" : "s", m->micro_batches, m->micro_batches == 1 ? "" : "es",
+                          (long long)m->replica_count * m->micro_batches);
     if (m->grads_reduced)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the gradients were already reduced across replicas "
                           "(mgpu_model_train_step or mgpu_model_reduce_grads); zero them (mgpu_model_zero_grad) or "
                           "apply them (mgpu_model_apply) before adding more", op);
     if (batch_total < batch) batch_total = batch;
-    for (i = 0; i < m->replica_count; ++i) m->rep[i].stream_salt = 0;
-    if (m->replica_count > 1 && m->rep[0].dev->kind == MGPU_DEVICE_CPU)
-        MGPU__TRY(mgpu__run_batch_threads(m, op, x, target, batch_total, reduce));
+    for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
+    b.m = m;
+    b.op = op;
+    b.batch_total = batch_total;
+    MGPU__TRY(mgpu__batch_split(&b, x, target));                                                   /* 2. split */
+#ifndef MGPU_NO_THREADS
+    if (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce);
     else
-        MGPU__TRY(mgpu__run_batch_streams(m, op, x, target, batch_total, reduce));
-    m->rows_in_step += batch;   /* a next micro-batch of this step continues the row numbering */
+#endif
+        res = mgpu__run_batch_streams(&b, reduce);                                                 /* 3, 4 */
+    MGPU__TRY(res);
+    m->rows_in_step += batch;   /* a next batch of this step continues the row numbering */
     return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
 }
 
@@ -5417,18 +5901,20 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     first = (float*)mgpu__calloc((size_t)m->flat_floats * 2 + 1, sizeof(float));
     if (!first) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     other = first + m->flat_floats;
-    r = mgpu_tensor_download(m->rep[0].params, first, (size_t)m->flat_floats * sizeof(float));
-    for (i = 1; i < m->replica_count && r == MGPU_OK; ++i) {
-        r = mgpu_tensor_download(m->rep[i].params, other, (size_t)m->flat_floats * sizeof(float));
-        if (r != MGPU_OK || memcmp(first, other, (size_t)m->flat_floats * sizeof(float)) == 0) continue;
-        for (t = 0; t < m->tensor_count && r == MGPU_OK; ++t) {
-            const int64_t n = mgpu_shape_numel(m->tensors[t].shape), o = m->tensors[t].offset;
+    for (i = 0; i < m->part_count && r == MGPU_OK; ++i) {   /* each part against replica 0's of its stage */
+        const mgpu__part* p = &m->part[i];
+        const int64_t n = mgpu__stage_floats(m, p->stage), o = m->stage_off[p->stage];
+        r = mgpu_tensor_download(p->params, (p->replica == 0 ? first : other) + o, (size_t)n * sizeof(float));
+        if (r != MGPU_OK || p->replica == 0 || memcmp(first + o, other + o, (size_t)n * sizeof(float)) == 0) continue;
+        for (t = m->first_tensor[m->stage_layer[p->stage]]; t < m->first_tensor[m->stage_layer[p->stage + 1]] && r == MGPU_OK; ++t) {
+            const int64_t count = mgpu_shape_numel(m->tensors[t].shape), at = m->tensors[t].offset;
             int64_t k;
-            for (k = 0; k < n; ++k)
-                if (memcmp(&first[o + k], &other[o + k], sizeof(float)) != 0) {
+            for (k = 0; k < count; ++k)
+                if (memcmp(&first[at + k], &other[at + k], sizeof(float)) != 0) {
                     r = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: after %lld steps replica %d (%s) differs from replica 0 (%s) at "
-                                   "'%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, i, m->rep[i].dev->label,
-                                   m->rep[0].dev->label, m->tensors[t].name, (long long)k, (double)other[o + k], (double)first[o + k]);
+                                   "'%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, p->replica, p->dev->label,
+                                   m->part[p->stage].dev->label, m->tensors[t].name, (long long)k, (double)other[at + k],
+                                   (double)first[at + k]);
                     break;
                 }
         }
@@ -5456,20 +5942,21 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
         xc = mgpu__rows(x, chunk_start, chunk);
         tc = mgpu__rows(target, chunk_start, chunk);
         for (i = 0; i < m->replica_count; ++i) {
-            mgpu__replica* r = &m->rep[i];
-            mgpu_tensor xs, ts;
+            mgpu__part *in = mgpu__part_of(m, i, 0), *last = mgpu__part_of(m, i, m->stage_count - 1);
+            mgpu_tensor xs, ts, l0;
             const mgpu_tensor* out;
-            double v;
+            float v;
             mgpu__split(chunk, m->replica_count, i, &start, &count);
             if (count == 0) continue;
-            MGPU__TRY(mgpu__replica_slice(r, &xc, start, count, &r->xbuf, &xs));
-            MGPU__TRY(mgpu__replica_slice(r, &tc, start, count, &r->tbuf, &ts));
+            MGPU__TRY(mgpu__part_slice(in, &xc, start, count, &in->xbuf, &xs));
+            MGPU__TRY(mgpu__part_slice(last, &tc, start, count, &last->tbuf, &ts));
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
-            MGPU__TRY(mgpu__replica_loss(m, r, out, &ts, NULL, 1.0f));
-            MGPU__TRY(mgpu__loss_value(r, &v));
-            total += v * (double)count;
+            l0 = mgpu__rows(last->losses, 0, 1);
+            MGPU__TRY(mgpu__loss(m, &l0, out, &ts, NULL, 1.0f));
+            MGPU__TRY(mgpu_tensor_download(&l0, &v, sizeof v));
+            total += (double)v * (double)count;
             if (correct && m->loss == MGPU_LOSS_CROSS_ENTROPY) {
                 MGPU__TRY(mgpu_count_correct(out, &ts, &c));
                 hits += c;
@@ -7165,11 +7652,12 @@ MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer
     keys = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *keys);
     values = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *values);
     if (!host || !items || !names || !keys || !values) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
-    /* replica 0 holds the model; every replica is identical */
-    r = mgpu_tensor_download(m->rep[0].params, host, (size_t)m->flat_floats * sizeof(float));
-    for (s = 0; r == MGPU_OK && s < states; ++s)
-        r = mgpu_tensor_download(s == 0 ? opt->state1[0] : opt->state2[0], host + (size_t)m->flat_floats * (size_t)(s + 1),
-                                 (size_t)m->flat_floats * sizeof(float));
+    /* replica 0 holds the model, stage by stage; every replica is identical */
+    for (s = 0; r == MGPU_OK && s <= states; ++s)
+        for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)
+            r = mgpu_tensor_download(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
+                                     host + (size_t)m->flat_floats * (size_t)s + (size_t)m->stage_off[i],
+                                     (size_t)mgpu__stage_floats(m, i) * sizeof(float));
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
     for (s = 0; s <= states; ++s)
         for (i = 0; i < m->tensor_count; ++i, ++n) {
@@ -7580,14 +8068,14 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
             e = mgpu__st_find(st, name);
             memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));
         }
-        for (i = 0; i < m->replica_count && r == MGPU_OK; ++i)
-            r = mgpu_tensor_upload(s == 0 ? m->rep[i].params : s == 1 ? opt->state1[i] : opt->state2[i], host,
-                                   (size_t)m->flat_floats * sizeof(float));
+        for (i = 0; i < m->part_count && r == MGPU_OK; ++i)
+            r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
+                                   host + m->stage_off[m->part[i].stage], (size_t)mgpu__stage_floats(m, m->part[i].stage) * sizeof(float));
     }
     if (r == MGPU_OK && opt) {
         opt->steps = step;   /* schedules and bias corrections resume where they were */
         m->steps = step;
-        for (i = 0; !found_states && i < m->replica_count && r == MGPU_OK; ++i) {   /* fresh state */
+        for (i = 0; !found_states && i < m->part_count && r == MGPU_OK; ++i) {   /* fresh state */
             if (opt->state1[i]) r = mgpu_tensor_zero(opt->state1[i]);
             if (r == MGPU_OK && opt->state2[i]) r = mgpu_tensor_zero(opt->state2[i]);
         }

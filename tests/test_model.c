@@ -663,7 +663,7 @@ static void gradcheck_stack(void) {
             rnd_distinct(x, 72);
             tput(tx, x);
             if (!mgpu_model_forward(m, 0, tx, 1)) break;
-            tget(m->rep[0].act[1], act);
+            tget(m->part[0].slot[0].act[1], act);
             ok = 1;
             for (w = 0; w < 2 * 2 * 9; ++w) {
                 int plane = w / 9, wy = (w % 9) / 3, wx = w % 3, a, b2;
