@@ -7655,7 +7655,8 @@ MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer
     /* replica 0 holds the model, stage by stage; every replica is identical */
     for (s = 0; r == MGPU_OK && s <= states; ++s)
         for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)
-            r = mgpu_tensor_download(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
+            if (mgpu__stage_floats(m, i) > 0)   /* a stage of layers without parameters has none */
+                r = mgpu_tensor_download(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
                                      host + (size_t)m->flat_floats * (size_t)s + (size_t)m->stage_off[i],
                                      (size_t)mgpu__stage_floats(m, i) * sizeof(float));
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
@@ -8069,7 +8070,8 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
             memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));
         }
         for (i = 0; i < m->part_count && r == MGPU_OK; ++i)
-            r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
+            if (mgpu__stage_floats(m, m->part[i].stage) > 0)
+                r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
                                    host + m->stage_off[m->part[i].stage], (size_t)mgpu__stage_floats(m, m->part[i].stage) * sizeof(float));
     }
     if (r == MGPU_OK && opt) {

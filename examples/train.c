@@ -29,6 +29,10 @@ typedef struct options {
     const char* save;
     const char* load;
     const char* schedule;    /* cosine | step | constant */
+    const char* pipeline;    /* 1f1b | gpipe */
+    const char* split;       /* "2,5": the first layer of stages 1, 2, ... */
+    int stages, micro_batches, split_at[64];
+    float dropout;
     int epochs, batch, quiet;
     int64_t max_steps;
     float lr, momentum, weight_decay;
@@ -48,7 +52,14 @@ static void usage(FILE* f) {
             "  --optimizer NAME    sgd | adamw [sgd]\n"
             "  --schedule NAME     cosine | step | constant [cosine]\n"
             "  --seed N            initialisation, shuffling and dropout [1]\n"
-            "  --devices SPEC      auto, cpu, cpu:4, cuda, cuda:0,1, cuda:0,0 [auto]\n"
+            "  --devices SPEC      auto, cpu, cpu:4, cuda, cuda:0,1, cuda:0,0 [auto]; with --stages S, R x S\n"
+            "                      devices hold R replicas of an S-stage pipeline (replica r's stage s on device\n"
+            "                      r * S + s): cpu:2 --stages 2, or cuda:0,1,2,3 --stages 2 for 2 x 2\n"
+            "  --stages S          pipeline stages per replica, cut to balance the parameters [1]\n"
+            "  --split L1,L2,...   the cut: the first layer of stages 1, 2, ... (sets --stages)\n"
+            "  --micro-batches M   micro-batches per batch and replica [1; 2 x stages with stages]\n"
+            "  --pipeline NAME     1f1b | gpipe: the order of the micro-batches' passes [1f1b]\n"
+            "  --dropout P         a Dropout(P) after each hidden ReLU of the linear layers [none]\n"
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
             "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch, with the\n"
             "                      input normalisation in its metadata (input.mean, input.std)\n"
@@ -136,7 +147,8 @@ static int parse_args(int argc, char** argv, options* o) {
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
         int takes = 1, ok = 1;
         static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
-                                        "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay" };
+                                        "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay",
+                                        "--stages", "--split", "--micro-batches", "--pipeline", "--dropout" };
         int known = 0;
         size_t k;
         for (k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(a, valued[k]);
@@ -149,6 +161,26 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--optimizer")) o->optimizer = v;
         else if (!strcmp(a, "--schedule")) o->schedule = v;
         else if (!strcmp(a, "--devices")) o->devices = v;
+        else if (!strcmp(a, "--stages")) { ok = parse_int(a, v, 1, 64, &n); o->stages = (int)n; }
+        else if (!strcmp(a, "--micro-batches")) { ok = parse_int(a, v, 1, 4096, &n); o->micro_batches = (int)n; }
+        else if (!strcmp(a, "--pipeline")) o->pipeline = v;
+        else if (!strcmp(a, "--dropout")) ok = parse_float(a, v, &o->dropout);
+        else if (!strcmp(a, "--split")) {   /* a list of layer numbers, each parsed like --stages */
+            char item[32];
+            const char* c = v;
+            o->split = v;
+            o->stages = 1;
+            while (ok && *c) {
+                size_t len = strcspn(c, ",");
+                if (len == 0 || len >= sizeof item || o->stages > 63) { ok = 0; fprintf(stderr, "train: --split '%s' is not a list like 2,5\n", v); break; }
+                memcpy(item, c, len);
+                item[len] = 0;
+                ok = parse_int(a, item, 1, 1 << 20, &n);
+                o->split_at[o->stages - 1] = (int)n;
+                o->stages++;
+                c += len + (c[len] == ',');
+            }
+        }
         else if (!strcmp(a, "--save")) o->save = v;
         else if (!strcmp(a, "--load")) o->load = v;
         else if (!strcmp(a, "--epochs")) { ok = parse_int(a, v, 1, MAX_EPOCHS, &n); o->epochs = (int)n; }
@@ -170,6 +202,10 @@ static int parse_args(int argc, char** argv, options* o) {
     if (strcmp(o->model, "mlp") && strcmp(o->model, "cnn")) { fprintf(stderr, "train: --model must be mlp or cnn, not '%s'\n", o->model); return 0; }
     if (strcmp(o->optimizer, "sgd") && strcmp(o->optimizer, "adamw")) { fprintf(stderr, "train: --optimizer must be sgd or adamw, not '%s'\n", o->optimizer); return 0; }
     if (strcmp(o->schedule, "cosine") && strcmp(o->schedule, "step") && strcmp(o->schedule, "constant")) { fprintf(stderr, "train: --schedule must be cosine, step or constant\n"); return 0; }
+    if (o->pipeline && strcmp(o->pipeline, "1f1b") && strcmp(o->pipeline, "gpipe")) { fprintf(stderr, "train: --pipeline must be 1f1b or gpipe, not '%s'\n", o->pipeline); return 0; }
+    if (!(o->dropout >= 0 && o->dropout < 1)) { fprintf(stderr, "train: --dropout must be in [0, 1), not %g\n", (double)o->dropout); return 0; }
+    if (!o->stages) o->stages = 1;
+    if (!o->micro_batches) o->micro_batches = o->stages > 1 ? 2 * o->stages : 1;
     if (have_lr && !(o->lr > 0)) { fprintf(stderr, "train: --lr must be > 0, not %g\n", (double)o->lr); return 0; }
     if (have_wd && !(o->weight_decay >= 0)) { fprintf(stderr, "train: --weight-decay must be >= 0, not %g\n", (double)o->weight_decay); return 0; }
     if (!(o->momentum >= 0 && o->momentum < 1)) { fprintf(stderr, "train: --momentum must be in [0, 1), not %g\n", (double)o->momentum); return 0; }
@@ -211,18 +247,23 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
     /* the rest: defaults. MGPU_VERIFY_EVERY=N checks every N steps that the replicas hold the same
        parameters, bit for bit (the emulated multi-GPU tests use it) */
     mgpu_model_desc d = { .input = mgpu_shape3(1, 28, 28), .devices = set, .seed = o->seed,
-                          .verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0 };
+                          .verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0,
+                          .stages = o->stages, .split = o->split ? o->split_at : NULL, .micro_batches = o->micro_batches,
+                          .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B };
+    const int drop = o->dropout > 0;
     if (!strcmp(o->model, "mlp")) {
-        mgpu_layer* layers[4];
-        layers[0] = mgpu_layer_flatten();
-        layers[1] = mgpu_layer_linear(784, 128);
-        layers[2] = mgpu_layer_relu();
-        layers[3] = mgpu_layer_linear(128, 10);
+        mgpu_layer* layers[5];
+        int n = 0;
+        layers[n++] = mgpu_layer_flatten();
+        layers[n++] = mgpu_layer_linear(784, 128);
+        layers[n++] = mgpu_layer_relu();
+        if (drop) layers[n++] = mgpu_layer_dropout(o->dropout);
+        layers[n++] = mgpu_layer_linear(128, 10);
         d.layers = layers;
-        d.layer_count = 4;
+        d.layer_count = n;
         return mgpu_model_create(&d);
     } else {
-        mgpu_layer* layers[10];
+        mgpu_layer* layers[11];
         layers[0] = mgpu_layer_conv2d(1, 16, 3, 1, 1);    /* 16 x 28 x 28 */
         layers[1] = mgpu_layer_relu();
         layers[2] = mgpu_layer_maxpool2d(2, 2);          /* 16 x 14 x 14 */
@@ -232,9 +273,10 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
         layers[6] = mgpu_layer_flatten();
         layers[7] = mgpu_layer_linear(32 * 7 * 7, 128);
         layers[8] = mgpu_layer_relu();
-        layers[9] = mgpu_layer_linear(128, 10);
+        if (drop) layers[9] = mgpu_layer_dropout(o->dropout);
+        layers[9 + drop] = mgpu_layer_linear(128, 10);
         d.layers = layers;
-        d.layer_count = 10;
+        d.layer_count = 10 + drop;
         return mgpu_model_create(&d);
     }
 }
@@ -310,13 +352,14 @@ int main(int argc, char** argv) {
     set = mgpu_device_set_create(o.devices);   /* before the data: a bad --devices fails at once */
     if (!set) { fprintf(stderr, "train: --devices: %s\n", mgpu_last_error()); status = 2; goto done; }
     if (!(train = load_split(o.data, "train")) || !(test = load_split(o.data, "t10k"))) { status = 2; goto done; }
-    if (o.batch < mgpu_device_set_count(set)) {
-        fprintf(stderr, "train: --batch %d is smaller than the %d devices of '%s'\n", o.batch, mgpu_device_set_count(set), o.devices);
+    model = build_model(&o, set);
+    if (!model) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    if (o.batch < mgpu_model_replica_count(model) * mgpu_model_micro_batches(model)) {
+        fprintf(stderr, "train: --batch %d is smaller than the %d replicas x %d micro-batches of '%s'\n", o.batch,
+                mgpu_model_replica_count(model), mgpu_model_micro_batches(model), o.devices);
         status = 2;
         goto done;
     }
-    model = build_model(&o, set);
-    if (!model) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     loader = mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = 1, .seed = o.seed, .mean = mean, .std = std });
     if (!loader || !make_test_tensors(test, mean, std, &test_x, &test_y)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     batches = mgpu_loader_batches(loader);
@@ -346,8 +389,13 @@ int main(int argc, char** argv) {
                mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_device_set_count(set) == 1 ? "" : "s",
                mgpu_allreduce_name(mgpu_model_allreduce_backend(model)), (long long)train->count, o.batch, o.optimizer, (double)o.lr, o.epochs);
     }
-    snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
-             mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
+    if (mgpu_model_stage_count(model) > 1)   /* the layout: R x S devices, M micro-batches */
+        snprintf(where, sizeof where, "[%d x %d stages, %d micro-batches %s, all-reduce %s]", mgpu_model_replica_count(model),
+                 mgpu_model_stage_count(model), mgpu_model_micro_batches(model), o.pipeline ? o.pipeline : "1f1b",
+                 mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
+    else
+        snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
+                 mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     steps = first_step = mgpu_optimizer_step_count(opt);   /* resuming: continue where the checkpoint stopped */
     /* 64-bit: a checkpoint may hold up to 2^53 steps, far past an int's epochs */
     for (epoch = steps / batches; epoch < o.epochs && !stop; ++epoch) {
@@ -389,9 +437,10 @@ int main(int argc, char** argv) {
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
     }
-    printf("model=%s devices=%s replicas=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld train_loss=%.4f "
-           "test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
-           o.model, mgpu_device_set_spec(set), mgpu_device_set_count(set), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
+    printf("model=%s devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld "
+           "train_loss=%.4f test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
+           o.model, mgpu_device_set_spec(set), mgpu_model_replica_count(model), mgpu_model_stage_count(model),
+           mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
            o.optimizer, o.batch, o.epochs, (long long)steps,
            (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
     status = 0;
