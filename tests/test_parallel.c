@@ -102,6 +102,8 @@ typedef struct mlp_cfg {
     size_t bucket_bytes;
     int verify_every;
     mgpu_allreduce_kind allreduce;
+    int stages, micro_batches;          /* a pipeline: 0 means the default (1) */
+    mgpu_pipeline_schedule schedule;
 } mlp_cfg;
 
 static mlp_cfg mlp_default(mgpu_loss_kind loss) {
@@ -133,6 +135,9 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
     d.allreduce = c->allreduce;
     d.bucket_bytes = c->bucket_bytes;
     d.verify_every = c->verify_every;
+    d.stages = c->stages;
+    d.micro_batches = c->micro_batches;
+    d.schedule = c->schedule;
     m = mgpu_model_create(&d);
     CHECK(m != NULL, "mgpu_model_create on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
     return m;
@@ -216,19 +221,35 @@ static void run_free(run_out* o) {
     o->params = NULL;
 }
 
+/* Every parameter of a replica, one tensor after the other (whatever the stages). */
+static int64_t model_numel(mgpu_model* m) {
+    int64_t n = 0;
+    int i;
+    for (i = 0; i < mgpu_model_tensor_count(m); ++i) n += mgpu_tensor_numel(mgpu_model_tensor(m, 0, i));
+    return n;
+}
+static void get_params(mgpu_model* m, int replica, float* out) {
+    int i;
+    for (i = 0; i < mgpu_model_tensor_count(m); ++i) {
+        const mgpu_tensor* t = mgpu_model_tensor(m, replica, i);
+        tget(t, out);
+        out += mgpu_tensor_numel(t);
+    }
+}
+
 /* Parameters of every replica against replica 0, and the library's own check. */
 static void run_finish(mgpu_model* m, run_out* o) {
     int r;
     float* other;
     o->replicas = mgpu_model_replica_count(m);
-    o->n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+    o->n = model_numel(m);
     o->params = fbuf(o->n);
     other = fbuf(o->n);
-    tget(mgpu_model_params(m, 0), o->params);
+    get_params(m, 0, o->params);
     o->identical = 1;
     o->first_differing = -1;
     for (r = 1; r < o->replicas; ++r) {
-        tget(mgpu_model_params(m, r), other);
+        get_params(m, r, other);
         if (memcmp(other, o->params, (size_t)o->n * sizeof(float)) != 0 && o->identical) {
             o->identical = 0;
             o->first_differing = r;
@@ -1639,6 +1660,306 @@ static void test_nccl_pinning(void) {
     free(det);
 }
 
+/* ============================================================================================ */
+/* 11. pipelines: stages on devices of their own, micro-batches, GPipe and 1F1B                 */
+/* ============================================================================================ */
+/* cfg on spec with S stages and M micro-batches against ref_run: every loss and the final
+   parameters within tol (0: the same bits). */
+static void pipeline_case(const char* spec, int S, int M, mgpu_pipeline_schedule sched, const mlp_cfg* base,
+                          const mgpu_optimizer_desc* od, const batch_set* bs, const run_out* ref, double tol, const char* ref_name) {
+    mlp_cfg c = *base;
+    run_out got;
+    char what[192];
+    c.stages = S;
+    c.micro_batches = M;
+    c.schedule = sched;
+    train_run(spec, &c, od, bs, &got);
+    snprintf(what, sizeof what, "%s, %d stages, %d micro-batches, %s vs %s, B=%lld, %s", spec, S, M,
+             sched == MGPU_PIPELINE_GPIPE ? "GPipe" : "1F1B", ref_name, (long long)bs->B, opt_name(od));
+    if (tol == 0.0) CHECK(got.ok && same_bits(&got, ref, bs->steps), "%s: not the same bits (%s)", what, got.error);
+    else compare_runs(what, &got, ref, bs->steps, tol);
+    run_free(&got);
+}
+
+/* Pipelines on one kind of device (cpu or cuda:0): on 2 and 3 stages and 2 x 2, with 1, 4 and 8
+   micro-batches and both schedules, against the one-device run. */
+static void pipeline_equivalence(const char* kind) {
+    const int64_t Bs[2] = {24, 25};
+    mgpu_optimizer_desc ods[2];
+    char s1[32], s2[32], s3[32], s4[32];
+    int bi, o;
+    snprintf(s1, sizeof s1, "%s", kind);
+    snprintf(s2, sizeof s2, "%s", !strcmp(kind, "cpu") ? "cpu:2" : "cuda:0,0");
+    snprintf(s3, sizeof s3, "%s", !strcmp(kind, "cpu") ? "cpu:3" : "cuda:0,0,0");
+    snprintf(s4, sizeof s4, "%s", !strcmp(kind, "cpu") ? "cpu:4" : "cuda:0,0,0,0");
+    ods[0] = sgd_desc();
+    ods[1] = adamw_desc();
+    ods[1].eps = 1e-4f;   /* as in test_equivalence: the comparison is about the pipeline, not noise */
+    for (bi = 0; bi < 2; ++bi)
+        for (o = 0; o < 2; ++o) {
+            mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+            batch_set bs;
+            run_out ref, one, gp;
+            make_batches(&bs, 6, Bs[bi], &c);
+            train_run(s1, &c, &ods[o], &bs, &ref);
+            /* one micro-batch: the same ops on the same rows, only on two devices: the same bits */
+            pipeline_case(s2, 2, 1, MGPU_PIPELINE_1F1B, &c, &ods[o], &bs, &ref, 0.0, s1);
+            pipeline_case(s3, 3, 1, MGPU_PIPELINE_GPIPE, &c, &ods[o], &bs, &ref, 0.0, s1);
+            pipeline_case(s2, 2, 4, MGPU_PIPELINE_1F1B, &c, &ods[o], &bs, &ref, 1e-5, s1);
+            pipeline_case(s2, 2, 8, MGPU_PIPELINE_GPIPE, &c, &ods[o], &bs, &ref, 1e-5, s1);
+            pipeline_case(s3, 3, 4, MGPU_PIPELINE_GPIPE, &c, &ods[o], &bs, &ref, 1e-5, s1);
+            pipeline_case(s3, 3, 8, MGPU_PIPELINE_1F1B, &c, &ods[o], &bs, &ref, 1e-5, s1);
+            pipeline_case(s4, 2, 4, MGPU_PIPELINE_1F1B, &c, &ods[o], &bs, &ref, 1e-5, s1);   /* 2 x 2 */
+            pipeline_case(s4, 2, 8, MGPU_PIPELINE_GPIPE, &c, &ods[o], &bs, &ref, 1e-5, s1);
+            /* both schedules add the micro-batches' gradients in the same order: the same bits */
+            c.stages = 3; c.micro_batches = 8; c.schedule = MGPU_PIPELINE_GPIPE;
+            train_run(s3, &c, &ods[o], &bs, &gp);
+            c.stages = c.micro_batches = 0; c.schedule = MGPU_PIPELINE_1F1B;
+            pipeline_case(s3, 3, 8, MGPU_PIPELINE_1F1B, &c, &ods[o], &bs, &gp, 0.0, "GPipe");
+            /* micro-batches on one device are gradient accumulation */
+            c.micro_batches = 4;
+            train_run(s1, &c, &ods[o], &bs, &one);
+            c.micro_batches = 0;
+            pipeline_case(s2, 2, 4, MGPU_PIPELINE_GPIPE, &c, &ods[o], &bs, &one, 0.0, "one device, 4 micro-batches");
+            run_free(&ref); run_free(&one); run_free(&gp);
+            free_batches(&bs);
+        }
+}
+
+/* Each device holds its stage's parameters and optimizer state, no more; activations: 1F1B keeps
+   S - s micro-batches on stage s, GPipe all M. Measured with the devices' allocators. */
+static void pipeline_memory(void) {
+    mgpu_layer* layers[4];
+    mgpu_model_desc d;
+    mgpu_device_set* set = mkset("cpu:2");
+    mgpu_optimizer_desc od = adamw_desc();
+    size_t in_use[2][2];
+    int64_t whole = 784 * 256 + 256 + 256 * 10 + 10, largest = 784 * 256 + 256;
+    int sched, s;
+    mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(64, 784));
+    mgpu_tensor* y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(64));
+    memset(mgpu_tensor_data(x), 0, 64 * 784 * 4);
+    memset(mgpu_tensor_data(y), 0, 64 * 4);
+    for (sched = 0; sched < 2 && set; ++sched) {
+        mgpu_model* m;
+        mgpu_optimizer* opt;
+        memset(&d, 0, sizeof d);
+        layers[0] = mgpu_layer_linear(784, 256);
+        layers[1] = mgpu_layer_relu();
+        layers[2] = mgpu_layer_linear(256, 10);
+        d.input = mgpu_shape1(784);
+        d.layers = layers;
+        d.layer_count = 3;
+        d.devices = set;
+        d.stages = 2;
+        d.micro_batches = 8;
+        d.schedule = sched ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B;
+        m = mgpu_model_create(&d);
+        opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+        CHECK(opt != NULL, "2-stage model and optimizer: %s", mgpu_last_error());
+        if (!opt) { mgpu_model_destroy(m); break; }
+        for (s = 0; s < 2; ++s) {
+            mgpu_memory_stats st;
+            memset(&st, 0, sizeof st);
+            const int64_t floats = mgpu_tensor_numel(mgpu_model_stage_params(m, 0, s));
+            mgpu_memory_get_stats(mgpu_device_set_get(set, s), &st);
+            /* parameters, gradients, exp_avg, exp_avg_sq: four floats per parameter of the stage */
+            CHECK(floats <= whole / 2 + largest, "stage %d holds %lld floats of %lld", s, (long long)floats, (long long)whole);
+            CHECK(st.bytes_in_use >= (size_t)floats * 16 && st.bytes_in_use <= (size_t)(whole / 2 + largest) * 16,
+                  "stage %d's device: %zu bytes in use for %lld parameters of the %lld (want at most 16 bytes for each of "
+                  "half of them plus the largest layer's)", s, st.bytes_in_use, (long long)floats, (long long)whole);
+        }
+        CHECK(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "a 2-stage step: %s", mgpu_last_error());
+        for (s = 0; s < 2; ++s) {
+            mgpu_memory_stats st;
+            memset(&st, 0, sizeof st);
+            mgpu_memory_get_stats(mgpu_device_set_get(set, s), &st);
+            in_use[sched][s] = st.bytes_in_use;
+        }
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+    }
+    /* stage 0 keeps 2 micro-batches' activations under 1F1B and 8 under GPipe, stage 1 1 and 8 */
+    for (s = 0; s < 2 && set; ++s)
+        CHECK(in_use[1][s] > in_use[0][s], "stage %d after a step: %zu bytes with GPipe, %zu with 1F1B (want more with GPipe)",
+              s, in_use[1][s], in_use[0][s]);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_device_set_destroy(set);
+}
+
+/* d loss / d x from mgpu_model_input_grad against central differences (float64 sums of the loss) */
+static void pipeline_input_grad(const char* spec) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_layer* layers[3];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    float x[2 * 6], g[2 * 6];
+    int i, worst = 0;
+    double err = 0.0;
+    if (!set) return;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_linear(6, 8);
+    layers[1] = mgpu_layer_tanh();
+    layers[2] = mgpu_layer_linear(8, 3);
+    d.input = mgpu_shape1(6);
+    d.layers = layers;
+    d.layer_count = 3;
+    d.devices = set;
+    d.stages = mgpu_device_set_count(set);
+    d.seed = 5;
+    m = mgpu_model_create(&d);
+    CHECK(m != NULL, "%s: %s", spec, mgpu_last_error());
+    if (!m) { mgpu_device_set_destroy(set); return; }
+    for (i = 0; i < 12; ++i) x[i] = (float)rng_gauss();
+    {
+        mgpu_device* dev = mgpu_model_device(m, 0);
+        mgpu_device* last = mgpu_model_stage_device(m, 0, d.stages - 1);
+        mgpu_tensor* tx = tmake(dev, MGPU_F32, mgpu_shape2(2, 6));
+        mgpu_tensor* dout = tmake(last, MGPU_F32, mgpu_shape2(2, 3));
+        float ones[6] = {1, 1, 1, 1, 1, 1}, out[6];
+        const mgpu_tensor* y;
+        const mgpu_tensor* gx;
+        tput(tx, x);
+        tput(dout, ones);   /* loss = the sum of the outputs */
+        CHECK(mgpu_model_input_grad(m, 0) == NULL, "%s: an input gradient before any backward", spec);
+        y = mgpu_model_forward(m, 0, tx, 0);
+        CHECK(y && mgpu_model_backward(m, 0, dout) == MGPU_OK, "%s: forward and backward: %s", spec, mgpu_last_error());
+        gx = mgpu_model_input_grad(m, 0);
+        CHECK(gx != NULL, "%s: mgpu_model_input_grad: %s", spec, mgpu_last_error());
+        if (gx) tget(gx, g);
+        for (i = 0; gx && i < 12; ++i) {
+            const float h = 1e-2f, keep = x[i];
+            double up = 0.0, down = 0.0, fd;
+            int j;
+            x[i] = keep + h; tput(tx, x); tget(mgpu_model_forward(m, 0, tx, 0), out);
+            for (j = 0; j < 6; ++j) up += out[j];
+            x[i] = keep - h; tput(tx, x); tget(mgpu_model_forward(m, 0, tx, 0), out);
+            for (j = 0; j < 6; ++j) down += out[j];
+            x[i] = keep;
+            fd = (up - down) / (2.0 * h);
+            if (fabs(fd - g[i]) > err) { err = fabs(fd - g[i]); worst = i; }
+        }
+        CHECK(err < 2e-3, "%s: d loss / d x against central differences: off by %g at element %d", spec, err, worst);
+        mgpu_tensor_destroy(tx);
+        mgpu_tensor_destroy(dout);
+    }
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static mgpu_model* staged_mlp(mgpu_device_set* set, int stages, const int* split, int micro) {
+    mgpu_layer* layers[3];
+    mgpu_model_desc d;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_linear(4, 8);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(8, 3);
+    d.input = mgpu_shape1(4);
+    d.layers = layers;
+    d.layer_count = 3;
+    d.devices = set;
+    d.stages = stages;
+    d.split = split;
+    d.micro_batches = micro;
+    return mgpu_model_create(&d);
+}
+
+/* A model that must not be made, with a message that says why. */
+static void expect_no_model(mgpu_model* m, const char* what, const char* need) {
+    CHECK(m == NULL && strstr(mgpu_last_error(), need) != NULL, "%s: %s (message \"%s\" should name \"%s\")", what,
+          m ? "made" : "refused", mgpu_last_error(), need);
+    mgpu_model_destroy(m);
+}
+
+/* Bad layouts: clear errors naming what is wrong. */
+static void pipeline_errors(void) {
+    mgpu_device_set *two = mkset("cpu:2"), *three = mkset("cpu:3"), *four = mkset("cpu:4");
+    const int empty[1] = {0}, past[1] = {3}, falling[2] = {2, 1}, good[1] = {2};
+    mgpu_model* m;
+    expect_no_model(staged_mlp(four, 4, NULL, 1), "4 stages of 3 layers", "3 layers");
+    expect_no_model(staged_mlp(three, 2, NULL, 1), "3 devices for 2 stages", "R x 2");
+    expect_no_model(staged_mlp(two, 2, empty, 1), "split leaving stage 0 empty", "empty");
+    expect_no_model(staged_mlp(two, 2, past, 1), "split past the last layer", "empty");
+    expect_no_model(staged_mlp(three, 3, falling, 1), "a falling split", "empty");
+    expect_no_model(staged_mlp(two, 2, NULL, -1), "-1 micro-batches", "micro-batches");
+    m = staged_mlp(two, 2, good, 4);
+    CHECK(m && mgpu_model_stage_first_layer(m, 1) == 2 && mgpu_model_stage_count(m) == 2 && mgpu_model_replica_count(m) == 1,
+          "split {2}: stage 1 starts at layer %d", m ? mgpu_model_stage_first_layer(m, 1) : -1);
+    if (m) {
+        mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(3, 4));
+        mgpu_tensor* y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(3));
+        mgpu_optimizer* opt = mgpu_optimizer_create(m, NULL);
+        memset(mgpu_tensor_data(y), 0, 12);
+        memset(mgpu_tensor_data(x), 0, 48);
+        CHECK(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "4 micro-batches"),
+              "a batch of 3 for 4 micro-batches: %s", mgpu_last_error());
+        CHECK(mgpu_model_params(m, 0) == NULL && strstr(mgpu_last_error(), "mgpu_model_stage_params"),
+              "mgpu_model_params of a 2-stage model: %s", mgpu_last_error());
+        CHECK(mgpu_model_stage_params(m, 0, 1) && mgpu_model_stage_params(m, 0, 2) == NULL && strstr(mgpu_last_error(), "stage 2"),
+              "stage 2 of 2: %s", mgpu_last_error());
+        CHECK(mgpu_model_param(m, 0, "2.weight") && mgpu_tensor_device(mgpu_model_param(m, 0, "2.weight")) == mgpu_device_set_get(two, 1),
+              "2.weight lives on stage 1's device");
+        mgpu_optimizer_destroy(opt);
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    mgpu_model_destroy(m);
+    m = staged_mlp(two, 2, NULL, 1);   /* balanced by parameters: 40 | 0 + 27, or 40 + 0 | 27 */
+    CHECK(m && (mgpu_model_stage_first_layer(m, 1) == 1 || mgpu_model_stage_first_layer(m, 1) == 2),
+          "an automatic cut of Linear(4,8) ReLU Linear(8,3): stage 1 from layer %d", m ? mgpu_model_stage_first_layer(m, 1) : -1);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(two);
+    mgpu_device_set_destroy(three);
+    mgpu_device_set_destroy(four);
+}
+
+/* A checkpoint written on 2 stages loads on 1 device and gives the same outputs, bit for bit. */
+static void pipeline_checkpoint(void) {
+    mgpu_device_set* two = mkset("cpu:2");
+    const char* path = "/tmp/mgpu_pipeline_test.safetensors";
+    mgpu_model *a = staged_mlp(two, 2, NULL, 2), *b = staged_mlp(NULL, 1, NULL, 1);
+    float x[5 * 4], ya[15], yb[15];
+    int i;
+    for (i = 0; i < 20; ++i) x[i] = (float)rng_gauss();
+    if (a && b) {
+        mgpu_optimizer* opt = mgpu_optimizer_create(a, NULL);
+        mgpu_tensor* tx = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(5, 4));
+        mgpu_tensor* ty = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(5));
+        int32_t labels[5] = {0, 1, 2, 1, 0};
+        tput(tx, x);
+        tput(ty, labels);
+        CHECK(mgpu_model_train_step(a, opt, tx, ty, NULL) == MGPU_OK, "a 2-stage step: %s", mgpu_last_error());
+        CHECK(mgpu_model_save(a, opt, path) == MGPU_OK, "save on 2 stages: %s", mgpu_last_error());
+        CHECK(mgpu_model_load(b, NULL, path) == MGPU_OK, "load on 1 device: %s", mgpu_last_error());
+        tget(mgpu_model_forward(a, 0, tx, 0), ya);
+        tget(mgpu_model_forward(b, 0, tx, 0), yb);
+        CHECK(memcmp(ya, yb, sizeof ya) == 0, "2 stages and the checkpoint loaded on 1 device give other outputs");
+        remove(path);
+        mgpu_optimizer_destroy(opt);
+        mgpu_tensor_destroy(tx);
+        mgpu_tensor_destroy(ty);
+    } else {
+        CHECK(0, "models for the checkpoint test: %s", mgpu_last_error());
+    }
+    mgpu_model_destroy(a);
+    mgpu_model_destroy(b);
+    mgpu_device_set_destroy(two);
+}
+
+static void test_pipeline(void) {
+    header("pipelines");
+    pipeline_equivalence("cpu");
+    pipeline_memory();
+    pipeline_input_grad("cpu");
+    pipeline_input_grad("cpu:3");
+    pipeline_errors();
+    pipeline_checkpoint();
+    if (!gpu_group("pipelines")) return;
+    pipeline_equivalence("cuda:0");
+    pipeline_input_grad("cuda:0,0,0");
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -1663,6 +1984,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_wide_first_layer());
     TEST_GROUP(test_nccl_pinning());
     TEST_GROUP(test_cuda_training());
+    TEST_GROUP(test_pipeline());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");
