@@ -206,7 +206,7 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" $(B)/test_save_faults $(RELIABILITY_TESTS) \
+	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" $(B)/test_save_faults $(RELIABILITY_TESTS) \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
 # ---- the main job ----------------------------------------------------------------------------

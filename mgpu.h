@@ -72,8 +72,12 @@
    device spec   A string naming a set of devices: "auto" (every GPU, or the CPU when there is
                  none), "cpu", "cpu:4" (four CPU devices), "cuda" (every GPU), "cuda:0,1",
                  "cuda:0,0" (two on GPU 0, to try multi-GPU code on one GPU).
-   replica       One whole copy of a model on one device of its set. Data parallelism trains R
-                 replicas on R slices of every batch and keeps them bit-identical.
+   replica       One whole copy of a model on one device of its set (or on S devices: stages).
+                 Data parallelism trains R replicas on R slices of every batch and keeps them
+                 bit-identical.
+   stage         A run of consecutive layers on a device of its own: a pipeline of S stages
+                 passes each micro-batch's activations forward and their gradients back
+                 (model parallelism, for a model too big for one device).
    flat buffers  A replica's parameters are views into ONE buffer, and so are its gradients:
                  one all-reduce (or a few buckets), one fused optimizer kernel, one write to save.
    streams       On a GPU, every op of a device is queued on its compute stream and returns at
@@ -154,7 +158,8 @@
      backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU, Tanh, Sigmoid, Dropout,
      Flatten, Conv2d, MaxPool2d (no normalisation layers, no attention).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
-   - model parallelism: every replica holds the whole model (no pipeline or tensor parallelism).
+   - tensor parallelism: a layer is never split across devices (pipelines split the model
+     between layers: >>model).
    - more than one process: no MPI, no multi-node training (DistributedDataParallel's setting).
    - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
