@@ -37,7 +37,7 @@ EXTRA_io  = -DHAVE_ZLIB
 LIBS_io   = -lz
 HEADERS   = mgpu.h tests/test.h
 
-EXAMPLES  = hello custom_layer data_parallel tour
+EXAMPLES  = hello custom_layer data_parallel model_parallel tour
 
 CPU_BINS  = $(B)/train_cpu $(EXAMPLES:%=$(B)/%) $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan)
 ifneq ($(NVCC),)

@@ -1,6 +1,7 @@
 #!/bin/sh
 # The examples run and succeed: hello multiplies, custom_layer learns with its SiLU (exit 0 when
-# the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical, the
+# the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical,
+# model_parallel's two stages by hand match the library's pipeline bit for bit, the
 # README's tour trains an epoch of Fashion-MNIST (and the README's copy of it is the file).
 # With a CUDA build of data_parallel and a GPU, also four replicas on one GPU.
 b=${1:-build}
@@ -12,6 +13,7 @@ run() {
 run "$b/hello"
 run "$b/custom_layer"
 for spec in cpu:2 cpu:3 cpu:4; do run "$b/data_parallel" $spec; done
+run "$b/model_parallel" cpu:2
 run sh tests/readme_tour.sh
 data=/usr/share/datasets/fashion-mnist
 if [ -e "$data/train-images-idx3-ubyte.gz" ]; then
