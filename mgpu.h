@@ -742,6 +742,14 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                         float* loss, int64_t* correct);
 
+/* A trace of the steps between start and stop, written by stop in Chrome's trace format (JSON:
+   Perfetto and chrome://tracing open it): a track per device's compute stream and one for its
+   all-reduces, a slice per micro-batch's forward ("F 3") and backward ("B 3"), per all-reduce
+   (a bucket's, on GPUs as it overlaps backward) and per optimizer step. Times come from the CPU
+   clock on CPU devices and from CUDA events on GPUs; start waits for the devices. */
+MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m);
+MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
+
 /* The building blocks of a step, for a loop of your own (one replica):
    forward on x (on the replica's first device) returns the output tensor (on its last stage's
    device), owned by the model; x must stay alive and unchanged until backward (the model keeps
@@ -1067,6 +1075,8 @@ int mgpu__cu_stream_create(int dev, void** stream);    /* non-blocking stream */
 int mgpu__cu_stream_destroy(int dev, void* stream);
 int mgpu__cu_stream_synchronize(int dev, void* stream);
 int mgpu__cu_event_create(int dev, void** event);   /* for ordering streams (no timing) */
+int mgpu__cu_event_create_timed(int dev, void** event);   /* for traces */
+int mgpu__cu_event_elapsed(int dev, void* start, void* end, float* ms);   /* waits for end */
 int mgpu__cu_event_destroy(int dev, void* event);
 int mgpu__cu_event_record(int dev, void* event, void* stream);
 int mgpu__cu_stream_wait_event(int dev, void* stream, void* event);
@@ -4438,6 +4448,7 @@ struct mgpu_model {
     int pipe_sync;                      /* the two above were made */
 #endif
     int pipe_failed;                    /* a part failed: the others stop waiting */
+    struct mgpu__trace* trace;          /* between mgpu_model_trace_start and _stop, else NULL */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -4512,10 +4523,193 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
     ctx->first_row = sl->first_row;
 }
 
+/* ---- traces (mgpu_model_trace_start): slices of work on each part's tracks ---- */
+typedef struct mgpu__slice {
+    int part, comm;           /* the track: the part's compute stream (0), or its all-reduces (1) */
+    char name[40];
+    double t0, t1;            /* host work: seconds on mgpu_seconds' clock */
+    void *e0, *e1;            /* GPU work: timed events on the track's stream (NULL for host work) */
+} mgpu__slice;
+
+typedef struct mgpu__trace {
+    mgpu__slice* slices;
+    int count, cap, failed;   /* failed: out of memory or events, some slices missing */
+    double t_begin;           /* the host clock when the trace started */
+    void** base;              /* CUDA: per part, a timed event recorded at the start */
+    double* base_host;        /* the host clock when each base event was seen complete */
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_t lock;     /* CPU parts trace from their threads */
+#endif
+} mgpu__trace;
+
+/* Open a slice on a part's track; on a GPU, `stream` is where its work goes (NULL: host work,
+   timed by the host clock). Returns its index, or -1 when not tracing. */
+static int mgpu__trace_open(mgpu_model* m, int part, int comm, void* stream, const char* fmt, int k) {
+    mgpu__trace* tr = m->trace;
+    const mgpu_device* dev = m->part[part].dev;
+    mgpu__slice* sl;
+    int i = -1;
+    if (!tr) return -1;
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_lock(&tr->lock);
+#endif
+    if (tr->count == tr->cap) {
+        const int cap = tr->cap ? 2 * tr->cap : 256;
+        mgpu__slice* grown = (mgpu__slice*)MGPU_REALLOC(tr->slices, (size_t)cap * sizeof *grown);
+        if (grown) { tr->slices = grown; tr->cap = cap; } else tr->failed = 1;
+    }
+    if (tr->count < tr->cap) {
+        i = tr->count++;
+        sl = &tr->slices[i];
+        memset(sl, 0, sizeof *sl);
+        sl->part = part;
+        sl->comm = comm;
+        snprintf(sl->name, sizeof sl->name, fmt, k);
+        if (stream && dev->kind == MGPU_DEVICE_CUDA) {
+            if (MGPU__CUDA(mgpu__cu_event_create_timed(dev->ordinal, &sl->e0)) != 0 ||
+                MGPU__CUDA(mgpu__cu_event_create_timed(dev->ordinal, &sl->e1)) != 0 ||
+                MGPU__CUDA(mgpu__cu_event_record(dev->ordinal, sl->e0, stream)) != 0) {
+                tr->failed = 1;   /* the slice stays, without times */
+            }
+        }
+        sl->t0 = mgpu_seconds();
+    }
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_unlock(&tr->lock);
+#endif
+    return i;
+}
+static void mgpu__trace_close(mgpu_model* m, int i, void* stream) {
+    mgpu__trace* tr = m->trace;
+    mgpu__slice* sl;
+    if (!tr || i < 0) return;
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_lock(&tr->lock);
+#endif
+    sl = &tr->slices[i];
+    sl->t1 = mgpu_seconds();
+    if (sl->e1 && MGPU__CUDA(mgpu__cu_event_record(m->part[sl->part].dev->ordinal, sl->e1, stream)) != 0) tr->failed = 1;
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_unlock(&tr->lock);
+#endif
+}
+
+static void mgpu__trace_free(mgpu_model* m) {
+    mgpu__trace* tr = m->trace;
+    int i;
+    if (!tr) return;
+    for (i = 0; i < tr->count; ++i) {
+        const int dev = m->part[tr->slices[i].part].dev->ordinal;
+        if (tr->slices[i].e0) (void)MGPU__CUDA(mgpu__cu_event_destroy(dev, tr->slices[i].e0));
+        if (tr->slices[i].e1) (void)MGPU__CUDA(mgpu__cu_event_destroy(dev, tr->slices[i].e1));
+    }
+    for (i = 0; tr->base && i < m->part_count; ++i)
+        if (tr->base[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(m->part[i].dev->ordinal, tr->base[i]));
+#ifndef MGPU_NO_THREADS
+    pthread_mutex_destroy(&tr->lock);
+#endif
+    MGPU_FREE(tr->slices);
+    MGPU_FREE(tr->base);
+    MGPU_FREE(tr->base_host);
+    MGPU_FREE(tr);
+    m->trace = NULL;
+}
+
+MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m) {
+    static const char* op = "mgpu_model_trace_start";
+    mgpu__trace* tr;
+    int i;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: already tracing (mgpu_model_trace_stop first)", op);
+    tr = (mgpu__trace*)mgpu__calloc(1, sizeof *tr);
+    if (tr) tr->base = (void**)mgpu__calloc((size_t)m->part_count, sizeof(void*));
+    if (tr) tr->base_host = (double*)mgpu__calloc((size_t)m->part_count, sizeof(double));
+    if (!tr || !tr->base || !tr->base_host) {
+        if (tr) { MGPU_FREE(tr->base); MGPU_FREE(tr->base_host); }
+        MGPU_FREE(tr);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    }
+#ifndef MGPU_NO_THREADS
+    if (pthread_mutex_init(&tr->lock, NULL) != 0) {
+        MGPU_FREE(tr->base);
+        MGPU_FREE(tr);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: pthread_mutex_init failed", op);
+    }
+#endif
+    m->trace = tr;
+    /* Each GPU's times count from its base event, recorded on an idle stream and waited for: the
+       host clock then is that GPU's origin on the host's clock (to within the wait's return). */
+    for (i = 0; i < m->part_count; ++i) {
+        mgpu__part* p = &m->part[i];
+        mgpu_result r = mgpu_device_synchronize(p->dev);
+        if (r == MGPU_OK && p->dev->kind == MGPU_DEVICE_CUDA) {
+            float zero;
+            int rc = MGPU__CUDA(mgpu__cu_event_create_timed(p->dev->ordinal, &tr->base[i]));
+            if (!rc) rc = MGPU__CUDA(mgpu__cu_event_record(p->dev->ordinal, tr->base[i], p->dev->stream));
+            if (!rc) rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[i], tr->base[i], &zero));
+            if (rc) r = mgpu__cu_result(rc, op, p->dev);
+        }
+        tr->base_host[i] = mgpu_seconds();
+        if (r != MGPU_OK) { mgpu__trace_free(m); return r; }
+    }
+    tr->t_begin = tr->base_host[0];
+    return MGPU_OK;
+}
+
+/* Chrome's trace format: complete events ("ph": "X") in microseconds, one thread per track. */
+MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
+    static const char* op = "mgpu_model_trace_stop";
+    mgpu__trace* tr;
+    mgpu_result r = MGPU_OK;
+    FILE* f;
+    int i;
+    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
+    if (!(tr = m->trace)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
+    f = fopen(path, "w");
+    if (!f) {
+        r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
+        mgpu__trace_free(m);
+        return r;
+    }
+    fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+    fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"args\": {\"name\": \"mgpu: %d replica%s x %d stage%s, "
+            "%d micro-batch%s, %s\"}}", m->replica_count, m->replica_count == 1 ? "" : "s", m->stage_count,
+            m->stage_count == 1 ? "" : "s", m->micro_batches, m->micro_batches == 1 ? "" : "es",
+            m->schedule == MGPU_PIPELINE_GPIPE ? "GPipe" : "1F1B");
+    for (i = 0; i < 2 * m->part_count; ++i) {
+        const mgpu__part* p = &m->part[i / 2];
+        fprintf(f, ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": %d, \"args\": {\"name\": \"%s: replica %d "
+                "stage %d%s\"}}", i, p->dev->label, p->replica, p->stage, i % 2 ? ", all-reduce" : "");
+        fprintf(f, ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 1, \"tid\": %d, \"args\": {\"sort_index\": %d}}", i, i);
+    }
+    for (i = 0; i < tr->count && r == MGPU_OK; ++i) {
+        const mgpu__slice* sl = &tr->slices[i];
+        const mgpu__part* p = &m->part[sl->part];
+        double t0 = (sl->t0 - tr->t_begin) * 1e6, t1 = (sl->t1 - tr->t_begin) * 1e6;
+        if (sl->e0 && sl->e1 && tr->base[sl->part]) {   /* GPU work: its own clock, from the start */
+            float a = 0.0f, b = 0.0f;
+            int rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e0, &a));
+            if (!rc) rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e1, &b));
+            if (rc) { r = mgpu__cu_result(rc, op, p->dev); break; }
+            t0 = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)a * 1e3;
+            t1 = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)b * 1e3;
+        }
+        fprintf(f, ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f}", sl->name,
+                sl->part * 2 + sl->comm, t0, t1 > t0 ? t1 - t0 : 0.0);
+    }
+    fprintf(f, "\n]}\n");
+    if (fclose(f) != 0 && r == MGPU_OK) r = mgpu__fail(MGPU_ERROR_IO, "%s: writing '%s': %s", op, path, strerror(errno));
+    if (r == MGPU_OK && tr->failed)
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
+    mgpu__trace_free(m);
+    return r;
+}
+
 static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
     mgpu__live_remove(m, MGPU__LIVE_MODEL);
+    mgpu__trace_free(m);
     for (i = 0; m->part && i < m->part_count; ++i) {
         mgpu__part* p = &m->part[i];
         for (j = 0; p->slot && j < p->slot_count; ++j) {
@@ -5248,16 +5442,19 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     for (i = 0; i < opt->model->part_count; ++i) {
         mgpu__part* r = &opt->model->part[i];
         size_t n = (size_t)mgpu_tensor_numel(r->params);
+        const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
         job.p = MGPU__F32(r->params);
         job.g = MGPU__F32(r->grads);
         job.m = opt->state1[i] ? MGPU__F32(opt->state1[i]) : NULL;
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
-            continue;
+        } else if (job.adamw_kind) {
+            MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v, job.adamw));
+        } else {
+            MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.sgd));
         }
-        if (job.adamw_kind) MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v, job.adamw));
-        else MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.sgd));
+        mgpu__trace_close(opt->model, slice, r->dev->stream);
     }
     opt->steps++;
     opt->model->dropout_step++;   /* the next step draws new dropout masks */
@@ -5397,7 +5594,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         }
     }
     sl->has_input = 1;
-    return mgpu__part_mark(op, p, k);
+    return MGPU_OK;   /* the caller marks forward k done (mgpu__part_mark), after what else it adds */
 }
 
 /* Backward of micro-batch k through layer i of a part. d output is doutput on the last stage,
@@ -5435,7 +5632,8 @@ static mgpu_result mgpu__part_backward_done(mgpu_model* m, mgpu__part* p, int k)
         MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, MGPU_F32, dx->shape));
         MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
     }
-    return mgpu__part_mark("mgpu_model_backward", p, m->micro_batches + k);
+    (void)m;
+    return MGPU_OK;   /* the caller marks backward k done (mgpu__part_mark) */
 }
 
 static mgpu_result mgpu__part_backward(mgpu_model* m, mgpu__part* p, int k, const mgpu_tensor* doutput, int input_grad) {
@@ -5459,7 +5657,9 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
         return NULL;
     }
     for (s = 0; s < m->stage_count; ++s)
-        if (mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK) return NULL;
+        if (mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK ||
+            mgpu__part_mark(op, mgpu__part_of(m, replica, s), 0) != MGPU_OK)
+            return NULL;
     return mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1];
 }
 
@@ -5478,7 +5678,10 @@ MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_t
         if (!mgpu__part_of(m, replica, s)->slot[0].has_input)
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
     MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1]));
-    for (s = m->stage_count - 1; s >= 0; --s) MGPU__TRY(mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1));
+    for (s = m->stage_count - 1; s >= 0; --s) {
+        MGPU__TRY(mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1));
+        MGPU__TRY(mgpu__part_mark(op, mgpu__part_of(m, replica, s), m->micro_batches));
+    }
     return MGPU_OK;
 }
 
@@ -5568,7 +5771,7 @@ static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tenso
 
 /* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
    batch in the slot's dout. */
-static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
+static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     mgpu_model* m = b->m;
     const int r = p->replica;
     int64_t start, count;
@@ -5592,8 +5795,25 @@ static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
     return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)));
 }
 
+/* The two as a trace sees them: a slice each, from when their input is there (on a GPU the
+   stream's wait comes first, so that the slice does not include it) */
+static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
+    int t;
+    mgpu_result r = b->m->trace && p->stage > 0 ? mgpu__part_wait(b->op, p, p - 1, k) : MGPU_OK;
+    if (r != MGPU_OK) return r;
+    t = mgpu__trace_open(b->m, (int)(p - b->m->part), 0, p->dev->stream, "F %d", k);
+    r = mgpu__micro_forward(b, p, k);
+    mgpu__trace_close(b->m, t, p->dev->stream);
+    return r == MGPU_OK ? mgpu__part_mark(b->op, p, k) : r;   /* after the slice: it ends before what waits for it */
+}
 static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k) {
-    return mgpu__part_backward(b->m, p, k, p->slot[k % p->slot_count].dout, 0);
+    int t;
+    mgpu_result r;
+    if (b->m->trace && p->stage < b->m->stage_count - 1) MGPU__TRY(mgpu__part_wait(b->op, p, p + 1, b->m->micro_batches + k));
+    t = mgpu__trace_open(b->m, (int)(p - b->m->part), 0, p->dev->stream, "B %d", k);
+    r = mgpu__part_backward(b->m, p, k, p->slot[k % p->slot_count].dout, 0);
+    mgpu__trace_close(b->m, t, p->dev->stream);
+    return r == MGPU_OK ? mgpu__part_mark(b->op, p, b->m->micro_batches + k) : r;
 }
 
 /* Op j (0 to 2M - 1) of the order in which stage s runs its micro-batches: k for the forward of
@@ -5633,11 +5853,19 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
 /* Each stage's whole flat gradient buffer across its copies in one all-reduce (once per step at most). */
 static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     float* bufs[MGPU__MAX_REPLICAS];
+    int slices[MGPU__MAX_REPLICAS];
     int r, s;
     if (m->grads_reduced) return MGPU_OK;
     for (s = 0; m->replica_count > 1 && s < m->stage_count; ++s) {
-        for (r = 0; r < m->replica_count; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads);
-        MGPU__TRY(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)));
+        mgpu_result res;
+        for (r = 0; r < m->replica_count; ++r) {
+            bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads);
+            slices[r] = mgpu__trace_open(m, r * m->stage_count + s, 1, m->ar[s]->kind == MGPU_ALLREDUCE_HOST ? NULL : m->ar[s]->rank[r].stream,
+                                         "all-reduce stage %d", s);
+        }
+        res = mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s));
+        for (r = 0; r < m->replica_count; ++r) mgpu__trace_close(m, slices[r], m->ar[s]->kind == MGPU_ALLREDUCE_HOST ? NULL : m->ar[s]->rank[r].stream);
+        MGPU__TRY(res);
     }
     m->grads_reduced = 1;
     return MGPU_OK;
@@ -5773,6 +6001,8 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
                 for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__run_backward(b, mgpu__part_of(m, r, s), k);
                 bdone[s]++;
             } else {   /* the stage's last backward, with its buckets' all-reduces */
+                int slices[MGPU__MAX_REPLICAS];
+                for (r = 0; r < R; ++r) slices[r] = mgpu__trace_open(m, r * S + s, 0, mgpu__part_of(m, r, s)->dev->stream, "B %d", k);
                 for (l = m->stage_layer[s + 1] - 1; l >= m->stage_layer[s] && res == MGPU_OK; --l) {
                     for (r = 0; r < R && res == MGPU_OK; ++r) {
                         mgpu__part* p = mgpu__part_of(m, r, s);
@@ -5783,12 +6013,17 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
                         const mgpu__bucket* bu = &m->buckets[bk];
                         if (bu->stage != s || bu->ready_layer != l) continue;
                         for (r = 0; r < R; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads) + (bu->begin - m->stage_off[s]);
+                        int ar_slices[MGPU__MAX_REPLICAS];
                         issued[s] = 1;
                         res = mgpu__ar_after_compute(m->ar[s]);
+                        for (r = 0; r < R; ++r) ar_slices[r] = mgpu__trace_open(m, r * S + s, 1, m->ar[s]->rank[r].stream, "all-reduce bucket %d", bk);
                         if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
+                        for (r = 0; r < R; ++r) mgpu__trace_close(m, ar_slices[r], m->ar[s]->rank[r].stream);
                     }
                 }
                 for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_backward_done(m, mgpu__part_of(m, r, s), k);
+                for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], mgpu__part_of(m, r, s)->dev->stream);
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_mark(b->op, mgpu__part_of(m, r, s), M + k);
                 bdone[s]++;
             }
             next[s]++;

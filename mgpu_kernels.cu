@@ -304,6 +304,23 @@ int mgpu__cu_event_create(int dev, void** event) {   // ordering only: no timing
     return MGPU__CU_OK;
 }
 
+int mgpu__cu_event_create_timed(int dev, void** event) {   // for traces: elapsed times between two
+    cudaEvent_t e = NULL;
+    *event = NULL;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDefault), "cudaEventCreateWithFlags(default) on device %d", dev);
+    *event = e;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_elapsed(int dev, void* start, void* end, float* ms) {   // waits for end
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventSynchronize((cudaEvent_t)end), "cudaEventSynchronize(%p) on device %d", end, dev);
+    CUDA_TRY(cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)end), "cudaEventElapsedTime(%p, %p) on device %d",
+             start, end, dev);
+    return MGPU__CU_OK;
+}
+
 int mgpu__cu_event_destroy(int dev, void* event) {
     USE_DEVICE(dev);
     if (event) CUDA_TRY(cudaEventDestroy((cudaEvent_t)event), "cudaEventDestroy(%p) on device %d", event, dev);

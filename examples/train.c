@@ -31,6 +31,7 @@ typedef struct options {
     const char* schedule;    /* cosine | step | constant */
     const char* pipeline;    /* 1f1b | gpipe */
     const char* split;       /* "2,5": the first layer of stages 1, 2, ... */
+    const char* trace;       /* a Chrome trace of three steps */
     int stages, micro_batches, split_at[64];
     float dropout;
     int epochs, batch, quiet;
@@ -60,6 +61,8 @@ static void usage(FILE* f) {
             "  --micro-batches M   micro-batches per batch and replica [1; 2 x stages with stages]\n"
             "  --pipeline NAME     1f1b | gpipe: the order of the micro-batches' passes [1f1b]\n"
             "  --dropout P         a Dropout(P) after each hidden ReLU of the linear layers [none]\n"
+            "  --trace FILE.json   a trace of three steps (the 6th to the 8th, or the first ones of a short run) in\n"
+            "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing\n"
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
             "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch, with the\n"
             "                      input normalisation in its metadata (input.mean, input.std)\n"
@@ -148,7 +151,7 @@ static int parse_args(int argc, char** argv, options* o) {
         int takes = 1, ok = 1;
         static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
                                         "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay",
-                                        "--stages", "--split", "--micro-batches", "--pipeline", "--dropout" };
+                                        "--stages", "--split", "--micro-batches", "--pipeline", "--dropout", "--trace" };
         int known = 0;
         size_t k;
         for (k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(a, valued[k]);
@@ -164,6 +167,7 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--stages")) { ok = parse_int(a, v, 1, 64, &n); o->stages = (int)n; }
         else if (!strcmp(a, "--micro-batches")) { ok = parse_int(a, v, 1, 4096, &n); o->micro_batches = (int)n; }
         else if (!strcmp(a, "--pipeline")) o->pipeline = v;
+        else if (!strcmp(a, "--trace")) o->trace = v;
         else if (!strcmp(a, "--dropout")) ok = parse_float(a, v, &o->dropout);
         else if (!strcmp(a, "--split")) {   /* a list of layer numbers, each parsed like --stages */
             char item[32];
@@ -339,7 +343,8 @@ int main(int argc, char** argv) {
     mgpu_loader* loader = NULL;
     mgpu_tensor *test_x = NULL, *test_y = NULL;
     const float mean = 0.2860f, std = 0.3530f;   /* Fashion-MNIST training-set pixel statistics */
-    int64_t batches, steps = 0, samples = 0, correct = 0, first_step;
+    int64_t batches, steps = 0, samples = 0, correct = 0, first_step, trace_from = 0;
+    int traced = 0;
     double train_seconds = 0.0, start = mgpu_seconds();
     float loss = 0.0f, test_loss = 0.0f, test_acc = 0.0f;
     int64_t epoch;
@@ -397,6 +402,10 @@ int main(int argc, char** argv) {
         snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
                  mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     steps = first_step = mgpu_optimizer_step_count(opt);   /* resuming: continue where the checkpoint stopped */
+    {   /* the traced steps: the 6th to the 8th of this run, or its first ones when it is short */
+        const int64_t planned = o.max_steps ? o.max_steps - first_step : batches * o.epochs - first_step;
+        trace_from = first_step + (planned >= 8 ? 5 : 0);
+    }
     /* 64-bit: a checkpoint may hold up to 2^53 steps, far past an int's epochs */
     for (epoch = steps / batches; epoch < o.epochs && !stop; ++epoch) {
         const mgpu_tensor *x, *y;
@@ -411,11 +420,19 @@ int main(int argc, char** argv) {
                runs behind the host, one step queued after another */
             const int64_t every = interactive ? 20 : (batches / 4 > 0 ? batches / 4 : 1);
             const int show = (b + 1) % every == 0, last = b + 1 == batches || (o.max_steps && steps + 1 >= o.max_steps);
+            if (o.trace && steps == trace_from && mgpu_model_trace_start(model) != MGPU_OK) {
+                fprintf(stderr, "\ntrain: --trace: %s\n", mgpu_last_error());
+                goto done;
+            }
             if (mgpu_model_train_step(model, opt, x, y, show || last ? &loss : NULL) != MGPU_OK) {
                 fprintf(stderr, "\ntrain: %s\n", mgpu_last_error());
                 goto done;
             }
             ++steps;
+            if (o.trace && (steps == trace_from + 3 || last) && steps > trace_from && !traced) {
+                if (mgpu_model_trace_stop(model, o.trace) != MGPU_OK) { fprintf(stderr, "\ntrain: --trace: %s\n", mgpu_last_error()); goto done; }
+                traced = 1;
+            }
             ++b;
             epoch_samples += mgpu_tensor_dim(x, 0);
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
@@ -432,6 +449,10 @@ int main(int argc, char** argv) {
                    (int)epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
                    ms.bytes_in_use / 1048576.0, ms.peak_bytes_in_use / 1048576.0, mgpu_device_label(mgpu_model_device(model, 0)));
         if (o.save && !save_checkpoint(model, opt, o.save, mean, std)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+    }
+    if (o.trace && !traced) {   /* the run ended inside the traced steps, or before them */
+        if (steps <= trace_from) fprintf(stderr, "train: --trace: the run ended before its step %lld\n", (long long)trace_from + 1);
+        else if (mgpu_model_trace_stop(model, o.trace) != MGPU_OK) { fprintf(stderr, "train: --trace: %s\n", mgpu_last_error()); goto done; }
     }
     if (steps == first_step) {   /* nothing trained (a finished checkpoint): still report the model */
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }

@@ -61,5 +61,21 @@ if [ -x "$b/train_emu" ]; then
 else
     skipped=$((skipped + 1)); echo "  skip pipelines on emulated GPUs: no $b/train_emu"
 fi
+# --trace: three steps of a 2 x 2 pipeline in Chrome's trace format, read back by Python's json
+if run "$b/train_cpu" trace --model mlp --max-steps 12 --devices cpu:4 --stages 2 --micro-batches 4 --trace "$tmp/trace.json"; then
+    if out=$(python3 -c '
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+slices = [e for e in events if e["ph"] == "X"]
+count = lambda p: sum(1 for e in slices if e["name"].startswith(p))
+# 3 steps x 4 parts x 4 micro-batches; an optimizer step and an all-reduce per part and step
+assert count("F ") == 48 and count("B ") == 48 and count("optimizer") == 12 and count("all-reduce") == 12, slices[:3]
+assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+print(len(slices), "slices")' "$tmp/trace.json" 2>&1); then
+        passed=$((passed + 1)); echo "  ok   --trace: $out"
+    else
+        failed=$((failed + 1)); echo "  FAIL --trace: $out"
+    fi
+fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]

@@ -1947,6 +1947,63 @@ static void pipeline_checkpoint(void) {
     mgpu_device_set_destroy(two);
 }
 
+/* A traced step of 2 stages and 4 micro-batches: every forward, backward and optimizer step has
+   its slice on its part's track, and stage 1's forward k starts after stage 0's forward k ends
+   (the times: the CPU clock on CPU devices, CUDA events on GPUs). */
+static void pipeline_trace(const char* spec) {
+    mgpu_device_set* set = mkset(spec);
+    const char* path = "/tmp/mgpu_pipeline_trace.json";
+    mgpu_model* m = set ? staged_mlp(set, 2, NULL, 4) : NULL;
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    double end0[4] = {0, 0, 0, 0}, start1[4] = {0, 0, 0, 0};
+    int forwards = 0, backwards = 0, steps = 0, k;
+    CHECK(opt != NULL, "%s: a 2-stage model: %s", spec, mgpu_last_error());
+    if (opt) {
+        mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, 4));
+        mgpu_tensor* y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(8));
+        char line[512];
+        FILE* f;
+        memset(mgpu_tensor_data(x), 0, 8 * 4 * 4);
+        memset(mgpu_tensor_data(y), 0, 8 * 4);
+        CHECK(mgpu_model_trace_stop(m, path) == MGPU_ERROR_INVALID_ARGUMENT, "%s: trace_stop before start", spec);
+        CHECK(mgpu_model_trace_start(m) == MGPU_OK, "%s: trace_start: %s", spec, mgpu_last_error());
+        CHECK(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "%s: traced step: %s", spec, mgpu_last_error());
+        CHECK(mgpu_model_trace_stop(m, path) == MGPU_OK, "%s: trace_stop: %s", spec, mgpu_last_error());
+        f = fopen(path, "r");
+        CHECK(f != NULL, "%s: no trace file", spec);
+        while (f && fgets(line, sizeof line, f)) {
+            char name[64];
+            int tid;
+            double ts, dur;
+            const char* at = strstr(line, "{\"name\": \"");
+            if (!strstr(line, "\"ph\": \"X\"") || !at) continue;
+            if (sscanf(at, "{\"name\": \"%63[^\"]\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, \"ts\": %lf, \"dur\": %lf", name, &tid, &ts, &dur) != 4) {
+                CHECK(0, "%s: trace line '%s'", spec, line);
+                continue;
+            }
+            if (name[0] == 'F' && sscanf(name, "F %d", &k) == 1 && k >= 0 && k < 4) {
+                forwards++;
+                if (tid == 0) end0[k] = ts + dur;
+                if (tid == 2) start1[k] = ts;
+            }
+            backwards += name[0] == 'B';
+            steps += !strncmp(name, "optimizer step", 14);
+        }
+        if (f) fclose(f);
+        remove(path);
+        CHECK(forwards == 8 && backwards == 8 && steps == 2, "%s: %d forward, %d backward and %d optimizer slices (want 8, 8, 2)",
+              spec, forwards, backwards, steps);
+        for (k = 0; k < 4; ++k)
+            CHECK(start1[k] >= end0[k] - 1e-3, "%s: stage 1's forward %d starts at %.3f us, before stage 0's ends (%.3f us)", spec, k,
+                  start1[k], end0[k]);
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_pipeline(void) {
     header("pipelines");
     pipeline_equivalence("cpu");
@@ -1955,9 +2012,11 @@ static void test_pipeline(void) {
     pipeline_input_grad("cpu:3");
     pipeline_errors();
     pipeline_checkpoint();
+    pipeline_trace("cpu:2");
     if (!gpu_group("pipelines")) return;
     pipeline_equivalence("cuda:0");
     pipeline_input_grad("cuda:0,0,0");
+    pipeline_trace(g_gpus >= 2 ? "cuda:0,1" : "cuda:0,0");
 }
 
 int main(int argc, char** argv) {

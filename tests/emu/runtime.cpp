@@ -1046,8 +1046,14 @@ EMU_EXPORT cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEv
     if (!ms) return fail(cudaErrorInvalidValue);
     if (!live_event(start) || !live_event(end)) return fail(cudaErrorInvalidResourceHandle);
     if ((start->flags | end->flags) & cudaEventDisableTiming) return fail(cudaErrorInvalidResourceHandle);
-    std::lock_guard<std::mutex> l1(start->mu);
-    std::lock_guard<std::mutex> l2(end->mu);
+    // one event for both (CUDA gives 0), or two locked together (never in an order that deadlocks)
+    std::unique_lock<std::mutex> l1(start->mu, std::defer_lock), l2;
+    if (start == end) {
+        l1.lock();
+    } else {
+        l2 = std::unique_lock<std::mutex>(end->mu, std::defer_lock);
+        std::lock(l1, l2);
+    }
     if (!start->recorded || !end->recorded) return fail(cudaErrorInvalidResourceHandle);
     if (start->completed < start->recorded || end->completed < end->recorded) return fail(cudaErrorNotReady);
     *ms = (float)(end->time_ms - start->time_ms);
