@@ -49,12 +49,19 @@ static void fail(const char* what) {
 }
 
 /* ---- training steps: median seconds per step, peak memory, device allocations per step ---- */
+/* the pipeline layout of the models make_model makes (0: one stage) */
+static int pipe_stages, pipe_micro;
+static mgpu_pipeline_schedule pipe_schedule;
+
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     mgpu_model_desc d;
     mgpu_layer* layers[12];
     int n = 0, i;
     memset(&d, 0, sizeof d);
     d.devices = set;
+    d.stages = pipe_stages;
+    d.micro_batches = pipe_micro;
+    d.schedule = pipe_schedule;
     d.seed = 1;
     d.layers = layers;
     if (!strcmp(name, "mlp784")) {
@@ -463,6 +470,68 @@ static void bench_data_parallel(const char* model_name, const char* one, const c
     row(name, spec, "hidden", hidden < 0.0 ? 0.0 : hidden > 1.0 ? 1.0 : hidden, "x", "of the all-reduce time hidden behind backward");
 }
 
+/* A pipeline's step against one device's, and its bubble: from a trace of one step, the share of
+   the step's span that a stage's device spends idle, averaged over the stages, beside GPipe's and
+   1F1B's theoretical (S - 1) / (M + S - 1) (equal stages, no copies). */
+static double step_time(training* tr, int steps) {
+    double* t = (double*)malloc(sizeof(double) * (size_t)steps);
+    double med;
+    int i;
+    for (i = 0; i < 2; ++i) if (mgpu_model_train_step(tr->m, tr->opt, tr->x, tr->y, NULL)) fail("step");
+    for (i = 0; i < steps; ++i) {
+        double t0 = mgpu_seconds();
+        int d;
+        if (mgpu_model_train_step(tr->m, tr->opt, tr->x, tr->y, NULL)) fail("step");
+        for (d = 0; d < mgpu_device_set_count(tr->set); ++d) mgpu_device_synchronize(mgpu_device_set_get(tr->set, d));
+        t[i] = mgpu_seconds() - t0;
+    }
+    med = median(t, steps);
+    free(t);
+    return med;
+}
+static void bench_pipeline(const char* model_name, const char* one, const char* spec, int stages, int micro,
+                           mgpu_pipeline_schedule schedule, int batch, int steps) {
+    char name[96], note[160], line[512];
+    const char* path = "/tmp/mgpu_bench_trace.json";
+    double busy[64], first = 1e30, last = 0.0, idle = 0.0, base, piped;
+    training tr;
+    FILE* f;
+    int s;
+    tr = training_create(model_name, one, batch, 0);
+    base = step_time(&tr, steps);
+    training_destroy(&tr);
+    pipe_stages = stages; pipe_micro = micro; pipe_schedule = schedule;
+    tr = training_create(model_name, spec, batch, 0);
+    pipe_stages = pipe_micro = 0; pipe_schedule = MGPU_PIPELINE_1F1B;
+    piped = step_time(&tr, steps);
+    snprintf(name, sizeof name, "pipe_%s_b%d_s%dm%d_%s", model_name, batch, stages, micro, schedule == MGPU_PIPELINE_GPIPE ? "gpipe" : "1f1b");
+    row(name, spec, "step", piped * 1e3, "ms", NULL);
+    row(name, spec, "samples_per_s", batch / piped, "samples/s", NULL);
+    row(name, spec, "vs_one_device", base / piped, "x", one);
+    for (s = 0; s < stages && s < 64; ++s) busy[s] = 0.0;
+    if (mgpu_model_trace_start(tr.m) || mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL) || mgpu_model_trace_stop(tr.m, path)) fail(name);
+    f = fopen(path, "r");
+    while (f && fgets(line, sizeof line, f)) {   /* the replica 0's forward and backward slices */
+        char what[64];
+        int tid;
+        double ts, dur;
+        const char* at = strstr(line, "{\"name\": \"");
+        if (!at || sscanf(at, "{\"name\": \"%63[^\"]\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, \"ts\": %lf, \"dur\": %lf",
+                          what, &tid, &ts, &dur) != 4) continue;
+        if ((what[0] != 'F' && what[0] != 'B') || tid % 2 || tid / 2 >= stages) continue;
+        busy[tid / 2] += dur;
+        if (ts < first) first = ts;
+        if (ts + dur > last) last = ts + dur;
+    }
+    if (f) fclose(f);
+    remove(path);
+    for (s = 0; s < stages && last > first; ++s) idle += 1.0 - busy[s] / (last - first);
+    snprintf(note, sizeof note, "idle share of the forward-backward span, averaged over the stages; theory %.3f",
+             (double)(stages - 1) / (micro + stages - 1));
+    row(name, spec, "bubble", idle / stages, "x", note);
+    training_destroy(&tr);
+}
+
 #ifdef MGPU_BENCH_EMU
 #include "emu.h"
 /* Per step, after two warm-up steps; the replicas are synchronised before each reading, and those
@@ -480,7 +549,9 @@ static void emu_counts(const char* model_name, const char* spec, const char* all
     for (i = 0; i < steps; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(spec);
     for (r = 0; r < replicas; ++r) if (mgpu_device_synchronize(mgpu_model_device(tr.m, r))) fail(spec);
     mgpu_emu_get_counters(&b);
-    printf("| %s b%d | %s | %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.1f |\n", model_name, batch, spec,
+    char layout[48] = "";
+    if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d stages, %d micro-batches", pipe_stages, pipe_micro);
+    printf("| %s b%d%s | %s | %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.1f |\n", model_name, batch, layout, spec,
            mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)), (double)(b.launches - a.launches) / steps,
            (double)(b.syncs - a.syncs - (uint64_t)replicas) / steps, (double)(b.allocs - a.allocs) / steps,
            (double)(b.h2d_bytes - a.h2d_bytes) / steps, (double)(b.d2h_bytes - a.d2h_bytes) / steps,
@@ -502,6 +573,12 @@ static int bench_emu(void) {
     emu_counts("cnn", "cuda:0", NULL, 128, 2);
     emu_counts("cnn", "cuda:0,1,2,3", "nccl", 128, 2);
     emu_counts("cnn", "cuda:0,1,2,3", "p2p", 128, 2);
+    pipe_stages = 2; pipe_micro = 4;   /* pipelines: the copies between stages are the peer bytes */
+    emu_counts("mlp784", "cuda:0,1", NULL, 64, 5);
+    emu_counts("cnn", "cuda:0,1", NULL, 128, 2);
+    pipe_stages = 4; pipe_micro = 8;
+    emu_counts("cnn", "cuda:0,1,2,3", NULL, 128, 2);
+    pipe_stages = pipe_micro = 0;
     return 0;
 }
 #endif
@@ -522,6 +599,9 @@ int main(int argc, char** argv) {
         bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
         bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
         bench_data_parallel("cnn", "cpu", "cpu:2", 128, quick ? 3 : 20, 0);
+        bench_pipeline("cnn", "cpu", "cpu:2", 2, 4, MGPU_PIPELINE_1F1B, 128, quick ? 3 : 10);
+        bench_pipeline("cnn", "cpu", "cpu:2", 2, 8, MGPU_PIPELINE_GPIPE, 128, quick ? 3 : 10);
+        bench_pipeline("cnn", "cpu", "cpu:4", 4, 8, MGPU_PIPELINE_1F1B, 128, quick ? 3 : 10);
     }
     if (cuda) {
         bench_gemm("cuda:0", 2048, 4096, 4096, 20);
