@@ -3456,16 +3456,58 @@ static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, co
     return MGPU_OK;
 }
 
+/* One output row of the common 2 x 2, stride 2 pool with no padding, without branches: the
+   maxima of random activations mispredict half their comparisons, and selects vectorise. The
+   same choice as the general loop: the first of equals, and a NaN only where it comes first. */
+static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
+                                  float* y, int32_t* at) {
+    int64_t ox = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i lane2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256 k1 = _mm256_castsi256_ps(_mm256_set1_epi32(1)), kw = _mm256_castsi256_ps(_mm256_set1_epi32(w));
+    const __m256 kw1 = _mm256_castsi256_ps(_mm256_set1_epi32(w + 1));
+    for (; ox + 8 <= ow; ox += 8) {   /* 8 windows: even and odd columns of two rows apart */
+        const __m256 u0 = _mm256_loadu_ps(r0 + 2 * ox), u1 = _mm256_loadu_ps(r0 + 2 * ox + 8);
+        const __m256 v0 = _mm256_loadu_ps(r1 + 2 * ox), v1 = _mm256_loadu_ps(r1 + 2 * ox + 8);
+        const __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0x88)), 0xD8));
+        const __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0xDD)), 0xD8));
+        const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
+        const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
+        __m256 best = a, k = _mm256_setzero_ps(), gt;
+        gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+        gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+        gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+        _mm256_storeu_ps(y + ox, best);
+        _mm256_storeu_si256((__m256i*)(at + ox), _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0 + 2 * (int32_t)ox), lane2),
+                                                                  _mm256_castps_si256(k)));
+    }
+#endif
+    for (; ox < ow; ++ox) {
+        const float a = r0[2 * ox], b = r0[2 * ox + 1], c = r1[2 * ox], d = r1[2 * ox + 1];
+        float best = a;
+        int32_t k = 0;
+        k = b > best ? 1 : k;     best = b > best ? b : best;
+        k = c > best ? w : k;     best = c > best ? c : best;
+        k = d > best ? w + 1 : k; best = d > best ? d : best;
+        y[ox] = best;
+        at[ox] = at0 + 2 * (int32_t)ox + k;
+    }
+}
+
 /* max over each window of each (image, channel) plane; padding counts as -inf */
 static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
     const mgpu__window_job* j = (const mgpu__window_job*)ctx;
     const mgpu__window* g = j->g;
+    const int simple = g->kh == 2 && g->kw == 2 && g->stride == 2 && g->pad == 0;
     int64_t plane, oy, ox, ky, kx;
     for (plane = p0; plane < p1; ++plane) {
         const float* px = j->in + plane * g->h * g->w;
         float* py = j->out + plane * g->oh * g->ow;
         int32_t* pa = j->index_out + plane * g->oh * g->ow;
-        for (oy = 0; oy < g->oh; ++oy)
+        for (oy = 0; simple && oy < g->oh; ++oy)
+            mgpu__maxpool_2x2_row(px + 2 * oy * g->w, px + (2 * oy + 1) * g->w, (int32_t)(2 * oy * g->w), g->w, g->ow,
+                                  py + oy * g->ow, pa + oy * g->ow);
+        for (oy = 0; !simple && oy < g->oh; ++oy)
             for (ox = 0; ox < g->ow; ++ox) {
                 const int64_t iy0 = oy * g->stride - g->pad, ix0 = ox * g->stride - g->pad;
                 float best = -INFINITY;
