@@ -2815,6 +2815,20 @@ static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
                     MGPU__GEMM_KC);
 }
 
+/* C += op(A) op(B) on the calling thread, packing into space (mgpu__gemm_pack_floats(m, n)
+   floats, 32-byte aligned): the products inside one task of a larger parallel job. */
+static void mgpu__gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space) {
+    mgpu__gemm g;
+    memset(&g, 0, sizeof g);
+    g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
+    g.alpha = 1.0f; g.a = a; g.b = b; g.c = c;
+    g.pack_a = n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
+    g.ap = space;
+    g.bp = space + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    mgpu__gemm_run(&g, 0, k, 1);
+}
+
 /* Small products (C of at most a few row blocks, as in the MLP's layers): one task per share of
    C, cut along whole slivers so the tiles and the bits stay those of one thread, each task
    packing what it needs itself through every panel. One dispatch to the pool per product,
@@ -3430,6 +3444,180 @@ static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, 
     return MGPU_OK;
 }
 
+/* -- Conv2d on the CPU: image by image, with no transposes --
+   One image's columns lie as [c*kh*kw, oh*ow]: row (c, ky, kx) holds what that tap of the
+   kernel sees at every output position, a shifted copy of input rows. W [out, c*kh*kw] times
+   them is the image's output [out, oh*ow], NCHW already; the rows are copied contiguously and
+   stay in the L2 cache for the product that follows. (The GPU keeps the [n*oh*ow, c*kh*kw]
+   layout and its transposes.) */
+
+/* the output columns [lo, hi) at which tap kx falls inside the image's width */
+static void mgpu__window_span(const mgpu__window* g, int kx, int64_t* lo, int64_t* hi) {
+    const int64_t first = g->pad - kx, last = (int64_t)g->w - 1 + g->pad - kx;   /* ox * stride in [first, last] */
+    *hi = last < 0 ? 0 : MGPU__MIN((int64_t)g->ow, last / g->stride + 1);
+    *lo = MGPU__MIN(*hi, first > 0 ? (first + g->stride - 1) / g->stride : 0);
+}
+
+/* x [c, h, w] -> cols [c*kh*kw, oh*ow], zeros where a tap reads the padding */
+static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* cols) {
+    const int64_t p = (int64_t)g->oh * g->ow;
+    int64_t c, ky, kx, oy, ox, lo, hi;
+    for (c = 0; c < g->c; ++c)
+        for (ky = 0; ky < g->kh; ++ky)
+            for (kx = 0; kx < g->kw; ++kx) {
+                float* row = cols + ((c * g->kh + ky) * g->kw + kx) * p;
+                mgpu__window_span(g, (int)kx, &lo, &hi);
+                for (oy = 0; oy < g->oh; ++oy) {
+                    const int64_t iy = oy * g->stride - g->pad + ky;
+                    float* dst = row + oy * g->ow;
+                    const float* src;
+                    if (iy < 0 || iy >= g->h) { memset(dst, 0, sizeof(float) * (size_t)g->ow); continue; }
+                    src = x + (c * g->h + iy) * g->w;   /* column ox * stride - pad + kx, for ox in [lo, hi) */
+                    for (ox = 0; ox < lo; ++ox) dst[ox] = 0.0f;
+                    if (g->stride == 1) memcpy(dst + lo, src + lo - g->pad + kx, sizeof(float) * (size_t)(hi - lo));
+                    else for (ox = lo; ox < hi; ++ox) dst[ox] = src[ox * g->stride - g->pad + kx];
+                    for (ox = hi; ox < g->ow; ++ox) dst[ox] = 0.0f;
+                }
+            }
+}
+
+/* its adjoint: dx [c, h, w] (overwritten) sums every column entry that reads it, taps in order */
+static void mgpu__col2im_image(const mgpu__window* g, const float* dcols, float* dx) {
+    const int64_t p = (int64_t)g->oh * g->ow;
+    int64_t c, ky, kx, oy, ox, lo, hi;
+    memset(dx, 0, sizeof(float) * (size_t)g->c * (size_t)g->h * (size_t)g->w);
+    for (c = 0; c < g->c; ++c)
+        for (ky = 0; ky < g->kh; ++ky)
+            for (kx = 0; kx < g->kw; ++kx) {
+                const float* row = dcols + ((c * g->kh + ky) * g->kw + kx) * p;
+                mgpu__window_span(g, (int)kx, &lo, &hi);
+                for (oy = 0; oy < g->oh; ++oy) {
+                    const int64_t iy = oy * g->stride - g->pad + ky;
+                    const float* src = row + oy * g->ow;
+                    float* dst;
+                    if (iy < 0 || iy >= g->h) continue;
+                    dst = dx + (c * g->h + iy) * g->w;
+                    if (g->stride == 1) for (ox = lo; ox < hi; ++ox) dst[ox - g->pad + kx] += src[ox];
+                    else for (ox = lo; ox < hi; ++ox) dst[ox * g->stride - g->pad + kx] += src[ox];
+                }
+            }
+}
+
+/* The weight and bias gradients sum over images: in fixed groups of images, each summed in
+   order by one task, then the groups in order, so the bits do not depend on the thread count. */
+#define MGPU__CONV_GROUP 8
+typedef struct mgpu__conv_job {
+    const mgpu__window* g;
+    int64_t out, ckk, p, tasks, groups;
+    const float *x, *w, *bias, *dy;
+    float *cols, *y, *dcols, *dx;
+    float* dw_part;           /* [groups][out * ckk] */
+    double* db_part;          /* [groups][out] */
+    float* space;             /* [tasks][space_floats]: each task's GEMM packing */
+    size_t space_floats;
+} mgpu__conv_job;
+
+static void mgpu__conv_forward_task(void* ctx, int64_t task) {
+    const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
+    const int64_t n0 = j->g->n * task / j->tasks, n1 = j->g->n * (task + 1) / j->tasks;
+    int64_t n, o, i;
+    for (n = n0; n < n1; ++n) {
+        float* cols = j->cols + n * j->ckk * j->p;
+        float* y = j->y + n * j->out * j->p;
+        mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);
+        for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
+        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, j->space + (size_t)task * j->space_floats);
+    }
+}
+
+static void mgpu__conv_backward_task(void* ctx, int64_t task) {
+    const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
+    float* space = j->space + (size_t)task * j->space_floats;
+    int64_t gi, n, o, i;
+    for (gi = j->groups * task / j->tasks; gi < j->groups * (task + 1) / j->tasks; ++gi) {
+        float* dw = j->dw_part + gi * j->out * j->ckk;
+        double* db = j->db_part + gi * j->out;
+        memset(dw, 0, sizeof(float) * (size_t)(j->out * j->ckk));
+        for (o = 0; o < j->out; ++o) db[o] = 0.0;
+        for (n = gi * MGPU__CONV_GROUP; n < MGPU__MIN((int64_t)j->g->n, (gi + 1) * MGPU__CONV_GROUP); ++n) {
+            const float* dy = j->dy + n * j->out * j->p;
+            const float* cols = j->cols + n * j->ckk * j->p;
+            mgpu__gemm_serial(0, 1, j->out, j->ckk, j->p, dy, j->p, cols, j->p, dw, j->ckk, space);   /* dW += dy cols^T */
+            for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
+                double s[4] = {0.0, 0.0, 0.0, 0.0};
+                const float* row = dy + o * j->p;
+                for (i = 0; i + 4 <= j->p; i += 4) { s[0] += row[i]; s[1] += row[i + 1]; s[2] += row[i + 2]; s[3] += row[i + 3]; }
+                for (; i < j->p; ++i) s[0] += row[i];
+                db[o] += (s[0] + s[1]) + (s[2] + s[3]);
+            }
+            if (j->dx) {   /* dcols = W^T dy, then back onto the image */
+                float* dcols = j->dcols + n * j->ckk * j->p;
+                memset(dcols, 0, sizeof(float) * (size_t)(j->ckk * j->p));
+                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space);
+                mgpu__col2im_image(j->g, dcols, j->dx + n * (int64_t)j->g->c * j->g->h * j->g->w);
+            }
+        }
+    }
+}
+
+/* The job's shapes, and its scratch from dev's caching allocator (released by the caller). */
+static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, const mgpu__window* g, int64_t out,
+                                       int backward, size_t* size) {
+    size_t part;
+    memset(j, 0, sizeof *j);
+    j->g = g;
+    j->out = out;
+    j->ckk = (int64_t)g->c * g->kh * g->kw;
+    j->p = (int64_t)g->oh * g->ow;
+    j->groups = (g->n + MGPU__CONV_GROUP - 1) / MGPU__CONV_GROUP;
+    j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), backward ? j->groups : (int64_t)g->n));
+    j->space_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(out, j->ckk),
+                                                                             mgpu__gemm_pack_floats(j->ckk, j->p)));
+    part = backward ? (size_t)j->groups * (size_t)(out * j->ckk + 2 * out) + 16 : 0;   /* +16: room to align the doubles */
+    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + part), size, "Conv2d");
+    if (!j->space) return mgpu_last_result();
+    j->dw_part = j->space + (size_t)j->tasks * j->space_floats;
+    j->db_part = (double*)(void*)(j->dw_part + ((size_t)j->groups * (size_t)(out * j->ckk) + 15) / 16 * 16);
+    return MGPU_OK;
+}
+
+/* y [n, out, oh, ow] = W [out, c*kh*kw] (im2col x) + bias; cols [n][c*kh*kw][oh*ow] kept */
+static mgpu_result mgpu__cpu_conv_forward(const mgpu__window* g, int64_t out, const mgpu_tensor* x, const mgpu_tensor* w,
+                                          const mgpu_tensor* bias, mgpu_tensor* cols, mgpu_tensor* y) {
+    mgpu__conv_job j;
+    size_t size;
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(y), g, out, 0, &size));
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.bias = MGPU__F32(bias); j.cols = MGPU__F32(cols); j.y = MGPU__F32(y);
+    mgpu__parallel_for(j.tasks, mgpu__conv_forward_task, &j);
+    mgpu__device_release(MGPU__DEV(y), j.space, size);
+    return MGPU_OK;
+}
+
+/* dW += dy cols^T and dbias += the sums of dy over images and positions; dx (if wanted) from
+   W^T dy through dcols (scratch of the cols' size) */
+static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, const mgpu_tensor* w, const mgpu_tensor* cols,
+                                           const mgpu_tensor* dy, mgpu_tensor* dw, mgpu_tensor* dbias, mgpu_tensor* dcols,
+                                           mgpu_tensor* dx) {
+    mgpu__conv_job j;
+    size_t size;
+    int64_t gi, i;
+    float* pdw = MGPU__F32(dw);
+    float* pdb = MGPU__F32(dbias);
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, 1, &size));
+    j.w = MGPU__F32(w); j.cols = MGPU__F32(cols); j.dy = MGPU__F32(dy); j.dcols = MGPU__F32(dcols);
+    j.dx = dx ? MGPU__F32(dx) : NULL;
+    mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
+    for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
+        for (i = 0; i < out * j.ckk; ++i) pdw[i] += j.dw_part[gi * out * j.ckk + i];
+    for (i = 0; i < out; ++i) {
+        double s = 0.0;
+        for (gi = 0; gi < j.groups; ++gi) s += j.db_part[gi * out + i];
+        pdb[i] = (float)s + pdb[i];
+    }
+    mgpu__device_release(MGPU__DEV(dy), j.space, size);
+    return MGPU_OK;
+}
+
 /* y[b][j][i] = x[b][i][j] for x [batch, rows, cols] */
 static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
     const mgpu__window_job* j = (const mgpu__window_job*)ctx;
@@ -3842,7 +4030,8 @@ static mgpu_result mgpu__conv_init(const mgpu_layer* l, const mgpu_layer_ctx* ct
 }
 /* aux 0: cols [n*oh*ow, in*k*k] (kept for the weight gradient); aux 1: rows [n*oh*ow, out], the
    GEMM result before the transpose; aux 2: the input gradient's columns, same shape as cols
-   (backward must not overwrite what a second backward would need) */
+   (backward must not overwrite what a second backward would need). The CPU lays cols and the
+   input gradient's columns out image by image instead, [n][in*k*k][oh*ow], and needs no rows. */
 static int mgpu__three_aux(const mgpu_layer* l) { (void)l; return 3; }
 static mgpu_result mgpu__conv_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     mgpu__window g;
@@ -3855,6 +4044,7 @@ static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     mgpu__window g;
     mgpu_tensor w2;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    if (MGPU__IS_CPU(x)) return mgpu__cpu_conv_forward(&g, l->cfg.out, x, ctx->params[0], ctx->params[1], ctx->aux[0], y);
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, (int64_t)g.c * g.kh * g.kw));
     MGPU__TRY(mgpu__im2col(&g, x, ctx->aux[0]));
     MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));             /* [n*p, out] */
@@ -3868,6 +4058,8 @@ static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx
     int64_t ckk;
     (void)y;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    if (MGPU__IS_CPU(x))
+        return mgpu__cpu_conv_backward(&g, l->cfg.out, ctx->params[0], ctx->aux[0], dy, ctx->grads[0], ctx->grads[1], ctx->aux[2], dx);
     ckk = (int64_t)g.c * g.kh * g.kw;
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, ckk));
     dw2 = mgpu__reshaped(ctx->grads[0], mgpu_shape2(l->cfg.out, ckk));
