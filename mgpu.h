@@ -2635,10 +2635,11 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*NR + j]: A packed (rs 1, ks MR)
-   or read where it lies (row-major: rs lda, ks 1; transposed: rs 1, ks lda) */
+/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*NR + j] (add 0: C = that, C
+   unread): A packed (rs 1, ks MR) or read where it lies (row-major: rs lda, ks 1; transposed: rs
+   1, ks lda) */
 static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha) {
+                              float alpha, int add) {
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
@@ -2659,9 +2660,9 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
         ar = _mm256_broadcast_ss(a + 5 * rs);
         c50 = _mm256_fmadd_ps(ar, b0, c50); c51 = _mm256_fmadd_ps(ar, b1, c51);
     }
-#define MGPU__GEMM_ROW(r, lo, hi)                                                                        \
-    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, _mm256_loadu_ps(c + (r) * ldc)));         \
-    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, _mm256_loadu_ps(c + (r) * ldc + 8)))
+#define MGPU__GEMM_ROW(r, lo, hi)                                                                                     \
+    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, add ? _mm256_loadu_ps(c + (r) * ldc) : _mm256_setzero_ps()));   \
+    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, add ? _mm256_loadu_ps(c + (r) * ldc + 8) : _mm256_setzero_ps()))
     MGPU__GEMM_ROW(0, c00, c01); MGPU__GEMM_ROW(1, c10, c11); MGPU__GEMM_ROW(2, c20, c21);
     MGPU__GEMM_ROW(3, c30, c31); MGPU__GEMM_ROW(4, c40, c41); MGPU__GEMM_ROW(5, c50, c51);
 #undef MGPU__GEMM_ROW
@@ -2669,7 +2670,7 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
 #else
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
 static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha) {
+                              float alpha, int add) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
     int64_t kk;
     int r, j;
@@ -2680,7 +2681,7 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
             for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
         }
     for (r = 0; r < MGPU__GEMM_MR; ++r)
-        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] += alpha * acc[r][j];
+        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] = (add ? c[r * ldc + j] : 0.0f) + alpha * acc[r][j];
 }
 #endif
 
@@ -2695,6 +2696,8 @@ typedef struct mgpu__gemm {
     int pack_a;               /* 0: the kernel reads A where it lies (a narrow C reuses it too little
                                  to pay for the copy); only the last, partial sliver is packed */
     int64_t k0, kc, j0, nc;   /* the panel being multiplied */
+    int overwrite;            /* C holds anything (beta 0): the first KC block stores rather than adds */
+    int add;                  /* the current KC block adds onto C */
 } mgpu__gemm;
 
 /* Sliver s of op(A) rows for the current panel into p [kc][MR]; zeros pad a partial one. */
@@ -2753,13 +2756,13 @@ static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_
                 as = edge;
             }
             if (rows == MGPU__GEMM_MR && cols == MGPU__GEMM_NR) {
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, c, g->ldc, g->alpha);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, c, g->ldc, g->alpha, g->add);
             } else {   /* an edge: through a scratch tile, with the same kernel */
                 float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
                 int64_t r, j;
                 memset(tile, 0, sizeof tile);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, tile, MGPU__GEMM_NR, g->alpha);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, tile, MGPU__GEMM_NR, g->alpha, g->add);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
         }
@@ -2796,6 +2799,7 @@ static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int th
         job.group_cols = ((g->nc + job.col_groups - 1) / job.col_groups + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR;
         for (g->k0 = k_begin; g->k0 < k_end; g->k0 += MGPU__GEMM_KC) {
             g->kc = MGPU__MIN((int64_t)MGPU__GEMM_KC, k_end - g->k0);
+            g->add = !g->overwrite || g->k0 > k_begin;
             if (threads > 1) {
                 mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_pack_task, &job);
                 mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_tile_task, &job);
@@ -2815,12 +2819,14 @@ static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
                     MGPU__GEMM_KC);
 }
 
-/* C += op(A) op(B) on the calling thread, packing into space (mgpu__gemm_pack_floats(m, n)
-   floats, 32-byte aligned): the products inside one task of a larger parallel job. */
+/* C += op(A) op(B) (overwrite: C = op(A) op(B), C unread) on the calling thread, packing into
+   space (mgpu__gemm_pack_floats(m, n) floats, 32-byte aligned): the products inside one task of
+   a larger parallel job. */
 static void mgpu__gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space) {
+                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space, int overwrite) {
     mgpu__gemm g;
     memset(&g, 0, sizeof g);
+    g.overwrite = overwrite;
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = 1.0f; g.a = a; g.b = b; g.c = c;
     g.pack_a = n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
@@ -2918,7 +2924,12 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     int64_t i, j;
     size_t size;
     int threads;
-    for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
+#ifdef MGPU_CBLAS
+    const int overwrite = 0;
+#else   /* with beta 0 the product's first KC block stores into C, not onto a cleared C: one pass fewer */
+    const int overwrite = beta == 0.0f && k > 0 && alpha != 0.0f && !(k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C);
+#endif
+    for (i = 0; i < m && !overwrite; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
         float* row = c + i * ldc;
         if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
         else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
@@ -2932,6 +2943,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     memset(&g, 0, sizeof g);
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = alpha; g.a = a; g.b = b; g.c = c;
+    g.overwrite = overwrite;
     g.pack_a = n > 4 * MGPU__GEMM_NR;   /* A's rows are used by fewer than 5 slivers of B: read them in place */
     if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
     /* a small product is over before the pool's threads would have woken up */
@@ -3458,15 +3470,41 @@ static void mgpu__window_span(const mgpu__window* g, int kx, int64_t* lo, int64_
     *lo = MGPU__MIN(*hi, first > 0 ? (first + g->stride - 1) / g->stride : 0);
 }
 
+/* With stride 1 and the output as wide as the input (the usual "same" padding), a tap's row of
+   columns is one shifted run of the input plane, positions [first, last), in which only the
+   edge columns that wrap from one image row to the next do not belong; 0 when it is not so. */
+static int mgpu__tap_run(const mgpu__window* g, int ky, int64_t lo, int64_t hi, int64_t* first, int64_t* last) {
+    const int64_t oy_lo = MGPU__MAX((int64_t)0, (int64_t)g->pad - ky), oy_hi = MGPU__MIN((int64_t)g->oh, (int64_t)g->h + g->pad - ky);
+    if (g->stride != 1 || g->ow != g->w || oy_lo >= oy_hi || lo >= hi) return 0;
+    *first = oy_lo * g->ow + lo;
+    *last = (oy_hi - 1) * g->ow + hi;
+    return 1;
+}
+
+/* zeros where the run wrapped over edge columns: between its row segments [lo, hi) */
+static void mgpu__tap_run_gaps(const mgpu__window* g, float* row, int64_t lo, int64_t hi, int64_t first, int64_t last) {
+    int64_t q, i;
+    for (q = first - lo + hi; q < last; q += g->ow)
+        for (i = 0; i < g->ow - hi + lo; ++i) row[q + i] = 0.0f;
+}
+
 /* x [c, h, w] -> cols [c*kh*kw, oh*ow], zeros where a tap reads the padding */
 static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* cols) {
     const int64_t p = (int64_t)g->oh * g->ow;
-    int64_t c, ky, kx, oy, ox, lo, hi;
+    int64_t c, ky, kx, oy, ox, lo, hi, first, last;
     for (c = 0; c < g->c; ++c)
         for (ky = 0; ky < g->kh; ++ky)
             for (kx = 0; kx < g->kw; ++kx) {
                 float* row = cols + ((c * g->kh + ky) * g->kw + kx) * p;
                 mgpu__window_span(g, (int)kx, &lo, &hi);
+                if (mgpu__tap_run(g, (int)ky, lo, hi, &first, &last)) {   /* one run of the plane, then the zeros */
+                    memset(row, 0, sizeof(float) * (size_t)first);
+                    memcpy(row + first, x + (c * g->h * g->w + first + (ky - g->pad) * g->w + kx - g->pad),
+                           sizeof(float) * (size_t)(last - first));
+                    mgpu__tap_run_gaps(g, row, lo, hi, first, last);
+                    memset(row + last, 0, sizeof(float) * (size_t)(p - last));
+                    continue;
+                }
                 for (oy = 0; oy < g->oh; ++oy) {
                     const int64_t iy = oy * g->stride - g->pad + ky;
                     float* dst = row + oy * g->ow;
@@ -3481,16 +3519,25 @@ static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* col
             }
 }
 
-/* its adjoint: dx [c, h, w] (overwritten) sums every column entry that reads it, taps in order */
-static void mgpu__col2im_image(const mgpu__window* g, const float* dcols, float* dx) {
+/* its adjoint: dx [c, h, w] (overwritten) sums every column entry that reads it, taps in order.
+   dcols is scratch: a run's wrapped edge entries are zeroed in it, and the run added whole. */
+static void mgpu__col2im_image(const mgpu__window* g, float* dcols, float* dx) {
     const int64_t p = (int64_t)g->oh * g->ow;
-    int64_t c, ky, kx, oy, ox, lo, hi;
+    int64_t c, ky, kx, oy, ox, lo, hi, first, last;
     memset(dx, 0, sizeof(float) * (size_t)g->c * (size_t)g->h * (size_t)g->w);
     for (c = 0; c < g->c; ++c)
         for (ky = 0; ky < g->kh; ++ky)
             for (kx = 0; kx < g->kw; ++kx) {
-                const float* row = dcols + ((c * g->kh + ky) * g->kw + kx) * p;
+                float* row = dcols + ((c * g->kh + ky) * g->kw + kx) * p;
                 mgpu__window_span(g, (int)kx, &lo, &hi);
+                if (mgpu__tap_run(g, (int)ky, lo, hi, &first, &last)) {
+                    float* dst = dx + c * g->h * g->w;
+                    const int64_t shift = (ky - g->pad) * g->w + kx - g->pad;
+                    int64_t q;
+                    mgpu__tap_run_gaps(g, row, lo, hi, first, last);
+                    for (q = first; q < last; ++q) dst[q + shift] += row[q];
+                    continue;
+                }
                 for (oy = 0; oy < g->oh; ++oy) {
                     const int64_t iy = oy * g->stride - g->pad + ky;
                     const float* src = row + oy * g->ow;
@@ -3511,7 +3558,7 @@ typedef struct mgpu__conv_job {
     int64_t out, ckk, p, tasks, groups;
     const float *x, *w, *bias, *dy;
     float *cols, *y, *dcols, *dx;
-    float* dw_part;           /* [groups][out * ckk] */
+    float* dw_part;           /* [groups][ckk][out]: dW^T */
     double* db_part;          /* [groups][out] */
     float* space;             /* [tasks][space_floats]: each task's GEMM packing */
     size_t space_floats;
@@ -3526,7 +3573,7 @@ static void mgpu__conv_forward_task(void* ctx, int64_t task) {
         float* y = j->y + n * j->out * j->p;
         mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);
         for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
-        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, j->space + (size_t)task * j->space_floats);
+        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, j->space + (size_t)task * j->space_floats, 0);
     }
 }
 
@@ -3542,7 +3589,8 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
         for (n = gi * MGPU__CONV_GROUP; n < MGPU__MIN((int64_t)j->g->n, (gi + 1) * MGPU__CONV_GROUP); ++n) {
             const float* dy = j->dy + n * j->out * j->p;
             const float* cols = j->cols + n * j->ckk * j->p;
-            mgpu__gemm_serial(0, 1, j->out, j->ckk, j->p, dy, j->p, cols, j->p, dw, j->ckk, space);   /* dW += dy cols^T */
+            /* dW^T += cols dy^T: the columns read where they lie, only dy packed (transposed) */
+            mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0);
             for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
                 double s[4] = {0.0, 0.0, 0.0, 0.0};
                 const float* row = dy + o * j->p;
@@ -3552,8 +3600,7 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
             }
             if (j->dx) {   /* dcols = W^T dy, then back onto the image */
                 float* dcols = j->dcols + n * j->ckk * j->p;
-                memset(dcols, 0, sizeof(float) * (size_t)(j->ckk * j->p));
-                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space);
+                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space, 1);
                 mgpu__col2im_image(j->g, dcols, j->dx + n * (int64_t)j->g->c * j->g->h * j->g->w);
             }
         }
@@ -3571,7 +3618,7 @@ static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, cons
     j->p = (int64_t)g->oh * g->ow;
     j->groups = (g->n + MGPU__CONV_GROUP - 1) / MGPU__CONV_GROUP;
     j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), backward ? j->groups : (int64_t)g->n));
-    j->space_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(out, j->ckk),
+    j->space_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(j->ckk, out),
                                                                              mgpu__gemm_pack_floats(j->ckk, j->p)));
     part = backward ? (size_t)j->groups * (size_t)(out * j->ckk + 2 * out) + 16 : 0;   /* +16: room to align the doubles */
     j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + part), size, "Conv2d");
@@ -3600,7 +3647,7 @@ static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, c
                                            mgpu_tensor* dx) {
     mgpu__conv_job j;
     size_t size;
-    int64_t gi, i;
+    int64_t gi, i, o, r;
     float* pdw = MGPU__F32(dw);
     float* pdb = MGPU__F32(dbias);
     MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, 1, &size));
@@ -3608,7 +3655,8 @@ static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, c
     j.dx = dx ? MGPU__F32(dx) : NULL;
     mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
     for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
-        for (i = 0; i < out * j.ckk; ++i) pdw[i] += j.dw_part[gi * out * j.ckk + i];
+        for (o = 0; o < out; ++o)
+            for (r = 0; r < j.ckk; ++r) pdw[o * j.ckk + r] += j.dw_part[(gi * j.ckk + r) * out + o];
     for (i = 0; i < out; ++i) {
         double s = 0.0;
         for (gi = 0; gi < j.groups; ++gi) s += j.db_part[gi * out + i];
