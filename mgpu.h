@@ -2721,11 +2721,50 @@ static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) 
     if (!g->pack_a) return;
     for (s = first; s < last; ++s) mgpu__gemm_pack_a_sliver(g, s, g->ap + s * g->kc * MGPU__GEMM_MR);
 }
+#if defined(__AVX2__) && defined(__FMA__)
+/* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block */
+static void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds);
+    const __m256 r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
+    const __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+    const __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
+
+/* A whole sliver of op(B) = B^T: each of its NR columns is a row of B, along k */
+static void mgpu__gemm_pack_b_transposed(const mgpu__gemm* g, int64_t j0, float* p) {
+    const float* src = g->b + j0 * g->ldb + g->k0;
+    int64_t kk = 0, j;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; kk + 8 <= g->kc; kk += 8)   /* 8 x 8 blocks through registers */
+        for (j = 0; j < MGPU__GEMM_NR; j += 8) mgpu__transpose_8x8(src + j * g->ldb + kk, g->ldb, p + kk * MGPU__GEMM_NR + j, MGPU__GEMM_NR);
+#endif
+    for (j = 0; j < MGPU__GEMM_NR; ++j) {
+        int64_t k;
+        for (k = kk; k < g->kc; ++k) p[k * MGPU__GEMM_NR + j] = src[j * g->ldb + k];
+    }
+}
+
 static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
     int64_t s, kk, j;
     for (s = first; s < last; ++s) {
         float* p = g->bp + s * g->kc * MGPU__GEMM_NR;
         const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
+        if (g->tb && cols == MGPU__GEMM_NR) { mgpu__gemm_pack_b_transposed(g, j0, p); continue; }
         for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
             const int64_t k = g->k0 + kk;
             if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
