@@ -2635,18 +2635,18 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*NR + j] (add 0: C = that, C
+/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*bs + j] (add 0: C = that, C
    unread): A packed (rs 1, ks MR) or read where it lies (row-major: rs lda, ks 1; transposed: rs
-   1, ks lda) */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha, int add) {
+   1, ks lda); B packed (bs NR) or read where it lies (bs ldb) */
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                              int64_t ldc, float alpha, int add) {
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
     const __m256 va = _mm256_set1_ps(alpha);
     int64_t kk;
-    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR) {
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    for (kk = 0; kk < kc; ++kk, a += ks, b += bs) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         __m256 ar = _mm256_broadcast_ss(a);
         c00 = _mm256_fmadd_ps(ar, b0, c00); c01 = _mm256_fmadd_ps(ar, b1, c01);
         ar = _mm256_broadcast_ss(a + rs);
@@ -2669,13 +2669,13 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
 }
 #else
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha, int add) {
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                              int64_t ldc, float alpha, int add) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
     int64_t kk;
     int r, j;
     memset(acc, 0, sizeof acc);
-    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR)
+    for (kk = 0; kk < kc; ++kk, a += ks, b += bs)
         for (r = 0; r < MGPU__GEMM_MR; ++r) {
             const float ar = a[r * rs];
             for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
@@ -2695,6 +2695,7 @@ typedef struct mgpu__gemm {
     float *ap, *bp;           /* packed op(A) [ceil(m/MR)][kc][MR], op(B) [ceil(nc/NR)][kc][NR] */
     int pack_a;               /* 0: the kernel reads A where it lies (a narrow C reuses it too little
                                  to pay for the copy); only the last, partial sliver is packed */
+    int pack_b;               /* 0: the same for a B that is not transposed and C that is short */
     int64_t k0, kc, j0, nc;   /* the panel being multiplied */
     int overwrite;            /* C holds anything (beta 0): the first KC block stores rather than adds */
     int add;                  /* the current KC block adds onto C */
@@ -2759,27 +2760,39 @@ static void mgpu__gemm_pack_b_transposed(const mgpu__gemm* g, int64_t j0, float*
     }
 }
 
-static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
-    int64_t s, kk, j;
-    for (s = first; s < last; ++s) {
-        float* p = g->bp + s * g->kc * MGPU__GEMM_NR;
-        const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
-        if (g->tb && cols == MGPU__GEMM_NR) { mgpu__gemm_pack_b_transposed(g, j0, p); continue; }
-        for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
-            const int64_t k = g->k0 + kk;
-            if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
-            for (j = 0; j < cols; ++j) p[j] = g->tb ? g->b[(j0 + j) * g->ldb + k] : g->b[k * g->ldb + j0 + j];
-            for (; j < MGPU__GEMM_NR; ++j) p[j] = 0.0f;
-        }
+/* Sliver s of op(B) columns for the current panel into p [kc][NR]; zeros pad a partial one. */
+static void mgpu__gemm_pack_b_sliver(const mgpu__gemm* g, int64_t s, float* p) {
+    const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
+    int64_t kk, j;
+    if (g->tb && cols == MGPU__GEMM_NR) { mgpu__gemm_pack_b_transposed(g, j0, p); return; }
+    for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
+        const int64_t k = g->k0 + kk;
+        if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
+        for (j = 0; j < cols; ++j) p[j] = g->tb ? g->b[(j0 + j) * g->ldb + k] : g->b[k * g->ldb + j0 + j];
+        for (; j < MGPU__GEMM_NR; ++j) p[j] = 0.0f;
     }
+}
+static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
+    int64_t s;
+    if (!g->pack_b) return;
+    for (s = first; s < last; ++s) mgpu__gemm_pack_b_sliver(g, s, g->bp + s * g->kc * MGPU__GEMM_NR);
 }
 
 /* The tiles of C in rows [i0, i1) x panel columns [jb0, jb1) (multiples of MR and NR). */
 static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_t jb0, int64_t jb1) {
+    float bedge[MGPU__GEMM_KC * MGPU__GEMM_NR];   /* the partial last sliver of an unpacked B */
     int64_t jb, i;
     for (jb = jb0; jb < jb1; jb += MGPU__GEMM_NR) {   /* one B sliver stays in L1 over the A slivers */
         const float* bs = g->bp + (jb / MGPU__GEMM_NR) * g->kc * MGPU__GEMM_NR;
         const int64_t cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->nc - jb);
+        int64_t bstride = MGPU__GEMM_NR;
+        if (!g->pack_b && cols == MGPU__GEMM_NR) {
+            bs = g->b + g->k0 * g->ldb + g->j0 + jb;
+            bstride = g->ldb;
+        } else if (!g->pack_b) {
+            mgpu__gemm_pack_b_sliver(g, jb / MGPU__GEMM_NR, bedge);
+            bs = bedge;
+        }
         for (i = i0; i < i1; i += MGPU__GEMM_MR) {
             const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - i);
             float* c = g->c + i * g->ldc + g->j0 + jb;
@@ -2795,13 +2808,13 @@ static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_
                 as = edge;
             }
             if (rows == MGPU__GEMM_MR && cols == MGPU__GEMM_NR) {
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, c, g->ldc, g->alpha, g->add);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, bstride, c, g->ldc, g->alpha, g->add);
             } else {   /* an edge: through a scratch tile, with the same kernel */
                 float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
                 int64_t r, j;
                 memset(tile, 0, sizeof tile);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, tile, MGPU__GEMM_NR, g->alpha, g->add);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, bstride, tile, MGPU__GEMM_NR, g->alpha, g->add);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
         }
@@ -2869,6 +2882,7 @@ static void mgpu__gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, c
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = 1.0f; g.a = a; g.b = b; g.c = c;
     g.pack_a = n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
+    g.pack_b = tb;   /* a plain B read in place: these products are small, their B slivers stay in L1 */
     g.ap = space;
     g.bp = space + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
     mgpu__gemm_run(&g, 0, k, 1);
@@ -2984,6 +2998,7 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     g.alpha = alpha; g.a = a; g.b = b; g.c = c;
     g.overwrite = overwrite;
     g.pack_a = n > 4 * MGPU__GEMM_NR;   /* A's rows are used by fewer than 5 slivers of B: read them in place */
+    g.pack_b = 1;
     if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
     /* a small product is over before the pool's threads would have woken up */
     threads = m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads();
