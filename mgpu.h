@@ -3746,6 +3746,26 @@ static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, co
     return MGPU_OK;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 windows of the 2 x 2, stride 2 pool: u0 u1 and v0 v1 the 16 values of the two input rows
+   from the first window's left edge, at0 that corner's index in the plane (w its width) */
+static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int32_t at0, int32_t w, __m256* y, __m256i* at) {
+    const __m256 k1 = _mm256_castsi256_ps(_mm256_set1_epi32(1)), kw = _mm256_castsi256_ps(_mm256_set1_epi32(w));
+    const __m256 kw1 = _mm256_castsi256_ps(_mm256_set1_epi32(w + 1));
+    /* even and odd columns, back in order */
+    const __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0x88)), 0xD8));
+    const __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0xDD)), 0xD8));
+    const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
+    const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
+    __m256 best = a, k = _mm256_setzero_ps(), gt;
+    gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+    gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+    gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    *y = best;
+    *at = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_castps_si256(k));
+}
+#endif
+
 /* One output row of the common 2 x 2, stride 2 pool with no padding, without branches: the
    maxima of random activations mispredict half their comparisons, and selects vectorise. The
    same choice as the general loop: the first of equals, and a NaN only where it comes first. */
@@ -3753,23 +3773,25 @@ static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0,
                                   float* y, int32_t* at) {
     int64_t ox = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256i lane2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256 k1 = _mm256_castsi256_ps(_mm256_set1_epi32(1)), kw = _mm256_castsi256_ps(_mm256_set1_epi32(w));
-    const __m256 kw1 = _mm256_castsi256_ps(_mm256_set1_epi32(w + 1));
-    for (; ox + 8 <= ow; ox += 8) {   /* 8 windows: even and odd columns of two rows apart */
-        const __m256 u0 = _mm256_loadu_ps(r0 + 2 * ox), u1 = _mm256_loadu_ps(r0 + 2 * ox + 8);
-        const __m256 v0 = _mm256_loadu_ps(r1 + 2 * ox), v1 = _mm256_loadu_ps(r1 + 2 * ox + 8);
-        const __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0x88)), 0xD8));
-        const __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0xDD)), 0xD8));
-        const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
-        const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
-        __m256 best = a, k = _mm256_setzero_ps(), gt;
-        gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
-        gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
-        gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 best;
+    __m256i arg;
+    for (; ox + 8 <= ow; ox += 8) {
+        mgpu__maxpool_2x2_8(_mm256_loadu_ps(r0 + 2 * ox), _mm256_loadu_ps(r0 + 2 * ox + 8), _mm256_loadu_ps(r1 + 2 * ox),
+                            _mm256_loadu_ps(r1 + 2 * ox + 8), at0 + 2 * (int32_t)ox, w, &best, &arg);
         _mm256_storeu_ps(y + ox, best);
-        _mm256_storeu_si256((__m256i*)(at + ox), _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0 + 2 * (int32_t)ox), lane2),
-                                                                  _mm256_castps_si256(k)));
+        _mm256_storeu_si256((__m256i*)(at + ox), arg);
+    }
+    if (ox < ow) {   /* the last few windows through masks, so short rows (7 wide) stay vectorised */
+        const int32_t n = (int32_t)(ow - ox);
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane), mo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        mgpu__maxpool_2x2_8(_mm256_maskload_ps(r0 + 2 * ox, m0), _mm256_maskload_ps(r0 + 2 * ox + 8, m1),
+                            _mm256_maskload_ps(r1 + 2 * ox, m0), _mm256_maskload_ps(r1 + 2 * ox + 8, m1),
+                            at0 + 2 * (int32_t)ox, w, &best, &arg);
+        _mm256_maskstore_ps(y + ox, mo, best);
+        _mm256_maskstore_epi32(at + ox, mo, arg);
+        return;
     }
 #endif
     for (; ox < ow; ++ox) {
