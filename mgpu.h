@@ -3513,9 +3513,10 @@ static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, 
 /* -- Conv2d on the CPU: image by image, with no transposes --
    One image's columns lie as [c*kh*kw, oh*ow]: row (c, ky, kx) holds what that tap of the
    kernel sees at every output position, a shifted copy of input rows. W [out, c*kh*kw] times
-   them is the image's output [out, oh*ow], NCHW already; the rows are copied contiguously and
-   stay in the L2 cache for the product that follows. (The GPU keeps the [n*oh*ow, c*kh*kw]
-   layout and its transposes.) */
+   them is the image's output [out, oh*ow], NCHW already; the rows are copied contiguously into
+   a task's scratch, which stays in the L2 cache for the product that follows: making them again
+   in backward is cheaper than writing every image's columns to memory and reading them back.
+   (The GPU keeps the [n*oh*ow, c*kh*kw] layout of the whole batch and its transposes.) */
 
 /* the output columns [lo, hi) at which tap kx falls inside the image's width */
 static void mgpu__window_span(const mgpu__window* g, int kx, int64_t* lo, int64_t* hi) {
@@ -3611,29 +3612,32 @@ typedef struct mgpu__conv_job {
     const mgpu__window* g;
     int64_t out, ckk, p, tasks, groups;
     const float *x, *w, *bias, *dy;
-    float *cols, *y, *dcols, *dx;
+    float *y, *dx;
     float* dw_part;           /* [groups][ckk][out]: dW^T */
     double* db_part;          /* [groups][out] */
-    float* space;             /* [tasks][space_floats]: each task's GEMM packing */
-    size_t space_floats;
+    float* space;             /* [tasks][space_floats]: each task's GEMM packing, then its image's */
+    size_t space_floats;      /* columns and their gradient (cols_floats each) */
+    size_t pack_floats, cols_floats;
 } mgpu__conv_job;
 
 static void mgpu__conv_forward_task(void* ctx, int64_t task) {
     const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
     const int64_t n0 = j->g->n * task / j->tasks, n1 = j->g->n * (task + 1) / j->tasks;
+    float* space = j->space + (size_t)task * j->space_floats;
+    float* cols = space + j->pack_floats;
     int64_t n, o, i;
     for (n = n0; n < n1; ++n) {
-        float* cols = j->cols + n * j->ckk * j->p;
         float* y = j->y + n * j->out * j->p;
         mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);
         for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
-        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, j->space + (size_t)task * j->space_floats, 0);
+        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, space, 0);
     }
 }
 
 static void mgpu__conv_backward_task(void* ctx, int64_t task) {
     const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
     float* space = j->space + (size_t)task * j->space_floats;
+    float *cols = space + j->pack_floats, *dcols = cols + j->cols_floats;
     int64_t gi, n, o, i;
     for (gi = j->groups * task / j->tasks; gi < j->groups * (task + 1) / j->tasks; ++gi) {
         float* dw = j->dw_part + gi * j->out * j->ckk;
@@ -3642,7 +3646,7 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
         for (o = 0; o < j->out; ++o) db[o] = 0.0;
         for (n = gi * MGPU__CONV_GROUP; n < MGPU__MIN((int64_t)j->g->n, (gi + 1) * MGPU__CONV_GROUP); ++n) {
             const float* dy = j->dy + n * j->out * j->p;
-            const float* cols = j->cols + n * j->ckk * j->p;
+            mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);   /* again: cheaper than from memory */
             /* dW^T += cols dy^T: the columns read where they lie, only dy packed (transposed) */
             mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0);
             for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
@@ -3653,7 +3657,6 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
                 db[o] += (s[0] + s[1]) + (s[2] + s[3]);
             }
             if (j->dx) {   /* dcols = W^T dy, then back onto the image */
-                float* dcols = j->dcols + n * j->ckk * j->p;
                 mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space, 1);
                 mgpu__col2im_image(j->g, dcols, j->dx + n * (int64_t)j->g->c * j->g->h * j->g->w);
             }
@@ -3672,8 +3675,10 @@ static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, cons
     j->p = (int64_t)g->oh * g->ow;
     j->groups = (g->n + MGPU__CONV_GROUP - 1) / MGPU__CONV_GROUP;
     j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), backward ? j->groups : (int64_t)g->n));
-    j->space_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(j->ckk, out),
-                                                                             mgpu__gemm_pack_floats(j->ckk, j->p)));
+    j->pack_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(j->ckk, out),
+                                                                            mgpu__gemm_pack_floats(j->ckk, j->p)));
+    j->cols_floats = (size_t)(j->ckk * j->p + 15) / 16 * 16;   /* 64-byte multiples keep each part aligned */
+    j->space_floats = j->pack_floats + (backward ? 2 : 1) * j->cols_floats;
     part = backward ? (size_t)j->groups * (size_t)(out * j->ckk + 2 * out) + 16 : 0;   /* +16: room to align the doubles */
     j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + part), size, "Conv2d");
     if (!j->space) return mgpu_last_result();
@@ -3682,30 +3687,29 @@ static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, cons
     return MGPU_OK;
 }
 
-/* y [n, out, oh, ow] = W [out, c*kh*kw] (im2col x) + bias; cols [n][c*kh*kw][oh*ow] kept */
+/* y [n, out, oh, ow] = W [out, c*kh*kw] (im2col x) + bias */
 static mgpu_result mgpu__cpu_conv_forward(const mgpu__window* g, int64_t out, const mgpu_tensor* x, const mgpu_tensor* w,
-                                          const mgpu_tensor* bias, mgpu_tensor* cols, mgpu_tensor* y) {
+                                          const mgpu_tensor* bias, mgpu_tensor* y) {
     mgpu__conv_job j;
     size_t size;
     MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(y), g, out, 0, &size));
-    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.bias = MGPU__F32(bias); j.cols = MGPU__F32(cols); j.y = MGPU__F32(y);
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.bias = MGPU__F32(bias); j.y = MGPU__F32(y);
     mgpu__parallel_for(j.tasks, mgpu__conv_forward_task, &j);
     mgpu__device_release(MGPU__DEV(y), j.space, size);
     return MGPU_OK;
 }
 
-/* dW += dy cols^T and dbias += the sums of dy over images and positions; dx (if wanted) from
-   W^T dy through dcols (scratch of the cols' size) */
-static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, const mgpu_tensor* w, const mgpu_tensor* cols,
-                                           const mgpu_tensor* dy, mgpu_tensor* dw, mgpu_tensor* dbias, mgpu_tensor* dcols,
-                                           mgpu_tensor* dx) {
+/* dW += dy (im2col x)^T and dbias += the sums of dy over images and positions; dx (if wanted)
+   from the columns' gradient W^T dy */
+static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, const mgpu_tensor* x, const mgpu_tensor* w,
+                                           const mgpu_tensor* dy, mgpu_tensor* dw, mgpu_tensor* dbias, mgpu_tensor* dx) {
     mgpu__conv_job j;
     size_t size;
     int64_t gi, i, o, r;
     float* pdw = MGPU__F32(dw);
     float* pdb = MGPU__F32(dbias);
     MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, 1, &size));
-    j.w = MGPU__F32(w); j.cols = MGPU__F32(cols); j.dy = MGPU__F32(dy); j.dcols = MGPU__F32(dcols);
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.dy = MGPU__F32(dy);
     j.dx = dx ? MGPU__F32(dx) : NULL;
     mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
     for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
@@ -4154,8 +4158,8 @@ static mgpu_result mgpu__conv_init(const mgpu_layer* l, const mgpu_layer_ctx* ct
 }
 /* aux 0: cols [n*oh*ow, in*k*k] (kept for the weight gradient); aux 1: rows [n*oh*ow, out], the
    GEMM result before the transpose; aux 2: the input gradient's columns, same shape as cols
-   (backward must not overwrite what a second backward would need). The CPU lays cols and the
-   input gradient's columns out image by image instead, [n][in*k*k][oh*ow], and needs no rows. */
+   (backward must not overwrite what a second backward would need). The CPU uses none of them:
+   it makes each image's columns in a task's scratch, in forward and again in backward. */
 static int mgpu__three_aux(const mgpu_layer* l) { (void)l; return 3; }
 static mgpu_result mgpu__conv_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     mgpu__window g;
@@ -4168,7 +4172,7 @@ static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     mgpu__window g;
     mgpu_tensor w2;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
-    if (MGPU__IS_CPU(x)) return mgpu__cpu_conv_forward(&g, l->cfg.out, x, ctx->params[0], ctx->params[1], ctx->aux[0], y);
+    if (MGPU__IS_CPU(x)) return mgpu__cpu_conv_forward(&g, l->cfg.out, x, ctx->params[0], ctx->params[1], y);
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, (int64_t)g.c * g.kh * g.kw));
     MGPU__TRY(mgpu__im2col(&g, x, ctx->aux[0]));
     MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));             /* [n*p, out] */
@@ -4183,7 +4187,7 @@ static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx
     (void)y;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
     if (MGPU__IS_CPU(x))
-        return mgpu__cpu_conv_backward(&g, l->cfg.out, ctx->params[0], ctx->aux[0], dy, ctx->grads[0], ctx->grads[1], ctx->aux[2], dx);
+        return mgpu__cpu_conv_backward(&g, l->cfg.out, x, ctx->params[0], dy, ctx->grads[0], ctx->grads[1], dx);
     ckk = (int64_t)g.c * g.kh * g.kw;
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, ckk));
     dw2 = mgpu__reshaped(ctx->grads[0], mgpu_shape2(l->cfg.out, ckk));
