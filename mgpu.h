@@ -2812,8 +2812,10 @@ static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_
             } else {   /* an edge: through a scratch tile, with the same kernel */
                 float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
                 int64_t r, j;
-                memset(tile, 0, sizeof tile);
-                for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
+                if (g->add) {   /* (a first block that overwrites reads nothing) */
+                    memset(tile, 0, sizeof tile);
+                    for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
+                }
                 mgpu__gemm_kernel(g->kc, as, rs, ks, bs, bstride, tile, MGPU__GEMM_NR, g->alpha, g->add);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
@@ -2954,7 +2956,8 @@ static mgpu_result mgpu__cpu_gemm_split_k(mgpu_device* dev, const mgpu__gemm* g,
     size_t size, cn = (size_t)(g->m * g->n + 15) / 16 * 16;
     s.g = *g;
     s.k = k;
-    s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_SPLIT_MIN_K / 4, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
+    /* chunks of at least 2 KC blocks: 16 or more of them, for the threads to finish together */
+    s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_KC * 2, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
     s.chunk = (s.chunk + MGPU__GEMM_KC - 1) / MGPU__GEMM_KC * MGPU__GEMM_KC;
     chunks = (k + s.chunk - 1) / s.chunk;
     s.pack_floats = mgpu__gemm_pack_floats(g->m, g->n);
@@ -3007,7 +3010,9 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
         const int64_t row_slivers = (m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR, col_slivers = (n + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR;
         job.g = &g;
         job.k = k;
-        job.by_rows = row_slivers >= col_slivers;
+        /* each task packs all of the operand along the side it does not cut: cut the longer side of
+           C, so the shorter one is packed again (and both sides only when there are slivers for all) */
+        job.by_rows = col_slivers < threads ? 1 : row_slivers < threads ? 0 : m >= n;
         job.slivers = job.by_rows ? row_slivers : col_slivers;
         job.tasks = MGPU__MIN((int64_t)threads, job.slivers);
         job.task_floats = job.by_rows ? mgpu__gemm_pack_floats((job.slivers + job.tasks - 1) / job.tasks * MGPU__GEMM_MR, n)
