@@ -2698,6 +2698,7 @@ typedef struct mgpu__gemm {
     int pack_b;               /* 0: the same for a B that is not transposed and C that is short */
     int64_t k0, kc, j0, nc;   /* the panel being multiplied */
     int overwrite;            /* C holds anything (beta 0): the first KC block stores rather than adds */
+    int a_ready;              /* ap holds op(A) packed already (k <= KC: one block): pack none of it */
     int add;                  /* the current KC block adds onto C */
 } mgpu__gemm;
 
@@ -2719,7 +2720,7 @@ static void mgpu__gemm_pack_a_sliver(const mgpu__gemm* g, int64_t s, float* p) {
 }
 static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) {
     int64_t s;
-    if (!g->pack_a) return;
+    if (!g->pack_a || g->a_ready) return;
     for (s = first; s < last; ++s) mgpu__gemm_pack_a_sliver(g, s, g->ap + s * g->kc * MGPU__GEMM_MR);
 }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -2875,19 +2876,31 @@ static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
 
 /* C += op(A) op(B) (overwrite: C = op(A) op(B), C unread) on the calling thread, packing into
    space (mgpu__gemm_pack_floats(m, n) floats, 32-byte aligned): the products inside one task of
-   a larger parallel job. */
+   a larger parallel job. packed_a: op(A) as mgpu__gemm_prepack_a left it, or NULL. */
 static void mgpu__gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space, int overwrite) {
+                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space, int overwrite,
+                              const float* packed_a) {
     mgpu__gemm g;
     memset(&g, 0, sizeof g);
     g.overwrite = overwrite;
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = 1.0f; g.a = a; g.b = b; g.c = c;
-    g.pack_a = n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
+    g.pack_a = packed_a || n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
+    g.a_ready = packed_a != NULL;
     g.pack_b = tb;   /* a plain B read in place: these products are small, their B slivers stay in L1 */
-    g.ap = space;
+    g.ap = packed_a ? (float*)packed_a : space;   /* (only read when a_ready) */
     g.bp = space + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
     mgpu__gemm_run(&g, 0, k, 1);
+}
+
+/* op(A) [m, k] (k <= KC) packed once into ap (ceil(m/MR)*MR*k floats) for several products
+   that share it, as mgpu__gemm_run would pack it for each */
+static void mgpu__gemm_prepack_a(int ta, int64_t m, int64_t k, const float* a, int64_t lda, float* ap) {
+    mgpu__gemm g;
+    int64_t s;
+    memset(&g, 0, sizeof g);
+    g.ta = ta; g.m = m; g.lda = lda; g.a = a; g.kc = k;
+    for (s = 0; s < (m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR; ++s) mgpu__gemm_pack_a_sliver(&g, s, ap + s * k * MGPU__GEMM_MR);
 }
 
 /* Small products (C of at most a few row blocks, as in the MLP's layers): one task per share of
@@ -3623,6 +3636,7 @@ typedef struct mgpu__conv_job {
     float* space;             /* [tasks][space_floats]: each task's GEMM packing, then its image's */
     size_t space_floats;      /* columns and their gradient (cols_floats each) */
     size_t pack_floats, cols_floats;
+    float* w_packed;          /* W (forward) or W^T (backward) packed once for every image, or NULL */
 } mgpu__conv_job;
 
 static void mgpu__conv_forward_task(void* ctx, int64_t task) {
@@ -3635,7 +3649,7 @@ static void mgpu__conv_forward_task(void* ctx, int64_t task) {
         float* y = j->y + n * j->out * j->p;
         mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);
         for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
-        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, space, 0);
+        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, space, 0, j->w_packed);
     }
 }
 
@@ -3653,7 +3667,7 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
             const float* dy = j->dy + n * j->out * j->p;
             mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);   /* again: cheaper than from memory */
             /* dW^T += cols dy^T: the columns read where they lie, only dy packed (transposed) */
-            mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0);
+            mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0, NULL);
             for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
                 double s[4] = {0.0, 0.0, 0.0, 0.0};
                 const float* row = dy + o * j->p;
@@ -3662,17 +3676,19 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
                 db[o] += (s[0] + s[1]) + (s[2] + s[3]);
             }
             if (j->dx) {   /* dcols = W^T dy, then back onto the image */
-                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space, 1);
+                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space, 1, j->w_packed);
                 mgpu__col2im_image(j->g, dcols, j->dx + n * (int64_t)j->g->c * j->g->h * j->g->w);
             }
         }
     }
 }
 
-/* The job's shapes, and its scratch from dev's caching allocator (released by the caller). */
+/* The job's shapes, and its scratch from dev's caching allocator (released by the caller); W
+   packed for the products (forward: W cols; backward: W^T dy) when their sum fits one KC block. */
 static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, const mgpu__window* g, int64_t out,
-                                       int backward, size_t* size) {
-    size_t part;
+                                       const float* w, int backward, size_t* size) {
+    size_t part, wpack;
+    int64_t wm, wk;
     memset(j, 0, sizeof *j);
     j->g = g;
     j->out = out;
@@ -3684,10 +3700,15 @@ static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, cons
                                                                             mgpu__gemm_pack_floats(j->ckk, j->p)));
     j->cols_floats = (size_t)(j->ckk * j->p + 15) / 16 * 16;   /* 64-byte multiples keep each part aligned */
     j->space_floats = j->pack_floats + (backward ? 2 : 1) * j->cols_floats;
+    wm = backward ? j->ckk : out;
+    wk = backward ? out : j->ckk;
+    wpack = wk <= MGPU__GEMM_KC ? (size_t)((wm + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * wk + 15) / 16 * 16 : 0;
     part = backward ? (size_t)j->groups * (size_t)(out * j->ckk + 2 * out) + 16 : 0;   /* +16: room to align the doubles */
-    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + part), size, "Conv2d");
+    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + wpack + part), size, "Conv2d");
     if (!j->space) return mgpu_last_result();
-    j->dw_part = j->space + (size_t)j->tasks * j->space_floats;
+    j->w_packed = wpack ? j->space + (size_t)j->tasks * j->space_floats : NULL;
+    if (wpack) mgpu__gemm_prepack_a(backward, wm, wk, w, j->ckk, j->w_packed);
+    j->dw_part = j->space + (size_t)j->tasks * j->space_floats + wpack;
     j->db_part = (double*)(void*)(j->dw_part + ((size_t)j->groups * (size_t)(out * j->ckk) + 15) / 16 * 16);
     return MGPU_OK;
 }
@@ -3697,7 +3718,7 @@ static mgpu_result mgpu__cpu_conv_forward(const mgpu__window* g, int64_t out, co
                                           const mgpu_tensor* bias, mgpu_tensor* y) {
     mgpu__conv_job j;
     size_t size;
-    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(y), g, out, 0, &size));
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(y), g, out, MGPU__F32(w), 0, &size));
     j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.bias = MGPU__F32(bias); j.y = MGPU__F32(y);
     mgpu__parallel_for(j.tasks, mgpu__conv_forward_task, &j);
     mgpu__device_release(MGPU__DEV(y), j.space, size);
@@ -3713,7 +3734,7 @@ static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, c
     int64_t gi, i, o, r;
     float* pdw = MGPU__F32(dw);
     float* pdb = MGPU__F32(dbias);
-    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, 1, &size));
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, MGPU__F32(w), 1, &size));
     j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.dy = MGPU__F32(dy);
     j.dx = dx ? MGPU__F32(dx) : NULL;
     mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
