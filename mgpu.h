@@ -2959,6 +2959,10 @@ static void mgpu__gemm_split_task(void* ctx, int64_t task) {
     g.ldc = g.n;
     g.ap = g.c + cn;
     g.bp = g.ap + (size_t)((g.m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    /* A and a plain B read where they lie: a chunk's C is too small for copies of them to pay
+       (32 x 144 over 25088: 1.45x), B only while the slivers of A that reuse it are few */
+    g.pack_a = 0;
+    g.pack_b = g.tb || g.m > MGPU__GEMM_MC;
     memset(g.c, 0, sizeof(float) * (size_t)(g.m * g.n));
     mgpu__gemm_run(&g, task * s->chunk, MGPU__MIN(s->k, (task + 1) * s->chunk), 1);
 }
