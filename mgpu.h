@@ -3565,8 +3565,10 @@ static void mgpu__tap_run_gaps(const mgpu__window* g, float* row, int64_t lo, in
         for (i = 0; i < g->ow - hi + lo; ++i) row[q + i] = 0.0f;
 }
 
-/* x [c, h, w] -> cols [c*kh*kw, oh*ow], zeros where a tap reads the padding */
-static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* cols) {
+/* x [c, h, w] -> cols [c*kh*kw, oh*ow], zeros where a tap reads the padding. zeros_kept: cols
+   holds the columns of an earlier image of this geometry, whose padding zeros are these too
+   (only those around a run are skipped: the wrapped ones are overwritten by the run) */
+static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* cols, int zeros_kept) {
     const int64_t p = (int64_t)g->oh * g->ow;
     int64_t c, ky, kx, oy, ox, lo, hi, first, last;
     for (c = 0; c < g->c; ++c)
@@ -3575,11 +3577,11 @@ static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* col
                 float* row = cols + ((c * g->kh + ky) * g->kw + kx) * p;
                 mgpu__window_span(g, (int)kx, &lo, &hi);
                 if (mgpu__tap_run(g, (int)ky, lo, hi, &first, &last)) {   /* one run of the plane, then the zeros */
-                    memset(row, 0, sizeof(float) * (size_t)first);
+                    if (!zeros_kept) memset(row, 0, sizeof(float) * (size_t)first);
                     memcpy(row + first, x + (c * g->h * g->w + first + (ky - g->pad) * g->w + kx - g->pad),
                            sizeof(float) * (size_t)(last - first));
                     mgpu__tap_run_gaps(g, row, lo, hi, first, last);
-                    memset(row + last, 0, sizeof(float) * (size_t)(p - last));
+                    if (!zeros_kept) memset(row + last, 0, sizeof(float) * (size_t)(p - last));
                     continue;
                 }
                 for (oy = 0; oy < g->oh; ++oy) {
@@ -3651,7 +3653,7 @@ static void mgpu__conv_forward_task(void* ctx, int64_t task) {
     int64_t n, o, i;
     for (n = n0; n < n1; ++n) {
         float* y = j->y + n * j->out * j->p;
-        mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);
+        mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols, n > n0);
         for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
         mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, space, 0, j->w_packed);
     }
@@ -3661,15 +3663,17 @@ static void mgpu__conv_backward_task(void* ctx, int64_t task) {
     const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
     float* space = j->space + (size_t)task * j->space_floats;
     float *cols = space + j->pack_floats, *dcols = cols + j->cols_floats;
+    const int64_t gi0 = j->groups * task / j->tasks;
     int64_t gi, n, o, i;
-    for (gi = j->groups * task / j->tasks; gi < j->groups * (task + 1) / j->tasks; ++gi) {
+    for (gi = gi0; gi < j->groups * (task + 1) / j->tasks; ++gi) {
         float* dw = j->dw_part + gi * j->out * j->ckk;
         double* db = j->db_part + gi * j->out;
         memset(dw, 0, sizeof(float) * (size_t)(j->out * j->ckk));
         for (o = 0; o < j->out; ++o) db[o] = 0.0;
         for (n = gi * MGPU__CONV_GROUP; n < MGPU__MIN((int64_t)j->g->n, (gi + 1) * MGPU__CONV_GROUP); ++n) {
             const float* dy = j->dy + n * j->out * j->p;
-            mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols);   /* again: cheaper than from memory */
+            mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols,   /* again: cheaper than */
+                               n > gi0 * MGPU__CONV_GROUP);                                      /* from memory */
             /* dW^T += cols dy^T: the columns read where they lie, only dy packed (transposed) */
             mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0, NULL);
             for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
