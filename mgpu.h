@@ -3824,8 +3824,9 @@ static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0,
         const int32_t n = (int32_t)(ow - ox);
         const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
         const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane), mo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-        mgpu__maxpool_2x2_8(_mm256_maskload_ps(r0 + 2 * ox, m0), _mm256_maskload_ps(r0 + 2 * ox + 8, m1),
-                            _mm256_maskload_ps(r1 + 2 * ox, m0), _mm256_maskload_ps(r1 + 2 * ox + 8, m1),
+        const __m256 zero = _mm256_setzero_ps();   /* (no address past a row's end is formed) */
+        mgpu__maxpool_2x2_8(_mm256_maskload_ps(r0 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r0 + 2 * ox + 8, m1) : zero,
+                            _mm256_maskload_ps(r1 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r1 + 2 * ox + 8, m1) : zero,
                             at0 + 2 * (int32_t)ox, w, &best, &arg);
         _mm256_maskstore_ps(y + ox, mo, best);
         _mm256_maskstore_epi32(at + ox, mo, arg);
