@@ -2682,17 +2682,18 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*NR + j]: A packed (rs 1, ks MR)
-   or read where it lies (row-major: rs lda, ks 1; transposed: rs 1, ks lda) */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha) {
+/* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*bs + j] (add 0: C = that, C
+   unread): A packed (rs 1, ks MR) or read where it lies (row-major: rs lda, ks 1; transposed: rs
+   1, ks lda); B packed (bs NR) or read where it lies (bs ldb) */
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                              int64_t ldc, float alpha, int add) {
     __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
     __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
     __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
     const __m256 va = _mm256_set1_ps(alpha);
     int64_t kk;
-    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR) {
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    for (kk = 0; kk < kc; ++kk, a += ks, b += bs) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         __m256 ar = _mm256_broadcast_ss(a);
         c00 = _mm256_fmadd_ps(ar, b0, c00); c01 = _mm256_fmadd_ps(ar, b1, c01);
         ar = _mm256_broadcast_ss(a + rs);
@@ -2706,28 +2707,28 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
         ar = _mm256_broadcast_ss(a + 5 * rs);
         c50 = _mm256_fmadd_ps(ar, b0, c50); c51 = _mm256_fmadd_ps(ar, b1, c51);
     }
-#define MGPU__GEMM_ROW(r, lo, hi)                                                                        \
-    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, _mm256_loadu_ps(c + (r) * ldc)));         \
-    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, _mm256_loadu_ps(c + (r) * ldc + 8)))
+#define MGPU__GEMM_ROW(r, lo, hi)                                                                                     \
+    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, add ? _mm256_loadu_ps(c + (r) * ldc) : _mm256_setzero_ps()));   \
+    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, add ? _mm256_loadu_ps(c + (r) * ldc + 8) : _mm256_setzero_ps()))
     MGPU__GEMM_ROW(0, c00, c01); MGPU__GEMM_ROW(1, c10, c11); MGPU__GEMM_ROW(2, c20, c21);
     MGPU__GEMM_ROW(3, c30, c31); MGPU__GEMM_ROW(4, c40, c41); MGPU__GEMM_ROW(5, c50, c51);
 #undef MGPU__GEMM_ROW
 }
 #else
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, float* c, int64_t ldc,
-                              float alpha) {
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                              int64_t ldc, float alpha, int add) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
     int64_t kk;
     int r, j;
     memset(acc, 0, sizeof acc);
-    for (kk = 0; kk < kc; ++kk, a += ks, b += MGPU__GEMM_NR)
+    for (kk = 0; kk < kc; ++kk, a += ks, b += bs)
         for (r = 0; r < MGPU__GEMM_MR; ++r) {
             const float ar = a[r * rs];
             for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
         }
     for (r = 0; r < MGPU__GEMM_MR; ++r)
-        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] += alpha * acc[r][j];
+        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] = (add ? c[r * ldc + j] : 0.0f) + alpha * acc[r][j];
 }
 #endif
 
@@ -2741,7 +2742,11 @@ typedef struct mgpu__gemm {
     float *ap, *bp;           /* packed op(A) [ceil(m/MR)][kc][MR], op(B) [ceil(nc/NR)][kc][NR] */
     int pack_a;               /* 0: the kernel reads A where it lies (a narrow C reuses it too little
                                  to pay for the copy); only the last, partial sliver is packed */
+    int pack_b;               /* 0: the same for a B that is not transposed and C that is short */
     int64_t k0, kc, j0, nc;   /* the panel being multiplied */
+    int overwrite;            /* C holds anything (beta 0): the first KC block stores rather than adds */
+    int a_ready;              /* ap holds op(A) packed already (k <= KC: one block): pack none of it */
+    int add;                  /* the current KC block adds onto C */
 } mgpu__gemm;
 
 /* Sliver s of op(A) rows for the current panel into p [kc][MR]; zeros pad a partial one. */
@@ -2762,29 +2767,80 @@ static void mgpu__gemm_pack_a_sliver(const mgpu__gemm* g, int64_t s, float* p) {
 }
 static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) {
     int64_t s;
-    if (!g->pack_a) return;
+    if (!g->pack_a || g->a_ready) return;
     for (s = first; s < last; ++s) mgpu__gemm_pack_a_sliver(g, s, g->ap + s * g->kc * MGPU__GEMM_MR);
 }
-static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
-    int64_t s, kk, j;
-    for (s = first; s < last; ++s) {
-        float* p = g->bp + s * g->kc * MGPU__GEMM_NR;
-        const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
-        for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
-            const int64_t k = g->k0 + kk;
-            if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
-            for (j = 0; j < cols; ++j) p[j] = g->tb ? g->b[(j0 + j) * g->ldb + k] : g->b[k * g->ldb + j0 + j];
-            for (; j < MGPU__GEMM_NR; ++j) p[j] = 0.0f;
-        }
+#if defined(__AVX2__) && defined(__FMA__)
+/* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block */
+static void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds);
+    const __m256 r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
+    const __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+    const __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
+
+/* A whole sliver of op(B) = B^T: each of its NR columns is a row of B, along k */
+static void mgpu__gemm_pack_b_transposed(const mgpu__gemm* g, int64_t j0, float* p) {
+    const float* src = g->b + j0 * g->ldb + g->k0;
+    int64_t kk = 0, j;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; kk + 8 <= g->kc; kk += 8)   /* 8 x 8 blocks through registers */
+        for (j = 0; j < MGPU__GEMM_NR; j += 8) mgpu__transpose_8x8(src + j * g->ldb + kk, g->ldb, p + kk * MGPU__GEMM_NR + j, MGPU__GEMM_NR);
+#endif
+    for (j = 0; j < MGPU__GEMM_NR; ++j) {
+        int64_t k;
+        for (k = kk; k < g->kc; ++k) p[k * MGPU__GEMM_NR + j] = src[j * g->ldb + k];
     }
+}
+
+/* Sliver s of op(B) columns for the current panel into p [kc][NR]; zeros pad a partial one. */
+static void mgpu__gemm_pack_b_sliver(const mgpu__gemm* g, int64_t s, float* p) {
+    const int64_t j0 = g->j0 + s * MGPU__GEMM_NR, cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->j0 + g->nc - j0);
+    int64_t kk, j;
+    if (g->tb && cols == MGPU__GEMM_NR) { mgpu__gemm_pack_b_transposed(g, j0, p); return; }
+    for (kk = 0; kk < g->kc; ++kk, p += MGPU__GEMM_NR) {
+        const int64_t k = g->k0 + kk;
+        if (!g->tb && cols == MGPU__GEMM_NR) { memcpy(p, g->b + k * g->ldb + j0, sizeof(float) * MGPU__GEMM_NR); continue; }
+        for (j = 0; j < cols; ++j) p[j] = g->tb ? g->b[(j0 + j) * g->ldb + k] : g->b[k * g->ldb + j0 + j];
+        for (; j < MGPU__GEMM_NR; ++j) p[j] = 0.0f;
+    }
+}
+static void mgpu__gemm_pack_b(const mgpu__gemm* g, int64_t first, int64_t last) {
+    int64_t s;
+    if (!g->pack_b) return;
+    for (s = first; s < last; ++s) mgpu__gemm_pack_b_sliver(g, s, g->bp + s * g->kc * MGPU__GEMM_NR);
 }
 
 /* The tiles of C in rows [i0, i1) x panel columns [jb0, jb1) (multiples of MR and NR). */
 static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_t jb0, int64_t jb1) {
+    float bedge[MGPU__GEMM_KC * MGPU__GEMM_NR];   /* the partial last sliver of an unpacked B */
     int64_t jb, i;
     for (jb = jb0; jb < jb1; jb += MGPU__GEMM_NR) {   /* one B sliver stays in L1 over the A slivers */
         const float* bs = g->bp + (jb / MGPU__GEMM_NR) * g->kc * MGPU__GEMM_NR;
         const int64_t cols = MGPU__MIN((int64_t)MGPU__GEMM_NR, g->nc - jb);
+        int64_t bstride = MGPU__GEMM_NR;
+        if (!g->pack_b && cols == MGPU__GEMM_NR) {
+            bs = g->b + g->k0 * g->ldb + g->j0 + jb;
+            bstride = g->ldb;
+        } else if (!g->pack_b) {
+            mgpu__gemm_pack_b_sliver(g, jb / MGPU__GEMM_NR, bedge);
+            bs = bedge;
+        }
         for (i = i0; i < i1; i += MGPU__GEMM_MR) {
             const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - i);
             float* c = g->c + i * g->ldc + g->j0 + jb;
@@ -2800,13 +2856,15 @@ static void mgpu__gemm_tiles(const mgpu__gemm* g, int64_t i0, int64_t i1, int64_
                 as = edge;
             }
             if (rows == MGPU__GEMM_MR && cols == MGPU__GEMM_NR) {
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, c, g->ldc, g->alpha);
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, bstride, c, g->ldc, g->alpha, g->add);
             } else {   /* an edge: through a scratch tile, with the same kernel */
                 float tile[MGPU__GEMM_MR * MGPU__GEMM_NR];
                 int64_t r, j;
-                memset(tile, 0, sizeof tile);
-                for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
-                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, tile, MGPU__GEMM_NR, g->alpha);
+                if (g->add) {   /* (a first block that overwrites reads nothing) */
+                    memset(tile, 0, sizeof tile);
+                    for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) tile[r * MGPU__GEMM_NR + j] = c[r * g->ldc + j];
+                }
+                mgpu__gemm_kernel(g->kc, as, rs, ks, bs, bstride, tile, MGPU__GEMM_NR, g->alpha, g->add);
                 for (r = 0; r < rows; ++r) for (j = 0; j < cols; ++j) c[r * g->ldc + j] = tile[r * MGPU__GEMM_NR + j];
             }
         }
@@ -2843,6 +2901,7 @@ static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int th
         job.group_cols = ((g->nc + job.col_groups - 1) / job.col_groups + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR;
         for (g->k0 = k_begin; g->k0 < k_end; g->k0 += MGPU__GEMM_KC) {
             g->kc = MGPU__MIN((int64_t)MGPU__GEMM_KC, k_end - g->k0);
+            g->add = !g->overwrite || g->k0 > k_begin;
             if (threads > 1) {
                 mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_pack_task, &job);
                 mgpu__parallel_for(job.row_blocks * job.col_groups, mgpu__gemm_tile_task, &job);
@@ -2860,6 +2919,35 @@ static size_t mgpu__gemm_pack_floats(int64_t m, int64_t n) {
     return (size_t)(((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR +
                      (MGPU__MIN(n, (int64_t)MGPU__GEMM_NC) + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR) *
                     MGPU__GEMM_KC);
+}
+
+/* C += op(A) op(B) (overwrite: C = op(A) op(B), C unread) on the calling thread, packing into
+   space (mgpu__gemm_pack_floats(m, n) floats, 32-byte aligned): the products inside one task of
+   a larger parallel job. packed_a: op(A) as mgpu__gemm_prepack_a left it, or NULL. */
+static void mgpu__gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                              const float* b, int64_t ldb, float* c, int64_t ldc, float* space, int overwrite,
+                              const float* packed_a) {
+    mgpu__gemm g;
+    memset(&g, 0, sizeof g);
+    g.overwrite = overwrite;
+    g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
+    g.alpha = 1.0f; g.a = a; g.b = b; g.c = c;
+    g.pack_a = packed_a || n > 4 * MGPU__GEMM_NR;   /* as in mgpu__cpu_gemm */
+    g.a_ready = packed_a != NULL;
+    g.pack_b = tb;   /* a plain B read in place: these products are small, their B slivers stay in L1 */
+    g.ap = packed_a ? (float*)packed_a : space;   /* (only read when a_ready) */
+    g.bp = space + (size_t)((m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    mgpu__gemm_run(&g, 0, k, 1);
+}
+
+/* op(A) [m, k] (k <= KC) packed once into ap (ceil(m/MR)*MR*k floats) for several products
+   that share it, as mgpu__gemm_run would pack it for each */
+static void mgpu__gemm_prepack_a(int ta, int64_t m, int64_t k, const float* a, int64_t lda, float* ap) {
+    mgpu__gemm g;
+    int64_t s;
+    memset(&g, 0, sizeof g);
+    g.ta = ta; g.m = m; g.lda = lda; g.a = a; g.kc = k;
+    for (s = 0; s < (m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR; ++s) mgpu__gemm_pack_a_sliver(&g, s, ap + s * k * MGPU__GEMM_MR);
 }
 
 /* Small products (C of at most a few row blocks, as in the MLP's layers): one task per share of
@@ -2918,6 +3006,10 @@ static void mgpu__gemm_split_task(void* ctx, int64_t task) {
     g.ldc = g.n;
     g.ap = g.c + cn;
     g.bp = g.ap + (size_t)((g.m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * MGPU__GEMM_KC);
+    /* A and a plain B read where they lie: a chunk's C is too small for copies of them to pay
+       (32 x 144 over 25088: 1.45x), B only while the slivers of A that reuse it are few */
+    g.pack_a = 0;
+    g.pack_b = g.tb || g.m > MGPU__GEMM_MC;
     memset(g.c, 0, sizeof(float) * (size_t)(g.m * g.n));
     mgpu__gemm_run(&g, task * s->chunk, MGPU__MIN(s->k, (task + 1) * s->chunk), 1);
 }
@@ -2928,7 +3020,8 @@ static mgpu_result mgpu__cpu_gemm_split_k(mgpu_device* dev, const mgpu__gemm* g,
     size_t size, cn = (size_t)(g->m * g->n + 15) / 16 * 16;
     s.g = *g;
     s.k = k;
-    s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_SPLIT_MIN_K / 4, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
+    /* chunks of at least 2 KC blocks: 16 or more of them, for the threads to finish together */
+    s.chunk = MGPU__MAX((int64_t)MGPU__GEMM_KC * 2, (k + MGPU__GEMM_SPLIT_CHUNKS - 1) / MGPU__GEMM_SPLIT_CHUNKS);
     s.chunk = (s.chunk + MGPU__GEMM_KC - 1) / MGPU__GEMM_KC * MGPU__GEMM_KC;
     chunks = (k + s.chunk - 1) / s.chunk;
     s.pack_floats = mgpu__gemm_pack_floats(g->m, g->n);
@@ -2951,7 +3044,12 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     int64_t i, j;
     size_t size;
     int threads;
-    for (i = 0; i < m; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
+#ifdef MGPU_CBLAS
+    const int overwrite = 0;
+#else   /* with beta 0 the product's first KC block stores into C, not onto a cleared C: one pass fewer */
+    const int overwrite = beta == 0.0f && k > 0 && alpha != 0.0f && !(k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C);
+#endif
+    for (i = 0; i < m && !overwrite; ++i) {   /* C = beta * C first (beta 0 clears, NaNs included) */
         float* row = c + i * ldc;
         if (beta == 0.0f) memset(row, 0, (size_t)n * sizeof(float));
         else if (beta != 1.0f) for (j = 0; j < n; ++j) row[j] *= beta;
@@ -2965,7 +3063,9 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     memset(&g, 0, sizeof g);
     g.ta = ta; g.tb = tb; g.m = m; g.n = n; g.lda = lda; g.ldb = ldb; g.ldc = ldc;
     g.alpha = alpha; g.a = a; g.b = b; g.c = c;
+    g.overwrite = overwrite;
     g.pack_a = n > 4 * MGPU__GEMM_NR;   /* A's rows are used by fewer than 5 slivers of B: read them in place */
+    g.pack_b = 1;
     if (k >= MGPU__GEMM_SPLIT_MIN_K && m * n <= MGPU__GEMM_SPLIT_MAX_C) return mgpu__cpu_gemm_split_k(dev, &g, k);
     /* a small product is over before the pool's threads would have woken up */
     threads = m * n * k < ((int64_t)1 << 18) ? 1 : mgpu_cpu_threads();
@@ -2974,7 +3074,9 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
         const int64_t row_slivers = (m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR, col_slivers = (n + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR;
         job.g = &g;
         job.k = k;
-        job.by_rows = row_slivers >= col_slivers;
+        /* each task packs all of the operand along the side it does not cut: cut the longer side of
+           C, so the shorter one is packed again (and both sides only when there are slivers for all) */
+        job.by_rows = col_slivers < threads ? 1 : row_slivers < threads ? 0 : m >= n;
         job.slivers = job.by_rows ? row_slivers : col_slivers;
         job.tasks = MGPU__MIN((int64_t)threads, job.slivers);
         job.task_floats = job.by_rows ? mgpu__gemm_pack_floats((job.slivers + job.tasks - 1) / job.tasks * MGPU__GEMM_MR, n)
@@ -3477,6 +3579,232 @@ static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, 
     return MGPU_OK;
 }
 
+/* -- Conv2d on the CPU: image by image, with no transposes --
+   One image's columns lie as [c*kh*kw, oh*ow]: row (c, ky, kx) holds what that tap of the
+   kernel sees at every output position, a shifted copy of input rows. W [out, c*kh*kw] times
+   them is the image's output [out, oh*ow], NCHW already; the rows are copied contiguously into
+   a task's scratch, which stays in the L2 cache for the product that follows: making them again
+   in backward is cheaper than writing every image's columns to memory and reading them back.
+   (The GPU keeps the [n*oh*ow, c*kh*kw] layout of the whole batch and its transposes.) */
+
+/* the output columns [lo, hi) at which tap kx falls inside the image's width */
+static void mgpu__window_span(const mgpu__window* g, int kx, int64_t* lo, int64_t* hi) {
+    const int64_t first = g->pad - kx, last = (int64_t)g->w - 1 + g->pad - kx;   /* ox * stride in [first, last] */
+    *hi = last < 0 ? 0 : MGPU__MIN((int64_t)g->ow, last / g->stride + 1);
+    *lo = MGPU__MIN(*hi, first > 0 ? (first + g->stride - 1) / g->stride : 0);
+}
+
+/* With stride 1 and the output as wide as the input (the usual "same" padding), a tap's row of
+   columns is one shifted run of the input plane, positions [first, last), in which only the
+   edge columns that wrap from one image row to the next do not belong; 0 when it is not so. */
+static int mgpu__tap_run(const mgpu__window* g, int ky, int64_t lo, int64_t hi, int64_t* first, int64_t* last) {
+    const int64_t oy_lo = MGPU__MAX((int64_t)0, (int64_t)g->pad - ky), oy_hi = MGPU__MIN((int64_t)g->oh, (int64_t)g->h + g->pad - ky);
+    if (g->stride != 1 || g->ow != g->w || oy_lo >= oy_hi || lo >= hi) return 0;
+    *first = oy_lo * g->ow + lo;
+    *last = (oy_hi - 1) * g->ow + hi;
+    return 1;
+}
+
+/* zeros where the run wrapped over edge columns: between its row segments [lo, hi) */
+static void mgpu__tap_run_gaps(const mgpu__window* g, float* row, int64_t lo, int64_t hi, int64_t first, int64_t last) {
+    int64_t q, i;
+    for (q = first - lo + hi; q < last; q += g->ow)
+        for (i = 0; i < g->ow - hi + lo; ++i) row[q + i] = 0.0f;
+}
+
+/* x [c, h, w] -> cols [c*kh*kw, oh*ow], zeros where a tap reads the padding. zeros_kept: cols
+   holds the columns of an earlier image of this geometry, whose padding zeros are these too
+   (only those around a run are skipped: the wrapped ones are overwritten by the run) */
+static void mgpu__im2col_image(const mgpu__window* g, const float* x, float* cols, int zeros_kept) {
+    const int64_t p = (int64_t)g->oh * g->ow;
+    int64_t c, ky, kx, oy, ox, lo, hi, first, last;
+    for (c = 0; c < g->c; ++c)
+        for (ky = 0; ky < g->kh; ++ky)
+            for (kx = 0; kx < g->kw; ++kx) {
+                float* row = cols + ((c * g->kh + ky) * g->kw + kx) * p;
+                mgpu__window_span(g, (int)kx, &lo, &hi);
+                if (mgpu__tap_run(g, (int)ky, lo, hi, &first, &last)) {   /* one run of the plane, then the zeros */
+                    if (!zeros_kept) memset(row, 0, sizeof(float) * (size_t)first);
+                    memcpy(row + first, x + (c * g->h * g->w + first + (ky - g->pad) * g->w + kx - g->pad),
+                           sizeof(float) * (size_t)(last - first));
+                    mgpu__tap_run_gaps(g, row, lo, hi, first, last);
+                    if (!zeros_kept) memset(row + last, 0, sizeof(float) * (size_t)(p - last));
+                    continue;
+                }
+                for (oy = 0; oy < g->oh; ++oy) {
+                    const int64_t iy = oy * g->stride - g->pad + ky;
+                    float* dst = row + oy * g->ow;
+                    const float* src;
+                    if (iy < 0 || iy >= g->h) { memset(dst, 0, sizeof(float) * (size_t)g->ow); continue; }
+                    src = x + (c * g->h + iy) * g->w;   /* column ox * stride - pad + kx, for ox in [lo, hi) */
+                    for (ox = 0; ox < lo; ++ox) dst[ox] = 0.0f;
+                    if (g->stride == 1) memcpy(dst + lo, src + lo - g->pad + kx, sizeof(float) * (size_t)(hi - lo));
+                    else for (ox = lo; ox < hi; ++ox) dst[ox] = src[ox * g->stride - g->pad + kx];
+                    for (ox = hi; ox < g->ow; ++ox) dst[ox] = 0.0f;
+                }
+            }
+}
+
+/* its adjoint: dx [c, h, w] (overwritten) sums every column entry that reads it, taps in order.
+   dcols is scratch: a run's wrapped edge entries are zeroed in it, and the run added whole. */
+static void mgpu__col2im_image(const mgpu__window* g, float* dcols, float* dx) {
+    const int64_t p = (int64_t)g->oh * g->ow;
+    int64_t c, ky, kx, oy, ox, lo, hi, first, last;
+    memset(dx, 0, sizeof(float) * (size_t)g->c * (size_t)g->h * (size_t)g->w);
+    for (c = 0; c < g->c; ++c)
+        for (ky = 0; ky < g->kh; ++ky)
+            for (kx = 0; kx < g->kw; ++kx) {
+                float* row = dcols + ((c * g->kh + ky) * g->kw + kx) * p;
+                mgpu__window_span(g, (int)kx, &lo, &hi);
+                if (mgpu__tap_run(g, (int)ky, lo, hi, &first, &last)) {
+                    float* dst = dx + c * g->h * g->w;
+                    const int64_t shift = (ky - g->pad) * g->w + kx - g->pad;
+                    int64_t q;
+                    mgpu__tap_run_gaps(g, row, lo, hi, first, last);
+                    for (q = first; q < last; ++q) dst[q + shift] += row[q];
+                    continue;
+                }
+                for (oy = 0; oy < g->oh; ++oy) {
+                    const int64_t iy = oy * g->stride - g->pad + ky;
+                    const float* src = row + oy * g->ow;
+                    float* dst;
+                    if (iy < 0 || iy >= g->h) continue;
+                    dst = dx + (c * g->h + iy) * g->w;
+                    if (g->stride == 1) for (ox = lo; ox < hi; ++ox) dst[ox - g->pad + kx] += src[ox];
+                    else for (ox = lo; ox < hi; ++ox) dst[ox * g->stride - g->pad + kx] += src[ox];
+                }
+            }
+}
+
+/* The weight and bias gradients sum over images: in fixed groups of images, each summed in
+   order by one task, then the groups in order, so the bits do not depend on the thread count. */
+#define MGPU__CONV_GROUP 8
+typedef struct mgpu__conv_job {
+    const mgpu__window* g;
+    int64_t out, ckk, p, tasks, groups;
+    const float *x, *w, *bias, *dy;
+    float *y, *dx;
+    float* dw_part;           /* [groups][ckk][out]: dW^T */
+    double* db_part;          /* [groups][out] */
+    float* space;             /* [tasks][space_floats]: each task's GEMM packing, then its image's */
+    size_t space_floats;      /* columns and their gradient (cols_floats each) */
+    size_t pack_floats, cols_floats;
+    float* w_packed;          /* W (forward) or W^T (backward) packed once for every image, or NULL */
+} mgpu__conv_job;
+
+static void mgpu__conv_forward_task(void* ctx, int64_t task) {
+    const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
+    const int64_t n0 = j->g->n * task / j->tasks, n1 = j->g->n * (task + 1) / j->tasks;
+    float* space = j->space + (size_t)task * j->space_floats;
+    float* cols = space + j->pack_floats;
+    int64_t n, o, i;
+    for (n = n0; n < n1; ++n) {
+        float* y = j->y + n * j->out * j->p;
+        mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols, n > n0);
+        for (o = 0; o < j->out; ++o) for (i = 0; i < j->p; ++i) y[o * j->p + i] = j->bias[o];   /* the GEMM adds onto it */
+        mgpu__gemm_serial(0, 0, j->out, j->p, j->ckk, j->w, j->ckk, cols, j->p, y, j->p, space, 0, j->w_packed);
+    }
+}
+
+static void mgpu__conv_backward_task(void* ctx, int64_t task) {
+    const mgpu__conv_job* j = (const mgpu__conv_job*)ctx;
+    float* space = j->space + (size_t)task * j->space_floats;
+    float *cols = space + j->pack_floats, *dcols = cols + j->cols_floats;
+    const int64_t gi0 = j->groups * task / j->tasks;
+    int64_t gi, n, o, i;
+    for (gi = gi0; gi < j->groups * (task + 1) / j->tasks; ++gi) {
+        float* dw = j->dw_part + gi * j->out * j->ckk;
+        double* db = j->db_part + gi * j->out;
+        memset(dw, 0, sizeof(float) * (size_t)(j->out * j->ckk));
+        for (o = 0; o < j->out; ++o) db[o] = 0.0;
+        for (n = gi * MGPU__CONV_GROUP; n < MGPU__MIN((int64_t)j->g->n, (gi + 1) * MGPU__CONV_GROUP); ++n) {
+            const float* dy = j->dy + n * j->out * j->p;
+            mgpu__im2col_image(j->g, j->x + n * (int64_t)j->g->c * j->g->h * j->g->w, cols,   /* again: cheaper than */
+                               n > gi0 * MGPU__CONV_GROUP);                                      /* from memory */
+            /* dW^T += cols dy^T: the columns read where they lie, only dy packed (transposed) */
+            mgpu__gemm_serial(0, 1, j->ckk, j->out, j->p, cols, j->p, dy, j->p, dw, j->out, space, 0, NULL);
+            for (o = 0; o < j->out; ++o) {   /* four running sums, vectorisable, in a fixed order */
+                double s[4] = {0.0, 0.0, 0.0, 0.0};
+                const float* row = dy + o * j->p;
+                for (i = 0; i + 4 <= j->p; i += 4) { s[0] += row[i]; s[1] += row[i + 1]; s[2] += row[i + 2]; s[3] += row[i + 3]; }
+                for (; i < j->p; ++i) s[0] += row[i];
+                db[o] += (s[0] + s[1]) + (s[2] + s[3]);
+            }
+            if (j->dx) {   /* dcols = W^T dy, then back onto the image */
+                mgpu__gemm_serial(1, 0, j->ckk, j->p, j->out, j->w, j->ckk, dy, j->p, dcols, j->p, space, 1, j->w_packed);
+                mgpu__col2im_image(j->g, dcols, j->dx + n * (int64_t)j->g->c * j->g->h * j->g->w);
+            }
+        }
+    }
+}
+
+/* The job's shapes, and its scratch from dev's caching allocator (released by the caller); W
+   packed for the products (forward: W cols; backward: W^T dy) when their sum fits one KC block. */
+static mgpu_result mgpu__conv_job_init(mgpu__conv_job* j, mgpu_device* dev, const mgpu__window* g, int64_t out,
+                                       const float* w, int backward, size_t* size) {
+    size_t part, wpack;
+    int64_t wm, wk;
+    memset(j, 0, sizeof *j);
+    j->g = g;
+    j->out = out;
+    j->ckk = (int64_t)g->c * g->kh * g->kw;
+    j->p = (int64_t)g->oh * g->ow;
+    j->groups = (g->n + MGPU__CONV_GROUP - 1) / MGPU__CONV_GROUP;
+    j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), backward ? j->groups : (int64_t)g->n));
+    j->pack_floats = MGPU__MAX(mgpu__gemm_pack_floats(out, j->p), MGPU__MAX(mgpu__gemm_pack_floats(j->ckk, out),
+                                                                            mgpu__gemm_pack_floats(j->ckk, j->p)));
+    j->cols_floats = (size_t)(j->ckk * j->p + 15) / 16 * 16;   /* 64-byte multiples keep each part aligned */
+    j->space_floats = j->pack_floats + (backward ? 2 : 1) * j->cols_floats;
+    wm = backward ? j->ckk : out;
+    wk = backward ? out : j->ckk;
+    wpack = wk <= MGPU__GEMM_KC ? (size_t)((wm + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR * MGPU__GEMM_MR * wk + 15) / 16 * 16 : 0;
+    part = backward ? (size_t)j->groups * (size_t)(out * j->ckk + 2 * out) + 16 : 0;   /* +16: room to align the doubles */
+    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * ((size_t)j->tasks * j->space_floats + wpack + part), size, "Conv2d");
+    if (!j->space) return mgpu_last_result();
+    j->w_packed = wpack ? j->space + (size_t)j->tasks * j->space_floats : NULL;
+    if (wpack) mgpu__gemm_prepack_a(backward, wm, wk, w, j->ckk, j->w_packed);
+    j->dw_part = j->space + (size_t)j->tasks * j->space_floats + wpack;
+    j->db_part = (double*)(void*)(j->dw_part + ((size_t)j->groups * (size_t)(out * j->ckk) + 15) / 16 * 16);
+    return MGPU_OK;
+}
+
+/* y [n, out, oh, ow] = W [out, c*kh*kw] (im2col x) + bias */
+static mgpu_result mgpu__cpu_conv_forward(const mgpu__window* g, int64_t out, const mgpu_tensor* x, const mgpu_tensor* w,
+                                          const mgpu_tensor* bias, mgpu_tensor* y) {
+    mgpu__conv_job j;
+    size_t size;
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(y), g, out, MGPU__F32(w), 0, &size));
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.bias = MGPU__F32(bias); j.y = MGPU__F32(y);
+    mgpu__parallel_for(j.tasks, mgpu__conv_forward_task, &j);
+    mgpu__device_release(MGPU__DEV(y), j.space, size);
+    return MGPU_OK;
+}
+
+/* dW += dy (im2col x)^T and dbias += the sums of dy over images and positions; dx (if wanted)
+   from the columns' gradient W^T dy */
+static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, const mgpu_tensor* x, const mgpu_tensor* w,
+                                           const mgpu_tensor* dy, mgpu_tensor* dw, mgpu_tensor* dbias, mgpu_tensor* dx) {
+    mgpu__conv_job j;
+    size_t size;
+    int64_t gi, i, o, r;
+    float* pdw = MGPU__F32(dw);
+    float* pdb = MGPU__F32(dbias);
+    MGPU__TRY(mgpu__conv_job_init(&j, MGPU__DEV(dy), g, out, MGPU__F32(w), 1, &size));
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.dy = MGPU__F32(dy);
+    j.dx = dx ? MGPU__F32(dx) : NULL;
+    mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
+    for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
+        for (o = 0; o < out; ++o)
+            for (r = 0; r < j.ckk; ++r) pdw[o * j.ckk + r] += j.dw_part[(gi * j.ckk + r) * out + o];
+    for (i = 0; i < out; ++i) {
+        double s = 0.0;
+        for (gi = 0; gi < j.groups; ++gi) s += j.db_part[gi * out + i];
+        pdb[i] = (float)s + pdb[i];
+    }
+    mgpu__device_release(MGPU__DEV(dy), j.space, size);
+    return MGPU_OK;
+}
+
 /* y[b][j][i] = x[b][i][j] for x [batch, rows, cols] */
 static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
     const mgpu__window_job* j = (const mgpu__window_job*)ctx;
@@ -3503,16 +3831,81 @@ static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, co
     return MGPU_OK;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 windows of the 2 x 2, stride 2 pool: u0 u1 and v0 v1 the 16 values of the two input rows
+   from the first window's left edge, at0 that corner's index in the plane (w its width) */
+static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int32_t at0, int32_t w, __m256* y, __m256i* at) {
+    const __m256 k1 = _mm256_castsi256_ps(_mm256_set1_epi32(1)), kw = _mm256_castsi256_ps(_mm256_set1_epi32(w));
+    const __m256 kw1 = _mm256_castsi256_ps(_mm256_set1_epi32(w + 1));
+    /* even and odd columns, back in order */
+    const __m256 a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0x88)), 0xD8));
+    const __m256 b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(u0, u1, 0xDD)), 0xD8));
+    const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
+    const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
+    __m256 best = a, k = _mm256_setzero_ps(), gt;
+    gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+    gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+    gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    *y = best;
+    *at = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_castps_si256(k));
+}
+#endif
+
+/* One output row of the common 2 x 2, stride 2 pool with no padding, without branches: the
+   maxima of random activations mispredict half their comparisons, and selects vectorise. The
+   same choice as the general loop: the first of equals, and a NaN only where it comes first. */
+static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
+                                  float* y, int32_t* at) {
+    int64_t ox = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 best;
+    __m256i arg;
+    for (; ox + 8 <= ow; ox += 8) {
+        mgpu__maxpool_2x2_8(_mm256_loadu_ps(r0 + 2 * ox), _mm256_loadu_ps(r0 + 2 * ox + 8), _mm256_loadu_ps(r1 + 2 * ox),
+                            _mm256_loadu_ps(r1 + 2 * ox + 8), at0 + 2 * (int32_t)ox, w, &best, &arg);
+        _mm256_storeu_ps(y + ox, best);
+        _mm256_storeu_si256((__m256i*)(at + ox), arg);
+    }
+    if (ox < ow) {   /* the last few windows through masks, so short rows (7 wide) stay vectorised */
+        const int32_t n = (int32_t)(ow - ox);
+        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
+        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane), mo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        const __m256 zero = _mm256_setzero_ps();   /* (no address past a row's end is formed) */
+        mgpu__maxpool_2x2_8(_mm256_maskload_ps(r0 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r0 + 2 * ox + 8, m1) : zero,
+                            _mm256_maskload_ps(r1 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r1 + 2 * ox + 8, m1) : zero,
+                            at0 + 2 * (int32_t)ox, w, &best, &arg);
+        _mm256_maskstore_ps(y + ox, mo, best);
+        _mm256_maskstore_epi32(at + ox, mo, arg);
+        return;
+    }
+#endif
+    for (; ox < ow; ++ox) {
+        const float a = r0[2 * ox], b = r0[2 * ox + 1], c = r1[2 * ox], d = r1[2 * ox + 1];
+        float best = a;
+        int32_t k = 0;
+        k = b > best ? 1 : k;     best = b > best ? b : best;
+        k = c > best ? w : k;     best = c > best ? c : best;
+        k = d > best ? w + 1 : k; best = d > best ? d : best;
+        y[ox] = best;
+        at[ox] = at0 + 2 * (int32_t)ox + k;
+    }
+}
+
 /* max over each window of each (image, channel) plane; padding counts as -inf */
 static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
     const mgpu__window_job* j = (const mgpu__window_job*)ctx;
     const mgpu__window* g = j->g;
+    const int simple = g->kh == 2 && g->kw == 2 && g->stride == 2 && g->pad == 0;
     int64_t plane, oy, ox, ky, kx;
     for (plane = p0; plane < p1; ++plane) {
         const float* px = j->in + plane * g->h * g->w;
         float* py = j->out + plane * g->oh * g->ow;
         int32_t* pa = j->index_out + plane * g->oh * g->ow;
-        for (oy = 0; oy < g->oh; ++oy)
+        for (oy = 0; simple && oy < g->oh; ++oy)
+            mgpu__maxpool_2x2_row(px + 2 * oy * g->w, px + (2 * oy + 1) * g->w, (int32_t)(2 * oy * g->w), g->w, g->ow,
+                                  py + oy * g->ow, pa + oy * g->ow);
+        for (oy = 0; !simple && oy < g->oh; ++oy)
             for (ox = 0; ox < g->ow; ++ox) {
                 const int64_t iy0 = oy * g->stride - g->pad, ix0 = ox * g->stride - g->pad;
                 float best = -INFINITY;
@@ -3847,7 +4240,8 @@ static mgpu_result mgpu__conv_init(const mgpu_layer* l, const mgpu_layer_ctx* ct
 }
 /* aux 0: cols [n*oh*ow, in*k*k] (kept for the weight gradient); aux 1: rows [n*oh*ow, out], the
    GEMM result before the transpose; aux 2: the input gradient's columns, same shape as cols
-   (backward must not overwrite what a second backward would need) */
+   (backward must not overwrite what a second backward would need). The CPU uses none of them:
+   it makes each image's columns in a task's scratch, in forward and again in backward. */
 static int mgpu__three_aux(const mgpu_layer* l) { (void)l; return 3; }
 static mgpu_result mgpu__conv_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     mgpu__window g;
@@ -3860,6 +4254,7 @@ static mgpu_result mgpu__conv_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     mgpu__window g;
     mgpu_tensor w2;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    if (MGPU__IS_CPU(x)) return mgpu__cpu_conv_forward(&g, l->cfg.out, x, ctx->params[0], ctx->params[1], y);
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, (int64_t)g.c * g.kh * g.kw));
     MGPU__TRY(mgpu__im2col(&g, x, ctx->aux[0]));
     MGPU__TRY(mgpu_matmul(ctx->aux[1], ctx->aux[0], &w2, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));             /* [n*p, out] */
@@ -3873,6 +4268,8 @@ static mgpu_result mgpu__conv_backward(const mgpu_layer* l, const mgpu_layer_ctx
     int64_t ckk;
     (void)y;
     MGPU__TRY(mgpu__window_for(l, x->shape, l->cfg.in, &g));
+    if (MGPU__IS_CPU(x))
+        return mgpu__cpu_conv_backward(&g, l->cfg.out, x, ctx->params[0], dy, ctx->grads[0], ctx->grads[1], dx);
     ckk = (int64_t)g.c * g.kh * g.kw;
     w2 = mgpu__reshaped(ctx->params[0], mgpu_shape2(l->cfg.out, ckk));
     dw2 = mgpu__reshaped(ctx->grads[0], mgpu_shape2(l->cfg.out, ckk));
