@@ -9,6 +9,9 @@
                         the logits to DIR/torch_part.mgpu_logits; read its "encoder.weight" (F16)
                         with mgpu_safetensors_read into DIR/encoder.f32, and its metadata "note"
                         into DIR/note.txt
+   The cnn goes twice: once on one CPU device, once as a pipeline of 2 stages on cpu:2 with 2
+   micro-batches ("cnn_2stages", read from and compared with PyTorch's cnn): a checkpoint keeps
+   PyTorch's names whatever the layout.
    inputs.f32 holds N x 1 x 28 x 28 float32 values (N from the file size). */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -16,10 +19,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+static mgpu_device_set* two_devices;   /* for cnn_2stages */
+
 static mgpu_model* make_model(const char* name) {
     mgpu_model_desc d;
     mgpu_layer* layers[10];
     memset(&d, 0, sizeof d);
+    if (!strcmp(name, "cnn_2stages")) {
+        if (!two_devices) two_devices = mgpu_device_set_create("cpu:2");
+        if (!two_devices) return NULL;
+        d.devices = two_devices;
+        d.stages = 2;
+        d.micro_batches = 2;
+    }
     d.input = mgpu_shape3(1, 28, 28);
     d.seed = 7;
     d.layers = layers;
@@ -98,7 +110,7 @@ static int part(const char* dir, const float* inputs, long n) {
 }
 
 int main(int argc, char** argv) {
-    const char* names[2] = { "mlp", "cnn" };
+    const char* names[3] = { "mlp", "cnn", "cnn_2stages" };
     char path[1024];
     long count, n;
     float* inputs;
@@ -116,7 +128,7 @@ int main(int argc, char** argv) {
         free(inputs);
         return i ? 0 : 1;
     }
-    for (i = 0; i < 2; ++i) {
+    for (i = 0; i < 3; ++i) {
         mgpu_model* m = make_model(names[i]);
         if (!m) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
         if (!strcmp(argv[1], "save")) {
@@ -139,13 +151,14 @@ int main(int argc, char** argv) {
             mgpu_tensor_destroy(x);
             mgpu_tensor_destroy(y);
         } else {
-            snprintf(path, sizeof path, "%s/torch_%s.safetensors", argv[2], names[i]);
+            snprintf(path, sizeof path, "%s/torch_%s.safetensors", argv[2], i == 2 ? "cnn" : names[i]);
             if (mgpu_model_load(m, NULL, path) != MGPU_OK) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
             snprintf(path, sizeof path, "%s/torch_%s.mgpu_logits", argv[2], names[i]);
         }
         if (!write_logits(m, inputs, n, path)) { fprintf(stderr, "interop: writing %s: %s\n", path, mgpu_last_error()); return 1; }
         mgpu_model_destroy(m);
     }
+    mgpu_device_set_destroy(two_devices);
     free(inputs);
     return 0;
 }
