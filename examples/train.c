@@ -448,6 +448,16 @@ int main(int argc, char** argv) {
             printf("epoch %d: test accuracy %.4f, test loss %.4f, lr %.4g, device memory %.1f MiB in use (peak %.1f MiB) on %s\n",
                    (int)epoch + 1, (double)test_acc, (double)test_loss, (double)mgpu_optimizer_lr(opt),
                    ms.bytes_in_use / 1048576.0, ms.peak_bytes_in_use / 1048576.0, mgpu_device_label(mgpu_model_device(model, 0)));
+        if (!o.quiet && mgpu_model_stage_count(model) > 1) {   /* the point of stages: each device holds its share */
+            int s;
+            printf("         per stage of replica 0, MiB in use (peak):");
+            for (s = 0; s < mgpu_model_stage_count(model); ++s) {
+                mgpu_memory_get_stats(mgpu_model_stage_device(model, 0, s), &ms);
+                printf(" %s %.1f (%.1f)", mgpu_device_label(mgpu_model_stage_device(model, 0, s)), ms.bytes_in_use / 1048576.0,
+                       ms.peak_bytes_in_use / 1048576.0);
+            }
+            printf("\n");
+        }
         if (o.save && !save_checkpoint(model, opt, o.save, mean, std)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     }
     if (o.trace && !traced) {   /* the run ended inside the traced steps, or before them */
