@@ -746,7 +746,8 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
    Perfetto and chrome://tracing open it): a track per device's compute stream and one for its
    all-reduces, a slice per micro-batch's forward ("F 3") and backward ("B 3"), per all-reduce
    (a bucket's, on GPUs as it overlaps backward) and per optimizer step. Times come from the CPU
-   clock on CPU devices and from CUDA events on GPUs; start waits for the devices. */
+   clock on CPU devices and from CUDA events on GPUs, each GPU's set against the CPU clock at the
+   start to within microseconds; start waits for the devices. */
 MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
 

@@ -1993,9 +1993,11 @@ static void pipeline_trace(const char* spec) {
         remove(path);
         CHECK(forwards == 8 && backwards == 8 && steps == 2, "%s: %d forward, %d backward and %d optimizer slices (want 8, 8, 2)",
               spec, forwards, backwards, steps);
+        /* CPU devices share one clock; each GPU's is set against the host's when its base event
+           is seen complete, which a wait's return delays by microseconds */
         for (k = 0; k < 4; ++k)
-            CHECK(start1[k] >= end0[k] - 1e-3, "%s: stage 1's forward %d starts at %.3f us, before stage 0's ends (%.3f us)", spec, k,
-                  start1[k], end0[k]);
+            CHECK(start1[k] >= end0[k] - (strncmp(spec, "cpu", 3) ? 100.0 : 1e-3), "%s: stage 1's forward %d starts at %.3f us, "
+                  "before stage 0's ends (%.3f us)", spec, k, start1[k], end0[k]);
         mgpu_tensor_destroy(x);
         mgpu_tensor_destroy(y);
     }
