@@ -112,6 +112,8 @@ for w, d, m, v, u, note in mine:
             theirs_text = "n/a"
         elif m == "peak_mem" and d.startswith("cpu"):
             theirs_text = "n/a (no CPU counter)"
+        elif w.startswith("pipe_"):
+            theirs_text = "n/a (pipeline)"
         elif "," in d or d.startswith("cpu:") or w.startswith(("allreduce", "dp_")):
             theirs_text = "n/a (DDP)"
         else:
@@ -133,7 +135,10 @@ lines += ["", "n/a (DDP): PyTorch replicates across processes (DistributedDataPa
           "figure has no counterpart. n/a (no CPU counter): PyTorch counts peak memory on GPUs only. "
           "mem_bw: the bytes an all-reduce reads plus writes in the memory its replicas share, per second; "
           "mem_of_copy and of_copy: against a device-to-device copy measured in the same run. "
-          "dp_ rows: hidden is the share of the all-reduce time that the step hides behind backward."]
+          "dp_ rows: hidden is the share of the all-reduce time that the step hides behind backward. "
+          "n/a (pipeline): PyTorch's pipelines (torch.distributed.pipelining) run one process per stage; "
+          "pipe_ rows: the bubble is the idle share of a traced step's forward-backward span, averaged over "
+          "the stages, beside the theoretical (S-1)/(M+S-1)."]
 text = "\n".join(lines) + "\n"
 print(text)
 with open(out_path, "w") as f:
