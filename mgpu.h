@@ -5230,6 +5230,8 @@ static mgpu_result mgpu__model_layout(mgpu_model* m) {
     return MGPU_OK;
 }
 
+#define MGPU__MAX_STAGES 64   /* the queueing of a GPU step keeps a few counters per stage */
+
 /* Step 2: the cut into stages, explicit (split) or balanced: the cut whose largest stage holds
    the fewest parameters (a small dynamic programme over the layers; ties go to the earliest
    cut). Then where each stage's floats lie in the flat layout. */
@@ -5237,9 +5239,10 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
     static const char* op = "mgpu_model_create";
     const int S = m->stage_count, L = m->layer_count;
     int s, i;
-    if (S < 1 || S > L)
+    if (S < 1 || S > L || S > MGPU__MAX_STAGES)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d stages for a model of %d layer%s (want 1 to %d: every stage "
-                          "needs a layer)", op, S, L, L == 1 ? "" : "s", L);
+                          "needs a layer, and %d at most)", op, S, L, L == 1 ? "" : "s", MGPU__MIN(L, MGPU__MAX_STAGES),
+                          MGPU__MAX_STAGES);
     if (devices % S != 0)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d device%s cannot hold whole replicas of %d stages (want R x %d "
                           "devices: replica r's stage s on device r * %d + s)", op, devices, devices == 1 ? "" : "s", S, S, S);
@@ -5932,10 +5935,14 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
     return MGPU_OK;
 }
 
-/* The order of two parts' streams: `on`'s stream waits for event k of `from` (a CUDA pipeline). */
-static mgpu_result mgpu__part_wait(const char* op, const mgpu__part* on, const mgpu__part* from, int event) {
+/* The order of two parts' streams (a CUDA pipeline): before its forward k, a part's stream waits
+   for the stage before to have run forward k (backward: for the stage after to have run backward
+   k, and sent d input). Every caller of mgpu__part_forward and _backward waits first, once. */
+static mgpu_result mgpu__part_wait(const char* op, const mgpu_model* m, const mgpu__part* p, int k, int backward) {
+    const mgpu__part* from = backward ? p + 1 : p - 1;
+    if (backward ? p->stage == m->stage_count - 1 : p->stage == 0) return MGPU_OK;
     if (!from->events) return MGPU_OK;
-    MGPU__CU(op, on->dev, mgpu__cu_stream_wait_event(on->dev->ordinal, on->dev->stream, from->events[event]));
+    MGPU__CU(op, p->dev, mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, from->events[backward ? m->micro_batches + k : k]));
     return MGPU_OK;
 }
 static mgpu_result mgpu__part_mark(const char* op, const mgpu__part* p, int event) {
@@ -5974,8 +5981,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         const mgpu__part* from = p - 1;
         const mgpu_tensor* y = from->slot[k % from->slot_count].act[m->stage_layer[p->stage] - 1];
         MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, MGPU_F32, y->shape));
-        MGPU__TRY(mgpu__part_wait(op, p, from, k));
-        MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));
+        MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));   /* after mgpu__part_wait (the caller's) */
         x = sl->xin;
     }
     MGPU__TRY(mgpu__slot_resize(m, p, sl, x->shape));
@@ -6006,7 +6012,6 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     mgpu_tensor* dx = i > first ? sl->dact[i - 1] : NULL;
     mgpu_layer_ctx ctx;
     char where[96];
-    if (i == last && p->stage < m->stage_count - 1) MGPU__TRY(mgpu__part_wait(op, p, p + 1, m->micro_batches + k));
     if (i == first && (p->stage > 0 || input_grad)) {
         MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, MGPU_F32, sl->input.shape));
         dx = sl->dxin;
@@ -6022,7 +6027,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
 /* After a part's backward of micro-batch k: d input goes back to the stage before, pushed on
    this part's stream into that stage's slot (free: that stage ran backward k - slots before
    its forward k, which this part's forward k came after). */
-static mgpu_result mgpu__part_backward_done(mgpu_model* m, mgpu__part* p, int k) {
+static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
     if (p->stage > 0) {
         mgpu__part* to = p - 1;
         mgpu__slot* dst = &to->slot[k % to->slot_count];
@@ -6030,7 +6035,6 @@ static mgpu_result mgpu__part_backward_done(mgpu_model* m, mgpu__part* p, int k)
         MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, MGPU_F32, dx->shape));
         MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
     }
-    (void)m;
     return MGPU_OK;   /* the caller marks backward k done (mgpu__part_mark) */
 }
 
@@ -6038,7 +6042,7 @@ static mgpu_result mgpu__part_backward(mgpu_model* m, mgpu__part* p, int k, cons
     int i;
     for (i = m->stage_layer[p->stage + 1] - 1; i >= m->stage_layer[p->stage]; --i)
         MGPU__TRY(mgpu__part_backward_layer(m, p, k, i, doutput, input_grad));
-    return mgpu__part_backward_done(m, p, k);
+    return mgpu__part_backward_done(p, k);
 }
 
 /* Forward of one replica, through its stages in turn, with micro-batch slot 0. */
@@ -6055,7 +6059,8 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
         return NULL;
     }
     for (s = 0; s < m->stage_count; ++s)
-        if (mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK ||
+        if (mgpu__part_wait(op, m, mgpu__part_of(m, replica, s), 0, 0) != MGPU_OK ||
+            mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK ||
             mgpu__part_mark(op, mgpu__part_of(m, replica, s), 0) != MGPU_OK)
             return NULL;
     return mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1];
@@ -6077,6 +6082,7 @@ MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_t
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
     MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1]));
     for (s = m->stage_count - 1; s >= 0; --s) {
+        MGPU__TRY(mgpu__part_wait(op, m, mgpu__part_of(m, replica, s), 0, 1));
         MGPU__TRY(mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1));
         MGPU__TRY(mgpu__part_mark(op, mgpu__part_of(m, replica, s), m->micro_batches));
     }
@@ -6197,7 +6203,7 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
    stream's wait comes first, so that the slice does not include it) */
 static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
     int t;
-    mgpu_result r = b->m->trace && p->stage > 0 ? mgpu__part_wait(b->op, p, p - 1, k) : MGPU_OK;
+    mgpu_result r = mgpu__part_wait(b->op, b->m, p, k, 0);
     if (r != MGPU_OK) return r;
     t = mgpu__trace_open(b->m, (int)(p - b->m->part), 0, p->dev->stream, "F %d", k);
     r = mgpu__micro_forward(b, p, k);
@@ -6207,7 +6213,7 @@ static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
 static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k) {
     int t;
     mgpu_result r;
-    if (b->m->trace && p->stage < b->m->stage_count - 1) MGPU__TRY(mgpu__part_wait(b->op, p, p + 1, b->m->micro_batches + k));
+    MGPU__TRY(mgpu__part_wait(b->op, b->m, p, k, 1));
     t = mgpu__trace_open(b->m, (int)(p - b->m->part), 0, p->dev->stream, "B %d", k);
     r = mgpu__part_backward(b->m, p, k, p->slot[k % p->slot_count].dout, 0);
     mgpu__trace_close(b->m, t, p->dev->stream);
@@ -6380,10 +6386,9 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
     const int S = m->stage_count, M = m->micro_batches, R = m->replica_count;
     /* host-staged sums wait for the host: they run once, after the whole backward */
     const int overlap = reduce && R > 1 && m->ar[0]->kind != MGPU_ALLREDUCE_HOST;
-    int next[64], fdone[64], bdone[64], issued[64];
+    int next[MGPU__MAX_STAGES], fdone[MGPU__MAX_STAGES], bdone[MGPU__MAX_STAGES], issued[MGPU__MAX_STAGES];
     mgpu_result res = MGPU_OK;
     int s, r, queued = 0, bk = 0;
-    if (S > 64) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d stages (at most 64)", b->op, S);
     for (s = 0; s < S; ++s) next[s] = fdone[s] = bdone[s] = issued[s] = 0;
     while (queued < 2 * M * S && res == MGPU_OK) {
         for (s = S - 1; s >= 0 && res == MGPU_OK; --s) {
@@ -6400,6 +6405,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
                 bdone[s]++;
             } else {   /* the stage's last backward, with its buckets' all-reduces */
                 int slices[MGPU__MAX_REPLICAS];
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_wait(b->op, m, mgpu__part_of(m, r, s), k, 1);
                 for (r = 0; r < R; ++r) slices[r] = mgpu__trace_open(m, r * S + s, 0, mgpu__part_of(m, r, s)->dev->stream, "B %d", k);
                 for (l = m->stage_layer[s + 1] - 1; l >= m->stage_layer[s] && res == MGPU_OK; --l) {
                     for (r = 0; r < R && res == MGPU_OK; ++r) {
@@ -6419,7 +6425,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
                         for (r = 0; r < R; ++r) mgpu__trace_close(m, ar_slices[r], m->ar[s]->rank[r].stream);
                     }
                 }
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_backward_done(m, mgpu__part_of(m, r, s), k);
+                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_backward_done(mgpu__part_of(m, r, s), k);
                 for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], mgpu__part_of(m, r, s)->dev->stream);
                 for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_mark(b->op, mgpu__part_of(m, r, s), M + k);
                 bdone[s]++;
