@@ -9,6 +9,9 @@
 #   make fuzz       the libFuzzer harnesses (tests/fuzz), FUZZ_SECONDS each (default 600), two at a
 #                   time; make test runs each for 60 s
 #   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
+#   make mpi        with mpicc (Debian: openmpi-bin libopenmpi-dev): build/train_mpi, one job over many
+#                   processes (mpirun -np 4 build/train_mpi --devices cpu), its CUDA and emulated
+#                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test)
 # Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder), CLANG.
 
 CC        ?= cc
@@ -44,7 +47,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -194,6 +197,23 @@ $(B)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c mgpu.h tests/fuzz/fuzz.h tests/fuzz/zref.h
 fuzz: $(FUZZ_BINS) | $(B)
 	@sh tests/fuzz/run.sh $(B) $(FUZZ_SECONDS)
 
+# ---- processes (MPI): programs built with mpicc, run by mpirun (tests/mpi.sh) ------------------
+# Without mpicc and mpirun nothing here is built, and tests/mpi.sh reports one skip.
+MPICC    ?= mpicc
+HAVE_MPI := $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
+MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(if $(NVCC),$(B)/train_mpi_cuda))
+$(B)/train_mpi: examples/train.c mgpu.h | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
+$(B)/ddp_mpi: examples/ddp.c mgpu.h | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
+$(B)/test_mpi: tests/test_mpi.c $(HEADERS) | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
+$(B)/train_mpi_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+$(B)/train_mpi_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+mpi: $(MPI_BINS)
+
 # Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
 # misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
 # (test_alloc_faults, under ASan+UBSan as well).
@@ -203,10 +223,11 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
-      $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS)
+      $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" $(B)/test_save_faults $(RELIABILITY_TESTS) \
+	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/mpi.sh $(B) $(DATA)" \
+	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
 # ---- the main job ----------------------------------------------------------------------------

@@ -237,7 +237,8 @@ extern "C" {
     X(MGPU_ERROR_BAD_FILE,        11, "malformed file")                        \
     X(MGPU_ERROR_UNSUPPORTED,     12, "not supported")                         \
     X(MGPU_ERROR_DIVERGED,        13, "replicas diverged")                     \
-    X(MGPU_ERROR_IN_USE,          14, "still in use")
+    X(MGPU_ERROR_IN_USE,          14, "still in use")                         \
+    X(MGPU_ERROR_MPI,             15, "MPI error")
 
 typedef enum mgpu_result {
 #define MGPU__ENUM_ITEM(name, value, text) name = value,
@@ -565,6 +566,34 @@ MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t by
    later work (it does not wait on the host). */
 MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count);
 
+/* ---- processes: one job over many processes and machines (MPI) ---- */
+/* A job of P processes (ranks), launched by mpirun or Slurm's srun, each driving its own devices:
+   one process per GPU as PyTorch's DistributedDataParallel does, or several devices (or CPU
+   replicas) per process. MPI launches the processes, finds them each other and sums the CPU
+   buffers; NCCL sums GPU buffers. Built only with MGPU_MPI (compile with mpicc); without it these
+   functions still exist and describe a job of one process, so one program serves both.
+
+   mgpu_dist_init joins the job (MPI_Init, unless the program called it already) and learns the
+   rank among all processes and among those on this machine (MPI's shared-memory split). From then
+   on, "auto" and "cuda" mean this local rank's GPUs (one each when the machine has as many GPUs
+   as ranks; a share of them otherwise) and the CPU backend takes cores / local ranks threads, unless
+   MGPU_CPU_THREADS says otherwise. A model made with desc.distributed is one data-parallel job
+   over every process's replicas (>>model). mgpu_dist_shutdown leaves it (MPI_Finalize, if
+   mgpu_dist_init called MPI_Init); mgpu_dist_abort ends every process of the job at once
+   (MPI_Abort): what a rank calls when it fails on its own, so that no other rank waits for it. */
+MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv);
+MGPUDEF void mgpu_dist_shutdown(void);
+MGPUDEF void mgpu_dist_abort(int exit_code);
+MGPUDEF int mgpu_dist_rank(void);          /* 0 .. size-1; 0 without MPI */
+MGPUDEF int mgpu_dist_size(void);          /* processes in the job; 1 without MPI */
+MGPUDEF int mgpu_dist_local_rank(void);    /* among the processes on this machine */
+MGPUDEF int mgpu_dist_local_size(void);
+/* A communicator over the devices of set in EVERY process of the job: each process makes one
+   over its own set (all of them, collectively) and mgpu_allreduce_sum then sums across all their
+   devices, in the order (rank 0's devices, rank 1's, ...), so every device of every process gets
+   the same bits. Without a job of several processes it is mgpu_allreduce_create. */
+MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set* set, mgpu_allreduce_kind kind);
+
 /* ============================================================================================ */
 /* >>model                                                                                      */
 /* ============================================================================================ */
@@ -603,7 +632,20 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
      micro_batches  1                             M, micro-batches per batch and replica (a batch
                                                   needs at least R x M rows; uneven splits give the
                                                   first micro-batches one row more)
-     schedule       MGPU_PIPELINE_1F1B            or MGPU_PIPELINE_GPIPE */
+     schedule       MGPU_PIPELINE_1F1B            or MGPU_PIPELINE_GPIPE
+     distributed    0: this process only          1: one job over every process of mgpu_dist_init
+                                                  (every rank creates it, collectively)
+
+   A distributed model is R replicas in each process, all of them one data-parallel job, and it is
+   made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
+   a step, each rank passes ITS rows of the global batch (a loader with shard_for gives them,
+   DistributedSampler's way; the global batch is the sum of the ranks' rows): the gradients of all
+   the job's replicas are summed in the order of the replicas (rank 0's, then rank 1's, ...), the
+   order a single process with all of them sums in, so the results do not depend on how replicas
+   are spread over processes, and every replica of every rank holds the same bits. A failure on
+   one rank, in a step, at create, in a save, fails the call on every rank with that rank's
+   message ("rank 1 of 4: ..."), never a hang. Saving: rank 0 writes, the others wait for it;
+   every rank loads. Evaluation, forward and backward stay in their process. */
 typedef struct mgpu_model_desc {
     mgpu_shape input;
     mgpu_layer** layers;
@@ -618,12 +660,17 @@ typedef struct mgpu_model_desc {
     const int* split;
     int micro_batches;
     mgpu_pipeline_schedule schedule;
+    int distributed;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
 /* Destroys its layers too; MGPU_ERROR_IN_USE, changing nothing, while optimizers use it. */
 MGPUDEF mgpu_result mgpu_model_destroy(mgpu_model* m);
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m);      /* R */
+/* A distributed model's replicas in every process of the job, and the first one of this process
+   among them (R and 0 otherwise). */
+MGPUDEF int mgpu_model_total_replica_count(const mgpu_model* m);
+MGPUDEF int mgpu_model_first_replica(const mgpu_model* m);
 MGPUDEF int mgpu_model_stage_count(const mgpu_model* m);        /* S */
 MGPUDEF int mgpu_model_micro_batches(const mgpu_model* m);      /* M */
 MGPUDEF int mgpu_model_stage_first_layer(const mgpu_model* m, int stage);   /* stage S: the layer count */
@@ -802,13 +849,17 @@ MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds);
      shuffle        0: in file order              reshuffle every epoch (seeded)
      drop_last      0: keep it                    skip a last, smaller batch
      seed           0                             the shuffle's seed
-     mean, std      0, 1                          x = (pixel / 255 - mean) / std */
+     mean, std      0, 1                          x = (pixel / 255 - mean) / std
+     shard_for      NULL: the whole batch         a distributed model: only this process's rows of
+                                                  each batch of `batch` rows (each rank's loader,
+                                                  with the same seed, walks the same batches) */
 typedef struct mgpu_loader_desc {
     int batch;
     int shuffle;
     int drop_last;
     uint64_t seed;
     float mean, std;
+    const mgpu_model* shard_for;
 } mgpu_loader_desc;
 typedef struct mgpu_loader mgpu_loader;
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc);
@@ -1200,6 +1251,15 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #ifdef MGPU_CBLAS
 #include <cblas.h>       /* CPU GEMMs by the BLAS of your choice */
 #endif
+#ifdef MGPU_MPI
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1   /* MPI's C API only, also in C++ (the C++ bindings are deprecated) */
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>         /* a job of many processes (mpicc) */
+#endif
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #include <fcntl.h>
@@ -1429,6 +1489,15 @@ static void mgpu__parallel_range(int64_t n, int64_t min_per_task, mgpu__range_fn
 }
 
 /* ---- >>impl device ---------------------------------------------------------------------- */
+/* This process's place in a job of several (mgpu_dist_init, >>impl parallel): "auto" and "cuda"
+   mean the local rank's share of the GPUs. One process alone until then. */
+static struct mgpu__dist_state {
+    int joined, called_init, rank, size, local_rank, local_size;
+} mgpu__dist = { 0, 0, 0, 1, 0, 1 };
+#ifdef MGPU_MPI
+static MPI_Comm mgpu__dist_comm;   /* the library's own copy of MPI_COMM_WORLD: its messages never meet the program's */
+#endif
+
 /* A cached block of device (or host) memory, kept in a list sorted by size. */
 typedef struct mgpu__block {
     void* ptr;
@@ -1760,9 +1829,12 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
     if (cuda_count == 0)
         return mgpu__fail(MGPU_ERROR_NO_DEVICE, "%s: device spec '%s'%s: no CUDA device (%s)", op, s, from,
                           mgpu__cuda_message());
-    if (s[4] == 0) {   /* "cuda": every GPU */
-        plan->count = MGPU__MIN(cuda_count, MGPU__MAX_REPLICAS);
-        for (i = 0; i < plan->count; ++i) plan->ordinals[i] = i;
+    if (s[4] == 0) {   /* "cuda": every GPU, or in a job, this local rank's share of them */
+        const int L = mgpu__dist.local_size, me = mgpu__dist.local_rank;
+        const int first = L <= 1 ? 0 : cuda_count >= L ? me * cuda_count / L : me % cuda_count;
+        const int count = L <= 1 ? cuda_count : cuda_count >= L ? (me + 1) * cuda_count / L - first : 1;
+        plan->count = MGPU__MIN(count, MGPU__MAX_REPLICAS);
+        for (i = 0; i < plan->count; ++i) plan->ordinals[i] = first + i;
         return MGPU_OK;
     }
     for (i = 0; i < plan->count; ++i)
@@ -4360,6 +4432,11 @@ typedef struct mgpu__rank {
     size_t ring_tmp_floats;
 } mgpu__rank;
 
+/* Processes (the end of this section): a vote of every rank, and sums across them. */
+static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int* counts, double* sum);
+static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas);
+static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
+
 struct mgpu_allreduce {
     mgpu_allreduce_kind kind;
     int count;
@@ -4370,6 +4447,7 @@ struct mgpu_allreduce {
     int oneshot_reach;      /* P2P: replica 0's GPU can read and write every replica's memory */
     mgpu__p2p_choice p2p;   /* P2P: the algorithm MGPU_P2P asks for, or automatic */
     const mgpu_device_set* set;   /* made by mgpu_allreduce_create: counted among the set's users */
+    int* rank_devices;      /* distributed: each process's device count, [mgpu_dist_size()]; else NULL */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -4386,6 +4464,7 @@ static void mgpu__allreduce_free(mgpu_allreduce* ar) {
     int i;
     if (!ar) return;
     mgpu__live_remove(ar, MGPU__LIVE_ALLREDUCE);
+    MGPU_FREE(ar->rank_devices);
     if (ar->set) mgpu__set_users(ar->set, 0, -1);
     for (i = 0; ar->rank && i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
@@ -4752,7 +4831,225 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
                               mgpu_tensor_describe(tensors[i], a, sizeof a), mgpu_tensor_describe(tensors[0], b, sizeof b));
         bufs[i] = MGPU__F32(tensors[i]);
     }
+    if (ar->rank_devices) return mgpu__dist_sum(op, tensors, count, ar->rank_devices);
     return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+}
+
+/* ---- >>impl parallel, processes: MPI's launch, rendezvous and collectives ---- */
+
+MGPUDEF int mgpu_dist_rank(void) { return mgpu__dist.rank; }
+MGPUDEF int mgpu_dist_size(void) { return mgpu__dist.size; }
+MGPUDEF int mgpu_dist_local_rank(void) { return mgpu__dist.local_rank; }
+MGPUDEF int mgpu_dist_local_size(void) { return mgpu__dist.local_size; }
+
+MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv) {
+#ifdef MGPU_MPI
+    static const char* op = "mgpu_dist_init";
+    int running = 0, provided = 0;
+    MPI_Comm local;
+    if (mgpu__dist.joined) return MGPU_OK;
+    MPI_Initialized(&running);
+    if (!running) {
+        /* the library calls MPI from one thread at a time: the thread that runs the step */
+        if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
+            return mgpu__fail(MGPU_ERROR_MPI, "%s: MPI_Init_thread failed", op);
+        mgpu__dist.called_init = 1;
+    }
+    if (MPI_Comm_dup(MPI_COMM_WORLD, &mgpu__dist_comm) != MPI_SUCCESS ||
+        MPI_Comm_rank(mgpu__dist_comm, &mgpu__dist.rank) != MPI_SUCCESS ||
+        MPI_Comm_size(mgpu__dist_comm, &mgpu__dist.size) != MPI_SUCCESS ||
+        MPI_Comm_split_type(mgpu__dist_comm, MPI_COMM_TYPE_SHARED, mgpu__dist.rank, MPI_INFO_NULL, &local) != MPI_SUCCESS)
+        return mgpu__fail(MGPU_ERROR_MPI, "%s: MPI could not say this process's rank", op);
+    MPI_Comm_rank(local, &mgpu__dist.local_rank);
+    MPI_Comm_size(local, &mgpu__dist.local_size);
+    MPI_Comm_free(&local);
+    mgpu__dist.joined = 1;
+    if (mgpu__dist.local_size > 1 && mgpu__cpu_thread_count <= 0 && !getenv("MGPU_CPU_THREADS")) {
+        /* the machine's cores shared among its ranks, not every rank on every core */
+        const int share = mgpu_cpu_threads() / mgpu__dist.local_size;
+        mgpu_cpu_set_threads(share > 0 ? share : 1);
+    }
+#else
+    (void)argc;
+    (void)argv;
+#endif
+    return MGPU_OK;
+}
+
+MGPUDEF void mgpu_dist_shutdown(void) {
+#ifdef MGPU_MPI
+    if (!mgpu__dist.joined) return;
+    MPI_Comm_free(&mgpu__dist_comm);
+    if (mgpu__dist.called_init) MPI_Finalize();
+    mgpu__dist.joined = mgpu__dist.called_init = 0;
+    mgpu__dist.rank = mgpu__dist.local_rank = 0;
+    mgpu__dist.size = mgpu__dist.local_size = 1;
+#endif
+}
+
+MGPUDEF void mgpu_dist_abort(int exit_code) {
+    fflush(stdout);
+    fflush(stderr);
+#ifdef MGPU_MPI
+    if (mgpu__dist.joined) MPI_Abort(MPI_COMM_WORLD, exit_code);
+#endif
+    exit(exit_code);
+}
+
+/* Every rank tells every other how it fared, in one collective: its result (with its error
+   message), a count and a number. A failure anywhere fails every rank with the first failing
+   rank's message, so that no rank goes on into a collective the failed one will never reach.
+   counts[P] (or NULL) receives each rank's count; *sum the sum of the numbers. */
+typedef struct mgpu__dist_vote {
+    int64_t count;
+    double number;
+    int32_t result;
+    char text[492];
+} mgpu__dist_vote;
+
+static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int* counts, double* sum) {
+#ifdef MGPU_MPI
+    mgpu__dist_vote vote, *all;
+    int i, failed = -1;
+    if (mgpu__dist.size > 1) {
+        memset(&vote, 0, sizeof vote);
+        vote.count = count;
+        vote.number = number;
+        vote.result = (int32_t)mine;
+        if (mine != MGPU_OK) {   /* the message, cut to fit */
+            const char* e = mgpu_last_error();
+            const size_t len = strlen(e) < sizeof vote.text - 1 ? strlen(e) : sizeof vote.text - 1;
+            memcpy(vote.text, e, len);
+        }
+        all = (mgpu__dist_vote*)MGPU_MALLOC((size_t)mgpu__dist.size * sizeof *all);
+        if (!all) {   /* cannot even vote: end the job rather than leave the others waiting */
+            fprintf(stderr, "mgpu: rank %d: out of host memory for a vote of %d ranks\n", mgpu__dist.rank, mgpu__dist.size);
+            mgpu_dist_abort(1);
+        }
+        MPI_Allgather(&vote, (int)sizeof vote, MPI_BYTE, all, (int)sizeof vote, MPI_BYTE, mgpu__dist_comm);
+        if (sum) *sum = 0.0;
+        for (i = 0; i < mgpu__dist.size; ++i) {
+            if (failed < 0 && all[i].result != MGPU_OK) failed = i;
+            if (counts) counts[i] = (int)all[i].count;
+            if (sum) *sum += all[i].number;
+        }
+        if (failed >= 0) {
+            mgpu__dist_vote f = all[failed];
+            MGPU_FREE(all);
+            f.text[sizeof f.text - 1] = 0;
+            return mgpu__fail((mgpu_result)f.result, "rank %d of %d: %s", failed, mgpu__dist.size, f.text);
+        }
+        MGPU_FREE(all);
+        return MGPU_OK;
+    }
+#endif
+    if (counts) counts[0] = (int)count;
+    if (sum) *sum = number;
+    return mine;
+}
+
+/* The sum of bufs[0..L)[0..n) of this process and of every other process's, in the order of the
+   job's replicas (rank 0's L_0, then rank 1's, ...), into every buffer: ((b0 + b1) + b2) + ...,
+   the order of the host all-reduce of one process with all of them, so that the bits do not
+   depend on how the replicas are spread over processes. Each rank sums one slice of the buffer
+   from every replica's copy of that slice (MPI_Alltoallv: a reduce-scatter), then every rank
+   gathers every slice (MPI_Allgatherv): 2 (P - 1) / P of a buffer per replica goes over the
+   wire, as in a ring. (The slices come unsummed from each process, so a process with several
+   replicas sends each of them; its own sum would change the order.) */
+static mgpu_result mgpu__dist_sum_host(const char* op, float* const* bufs, int L, size_t n, const int* rank_replicas) {
+#ifdef MGPU_MPI
+    const int P = mgpu__dist.size, me = mgpu__dist.rank;
+    int *send_counts, *send_at, *recv_counts, *recv_at, *slice_counts, *slice_at;
+    float *send, *recv;
+    int64_t start, count, my_start, my_count;
+    int q, l, total = 0, sent = 0;
+    size_t i;
+    if (P <= 1 || n == 0) return MGPU_OK;
+    for (q = 0; q < P; ++q) total += rank_replicas[q];
+    if ((double)n * (double)(L > total ? L : total) >= (double)INT32_MAX)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %zu floats on %d replicas are too many for one MPI call", op, n, total);
+    mgpu__split((int64_t)n, P, me, &my_start, &my_count);
+    send_counts = (int*)mgpu__calloc((size_t)P * 6, sizeof(int));
+    send = (float*)MGPU_MALLOC((n * (size_t)L + 1) * sizeof(float));
+    recv = (float*)MGPU_MALLOC(((size_t)my_count * (size_t)total + 1) * sizeof(float));
+    if (!send_counts || !send || !recv) {
+        MGPU_FREE(send_counts);
+        MGPU_FREE(send);
+        MGPU_FREE(recv);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for the sum across processes", op);
+    }
+    send_at = send_counts + P;
+    recv_counts = send_at + P;
+    recv_at = recv_counts + P;
+    slice_counts = recv_at + P;
+    slice_at = slice_counts + P;
+    for (q = 0; q < P; ++q) {   /* to rank q: slice q of each of my replicas, one after another */
+        mgpu__split((int64_t)n, P, q, &start, &count);
+        send_at[q] = sent;
+        send_counts[q] = (int)count * L;
+        for (l = 0; l < L; ++l, sent += (int)count) memcpy(send + sent, bufs[l] + start, (size_t)count * sizeof(float));
+        recv_counts[q] = (int)my_count * rank_replicas[q];
+        recv_at[q] = q == 0 ? 0 : recv_at[q - 1] + recv_counts[q - 1];
+        slice_counts[q] = (int)count;
+        slice_at[q] = (int)start;
+    }
+    MPI_Alltoallv(send, send_counts, send_at, MPI_FLOAT, recv, recv_counts, recv_at, MPI_FLOAT, mgpu__dist_comm);
+    for (l = 1; l < total; ++l) {   /* my slice: the job's replicas in order */
+        const float* src = recv + (size_t)l * (size_t)my_count;
+        for (i = 0; i < (size_t)my_count; ++i) recv[i] += src[i];
+    }
+    memcpy(bufs[0] + my_start, recv, (size_t)my_count * sizeof(float));
+    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, bufs[0], slice_counts, slice_at, MPI_FLOAT, mgpu__dist_comm);
+    for (l = 1; l < L; ++l) memcpy(bufs[l], bufs[0], n * sizeof(float));
+    MGPU_FREE(send_counts);
+    MGPU_FREE(send);
+    MGPU_FREE(recv);
+#else
+    (void)op; (void)bufs; (void)L; (void)n; (void)rank_replicas;
+#endif
+    return MGPU_OK;
+}
+
+/* The same for tensors of this process (all f32 of one size, on any devices): a GPU's are staged
+   through host memory (NCCL across processes is not used yet). */
+static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas) {
+    const size_t n = (size_t)mgpu_tensor_numel(ts[0]);
+    float* bufs[MGPU__MAX_REPLICAS];
+    float* host = NULL;
+    mgpu_result r = MGPU_OK;
+    int l;
+    if (mgpu__dist.size <= 1) return MGPU_OK;
+    for (l = 0; l < L; ++l)
+        if (!MGPU__IS_CPU(ts[l])) break;
+    if (l < L && !(host = (float*)MGPU_MALLOC(n * (size_t)L * sizeof(float) + 1)))
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory to stage %zu floats", op, n * (size_t)L);
+    for (l = 0; l < L && r == MGPU_OK; ++l) {
+        if (MGPU__IS_CPU(ts[l])) { bufs[l] = MGPU__F32(ts[l]); continue; }
+        bufs[l] = host + (size_t)l * n;
+        r = mgpu_tensor_download(ts[l], bufs[l], n * sizeof(float));
+    }
+    if (r == MGPU_OK) r = mgpu__dist_sum_host(op, bufs, L, n, rank_replicas);
+    for (l = 0; l < L && r == MGPU_OK; ++l)
+        if (!MGPU__IS_CPU(ts[l])) r = mgpu_tensor_upload(ts[l], bufs[l], n * sizeof(float));
+    MGPU_FREE(host);
+    return r;
+}
+
+MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
+    mgpu_allreduce* ar = mgpu_allreduce_create(set, kind);
+    int* counts = NULL;
+    mgpu_result r = ar ? MGPU_OK : mgpu_last_result();
+    if (mgpu__dist.size <= 1) return ar;
+    if (r == MGPU_OK && !(counts = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int))))
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_allreduce_create_distributed: out of host memory");
+    /* every rank learns every rank's device count, or every rank fails */
+    if (mgpu__dist_agree(r, ar ? ar->count : 0, 0.0, counts, NULL) != MGPU_OK) {
+        MGPU_FREE(counts);
+        mgpu_allreduce_destroy(ar);
+        return NULL;
+    }
+    ar->rank_devices = counts;
+    return ar;
 }
 
 /* ---- >>impl model ----------------------------------------------------------------------- */
@@ -4847,6 +5144,11 @@ struct mgpu_model {
 #endif
     int pipe_failed;                    /* a part failed: the others stop waiting */
     struct mgpu__trace* trace;          /* between mgpu_model_trace_start and _stop, else NULL */
+    /* a job of several processes (desc.distributed): its replicas are dist_total, this
+       process's are dist_first .. dist_first + R - 1 among them, rank q has dist_replicas[q] */
+    int dist, dist_first, dist_total;
+    int* dist_replicas;                 /* [2P]: then each rank's rows of the last batch */
+    int* dist_rows;
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -5136,7 +5438,7 @@ static void mgpu__model_free(mgpu_model* m) {
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
-    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off);
+    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas);
     MGPU_FREE(m);
 }
 
@@ -5413,7 +5715,7 @@ static void mgpu__model_drop_layers(mgpu_layer** layers, int count) {
     }
 }
 
-MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
+static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
     int i, devices;
@@ -5501,12 +5803,93 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     return m;
 }
 
+/* What every rank's model of one job must share: its layers, their tensors and the stages. */
+static uint64_t mgpu__model_signature(const mgpu_model* m) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    int i, d;
+    const char* c;
+#define MGPU__HASH(v) (h = (h ^ (uint64_t)(v)) * 0x100000001b3ull)
+    for (i = 0; i < m->layer_count; ++i)
+        for (c = mgpu_layer_type(m->layers[i]); *c; ++c) MGPU__HASH((unsigned char)*c);
+    for (i = 0; i < m->tensor_count; ++i) {
+        for (c = m->tensors[i].name; *c; ++c) MGPU__HASH((unsigned char)*c);
+        for (d = 0; d < m->tensors[i].shape.ndim; ++d) MGPU__HASH(m->tensors[i].shape.dim[d]);
+    }
+    for (i = 0; i <= m->stage_count; ++i) MGPU__HASH(m->stage_layer[i]);
+    MGPU__HASH(m->micro_batches);
+    MGPU__HASH(m->loss);
+#undef MGPU__HASH
+    return h;
+}
+
+/* Rank 0's parameters into every replica of every rank (the model broadcast of DDP's start). */
+static mgpu_result mgpu__dist_broadcast_params(mgpu_model* m) {
+#ifdef MGPU_MPI
+    float* host = (float*)MGPU_MALLOC((size_t)m->flat_floats * sizeof(float) + 1);
+    mgpu_result r = MGPU_OK;
+    int s, rep;
+    if (!host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory for the parameters' broadcast");
+    for (s = 0; s < m->stage_count && r == MGPU_OK; ++s) {
+        const int64_t n = mgpu__stage_floats(m, s);
+        if (mgpu__dist.rank == 0) r = mgpu_tensor_download(mgpu__part_of(m, 0, s)->params, host, (size_t)n * sizeof(float));
+        /* every rank on to the next stage's broadcast, or every rank out */
+        if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+        MPI_Bcast(host, (int)n, MPI_FLOAT, 0, mgpu__dist_comm);
+        for (rep = 0; rep < m->replica_count && r == MGPU_OK; ++rep)
+            r = mgpu_tensor_upload(mgpu__part_of(m, rep, s)->params, host, (size_t)n * sizeof(float));
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    }
+    MGPU_FREE(host);
+    return r;
+#else
+    (void)m;
+    return MGPU_OK;
+#endif
+}
+
+/* A distributed model: made on every rank, or failed on every rank; then the same on all. */
+static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made) {
+    mgpu_result r = made;
+    uint64_t mine = 0, first = 0;
+    int q;
+    if (r == MGPU_OK && !(m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size * 2, sizeof(int))))
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory");
+    if (r == MGPU_OK) m->dist_rows = m->dist_replicas + mgpu__dist.size;
+    if (r == MGPU_OK) mine = first = mgpu__model_signature(m);
+    MGPU__TRY(mgpu__dist_agree(r, m ? m->replica_count : 0, 0.0, m ? m->dist_replicas : NULL, NULL));
+#ifdef MGPU_MPI
+    MPI_Bcast(&first, (int)sizeof first, MPI_BYTE, 0, mgpu__dist_comm);
+#endif
+    if (first != mine)
+        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "
+                       "every rank must make the same layers", m->layer_count, (long long)m->param_count, m->stage_count);
+    MGPU__TRY(mgpu__dist_agree(r, 0, 0.0, NULL, NULL));
+    m->dist = 1;
+    for (q = 0; q < mgpu__dist.size; ++q) {
+        if (q < mgpu__dist.rank) m->dist_first += m->dist_replicas[q];
+        m->dist_total += m->dist_replicas[q];
+    }
+    return mgpu__dist_broadcast_params(m);
+}
+
+MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
+    mgpu_model* m = mgpu__model_create_here(desc);
+    if (!desc || !desc->distributed || mgpu__dist.size <= 1) return m;
+    if (mgpu__model_join(m, m ? MGPU_OK : mgpu_last_result()) != MGPU_OK) {
+        mgpu__model_free(m);   /* the message is the failed rank's: "rank 1 of 4: mgpu_model_create: ..." */
+        return NULL;
+    }
+    return m;
+}
+
 MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
     return m && m->ar && m->ar[0] ? m->ar[0]->kind : MGPU_ALLREDUCE_NONE;
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
+MGPUDEF int mgpu_model_total_replica_count(const mgpu_model* m) { return m ? (m->dist ? m->dist_total : m->replica_count) : 0; }
+MGPUDEF int mgpu_model_first_replica(const mgpu_model* m) { return m ? m->dist_first : 0; }
 MGPUDEF int mgpu_model_stage_count(const mgpu_model* m) { return m ? m->stage_count : 0; }
 MGPUDEF int mgpu_model_micro_batches(const mgpu_model* m) { return m ? m->micro_batches : 0; }
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m) { return m ? m->param_count : 0; }
@@ -6148,6 +6531,7 @@ typedef struct mgpu__batch {
     int64_t batch_total;
     mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
     int64_t first[MGPU__MAX_REPLICAS];   /* where each replica's rows start in the batch */
+    int64_t row_base;                    /* a distributed model: the rows of the ranks before this one */
     mgpu_result* results;                /* CPU threads: each part's */
 } mgpu__batch;
 
@@ -6185,7 +6569,7 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     double per_row;
     mgpu__split(b->xs[r].shape.dim[0], m->micro_batches, k, &start, &count);
     xk = mgpu__rows(&b->xs[r], start, count);
-    MGPU__TRY(mgpu__part_forward(m, p, k, &xk, 1, m->rows_in_step + b->first[r] + start));
+    MGPU__TRY(mgpu__part_forward(m, p, k, &xk, 1, m->rows_in_step + b->row_base + b->first[r] + start));
     if (p->stage < m->stage_count - 1) return MGPU_OK;
     out = sl->act[m->layer_count - 1];
     tk = mgpu__rows(&b->ts[r], start, count);
@@ -6234,8 +6618,8 @@ static int mgpu__stage_op(const mgpu_model* m, int s, int j) {
     return -1 - (pairs + j - 2 * pairs);
 }
 
-/* The batch's mean loss, from each micro-batch's mean over its rows (waits for the devices). */
-static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
+/* The batch's loss summed over its rows, from each micro-batch's mean (waits for the devices). */
+static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
     double total = 0.0;
     float v[4096];
     int64_t start, count, mstart, mcount;
@@ -6248,7 +6632,13 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
             total += (double)v[k] * (double)mcount;
         }
     }
-    *loss = (float)(total / (double)batch);
+    *sum = total;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
+    double sum = 0.0;
+    MGPU__TRY(mgpu__batch_loss_sum(m, batch, &sum));
+    *loss = (float)(sum / (double)batch);
     return MGPU_OK;
 }
 
@@ -6260,6 +6650,15 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     int slices[MGPU__MAX_REPLICAS];
     int r, s;
     if (m->grads_reduced) return MGPU_OK;
+    if (m->dist) {   /* every replica of the job, in order, each stage across its copies */
+        mgpu_tensor* grads[MGPU__MAX_REPLICAS];
+        for (s = 0; s < m->stage_count; ++s) {
+            for (r = 0; r < m->replica_count; ++r) grads[r] = mgpu__part_of(m, r, s)->grads;
+            MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas));
+        }
+        m->grads_reduced = 1;
+        return MGPU_OK;
+    }
     for (s = 0; m->replica_count > 1 && s < m->stage_count; ++s) {
         mgpu_result res;
         for (r = 0; r < m->replica_count; ++r) {
@@ -6447,14 +6846,9 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
     return MGPU_OK;
 }
 
-/* Moves 2 to 4 for one batch: the gradients of every part ADDED to its gradient buffer and,
-   with reduce, summed across the replicas. */
-static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
-                                   int64_t batch_total, int reduce, float* loss) {
-    mgpu__batch b;
-    mgpu_result res;
+/* The batch a step was given: fit for the model, and its gradients not yet reduced. */
+static mgpu_result mgpu__batch_check(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target) {
     int64_t batch;
-    int i;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
     batch = x->shape.dim[0];
@@ -6467,17 +6861,48 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the gradients were already reduced across replicas "
                           "(mgpu_model_train_step or mgpu_model_reduce_grads); zero them (mgpu_model_zero_grad) or "
                           "apply them (mgpu_model_apply) before adding more", op);
-    if (batch_total < batch) batch_total = batch;
+    return MGPU_OK;
+}
+
+/* Moves 2 to 4 for one batch: the gradients of every part ADDED to its gradient buffer and,
+   with reduce, summed across the replicas. A distributed model's ranks vote twice: on the rows
+   (each passes its own; the batch is all of them) before any work, and on how the work went
+   before the sum across processes, so that a rank's failure fails every rank. */
+static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
+                                   int64_t batch_total, int reduce, float* loss) {
+    mgpu__batch b;
+    mgpu_result res = mgpu__batch_check(m, op, x, target);
+    int64_t batch = res == MGPU_OK ? x->shape.dim[0] : 0, all_rows = batch;
+    double loss_sum = 0.0;
+    int i;
+    b.row_base = 0;
+    if (m->dist) {
+        MGPU__TRY(mgpu__dist_agree(res, batch, 0.0, m->dist_rows, NULL));
+        for (i = 0, all_rows = 0; i < mgpu__dist.size; ++i) {
+            if (i < mgpu__dist.rank) b.row_base += m->dist_rows[i];
+            all_rows += m->dist_rows[i];
+        }
+    }
+    MGPU__TRY(res);
+    if (batch_total < all_rows) batch_total = all_rows;
     for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
     b.m = m;
     b.op = op;
     b.batch_total = batch_total;
-    MGPU__TRY(mgpu__batch_split(&b, x, target));                                                   /* 2. split */
+    res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
 #ifndef MGPU_NO_THREADS
-    if (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce);
+    if (res == MGPU_OK && m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce && !m->dist);
     else
 #endif
-        res = mgpu__run_batch_streams(&b, reduce);                                                 /* 3, 4 */
+    if (res == MGPU_OK) res = mgpu__run_batch_streams(&b, reduce && !m->dist);                          /* 3, 4 */
+    if (m->dist) {
+        if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
+        MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));
+        if (reduce) MGPU__TRY(mgpu__reduce_grads(m));                                              /* 4. reduce */
+        m->rows_in_step += all_rows;
+        if (loss) *loss = (float)(loss_sum / (double)all_rows);
+        return MGPU_OK;
+    }
     MGPU__TRY(res);
     m->rows_in_step += batch;   /* a next batch of this step continues the row numbering */
     return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
@@ -6498,7 +6923,8 @@ static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const m
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     MGPU__TRY(mgpu__optimizer_step(opt));   /* opt checked by mgpu__check_step */
     m->steps++;
-    if (m->verify_every > 0 && m->replica_count > 1 && m->steps % m->verify_every == 0) return mgpu_model_verify_replicas(m);
+    if (m->verify_every > 0 && mgpu_model_total_replica_count(m) > 1 && m->steps % m->verify_every == 0)
+        return mgpu_model_verify_replicas(m);
     return MGPU_OK;
 }
 
@@ -6510,10 +6936,11 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     MGPU__TRY(mgpu__check_step(op, m, opt));
     MGPU__TRY(mgpu_model_zero_grad(m));
     m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
-    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, NULL));                                       /* 2, 3, 4 */
+    /* (a distributed model reads the loss in its vote, before the sum across processes) */
+    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, m->dist ? loss : NULL));                     /* 2, 3, 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     /* read the loss only now: the optimizer step is already queued behind it */
-    return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
+    return loss && !m->dist ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
@@ -6541,7 +6968,7 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     mgpu_result r = MGPU_OK;
     int i, t;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
-    if (m->replica_count == 1) return MGPU_OK;
+    if (m->replica_count == 1 && !m->dist) return MGPU_OK;
     first = (float*)mgpu__calloc((size_t)m->flat_floats * 2 + 1, sizeof(float));
     if (!first) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     other = first + m->flat_floats;
@@ -6563,6 +6990,30 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
                 }
         }
     }
+#ifdef MGPU_MPI
+    if (m->dist && mgpu__dist_agree(r, 0, 0.0, NULL, NULL) == MGPU_OK) {   /* then replica 0 of each rank against rank 0's */
+        MPI_Bcast(first, (int)m->flat_floats, MPI_FLOAT, 0, mgpu__dist_comm);   /* into `first` on the others... */
+        if (mgpu__dist.rank != 0) {   /* ...whose own are downloaded again into `other` */
+            for (i = 0; i < m->stage_count && r == MGPU_OK; ++i)
+                r = mgpu_tensor_download(mgpu__part_of(m, 0, i)->params, other + m->stage_off[i],
+                                         (size_t)mgpu__stage_floats(m, i) * sizeof(float));
+            for (t = 0; t < m->tensor_count && r == MGPU_OK; ++t) {
+                const int64_t count = mgpu_shape_numel(m->tensors[t].shape), at = m->tensors[t].offset;
+                int64_t k;
+                for (k = 0; k < count; ++k)
+                    if (memcmp(&first[at + k], &other[at + k], sizeof(float)) != 0) {
+                        r = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: after %lld steps rank %d (replica %d of the job) differs from "
+                                       "rank 0 at '%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, mgpu__dist.rank,
+                                       m->dist_first, m->tensors[t].name, (long long)k, (double)other[at + k], (double)first[at + k]);
+                        break;
+                    }
+            }
+        }
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    } else if (m->dist) {
+        r = mgpu_last_result();   /* the vote's failure, with the failed rank's message */
+    }
+#endif
     MGPU_FREE(first);
     return r;
 }
@@ -8265,7 +8716,14 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
     return NULL;
 }
 
+static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
+/* A distributed model: rank 0 writes (every replica holds the same bits), and every rank returns
+   its result, so that no rank goes on before the file is there, nor after it failed. */
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
+    if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc);
+    return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
+}
+static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
@@ -8623,7 +9081,13 @@ static mgpu_result mgpu__load_missing(const char* path, const mgpu_model* m, con
     return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has no tensor '%s'", path, want);
 }
 
+static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
+/* A distributed model: every rank reads the file, and fails if any rank could not. */
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
+    mgpu_result r = mgpu__model_load_here(m, opt, path, desc);
+    return m && m->dist ? mgpu__dist_agree(r, 0, 0.0, NULL, NULL) : r;
+}
+static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     static const char* op = "mgpu_model_load";
     mgpu_safetensors sf;
     mgpu__st_file* st = &sf.st;
@@ -8885,20 +9349,29 @@ MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_t
     int64_t b, i, p;
     const int64_t pixels = l ? (int64_t)l->ds->rows * l->ds->cols : 0;
     float scale, shift;
+    int64_t from = 0, rows;
     if (!l || l->pos >= l->ds->count) return 0;
     b = MGPU__MIN((int64_t)l->d.batch, l->ds->count - l->pos);
     if (b < l->d.batch && l->d.drop_last) return 0;
+    rows = b;
+    if (l->d.shard_for && l->d.shard_for->dist) {   /* the rows of this process's replicas, as mgpu__split gives them out */
+        const mgpu_model* m = l->d.shard_for;
+        int64_t last_from, last_rows;
+        mgpu__split(b, m->dist_total, m->dist_first, &from, &rows);
+        mgpu__split(b, m->dist_total, m->dist_first + m->replica_count - 1, &last_from, &last_rows);
+        rows = last_from + last_rows - from;
+    }
     scale = 1.0f / (255.0f * l->d.std);
     shift = -l->d.mean / l->d.std;
-    for (i = 0; i < b; ++i) {
-        const int64_t k = l->order[l->pos + i];
+    for (i = 0; i < rows; ++i) {
+        const int64_t k = l->order[l->pos + from + i];
         const uint8_t* img = l->ds->images + k * pixels;
         float* out = l->x_pinned + i * pixels;
         for (p = 0; p < pixels; ++p) out[p] = (float)img[p] * scale + shift;
         l->y_pinned[i] = l->ds->labels[k];
     }
-    l->x.shape.dim[0] = b;
-    l->y.shape.dim[0] = b;
+    l->x.shape.dim[0] = rows;
+    l->y.shape.dim[0] = rows;
     l->pos += b;
     if (x) *x = &l->x;
     if (y) *y = &l->y;

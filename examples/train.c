@@ -5,7 +5,11 @@
    build/train --help
 
    The last line it prints is key=value pairs (test_acc=, steps=, samples_per_s=, seconds=, ...),
-   easy to grep from scripts and tests. */
+   easy to grep from scripts and tests.
+
+   Built with MGPU_MPI (make mpi: build/train_mpi), it is one job over many processes:
+   mpirun -np 4 build/train_mpi --devices cpu (or srun build/train_mpi): every rank trains its
+   replicas on its share of each batch, rank 0 prints and saves, and a rank that fails ends the job. */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -253,7 +257,8 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
     mgpu_model_desc d = { .input = mgpu_shape3(1, 28, 28), .devices = set, .seed = o->seed,
                           .verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0,
                           .stages = o->stages, .split = o->split ? o->split_at : NULL, .micro_batches = o->micro_batches,
-                          .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B };
+                          .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B,
+                          .distributed = 1 /* every process of an MPI job; one process without one */ };
     const int drop = o->dropout > 0;
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[5];
@@ -348,24 +353,30 @@ int main(int argc, char** argv) {
     double train_seconds = 0.0, start = mgpu_seconds();
     float loss = 0.0f, test_loss = 0.0f, test_acc = 0.0f;
     int64_t epoch;
-    int status = 1, interactive = 0, stop = 0;
-    char where[96];
+    int status = 1, interactive = 0, stop = 0, rank, ranks;
+    char where[128];
+    if (mgpu_dist_init(&argc, &argv) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); return 1; }
+    rank = mgpu_dist_rank();   /* 0 of 1 without MPI */
+    ranks = mgpu_dist_size();
 #if defined(__unix__) || defined(__APPLE__)
     interactive = isatty(1);
 #endif
-    if (!parse_args(argc, argv, &o)) return 2;
+    if (!parse_args(argc, argv, &o)) { status = 2; goto done; }
+    if (rank != 0) o.quiet = 1;   /* rank 0 speaks for the job */
     set = mgpu_device_set_create(o.devices);   /* before the data: a bad --devices fails at once */
     if (!set) { fprintf(stderr, "train: --devices: %s\n", mgpu_last_error()); status = 2; goto done; }
     if (!(train = load_split(o.data, "train")) || !(test = load_split(o.data, "t10k"))) { status = 2; goto done; }
     model = build_model(&o, set);
     if (!model) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
-    if (o.batch < mgpu_model_replica_count(model) * mgpu_model_micro_batches(model)) {
-        fprintf(stderr, "train: --batch %d is smaller than the %d replicas x %d micro-batches of '%s'\n", o.batch,
-                mgpu_model_replica_count(model), mgpu_model_micro_batches(model), o.devices);
+    if (o.batch < mgpu_model_total_replica_count(model) * mgpu_model_micro_batches(model)) {
+        fprintf(stderr, "train: --batch %d is smaller than the %d replicas x %d micro-batches of '%s'%s\n", o.batch,
+                mgpu_model_total_replica_count(model), mgpu_model_micro_batches(model), o.devices, ranks > 1 ? " on every rank" : "");
         status = 2;
         goto done;
     }
-    loader = mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = 1, .seed = o.seed, .mean = mean, .std = std });
+    /* with several processes, each rank's loader gives its rows of the same global batches */
+    loader = mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = 1, .seed = o.seed, .mean = mean, .std = std,
+                                                           .shard_for = model });
     if (!loader || !make_test_tensors(test, mean, std, &test_x, &test_y)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     batches = mgpu_loader_batches(loader);
     if (batches < 1 || batches * o.epochs > INT_MAX) {   /* the schedule counts steps in an int */
@@ -398,6 +409,9 @@ int main(int argc, char** argv) {
         snprintf(where, sizeof where, "[%d x %d stages, %d micro-batches %s, all-reduce %s]", mgpu_model_replica_count(model),
                  mgpu_model_stage_count(model), mgpu_model_micro_batches(model), o.pipeline ? o.pipeline : "1f1b",
                  mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
+    else if (ranks > 1)   /* a job of processes: each with its devices */
+        snprintf(where, sizeof where, "[%d processes x %d device%s, all-reduce %s, then mpi]", ranks, mgpu_device_set_count(set),
+                 mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     else
         snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
                  mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
@@ -420,7 +434,7 @@ int main(int argc, char** argv) {
                runs behind the host, one step queued after another */
             const int64_t every = interactive ? 20 : (batches / 4 > 0 ? batches / 4 : 1);
             const int show = (b + 1) % every == 0, last = b + 1 == batches || (o.max_steps && steps + 1 >= o.max_steps);
-            if (o.trace && steps == trace_from && mgpu_model_trace_start(model) != MGPU_OK) {
+            if (o.trace && rank == 0 && steps == trace_from && mgpu_model_trace_start(model) != MGPU_OK) {
                 fprintf(stderr, "\ntrain: --trace: %s\n", mgpu_last_error());
                 goto done;
             }
@@ -429,19 +443,20 @@ int main(int argc, char** argv) {
                 goto done;
             }
             ++steps;
-            if (o.trace && (steps == trace_from + 3 || last) && steps > trace_from && !traced) {
+            if (o.trace && rank == 0 && (steps == trace_from + 3 || last) && steps > trace_from && !traced) {
                 if (mgpu_model_trace_stop(model, o.trace) != MGPU_OK) { fprintf(stderr, "\ntrain: --trace: %s\n", mgpu_last_error()); goto done; }
                 traced = 1;
             }
             ++b;
-            epoch_samples += mgpu_tensor_dim(x, 0);
+            epoch_samples = b * (int64_t)o.batch < train->count ? b * (int64_t)o.batch : train->count;   /* every rank's */
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
             if (show) progress(&o, where, (int)epoch, b, batches, loss, rate, !interactive);
         }
         train_seconds += mgpu_seconds() - t0;
         samples += epoch_samples;
         progress(&o, where, (int)epoch, b, batches, loss, rate, 1);
-        if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
+        /* the replicas of all ranks are the same: rank 0 evaluates for the job */
+        if (rank == 0 && mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
         mgpu_memory_get_stats(mgpu_model_device(model, 0), &ms);
         if (!o.quiet)
@@ -460,7 +475,7 @@ int main(int argc, char** argv) {
         }
         if (o.save && !save_checkpoint(model, opt, o.save, mean, std)) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
     }
-    if (o.trace && !traced) {   /* the run ended inside the traced steps, or before them */
+    if (o.trace && rank == 0 && !traced) {   /* the run ended inside the traced steps, or before them */
         if (steps <= trace_from) fprintf(stderr, "train: --trace: the run ended before its step %lld\n", (long long)trace_from + 1);
         else if (mgpu_model_trace_stop(model, o.trace) != MGPU_OK) { fprintf(stderr, "train: --trace: %s\n", mgpu_last_error()); goto done; }
     }
@@ -468,6 +483,7 @@ int main(int argc, char** argv) {
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
     }
+    if (rank == 0)
     printf("model=%s devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld "
            "train_loss=%.4f test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
            o.model, mgpu_device_set_spec(set), mgpu_model_replica_count(model), mgpu_model_stage_count(model),
@@ -485,5 +501,10 @@ done:
     mgpu_device_set_destroy(set);
     mgpu_dataset_destroy(train);
     mgpu_dataset_destroy(test);
+    /* A failure every rank shares ("rank 1 of 4: ...": a step, a save) ends each rank by itself;
+       one of this rank alone (its data, its arguments) ends the others too, now, not at their next
+       step's vote. */
+    if (status != 0 && ranks > 1 && strncmp(mgpu_last_error(), "rank ", 5) != 0) mgpu_dist_abort(status);
+    mgpu_dist_shutdown();
     return status;
 }
