@@ -5859,6 +5859,7 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made) {
     MGPU__TRY(mgpu__dist_agree(r, m ? m->replica_count : 0, 0.0, m ? m->dist_replicas : NULL, NULL));
 #ifdef MGPU_MPI
     MPI_Bcast(&first, (int)sizeof first, MPI_BYTE, 0, mgpu__dist_comm);
+    MPI_Bcast(&m->seed, (int)sizeof m->seed, MPI_BYTE, 0, mgpu__dist_comm);   /* rank 0's dropout too */
 #endif
     if (first != mine)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "

@@ -483,13 +483,13 @@ int main(int argc, char** argv) {
         if (mgpu_model_evaluate(model, test_x, test_y, &test_loss, &correct) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); goto done; }
         test_acc = (float)correct / (float)test->count;
     }
-    if (rank == 0)
-    printf("model=%s devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s optimizer=%s batch=%d epochs=%d steps=%lld "
-           "train_loss=%.4f test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
-           o.model, mgpu_device_set_spec(set), mgpu_model_replica_count(model), mgpu_model_stage_count(model),
-           mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
-           o.optimizer, o.batch, o.epochs, (long long)steps,
-           (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
+    if (rank == 0)   /* replicas: of the whole job; devices: rank 0's */
+        printf("model=%s processes=%d devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s%s optimizer=%s batch=%d "
+               "epochs=%d steps=%lld train_loss=%.4f test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
+               o.model, ranks, mgpu_device_set_spec(set), mgpu_model_total_replica_count(model), mgpu_model_stage_count(model),
+               mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)), ranks > 1 ? "+mpi" : "",
+               o.optimizer, o.batch, o.epochs, (long long)steps,
+               (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
     status = 0;
 done:
     /* one destroy per create, in reverse order; each takes NULL */

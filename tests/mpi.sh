@@ -1,0 +1,137 @@
+#!/bin/sh
+# A job of several processes (MGPU_MPI), run by mpirun --oversubscribe on this one machine:
+# 1. build/test_mpi on 3 and on 2 ranks (rank 0 with two CPU replicas, the others one): each
+#    rank's summary is counted.
+# 2. build/train_mpi on Fashion-MNIST, 300 steps from seed 7, against build/train_cpu with all
+#    the replicas in one process; final checkpoints (parameters and optimizer state) compared:
+#      -np 2 --devices cpu      against cpu:2   the same bits
+#      -np 4 --devices cpu      against cpu:4   the same bits
+#      -np 2 --devices cpu:2    against cpu:4   the same bits (the job sums in its replica order)
+#      -np 3 --devices cpu      against cpu:3   the same bits, and within 1e-5 of cpu (64 rows
+#                                                split 22 + 21 + 21)
+#    A run saved on 4 ranks after 150 steps resumes on 1 process (cpu:4) and on 2 (cpu:2 each)
+#    to the same bits as the 300 steps straight. On emulated GPUs (build/train_mpi_emu): -np 2
+#    with "auto" (one emulated GPU each) against cuda:0,1 in one process, and -np 2 with
+#    cuda:0,1 each against cuda:0,1,2,3: the same bits.
+# 3. failures: a rank given a bad data path, and a rank killed mid-training, end the whole job
+#    within seconds, with the failing rank's message.
+# Usage: mpi.sh [BUILD_DIR] [DATA_DIR]. Skips without mpirun or the MPI builds (make mpi), and
+# part 2 and 3 without Fashion-MNIST.
+b=${1:-build}
+data=${2:-${DATA:-/usr/share/datasets/fashion-mnist}}
+passed=0; failed=0; skipped=0
+if ! command -v mpirun >/dev/null 2>&1 || [ ! -x "$b/test_mpi" ] || [ ! -x "$b/train_mpi" ]; then
+    echo "  skip processes (MPI): no mpirun or no $b/test_mpi (apt-get install openmpi-bin libopenmpi-dev; make mpi)"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# Open MPI refuses root unless asked; the CI machines and containers run as root
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+mpi="mpirun --oversubscribe --bind-to none"
+
+# ---- 1. the suite, each rank's summary ----
+for np in 3 2; do
+    out=$(TMPDIR=$tmp timeout 300 $mpi -np $np "$b/test_mpi" 2>&1); rc=$?
+    printf '%s\n' "$out" | grep -E 'FAIL|^rank [0-9]+ test_mpi:'
+    ranks=0
+    for line in $(printf '%s\n' "$out" | sed -n 's/^rank [0-9]* test_mpi: \([0-9]*\) passed, \([0-9]*\) failed, \([0-9]*\) skipped$/\1:\2:\3/p'); do
+        passed=$((passed + ${line%%:*})); rest=${line#*:}
+        failed=$((failed + ${rest%%:*})); skipped=$((skipped + ${rest#*:}))
+        ranks=$((ranks + 1))
+    done
+    if [ $ranks -ne $np ] || [ $rc -ne 0 ]; then
+        failed=$((failed + 1)); echo "  FAIL test_mpi on $np ranks: $ranks summaries, exit $rc"; printf '%s\n' "$out" | tail -n 15
+    fi
+done
+
+if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
+    echo "  skip training across processes: no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"
+    echo "$passed passed, $failed failed, $((skipped + 1)) skipped"
+    [ $failed -eq 0 ]; exit $?
+fi
+
+# ---- 2. training: the same bits as one process ----
+common="--data $data --quiet --seed 7"
+# run NAME COMMAND...: train, keeping the checkpoint as NAME
+run() {
+    name=$1; shift
+    if ! timeout 600 "$@" $common --save "$tmp/$name.st" > "$tmp/$name.txt" 2>&1; then
+        failed=$((failed + 1)); echo "  FAIL $name: $*: $(tail -n 3 "$tmp/$name.txt")"; return 1
+    fi
+}
+# check NAME REF TOL
+check() {
+    d=$("$b/emu/ckpt_diff" "$tmp/$1.st" "$tmp/$2.st" "$3" 2>&1); rc=$?
+    if [ $rc -eq 0 ]; then passed=$((passed + 1)); echo "  ok   $1 against $2 (tolerance $3): $d"
+    else failed=$((failed + 1)); echo "  FAIL $1 against $2 (tolerance $3): $d"; fi
+}
+steps="--max-steps 300"
+run cpu1 "$b/train_cpu" --devices cpu $steps
+run cpu2 "$b/train_cpu" --devices cpu:2 $steps
+run cpu3 "$b/train_cpu" --devices cpu:3 $steps
+run cpu4 "$b/train_cpu" --devices cpu:4 $steps
+run np2 $mpi -np 2 "$b/train_mpi" --devices cpu $steps && check np2 cpu2 0
+run np4 $mpi -np 4 "$b/train_mpi" --devices cpu $steps && check np4 cpu4 0
+run np2x2 $mpi -np 2 "$b/train_mpi" --devices cpu:2 $steps && check np2x2 cpu4 0
+run np3 $mpi -np 3 "$b/train_mpi" --devices cpu $steps && check np3 cpu3 0 && check np3 cpu1 1e-5
+grep -q "processes=3 devices=cpu replicas=3 " "$tmp/np3.txt" &&
+    { passed=$((passed + 1)); echo "  ok   the result line names the 3 processes"; } ||
+    { failed=$((failed + 1)); echo "  FAIL the result line of -np 3: $(tail -n 1 "$tmp/np3.txt")"; }
+# saved by 4 ranks half way, resumed by one process and by two
+run half4 $mpi -np 4 "$b/train_mpi" --devices cpu --max-steps 150 &&
+    cp "$tmp/half4.st" "$tmp/half4b.st" &&
+    run resume1 "$b/train_cpu" --devices cpu:4 --load "$tmp/half4.st" $steps && check resume1 cpu4 0 &&
+    run resume2 $mpi -np 2 "$b/train_mpi" --devices cpu:2 --load "$tmp/half4b.st" $steps && check resume2 cpu4 0
+if [ -x "$b/train_mpi_emu" ] && [ -x "$b/train_emu" ]; then
+    lib=$(cd "$b/emu" && pwd)
+    emu="env MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so MGPU_TEST_REQUIRE_GPU=1 MGPU_VERIFY_EVERY=50"
+    run emu2 $emu MGPU_EMU_DEVICES=2 "$b/train_emu" --devices cuda:0,1 $steps
+    run emu-np2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
+        "$b/train_mpi_emu" --devices auto $steps && check emu-np2 emu2 0
+    grep -q "devices=cuda:0 " "$tmp/emu-np2.txt" && { passed=$((passed + 1)); echo "  ok   auto gave rank 0 the first emulated GPU"; } ||
+        { failed=$((failed + 1)); echo "  FAIL auto on rank 0: $(tail -n 1 "$tmp/emu-np2.txt")"; }
+    run emu4 $emu MGPU_EMU_DEVICES=4 "$b/train_emu" --devices cuda:0,1,2,3 $steps
+    run emu-np2x2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
+        "$b/train_mpi_emu" --devices cuda:0,1 $steps && check emu-np2x2 emu4 0
+else
+    skipped=$((skipped + 1)); echo "  skip emulated GPUs across processes: no $b/train_mpi_emu"
+fi
+
+# ---- 3. failures end the job ----
+# a bad data path on rank 1 only
+start=$(date +%s)
+timeout 60 $mpi -np 2 sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 1 ]; then d=/nonexistent; else d="$0"; fi;
+    exec "$1" --data "$d" --quiet --seed 7 --devices cpu --epochs 50' "$data" "$b/train_mpi" > "$tmp/bad.txt" 2>&1; rc=$?
+took=$(( $(date +%s) - start ))
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 30 ] && grep -q "Fashion-MNIST not found" "$tmp/bad.txt"; then
+    passed=$((passed + 1)); echo "  ok   a bad data path on rank 1 ends the job in ${took} s (exit $rc) with its message"
+else
+    failed=$((failed + 1)); echo "  FAIL a bad data path on rank 1: exit $rc after ${took} s: $(tail -n 5 "$tmp/bad.txt")"
+fi
+# rank 1 killed while the job trains
+$mpi -np 2 "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 > "$tmp/kill.txt" 2>&1 &
+job=$!
+victim=
+for i in $(seq 1 100); do   # until both ranks train (rank 1's process: the younger child of mpirun)
+    sleep 0.1
+    victim=$(pgrep -P $job -n -f train_mpi)
+    [ -n "$victim" ] && [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 2 ] && break
+done
+sleep 1
+start=$(date +%s)
+[ -n "$victim" ] && kill -9 "$victim"
+( sleep 60; kill -9 $job 2>/dev/null ) & watchdog=$!
+wait $job; rc=$?
+kill $watchdog 2>/dev/null
+took=$(( $(date +%s) - start ))
+if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 30 ] && grep -q -i "signal 9\|killed" "$tmp/kill.txt"; then
+    passed=$((passed + 1)); echo "  ok   rank 1 killed mid-training: the job ends in ${took} s (exit $rc), mpirun names the signal"
+else
+    failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
+fi
+pkill -9 -f "$b/train_mpi --data" 2>/dev/null
+
+echo "$passed passed, $failed failed, $skipped skipped"
+[ $failed -eq 0 ]

@@ -1,0 +1,400 @@
+#define MGPU_IMPLEMENTATION
+#include "mgpu.h"
+#include "test.h"
+
+/* tests/test_mpi.c - a job of several processes (MGPU_MPI), run by tests/mpi.sh under
+   mpirun -np 3 (any count from 2 works). Rank 0 holds two CPU replicas, every other rank one, so
+   the replicas are spread unevenly; every rank checks, and each prints its own summary.
+
+   1. the job: ranks, local ranks, mgpu_dist_size agree with the environment's count
+   2. mgpu_allreduce_create_distributed: sizes 1 to 4099 (fewer elements than ranks too), the sum
+      in the job's device order ((d0 + d1) + d2) + ... on every device of every rank, bit for bit
+   3. equivalence: a distributed model (MLP with Dropout, SGD with momentum and weight decay, then
+      AdamW), each rank given its rows of the global batch (even and uneven), against one process
+      with all the replicas (cpu:G): the same parameters bit for bit, the same loss, and
+      verify_replicas across ranks; accumulate + apply likewise
+   4. failures: one rank's bad input fails every rank with that rank's message and leaves every
+      model as it was (and the next step works); a rank with other layers fails every rank's
+      mgpu_model_create; a corrupted rank is named by verify_replicas on every rank
+   5. checkpoints: rank 0 writes, every rank finds the file when the call returns, a one-process
+      model loads it with the same bits; a save that fails on rank 0 fails every rank
+   6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
+      the ranks together see every row once */
+
+#include <stdint.h>
+#include <unistd.h>
+#include <sys/stat.h>
+
+#define IN 12
+#define HIDDEN 16
+#define OUT 5
+
+static int g_rank, g_size, g_total;   /* g_total: the job's replicas */
+
+/* The same host numbers on every rank (a test's inputs must not depend on the rank). */
+static uint64_t g_state;
+static float frand(void) {
+    uint64_t z = (g_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+}
+
+/* This rank's devices: two CPU replicas on rank 0, one elsewhere. */
+static const char* my_spec(void) { return g_rank == 0 ? "cpu:2" : "cpu"; }
+
+static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hidden) {
+    mgpu_layer* layers[4];
+    mgpu_model_desc d;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_linear(IN, hidden);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_dropout(0.25f);
+    layers[3] = mgpu_layer_linear(hidden, OUT);
+    d.input = mgpu_shape1(IN);
+    d.layers = layers;
+    d.layer_count = 4;
+    d.devices = set;
+    d.seed = distributed ? 99 + (uint64_t)g_rank : 99;   /* a job takes rank 0's */
+    d.distributed = distributed;
+    return mgpu_model_create(&d);
+}
+
+/* A global batch of B rows (the same on every rank), and rows [from, from + count) of it. */
+static void make_batch(int64_t B, mgpu_tensor** x, mgpu_tensor** y) {
+    int64_t i;
+    float* xs;
+    int32_t* ys;
+    *x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(B, IN));
+    *y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(B));
+    xs = (float*)mgpu_tensor_data(*x);
+    ys = (int32_t*)mgpu_tensor_data(*y);
+    for (i = 0; i < B * IN; ++i) xs[i] = frand();
+    for (i = 0; i < B; ++i) ys[i] = (int32_t)((frand() + 1.0f) * 0.5f * OUT) % OUT;
+}
+/* This rank's rows of a batch of B: the rows of its replicas (the first B % G replicas of the
+   job take one row more). */
+static void my_rows(const mgpu_model* m, int64_t B, int64_t* from, int64_t* count) {
+    const int G = mgpu_model_total_replica_count(m), first = mgpu_model_first_replica(m), R = mgpu_model_replica_count(m);
+    int64_t base = B / G, extra = B % G, end;
+    *from = first * base + (first < extra ? first : extra);
+    end = (first + R) * base + (first + R < extra ? first + R : extra);
+    *count = end - *from;
+}
+
+static int same_params(const mgpu_model* a, const mgpu_model* b) {
+    int t, same = 1;
+    for (t = 0; t < mgpu_model_tensor_count(a); ++t) {
+        const mgpu_tensor *pa = mgpu_model_tensor(a, 0, t), *pb = mgpu_model_tensor(b, 0, t);
+        same &= memcmp(mgpu_tensor_data(pa), mgpu_tensor_data(pb), (size_t)mgpu_tensor_numel(pa) * sizeof(float)) == 0;
+    }
+    return same;
+}
+
+/* ---- 1. the job ---- */
+static void test_job(void) {
+    const char* env = getenv("OMPI_COMM_WORLD_SIZE") ? getenv("OMPI_COMM_WORLD_SIZE") : getenv("PMI_SIZE");
+    header("the job");
+    CHECK(g_size >= 2, "a job of %d processes (run me with mpirun -np 3)", g_size);
+    CHECK(!env || atoi(env) == g_size, "mgpu_dist_size %d, the launcher says %s", g_size, env);
+    CHECK(g_rank >= 0 && g_rank < g_size, "rank %d of %d", g_rank, g_size);
+    CHECK(mgpu_dist_local_rank() >= 0 && mgpu_dist_local_rank() < mgpu_dist_local_size() && mgpu_dist_local_size() <= g_size,
+          "local rank %d of %d", mgpu_dist_local_rank(), mgpu_dist_local_size());
+    CHECK(mgpu_dist_init(NULL, NULL) == MGPU_OK && mgpu_dist_size() == g_size, "a second mgpu_dist_init changes nothing");
+    CHECK(mgpu_cpu_threads() >= 1, "CPU threads %d, shared among the local ranks", mgpu_cpu_threads());
+}
+
+/* ---- 2. the communicator across processes ---- */
+static void test_allreduce(void) {
+    static const int sizes[] = { 1, 2, 7, 1000, 4099 };
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_allreduce* ar = mgpu_allreduce_create_distributed(set, MGPU_ALLREDUCE_AUTO);
+    const int mine = mgpu_device_set_count(set), first = g_rank == 0 ? 0 : g_rank + 1, devices = g_size + 1;
+    size_t k;
+    header("mgpu_allreduce_create_distributed");
+    CHECK(ar != NULL, "a communicator over every rank's devices: %s", mgpu_last_error());
+    if (!ar) { mgpu_device_set_destroy(set); return; }
+    for (k = 0; k < sizeof sizes / sizeof sizes[0]; ++k) {
+        const int n = sizes[k];
+        mgpu_tensor* t[2];
+        float* expect = (float*)calloc((size_t)n, sizeof(float));
+        int d, i, same = 1;
+        /* device d's element i: a value whose sums depend on the order */
+        for (d = 0; d < devices; ++d)
+            for (i = 0; i < n; ++i) {
+                const float v = (float)((d + 1) * 1e-3 + 1.0 / (double)(i + 3)) * (d % 2 ? 1e4f : 1.0f);
+                if (d >= first && d < first + mine) {
+                    if (i == 0) t[d - first] = mgpu_tensor_create(mgpu_device_set_get(set, d - first), MGPU_F32, mgpu_shape1(n));
+                    ((float*)mgpu_tensor_data(t[d - first]))[i] = v;
+                }
+                expect[i] = d == 0 ? v : expect[i] + v;
+            }
+        CHECK(mgpu_allreduce_sum(ar, t, mine) == MGPU_OK, "sum of %d floats: %s", n, mgpu_last_error());
+        for (d = 0; d < mine; ++d) same &= memcmp(mgpu_tensor_data(t[d]), expect, (size_t)n * sizeof(float)) == 0;
+        CHECK(same, "%d floats: every device of rank %d holds the sum in the job's order, bit for bit", n, g_rank);
+        for (d = 0; d < mine; ++d) mgpu_tensor_destroy(t[d]);
+        free(expect);
+    }
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+}
+
+/* ---- 3. equivalence with one process holding every replica ---- */
+static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int steps, int accumulate) {
+    char spec[16];
+    mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
+    mgpu_model *dm = make_mlp(set, 1, HIDDEN), *ref;
+    mgpu_optimizer *dopt, *ropt;
+    int s, ok = 1, losses = 1;
+    if (!dm) { CHECK(0, "%s: distributed mgpu_model_create: %s", what, mgpu_last_error()); mgpu_device_set_destroy(set); return; }
+    snprintf(spec, sizeof spec, "cpu:%d", mgpu_model_total_replica_count(dm));
+    all = mgpu_device_set_create(spec);
+    ref = make_mlp(all, 0, HIDDEN);
+    dopt = mgpu_optimizer_create(dm, &od);
+    ropt = mgpu_optimizer_create(ref, &od);
+    CHECK(mgpu_model_total_replica_count(dm) == g_total && mgpu_model_replica_count(dm) == (g_rank == 0 ? 2 : 1),
+          "%s: %d replicas in the job, %d here", what, mgpu_model_total_replica_count(dm), mgpu_model_replica_count(dm));
+    CHECK(same_params(dm, ref), "%s: rank 0's initial parameters everywhere (each rank seeded its own)", what);
+    for (s = 0; s < steps && ok; ++s) {
+        mgpu_tensor *x, *y, *xs, *ys;
+        int64_t from, count;
+        float dl = 0.0f, rl = 0.0f;
+        make_batch(B, &x, &y);
+        my_rows(dm, B, &from, &count);
+        xs = mgpu_tensor_view_rows(x, from, count);
+        ys = mgpu_tensor_view_rows(y, from, count);
+        if (!accumulate) {
+            ok &= mgpu_model_train_step(dm, dopt, xs, ys, &dl) == MGPU_OK;
+            ok &= mgpu_model_train_step(ref, ropt, x, y, &rl) == MGPU_OK;
+        } else {   /* the batch in two halves, each rank with its rows of each half */
+            const int64_t half = B / 2;
+            mgpu_tensor *a = mgpu_tensor_view_rows(x, 0, half), *b = mgpu_tensor_view_rows(x, half, B - half);
+            mgpu_tensor *ya = mgpu_tensor_view_rows(y, 0, half), *yb = mgpu_tensor_view_rows(y, half, B - half);
+            mgpu_tensor *as, *bs, *yas, *ybs;
+            int64_t f2, c2;
+            my_rows(dm, half, &from, &count);
+            my_rows(dm, B - half, &f2, &c2);
+            as = mgpu_tensor_view_rows(a, from, count);
+            yas = mgpu_tensor_view_rows(ya, from, count);
+            bs = mgpu_tensor_view_rows(b, f2, c2);
+            ybs = mgpu_tensor_view_rows(yb, f2, c2);
+            ok &= mgpu_model_accumulate(dm, as, yas, B, NULL) == MGPU_OK && mgpu_model_accumulate(dm, bs, ybs, B, NULL) == MGPU_OK &&
+                  mgpu_model_apply(dm, dopt) == MGPU_OK;
+            ok &= mgpu_model_accumulate(ref, a, ya, B, NULL) == MGPU_OK && mgpu_model_accumulate(ref, b, yb, B, NULL) == MGPU_OK &&
+                  mgpu_model_apply(ref, ropt) == MGPU_OK;
+            mgpu_tensor_destroy(as); mgpu_tensor_destroy(bs); mgpu_tensor_destroy(yas); mgpu_tensor_destroy(ybs);
+            mgpu_tensor_destroy(a); mgpu_tensor_destroy(b); mgpu_tensor_destroy(ya); mgpu_tensor_destroy(yb);
+        }
+        losses &= fabsf(dl - rl) <= 1e-6f * fabsf(rl);
+        mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    CHECK(ok, "%s: %d steps: %s", what, steps, ok ? "" : mgpu_last_error());
+    CHECK(losses, "%s: the job's loss is the one process's", what);
+    CHECK(same_params(dm, ref), "%s, batch %lld: the same parameters as one process on %s, bit for bit", what, (long long)B, spec);
+    CHECK(mgpu_model_verify_replicas(dm) == MGPU_OK, "%s: every replica of every rank the same: %s", what, mgpu_last_error());
+    mgpu_optimizer_destroy(dopt); mgpu_optimizer_destroy(ropt);
+    mgpu_model_destroy(dm); mgpu_model_destroy(ref);
+    mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
+}
+
+static mgpu_optimizer_desc sgd(void) {
+    mgpu_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = MGPU_SGD;
+    d.lr = 0.1f;
+    d.momentum = 0.9f;
+    d.weight_decay = 1e-3f;
+    return d;
+}
+static mgpu_optimizer_desc adamw(void) {
+    mgpu_optimizer_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = MGPU_ADAMW;
+    d.lr = 1e-2f;
+    d.weight_decay = 1e-2f;
+    return d;
+}
+
+static void test_equivalence(void) {
+    header("a distributed model against one process with all the replicas");
+    train_both("SGD", sgd(), 24, 6, 0);
+    train_both("SGD, uneven rows", sgd(), 23, 6, 0);
+    train_both("AdamW", adamw(), 29, 6, 0);
+    train_both("accumulate + apply", sgd(), 26, 4, 1);
+}
+
+/* ---- 4. failures ---- */
+static void test_failures(void) {
+    char want[32];
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_model *m = make_mlp(set, 1, HIDDEN), *bad;
+    mgpu_optimizer* opt = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .lr = 0.1f });
+    mgpu_tensor *x, *y, *xs, *ys, *before;
+    int64_t from, count;
+    mgpu_result r;
+    header("failures on one rank");
+    if (!m || !opt) { CHECK(0, "model: %s", mgpu_last_error()); return; }
+    before = mgpu_tensor_to(mgpu_model_params(m, 0), mgpu_device_cpu());
+    /* the last rank passes rows of the wrong width */
+    make_batch(12, &x, &y);
+    my_rows(m, 12, &from, &count);
+    if (g_rank == g_size - 1) xs = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(count, IN + 1));
+    else xs = mgpu_tensor_view_rows(x, from, count);
+    ys = mgpu_tensor_view_rows(y, from, count);
+    if (g_rank == g_size - 1) mgpu_tensor_fill(xs, 0.5);
+    r = mgpu_model_train_step(m, opt, xs, ys, NULL);
+    snprintf(want, sizeof want, "rank %d of %d", g_size - 1, g_size);
+    CHECK(r == MGPU_ERROR_SHAPE_MISMATCH && strstr(mgpu_last_error(), want) && strstr(mgpu_last_error(), "mgpu_model_train_step"),
+          "rank %d: the last rank's bad input fails this rank too, with its message: %s", g_rank, mgpu_last_error());
+    CHECK(memcmp(mgpu_tensor_data(before), mgpu_tensor_data(mgpu_model_params(m, 0)), (size_t)mgpu_tensor_numel(before) * 4) == 0,
+          "rank %d: the parameters as they were", g_rank);
+    mgpu_tensor_destroy(xs);
+    xs = mgpu_tensor_view_rows(x, from, count);
+    CHECK(mgpu_model_train_step(m, opt, xs, ys, NULL) == MGPU_OK, "then a good step works on every rank: %s", mgpu_last_error());
+    mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys);
+    /* rank 1 corrupts one parameter of its first replica: verify names it everywhere */
+    if (g_rank == 1) ((float*)mgpu_tensor_data(mgpu_model_params(m, 0)))[3] += 1.0f;
+    r = mgpu_model_verify_replicas(m);
+    CHECK(r == MGPU_ERROR_DIVERGED && strstr(mgpu_last_error(), "rank 1") && strstr(mgpu_last_error(), "0.weight"),
+          "rank %d: a corrupted rank 1 is named: %s", g_rank, mgpu_last_error());
+    /* a rank with other layers: mgpu_model_create fails on every rank */
+    bad = make_mlp(set, 1, g_rank == 1 ? HIDDEN + 1 : HIDDEN);
+    CHECK(!bad && strstr(mgpu_last_error(), "rank 1 of") && strstr(mgpu_last_error(), "rank 0's"),
+          "rank %d: a model whose layers differ on rank 1 is refused everywhere: %s", g_rank, mgpu_last_error());
+    mgpu_model_destroy(bad);
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y); mgpu_tensor_destroy(before);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+/* ---- 5. checkpoints ---- */
+static void test_checkpoints(const char* dir) {
+    char path[512], bad[512];
+    struct stat st;
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_model *m = make_mlp(set, 1, HIDDEN), *one = make_mlp(NULL, 0, HIDDEN);
+    mgpu_optimizer* opt = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .lr = 0.1f, .momentum = 0.9f });
+    mgpu_tensor *x, *y, *xs, *ys;
+    int64_t from, count;
+    mgpu_result r;
+    header("checkpoints");
+    make_batch(20, &x, &y);
+    my_rows(m, 20, &from, &count);
+    xs = mgpu_tensor_view_rows(x, from, count);
+    ys = mgpu_tensor_view_rows(y, from, count);
+    CHECK(mgpu_model_train_step(m, opt, xs, ys, NULL) == MGPU_OK, "a step: %s", mgpu_last_error());
+    snprintf(path, sizeof path, "%s/job.safetensors", dir);
+    r = mgpu_model_save(m, opt, path);
+    CHECK(r == MGPU_OK && stat(path, &st) == 0 && st.st_size > 0, "rank %d: the checkpoint is there when the save returns: %s", g_rank,
+          mgpu_last_error());
+    CHECK(mgpu_model_load(one, NULL, path) == MGPU_OK && same_params(one, m), "one process loads the job's parameters, bit for bit: %s",
+          mgpu_last_error());
+    snprintf(bad, sizeof bad, "%s", dir);   /* a folder: rank 0's save fails, and so does every rank's */
+    r = mgpu_model_save(m, opt, bad);
+    CHECK(r != MGPU_OK && strstr(mgpu_last_error(), "rank 0 of"), "rank %d: rank 0's failed save fails here too: %s", g_rank,
+          mgpu_last_error());
+    r = mgpu_model_load(m, opt, g_rank == 1 ? bad : path);
+    CHECK(r != MGPU_OK && strstr(mgpu_last_error(), "rank 1 of"), "rank %d: rank 1's failed load fails here too: %s", g_rank,
+          mgpu_last_error());
+    mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m); mgpu_model_destroy(one);
+    mgpu_device_set_destroy(set);
+}
+
+/* ---- 6. loaders ---- */
+static void write_be32(FILE* f, uint32_t v) {
+    unsigned char b[4] = { (unsigned char)(v >> 24), (unsigned char)(v >> 16), (unsigned char)(v >> 8), (unsigned char)v };
+    fwrite(b, 1, 4, f);
+}
+static void test_loader(const char* dir) {
+    enum { N = 50, BATCH = 11 };
+    char ip[512], lp[512];
+    FILE* f;
+    int i, rows = 0, ok = 1;
+    mgpu_device_set *set = mgpu_device_set_create(my_spec()), *one;
+    mgpu_model* m;
+    mgpu_dataset* ds;
+    mgpu_loader *mine, *whole;
+    mgpu_allreduce* ar;
+    mgpu_tensor* seen;
+    const mgpu_tensor *x, *y, *wx, *wy;
+    header("loaders with shard_for");
+    /* 50 images of 1 x 1 pixel, image i with label i % 256 and pixel i: rows say which sample they are */
+    snprintf(ip, sizeof ip, "%s/img-%d", dir, g_rank);
+    snprintf(lp, sizeof lp, "%s/lab-%d", dir, g_rank);
+    f = fopen(ip, "wb");
+    write_be32(f, 0x803); write_be32(f, N); write_be32(f, 1); write_be32(f, 1);
+    for (i = 0; i < N; ++i) fputc(i, f);
+    fclose(f);
+    f = fopen(lp, "wb");
+    write_be32(f, 0x801); write_be32(f, N);
+    for (i = 0; i < N; ++i) fputc(i, f);
+    fclose(f);
+    ds = mgpu_dataset_load_idx(ip, lp);
+    m = make_mlp(set, 1, HIDDEN);
+    CHECK(ds && m, "data set and model: %s", mgpu_last_error());
+    if (!ds || !m) return;
+    mine = mgpu_loader_create(ds, &(mgpu_loader_desc){ .batch = BATCH, .shuffle = 1, .seed = 5, .shard_for = m });
+    whole = mgpu_loader_create(ds, &(mgpu_loader_desc){ .batch = BATCH, .shuffle = 1, .seed = 5 });
+    seen = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(N));
+    mgpu_tensor_zero(seen);
+    mgpu_loader_start(mine, 1);
+    mgpu_loader_start(whole, 1);
+    while (mgpu_loader_next(whole, &wx, &wy)) {
+        int64_t from, count, k;
+        ok &= mgpu_loader_next(mine, &x, &y);
+        if (!ok) break;
+        my_rows(m, mgpu_tensor_dim(wy, 0), &from, &count);
+        ok &= mgpu_tensor_dim(y, 0) == count && mgpu_tensor_dim(x, 0) == count;
+        for (k = 0; ok && k < count; ++k) {
+            const int32_t label = ((const int32_t*)mgpu_tensor_data(y))[k];
+            ok &= label == ((const int32_t*)mgpu_tensor_data(wy))[from + k] &&
+                  ((const float*)mgpu_tensor_data(x))[k] == ((const float*)mgpu_tensor_data(wx))[from + k];
+            ((float*)mgpu_tensor_data(seen))[label] += 1.0f;
+            rows++;
+        }
+    }
+    CHECK(ok && !mgpu_loader_next(mine, &x, &y), "rank %d: its rows of every batch, %d in all, the replicas' rows of the batch", g_rank, rows);
+    one = mgpu_device_set_create("cpu");
+    ar = mgpu_allreduce_create_distributed(one, MGPU_ALLREDUCE_AUTO);
+    CHECK(ar && mgpu_allreduce_sum(ar, &seen, 1) == MGPU_OK, "the ranks' counts summed: %s", mgpu_last_error());
+    for (i = 0, ok = 1; i < N; ++i) ok &= ((float*)mgpu_tensor_data(seen))[i] == 1.0f;
+    CHECK(ok, "the ranks together see every sample of the epoch once");
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(one);
+    mgpu_tensor_destroy(seen);
+    mgpu_loader_destroy(mine); mgpu_loader_destroy(whole);
+    mgpu_dataset_destroy(ds);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    remove(ip);
+    remove(lp);
+}
+
+int main(int argc, char** argv) {
+    const char* dir = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    int status;
+    if (mgpu_dist_init(&argc, &argv) != MGPU_OK) { printf("mgpu_dist_init: %s\n0 passed, 1 failed, 0 skipped\n", mgpu_last_error()); return 1; }
+    g_rank = mgpu_dist_rank();
+    g_size = mgpu_dist_size();
+    g_total = g_size + 1;
+    g_state = 42;
+    test_start("test_mpi");
+    test_select(argc, argv);
+    TEST_GROUP(test_job());
+    if (g_size >= 2) {
+        TEST_GROUP(test_allreduce());
+        TEST_GROUP(test_equivalence());
+        TEST_GROUP(test_failures());
+        TEST_GROUP(test_checkpoints(dir));
+        TEST_GROUP(test_loader(dir));
+    }
+    (void)test_rel_error;   /* test.h's, unused here */
+    printf("rank %d ", g_rank);
+    status = test_summary("test_mpi");
+    mgpu_dist_shutdown();
+    return status;
+}
