@@ -201,7 +201,7 @@ fuzz: $(FUZZ_BINS) | $(B)
 # Without mpicc and mpirun nothing here is built, and tests/mpi.sh reports one skip.
 MPICC    ?= mpicc
 HAVE_MPI := $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
-MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(if $(NVCC),$(B)/train_mpi_cuda))
+MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(EMU_DIR)/test_mpi $(if $(NVCC),$(B)/train_mpi_cuda))
 $(B)/train_mpi: examples/train.c mgpu.h | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
 $(B)/ddp_mpi: examples/ddp.c mgpu.h | $(B)
@@ -212,6 +212,8 @@ $(B)/train_mpi_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 $(B)/train_mpi_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
+$(EMU_DIR)/test_mpi: tests/test_mpi.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 mpi: $(MPI_BINS)
 
 # Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API

@@ -545,7 +545,8 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stri
    NCCL reads them once per process, at its first communicator. */
 typedef enum mgpu_allreduce_kind {
     MGPU_ALLREDUCE_AUTO = 0, MGPU_ALLREDUCE_NCCL = 1, MGPU_ALLREDUCE_P2P = 2, MGPU_ALLREDUCE_HOST = 3,
-    MGPU_ALLREDUCE_NONE = 4   /* one replica: nothing to reduce */
+    MGPU_ALLREDUCE_NONE = 4,  /* one replica: nothing to reduce */
+    MGPU_ALLREDUCE_MPI = 5    /* reported, not asked for: a job's sums across processes through MPI */
 } mgpu_allreduce_kind;
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind);   /* "nccl", "p2p", "host", ... */
 
@@ -678,7 +679,9 @@ MGPUDEF int mgpu_model_stage_first_layer(const mgpu_model* m, int stage);   /* s
 MGPUDEF mgpu_device* mgpu_model_device(const mgpu_model* m, int replica);
 MGPUDEF mgpu_device* mgpu_model_stage_device(const mgpu_model* m, int replica, int stage);
 MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar parameters */
-MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m);   /* the backend in use */
+/* The backend in use; a distributed model's is the one that sums across the job: NCCL over every
+   process's GPUs, or MPI (CPU replicas, or GPUs without NCCL). */
+MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m);
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
 /* The flat parameter and gradient buffers of one replica's stage (all of the model with one
    stage); mgpu_model_params and _grads are stage 0's, for models of one stage only. */
@@ -1217,6 +1220,14 @@ int mgpu__cu_nccl_group_start(void);
 int mgpu__cu_nccl_group_end(void);
 /* In-place float32 sum all-reduce of buf[n] on one rank; call for every rank inside a group. */
 int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream);
+/* NCCL across processes: rank 0's unique id goes to every process (MPI_Bcast), then each process
+   makes one communicator per local device, ranks first .. first + count - 1 of nranks, in one
+   NCCL group. check: 0 while a communicator is healthy, else the NCCL error that broke it. */
+#define MGPU__CU_NCCL_ID_BYTES 128
+int mgpu__cu_nccl_across_processes(void);   /* 1 when the library has ncclGetUniqueId and friends */
+int mgpu__cu_nccl_unique_id(void* id);
+int mgpu__cu_nccl_comm_init_ranks(const void* id, int nranks, int first, int count, const int* devs, void** comms);
+int mgpu__cu_nccl_comm_check(void* comm);
 
 /* The one-shot all-reduce of the P2P backend: one kernel on dev reads bufs[0..count)[0..n) (each
    reachable from dev: the same GPU, or peer access on), sums them in replica order
@@ -4436,6 +4447,10 @@ typedef struct mgpu__rank {
 static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int* counts, double* sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas);
 static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
+struct mgpu_allreduce;
+static mgpu_result mgpu__ar_join_processes(struct mgpu_allreduce* ar, const int* rank_devices, mgpu_allreduce_kind asked,
+                                           int deterministic);
+static mgpu_result mgpu__ar_check_processes(const struct mgpu_allreduce* ar);
 
 struct mgpu_allreduce {
     mgpu_allreduce_kind kind;
@@ -4448,6 +4463,7 @@ struct mgpu_allreduce {
     mgpu__p2p_choice p2p;   /* P2P: the algorithm MGPU_P2P asks for, or automatic */
     const mgpu_device_set* set;   /* made by mgpu_allreduce_create: counted among the set's users */
     int* rank_devices;      /* distributed: each process's device count, [mgpu_dist_size()]; else NULL */
+    int across_processes;   /* its NCCL communicators span every process's devices */
 };
 
 MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
@@ -4456,6 +4472,7 @@ MGPUDEF const char* mgpu_allreduce_name(mgpu_allreduce_kind kind) {
     case MGPU_ALLREDUCE_P2P: return "p2p";
     case MGPU_ALLREDUCE_HOST: return "host";
     case MGPU_ALLREDUCE_NONE: return "none";
+    case MGPU_ALLREDUCE_MPI: return "mpi";
     default: return "auto";
     }
 }
@@ -4606,7 +4623,10 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
     return ar;
 }
 
-MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) { return ar ? ar->kind : MGPU_ALLREDUCE_NONE; }
+MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar) {
+    if (ar && ar->rank_devices && !ar->across_processes) return MGPU_ALLREDUCE_MPI;   /* distributed, through MPI */
+    return ar ? ar->kind : MGPU_ALLREDUCE_NONE;
+}
 
 /* Across GPUs the one-shot funnels everything through replica 0's links: small buffers only. */
 #define MGPU__ONESHOT_CROSS_GPU_BYTES ((size_t)256 << 10)
@@ -4831,7 +4851,8 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
                               mgpu_tensor_describe(tensors[i], a, sizeof a), mgpu_tensor_describe(tensors[0], b, sizeof b));
         bufs[i] = MGPU__F32(tensors[i]);
     }
-    if (ar->rank_devices) return mgpu__dist_sum(op, tensors, count, ar->rank_devices);
+    if (ar->rank_devices && !ar->across_processes) return mgpu__dist_sum(op, tensors, count, ar->rank_devices);
+    if (ar->across_processes) MGPU__TRY(mgpu__ar_check_processes(ar));
     return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
 }
 
@@ -5049,7 +5070,79 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
         return NULL;
     }
     ar->rank_devices = counts;
+    if (mgpu__ar_join_processes(ar, counts, kind, mgpu__deterministic_from_env()) != MGPU_OK) {
+        mgpu_allreduce_destroy(ar);
+        return NULL;
+    }
     return ar;
+}
+
+/* GPUs: a communicator of this process's devices made one over every process's devices, NCCL's
+   ranks in the job's device order (rank 0's devices first), so that one ncclAllReduce per device
+   sums across the whole job, inside the process and between processes at once (NCCL takes the
+   machine's links and the network as it finds them). Collective. Where some rank cannot (CPU
+   devices, no NCCL, one GPU twice in a process, its initialisation failing), every rank keeps its
+   communicator as it was and sums across processes go through MPI and host memory. */
+static mgpu_result mgpu__ar_join_processes(mgpu_allreduce* ar, const int* rank_devices, mgpu_allreduce_kind asked,
+                                           int deterministic) {
+#ifdef MGPU_MPI
+    static const char* op = "all-reduce across processes";
+    char id[MGPU__CU_NCCL_ID_BYTES];
+    void* comms[MGPU__MAX_REPLICAS];
+    int ordinals[MGPU__MAX_REPLICAS];
+    double able_ranks = 0.0;
+    int i, j, q, first = 0, total = 0, able, rc = 0;
+    mgpu_result r = MGPU_OK;
+    const int cuda = ar && ar->rank[0].dev->kind == MGPU_DEVICE_CUDA;   /* (a CPU model's rank may have none) */
+    asked = mgpu__allreduce_from_env(asked);
+    able = cuda && (asked == MGPU_ALLREDUCE_AUTO || asked == MGPU_ALLREDUCE_NCCL) && MGPU__CUDA(mgpu__cu_nccl_across_processes()) == 1;
+    for (i = 0; able && i < ar->count; ++i) {
+        ordinals[i] = ar->rank[i].dev->ordinal;
+        for (j = 0; j < i; ++j) able &= ordinals[i] != ordinals[j];
+    }
+    MGPU__TRY(mgpu__dist_agree(MGPU_OK, 0, able ? 1.0 : 0.0, NULL, &able_ranks));
+    if (able_ranks < mgpu__dist.size) {
+        if (cuda && mgpu__dist.rank == 0)
+            mgpu__log(MGPU_LOG_INFO, "%s: through MPI and host memory (NCCL with ncclCommInitRank, on distinct GPUs, on %d of %d "
+                      "ranks)", op, (int)able_ranks, mgpu__dist.size);
+        return MGPU_OK;
+    }
+    for (q = 0; q < mgpu__dist.size; ++q) {
+        if (q < mgpu__dist.rank) first += rank_devices[q];
+        total += rank_devices[q];
+    }
+    if (deterministic) mgpu__nccl_pin();
+    if (mgpu__dist.rank == 0 && (rc = MGPU__CUDA(mgpu__cu_nccl_unique_id(id))) != 0) r = mgpu__cu_result(rc, op, ar->rank[0].dev);
+    MGPU__TRY(mgpu__dist_agree(r, 0, 0.0, NULL, NULL));
+    MPI_Bcast(id, (int)sizeof id, MPI_BYTE, 0, mgpu__dist_comm);
+    if ((rc = MGPU__CUDA(mgpu__cu_nccl_comm_init_ranks(id, total, first, ar->count, ordinals, comms))) != 0)
+        r = mgpu__cu_result(rc, op, ar->rank[0].dev);
+    if (mgpu__dist_agree(r, 0, 0.0, NULL, NULL) != MGPU_OK) {   /* fall back, nothing lost */
+        mgpu__log(MGPU_LOG_WARN, "%s: NCCL's initialisation failed (%s); through MPI and host memory", op, mgpu_last_error());
+        for (i = 0; rc == 0 && i < ar->count; ++i) (void)MGPU__CUDA(mgpu__cu_nccl_comm_destroy(comms[i]));
+        mgpu_clear_error();
+        return MGPU_OK;
+    }
+    for (i = 0; i < ar->count; ++i) {
+        if (ar->rank[i].nccl_comm) (void)MGPU__CUDA(mgpu__cu_nccl_comm_destroy(ar->rank[i].nccl_comm));
+        ar->rank[i].nccl_comm = comms[i];
+    }
+    ar->kind = MGPU_ALLREDUCE_NCCL;
+    ar->across_processes = 1;
+#else
+    (void)ar; (void)rank_devices; (void)asked; (void)deterministic;
+#endif
+    return MGPU_OK;
+}
+
+/* NCCL across processes breaks without a word (a peer gone, a network error): asked before each
+   step's vote, so that every rank hears of it. */
+static mgpu_result mgpu__ar_check_processes(const mgpu_allreduce* ar) {
+    int i, rc;
+    for (i = 0; ar && ar->across_processes && i < ar->count; ++i)
+        if ((rc = MGPU__CUDA(mgpu__cu_nccl_comm_check(ar->rank[i].nccl_comm))) != 0)
+            return mgpu__cu_result(rc, "all-reduce across processes", ar->rank[i].dev);
+    return MGPU_OK;
 }
 
 /* ---- >>impl model ----------------------------------------------------------------------- */
@@ -5680,7 +5773,9 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
     m->ar = (mgpu_allreduce**)mgpu__calloc((size_t)m->stage_count, sizeof(mgpu_allreduce*));
     m->task_error = (char(*)[sizeof mgpu__error_text + 64])mgpu__calloc((size_t)m->part_count, sizeof *m->task_error);
     if (!m->ar || !m->task_error) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
-    for (s = 0; s < m->stage_count && m->replica_count > 1; ++s) {
+    /* a job's GPUs sum across processes through these too (mgpu__model_join), one replica or more */
+    const int across = desc->distributed && mgpu__dist.size > 1 && m->part[0].dev->kind == MGPU_DEVICE_CUDA;
+    for (s = 0; s < m->stage_count && (m->replica_count > 1 || across); ++s) {
         mgpu_device* devs[MGPU__MAX_REPLICAS];
         mgpu_device_set copies;   /* the stage's copies, a set of the library's own (counted in desc->devices) */
         memset(&copies, 0, sizeof copies);
@@ -5848,10 +5943,10 @@ static mgpu_result mgpu__dist_broadcast_params(mgpu_model* m) {
 }
 
 /* A distributed model: made on every rank, or failed on every rank; then the same on all. */
-static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made) {
+static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_model_desc* desc) {
     mgpu_result r = made;
     uint64_t mine = 0, first = 0;
-    int q;
+    int q, s;
     if (r == MGPU_OK && !(m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size * 2, sizeof(int))))
         r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory");
     if (r == MGPU_OK) m->dist_rows = m->dist_replicas + mgpu__dist.size;
@@ -5870,13 +5965,16 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made) {
         if (q < mgpu__dist.rank) m->dist_first += m->dist_replicas[q];
         m->dist_total += m->dist_replicas[q];
     }
+    for (s = 0; s < m->stage_count; ++s)   /* GPUs: one NCCL communicator per stage over the job (every rank votes) */
+        MGPU__TRY(mgpu__ar_join_processes(m->ar[s], m->dist_replicas, desc->allreduce,
+                                          m->verify_every > 0 || mgpu__deterministic_from_env()));
     return mgpu__dist_broadcast_params(m);
 }
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     mgpu_model* m = mgpu__model_create_here(desc);
     if (!desc || !desc->distributed || mgpu__dist.size <= 1) return m;
-    if (mgpu__model_join(m, m ? MGPU_OK : mgpu_last_result()) != MGPU_OK) {
+    if (mgpu__model_join(m, m ? MGPU_OK : mgpu_last_result(), desc) != MGPU_OK) {
         mgpu__model_free(m);   /* the message is the failed rank's: "rank 1 of 4: mgpu_model_create: ..." */
         return NULL;
     }
@@ -5884,6 +5982,7 @@ MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
 }
 
 MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
+    if (m && m->dist) return m->ar && m->ar[0] && m->ar[0]->across_processes ? MGPU_ALLREDUCE_NCCL : MGPU_ALLREDUCE_MPI;
     return m && m->ar && m->ar[0] ? m->ar[0]->kind : MGPU_ALLREDUCE_NONE;
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
@@ -6654,8 +6753,12 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     if (m->dist) {   /* every replica of the job, in order, each stage across its copies */
         mgpu_tensor* grads[MGPU__MAX_REPLICAS];
         for (s = 0; s < m->stage_count; ++s) {
-            for (r = 0; r < m->replica_count; ++r) grads[r] = mgpu__part_of(m, r, s)->grads;
-            MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas));
+            for (r = 0; r < m->replica_count; ++r) {
+                grads[r] = mgpu__part_of(m, r, s)->grads;
+                bufs[r] = MGPU__F32(grads[r]);
+            }
+            if (m->ar[s] && m->ar[s]->across_processes) MGPU__TRY(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)));
+            else MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas));
         }
         m->grads_reduced = 1;
         return MGPU_OK;
@@ -6878,6 +6981,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
     int i;
     b.row_base = 0;
     if (m->dist) {
+        for (i = 0; i < m->stage_count && res == MGPU_OK; ++i) res = mgpu__ar_check_processes(m->ar[i]);
         MGPU__TRY(mgpu__dist_agree(res, batch, 0.0, m->dist_rows, NULL));
         for (i = 0, all_rows = 0; i < mgpu__dist.size; ++i) {
             if (i < mgpu__dist.rank) b.row_base += m->dist_rows[i];

@@ -1194,6 +1194,7 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 // ============================================================================================
 typedef struct ncclComm* ncclComm_t;
 typedef int ncclResult_t;                          // an enum in nccl.h
+typedef struct { char internal[MGPU__CU_NCCL_ID_BYTES]; } ncclUniqueId_bytes;   // ncclUniqueId, passed by value
 enum { ncclSuccess = 0, ncclSum = 0, ncclFloat32 = 7 };
 
 static struct {
@@ -1204,7 +1205,11 @@ static struct {
     ncclResult_t (*AllReduce)(const void* send, void* recv, size_t count, int datatype, int op, ncclComm_t comm,
                               cudaStream_t stream);
     const char* (*GetErrorString)(ncclResult_t result);
-    bool loaded;
+    // across processes (optional: without them a job of processes sums through MPI)
+    ncclResult_t (*GetUniqueId)(void* id);
+    ncclResult_t (*CommInitRank)(ncclComm_t* comm, int nranks, ncclUniqueId_bytes id, int rank);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t* async_error);
+    bool loaded, across_processes;
     char why[256];   // why it did not load
 } nccl;
 
@@ -1235,7 +1240,13 @@ static void nccl_load(void) {
                   nccl_symbol(lib, "ncclGroupEnd", &nccl.GroupEnd) &&
                   nccl_symbol(lib, "ncclAllReduce", &nccl.AllReduce) &&
                   nccl_symbol(lib, "ncclGetErrorString", &nccl.GetErrorString);
-    if (!nccl.loaded) (void)dlclose(lib);
+    if (!nccl.loaded) { (void)dlclose(lib); return; }
+    char why[sizeof nccl.why];
+    memcpy(why, nccl.why, sizeof why);   // the optional symbols' absence is no reason for the rest
+    nccl.across_processes = nccl_symbol(lib, "ncclGetUniqueId", &nccl.GetUniqueId) &&
+                            nccl_symbol(lib, "ncclCommInitRank", &nccl.CommInitRank) &&
+                            nccl_symbol(lib, "ncclCommGetAsyncError", &nccl.CommGetAsyncError);
+    memcpy(nccl.why, why, sizeof why);
 }
 
 // Loads NCCL on first use (once, thread-safe); fails with the reason when it is unavailable.
@@ -1283,6 +1294,42 @@ int mgpu__cu_nccl_group_start(void) {
 int mgpu__cu_nccl_group_end(void) {
     TRY(nccl_ready());
     NCCL_TRY(nccl.GroupEnd(), "ncclGroupEnd()");
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_across_processes(void) { return nccl_ready() == MGPU__CU_OK && nccl.across_processes; }
+
+int mgpu__cu_nccl_unique_id(void* id) {
+    TRY(nccl_ready());
+    NCCL_TRY(nccl.GetUniqueId(id), "ncclGetUniqueId()");
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_comm_init_ranks(const void* id, int nranks, int first, int count, const int* devs, void** comms) {
+    TRY(nccl_ready());
+    ncclUniqueId_bytes uid;
+    memcpy(uid.internal, id, sizeof uid.internal);
+    for (int i = 0; i < count; ++i) comms[i] = NULL;
+    NCCL_TRY(nccl.GroupStart(), "ncclGroupStart()");   // one group: the ranks of one process wait for each other
+    for (int i = 0; i < count; ++i) {
+        const int rc = use_device(devs[i]);
+        if (rc != MGPU__CU_OK) { (void)nccl.GroupEnd(); return rc; }
+        ncclResult_t r = nccl.CommInitRank(reinterpret_cast<ncclComm_t*>(&comms[i]), nranks, uid, first + i);
+        if (r != ncclSuccess) {
+            (void)nccl.GroupEnd();
+            return report(MGPU__CU_ERR_NCCL, nccl_name(r), nccl.GetErrorString(r), __LINE__,
+                          "ncclCommInitRank(rank %d of %d) on device %d", first + i, nranks, devs[i]);
+        }
+    }
+    NCCL_TRY(nccl.GroupEnd(), "ncclGroupEnd() after ncclCommInitRank of ranks %d to %d of %d", first, first + count - 1, nranks);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_nccl_comm_check(void* comm) {
+    TRY(nccl_ready());
+    ncclResult_t async_error = ncclSuccess;
+    NCCL_TRY(nccl.CommGetAsyncError((ncclComm_t)comm, &async_error), "ncclCommGetAsyncError(%p)", comm);
+    NCCL_TRY(async_error, "an earlier NCCL operation failed (ncclCommGetAsyncError)");
     return MGPU__CU_OK;
 }
 

@@ -410,7 +410,7 @@ int main(int argc, char** argv) {
                  mgpu_model_stage_count(model), mgpu_model_micro_batches(model), o.pipeline ? o.pipeline : "1f1b",
                  mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     else if (ranks > 1)   /* a job of processes: each with its devices */
-        snprintf(where, sizeof where, "[%d processes x %d device%s, all-reduce %s, then mpi]", ranks, mgpu_device_set_count(set),
+        snprintf(where, sizeof where, "[%d processes x %d device%s, all-reduce %s]", ranks, mgpu_device_set_count(set),
                  mgpu_device_set_count(set) == 1 ? "" : "s", mgpu_allreduce_name(mgpu_model_allreduce_backend(model)));
     else
         snprintf(where, sizeof where, "[%d device%s, all-reduce %s]", mgpu_device_set_count(set),
@@ -484,10 +484,10 @@ int main(int argc, char** argv) {
         test_acc = (float)correct / (float)test->count;
     }
     if (rank == 0)   /* replicas: of the whole job; devices: rank 0's */
-        printf("model=%s processes=%d devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s%s optimizer=%s batch=%d "
+        printf("model=%s processes=%d devices=%s replicas=%d stages=%d micro_batches=%d allreduce=%s optimizer=%s batch=%d "
                "epochs=%d steps=%lld train_loss=%.4f test_loss=%.4f test_acc=%.4f samples_per_s=%.0f seconds=%.2f\n",
                o.model, ranks, mgpu_device_set_spec(set), mgpu_model_total_replica_count(model), mgpu_model_stage_count(model),
-               mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)), ranks > 1 ? "+mpi" : "",
+               mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
                o.optimizer, o.batch, o.epochs, (long long)steps,
                (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
     status = 0;

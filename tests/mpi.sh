@@ -1,7 +1,9 @@
 #!/bin/sh
 # A job of several processes (MGPU_MPI), run by mpirun --oversubscribe on this one machine:
-# 1. build/test_mpi on 3 and on 2 ranks (rank 0 with two CPU replicas, the others one): each
-#    rank's summary is counted.
+# 1. build/test_mpi on 3 and on 2 ranks (rank 0 with two CPU replicas, the others one), and its
+#    emulated-GPU build on 3 ranks (rank 0 on two emulated GPUs, the others on one) with NCCL
+#    across processes (ncclCommInitRank in the emulator) and through MPI (MGPU_ALLREDUCE=host):
+#    each rank's summary is counted.
 # 2. build/train_mpi on Fashion-MNIST, 300 steps from seed 7, against build/train_cpu with all
 #    the replicas in one process; final checkpoints (parameters and optimizer state) compared:
 #      -np 2 --devices cpu      against cpu:2   the same bits
@@ -11,10 +13,12 @@
 #                                                split 22 + 21 + 21)
 #    A run saved on 4 ranks after 150 steps resumes on 1 process (cpu:4) and on 2 (cpu:2 each)
 #    to the same bits as the 300 steps straight. On emulated GPUs (build/train_mpi_emu): -np 2
-#    with "auto" (one emulated GPU each) against cuda:0,1 in one process, and -np 2 with
-#    cuda:0,1 each against cuda:0,1,2,3: the same bits.
-# 3. failures: a rank given a bad data path, and a rank killed mid-training, end the whole job
-#    within seconds, with the failing rank's message.
+#    with "auto" (one emulated GPU each) against cuda:0,1 in one process, -np 2 with cuda:0,1
+#    each against cuda:0,1,2,3, both summed by NCCL across the processes; and through MPI when
+#    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
+# 3. failures: a rank given a bad data path, a rank killed mid-training, and a rank whose NCCL
+#    communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the whole job within seconds, with the
+#    failing rank's message.
 # Usage: mpi.sh [BUILD_DIR] [DATA_DIR]. Skips without mpirun or the MPI builds (make mpi), and
 # part 2 and 3 without Fashion-MNIST.
 b=${1:-build}
@@ -32,8 +36,13 @@ if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_
 mpi="mpirun --oversubscribe --bind-to none"
 
 # ---- 1. the suite, each rank's summary ----
-for np in 3 2; do
-    out=$(TMPDIR=$tmp timeout 300 $mpi -np $np "$b/test_mpi" 2>&1); rc=$?
+lib=$(cd "$b/emu" 2>/dev/null && pwd)
+emu_env="-x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=4 -x MGPU_TEST_MPI_CUDA=1 -x MGPU_TEST_REQUIRE_GPU=1"
+for run in "3 $b/test_mpi" "2 $b/test_mpi" "3 $emu_env $b/emu/test_mpi" "3 -x MGPU_ALLREDUCE=host $emu_env $b/emu/test_mpi"; do
+    np=${run%% *}
+    case "$run" in *emu/test_mpi) [ -x "$b/emu/test_mpi" ] || { skipped=$((skipped + 1)); echo "  skip emulated test_mpi: not built"; continue; };; esac
+    echo "  test_mpi -np $run"
+    out=$(TMPDIR=$tmp timeout 300 $mpi -np $run 2>&1); rc=$?
     printf '%s\n' "$out" | grep -E 'FAIL|^rank [0-9]+ test_mpi:'
     ranks=0
     for line in $(printf '%s\n' "$out" | sed -n 's/^rank [0-9]* test_mpi: \([0-9]*\) passed, \([0-9]*\) failed, \([0-9]*\) skipped$/\1:\2:\3/p'); do
@@ -90,13 +99,33 @@ if [ -x "$b/train_mpi_emu" ] && [ -x "$b/train_emu" ]; then
     run emu2 $emu MGPU_EMU_DEVICES=2 "$b/train_emu" --devices cuda:0,1 $steps
     run emu-np2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
         "$b/train_mpi_emu" --devices auto $steps && check emu-np2 emu2 0
-    grep -q "devices=cuda:0 " "$tmp/emu-np2.txt" && { passed=$((passed + 1)); echo "  ok   auto gave rank 0 the first emulated GPU"; } ||
-        { failed=$((failed + 1)); echo "  FAIL auto on rank 0: $(tail -n 1 "$tmp/emu-np2.txt")"; }
+    grep -q "devices=cuda:0 replicas=2 .*allreduce=nccl" "$tmp/emu-np2.txt" &&
+        { passed=$((passed + 1)); echo "  ok   auto gave rank 0 the first emulated GPU, and NCCL sums across the processes"; } ||
+        { failed=$((failed + 1)); echo "  FAIL auto on rank 0, NCCL: $(tail -n 1 "$tmp/emu-np2.txt")"; }
+    run emu-np2-mpi $emu MGPU_EMU_DEVICES=2 MGPU_ALLREDUCE=host $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU \
+        -x MGPU_VERIFY_EVERY -x MGPU_ALLREDUCE "$b/train_mpi_emu" --devices auto $steps && check emu-np2-mpi emu2 0
+    run emu-np2-noinit $emu MGPU_EMU_DEVICES=2 MGPU_EMU_NCCL_FAIL=init $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY \
+        -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY -x MGPU_EMU_NCCL_FAIL "$b/train_mpi_emu" --devices auto $steps &&
+        check emu-np2-noinit emu2 0 && grep -q "allreduce=mpi" "$tmp/emu-np2-noinit.txt" && grep -q "initialisation failed" "$tmp/emu-np2-noinit.txt" &&
+        { passed=$((passed + 1)); echo "  ok   NCCL failing to initialise: the job sums through MPI, with a notice"; } ||
+        { failed=$((failed + 1)); echo "  FAIL NCCL failing to initialise: $(tail -n 2 "$tmp/emu-np2-noinit.txt")"; }
     run emu4 $emu MGPU_EMU_DEVICES=4 "$b/train_emu" --devices cuda:0,1,2,3 $steps
     run emu-np2x2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
         "$b/train_mpi_emu" --devices cuda:0,1 $steps && check emu-np2x2 emu4 0
 else
     skipped=$((skipped + 1)); echo "  skip emulated GPUs across processes: no $b/train_mpi_emu"
+fi
+
+# the course's pair: examples/ddp.c on 4 processes prints data_parallel.c's losses on cpu:4
+if [ -x "$b/ddp_mpi" ] && [ -x "$b/data_parallel" ]; then
+    timeout 300 $mpi -np 4 "$b/ddp_mpi" > "$tmp/ddp.txt" 2>&1; rc=$?
+    "$b/data_parallel" cpu:4 > "$tmp/dp.txt" 2>&1
+    if [ $rc -eq 0 ] && [ "$(grep -c '^step' "$tmp/ddp.txt")" -gt 0 ] && [ "$(grep '^step' "$tmp/ddp.txt")" = "$(grep '^step' "$tmp/dp.txt")" ] &&
+       grep -q "all-reduce across processes: mpi" "$tmp/ddp.txt"; then
+        passed=$((passed + 1)); echo "  ok   ddp_mpi -np 4 prints data_parallel cpu:4's losses: $(grep '^step 199' "$tmp/ddp.txt")"
+    else
+        failed=$((failed + 1)); echo "  FAIL ddp_mpi -np 4 (exit $rc) against data_parallel cpu:4:"; diff "$tmp/ddp.txt" "$tmp/dp.txt" | head -n 10
+    fi
 fi
 
 # ---- 3. failures end the job ----
@@ -132,6 +161,19 @@ else
     failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
 fi
 pkill -9 -f "$b/train_mpi --data" 2>/dev/null
+# rank 1's NCCL communicator broken (as by a peer gone): every rank stops at the next step
+if [ -x "$b/train_mpi_emu" ]; then
+    start=$(date +%s)
+    timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 -x MGPU_EMU_NCCL_FAIL=async:1 \
+        "$b/train_mpi_emu" --data "$data" --quiet --seed 7 --max-steps 300 > "$tmp/async.txt" 2>&1; rc=$?
+    took=$(( $(date +%s) - start ))
+    n=$(grep -c "train: rank 1 of 2: .*ncclCommGetAsyncError.*ncclRemoteError" "$tmp/async.txt")
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$n" -eq 2 ]; then
+        passed=$((passed + 1)); echo "  ok   a broken NCCL communicator on rank 1 ends both ranks with its message in ${took} s"
+    else
+        failed=$((failed + 1)); echo "  FAIL a broken NCCL communicator on rank 1: exit $rc, $n ranks said so: $(tail -n 4 "$tmp/async.txt")"
+    fi
+fi
 
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]

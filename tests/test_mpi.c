@@ -19,7 +19,12 @@
    5. checkpoints: rank 0 writes, every rank finds the file when the call returns, a one-process
       model loads it with the same bits; a save that fails on rank 0 fails every rank
    6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
-      the ranks together see every row once */
+      the ranks together see every row once
+
+   With MGPU_TEST_MPI_CUDA=1 (tests/mpi.sh runs the emulated build so, with MGPU_EMU_DEVICES=4):
+   the same on GPUs, rank 0 on cuda:0,1 and the others on cuda:0, against one process on
+   cuda:0,1,..., the sums across processes by NCCL (ncclCommInitRank), or through MPI with
+   MGPU_ALLREDUCE=host. */
 
 #include <stdint.h>
 #include <unistd.h>
@@ -30,6 +35,7 @@
 #define OUT 5
 
 static int g_rank, g_size, g_total;   /* g_total: the job's replicas */
+static int g_cuda;                    /* MGPU_TEST_MPI_CUDA=1: GPUs, not CPU replicas */
 
 /* The same host numbers on every rank (a test's inputs must not depend on the rank). */
 static uint64_t g_state;
@@ -41,8 +47,20 @@ static float frand(void) {
     return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
 }
 
-/* This rank's devices: two CPU replicas on rank 0, one elsewhere. */
-static const char* my_spec(void) { return g_rank == 0 ? "cpu:2" : "cpu"; }
+/* This rank's devices: two replicas on rank 0, one elsewhere; and the job's G in one process. */
+static const char* my_spec(void) { return g_cuda ? (g_rank == 0 ? "cuda:0,1" : "cuda:0") : (g_rank == 0 ? "cpu:2" : "cpu"); }
+static void all_spec(char* spec, size_t size, int G) {
+    int i, at;
+    if (!g_cuda) { snprintf(spec, size, "cpu:%d", G); return; }
+    at = snprintf(spec, size, "cuda:0");
+    for (i = 1; i < G && at < (int)size; ++i) at += snprintf(spec + at, size - (size_t)at, ",%d", i);
+}
+
+/* A tensor's floats on the host (GPU tensors downloaded), in a buffer of the caller's. */
+static float* host_floats(const mgpu_tensor* t, float* buf) {
+    CHECK(mgpu_tensor_download(t, buf, (size_t)mgpu_tensor_numel(t) * sizeof(float)) == MGPU_OK, "download: %s", mgpu_last_error());
+    return buf;
+}
 
 static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hidden) {
     mgpu_layer* layers[4];
@@ -84,11 +102,12 @@ static void my_rows(const mgpu_model* m, int64_t B, int64_t* from, int64_t* coun
 }
 
 static int same_params(const mgpu_model* a, const mgpu_model* b) {
-    int t, same = 1;
-    for (t = 0; t < mgpu_model_tensor_count(a); ++t) {
-        const mgpu_tensor *pa = mgpu_model_tensor(a, 0, t), *pb = mgpu_model_tensor(b, 0, t);
-        same &= memcmp(mgpu_tensor_data(pa), mgpu_tensor_data(pb), (size_t)mgpu_tensor_numel(pa) * sizeof(float)) == 0;
-    }
+    const size_t n = (size_t)mgpu_tensor_numel(mgpu_model_params(a, 0));   /* the flat buffer, padding and all */
+    float *ha = (float*)malloc(n * sizeof(float)), *hb = (float*)malloc(n * sizeof(float));
+    int same = mgpu_tensor_numel(mgpu_model_params(b, 0)) == (int64_t)n &&
+               memcmp(host_floats(mgpu_model_params(a, 0), ha), host_floats(mgpu_model_params(b, 0), hb), n * sizeof(float)) == 0;
+    free(ha);
+    free(hb);
     return same;
 }
 
@@ -119,22 +138,27 @@ static void test_allreduce(void) {
         const int n = sizes[k];
         mgpu_tensor* t[2];
         float* expect = (float*)calloc((size_t)n, sizeof(float));
+        float *mine_values = (float*)calloc((size_t)n * 2, sizeof(float)), *got = (float*)calloc((size_t)n, sizeof(float));
         int d, i, same = 1;
         /* device d's element i: a value whose sums depend on the order */
         for (d = 0; d < devices; ++d)
             for (i = 0; i < n; ++i) {
                 const float v = (float)((d + 1) * 1e-3 + 1.0 / (double)(i + 3)) * (d % 2 ? 1e4f : 1.0f);
-                if (d >= first && d < first + mine) {
-                    if (i == 0) t[d - first] = mgpu_tensor_create(mgpu_device_set_get(set, d - first), MGPU_F32, mgpu_shape1(n));
-                    ((float*)mgpu_tensor_data(t[d - first]))[i] = v;
-                }
+                if (d >= first && d < first + mine) mine_values[(size_t)(d - first) * (size_t)n + (size_t)i] = v;
                 expect[i] = d == 0 ? v : expect[i] + v;
             }
+        for (d = 0; d < mine; ++d) {
+            t[d] = mgpu_tensor_create(mgpu_device_set_get(set, d), MGPU_F32, mgpu_shape1(n));
+            mgpu_tensor_upload(t[d], mine_values + (size_t)d * (size_t)n, (size_t)n * sizeof(float));
+        }
         CHECK(mgpu_allreduce_sum(ar, t, mine) == MGPU_OK, "sum of %d floats: %s", n, mgpu_last_error());
-        for (d = 0; d < mine; ++d) same &= memcmp(mgpu_tensor_data(t[d]), expect, (size_t)n * sizeof(float)) == 0;
-        CHECK(same, "%d floats: every device of rank %d holds the sum in the job's order, bit for bit", n, g_rank);
+        for (d = 0; d < mine; ++d) same &= memcmp(host_floats(t[d], got), expect, (size_t)n * sizeof(float)) == 0;
+        CHECK(same, "%d floats: every device of rank %d holds the sum in the job's order (%s), bit for bit", n, g_rank,
+              mgpu_allreduce_name(mgpu_allreduce_backend(ar)));
         for (d = 0; d < mine; ++d) mgpu_tensor_destroy(t[d]);
         free(expect);
+        free(mine_values);
+        free(got);
     }
     mgpu_allreduce_destroy(ar);
     mgpu_device_set_destroy(set);
@@ -142,13 +166,13 @@ static void test_allreduce(void) {
 
 /* ---- 3. equivalence with one process holding every replica ---- */
 static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int steps, int accumulate) {
-    char spec[16];
+    char spec[64];
     mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
     mgpu_model *dm = make_mlp(set, 1, HIDDEN), *ref;
     mgpu_optimizer *dopt, *ropt;
     int s, ok = 1, losses = 1;
     if (!dm) { CHECK(0, "%s: distributed mgpu_model_create: %s", what, mgpu_last_error()); mgpu_device_set_destroy(set); return; }
-    snprintf(spec, sizeof spec, "cpu:%d", mgpu_model_total_replica_count(dm));
+    all_spec(spec, sizeof spec, mgpu_model_total_replica_count(dm));
     all = mgpu_device_set_create(spec);
     ref = make_mlp(all, 0, HIDDEN);
     dopt = mgpu_optimizer_create(dm, &od);
@@ -247,14 +271,23 @@ static void test_failures(void) {
     snprintf(want, sizeof want, "rank %d of %d", g_size - 1, g_size);
     CHECK(r == MGPU_ERROR_SHAPE_MISMATCH && strstr(mgpu_last_error(), want) && strstr(mgpu_last_error(), "mgpu_model_train_step"),
           "rank %d: the last rank's bad input fails this rank too, with its message: %s", g_rank, mgpu_last_error());
-    CHECK(memcmp(mgpu_tensor_data(before), mgpu_tensor_data(mgpu_model_params(m, 0)), (size_t)mgpu_tensor_numel(before) * 4) == 0,
-          "rank %d: the parameters as they were", g_rank);
+    {
+        float* now = (float*)malloc((size_t)mgpu_tensor_numel(before) * sizeof(float));
+        CHECK(memcmp(mgpu_tensor_data(before), host_floats(mgpu_model_params(m, 0), now), (size_t)mgpu_tensor_numel(before) * 4) == 0,
+              "rank %d: the parameters as they were", g_rank);
+        free(now);
+    }
     mgpu_tensor_destroy(xs);
     xs = mgpu_tensor_view_rows(x, from, count);
     CHECK(mgpu_model_train_step(m, opt, xs, ys, NULL) == MGPU_OK, "then a good step works on every rank: %s", mgpu_last_error());
     mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys);
     /* rank 1 corrupts one parameter of its first replica: verify names it everywhere */
-    if (g_rank == 1) ((float*)mgpu_tensor_data(mgpu_model_params(m, 0)))[3] += 1.0f;
+    if (g_rank == 1) {
+        float* p = (float*)malloc((size_t)mgpu_tensor_numel(before) * sizeof(float));
+        host_floats(mgpu_model_params(m, 0), p)[3] += 1.0f;
+        mgpu_tensor_upload(mgpu_model_params(m, 0), p, (size_t)mgpu_tensor_numel(before) * sizeof(float));
+        free(p);
+    }
     r = mgpu_model_verify_replicas(m);
     CHECK(r == MGPU_ERROR_DIVERGED && strstr(mgpu_last_error(), "rank 1") && strstr(mgpu_last_error(), "0.weight"),
           "rank %d: a corrupted rank 1 is named: %s", g_rank, mgpu_last_error());
@@ -381,6 +414,10 @@ int main(int argc, char** argv) {
     g_rank = mgpu_dist_rank();
     g_size = mgpu_dist_size();
     g_total = g_size + 1;
+    g_cuda = getenv("MGPU_TEST_MPI_CUDA") && !strcmp(getenv("MGPU_TEST_MPI_CUDA"), "1");
+#ifndef MGPU_CUDA
+    if (g_cuda) { printf("MGPU_TEST_MPI_CUDA=1 needs a CUDA (or emulated) build\n0 passed, 1 failed, 0 skipped\n"); return 1; }
+#endif
     g_state = 42;
     test_start("test_mpi");
     test_select(argc, argv);

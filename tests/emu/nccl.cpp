@@ -1,13 +1,21 @@
 /* tests/emu/nccl.cpp - a fake NCCL for the GPU emulator (libnccl_emu.so), loaded by mgpu's own
    dlopen path through MGPU_NCCL_LIBRARY. The calls mgpu makes: ncclCommInitAll, ncclCommDestroy,
-   ncclGroupStart/End, ncclAllReduce (float32 sum), ncclGetErrorString.
+   ncclGroupStart/End, ncclAllReduce (float32 sum), ncclGetErrorString; and across processes
+   ncclGetUniqueId, ncclCommInitRank, ncclCommGetAsyncError.
 
    An all-reduce is queued on each rank's stream; each rank's task waits there until every rank
    has reached the same collective (the n-th call on each communicator), then the last one adds
    the buffers in rank order ((r0 + r1) + r2) + ... and writes the sum to every rank. Calls must
    match across ranks (count, type, op), as NCCL requires; a mismatch or a rank that never comes
    aborts with a report.
-   MGPU_EMU_NCCL_FAIL=init makes ncclCommInitAll fail as NCCL does without a usable GPU. */
+   Across processes (ncclCommInitRank), the ranks meet in a POSIX shared-memory segment named by
+   the unique id (rank 0 makes it; the name is unlinked once every rank has joined): each round a
+   rank copies up to 1 MiB of its buffer into its slot, the last to arrive adds the slots in rank
+   order into the sum slot, and every rank copies the sum out; a process-shared mutex and
+   condition variable order them, with the emulator's timeout.
+   MGPU_EMU_NCCL_FAIL=init makes ncclCommInitAll fail as NCCL does without a usable GPU;
+   MGPU_EMU_NCCL_FAIL=async:R makes global rank R's communicator report ncclRemoteError through
+   ncclCommGetAsyncError after its first all-reduce (a peer gone, as NCCL sees it). */
 #include "emu.h"
 
 #include <chrono>
@@ -16,10 +24,17 @@
 #include <mutex>
 #include <vector>
 
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #define NCCL_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -30,8 +45,11 @@ enum {
     ncclSystemError = 2,
     ncclInternalError = 3,
     ncclInvalidArgument = 4,
-    ncclInvalidUsage = 5
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6
 };
+#define NCCL_UNIQUE_ID_BYTES 128
+typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
 enum { ncclSum = 0, ncclFloat32 = 7 };
 
 namespace {
@@ -107,14 +125,98 @@ void run_allreduce(void* arg) {
 
 thread_local int tl_group_depth = 0;
 
+// ---- across processes: a clique in shared memory ----
+const size_t kRoundFloats = (size_t)1 << 18;   // floats per rank per round
+const char kIdMagic[] = "mgpu-emu-nccl";
+const uint32_t kReady = 0x6d677075;
+
+struct shared_clique {
+    uint32_t ready;          // kReady once rank 0 has set it up (atomic)
+    int n;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int joined, arrived, departed, draining;
+    uint64_t round, seq;     // rounds done; the collective of this round
+    size_t count;            // floats of this round
+    float data[1];           // n + 1 slots of kRoundFloats: each rank's, then the sum
+};
+size_t shared_bytes(int n) { return sizeof(shared_clique) + (size_t)(n + 1) * kRoundFloats * sizeof(float); }
+
+// Waits on the shared condition variable until pred() holds, or dies after the emulator's timeout.
+template <class P> void shared_wait(shared_clique* sc, P pred, const char* what, int rank) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += (time_t)mgpu_emu_timeout_seconds();
+    while (!pred())
+        if (pthread_cond_timedwait(&sc->cv, &sc->mu, &deadline) == ETIMEDOUT && !pred())
+            die("%s: rank %d waited %.0f s for the other processes' ranks (%d of %d arrived)", what, rank,
+                mgpu_emu_timeout_seconds(), sc->arrived, sc->n);
+}
+
 }  // namespace
 
 struct ncclComm {
     clique* c;
     int rank, dev;
     uint64_t seq = 0;
+    shared_clique* shared = nullptr;   // across processes
+    int async_error = 0;               // what ncclCommGetAsyncError reports
+    bool fail_async = false;           // MGPU_EMU_NCCL_FAIL=async:R for this rank
 };
 typedef ncclComm* ncclComm_t;
+
+namespace {
+struct shared_call {
+    ncclComm* comm;
+    uint64_t seq;
+    const float* send;
+    float* recv;
+    size_t count;
+};
+
+void run_allreduce_shared(void* arg) {
+    shared_call* k = (shared_call*)arg;
+    shared_clique* sc = k->comm->shared;
+    const int rank = k->comm->rank;
+    for (size_t off = 0; off < k->count; off += kRoundFloats) {
+        const size_t len = k->count - off < kRoundFloats ? k->count - off : kRoundFloats;
+        pthread_mutex_lock(&sc->mu);
+        shared_wait(sc, [&] { return !sc->draining; }, "ncclAllReduce across processes", rank);
+        if (sc->arrived == 0) {
+            sc->count = len;
+            sc->seq = k->seq;
+        } else if (sc->count != len || sc->seq != k->seq) {
+            die("ncclAllReduce #%llu across processes: rank %d passes %zu elements, another rank's #%llu %zu",
+                (unsigned long long)k->seq, rank, k->count, (unsigned long long)sc->seq, sc->count);
+        }
+        memcpy(sc->data + (size_t)rank * kRoundFloats, k->send + off, len * sizeof(float));
+        const uint64_t mine = sc->round;
+        if (++sc->arrived == sc->n) {   // the last one sums, in rank order
+            float* sum = sc->data + (size_t)sc->n * kRoundFloats;
+            memcpy(sum, sc->data, len * sizeof(float));
+            for (int r = 1; r < sc->n; ++r) {
+                const float* src = sc->data + (size_t)r * kRoundFloats;
+                for (size_t i = 0; i < len; ++i) sum[i] += src[i];
+            }
+            sc->arrived = 0;
+            sc->draining = 1;
+            pthread_cond_broadcast(&sc->cv);
+        } else {
+            shared_wait(sc, [&] { return sc->draining && sc->round == mine; }, "ncclAllReduce across processes", rank);
+        }
+        memcpy(k->recv + off, sc->data + (size_t)sc->n * kRoundFloats, len * sizeof(float));
+        if (++sc->departed == sc->n) {
+            sc->departed = 0;
+            sc->draining = 0;
+            sc->round++;
+            pthread_cond_broadcast(&sc->cv);
+        }
+        pthread_mutex_unlock(&sc->mu);
+    }
+    if (k->comm->fail_async) k->comm->async_error = ncclRemoteError;
+    delete k;
+}
+}  // namespace
 
 NCCL_EXPORT const char* ncclGetErrorString(ncclResult_t r) {
     switch (r) {
@@ -124,6 +226,7 @@ NCCL_EXPORT const char* ncclGetErrorString(ncclResult_t r) {
     case ncclInternalError: return "internal error";
     case ncclInvalidArgument: return "invalid argument";
     case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
     default: return "unknown result code";
     }
 }
@@ -145,8 +248,89 @@ NCCL_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int*
     return ncclSuccess;
 }
 
+NCCL_EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    static int made = 0;
+    struct timespec t;
+    if (!id) return ncclInvalidArgument;
+    clock_gettime(CLOCK_REALTIME, &t);
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "%s /mgpu-emu-nccl-%d-%d-%lld%09ld", kIdMagic, (int)getpid(),
+             __atomic_fetch_add(&made, 1, __ATOMIC_RELAXED), (long long)t.tv_sec, (long)t.tv_nsec);
+    return ncclSuccess;
+}
+
+// Joins rank `rank` of the clique the id names, on the current device. It does not wait for the
+// other ranks (NCCL's does, at ncclGroupEnd): the first all-reduce waits for them.
+NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+    char name[NCCL_UNIQUE_ID_BYTES];
+    const char* fail = getenv("MGPU_EMU_NCCL_FAIL");
+    if (!comm || nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+    if (fail && strcmp(fail, "init") == 0) return ncclUnhandledCudaError;
+    if (strncmp(id.internal, kIdMagic, sizeof kIdMagic - 1) != 0 || id.internal[sizeof kIdMagic - 1] != ' ') return ncclInvalidArgument;
+    snprintf(name, sizeof name, "%s", id.internal + sizeof kIdMagic);
+    const size_t bytes = shared_bytes(nranks);
+    int fd = -1;
+    if (rank == 0) {
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0) {
+            fprintf(stderr, "mgpu-emu nccl: shm_open/ftruncate(%s, %zu bytes): %s\n", name, bytes, strerror(errno));
+            if (fd >= 0) close(fd);
+            return ncclSystemError;
+        }
+    } else {   // until rank 0 has made it
+        const double give_up = mgpu_emu_timeout_seconds();
+        struct stat st;
+        for (double waited = 0; ; waited += 1e-3) {
+            if (fd < 0) fd = shm_open(name, O_RDWR, 0600);
+            if (fd >= 0 && fstat(fd, &st) == 0 && (size_t)st.st_size >= bytes) break;
+            if (waited > give_up) die("ncclCommInitRank: rank %d of %d waited %.0f s for rank 0's %s", rank, nranks, give_up, name);
+            usleep(1000);
+        }
+    }
+    shared_clique* sc = (shared_clique*)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (sc == MAP_FAILED) return ncclSystemError;
+    if (rank == 0) {
+        pthread_mutexattr_t ma;
+        pthread_condattr_t ca;
+        pthread_mutexattr_init(&ma);
+        pthread_mutexattr_setpshared(&ma, PTHREAD_PROCESS_SHARED);
+        pthread_mutex_init(&sc->mu, &ma);
+        pthread_condattr_init(&ca);
+        pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);
+        pthread_cond_init(&sc->cv, &ca);
+        sc->n = nranks;
+        __atomic_store_n(&sc->ready, kReady, __ATOMIC_RELEASE);
+    } else {
+        for (double waited = 0; __atomic_load_n(&sc->ready, __ATOMIC_ACQUIRE) != kReady; waited += 1e-3) {
+            if (waited > mgpu_emu_timeout_seconds()) die("ncclCommInitRank: rank %d: %s was never set up", rank, name);
+            usleep(1000);
+        }
+        if (sc->n != nranks) die("ncclCommInitRank: rank %d says %d ranks, rank 0 said %d", rank, nranks, sc->n);
+    }
+    pthread_mutex_lock(&sc->mu);
+    if (++sc->joined == nranks) shm_unlink(name);   // everyone has it mapped: no file left behind
+    pthread_mutex_unlock(&sc->mu);
+    ncclComm* c = new ncclComm{nullptr, rank, mgpu_emu_stream_device(NULL)};
+    c->shared = sc;
+    c->fail_async = fail && strncmp(fail, "async:", 6) == 0 && atoi(fail + 6) == rank;
+    *comm = c;
+    return ncclSuccess;
+}
+
+NCCL_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+    if (!comm || !async_error) return ncclInvalidArgument;
+    *async_error = __atomic_load_n(&comm->async_error, __ATOMIC_ACQUIRE);
+    return ncclSuccess;
+}
+
 NCCL_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (!comm) return ncclInvalidArgument;
+    if (comm->shared) {
+        munmap(comm->shared, shared_bytes(comm->shared->n));
+        delete comm;
+        return ncclSuccess;
+    }
     clique* c = comm->c;
     bool last;
     {
@@ -183,6 +367,11 @@ NCCL_EXPORT ncclResult_t ncclAllReduce(const void* send, void* recv, size_t coun
     mgpu_emu_check_device_range("ncclAllReduce send buffer", send, count * sizeof(float), comm->dev);
     mgpu_emu_check_device_range("ncclAllReduce receive buffer", recv, count * sizeof(float), comm->dev);
     mgpu_emu_count_collective();
+    if (comm->shared) {
+        shared_call* k = new shared_call{comm, comm->seq++, (const float*)send, (float*)recv, count};
+        mgpu_emu_enqueue(stream, run_allreduce_shared, k, "ncclAllReduce across processes");
+        return ncclSuccess;
+    }
     call* k = new call{comm->c, comm->rank, comm->seq++, (const float*)send, (float*)recv, count};
     mgpu_emu_enqueue(stream, run_allreduce, k, "ncclAllReduce");
     return ncclSuccess;
