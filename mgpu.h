@@ -24,6 +24,10 @@
    Such a binary runs on any machine: with no GPU (or no driver) the device spec "auto" falls back
    to the CPU with a one-line notice. NCCL, when used, is loaded at run time with dlopen.
 
+   A job of several processes (mpirun, srun): build with mpicc and MGPU_MPI, with or without CUDA:
+
+       mpicc -std=c99 -O2 -DMGPU_MPI prog.c -lm -lpthread       then: mpirun -np 4 ./a.out
+
    ---------------------------------------------------------------------------------------------
    CONFIGURATION MACROS (define before including the implementation)
    ---------------------------------------------------------------------------------------------
@@ -35,6 +39,8 @@
    MGPU_NO_THREADS       single-threaded CPU backend (no pthreads)
    MGPU_CBLAS            CPU GEMMs by cblas_sgemm (OpenBLAS, BLIS, MKL: include path and -l of
                          yours); the bits may then depend on the BLAS's own thread count
+   MGPU_MPI              jobs of several processes over MPI (mgpu_dist_init, >>parallel): build
+                         with mpicc; without it nothing needs MPI
 
    ---------------------------------------------------------------------------------------------
    QUICK START (the gist of examples/tour.c, the complete program, which CI builds and runs)
@@ -89,6 +95,8 @@
                  (P2P's one-shot kernel or ring, chosen per call by size and peer access).
    bucket        A range of the flat gradient buffer, all-reduced as soon as backward has
                  produced it while backward goes on with earlier layers (DDP's gradient buckets).
+   rank          One process of a job of several (MGPU_MPI: mpirun, srun), with devices of its
+                 own; a distributed model is one data-parallel job over every rank's replicas.
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
 
    ---------------------------------------------------------------------------------------------
@@ -146,6 +154,9 @@
      made: make such models before starting threads of your own that read the environment.
    - Call mgpu_cpu_set_threads and mgpu_log_set_callback before the work starts. The callback
      may run on the library's worker threads (a CPU replica's failure is reported there).
+   - MPI: the library calls it from the thread that calls it (mgpu_dist_init asks for
+     MPI_THREAD_SERIALIZED), on a communicator of its own; a distributed model's calls are
+     collective: every rank makes them, in the same order.
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
      thread alone (so CPU replicas, one thread each, never deadlock).
    - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
@@ -160,7 +171,8 @@
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
-   - more than one process: no MPI, no multi-node training (DistributedDataParallel's setting).
+   - overlap of the sums across processes with backward: a distributed model sums after backward
+     (after its ranks' vote), where one process overlaps its buckets' sums with backward.
    - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 

@@ -12,13 +12,14 @@
 #      -np 3 --devices cpu      against cpu:3   the same bits, and within 1e-5 of cpu (64 rows
 #                                                split 22 + 21 + 21)
 #    A run saved on 4 ranks after 150 steps resumes on 1 process (cpu:4) and on 2 (cpu:2 each)
-#    to the same bits as the 300 steps straight. On emulated GPUs (build/train_mpi_emu): -np 2
+#    to the same bits as the 300 steps straight. -np 2 with 2 replicas x 2 stages each (Dropout
+#    on) against cpu:8 with 2 stages: the same bits. On emulated GPUs (build/train_mpi_emu): -np 2
 #    with "auto" (one emulated GPU each) against cuda:0,1 in one process, -np 2 with cuda:0,1
 #    each against cuda:0,1,2,3, both summed by NCCL across the processes; and through MPI when
 #    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
-# 3. failures: a rank given a bad data path, a rank killed mid-training, and a rank whose NCCL
-#    communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the whole job within seconds, with the
-#    failing rank's message.
+# 3. failures: a rank given a bad data path, a rank killed mid-training, a rank out of (emulated)
+#    GPU memory, and a rank whose NCCL communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the
+#    whole job within seconds, with the failing rank's message.
 # Usage: mpi.sh [BUILD_DIR] [DATA_DIR]. Skips without mpirun or the MPI builds (make mpi), and
 # part 2 and 3 without Fashion-MNIST.
 b=${1:-build}
@@ -88,6 +89,9 @@ run np3 $mpi -np 3 "$b/train_mpi" --devices cpu $steps && check np3 cpu3 0 && ch
 grep -q "processes=3 devices=cpu replicas=3 " "$tmp/np3.txt" &&
     { passed=$((passed + 1)); echo "  ok   the result line names the 3 processes"; } ||
     { failed=$((failed + 1)); echo "  FAIL the result line of -np 3: $(tail -n 1 "$tmp/np3.txt")"; }
+# a pipeline in each process: 2 processes x 2 replicas x 2 stages, with Dropout, against cpu:8
+run pipe-np2 $mpi -np 2 "$b/train_mpi" --devices cpu:4 --stages 2 --micro-batches 4 --dropout 0.2 $steps &&
+    run pipe-cpu8 "$b/train_cpu" --devices cpu:8 --stages 2 --micro-batches 4 --dropout 0.2 $steps && check pipe-np2 pipe-cpu8 0
 # saved by 4 ranks half way, resumed by one process and by two
 run half4 $mpi -np 4 "$b/train_mpi" --devices cpu --max-steps 150 &&
     cp "$tmp/half4.st" "$tmp/half4b.st" &&
@@ -161,6 +165,18 @@ else
     failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
 fi
 pkill -9 -f "$b/train_mpi --data" 2>/dev/null
+# rank 1's emulated GPU out of memory from its 10th cudaMalloc on (in its first step): both ranks stop, with its message
+if [ -x "$b/train_mpi_emu" ]; then
+    timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 1 ]; then
+        export MGPU_EMU_FAIL_MALLOC=10 MGPU_EMU_FAIL_MALLOC_COUNT=100000; fi; exec "$1" --data "$0" --quiet --seed 7 --max-steps 50' \
+        "$data" "$b/train_mpi_emu" > "$tmp/oom.txt" 2>&1; rc=$?
+    n=$(grep -c "train: rank 1 of 2: .*out of memory on cuda:1" "$tmp/oom.txt")
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$n" -eq 2 ]; then
+        passed=$((passed + 1)); echo "  ok   rank 1 out of GPU memory: both ranks stop with its message"
+    else
+        failed=$((failed + 1)); echo "  FAIL rank 1 out of GPU memory: exit $rc, $n ranks said so: $(tail -n 4 "$tmp/oom.txt")"
+    fi
+fi
 # rank 1's NCCL communicator broken (as by a peer gone): every rank stops at the next step
 if [ -x "$b/train_mpi_emu" ]; then
     start=$(date +%s)
