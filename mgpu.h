@@ -603,8 +603,10 @@ MGPUDEF int mgpu_dist_local_rank(void);    /* among the processes on this machin
 MGPUDEF int mgpu_dist_local_size(void);
 /* A communicator over the devices of set in EVERY process of the job: each process makes one
    over its own set (all of them, collectively) and mgpu_allreduce_sum then sums across all their
-   devices, in the order (rank 0's devices, rank 1's, ...), so every device of every process gets
-   the same bits. Without a job of several processes it is mgpu_allreduce_create. */
+   devices (every rank calls it, with the same size): NCCL across GPUs where every rank can, else
+   MPI, which adds in the order (rank 0's devices, rank 1's, ...), the order of one process. Every
+   device of every process gets the same bits. Without a job of several processes it is
+   mgpu_allreduce_create. */
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set* set, mgpu_allreduce_kind kind);
 
 /* ============================================================================================ */
@@ -654,8 +656,9 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
    a step, each rank passes ITS rows of the global batch (a loader with shard_for gives them,
    DistributedSampler's way; the global batch is the sum of the ranks' rows): the gradients of all
    the job's replicas are summed in the order of the replicas (rank 0's, then rank 1's, ...), the
-   order a single process with all of them sums in, so the results do not depend on how replicas
-   are spread over processes, and every replica of every rank holds the same bits. A failure on
+   order a single process with all of them sums in (through MPI: CPU replicas, or GPUs without
+   NCCL; NCCL across GPUs sums in its own order), so the results do not depend on how replicas
+   are spread over processes; every replica of every rank holds the same bits. A failure on
    one rank, in a step, at create, in a save, fails the call on every rank with that rank's
    message ("rank 1 of 4: ..."), never a hang. Saving: rank 0 writes, the others wait for it;
    every rank loads. Evaluation, forward and backward stay in their process. */
@@ -4456,8 +4459,9 @@ typedef struct mgpu__rank {
 } mgpu__rank;
 
 /* Processes (the end of this section): a vote of every rank, and sums across them. */
-static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int* counts, double* sum);
-static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas);
+static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int64_t* counts, double* sum);
+static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
+                                  double number, double* number_sum);
 static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
 struct mgpu_allreduce;
 static mgpu_result mgpu__ar_join_processes(struct mgpu_allreduce* ar, const int* rank_devices, mgpu_allreduce_kind asked,
@@ -4845,9 +4849,31 @@ static mgpu_result mgpu__ar_sum(mgpu_allreduce* ar, float* const* bufs, size_t n
     return mgpu__ar_reduce(ar, bufs, n);
 }
 
+static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count, float** bufs);
+/* A distributed communicator's ranks vote on their arguments (and, through NCCL, on the
+   communicators' health) before they sum, so that one rank's mistake fails every rank. */
 MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count) {
-    static const char* op = "mgpu_allreduce_sum";
     float* bufs[MGPU__MAX_REPLICAS];
+    mgpu_result r = mgpu__allreduce_check(ar, tensors, count, bufs);
+    if (!ar || !ar->rank_devices) return r != MGPU_OK ? r : mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+    if (!ar->across_processes) return mgpu__dist_sum("mgpu_allreduce_sum", tensors, count, ar->rank_devices, r, 0.0, NULL);
+    if (r == MGPU_OK) r = mgpu__ar_check_processes(ar);
+    {   /* NCCL: the same element count everywhere, or nobody sums */
+        int64_t* counts = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
+        int q;
+        if (!counts) { fprintf(stderr, "mgpu: rank %d: out of host memory for a vote\n", mgpu__dist.rank); mgpu_dist_abort(1); }
+        r = mgpu__dist_agree(r, r == MGPU_OK ? mgpu_tensor_numel(tensors[0]) : 0, 0.0, counts, NULL);
+        for (q = 0; r == MGPU_OK && q < mgpu__dist.size; ++q)
+            if (counts[q] != counts[0])
+                r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_allreduce_sum: rank %d sums %lld floats, rank 0 %lld", q,
+                               (long long)counts[q], (long long)counts[0]);
+        MGPU_FREE(counts);
+    }
+    MGPU__TRY(r);
+    return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+}
+static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count, float** bufs) {
+    static const char* op = "mgpu_allreduce_sum";
     char a[128], b[128];
     int i;
     if (!ar || !tensors) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL argument", op);
@@ -4863,9 +4889,7 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
                               mgpu_tensor_describe(tensors[i], a, sizeof a), mgpu_tensor_describe(tensors[0], b, sizeof b));
         bufs[i] = MGPU__F32(tensors[i]);
     }
-    if (ar->rank_devices && !ar->across_processes) return mgpu__dist_sum(op, tensors, count, ar->rank_devices);
-    if (ar->across_processes) MGPU__TRY(mgpu__ar_check_processes(ar));
-    return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+    return MGPU_OK;
 }
 
 /* ---- >>impl parallel, processes: MPI's launch, rendezvous and collectives ---- */
@@ -4887,6 +4911,9 @@ MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv) {
         if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
             return mgpu__fail(MGPU_ERROR_MPI, "%s: MPI_Init_thread failed", op);
         mgpu__dist.called_init = 1;
+        if (provided < MPI_THREAD_SERIALIZED)
+            mgpu__log(MGPU_LOG_INFO, "%s: this MPI gives thread level %d, not MPI_THREAD_SERIALIZED: call mgpu from the main "
+                      "thread only", op, provided);
     }
     if (MPI_Comm_dup(MPI_COMM_WORLD, &mgpu__dist_comm) != MPI_SUCCESS ||
         MPI_Comm_rank(mgpu__dist_comm, &mgpu__dist.rank) != MPI_SUCCESS ||
@@ -4932,7 +4959,9 @@ MGPUDEF void mgpu_dist_abort(int exit_code) {
 /* Every rank tells every other how it fared, in one collective: its result (with its error
    message), a count and a number. A failure anywhere fails every rank with the first failing
    rank's message, so that no rank goes on into a collective the failed one will never reach.
-   counts[P] (or NULL) receives each rank's count; *sum the sum of the numbers. */
+   counts[P] (or NULL) receives each rank's count; *sum the sum of the numbers. A vote every rank
+   cannot even hold (no memory for it) ends the job: nothing else would keep the others from
+   waiting. */
 typedef struct mgpu__dist_vote {
     int64_t count;
     double number;
@@ -4940,7 +4969,7 @@ typedef struct mgpu__dist_vote {
     char text[492];
 } mgpu__dist_vote;
 
-static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int* counts, double* sum) {
+static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int64_t* counts, double* sum) {
 #ifdef MGPU_MPI
     mgpu__dist_vote vote, *all;
     int i, failed = -1;
@@ -4955,7 +4984,7 @@ static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double numb
             memcpy(vote.text, e, len);
         }
         all = (mgpu__dist_vote*)MGPU_MALLOC((size_t)mgpu__dist.size * sizeof *all);
-        if (!all) {   /* cannot even vote: end the job rather than leave the others waiting */
+        if (!all) {
             fprintf(stderr, "mgpu: rank %d: out of host memory for a vote of %d ranks\n", mgpu__dist.rank, mgpu__dist.size);
             mgpu_dist_abort(1);
         }
@@ -4963,7 +4992,7 @@ static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double numb
         if (sum) *sum = 0.0;
         for (i = 0; i < mgpu__dist.size; ++i) {
             if (failed < 0 && all[i].result != MGPU_OK) failed = i;
-            if (counts) counts[i] = (int)all[i].count;
+            if (counts) counts[i] = all[i].count;
             if (sum) *sum += all[i].number;
         }
         if (failed >= 0) {
@@ -4976,111 +5005,142 @@ static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double numb
         return MGPU_OK;
     }
 #endif
-    if (counts) counts[0] = (int)count;
+    if (counts) counts[0] = count;
     if (sum) *sum = number;
     return mine;
 }
 
-/* The sum of bufs[0..L)[0..n) of this process and of every other process's, in the order of the
-   job's replicas (rank 0's L_0, then rank 1's, ...), into every buffer: ((b0 + b1) + b2) + ...,
-   the order of the host all-reduce of one process with all of them, so that the bits do not
-   depend on how the replicas are spread over processes. Each rank sums one slice of the buffer
-   from every replica's copy of that slice (MPI_Alltoallv: a reduce-scatter), then every rank
-   gathers every slice (MPI_Allgatherv): 2 (P - 1) / P of a buffer per replica goes over the
-   wire, as in a ring. (The slices come unsummed from each process, so a process with several
-   replicas sends each of them; its own sum would change the order.) */
-static mgpu_result mgpu__dist_sum_host(const char* op, float* const* bufs, int L, size_t n, const int* rank_replicas) {
+/* Rank 0's bytes to every rank, in pieces MPI's int counts can take. */
+static void mgpu__dist_broadcast(void* p, size_t bytes) {
 #ifdef MGPU_MPI
-    const int P = mgpu__dist.size, me = mgpu__dist.rank;
-    int *send_counts, *send_at, *recv_counts, *recv_at, *slice_counts, *slice_at;
-    float *send, *recv;
-    int64_t start, count, my_start, my_count;
-    int q, l, total = 0, sent = 0;
-    size_t i;
-    if (P <= 1 || n == 0) return MGPU_OK;
-    for (q = 0; q < P; ++q) total += rank_replicas[q];
-    if ((double)n * (double)(L > total ? L : total) >= (double)INT32_MAX)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %zu floats on %d replicas are too many for one MPI call", op, n, total);
-    mgpu__split((int64_t)n, P, me, &my_start, &my_count);
-    send_counts = (int*)mgpu__calloc((size_t)P * 6, sizeof(int));
-    send = (float*)MGPU_MALLOC((n * (size_t)L + 1) * sizeof(float));
-    recv = (float*)MGPU_MALLOC(((size_t)my_count * (size_t)total + 1) * sizeof(float));
-    if (!send_counts || !send || !recv) {
-        MGPU_FREE(send_counts);
-        MGPU_FREE(send);
-        MGPU_FREE(recv);
-        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for the sum across processes", op);
-    }
-    send_at = send_counts + P;
-    recv_counts = send_at + P;
-    recv_at = recv_counts + P;
-    slice_counts = recv_at + P;
-    slice_at = slice_counts + P;
-    for (q = 0; q < P; ++q) {   /* to rank q: slice q of each of my replicas, one after another */
-        mgpu__split((int64_t)n, P, q, &start, &count);
-        send_at[q] = sent;
-        send_counts[q] = (int)count * L;
-        for (l = 0; l < L; ++l, sent += (int)count) memcpy(send + sent, bufs[l] + start, (size_t)count * sizeof(float));
-        recv_counts[q] = (int)my_count * rank_replicas[q];
-        recv_at[q] = q == 0 ? 0 : recv_at[q - 1] + recv_counts[q - 1];
-        slice_counts[q] = (int)count;
-        slice_at[q] = (int)start;
-    }
-    MPI_Alltoallv(send, send_counts, send_at, MPI_FLOAT, recv, recv_counts, recv_at, MPI_FLOAT, mgpu__dist_comm);
-    for (l = 1; l < total; ++l) {   /* my slice: the job's replicas in order */
-        const float* src = recv + (size_t)l * (size_t)my_count;
-        for (i = 0; i < (size_t)my_count; ++i) recv[i] += src[i];
-    }
-    memcpy(bufs[0] + my_start, recv, (size_t)my_count * sizeof(float));
-    MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, bufs[0], slice_counts, slice_at, MPI_FLOAT, mgpu__dist_comm);
-    for (l = 1; l < L; ++l) memcpy(bufs[l], bufs[0], n * sizeof(float));
-    MGPU_FREE(send_counts);
-    MGPU_FREE(send);
-    MGPU_FREE(recv);
+    const size_t piece = (size_t)1 << 30;
+    size_t at;
+    for (at = 0; at < bytes; at += piece)
+        MPI_Bcast((char*)p + at, (int)MGPU__MIN(piece, bytes - at), MPI_BYTE, 0, mgpu__dist_comm);
 #else
-    (void)op; (void)bufs; (void)L; (void)n; (void)rank_replicas;
+    (void)p; (void)bytes;
 #endif
-    return MGPU_OK;
 }
 
-/* The same for tensors of this process (all f32 of one size, on any devices): a GPU's are staged
-   through host memory (NCCL across processes is not used yet). */
-static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas) {
-    const size_t n = (size_t)mgpu_tensor_numel(ts[0]);
-    float* bufs[MGPU__MAX_REPLICAS];
-    float* host = NULL;
-    mgpu_result r = MGPU_OK;
-    int l;
-    if (mgpu__dist.size <= 1) return MGPU_OK;
-    for (l = 0; l < L; ++l)
-        if (!MGPU__IS_CPU(ts[l])) break;
-    if (l < L && !(host = (float*)MGPU_MALLOC(n * (size_t)L * sizeof(float) + 1)))
-        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory to stage %zu floats", op, n * (size_t)L);
-    for (l = 0; l < L && r == MGPU_OK; ++l) {
+/* The sum of ts[0..L) of this process (f32, one size, on any devices) and of every other
+   process's, in the order of the job's replicas (rank 0's L_0, then rank 1's, ...), into every
+   tensor: ((b0 + b1) + b2) + ..., the order of the host all-reduce of one process with all of
+   them, so that the bits do not depend on how the replicas are spread over processes. Each rank
+   sums one slice of the buffer from every replica's copy of that slice (MPI_Alltoallv: a
+   reduce-scatter), then every rank gathers every slice (MPI_Allgatherv): 2 (P - 1) / P of a
+   buffer per replica goes over the wire, as in a ring. (The slices come unsummed from each
+   process, so a process with several replicas sends each of them; its own sum first would change
+   the order.) GPU tensors are staged through host memory.
+   What can fail on one rank alone (memory, downloads, `mine`: the caller's own result) comes
+   first and is voted on, with the element counts (which must agree) and `number` (summed into
+   *number_sum); then the collectives, which cannot fail but by ending the job; a failed upload
+   is voted on again. Buffers above 2^31 / replicas floats go in pieces. */
+static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
+                                  double number, double* number_sum) {
+#ifdef MGPU_MPI
+    const int P = mgpu__dist.size, me = mgpu__dist.rank;
+    const size_t n = mine == MGPU_OK ? (size_t)mgpu_tensor_numel(ts[0]) : 0;
+    float* bufs[MGPU__MAX_REPLICAS] = { NULL };
+    float *host = NULL, *send = NULL, *recv = NULL;
+    int *ints = NULL, *send_counts, *send_at, *recv_counts, *recv_at, *slice_counts, *slice_at;
+    int64_t* counts = NULL;
+    size_t piece, at, i;
+    int q, l, total = 0, staged = 0;
+    mgpu_result r = mine;
+    if (P <= 1) { if (number_sum) *number_sum = number; return mine; }
+    for (q = 0; q < P; ++q) total += rank_replicas[q];
+    piece = MGPU__MAX((size_t)64, (size_t)(INT32_MAX / MGPU__MAX(L, total)) & ~(size_t)63);
+    piece = MGPU__MIN(piece, MGPU__MAX(n, (size_t)1));
+    for (l = 0; r == MGPU_OK && l < L; ++l) staged |= !MGPU__IS_CPU(ts[l]);
+    counts = (int64_t*)mgpu__calloc((size_t)P, sizeof(int64_t));
+    if (!counts) {   /* cannot even count: end the job rather than leave the others waiting */
+        fprintf(stderr, "mgpu: rank %d: %s: out of host memory for %d counts\n", me, op, P);
+        mgpu_dist_abort(1);
+    }
+    if (r == MGPU_OK) {
+        ints = (int*)mgpu__calloc((size_t)P * 6, sizeof(int));
+        send = (float*)MGPU_MALLOC((piece * (size_t)L + 1) * sizeof(float));
+        recv = (float*)MGPU_MALLOC(((piece / (size_t)P + 1) * (size_t)total + 1) * sizeof(float));
+        if (staged) host = (float*)MGPU_MALLOC(n * (size_t)L * sizeof(float) + 1);
+        if (!ints || !send || !recv || (staged && !host))
+            r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for a sum of %zu floats across processes", op, n);
+    }
+    for (l = 0; r == MGPU_OK && l < L; ++l) {
         if (MGPU__IS_CPU(ts[l])) { bufs[l] = MGPU__F32(ts[l]); continue; }
         bufs[l] = host + (size_t)l * n;
         r = mgpu_tensor_download(ts[l], bufs[l], n * sizeof(float));
     }
-    if (r == MGPU_OK) r = mgpu__dist_sum_host(op, bufs, L, n, rank_replicas);
-    for (l = 0; l < L && r == MGPU_OK; ++l)
-        if (!MGPU__IS_CPU(ts[l])) r = mgpu_tensor_upload(ts[l], bufs[l], n * sizeof(float));
+    r = mgpu__dist_agree(r, (int64_t)n, number, counts, number_sum);
+    for (q = 0; r == MGPU_OK && q < P; ++q)   /* the same verdict on every rank */
+        if (counts[q] != counts[0])
+            r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: rank %d sums %lld floats, rank 0 %lld", op, q, (long long)counts[q],
+                           (long long)counts[0]);
+    send_counts = ints;
+    send_at = ints + P;
+    recv_counts = ints + 2 * P;
+    recv_at = ints + 3 * P;
+    slice_counts = ints + 4 * P;
+    slice_at = ints + 5 * P;
+    for (at = 0; r == MGPU_OK && at < n; at += piece) {   /* the collectives, a piece at a time */
+        const size_t len = MGPU__MIN(piece, n - at);
+        int64_t start, count, my_start, my_count;
+        int sent = 0;
+        mgpu__split((int64_t)len, P, me, &my_start, &my_count);
+        for (q = 0; q < P; ++q) {   /* to rank q: slice q of each of my replicas, one after another */
+            mgpu__split((int64_t)len, P, q, &start, &count);
+            send_at[q] = sent;
+            send_counts[q] = (int)count * L;
+            for (l = 0; l < L; ++l, sent += (int)count) memcpy(send + sent, bufs[l] + at + start, (size_t)count * sizeof(float));
+            recv_counts[q] = (int)my_count * rank_replicas[q];
+            recv_at[q] = q == 0 ? 0 : recv_at[q - 1] + recv_counts[q - 1];
+            slice_counts[q] = (int)count;
+            slice_at[q] = (int)start;
+        }
+        MPI_Alltoallv(send, send_counts, send_at, MPI_FLOAT, recv, recv_counts, recv_at, MPI_FLOAT, mgpu__dist_comm);
+        for (l = 1; l < total; ++l) {   /* my slice: the job's replicas in order */
+            const float* src = recv + (size_t)l * (size_t)my_count;
+            for (i = 0; i < (size_t)my_count; ++i) recv[i] += src[i];
+        }
+        memcpy(bufs[0] + at + my_start, recv, (size_t)my_count * sizeof(float));
+        MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, bufs[0] + at, slice_counts, slice_at, MPI_FLOAT, mgpu__dist_comm);
+    }
+    for (l = 1; r == MGPU_OK && l < L; ++l) memcpy(bufs[l], bufs[0], n * sizeof(float));
+    if (r == MGPU_OK && staged) {   /* the GPUs get the sum; every rank hears whether all did */
+        for (l = 0; r == MGPU_OK && l < L; ++l) r = mgpu_tensor_upload(ts[l], bufs[l], n * sizeof(float));
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    }
+    MGPU_FREE(ints);
+    MGPU_FREE(counts);
+    MGPU_FREE(send);
+    MGPU_FREE(recv);
     MGPU_FREE(host);
     return r;
+#else
+    (void)op; (void)ts; (void)L; (void)rank_replicas;
+    if (number_sum) *number_sum = number;
+    return mine;
+#endif
 }
 
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
     mgpu_allreduce* ar = mgpu_allreduce_create(set, kind);
     int* counts = NULL;
+    int64_t* votes = NULL;
     mgpu_result r = ar ? MGPU_OK : mgpu_last_result();
+    int q;
     if (mgpu__dist.size <= 1) return ar;
-    if (r == MGPU_OK && !(counts = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int))))
-        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_allreduce_create_distributed: out of host memory");
+    counts = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int));
+    votes = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
+    if (r == MGPU_OK && (!counts || !votes)) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_allreduce_create_distributed: out of host memory");
     /* every rank learns every rank's device count, or every rank fails */
-    if (mgpu__dist_agree(r, ar ? ar->count : 0, 0.0, counts, NULL) != MGPU_OK) {
+    if (mgpu__dist_agree(r, ar ? ar->count : 0, 0.0, r == MGPU_OK ? votes : NULL, NULL) != MGPU_OK) {
         MGPU_FREE(counts);
+        MGPU_FREE(votes);
         mgpu_allreduce_destroy(ar);
         return NULL;
     }
+    for (q = 0; q < mgpu__dist.size; ++q) counts[q] = (int)votes[q];
+    MGPU_FREE(votes);
     ar->rank_devices = counts;
     if (mgpu__ar_join_processes(ar, counts, kind, mgpu__deterministic_from_env()) != MGPU_OK) {
         mgpu_allreduce_destroy(ar);
@@ -5123,15 +5183,22 @@ static mgpu_result mgpu__ar_join_processes(mgpu_allreduce* ar, const int* rank_d
         if (q < mgpu__dist.rank) first += rank_devices[q];
         total += rank_devices[q];
     }
+    mgpu__dist_broadcast(&deterministic, sizeof deterministic);   /* NCCL's algorithm must be every rank's */
     if (deterministic) mgpu__nccl_pin();
+    for (i = 0; i < ar->count; ++i) comms[i] = NULL;
     if (mgpu__dist.rank == 0 && (rc = MGPU__CUDA(mgpu__cu_nccl_unique_id(id))) != 0) r = mgpu__cu_result(rc, op, ar->rank[0].dev);
-    MGPU__TRY(mgpu__dist_agree(r, 0, 0.0, NULL, NULL));
-    MPI_Bcast(id, (int)sizeof id, MPI_BYTE, 0, mgpu__dist_comm);
-    if ((rc = MGPU__CUDA(mgpu__cu_nccl_comm_init_ranks(id, total, first, ar->count, ordinals, comms))) != 0)
-        r = mgpu__cu_result(rc, op, ar->rank[0].dev);
-    if (mgpu__dist_agree(r, 0, 0.0, NULL, NULL) != MGPU_OK) {   /* fall back, nothing lost */
+    if (mgpu__dist_agree(r, 0, 0.0, NULL, NULL) == MGPU_OK) {
+        mgpu__dist_broadcast(id, sizeof id);
+        /* (with real NCCL, a rank that fails inside its ncclCommInitRank can leave the others
+           waiting in theirs until mpirun ends the job: NCCL's initialisation is collective) */
+        if ((rc = MGPU__CUDA(mgpu__cu_nccl_comm_init_ranks(id, total, first, ar->count, ordinals, comms))) != 0)
+            r = mgpu__cu_result(rc, op, ar->rank[0].dev);
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    }
+    if (r != MGPU_OK) {   /* fall back, nothing lost */
         mgpu__log(MGPU_LOG_WARN, "%s: NCCL's initialisation failed (%s); through MPI and host memory", op, mgpu_last_error());
-        for (i = 0; rc == 0 && i < ar->count; ++i) (void)MGPU__CUDA(mgpu__cu_nccl_comm_destroy(comms[i]));
+        for (i = 0; i < ar->count; ++i)
+            if (comms[i]) (void)MGPU__CUDA(mgpu__cu_nccl_comm_destroy(comms[i]));
         mgpu_clear_error();
         return MGPU_OK;
     }
@@ -5252,8 +5319,9 @@ struct mgpu_model {
     /* a job of several processes (desc.distributed): its replicas are dist_total, this
        process's are dist_first .. dist_first + R - 1 among them, rank q has dist_replicas[q] */
     int dist, dist_first, dist_total;
-    int* dist_replicas;                 /* [2P]: then each rank's rows of the last batch */
-    int* dist_rows;
+    int* dist_replicas;                 /* [P] */
+    int64_t* dist_rows;                 /* [P]: each rank's rows of the last batch */
+    const char* dist_suspect;           /* a failure that may have left the ranks different: why */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -5543,7 +5611,7 @@ static void mgpu__model_free(mgpu_model* m) {
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
-    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas);
+    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
     MGPU_FREE(m);
 }
 
@@ -5935,13 +6003,14 @@ static mgpu_result mgpu__dist_broadcast_params(mgpu_model* m) {
     float* host = (float*)MGPU_MALLOC((size_t)m->flat_floats * sizeof(float) + 1);
     mgpu_result r = MGPU_OK;
     int s, rep;
-    if (!host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory for the parameters' broadcast");
+    if (!host) return mgpu__dist_agree(mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory for the "
+                                                  "parameters' broadcast"), 0, 0.0, NULL, NULL);
     for (s = 0; s < m->stage_count && r == MGPU_OK; ++s) {
         const int64_t n = mgpu__stage_floats(m, s);
         if (mgpu__dist.rank == 0) r = mgpu_tensor_download(mgpu__part_of(m, 0, s)->params, host, (size_t)n * sizeof(float));
         /* every rank on to the next stage's broadcast, or every rank out */
         if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
-        MPI_Bcast(host, (int)n, MPI_FLOAT, 0, mgpu__dist_comm);
+        mgpu__dist_broadcast(host, (size_t)n * sizeof(float));
         for (rep = 0; rep < m->replica_count && r == MGPU_OK; ++rep)
             r = mgpu_tensor_upload(mgpu__part_of(m, rep, s)->params, host, (size_t)n * sizeof(float));
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
@@ -5959,15 +6028,19 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     mgpu_result r = made;
     uint64_t mine = 0, first = 0;
     int q, s;
-    if (r == MGPU_OK && !(m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size * 2, sizeof(int))))
-        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory");
-    if (r == MGPU_OK) m->dist_rows = m->dist_replicas + mgpu__dist.size;
+    if (r == MGPU_OK) {
+        m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int));
+        m->dist_rows = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
+        if (!m->dist_replicas || !m->dist_rows) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory");
+    }
     if (r == MGPU_OK) mine = first = mgpu__model_signature(m);
-    MGPU__TRY(mgpu__dist_agree(r, m ? m->replica_count : 0, 0.0, m ? m->dist_replicas : NULL, NULL));
-#ifdef MGPU_MPI
-    MPI_Bcast(&first, (int)sizeof first, MPI_BYTE, 0, mgpu__dist_comm);
-    MPI_Bcast(&m->seed, (int)sizeof m->seed, MPI_BYTE, 0, mgpu__dist_comm);   /* rank 0's dropout too */
-#endif
+    MGPU__TRY(mgpu__dist_agree(r, m ? m->replica_count : 0, 0.0, r == MGPU_OK ? m->dist_rows : NULL, NULL));
+    for (q = 0; q < mgpu__dist.size; ++q) m->dist_replicas[q] = (int)m->dist_rows[q];
+    /* rank 0's layers, dropout seed and checking for every rank (a rank checking alone would wait
+       in collectives the others skip) */
+    mgpu__dist_broadcast(&first, sizeof first);
+    mgpu__dist_broadcast(&m->seed, sizeof m->seed);
+    mgpu__dist_broadcast(&m->verify_every, sizeof m->verify_every);
     if (first != mine)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "
                        "every rank must make the same layers", m->layer_count, (long long)m->param_count, m->stage_count);
@@ -6769,8 +6842,11 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
                 grads[r] = mgpu__part_of(m, r, s)->grads;
                 bufs[r] = MGPU__F32(grads[r]);
             }
-            if (m->ar[s] && m->ar[s]->across_processes) MGPU__TRY(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)));
-            else MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas));
+            if (m->ar[s] && m->ar[s]->across_processes) {   /* NCCL: queued; every rank hears whether all queued it */
+                MGPU__TRY(mgpu__dist_agree(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)), 0, 0.0, NULL, NULL));
+            } else {
+                MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas, MGPU_OK, 0.0, NULL));
+            }
         }
         m->grads_reduced = 1;
         return MGPU_OK;
@@ -6984,15 +7060,18 @@ static mgpu_result mgpu__batch_check(mgpu_model* m, const char* op, const mgpu_t
    with reduce, summed across the replicas. A distributed model's ranks vote twice: on the rows
    (each passes its own; the batch is all of them) before any work, and on how the work went
    before the sum across processes, so that a rank's failure fails every rank. */
-static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_tensor* x, const mgpu_tensor* target,
+static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pre, const mgpu_tensor* x, const mgpu_tensor* target,
                                    int64_t batch_total, int reduce, float* loss) {
     mgpu__batch b;
-    mgpu_result res = mgpu__batch_check(m, op, x, target);
+    mgpu_result res = pre != MGPU_OK ? pre : mgpu__batch_check(m, op, x, target);
     int64_t batch = res == MGPU_OK ? x->shape.dim[0] : 0, all_rows = batch;
     double loss_sum = 0.0;
     int i;
     b.row_base = 0;
     if (m->dist) {
+        if (res == MGPU_OK && m->dist_suspect)   /* the same flag on every rank: they all refuse */
+            res = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: the ranks may hold different parameters since %s; load a checkpoint "
+                             "(mgpu_model_load) to go on", op, m->dist_suspect);
         for (i = 0; i < m->stage_count && res == MGPU_OK; ++i) res = mgpu__ar_check_processes(m->ar[i]);
         MGPU__TRY(mgpu__dist_agree(res, batch, 0.0, m->dist_rows, NULL));
         for (i = 0, all_rows = 0; i < mgpu__dist.size; ++i) {
@@ -7012,7 +7091,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, const mgpu_ten
     else
 #endif
     if (res == MGPU_OK) res = mgpu__run_batch_streams(&b, reduce && !m->dist);                          /* 3, 4 */
-    if (m->dist) {
+    if (m->dist) {   /* every rank's verdict on its work (and its loss), then the sums across the job */
         if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
         MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));
         if (reduce) MGPU__TRY(mgpu__reduce_grads(m));                                              /* 4. reduce */
@@ -7038,7 +7117,12 @@ static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const m
 
 /* The optimizer step after reduced gradients, and the optional replica check. */
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
-    MGPU__TRY(mgpu__optimizer_step(opt));   /* opt checked by mgpu__check_step */
+    mgpu_result r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
+    if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+        if (r != MGPU_OK) m->dist_suspect = "an optimizer step that failed on a rank";
+    }
+    MGPU__TRY(r);
     m->steps++;
     if (m->verify_every > 0 && mgpu_model_total_replica_count(m) > 1 && m->steps % m->verify_every == 0)
         return mgpu_model_verify_replicas(m);
@@ -7047,14 +7131,27 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
 
 /* ---- the public steps ---- */
 
+/* 1 when m is a live distributed model: its rank votes even on a failure of its own (a NULL
+   optimizer), since the other ranks would otherwise wait for it. */
+static int mgpu__votes(const mgpu_model* m) {
+    int live;
+    if (!m || mgpu__dist.size <= 1) return 0;
+    MGPU__LIVE_LOCK();
+    live = mgpu__live_find(m, MGPU__LIVE_MODEL) >= 0;
+    MGPU__LIVE_UNLOCK();
+    return live && m->dist;
+}
+
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss) {
     static const char* op = "mgpu_model_train_step";
-    MGPU__TRY(mgpu__check_step(op, m, opt));
-    MGPU__TRY(mgpu_model_zero_grad(m));
+    mgpu_result r = mgpu__check_step(op, m, opt);
+    if (r != MGPU_OK && !mgpu__votes(m)) return r;
+    if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
+    if (r != MGPU_OK && !m->dist) return r;
     m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
     /* (a distributed model reads the loss in its vote, before the sum across processes) */
-    MGPU__TRY(mgpu__run_batch(m, op, x, target, 0, 1, m->dist ? loss : NULL));                     /* 2, 3, 4 */
+    MGPU__TRY(mgpu__run_batch(m, op, r, x, target, 0, 1, m->dist ? loss : NULL));                  /* 2, 3, 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     /* read the loss only now: the optimizer step is already queued behind it */
     return loss && !m->dist ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
@@ -7064,7 +7161,7 @@ MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, c
                                           int64_t batch_total, float* loss) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
     if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_accumulate", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
-    return mgpu__run_batch(m, "mgpu_model_accumulate", x, target, batch_total, 0, loss);          /* 2, 3 */
+    return mgpu__run_batch(m, "mgpu_model_accumulate", MGPU_OK, x, target, batch_total, 0, loss);  /* 2, 3 */
 }
 
 MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
@@ -7073,7 +7170,9 @@ MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
 }
 
 MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
-    MGPU__TRY(mgpu__check_step("mgpu_model_apply", m, opt));
+    mgpu_result r = mgpu__check_step("mgpu_model_apply", m, opt);
+    if (mgpu__votes(m)) r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    MGPU__TRY(r);
     MGPU__TRY(mgpu__reduce_grads(m));                                                               /* 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     return mgpu_model_zero_grad(m);
@@ -7087,7 +7186,10 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
     if (m->replica_count == 1 && !m->dist) return MGPU_OK;
     first = (float*)mgpu__calloc((size_t)m->flat_floats * 2 + 1, sizeof(float));
-    if (!first) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    if (!first) {
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        return m->dist ? mgpu__dist_agree(r, 0, 0.0, NULL, NULL) : r;
+    }
     other = first + m->flat_floats;
     for (i = 0; i < m->part_count && r == MGPU_OK; ++i) {   /* each part against replica 0's of its stage */
         const mgpu__part* p = &m->part[i];
@@ -7109,7 +7211,7 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     }
 #ifdef MGPU_MPI
     if (m->dist && mgpu__dist_agree(r, 0, 0.0, NULL, NULL) == MGPU_OK) {   /* then replica 0 of each rank against rank 0's */
-        MPI_Bcast(first, (int)m->flat_floats, MPI_FLOAT, 0, mgpu__dist_comm);   /* into `first` on the others... */
+        mgpu__dist_broadcast(first, (size_t)m->flat_floats * sizeof(float));   /* into `first` on the others... */
         if (mgpu__dist.rank != 0) {   /* ...whose own are downloaded again into `other` */
             for (i = 0; i < m->stage_count && r == MGPU_OK; ++i)
                 r = mgpu_tensor_download(mgpu__part_of(m, 0, i)->params, other + m->stage_off[i],
@@ -9202,7 +9304,11 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
 /* A distributed model: every rank reads the file, and fails if any rank could not. */
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     mgpu_result r = mgpu__model_load_here(m, opt, path, desc);
-    return m && m->dist ? mgpu__dist_agree(r, 0, 0.0, NULL, NULL) : r;
+    if (!m || !m->dist) return r;
+    r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    /* some ranks may have loaded while others failed: steps refuse until a load works everywhere */
+    m->dist_suspect = r == MGPU_OK ? NULL : "a load that failed on a rank";
+    return r;
 }
 static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     static const char* op = "mgpu_model_load";

@@ -6,7 +6,8 @@
                                          or the CPU)
      build/data_parallel cpu:4           the same training in one process with four replicas
 
-   Both print the same losses, to the last digit: the same five moves, only spread over processes.
+   On CPUs (sums through MPI) both print the same losses, to the last digit: the same five moves,
+   only spread over processes. (NCCL across GPUs sums in its own order: the last bits may differ.)
      1. REPLICATE  every process makes the model; rank 0's parameters are broadcast to the others
                    (a model with .distributed = 1 does it when it is made).
      2. SPLIT      every process builds the same global batch (same seed) and takes its rows:
@@ -60,6 +61,11 @@ int main(int argc, char** argv) {
     rank = mgpu_dist_rank();
     ranks = mgpu_dist_size();
     NEED(device = mgpu_device_set_create("auto"));   /* this rank's GPU (its local rank's), or the CPU */
+    if (mgpu_device_set_count(device) != 1) {   /* a machine with more GPUs than ranks */
+        fprintf(stderr, "rank %d: 'auto' gave %d devices (%s): start one process per device (mpirun -np <GPUs>)\n", rank,
+                mgpu_device_set_count(device), mgpu_device_set_spec(device));
+        mgpu_dist_abort(1);
+    }
     NEED(cpu = mgpu_device_set_create("cpu"));
 
     /* 1. REPLICATE: made by every rank, rank 0's parameters everywhere */

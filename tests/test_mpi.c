@@ -62,6 +62,7 @@ static float* host_floats(const mgpu_tensor* t, float* buf) {
     return buf;
 }
 
+static int g_verify_every;   /* the next make_mlp's desc.verify_every */
 static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hidden) {
     mgpu_layer* layers[4];
     mgpu_model_desc d;
@@ -76,6 +77,7 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hid
     d.devices = set;
     d.seed = distributed ? 99 + (uint64_t)g_rank : 99;   /* a job takes rank 0's */
     d.distributed = distributed;
+    d.verify_every = g_verify_every;
     return mgpu_model_create(&d);
 }
 
@@ -246,6 +248,9 @@ static void test_equivalence(void) {
     train_both("SGD, uneven rows", sgd(), 23, 6, 0);
     train_both("AdamW", adamw(), 29, 6, 0);
     train_both("accumulate + apply", sgd(), 26, 4, 1);
+    g_verify_every = g_rank == 1;   /* rank 1 alone asks to check: the job takes rank 0's setting, and nobody waits */
+    train_both("verify_every on rank 1 only", sgd(), 24, 3, 0);
+    g_verify_every = 0;
 }
 
 /* ---- 4. failures ---- */
@@ -291,6 +296,32 @@ static void test_failures(void) {
     r = mgpu_model_verify_replicas(m);
     CHECK(r == MGPU_ERROR_DIVERGED && strstr(mgpu_last_error(), "rank 1") && strstr(mgpu_last_error(), "0.weight"),
           "rank %d: a corrupted rank 1 is named: %s", g_rank, mgpu_last_error());
+    /* rank 1 forgets its optimizer: every rank fails (none waits for it in the step's vote) */
+    xs = mgpu_tensor_view_rows(x, from, count);
+    ys = mgpu_tensor_view_rows(y, from, count);
+    r = mgpu_model_train_step(m, g_rank == 1 ? NULL : opt, xs, ys, NULL);
+    CHECK(r == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "rank 1 of") && strstr(mgpu_last_error(), "optimizer"),
+          "rank %d: rank 1's NULL optimizer fails every rank's step: %s", g_rank, mgpu_last_error());
+    r = mgpu_model_apply(m, g_rank == 1 ? NULL : opt);
+    CHECK(r == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "rank 1 of"), "rank %d: and its apply: %s", g_rank,
+          mgpu_last_error());
+    mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys);
+    /* a communicator given other sizes on the last rank: every rank refuses to sum */
+    {
+        mgpu_device_set* one = mgpu_device_set_create("cpu");
+        mgpu_allreduce* ar = mgpu_allreduce_create_distributed(one, MGPU_ALLREDUCE_AUTO);
+        mgpu_tensor* t = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(g_rank == g_size - 1 ? 12 : 10));
+        mgpu_tensor_fill(t, 1.0);
+        r = mgpu_allreduce_sum(ar, &t, 1);
+        CHECK(r == MGPU_ERROR_SHAPE_MISMATCH && strstr(mgpu_last_error(), "12 floats"), "rank %d: sizes that differ are refused everywhere: %s",
+              g_rank, mgpu_last_error());
+        r = mgpu_allreduce_sum(ar, g_rank == 0 ? NULL : &t, 1);
+        CHECK(r == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "rank 0 of"), "rank %d: rank 0's NULL fails every rank: %s",
+              g_rank, mgpu_last_error());
+        mgpu_tensor_destroy(t);
+        mgpu_allreduce_destroy(ar);
+        mgpu_device_set_destroy(one);
+    }
     /* a rank with other layers: mgpu_model_create fails on every rank */
     bad = make_mlp(set, 1, g_rank == 1 ? HIDDEN + 1 : HIDDEN);
     CHECK(!bad && strstr(mgpu_last_error(), "rank 1 of") && strstr(mgpu_last_error(), "rank 0's"),
@@ -331,6 +362,12 @@ static void test_checkpoints(const char* dir) {
     r = mgpu_model_load(m, opt, g_rank == 1 ? bad : path);
     CHECK(r != MGPU_OK && strstr(mgpu_last_error(), "rank 1 of"), "rank %d: rank 1's failed load fails here too: %s", g_rank,
           mgpu_last_error());
+    /* the ranks may differ now: steps refuse until a load works everywhere */
+    r = mgpu_model_train_step(m, opt, xs, ys, NULL);
+    CHECK(r == MGPU_ERROR_DIVERGED && strstr(mgpu_last_error(), "load a checkpoint"), "rank %d: then steps refuse: %s", g_rank,
+          mgpu_last_error());
+    CHECK(mgpu_model_load(m, opt, path) == MGPU_OK && mgpu_model_train_step(m, opt, xs, ys, NULL) == MGPU_OK &&
+          mgpu_model_verify_replicas(m) == MGPU_OK, "rank %d: a load on every rank, and the job goes on: %s", g_rank, mgpu_last_error());
     mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m); mgpu_model_destroy(one);

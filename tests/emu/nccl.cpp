@@ -124,6 +124,9 @@ void run_allreduce(void* arg) {
 }
 
 thread_local int tl_group_depth = 0;
+struct shared_clique;
+thread_local std::vector<std::pair<shared_clique*, int>> tl_joining;   // ncclCommInitRank's in this group: (clique, rank)
+void wait_joined(shared_clique* sc, int rank);
 
 // ---- across processes: a clique in shared memory ----
 const size_t kRoundFloats = (size_t)1 << 18;   // floats per rank per round
@@ -151,6 +154,12 @@ template <class P> void shared_wait(shared_clique* sc, P pred, const char* what,
         if (pthread_cond_timedwait(&sc->cv, &sc->mu, &deadline) == ETIMEDOUT && !pred())
             die("%s: rank %d waited %.0f s for the other processes' ranks (%d of %d arrived)", what, rank,
                 mgpu_emu_timeout_seconds(), sc->arrived, sc->n);
+}
+
+void wait_joined(shared_clique* sc, int rank) {   // NCCL's initialisation is collective: every rank or none
+    pthread_mutex_lock(&sc->mu);
+    shared_wait(sc, [&] { return sc->joined == sc->n; }, "ncclCommInitRank", rank);
+    pthread_mutex_unlock(&sc->mu);
 }
 
 }  // namespace
@@ -259,8 +268,8 @@ NCCL_EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
     return ncclSuccess;
 }
 
-// Joins rank `rank` of the clique the id names, on the current device. It does not wait for the
-// other ranks (NCCL's does, at ncclGroupEnd): the first all-reduce waits for them.
+// Joins rank `rank` of the clique the id names, on the current device, and waits until every
+// rank has joined: at once, or inside a group at ncclGroupEnd, as NCCL does.
 NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
     char name[NCCL_UNIQUE_ID_BYTES];
     const char* fail = getenv("MGPU_EMU_NCCL_FAIL");
@@ -283,7 +292,9 @@ NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
         for (double waited = 0; ; waited += 1e-3) {
             if (fd < 0) fd = shm_open(name, O_RDWR, 0600);
             if (fd >= 0 && fstat(fd, &st) == 0 && (size_t)st.st_size >= bytes) break;
-            if (waited > give_up) die("ncclCommInitRank: rank %d of %d waited %.0f s for rank 0's %s", rank, nranks, give_up, name);
+            if (waited > give_up)
+                die("ncclCommInitRank: rank %d of %d waited %.0f s for rank 0's %s of %zu bytes (%s)", rank, nranks, give_up, name,
+                    bytes, fd < 0 ? "never made" : "another size: do the ranks agree on nranks?");
             usleep(1000);
         }
     }
@@ -310,7 +321,10 @@ NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
     }
     pthread_mutex_lock(&sc->mu);
     if (++sc->joined == nranks) shm_unlink(name);   // everyone has it mapped: no file left behind
+    pthread_cond_broadcast(&sc->cv);
     pthread_mutex_unlock(&sc->mu);
+    if (tl_group_depth > 0) tl_joining.push_back({sc, rank});   // waits at ncclGroupEnd, as NCCL's does
+    else wait_joined(sc, rank);
     ncclComm* c = new ncclComm{nullptr, rank, mgpu_emu_stream_device(NULL)};
     c->shared = sc;
     c->fail_async = fail && strncmp(fail, "async:", 6) == 0 && atoi(fail + 6) == rank;
@@ -349,7 +363,10 @@ NCCL_EXPORT ncclResult_t ncclGroupStart(void) {
 
 NCCL_EXPORT ncclResult_t ncclGroupEnd(void) {
     if (tl_group_depth == 0) return ncclInvalidUsage;
-    --tl_group_depth;
+    if (--tl_group_depth == 0) {
+        for (auto& j : tl_joining) wait_joined(j.first, j.second);
+        tl_joining.clear();
+    }
     return ncclSuccess;
 }
 
