@@ -171,8 +171,9 @@
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
-   - overlap of the sums across processes with backward: a distributed model sums after backward
-     (after its ranks' vote), where one process overlaps its buckets' sums with backward.
+   - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
+     pipeline: those sum after backward, after the ranks' vote. (GPUs with NCCL across the job
+     and one stage overlap their buckets' sums with backward, as in one process.)
    - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
@@ -5865,7 +5866,7 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
         m->ar[s] = mgpu__allreduce_create(&copies, desc->allreduce, deterministic);
         if (!m->ar[s]) return mgpu_last_result();
     }
-    if (m->replica_count > 1) MGPU__TRY(mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)));
+    if (m->replica_count > 1 || across) MGPU__TRY(mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)));
 #ifndef MGPU_NO_THREADS
     if (m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) {
         if (pthread_mutex_init(&m->pipe_lock, NULL) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_mutex_init failed");
@@ -6972,14 +6973,36 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
    streams (after an event that marks backward's progress) while the compute streams go on with
    the earlier layers. A single CPU part takes this path too, its ops simply running as they are
    called. */
+/* A distributed model whose GPUs sum through NCCL over the whole job, with one stage: its buckets'
+   sums overlap backward as in one process. (Every rank must issue every bucket's all-reduce, in
+   bucket order: with one stage that is the order backward reaches them.) */
+static int mgpu__dist_overlaps(const mgpu_model* m) {
+    return m->dist && m->stage_count == 1 && m->ar && m->ar[0] && m->ar[0]->across_processes && m->bucket_count > 0;
+}
+/* Such a rank that failed still issues the all-reduces of the buckets from `first` on, in order,
+   so that the other ranks' NCCL does not wait for it forever: the step then fails on every rank
+   at the vote that follows. (A failure of NCCL's own calls cannot be made up for:
+   ncclCommGetAsyncError or mpirun then ends the job.) */
+static void mgpu__dist_issue_rest(mgpu_model* m, int first) {
+    int bk, r;
+    for (bk = first; bk < m->bucket_count; ++bk) {
+        float* bufs[MGPU__MAX_REPLICAS];
+        const mgpu__bucket* bu = &m->buckets[bk];
+        for (r = 0; r < m->replica_count; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, 0)->grads) + bu->begin;
+        (void)mgpu__ar_after_compute(m->ar[0]);
+        (void)mgpu__ar_reduce(m->ar[0], bufs, (size_t)(bu->end - bu->begin));
+    }
+    if (first < m->bucket_count) (void)mgpu__ar_before_compute(m->ar[0]);
+}
+
 static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
     mgpu_model* m = b->m;
     const int S = m->stage_count, M = m->micro_batches, R = m->replica_count;
     /* host-staged sums wait for the host: they run once, after the whole backward */
-    const int overlap = reduce && R > 1 && m->ar[0]->kind != MGPU_ALLREDUCE_HOST;
+    const int overlap = reduce && (R > 1 || mgpu__dist_overlaps(m)) && m->ar[0]->kind != MGPU_ALLREDUCE_HOST;
     int next[MGPU__MAX_STAGES], fdone[MGPU__MAX_STAGES], bdone[MGPU__MAX_STAGES], issued[MGPU__MAX_STAGES];
     mgpu_result res = MGPU_OK;
-    int s, r, queued = 0, bk = 0;
+    int s, r, queued = 0, bk = 0, buckets_issued = 0;
     for (s = 0; s < S; ++s) next[s] = fdone[s] = bdone[s] = issued[s] = 0;
     while (queued < 2 * M * S && res == MGPU_OK) {
         for (s = S - 1; s >= 0 && res == MGPU_OK; --s) {
@@ -7010,6 +7033,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
                         for (r = 0; r < R; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads) + (bu->begin - m->stage_off[s]);
                         int ar_slices[MGPU__MAX_REPLICAS];
                         issued[s] = 1;
+                        buckets_issued++;
                         res = mgpu__ar_after_compute(m->ar[s]);
                         for (r = 0; r < R; ++r) ar_slices[r] = mgpu__trace_open(m, r * S + s, 1, m->ar[s]->rank[r].stream, "all-reduce bucket %d", bk);
                         if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
@@ -7025,6 +7049,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
             queued++;
         }
     }
+    if (res != MGPU_OK && overlap && m->dist) mgpu__dist_issue_rest(m, buckets_issued);   /* the others' NCCL waits for them */
     /* The compute streams wait for the comm streams, also after a failure: nothing may touch
        the gradients while an all-reduce still reads or writes them. */
     for (s = 0; s < S; ++s)
@@ -7086,11 +7111,13 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     b.op = op;
     b.batch_total = batch_total;
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
+    if (res != MGPU_OK) {
+        if (reduce && mgpu__dist_overlaps(m)) mgpu__dist_issue_rest(m, 0);   /* the other ranks' NCCL waits for these */
+    }
 #ifndef MGPU_NO_THREADS
-    if (res == MGPU_OK && m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce && !m->dist);
-    else
+    else if (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce && !m->dist);
 #endif
-    if (res == MGPU_OK) res = mgpu__run_batch_streams(&b, reduce && !m->dist);                          /* 3, 4 */
+    else res = mgpu__run_batch_streams(&b, reduce && (!m->dist || mgpu__dist_overlaps(m)));          /* 3, 4 */
     if (m->dist) {   /* every rank's verdict on its work (and its loss), then the sums across the job */
         if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
         MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));

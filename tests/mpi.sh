@@ -18,7 +18,7 @@
 #    each against cuda:0,1,2,3, both summed by NCCL across the processes; and through MPI when
 #    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
 # 3. failures: a rank given a bad data path, a rank killed mid-training, a rank out of (emulated)
-#    GPU memory, and a rank whose NCCL communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the
+#    GPU memory, a launch failing on a rank mid-step, and a rank whose NCCL communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the
 #    whole job within seconds, with the failing rank's message.
 # Usage: mpi.sh [BUILD_DIR] [DATA_DIR]. Skips without mpirun or the MPI builds (make mpi), and
 # part 2 and 3 without Fashion-MNIST.
@@ -175,6 +175,21 @@ if [ -x "$b/train_mpi_emu" ]; then
         passed=$((passed + 1)); echo "  ok   rank 1 out of GPU memory: both ranks stop with its message"
     else
         failed=$((failed + 1)); echo "  FAIL rank 1 out of GPU memory: exit $rc, $n ranks said so: $(tail -n 4 "$tmp/oom.txt")"
+    fi
+fi
+# a launch failing on rank 1 in a step whose bucket sums overlap backward through NCCL: rank 1
+# still issues its all-reduces, so rank 0 does not wait for them (the emulator would report a
+# stream that never finishes, after MGPU_EMU_TIMEOUT seconds)
+if [ -x "$b/train_mpi_emu" ]; then
+    start=$(date +%s)
+    timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 -x MGPU_EMU_TIMEOUT=30 sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 1 ]; then
+        export MGPU_EMU_FAIL_LAUNCH=100; fi; exec "$1" --data "$0" --quiet --seed 7 --max-steps 50' "$data" "$b/train_mpi_emu" > "$tmp/launch.txt" 2>&1; rc=$?
+    took=$(( $(date +%s) - start ))
+    n=$(grep -c "train: rank 1 of 2: .*cudaErrorLaunchOutOfResources" "$tmp/launch.txt")
+    if [ $rc -ne 124 ] && [ "$n" -eq 2 ] && [ $took -lt 25 ] && ! grep -q "still busy" "$tmp/launch.txt"; then
+        passed=$((passed + 1)); echo "  ok   a launch failing on rank 1 mid-step (NCCL overlapping backward): both ranks stop in ${took} s"
+    else
+        failed=$((failed + 1)); echo "  FAIL a launch failing on rank 1 mid-step: exit $rc after ${took} s, $n ranks said so: $(grep -v '^ *$' "$tmp/launch.txt" | head -n 4)"
     fi
 fi
 # rank 1's NCCL communicator broken (as by a peer gone): every rank stops at the next step
