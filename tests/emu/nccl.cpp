@@ -81,6 +81,15 @@ struct clique {
     std::map<uint64_t, collective> pending;
 };
 
+// sum[i] = ((src(0)[i] + src(1)[i]) + src(2)[i]) + ...: every rank's buffer, in rank order
+template <class Src> void sum_in_rank_order(float* sum, int ranks, size_t count, Src src) {
+    memcpy(sum, src(0), count * sizeof(float));
+    for (int r = 1; r < ranks; ++r) {
+        const float* s = src(r);
+        for (size_t i = 0; i < count; ++i) sum[i] += s[i];
+    }
+}
+
 struct call {
     clique* c;
     int rank;
@@ -107,9 +116,8 @@ void run_allreduce(void* arg) {
         coll.send[k->rank] = k->send;
         coll.recv[k->rank] = k->recv;
         if (++coll.arrived == c->n) {
-            std::vector<float> sum(coll.send[0], coll.send[0] + coll.count);
-            for (int r = 1; r < c->n; ++r)
-                for (size_t i = 0; i < coll.count; ++i) sum[i] += coll.send[r][i];
+            std::vector<float> sum(coll.count);
+            sum_in_rank_order(sum.data(), c->n, coll.count, [&](int r) { return coll.send[r]; });
             for (int r = 0; r < c->n; ++r) memcpy(coll.recv[r], sum.data(), coll.count * sizeof(float));
             coll.done = true;
             c->cv.notify_all();
@@ -201,12 +209,8 @@ void run_allreduce_shared(void* arg) {
         memcpy(sc->data + (size_t)rank * kRoundFloats, k->send + off, len * sizeof(float));
         const uint64_t mine = sc->round;
         if (++sc->arrived == sc->n) {   // the last one sums, in rank order
-            float* sum = sc->data + (size_t)sc->n * kRoundFloats;
-            memcpy(sum, sc->data, len * sizeof(float));
-            for (int r = 1; r < sc->n; ++r) {
-                const float* src = sc->data + (size_t)r * kRoundFloats;
-                for (size_t i = 0; i < len; ++i) sum[i] += src[i];
-            }
+            sum_in_rank_order(sc->data + (size_t)sc->n * kRoundFloats, sc->n, len,
+                              [&](int r) { return (const float*)sc->data + (size_t)r * kRoundFloats; });
             sc->arrived = 0;
             sc->draining = 1;
             pthread_cond_broadcast(&sc->cv);
