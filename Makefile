@@ -201,11 +201,13 @@ fuzz: $(FUZZ_BINS) | $(B)
 # Without mpicc and mpirun nothing here is built, and tests/mpi.sh reports one skip.
 MPICC    ?= mpicc
 HAVE_MPI := $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
-MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(EMU_DIR)/test_mpi $(if $(NVCC),$(B)/train_mpi_cuda))
+MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(EMU_DIR)/test_mpi $(B)/bench_mpi $(if $(NVCC),$(B)/train_mpi_cuda))
 $(B)/train_mpi: examples/train.c mgpu.h | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
 $(B)/ddp_mpi: examples/ddp.c mgpu.h | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
+$(B)/bench_mpi: bench/bench.c mgpu.h | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS) -ldl
 $(B)/test_mpi: tests/test_mpi.c $(HEADERS) | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
 $(B)/train_mpi_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
@@ -258,7 +260,7 @@ $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 
 # then what a training step asks of the GPUs (launches, syncs, allocations, bytes), on 1 and 4
 # emulated GPUs: the shape of a step, which sets its speed at these sizes on a real GPU
-bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so $(if $(HAVE_MPI),$(B)/bench_mpi)
 	sh bench/run.sh $<
 	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so $(EMU_DIR)/bench emu
 

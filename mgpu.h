@@ -568,7 +568,8 @@ typedef struct mgpu_allreduce mgpu_allreduce;
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_allreduce_kind kind);
 MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar);
 MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
-/* The algorithm a sum of `bytes` per replica takes ("nccl", "oneshot", "ring", "host", "none"),
+/* The algorithm a sum of `bytes` per replica takes ("nccl", "oneshot", "ring", "host", "none";
+   "alltoallv+allgatherv" across processes through MPI),
    and the bytes it reads plus writes in the memory where it sums (device memory for P2P, host
    memory for HOST on CPU replicas), copies and sum kernels together; 0 where that is not one
    memory's figure (NCCL's internals, HOST staging GPU buffers through the host). For bandwidth
@@ -4653,6 +4654,7 @@ static int mgpu__ar_oneshot_fits(const mgpu_allreduce* ar, size_t bytes) {
 }
 
 MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes) {
+    if (ar && ar->rank_devices && !ar->across_processes) return "alltoallv+allgatherv";   /* through MPI */
     if (!ar || ar->kind == MGPU_ALLREDUCE_NONE) return "none";
     if (ar->kind == MGPU_ALLREDUCE_P2P) return mgpu__ar_oneshot_fits(ar, bytes) ? "oneshot" : "ring";
     return mgpu_allreduce_name(ar->kind);
@@ -4660,7 +4662,7 @@ MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t by
 
 MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t bytes) {
     const double n = ar ? (double)ar->count : 0.0, b = (double)bytes;
-    if (!ar || ar->kind == MGPU_ALLREDUCE_NONE || ar->kind == MGPU_ALLREDUCE_NCCL) return 0.0;
+    if (!ar || ar->rank_devices || ar->kind == MGPU_ALLREDUCE_NONE || ar->kind == MGPU_ALLREDUCE_NCCL) return 0.0;
     if (ar->kind == MGPU_ALLREDUCE_HOST)   /* CPU replicas: n - 1 adds (2 reads + write), n - 1 copies; */
         return ar->rank[0].dev->kind == MGPU_DEVICE_CPU ? (n - 1.0) * 5.0 * b : 0.0;   /* GPUs: two memories */
     if (mgpu__ar_oneshot_fits(ar, bytes)) return 2.0 * n * b;   /* each buffer read once, written once */

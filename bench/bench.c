@@ -39,6 +39,7 @@ static double median(double* v, int n) {
 }
 
 static void row(const char* workload, const char* device, const char* metric, double value, const char* unit, const char* note) {
+    if (mgpu_dist_rank() != 0) return;   /* a job of processes (bench_mpi): rank 0 speaks */
     printf("%s\t%s\t%s\t%.6g\t%s\t%s\n", workload, device, metric, value, unit, note ? note : "");
     fflush(stdout);
 }
@@ -356,12 +357,15 @@ static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_k
     mgpu_allreduce* ar;
     mgpu_tensor* t[MGPU__MAX_REPLICAS];
     size_t bytes;
-    int n, i, r, reps;
-    char name[96];
+    int n, i, r, reps, all;
+    char name[96], where[32];
     if (!set) fail(spec);
     n = mgpu_device_set_count(set);
+    all = n * mgpu_dist_size();   /* across processes (bench_mpi): every rank has the same set */
+    if (mgpu_dist_size() > 1) snprintf(where, sizeof where, "%d processes x %s", mgpu_dist_size(), spec);
+    else snprintf(where, sizeof where, "%s", spec);
     if (p2p_env) setenv("MGPU_P2P", p2p_env, 1);
-    ar = mgpu_allreduce_create(set, kind);
+    ar = mgpu_dist_size() > 1 ? mgpu_allreduce_create_distributed(set, kind) : mgpu_allreduce_create(set, kind);
     if (p2p_env) unsetenv("MGPU_P2P");
     if (!ar) fail("allreduce");
     for (bytes = 4096; bytes <= max_bytes; bytes *= 4) {
@@ -387,9 +391,9 @@ static void bench_allreduce(const char* spec, size_t max_bytes, mgpu_allreduce_k
             if (!strcmp(backend, algorithm)) snprintf(name, sizeof name, "allreduce_%s_%zuKiB", backend, bytes / 1024);
             else snprintf(name, sizeof name, "allreduce_%s-%s%s_%zuKiB", backend, algorithm, p2p_env ? "-forced" : "", bytes / 1024);
         }
-        row(name, spec, "time", sec * 1e6, "us", NULL);
-        row(name, spec, "algbw", (double)bytes / sec / 1e9, "GB/s", NULL);
-        row(name, spec, "busbw", (double)bytes / sec / 1e9 * 2.0 * (n - 1) / n, "GB/s", NULL);
+        row(name, where, "time", sec * 1e6, "us", NULL);
+        row(name, where, "algbw", (double)bytes / sec / 1e9, "GB/s", NULL);
+        row(name, where, "busbw", (double)bytes / sec / 1e9 * 2.0 * (all - 1) / all, "GB/s", NULL);
         traffic = mgpu_allreduce_memory_traffic(ar, bytes);
         if (traffic > 0.0 && bytes * (size_t)n >= ((size_t)64 << 20)) {   /* what the sum reads and writes per second in
             the memory the replicas share; from 64 MiB in all (beyond the caches) */
@@ -585,6 +589,14 @@ static int bench_emu(void) {
 
 int main(int argc, char** argv) {
     const char* which = argc > 1 ? argv[1] : "all";
+    if (!strcmp(which, "mpi")) {   /* bench_mpi under mpirun -np P: the all-reduce across P processes, one CPU replica each */
+        int i;
+        if (mgpu_dist_init(&argc, &argv) != MGPU_OK) fail("mgpu_dist_init");
+        for (i = 1; i < argc; ++i) quick |= !strcmp(argv[i], "--quick");
+        bench_allreduce("cpu", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_AUTO, NULL);
+        mgpu_dist_shutdown();
+        return 0;
+    }
 #ifdef MGPU_BENCH_EMU
     if (!strcmp(which, "emu")) return bench_emu();
 #endif
@@ -598,6 +610,7 @@ int main(int argc, char** argv) {
         bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);
         bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
         bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
+        bench_allreduce("cpu:4", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);   /* beside -np 4 */
         bench_data_parallel("cnn", "cpu", "cpu:2", 128, quick ? 3 : 20, 0);
         bench_pipeline("cnn", "cpu", "cpu:2", 2, 4, MGPU_PIPELINE_1F1B, 128, quick ? 3 : 10);
         bench_pipeline("cnn", "cpu", "cpu:2", 2, 8, MGPU_PIPELINE_GPIPE, 128, quick ? 3 : 10);

@@ -7,6 +7,14 @@ dir=$(dirname "$0")
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$bench" all "$@" > "$out/mgpu.tsv" || exit 1
+# the all-reduce across 2 and 4 processes (MPI, one CPU replica each), where make built bench_mpi
+mpi_bench=$(dirname "$bench")/bench_mpi
+if [ -x "$mpi_bench" ] && command -v mpirun >/dev/null 2>&1; then
+    [ "$(id -u)" -eq 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    for np in 2 4; do
+        mpirun --oversubscribe --bind-to none -np $np "$mpi_bench" mpi "$@" >> "$out/mgpu.tsv" || echo "bench: bench_mpi -np $np failed" >&2
+    done
+fi
 threads=$(awk -F'\t' '$1 == "threads" { print $4 }' "$out/mgpu.tsv")
 py=""
 for p in python3 /usr/bin/python3; do
