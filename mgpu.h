@@ -4897,6 +4897,23 @@ static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const*
 
 /* ---- >>impl parallel, processes: MPI's launch, rendezvous and collectives ---- */
 
+/* The host buffers of the sums across processes (what they send, receive and stage from GPUs),
+   kept from call to call and grown as needed: a fresh 64 MiB buffer costs more in page faults
+   than the sum. MPI is called from one thread at a time (MPI_THREAD_SERIALIZED), and so are
+   these; mgpu_dist_shutdown frees them. */
+#ifdef MGPU_MPI
+static struct { float* p; size_t floats; } mgpu__dist_scratch[3];
+static float* mgpu__dist_buffer(int which, size_t floats) {
+    if (mgpu__dist_scratch[which].floats < floats) {
+        MGPU_FREE(mgpu__dist_scratch[which].p);
+        mgpu__dist_scratch[which].p = (float*)MGPU_MALLOC(floats * sizeof(float));
+        mgpu__dist_scratch[which].floats = mgpu__dist_scratch[which].p ? floats : 0;
+    }
+    return mgpu__dist_scratch[which].p;
+}
+#endif
+
+
 MGPUDEF int mgpu_dist_rank(void) { return mgpu__dist.rank; }
 MGPUDEF int mgpu_dist_size(void) { return mgpu__dist.size; }
 MGPUDEF int mgpu_dist_local_rank(void) { return mgpu__dist.local_rank; }
@@ -4941,7 +4958,13 @@ MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv) {
 
 MGPUDEF void mgpu_dist_shutdown(void) {
 #ifdef MGPU_MPI
+    int i;
     if (!mgpu__dist.joined) return;
+    for (i = 0; i < 3; ++i) {
+        MGPU_FREE(mgpu__dist_scratch[i].p);
+        mgpu__dist_scratch[i].p = NULL;
+        mgpu__dist_scratch[i].floats = 0;
+    }
     MPI_Comm_free(&mgpu__dist_comm);
     if (mgpu__dist.called_init) MPI_Finalize();
     mgpu__dist.joined = mgpu__dist.called_init = 0;
@@ -5062,9 +5085,9 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
     }
     if (r == MGPU_OK) {
         ints = (int*)mgpu__calloc((size_t)P * 6, sizeof(int));
-        send = (float*)MGPU_MALLOC((piece * (size_t)L + 1) * sizeof(float));
-        recv = (float*)MGPU_MALLOC(((piece / (size_t)P + 1) * (size_t)total + 1) * sizeof(float));
-        if (staged) host = (float*)MGPU_MALLOC(n * (size_t)L * sizeof(float) + 1);
+        send = mgpu__dist_buffer(0, piece * (size_t)L + 1);
+        recv = mgpu__dist_buffer(1, (piece / (size_t)P + 1) * (size_t)total + 1);
+        if (staged) host = mgpu__dist_buffer(2, n * (size_t)L + 1);
         if (!ints || !send || !recv || (staged && !host))
             r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for a sum of %zu floats across processes", op, n);
     }
@@ -5114,9 +5137,6 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
     }
     MGPU_FREE(ints);
     MGPU_FREE(counts);
-    MGPU_FREE(send);
-    MGPU_FREE(recv);
-    MGPU_FREE(host);
     return r;
 #else
     (void)op; (void)ts; (void)L; (void)rank_replicas;

@@ -594,7 +594,36 @@ int main(int argc, char** argv) {
         if (mgpu_dist_init(&argc, &argv) != MGPU_OK) fail("mgpu_dist_init");
         for (i = 1; i < argc; ++i) quick |= !strcmp(argv[i], "--quick");
         bench_allreduce("cpu", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_AUTO, NULL);
+#ifdef MGPU_MPI
+        {   /* the yardstick: MPI's own MPI_Allreduce (in place, MPI_SUM), which promises no order */
+            const int P = mgpu_dist_size();
+            size_t bytes;
+            char name[64], where[32];
+            snprintf(where, sizeof where, "%d processes x cpu", P);
+            for (bytes = 4096; bytes <= (quick ? (size_t)1 << 20 : (size_t)64 << 20); bytes *= 4) {
+                const int count = (int)(bytes / sizeof(float)), reps = bytes <= ((size_t)1 << 20) ? 31 : 11;
+                float* buf = (float*)calloc((size_t)count, sizeof(float));
+                double times[32], sec;
+                if (!buf) fail("MPI_Allreduce buffer");
+                for (i = -2; i < reps; ++i) {
+                    double t0 = mgpu_seconds();
+                    MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                    if (i >= 0) times[i] = mgpu_seconds() - t0;
+                }
+                sec = median(times, reps);
+                snprintf(name, sizeof name, "allreduce_MPI_Allreduce_%zuKiB", bytes / 1024);
+                row(name, where, "time", sec * 1e6, "us", "Open MPI's own, no fixed order");
+                row(name, where, "busbw", (double)bytes / sec / 1e9 * 2.0 * (P - 1) / P, "GB/s", "Open MPI's own, no fixed order");
+                free(buf);
+            }
+        }
+#endif
         mgpu_dist_shutdown();
+        return 0;
+    }
+    if (!strcmp(which, "allreduce")) {   /* the in-process host all-reduce alone, to set beside bench_mpi's */
+        bench_allreduce("cpu:2", (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
+        bench_allreduce("cpu:4", (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
         return 0;
     }
 #ifdef MGPU_BENCH_EMU
