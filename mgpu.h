@@ -4462,6 +4462,7 @@ typedef struct mgpu__rank {
 
 /* Processes (the end of this section): a vote of every rank, and sums across them. */
 static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int64_t* counts, double* sum);
+static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
                                   double number, double* number_sum);
 static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
@@ -4861,18 +4862,7 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
     if (!ar || !ar->rank_devices) return r != MGPU_OK ? r : mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
     if (!ar->across_processes) return mgpu__dist_sum("mgpu_allreduce_sum", tensors, count, ar->rank_devices, r, 0.0, NULL);
     if (r == MGPU_OK) r = mgpu__ar_check_processes(ar);
-    {   /* NCCL: the same element count everywhere, or nobody sums */
-        int64_t* counts = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
-        int q;
-        if (!counts) { fprintf(stderr, "mgpu: rank %d: out of host memory for a vote\n", mgpu__dist.rank); mgpu_dist_abort(1); }
-        r = mgpu__dist_agree(r, r == MGPU_OK ? mgpu_tensor_numel(tensors[0]) : 0, 0.0, counts, NULL);
-        for (q = 0; r == MGPU_OK && q < mgpu__dist.size; ++q)
-            if (counts[q] != counts[0])
-                r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_allreduce_sum: rank %d sums %lld floats, rank 0 %lld", q,
-                               (long long)counts[q], (long long)counts[0]);
-        MGPU_FREE(counts);
-    }
-    MGPU__TRY(r);
+    MGPU__TRY(mgpu__dist_agree_size("mgpu_allreduce_sum", r, r == MGPU_OK ? mgpu_tensor_numel(tensors[0]) : 0, 0.0, NULL));
     return mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
 }
 static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const* tensors, int count, float** bufs) {
@@ -5036,6 +5026,24 @@ static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double numb
     return mine;
 }
 
+/* A vote before a sum: also every rank's element count, which must be the same everywhere. */
+static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum) {
+    int64_t* counts = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
+    mgpu_result r;
+    int q;
+    if (!counts) {   /* cannot even count: end the job rather than leave the others waiting */
+        fprintf(stderr, "mgpu: rank %d: %s: out of host memory for %d counts\n", mgpu__dist.rank, op, mgpu__dist.size);
+        mgpu_dist_abort(1);
+    }
+    r = mgpu__dist_agree(mine, n, number, counts, number_sum);
+    for (q = 0; r == MGPU_OK && q < mgpu__dist.size; ++q)   /* the same verdict on every rank */
+        if (counts[q] != counts[0])
+            r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: rank %d sums %lld floats, rank 0 %lld", op, q, (long long)counts[q],
+                           (long long)counts[0]);
+    MGPU_FREE(counts);
+    return r;
+}
+
 /* Rank 0's bytes to every rank, in pieces MPI's int counts can take. */
 static void mgpu__dist_broadcast(void* p, size_t bytes) {
 #ifdef MGPU_MPI
@@ -5069,7 +5077,6 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
     float* bufs[MGPU__MAX_REPLICAS] = { NULL };
     float *host = NULL, *send = NULL, *recv = NULL;
     int *ints = NULL, *send_counts, *send_at, *recv_counts, *recv_at, *slice_counts, *slice_at;
-    int64_t* counts = NULL;
     size_t piece, at, i;
     int q, l, total = 0, staged = 0;
     mgpu_result r = mine;
@@ -5078,11 +5085,6 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
     piece = MGPU__MAX((size_t)64, (size_t)(INT32_MAX / MGPU__MAX(L, total)) & ~(size_t)63);
     piece = MGPU__MIN(piece, MGPU__MAX(n, (size_t)1));
     for (l = 0; r == MGPU_OK && l < L; ++l) staged |= !MGPU__IS_CPU(ts[l]);
-    counts = (int64_t*)mgpu__calloc((size_t)P, sizeof(int64_t));
-    if (!counts) {   /* cannot even count: end the job rather than leave the others waiting */
-        fprintf(stderr, "mgpu: rank %d: %s: out of host memory for %d counts\n", me, op, P);
-        mgpu_dist_abort(1);
-    }
     if (r == MGPU_OK) {
         ints = (int*)mgpu__calloc((size_t)P * 6, sizeof(int));
         send = mgpu__dist_buffer(0, piece * (size_t)L + 1);
@@ -5096,11 +5098,7 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
         bufs[l] = host + (size_t)l * n;
         r = mgpu_tensor_download(ts[l], bufs[l], n * sizeof(float));
     }
-    r = mgpu__dist_agree(r, (int64_t)n, number, counts, number_sum);
-    for (q = 0; r == MGPU_OK && q < P; ++q)   /* the same verdict on every rank */
-        if (counts[q] != counts[0])
-            r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: rank %d sums %lld floats, rank 0 %lld", op, q, (long long)counts[q],
-                           (long long)counts[0]);
+    r = mgpu__dist_agree_size(op, r, (int64_t)n, number, number_sum);
     send_counts = ints;
     send_at = ints + P;
     recv_counts = ints + 2 * P;
@@ -5136,7 +5134,6 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     }
     MGPU_FREE(ints);
-    MGPU_FREE(counts);
     return r;
 #else
     (void)op; (void)ts; (void)L; (void)rank_replicas;
@@ -6852,28 +6849,38 @@ static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
 
 /* ---- move 4, reduce: the gradients summed across replicas ---- */
 
+/* A distributed model: every replica of the job, in order, each stage across its copies. The
+   first sum's vote also carries the caller's verdict and a number (a step's own result and its
+   loss, summed into *number_sum), so that a step votes once before its sums, not twice; NCCL's
+   sums are only queued, and every rank hears whether all queued them. */
+static mgpu_result mgpu__dist_reduce(mgpu_model* m, mgpu_result mine, double number, double* number_sum) {
+    mgpu_tensor* grads[MGPU__MAX_REPLICAS];
+    float* bufs[MGPU__MAX_REPLICAS];
+    int r, s;
+    for (s = 0; s < m->stage_count; ++s, mine = MGPU_OK, number = 0.0, number_sum = NULL) {
+        for (r = 0; r < m->replica_count; ++r) {
+            grads[r] = mgpu__part_of(m, r, s)->grads;
+            bufs[r] = MGPU__F32(grads[r]);
+        }
+        if (m->ar[s] && m->ar[s]->across_processes) {
+            MGPU__TRY(mgpu__dist_agree(mine, 0, number, NULL, number_sum));
+            MGPU__TRY(mgpu__dist_agree(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)), 0, 0.0, NULL, NULL));
+        } else {
+            MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas, mine, number,
+                                     number_sum));
+        }
+    }
+    m->grads_reduced = 1;
+    return MGPU_OK;
+}
+
 /* Each stage's whole flat gradient buffer across its copies in one all-reduce (once per step at most). */
 static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     float* bufs[MGPU__MAX_REPLICAS];
     int slices[MGPU__MAX_REPLICAS];
     int r, s;
     if (m->grads_reduced) return MGPU_OK;
-    if (m->dist) {   /* every replica of the job, in order, each stage across its copies */
-        mgpu_tensor* grads[MGPU__MAX_REPLICAS];
-        for (s = 0; s < m->stage_count; ++s) {
-            for (r = 0; r < m->replica_count; ++r) {
-                grads[r] = mgpu__part_of(m, r, s)->grads;
-                bufs[r] = MGPU__F32(grads[r]);
-            }
-            if (m->ar[s] && m->ar[s]->across_processes) {   /* NCCL: queued; every rank hears whether all queued it */
-                MGPU__TRY(mgpu__dist_agree(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)), 0, 0.0, NULL, NULL));
-            } else {
-                MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas, MGPU_OK, 0.0, NULL));
-            }
-        }
-        m->grads_reduced = 1;
-        return MGPU_OK;
-    }
+    if (m->dist) return mgpu__dist_reduce(m, MGPU_OK, 0.0, NULL);
     for (s = 0; m->replica_count > 1 && s < m->stage_count; ++s) {
         mgpu_result res;
         for (r = 0; r < m->replica_count; ++r) {
@@ -7140,10 +7147,10 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     else if (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce && !m->dist);
 #endif
     else res = mgpu__run_batch_streams(&b, reduce && (!m->dist || mgpu__dist_overlaps(m)));          /* 3, 4 */
-    if (m->dist) {   /* every rank's verdict on its work (and its loss), then the sums across the job */
+    if (m->dist) {   /* every rank's verdict on its work (and its loss), with the sums across the job or alone */
         if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
-        MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));
-        if (reduce) MGPU__TRY(mgpu__reduce_grads(m));                                              /* 4. reduce */
+        if (reduce && !m->grads_reduced) MGPU__TRY(mgpu__dist_reduce(m, res, loss_sum, &loss_sum));  /* 4. reduce */
+        else MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));   /* (NCCL overlapped backward) */
         m->rows_in_step += all_rows;
         if (loss) *loss = (float)(loss_sum / (double)all_rows);
         return MGPU_OK;
