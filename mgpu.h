@@ -7267,11 +7267,9 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     }
 #ifdef MGPU_MPI
     if (m->dist && mgpu__dist_agree(r, 0, 0.0, NULL, NULL) == MGPU_OK) {   /* then replica 0 of each rank against rank 0's */
-        mgpu__dist_broadcast(first, (size_t)m->flat_floats * sizeof(float));   /* into `first` on the others... */
-        if (mgpu__dist.rank != 0) {   /* ...whose own are downloaded again into `other` */
-            for (i = 0; i < m->stage_count && r == MGPU_OK; ++i)
-                r = mgpu_tensor_download(mgpu__part_of(m, 0, i)->params, other + m->stage_off[i],
-                                         (size_t)mgpu__stage_floats(m, i) * sizeof(float));
+        /* rank 0's replica 0 (in its `first`) into the others' `other`, beside their own in `first` */
+        mgpu__dist_broadcast(mgpu__dist.rank == 0 ? first : other, (size_t)m->flat_floats * sizeof(float));
+        if (mgpu__dist.rank != 0) {
             for (t = 0; t < m->tensor_count && r == MGPU_OK; ++t) {
                 const int64_t count = mgpu_shape_numel(m->tensors[t].shape), at = m->tensors[t].offset;
                 int64_t k;
@@ -7279,7 +7277,7 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
                     if (memcmp(&first[at + k], &other[at + k], sizeof(float)) != 0) {
                         r = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: after %lld steps rank %d (replica %d of the job) differs from "
                                        "rank 0 at '%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, mgpu__dist.rank,
-                                       m->dist_first, m->tensors[t].name, (long long)k, (double)other[at + k], (double)first[at + k]);
+                                       m->dist_first, m->tensors[t].name, (long long)k, (double)first[at + k], (double)other[at + k]);
                         break;
                     }
             }
