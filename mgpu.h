@@ -1272,6 +1272,7 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #include <time.h>
 #ifndef MGPU_NO_THREADS
 #include <pthread.h>
+#include <sched.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>   /* the CPU GEMM's micro-kernel */
@@ -1409,7 +1410,13 @@ static mgpu_result mgpu__refail(const char* where) {
 /* ---- >>impl threads: a small pool for the CPU backend ----------------------------------- */
 /* parallel_for(n, fn, ctx) runs fn(ctx, 0..n-1) on up to mgpu_cpu_threads() threads. Tasks are
    coarse (a block of GEMM rows, a slice of a vector). A call made while the pool is busy (from
-   another thread, e.g. a CPU replica) runs inline, so the pool never deadlocks. */
+   another thread, e.g. a CPU replica) runs inline, so the pool never deadlocks.
+   Waking a sleeping thread takes tens of microseconds, and in a virtual machine, whose idle CPU
+   the hypervisor must wake, up to a hundred or more: as long as a whole GEMM of the MLP (13
+   MFLOP, 90 us on 2 cores). So the workers, and a caller waiting for their tasks, first watch
+   for a while (MGPU__POOL_SPIN_SECONDS after the last job), yielding the core on each look in case
+   another thread wants it, and only then sleep, as OpenMP runtimes and OpenBLAS do. The fields
+   watched without the lock are written with atomic stores (under the lock, as ever). */
 typedef void (*mgpu__task_fn)(void* ctx, int64_t task);
 static int mgpu__cpu_thread_count;   /* 0 until first asked */
 
@@ -1427,6 +1434,13 @@ MGPUDEF int mgpu_cpu_threads(void) {
 }
 
 #ifndef MGPU_NO_THREADS
+#define MGPU__POOL_SPIN_SECONDS 1e-3
+#if defined(__GNUC__) || defined(__clang__)
+#define MGPU__WATCH(field) __atomic_load_n(&(field), __ATOMIC_ACQUIRE)
+#define MGPU__PUBLISH(field, value) __atomic_store_n(&(field), (value), __ATOMIC_RELEASE)
+#else   /* no atomics to watch with: sleep at once */
+#define MGPU__PUBLISH(field, value) ((field) = (value))
+#endif
 typedef struct mgpu__pool {
     pthread_mutex_t lock;
     pthread_cond_t work_ready, work_done;
@@ -1447,8 +1461,25 @@ static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
         pthread_mutex_unlock(&p->lock);
         p->fn(p->ctx, task);
         pthread_mutex_lock(&p->lock);
-        p->finished++;
+        MGPU__PUBLISH(p->finished, p->finished + 1);
     }
+}
+
+/* Called with p->lock held; returns with it held, once a job newer than seen has come (worker)
+   or the current job is done (caller), or the watch has lasted MGPU__POOL_SPIN_SECONDS. */
+static void mgpu__pool_watch(mgpu__pool* p, int worker, uint64_t seen) {
+#ifdef MGPU__WATCH
+    const double until = mgpu_seconds() + MGPU__POOL_SPIN_SECONDS;
+    pthread_mutex_unlock(&p->lock);
+    while (worker ? MGPU__WATCH(p->generation) == seen
+                  : MGPU__WATCH(p->finished) < MGPU__WATCH(p->count) || MGPU__WATCH(p->active) > 0) {
+        if (mgpu_seconds() > until) break;
+        sched_yield();
+    }
+    pthread_mutex_lock(&p->lock);
+#else
+    (void)p; (void)worker; (void)seen;
+#endif
 }
 
 static void* mgpu__pool_worker(void* arg) {
@@ -1456,11 +1487,12 @@ static void* mgpu__pool_worker(void* arg) {
     uint64_t seen = 0;
     pthread_mutex_lock(&p->lock);
     for (;;) {
+        if (p->generation == seen) mgpu__pool_watch(p, 1, seen);
         while (p->generation == seen) pthread_cond_wait(&p->work_ready, &p->lock);
         seen = p->generation;
-        p->active++;
+        MGPU__PUBLISH(p->active, p->active + 1);
         mgpu__pool_drain(p);
-        p->active--;
+        MGPU__PUBLISH(p->active, p->active - 1);
         if (p->finished == p->count && p->active == 0) pthread_cond_broadcast(&p->work_done);
     }
     return NULL;
@@ -1484,10 +1516,13 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
             if (p->workers > 0) {
                 p->busy = 1;
                 p->fn = fn; p->ctx = ctx;
-                p->next = 0; p->count = count; p->finished = 0;
-                p->generation++;
+                p->next = 0;
+                MGPU__PUBLISH(p->count, count);
+                MGPU__PUBLISH(p->finished, 0);
+                MGPU__PUBLISH(p->generation, p->generation + 1);
                 pthread_cond_broadcast(&p->work_ready);
                 mgpu__pool_drain(p);
+                if (p->finished < p->count || p->active > 0) mgpu__pool_watch(p, 0, 0);
                 while (p->finished < p->count || p->active > 0) pthread_cond_wait(&p->work_done, &p->lock);
                 p->busy = 0;
                 pthread_mutex_unlock(&p->lock);
@@ -2985,7 +3020,9 @@ static void mgpu__gemm_pack_task(void* ctx, int64_t task) {
 static void mgpu__gemm_tile_task(void* ctx, int64_t task) {
     const mgpu__gemm_job* j = (const mgpu__gemm_job*)ctx;
     const int64_t rb = task % j->row_blocks, cg = task / j->row_blocks;
-    const int64_t i0 = rb * MGPU__GEMM_MC, i1 = MGPU__MIN(j->g->m, i0 + MGPU__GEMM_MC);
+    const int64_t slivers = (j->g->m + MGPU__GEMM_MR - 1) / MGPU__GEMM_MR;   /* row blocks of equal slivers, give or take one */
+    const int64_t i0 = slivers * rb / j->row_blocks * MGPU__GEMM_MR;
+    const int64_t i1 = MGPU__MIN(j->g->m, slivers * (rb + 1) / j->row_blocks * MGPU__GEMM_MR);
     const int64_t jb0 = cg * j->group_cols, jb1 = MGPU__MIN(j->g->nc, jb0 + j->group_cols);
     if (i0 < i1 && jb0 < jb1) mgpu__gemm_tiles(j->g, i0, i1, jb0, jb1);
 }
@@ -2994,9 +3031,12 @@ static void mgpu__gemm_run(mgpu__gemm* g, int64_t k_begin, int64_t k_end, int th
     job.g = g;
     for (g->j0 = 0; g->j0 < g->n; g->j0 += MGPU__GEMM_NC) {
         g->nc = MGPU__MIN((int64_t)MGPU__GEMM_NC, g->n - g->j0);
-        /* tasks: blocks of MC rows, and the columns cut in groups of slivers when the rows are
-           too few to keep every thread busy */
+        /* tasks: blocks of about MC rows, as many as a multiple of the threads (512 rows in 6
+           blocks of 96 and 32 leave one of 2 threads 288 rows and the other 224; in 6 blocks of
+           84 to 90, 256 each), and the columns cut in groups of slivers when the rows are too
+           few to keep every thread busy */
         job.row_blocks = (g->m + MGPU__GEMM_MC - 1) / MGPU__GEMM_MC;
+        if (threads > 1 && job.row_blocks > threads) job.row_blocks = (job.row_blocks + threads - 1) / threads * threads;
         job.col_groups = MGPU__MAX((int64_t)1, MGPU__MIN((threads + job.row_blocks - 1) / job.row_blocks,
                                                         (g->nc + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR));
         job.group_cols = ((g->nc + job.col_groups - 1) / job.col_groups + MGPU__GEMM_NR - 1) / MGPU__GEMM_NR * MGPU__GEMM_NR;

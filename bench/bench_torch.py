@@ -1,6 +1,6 @@
 """PyTorch's side of `make bench`: the workloads of bench/bench.c with the same shapes, dtypes and
 optimizer, printed as the same tab-separated rows (workload, device, metric, value, unit, note).
-Usage: python3 bench_torch.py THREADS [cpu|cuda|all] [--quick]. CPU runs use THREADS threads,
+Usage: python3 bench_torch.py THREADS [cpu|cuda|all|steps] [--quick]. CPU runs use THREADS threads,
 as mgpu does. Times are medians after warm-up; GPU times include a synchronize per step."""
 import statistics
 import sys
@@ -145,9 +145,10 @@ def blas_library():
 
 
 row("torch", "-", "blas", 0, "", blas_library())
-if which in ("cpu", "all"):
+if which in ("cpu", "all", "steps"):
     bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
     bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 30)
+if which in ("cpu", "all"):
     bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
 if which in ("cuda", "all") and torch.cuda.is_available():
     bench_gemm("cuda:0", 2048, 4096, 4096, 20)
