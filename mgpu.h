@@ -394,7 +394,10 @@ MGPUDEF const char* mgpu_tensor_describe(const mgpu_tensor* t, char* buf, size_t
 MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t bytes);
 MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_t bytes);
 /* Any device to any device (peer copy between GPUs, staged through the host without peer
-   access). Shapes' element counts and dtypes must match. */
+   access). Shapes' element counts and dtypes must match. Between two GPUs it does not wait for
+   the copy: the devices' streams are ordered instead, so every later op on either device sees
+   it done (download syncs; a raw pointer read by your own CUDA code wants
+   mgpu_device_synchronize first). */
 MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src);
 /* A new tensor on dev with src's contents (like .to(device) in PyTorch). */
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev);
@@ -1582,6 +1585,8 @@ struct mgpu_device {
     int replica;                  /* index in its set */
     char label[32];
     void* stream;                 /* CUDA: the compute stream every op of this device runs on */
+    void* order;                  /* CUDA: an event, for another stream to wait for this one
+                                     (mgpu_tensor_copy between two devices) */
     void* blas;                   /* CUDA: cuBLAS handle bound to stream */
     mgpu__allocator alloc;
     int64_t tensors;              /* live tensor storages on it (under alloc's lock): its set's
@@ -1689,6 +1694,7 @@ static void mgpu__device_free(mgpu_device* d) {
     if (d->kind == MGPU_DEVICE_CUDA) {
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
         if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
+        if (d->order) (void)MGPU__CUDA(mgpu__cu_event_destroy(d->ordinal, d->order));
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(d->ordinal, d->stream));
     }
 #ifndef MGPU_NO_THREADS
@@ -1928,6 +1934,7 @@ static mgpu_result mgpu__device_create(const mgpu__device_plan* plan, int i, mgp
     if (same) snprintf(d->label, sizeof d->label, "cuda:%d#%d", d->ordinal, same);
     else snprintf(d->label, sizeof d->label, "cuda:%d", d->ordinal);
     rc = MGPU__CUDA(mgpu__cu_stream_create(d->ordinal, &d->stream));
+    if (rc == 0) rc = MGPU__CUDA(mgpu__cu_event_create(d->ordinal, &d->order));
     if (rc == 0) rc = MGPU__CUDA(mgpu__cu_blas_create(d->ordinal, d->stream, &d->blas));
     return rc ? mgpu__cu_result(rc, "mgpu_device_set_create", d) : MGPU_OK;
 }
@@ -2564,15 +2571,20 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
         return MGPU_OK;
     }
-    /* Another stream or GPU: src must be ready before, and dst's users wait after. A peer copy
-       goes directly over NVLink/PCIe where peer access is on, or through the host otherwise. */
-    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_stream_synchronize(sd->ordinal, sd->stream));
+    /* Another stream or GPU: ordered by events, never by the host. The copy, on dst's stream,
+       waits for src's stream to get here (src's producers are done), and src's stream waits
+       for the copy before it goes on (whatever next overwrites src, or reuses its memory, comes
+       after), as if both devices ran one stream. A peer copy goes directly over NVLink/PCIe
+       where peer access is on, or through the host otherwise. */
+    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_event_record(sd->ordinal, sd->order, sd->stream));
+    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_wait_event(dd->ordinal, dd->stream, sd->order));
     if (sd->ordinal == dd->ordinal)
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
     else
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy_peer(dd->ordinal, mgpu_tensor_data(dst), sd->ordinal,
                                                               mgpu_tensor_data(src), bytes, dd->stream));
-    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_synchronize(dd->ordinal, dd->stream));
+    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_event_record(dd->ordinal, dd->order, dd->stream));
+    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_stream_wait_event(sd->ordinal, sd->stream, dd->order));
     return MGPU_OK;
 }
 

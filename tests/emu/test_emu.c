@@ -133,6 +133,79 @@ static int case_allreduce(const char* spec, mgpu_allreduce_kind ask, mgpu_allred
     return 0;
 }
 
+/* A training step queues its work and returns: no host synchronisation inside it, in any layout
+   (the batch's rows go to the other GPUs, and activations between stages, ordered by events).
+   And mgpu_tensor_copy between two GPUs keeps stream order both ways: src overwritten right after
+   the copy, dst still receives the old values (with MGPU_EMU_CHAOS, a missing wait shows). */
+static int case_no_host_sync(void) {
+    static const struct { const char* spec; int stages; } layouts[] = {{"cuda:0,1,2,3", 1}, {"cuda:0,1", 2}, {"cuda:0,1,2,3", 2}};
+    size_t li;
+    int i;
+    for (li = 0; li < sizeof layouts / sizeof layouts[0]; ++li) {
+        mgpu_device_set* set = mgpu_device_set_create(layouts[li].spec);
+        mgpu_layer* layers[3];
+        mgpu_model_desc md;
+        mgpu_optimizer_desc od;
+        mgpu_model* m;
+        mgpu_optimizer* opt;
+        mgpu_tensor *x, *y;
+        mgpu_emu_counters before, after;
+        NEED(set, "%s: %s", layouts[li].spec, mgpu_last_error());
+        layers[0] = mgpu_layer_linear(20, 16);
+        layers[1] = mgpu_layer_relu();
+        layers[2] = mgpu_layer_linear(16, 4);
+        memset(&md, 0, sizeof md);
+        md.input = mgpu_shape1(20);
+        md.layers = layers;
+        md.layer_count = 3;
+        md.devices = set;
+        md.stages = layouts[li].stages;
+        md.micro_batches = 4;
+        m = mgpu_model_create(&md);
+        NEED(m, "model on %s: %s", layouts[li].spec, mgpu_last_error());
+        memset(&od, 0, sizeof od);
+        od.lr = 0.1f;
+        opt = mgpu_optimizer_create(m, &od);
+        x = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape2(32, 20));
+        y = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_I32, mgpu_shape1(32));
+        NEED(opt && x && y && mgpu_rand_normal(x, 1, 0, 0.0f, 1.0f) == MGPU_OK && mgpu_tensor_fill(y, 2.0) == MGPU_OK, "%s",
+             mgpu_last_error());
+        NEED(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "warm-up step: %s", mgpu_last_error());
+        for (i = 0; i < mgpu_device_set_count(set); ++i) NEED(mgpu_device_synchronize(mgpu_device_set_get(set, i)) == MGPU_OK, "sync");
+        mgpu_emu_get_counters(&before);
+        for (i = 0; i < 3; ++i) NEED(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "step: %s", mgpu_last_error());
+        mgpu_emu_get_counters(&after);
+        NEED(after.syncs == before.syncs, "%s, %d stages: %llu host synchronisations in 3 steps", layouts[li].spec,
+             layouts[li].stages, (unsigned long long)(after.syncs - before.syncs));
+        NEED(mgpu_model_verify_replicas(m) == MGPU_OK, "%s: %s", layouts[li].spec, mgpu_last_error());
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    }
+    {   /* the copy's order, both ways, on two GPUs and on two streams of one */
+        static const char* specs[] = {"cuda:0,1", "cuda:0,0"};
+        for (li = 0; li < 2; ++li) {
+            mgpu_device_set* set = mgpu_device_set_create(specs[li]);
+            mgpu_tensor *src, *dst;
+            NEED(set, "%s: %s", specs[li], mgpu_last_error());
+            src = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(300001));
+            dst = mgpu_tensor_create(mgpu_device_set_get(set, 1), MGPU_F32, mgpu_shape1(300001));
+            NEED(src && dst && mgpu_tensor_fill(dst, 0.0) == MGPU_OK, "%s", mgpu_last_error());
+            for (i = 0; i < 4; ++i) {
+                NEED(mgpu_tensor_fill(src, i + 1.0) == MGPU_OK && mgpu_tensor_copy(dst, src) == MGPU_OK &&
+                     mgpu_tensor_fill(src, -1.0) == MGPU_OK, "%s", mgpu_last_error());
+                NEED(tensor_value_is(dst, (float)(i + 1)), "%s, round %d: the copy saw src too early or too late", specs[li], i);
+            }
+            mgpu_tensor_destroy(src);
+            mgpu_tensor_destroy(dst);
+            mgpu_device_set_destroy(set);
+        }
+    }
+    return 0;
+}
+
 /* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
 static int case_no_gpu(void) {
     mgpu_device_set* set;
@@ -158,6 +231,7 @@ static int run_case(const char* name) {
         return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
     if (!strcmp(name, "nccl init fails"))
         return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
+    if (!strcmp(name, "no host sync")) return case_no_host_sync();
     if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     fprintf(stderr, "unknown case %s\n", name);
@@ -254,5 +328,9 @@ int main(void) {
     expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=oneshot");
     snprintf(env, sizeof env, "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
     expect_ok("no peer access", env);
+    header("a training step on several GPUs never waits for them; copies between GPUs keep stream order");
+    expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring");
+    expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_CHAOS=1");
+    expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_NO_PEER=1");
     return test_summary("test_emu");
 }
