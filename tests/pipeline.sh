@@ -2,14 +2,23 @@
 # Pipelines trained for real: build/train_cpu on Fashion-MNIST, 300 steps from seed 7, on one CPU
 # device and on pipelines of 2 and 3 stages and 2 x 2 (cpu:2, cpu:3, cpu:4), with 1, 4 and 8
 # micro-batches and both schedules; the final checkpoints (parameters and optimizer state, max
-# relative difference per tensor) within 1e-5 of the one-device run (0: the same bits, for one
-# micro-batch, and GPipe against 1F1B), and the test accuracy equal to 3 decimals. The MLP, the
-# MLP with Dropout(0.2), and the CNN for 20 steps (see below), then the same on emulated GPUs
-# (build/train_emu, when built) against the emulated cuda:0.
-# The CNN: at this learning rate its training amplifies any rounding difference (the ReLUs and the
-# max-pools switch): plain data parallelism (cpu:4, no pipeline) is 7e-7 from one device after 30
-# steps and 0.3 after 60, and 4 micro-batches on one device do the same. So the CNN runs 20 steps,
-# where the comparison still measures the pipeline rather than that amplification.
+# relative difference per tensor) compared by ckpt_diff, and the test accuracy equal to 3 decimals.
+# The MLP, the MLP with Dropout(0.2), and the CNN.
+# On CPU devices a pipeline changes no bit: a stage computes what the one device computes, and the
+# gradients summed over micro-batches are one chain of additions per element, in the order of the
+# whole batch (the CPU GEMM and the bias gradients add onto the gradient itself; a convolution's
+# groups of 8 images fall on micro-batch bounds). So every pipeline of one replica must give the
+# one device's bits, and 2 x 2 those of plain data parallelism on 2 replicas (cpu:2). What data
+# parallelism itself changes (each replica sums its rows, then the replicas are added) is checked
+# against one device for the MLP, within 1e-4: 5.7e-5 at seed 7, at one hidden unit whose ReLU
+# input lies within rounding of zero at some step (the unit of tests/emu/train.sh); seeds 1 to 6
+# give 3e-6 to 8e-6, and seed 8 gives 1.1 (a momentum buffer, after more such decisions): the
+# seed decides, as it did before the chains (then seeds 1 and 6 gave 1.2, 7 gave 9e-6). For the
+# CNN it is not a pipeline's to check: at this learning rate its training amplifies any rounding
+# difference (the ReLUs and max-pools switch; cpu:2 against cpu after 300 steps: 1.8), with or
+# without pipelines.
+# Then the MLP on emulated GPUs (build/train_emu, when built) against the emulated cuda:0, within
+# 1e-4 (cuBLAS promises no order for its sums).
 # Usage: pipeline.sh [BUILD_DIR] [DATA_DIR]. Skips without Fashion-MNIST.
 b=${1:-build}
 data=${2:-${DATA:-/usr/share/datasets/fashion-mnist}}
@@ -38,7 +47,9 @@ check() {
         failed=$((failed + 1)); echo "  FAIL $1 against $2 (tolerance $3): $d, test accuracy $(acc "$tmp/$1.txt") vs $(acc "$tmp/$2.txt")"
     fi
 }
-# suite PROGRAM ONE TWO THREE FOUR ARGS...: the layouts on devices ONE (reference), TWO, THREE, FOUR
+# suite PROGRAM ONE TWO THREE FOUR TAG ARGS...: the layouts on devices ONE (the reference), TWO,
+# THREE and FOUR (2 x 2, against TWO's plain data parallelism), within $TOL; 2 x 2 against ONE
+# within $DP_TOL (none: not compared); GPipe against 1F1B the same bits
 suite() {
     prog=$1; one=$2; two=$3; three=$4; four=$5; tag=$6; shift 6
     run "$prog" "$tag-ref" --devices "$one" "$@" || return
@@ -48,15 +59,18 @@ suite() {
     run "$prog" "$tag-s3m4" --devices "$three" --stages 3 --micro-batches 4 "$@" && check "$tag-s3m4" "$tag-ref" $TOL
     run "$prog" "$tag-s3m8" --devices "$three" --stages 3 --micro-batches 8 "$@" && check "$tag-s3m8" "$tag-ref" $TOL
     run "$prog" "$tag-s3m8g" --devices "$three" --stages 3 --micro-batches 8 --pipeline gpipe "$@" && check "$tag-s3m8g" "$tag-s3m8" 0
-    run "$prog" "$tag-r2s2m4" --devices "$four" --stages 2 --micro-batches 4 "$@" && check "$tag-r2s2m4" "$tag-ref" $TOL
+    run "$prog" "$tag-r2s2m4" --devices "$four" --stages 2 --micro-batches 4 "$@" || return
+    if [ -n "$DP_TOL" ]; then check "$tag-r2s2m4" "$tag-ref" $DP_TOL; fi
+    run "$prog" "$tag-r2" --devices "$two" "$@" && check "$tag-r2s2m4" "$tag-r2" $TOL
 }
-ENV=; TOL=1e-5
+ENV=; TOL=0; DP_TOL=1e-4
 suite "$b/train_cpu" cpu cpu:2 cpu:3 cpu:4 mlp --model mlp --max-steps 300
 suite "$b/train_cpu" cpu cpu:2 cpu:3 cpu:4 mlp-dropout --model mlp --dropout 0.2 --max-steps 300
-suite "$b/train_cpu" cpu cpu:2 cpu:3 cpu:4 cnn --model cnn --max-steps 10
+DP_TOL=
+suite "$b/train_cpu" cpu cpu:2 cpu:3 cpu:4 cnn --model cnn --max-steps 300
 if [ -x "$b/train_emu" ]; then
     lib=$(cd "$b/emu" && pwd)
-    ENV="MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so MGPU_VERIFY_EVERY=1 MGPU_TEST_REQUIRE_GPU=1"; TOL=1e-4
+    ENV="MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so MGPU_VERIFY_EVERY=1 MGPU_TEST_REQUIRE_GPU=1"; TOL=1e-4; DP_TOL=1e-4
     suite "$b/train_emu" cuda:0 cuda:0,1 cuda:0,1,2 cuda:0,1,2,3 emu-mlp --model mlp --max-steps 300
 else
     skipped=$((skipped + 1)); echo "  skip pipelines on emulated GPUs: no $b/train_emu"

@@ -1487,6 +1487,53 @@ static void matmul_same_bits_any_threads(void) {
     CHECK(same, "CPU matmul: 1 thread and 3 threads give different bits");
 }
 
+/* With alpha and beta 1 the CPU GEMM adds onto C one chain of FMAs per element, k in order, and
+   the bias gradient adds onto its sums row by row: a sum cut along k (the rows of a batch) into
+   pieces added one after the other gives the bits of the whole, as gradients summed over
+   micro-batches must. Shapes through the small and the large paths, across KC blocks, and with
+   edge tiles. */
+static void matmul_pieces_same_bits(void) {
+    const int64_t shapes[6][5] = {   /* m, n, k, and where the pieces start */
+        {128, 784, 64, 16, 32}, {10, 128, 64, 8, 40}, {70, 90, 300, 100, 257}, {400, 70, 300, 1, 256}, {20, 300, 260, 130, 200}, {13, 7, 9, 4, 5}};
+    mgpu_device* cpu = mgpu_device_cpu();
+    int s, same = 1, same_bias = 1;
+    for (s = 0; s < 6; ++s) {
+        const int64_t m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], cut[4] = {0, shapes[s][3], shapes[s][4], k};
+        float *a = fbuf(k * m), *b = fbuf(k * n), *whole = fbuf(m * n), *pieces = fbuf(m * n), *bw = fbuf(n), *bp = fbuf(n);
+        mgpu_tensor *ta, *tb, *tc, *tbias;
+        int p;
+        rnd_normal(a, k * m, 1.0);
+        rnd_normal(b, k * n, 1.0);
+        ta = tfrom(cpu, mgpu_shape2(k, m), a);
+        tb = tfrom(cpu, mgpu_shape2(k, n), b);
+        tc = tmake(cpu, MGPU_F32, mgpu_shape2(m, n));
+        tbias = tmake(cpu, MGPU_F32, mgpu_shape1(n));
+        for (p = 0; p < 2; ++p) {   /* 0: the whole sum in one call; 1: three pieces */
+            int piece;
+            CHECK(mgpu_tensor_fill(tc, 0.0) == MGPU_OK && mgpu_tensor_fill(tbias, 0.0) == MGPU_OK, "fill");
+            for (piece = 0; piece < (p ? 3 : 1); ++piece) {
+                const int64_t k0 = p ? cut[piece] : 0, k1 = p ? cut[piece + 1] : k;
+                mgpu_tensor *va = mgpu_tensor_view_rows(ta, k0, k1 - k0), *vb = mgpu_tensor_view_rows(tb, k0, k1 - k0);
+                CHECK(va && vb && mgpu_matmul(tc, va, vb, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f) == MGPU_OK &&
+                      mgpu__bias_grad_add(tbias, vb) == MGPU_OK, "rows [%lld, %lld): %s", (long long)k0, (long long)k1, mgpu_last_error());
+                mgpu_tensor_destroy(va);
+                mgpu_tensor_destroy(vb);
+            }
+            tget(tc, p ? pieces : whole);
+            tget(tbias, p ? bp : bw);
+        }
+        same &= memcmp(whole, pieces, sizeof(float) * (size_t)(m * n)) == 0;
+        same_bias &= memcmp(bw, bp, sizeof(float) * (size_t)n) == 0;
+        mgpu_tensor_destroy(ta);
+        mgpu_tensor_destroy(tb);
+        mgpu_tensor_destroy(tc);
+        mgpu_tensor_destroy(tbias);
+        free(a); free(b); free(whole); free(pieces); free(bw); free(bp);
+    }
+    CHECK(same, "CPU matmul: C += A^T B in pieces of k gives other bits than in one call");
+    CHECK(same_bias, "CPU bias gradient: added in pieces of rows gives other bits than in one call");
+}
+
 static void test_matmul(void) {
     int d, t;
     header("matmul");
@@ -1520,6 +1567,7 @@ static void test_matmul(void) {
         matmul_case(dev, 4, 6, 600000, 1, 0, 1.0f, 0.0f, 0);    /* more than 64 chunks of the least size */
     }
     matmul_same_bits_any_threads();
+    matmul_pieces_same_bits();
     gpu_group_note("matmul");
 }
 

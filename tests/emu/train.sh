@@ -7,9 +7,9 @@
 #     (what the split and the all-reduce add), except the 4-replica P2P ring (1e-4). The two
 #     exceptions measure 5.6e-5 at seed 7, at one hidden unit: a ReLU input within rounding of
 #     zero at some step goes one way or the other depending on the order of the sums (the CPU
-#     GEMM's blocks of 256 against the emulated cuBLAS's plain order; the ring's rotation of the
-#     replicas against replica order), and that one decision outweighs the rest (at most 4.2e-6).
-#     The ring run agrees with the CPU run to 3.6e-6.
+#     GEMM's float chains against the emulated cuBLAS's sums in double; the ring's rotation of
+#     the replicas against replica order), and that one decision outweighs the rest (at most
+#     4.2e-6). The ring run agrees with the CPU run to 1.4e-5.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
 # EMU_TRAIN_MODEL change the steps, the tolerances and the model. Skips without Fashion-MNIST.
 b=${1:-build}
