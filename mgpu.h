@@ -632,8 +632,9 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
    add the micro-batches' gradients in the same order (0, 1, ...), so they give the same bits.
    On CPU devices those are the bits of the unsplit batch too: a gradient summed over micro-
    batches is one chain of additions per element, in the order of the whole batch (Conv2d: for
-   micro-batches of a multiple of 8 images). So R x S devices with any M give exactly what R
-   devices give; on GPUs, cuBLAS promises no order, and results agree to rounding. */
+   micro-batches of a multiple of 8 images; Linear: for fewer than 8192 rows a replica, and not
+   with MGPU_CBLAS). So R x S devices with any M give exactly what R devices give; on GPUs,
+   cuBLAS promises no order, and results agree to rounding. */
 typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
@@ -2830,6 +2831,8 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
        order: the micro-kernel starts from the tile of C rather than from zero. So a product cut
        along k into several calls that add onto C gives the bits of one call: the weight
        gradient summed over micro-batches (or accumulated batches) is that of the whole batch.
+       Not so for a long sum into a small C, which is cut into chunks summed apart (split-k,
+       below: k of 8192 and more), nor with MGPU_CBLAS, whose BLAS promises no order.
    With MGPU_CBLAS, cblas_sgemm does it instead (see the doc block). */
 #define MGPU__GEMM_MR 6
 #define MGPU__GEMM_NR 16
