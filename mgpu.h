@@ -3965,11 +3965,11 @@ static mgpu_result mgpu__cpu_conv_backward(const mgpu__window* g, int64_t out, c
     j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.dy = MGPU__F32(dy);
     j.dx = dx ? MGPU__F32(dx) : NULL;
     mgpu__parallel_for(j.tasks, mgpu__conv_backward_task, &j);
-    for (gi = 0; gi < j.groups; ++gi)   /* the groups' sums in order */
+    for (gi = 0; gi < j.groups; ++gi) {   /* each group's sums onto the gradients, in order */
         for (o = 0; o < out; ++o)
             for (r = 0; r < j.ckk; ++r) pdw[o * j.ckk + r] += j.dw_part[(gi * j.ckk + r) * out + o];
-    for (gi = 0; gi < j.groups; ++gi)   /* likewise, each group onto the gradient in turn */
         for (i = 0; i < out; ++i) pdb[i] += (float)j.db_part[gi * out + i];
+    }
     mgpu__device_release(MGPU__DEV(dy), j.space, size);
     return MGPU_OK;
 }
@@ -4960,7 +4960,8 @@ static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const*
    than the sum. MPI is called from one thread at a time (MPI_THREAD_SERIALIZED), and so are
    these; mgpu_dist_shutdown frees them. */
 #ifdef MGPU_MPI
-static struct { float* p; size_t floats; } mgpu__dist_scratch[3];
+#define MGPU__DIST_SCRATCH 3   /* what a sum sends, receives, and stages from GPUs */
+static struct { float* p; size_t floats; } mgpu__dist_scratch[MGPU__DIST_SCRATCH];
 static float* mgpu__dist_buffer(int which, size_t floats) {
     if (mgpu__dist_scratch[which].floats < floats) {
         MGPU_FREE(mgpu__dist_scratch[which].p);
@@ -5018,7 +5019,7 @@ MGPUDEF void mgpu_dist_shutdown(void) {
 #ifdef MGPU_MPI
     int i;
     if (!mgpu__dist.joined) return;
-    for (i = 0; i < 3; ++i) {
+    for (i = 0; i < MGPU__DIST_SCRATCH; ++i) {
         MGPU_FREE(mgpu__dist_scratch[i].p);
         mgpu__dist_scratch[i].p = NULL;
         mgpu__dist_scratch[i].floats = 0;

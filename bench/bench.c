@@ -157,6 +157,12 @@ static void bench_training(const char* workload, const char* model_name, const c
     training_destroy(&tr);
 }
 
+/* the MLP's and the CNN's steps on one CPU device, set beside PyTorch's */
+static void bench_cpu_steps(void) {
+    bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
+    bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
+}
+
 static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
 
 /* ---- the bare GEMM of the large MLP (out [2048, 4096] = x [2048, 4096] @ W^T), TF32 allowed:
@@ -676,8 +682,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     if (!strcmp(which, "steps")) {   /* the CPU training steps alone (bench_torch.py steps: PyTorch's) */
-        bench_training("mlp784_b64", "mlp784", "cpu", 64, 300, 0);
-        bench_training("cnn_b128", "cnn", "cpu", 128, 30, 0);
+        bench_cpu_steps();
         return 0;
     }
     if (!strcmp(which, "allreduce")) {   /* the in-process host all-reduce alone, to set beside bench_mpi's */
@@ -693,8 +698,7 @@ int main(int argc, char** argv) {
     row("threads", "cpu", "count", mgpu_cpu_threads(), "threads", NULL);
     if (cpu) {
         bench_cpu_gemms();
-        bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
-        bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
+        bench_cpu_steps();
         bench_training("mlp784_b64", "mlp784", "cpu:2", 64, quick ? 50 : 300, 0);
         bench_bandwidth("cpu", (size_t)256 << 20, quick ? 2 : 5);
         bench_allreduce("cpu:2", quick ? (size_t)1 << 20 : (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
