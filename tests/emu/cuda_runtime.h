@@ -11,7 +11,9 @@
 #include <string.h>
 #include <new>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 /* ---- host API ------------------------------------------------------------------------------ */
 enum cudaError {
@@ -132,9 +134,35 @@ struct launch_cfg { dim3 grid, block; size_t shared; cudaStream_t stream; };
 static inline launch_cfg cfg(dim3 grid, dim3 block, size_t shared = 0, cudaStream_t stream = 0) {
     return launch_cfg{grid, block, shared, stream};
 }
-/* copies args_bytes from args (owned by the launch afterwards: destroy frees it) */
-void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, size_t args_bytes,
-                thread_body body, void (*destroy)(void*));
+/* queues the launch of args (owned by the launch afterwards: destroy frees it); `words` are the
+   values among the arguments that may be device pointers, checked against the stream's device */
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, const uintptr_t* words,
+                size_t word_count, thread_body body, void (*destroy)(void*));
+
+/* The words of one argument that may hold a device pointer: a pointer itself, or each aligned
+   word of a struct (a functor and its captures). Numbers are skipped, and a struct's padding is
+   cleared first: padding holds what the stack held before, and beside a float it can read as an
+   address of some device. (Without __builtin_clear_padding, as in clang before 16, such a false
+   report stays possible, if rare.) */
+template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
+    if constexpr (std::is_pointer<T>::value) {
+        out.push_back((uintptr_t)a);
+    } else if constexpr (std::is_class<T>::value) {
+        static_assert(std::is_trivially_copyable<T>::value, "kernel arguments are copied byte for byte");
+        alignas(T) unsigned char bytes[(sizeof(T) + 7) / 8 * 8] = {};
+        memcpy(bytes, (const void*)&a, sizeof(T));
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+        __builtin_clear_padding(reinterpret_cast<T*>(bytes));
+#endif
+#endif
+        for (size_t off = 0; off + 8 <= sizeof bytes; off += 8) {
+            uintptr_t v;
+            memcpy(&v, bytes + off, 8);
+            out.push_back(v);
+        }
+    }
+}
 
 template <class K, class Tuple> struct launch_of {
     static void body(const void* a) {
@@ -149,10 +177,10 @@ template <class K, class... A>
 void launch(const char* name, const char* file, int line, const launch_cfg& c, K kernel, const A&... args) {
     typedef std::tuple<typename std::decay<A>::type...> Tuple;
     typedef std::pair<K, Tuple> Pack;
-    void* raw = ::operator new(sizeof(Pack));
-    memset(raw, 0, sizeof(Pack));   /* padding reads as zeros to the pointer scan */
-    Pack* p = new (raw) Pack(kernel, Tuple(args...));
-    launch_raw(name, file, line, c, p, sizeof(Pack), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
+    std::vector<uintptr_t> words;
+    (pointer_words(typename std::decay<A>::type(args), words), ...);
+    Pack* p = new Pack(kernel, Tuple(args...));
+    launch_raw(name, file, line, c, p, words.data(), words.size(), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
 }
 
 void syncthreads(void);

@@ -737,8 +737,8 @@ uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
     return w.res[lane];
 }
 
-void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, size_t args_bytes,
-                thread_body body, void (*destroy)(void*)) {
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, const uintptr_t* words,
+                size_t word_count, thread_body body, void (*destroy)(void*)) {
     const config& cf = conf();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     long call;
@@ -767,9 +767,8 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
     // every pointer among the arguments must be memory this device reaches
     {
         std::lock_guard<std::mutex> lock(g_mu);
-        for (size_t off = 0; off + 8 <= args_bytes; off += 8) {
-            uintptr_t v;
-            memcpy(&v, (char*)args + off, 8);
+        for (size_t i = 0; i < word_count; ++i) {
+            const uintptr_t v = words[i];
             if (v < 4096) continue;
             auto it = find_alloc((const void*)v);
             if (it == g_allocs.end() || it->second.dev < 0) continue;

@@ -52,6 +52,11 @@ __global__ void deadlock_kernel(int* out) {
 
 __global__ void write_kernel(float* p) { p[threadIdx.x] = 1.0f; }
 
+// A functor-like argument with padding after its float: the launch's pointer check must read
+// only its values, never what the padding holds.
+struct padded_write { float* p; float v; };
+__global__ void padded_write_kernel(padded_write w) { w.p[threadIdx.x] = w.v; }
+
 // mgpu_kernels.cu's kernels whose shared memory is reused across iterations of a grid-stride loop:
 // sizes that make blocks loop, which the test suites' sizes do not reach (a missing
 // __syncthreads between the iterations shows here); and the block-wide softmax.
@@ -224,6 +229,38 @@ extern "C" int selfcheck_run(const char* which) {
     else if (!strcmp(which, "oob_copy")) {
         char h[64];
         (void)cudaMemcpyAsync(h, (char*)d + threads * 6 * sizeof(int) - 32, sizeof h, cudaMemcpyDefault, 0);
+    } else if (!strcmp(which, "padding")) {   // needs 2 devices; a good case
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+#define SELFCHECK_CLEARS_PADDING 1
+#endif
+#endif
+#ifndef SELFCHECK_CLEARS_PADDING
+        fprintf(stderr, "selfcheck: this compiler has no __builtin_clear_padding\n");
+        return 77;
+#else
+        // The float and the padding after it, read as one word, make an address inside device
+        // 1's memory: a check that read the padding would report this launch on device 0.
+        float *other = nullptr, h[32];
+        padded_write w;
+        uintptr_t inside;
+        if (check(cudaSetDevice(1), "cudaSetDevice(1)") || check(cudaMalloc(&other, 1024), "cudaMalloc on 1")) return 1;
+        if (check(cudaSetDevice(0), "cudaSetDevice(0)")) return 1;
+        static_assert(sizeof w == 16 && offsetof(padded_write, v) == 8, "a float and 4 bytes of padding");
+        inside = (uintptr_t)other + 512;
+        memcpy((char*)&w + 8, &inside, sizeof inside);
+        w.p = (float*)d;
+        padded_write_kernel<<<1, 32>>>(w);
+        if (check(cudaGetLastError(), "launch") || check(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDefault, 0), "copy") ||
+            check(cudaStreamSynchronize(0), "sync"))
+            return 1;
+        for (int i = 0; i < 32; ++i)
+            if (memcmp(&h[i], &w.v, sizeof w.v) != 0) {
+                fprintf(stderr, "selfcheck: padding: element %d was not written\n", i);
+                return 1;
+            }
+        return 0;
+#endif
     } else if (!strcmp(which, "no_peer_kernel")) {   // needs 2 devices
         float* other = nullptr;
         if (check(cudaSetDevice(1), "cudaSetDevice(1)") || check(cudaMalloc(&other, 1024), "cudaMalloc on 1")) return 1;
