@@ -158,7 +158,8 @@
      MPI_THREAD_SERIALIZED), on a communicator of its own; a distributed model's calls are
      collective: every rank makes them, in the same order.
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
-     thread alone (so CPU replicas, one thread each, never deadlock).
+     thread alone (so CPU replicas, one thread each, never deadlock). A child of fork() starts
+     a fresh pool for its CPU work. (CUDA cannot be used in a child forked after it started.)
    - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
      set your own device again before your own CUDA calls.
 
@@ -1507,6 +1508,25 @@ static void* mgpu__pool_worker(void* arg) {
 }
 #endif
 
+#ifndef MGPU_NO_THREADS
+/* fork(): the child has only the thread that forked, so its copy of the pool has no workers, and
+   perhaps a job half done or the lock taken by a thread that is not there. The lock is taken
+   around the fork, so that no thread is inside a change of the pool when the process is copied;
+   the child starts again from an empty pool, which grows on its first job (as OpenBLAS and
+   PyTorch's pools do). */
+static void mgpu__pool_before_fork(void) { pthread_mutex_lock(&mgpu__the_pool.lock); }
+static void mgpu__pool_after_fork_parent(void) { pthread_mutex_unlock(&mgpu__the_pool.lock); }
+static void mgpu__pool_after_fork_child(void) {
+    mgpu__pool* p = &mgpu__the_pool;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->work_ready, NULL);
+    pthread_cond_init(&p->work_done, NULL);
+    p->workers = p->busy = p->active = 0;
+    p->next = p->count = p->finished = 0;
+}
+static int mgpu__pool_fork_safe;   /* the handlers are registered (set under the pool's lock) */
+#endif
+
 static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
     int64_t i;
 #ifndef MGPU_NO_THREADS
@@ -1514,6 +1534,9 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
     int want = mgpu_cpu_threads() - 1;
     if (count > 1 && want > 0) {
         pthread_mutex_lock(&p->lock);
+        if (!mgpu__pool_fork_safe)
+            mgpu__pool_fork_safe = pthread_atfork(mgpu__pool_before_fork, mgpu__pool_after_fork_parent,
+                                                  mgpu__pool_after_fork_child) == 0;
         if (!p->busy) {
             while (p->workers < want) {   /* grow lazily; a failed start just means fewer */
                 pthread_t t;

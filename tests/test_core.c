@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <time.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 
 #define TEST_PI 3.14159265358979323846
@@ -2468,6 +2471,72 @@ static void test_concurrency(void) {
     free(got);
 }
 
+#ifndef MGPU_NO_THREADS
+/* fork(): the child's pool starts afresh and uses threads again, even when the parent forked in
+   the middle of a job on another thread (whose workers, lock and half-done job the child does
+   not have). Each task sleeps, so that the workers take some of them; the child has an alarm in
+   case it hangs. */
+typedef struct fork_job { pthread_t ran_on[8]; } fork_job;
+static void fork_task(void* ctx, int64_t task) {
+    struct timespec ts = { 0, 20 * 1000 * 1000 };
+    nanosleep(&ts, NULL);
+    ((fork_job*)ctx)->ran_on[task] = pthread_self();
+}
+static int fork_job_threads(const fork_job* j) {   /* the threads that ran the job's 8 tasks */
+    int i, k, n = 0;
+    for (i = 0; i < 8; ++i) {
+        for (k = 0; k < i && !pthread_equal(j->ran_on[k], j->ran_on[i]); ++k) {}
+        n += k == i;
+    }
+    return n;
+}
+static void* fork_busy_thread(void* arg) {
+    mgpu__parallel_for(8, fork_task, arg);
+    return NULL;
+}
+/* Forks; the child runs a job and exits 0 if more than one thread ran it. Returns the child's
+   exit status, or 128 + its signal. */
+static int fork_and_run(void) {
+    int status = 0;
+    pid_t pid;
+    fflush(stdout);
+    fflush(stderr);
+    pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        fork_job j;
+        alarm(30);
+        mgpu__parallel_for(8, fork_task, &j);
+        _exit(fork_job_threads(&j) > 1 ? 0 : 3);
+    }
+    if (waitpid(pid, &status, 0) != pid) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+static void test_fork(void) {
+    const int saved = mgpu_cpu_threads();
+    fork_job j, busy;
+    pthread_t th;
+    int rc;
+    header("fork");
+    mgpu_cpu_set_threads(2);
+    mgpu__parallel_for(8, fork_task, &j);   /* the parent's pool at work first */
+    CHECK(fork_job_threads(&j) > 1, "the parent's job ran on %d thread(s), want 2", fork_job_threads(&j));
+    rc = fork_and_run();
+    CHECK(rc == 0, "a child forked while the pool was idle: exit %d (3: its job ran on its own thread alone)", rc);
+    if (pthread_create(&th, NULL, fork_busy_thread, &busy) != 0) {
+        CHECK(0, "pthread_create failed");
+    } else {
+        struct timespec ts = { 0, 30 * 1000 * 1000 };
+        nanosleep(&ts, NULL);   /* inside the other thread's job (8 tasks of 20 ms on 2 threads) */
+        rc = fork_and_run();
+        pthread_join(th, NULL);
+        CHECK(rc == 0, "a child forked during another thread's job: exit %d (3: ran alone; 142: hung)", rc);
+        CHECK(fork_job_threads(&busy) > 1, "the other thread's job ran on %d thread(s)", fork_job_threads(&busy));
+    }
+    mgpu_cpu_set_threads(saved);
+}
+#endif
+
 /* ============================================================================================ */
 int main(int argc, char** argv) {
     double t0 = test_start("test_core");
@@ -2502,6 +2571,9 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_hostile_sizes());
     TEST_GROUP(test_threads());
     TEST_GROUP(test_concurrency());
+#ifndef MGPU_NO_THREADS
+    TEST_GROUP(test_fork());
+#endif
 
     mgpu_device_set_destroy(g_gpu_set);
     printf("(%.1f s)\n", now_seconds() - t0);
