@@ -137,6 +137,9 @@
    MGPU_ALLREDUCE=nccl|p2p|host   the all-reduce backend, where the model asks for AUTO
    MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
    MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
+   MGPU_CPU_SPIN_US=N         how long the CPU backend's idle threads watch for the next job
+                              before they sleep (default 1000; 0 sleeps at once, for a machine
+                              shared with other busy programs: OpenMP's OMP_WAIT_POLICY=passive)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
    MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
                               NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
@@ -1423,9 +1426,11 @@ static mgpu_result mgpu__refail(const char* where) {
    Waking a sleeping thread takes tens of microseconds, and in a virtual machine, whose idle CPU
    the hypervisor must wake, up to a hundred or more: as long as a whole GEMM of the MLP (13
    MFLOP, 90 us on 2 cores). So the workers, and a caller waiting for their tasks, first watch
-   for a while (MGPU__POOL_SPIN_SECONDS after the last job), yielding the core on each look in case
-   another thread wants it, and only then sleep, as OpenMP runtimes and OpenBLAS do. The fields
-   watched without the lock are written with atomic stores (under the lock, as ever). */
+   for a while (MGPU_CPU_SPIN_US, 1 ms by default, after the last job), yielding the core on
+   each look in case another thread wants it, and only then sleep, as OpenMP runtimes and
+   OpenBLAS do. (MGPU_CPU_SPIN_US=0 sleeps at once: for a machine whose cores other programs
+   need, like OMP_WAIT_POLICY=passive.) The fields watched without the lock are written with
+   atomic stores (under the lock, as ever). */
 typedef void (*mgpu__task_fn)(void* ctx, int64_t task);
 static int mgpu__cpu_thread_count;   /* 0 until first asked */
 
@@ -1443,7 +1448,7 @@ MGPUDEF int mgpu_cpu_threads(void) {
 }
 
 #ifndef MGPU_NO_THREADS
-#define MGPU__POOL_SPIN_SECONDS 1e-3
+#define MGPU__POOL_SPIN_US_DEFAULT 1000
 #if defined(__GNUC__) || defined(__clang__)
 #define MGPU__WATCH(field) __atomic_load_n(&(field), __ATOMIC_ACQUIRE)
 #define MGPU__PUBLISH(field, value) __atomic_store_n(&(field), (value), __ATOMIC_RELEASE)
@@ -1460,9 +1465,26 @@ typedef struct mgpu__pool {
     void* ctx;
     int64_t next, count, finished;
     int active;                /* workers still inside the current job */
+    uint64_t sleeps;           /* times a worker went to sleep (tests read it) */
 } mgpu__pool;
 static mgpu__pool mgpu__the_pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                                     PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0 };
+                                     PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
+
+/* Seconds of watching before a sleep: MGPU_CPU_SPIN_US, read once, on the first job. */
+static double mgpu__pool_spin_from_env(void) {
+    const char* env = getenv("MGPU_CPU_SPIN_US");
+    char* end = NULL;
+    double us = env && *env ? strtod(env, &end) : MGPU__POOL_SPIN_US_DEFAULT;
+    if (env && *env && (*end || !(us >= 0.0))) {
+        mgpu__log(MGPU_LOG_WARN, "MGPU_CPU_SPIN_US='%s' is not a number of microseconds >= 0; using %d", env,
+                  MGPU__POOL_SPIN_US_DEFAULT);
+        us = MGPU__POOL_SPIN_US_DEFAULT;
+    }
+    return MGPU__MIN(us, 1e6) * 1e-6;   /* at most a second */
+}
+static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;   /* read under the pool's lock */
+static pthread_once_t mgpu__pool_spin_once = PTHREAD_ONCE_INIT;
+static void mgpu__pool_spin_init(void) { mgpu__pool_spin = mgpu__pool_spin_from_env(); }
 
 static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
     while (p->next < p->count) {
@@ -1475,10 +1497,12 @@ static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
 }
 
 /* Called with p->lock held; returns with it held, once a job newer than seen has come (worker)
-   or the current job is done (caller), or the watch has lasted MGPU__POOL_SPIN_SECONDS. */
+   or the current job is done (caller), or the watch has lasted mgpu__pool_spin seconds. */
 static void mgpu__pool_watch(mgpu__pool* p, int worker, uint64_t seen) {
 #ifdef MGPU__WATCH
-    const double until = mgpu_seconds() + MGPU__POOL_SPIN_SECONDS;
+    double until;
+    if (mgpu__pool_spin <= 0.0) return;
+    until = mgpu_seconds() + mgpu__pool_spin;
     pthread_mutex_unlock(&p->lock);
     while (worker ? MGPU__WATCH(p->generation) == seen
                   : MGPU__WATCH(p->finished) < MGPU__WATCH(p->count) || MGPU__WATCH(p->active) > 0) {
@@ -1497,6 +1521,7 @@ static void* mgpu__pool_worker(void* arg) {
     pthread_mutex_lock(&p->lock);
     for (;;) {
         if (p->generation == seen) mgpu__pool_watch(p, 1, seen);
+        if (p->generation == seen) p->sleeps++;
         while (p->generation == seen) pthread_cond_wait(&p->work_ready, &p->lock);
         seen = p->generation;
         MGPU__PUBLISH(p->active, p->active + 1);
@@ -1533,6 +1558,7 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
     mgpu__pool* p = &mgpu__the_pool;
     int want = mgpu_cpu_threads() - 1;
     if (count > 1 && want > 0) {
+        pthread_once(&mgpu__pool_spin_once, mgpu__pool_spin_init);
         pthread_mutex_lock(&p->lock);
         if (!mgpu__pool_fork_safe)
             mgpu__pool_fork_safe = pthread_atfork(mgpu__pool_before_fork, mgpu__pool_after_fork_parent,

@@ -2535,6 +2535,71 @@ static void test_fork(void) {
     }
     mgpu_cpu_set_threads(saved);
 }
+
+/* MGPU_CPU_SPIN_US: how long an idle worker watches for the next job before it sleeps. 20 jobs
+   back to back, each of two 2 ms tasks (so that the worker takes one): with 0, the worker sleeps
+   after each job; with a second, it never sleeps between them. */
+static void spin_task(void* ctx, int64_t task) {
+    struct timespec ts = { 0, 2 * 1000 * 1000 };
+    (void)ctx;
+    (void)task;
+    nanosleep(&ts, NULL);
+}
+static uint64_t worker_sleeps_in_20_jobs(double spin_seconds) {
+    uint64_t before, after;
+    int i;
+    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__pool_spin = spin_seconds;
+    before = mgpu__the_pool.sleeps;
+    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    for (i = 0; i < 20; ++i) mgpu__parallel_for(2, spin_task, NULL);
+    pthread_mutex_lock(&mgpu__the_pool.lock);
+    after = mgpu__the_pool.sleeps;
+    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    return after - before;
+}
+static void test_pool_spin(void) {
+    const int saved = mgpu_cpu_threads();
+    double saved_spin;
+    uint64_t passive, active;
+    header("pool spin");
+    mgpu_cpu_set_threads(2);
+    mgpu__parallel_for(2, spin_task, NULL);   /* the pool started, MGPU_CPU_SPIN_US read */
+    saved_spin = mgpu__pool_spin;
+    CHECK(getenv("MGPU_CPU_SPIN_US") || fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
+    passive = worker_sleeps_in_20_jobs(0.0);
+    active = worker_sleeps_in_20_jobs(1.0);
+    CHECK(passive >= 10, "spin 0: the worker slept %llu times in 20 jobs, want about 20", (unsigned long long)passive);
+    CHECK(active <= 1, "spin 1 s: the worker slept %llu times in 20 back-to-back jobs, want 0", (unsigned long long)active);
+    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__pool_spin = saved_spin;
+    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    {   /* the variable read: microseconds, at most a second; anything else warns and gives 1 ms */
+        static const struct { const char* text; double seconds; int warns; } cases[] = {
+            { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5e9", 1.0, 0 }, { "", 1e-3, 0 },
+            { "fast", 1e-3, 1 }, { "-3", 1e-3, 1 }, { "12us", 1e-3, 1 }, { "nan", 1e-3, 1 } };
+        const char* env = getenv("MGPU_CPU_SPIN_US");
+        char* kept = env ? strdup(env) : NULL;
+        log_capture cap;
+        size_t i;
+        mgpu_log_set_callback(capture_log, &cap);
+        for (i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+            double got;
+            memset(&cap, 0, sizeof cap);
+            setenv("MGPU_CPU_SPIN_US", cases[i].text, 1);
+            got = mgpu__pool_spin_from_env();
+            CHECK(fabs(got - cases[i].seconds) <= 1e-15, "MGPU_CPU_SPIN_US='%s': %g s, want %g", cases[i].text, got, cases[i].seconds);
+            CHECK(cap.calls == cases[i].warns && (!cap.calls || (cap.level == MGPU_LOG_WARN && strstr(cap.last, cases[i].text) &&
+                                                                 strstr(cap.last, "MGPU_CPU_SPIN_US"))),
+                  "MGPU_CPU_SPIN_US='%s': %d warning(s) \"%s\", want %d", cases[i].text, cap.calls, cap.last, cases[i].warns);
+        }
+        mgpu_log_set_callback(NULL, NULL);
+        if (kept) setenv("MGPU_CPU_SPIN_US", kept, 1);
+        else unsetenv("MGPU_CPU_SPIN_US");
+        free(kept);
+    }
+    mgpu_cpu_set_threads(saved);
+}
 #endif
 
 /* ============================================================================================ */
@@ -2573,6 +2638,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_concurrency());
 #ifndef MGPU_NO_THREADS
     TEST_GROUP(test_fork());
+    TEST_GROUP(test_pool_spin());
 #endif
 
     mgpu_device_set_destroy(g_gpu_set);
