@@ -162,7 +162,8 @@
      collective: every rank makes them, in the same order.
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
      thread alone (so CPU replicas, one thread each, never deadlock). A child of fork() starts
-     a fresh pool for its CPU work. (CUDA cannot be used in a child forked after it started.)
+     a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
+     cannot be used in a child forked after it started.)
    - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
      set your own device again before your own CUDA calls.
 
@@ -1470,19 +1471,25 @@ typedef struct mgpu__pool {
 static mgpu__pool mgpu__the_pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
                                      PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
 
-/* Seconds of watching before a sleep: MGPU_CPU_SPIN_US, read once, on the first job. */
+/* Seconds of watching before a sleep: MGPU_CPU_SPIN_US (whole microseconds), read once, on the
+   first job. */
 static double mgpu__pool_spin_from_env(void) {
     const char* env = getenv("MGPU_CPU_SPIN_US");
     char* end = NULL;
-    double us = env && *env ? strtod(env, &end) : MGPU__POOL_SPIN_US_DEFAULT;
-    if (env && *env && (*end || !(us >= 0.0))) {
-        mgpu__log(MGPU_LOG_WARN, "MGPU_CPU_SPIN_US='%s' is not a number of microseconds >= 0; using %d", env,
-                  MGPU__POOL_SPIN_US_DEFAULT);
-        us = MGPU__POOL_SPIN_US_DEFAULT;
+    long us = MGPU__POOL_SPIN_US_DEFAULT;
+    if (env && *env) {
+        errno = 0;
+        us = strtol(env, &end, 10);
+        if (errno || *end || us < 0) {
+            mgpu__log(MGPU_LOG_WARN, "MGPU_CPU_SPIN_US='%s' is not a whole number of microseconds >= 0; using %d",
+                      env, MGPU__POOL_SPIN_US_DEFAULT);
+            us = MGPU__POOL_SPIN_US_DEFAULT;
+        }
     }
-    return MGPU__MIN(us, 1e6) * 1e-6;   /* at most a second */
+    return (double)MGPU__MIN(us, 1000000L) * 1e-6;   /* at most a second */
 }
-static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;   /* read under the pool's lock */
+/* set once, before any worker starts (tests change it under the pool's lock) */
+static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;
 static pthread_once_t mgpu__pool_spin_once = PTHREAD_ONCE_INIT;
 static void mgpu__pool_spin_init(void) { mgpu__pool_spin = mgpu__pool_spin_from_env(); }
 
@@ -1531,19 +1538,18 @@ static void* mgpu__pool_worker(void* arg) {
     }
     return NULL;
 }
-#endif
 
-#ifndef MGPU_NO_THREADS
 /* fork(): the child has only the thread that forked, so its copy of the pool has no workers, and
    perhaps a job half done or the lock taken by a thread that is not there. The lock is taken
    around the fork, so that no thread is inside a change of the pool when the process is copied;
    the child starts again from an empty pool, which grows on its first job (as OpenBLAS and
-   PyTorch's pools do). */
+   PyTorch's pools do). Only the pool: the library's other locks (devices' allocators, the list of
+   live objects) are not taken, so fork while no other thread is inside an mgpu call. */
 static void mgpu__pool_before_fork(void) { pthread_mutex_lock(&mgpu__the_pool.lock); }
 static void mgpu__pool_after_fork_parent(void) { pthread_mutex_unlock(&mgpu__the_pool.lock); }
 static void mgpu__pool_after_fork_child(void) {
     mgpu__pool* p = &mgpu__the_pool;
-    pthread_mutex_init(&p->lock, NULL);
+    pthread_mutex_unlock(&p->lock);   /* taken by this thread before the fork */
     pthread_cond_init(&p->work_ready, NULL);
     pthread_cond_init(&p->work_done, NULL);
     p->workers = p->busy = p->active = 0;

@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <time.h>
 #include <pthread.h>
-#include <signal.h>
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -2476,11 +2476,13 @@ static void test_concurrency(void) {
    the middle of a job on another thread (whose workers, lock and half-done job the child does
    not have). Each task sleeps, so that the workers take some of them; the child has an alarm in
    case it hangs. */
-typedef struct fork_job { pthread_t ran_on[8]; } fork_job;
+typedef struct fork_job { pthread_t ran_on[8]; int started; } fork_job;
 static void fork_task(void* ctx, int64_t task) {
+    fork_job* j = (fork_job*)ctx;
     struct timespec ts = { 0, 20 * 1000 * 1000 };
+    __atomic_store_n(&j->started, 1, __ATOMIC_RELEASE);
     nanosleep(&ts, NULL);
-    ((fork_job*)ctx)->ran_on[task] = pthread_self();
+    j->ran_on[task] = pthread_self();
 }
 static int fork_job_threads(const fork_job* j) {   /* the threads that ran the job's 8 tasks */
     int i, k, n = 0;
@@ -2505,6 +2507,7 @@ static int fork_and_run(void) {
     if (pid < 0) return -1;
     if (pid == 0) {
         fork_job j;
+        memset(&j, 0, sizeof j);
         alarm(30);
         mgpu__parallel_for(8, fork_task, &j);
         _exit(fork_job_threads(&j) > 1 ? 0 : 3);
@@ -2518,6 +2521,8 @@ static void test_fork(void) {
     pthread_t th;
     int rc;
     header("fork");
+    memset(&j, 0, sizeof j);
+    memset(&busy, 0, sizeof busy);
     mgpu_cpu_set_threads(2);
     mgpu__parallel_for(8, fork_task, &j);   /* the parent's pool at work first */
     CHECK(fork_job_threads(&j) > 1, "the parent's job ran on %d thread(s), want 2", fork_job_threads(&j));
@@ -2526,10 +2531,13 @@ static void test_fork(void) {
     if (pthread_create(&th, NULL, fork_busy_thread, &busy) != 0) {
         CHECK(0, "pthread_create failed");
     } else {
-        struct timespec ts = { 0, 30 * 1000 * 1000 };
-        nanosleep(&ts, NULL);   /* inside the other thread's job (8 tasks of 20 ms on 2 threads) */
+        struct timespec ms = { 0, 1000 * 1000 };
+        int waited;
+        /* inside the other thread's job: its first task has begun (8 tasks of 20 ms on 2 threads) */
+        for (waited = 0; waited < 10000 && !__atomic_load_n(&busy.started, __ATOMIC_ACQUIRE); ++waited) nanosleep(&ms, NULL);
         rc = fork_and_run();
         pthread_join(th, NULL);
+        CHECK(waited < 10000, "the other thread's job did not start in 10 s");
         CHECK(rc == 0, "a child forked during another thread's job: exit %d (3: ran alone; 142: hung)", rc);
         CHECK(fork_job_threads(&busy) > 1, "the other thread's job ran on %d thread(s)", fork_job_threads(&busy));
     }
@@ -2537,10 +2545,10 @@ static void test_fork(void) {
 }
 
 /* MGPU_CPU_SPIN_US: how long an idle worker watches for the next job before it sleeps. 20 jobs
-   back to back, each of two 2 ms tasks (so that the worker takes one): with 0, the worker sleeps
-   after each job; with a second, it never sleeps between them. */
+   back to back, each of two 5 ms tasks (so that the worker takes one): with 0, the worker sleeps
+   after each job; with 0.2 s, it never sleeps between them. */
 static void spin_task(void* ctx, int64_t task) {
-    struct timespec ts = { 0, 2 * 1000 * 1000 };
+    struct timespec ts = { 0, 5 * 1000 * 1000 };
     (void)ctx;
     (void)task;
     nanosleep(&ts, NULL);
@@ -2560,25 +2568,48 @@ static uint64_t worker_sleeps_in_20_jobs(double spin_seconds) {
 }
 static void test_pool_spin(void) {
     const int saved = mgpu_cpu_threads();
+    const char* env = getenv("MGPU_CPU_SPIN_US");
     double saved_spin;
     uint64_t passive, active;
     header("pool spin");
     mgpu_cpu_set_threads(2);
     mgpu__parallel_for(2, spin_task, NULL);   /* the pool started, MGPU_CPU_SPIN_US read */
+    pthread_mutex_lock(&mgpu__the_pool.lock);
     saved_spin = mgpu__pool_spin;
-    CHECK(getenv("MGPU_CPU_SPIN_US") || fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
+    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    if (env) {   /* the run below: the variable reached the pool */
+        CHECK(fabs(saved_spin - mgpu__pool_spin_from_env()) <= 1e-15, "MGPU_CPU_SPIN_US=%s: the pool spins %g s", env,
+              saved_spin);
+    } else {
+        int status = 0;
+        pid_t pid;
+        CHECK(fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
+        /* this group again in a fresh process, with the variable set: it must reach the pool */
+        fflush(stdout);
+        fflush(stderr);
+        pid = fork();
+        if (pid == 0) {
+            int null = open("/dev/null", O_WRONLY);
+            if (null >= 0) { dup2(null, 1); dup2(null, 2); }
+            setenv("MGPU_CPU_SPIN_US", "250", 1);
+            execl("/proc/self/exe", "test_core", "pool_spin", (char*)NULL);
+            _exit(127);
+        }
+        CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)",
+              WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+    }
     passive = worker_sleeps_in_20_jobs(0.0);
-    active = worker_sleeps_in_20_jobs(1.0);
-    CHECK(passive >= 10, "spin 0: the worker slept %llu times in 20 jobs, want about 20", (unsigned long long)passive);
-    CHECK(active <= 1, "spin 1 s: the worker slept %llu times in 20 back-to-back jobs, want 0", (unsigned long long)active);
+    active = worker_sleeps_in_20_jobs(0.2);
+    CHECK(passive >= 5, "spin 0: the worker slept %llu times in 20 jobs, want about 20", (unsigned long long)passive);
+    CHECK(active <= 1, "spin 0.2 s: the worker slept %llu times in 20 back-to-back jobs, want 0", (unsigned long long)active);
     pthread_mutex_lock(&mgpu__the_pool.lock);
     mgpu__pool_spin = saved_spin;
     pthread_mutex_unlock(&mgpu__the_pool.lock);
-    {   /* the variable read: microseconds, at most a second; anything else warns and gives 1 ms */
+    {   /* the variable read: whole microseconds, at most a second; anything else warns and gives 1 ms */
         static const struct { const char* text; double seconds; int warns; } cases[] = {
-            { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5e9", 1.0, 0 }, { "", 1e-3, 0 },
-            { "fast", 1e-3, 1 }, { "-3", 1e-3, 1 }, { "12us", 1e-3, 1 }, { "nan", 1e-3, 1 } };
-        const char* env = getenv("MGPU_CPU_SPIN_US");
+            { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5000000", 1.0, 0 }, { "", 1e-3, 0 }, { "fast", 1e-3, 1 },
+            { "-3", 1e-3, 1 }, { "12us", 1e-3, 1 }, { "0.5", 1e-3, 1 }, { "99999999999999999999999", 1e-3, 1 } };
         char* kept = env ? strdup(env) : NULL;
         log_capture cap;
         size_t i;
@@ -2588,7 +2619,8 @@ static void test_pool_spin(void) {
             memset(&cap, 0, sizeof cap);
             setenv("MGPU_CPU_SPIN_US", cases[i].text, 1);
             got = mgpu__pool_spin_from_env();
-            CHECK(fabs(got - cases[i].seconds) <= 1e-15, "MGPU_CPU_SPIN_US='%s': %g s, want %g", cases[i].text, got, cases[i].seconds);
+            CHECK(fabs(got - cases[i].seconds) <= 1e-15, "MGPU_CPU_SPIN_US='%s': %g s, want %g", cases[i].text, got,
+                  cases[i].seconds);
             CHECK(cap.calls == cases[i].warns && (!cap.calls || (cap.level == MGPU_LOG_WARN && strstr(cap.last, cases[i].text) &&
                                                                  strstr(cap.last, "MGPU_CPU_SPIN_US"))),
                   "MGPU_CPU_SPIN_US='%s': %d warning(s) \"%s\", want %d", cases[i].text, cap.calls, cap.last, cases[i].warns);

@@ -140,14 +140,16 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
                 size_t word_count, thread_body body, void (*destroy)(void*));
 
 /* The words of one argument that may hold a device pointer: a pointer itself, or each aligned
-   word of a struct (a functor and its captures). Numbers are skipped, and a struct's padding is
-   cleared first: padding holds what the stack held before, and beside a float it can read as an
-   address of some device. (Without __builtin_clear_padding, as in clang before 16, such a false
-   report stays possible, if rare.) */
+   word of a struct or union (a functor and its captures). Number arguments are skipped, and a
+   struct's padding is cleared first: padding holds what the stack held before, and beside a
+   float it can read as an address of some device. A struct's own number fields are still read
+   as words: two ints whose upper one is near 32,600 could read as an address in another
+   device's memory, which no functor of mgpu_kernels.cu holds. (With a compiler that lacks
+   __builtin_clear_padding, a false report from padding stays possible, if rare.) */
 template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
     if constexpr (std::is_pointer<T>::value) {
         out.push_back((uintptr_t)a);
-    } else if constexpr (std::is_class<T>::value) {
+    } else if constexpr (std::is_class<T>::value || std::is_union<T>::value) {
         static_assert(std::is_trivially_copyable<T>::value, "kernel arguments are copied byte for byte");
         alignas(T) unsigned char bytes[(sizeof(T) + 7) / 8 * 8] = {};
         memcpy(bytes, (const void*)&a, sizeof(T));

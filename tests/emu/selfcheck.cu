@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -229,6 +230,12 @@ extern "C" int selfcheck_run(const char* which) {
     else if (!strcmp(which, "oob_copy")) {
         char h[64];
         (void)cudaMemcpyAsync(h, (char*)d + threads * 6 * sizeof(int) - 32, sizeof h, cudaMemcpyDefault, 0);
+    } else if (!strcmp(which, "no_peer_struct")) {   // needs 2 devices: a pointer inside a struct
+        padded_write w;
+        memset(&w, 0, sizeof w);
+        if (check(cudaSetDevice(1), "cudaSetDevice(1)") || check(cudaMalloc(&w.p, 1024), "cudaMalloc on 1")) return 1;
+        if (check(cudaSetDevice(0), "cudaSetDevice(0)")) return 1;
+        padded_write_kernel<<<1, 32>>>(w);
     } else if (!strcmp(which, "padding")) {   // needs 2 devices; a good case
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_clear_padding)

@@ -312,6 +312,7 @@ int main(void) {
     expect_report("selfcheck:deadlock", "MGPU_EMU_DEVICES=1", "deadlock_kernel", "deadlock");
     expect_report("selfcheck:oob_copy", "MGPU_EMU_DEVICES=1", "cudaMemcpyAsync source", "past the end");
     expect_report("selfcheck:no_peer_kernel", "MGPU_EMU_DEVICES=2", "write_kernel", "without peer access");
+    expect_report("selfcheck:no_peer_struct", "MGPU_EMU_DEVICES=2", "padded_write_kernel", "without peer access");
     expect_ok("selfcheck:padding", "MGPU_EMU_DEVICES=2");
 
     header("faults: mgpu's error or its documented fallback");
