@@ -1472,7 +1472,7 @@ static mgpu__pool mgpu__the_pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INI
                                      PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
 
 /* Seconds of watching before a sleep: MGPU_CPU_SPIN_US (whole microseconds), read once, on the
-   first job. */
+   first job (mgpu__pool_setup). */
 static double mgpu__pool_spin_from_env(void) {
     const char* env = getenv("MGPU_CPU_SPIN_US");
     char* end = NULL;
@@ -1490,8 +1490,6 @@ static double mgpu__pool_spin_from_env(void) {
 }
 /* set once, before any worker starts (tests change it under the pool's lock) */
 static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;
-static pthread_once_t mgpu__pool_spin_once = PTHREAD_ONCE_INIT;
-static void mgpu__pool_spin_init(void) { mgpu__pool_spin = mgpu__pool_spin_from_env(); }
 
 static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
     while (p->next < p->count) {
@@ -1555,7 +1553,13 @@ static void mgpu__pool_after_fork_child(void) {
     p->workers = p->busy = p->active = 0;
     p->next = p->count = p->finished = 0;
 }
-static int mgpu__pool_fork_safe;   /* the handlers are registered (set under the pool's lock) */
+
+/* What the pool needs once, before its first worker starts: the spin, and the fork handlers. */
+static pthread_once_t mgpu__pool_setup_once = PTHREAD_ONCE_INIT;
+static void mgpu__pool_setup(void) {
+    mgpu__pool_spin = mgpu__pool_spin_from_env();
+    (void)pthread_atfork(mgpu__pool_before_fork, mgpu__pool_after_fork_parent, mgpu__pool_after_fork_child);
+}
 #endif
 
 static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
@@ -1564,11 +1568,8 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
     mgpu__pool* p = &mgpu__the_pool;
     int want = mgpu_cpu_threads() - 1;
     if (count > 1 && want > 0) {
-        pthread_once(&mgpu__pool_spin_once, mgpu__pool_spin_init);
+        pthread_once(&mgpu__pool_setup_once, mgpu__pool_setup);
         pthread_mutex_lock(&p->lock);
-        if (!mgpu__pool_fork_safe)
-            mgpu__pool_fork_safe = pthread_atfork(mgpu__pool_before_fork, mgpu__pool_after_fork_parent,
-                                                  mgpu__pool_after_fork_child) == 0;
         if (!p->busy) {
             while (p->workers < want) {   /* grow lazily; a failed start just means fewer */
                 pthread_t t;

@@ -2496,9 +2496,9 @@ static void* fork_busy_thread(void* arg) {
     mgpu__parallel_for(8, fork_task, arg);
     return NULL;
 }
-/* Forks; the child runs a job and exits 0 if more than one thread ran it. Returns the child's
-   exit status, or 128 + its signal. */
-static int fork_and_run(void) {
+/* Runs child() (which must not return) in a child process; returns its exit status, 128 + its
+   signal, or -1 when it could not be forked or waited for. */
+static int run_in_child(void (*child)(void)) {
     int status = 0;
     pid_t pid;
     fflush(stdout);
@@ -2506,14 +2506,19 @@ static int fork_and_run(void) {
     pid = fork();
     if (pid < 0) return -1;
     if (pid == 0) {
-        fork_job j;
-        memset(&j, 0, sizeof j);
-        alarm(30);
-        mgpu__parallel_for(8, fork_task, &j);
-        _exit(fork_job_threads(&j) > 1 ? 0 : 3);
+        child();
+        _exit(127);
     }
     if (waitpid(pid, &status, 0) != pid) return -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+/* a forked child's job: exit 0 if more than one thread ran it */
+static void child_runs_a_job(void) {
+    fork_job j;
+    memset(&j, 0, sizeof j);
+    alarm(30);
+    mgpu__parallel_for(8, fork_task, &j);
+    _exit(fork_job_threads(&j) > 1 ? 0 : 3);
 }
 static void test_fork(void) {
     const int saved = mgpu_cpu_threads();
@@ -2526,7 +2531,7 @@ static void test_fork(void) {
     mgpu_cpu_set_threads(2);
     mgpu__parallel_for(8, fork_task, &j);   /* the parent's pool at work first */
     CHECK(fork_job_threads(&j) > 1, "the parent's job ran on %d thread(s), want 2", fork_job_threads(&j));
-    rc = fork_and_run();
+    rc = run_in_child(child_runs_a_job);
     CHECK(rc == 0, "a child forked while the pool was idle: exit %d (3: its job ran on its own thread alone)", rc);
     if (pthread_create(&th, NULL, fork_busy_thread, &busy) != 0) {
         CHECK(0, "pthread_create failed");
@@ -2535,7 +2540,7 @@ static void test_fork(void) {
         int waited;
         /* inside the other thread's job: its first task has begun (8 tasks of 20 ms on 2 threads) */
         for (waited = 0; waited < 10000 && !__atomic_load_n(&busy.started, __ATOMIC_ACQUIRE); ++waited) nanosleep(&ms, NULL);
-        rc = fork_and_run();
+        rc = run_in_child(child_runs_a_job);
         pthread_join(th, NULL);
         CHECK(waited < 10000, "the other thread's job did not start in 10 s");
         CHECK(rc == 0, "a child forked during another thread's job: exit %d (3: ran alone; 142: hung)", rc);
@@ -2566,6 +2571,12 @@ static uint64_t worker_sleeps_in_20_jobs(double spin_seconds) {
     pthread_mutex_unlock(&mgpu__the_pool.lock);
     return after - before;
 }
+static void child_runs_pool_spin_with_250(void) {
+    int null = open("/dev/null", O_WRONLY);
+    if (null >= 0) { dup2(null, 1); dup2(null, 2); }
+    setenv("MGPU_CPU_SPIN_US", "250", 1);
+    execl("/proc/self/exe", "test_core", "pool_spin", (char*)NULL);
+}
 static void test_pool_spin(void) {
     const int saved = mgpu_cpu_threads();
     const char* env = getenv("MGPU_CPU_SPIN_US");
@@ -2581,23 +2592,11 @@ static void test_pool_spin(void) {
         CHECK(fabs(saved_spin - mgpu__pool_spin_from_env()) <= 1e-15, "MGPU_CPU_SPIN_US=%s: the pool spins %g s", env,
               saved_spin);
     } else {
-        int status = 0;
-        pid_t pid;
+        int rc;
         CHECK(fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
         /* this group again in a fresh process, with the variable set: it must reach the pool */
-        fflush(stdout);
-        fflush(stderr);
-        pid = fork();
-        if (pid == 0) {
-            int null = open("/dev/null", O_WRONLY);
-            if (null >= 0) { dup2(null, 1); dup2(null, 2); }
-            setenv("MGPU_CPU_SPIN_US", "250", 1);
-            execl("/proc/self/exe", "test_core", "pool_spin", (char*)NULL);
-            _exit(127);
-        }
-        CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
-              "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)",
-              WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        rc = run_in_child(child_runs_pool_spin_with_250);
+        CHECK(rc == 0, "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)", rc);
     }
     passive = worker_sleeps_in_20_jobs(0.0);
     active = worker_sleeps_in_20_jobs(0.2);

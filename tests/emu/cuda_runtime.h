@@ -146,6 +146,11 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
    as words: two ints whose upper one is near 32,600 could read as an address in another
    device's memory, which no functor of mgpu_kernels.cu holds. (With a compiler that lacks
    __builtin_clear_padding, a false report from padding stays possible, if rare.) */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+#define MGPU_EMU_CLEARS_PADDING 1
+#endif
+#endif
 template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
     if constexpr (std::is_pointer<T>::value) {
         out.push_back((uintptr_t)a);
@@ -153,10 +158,8 @@ template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
         static_assert(std::is_trivially_copyable<T>::value, "kernel arguments are copied byte for byte");
         alignas(T) unsigned char bytes[(sizeof(T) + 7) / 8 * 8] = {};
         memcpy(bytes, (const void*)&a, sizeof(T));
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_clear_padding)
+#ifdef MGPU_EMU_CLEARS_PADDING
         __builtin_clear_padding(reinterpret_cast<T*>(bytes));
-#endif
 #endif
         for (size_t off = 0; off + 8 <= sizeof bytes; off += 8) {
             uintptr_t v;

@@ -237,12 +237,7 @@ extern "C" int selfcheck_run(const char* which) {
         if (check(cudaSetDevice(0), "cudaSetDevice(0)")) return 1;
         padded_write_kernel<<<1, 32>>>(w);
     } else if (!strcmp(which, "padding")) {   // needs 2 devices; a good case
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_clear_padding)
-#define SELFCHECK_CLEARS_PADDING 1
-#endif
-#endif
-#ifndef SELFCHECK_CLEARS_PADDING
+#ifndef MGPU_EMU_CLEARS_PADDING
         fprintf(stderr, "selfcheck: this compiler has no __builtin_clear_padding\n");
         return 77;
 #else

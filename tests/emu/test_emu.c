@@ -291,6 +291,9 @@ static void expect_report(const char* name, const char* env, const char* a, cons
           a, b ? b : "", out);
 }
 
+/* no NCCL: a machine's own libnccl.so.2 would otherwise be tried first */
+#define NO_NCCL "MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2"
+
 int main(void) {
     char nccl[600], nccl_fail[700], env[760];
     const char* lib = getenv("MGPU_EMU_NCCL");
@@ -329,19 +332,15 @@ int main(void) {
     } else {
         SKIP("the emulated NCCL: MGPU_EMU_NCCL is not set");
     }
-    expect_ok("nccl absent", "MGPU_EMU_DEVICES=2 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
+    expect_ok("nccl absent", "MGPU_EMU_DEVICES=2 " NO_NCCL);
     /* the P2P ring across 4 GPUs (above the one-shot's size), and the one-shot at every size */
     expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring");
     expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=oneshot");
-    snprintf(env, sizeof env, "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2");
-    expect_ok("no peer access", env);
+    expect_ok("no peer access", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
     header("a training step on several GPUs never waits for them; copies between GPUs keep stream order");
-    /* NCCL named in each (a machine's own libnccl.so.2 would otherwise be tried first) */
-#define NO_NCCL "MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2"
     expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring " NO_NCCL);
     expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_CHAOS=1 " NO_NCCL);
     expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_NO_PEER=1 " NO_NCCL);
-#undef NO_NCCL
     if (lib) {
         expect_ok("no host sync", nccl);
         /* the fallback from a failed NCCL, without peer access: as CI met it with a real NCCL */
