@@ -399,10 +399,13 @@ MGPUDEF const char* mgpu_tensor_describe(const mgpu_tensor* t, char* buf, size_t
 MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t bytes);
 MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_t bytes);
 /* Any device to any device (peer copy between GPUs, staged through the host without peer
-   access). Shapes' element counts and dtypes must match. Between two GPUs it does not wait for
-   the copy: the devices' streams are ordered instead, so every later op on either device sees
-   it done (download syncs; a raw pointer read by your own CUDA code wants
-   mgpu_device_synchronize first). */
+   access). Shapes' element counts and dtypes must match. Between two GPUs, and from the CPU to
+   a GPU, it does not wait for the copy: the devices' streams are ordered instead, so every later
+   op on either device sees it done (download syncs; a raw pointer read by your own CUDA code
+   wants mgpu_device_synchronize first). From the CPU, src's bytes are first put in one of the
+   GPU's pinned staging buffers, so src may change as soon as the call returns (PyTorch's
+   pin_memory and non_blocking=True in one); the call waits only when the GPU is so far behind
+   that every staging buffer is still being read. */
 MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src);
 /* A new tensor on dev with src's contents (like .to(device) in PyTorch). */
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev);
@@ -797,9 +800,19 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
    A whole step: x [B, sample...] and target (int32 [B] for cross-entropy; f32 like the output
    for MSE) on any device, usually the CPU. Zeroes the gradients, then moves 2 to 5. *loss, if
    not NULL, receives the batch's mean loss (which waits for the GPU). It leaves the reduced
-   gradients in place (mgpu_model_grads), for a look at them. */
+   gradients in place (mgpu_model_grads), for a look at them.
+
+   On GPUs a step only queues work and returns: rows from the CPU go up through pinned staging
+   buffers (see mgpu_tensor_copy), and with loss NULL nothing waits for a GPU, so the host
+   prepares the next batch while the GPUs run this one. Read the loss when it is wanted, for
+   the last step only (mgpu_model_last_loss), e.g. once per progress line. */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
+/* The mean loss of the last batch given to mgpu_model_train_step or mgpu_model_accumulate, read
+   now: it waits for that batch's work on the GPUs (and what was queued after it), and for
+   nothing when the model is on the CPU. MGPU_ERROR_INVALID_ARGUMENT before the first batch, and
+   for a distributed model (whose loss is a sum over the ranks: pass a pointer to the step). */
+MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss);
 /* The same step in parts, for gradient accumulation over micro-batches (DDP's no_sync()):
    accumulate ADDS the gradients of one micro-batch (scaled as part of a batch of batch_total
    samples; 0 means this micro-batch alone) to the gradient buffers, without reducing them
@@ -874,8 +887,8 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
 MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds);
 
 /* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
-   shuffled order, assembled in pinned host memory (uploads from it run at full DMA speed; they
-   still complete before the training step returns, so the next batch may overwrite it). */
+   shuffled order, assembled in pinned host memory (a step copies its rows into the GPUs' own
+   pinned staging buffers at once, see mgpu_tensor_copy, so the next batch may overwrite it). */
 /* mgpu_loader_desc, zero-initialised; zero means default:
      field          default                       meaning
      batch          64                            samples per batch
@@ -1165,6 +1178,11 @@ int mgpu__cu_event_elapsed(int dev, void* start, void* end, float* ms);   /* wai
 int mgpu__cu_event_destroy(int dev, void* event);
 int mgpu__cu_event_record(int dev, void* event, void* stream);
 int mgpu__cu_stream_wait_event(int dev, void* stream, void* event);
+int mgpu__cu_event_done(int dev, void* event, int* done);   /* *done: its last record ran; never waits */
+int mgpu__cu_event_synchronize(int dev, void* event);
+/* Around a training step (enter 1, then 0): inside it, this thread's calls trust the device they
+   made current last (no cudaGetDevice; cudaSetDevice only when the device changes). */
+int mgpu__cu_step_scope(int enter);
 
 /* memory */
 int mgpu__cu_malloc(int dev, size_t bytes, void** ptr);   /* MGPU__CU_ERR_OOM when out of memory */
@@ -1640,6 +1658,16 @@ typedef struct mgpu__allocator {
     mgpu_memory_stats stats;
 } mgpu__allocator;
 
+/* A pinned host buffer that copies from pageable host memory to a GPU go through (>>impl memory):
+   `read` is recorded on the device's stream after the copy out of it, and the buffer is filled
+   again only once that event has run. */
+typedef struct mgpu__staging {
+    void* host;
+    size_t capacity;
+    void* read;
+} mgpu__staging;
+#define MGPU__STAGING_SLOTS 8   /* a step uploads x and its target: up to 4 steps in flight */
+
 struct mgpu_device {
     mgpu_device_kind kind;
     int ordinal;                  /* CUDA device number */
@@ -1652,6 +1680,9 @@ struct mgpu_device {
     mgpu__allocator alloc;
     int64_t tensors;              /* live tensor storages on it (under alloc's lock): its set's
                                      destroy refuses while any (LIFETIMES) */
+    mgpu__staging staging[MGPU__STAGING_SLOTS];   /* CUDA: used in turn, under alloc's lock */
+    int staging_next;
+    uint64_t staging_waits;       /* uploads that found their buffer still being read */
 };
 
 struct mgpu_device_set {
@@ -1753,7 +1784,12 @@ static void mgpu__device_free(mgpu_device* d) {
         mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
                   d->alloc.stats.bytes_in_use);
     if (d->kind == MGPU_DEVICE_CUDA) {
+        int i;
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
+        for (i = 0; i < MGPU__STAGING_SLOTS; ++i) {
+            mgpu_pinned_free(d->staging[i].host);
+            if (d->staging[i].read) (void)MGPU__CUDA(mgpu__cu_event_destroy(d->ordinal, d->staging[i].read));
+        }
         if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
         if (d->order) (void)MGPU__CUDA(mgpu__cu_event_destroy(d->ordinal, d->order));
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(d->ordinal, d->stream));
@@ -2316,6 +2352,44 @@ MGPUDEF void mgpu_pinned_free(void* ptr) {
     MGPU_FREE((void*)user[-1]);
 }
 
+/* Host memory to a GPU without waiting for the copy: the bytes are put in one of the device's
+   pinned staging buffers at once (so the caller may change them right after), and the device
+   copies from there when its stream gets to it (a copy from pageable memory would make the
+   driver stage it itself, and cudaMemcpyAsync returns only after). The buffers are used in turn,
+   and each is filled again only after its last copy has read it: then an upload waits for the
+   GPU only when it is MGPU__STAGING_SLOTS uploads behind, as a launch queue that fills up would. */
+static mgpu_result mgpu__upload_async(mgpu_device* d, void* dst, const void* host, size_t bytes, const char* op) {
+    mgpu__staging* st;
+    int rc = 0, done = 1;
+    mgpu__lock(&d->alloc);
+    st = &d->staging[d->staging_next];
+    d->staging_next = (d->staging_next + 1) % MGPU__STAGING_SLOTS;
+    if (!st->read) rc = MGPU__CUDA(mgpu__cu_event_create(d->ordinal, &st->read));
+    else rc = MGPU__CUDA(mgpu__cu_event_done(d->ordinal, st->read, &done));
+    if (rc == 0 && !done) {
+        d->staging_waits++;
+        rc = MGPU__CUDA(mgpu__cu_event_synchronize(d->ordinal, st->read));
+    }
+    if (rc == 0 && st->capacity < bytes) {
+        size_t want = MGPU__MAX(bytes, st->capacity * 2);
+        mgpu_pinned_free(st->host);   /* its copies are done (the event above) */
+        st->capacity = 0;
+        st->host = mgpu_pinned_alloc(want);
+        if (!st->host) {
+            mgpu__unlock(&d->alloc);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: no pinned host memory for a %zu-byte copy to %s", op, bytes, d->label);
+        }
+        st->capacity = want;
+    }
+    if (rc == 0) {
+        memcpy(st->host, host, bytes);
+        rc = MGPU__CUDA(mgpu__cu_memcpy(d->ordinal, dst, st->host, bytes, d->stream));
+    }
+    if (rc == 0) rc = MGPU__CUDA(mgpu__cu_event_record(d->ordinal, st->read, d->stream));
+    mgpu__unlock(&d->alloc);
+    return rc ? mgpu__cu_result(rc, op, d) : MGPU_OK;
+}
+
 /* ---- >>impl tensor ---------------------------------------------------------------------- */
 /* Storage is shared by a tensor and its views and freed with the last of them. A tensor and
    its views belong to one thread at a time (the count is not atomic). */
@@ -2626,7 +2700,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
         }
         return MGPU_OK;
     }
-    if (sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_upload(dst, mgpu_tensor_data(src), bytes);
+    if (sd->kind == MGPU_DEVICE_CPU) return mgpu__upload_async(dd, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, "mgpu_tensor_copy");
     if (dd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_download(src, mgpu_tensor_data(dst), bytes);
     if (sd == dd) {   /* same stream: ordered with everything else on it */
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
@@ -5414,7 +5488,8 @@ typedef struct mgpu__part {
     int slot_count;
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
                                            stage) or the target (last stage) lives elsewhere */
-    mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
+    mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M], and
+                                           an evaluation's in [M] (so it never overwrites a step's) */
     int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
     void** events;                      /* CUDA, S > 1: [2M], recorded after forward k and backward k */
     int forwards_done, backwards_done;  /* CPU threads: progress in this step, under pipe_lock */
@@ -5449,6 +5524,7 @@ struct mgpu_model {
     int bucket_count;
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
+    int64_t last_batch;                 /* rows of the last batch run (mgpu_model_last_loss), 0: none */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -5950,7 +6026,7 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
         p->grads = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
         if (!p->params || !p->grads || mgpu_tensor_zero(p->params) || mgpu_tensor_zero(p->grads)) return mgpu__refail(op);
         if (p->stage == m->stage_count - 1) {
-            p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches)));
+            p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches + 1)));
             if (!p->losses || mgpu_tensor_zero(p->losses)) return mgpu__refail(op);
         }
         for (t = m->first_tensor[m->stage_layer[p->stage]]; t < m->first_tensor[m->stage_layer[p->stage + 1]]; ++t) {
@@ -6955,8 +7031,9 @@ static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* su
     int64_t start, count, mstart, mcount;
     int r, k;
     for (r = 0; r < m->replica_count; ++r) {
+        const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
         mgpu__split(batch, m->replica_count, r, &start, &count);
-        MGPU__TRY(mgpu_tensor_download(mgpu__part_of(m, r, m->stage_count - 1)->losses, v, (size_t)m->micro_batches * sizeof(float)));
+        MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
         for (k = 0; k < m->micro_batches; ++k) {
             mgpu__split(count, m->micro_batches, k, &mstart, &mcount);
             total += (double)v[k] * (double)mcount;
@@ -7282,6 +7359,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     }
     MGPU__TRY(res);
     m->rows_in_step += batch;   /* a next batch of this step continues the row numbering */
+    m->last_batch = batch;
     return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
 }
 
@@ -7323,8 +7401,15 @@ static int mgpu__votes(const mgpu_model* m) {
     return live && m->dist;
 }
 
-MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
-                                          const mgpu_tensor* target, float* loss) {
+/* Inside a step only mgpu's code runs on this thread, so the CUDA backend may trust the device
+   it made current last (mgpu__cu_step_scope): no cudaGetDevice, and cudaSetDevice only when the
+   device changes. (A custom layer's own CUDA code that changes the device sets it back.) */
+static void mgpu__step_scope(int enter) {
+    (void)MGPU__CUDA(mgpu__cu_step_scope(enter));
+}
+
+static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
+                                    const mgpu_tensor* target, float* loss) {
     static const char* op = "mgpu_model_train_step";
     mgpu_result r = mgpu__check_step(op, m, opt);
     if (r != MGPU_OK && !mgpu__votes(m)) return r;
@@ -7338,11 +7423,35 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     return loss && !m->dist ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
 
+MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
+                                          const mgpu_tensor* target, float* loss) {
+    mgpu_result r;
+    mgpu__step_scope(1);
+    r = mgpu__train_step(m, opt, x, target, loss);
+    mgpu__step_scope(0);
+    return r;
+}
+
+MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss) {
+    static const char* op = "mgpu_model_last_loss";
+    if (!m || !loss) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL %s", op, m ? "loss" : "model");
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (m->dist)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a distributed model's loss is summed over the ranks in its step: "
+                          "pass a loss pointer to mgpu_model_train_step", op);
+    if (!m->last_batch) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no batch has been run yet", op);
+    return mgpu__batch_loss(m, m->last_batch, loss);
+}
+
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss) {
+    mgpu_result r;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
     if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_accumulate", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
-    return mgpu__run_batch(m, "mgpu_model_accumulate", MGPU_OK, x, target, batch_total, 0, loss);  /* 2, 3 */
+    mgpu__step_scope(1);
+    r = mgpu__run_batch(m, "mgpu_model_accumulate", MGPU_OK, x, target, batch_total, 0, loss);      /* 2, 3 */
+    mgpu__step_scope(0);
+    return r;
 }
 
 MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
@@ -7350,13 +7459,20 @@ MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
     return mgpu__reduce_grads(m);                                                                   /* 4 */
 }
 
-MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
+static mgpu_result mgpu__apply(mgpu_model* m, mgpu_optimizer* opt) {
     mgpu_result r = mgpu__check_step("mgpu_model_apply", m, opt);
     if (mgpu__votes(m)) r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     MGPU__TRY(r);
     MGPU__TRY(mgpu__reduce_grads(m));                                                               /* 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     return mgpu_model_zero_grad(m);
+}
+MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
+    mgpu_result r;
+    mgpu__step_scope(1);
+    r = mgpu__apply(m, opt);
+    mgpu__step_scope(0);
+    return r;
 }
 
 MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
@@ -7446,7 +7562,7 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
-            l0 = mgpu__rows(last->losses, 0, 1);
+            l0 = mgpu__rows(last->losses, m->micro_batches, 1);
             MGPU__TRY(mgpu__loss(m, &l0, out, &ts, NULL, 1.0f));
             MGPU__TRY(mgpu_tensor_download(&l0, &v, sizeof v));
             total += (double)v * (double)count;

@@ -100,8 +100,28 @@ static const char* cublas_status(cublasStatus_t s, bool text) {
 #define ARGUMENT_ERROR(...) report(MGPU__CU_ERR_ARGUMENT, NULL, NULL, __LINE__, __VA_ARGS__)
 #define CHECK_LAUNCH(kernel, dev) CUDA_TRY(cudaGetLastError(), "launch of %s on device %d", kernel, dev)
 
-// Makes dev the calling thread's current device (cudaSetDevice only when it changes).
+// Makes dev the calling thread's current device. Outside a training step it asks the runtime
+// which device is current (the program's own code may have changed it) and sets dev only when it
+// differs. Inside a step (mgpu__cu_step_scope) no code but mgpu's runs on this thread between
+// two calls, so the device mgpu set last is still current: no cudaGetDevice, and cudaSetDevice
+// only when the device changes.
+static thread_local int t_step_depth = 0;
+static thread_local int t_current = -1;   // inside a step: the device made current, -1 unknown
+
+int mgpu__cu_step_scope(int enter) {
+    t_step_depth += enter ? 1 : -1;
+    t_current = -1;   // entering: not known yet; leaving: not trusted any more
+    return MGPU__CU_OK;
+}
+
 static int use_device(int dev) {
+    if (t_step_depth > 0) {
+        if (t_current != dev) {
+            CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice(%d)", dev);
+            t_current = dev;
+        }
+        return MGPU__CU_OK;
+    }
     int current = -1;
     CUDA_TRY(cudaGetDevice(&current), "cudaGetDevice() while selecting device %d", dev);
     if (current != dev) CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice(%d)", dev);
@@ -331,6 +351,20 @@ int mgpu__cu_event_record(int dev, void* event, void* stream) {
     USE_DEVICE(dev);
     CUDA_TRY(cudaEventRecord((cudaEvent_t)event, as_stream(stream)), "cudaEventRecord(%p, stream %p) on device %d",
              event, stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_done(int dev, void* event, int* done) {   // never waits
+    USE_DEVICE(dev);
+    const cudaError_t e = cudaEventQuery((cudaEvent_t)event);
+    *done = e == cudaSuccess;
+    if (e != cudaErrorNotReady) CUDA_TRY(e, "cudaEventQuery(%p) on device %d", event, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_event_synchronize(int dev, void* event) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaEventSynchronize((cudaEvent_t)event), "cudaEventSynchronize(%p) on device %d", event, dev);
     return MGPU__CU_OK;
 }
 
@@ -757,6 +791,11 @@ __global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, c
         const bool valid = label >= 0 && label < cols;
         const float x_label = labels && valid ? xr[label] : 0.0f;
         s = group_reduce<G>(s, sum_op<float>());
+        // In place (y == x), a lane's writes below may land on x[label], which every lane read
+        // above. A warp's shuffles order no memory, and the compiler may move that read past
+        // them: __syncwarp orders every lane's read before any lane's write. (With G = the
+        // block, group_reduce's __syncthreads does.)
+        if (G == 32) __syncwarp();
         if (!labels) {
             for (int j = lane; j < cols; j += G) yr[j] = expf(xr[j] - m) / s;
             continue;

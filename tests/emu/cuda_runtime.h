@@ -221,6 +221,9 @@ template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int lane_
     return mgpu_emu::shfl_t(mask, v, mgpu_emu::SHFL_XOR, lane_mask, width);
 }
 
+/* a barrier of the warp's lanes, and a fence between them: a full-warp shuffle is that here */
+static inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mgpu_emu::shfl(mask, 0, mgpu_emu::SHFL_IDX, 0, warpSize); }
+
 /* conversions with the hardware's saturation (NaN gives 0), and the integer min/max */
 static inline int __float2int_rz(float x) {
     return x != x ? 0 : x >= 2147483648.0f ? 2147483647 : x <= -2147483648.0f ? (-2147483647 - 1) : (int)x;

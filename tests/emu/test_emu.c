@@ -206,6 +206,144 @@ static int case_no_host_sync(void) {
     return 0;
 }
 
+/* Steps fed by mgpu_loader from the CPU, on a layout: spec with `stages` stages. A small data set
+   of 5x4 images and 4 classes, made here. */
+typedef struct fed_run {
+    mgpu_device_set* set;
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_dataset ds;
+    mgpu_loader* loader;
+} fed_run;
+
+static int fed_open(fed_run* f, const char* spec, int stages) {
+    mgpu_layer* layers[4];
+    mgpu_model_desc md;
+    mgpu_optimizer_desc od;
+    mgpu_loader_desc ld;
+    int64_t i;
+    memset(f, 0, sizeof *f);
+    f->ds.count = 320;
+    f->ds.rows = 4;
+    f->ds.cols = 5;
+    f->ds.images = (uint8_t*)xmalloc((size_t)f->ds.count * 20);
+    f->ds.labels = (uint8_t*)xmalloc((size_t)f->ds.count);
+    for (i = 0; i < f->ds.count * 20; ++i) f->ds.images[i] = (uint8_t)((i * 2654435761u) >> 24);
+    for (i = 0; i < f->ds.count; ++i) f->ds.labels[i] = (uint8_t)((i * 7 + f->ds.images[i * 20]) % 4);
+    f->set = mgpu_device_set_create(spec);
+    NEED(f->set, "%s: %s", spec, mgpu_last_error());
+    layers[0] = mgpu_layer_flatten();
+    layers[1] = mgpu_layer_linear(20, 16);
+    layers[2] = mgpu_layer_relu();
+    layers[3] = mgpu_layer_linear(16, 4);
+    memset(&md, 0, sizeof md);
+    md.input = mgpu_shape3(1, 4, 5);
+    md.layers = layers;
+    md.layer_count = 4;
+    md.devices = f->set;
+    md.stages = stages;
+    md.micro_batches = stages > 1 ? 2 : 1;
+    md.seed = 5;
+    f->m = mgpu_model_create(&md);
+    NEED(f->m, "model on %s: %s", spec, mgpu_last_error());
+    memset(&od, 0, sizeof od);
+    od.lr = 0.05f;
+    od.momentum = 0.9f;
+    f->opt = mgpu_optimizer_create(f->m, &od);
+    memset(&ld, 0, sizeof ld);
+    ld.batch = 32;
+    ld.shuffle = 1;
+    f->loader = mgpu_loader_create(&f->ds, &ld);
+    NEED(f->opt && f->loader, "%s", mgpu_last_error());
+    return 0;
+}
+
+static void fed_close(fed_run* f) {
+    mgpu_loader_destroy(f->loader);
+    mgpu_optimizer_destroy(f->opt);
+    mgpu_model_destroy(f->m);
+    mgpu_device_set_destroy(f->set);
+    free(f->ds.images);
+    free(f->ds.labels);
+}
+
+static int fed_step(fed_run* f, float* loss) {
+    const mgpu_tensor *x, *y;
+    if (!mgpu_loader_next(f->loader, &x, &y)) {
+        mgpu_loader_start(f->loader, 1);
+        NEED(mgpu_loader_next(f->loader, &x, &y), "no batch");
+    }
+    NEED(mgpu_model_train_step(f->m, f->opt, x, y, loss) == MGPU_OK, "step: %s", mgpu_last_error());
+    return 0;
+}
+
+static int sync_all(mgpu_device_set* set) {
+    int i;
+    for (i = 0; i < mgpu_device_set_count(set); ++i)
+        NEED(mgpu_device_synchronize(mgpu_device_set_get(set, i)) == MGPU_OK, "sync: %s", mgpu_last_error());
+    return 0;
+}
+
+static void stall(void* ms) { usleep((useconds_t)(uintptr_t)ms * 1000); }
+/* Every device of set stops for `ms` milliseconds, at this point of its stream. */
+static void stall_devices(mgpu_device_set* set, int ms) {
+    int i;
+    for (i = 0; i < mgpu_device_set_count(set); ++i)
+        mgpu_emu_enqueue(mgpu_device_set_get(set, i)->stream, stall, (void*)(uintptr_t)ms, "the test's stall");
+}
+
+/* Batches from the CPU go up without the host waiting, and the loss stays on the device until
+   asked for. Per step, with the devices idle at its start (as when the host is the slower side),
+   no host synchronisation; the loss read (mgpu_model_last_loss) waits, and gives what a step
+   given a loss pointer gives. Then 30 steps back to back, the host far ahead of the devices (each
+   stalled for 0.1 s every 10 steps): the staging buffers are refilled only after their copies
+   have read them, so the parameters are those of the same steps run one at a time. */
+static int case_fed_steps(const char* spec, int stages) {
+    fed_run a, b;
+    float la = 0.0f, lb = 0.0f;
+    int i;
+    mgpu_emu_counters before, after;
+    float *pa, *pb;
+    if (fed_open(&a, spec, stages) || fed_open(&b, spec, stages)) return 1;
+    NEED(mgpu_model_last_loss(a.m, &la) == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "no batch"),
+         "last_loss before any step: %s", mgpu_last_error());
+    for (i = 0; i < 2; ++i) if (fed_step(&a, NULL) || fed_step(&b, NULL)) return 1;   /* warm-up: every buffer made */
+    for (i = 0; i < 10; ++i) {
+        if (sync_all(a.set)) return 1;
+        mgpu_emu_get_counters(&before);
+        if (fed_step(&a, NULL)) return 1;
+        mgpu_emu_get_counters(&after);
+        NEED(after.syncs == before.syncs, "%s, %d stages: step %d waited for the devices %llu times", spec, stages, i,
+             (unsigned long long)(after.syncs - before.syncs));
+        if (fed_step(&b, &lb)) return 1;
+    }
+    mgpu_emu_get_counters(&before);
+    NEED(mgpu_model_last_loss(a.m, &la) == MGPU_OK, "last_loss: %s", mgpu_last_error());
+    mgpu_emu_get_counters(&after);
+    NEED(after.syncs > before.syncs, "the loss was read without waiting for the devices");
+    NEED(la == lb && la > 0.0f, "%s: the last step's loss %.9g, the step's own %.9g", spec, (double)la, (double)lb);
+    for (i = 0; i < 30; ++i) {
+        if (i % 10 == 0) stall_devices(a.set, 100);   /* the host gets well ahead */
+        if (fed_step(&a, NULL)) return 1;
+        if (sync_all(b.set) || fed_step(&b, NULL)) return 1;
+    }
+    for (i = 0; i < stages; ++i) {
+        mgpu_tensor *ta = mgpu_model_stage_params(a.m, 0, i), *tb = mgpu_model_stage_params(b.m, 0, i);
+        pa = (float*)xmalloc(mgpu_tensor_bytes(ta));
+        pb = (float*)xmalloc(mgpu_tensor_bytes(ta));
+        NEED(mgpu_tensor_download(ta, pa, mgpu_tensor_bytes(ta)) == MGPU_OK && mgpu_tensor_download(tb, pb, mgpu_tensor_bytes(tb)) == MGPU_OK,
+             "%s", mgpu_last_error());
+        NEED(memcmp(pa, pb, mgpu_tensor_bytes(ta)) == 0, "%s, %d stages: steps back to back differ from steps one at a time "
+             "(stage %d): a staging buffer refilled before its copy read it?", spec, stages, i);
+        free(pa);
+        free(pb);
+    }
+    NEED(mgpu_model_verify_replicas(a.m) == MGPU_OK, "%s", mgpu_last_error());
+    fed_close(&a);
+    fed_close(&b);
+    return 0;
+}
+
 /* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
 static int case_no_gpu(void) {
     mgpu_device_set* set;
@@ -232,6 +370,9 @@ static int run_case(const char* name) {
     if (!strcmp(name, "nccl init fails"))
         return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
     if (!strcmp(name, "no host sync")) return case_no_host_sync();
+    if (!strcmp(name, "fed steps: 1 gpu")) return case_fed_steps("cuda:0", 1);
+    if (!strcmp(name, "fed steps: 4 gpus")) return case_fed_steps("cuda:0,1,2,3", 1);
+    if (!strcmp(name, "fed steps: 2 x 2 pipeline")) return case_fed_steps("cuda:0,1,2,3", 2);
     if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     fprintf(stderr, "unknown case %s\n", name);
@@ -294,10 +435,11 @@ static void expect_report(const char* name, const char* env, const char* a, cons
 /* no NCCL: a machine's own libnccl.so.2 would otherwise be tried first */
 #define NO_NCCL "MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2"
 
-int main(void) {
+int main(int argc, char** argv) {
     char nccl[600], nccl_fail[700], env[760];
     const char* lib = getenv("MGPU_EMU_NCCL");
     (void)test_rel_error;
+    if (argc > 1) return run_case(argv[1]);   /* one case, in this process, in the caller's environment */
     header("the emulator checks itself");
     expect_ok("selfcheck:shuffles", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:launch_limits", "MGPU_EMU_DEVICES=1");
@@ -349,5 +491,13 @@ int main(void) {
     } else {
         SKIP("no host sync through the emulated NCCL: MGPU_EMU_NCCL is not set");
     }
+    header("batches from the CPU and the loss: a step never waits for the devices");
+    expect_ok("fed steps: 1 gpu", "MGPU_EMU_DEVICES=1");
+    expect_ok("fed steps: 1 gpu", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=3");
+    expect_ok("fed steps: 4 gpus", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_CHAOS=3 " NO_NCCL);
+    expect_ok("fed steps: 4 gpus", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
+    expect_ok("fed steps: 2 x 2 pipeline", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=4 " NO_NCCL);
+    if (lib) expect_ok("fed steps: 4 gpus", nccl);
+    else SKIP("fed steps through the emulated NCCL: MGPU_EMU_NCCL is not set");
     return test_summary("test_emu");
 }
