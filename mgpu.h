@@ -3543,6 +3543,14 @@ MGPUDEF mgpu_result mgpu_sum(mgpu_tensor* out, const mgpu_tensor* x, int axis) {
 MGPUDEF mgpu_result mgpu_mean(mgpu_tensor* out, const mgpu_tensor* x, int axis) { return mgpu__sum_axis("mgpu_mean", out, x, axis, 1); }
 
 /* -- softmax and losses -- */
+/* The row kernels (softmax, cross-entropy, argmax) count rows and columns in int. */
+static mgpu_result mgpu__check_rows_fit_int(const char* op, const char* name, const mgpu_tensor* x) {
+    char tx[128];
+    if (x->shape.dim[0] <= 0x7fffffff && x->shape.dim[1] <= 0x7fffffff) return MGPU_OK;
+    return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: %s %s has more than 2^31 - 1 rows or columns, more than the CUDA kernel "
+                      "takes", op, name, mgpu_tensor_describe(x, tx, sizeof tx));
+}
+
 MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     static const char* op = "mgpu_softmax";
     int64_t rows, cols, r, c;
@@ -3552,7 +3560,7 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
     if (!MGPU__IS_CPU(x)) {
-        if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
+        MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_softmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__F32(out)));
         return MGPU_OK;
     }
@@ -3601,7 +3609,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
     if (!MGPU__IS_CPU(logits)) {
         mgpu__scratch s;
         int rc;
-        if (rows > 0x7fffffff || cols > 0x7fffffff) return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31", op);
+        MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
         MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)rows * sizeof(float), op));
         rc = MGPU__CUDA(mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
                                               MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL,
@@ -3690,6 +3698,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s must be [%lld] for x %s (with at least one column)", op,
                           mgpu_tensor_describe(out, to, sizeof to), (long long)rows, mgpu_tensor_describe(x, tx, sizeof tx));
     if (!MGPU__IS_CPU(x)) {
+        MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_argmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__I32(out)));
         return MGPU_OK;
     }
@@ -3718,6 +3727,7 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
         int32_t host_count = 0;
         int rc;
         mgpu_device* dev = MGPU__DEV(logits);
+        MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
         MGPU__TRY(mgpu__scratch_get(&s, dev, (MGPU__CU_REDUCE_SCRATCH + 1) * sizeof(float), op));
         rc = MGPU__CUDA(mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)rows, (int)cols, MGPU__F32(logits),
                                                MGPU__I32(labels), (int32_t*)s.ptr, (float*)s.ptr + 1));

@@ -1799,6 +1799,17 @@ static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale
     tget(tloss, &loss);
     snprintf(what, sizeof what, "cross_entropy loss [%lld,%lld], dlogits NULL", (long long)rows, (long long)cols);
     check_err(dev, what, &loss, &lref, 1, 1e-5);
+    /* in place, dlogits == logits (which the API allows): a lane must not overwrite x[label]
+       before every lane of its row has read it (on a GPU a __syncwarp orders them; compute-
+       sanitizer's racecheck and synccheck in make gpu-check look at it) */
+    loss = NAN;
+    MUST(mgpu_softmax_cross_entropy(tloss, tx, tx, tl, grad_scale));
+    tget(tloss, &loss);
+    tget(tx, got);
+    snprintf(what, sizeof what, "cross_entropy [%lld,%lld] in place: loss", (long long)rows, (long long)cols);
+    check_err(dev, what, &loss, &lref, 1, 1e-5);
+    snprintf(what, sizeof what, "cross_entropy [%lld,%lld] in place: dlogits", (long long)rows, (long long)cols);
+    check_err(dev, what, got, ref, n, 1e-5);
     /* the gradient of the mean loss against a central difference of the loss, in double */
     if (grad_scale == 0.0f && n <= 20000) {
         const double h = 1e-5;
@@ -2264,6 +2275,20 @@ static void errors_on(mgpu_device* dev) {
     count = 7;
     CHECK(mgpu_count_correct(a34, lab4, &count) != MGPU_OK && count == 0,
           "%s: count_correct failure left count %lld (documented to set 0 first)", L, (long long)count);
+    if (is_gpu(dev)) {
+        /* more rows than the row kernels count in int: refused before any kernel sees them. The
+           headers claim 2^31 rows of one column (no memory that size exists here): each op must
+           stop at its argument check, or the kernel would read far past the 12 floats. */
+        mgpu_tensor huge = *a34, huge_labels = *lab3, huge_out = *lab3;
+        huge.shape = mgpu_shape2((int64_t)1 << 31, 1);
+        huge_labels.shape = huge_out.shape = mgpu_shape1((int64_t)1 << 31);
+        expect_fail(mgpu_argmax(&huge_out, &huge), MGPU_ERROR_UNSUPPORTED, "argmax of 2^31 rows", "mgpu_argmax", "2^31", NULL);
+        expect_fail(mgpu_count_correct(&huge, &huge_labels, &count), MGPU_ERROR_UNSUPPORTED, "count_correct of 2^31 rows",
+                    "mgpu_count_correct", "2^31", NULL);
+        expect_fail(mgpu_softmax(&huge, &huge), MGPU_ERROR_UNSUPPORTED, "softmax of 2^31 rows", "mgpu_softmax", "2^31", NULL);
+        expect_fail(mgpu_softmax_cross_entropy(loss1, NULL, &huge, &huge_labels, 0.0f), MGPU_ERROR_UNSUPPORTED,
+                    "cross_entropy of 2^31 rows", "mgpu_softmax_cross_entropy", "2^31", NULL);
+    }
 
     mgpu_tensor_destroy(a34); mgpu_tensor_destroy(b43); mgpu_tensor_destroy(o34); mgpu_tensor_destroy(i34);
     mgpu_tensor_destroy(v12); mgpu_tensor_destroy(b5); mgpu_tensor_destroy(c3); mgpu_tensor_destroy(loss2);
