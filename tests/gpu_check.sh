@@ -4,7 +4,8 @@
 #   1. the CUDA test suites (every CUDA op against the CPU reference; a skip counts as a failure)
 #   2. the examples on the GPU: four replicas of one GPU; build/train on cuda:0 and cuda:0,0
 #   3. the benchmarks beside PyTorch (bench/results/)
-#   4. the suites again under compute-sanitizer memcheck (quick sizes)
+#   4. the suites again under compute-sanitizer (quick sizes): memcheck, racecheck (shared-memory
+#      hazards: a missing __syncthreads or __syncwarp) and synccheck (barriers misused)
 # STEP_TIMEOUT (seconds, default 900) bounds each program, so a hang shows as a failed row.
 b=${1:-build/gpu}
 to="timeout ${STEP_TIMEOUT:-900}"
@@ -41,14 +42,16 @@ done
 echo "== 3. benchmarks" | tee -a "$log"
 $to sh bench/run.sh $b/bench_cuda >> "$log" 2>&1 && add "benchmarks" "$(ls -t bench/results/*.md | head -n 1)" || add "benchmarks" "FAILED"
 
-echo "== 4. compute-sanitizer memcheck" | tee -a "$log"
+echo "== 4. compute-sanitizer: memcheck, racecheck, synccheck" | tee -a "$log"
 if command -v compute-sanitizer >/dev/null 2>&1; then
-    for t in test_core_cuda test_model_cuda test_parallel_cuda; do
-        MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $to compute-sanitizer --tool memcheck --error-exitcode 99 $b/$t > $b/san_$t.txt 2>&1
-        rc=$?
-        cat $b/san_$t.txt >> "$log"
-        add "memcheck $t" "exit $rc: $(grep -E 'ERROR SUMMARY' $b/san_$t.txt | tail -n 1) $(last $b/san_$t.txt)"
-        [ $rc -eq 0 ] || status=1
+    for tool in memcheck racecheck synccheck; do
+        for t in test_core_cuda test_model_cuda test_parallel_cuda; do
+            MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $to compute-sanitizer --tool $tool --error-exitcode 99 $b/$t > $b/san_${tool}_$t.txt 2>&1
+            rc=$?
+            cat $b/san_${tool}_$t.txt >> "$log"
+            add "$tool $t" "exit $rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $b/san_${tool}_$t.txt | tail -n 1) $(last $b/san_${tool}_$t.txt)"
+            [ $rc -eq 0 ] || status=1
+        done
     done
 else
     add "compute-sanitizer" "not installed"; status=1
