@@ -668,6 +668,8 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
      schedule       MGPU_PIPELINE_1F1B            or MGPU_PIPELINE_GPIPE
      distributed    0: this process only          1: one job over every process of mgpu_dist_init
                                                   (every rank creates it, collectively)
+     graph          0: every step queued op by op 1: a training step on GPUs captured once as a
+                                                  CUDA graph and replayed with one launch (>>train)
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -695,6 +697,7 @@ typedef struct mgpu_model_desc {
     int micro_batches;
     mgpu_pipeline_schedule schedule;
     int distributed;
+    int graph;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -813,6 +816,8 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
    nothing when the model is on the CPU. MGPU_ERROR_INVALID_ARGUMENT before the first batch, and
    for a distributed model (whose loss is a sum over the ranks: pass a pointer to the step). */
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss);
+/* Training steps replayed from a CUDA graph so far (desc.graph): 0 while they run op by op. */
+MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m);
 /* The same step in parts, for gradient accumulation over micro-batches (DDP's no_sync()):
    accumulate ADDS the gradients of one micro-batch (scaled as part of a batch of batch_total
    samples; 0 means this micro-batch alone) to the gradient buffers, without reducing them
@@ -1183,6 +1188,11 @@ int mgpu__cu_event_synchronize(int dev, void* event);
 /* Around a training step (enter 1, then 0): inside it, this thread's calls trust the device they
    made current last (no cudaGetDevice; cudaSetDevice only when the device changes). */
 int mgpu__cu_step_scope(int enter);
+/* CUDA graphs: capture on stream (global mode), end it into an executable graph, launch, destroy */
+int mgpu__cu_capture_begin(int dev, void* stream);
+int mgpu__cu_capture_end(int dev, void* stream, void** exec);
+int mgpu__cu_graph_launch(int dev, void* exec, void* stream);
+int mgpu__cu_graph_destroy(int dev, void* exec);
 
 /* memory */
 int mgpu__cu_malloc(int dev, size_t bytes, void** ptr);   /* MGPU__CU_ERR_OOM when out of memory */
@@ -1254,11 +1264,13 @@ int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* 
 int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
                               const int32_t* argmax, float* dx);
 
-/* optimizers over a flat buffer, one fused kernel each */
+/* optimizers over a flat buffer, one fused kernel each; args in device memory (uploaded ahead of
+   the step, so that a step replayed from a CUDA graph reads its own); momentum_buf NULL without
+   momentum */
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 mgpu__sgd_args args);
+                 const mgpu__sgd_args* args);
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   mgpu__adamw_args args);
+                   const mgpu__adamw_args* args);
 
 /* NCCL, loaded at run time with dlopen("libnccl.so.2"); nothing links against it */
 int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed */
@@ -1656,6 +1668,9 @@ typedef struct mgpu__allocator {
 #endif
     mgpu__block* cached;          /* free blocks, ascending size */
     mgpu_memory_stats stats;
+    int holding;                  /* a CUDA graph is being captured: freed blocks go to `held` */
+    mgpu__block* held;            /* blocks a captured graph works in: served again only to the
+                                     same capture, cached when the graph is destroyed */
 } mgpu__allocator;
 
 /* A pinned host buffer that copies from pageable host memory to a GPU go through (>>impl memory):
@@ -2221,11 +2236,30 @@ static void mgpu__human_bytes(double bytes, char* buf, size_t size) {
     snprintf(buf, size, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
 }
 
+/* The free block for a request of `size` from a list in ascending size: the first big enough,
+   unless it is too big to spend on it. */
+static mgpu__block* mgpu__take_block(mgpu__block** list, size_t size) {
+    mgpu__block **link, *b;
+    for (link = list; (b = *link) != NULL; link = &b->next) {
+        if (b->size < size) continue;
+        if (b->size - size > size / 4 && b->size - size > 4096) return NULL;   /* too big: don't waste it */
+        *link = b->next;
+        return b;
+    }
+    return NULL;
+}
+static void mgpu__put_block(mgpu__block** list, mgpu__block* b) {
+    mgpu__block** link;
+    for (link = list; *link && (*link)->size < b->size; link = &(*link)->next) {}
+    b->next = *link;
+    *link = b;
+}
+
 /* Get a block of at least `bytes` (its rounded size in *block_size). Serves from the cache when
    a block of the right size class is free; on out-of-memory empties the cache and tries again. */
 static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_size, const char* op) {
     size_t size = mgpu__round_size(bytes);
-    mgpu__block **link, *b;
+    mgpu__block* b;
     void* ptr = NULL;
     int rc;
     if (size == 0) {
@@ -2233,15 +2267,14 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
         return NULL;
     }
     mgpu__lock(&dev->alloc);
-    for (link = &dev->alloc.cached; (b = *link) != NULL; link = &b->next) {
-        if (b->size < size) continue;
-        if (b->size - size > size / 4 && b->size - size > 4096) break;   /* too big: don't waste it */
-        *link = b->next;
+    /* a capture first reuses what it freed itself: within it, in stream order, as eager steps do */
+    b = dev->alloc.holding ? mgpu__take_block(&dev->alloc.held, size) : NULL;
+    if (!b) b = mgpu__take_block(&dev->alloc.cached, size);
+    if (b) {
         ptr = b->ptr;
         size = b->size;
         MGPU_FREE(b);
         dev->alloc.stats.cache_hits++;
-        break;
     }
     mgpu__unlock(&dev->alloc);
     if (!ptr) {
@@ -2283,7 +2316,7 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
 
 /* Return a block to the cache (kept sorted by size for best fit). */
 static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size) {
-    mgpu__block *b = (mgpu__block*)MGPU_MALLOC(sizeof *b), **link;
+    mgpu__block* b = (mgpu__block*)MGPU_MALLOC(sizeof *b);
     mgpu__lock(&dev->alloc);
     dev->alloc.stats.bytes_in_use -= size;
     if (!b) {   /* no host memory for the list node: give the block straight back */
@@ -2295,9 +2328,7 @@ static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size) {
     }
     b->ptr = ptr;
     b->size = size;
-    for (link = &dev->alloc.cached; *link && (*link)->size < size; link = &(*link)->next) {}
-    b->next = *link;
-    *link = b;
+    mgpu__put_block(dev->alloc.holding ? &dev->alloc.held : &dev->alloc.cached, b);
     mgpu__unlock(&dev->alloc);
 }
 
@@ -4298,6 +4329,8 @@ struct mgpu_layer {
     void* user;
     mgpu__layer_cfg cfg;
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
+    int graph_safe;            /* a built-in whose work is the same at every step (no random key
+                                  of the step on the host): a CUDA graph may capture it */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -4335,7 +4368,10 @@ MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l) {
 
 static mgpu_layer* mgpu__builtin_layer(const mgpu_layer_vtable* vt, const mgpu__layer_cfg* cfg) {
     mgpu_layer* l = mgpu_layer_create(vt, NULL);
-    if (l) l->cfg = *cfg;
+    if (l) {
+        l->cfg = *cfg;
+        l->graph_safe = 1;
+    }
     return l;
 }
 
@@ -4478,13 +4514,16 @@ static const mgpu_layer_vtable mgpu__dropout_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (!(p >= 0.0f && p < 1.0f)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout: p = %g, want 0 <= p < 1", (double)p);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.p = p;
-    return mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+    l = mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+    if (l) l->graph_safe = 0;   /* its key changes every step (on the host, for now) */
+    return l;
 }
 
 /* -- Flatten: [N, ...] -> [N, rest] -- */
@@ -5535,6 +5574,14 @@ struct mgpu_model {
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
     int64_t last_batch;                 /* rows of the last batch run (mgpu_model_last_loss), 0: none */
+    /* a training step as a CUDA graph (desc.graph, >>impl train) */
+    int graph;                          /* asked for, and not found impossible */
+    void* graph_exec;                   /* the captured step, or NULL */
+    const mgpu_optimizer* graph_opt;    /* the optimizer it updates with */
+    mgpu_shape graph_x, graph_t;        /* the batch shapes of the last step */
+    int graph_warm;                     /* eager steps of those shapes (the first makes every buffer) */
+    void** graph_events;                /* per part, 4: capture fork, capture join, before a launch, after */
+    int64_t graph_steps;                /* steps replayed from the graph */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -5809,6 +5856,25 @@ MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
     return r;
 }
 
+/* Forget the captured step (desc.graph): the blocks its temporaries live in go back to the
+   caches (whatever takes them next is queued after the graph's last launch on their stream). */
+static void mgpu__graph_drop(mgpu_model* m) {
+    int i;
+    if (m->graph_exec && MGPU__CUDA(mgpu__cu_graph_destroy(m->part[0].dev->ordinal, m->graph_exec)) != 0)
+        mgpu__log(MGPU_LOG_WARN, "destroying a model's CUDA graph: %s", mgpu__cuda_message());
+    m->graph_exec = NULL;
+    for (i = 0; m->part && i < m->part_count; ++i) {
+        mgpu__allocator* a = &m->part[i].dev->alloc;
+        mgpu__lock(a);
+        while (a->held) {
+            mgpu__block* b = a->held;
+            a->held = b->next;
+            mgpu__put_block(&a->cached, b);
+        }
+        mgpu__unlock(a);
+    }
+}
+
 static void mgpu__model_free(mgpu_model* m) {
     int i, j;
     if (!m) return;
@@ -5832,6 +5898,10 @@ static void mgpu__model_free(mgpu_model* m) {
         mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses);
         MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events);
     }
+    mgpu__graph_drop(m);
+    for (i = 0; m->graph_events && i < 4 * m->part_count; ++i)
+        if (m->graph_events[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(m->part[i / 4].dev->ordinal, m->graph_events[i]));
+    MGPU_FREE(m->graph_events);
     for (i = 0; m->ar && i < m->stage_count; ++i) mgpu__allreduce_free(m->ar[i]);
     MGPU_FREE(m->ar);
     MGPU_FREE(m->buckets);
@@ -6174,6 +6244,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
+    m->graph = desc->graph != 0;
     m->stage_count = MGPU__DEF(desc->stages, 1);
     m->micro_batches = MGPU__DEF(desc->micro_batches, 1);
     m->schedule = desc->schedule;
@@ -6448,6 +6519,10 @@ struct mgpu_optimizer {
     mgpu_tensor** state2;       /* per part: AdamW exp_avg_sq */
     mgpu_tensor** views;        /* [replica][state][tensor]: views made by mgpu_optimizer_state */
     int view_count;
+    mgpu__sgd_args sgd;         /* the numbers of update number `prepared` + 1 (mgpu__optimizer_prepare) */
+    mgpu__adamw_args adamw;
+    int64_t prepared;           /* -1: none yet */
+    mgpu_tensor** args;         /* per part on a GPU: those numbers in its memory, where its kernel reads them */
 };
 
 static void mgpu__optimizer_free(mgpu_optimizer* opt) {
@@ -6458,7 +6533,9 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     for (i = 0; i < opt->part_count; ++i) {
         if (opt->state1) mgpu__tensor_free(opt->state1[i]);
         if (opt->state2) mgpu__tensor_free(opt->state2[i]);
+        if (opt->args) mgpu__tensor_free(opt->args[i]);
     }
+    MGPU_FREE(opt->args);
     for (i = 0; opt->views && i < opt->view_count; ++i) mgpu__tensor_free(opt->views[i]);
     MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
@@ -6516,14 +6593,22 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     m->optimizers++;   /* the model's destroy waits for this one's (LIFETIMES) */
     opt->part_count = m->part_count;
     opt->d = d;
+    opt->prepared = -1;
     opt->state1 = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
     opt->state2 = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
-    if (!opt->state1 || !opt->state2) { mgpu__optimizer_free(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    opt->args = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
+    if (!opt->state1 || !opt->state2 || !opt->args) { mgpu__optimizer_free(opt); mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     for (i = 0; i < m->part_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
             *t = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_F32, m->part[i].params->shape));
             if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
+        }
+    for (i = 0; i < m->part_count; ++i)
+        if (m->part[i].dev->kind == MGPU_DEVICE_CUDA) {
+            opt->args[i] = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_U8,
+                                                        mgpu_shape1((int64_t)MGPU__MAX(sizeof(mgpu__sgd_args), sizeof(mgpu__adamw_args)))));
+            if (!opt->args[i]) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
     if (mgpu__live_add(opt, MGPU__LIVE_OPTIMIZER, op) != MGPU_OK) { mgpu__optimizer_free(opt); return NULL; }
     return opt;
@@ -6594,20 +6679,21 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
 typedef struct mgpu__optim_job {
     float *p, *m, *v;
     const float* g;
-    mgpu__sgd_args sgd;
-    mgpu__adamw_args adamw;
-    int adamw_kind;
+    const mgpu__sgd_args* sgd;
+    const mgpu__adamw_args* adamw;   /* NULL for SGD */
 } mgpu__optim_job;
 static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__optim_job* j = (const mgpu__optim_job*)ctx;
     /* the arguments and pointers as locals: a store through p could otherwise alias the floats
        of the job, and the compiler would reload them every element instead of vectorising */
-    const mgpu__sgd_args sgd = j->sgd;
-    const mgpu__adamw_args adamw = j->adamw;
+    const mgpu__sgd_args sgd = *j->sgd;
     float *p = j->p, *m = j->m, *v = j->v, unused = 0.0f;
     const float* g = j->g;
     int64_t i;
-    if (j->adamw_kind) for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
+    if (j->adamw) {
+        const mgpu__adamw_args adamw = *j->adamw;
+        for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
+    }
     else if (m) for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &m[i], &sgd);
     else for (i = begin; i < end; ++i) mgpu__sgd_update(&p[i], g[i], &unused, &sgd);
 }
@@ -6617,28 +6703,49 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
    checkpoint claiming more is refused as malformed. */
 #define MGPU__MAX_STEPS ((int64_t)1 << 53)
 
+/* The numbers of the next update (the schedule's learning rate, AdamW's bias corrections), put
+   in each GPU's memory before the step's work is queued: a step replayed from a CUDA graph reads
+   them there, never a value frozen at its capture. Once per step count. */
+static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt) {
+    static const char* op = "mgpu_optimizer_step";
+    const int adamw = opt->d.kind == MGPU_ADAMW;
+    int i;
+    if (opt->prepared == opt->steps) return MGPU_OK;
+    if (opt->steps >= MGPU__MAX_STEPS)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
+                          (long long)opt->steps);
+    memset(&opt->sgd, 0, sizeof opt->sgd);
+    memset(&opt->adamw, 0, sizeof opt->adamw);
+    opt->sgd.lr = opt->adamw.lr = mgpu_optimizer_lr(opt);
+    opt->sgd.weight_decay = opt->adamw.weight_decay = opt->d.weight_decay;
+    opt->sgd.momentum = opt->d.momentum;
+    opt->sgd.dampening = opt->d.dampening;
+    opt->sgd.nesterov = opt->d.nesterov;
+    opt->sgd.first_step = opt->steps == 0;
+    opt->adamw.beta1 = opt->d.beta1;
+    opt->adamw.beta2 = opt->d.beta2;
+    opt->adamw.eps = opt->d.eps;
+    opt->adamw.bias_correction1 = (float)(1.0 - pow(opt->d.beta1, (double)(opt->steps + 1)));
+    opt->adamw.bias_correction2_sqrt = (float)sqrt(1.0 - pow(opt->d.beta2, (double)(opt->steps + 1)));
+    for (i = 0; i < opt->part_count; ++i)
+        if (opt->args[i])
+            MGPU__TRY(mgpu__upload_async(MGPU__DEV(opt->args[i]), mgpu_tensor_data(opt->args[i]),
+                                         adamw ? (const void*)&opt->adamw : (const void*)&opt->sgd,
+                                         adamw ? sizeof opt->adamw : sizeof opt->sgd, op));
+    opt->prepared = opt->steps;
+    return MGPU_OK;
+}
+
 /* The step itself, for an optimizer already known to be live (the training steps check it once
    in mgpu__check_step). */
 static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
     int i;
-    if (opt->steps >= MGPU__MAX_STEPS)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer has taken %lld steps, the most it counts (2^53)", op,
-                          (long long)opt->steps);
+    MGPU__TRY(mgpu__optimizer_prepare(opt));
     memset(&job, 0, sizeof job);
-    job.adamw_kind = opt->d.kind == MGPU_ADAMW;
-    job.sgd.lr = job.adamw.lr = mgpu_optimizer_lr(opt);
-    job.sgd.weight_decay = job.adamw.weight_decay = opt->d.weight_decay;
-    job.sgd.momentum = opt->d.momentum;
-    job.sgd.dampening = opt->d.dampening;
-    job.sgd.nesterov = opt->d.nesterov;
-    job.sgd.first_step = opt->steps == 0;
-    job.adamw.beta1 = opt->d.beta1;
-    job.adamw.beta2 = opt->d.beta2;
-    job.adamw.eps = opt->d.eps;
-    job.adamw.bias_correction1 = (float)(1.0 - pow(opt->d.beta1, (double)(opt->steps + 1)));
-    job.adamw.bias_correction2_sqrt = (float)sqrt(1.0 - pow(opt->d.beta2, (double)(opt->steps + 1)));
+    job.sgd = &opt->sgd;
+    job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
     for (i = 0; i < opt->model->part_count; ++i) {
         mgpu__part* r = &opt->model->part[i];
         size_t n = (size_t)mgpu_tensor_numel(r->params);
@@ -6649,10 +6756,12 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
-        } else if (job.adamw_kind) {
-            MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v, job.adamw));
+        } else if (job.adamw) {
+            MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
+                                                (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i])));
         } else {
-            MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.sgd));
+            MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
+                                              (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i])));
         }
         mgpu__trace_close(opt->model, slice, r->dev->stream);
     }
@@ -7385,6 +7494,11 @@ static mgpu_result mgpu__check_step(const char* op, const mgpu_model* m, const m
 }
 
 /* The optimizer step after reduced gradients, and the optional replica check. */
+static mgpu_result mgpu__verify_if_due(mgpu_model* m) {
+    if (m->verify_every > 0 && mgpu_model_total_replica_count(m) > 1 && m->steps % m->verify_every == 0)
+        return mgpu_model_verify_replicas(m);
+    return MGPU_OK;
+}
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     mgpu_result r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
     if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
@@ -7393,9 +7507,157 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     }
     MGPU__TRY(r);
     m->steps++;
-    if (m->verify_every > 0 && mgpu_model_total_replica_count(m) > 1 && m->steps % m->verify_every == 0)
-        return mgpu_model_verify_replicas(m);
+    return mgpu__verify_if_due(m);
+}
+
+/* ---- the step as a CUDA graph (desc.graph) ----
+   A step on GPUs is the same launches every time, on buffers that stay where they are while the
+   batch shape does: so after one eager step of a shape (which makes every buffer), the next is
+   captured as a CUDA graph and every later one replays it with one launch. What changes from step
+   to step stays out of the graph or is read from device memory: the batch's rows are uploaded
+   into the model's input buffers before the launch, and the optimizer's numbers (the schedule's
+   learning rate, AdamW's bias corrections) too (mgpu__optimizer_prepare). The graph holds the
+   zeroed gradients, forward, loss, backward, the bucketed all-reduce on the communication streams
+   with its events, and the update; a temporary the capture used keeps its memory for the graph
+   (the allocator's `held`). Steps run eagerly, giving the same bits, where a graph cannot be
+   used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
+   devices or of several processes, Dropout or a custom layer (work that changes from step to step
+   on the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
+   deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce; a capture that
+   fails (something in it waited for the host or allocated) falls back to eager steps for good. */
+static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
+    int i;
+    why[0] = 0;
+    if (m->dist) snprintf(why, size, "a model of several processes (its ranks vote on the host every step)");
+    for (i = 0; !why[0] && i < m->part_count; ++i)
+        if (m->part[i].dev->kind != MGPU_DEVICE_CUDA) snprintf(why, size, "%s is not a GPU", m->part[i].dev->label);
+    for (i = 0; !why[0] && i < m->layer_count; ++i)
+        if (!m->layers[i]->graph_safe) snprintf(why, size, "layer %d (%s) is not one a graph can hold", i, mgpu_layer_type(m->layers[i]));
+    for (i = 0; !why[0] && m->ar && i < m->stage_count; ++i)
+        if (m->ar[i] && (m->ar[i]->kind == MGPU_ALLREDUCE_HOST || m->ar[i]->kind == MGPU_ALLREDUCE_NCCL))
+            snprintf(why, size, "its all-reduce is %s (ask for p2p: MGPU_ALLREDUCE=p2p)", mgpu_allreduce_name(m->ar[i]->kind));
+    return !why[0];
+}
+
+/* Host state a step changes, put back after a capture (which queued nothing that ran). */
+typedef struct mgpu__step_state {
+    int64_t opt_steps, steps, rows_in_step, last_batch;
+    uint64_t dropout_step;
+    int grads_reduced;
+} mgpu__step_state;
+static void mgpu__step_state_save(const mgpu_model* m, const mgpu_optimizer* opt, mgpu__step_state* st) {
+    st->opt_steps = opt->steps;
+    st->steps = m->steps;
+    st->rows_in_step = m->rows_in_step;
+    st->last_batch = m->last_batch;
+    st->dropout_step = m->dropout_step;
+    st->grads_reduced = m->grads_reduced;
+}
+static void mgpu__step_state_load(mgpu_model* m, mgpu_optimizer* opt, const mgpu__step_state* st) {
+    opt->steps = st->opt_steps;
+    m->steps = st->steps;
+    m->rows_in_step = st->rows_in_step;
+    m->last_batch = st->last_batch;
+    m->dropout_step = st->dropout_step;
+    m->grads_reduced = st->grads_reduced;
+}
+
+/* Orders part p's stream after `from`'s stream at this point: event `ev` of p's four. */
+static mgpu_result mgpu__graph_order(mgpu_model* m, const char* op, mgpu__part* from, int ev, mgpu__part* to) {
+    void* e = m->graph_events[4 * (int)(from - m->part) + ev];
+    MGPU__CU(op, from->dev, mgpu__cu_event_record(from->dev->ordinal, e, from->dev->stream));
+    MGPU__CU(op, to->dev, mgpu__cu_stream_wait_event(to->dev->ordinal, to->dev->stream, e));
     return MGPU_OK;
+}
+
+/* Capture moves 3 to 5 of a step whose batch was split already: on the first part's stream, the
+   other parts' streams joined to it by events (the communication streams join through the
+   all-reduce's own events). Ends the capture whatever happens; a failure leaves no graph. */
+static mgpu_result mgpu__graph_capture(mgpu_model* m, mgpu_optimizer* opt, mgpu__batch* b) {
+    static const char* op = "mgpu_model_train_step (CUDA graph capture)";
+    mgpu__part* first = &m->part[0];
+    mgpu_result r = MGPU_OK;
+    int i, rc;
+    MGPU__CU(op, first->dev, mgpu__cu_capture_begin(first->dev->ordinal, first->dev->stream));
+    for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 1;
+    for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, first, 0, &m->part[i]);
+    if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
+    if (r == MGPU_OK) r = mgpu__run_batch_streams(b, 1);                                            /* 3, 4 */
+    if (r == MGPU_OK) r = mgpu__optimizer_step(opt);                                                /* 5 */
+    for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, &m->part[i], 1, first);
+    for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 0;
+    rc = MGPU__CUDA(mgpu__cu_capture_end(first->dev->ordinal, first->dev->stream, &m->graph_exec));
+    if (r == MGPU_OK && rc != 0) r = mgpu__cu_result(rc, op, first->dev);
+    if (r != MGPU_OK) mgpu__graph_drop(m);
+    return r;
+}
+
+/* The step through the graph, capturing it first when this is the second step of its shapes.
+   *eager = 1 (and MGPU_OK) when this step must run eagerly instead. */
+static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x, const mgpu_tensor* target,
+                                    float* loss, int* eager) {
+    static const char* op = "mgpu_model_train_step";
+    char why[160];
+    mgpu__step_state before;
+    mgpu__batch b;
+    mgpu__part* first = &m->part[0];
+    int i;
+    *eager = 1;
+    if (!mgpu__graph_possible(m, why, sizeof why)) {
+        mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: %s", op, why);
+        m->graph = 0;
+        return MGPU_OK;
+    }
+    if (m->trace) return MGPU_OK;
+    if (!mgpu_shape_equal(x->shape, m->graph_x) || !mgpu_shape_equal(target->shape, m->graph_t) || opt != m->graph_opt) {
+        mgpu__graph_drop(m);   /* its buffers are sized for other shapes */
+        m->graph_x = x->shape;
+        m->graph_t = target->shape;
+        m->graph_opt = opt;
+        m->graph_warm = 0;
+    }
+    if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
+    MGPU__TRY(mgpu__batch_check(m, op, x, target));
+    if (!m->graph_events) {
+        m->graph_events = (void**)mgpu__calloc((size_t)m->part_count * 4, sizeof(void*));
+        if (!m->graph_events) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        for (i = 0; i < 4 * m->part_count; ++i)
+            MGPU__CU(op, m->part[i / 4].dev, mgpu__cu_event_create(m->part[i / 4].dev->ordinal, &m->graph_events[i]));
+    }
+    /* outside the graph: this update's numbers and the batch's rows, into the buffers it reads */
+    MGPU__TRY(mgpu__optimizer_prepare(opt));
+    for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
+    b.m = m;
+    b.op = op;
+    b.batch_total = x->shape.dim[0];
+    b.row_base = 0;
+    MGPU__TRY(mgpu__batch_split(&b, x, target));                                                    /* 2 */
+    mgpu__step_state_save(m, opt, &before);
+    if (!m->graph_exec) {
+        mgpu_result r = mgpu__graph_capture(m, opt, &b);
+        mgpu__step_state_load(m, opt, &before);   /* nothing ran: the launch below does it */
+        if (r != MGPU_OK) {
+            mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());
+            m->graph = 0;
+            return MGPU_OK;
+        }
+    }
+    *eager = 0;
+    /* the graph's work on each device after that device's uploads, and what comes next there
+       after the graph */
+    for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, &m->part[i], 2, first));
+    MGPU__CU(op, first->dev, mgpu__cu_graph_launch(first->dev->ordinal, m->graph_exec, first->dev->stream));
+    for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, first, 3, &m->part[i]));
+    /* the host's side of the step, as the eager one leaves it */
+    m->grads_reduced = 1;
+    m->rows_in_step = 0;
+    m->last_batch = x->shape.dim[0];
+    opt->steps++;
+    m->dropout_step++;
+    m->steps++;
+    m->graph_steps++;
+    MGPU__TRY(mgpu__verify_if_due(m));
+    return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
 
 /* ---- the public steps ---- */
@@ -7422,7 +7684,12 @@ static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mg
                                     const mgpu_tensor* target, float* loss) {
     static const char* op = "mgpu_model_train_step";
     mgpu_result r = mgpu__check_step(op, m, opt);
+    int eager = 1;
     if (r != MGPU_OK && !mgpu__votes(m)) return r;
+    if (r == MGPU_OK && m->graph) {
+        r = mgpu__graph_step(m, opt, x, target, loss, &eager);
+        if (!eager || r != MGPU_OK) return r;
+    }
     if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
     if (r != MGPU_OK && !m->dist) return r;
     m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
@@ -7441,6 +7708,8 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
     mgpu__step_scope(0);
     return r;
 }
+
+MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m) { return m ? m->graph_steps : 0; }
 
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss) {
     static const char* op = "mgpu_model_last_loss";

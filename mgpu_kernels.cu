@@ -375,6 +375,45 @@ int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {
     return MGPU__CU_OK;
 }
 
+// A step as a CUDA graph: captured once on the stream of its first device (the other devices'
+// streams join the capture through events, as the caller arranges), replayed by one launch.
+// Global capture mode, CUDA's default: a call that capture forbids (a synchronisation, a
+// cudaMalloc) fails the capture instead of running, and the caller falls back to the eager step.
+int mgpu__cu_capture_begin(int dev, void* stream) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture(%p) on device %d",
+             stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_capture_end(int dev, void* stream, void** exec) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t e = nullptr;
+    *exec = nullptr;
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaStreamEndCapture(as_stream(stream), &graph), "cudaStreamEndCapture(%p) on device %d", stream, dev);
+    const cudaError_t made = cudaGraphInstantiate(&e, graph, 0ULL);
+    const cudaError_t freed = cudaGraphDestroy(graph);   // the executable keeps what it needs
+    if (made != cudaSuccess && e) (void)cudaGraphExecDestroy(e);
+    CUDA_TRY(made, "cudaGraphInstantiate() on device %d", dev);
+    CUDA_TRY(freed, "cudaGraphDestroy() on device %d", dev);
+    *exec = e;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_graph_launch(int dev, void* exec, void* stream) {
+    USE_DEVICE(dev);
+    CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)exec, as_stream(stream)), "cudaGraphLaunch(%p, stream %p) on device %d", exec,
+             stream, dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_graph_destroy(int dev, void* exec) {
+    USE_DEVICE(dev);
+    if (exec) CUDA_TRY(cudaGraphExecDestroy((cudaGraphExec_t)exec), "cudaGraphExecDestroy(%p) on device %d", exec, dev);
+    return MGPU__CU_OK;
+}
+
 // ============================================================================================
 // >>memory
 // ============================================================================================
@@ -1137,17 +1176,20 @@ int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64
 // ============================================================================================
 // >>optimizers  one fused elementwise pass per step, the update rules from mgpu.h
 // ============================================================================================
+// The update's numbers are read from device memory (uploaded ahead of the step), so a step
+// replayed from a CUDA graph uses its own learning rate and bias corrections.
 struct sgd_op {
     float* param;
     const float* grad;
     float* buf;   // NULL without momentum
-    mgpu__sgd_args args;
+    const mgpu__sgd_args* args;
     template <int V> __device__ float apply(size_t i) const {
+        const mgpu__sgd_args a = *args;
         pack<float, V> p = load<V>(param, i), b = {};
         const pack<float, V> g = load<V>(grad, i);
         if (buf) b = load<V>(buf, i);
 #pragma unroll
-        for (int k = 0; k < V; ++k) mgpu__sgd_update(&p.v[k], g.v[k], &b.v[k], &args);
+        for (int k = 0; k < V; ++k) mgpu__sgd_update(&p.v[k], g.v[k], &b.v[k], &a);
         store<V>(param, i, p);
         if (buf) store<V>(buf, i, b);
         return 0.0f;
@@ -1159,12 +1201,13 @@ struct adamw_op {
     const float* grad;
     float* m;
     float* v;
-    mgpu__adamw_args args;
+    const mgpu__adamw_args* args;
     template <int V> __device__ float apply(size_t i) const {
+        const mgpu__adamw_args a = *args;
         pack<float, V> p = load<V>(param, i), mv = load<V>(m, i), vv = load<V>(v, i);
         const pack<float, V> g = load<V>(grad, i);
 #pragma unroll
-        for (int k = 0; k < V; ++k) mgpu__adamw_update(&p.v[k], g.v[k], &mv.v[k], &vv.v[k], &args);
+        for (int k = 0; k < V; ++k) mgpu__adamw_update(&p.v[k], g.v[k], &mv.v[k], &vv.v[k], &a);
         store<V>(param, i, p);
         store<V>(m, i, mv);
         store<V>(v, i, vv);
@@ -1173,14 +1216,13 @@ struct adamw_op {
 };
 
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 mgpu__sgd_args args) {
+                 const mgpu__sgd_args* args) {
     USE_DEVICE(dev);
-    float* buf = args.momentum != 0.0f ? momentum_buf : nullptr;   // unused without momentum
-    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, buf, args}, vec4_ok(param, grad, buf));
+    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, momentum_buf, args}, vec4_ok(param, grad, momentum_buf));
 }
 
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   mgpu__adamw_args args) {
+                   const mgpu__adamw_args* args) {
     USE_DEVICE(dev);
     return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args}, vec4_ok(param, grad, m, v));
 }
