@@ -18,6 +18,16 @@ typedef struct mgpu_emu_counters {
     uint64_t peer_bytes;   /* device to another device */
     uint64_t d2d_bytes;    /* within one device */
     uint64_t collectives;  /* NCCL all-reduce calls (one per rank) */
+    /* Calls from the host, counted when made (during a capture too); the nodes a graph launch
+       replays count nothing: a graphed step shows 1 graph launch and 0 launches. */
+    uint64_t set_device, get_device;   /* cudaSetDevice, cudaGetDevice calls */
+    uint64_t gemms;                    /* cublasSgemm calls (in launches too) */
+    uint64_t copies_h2d, copies_d2h;   /* copy calls between the host (pageable or pinned) and a device */
+    uint64_t copies_peer;              /* device to another device */
+    uint64_t copies_d2d;               /* within one device */
+    uint64_t event_records, event_waits;   /* cudaEventRecord, cudaStreamWaitEvent calls */
+    uint64_t graph_launches;           /* cudaGraphLaunch calls */
+    uint64_t captures;                 /* cudaStreamEndCapture calls that gave a graph */
 } mgpu_emu_counters;
 void mgpu_emu_get_counters(mgpu_emu_counters* out);
 
@@ -28,8 +38,11 @@ void mgpu_emu_fail_next(const char* what, long count);
 /* for the fake NCCL */
 int mgpu_emu_device_count(void);
 int mgpu_emu_stream_device(void* stream);   /* -1: not a live stream; NULL is the current device's */
-/* Runs fn(arg) on stream's worker, in order with its other work; what names it in reports. */
-void mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, const char* what);
+/* Runs fn(arg) on stream's worker, in order with its other work; what names it in reports. On a
+   capturing stream it becomes a node of the graph, run on every launch of it: fn must leave arg
+   as it found it, and destroy(arg) (unless NULL) frees it once no queue or graph holds it.
+   Returns 0, or the cudaError_t of a capture that has been invalidated (then nothing is queued). */
+int mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, void (*destroy)(void*), const char* what);
 /* Aborts with a report unless [p, p + bytes) lies in one live allocation of device dev. */
 void mgpu_emu_check_device_range(const char* what, const void* p, size_t bytes, int dev);
 void mgpu_emu_count_collective(void);

@@ -79,6 +79,9 @@ struct clique {
     std::mutex mu;
     std::condition_variable cv;
     std::map<uint64_t, collective> pending;
+    // each rank's collectives that have run: the next one's number, counted when it runs (not when
+    // queued), so a captured graph's collective is a new one on every replay
+    std::vector<uint64_t> ran;
 };
 
 // sum[i] = ((src(0)[i] + src(1)[i]) + src(2)[i]) + ...: every rank's buffer, in rank order
@@ -93,25 +96,25 @@ template <class Src> void sum_in_rank_order(float* sum, int ranks, size_t count,
 struct call {
     clique* c;
     int rank;
-    uint64_t seq;
     const float* send;
     float* recv;
     size_t count;
 };
 
 void run_allreduce(void* arg) {
-    call* k = (call*)arg;
+    const call* k = (const call*)arg;
     clique* c = k->c;
     {
         std::unique_lock<std::mutex> lock(c->mu);
-        collective& coll = c->pending[k->seq];
+        const uint64_t seq = c->ran[k->rank]++;
+        collective& coll = c->pending[seq];
         if (coll.send.empty()) {
             coll.count = k->count;
             coll.send.assign(c->n, nullptr);
             coll.recv.assign(c->n, nullptr);
         }
         if (coll.count != k->count)
-            die("ncclAllReduce #%llu: rank %d passes %zu elements, another rank %zu", (unsigned long long)k->seq,
+            die("ncclAllReduce #%llu: rank %d passes %zu elements, another rank %zu", (unsigned long long)seq,
                 k->rank, k->count, coll.count);
         coll.send[k->rank] = k->send;
         coll.recv[k->rank] = k->recv;
@@ -124,12 +127,12 @@ void run_allreduce(void* arg) {
         } else if (!c->cv.wait_for(lock, std::chrono::duration<double>(mgpu_emu_timeout_seconds()),
                                    [&] { return coll.done; })) {
             die("ncclAllReduce #%llu: rank %d waited %.0f s for the other ranks (%d of %d arrived)",
-                (unsigned long long)k->seq, k->rank, mgpu_emu_timeout_seconds(), coll.arrived, c->n);
+                (unsigned long long)seq, k->rank, mgpu_emu_timeout_seconds(), coll.arrived, c->n);
         }
-        if (++coll.left == c->n) c->pending.erase(k->seq);
+        if (++coll.left == c->n) c->pending.erase(seq);
     }
-    delete k;
 }
+void delete_call(void* arg) { delete (call*)arg; }
 
 thread_local int tl_group_depth = 0;
 struct shared_clique;
@@ -227,8 +230,8 @@ void run_allreduce_shared(void* arg) {
         pthread_mutex_unlock(&sc->mu);
     }
     if (k->comm->fail_async) k->comm->async_error = ncclRemoteError;
-    delete k;
 }
+void delete_shared_call(void* arg) { delete (shared_call*)arg; }
 }  // namespace
 
 NCCL_EXPORT const char* ncclGetErrorString(ncclResult_t r) {
@@ -257,6 +260,7 @@ NCCL_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int*
     }
     clique* c = new clique();
     c->n = c->alive = ndev;
+    c->ran.assign(ndev, 0);
     for (int r = 0; r < ndev; ++r) comms[r] = new ncclComm{c, r, devlist ? devlist[r] : r};
     return ncclSuccess;
 }
@@ -390,10 +394,9 @@ NCCL_EXPORT ncclResult_t ncclAllReduce(const void* send, void* recv, size_t coun
     mgpu_emu_count_collective();
     if (comm->shared) {
         shared_call* k = new shared_call{comm, comm->seq++, (const float*)send, (float*)recv, count};
-        mgpu_emu_enqueue(stream, run_allreduce_shared, k, "ncclAllReduce across processes");
-        return ncclSuccess;
+        return mgpu_emu_enqueue(stream, run_allreduce_shared, k, delete_shared_call, "ncclAllReduce across processes")
+                   ? ncclUnhandledCudaError : ncclSuccess;
     }
-    call* k = new call{comm->c, comm->rank, comm->seq++, (const float*)send, (float*)recv, count};
-    mgpu_emu_enqueue(stream, run_allreduce, k, "ncclAllReduce");
-    return ncclSuccess;
+    call* k = new call{comm->c, comm->rank, (const float*)send, (float*)recv, count};
+    return mgpu_emu_enqueue(stream, run_allreduce, k, delete_call, "ncclAllReduce") ? ncclUnhandledCudaError : ncclSuccess;
 }

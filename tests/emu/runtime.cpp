@@ -33,12 +33,14 @@
 #include "cublas_v2.h"
 #include "emu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -92,15 +94,21 @@ long env_long(const char* name, long def) {
 }
 
 std::atomic<uint64_t> c_launches{0}, c_syncs{0}, c_allocs{0}, c_frees{0}, c_h2d{0}, c_d2h{0}, c_peer{0}, c_d2d{0},
-    c_collectives{0};
+    c_collectives{0}, c_set_device{0}, c_get_device{0}, c_gemms{0}, c_copies_h2d{0}, c_copies_d2h{0},
+    c_copies_peer{0}, c_copies_d2d{0}, c_event_records{0}, c_event_waits{0}, c_graph_launches{0}, c_captures{0};
 
 void print_counters_at_exit() {
     fprintf(stderr,
-            "mgpu-emu counters: launches %llu, syncs %llu, allocs %llu, frees %llu, h2d %llu B, d2h %llu B, "
-            "peer %llu B, d2d %llu B, collectives %llu\n",
-            (unsigned long long)c_launches, (unsigned long long)c_syncs, (unsigned long long)c_allocs,
-            (unsigned long long)c_frees, (unsigned long long)c_h2d, (unsigned long long)c_d2h,
-            (unsigned long long)c_peer, (unsigned long long)c_d2d, (unsigned long long)c_collectives);
+            "mgpu-emu counters: launches %llu (gemms %llu), syncs %llu, allocs %llu, frees %llu, h2d %llu B in %llu "
+            "copies, d2h %llu B in %llu, peer %llu B in %llu, d2d %llu B in %llu, collectives %llu, set_device %llu, "
+            "get_device %llu, event records %llu, event waits %llu, graph launches %llu, captures %llu\n",
+            (unsigned long long)c_launches, (unsigned long long)c_gemms, (unsigned long long)c_syncs,
+            (unsigned long long)c_allocs, (unsigned long long)c_frees, (unsigned long long)c_h2d,
+            (unsigned long long)c_copies_h2d, (unsigned long long)c_d2h, (unsigned long long)c_copies_d2h,
+            (unsigned long long)c_peer, (unsigned long long)c_copies_peer, (unsigned long long)c_d2d,
+            (unsigned long long)c_copies_d2d, (unsigned long long)c_collectives, (unsigned long long)c_set_device,
+            (unsigned long long)c_get_device, (unsigned long long)c_event_records, (unsigned long long)c_event_waits,
+            (unsigned long long)c_graph_launches, (unsigned long long)c_captures);
 }
 
 const config& conf() {
@@ -159,6 +167,8 @@ cudaError_t fail(cudaError_t e) {
 }
 
 // ---- streams ---------------------------------------------------------------------------------
+struct capture_state;
+
 struct task {
     std::function<void()> fn;
     const char* what;
@@ -176,9 +186,11 @@ struct CUstream_st {
     uint64_t enqueued = 0, done = 0;
     const char* running = nullptr;
     bool stop = false;
+    bool retired = false;   // the worker frees the stream once its queue is empty
     uint64_t rng = 0;
     int slow = 1;   // chaos: this stream's delays are this many times longer
     std::thread worker;
+    std::shared_ptr<capture_state> cap;   // the capture it belongs to, if any (guarded by g_cap_mu)
 
     void run() {
         for (;;) {
@@ -186,7 +198,12 @@ struct CUstream_st {
             {
                 std::unique_lock<std::mutex> lock(mu);
                 cv_work.wait(lock, [&] { return stop || !queue.empty(); });
-                if (queue.empty()) return;
+                if (queue.empty()) {
+                    if (!retired) return;
+                    lock.unlock();
+                    delete this;
+                    return;
+                }
                 t = std::move(queue.front());
                 queue.pop_front();
                 running = t.what;
@@ -199,6 +216,7 @@ struct CUstream_st {
                 if (us) std::this_thread::sleep_for(std::chrono::microseconds(us));
             }
             t.fn();
+            t.fn = nullptr;   // what it holds (a kernel's arguments) is freed before the stream counts it done
             {
                 std::lock_guard<std::mutex> lock(mu);
                 ++done;
@@ -214,6 +232,14 @@ struct CUstream_st {
             ++enqueued;
         }
         cv_work.notify_one();
+    }
+    // Ends the worker once the queue drains, without waiting for it: a graph exec's streams, which
+    // a launch still in flight may use after the exec is destroyed. The stream is not to be touched after.
+    void retire() {
+        worker.detach();
+        std::lock_guard<std::mutex> lock(mu);
+        stop = retired = true;
+        cv_work.notify_all();
     }
     void sync(const char* why) {
         std::unique_lock<std::mutex> lock(mu);
@@ -231,6 +257,10 @@ struct CUevent_st {
     std::condition_variable cv;
     uint64_t recorded = 0, completed = 0;
     double time_ms = 0.0;
+    // recorded last on a capturing stream: the capture, and the nodes a wait on it then depends on
+    // (guarded by g_cap_mu)
+    std::shared_ptr<capture_state> cap;
+    std::vector<int> cap_pos;
     bool wait_for(uint64_t target, double seconds) {
         std::unique_lock<std::mutex> lock(mu);
         return cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return completed >= target; });
@@ -340,6 +370,104 @@ void check_device(const char* what, const void* p, size_t bytes, int dev, bool a
     if (w.dev != dev && !(allow_peer && peer_enabled(dev, w.dev)))
         die("%s: %p is memory of device %d, used on device %d%s", what, p, w.dev, dev,
             allow_peer ? " without peer access enabled" : "");
+}
+
+// ---- stream capture --------------------------------------------------------------------------
+// A captured graph: its nodes in the order they were queued (so every edge points back), each
+// with the captured stream that queued it. Work is queued as closures that a graph may run again
+// on every launch.
+struct graph_node {
+    std::function<void()> fn;
+    const char* what;
+    int slot;                 // the captured stream, an index into slot_dev
+    std::vector<int> deps;    // earlier nodes it runs after
+};
+struct graph_body {
+    std::vector<graph_node> nodes;
+    std::vector<int> slot_dev;   // the device of each captured stream
+};
+
+struct capture_state {
+    cudaStreamCaptureMode mode;
+    std::thread::id thread;   // that began it (thread-local mode)
+    cudaStream_t origin;
+    bool invalidated = false, ended = false;
+    std::shared_ptr<graph_body> body;
+    struct member {
+        int slot;
+        std::vector<int> tail;   // what the stream's next node depends on
+    };
+    std::map<cudaStream_t, member> streams;
+};
+
+std::mutex g_cap_mu;   // guards the captures, and the streams' and events' cap fields
+std::set<capture_state*> g_captures;   // those under way
+
+cudaError_t result(cudaError_t e) { return e == cudaSuccess ? e : fail(e); }
+
+// Work for s: run by its worker, or, while s is being captured, a node of the capture's graph.
+cudaError_t submit(cudaStream_t s, std::function<void()> fn, const char* what) {
+    {
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        if (capture_state* c = s->cap.get()) {
+            if (c->invalidated) return cudaErrorStreamCaptureInvalidated;
+            capture_state::member& m = c->streams[s];
+            c->body->nodes.push_back(graph_node{std::move(fn), what, m.slot, m.tail});
+            m.tail.assign(1, (int)c->body->nodes.size() - 1);
+            return cudaSuccess;
+        }
+    }
+    s->push(std::move(fn), what);
+    return cudaSuccess;
+}
+
+// A call that a capture of s forbids: CUDA invalidates the capture and refuses the call.
+cudaError_t forbid_in_capture(cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    if (!s->cap) return cudaSuccess;
+    if (s->cap->invalidated) return fail(cudaErrorStreamCaptureInvalidated);
+    s->cap->invalidated = true;
+    return fail(cudaErrorStreamCaptureUnsupported);
+}
+
+// cudaMalloc, cudaFree, cudaHostAlloc, cudaFreeHost, cudaDeviceSynchronize: refused (and the
+// capture invalidated) while a global-mode capture is under way in the process, or one of this
+// thread's that is not relaxed.
+cudaError_t unsafe_during_capture() {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    bool hit = false;
+    for (capture_state* c : g_captures)
+        if (c->mode == cudaStreamCaptureModeGlobal ||
+            (c->mode == cudaStreamCaptureModeThreadLocal && c->thread == std::this_thread::get_id())) {
+            c->invalidated = true;
+            hit = true;
+        }
+    return hit ? fail(cudaErrorStreamCaptureUnsupported) : cudaSuccess;
+}
+
+// Every stream of the capture back to normal; the graph, if any, is the caller's.
+void end_capture(std::shared_ptr<capture_state> c) {
+    for (auto& m : c->streams) m.first->cap.reset();
+    c->streams.clear();
+    c->ended = true;
+    g_captures.erase(c.get());
+}
+
+// Is every stream's last work an ancestor of the origin's next node (joined back into it)?
+bool all_joined(const capture_state& c) {
+    std::vector<char> seen(c.body->nodes.size());
+    std::vector<int> todo = c.streams.at(c.origin).tail;
+    while (!todo.empty()) {
+        const int n = todo.back();
+        todo.pop_back();
+        if (seen[n]) continue;
+        seen[n] = 1;
+        for (int d : c.body->nodes[n].deps) todo.push_back(d);
+    }
+    for (auto& m : c.streams)
+        for (int n : m.second.tail)
+            if (!seen[n]) return false;
+    return true;
 }
 
 // ---- kernels: the threads of a block as fibers ------------------------------------------------
@@ -625,9 +753,8 @@ struct kernel_launch {
     const char* file;
     int line;
     mgpu_emu::launch_cfg c;
-    void* args;
+    std::shared_ptr<void> args;   // freed with the last task or graph that holds the launch
     mgpu_emu::thread_body body;
-    void (*destroy)(void*);
 };
 
 void run_kernel(const kernel_launch& k) {
@@ -638,7 +765,7 @@ void run_kernel(const kernel_launch& k) {
     b.grid = k.c.grid;
     b.block = k.c.block;
     b.body = k.body;
-    b.args = k.args;
+    b.args = k.args.get();
     b.threads = (int)(k.c.block.x * k.c.block.y * k.c.block.z);
     b.state.resize(b.threads);
     b.owner.resize(b.threads);
@@ -741,6 +868,7 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
                 size_t word_count, thread_body body, void (*destroy)(void*)) {
     const config& cf = conf();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
+    std::shared_ptr<void> owned(args, destroy);
     long call;
     {
         std::lock_guard<std::mutex> lock(g_mu);
@@ -749,18 +877,15 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
     if (!c.grid.x || !c.grid.y || !c.grid.z || !c.block.x || !c.block.y || !c.block.z || threads > (uint64_t)cf.max_threads ||
         c.block.x > 1024 || c.block.y > 1024 || c.block.z > 64 || c.grid.x > 2147483647u || c.grid.y > 65535 ||
         c.grid.z > 65535 || c.shared > cf.max_shared) {
-        destroy(args);
         fail(cudaErrorInvalidConfiguration);
         return;
     }
     if (cf.fail_launch && call >= cf.fail_launch && call < cf.fail_launch + cf.fail_launch_count) {
-        destroy(args);
         fail(cudaErrorLaunchOutOfResources);
         return;
     }
     cudaStream_t s = resolve(c.stream);
     if (!s || s->dev != tl_device) {
-        destroy(args);
         fail(cudaErrorInvalidResourceHandle);
         return;
     }
@@ -777,12 +902,8 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
                     name, file, line, s->dev, (void*)v, it->second.dev);
         }
     }
-    ++c_launches;
-    kernel_launch k{name, file, line, c, args, body, destroy};
-    s->push([k] {
-        run_kernel(k);
-        k.destroy(k.args);
-    }, name);
+    kernel_launch k{name, file, line, c, std::move(owned), body};
+    if (result(submit(s, [k] { run_kernel(k); }, name)) == cudaSuccess) ++c_launches;
 }
 }  // namespace mgpu_emu
 
@@ -797,6 +918,10 @@ static const char* error_name(cudaError_t e) {
         E(cudaErrorNoDevice) E(cudaErrorInvalidDevice) E(cudaErrorStubLibrary) E(cudaErrorInvalidResourceHandle)
         E(cudaErrorNotReady) E(cudaErrorPeerAccessUnsupported) E(cudaErrorPeerAccessAlreadyEnabled)
         E(cudaErrorPeerAccessNotEnabled) E(cudaErrorLaunchOutOfResources) E(cudaErrorLaunchFailure)
+        E(cudaErrorIllegalState) E(cudaErrorStreamCaptureUnsupported) E(cudaErrorStreamCaptureInvalidated)
+        E(cudaErrorStreamCaptureMerge) E(cudaErrorStreamCaptureUnmatched) E(cudaErrorStreamCaptureUnjoined)
+        E(cudaErrorStreamCaptureIsolation) E(cudaErrorStreamCaptureImplicit) E(cudaErrorCapturedEvent)
+        E(cudaErrorStreamCaptureWrongThread)
 #undef E
     }
     return "cudaErrorUnknown";
@@ -819,6 +944,16 @@ EMU_EXPORT const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureMerge: return "operation would result in a merge of separate capture sequences";
+    case cudaErrorStreamCaptureUnmatched: return "capture was not ended in the same stream as it began";
+    case cudaErrorStreamCaptureUnjoined: return "capturing stream has unjoined work";
+    case cudaErrorStreamCaptureIsolation: return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureWrongThread: return "attempt to terminate a thread-local capture sequence from another thread";
     default: return "unknown error";
     }
 }
@@ -841,6 +976,7 @@ EMU_EXPORT cudaError_t cudaGetDeviceCount(int* count) {
 static bool valid_device(int dev) { return dev >= 0 && dev < conf().devices; }
 
 EMU_EXPORT cudaError_t cudaGetDevice(int* dev) {
+    ++c_get_device;
     if (!dev) return fail(cudaErrorInvalidValue);
     if (conf().devices == 0) return fail(cudaErrorNoDevice);
     *dev = tl_device;
@@ -848,6 +984,7 @@ EMU_EXPORT cudaError_t cudaGetDevice(int* dev) {
 }
 
 EMU_EXPORT cudaError_t cudaSetDevice(int dev) {
+    ++c_set_device;
     if (conf().devices == 0) return fail(cudaErrorNoDevice);
     if (!valid_device(dev)) return fail(cudaErrorInvalidDevice);
     tl_device = dev;
@@ -916,6 +1053,7 @@ static void sync_device(int dev, const char* why) {
 
 EMU_EXPORT cudaError_t cudaDeviceSynchronize(void) {
     if (conf().devices == 0) return fail(cudaErrorNoDevice);
+    if (cudaError_t e = unsafe_during_capture()) return e;
     ++c_syncs;
     sync_device(tl_device, "cudaDeviceSynchronize");
     return cudaSuccess;
@@ -934,6 +1072,19 @@ EMU_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
         if (!stream || !g_streams.count(stream)) return fail(cudaErrorInvalidResourceHandle);
         g_streams.erase(stream);
     }
+    {   // a capture loses it: invalidated, or ended when it was the origin
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        if (capture_state* c = stream->cap.get()) {
+            c->invalidated = true;
+            if (c->origin == stream) {
+                c->body.reset();
+                end_capture(stream->cap);
+            } else {
+                c->streams.erase(stream);
+                stream->cap.reset();
+            }
+        }
+    }
     // pending work completes first (CUDA releases the stream once its work is done)
     stream->sync("cudaStreamDestroy");
     {
@@ -949,6 +1100,7 @@ EMU_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 EMU_EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
+    if (cudaError_t e = forbid_in_capture(s)) return e;
     ++c_syncs;
     s->sync("cudaStreamSynchronize");
     return cudaSuccess;
@@ -987,6 +1139,17 @@ EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
     cudaStream_t s = resolve(stream);
     if (!s || s->dev != event->dev) return fail(cudaErrorInvalidResourceHandle);
+    ++c_event_records;
+    {   // on a capturing stream: no node, only the position that a wait on the event depends on
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        if (capture_state* c = s->cap.get()) {
+            if (c->invalidated) return fail(cudaErrorStreamCaptureInvalidated);
+            event->cap = s->cap;
+            event->cap_pos = c->streams[s].tail;
+            return cudaSuccess;
+        }
+        event->cap.reset();
+    }
     uint64_t target;
     {
         std::lock_guard<std::mutex> lock(event->mu);
@@ -1005,8 +1168,15 @@ EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     return cudaSuccess;
 }
 
+// recorded last in a capture still under way
+static bool captured_event(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    return e->cap && !e->cap->ended;
+}
+
 EMU_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    if (captured_event(event)) return fail(cudaErrorCapturedEvent);
     std::lock_guard<std::mutex> lock(event->mu);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1021,6 +1191,33 @@ EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t even
         std::lock_guard<std::mutex> lock(event->mu);
         target = event->recorded;   // the latest record at the time of the call
     }
+    ++c_event_waits;
+    {
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        capture_state* c = event->cap && !event->cap->ended ? event->cap.get() : nullptr;
+        if (s->cap && s->cap->invalidated) return fail(cudaErrorStreamCaptureInvalidated);
+        if (c && s->cap && s->cap.get() != c) {   // two captures would merge
+            s->cap->invalidated = c->invalidated = true;
+            return fail(cudaErrorStreamCaptureMerge);
+        }
+        if (c) {   // a captured event: s joins the capture, or depends on the event's position
+            if (c->invalidated) return fail(cudaErrorStreamCaptureInvalidated);
+            if (!s->cap) {
+                s->cap = event->cap;
+                c->streams[s] = capture_state::member{(int)c->body->slot_dev.size(), event->cap_pos};
+                c->body->slot_dev.push_back(s->dev);
+            } else {
+                std::vector<int>& tail = c->streams[s].tail;
+                for (int n : event->cap_pos)
+                    if (std::find(tail.begin(), tail.end(), n) == tail.end()) tail.push_back(n);
+            }
+            return cudaSuccess;
+        }
+        if (s->cap && target) {   // a capture cannot wait for work outside it
+            s->cap->invalidated = true;
+            return fail(cudaErrorStreamCaptureIsolation);
+        }
+    }
     if (target == 0) return cudaSuccess;   // never recorded: nothing to wait for
     s->push([event, target] {
         if (!event->wait_for(target, conf().timeout))
@@ -1031,6 +1228,13 @@ EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t even
 
 EMU_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
+    {   // its record is no work that will run: the capture is invalidated
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        if (event->cap && !event->cap->ended) {
+            event->cap->invalidated = true;
+            return fail(cudaErrorStreamCaptureUnsupported);
+        }
+    }
     uint64_t target;
     {
         std::lock_guard<std::mutex> lock(event->mu);
@@ -1059,11 +1263,200 @@ EMU_EXPORT cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEv
     return cudaSuccess;
 }
 
+// ---- stream capture and graphs -------------------------------------------------------------------
+EMU_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+    if ((unsigned)mode > cudaStreamCaptureModeRelaxed) return fail(cudaErrorInvalidValue);
+    if (!stream) return fail(cudaErrorStreamCaptureUnsupported);   // the legacy stream cannot be captured
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    if (s->cap) return fail(cudaErrorIllegalState);
+    std::shared_ptr<capture_state> c = std::make_shared<capture_state>();
+    c->mode = mode;
+    c->thread = std::this_thread::get_id();
+    c->origin = s;
+    c->body = std::make_shared<graph_body>();
+    c->body->slot_dev.push_back(s->dev);
+    c->streams[s] = capture_state::member{0, {}};
+    s->cap = c;
+    g_captures.insert(c.get());
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus* status) {
+    if (!status) return fail(cudaErrorInvalidValue);
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    std::lock_guard<std::mutex> lock(g_cap_mu);
+    *status = !s->cap ? cudaStreamCaptureStatusNone
+              : s->cap->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+
+}  // extern "C"
+
+struct CUgraph_st {
+    std::shared_ptr<const graph_body> body;
+};
+
+namespace {
+// One launch of an exec: started when the launch stream reaches it, done node by node.
+struct graph_run {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool started = false;
+    std::vector<char> done;
+    size_t left = 0;
+    template <class P> void wait(P ready, const char* what) {
+        std::unique_lock<std::mutex> lock(mu);
+        if (!cv.wait_for(lock, std::chrono::duration<double>(conf().timeout), ready))
+            die("cudaGraphLaunch: %s waited %.0f s for what it depends on: a wait that never ends?", what, conf().timeout);
+    }
+    void mark(int node) {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            if (node < 0) {
+                started = true;
+            } else {
+                done[node] = 1;
+                --left;
+            }
+        }
+        cv.notify_all();
+    }
+};
+}  // namespace
+
+struct CUgraphExec_st {
+    std::shared_ptr<const graph_body> body;
+    std::vector<cudaStream_t> workers;   // one per captured stream, on its device
+    std::mutex mu;                       // a launch queues all its tasks at once
+    std::shared_ptr<graph_run> last;     // the next launch starts after it
+};
+
+namespace {
+std::set<cudaGraph_t> g_graphs;        // guarded by g_mu
+std::set<cudaGraphExec_t> g_execs;     // guarded by g_mu
+}  // namespace
+
+extern "C" {
+
+EMU_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+    if (!graph) return fail(cudaErrorInvalidValue);
+    *graph = nullptr;
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    std::shared_ptr<graph_body> body;
+    cudaError_t e;
+    {
+        std::lock_guard<std::mutex> lock(g_cap_mu);
+        std::shared_ptr<capture_state> c = s->cap;
+        if (!c) return fail(cudaErrorIllegalState);
+        if (c->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
+        if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id())
+            return fail(cudaErrorStreamCaptureWrongThread);
+        e = c->invalidated ? cudaErrorStreamCaptureInvalidated
+            : !all_joined(*c) ? cudaErrorStreamCaptureUnjoined : cudaSuccess;
+        body = std::move(c->body);
+        end_capture(c);
+    }
+    if (e != cudaSuccess) return fail(e);
+    cudaGraph_t g = new CUgraph_st{std::move(body)};
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        g_graphs.insert(g);
+    }
+    ++c_captures;
+    *graph = g;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_graphs.erase(graph)) return fail(cudaErrorInvalidValue);
+    }
+    delete graph;   // its execs hold the nodes they run
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+    if (!exec || flags > 0xF) return fail(cudaErrorInvalidValue);
+    *exec = nullptr;
+    cudaGraphExec_t x = new CUgraphExec_st();
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_graphs.count(graph)) {
+            delete x;
+            return fail(cudaErrorInvalidValue);
+        }
+        x->body = graph->body;
+    }
+    // streams of their own, so chaos mode delays the nodes as any other work
+    for (int dev : x->body->slot_dev) x->workers.push_back(make_stream(dev, cudaStreamNonBlocking));
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_execs.insert(x);
+    *exec = x;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_execs.erase(exec)) return fail(cudaErrorInvalidValue);
+        for (cudaStream_t w : exec->workers) g_streams.erase(w);
+    }
+    // a launch in flight goes on: its tasks hold the nodes, and the streams end once drained
+    for (cudaStream_t w : exec->workers) w->retire();
+    delete exec;
+    return cudaSuccess;
+}
+
+// Each node is queued on its captured stream's worker, behind a wait for the nodes it depends on;
+// the launch stream starts them and waits for them all.
+EMU_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+    cudaStream_t s = resolve(stream);
+    if (!s) return fail(cudaErrorInvalidResourceHandle);
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_execs.count(exec)) return fail(cudaErrorInvalidResourceHandle);
+    }
+    // a graph launched inside a capture (a child graph node) is not emulated
+    if (cudaError_t e = forbid_in_capture(s)) return e;
+    std::shared_ptr<const graph_body> body = exec->body;
+    std::shared_ptr<graph_run> run = std::make_shared<graph_run>();
+    run->done.assign(body->nodes.size(), 0);
+    run->left = body->nodes.size();
+    std::lock_guard<std::mutex> order(exec->mu);
+    std::shared_ptr<graph_run> prev = std::move(exec->last);
+    exec->last = run;
+    s->push([run, prev] {
+        if (prev) prev->wait([&] { return prev->left == 0; }, "a launch of a graph (the one before it)");
+        run->mark(-1);
+    }, "cudaGraphLaunch");
+    for (size_t i = 0; i < body->nodes.size(); ++i)
+        exec->workers[body->nodes[i].slot]->push([run, body, i] {
+            const graph_node& n = body->nodes[i];
+            run->wait([&] {
+                if (!run->started) return false;
+                for (int d : n.deps)
+                    if (!run->done[d]) return false;
+                return true;
+            }, n.what);
+            n.fn();
+            run->mark((int)i);
+        }, body->nodes[i].what);
+    s->push([run] { run->wait([&] { return run->left == 0; }, "the end of a graph launch"); }, "cudaGraphLaunch");
+    ++c_graph_launches;
+    return cudaSuccess;
+}
+
 // ---- memory ------------------------------------------------------------------------------------
 EMU_EXPORT cudaError_t cudaMalloc(void** ptr, size_t bytes) {
     if (!ptr) return fail(cudaErrorInvalidValue);
     if (conf().devices == 0) return fail(cudaErrorNoDevice);
     *ptr = nullptr;
+    if (cudaError_t e = unsafe_during_capture()) return e;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         const long call = ++g_malloc_calls;
@@ -1091,6 +1484,7 @@ EMU_EXPORT cudaError_t cudaMalloc(void** ptr, size_t bytes) {
 
 EMU_EXPORT cudaError_t cudaFree(void* ptr) {
     if (!ptr) return cudaSuccess;
+    if (cudaError_t e = unsafe_during_capture()) return e;
     int dev;
     {
         std::lock_guard<std::mutex> lock(g_mu);
@@ -1114,6 +1508,7 @@ EMU_EXPORT cudaError_t cudaFree(void* ptr) {
 EMU_EXPORT cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags) {
     if (!ptr || flags > 0xF) return fail(cudaErrorInvalidValue);
     *ptr = nullptr;
+    if (cudaError_t e = unsafe_during_capture()) return e;
     void* p = nullptr;
     if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0 || !p) return fail(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> lock(g_mu);
@@ -1124,6 +1519,7 @@ EMU_EXPORT cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flag
 
 EMU_EXPORT cudaError_t cudaFreeHost(void* ptr) {
     if (!ptr) return cudaSuccess;
+    if (cudaError_t e = unsafe_during_capture()) return e;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         auto it = g_allocs.find((uintptr_t)ptr);
@@ -1138,13 +1534,14 @@ EMU_EXPORT cudaError_t cudaFreeHost(void* ptr) {
 
 // A copy queued on s; from pageable memory the source is staged at once, and into pageable memory
 // the call returns when the copy is done (as the driver does).
+// (A capture refuses both: the caller checked.)
 static cudaError_t queue_copy(void* dst, const void* src, size_t bytes, cudaStream_t s, where wd, where ws) {
     if (ws.kind == PAGEABLE && wd.kind != PAGEABLE) {
         std::shared_ptr<std::vector<char>> staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
         s->push([dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync from pageable memory");
         return cudaSuccess;
     }
-    s->push([dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyAsync");
+    if (cudaError_t e = submit(s, [dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyAsync")) return fail(e);
     if (wd.kind == PAGEABLE) {
         ++c_syncs;
         s->sync("cudaMemcpyAsync to pageable memory");
@@ -1153,12 +1550,16 @@ static cudaError_t queue_copy(void* dst, const void* src, size_t bytes, cudaStre
 }
 
 static void count_copy(where wd, where ws, size_t bytes) {
-    if (wd.kind == DEVICE && ws.kind == DEVICE)
+    if (wd.kind == DEVICE && ws.kind == DEVICE) {
         (wd.dev == ws.dev ? c_d2d : c_peer) += bytes;
-    else if (wd.kind == DEVICE)
+        ++(wd.dev == ws.dev ? c_copies_d2d : c_copies_peer);
+    } else if (wd.kind == DEVICE) {
         c_h2d += bytes;
-    else if (ws.kind == DEVICE)
+        ++c_copies_h2d;
+    } else if (ws.kind == DEVICE) {
         c_d2h += bytes;
+        ++c_copies_d2h;
+    }
 }
 
 EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind,
@@ -1173,8 +1574,12 @@ EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
     const bool want_src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
     if (kind != cudaMemcpyDefault && ((wd.kind == DEVICE) != want_dst_dev || (ws.kind == DEVICE) != want_src_dev))
         return fail(cudaErrorInvalidValue);
-    count_copy(wd, ws, bytes);
-    return queue_copy(dst, src, bytes, s, wd, ws);
+    // pageable memory is read or written at the call, which a graph could not repeat
+    if (ws.kind == PAGEABLE || wd.kind == PAGEABLE)
+        if (cudaError_t e = forbid_in_capture(s)) return e;
+    const cudaError_t e = queue_copy(dst, src, bytes, s, wd, ws);
+    if (e == cudaSuccess) count_copy(wd, ws, bytes);
+    return e;
 }
 
 EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes,
@@ -1188,8 +1593,8 @@ EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* s
     check_device(what, dst, bytes, dst_dev, false);
     snprintf(what, sizeof what, "cudaMemcpyPeerAsync source on device %d", src_dev);
     check_device(what, src, bytes, src_dev, false);
-    (dst_dev == src_dev ? c_d2d : c_peer) += bytes;
-    s->push([dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyPeerAsync");
+    if (cudaError_t e = submit(s, [dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyPeerAsync")) return fail(e);
+    count_copy(where{DEVICE, dst_dev}, where{DEVICE, src_dev}, bytes);
     return cudaSuccess;
 }
 
@@ -1198,8 +1603,7 @@ EMU_EXPORT cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaS
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
     check_device("cudaMemsetAsync", ptr, bytes, s->dev, true);
-    s->push([ptr, value, bytes] { memset(ptr, value, bytes); }, "cudaMemsetAsync");
-    return cudaSuccess;
+    return result(submit(s, [ptr, value, bytes] { memset(ptr, value, bytes); }, "cudaMemsetAsync"));
 }
 
 // ---- cuBLAS ------------------------------------------------------------------------------------
@@ -1372,8 +1776,9 @@ EMU_EXPORT cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t t
         g.alpha_dev = alpha;
         g.beta_dev = beta;
     }
+    if (result(submit(s, [g] { run_gemm(g); }, "cublasSgemm")) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     ++c_launches;
-    s->push([g] { run_gemm(g); }, "cublasSgemm");
+    ++c_gemms;
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -1388,6 +1793,17 @@ EMU_EXPORT void mgpu_emu_get_counters(mgpu_emu_counters* out) {
     out->peer_bytes = c_peer;
     out->d2d_bytes = c_d2d;
     out->collectives = c_collectives;
+    out->set_device = c_set_device;
+    out->get_device = c_get_device;
+    out->gemms = c_gemms;
+    out->copies_h2d = c_copies_h2d;
+    out->copies_d2h = c_copies_d2h;
+    out->copies_peer = c_copies_peer;
+    out->copies_d2d = c_copies_d2d;
+    out->event_records = c_event_records;
+    out->event_waits = c_event_waits;
+    out->graph_launches = c_graph_launches;
+    out->captures = c_captures;
 }
 
 EMU_EXPORT int mgpu_emu_device_count(void) { return conf().devices; }
@@ -1411,10 +1827,11 @@ EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
     return s ? s->dev : -1;
 }
 
-EMU_EXPORT void mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, const char* what) {
+EMU_EXPORT int mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, void (*destroy)(void*), const char* what) {
     cudaStream_t s = resolve((cudaStream_t)stream);
     if (!s) die("%s: not a live stream: %p", what, stream);
-    s->push([fn, arg] { fn(arg); }, what);
+    std::shared_ptr<void> owned(arg, [destroy](void* a) { if (destroy) destroy(a); });
+    return result(submit(s, [fn, owned] { fn(owned.get()); }, what));
 }
 
 EMU_EXPORT void mgpu_emu_check_device_range(const char* what, const void* p, size_t bytes, int dev) {
