@@ -290,7 +290,7 @@ static void stall(void* ms) { usleep((useconds_t)(uintptr_t)ms * 1000); }
 static void stall_devices(mgpu_device_set* set, int ms) {
     int i;
     for (i = 0; i < mgpu_device_set_count(set); ++i)
-        mgpu_emu_enqueue(mgpu_device_set_get(set, i)->stream, stall, (void*)(uintptr_t)ms, "the test's stall");
+        (void)mgpu_emu_enqueue(mgpu_device_set_get(set, i)->stream, stall, (void*)(uintptr_t)ms, NULL, "the test's stall");
 }
 
 /* Batches from the CPU go up without the host waiting, and the loss stays on the device until
