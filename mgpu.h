@@ -7617,6 +7617,8 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         m->graph_warm = 0;
     }
     if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
+    m->grads_reduced = 0;   /* as mgpu_model_zero_grad leaves them: the graph zeroes them on the devices */
+    m->rows_in_step = 0;
     MGPU__TRY(mgpu__batch_check(m, op, x, target));
     if (!m->graph_events) {
         m->graph_events = (void**)mgpu__calloc((size_t)m->part_count * 4, sizeof(void*));

@@ -207,8 +207,15 @@ static int case_no_host_sync(void) {
     return 0;
 }
 
-/* Steps fed by mgpu_loader from the CPU, on a layout: spec with `stages` stages. A small data set
-   of 5x4 images and 4 classes, made here. */
+/* Steps fed by mgpu_loader from the CPU: a small data set of 6x6 images and 4 classes, made here,
+   on a layout (spec, stages), with an MLP or a small CNN, SGD with momentum or AdamW on a cosine
+   schedule, op by op or as a CUDA graph. */
+typedef struct fed_cfg {
+    const char* spec;
+    int stages, cnn, adamw, graph;
+    int64_t samples;   /* 320 (10 batches of 32) by default; 330 ends each epoch with 10 rows */
+} fed_cfg;
+
 typedef struct fed_run {
     mgpu_device_set* set;
     mgpu_model* m;
@@ -217,39 +224,59 @@ typedef struct fed_run {
     mgpu_loader* loader;
 } fed_run;
 
-static int fed_open(fed_run* f, const char* spec, int stages) {
-    mgpu_layer* layers[4];
+static int fed_open(fed_run* f, const fed_cfg* c) {
+    mgpu_layer* layers[8];
     mgpu_model_desc md;
     mgpu_optimizer_desc od;
     mgpu_loader_desc ld;
+    int n = 0;
     int64_t i;
     memset(f, 0, sizeof *f);
-    f->ds.count = 320;
-    f->ds.rows = 4;
-    f->ds.cols = 5;
-    f->ds.images = (uint8_t*)xmalloc((size_t)f->ds.count * 20);
+    f->ds.count = c->samples ? c->samples : 320;
+    f->ds.rows = 6;
+    f->ds.cols = 6;
+    f->ds.images = (uint8_t*)xmalloc((size_t)f->ds.count * 36);
     f->ds.labels = (uint8_t*)xmalloc((size_t)f->ds.count);
-    for (i = 0; i < f->ds.count * 20; ++i) f->ds.images[i] = (uint8_t)((i * 2654435761u) >> 24);
-    for (i = 0; i < f->ds.count; ++i) f->ds.labels[i] = (uint8_t)((i * 7 + f->ds.images[i * 20]) % 4);
-    f->set = mgpu_device_set_create(spec);
-    NEED(f->set, "%s: %s", spec, mgpu_last_error());
-    layers[0] = mgpu_layer_flatten();
-    layers[1] = mgpu_layer_linear(20, 16);
-    layers[2] = mgpu_layer_relu();
-    layers[3] = mgpu_layer_linear(16, 4);
+    for (i = 0; i < f->ds.count * 36; ++i) f->ds.images[i] = (uint8_t)((i * 2654435761u) >> 24);
+    for (i = 0; i < f->ds.count; ++i) f->ds.labels[i] = (uint8_t)((i * 7 + f->ds.images[i * 36]) % 4);
+    f->set = mgpu_device_set_create(c->spec);
+    NEED(f->set, "%s: %s", c->spec, mgpu_last_error());
+    if (c->cnn) {
+        layers[n++] = mgpu_layer_conv2d(1, 3, 3, 1, 1);
+        layers[n++] = mgpu_layer_relu();
+        layers[n++] = mgpu_layer_maxpool2d(2, 0);
+        layers[n++] = mgpu_layer_flatten();
+        layers[n++] = mgpu_layer_linear(27, 4);
+    } else {
+        layers[n++] = mgpu_layer_flatten();
+        layers[n++] = mgpu_layer_linear(36, 16);
+        layers[n++] = mgpu_layer_relu();
+        layers[n++] = mgpu_layer_linear(16, 4);
+    }
     memset(&md, 0, sizeof md);
-    md.input = mgpu_shape3(1, 4, 5);
+    md.input = mgpu_shape3(1, 6, 6);
     md.layers = layers;
-    md.layer_count = 4;
+    md.layer_count = n;
     md.devices = f->set;
-    md.stages = stages;
-    md.micro_batches = stages > 1 ? 2 : 1;
+    md.stages = c->stages;
+    md.micro_batches = c->stages > 1 ? 2 : 1;
     md.seed = 5;
+    md.allreduce = MGPU_ALLREDUCE_P2P;   /* (a graph does not hold NCCL across GPUs of one process) */
+    md.graph = c->graph;
     f->m = mgpu_model_create(&md);
-    NEED(f->m, "model on %s: %s", spec, mgpu_last_error());
+    NEED(f->m, "model on %s: %s", c->spec, mgpu_last_error());
     memset(&od, 0, sizeof od);
-    od.lr = 0.05f;
-    od.momentum = 0.9f;
+    if (c->adamw) {
+        od.kind = MGPU_ADAMW;
+        od.lr = 0.01f;
+        od.weight_decay = 0.01f;
+        od.schedule = MGPU_SCHEDULE_COSINE;   /* a new learning rate every step */
+        od.total_steps = 300;
+    } else {
+        od.lr = 0.05f;
+        od.momentum = 0.9f;
+        od.nesterov = 1;
+    }
     f->opt = mgpu_optimizer_create(f->m, &od);
     memset(&ld, 0, sizeof ld);
     ld.batch = 32;
@@ -300,12 +327,13 @@ static void stall_devices(mgpu_device_set* set, int ms) {
    stalled for 0.1 s every 10 steps): the staging buffers are refilled only after their copies
    have read them, so the parameters are those of the same steps run one at a time. */
 static int case_fed_steps(const char* spec, int stages) {
+    fed_cfg c = {spec, stages, 0, 0, 0, 0};
     fed_run a, b;
     float la = 0.0f, lb = 0.0f;
     int i;
     mgpu_emu_counters before, after;
     float *pa, *pb;
-    if (fed_open(&a, spec, stages) || fed_open(&b, spec, stages)) return 1;
+    if (fed_open(&a, &c) || fed_open(&b, &c)) return 1;
     NEED(mgpu_model_last_loss(a.m, &la) == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "no batch"),
          "last_loss before any step: %s", mgpu_last_error());
     for (i = 0; i < 2; ++i) if (fed_step(&a, NULL) || fed_step(&b, NULL)) return 1;   /* warm-up: every buffer made */
@@ -345,6 +373,77 @@ static int case_fed_steps(const char* spec, int stages) {
     return 0;
 }
 
+/* The first stage's parameters of two runs, bit for bit. */
+static int same_params(fed_run* a, fed_run* b, int stages, const char* what) {
+    int s;
+    for (s = 0; s < stages; ++s) {
+        mgpu_tensor *ta = mgpu_model_stage_params(a->m, 0, s), *tb = mgpu_model_stage_params(b->m, 0, s);
+        float* pa = (float*)xmalloc(mgpu_tensor_bytes(ta));
+        float* pb = (float*)xmalloc(mgpu_tensor_bytes(ta));
+        int same = mgpu_tensor_download(ta, pa, mgpu_tensor_bytes(ta)) == MGPU_OK &&
+                   mgpu_tensor_download(tb, pb, mgpu_tensor_bytes(tb)) == MGPU_OK && memcmp(pa, pb, mgpu_tensor_bytes(ta)) == 0;
+        free(pa);
+        free(pb);
+        NEED(same, "%s: stage %d's parameters differ (%s)", what, s, mgpu_last_error());
+    }
+    return 0;
+}
+
+/* A training step as a CUDA graph gives the bits of the eager step: 300 steps of each, the last
+   batch of every epoch smaller (its step runs eagerly, the graph is made again after), the loss
+   of every 10th step equal too. The graph is really used: most steps replay it, and a replayed
+   step asks the host for one graph launch, its input copies and the optimizer's numbers (one
+   copy per device each), and no kernel, GEMM or synchronisation. */
+static int case_graph_steps(const char* spec, int stages, int cnn, int adamw) {
+    fed_cfg c = {spec, stages, cnn, adamw, 0, 330};
+    fed_run a, b;
+    char what[160];
+    int i, parts, checked = 0;
+    float la, lb;
+    snprintf(what, sizeof what, "%s, %d stage%s, %s, %s", spec, stages, stages > 1 ? "s" : "", cnn ? "CNN" : "MLP",
+             adamw ? "AdamW, cosine" : "SGD, Nesterov");
+    if (fed_open(&a, &c)) return 1;
+    c.graph = 1;
+    if (fed_open(&b, &c)) return 1;
+    parts = mgpu_device_set_count(b.set);
+    for (i = 0; i < 300; ++i) {
+        const int read = i % 10 == 9;
+        mgpu_emu_counters before, after;
+        const int64_t replays = mgpu_model_graph_steps(b.m);
+        if (fed_step(&a, read ? &la : NULL)) return 1;
+        if (sync_all(b.set)) return 1;
+        mgpu_emu_get_counters(&before);
+        if (fed_step(&b, NULL)) return 1;
+        mgpu_emu_get_counters(&after);
+        if (mgpu_model_graph_steps(b.m) > replays && after.captures == before.captures) {
+            /* a replay of a graph captured before */
+            NEED(after.graph_launches - before.graph_launches == 1 && after.launches == before.launches &&
+                 after.gemms == before.gemms && after.syncs == before.syncs, "%s, step %d: %llu graph launches, %llu kernels, "
+                 "%llu GEMMs, %llu synchronisations", what, i, (unsigned long long)(after.graph_launches - before.graph_launches),
+                 (unsigned long long)(after.launches - before.launches), (unsigned long long)(after.gemms - before.gemms),
+                 (unsigned long long)(after.syncs - before.syncs));
+            NEED(after.copies_h2d - before.copies_h2d <= (uint64_t)(3 * parts), "%s: %llu copies from the host for %d devices",
+                 what, (unsigned long long)(after.copies_h2d - before.copies_h2d), parts);
+            NEED(after.copies_d2h == before.copies_d2h && after.copies_peer == before.copies_peer && after.copies_d2d == before.copies_d2d,
+                 "%s: device copies outside the graph", what);
+            checked++;
+        }
+        if (read) {
+            NEED(mgpu_model_last_loss(b.m, &lb) == MGPU_OK, "%s", mgpu_last_error());
+            NEED(la == lb, "%s, step %d: loss %.9g op by op, %.9g from the graph", what, i, (double)la, (double)lb);
+        }
+    }
+    NEED(mgpu_model_graph_steps(b.m) >= 200 && checked > 100, "%s: only %lld of 300 steps replayed a graph (%d checked)", what,
+         (long long)mgpu_model_graph_steps(b.m), checked);
+    NEED(mgpu_optimizer_step_count(a.opt) == mgpu_optimizer_step_count(b.opt) && mgpu_optimizer_lr(a.opt) == mgpu_optimizer_lr(b.opt),
+         "%s: the optimizers' step counts differ", what);
+    if (same_params(&a, &b, stages, what)) return 1;
+    NEED(mgpu_model_verify_replicas(b.m) == MGPU_OK, "%s: %s", what, mgpu_last_error());
+    fed_close(&a);
+    fed_close(&b);
+    return 0;
+}
+
 /* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
 static int case_no_gpu(void) {
     mgpu_device_set* set;
@@ -374,6 +473,11 @@ static int run_case(const char* name) {
     if (!strcmp(name, "fed steps: 1 gpu")) return case_fed_steps("cuda:0", 1);
     if (!strcmp(name, "fed steps: 4 gpus")) return case_fed_steps("cuda:0,1,2,3", 1);
     if (!strcmp(name, "fed steps: 2 x 2 pipeline")) return case_fed_steps("cuda:0,1,2,3", 2);
+    if (!strncmp(name, "graph: ", 7)) {   /* "graph: SPEC STAGES CNN ADAMW" */
+        char spec[64];
+        int stages, cnn, adamw;
+        if (sscanf(name + 7, "%63s %d %d %d", spec, &stages, &cnn, &adamw) == 4) return case_graph_steps(spec, stages, cnn, adamw);
+    }
     if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     fprintf(stderr, "unknown case %s\n", name);
