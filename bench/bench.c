@@ -53,6 +53,7 @@ static void fail(const char* what) {
 /* ---- training steps: median seconds per step, peak memory, device allocations per step ---- */
 /* the pipeline layout of the models make_model makes (0: one stage) */
 static int pipe_stages, pipe_micro;
+static int use_graph;   /* desc.graph of the models made */
 static mgpu_pipeline_schedule pipe_schedule;
 
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
@@ -64,6 +65,7 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     d.stages = pipe_stages;
     d.micro_batches = pipe_micro;
     d.schedule = pipe_schedule;
+    d.graph = use_graph;
     d.seed = 1;
     d.layers = layers;
     if (!strcmp(name, "mlp784")) {
@@ -594,51 +596,77 @@ static void bench_pipeline(const char* model_name, const char* one, const char* 
 
 #ifdef MGPU_BENCH_EMU
 #include "emu.h"
-/* Per step, after two warm-up steps; the replicas are synchronised before each reading, and those
-   synchronisations are not counted. */
-static void emu_counts(const char* model_name, const char* spec, const char* allreduce, int batch, int steps) {
+/* What one training step asks of the GPUs, counted by the emulator: batches from the CPU (as a
+   loader gives them), the loss read every 10th step (as build/train reads it: that read is the
+   one synchronisation left, so counted apart), op by op or as a CUDA graph. Per step, after a
+   warm-up of 3 steps; the devices are synchronised before each step and that is not counted. */
+static void emu_counts(const char* model_name, const char* spec, const char* allreduce, int batch, int graph) {
     training tr;
-    mgpu_emu_counters a, b;
+    mgpu_tensor *x, *y;
+    mgpu_emu_counters a, b, s = {0};
+    const int steps = 10;
     int i, r, replicas;
+    float loss;
     if (allreduce) setenv("MGPU_ALLREDUCE", allreduce, 1);
+    use_graph = graph;
     tr = training_create(model_name, spec, batch, 0);
+    x = mgpu_tensor_to(tr.x, mgpu_device_cpu());
+    y = mgpu_tensor_to(tr.y, mgpu_device_cpu());
+    if (!x || !y) fail(spec);
     replicas = mgpu_model_replica_count(tr.m);
-    for (i = 0; i < 2; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(spec);
-    for (r = 0; r < replicas; ++r) if (mgpu_device_synchronize(mgpu_model_device(tr.m, r))) fail(spec);
+    for (i = 0; i < 3; ++i) if (mgpu_model_train_step(tr.m, tr.opt, x, y, NULL)) fail(spec);
+    for (i = 0; i < steps; ++i) {
+        for (r = 0; r < mgpu_device_set_count(tr.set); ++r) if (mgpu_device_synchronize(mgpu_device_set_get(tr.set, r))) fail(spec);
+        mgpu_emu_get_counters(&a);
+        if (mgpu_model_train_step(tr.m, tr.opt, x, y, NULL)) fail(spec);
+        mgpu_emu_get_counters(&b);
+#define EMU_ADD(f) s.f += b.f - a.f;
+        EMU_ADD(launches) EMU_ADD(gemms) EMU_ADD(syncs) EMU_ADD(allocs) EMU_ADD(copies_h2d) EMU_ADD(copies_d2h)
+        EMU_ADD(copies_peer) EMU_ADD(event_records) EMU_ADD(event_waits) EMU_ADD(set_device) EMU_ADD(get_device)
+        EMU_ADD(graph_launches) EMU_ADD(collectives)
+#undef EMU_ADD
+    }
     mgpu_emu_get_counters(&a);
-    for (i = 0; i < steps; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(spec);
-    for (r = 0; r < replicas; ++r) if (mgpu_device_synchronize(mgpu_model_device(tr.m, r))) fail(spec);
+    if (mgpu_model_last_loss(tr.m, &loss)) fail(spec);
     mgpu_emu_get_counters(&b);
     char layout[48] = "";
-    if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d stages, %d micro-batches", pipe_stages, pipe_micro);
-    printf("| %s b%d%s | %s | %s | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.1f |\n", model_name, batch, layout, spec,
-           mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)), (double)(b.launches - a.launches) / steps,
-           (double)(b.syncs - a.syncs - (uint64_t)replicas) / steps, (double)(b.allocs - a.allocs) / steps,
-           (double)(b.h2d_bytes - a.h2d_bytes) / steps, (double)(b.d2h_bytes - a.d2h_bytes) / steps,
-           (double)(b.peer_bytes - a.peer_bytes) / steps, (double)(b.collectives - a.collectives) / steps);
+    if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d x %d stages", replicas, pipe_stages);
+    printf("| %s b%d%s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %.1f/%.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %llu |\n",
+           model_name, batch, layout, spec, mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)),
+           mgpu_model_graph_steps(tr.m) ? "graph" : "eager", (double)s.graph_launches / steps,
+           (double)(s.launches - s.gemms) / steps, (double)s.gemms / steps, (double)s.copies_h2d / steps,
+           (double)s.copies_d2h / steps, (double)s.copies_peer / steps, (double)s.event_records / steps,
+           (double)s.event_waits / steps, (double)s.syncs / steps, (double)s.allocs / steps, (double)s.set_device / steps,
+           (double)s.get_device / steps, (double)s.collectives / steps, (unsigned long long)(b.syncs - a.syncs));
     fflush(stdout);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
     training_destroy(&tr);
+    use_graph = 0;
     if (allreduce) unsetenv("MGPU_ALLREDUCE");
 }
 
 static int bench_emu(void) {
-    printf("One training step on emulated GPUs (MGPU_EMU_DEVICES=%s), per step: kernel launches (cuBLAS GEMMs\n"
-           "included), host-device synchronisations, device allocations, bytes host-to-device, device-to-host\n"
-           "and between GPUs, NCCL all-reduce calls.\n\n", getenv("MGPU_EMU_DEVICES") ? getenv("MGPU_EMU_DEVICES") : "1");
-    printf("| model | devices | all-reduce | launches | syncs | allocs | H2D bytes | D2H bytes | peer bytes | NCCL calls |\n");
-    printf("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
-    emu_counts("mlp784", "cuda:0", NULL, 64, 5);
-    emu_counts("mlp784", "cuda:0,1,2,3", "nccl", 64, 5);
-    emu_counts("mlp784", "cuda:0,1,2,3", "p2p", 64, 5);
-    emu_counts("cnn", "cuda:0", NULL, 128, 2);
-    emu_counts("cnn", "cuda:0,1,2,3", "nccl", 128, 2);
-    emu_counts("cnn", "cuda:0,1,2,3", "p2p", 128, 2);
-    pipe_stages = 2; pipe_micro = 4;   /* pipelines: the copies between stages are the peer bytes */
-    emu_counts("mlp784", "cuda:0,1", NULL, 64, 5);
-    emu_counts("cnn", "cuda:0,1", NULL, 128, 2);
-    pipe_stages = 4; pipe_micro = 8;
-    emu_counts("cnn", "cuda:0,1,2,3", NULL, 128, 2);
-    pipe_stages = pipe_micro = 0;
+    static const char* models[] = {"mlp784", "cnn"};
+    int mi, graph;
+    printf("One training step on emulated GPUs (MGPU_EMU_DEVICES=%s), batches from the CPU, per step: graph\n"
+           "launches, kernel launches, cuBLAS GEMMs, copies host-to-device/device-to-host, peer copies, event\n"
+           "records/waits, host synchronisations, device allocations, cudaSetDevice/cudaGetDevice calls, NCCL\n"
+           "all-reduce calls; and the synchronisations of the loss read after them (build/train reads it once\n"
+           "per progress line).\n\n", getenv("MGPU_EMU_DEVICES") ? getenv("MGPU_EMU_DEVICES") : "1");
+    printf("| model | devices | all-reduce | step | graph launches | kernels | GEMMs | H2D/D2H copies | peer copies | "
+           "event record/wait | host syncs | allocs | cudaSetDevice/GetDevice | NCCL calls | loss read syncs |\n");
+    printf("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    for (mi = 0; mi < 2; ++mi)
+        for (graph = 0; graph < 2; ++graph) {
+            const int batch = mi ? 128 : 64;
+            emu_counts(models[mi], "cuda:0", NULL, batch, graph);
+            emu_counts(models[mi], "cuda:0,1,2,3", "nccl", batch, graph);
+            emu_counts(models[mi], "cuda:0,1,2,3", "p2p", batch, graph);
+            pipe_stages = 2; pipe_micro = 4;   /* 2 x 2: the copies between stages are peer copies */
+            emu_counts(models[mi], "cuda:0,1,2,3", "p2p", batch, graph);
+            pipe_stages = pipe_micro = 0;
+        }
     return 0;
 }
 #endif

@@ -615,5 +615,15 @@ int main(int argc, char** argv) {
     expect_ok("fed steps: 2 x 2 pipeline", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=4 " NO_NCCL);
     if (lib) expect_ok("fed steps: 4 gpus", nccl);
     else SKIP("fed steps through the emulated NCCL: MGPU_EMU_NCCL is not set");
+    header("a training step as a CUDA graph: the eager step's bits, one launch");
+    /* "graph: SPEC STAGES CNN ADAMW" */
+    expect_ok("graph: cuda:0 1 0 0", "MGPU_EMU_DEVICES=1");
+    expect_ok("graph: cuda:0 1 0 1", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=5");
+    expect_ok("graph: cuda:0 1 1 1", "MGPU_EMU_DEVICES=1");
+    expect_ok("graph: cuda:0,1,2,3 1 0 1", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=6 " NO_NCCL);
+    expect_ok("graph: cuda:0,1,2,3 1 1 0", "MGPU_EMU_DEVICES=4 " NO_NCCL);
+    expect_ok("graph: cuda:0,1,2,3 1 0 0", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
+    expect_ok("graph: cuda:0,1,2,3 2 0 0", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=7 " NO_NCCL);
+    expect_ok("graph: cuda:0,1,2,3 2 1 1", "MGPU_EMU_DEVICES=4 " NO_NCCL);
     return test_summary("test_emu");
 }
