@@ -165,7 +165,9 @@
      a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
      cannot be used in a child forked after it started.)
    - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
-     set your own device again before your own CUDA calls.
+     set your own device again before your own CUDA calls. Inside a training step (train_step,
+     accumulate, apply) the library trusts the device it made current last, so a custom layer's
+     own CUDA code that changes the device sets it back before it returns.
 
    ---------------------------------------------------------------------------------------------
    DOES NOT (yet)
@@ -179,7 +181,9 @@
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
      pipeline: those sum after backward, after the ranks' vote. (GPUs with NCCL across the job
      and one stage overlap their buckets' sums with backward, as in one process.)
-   - strided tensors, more than 4 dimensions, CUDA graphs, GPUs other than NVIDIA's.
+   - strided tensors, more than 4 dimensions, GPUs other than NVIDIA's.
+   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, or
+     for mgpu_model_accumulate and mgpu_model_apply: those steps run eagerly.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
@@ -500,6 +504,9 @@ typedef struct mgpu_layer_ctx {
     uint64_t seed, offset;       /* a fresh random stream for this layer and step */
     int64_t first_row;           /* this replica's first sample in the whole batch: draw random
                                     numbers by sample, and N replicas match one device */
+    const uint64_t* seed_on_device;   /* NULL, or (while a step is captured as a CUDA graph) where
+                                    the device holds `seed` at each replay of it: a GPU kernel
+                                    that draws from seed reads it there (the built-in Dropout) */
 } mgpu_layer_ctx;
 
 typedef struct mgpu_layer_vtable {
@@ -669,7 +676,8 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
      distributed    0: this process only          1: one job over every process of mgpu_dist_init
                                                   (every rank creates it, collectively)
      graph          0: every step queued op by op 1: a training step on GPUs captured once as a
-                                                  CUDA graph and replayed with one launch (>>train)
+                                                  CUDA graph and replayed with one launch (>>train);
+                                                  its AUTO all-reduce is P2P, which a graph holds
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -808,7 +816,19 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
    On GPUs a step only queues work and returns: rows from the CPU go up through pinned staging
    buffers (see mgpu_tensor_copy), and with loss NULL nothing waits for a GPU, so the host
    prepares the next batch while the GPUs run this one. Read the loss when it is wanted, for
-   the last step only (mgpu_model_last_loss), e.g. once per progress line. */
+   the last step only (mgpu_model_last_loss), e.g. once per progress line.
+
+   With desc.graph, a step on GPUs is one CUDA graph launch (torch.cuda.graph's idea, without
+   the code around it): the first step of a batch shape runs op by op and makes every buffer,
+   the second is captured (zeroing, forward, loss, backward, the bucketed all-reduce, the update)
+   and each later one replays it; the batch's rows, the optimizer's numbers of the step (the
+   schedule's learning rate, AdamW's bias corrections) and Dropout's key are copied in before the
+   launch. A replay gives the bits of the eager step. Steps that a graph cannot hold run eagerly,
+   saying why once: another batch shape than the last (the graph is made again for it), tracing,
+   a custom layer, NCCL across the GPUs of this process (NCCL warns that capturing it may
+   deadlock; with desc.graph an AUTO all-reduce is P2P), the host-staged all-reduce, CPU devices,
+   a distributed model, or a capture that failed. Gradient accumulation (accumulate, apply) runs
+   eagerly. */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
 /* The mean loss of the last batch given to mgpu_model_train_step or mgpu_model_accumulate, read
@@ -1248,8 +1268,8 @@ int mgpu__cu_count_correct(int dev, void* stream, int rows, int cols, const floa
 
 /* layers */
 /* y = x * mask, mask[i] = mgpu__dropout_scale(seed, offset, first + i, p) */
-int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, uint64_t first, float p,
-                     const float* x, float* y, float* mask);
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, const uint64_t* seed_on_device, uint64_t offset,
+                     uint64_t first, float p, const float* x, float* y, float* mask);
 /* cols [n*oh*ow, c*kh*kw]: row (img, oy, ox), column (ch, ky, kx); zero where the window is in
    the padding. col2im is its adjoint: dx (overwritten) gathers every column entry that reads it. */
 int mgpu__cu_im2col(int dev, void* stream, const mgpu__window* g, const float* x, float* cols);
@@ -3793,7 +3813,7 @@ static void mgpu__dropout_range(void* ctx, int64_t begin, int64_t end) {
 /* Element i of x draws as element first + i of a larger tensor: a slice of a batch draws what the
    whole batch would have drawn for those elements. */
 static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p, uint64_t seed,
-                                 uint64_t offset, uint64_t first) {
+                                 const uint64_t* seed_on_device, uint64_t offset, uint64_t first) {
     static const char* op = "mgpu_dropout";
     mgpu__dropout_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
@@ -3801,7 +3821,7 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
     if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, offset,
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, seed_on_device, offset,
                                                     first, p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
         return MGPU_OK;
     }
@@ -3812,7 +3832,7 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
 }
 MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
                                  uint64_t seed, uint64_t offset) {
-    return mgpu__dropout(out, mask, x, p, seed, offset, 0);
+    return mgpu__dropout(out, mask, x, p, seed, NULL, offset, 0);
 }
 
 /* -- internal ops of the convolution and pooling layers (the layer checks the shapes) -- */
@@ -4329,8 +4349,8 @@ struct mgpu_layer {
     void* user;
     mgpu__layer_cfg cfg;
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
-    int graph_safe;            /* a built-in whose work is the same at every step (no random key
-                                  of the step on the host): a CUDA graph may capture it */
+    int graph_safe;            /* a built-in, whose work a CUDA graph may capture (what changes
+                                  from step to step, Dropout's key, it reads on the device) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -4497,7 +4517,7 @@ static mgpu_result mgpu__same_shape_aux(const mgpu_layer* l, int i, mgpu_shape x
 static mgpu_result mgpu__dropout_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     if (!ctx->training || l->cfg.p == 0.0f) return mgpu_tensor_copy(y, x);
     /* by sample: the mask of row r is the same whichever replica holds it */
-    return mgpu__dropout(y, ctx->aux[0], x, l->cfg.p, ctx->seed, ctx->offset,
+    return mgpu__dropout(y, ctx->aux[0], x, l->cfg.p, ctx->seed, ctx->seed_on_device, ctx->offset,
                          (uint64_t)ctx->first_row * (uint64_t)(mgpu_tensor_numel(x) / MGPU__MAX(x->shape.dim[0], 1)));
 }
 static mgpu_result mgpu__dropout_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
@@ -4514,16 +4534,13 @@ static const mgpu_layer_vtable mgpu__dropout_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     mgpu__layer_cfg cfg;
-    mgpu_layer* l;
     if (!(p >= 0.0f && p < 1.0f)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout: p = %g, want 0 <= p < 1", (double)p);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.p = p;
-    l = mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
-    if (l) l->graph_safe = 0;   /* its key changes every step (on the host, for now) */
-    return l;
+    return mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
 }
 
 /* -- Flatten: [N, ...] -> [N, rest] -- */
@@ -5537,6 +5554,7 @@ typedef struct mgpu__part {
     int slot_count;
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
                                            stage) or the target (last stage) lives elsewhere */
+    mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
     mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M], and
                                            an evaluation's in [M] (so it never overwrites a step's) */
     int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
@@ -5582,6 +5600,7 @@ struct mgpu_model {
     int graph_warm;                     /* eager steps of those shapes (the first makes every buffer) */
     void** graph_events;                /* per part, 4: capture fork, capture join, before a launch, after */
     int64_t graph_steps;                /* steps replayed from the graph */
+    int capturing;                      /* a step is being captured: Dropout reads its key on the device */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -5659,6 +5678,9 @@ static mgpu_result mgpu__layer_output(const mgpu_model* m, int i, mgpu_shape x, 
     return l->vt->output_shape(l, x, y);
 }
 
+static uint64_t mgpu__step_seed(const mgpu_model* m, const mgpu__part* p) {
+    return mgpu__mix(m->seed ^ mgpu__mix(m->dropout_step) ^ (uint64_t)p->stream_salt);
+}
 static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const mgpu__slot* sl, int i, int training,
                                 mgpu_layer_ctx* ctx) {
     ctx->device = p->dev;
@@ -5669,7 +5691,8 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
     /* every step a new key; within it, every layer its own counter range, rows within it by
        first_row; a loop of your own (mgpu_model_forward) salts each replica's stream: it does
        not say which rows a replica holds */
-    ctx->seed = mgpu__mix(m->seed ^ mgpu__mix(m->dropout_step) ^ (uint64_t)p->stream_salt);
+    ctx->seed = mgpu__step_seed(m, p);
+    ctx->seed_on_device = m->capturing && p->step_seed ? (const uint64_t*)mgpu_tensor_data(p->step_seed) : NULL;
     ctx->offset = (uint64_t)i << 40;
     ctx->first_row = sl->first_row;
 }
@@ -5895,7 +5918,7 @@ static void mgpu__model_free(mgpu_model* m) {
         for (j = 0; p->events && j < 2 * m->micro_batches; ++j)
             if (p->events[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->events[j]));
         mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
-        mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses);
+        mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->step_seed);
         MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events);
     }
     mgpu__graph_drop(m);
@@ -6156,6 +6179,9 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
     if (!m->ar || !m->task_error) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
     /* a job's GPUs sum across processes through these too (mgpu__model_join), one replica or more */
     const int across = desc->distributed && mgpu__dist.size > 1 && m->part[0].dev->kind == MGPU_DEVICE_CUDA;
+    /* a graph holds the P2P all-reduce, not NCCL across the GPUs of one process: what AUTO means then */
+    const mgpu_allreduce_kind kind = desc->graph && desc->allreduce == MGPU_ALLREDUCE_AUTO && !getenv("MGPU_ALLREDUCE") && !across &&
+                                     m->part[0].dev->kind == MGPU_DEVICE_CUDA ? MGPU_ALLREDUCE_P2P : desc->allreduce;
     for (s = 0; s < m->stage_count && (m->replica_count > 1 || across); ++s) {
         mgpu_device* devs[MGPU__MAX_REPLICAS];
         mgpu_device_set copies;   /* the stage's copies, a set of the library's own (counted in desc->devices) */
@@ -6163,7 +6189,7 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
         for (r = 0; r < m->replica_count; ++r) devs[r] = mgpu__part_of(m, r, s)->dev;
         copies.count = m->replica_count;
         copies.devices = devs;
-        m->ar[s] = mgpu__allreduce_create(&copies, desc->allreduce, deterministic);
+        m->ar[s] = mgpu__allreduce_create(&copies, kind, deterministic);
         if (!m->ar[s]) return mgpu_last_result();
     }
     if (m->replica_count > 1 || across) MGPU__TRY(mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)));
@@ -7516,13 +7542,14 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    captured as a CUDA graph and every later one replays it with one launch. What changes from step
    to step stays out of the graph or is read from device memory: the batch's rows are uploaded
    into the model's input buffers before the launch, and the optimizer's numbers (the schedule's
-   learning rate, AdamW's bias corrections) too (mgpu__optimizer_prepare). The graph holds the
+   learning rate, AdamW's bias corrections: mgpu__optimizer_prepare), and Dropout's key of the
+   step (which its kernel then reads there: mgpu_layer_ctx.seed_on_device). The graph holds the
    zeroed gradients, forward, loss, backward, the bucketed all-reduce on the communication streams
    with its events, and the update; a temporary the capture used keeps its memory for the graph
    (the allocator's `held`). Steps run eagerly, giving the same bits, where a graph cannot be
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
-   devices or of several processes, Dropout or a custom layer (work that changes from step to step
-   on the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
+   devices or of several processes, a custom layer (whose work may change from step to step on
+   the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
    deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce; a capture that
    fails (something in it waited for the host or allocated) falls back to eager steps for good. */
 static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
@@ -7580,12 +7607,14 @@ static mgpu_result mgpu__graph_capture(mgpu_model* m, mgpu_optimizer* opt, mgpu_
     int i, rc;
     MGPU__CU(op, first->dev, mgpu__cu_capture_begin(first->dev->ordinal, first->dev->stream));
     for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 1;
+    m->capturing = 1;
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, first, 0, &m->part[i]);
     if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
     if (r == MGPU_OK) r = mgpu__run_batch_streams(b, 1);                                            /* 3, 4 */
     if (r == MGPU_OK) r = mgpu__optimizer_step(opt);                                                /* 5 */
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, &m->part[i], 1, first);
     for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 0;
+    m->capturing = 0;
     rc = MGPU__CUDA(mgpu__cu_capture_end(first->dev->ordinal, first->dev->stream, &m->graph_exec));
     if (r == MGPU_OK && rc != 0) r = mgpu__cu_result(rc, op, first->dev);
     if (r != MGPU_OK) mgpu__graph_drop(m);
@@ -7601,7 +7630,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     mgpu__step_state before;
     mgpu__batch b;
     mgpu__part* first = &m->part[0];
-    int i;
+    int i, j, dropout;
     *eager = 1;
     if (!mgpu__graph_possible(m, why, sizeof why)) {
         mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: %s", op, why);
@@ -7616,6 +7645,10 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         m->graph_opt = opt;
         m->graph_warm = 0;
     }
+    for (i = 0; i < m->layer_count && m->layers[i]->vt != &mgpu__dropout_vt; ++i) {}
+    dropout = i < m->layer_count;
+    for (j = 0; dropout && j < m->part_count; ++j)   /* made before the warm-up step, so that its temporaries follow */
+        MGPU__TRY(mgpu__ensure(&m->part[j].step_seed, m->part[j].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));
     if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
     m->grads_reduced = 0;   /* as mgpu_model_zero_grad leaves them: the graph zeroes them on the devices */
     m->rows_in_step = 0;
@@ -7626,9 +7659,16 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         for (i = 0; i < 4 * m->part_count; ++i)
             MGPU__CU(op, m->part[i / 4].dev, mgpu__cu_event_create(m->part[i / 4].dev->ordinal, &m->graph_events[i]));
     }
-    /* outside the graph: this update's numbers and the batch's rows, into the buffers it reads */
+    /* outside the graph: this update's numbers, the step's Dropout key and the batch's rows, into
+       the buffers it reads */
     MGPU__TRY(mgpu__optimizer_prepare(opt));
-    for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
+    for (j = 0; j < m->part_count; ++j) {
+        mgpu__part* p = &m->part[j];
+        uint64_t key;
+        p->stream_salt = 0;
+        key = mgpu__step_seed(m, p);
+        if (dropout) MGPU__TRY(mgpu__upload_async(p->dev, mgpu_tensor_data(p->step_seed), &key, sizeof key, op));
+    }
     b.m = m;
     b.op = op;
     b.batch_total = x->shape.dim[0];

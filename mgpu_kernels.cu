@@ -1096,15 +1096,17 @@ struct maxpool_backward_op {
 
 struct dropout_op {
     uint64_t seed, offset, first;   // element i draws as element first + i (a slice of a batch)
+    const uint64_t* seed_at;        // non-NULL: the seed is there (a CUDA graph's replay: each step's own)
     float p;
     const float* x;
     float* y;
     float* mask;
     template <int V> __device__ float apply(size_t i) const {
+        const uint64_t key = seed_at ? *seed_at : seed;
         pack<float, V> v = load<V>(x, i), m;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            m.v[k] = mgpu__dropout_scale(seed, offset, first + i + k, p);
+            m.v[k] = mgpu__dropout_scale(key, offset, first + i + k, p);
             v.v[k] *= m.v[k];
         }
         store<V>(y, i, v);
@@ -1113,10 +1115,11 @@ struct dropout_op {
     }
 };
 
-int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, uint64_t offset, uint64_t first, float p,
-                     const float* x, float* y, float* mask) {
+int mgpu__cu_dropout(int dev, void* stream, size_t n, uint64_t seed, const uint64_t* seed_on_device, uint64_t offset,
+                     uint64_t first, float p, const float* x, float* y, float* mask) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "dropout", n, dropout_op{seed, offset, first, p, x, y, mask}, vec4_ok(x, y, mask));
+    return launch_map(dev, stream, "dropout", n, dropout_op{seed, offset, first, seed_on_device, p, x, y, mask},
+                      vec4_ok(x, y, mask));
 }
 
 static int64_t window_inputs(const mgpu__window* g) { return (int64_t)g->n * g->c * g->h * g->w; }

@@ -38,7 +38,7 @@ typedef struct options {
     const char* trace;       /* a Chrome trace of three steps */
     int stages, micro_batches, split_at[64];
     float dropout;
-    int epochs, batch, quiet;
+    int epochs, batch, quiet, graph;
     int64_t max_steps;
     float lr, momentum, weight_decay;
     unsigned long long seed;
@@ -68,6 +68,8 @@ static void usage(FILE* f) {
             "  --trace FILE.json   a trace of three steps (the 6th to the 8th, or the first ones of a short run) in\n"
             "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing\n"
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
+            "  --graph             on GPUs, each step as one CUDA graph launch after the first of its batch shape\n"
+            "                      (same results; steps a graph cannot hold run op by op, saying why once)\n"
             "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch, with the\n"
             "                      input normalisation in its metadata (input.mean, input.std)\n"
             "  --load FILE         resume from a checkpoint written by --save (or a PyTorch state_dict)\n"
@@ -161,6 +163,7 @@ static int parse_args(int argc, char** argv, options* o) {
         for (k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(a, valued[k]);
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--quiet")) { o->quiet = 1; takes = 0; }
+        else if (!strcmp(a, "--graph")) { o->graph = 1; takes = 0; }
         else if (!known) { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         else if (!strcmp(a, "--data")) o->data = v;
@@ -258,7 +261,8 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
                           .verify_every = getenv("MGPU_VERIFY_EVERY") ? atoi(getenv("MGPU_VERIFY_EVERY")) : 0,
                           .stages = o->stages, .split = o->split ? o->split_at : NULL, .micro_batches = o->micro_batches,
                           .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B,
-                          .distributed = 1 /* every process of an MPI job; one process without one */ };
+                          .distributed = 1 /* every process of an MPI job; one process without one */,
+                          .graph = o->graph };
     const int drop = o->dropout > 0;
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[5];
@@ -490,6 +494,7 @@ int main(int argc, char** argv) {
                mgpu_model_micro_batches(model), mgpu_allreduce_name(mgpu_model_allreduce_backend(model)),
                o.optimizer, o.batch, o.epochs, (long long)steps,
                (double)loss, (double)test_loss, (double)test_acc, train_seconds > 0 ? samples / train_seconds : 0.0, mgpu_seconds() - start);
+    if (rank == 0 && o.graph) printf("graph_steps=%lld\n", (long long)mgpu_model_graph_steps(model));
     status = 0;
 done:
     /* one destroy per create, in reverse order; each takes NULL */

@@ -10,6 +10,8 @@
 #     GEMM's float chains against the emulated cuBLAS's sums in double; the ring's rotation of
 #     the replicas against replica order), and that one decision outweighs the rest (at most
 #     4.2e-6). The ring run agrees with the CPU run to 1.4e-5.
+#   - with --graph (steps replayed from a CUDA graph), on cuda:0 and on 4 GPUs (P2P ring): the
+#     bits of the eager run of the same layout, most steps from the graph.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
 # EMU_TRAIN_MODEL change the steps, the tolerances and the model. Skips without Fashion-MNIST.
 b=${1:-build}
@@ -60,6 +62,26 @@ for run in "cuda:0 - - none" \
         fi
     else
         failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/gpu.txt" | sed 's/^/       /'
+    fi
+done
+# --graph: each step replayed from a CUDA graph after the first, the same bits as the eager run
+# of the same layout (P2P: a graph does not hold NCCL across GPUs of one process)
+for run in "cuda:0 -" "cuda:0,1,2,3 ring"; do
+    set -- $run
+    env="MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so MGPU_VERIFY_EVERY=1 MGPU_ALLREDUCE=p2p"
+    [ "$2" != - ] && env="$env MGPU_P2P=$2"
+    what="train_emu --graph --devices $1 ($env)"
+    if env $env "$b/train_emu" $args --devices "$1" --save "$tmp/eager.safetensors" > "$tmp/eager.txt" 2>&1 &&
+       env $env "$b/train_emu" $args --devices "$1" --graph --save "$tmp/graph.safetensors" > "$tmp/graph.txt" 2>&1; then
+        diff=$("$b/emu/ckpt_diff" "$tmp/graph.safetensors" "$tmp/eager.safetensors" 0 2>&1); rc=$?
+        graphed=$(sed -n 's/^graph_steps=//p' "$tmp/graph.txt")
+        if [ $rc -eq 0 ] && [ "${graphed:-0}" -ge $((steps - 10)) ]; then
+            passed=$((passed + 1)); echo "  ok   $what: $graphed of $steps steps from the graph, $diff"
+        else
+            failed=$((failed + 1)); echo "  FAIL $what: ${graphed:-no} graph steps; against the eager run: $diff"
+        fi
+    else
+        failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/graph.txt" | sed 's/^/       /'
     fi
 done
 echo "$passed passed, $failed failed, $skipped skipped"
