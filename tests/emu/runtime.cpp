@@ -1184,15 +1184,15 @@ EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     return cudaSuccess;
 }
 
-// recorded last in a capture still under way
-static bool captured_event(cudaEvent_t e) {
+// the capture still under way in which e was recorded last, if any
+static std::shared_ptr<capture_state> capture_of(cudaEvent_t e) {
     std::lock_guard<std::mutex> lock(g_cap_mu);
-    return e->cap && !e->cap->ended;
+    return e->cap && !e->cap->ended ? e->cap : nullptr;
 }
 
 EMU_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
-    if (captured_event(event)) return fail(cudaErrorCapturedEvent);
+    if (capture_of(event)) return fail(cudaErrorCapturedEvent);
     std::lock_guard<std::mutex> lock(event->mu);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1244,12 +1244,10 @@ EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t even
 
 EMU_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
-    {   // its record is no work that will run: the capture is invalidated
+    if (std::shared_ptr<capture_state> c = capture_of(event)) {   // its record is no work that will run
         std::lock_guard<std::mutex> lock(g_cap_mu);
-        if (event->cap && !event->cap->ended) {
-            event->cap->invalidated = true;
-            return fail(cudaErrorStreamCaptureUnsupported);
-        }
+        c->invalidated = true;
+        return fail(cudaErrorStreamCaptureUnsupported);
     }
     uint64_t target;
     {
