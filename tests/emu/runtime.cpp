@@ -12,6 +12,21 @@
      semantics (a wait is for the event's latest record at the time of the call). Not emulated:
      the legacy default stream's implicit synchronisation with blocking streams (mgpu creates
      only non-blocking ones).
+   - Graphs: stream capture in the three modes, as CUDA documents it. Work queued on a capturing
+     stream (kernels, GEMMs, copies, memsets, the fake NCCL's calls) becomes a node that depends on
+     the stream's previous node; an event recorded in the capture marks a position, and a stream
+     that waits on it joins the capture (any device's). EndCapture checks that every stream was
+     joined back into the origin. What a capture forbids fails with CUDA's error and invalidates it:
+     synchronizing the stream or a captured event, a copy to or from pageable memory, a wait on
+     work outside the capture, and cudaMalloc/cudaFree/cudaHostAlloc/cudaFreeHost/
+     cudaDeviceSynchronize during a global capture or one of the thread's own (not relaxed).
+     cudaGraphLaunch runs the nodes on one stream per captured stream, made at instantiate, each
+     node after those it depends on (chaos delays them as other work, so a missing edge shows);
+     the launch stream's later work, and the exec's next launch, come after all of them.
+     Destroying a graph or exec while a launch runs is safe. Not emulated: graphs built or edited
+     node by node (cudaGraphAdd*, cudaGraphExecUpdate), a graph launched inside a capture (refused
+     as unsupported), the legacy stream in a capture (refused), event record nodes, conditional
+     nodes, and the cost model (a replay is as slow as the eager work).
    - Kernels: the blocks of a launch run one after another on the stream's worker; the threads of
      a block run as fibers (a small hand-written context switch) that switch only at __syncthreads
      and the shuffles. The warps leave each barrier in a pseudo-random order, and a warp whose
@@ -28,7 +43,8 @@
    - A misuse the real GPU would not report reliably (an operand outside any allocation, a pointer
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
      seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
-   - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. */
+   - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. They count the host's calls: the
+     nodes a graph launch replays count nothing. */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
 #include "emu.h"
@@ -1168,15 +1184,15 @@ EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     return cudaSuccess;
 }
 
-// recorded last in a capture still under way
-static bool captured_event(cudaEvent_t e) {
+// the capture still under way in which e was recorded last, if any
+static std::shared_ptr<capture_state> capture_of(cudaEvent_t e) {
     std::lock_guard<std::mutex> lock(g_cap_mu);
-    return e->cap && !e->cap->ended;
+    return e->cap && !e->cap->ended ? e->cap : nullptr;
 }
 
 EMU_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
-    if (captured_event(event)) return fail(cudaErrorCapturedEvent);
+    if (capture_of(event)) return fail(cudaErrorCapturedEvent);
     std::lock_guard<std::mutex> lock(event->mu);
     return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
 }
@@ -1228,12 +1244,10 @@ EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t even
 
 EMU_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
-    {   // its record is no work that will run: the capture is invalidated
+    if (std::shared_ptr<capture_state> c = capture_of(event)) {   // its record is no work that will run
         std::lock_guard<std::mutex> lock(g_cap_mu);
-        if (event->cap && !event->cap->ended) {
-            event->cap->invalidated = true;
-            return fail(cudaErrorStreamCaptureUnsupported);
-        }
+        c->invalidated = true;
+        return fail(cudaErrorStreamCaptureUnsupported);
     }
     uint64_t target;
     {
