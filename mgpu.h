@@ -5601,6 +5601,7 @@ struct mgpu_model {
     void** graph_events;                /* per part, 4: capture fork, capture join, before a launch, after */
     int64_t graph_steps;                /* steps replayed from the graph */
     int capturing;                      /* a step is being captured: Dropout reads its key on the device */
+    uint64_t graph_buffers;             /* where the buffers the graph works in were at its capture */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -7589,6 +7590,38 @@ static void mgpu__step_state_load(mgpu_model* m, mgpu_optimizer* opt, const mgpu
     m->grads_reduced = st->grads_reduced;
 }
 
+/* A fingerprint of where every buffer a step works in lives, and its size: a graph replays on
+   the buffers of its capture, so anything that moved one since (mgpu_model_evaluate or a loop of
+   your own on another batch shape resizes them) means it must be made again. */
+static void mgpu__hash_tensor(uint64_t* h, const mgpu_tensor* t) {
+    *h = mgpu__mix(*h ^ (t ? (uint64_t)(uintptr_t)mgpu_tensor_data(t) : 0));
+    *h = mgpu__mix(*h ^ (t ? (uint64_t)mgpu_tensor_bytes(t) : 0));
+}
+static uint64_t mgpu__graph_buffers(const mgpu_model* m) {
+    uint64_t h = 0;
+    int i, k, l;
+    for (i = 0; i < m->part_count; ++i) {
+        const mgpu__part* p = &m->part[i];
+        mgpu__hash_tensor(&h, p->xbuf);
+        mgpu__hash_tensor(&h, p->tbuf);
+        mgpu__hash_tensor(&h, p->losses);
+        mgpu__hash_tensor(&h, p->step_seed);
+        for (k = 0; k < p->slot_count; ++k) {
+            const mgpu__slot* sl = &p->slot[k];
+            for (l = 0; l < m->layer_count; ++l) {
+                mgpu__hash_tensor(&h, sl->act[l]);
+                mgpu__hash_tensor(&h, sl->dact[l]);
+            }
+            for (l = 0; l < m->first_aux[m->layer_count]; ++l) mgpu__hash_tensor(&h, sl->aux[l]);
+            mgpu__hash_tensor(&h, sl->xin);
+            mgpu__hash_tensor(&h, sl->dxin);
+            mgpu__hash_tensor(&h, sl->dyin);
+            mgpu__hash_tensor(&h, sl->dout);
+        }
+    }
+    return h;
+}
+
 /* Orders part p's stream after `from`'s stream at this point: event `ev` of p's four. */
 static mgpu_result mgpu__graph_order(mgpu_model* m, const char* op, mgpu__part* from, int ev, mgpu__part* to) {
     void* e = m->graph_events[4 * (int)(from - m->part) + ev];
@@ -7675,8 +7708,15 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     b.row_base = 0;
     MGPU__TRY(mgpu__batch_split(&b, x, target));                                                    /* 2 */
     mgpu__step_state_save(m, opt, &before);
+    if (m->graph_exec && m->graph_buffers != mgpu__graph_buffers(m)) {   /* moved since: this step runs eagerly */
+        mgpu__graph_drop(m);
+        m->graph_warm = 0;
+        return MGPU_OK;
+    }
     if (!m->graph_exec) {
-        mgpu_result r = mgpu__graph_capture(m, opt, &b);
+        mgpu_result r;
+        m->graph_buffers = mgpu__graph_buffers(m);
+        r = mgpu__graph_capture(m, opt, &b);
         mgpu__step_state_load(m, opt, &before);   /* nothing ran: the launch below does it */
         if (r != MGPU_OK) {
             mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());

@@ -390,17 +390,47 @@ static int same_params(fed_run* a, fed_run* b, int stages, const char* what) {
     return 0;
 }
 
+/* An evaluation of 7 rows on both runs: it resizes the buffers of the steps (the old ones go back
+   to the allocator's cache). Then tensors of the old buffers' sizes are made on the graph run's
+   first device, taking those blocks back: a graph replayed on the buffers of its capture would
+   write into them. They must keep their 7s until `stray` is checked. */
+static int evaluate_between(fed_run* a, fed_run* b, mgpu_tensor** stray, int* strays) {
+    mgpu_tensor *x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(7, 1, 6, 6));
+    mgpu_tensor *y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(7));
+    const mgpu__slot* sl = &b->m->part[0].slot[0];
+    size_t sizes[32];
+    float la, lb;
+    int l, n = 0;
+    for (l = 0; l < b->m->stage_layer[1] && n < 30; ++l) {
+        sizes[n++] = mgpu_tensor_bytes(sl->act[l]);
+        if (sl->dact[l]) sizes[n++] = mgpu_tensor_bytes(sl->dact[l]);
+    }
+    NEED(x && y && mgpu_rand_normal(x, 11, 0, 0.0f, 1.0f) == MGPU_OK && mgpu_tensor_fill(y, 1.0) == MGPU_OK, "%s", mgpu_last_error());
+    NEED(mgpu_model_evaluate(a->m, x, y, &la, NULL) == MGPU_OK && mgpu_model_evaluate(b->m, x, y, &lb, NULL) == MGPU_OK, "%s",
+         mgpu_last_error());
+    NEED(la == lb, "evaluation: %.9g op by op, %.9g with a graph", (double)la, (double)lb);
+    for (*strays = 0; *strays < n; ++*strays) {
+        stray[*strays] = mgpu_tensor_create(mgpu_model_device(b->m, 0), MGPU_F32, mgpu_shape1((int64_t)(sizes[*strays] / 4)));
+        NEED(stray[*strays] && mgpu_tensor_fill(stray[*strays], 7.0) == MGPU_OK, "%s", mgpu_last_error());
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    return 0;
+}
+
 /* A training step as a CUDA graph gives the bits of the eager step: 300 steps of each, the last
-   batch of every epoch smaller (its step runs eagerly, the graph is made again after), the loss
-   of every 10th step equal too. The graph is really used: most steps replay it, and a replayed
+   batch of every epoch smaller (its step runs eagerly, the graph is made again after), an
+   evaluation on another batch shape every 100 steps (the graph is made again too), the loss of
+   every 10th step equal too. The graph is really used: most steps replay it, and a replayed
    step asks the host for one graph launch, its input copies and the optimizer's numbers (one
    copy per device each), and no kernel, GEMM or synchronisation. */
 static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, int dropout) {
     fed_cfg c = {spec, stages, cnn, adamw, 0, dropout, 330};
     fed_run a, b;
     char what[160];
-    int i, parts, checked = 0;
+    int i, k, parts, checked = 0, strays = 0;
     float la, lb;
+    mgpu_tensor* stray[32];
     snprintf(what, sizeof what, "%s, %d stage%s, %s%s, %s", spec, stages, stages > 1 ? "s" : "", cnn ? "CNN" : "MLP",
              dropout ? " with Dropout" : "", adamw ? "AdamW, cosine" : "SGD, Nesterov");
     if (fed_open(&a, &c)) return 1;
@@ -432,6 +462,15 @@ static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, in
         if (read) {
             NEED(mgpu_model_last_loss(b.m, &lb) == MGPU_OK, "%s", mgpu_last_error());
             NEED(la == lb, "%s, step %d: loss %.9g op by op, %.9g from the graph", what, i, (double)la, (double)lb);
+        }
+        if (i % 100 == 50 && evaluate_between(&a, &b, stray, &strays)) return 1;
+        if (i % 100 == 60) {
+            for (k = 0; k < strays; ++k) {
+                NEED(tensor_value_is(stray[k], 7.0f), "%s, step %d: a tensor made after an evaluation was overwritten by "
+                     "the graph's steps (a replay on buffers that moved)", what, i);
+                mgpu_tensor_destroy(stray[k]);
+            }
+            strays = 0;
         }
     }
     NEED(mgpu_model_graph_steps(b.m) >= 200 && checked > 100, "%s: only %lld of 300 steps replayed a graph (%d checked)", what,
