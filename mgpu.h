@@ -1208,6 +1208,7 @@ int mgpu__cu_event_synchronize(int dev, void* event);
 /* Around a training step (enter 1, then 0): inside it, this thread's calls trust the device they
    made current last (no cudaGetDevice; cudaSetDevice only when the device changes). */
 int mgpu__cu_step_scope(int enter);
+int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
 /* CUDA graphs: capture on stream (global mode), end it into an executable graph, launch, destroy */
 int mgpu__cu_capture_begin(int dev, void* stream);
 int mgpu__cu_capture_end(int dev, void* stream, void** exec);
@@ -1448,8 +1449,14 @@ static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (mgpu__log_fn) mgpu__log_fn(level, msg, mgpu__log_user);
-    else if (level != MGPU_LOG_ERROR) fprintf(stderr, "mgpu: %s\n", msg);
+    if (mgpu__log_fn) {
+        mgpu__log_fn(level, msg, mgpu__log_user);
+#ifdef MGPU_CUDA
+        (void)mgpu__cu_device_unknown();   /* the callback may have changed the current device */
+#endif
+    } else if (level != MGPU_LOG_ERROR) {
+        fprintf(stderr, "mgpu: %s\n", msg);
+    }
 }
 
 /* Record why an operation failed ("mgpu_matmul: ...") and return the code. */
@@ -1688,9 +1695,14 @@ typedef struct mgpu__allocator {
 #endif
     mgpu__block* cached;          /* free blocks, ascending size */
     mgpu_memory_stats stats;
-    int holding;                  /* a CUDA graph is being captured: freed blocks go to `held` */
-    mgpu__block* held;            /* blocks a captured graph works in: served again only to the
-                                     same capture, cached when the graph is destroyed */
+    /* While a CUDA graph is captured on this device, the capturing thread's freed blocks go to
+       the graph's own list (its part's `held`) and its requests are served from there first: the
+       graph keeps working in them at every replay, so nothing else may get them until the graph
+       is dropped. Other threads' requests never see them. */
+    mgpu__block** held;
+#ifndef MGPU_NO_THREADS
+    pthread_t holder;
+#endif
 } mgpu__allocator;
 
 /* A pinned host buffer that copies from pageable host memory to a GPU go through (>>impl memory):
@@ -1701,7 +1713,9 @@ typedef struct mgpu__staging {
     size_t capacity;
     void* read;
 } mgpu__staging;
-#define MGPU__STAGING_SLOTS 8   /* a step uploads x and its target: up to 4 steps in flight */
+#define MGPU__STAGING_SLOTS 8   /* a step uploads x and the target to each device, and with a
+                                   CUDA graph the optimizer's numbers and Dropout's key too */
+#define MGPU__STAGING_MAX ((size_t)16 << 20)   /* larger copies wait instead (pinned memory is scarce) */
 
 struct mgpu_device {
     mgpu_device_kind kind;
@@ -2256,6 +2270,15 @@ static void mgpu__human_bytes(double bytes, char* buf, size_t size) {
     snprintf(buf, size, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
 }
 
+/* The capture's list of blocks when this thread is capturing a graph on the device, else NULL
+   (under the allocator's lock). */
+static mgpu__block** mgpu__held_list(const mgpu__allocator* a) {
+#ifndef MGPU_NO_THREADS
+    if (a->held && !pthread_equal(a->holder, pthread_self())) return NULL;
+#endif
+    return a->held;
+}
+
 /* The free block for a request of `size` from a list in ascending size: the first big enough,
    unless it is too big to spend on it. */
 static mgpu__block* mgpu__take_block(mgpu__block** list, size_t size) {
@@ -2288,7 +2311,7 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
     }
     mgpu__lock(&dev->alloc);
     /* a capture first reuses what it freed itself: within it, in stream order, as eager steps do */
-    b = dev->alloc.holding ? mgpu__take_block(&dev->alloc.held, size) : NULL;
+    b = mgpu__held_list(&dev->alloc) ? mgpu__take_block(mgpu__held_list(&dev->alloc), size) : NULL;
     if (!b) b = mgpu__take_block(&dev->alloc.cached, size);
     if (b) {
         ptr = b->ptr;
@@ -2348,7 +2371,7 @@ static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size) {
     }
     b->ptr = ptr;
     b->size = size;
-    mgpu__put_block(dev->alloc.holding ? &dev->alloc.held : &dev->alloc.cached, b);
+    mgpu__put_block(mgpu__held_list(&dev->alloc) ? mgpu__held_list(&dev->alloc) : &dev->alloc.cached, b);
     mgpu__unlock(&dev->alloc);
 }
 
@@ -2408,10 +2431,16 @@ MGPUDEF void mgpu_pinned_free(void* ptr) {
    copies from there when its stream gets to it (a copy from pageable memory would make the
    driver stage it itself, and cudaMemcpyAsync returns only after). The buffers are used in turn,
    and each is filled again only after its last copy has read it: then an upload waits for the
-   GPU only when it is MGPU__STAGING_SLOTS uploads behind, as a launch queue that fills up would. */
+   GPU only when it is MGPU__STAGING_SLOTS uploads behind, as a launch queue that fills up would.
+   Copies above MGPU__STAGING_MAX go directly and wait, so the buffers stay small. */
 static mgpu_result mgpu__upload_async(mgpu_device* d, void* dst, const void* host, size_t bytes, const char* op) {
     mgpu__staging* st;
     int rc = 0, done = 1;
+    if (bytes > MGPU__STAGING_MAX) {   /* a whole data set, say: copied directly, waited for */
+        MGPU__CU(op, d, mgpu__cu_memcpy(d->ordinal, dst, host, bytes, d->stream));
+        MGPU__CU(op, d, mgpu__cu_stream_synchronize(d->ordinal, d->stream));
+        return MGPU_OK;
+    }
     mgpu__lock(&d->alloc);
     st = &d->staging[d->staging_next];
     d->staging_next = (d->staging_next + 1) % MGPU__STAGING_SLOTS;
@@ -5555,6 +5584,7 @@ typedef struct mgpu__part {
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
                                            stage) or the target (last stage) lives elsewhere */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
+    struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
     mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M], and
                                            an evaluation's in [M] (so it never overwrites a step's) */
     int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
@@ -5888,14 +5918,14 @@ static void mgpu__graph_drop(mgpu_model* m) {
         mgpu__log(MGPU_LOG_WARN, "destroying a model's CUDA graph: %s", mgpu__cuda_message());
     m->graph_exec = NULL;
     for (i = 0; m->part && i < m->part_count; ++i) {
-        mgpu__allocator* a = &m->part[i].dev->alloc;
-        mgpu__lock(a);
-        while (a->held) {
-            mgpu__block* b = a->held;
-            a->held = b->next;
-            mgpu__put_block(&a->cached, b);
+        mgpu__part* p = &m->part[i];
+        mgpu__lock(&p->dev->alloc);
+        while (p->held) {
+            mgpu__block* b = p->held;
+            p->held = b->next;
+            mgpu__put_block(&p->dev->alloc.cached, b);
         }
-        mgpu__unlock(a);
+        mgpu__unlock(&p->dev->alloc);
     }
 }
 
@@ -6556,6 +6586,10 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     int i;
     if (!opt) return;
     mgpu__live_remove(opt, MGPU__LIVE_OPTIMIZER);
+    if (opt->model && opt->model->graph_opt == opt) {   /* its graph updates through this one's buffers */
+        mgpu__graph_drop(opt->model);
+        opt->model->graph_opt = NULL;
+    }
     if (opt->model) opt->model->optimizers--;
     for (i = 0; i < opt->part_count; ++i) {
         if (opt->state1) mgpu__tensor_free(opt->state1[i]);
@@ -6733,8 +6767,7 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
 /* The numbers of the next update (the schedule's learning rate, AdamW's bias corrections), put
    in each GPU's memory before the step's work is queued: a step replayed from a CUDA graph reads
    them there, never a value frozen at its capture. Once per step count. */
-static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt) {
-    static const char* op = "mgpu_optimizer_step";
+static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt, const char* op) {
     const int adamw = opt->d.kind == MGPU_ADAMW;
     int i;
     if (opt->prepared == opt->steps) return MGPU_OK;
@@ -6763,13 +6796,20 @@ static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt) {
     return MGPU_OK;
 }
 
+/* The host's side of an update: counted, and the next step draws new dropout masks from row 0. */
+static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
+    opt->steps++;
+    opt->model->dropout_step++;
+    opt->model->rows_in_step = 0;
+}
+
 /* The step itself, for an optimizer already known to be live (the training steps check it once
    in mgpu__check_step). */
 static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
     int i;
-    MGPU__TRY(mgpu__optimizer_prepare(opt));
+    MGPU__TRY(mgpu__optimizer_prepare(opt, op));
     memset(&job, 0, sizeof job);
     job.sgd = &opt->sgd;
     job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
@@ -6792,9 +6832,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         }
         mgpu__trace_close(opt->model, slice, r->dev->stream);
     }
-    opt->steps++;
-    opt->model->dropout_step++;   /* the next step draws new dropout masks */
-    opt->model->rows_in_step = 0;
+    mgpu__optimizer_advance(opt);
     return MGPU_OK;
 }
 
@@ -6925,9 +6963,11 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
     sl->first_row = first_row;
     for (i = m->stage_layer[p->stage]; i < m->stage_layer[p->stage + 1]; ++i) {
         mgpu_layer_ctx ctx;
+        mgpu_result r;
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
-        if (m->layers[i]->vt->forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input,
-                                      sl->act[i]) != MGPU_OK) {
+        r = m->layers[i]->vt->forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
+        if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
+        if (r != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
             return mgpu__refail(where);
         }
@@ -6946,13 +6986,16 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     const mgpu_tensor* dy = i < last ? sl->dact[i] : p->stage == m->stage_count - 1 ? doutput : sl->dyin;
     mgpu_tensor* dx = i > first ? sl->dact[i - 1] : NULL;
     mgpu_layer_ctx ctx;
+    mgpu_result r;
     char where[96];
     if (i == first && (p->stage > 0 || input_grad)) {
         MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, MGPU_F32, sl->input.shape));
         dx = sl->dxin;
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
-    if (m->layers[i]->vt->backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx) != MGPU_OK) {
+    r = m->layers[i]->vt->backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+    if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
+    if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
         return mgpu__refail(where);
     }
@@ -7064,11 +7107,12 @@ static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* c
     *start = (int64_t)i * base + MGPU__MIN((int64_t)i, extra);
 }
 
-/* A part's slice of t, on its device: t itself where possible, else a copy in *buf. */
-static mgpu_result mgpu__part_slice(const mgpu__part* p, const mgpu_tensor* t, int64_t start, int64_t count,
+/* A part's slice of t, on its device: t itself where possible (unless copy), else a copy in
+   *buf. (A CUDA graph's steps always copy: the graph reads the buffers of its capture.) */
+static mgpu_result mgpu__part_slice(const mgpu__part* p, const mgpu_tensor* t, int64_t start, int64_t count, int copy,
                                     mgpu_tensor** buf, mgpu_tensor* view) {
     *view = mgpu__rows(t, start, count);
-    if (MGPU__DEV(t) == p->dev || (MGPU__IS_CPU(t) && p->dev->kind == MGPU_DEVICE_CPU)) return MGPU_OK;
+    if (!copy && (MGPU__DEV(t) == p->dev || (MGPU__IS_CPU(t) && p->dev->kind == MGPU_DEVICE_CPU))) return MGPU_OK;
     MGPU__TRY(mgpu__ensure(buf, p->dev, t->dtype, view->shape));
     MGPU__TRY(mgpu_tensor_copy(*buf, view));
     *view = **buf;
@@ -7087,6 +7131,16 @@ typedef struct mgpu__batch {
     mgpu_result* results;                /* CPU threads: each part's */
 } mgpu__batch;
 
+/* A batch of the library's own steps: rows numbered from the step's first, no salt on any part's
+   random streams (that is for a loop of your own). The caller sets row_base. */
+static void mgpu__batch_begin(mgpu__batch* b, mgpu_model* m, const char* op, int64_t batch_total) {
+    int i;
+    for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
+    b->m = m;
+    b->op = op;
+    b->batch_total = batch_total;
+}
+
 static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const mgpu_tensor* target) {
     mgpu_model* m = b->m;
     int r;
@@ -7094,8 +7148,8 @@ static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const
         mgpu__part *in = mgpu__part_of(m, r, 0), *out = mgpu__part_of(m, r, m->stage_count - 1);
         int64_t count;
         mgpu__split(x->shape.dim[0], m->replica_count, r, &b->first[r], &count);
-        MGPU__TRY(mgpu__part_slice(in, x, b->first[r], count, &in->xbuf, &b->xs[r]));
-        MGPU__TRY(mgpu__part_slice(out, target, b->first[r], count, &out->tbuf, &b->ts[r]));
+        MGPU__TRY(mgpu__part_slice(in, x, b->first[r], count, m->graph, &in->xbuf, &b->xs[r]));
+        MGPU__TRY(mgpu__part_slice(out, target, b->first[r], count, m->graph, &out->tbuf, &b->ts[r]));
     }
     return MGPU_OK;
 }
@@ -7483,10 +7537,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     }
     MGPU__TRY(res);
     if (batch_total < all_rows) batch_total = all_rows;
-    for (i = 0; i < m->part_count; ++i) m->part[i].stream_salt = 0;
-    b.m = m;
-    b.op = op;
-    b.batch_total = batch_total;
+    mgpu__batch_begin(&b, m, op, batch_total);
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
     if (res != MGPU_OK) {
         if (reduce && mgpu__dist_overlaps(m)) mgpu__dist_issue_rest(m, 0);   /* the other ranks' NCCL waits for these */
@@ -7619,6 +7670,11 @@ static uint64_t mgpu__graph_buffers(const mgpu_model* m) {
             mgpu__hash_tensor(&h, sl->dout);
         }
     }
+    for (i = 0; m->ar && i < m->stage_count; ++i)   /* the ring all-reduce's landing buffers */
+        for (k = 0; m->ar[i] && k < m->ar[i]->count; ++k) {
+            h = mgpu__mix(h ^ (uint64_t)(uintptr_t)m->ar[i]->rank[k].ring_tmp);
+            h = mgpu__mix(h ^ (uint64_t)m->ar[i]->rank[k].ring_tmp_floats);
+        }
     return h;
 }
 
@@ -7630,6 +7686,20 @@ static mgpu_result mgpu__graph_order(mgpu_model* m, const char* op, mgpu__part* 
     return MGPU_OK;
 }
 
+/* Every part's allocator serves this thread from (and frees into) the part's held list, or not. */
+static void mgpu__hold(mgpu_model* m, int on) {
+    int i;
+    for (i = 0; i < m->part_count; ++i) {
+        mgpu__allocator* a = &m->part[i].dev->alloc;
+        mgpu__lock(a);
+        a->held = on ? &m->part[i].held : NULL;
+#ifndef MGPU_NO_THREADS
+        if (on) a->holder = pthread_self();
+#endif
+        mgpu__unlock(a);
+    }
+}
+
 /* Capture moves 3 to 5 of a step whose batch was split already: on the first part's stream, the
    other parts' streams joined to it by events (the communication streams join through the
    all-reduce's own events). Ends the capture whatever happens; a failure leaves no graph. */
@@ -7639,14 +7709,14 @@ static mgpu_result mgpu__graph_capture(mgpu_model* m, mgpu_optimizer* opt, mgpu_
     mgpu_result r = MGPU_OK;
     int i, rc;
     MGPU__CU(op, first->dev, mgpu__cu_capture_begin(first->dev->ordinal, first->dev->stream));
-    for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 1;
+    mgpu__hold(m, 1);
     m->capturing = 1;
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, first, 0, &m->part[i]);
     if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
     if (r == MGPU_OK) r = mgpu__run_batch_streams(b, 1);                                            /* 3, 4 */
     if (r == MGPU_OK) r = mgpu__optimizer_step(opt);                                                /* 5 */
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, &m->part[i], 1, first);
-    for (i = 0; i < m->part_count; ++i) m->part[i].dev->alloc.holding = 0;
+    mgpu__hold(m, 0);
     m->capturing = 0;
     rc = MGPU__CUDA(mgpu__cu_capture_end(first->dev->ordinal, first->dev->stream, &m->graph_exec));
     if (r == MGPU_OK && rc != 0) r = mgpu__cu_result(rc, op, first->dev);
@@ -7663,7 +7733,9 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     mgpu__step_state before;
     mgpu__batch b;
     mgpu__part* first = &m->part[0];
-    int i, j, dropout;
+    mgpu_result r;
+    int i, dropout, was_reduced;
+    b.row_base = 0;
     *eager = 1;
     if (!mgpu__graph_possible(m, why, sizeof why)) {
         mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: %s", op, why);
@@ -7671,6 +7743,8 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         return MGPU_OK;
     }
     if (m->trace) return MGPU_OK;
+    MGPU__TRY(mgpu__check_input(op, m, x));
+    MGPU__TRY(mgpu__check_target(op, m, x, target));
     if (!mgpu_shape_equal(x->shape, m->graph_x) || !mgpu_shape_equal(target->shape, m->graph_t) || opt != m->graph_opt) {
         mgpu__graph_drop(m);   /* its buffers are sized for other shapes */
         m->graph_x = x->shape;
@@ -7680,64 +7754,68 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     }
     for (i = 0; i < m->layer_count && m->layers[i]->vt != &mgpu__dropout_vt; ++i) {}
     dropout = i < m->layer_count;
-    for (j = 0; dropout && j < m->part_count; ++j)   /* made before the warm-up step, so that its temporaries follow */
-        MGPU__TRY(mgpu__ensure(&m->part[j].step_seed, m->part[j].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));
+    for (i = 0; dropout && i < m->part_count; ++i)   /* made before the warm-up step, so that its temporaries follow */
+        MGPU__TRY(mgpu__ensure(&m->part[i].step_seed, m->part[i].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));
     if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
-    m->grads_reduced = 0;   /* as mgpu_model_zero_grad leaves them: the graph zeroes them on the devices */
-    m->rows_in_step = 0;
-    MGPU__TRY(mgpu__batch_check(m, op, x, target));
     if (!m->graph_events) {
         m->graph_events = (void**)mgpu__calloc((size_t)m->part_count * 4, sizeof(void*));
         if (!m->graph_events) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         for (i = 0; i < 4 * m->part_count; ++i)
             MGPU__CU(op, m->part[i / 4].dev, mgpu__cu_event_create(m->part[i / 4].dev->ordinal, &m->graph_events[i]));
     }
+    was_reduced = m->grads_reduced;
+    m->grads_reduced = 0;   /* as mgpu_model_zero_grad leaves them; the graph zeroes them on the devices */
+    m->rows_in_step = 0;
     /* outside the graph: this update's numbers, the step's Dropout key and the batch's rows, into
        the buffers it reads */
-    MGPU__TRY(mgpu__optimizer_prepare(opt));
-    for (j = 0; j < m->part_count; ++j) {
-        mgpu__part* p = &m->part[j];
-        uint64_t key;
-        p->stream_salt = 0;
-        key = mgpu__step_seed(m, p);
-        if (dropout) MGPU__TRY(mgpu__upload_async(p->dev, mgpu_tensor_data(p->step_seed), &key, sizeof key, op));
+    r = mgpu__batch_check(m, op, x, target);
+    if (r == MGPU_OK) r = mgpu__optimizer_prepare(opt, op);
+    mgpu__batch_begin(&b, m, op, x->shape.dim[0]);
+    for (i = 0; r == MGPU_OK && dropout && i < m->part_count; ++i) {
+        const uint64_t key = mgpu__step_seed(m, &m->part[i]);
+        r = mgpu__upload_async(m->part[i].dev, mgpu_tensor_data(m->part[i].step_seed), &key, sizeof key, op);
     }
-    b.m = m;
-    b.op = op;
-    b.batch_total = x->shape.dim[0];
-    b.row_base = 0;
-    MGPU__TRY(mgpu__batch_split(&b, x, target));                                                    /* 2 */
-    mgpu__step_state_save(m, opt, &before);
-    if (m->graph_exec && m->graph_buffers != mgpu__graph_buffers(m)) {   /* moved since: this step runs eagerly */
-        mgpu__graph_drop(m);
-        m->graph_warm = 0;
+    if (r == MGPU_OK) r = mgpu__batch_split(&b, x, target);                                         /* 2 */
+    if (r == MGPU_OK && m->graph_exec && m->graph_buffers != mgpu__graph_buffers(m)) {
+        mgpu__graph_drop(m);   /* a buffer moved since the capture: this step runs eagerly, the next is captured */
+        m->graph_warm = 1;
+        m->grads_reduced = was_reduced;
         return MGPU_OK;
     }
-    if (!m->graph_exec) {
-        mgpu_result r;
-        m->graph_buffers = mgpu__graph_buffers(m);
+    if (r == MGPU_OK && !m->graph_exec) {
+        mgpu__step_state_save(m, opt, &before);
         r = mgpu__graph_capture(m, opt, &b);
         mgpu__step_state_load(m, opt, &before);   /* nothing ran: the launch below does it */
         if (r != MGPU_OK) {
             mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());
             m->graph = 0;
+            m->grads_reduced = was_reduced;
             return MGPU_OK;
         }
+        m->graph_buffers = mgpu__graph_buffers(m);   /* (the capture may have sized a slot) */
+    }
+    /* the graph's work on each device after that device's uploads */
+    for (i = 1; r == MGPU_OK && i < m->part_count; ++i) r = mgpu__graph_order(m, op, &m->part[i], 2, first);
+    if (r == MGPU_OK) {
+        const int rc = MGPU__CUDA(mgpu__cu_graph_launch(first->dev->ordinal, m->graph_exec, first->dev->stream));
+        if (rc) {
+            r = mgpu__cu_result(rc, op, first->dev);
+            mgpu__graph_drop(m);   /* made again when the steps go on */
+        }
+    }
+    if (r != MGPU_OK) {
+        m->grads_reduced = was_reduced;
+        return r;
     }
     *eager = 0;
-    /* the graph's work on each device after that device's uploads, and what comes next there
-       after the graph */
-    for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, &m->part[i], 2, first));
-    MGPU__CU(op, first->dev, mgpu__cu_graph_launch(first->dev->ordinal, m->graph_exec, first->dev->stream));
-    for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, first, 3, &m->part[i]));
     /* the host's side of the step, as the eager one leaves it */
+    mgpu__optimizer_advance(opt);
     m->grads_reduced = 1;
-    m->rows_in_step = 0;
     m->last_batch = x->shape.dim[0];
-    opt->steps++;
-    m->dropout_step++;
     m->steps++;
     m->graph_steps++;
+    /* what comes next on each device after the graph */
+    for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, first, 3, &m->part[i]));
     MGPU__TRY(mgpu__verify_if_due(m));
     return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
 }
@@ -7918,8 +7996,8 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             float v;
             mgpu__split(chunk, m->replica_count, i, &start, &count);
             if (count == 0) continue;
-            MGPU__TRY(mgpu__part_slice(in, &xc, start, count, &in->xbuf, &xs));
-            MGPU__TRY(mgpu__part_slice(last, &tc, start, count, &last->tbuf, &ts));
+            MGPU__TRY(mgpu__part_slice(in, &xc, start, count, 0, &in->xbuf, &xs));
+            MGPU__TRY(mgpu__part_slice(last, &tc, start, count, 0, &last->tbuf, &ts));
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));

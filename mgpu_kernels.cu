@@ -114,6 +114,11 @@ int mgpu__cu_step_scope(int enter) {
     return MGPU__CU_OK;
 }
 
+int mgpu__cu_device_unknown(void) {   // after code of the program's own ran on this thread
+    t_current = -1;
+    return MGPU__CU_OK;
+}
+
 static int use_device(int dev) {
     if (t_step_depth > 0) {
         if (t_current != dev) {
@@ -358,7 +363,8 @@ int mgpu__cu_event_done(int dev, void* event, int* done) {   // never waits
     USE_DEVICE(dev);
     const cudaError_t e = cudaEventQuery((cudaEvent_t)event);
     *done = e == cudaSuccess;
-    if (e != cudaErrorNotReady) CUDA_TRY(e, "cudaEventQuery(%p) on device %d", event, dev);
+    if (e == cudaErrorNotReady) (void)cudaGetLastError();   // not an error: off the runtime's last-error slot
+    else CUDA_TRY(e, "cudaEventQuery(%p) on device %d", event, dev);
     return MGPU__CU_OK;
 }
 
@@ -377,12 +383,13 @@ int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {
 
 // A step as a CUDA graph: captured once on the stream of its first device (the other devices'
 // streams join the capture through events, as the caller arranges), replayed by one launch.
-// Global capture mode, CUDA's default: a call that capture forbids (a synchronisation, a
-// cudaMalloc) fails the capture instead of running, and the caller falls back to the eager step.
+// Thread-local capture mode: a call of this thread that capture forbids (a synchronisation, a
+// cudaMalloc) fails the capture instead of running, and the caller falls back to the eager step;
+// other threads' allocations go on as usual.
 int mgpu__cu_capture_begin(int dev, void* stream) {
     USE_DEVICE(dev);
-    CUDA_TRY(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture(%p) on device %d",
-             stream, dev);
+    CUDA_TRY(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal),
+             "cudaStreamBeginCapture(%p) on device %d", stream, dev);
     return MGPU__CU_OK;
 }
 
@@ -392,10 +399,10 @@ int mgpu__cu_capture_end(int dev, void* stream, void** exec) {
     *exec = nullptr;
     USE_DEVICE(dev);
     CUDA_TRY(cudaStreamEndCapture(as_stream(stream), &graph), "cudaStreamEndCapture(%p) on device %d", stream, dev);
-    const cudaError_t made = cudaGraphInstantiate(&e, graph, 0ULL);
+    const cudaError_t made = cudaGraphInstantiateWithFlags(&e, graph, 0ULL);   // CUDA 11.4 to 13
     const cudaError_t freed = cudaGraphDestroy(graph);   // the executable keeps what it needs
     if (made != cudaSuccess && e) (void)cudaGraphExecDestroy(e);
-    CUDA_TRY(made, "cudaGraphInstantiate() on device %d", dev);
+    CUDA_TRY(made, "cudaGraphInstantiateWithFlags() on device %d", dev);
     CUDA_TRY(freed, "cudaGraphDestroy() on device %d", dev);
     *exec = e;
     return MGPU__CU_OK;

@@ -1414,6 +1414,11 @@ EMU_EXPORT cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g
     return cudaSuccess;
 }
 
+// The name CUDA 11.4 to 13 all have (cudaGraphInstantiate's third argument changed in 12).
+EMU_EXPORT cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+    return cudaGraphInstantiate(exec, graph, flags);
+}
+
 EMU_EXPORT cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
     {
         std::lock_guard<std::mutex> lock(g_mu);

@@ -216,6 +216,8 @@ typedef struct fed_cfg {
     int64_t samples;   /* 320 (10 batches of 32) by default; 330 ends each epoch with 10 rows */
 } fed_cfg;
 
+static mgpu_optimizer* fed_optimizer(mgpu_model* m, int adamw);
+
 typedef struct fed_run {
     mgpu_device_set* set;
     mgpu_model* m;
@@ -227,7 +229,6 @@ typedef struct fed_run {
 static int fed_open(fed_run* f, const fed_cfg* c) {
     mgpu_layer* layers[8];
     mgpu_model_desc md;
-    mgpu_optimizer_desc od;
     mgpu_loader_desc ld;
     int n = 0;
     int64_t i;
@@ -266,8 +267,19 @@ static int fed_open(fed_run* f, const fed_cfg* c) {
     md.graph = c->graph;
     f->m = mgpu_model_create(&md);
     NEED(f->m, "model on %s: %s", c->spec, mgpu_last_error());
+    f->opt = fed_optimizer(f->m, c->adamw);
+    memset(&ld, 0, sizeof ld);
+    ld.batch = 32;
+    ld.shuffle = 1;
+    f->loader = mgpu_loader_create(&f->ds, &ld);
+    NEED(f->opt && f->loader, "%s", mgpu_last_error());
+    return 0;
+}
+
+static mgpu_optimizer* fed_optimizer(mgpu_model* m, int adamw) {
+    mgpu_optimizer_desc od;
     memset(&od, 0, sizeof od);
-    if (c->adamw) {
+    if (adamw) {
         od.kind = MGPU_ADAMW;
         od.lr = 0.01f;
         od.weight_decay = 0.01f;
@@ -278,13 +290,7 @@ static int fed_open(fed_run* f, const fed_cfg* c) {
         od.momentum = 0.9f;
         od.nesterov = 1;
     }
-    f->opt = mgpu_optimizer_create(f->m, &od);
-    memset(&ld, 0, sizeof ld);
-    ld.batch = 32;
-    ld.shuffle = 1;
-    f->loader = mgpu_loader_create(&f->ds, &ld);
-    NEED(f->opt && f->loader, "%s", mgpu_last_error());
-    return 0;
+    return mgpu_optimizer_create(m, &od);
 }
 
 static void fed_close(fed_run* f) {
@@ -420,8 +426,8 @@ static int evaluate_between(fed_run* a, fed_run* b, mgpu_tensor** stray, int* st
 
 /* A training step as a CUDA graph gives the bits of the eager step: 300 steps of each, the last
    batch of every epoch smaller (its step runs eagerly, the graph is made again after), an
-   evaluation on another batch shape every 100 steps (the graph is made again too), the loss of
-   every 10th step equal too. The graph is really used: most steps replay it, and a replayed
+   evaluation on another batch shape every 100 steps (the graph is made again too), the other
+   optimizer from step 200 on, the loss of every 10th step equal too. The graph is really used: most steps replay it, and a replayed
    step asks the host for one graph launch, its input copies and the optimizer's numbers (one
    copy per device each), and no kernel, GEMM or synchronisation. */
 static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, int dropout) {
@@ -464,6 +470,13 @@ static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, in
             NEED(la == lb, "%s, step %d: loss %.9g op by op, %.9g from the graph", what, i, (double)la, (double)lb);
         }
         if (i % 100 == 50 && evaluate_between(&a, &b, stray, &strays)) return 1;
+        if (i == 200) {   /* the other optimizer from here on (malloc may give it the old one's address) */
+            mgpu_optimizer_destroy(a.opt);
+            mgpu_optimizer_destroy(b.opt);
+            a.opt = fed_optimizer(a.m, !adamw);
+            b.opt = fed_optimizer(b.m, !adamw);
+            NEED(a.opt && b.opt, "%s", mgpu_last_error());
+        }
         if (i % 100 == 60) {
             for (k = 0; k < strays; ++k) {
                 NEED(tensor_value_is(stray[k], 7.0f), "%s, step %d: a tensor made after an evaluation was overwritten by "
