@@ -53,7 +53,8 @@ static void fail(const char* what) {
 /* ---- training steps: median seconds per step, peak memory, device allocations per step ---- */
 /* the pipeline layout of the models make_model makes (0: one stage) */
 static int pipe_stages, pipe_micro;
-static int use_graph;   /* desc.graph of the models made */
+static int use_graph;      /* desc.graph of the models made */
+static int batch_on_cpu;   /* the batch as a loader gives it, on the CPU, instead of on the first device */
 static mgpu_pipeline_schedule pipe_schedule;
 
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
@@ -115,8 +116,8 @@ static training training_create(const char* model_name, const char* spec, int ba
     od.lr = 0.01f;
     od.momentum = 0.9f;
     tr.opt = mgpu_optimizer_create(tr.m, &od);
-    tr.x = mgpu_tensor_create(mgpu_model_device(tr.m, 0), MGPU_F32, batch_shape(model_name, batch));
-    tr.y = mgpu_tensor_create(mgpu_model_device(tr.m, 0), MGPU_I32, mgpu_shape1(batch));
+    tr.x = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_F32, batch_shape(model_name, batch));
+    tr.y = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, mgpu_shape1(batch));
     if (!tr.opt || !tr.x || !tr.y || mgpu_rand_normal(tr.x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(tr.y, 3.0)) fail(spec);
     return tr;
 }
@@ -128,6 +129,8 @@ static void training_destroy(training* tr) {
     mgpu_model_destroy(tr->m);
     mgpu_device_set_destroy(tr->set);
 }
+
+static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
 
 static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
     training tr = training_create(model_name, spec, batch, tf32);
@@ -147,6 +150,12 @@ static void bench_training(const char* workload, const char* model_name, const c
     }
     mgpu_memory_get_stats(first, &after);
     row(workload, spec, "step", median(t, steps) * 1e3, "ms", NULL);
+    if (dev_is_gpu(first)) {   /* steps queued back to back, as a training loop runs them: the host works ahead */
+        double t0 = mgpu_seconds();
+        for (i = 0; i < steps; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);
+        for (r = 0; r < replicas; ++r) mgpu_device_synchronize(mgpu_model_device(tr.m, r));
+        row(workload, spec, "step_queued", (mgpu_seconds() - t0) / steps * 1e3, "ms", "steps back to back, one wait at the end");
+    }
     if (!strcmp(model_name, "mlp4096")) {   /* 3 GEMMs per Linear (forward, weight and input gradients),
         but none for the input gradient of the first layer, which nothing needs */
         const double flops = 2.0 * batch * (3.0 * (4.0 * 4096.0 * 4096.0 + 4096.0 * 10.0) - 4096.0 * 4096.0);
@@ -165,7 +174,6 @@ static void bench_cpu_steps(void) {
     bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
 }
 
-static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
 
 /* ---- the bare GEMM of the large MLP (out [2048, 4096] = x [2048, 4096] @ W^T), TF32 allowed:
    the rate its training step is measured against ---- */
@@ -741,6 +749,15 @@ int main(int argc, char** argv) {
         bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
+        /* eager against graph, the batch on the GPU already or coming from the CPU (pageable, staged) */
+        use_graph = 1;
+        bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, 0);
+        bench_training("cnn_b128_graph", "cnn", "cuda:0", 128, 100, 0);
+        batch_on_cpu = 1;
+        bench_training("mlp784_b64_from_cpu_graph", "mlp784", "cuda:0", 64, 300, 0);
+        use_graph = 0;
+        bench_training("mlp784_b64_from_cpu", "mlp784", "cuda:0", 64, 300, 0);
+        batch_on_cpu = 0;
         bench_training("mlp784_b64", "mlp784", "cuda:0,0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0,0", 2048, 20, 1);
         bench_bandwidth("cuda:0", (size_t)256 << 20, 20);
