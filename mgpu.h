@@ -5919,6 +5919,7 @@ static void mgpu__graph_drop(mgpu_model* m) {
     m->graph_exec = NULL;
     for (i = 0; m->part && i < m->part_count; ++i) {
         mgpu__part* p = &m->part[i];
+        if (!p->held) continue;   /* (nor a device yet, in a model whose making failed) */
         mgpu__lock(&p->dev->alloc);
         while (p->held) {
             mgpu__block* b = p->held;
