@@ -166,8 +166,8 @@
      cannot be used in a child forked after it started.)
    - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
      set your own device again before your own CUDA calls. Inside a training step (train_step,
-     accumulate, apply) the library trusts the device it made current last, so a custom layer's
-     own CUDA code that changes the device sets it back before it returns.
+     accumulate, apply) the library remembers the device it made current last, and forgets it
+     after a custom layer's code or the log callback ran (either may change it).
 
    ---------------------------------------------------------------------------------------------
    DOES NOT (yet)
@@ -7836,7 +7836,8 @@ static int mgpu__votes(const mgpu_model* m) {
 
 /* Inside a step only mgpu's code runs on this thread, so the CUDA backend may trust the device
    it made current last (mgpu__cu_step_scope): no cudaGetDevice, and cudaSetDevice only when the
-   device changes. (A custom layer's own CUDA code that changes the device sets it back.) */
+   device changes. After a custom layer's code or the log callback it trusts nothing again
+   (mgpu__cu_device_unknown). */
 static void mgpu__step_scope(int enter) {
     (void)MGPU__CUDA(mgpu__cu_step_scope(enter));
 }
