@@ -164,8 +164,8 @@
      thread alone (so CPU replicas, one thread each, never deadlock). A child of fork() starts
      a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
      cannot be used in a child forked after it started.)
-   - CUDA: each call makes its device current (cudaSetDevice) and does not restore the caller's;
-     set your own device again before your own CUDA calls. Inside a training step (train_step,
+   - CUDA: a call that runs kernels makes their device current (cudaSetDevice) and does not
+     restore the caller's; set your own device again before your own CUDA calls. Inside a training step (train_step,
      accumulate, apply) the library remembers the device it made current last, and forgets it
      after a custom layer's code or the log callback ran (either may change it).
 
@@ -1206,7 +1206,9 @@ int mgpu__cu_stream_wait_event(int dev, void* stream, void* event);
 int mgpu__cu_event_done(int dev, void* event, int* done);   /* *done: its last record ran; never waits */
 int mgpu__cu_event_synchronize(int dev, void* event);
 /* Around a training step (enter 1, then 0): inside it, this thread's calls trust the device they
-   made current last (no cudaGetDevice; cudaSetDevice only when the device changes). */
+   made current last (no cudaGetDevice; cudaSetDevice only when the device changes). Copies,
+   events, waits, zero fills and NCCL calls on a stream of a device never make it current: CUDA
+   runs them on the stream's device whichever is current. */
 int mgpu__cu_step_scope(int enter);
 int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
 /* CUDA graphs: capture on stream (global mode), end it into an executable graph, launch, destroy */
@@ -2432,20 +2434,28 @@ MGPUDEF void mgpu_pinned_free(void* ptr) {
    driver stage it itself, and cudaMemcpyAsync returns only after). The buffers are used in turn,
    and each is filled again only after its last copy has read it: then an upload waits for the
    GPU only when it is MGPU__STAGING_SLOTS uploads behind, as a launch queue that fills up would.
-   Copies above MGPU__STAGING_MAX go directly and wait, so the buffers stay small. */
-static mgpu_result mgpu__upload_async(mgpu_device* d, void* dst, const void* host, size_t bytes, const char* op) {
+   Copies above MGPU__STAGING_MAX go directly and wait, so the buffers stay small.
+   Several pieces of host memory bound for one device block go up as one copy: each is put at its
+   place in the staging buffer (a batch's rows and their labels, say), in increasing order. */
+typedef struct mgpu__host_piece { const void* host; size_t bytes, at; } mgpu__host_piece;   /* at: bytes from dst */
+static mgpu_result mgpu__upload_pieces(mgpu_device* d, void* dst, const mgpu__host_piece* piece, int count, const char* op) {
     mgpu__staging* st;
-    int rc = 0, done = 1;
+    int rc = 0, done = 1, i;
+    size_t bytes = 0;
+    for (i = 0; i < count; ++i) bytes = MGPU__MAX(bytes, piece[i].at + piece[i].bytes);
     if (bytes > MGPU__STAGING_MAX) {   /* a whole data set, say: copied directly, waited for */
-        MGPU__CU(op, d, mgpu__cu_memcpy(d->ordinal, dst, host, bytes, d->stream));
+        for (i = 0; i < count; ++i)
+            MGPU__CU(op, d, mgpu__cu_memcpy(d->ordinal, (char*)dst + piece[i].at, piece[i].host, piece[i].bytes, d->stream));
         MGPU__CU(op, d, mgpu__cu_stream_synchronize(d->ordinal, d->stream));
         return MGPU_OK;
     }
     mgpu__lock(&d->alloc);
     st = &d->staging[d->staging_next];
     d->staging_next = (d->staging_next + 1) % MGPU__STAGING_SLOTS;
-    if (!st->read) rc = MGPU__CUDA(mgpu__cu_event_create(d->ordinal, &st->read));
-    else rc = MGPU__CUDA(mgpu__cu_event_done(d->ordinal, st->read, &done));
+    if (!st->read)   /* the first upload makes every slot's event: later steps ask nothing of the device */
+        for (i = 0; i < MGPU__STAGING_SLOTS && !rc; ++i)
+            if (!d->staging[i].read) rc = MGPU__CUDA(mgpu__cu_event_create(d->ordinal, &d->staging[i].read));
+    if (!rc) rc = MGPU__CUDA(mgpu__cu_event_done(d->ordinal, st->read, &done));
     if (rc == 0 && !done) {
         d->staging_waits++;
         rc = MGPU__CUDA(mgpu__cu_event_synchronize(d->ordinal, st->read));
@@ -2462,12 +2472,24 @@ static mgpu_result mgpu__upload_async(mgpu_device* d, void* dst, const void* hos
         st->capacity = want;
     }
     if (rc == 0) {
-        memcpy(st->host, host, bytes);
+        size_t end = 0;
+        for (i = 0; i < count; ++i) {   /* zeroed gaps: the copy never carries stale bytes */
+            if (piece[i].at > end) memset((char*)st->host + end, 0, piece[i].at - end);
+            memcpy((char*)st->host + piece[i].at, piece[i].host, piece[i].bytes);
+            end = piece[i].at + piece[i].bytes;
+        }
         rc = MGPU__CUDA(mgpu__cu_memcpy(d->ordinal, dst, st->host, bytes, d->stream));
     }
     if (rc == 0) rc = MGPU__CUDA(mgpu__cu_event_record(d->ordinal, st->read, d->stream));
     mgpu__unlock(&d->alloc);
     return rc ? mgpu__cu_result(rc, op, d) : MGPU_OK;
+}
+static mgpu_result mgpu__upload_async(mgpu_device* d, void* dst, const void* host, size_t bytes, const char* op) {
+    mgpu__host_piece one;
+    one.host = host;
+    one.bytes = bytes;
+    one.at = 0;
+    return mgpu__upload_pieces(d, dst, &one, 1, op);
 }
 
 /* ---- >>impl tensor ---------------------------------------------------------------------- */
@@ -3786,6 +3808,20 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
     return MGPU_OK;
 }
 
+/* GPU: the count of rows whose largest logit is at their label, into *count (an int32 on the
+   logits' device), queued on its stream: nothing waits. Shapes checked by the caller. */
+static mgpu_result mgpu__count_correct_queued(const char* op, const mgpu_tensor* logits, const mgpu_tensor* labels, int32_t* count) {
+    mgpu_device* dev = MGPU__DEV(logits);
+    mgpu__scratch s;
+    int rc;
+    MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
+    MGPU__TRY(mgpu__scratch_get(&s, dev, MGPU__CU_REDUCE_SCRATCH * sizeof(float), op));
+    rc = MGPU__CUDA(mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)logits->shape.dim[0], (int)logits->shape.dim[1],
+                                           MGPU__F32(logits), MGPU__I32(labels), count, (float*)s.ptr));
+    mgpu__scratch_put(&s);
+    return rc ? mgpu__cu_result(rc, op, dev) : MGPU_OK;
+}
+
 MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count) {
     static const char* op = "mgpu_count_correct";
     char tl[128], tx[128];
@@ -3805,16 +3841,17 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
     if (!MGPU__IS_CPU(logits)) {
         mgpu__scratch s;
         int32_t host_count = 0;
-        int rc;
         mgpu_device* dev = MGPU__DEV(logits);
-        MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
-        MGPU__TRY(mgpu__scratch_get(&s, dev, (MGPU__CU_REDUCE_SCRATCH + 1) * sizeof(float), op));
-        rc = MGPU__CUDA(mgpu__cu_count_correct(MGPU__CUDA_ARGS(dev), (int)rows, (int)cols, MGPU__F32(logits),
-                                               MGPU__I32(labels), (int32_t*)s.ptr, (float*)s.ptr + 1));
-        if (!rc) rc = MGPU__CUDA(mgpu__cu_memcpy(dev->ordinal, &host_count, s.ptr, sizeof host_count, dev->stream));
-        if (!rc) rc = MGPU__CUDA(mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
+        mgpu_result res;
+        MGPU__TRY(mgpu__scratch_get(&s, dev, sizeof(int32_t), op));
+        res = mgpu__count_correct_queued(op, logits, labels, (int32_t*)s.ptr);
+        if (res == MGPU_OK) {
+            int rc = MGPU__CUDA(mgpu__cu_memcpy(dev->ordinal, &host_count, s.ptr, sizeof host_count, dev->stream));
+            if (!rc) rc = MGPU__CUDA(mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
+            if (rc) res = mgpu__cu_result(rc, op, dev);
+        }
         mgpu__scratch_put(&s);
-        if (rc) return mgpu__cu_result(rc, op, dev);
+        MGPU__TRY(res);
         *count = host_count;
         return MGPU_OK;
     }
@@ -4980,15 +5017,23 @@ static void mgpu__host_sum_range(void* ctx, int64_t begin, int64_t end) {
     for (r = 1; r < j->count; ++r) memcpy(j->bufs[r] + begin, sum + begin, (size_t)(end - begin) * sizeof(float));
 }
 
-/* Each comm stream waits for what its replica's compute stream has issued so far. */
+/* Each comm stream waits for an event of its replica's compute stream (a bucket's gradients done:
+   mgpu__part.bucket_done), or for all its compute stream has issued so far (after_compute). */
+static mgpu_result mgpu__ar_after_events(mgpu_allreduce* ar, void* const* events) {   /* events[i]: replica i's */
+    int i;
+    for (i = 0; i < ar->count; ++i)
+        MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_wait_event(ar->rank[i].dev->ordinal, ar->rank[i].stream, events[i]));
+    return MGPU_OK;
+}
 static mgpu_result mgpu__ar_after_compute(mgpu_allreduce* ar) {
+    void* events[MGPU__MAX_REPLICAS];
     int i;
     for (i = 0; i < ar->count; ++i) {
         mgpu__rank* r = &ar->rank[i];
         MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_compute, r->dev->stream));
-        MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_wait_event(r->dev->ordinal, r->stream, r->ev_compute));
+        events[i] = r->ev_compute;
     }
-    return MGPU_OK;
+    return mgpu__ar_after_events(ar, events);
 }
 /* Each compute stream waits for EVERY comm stream: later work sees the reduced values, and does
    not overwrite a buffer that a neighbour's comm stream is still reading (the ring's last step
@@ -5582,13 +5627,18 @@ typedef struct mgpu__part {
     mgpu__slot* slot;                   /* micro-batch k uses slot k % slot_count */
     int slot_count;
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
-                                           stage) or the target (last stage) lives elsewhere */
+                                           stage) or the target (last stage) lives elsewhere; both
+                                           in xbuf when one GPU part takes them from the CPU */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
     struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
-    mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M], and
-                                           an evaluation's in [M] (so it never overwrites a step's) */
+    mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
+    mgpu_tensor* eval;                  /* the last stage, in an evaluation: each chunk's mean loss,
+                                           then each chunk's correct count (int32 bits), [2 chunks]
+                                           (apart from losses: it never overwrites a step's) */
     int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
     void** events;                      /* CUDA, S > 1: [2M], recorded after forward k and backward k */
+    void** bucket_done;                 /* CUDA, with buckets: [bucket_count], recorded in a step's last
+                                           backward when the bucket's gradients are done (its stage's) */
     int forwards_done, backwards_done;  /* CPU threads: progress in this step, under pipe_lock */
 } mgpu__part;
 
@@ -5950,8 +6000,10 @@ static void mgpu__model_free(mgpu_model* m) {
         for (j = 0; p->events && j < 2 * m->micro_batches; ++j)
             if (p->events[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->events[j]));
         mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
-        mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->step_seed);
-        MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events);
+        mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->eval); mgpu__tensor_free(p->step_seed);
+        for (j = 0; p->bucket_done && j < m->bucket_count; ++j)
+            if (p->bucket_done[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_done[j]));
+        MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events); MGPU_FREE(p->bucket_done);
     }
     mgpu__graph_drop(m);
     for (i = 0; m->graph_events && i < 4 * m->part_count; ++i)
@@ -6161,7 +6213,7 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
         p->grads = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
         if (!p->params || !p->grads || mgpu_tensor_zero(p->params) || mgpu_tensor_zero(p->grads)) return mgpu__refail(op);
         if (p->stage == m->stage_count - 1) {
-            p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches + 1)));
+            p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches)));
             if (!p->losses || mgpu_tensor_zero(p->losses)) return mgpu__refail(op);
         }
         for (t = m->first_tensor[m->stage_layer[p->stage]]; t < m->first_tensor[m->stage_layer[p->stage + 1]]; ++t) {
@@ -6225,6 +6277,16 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
         if (!m->ar[s]) return mgpu_last_result();
     }
     if (m->replica_count > 1 || across) MGPU__TRY(mgpu__make_buckets(m, MGPU__DEF(desc->bucket_bytes, (size_t)25 << 20)));
+    for (r = 0; r < m->part_count && m->bucket_count > 0; ++r) {   /* GPUs: the marks of buckets done */
+        mgpu__part* p = &m->part[r];
+        int bk;
+        if (p->dev->kind != MGPU_DEVICE_CUDA) continue;
+        p->bucket_done = (void**)mgpu__calloc((size_t)m->bucket_count, sizeof(void*));
+        if (!p->bucket_done) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+        for (bk = 0; bk < m->bucket_count; ++bk)
+            if (m->buckets[bk].stage == p->stage)
+                MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->bucket_done[bk]));
+    }
 #ifndef MGPU_NO_THREADS
     if (m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) {
         if (pthread_mutex_init(&m->pipe_lock, NULL) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_mutex_init failed");
@@ -7120,6 +7182,35 @@ static mgpu_result mgpu__part_slice(const mgpu__part* p, const mgpu_tensor* t, i
     return MGPU_OK;
 }
 
+/* Rows [start, start + count) of x for part `in` (a replica's first stage) and of the target for
+   part `out` (its last), as mgpu__part_slice makes them. When one GPU part takes both from the
+   CPU, they go up as one copy into its xbuf: x's rows, then the target's at the next 256 bytes. */
+static mgpu_result mgpu__part_inputs(mgpu__part* in, mgpu__part* out, const mgpu_tensor* x, const mgpu_tensor* target,
+                                     int64_t start, int64_t count, int copy, mgpu_tensor* xs, mgpu_tensor* ts) {
+    mgpu__host_piece piece[2];
+    mgpu_tensor both;
+    if (in != out || in->dev->kind == MGPU_DEVICE_CPU || !MGPU__IS_CPU(x) || !MGPU__IS_CPU(target)) {
+        MGPU__TRY(mgpu__part_slice(in, x, start, count, copy, &in->xbuf, xs));
+        return mgpu__part_slice(out, target, start, count, copy, &out->tbuf, ts);
+    }
+    *xs = mgpu__rows(x, start, count);
+    *ts = mgpu__rows(target, start, count);
+    piece[0].host = mgpu_tensor_data(xs);
+    piece[0].bytes = mgpu_tensor_bytes(xs);
+    piece[0].at = 0;
+    piece[1].host = mgpu_tensor_data(ts);
+    piece[1].bytes = mgpu_tensor_bytes(ts);
+    piece[1].at = (piece[0].bytes + 255) & ~(size_t)255;
+    MGPU__TRY(mgpu__ensure(&in->xbuf, in->dev, MGPU_U8, mgpu_shape1((int64_t)(piece[1].at + piece[1].bytes))));
+    if (piece[1].at + piece[1].bytes > 0)
+        MGPU__TRY(mgpu__upload_pieces(in->dev, mgpu_tensor_data(in->xbuf), piece, 2, "mgpu_tensor_copy"));
+    both = *in->xbuf;   /* the two as views of it */
+    xs->storage = ts->storage = both.storage;
+    xs->offset = both.offset;
+    ts->offset = both.offset + piece[1].at;
+    return MGPU_OK;
+}
+
 /* A batch on its way through the model: each replica's rows, x on its first stage's device and
    the target on its last's. */
 typedef struct mgpu__batch {
@@ -7149,8 +7240,7 @@ static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const
         mgpu__part *in = mgpu__part_of(m, r, 0), *out = mgpu__part_of(m, r, m->stage_count - 1);
         int64_t count;
         mgpu__split(x->shape.dim[0], m->replica_count, r, &b->first[r], &count);
-        MGPU__TRY(mgpu__part_slice(in, x, b->first[r], count, m->graph, &in->xbuf, &b->xs[r]));
-        MGPU__TRY(mgpu__part_slice(out, target, b->first[r], count, m->graph, &out->tbuf, &b->ts[r]));
+        MGPU__TRY(mgpu__part_inputs(in, out, x, target, b->first[r], count, m->graph, &b->xs[r], &b->ts[r]));
     }
     return MGPU_OK;
 }
@@ -7201,14 +7291,28 @@ static mgpu_result mgpu__run_forward(mgpu__batch* b, mgpu__part* p, int k) {
     mgpu__trace_close(b->m, t, p->dev->stream);
     return r == MGPU_OK ? mgpu__part_mark(b->op, p, k) : r;   /* after the slice: it ends before what waits for it */
 }
-static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k) {
-    int t;
-    mgpu_result r;
-    MGPU__TRY(mgpu__part_wait(b->op, b->m, p, k, 1));
-    t = mgpu__trace_open(b->m, (int)(p - b->m->part), 0, p->dev->stream, "B %d", k);
-    r = mgpu__part_backward(b->m, p, k, p->slot[k % p->slot_count].dout, 0);
-    mgpu__trace_close(b->m, t, p->dev->stream);
-    return r == MGPU_OK ? mgpu__part_mark(b->op, p, b->m->micro_batches + k) : r;
+/* With mark_buckets (the step's last backward, its all-reduce overlapping it), an event on the
+   part's stream marks each of its buckets done as soon as the bucket's first layer is. */
+static mgpu_result mgpu__mark_buckets(const mgpu_model* m, const mgpu__part* p, int layer) {
+    int bk;
+    for (bk = 0; bk < m->bucket_count; ++bk)
+        if (m->buckets[bk].stage == p->stage && m->buckets[bk].ready_layer == layer)
+            MGPU__CU("all-reduce", p->dev, mgpu__cu_event_record(p->dev->ordinal, p->bucket_done[bk], p->dev->stream));
+    return MGPU_OK;
+}
+static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k, int mark_buckets) {
+    mgpu_model* m = b->m;
+    int t, l;
+    mgpu_result r = MGPU_OK;
+    MGPU__TRY(mgpu__part_wait(b->op, m, p, k, 1));
+    t = mgpu__trace_open(m, (int)(p - m->part), 0, p->dev->stream, "B %d", k);
+    for (l = m->stage_layer[p->stage + 1] - 1; l >= m->stage_layer[p->stage] && r == MGPU_OK; --l) {
+        r = mgpu__part_backward_layer(m, p, k, l, p->slot[k % p->slot_count].dout, 0);
+        if (r == MGPU_OK && mark_buckets) r = mgpu__mark_buckets(m, p, l);
+    }
+    if (r == MGPU_OK) r = mgpu__part_backward_done(p, k);
+    mgpu__trace_close(m, t, p->dev->stream);
+    return r == MGPU_OK ? mgpu__part_mark(b->op, p, m->micro_batches + k) : r;
 }
 
 /* Op j (0 to 2M - 1) of the order in which stage s runs its micro-batches: k for the forward of
@@ -7223,6 +7327,17 @@ static int mgpu__stage_op(const mgpu_model* m, int s, int j) {
     j -= warm;
     if (j < 2 * pairs) return j % 2 == 0 ? warm + j / 2 : -1 - j / 2;
     return -1 - (pairs + j - 2 * pairs);
+}
+
+/* Whether stage s's next op can be queued: what it needs is queued (a forward k, the forward k of
+   the stage before; a backward k, the backward k of the stage after). next, fdone, bdone: per
+   stage, the ops queued so far, the forwards and the backwards among them. */
+static int mgpu__stage_ready(const mgpu_model* m, int s, const int* next, const int* fdone, const int* bdone) {
+    int op, k;
+    if (next[s] == 2 * m->micro_batches) return 0;
+    op = mgpu__stage_op(m, s, next[s]);
+    k = op >= 0 ? op : -1 - op;
+    return op >= 0 ? s == 0 || fdone[s - 1] > k : s == m->stage_count - 1 || bdone[s + 1] > k;
 }
 
 /* The batch's loss summed over its rows, from each micro-batch's mean (waits for the devices). */
@@ -7337,7 +7452,7 @@ static void mgpu__part_task(void* ctx, int64_t task) {
             if (!stopped) mgpu__pipe_moved(m, &p->forwards_done, res != MGPU_OK);
         } else {
             stopped = p->stage < m->stage_count - 1 && !mgpu__pipe_wait(m, &(p + 1)->backwards_done, k + 1);
-            if (!stopped) res = mgpu__run_backward(b, p, k);
+            if (!stopped) res = mgpu__run_backward(b, p, k, 0);
             if (!stopped) mgpu__pipe_moved(m, &p->backwards_done, res != MGPU_OK);
         }
         if (stopped) res = MGPU_ERROR_INVALID_ARGUMENT;
@@ -7396,15 +7511,18 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
 #endif
 
 /* ---- moves 2 to 4 for a batch, on GPU parts: one host thread queues every device's work ---- */
-/* Launches do not wait, so while this thread queues one part's work, the GPUs of the others
-   already run theirs. The stages' orders are merged into one: a stage's next op is queued as soon
-   as what it needs is queued (a forward, the same forward of the stage before; a backward, the
-   same backward of the stage after), and events order the streams the same way. Each op is
-   queued for every replica at once. The last backward of a stage goes layer by layer across the
-   replicas: when a bucket's last layer is done, its all-reduce is queued on the communication
-   streams (after an event that marks backward's progress) while the compute streams go on with
-   the earlier layers. A single CPU part takes this path too, its ops simply running as they are
-   called. */
+/* Launches do not wait, so while this thread queues one replica's work, the GPUs of the others
+   already run theirs. Replicas are queued one after another, last to first: a device's kernels
+   are queued while it is current (cudaSetDevice only between replicas; the one-shot sum and the
+   update after it start on replica 0's device, current by then). Within a replica the stages'
+   orders are merged into one: a stage's next op can be queued once what it needs is queued (a
+   forward, the same forward of the stage before; a backward, the same backward of the stage
+   after), and the stage being queued goes on while it can; events order the streams the same
+   way. The last backward of a stage marks each bucket done with an event on its stream; once
+   every replica is queued, each bucket's all-reduce goes on the communication streams, which wait
+   for those marks: the GPUs sum a bucket while their compute streams go on with the earlier
+   layers, whatever order the host queued them in. A single CPU part takes this path too, its ops
+   simply running as they are called. */
 /* A distributed model whose GPUs sum through NCCL over the whole job, with one stage: its buckets'
    sums overlap backward as in one process. (Every rank must issue every bucket's all-reduce, in
    bucket order: with one stage that is the order backward reaches them.) */
@@ -7434,52 +7552,47 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
     const int overlap = reduce && (R > 1 || mgpu__dist_overlaps(m)) && m->ar[0]->kind != MGPU_ALLREDUCE_HOST;
     int next[MGPU__MAX_STAGES], fdone[MGPU__MAX_STAGES], bdone[MGPU__MAX_STAGES], issued[MGPU__MAX_STAGES];
     mgpu_result res = MGPU_OK;
-    int s, r, queued = 0, bk = 0, buckets_issued = 0;
-    for (s = 0; s < S; ++s) next[s] = fdone[s] = bdone[s] = issued[s] = 0;
-    while (queued < 2 * M * S && res == MGPU_OK) {
-        for (s = S - 1; s >= 0 && res == MGPU_OK; --s) {
-            int op, k, l;
-            if (next[s] == 2 * M) continue;
+    int s, r, queued, bk, buckets_issued = 0;
+    for (s = 0; s < S; ++s) issued[s] = 0;
+    for (r = R - 1; r >= 0 && res == MGPU_OK; --r) {                                                  /* 3. compute */
+        for (s = 0; s < S; ++s) next[s] = fdone[s] = bdone[s] = 0;
+        for (queued = 0, s = 0; queued < 2 * M * S && res == MGPU_OK; ++queued) {
+            int op, k;
+            mgpu__part* p;
+            /* the stage whose device is current goes on while its next op can be queued; else the
+               last stage that can (one always can: neither schedule deadlocks) */
+            if (!mgpu__stage_ready(m, s, next, fdone, bdone))
+                for (s = S - 1; s > 0 && !mgpu__stage_ready(m, s, next, fdone, bdone); --s) {}
+            p = mgpu__part_of(m, r, s);
             op = mgpu__stage_op(m, s, next[s]);
             k = op >= 0 ? op : -1 - op;
-            if (op >= 0 ? s > 0 && fdone[s - 1] <= k : s < S - 1 && bdone[s + 1] <= k) continue;   /* not yet */
             if (op >= 0) {
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__run_forward(b, mgpu__part_of(m, r, s), k);
+                res = mgpu__run_forward(b, p, k);
                 fdone[s]++;
-            } else if (!overlap || k < M - 1) {
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__run_backward(b, mgpu__part_of(m, r, s), k);
-                bdone[s]++;
-            } else {   /* the stage's last backward, with its buckets' all-reduces */
-                int slices[MGPU__MAX_REPLICAS];
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_wait(b->op, m, mgpu__part_of(m, r, s), k, 1);
-                for (r = 0; r < R; ++r) slices[r] = mgpu__trace_open(m, r * S + s, 0, mgpu__part_of(m, r, s)->dev->stream, "B %d", k);
-                for (l = m->stage_layer[s + 1] - 1; l >= m->stage_layer[s] && res == MGPU_OK; --l) {
-                    for (r = 0; r < R && res == MGPU_OK; ++r) {
-                        mgpu__part* p = mgpu__part_of(m, r, s);
-                        res = mgpu__part_backward_layer(m, p, k, l, p->slot[k % p->slot_count].dout, 0);
-                    }
-                    for (bk = 0; res == MGPU_OK && bk < m->bucket_count; ++bk) {                    /* 4. reduce */
-                        float* bufs[MGPU__MAX_REPLICAS];
-                        const mgpu__bucket* bu = &m->buckets[bk];
-                        if (bu->stage != s || bu->ready_layer != l) continue;
-                        for (r = 0; r < R; ++r) bufs[r] = MGPU__F32(mgpu__part_of(m, r, s)->grads) + (bu->begin - m->stage_off[s]);
-                        int ar_slices[MGPU__MAX_REPLICAS];
-                        issued[s] = 1;
-                        buckets_issued++;
-                        res = mgpu__ar_after_compute(m->ar[s]);
-                        for (r = 0; r < R; ++r) ar_slices[r] = mgpu__trace_open(m, r * S + s, 1, m->ar[s]->rank[r].stream, "all-reduce bucket %d", bk);
-                        if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
-                        for (r = 0; r < R; ++r) mgpu__trace_close(m, ar_slices[r], m->ar[s]->rank[r].stream);
-                    }
-                }
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_backward_done(mgpu__part_of(m, r, s), k);
-                for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], mgpu__part_of(m, r, s)->dev->stream);
-                for (r = 0; r < R && res == MGPU_OK; ++r) res = mgpu__part_mark(b->op, mgpu__part_of(m, r, s), M + k);
+            } else {
+                res = mgpu__run_backward(b, p, k, overlap && k == M - 1);
                 bdone[s]++;
             }
             next[s]++;
-            queued++;
         }
+    }
+    for (bk = 0; overlap && res == MGPU_OK && bk < m->bucket_count; ++bk) {   /* 4. reduce, in the order backward marks them */
+        const mgpu__bucket* bu = &m->buckets[bk];
+        float* bufs[MGPU__MAX_REPLICAS];
+        void* done[MGPU__MAX_REPLICAS];
+        int slices[MGPU__MAX_REPLICAS];
+        s = bu->stage;
+        for (r = 0; r < R; ++r) {
+            mgpu__part* p = mgpu__part_of(m, r, s);
+            bufs[r] = MGPU__F32(p->grads) + (bu->begin - m->stage_off[s]);
+            done[r] = p->bucket_done[bk];
+        }
+        issued[s] = 1;
+        buckets_issued++;
+        res = mgpu__ar_after_events(m->ar[s], done);
+        for (r = 0; r < R; ++r) slices[r] = mgpu__trace_open(m, r * S + s, 1, m->ar[s]->rank[r].stream, "all-reduce bucket %d", bk);
+        if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
+        for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], m->ar[s]->rank[r].stream);
     }
     if (res != MGPU_OK && overlap && m->dist) mgpu__dist_issue_rest(m, buckets_issued);   /* the others' NCCL waits for them */
     /* The compute streams wait for the comm streams, also after a failure: nothing may touch
@@ -7975,44 +8088,68 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
 
 #define MGPU__EVAL_ROWS 512   /* rows per replica per evaluation pass */
 
+/* Chunks of MGPU__EVAL_ROWS rows per replica, queued one after another: each chunk's mean loss
+   and correct count stay on the devices until the end, when one download per replica reads them
+   all (an evaluation waits for its devices once, not twice per chunk). */
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                         float* loss, int64_t* correct) {
     static const char* op = "mgpu_model_evaluate";
-    int64_t n, chunk_start, chunk, start, count, hits = 0, c;
+    int64_t n, per_chunk, chunks, j, start, count, hits = 0, c;
     double total = 0.0;
-    int i;
+    float* host = NULL;
+    mgpu_result res = MGPU_OK;
+    int i, counting;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
     if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     MGPU__TRY(mgpu__check_input(op, m, x));
     MGPU__TRY(mgpu__check_target(op, m, x, target));
+    counting = correct && m->loss == MGPU_LOSS_CROSS_ENTROPY;
     n = x->shape.dim[0];
-    for (chunk_start = 0; chunk_start < n; chunk_start += chunk) {
-        mgpu_tensor xc, tc;
-        chunk = MGPU__MIN(n - chunk_start, (int64_t)MGPU__EVAL_ROWS * m->replica_count);
-        xc = mgpu__rows(x, chunk_start, chunk);
-        tc = mgpu__rows(target, chunk_start, chunk);
+    per_chunk = (int64_t)MGPU__EVAL_ROWS * m->replica_count;
+    chunks = (n + per_chunk - 1) / per_chunk;
+    for (i = 0; i < m->replica_count; ++i) {
+        mgpu__part* last = mgpu__part_of(m, i, m->stage_count - 1);
+        MGPU__TRY(mgpu__ensure(&last->eval, last->dev, MGPU_F32, mgpu_shape1(MGPU__MAX(2 * chunks, 1))));
+    }
+    for (j = 0; j < chunks; ++j) {                                                    /* queue every chunk */
+        const int64_t rows = MGPU__MIN(n - j * per_chunk, per_chunk);
+        mgpu_tensor xc = mgpu__rows(x, j * per_chunk, rows), tc = mgpu__rows(target, j * per_chunk, rows);
         for (i = 0; i < m->replica_count; ++i) {
             mgpu__part *in = mgpu__part_of(m, i, 0), *last = mgpu__part_of(m, i, m->stage_count - 1);
-            mgpu_tensor xs, ts, l0;
+            int32_t* counts = (int32_t*)MGPU__F32(last->eval) + chunks;
+            mgpu_tensor xs, ts, lj;
             const mgpu_tensor* out;
-            float v;
-            mgpu__split(chunk, m->replica_count, i, &start, &count);
+            mgpu__split(rows, m->replica_count, i, &start, &count);
             if (count == 0) continue;
-            MGPU__TRY(mgpu__part_slice(in, &xc, start, count, 0, &in->xbuf, &xs));
-            MGPU__TRY(mgpu__part_slice(last, &tc, start, count, 0, &last->tbuf, &ts));
+            MGPU__TRY(mgpu__part_inputs(in, last, &xc, &tc, start, count, 0, &xs, &ts));
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
-            l0 = mgpu__rows(last->losses, m->micro_batches, 1);
-            MGPU__TRY(mgpu__loss(m, &l0, out, &ts, NULL, 1.0f));
-            MGPU__TRY(mgpu_tensor_download(&l0, &v, sizeof v));
-            total += (double)v * (double)count;
-            if (correct && m->loss == MGPU_LOSS_CROSS_ENTROPY) {
+            lj = mgpu__rows(last->eval, j, 1);
+            MGPU__TRY(mgpu__loss(m, &lj, out, &ts, NULL, 1.0f));
+            if (counting && last->dev->kind == MGPU_DEVICE_CPU) {
                 MGPU__TRY(mgpu_count_correct(out, &ts, &c));
-                hits += c;
+                counts[j] = (int32_t)c;
+            } else if (counting) {
+                MGPU__TRY(mgpu__count_correct_queued(op, out, &ts, counts + j));
             }
         }
     }
+    if (chunks > 0) host = (float*)MGPU_MALLOC((size_t)(2 * chunks * m->replica_count) * sizeof(float));
+    if (chunks > 0 && !host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0; i < m->replica_count && chunks > 0 && res == MGPU_OK; ++i)   /* read them back: the one wait */
+        res = mgpu_tensor_download(mgpu__part_of(m, i, m->stage_count - 1)->eval, host + 2 * chunks * i,
+                                   (size_t)(2 * chunks) * sizeof(float));
+    for (j = 0; j < chunks && res == MGPU_OK; ++j)   /* summed in the order of the rows, as before */
+        for (i = 0; i < m->replica_count; ++i) {
+            const float* mine = host + 2 * chunks * i;
+            mgpu__split(MGPU__MIN(n - j * per_chunk, per_chunk), m->replica_count, i, &start, &count);
+            if (count == 0) continue;
+            total += (double)mine[j] * (double)count;
+            if (counting) hits += ((const int32_t*)(mine + chunks))[j];
+        }
+    MGPU_FREE(host);
+    MGPU__TRY(res);
     if (loss) *loss = n ? (float)(total / (double)n) : 0.0f;
     if (correct) *correct = hits;
     return MGPU_OK;

@@ -133,6 +133,10 @@ static int use_device(int dev) {
     return MGPU__CU_OK;
 }
 #define USE_DEVICE(dev) TRY(use_device(dev))
+// Copies, events and waits run on the stream's device whichever is current (CUDA's rules for
+// streams and events: only a kernel launch, and cuBLAS, need the stream's device current). The
+// legacy stream, NULL, is the current device's.
+#define USE_DEVICE_OF(dev, stream) do { if (!(stream)) USE_DEVICE(dev); } while (0)
 
 static cudaStream_t as_stream(void* stream) { return (cudaStream_t)stream; }
 
@@ -352,15 +356,14 @@ int mgpu__cu_event_destroy(int dev, void* event) {
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_event_record(int dev, void* event, void* stream) {
-    USE_DEVICE(dev);
+int mgpu__cu_event_record(int dev, void* event, void* stream) {   // event and stream both of dev
+    USE_DEVICE_OF(dev, stream);
     CUDA_TRY(cudaEventRecord((cudaEvent_t)event, as_stream(stream)), "cudaEventRecord(%p, stream %p) on device %d",
              event, stream, dev);
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_event_done(int dev, void* event, int* done) {   // never waits
-    USE_DEVICE(dev);
+int mgpu__cu_event_done(int dev, void* event, int* done) {   // never waits; any device may be current
     const cudaError_t e = cudaEventQuery((cudaEvent_t)event);
     *done = e == cudaSuccess;
     if (e == cudaErrorNotReady) (void)cudaGetLastError();   // not an error: off the runtime's last-error slot
@@ -368,14 +371,13 @@ int mgpu__cu_event_done(int dev, void* event, int* done) {   // never waits
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_event_synchronize(int dev, void* event) {
-    USE_DEVICE(dev);
+int mgpu__cu_event_synchronize(int dev, void* event) {   // any device may be current
     CUDA_TRY(cudaEventSynchronize((cudaEvent_t)event), "cudaEventSynchronize(%p) on device %d", event, dev);
     return MGPU__CU_OK;
 }
 
-int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {
-    USE_DEVICE(dev);
+int mgpu__cu_stream_wait_event(int dev, void* stream, void* event) {   // event of any device
+    USE_DEVICE_OF(dev, stream);
     CUDA_TRY(cudaStreamWaitEvent(as_stream(stream), (cudaEvent_t)event, 0),
              "cudaStreamWaitEvent(stream %p, event %p) on device %d", stream, event, dev);
     return MGPU__CU_OK;
@@ -450,16 +452,16 @@ int mgpu__cu_host_free(void* ptr) {
 }
 
 int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* stream) {
-    USE_DEVICE(dev);
+    USE_DEVICE_OF(dev, stream);
     if (bytes == 0) return MGPU__CU_OK;
     CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
              "cudaMemcpyAsync(%zu bytes, %p -> %p) on device %d", bytes, src, dst, dev);
     return MGPU__CU_OK;
 }
 
-// `stream` is the destination device's (as mgpu.h passes it), so dst_dev is made current.
+// `stream` is the destination device's (as mgpu.h passes it).
 int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream) {
-    USE_DEVICE(dst_dev);
+    USE_DEVICE_OF(dst_dev, stream);
     if (bytes == 0) return MGPU__CU_OK;
     CUDA_TRY(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, bytes, as_stream(stream)),
              "cudaMemcpyPeerAsync(%zu bytes, device %d -> device %d)", bytes, src_dev, dst_dev);
@@ -673,9 +675,17 @@ struct bias_add_op {
 };
 
 int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value) {
-    USE_DEVICE(dev);
-    return with_dtype(dtype, [&](auto zero) {
-        using T = decltype(zero);
+    const double zero_bits = 0.0;
+    const bool zero = memcmp(&value, &zero_bits, sizeof value) == 0;   // +0 is zero bytes in every dtype
+    if (zero) USE_DEVICE_OF(dev, stream);   // a memset: no kernel, no device switch
+    else USE_DEVICE(dev);
+    return with_dtype(dtype, [&](auto z) -> int {
+        using T = decltype(z);
+        if (zero) {
+            if (n) CUDA_TRY(cudaMemsetAsync(ptr, 0, n * sizeof(T), as_stream(stream)), "cudaMemsetAsync(%p, %zu bytes) on device %d",
+                            ptr, n * sizeof(T), dev);
+            return MGPU__CU_OK;
+        }
         return launch_map(dev, stream, "fill", n, fill_op<T>{(T*)ptr, fill_value<T>(value)}, vec4_ok((T*)ptr));
     });
 }
@@ -1424,9 +1434,10 @@ int mgpu__cu_nccl_comm_check(void* comm) {
     return MGPU__CU_OK;
 }
 
+// Called between ncclGroupStart and ncclGroupEnd (mgpu.h does), as NCCL's examples of one thread
+// with several GPUs do: NCCL makes each communicator's device current itself.
 int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream) {
     TRY(nccl_ready());
-    USE_DEVICE(dev);
     NCCL_TRY(nccl.AllReduce(buf, buf, n, ncclFloat32, ncclSum, (ncclComm_t)comm, as_stream(stream)),
              "ncclAllReduce(%zu floats, in place) on device %d", n, dev);
     return MGPU__CU_OK;

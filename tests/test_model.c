@@ -1712,6 +1712,8 @@ static void test_training(void) {
     /* evaluate against float64 */
     evaluate_case(NULL);
     evaluate_case("cpu:3");
+    if (mgpu_cuda_device_count() >= 1) evaluate_case("cuda:0");     /* several chunks, read back at the end */
+    if (mgpu_cuda_device_count() >= 2) evaluate_case("cuda:0,1");
     /* the same seed twice: bit-identical losses (with Dropout); another seed: different */
     {
         const int B = 16, S = 5;

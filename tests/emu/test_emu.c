@@ -329,7 +329,9 @@ static void stall_devices(mgpu_device_set* set, int ms) {
 
 /* Batches from the CPU go up without the host waiting, and the loss stays on the device until
    asked for. Per step, with the devices idle at its start (as when the host is the slower side),
-   no host synchronisation; the loss read (mgpu_model_last_loss) waits, and gives what a step
+   no host synchronisation or cudaGetDevice, at most two copies from the host per device (the
+   batch's rows with their labels; the optimizer's numbers), and with one stage cudaSetDevice at
+   most 2 x devices - 1 times (and the P2P ring's); the loss read (mgpu_model_last_loss) waits, and gives what a step
    given a loss pointer gives. Then 30 steps back to back, the host far ahead of the devices (each
    stalled for 0.1 s every 10 steps): the staging buffers are refilled only after their copies
    have read them, so the parameters are those of the same steps run one at a time. */
@@ -337,10 +339,16 @@ static int case_fed_steps(const char* spec, int stages) {
     fed_cfg c = {spec, stages, 0, 0, 0, 0, 0};
     fed_run a, b;
     float la = 0.0f, lb = 0.0f;
-    int i;
+    int i, parts, ring_steps;
     mgpu_emu_counters before, after;
     float *pa, *pb;
     if (fed_open(&a, &c) || fed_open(&b, &c)) return 1;
+    parts = mgpu_device_set_count(a.set);
+    /* one host thread queues it all: each device is made current for its replica's forward and
+       backward, then again for the update (the sums must be queued after every replica's
+       backward); a P2P ring's reduce-scatter adds a kernel on every device at each of its steps */
+    ring_steps = parts > 1 && a.m->ar[0]->kind == MGPU_ALLREDUCE_P2P && !mgpu__ar_oneshot_fits(a.m->ar[0], 4 * (size_t)a.m->part[0].grads->shape.dim[0])
+                     ? parts * (parts - 1) : 0;
     NEED(mgpu_model_last_loss(a.m, &la) == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "no batch"),
          "last_loss before any step: %s", mgpu_last_error());
     for (i = 0; i < 2; ++i) if (fed_step(&a, NULL) || fed_step(&b, NULL)) return 1;   /* warm-up: every buffer made */
@@ -351,6 +359,12 @@ static int case_fed_steps(const char* spec, int stages) {
         mgpu_emu_get_counters(&after);
         NEED(after.syncs == before.syncs, "%s, %d stages: step %d waited for the devices %llu times", spec, stages, i,
              (unsigned long long)(after.syncs - before.syncs));
+        NEED(after.get_device == before.get_device && after.copies_h2d - before.copies_h2d <= (uint64_t)(2 * parts),
+             "%s, %d stages: %llu cudaGetDevice calls and %llu copies from the host for %d devices in a step", spec, stages,
+             (unsigned long long)(after.get_device - before.get_device), (unsigned long long)(after.copies_h2d - before.copies_h2d), parts);
+        NEED(stages > 1 || after.set_device - before.set_device <= (uint64_t)(2 * parts - 1 + ring_steps),
+             "%s: %llu cudaSetDevice calls in a step (want at most %d)", spec, (unsigned long long)(after.set_device - before.set_device),
+             2 * parts - 1 + ring_steps);
         if (fed_step(&b, &lb)) return 1;
     }
     mgpu_emu_get_counters(&before);
@@ -358,6 +372,24 @@ static int case_fed_steps(const char* spec, int stages) {
     mgpu_emu_get_counters(&after);
     NEED(after.syncs > before.syncs, "the loss was read without waiting for the devices");
     NEED(la == lb && la > 0.0f, "%s: the last step's loss %.9g, the step's own %.9g", spec, (double)la, (double)lb);
+    {   /* an evaluation of many chunks waits only when it reads the replicas' results back: one
+           download each (a copy to pageable memory, which waits, and the stream's wait) */
+        mgpu_tensor *x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(2100, 1, 6, 6));
+        mgpu_tensor *y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(2100));
+        int64_t hits_a = -1, hits_b = -1;
+        NEED(x && y && mgpu_rand_normal(x, 5, 0, 0.0f, 1.0f) == MGPU_OK && mgpu_tensor_fill(y, 2.0) == MGPU_OK, "%s", mgpu_last_error());
+        NEED(sync_all(a.set) == 0, "sync");
+        mgpu_emu_get_counters(&before);
+        NEED(mgpu_model_evaluate(a.m, x, y, &la, &hits_a) == MGPU_OK, "evaluate: %s", mgpu_last_error());
+        mgpu_emu_get_counters(&after);
+        NEED(after.syncs - before.syncs <= (uint64_t)(2 * parts / stages), "%s: an evaluation of %d chunks waited %llu times", spec,
+             (int)((2100 + 512 * (parts / stages) - 1) / (512 * (parts / stages))), (unsigned long long)(after.syncs - before.syncs));
+        NEED(mgpu_model_evaluate(b.m, x, y, &lb, &hits_b) == MGPU_OK && la == lb && hits_a == hits_b && hits_a >= 0,
+             "%s: evaluations of the same parameters: loss %.9g, %lld correct; loss %.9g, %lld correct", spec, (double)la,
+             (long long)hits_a, (double)lb, (long long)hits_b);
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
     for (i = 0; i < 30; ++i) {
         if (i % 10 == 0) stall_devices(a.set, 100);   /* the host gets well ahead */
         if (fed_step(&a, NULL)) return 1;
@@ -428,8 +460,9 @@ static int evaluate_between(fed_run* a, fed_run* b, mgpu_tensor** stray, int* st
    batch of every epoch smaller (its step runs eagerly, the graph is made again after), an
    evaluation on another batch shape every 100 steps (the graph is made again too), the other
    optimizer from step 200 on, the loss of every 10th step equal too. The graph is really used: most steps replay it, and a replayed
-   step asks the host for one graph launch, its input copies and the optimizer's numbers (one
-   copy per device each), and no kernel, GEMM or synchronisation. */
+   step asks the host for one graph launch, its input copy (the rows and their labels together),
+   the optimizer's numbers and Dropout's key (one copy per device each), at most one cudaSetDevice
+   per device, and no kernel, GEMM, synchronisation or cudaGetDevice. */
 static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, int dropout) {
     fed_cfg c = {spec, stages, cnn, adamw, 0, dropout, 330};
     fed_run a, b;
@@ -459,8 +492,11 @@ static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, in
                  "%llu GEMMs, %llu synchronisations", what, i, (unsigned long long)(after.graph_launches - before.graph_launches),
                  (unsigned long long)(after.launches - before.launches), (unsigned long long)(after.gemms - before.gemms),
                  (unsigned long long)(after.syncs - before.syncs));
-            NEED(after.copies_h2d - before.copies_h2d <= (uint64_t)((dropout ? 4 : 3) * parts), "%s: %llu copies from the host for %d devices",
+            NEED(after.copies_h2d - before.copies_h2d <= (uint64_t)((dropout ? 3 : 2) * parts), "%s: %llu copies from the host for %d devices",
                  what, (unsigned long long)(after.copies_h2d - before.copies_h2d), parts);
+            NEED(after.set_device - before.set_device <= (uint64_t)parts && after.get_device == before.get_device,
+                 "%s: %llu cudaSetDevice and %llu cudaGetDevice calls for %d devices", what,
+                 (unsigned long long)(after.set_device - before.set_device), (unsigned long long)(after.get_device - before.get_device), parts);
             NEED(after.copies_d2h == before.copies_d2h && after.copies_peer == before.copies_peer && after.copies_d2d == before.copies_d2d,
                  "%s: device copies outside the graph", what);
             checked++;
