@@ -1172,8 +1172,9 @@ typedef struct mgpu__window {
 /* ---- backend interface, implemented in mgpu_kernels.cu ----
    Every function returns 0 on success or one of the codes below, and then leaves a message
    naming the failed call, the CUDA/cuBLAS/NCCL error name and mgpu_kernels.cu:line, which
-   mgpu__cu_error_message() returns (thread-local). `dev` is the CUDA device number; the function
-   makes it current. `stream` is a cudaStream_t (NULL: the legacy default stream). Kernels are
+   mgpu__cu_error_message() returns (thread-local). `dev` is the CUDA device number; a function
+   that launches work on it makes it current (a copy, an event or a wait on one of its streams
+   needs not). `stream` is a cudaStream_t (NULL: the legacy default stream). Kernels are
    asynchronous on `stream`; every launch's error is checked. */
 enum {
     MGPU__CU_OK = 0,
@@ -1207,8 +1208,8 @@ int mgpu__cu_event_done(int dev, void* event, int* done);   /* *done: its last r
 int mgpu__cu_event_synchronize(int dev, void* event);
 /* Around a training step (enter 1, then 0): inside it, this thread's calls trust the device they
    made current last (no cudaGetDevice; cudaSetDevice only when the device changes). Copies,
-   events, waits, zero fills and NCCL calls on a stream of a device never make it current: CUDA
-   runs them on the stream's device whichever is current. */
+   events, waits and NCCL calls on a stream of a device never make it current: CUDA runs them on
+   the stream's device whichever is current. */
 int mgpu__cu_step_scope(int enter);
 int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
 /* CUDA graphs: capture on stream (global mode), end it into an executable graph, launch, destroy */
@@ -1715,8 +1716,9 @@ typedef struct mgpu__staging {
     size_t capacity;
     void* read;
 } mgpu__staging;
-#define MGPU__STAGING_SLOTS 8   /* a step uploads x and the target to each device, and with a
-                                   CUDA graph the optimizer's numbers and Dropout's key too */
+#define MGPU__STAGING_SLOTS 8   /* a step uploads its batch (rows and labels in one copy) and the
+                                   optimizer's numbers to each device, with a CUDA graph and
+                                   Dropout its key too */
 #define MGPU__STAGING_MAX ((size_t)16 << 20)   /* larger copies wait instead (pinned memory is scarce) */
 
 struct mgpu_device {
@@ -5099,7 +5101,7 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
 
 /* One-shot: replica 0's stream waits for every other replica's stream, runs the one sum kernel,
    and every other stream waits for it. On the comm streams for a bucket while backward goes on
-   (after mgpu__ar_after_compute); for a whole all-reduce directly on the compute streams, which
+   (after mgpu__ar_after_events); for a whole all-reduce directly on the compute streams, which
    takes a third of the calls (latency is what counts for small sums). Replicas are summed in
    order, as the host does, so every replica gets the same bits. */
 static mgpu_result mgpu__ar_oneshot(mgpu_allreduce* ar, float* const* bufs, size_t n, int on_compute) {
@@ -5152,7 +5154,8 @@ static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_
 }
 
 /* Sum bufs[i][0..n) across replicas, on the comm streams (GPU) or right away (CPU). The caller
-   orders it with the compute streams (mgpu__ar_after_compute / mgpu__ar_before_compute). */
+   orders it with the compute streams (mgpu__ar_after_events or _after_compute, then
+   mgpu__ar_before_compute). */
 static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     if (ar->kind == MGPU_ALLREDUCE_NONE || n == 0) return MGPU_OK;
     if (ar->rank[0].dev->kind == MGPU_DEVICE_CPU) {
@@ -7220,6 +7223,8 @@ typedef struct mgpu__batch {
     mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
     int64_t first[MGPU__MAX_REPLICAS];   /* where each replica's rows start in the batch */
     int64_t row_base;                    /* a distributed model: the rows of the ranks before this one */
+    int zero_grads;                      /* a whole step's: the gradients zeroed first (on a GPU, on each
+                                            part's stream as its first op is queued) */
     mgpu_result* results;                /* CPU threads: each part's */
 } mgpu__batch;
 
@@ -7231,6 +7236,7 @@ static void mgpu__batch_begin(mgpu__batch* b, mgpu_model* m, const char* op, int
     b->m = m;
     b->op = op;
     b->batch_total = batch_total;
+    b->zero_grads = 0;
 }
 
 static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const mgpu_tensor* target) {
@@ -7474,6 +7480,7 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
     mgpu_model* m = b->m;
     mgpu_result results[MGPU__MAX_REPLICAS];
     int i, failed = -1;
+    if (b->zero_grads) MGPU__TRY(mgpu_model_zero_grad(m));
     b->results = results;
     for (i = 0; i < m->part_count; ++i) {
         m->part[i].forwards_done = m->part[i].backwards_done = 0;
@@ -7564,6 +7571,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
             if (!mgpu__stage_ready(m, s, next, fdone, bdone))
                 for (s = S - 1; s > 0 && !mgpu__stage_ready(m, s, next, fdone, bdone); --s) {}
             p = mgpu__part_of(m, r, s);
+            if (next[s] == 0 && b->zero_grads && (res = mgpu_tensor_zero(p->grads)) != MGPU_OK) break;   /* while p's device is current */
             op = mgpu__stage_op(m, s, next[s]);
             k = op >= 0 ? op : -1 - op;
             if (op >= 0) {
@@ -7588,10 +7596,12 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
             done[r] = p->bucket_done[bk];
         }
         issued[s] = 1;
-        buckets_issued++;
         res = mgpu__ar_after_events(m->ar[s], done);
         for (r = 0; r < R; ++r) slices[r] = mgpu__trace_open(m, r * S + s, 1, m->ar[s]->rank[r].stream, "all-reduce bucket %d", bk);
-        if (res == MGPU_OK) res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
+        if (res == MGPU_OK) {   /* issued, whatever the call's fate (mgpu__dist_issue_rest goes on after it) */
+            buckets_issued++;
+            res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
+        }
         for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], m->ar[s]->rank[r].stream);
     }
     if (res != MGPU_OK && overlap && m->dist) mgpu__dist_issue_rest(m, buckets_issued);   /* the others' NCCL waits for them */
@@ -7652,6 +7662,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     MGPU__TRY(res);
     if (batch_total < all_rows) batch_total = all_rows;
     mgpu__batch_begin(&b, m, op, batch_total);
+    b.zero_grads = reduce;   /* a whole step: from zeroed gradients */
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
     if (res != MGPU_OK) {
         if (reduce && mgpu__dist_overlaps(m)) mgpu__dist_issue_rest(m, 0);   /* the other ranks' NCCL waits for these */
@@ -7826,7 +7837,7 @@ static mgpu_result mgpu__graph_capture(mgpu_model* m, mgpu_optimizer* opt, mgpu_
     mgpu__hold(m, 1);
     m->capturing = 1;
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, first, 0, &m->part[i]);
-    if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
+    b->zero_grads = 1;
     if (r == MGPU_OK) r = mgpu__run_batch_streams(b, 1);                                            /* 3, 4 */
     if (r == MGPU_OK) r = mgpu__optimizer_step(opt);                                                /* 5 */
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, &m->part[i], 1, first);
@@ -7965,9 +7976,9 @@ static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         r = mgpu__graph_step(m, opt, x, target, loss, &eager);
         if (!eager || r != MGPU_OK) return r;
     }
-    if (r == MGPU_OK) r = mgpu_model_zero_grad(m);
     if (r != MGPU_OK && !m->dist) return r;
-    m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded */
+    m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded, */
+    m->grads_reduced = 0;  /* its gradients zeroed as each part's work is queued (mgpu__batch.zero_grads) */
     /* (a distributed model reads the loss in its vote, before the sum across processes) */
     MGPU__TRY(mgpu__run_batch(m, op, r, x, target, 0, 1, m->dist ? loss : NULL));                  /* 2, 3, 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
@@ -8119,8 +8130,14 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             int32_t* counts = (int32_t*)MGPU__F32(last->eval) + chunks;
             mgpu_tensor xs, ts, lj;
             const mgpu_tensor* out;
+            int s;
             mgpu__split(rows, m->replica_count, i, &start, &count);
             if (count == 0) continue;
+            for (s = 0; j > 0 && s + 1 < m->stage_count; ++s) {   /* a stage's output is overwritten only after the next stage read it */
+                const mgpu__part *p = mgpu__part_of(m, i, s), *reader = p + 1;
+                if (reader->events)
+                    MGPU__CU(op, p->dev, mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, reader->events[0]));
+            }
             MGPU__TRY(mgpu__part_inputs(in, last, &xc, &tc, start, count, 0, &xs, &ts));
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);

@@ -459,7 +459,7 @@ int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* str
     return MGPU__CU_OK;
 }
 
-// `stream` is the destination device's (as mgpu.h passes it).
+// `stream` is the one of the two devices' that orders the copy (as mgpu.h passes it).
 int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream) {
     USE_DEVICE_OF(dst_dev, stream);
     if (bytes == 0) return MGPU__CU_OK;
@@ -676,9 +676,8 @@ struct bias_add_op {
 
 int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value) {
     const double zero_bits = 0.0;
-    const bool zero = memcmp(&value, &zero_bits, sizeof value) == 0;   // +0 is zero bytes in every dtype
-    if (zero) USE_DEVICE_OF(dev, stream);   // a memset: no kernel, no device switch
-    else USE_DEVICE(dev);
+    const bool zero = memcmp(&value, &zero_bits, sizeof value) == 0;   // +0 is zero bytes in every dtype: a memset
+    USE_DEVICE(dev);   // (CUDA's rules name copies, events and waits on another device's stream, not memsets)
     return with_dtype(dtype, [&](auto z) -> int {
         using T = decltype(z);
         if (zero) {
