@@ -70,6 +70,11 @@ $(B)/train_cpu: examples/train.c mgpu.h | $(B)
 $(B)/train_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
+# The plain build a user who vendors mgpu.h makes (cc -O2, no -march): its CPU kernels are
+# chosen at run time (tests/plain_build.sh, and make bench's *_plain_O2 rows)
+$(B)/train_plain: examples/train.c mgpu.h | $(B)
+	$(CC) $(WARN) -O2 -I. $< -o $@ $(LDLIBS)
+
 # build/train is the program to run: the CUDA build when there is nvcc (it falls back to the
 # CPU by itself on a machine without a GPU), else the CPU build.
 $(B)/train: $(if $(NVCC),$(B)/train_cuda,$(B)/train_cpu)
@@ -226,11 +231,12 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/mpi.sh $(B) $(DATA)" \
+	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
+	    "sh tests/mpi.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
@@ -254,13 +260,15 @@ demo: $(DEMO_BIN) $(if $(EMU),$(EMU_DIR)/libnccl_emu.so)
 # ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
 $(B)/bench: bench/bench.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS) -ldl
+$(B)/bench_plain: bench/bench.c mgpu.h | $(B)
+	$(CC) $(WARN) -O2 -I. $< -o $@ $(LDLIBS) -ldl
 
 $(B)/bench_cuda: bench/bench.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 # then what a training step asks of the GPUs (launches, syncs, allocations, bytes), on 1 and 4
 # emulated GPUs: the shape of a step, which sets its speed at these sizes on a real GPU
-bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so $(if $(HAVE_MPI),$(B)/bench_mpi)
+bench: $(if $(NVCC),$(B)/bench_cuda,$(B)/bench) $(B)/bench_plain $(EMU_DIR)/bench $(EMU_DIR)/libnccl_emu.so $(if $(HAVE_MPI),$(B)/bench_mpi)
 	sh bench/run.sh $<
 	MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so $(EMU_DIR)/bench emu
 

@@ -41,6 +41,9 @@
                          yours); the bits may then depend on the BLAS's own thread count
    MGPU_MPI              jobs of several processes over MPI (mgpu_dist_init, >>parallel): build
                          with mpicc; without it nothing needs MPI
+   MGPU_NO_CPU_DISPATCH  x86 built without -mavx2 -mfma (a plain cc -O2): keep the portable GEMM
+                         kernel instead of choosing the AVX2+FMA one at run time where the CPU
+                         has it (GCC, Clang; the same bits as a -march=native build then)
 
    ---------------------------------------------------------------------------------------------
    QUICK START (the gist of examples/tour.c, the complete program, which CI builds and runs)
@@ -1341,8 +1344,22 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #include <pthread.h>
 #include <sched.h>
 #endif
+/* The CPU's AVX2 and FMA code (the GEMM's micro-kernel): where the compiler targets them
+   (-march=native, -mavx2 -mfma) always; else, on x86 with GCC or Clang, compiled for them anyway
+   and chosen at run time when the CPU has them, so that a plain `cc -O2` build is as fast on such
+   a CPU and still runs on any x86-64. MGPU_NO_CPU_DISPATCH leaves the portable code alone. */
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>   /* the CPU GEMM's micro-kernel */
+#define MGPU__AVX2_ALWAYS 1
+#define MGPU__AVX2 1
+#define MGPU__AVX2_FN
+#define MGPU__HAVE_AVX2() 1
+#elif (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(MGPU_NO_CPU_DISPATCH)
+#define MGPU__AVX2 1
+#define MGPU__AVX2_FN __attribute__((target("avx2,fma")))
+#define MGPU__HAVE_AVX2() (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+#endif
+#ifdef MGPU__AVX2
+#include <immintrin.h>
 #endif
 #ifdef MGPU_CBLAS
 #include <cblas.h>       /* CPU GEMMs by the BLAS of your choice */
@@ -3074,12 +3091,12 @@ static int mgpu__overlap(const mgpu_tensor* a, const mgpu_tensor* b) {
 #define MGPU__GEMM_MC 96      /* rows of C per task: an MC x KC block of A stays in the L2 cache */
 #define MGPU__GEMM_NC 3072    /* columns of B per panel: KC x NC in the L3 cache */
 
-#if defined(__AVX2__) && defined(__FMA__)
 /* C[0..MR)[0..NR) += alpha * sum over kk of a[r*rs + kk*ks] * b[kk*bs + j] (add 0: C = that, C
    unread; alpha 1: the FMAs go onto C itself): A packed (rs 1, ks MR) or read where it lies
    (row-major: rs lda, ks 1; transposed: rs 1, ks lda); B packed (bs NR) or read where it lies
    (bs ldb) */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+#ifdef MGPU__AVX2
+static MGPU__AVX2_FN void mgpu__gemm_kernel_avx2(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
                               int64_t ldc, float alpha, int add) {
     const int chain = add && alpha == 1.0f;   /* the tile starts from C */
 #define MGPU__GEMM_START(r, j) (chain ? _mm256_loadu_ps(c + (r) * ldc + (j)) : _mm256_setzero_ps())
@@ -3111,9 +3128,10 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
     MGPU__GEMM_ROW(3, c30, c31); MGPU__GEMM_ROW(4, c40, c41); MGPU__GEMM_ROW(5, c50, c51);
 #undef MGPU__GEMM_ROW
 }
-#else
+#endif
+#ifndef MGPU__AVX2_ALWAYS
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
-static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+static void mgpu__gemm_kernel_portable(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
                               int64_t ldc, float alpha, int add) {
     float acc[MGPU__GEMM_MR][MGPU__GEMM_NR];
     const int chain = add && alpha == 1.0f;   /* the tile starts from C */
@@ -3130,6 +3148,18 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
         for (j = 0; j < MGPU__GEMM_NR; ++j) c[r * ldc + j] = chain ? acc[r][j] : (add ? c[r * ldc + j] : 0.0f) + alpha * acc[r][j];
 }
 #endif
+static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                              int64_t ldc, float alpha, int add) {
+#ifdef MGPU__AVX2
+    if (MGPU__HAVE_AVX2()) {
+        mgpu__gemm_kernel_avx2(kc, a, rs, ks, b, bs, c, ldc, alpha, add);
+        return;
+    }
+#endif
+#ifndef MGPU__AVX2_ALWAYS
+    mgpu__gemm_kernel_portable(kc, a, rs, ks, b, bs, c, ldc, alpha, add);
+#endif
+}
 
 /* One GEMM's operands, and its packed panels (from the caching allocator, 64-byte aligned). */
 typedef struct mgpu__gemm {
@@ -3169,9 +3199,9 @@ static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) 
     if (!g->pack_a || g->a_ready) return;
     for (s = first; s < last; ++s) mgpu__gemm_pack_a_sliver(g, s, g->ap + s * g->kc * MGPU__GEMM_MR);
 }
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef MGPU__AVX2
 /* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block */
-static void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+static MGPU__AVX2_FN void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
     const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds);
     const __m256 r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
     const __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
@@ -3197,9 +3227,10 @@ static void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64
 static void mgpu__gemm_pack_b_transposed(const mgpu__gemm* g, int64_t j0, float* p) {
     const float* src = g->b + j0 * g->ldb + g->k0;
     int64_t kk = 0, j;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; kk + 8 <= g->kc; kk += 8)   /* 8 x 8 blocks through registers */
-        for (j = 0; j < MGPU__GEMM_NR; j += 8) mgpu__transpose_8x8(src + j * g->ldb + kk, g->ldb, p + kk * MGPU__GEMM_NR + j, MGPU__GEMM_NR);
+#ifdef MGPU__AVX2
+    if (MGPU__HAVE_AVX2())
+        for (; kk + 8 <= g->kc; kk += 8)   /* 8 x 8 blocks through registers */
+            for (j = 0; j < MGPU__GEMM_NR; j += 8) mgpu__transpose_8x8(src + j * g->ldb + kk, g->ldb, p + kk * MGPU__GEMM_NR + j, MGPU__GEMM_NR);
 #endif
     for (j = 0; j < MGPU__GEMM_NR; ++j) {
         int64_t k;
@@ -4259,7 +4290,7 @@ static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, co
     return MGPU_OK;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef MGPU__AVX2_ALWAYS   /* (not chosen at run time yet: a plain build pools with the scalar loop) */
 /* 8 windows of the 2 x 2, stride 2 pool: u0 u1 and v0 v1 the 16 values of the two input rows
    from the first window's left edge, at0 that corner's index in the plane (w its width) */
 static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int32_t at0, int32_t w, __m256* y, __m256i* at) {
@@ -4285,7 +4316,7 @@ static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int3
 static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
                                   float* y, int32_t* at) {
     int64_t ox = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef MGPU__AVX2_ALWAYS
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 best;
     __m256i arg;

@@ -7,6 +7,12 @@ dir=$(dirname "$0")
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$bench" all "$@" > "$out/mgpu.tsv" || exit 1
+# the CPU steps of the plain build beside them (cc -O2, no -march: what a user who vendors mgpu.h
+# compiles; its CPU kernels are chosen at run time)
+plain=$(dirname "$bench")/bench_plain
+if [ -x "$plain" ]; then
+    "$plain" steps | awk -F'\t' 'BEGIN { OFS = "\t" } { $1 = $1 "_plain_O2"; print }' >> "$out/mgpu.tsv" || echo "bench: bench_plain failed" >&2
+fi
 # the all-reduce across 2 and 4 processes (MPI, one CPU replica each), where make built bench_mpi
 mpi_bench=$(dirname "$bench")/bench_mpi
 if [ -x "$mpi_bench" ] && command -v mpirun >/dev/null 2>&1; then
