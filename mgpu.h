@@ -215,9 +215,14 @@
 #define MGPU_H
 
 /* The implementation uses POSIX threads, sysconf and clock_gettime; ask for them before any
-   system header is read (a user who includes system headers first can pass -D_POSIX_C_SOURCE). */
+   system header is read (a user who includes system headers first can pass -D_POSIX_C_SOURCE).
+   On macOS, _POSIX_C_SOURCE alone hides the core count and memory size of sysconf: ask for
+   Darwin's own names too. Windows has none of these: the implementation calls Win32 there. */
 #if defined(MGPU_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_WIN32)
 #define _POSIX_C_SOURCE 200809L
+#endif
+#if defined(MGPU_IMPLEMENTATION) && defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
+#define _DARWIN_C_SOURCE 1
 #endif
 
 /* ============================================================================================ */
@@ -1340,7 +1345,19 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #include <stdarg.h>
 #include <errno.h>
 #include <time.h>
-#ifndef MGPU_NO_THREADS
+#ifdef _WIN32
+/* One Win32 path for MSVC and MinGW: threads, locks, the clock, the core count, memory, and
+   files by UTF-16 names (mgpu's paths are UTF-8 everywhere). */
+#ifndef WIN32_LEAN_AND_MEAN
+#define WIN32_LEAN_AND_MEAN
+#endif
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
+#include <windows.h>
+#include <io.h>          /* _get_osfhandle, _fileno */
+#include <process.h>     /* _beginthreadex */
+#elif !defined(MGPU_NO_THREADS)
 #include <pthread.h>
 #include <sched.h>
 #endif
@@ -1362,7 +1379,11 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #include <immintrin.h>
 #endif
 #ifdef MGPU_CBLAS
+#ifdef __APPLE__
+#include <Accelerate/Accelerate.h>   /* macOS's own BLAS: its CBLAS is in here */
+#else
 #include <cblas.h>       /* CPU GEMMs by the BLAS of your choice */
+#endif
 #endif
 #ifdef MGPU_MPI
 #ifndef OMPI_SKIP_MPICXX
@@ -1435,7 +1456,13 @@ static void* mgpu__calloc(size_t count, size_t size) {
 }
 
 MGPUDEF double mgpu_seconds(void) {
-#if defined(CLOCK_MONOTONIC)
+#if defined(_WIN32)
+    static LARGE_INTEGER hz;   /* fixed at boot; a race here writes the same value */
+    LARGE_INTEGER now;
+    if (!hz.QuadPart) QueryPerformanceFrequency(&hz);
+    QueryPerformanceCounter(&now);
+    return (double)now.QuadPart / (double)hz.QuadPart;
+#elif defined(CLOCK_MONOTONIC)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -1509,6 +1536,95 @@ static mgpu_result mgpu__refail(const char* where) {
    OpenBLAS do. (MGPU_CPU_SPIN_US=0 sleeps at once: for a machine whose cores other programs
    need, like OMP_WAIT_POLICY=passive.) The fields watched without the lock are written with
    atomic stores (under the lock, as ever). */
+
+/* The few thread primitives the library uses, on POSIX threads or on Win32 (SRW locks, condition
+   variables, one-time initialisation, _beginthreadex): the rest of the file calls only these.
+   Static initialisers: MGPU__MUTEX_INIT, MGPU__COND_INIT, MGPU__ONCE_INIT. A thread's main is
+   declared with MGPU__THREAD_MAIN(name, arg) and ends with MGPU__THREAD_END. */
+#ifndef MGPU_NO_THREADS
+#ifdef _WIN32
+typedef SRWLOCK mgpu__mutex;
+typedef CONDITION_VARIABLE mgpu__cond;
+typedef INIT_ONCE mgpu__once;
+typedef HANDLE mgpu__thread;
+typedef DWORD mgpu__thread_id;
+#define MGPU__MUTEX_INIT SRWLOCK_INIT
+#define MGPU__COND_INIT CONDITION_VARIABLE_INIT
+#define MGPU__ONCE_INIT INIT_ONCE_STATIC_INIT
+#define MGPU__THREAD_MAIN(name, arg) static unsigned __stdcall name(void* arg)
+#define MGPU__THREAD_END return 0
+typedef unsigned(__stdcall* mgpu__thread_main)(void*);
+static int mgpu__mutex_init(mgpu__mutex* m) { InitializeSRWLock(m); return 0; }
+static void mgpu__mutex_destroy(mgpu__mutex* m) { (void)m; }   /* an SRW lock owns nothing */
+static void mgpu__mutex_lock(mgpu__mutex* m) { AcquireSRWLockExclusive(m); }
+static void mgpu__mutex_unlock(mgpu__mutex* m) { ReleaseSRWLockExclusive(m); }
+static int mgpu__cond_init(mgpu__cond* c) { InitializeConditionVariable(c); return 0; }
+static void mgpu__cond_destroy(mgpu__cond* c) { (void)c; }
+static void mgpu__cond_wait(mgpu__cond* c, mgpu__mutex* m) { SleepConditionVariableSRW(c, m, INFINITE, 0); }
+static void mgpu__cond_broadcast(mgpu__cond* c) { WakeAllConditionVariable(c); }
+/* InitOnceExecuteOnce passes data pointers only: the function travels in a struct */
+typedef struct mgpu__once_fn { void (*fn)(void); } mgpu__once_fn;
+static BOOL CALLBACK mgpu__once_call(PINIT_ONCE once, PVOID param, PVOID* ctx) {
+    (void)once; (void)ctx;
+    ((const mgpu__once_fn*)param)->fn();
+    return TRUE;
+}
+static void mgpu__once_run(mgpu__once* once, void (*fn)(void)) {
+    mgpu__once_fn call;
+    call.fn = fn;
+    InitOnceExecuteOnce(once, mgpu__once_call, &call, NULL);
+}
+static int mgpu__thread_start(mgpu__thread* t, mgpu__thread_main fn, void* arg) {
+    *t = (HANDLE)_beginthreadex(NULL, 0, fn, arg, 0, NULL);
+    return *t ? 0 : -1;
+}
+static void mgpu__thread_join(mgpu__thread t) { WaitForSingleObject(t, INFINITE); CloseHandle(t); }
+static void mgpu__thread_detach(mgpu__thread t) { CloseHandle(t); }
+static mgpu__thread_id mgpu__thread_self(void) { return GetCurrentThreadId(); }
+static int mgpu__thread_same(mgpu__thread_id a, mgpu__thread_id b) { return a == b; }
+static void mgpu__thread_yield(void) { SwitchToThread(); }
+#else
+typedef pthread_mutex_t mgpu__mutex;
+typedef pthread_cond_t mgpu__cond;
+typedef pthread_once_t mgpu__once;
+typedef pthread_t mgpu__thread;
+typedef pthread_t mgpu__thread_id;
+#define MGPU__MUTEX_INIT PTHREAD_MUTEX_INITIALIZER
+#define MGPU__COND_INIT PTHREAD_COND_INITIALIZER
+#define MGPU__ONCE_INIT PTHREAD_ONCE_INIT
+#define MGPU__THREAD_MAIN(name, arg) static void* name(void* arg)
+#define MGPU__THREAD_END return NULL
+typedef void* (*mgpu__thread_main)(void*);
+static int mgpu__mutex_init(mgpu__mutex* m) { return pthread_mutex_init(m, NULL); }
+static void mgpu__mutex_destroy(mgpu__mutex* m) { pthread_mutex_destroy(m); }
+static void mgpu__mutex_lock(mgpu__mutex* m) { pthread_mutex_lock(m); }
+static void mgpu__mutex_unlock(mgpu__mutex* m) { pthread_mutex_unlock(m); }
+static int mgpu__cond_init(mgpu__cond* c) { return pthread_cond_init(c, NULL); }
+static void mgpu__cond_destroy(mgpu__cond* c) { pthread_cond_destroy(c); }
+static void mgpu__cond_wait(mgpu__cond* c, mgpu__mutex* m) { pthread_cond_wait(c, m); }
+static void mgpu__cond_broadcast(mgpu__cond* c) { pthread_cond_broadcast(c); }
+static void mgpu__once_run(mgpu__once* once, void (*fn)(void)) { pthread_once(once, fn); }
+static int mgpu__thread_start(mgpu__thread* t, mgpu__thread_main fn, void* arg) { return pthread_create(t, NULL, fn, arg); }
+static void mgpu__thread_join(mgpu__thread t) { pthread_join(t, NULL); }
+static void mgpu__thread_detach(mgpu__thread t) { pthread_detach(t); }
+static mgpu__thread_id mgpu__thread_self(void) { return pthread_self(); }
+static int mgpu__thread_same(mgpu__thread_id a, mgpu__thread_id b) { return pthread_equal(a, b); }
+static void mgpu__thread_yield(void) { sched_yield(); }
+#endif
+#endif
+
+/* Cores this process may run on: every logical processor of every group on Windows, the online
+   ones on POSIX; 0 when the system does not say. */
+static long mgpu__core_count(void) {
+#if defined(_WIN32)
+    return (long)GetActiveProcessorCount(ALL_PROCESSOR_GROUPS);
+#elif defined(_SC_NPROCESSORS_ONLN)
+    return sysconf(_SC_NPROCESSORS_ONLN);
+#else
+    return 0;
+#endif
+}
+
 typedef void (*mgpu__task_fn)(void* ctx, int64_t task);
 static int mgpu__cpu_thread_count;   /* 0 until first asked */
 
@@ -1517,9 +1633,7 @@ MGPUDEF int mgpu_cpu_threads(void) {
     if (mgpu__cpu_thread_count <= 0) {
         const char* env = getenv("MGPU_CPU_THREADS");
         long n = env ? strtol(env, NULL, 10) : 0;
-#if defined(_SC_NPROCESSORS_ONLN)
-        if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
-#endif
+        if (n <= 0) n = mgpu__core_count();
         mgpu__cpu_thread_count = n > 0 ? (int)MGPU__MIN(n, 256) : 1;
     }
     return mgpu__cpu_thread_count;
@@ -1534,8 +1648,8 @@ MGPUDEF int mgpu_cpu_threads(void) {
 #define MGPU__PUBLISH(field, value) ((field) = (value))
 #endif
 typedef struct mgpu__pool {
-    pthread_mutex_t lock;
-    pthread_cond_t work_ready, work_done;
+    mgpu__mutex lock;
+    mgpu__cond work_ready, work_done;
     int workers;               /* threads started (the caller is one more) */
     int busy;                  /* a parallel_for is running */
     uint64_t generation;       /* bumped for every job */
@@ -1545,8 +1659,8 @@ typedef struct mgpu__pool {
     int active;                /* workers still inside the current job */
     uint64_t sleeps;           /* times a worker went to sleep (tests read it) */
 } mgpu__pool;
-static mgpu__pool mgpu__the_pool = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                                     PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
+static mgpu__pool mgpu__the_pool = { MGPU__MUTEX_INIT, MGPU__COND_INIT,
+                                     MGPU__COND_INIT, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
 
 /* Seconds of watching before a sleep: MGPU_CPU_SPIN_US (whole microseconds), read once, on the
    first job (mgpu__pool_setup). */
@@ -1571,9 +1685,9 @@ static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;
 static void mgpu__pool_drain(mgpu__pool* p) {   /* called with p->lock held */
     while (p->next < p->count) {
         int64_t task = p->next++;
-        pthread_mutex_unlock(&p->lock);
+        mgpu__mutex_unlock(&p->lock);
         p->fn(p->ctx, task);
-        pthread_mutex_lock(&p->lock);
+        mgpu__mutex_lock(&p->lock);
         MGPU__PUBLISH(p->finished, p->finished + 1);
     }
 }
@@ -1585,33 +1699,33 @@ static void mgpu__pool_watch(mgpu__pool* p, int worker, uint64_t seen) {
     double until;
     if (mgpu__pool_spin <= 0.0) return;
     until = mgpu_seconds() + mgpu__pool_spin;
-    pthread_mutex_unlock(&p->lock);
+    mgpu__mutex_unlock(&p->lock);
     while (worker ? MGPU__WATCH(p->generation) == seen
                   : MGPU__WATCH(p->finished) < MGPU__WATCH(p->count) || MGPU__WATCH(p->active) > 0) {
         if (mgpu_seconds() > until) break;
-        sched_yield();
+        mgpu__thread_yield();
     }
-    pthread_mutex_lock(&p->lock);
+    mgpu__mutex_lock(&p->lock);
 #else
     (void)p; (void)worker; (void)seen;
 #endif
 }
 
-static void* mgpu__pool_worker(void* arg) {
+MGPU__THREAD_MAIN(mgpu__pool_worker, arg) {
     mgpu__pool* p = (mgpu__pool*)arg;
     uint64_t seen = 0;
-    pthread_mutex_lock(&p->lock);
+    mgpu__mutex_lock(&p->lock);
     for (;;) {
         if (p->generation == seen) mgpu__pool_watch(p, 1, seen);
         if (p->generation == seen) p->sleeps++;
-        while (p->generation == seen) pthread_cond_wait(&p->work_ready, &p->lock);
+        while (p->generation == seen) mgpu__cond_wait(&p->work_ready, &p->lock);
         seen = p->generation;
         MGPU__PUBLISH(p->active, p->active + 1);
         mgpu__pool_drain(p);
         MGPU__PUBLISH(p->active, p->active - 1);
-        if (p->finished == p->count && p->active == 0) pthread_cond_broadcast(&p->work_done);
+        if (p->finished == p->count && p->active == 0) mgpu__cond_broadcast(&p->work_done);
     }
-    return NULL;
+    MGPU__THREAD_END;
 }
 
 /* fork(): the child has only the thread that forked, so its copy of the pool has no workers, and
@@ -1619,23 +1733,28 @@ static void* mgpu__pool_worker(void* arg) {
    around the fork, so that no thread is inside a change of the pool when the process is copied;
    the child starts again from an empty pool, which grows on its first job (as OpenBLAS and
    PyTorch's pools do). Only the pool: the library's other locks (devices' allocators, the list of
-   live objects) are not taken, so fork while no other thread is inside an mgpu call. */
-static void mgpu__pool_before_fork(void) { pthread_mutex_lock(&mgpu__the_pool.lock); }
-static void mgpu__pool_after_fork_parent(void) { pthread_mutex_unlock(&mgpu__the_pool.lock); }
+   live objects) are not taken, so fork while no other thread is inside an mgpu call. Windows has
+   no fork. */
+#ifndef _WIN32
+static void mgpu__pool_before_fork(void) { mgpu__mutex_lock(&mgpu__the_pool.lock); }
+static void mgpu__pool_after_fork_parent(void) { mgpu__mutex_unlock(&mgpu__the_pool.lock); }
 static void mgpu__pool_after_fork_child(void) {
     mgpu__pool* p = &mgpu__the_pool;
-    pthread_mutex_unlock(&p->lock);   /* taken by this thread before the fork */
-    pthread_cond_init(&p->work_ready, NULL);
-    pthread_cond_init(&p->work_done, NULL);
+    mgpu__mutex_unlock(&p->lock);   /* taken by this thread before the fork */
+    mgpu__cond_init(&p->work_ready);
+    mgpu__cond_init(&p->work_done);
     p->workers = p->busy = p->active = 0;
     p->next = p->count = p->finished = 0;
 }
+#endif
 
 /* What the pool needs once, before its first worker starts: the spin, and the fork handlers. */
-static pthread_once_t mgpu__pool_setup_once = PTHREAD_ONCE_INIT;
+static mgpu__once mgpu__pool_setup_once = MGPU__ONCE_INIT;
 static void mgpu__pool_setup(void) {
     mgpu__pool_spin = mgpu__pool_spin_from_env();
+#ifndef _WIN32
     (void)pthread_atfork(mgpu__pool_before_fork, mgpu__pool_after_fork_parent, mgpu__pool_after_fork_child);
+#endif
 }
 #endif
 
@@ -1645,13 +1764,13 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
     mgpu__pool* p = &mgpu__the_pool;
     int want = mgpu_cpu_threads() - 1;
     if (count > 1 && want > 0) {
-        pthread_once(&mgpu__pool_setup_once, mgpu__pool_setup);
-        pthread_mutex_lock(&p->lock);
+        mgpu__once_run(&mgpu__pool_setup_once, mgpu__pool_setup);
+        mgpu__mutex_lock(&p->lock);
         if (!p->busy) {
             while (p->workers < want) {   /* grow lazily; a failed start just means fewer */
-                pthread_t t;
-                if (pthread_create(&t, NULL, mgpu__pool_worker, p) != 0) break;
-                pthread_detach(t);
+                mgpu__thread t;
+                if (mgpu__thread_start(&t, mgpu__pool_worker, p) != 0) break;
+                mgpu__thread_detach(t);
                 p->workers++;
             }
             if (p->workers > 0) {
@@ -1661,16 +1780,16 @@ static void mgpu__parallel_for(int64_t count, mgpu__task_fn fn, void* ctx) {
                 MGPU__PUBLISH(p->count, count);
                 MGPU__PUBLISH(p->finished, 0);
                 MGPU__PUBLISH(p->generation, p->generation + 1);
-                pthread_cond_broadcast(&p->work_ready);
+                mgpu__cond_broadcast(&p->work_ready);
                 mgpu__pool_drain(p);
                 if (p->finished < p->count || p->active > 0) mgpu__pool_watch(p, 0, 0);
-                while (p->finished < p->count || p->active > 0) pthread_cond_wait(&p->work_done, &p->lock);
+                while (p->finished < p->count || p->active > 0) mgpu__cond_wait(&p->work_done, &p->lock);
                 p->busy = 0;
-                pthread_mutex_unlock(&p->lock);
+                mgpu__mutex_unlock(&p->lock);
                 return;
             }
         }
-        pthread_mutex_unlock(&p->lock);
+        mgpu__mutex_unlock(&p->lock);
     }
 #endif
     for (i = 0; i < count; ++i) fn(ctx, i);
@@ -1711,7 +1830,7 @@ typedef struct mgpu__block {
 
 typedef struct mgpu__allocator {
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_t lock;
+    mgpu__mutex lock;
 #endif
     mgpu__block* cached;          /* free blocks, ascending size */
     mgpu_memory_stats stats;
@@ -1721,7 +1840,7 @@ typedef struct mgpu__allocator {
        is dropped. Other threads' requests never see them. */
     mgpu__block** held;
 #ifndef MGPU_NO_THREADS
-    pthread_t holder;
+    mgpu__thread_id holder;
 #endif
 } mgpu__allocator;
 
@@ -1810,7 +1929,7 @@ static mgpu_result mgpu__cu_result(int code, const char* op, const mgpu_device* 
 static void mgpu__allocator_init(mgpu__allocator* a) {
     memset(a, 0, sizeof *a);
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_init(&a->lock, NULL);
+    mgpu__mutex_init(&a->lock);
 #endif
 }
 
@@ -1824,7 +1943,7 @@ static void mgpu__device_init(mgpu_device* d, mgpu_device_kind kind, int ordinal
 
 static mgpu_device mgpu__cpu_device;
 #ifndef MGPU_NO_THREADS
-static pthread_once_t mgpu__cpu_once = PTHREAD_ONCE_INIT;
+static mgpu__once mgpu__cpu_once = MGPU__ONCE_INIT;
 #endif
 static void mgpu__cpu_device_setup(void) {
     mgpu__device_init(&mgpu__cpu_device, MGPU_DEVICE_CPU, 0, 0);
@@ -1832,7 +1951,7 @@ static void mgpu__cpu_device_setup(void) {
 }
 MGPUDEF mgpu_device* mgpu_device_cpu(void) {
 #ifndef MGPU_NO_THREADS
-    pthread_once(&mgpu__cpu_once, mgpu__cpu_device_setup);
+    mgpu__once_run(&mgpu__cpu_once, mgpu__cpu_device_setup);
 #else
     if (!mgpu__cpu_device.label[0]) mgpu__cpu_device_setup();
 #endif
@@ -1865,7 +1984,7 @@ static void mgpu__device_free(mgpu_device* d) {
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(d->ordinal, d->stream));
     }
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_destroy(&d->alloc.lock);
+    mgpu__mutex_destroy(&d->alloc.lock);
 #endif
     MGPU_FREE(d);
 }
@@ -1881,9 +2000,9 @@ typedef struct mgpu__live_entry { const void* p; int kind; } mgpu__live_entry;
 static mgpu__live_entry* mgpu__live;
 static int mgpu__live_count, mgpu__live_cap;
 #ifndef MGPU_NO_THREADS
-static pthread_mutex_t mgpu__live_lock = PTHREAD_MUTEX_INITIALIZER;
-#define MGPU__LIVE_LOCK() pthread_mutex_lock(&mgpu__live_lock)
-#define MGPU__LIVE_UNLOCK() pthread_mutex_unlock(&mgpu__live_lock)
+static mgpu__mutex mgpu__live_lock = MGPU__MUTEX_INIT;
+#define MGPU__LIVE_LOCK() mgpu__mutex_lock(&mgpu__live_lock)
+#define MGPU__LIVE_UNLOCK() mgpu__mutex_unlock(&mgpu__live_lock)
 #else
 #define MGPU__LIVE_LOCK() ((void)0)
 #define MGPU__LIVE_UNLOCK() ((void)0)
@@ -2254,14 +2373,14 @@ static void mgpu__backend_free(mgpu_device* dev, void* ptr) {
 
 static void mgpu__lock(mgpu__allocator* a) {
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_lock(&a->lock);
+    mgpu__mutex_lock(&a->lock);
 #else
     (void)a;
 #endif
 }
 static void mgpu__unlock(mgpu__allocator* a) {
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_unlock(&a->lock);
+    mgpu__mutex_unlock(&a->lock);
 #else
     (void)a;
 #endif
@@ -2295,7 +2414,7 @@ static void mgpu__human_bytes(double bytes, char* buf, size_t size) {
    (under the allocator's lock). */
 static mgpu__block** mgpu__held_list(const mgpu__allocator* a) {
 #ifndef MGPU_NO_THREADS
-    if (a->held && !pthread_equal(a->holder, pthread_self())) return NULL;
+    if (a->held && !mgpu__thread_same(a->holder, mgpu__thread_self())) return NULL;
 #endif
     return a->held;
 }
@@ -5722,8 +5841,8 @@ struct mgpu_model {
     char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU parts run on threads: each one's failure,
                                                            prefixed with the part */
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_t pipe_lock;          /* CPU stages on threads: the parts' progress counters */
-    pthread_cond_t pipe_moved;
+    mgpu__mutex pipe_lock;          /* CPU stages on threads: the parts' progress counters */
+    mgpu__cond pipe_moved;
     int pipe_sync;                      /* the two above were made */
 #endif
     int pipe_failed;                    /* a part failed: the others stop waiting */
@@ -5827,7 +5946,7 @@ typedef struct mgpu__trace {
     void** base;              /* CUDA: per part, a timed event recorded at the start */
     double* base_host;        /* the host clock when each base event was seen complete */
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_t lock;     /* CPU parts trace from their threads */
+    mgpu__mutex lock;     /* CPU parts trace from their threads */
 #endif
 } mgpu__trace;
 
@@ -5840,7 +5959,7 @@ static int mgpu__trace_open(mgpu_model* m, int part, int comm, void* stream, con
     int i = -1;
     if (!tr) return -1;
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_lock(&tr->lock);
+    mgpu__mutex_lock(&tr->lock);
 #endif
     if (tr->count == tr->cap) {
         const int cap = tr->cap ? 2 * tr->cap : 256;
@@ -5864,7 +5983,7 @@ static int mgpu__trace_open(mgpu_model* m, int part, int comm, void* stream, con
         sl->t0 = mgpu_seconds();
     }
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_unlock(&tr->lock);
+    mgpu__mutex_unlock(&tr->lock);
 #endif
     return i;
 }
@@ -5873,13 +5992,13 @@ static void mgpu__trace_close(mgpu_model* m, int i, void* stream) {
     mgpu__slice* sl;
     if (!tr || i < 0) return;
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_lock(&tr->lock);
+    mgpu__mutex_lock(&tr->lock);
 #endif
     sl = &tr->slices[i];
     sl->t1 = mgpu_seconds();
     if (sl->e1 && MGPU__CUDA(mgpu__cu_event_record(m->part[sl->part].dev->ordinal, sl->e1, stream)) != 0) tr->failed = 1;
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_unlock(&tr->lock);
+    mgpu__mutex_unlock(&tr->lock);
 #endif
 }
 
@@ -5895,7 +6014,7 @@ static void mgpu__trace_free(mgpu_model* m) {
     for (i = 0; tr->base && i < m->part_count; ++i)
         if (tr->base[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(m->part[i].dev->ordinal, tr->base[i]));
 #ifndef MGPU_NO_THREADS
-    pthread_mutex_destroy(&tr->lock);
+    mgpu__mutex_destroy(&tr->lock);
 #endif
     MGPU_FREE(tr->slices);
     MGPU_FREE(tr->base);
@@ -5919,10 +6038,10 @@ MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m) {
         return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     }
 #ifndef MGPU_NO_THREADS
-    if (pthread_mutex_init(&tr->lock, NULL) != 0) {
+    if (mgpu__mutex_init(&tr->lock) != 0) {
         MGPU_FREE(tr->base);
         MGPU_FREE(tr);
-        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: pthread_mutex_init failed", op);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: cannot make a lock", op);
     }
 #endif
     m->trace = tr;
@@ -6048,7 +6167,7 @@ static void mgpu__model_free(mgpu_model* m) {
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
 #ifndef MGPU_NO_THREADS
-    if (m->pipe_sync) { pthread_mutex_destroy(&m->pipe_lock); pthread_cond_destroy(&m->pipe_moved); }
+    if (m->pipe_sync) { mgpu__mutex_destroy(&m->pipe_lock); mgpu__cond_destroy(&m->pipe_moved); }
 #endif
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
     if (m->set) mgpu__set_users(m->set, -1, 0);
@@ -6323,10 +6442,10 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
     }
 #ifndef MGPU_NO_THREADS
     if (m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) {
-        if (pthread_mutex_init(&m->pipe_lock, NULL) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_mutex_init failed");
-        if (pthread_cond_init(&m->pipe_moved, NULL) != 0) {
-            pthread_mutex_destroy(&m->pipe_lock);
-            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "pthread_cond_init failed");
+        if (mgpu__mutex_init(&m->pipe_lock) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: cannot make a lock for the pipeline");
+        if (mgpu__cond_init(&m->pipe_moved) != 0) {
+            mgpu__mutex_destroy(&m->pipe_lock);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: cannot make a condition variable for the pipeline");
         }
         m->pipe_sync = 1;
     }
@@ -7461,18 +7580,18 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
 static int mgpu__pipe_wait(mgpu_model* m, const int* done, int need) {
     int ok;
     if (!m->pipe_sync) return 1;
-    pthread_mutex_lock(&m->pipe_lock);
-    while (*done < need && !m->pipe_failed) pthread_cond_wait(&m->pipe_moved, &m->pipe_lock);
+    mgpu__mutex_lock(&m->pipe_lock);
+    while (*done < need && !m->pipe_failed) mgpu__cond_wait(&m->pipe_moved, &m->pipe_lock);
     ok = !m->pipe_failed;
-    pthread_mutex_unlock(&m->pipe_lock);
+    mgpu__mutex_unlock(&m->pipe_lock);
     return ok;
 }
 static void mgpu__pipe_moved(mgpu_model* m, int* done, int failed) {
     if (!m->pipe_sync) { if (failed) m->pipe_failed = 1; else ++*done; return; }
-    pthread_mutex_lock(&m->pipe_lock);
+    mgpu__mutex_lock(&m->pipe_lock);
     if (failed) m->pipe_failed = 1; else ++*done;
-    pthread_cond_broadcast(&m->pipe_moved);
-    pthread_mutex_unlock(&m->pipe_lock);
+    mgpu__cond_broadcast(&m->pipe_moved);
+    mgpu__mutex_unlock(&m->pipe_lock);
 }
 
 static void mgpu__part_task(void* ctx, int64_t task) {
@@ -7500,11 +7619,11 @@ static void mgpu__part_task(void* ctx, int64_t task) {
                  p->dev->label, mgpu_last_error());
 }
 
-typedef struct mgpu__part_thread { pthread_t thread; mgpu__batch* b; int64_t task; } mgpu__part_thread;
-static void* mgpu__part_thread_main(void* arg) {
+typedef struct mgpu__part_thread { mgpu__thread thread; mgpu__batch* b; int64_t task; } mgpu__part_thread;
+MGPU__THREAD_MAIN(mgpu__part_thread_main, arg) {
     mgpu__part_thread* t = (mgpu__part_thread*)arg;
     mgpu__part_task(t->b, t->task);
-    return NULL;
+    MGPU__THREAD_END;
 }
 
 static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
@@ -7527,16 +7646,16 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
         for (i = 0; i < m->part_count; ++i) {
             threads[i].b = b;
             threads[i].task = i;
-            if (pthread_create(&threads[i].thread, NULL, mgpu__part_thread_main, &threads[i]) != 0) break;
+            if (mgpu__thread_start(&threads[i].thread, mgpu__part_thread_main, &threads[i]) != 0) break;
             started++;
         }
         if (started < m->part_count) {   /* no thread: stop those that started, and say so */
             mgpu__pipe_moved(m, &m->part[0].forwards_done, 1);
-            for (i = 0; i < started; ++i) pthread_join(threads[i].thread, NULL);
+            for (i = 0; i < started; ++i) mgpu__thread_join(threads[i].thread);
             return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: could not start a thread for each of %d pipeline parts", b->op,
                               m->part_count);
         }
-        for (i = 0; i < m->part_count; ++i) pthread_join(threads[i].thread, NULL);
+        for (i = 0; i < m->part_count; ++i) mgpu__thread_join(threads[i].thread);
     }
     for (i = 0; i < m->part_count; ++i)   /* the first part that failed by itself, not by a neighbour's failure */
         if (results[i] != MGPU_OK && m->task_error[i][0]) { failed = i; break; }
@@ -7850,7 +7969,7 @@ static void mgpu__hold(mgpu_model* m, int on) {
         mgpu__lock(a);
         a->held = on ? &m->part[i].held : NULL;
 #ifndef MGPU_NO_THREADS
-        if (on) a->holder = pthread_self();
+        if (on) a->holder = mgpu__thread_self();
 #endif
         mgpu__unlock(a);
     }
