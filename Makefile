@@ -226,7 +226,8 @@ mpi: $(MPI_BINS)
 # Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
 # misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
 # (test_alloc_faults, under ASan+UBSan as well).
-RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan
+RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan \
+                    $(B)/test_platform $(B)/test_platform_asan
 
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the

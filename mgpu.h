@@ -902,7 +902,11 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
    A successful save removes the temporary files that earlier saves to the same path left behind
    when their process died (never a live process's). A symlink is followed (its target replaced,
    the link kept); a directory, FIFO or device is refused. Loading reads regular files only and
-   validates the whole file before it changes anything. */
+   validates the whole file before it changes anything. Paths are UTF-8 on every platform. On
+   Windows: FlushFileBuffers, then MoveFileExW (replace, write-through) in one step; files are read
+   sharing delete access, so a save replaces a checkpoint that another mgpu program is reading
+   (a program that opens it without FILE_SHARE_DELETE makes the save fail, the old file intact);
+   a symlink there is replaced, not followed. */
 MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path);
 MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path);
 
@@ -1454,6 +1458,44 @@ static void* mgpu__calloc(size_t count, size_t size) {
     if (p) memset(p, 0, count * size);
     return p;
 }
+
+/* Files by name: mgpu's paths are UTF-8 on every platform. Windows' narrow-character calls read
+   a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW).
+   mgpu__fopen is fopen elsewhere. */
+#ifdef _WIN32
+/* path in UTF-16, in a new buffer; NULL with errno EINVAL (not UTF-8) or ENOMEM. */
+static wchar_t* mgpu__wide_path(const char* path) {
+    int n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, NULL, 0);
+    wchar_t* w;
+    if (n <= 0) { errno = EINVAL; return NULL; }
+    w = (wchar_t*)MGPU_MALLOC((size_t)n * sizeof(wchar_t));
+    if (!w) { errno = ENOMEM; return NULL; }
+    MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, w, n);
+    return w;
+}
+static FILE* mgpu__fopen(const char* path, const char* mode) {
+    wchar_t wmode[8];
+    wchar_t* w = mgpu__wide_path(path);
+    size_t i;
+    FILE* f;
+    if (!w) return NULL;
+    for (i = 0; mode[i] && i < 7; ++i) wmode[i] = (wchar_t)mode[i];
+    wmode[i] = 0;
+    f = _wfopen(w, wmode);
+    MGPU_FREE(w);
+    return f;
+}
+/* What a Win32 error code means, in this thread's buffer. */
+static const char* mgpu__win_error(DWORD code) {
+    static MGPU__TLS char text[256];
+    DWORD n = FormatMessageA(FORMAT_MESSAGE_FROM_SYSTEM | FORMAT_MESSAGE_IGNORE_INSERTS, NULL, code, 0, text, sizeof text, NULL);
+    while (n > 0 && (text[n - 1] == '\n' || text[n - 1] == '\r' || text[n - 1] == ' ' || text[n - 1] == '.')) text[--n] = 0;
+    if (!n) snprintf(text, sizeof text, "Windows error %lu", (unsigned long)code);
+    return text;
+}
+#else
+static FILE* mgpu__fopen(const char* path, const char* mode) { return fopen(path, mode); }
+#endif
 
 MGPUDEF double mgpu_seconds(void) {
 #if defined(_WIN32)
@@ -2291,6 +2333,16 @@ MGPUDEF mgpu_result mgpu_device_get_info(const mgpu_device* dev, mgpu_device_inf
     if (dev->kind == MGPU_DEVICE_CPU) {
         snprintf(info->name, sizeof info->name, "cpu");
         info->multiprocessors = mgpu_cpu_threads();
+#if defined(_WIN32)
+        {
+            MEMORYSTATUSEX ms;
+            ms.dwLength = sizeof ms;
+            if (GlobalMemoryStatusEx(&ms)) {
+                info->total_memory = (size_t)ms.ullTotalPhys;
+                info->free_memory = (size_t)ms.ullAvailPhys;
+            }
+        }
+#endif
 #if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
         info->total_memory = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
 #endif
@@ -6073,7 +6125,7 @@ MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
     int i;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!(tr = m->trace)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    f = fopen(path, "w");
+    f = mgpu__fopen(path, "w");
     if (!f) {
         r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
         mgpu__trace_free(m);
@@ -9645,9 +9697,11 @@ static mgpu_result mgpu__st_header(const char* path, const mgpu__st_write_item* 
    process no longer exists (kill(pid, 0) fails with ESRCH), such as one killed during a save.
    Files of live processes, this one included, are left alone (the pids are those this process
    sees: writers in other pid namespaces, such as containers sharing the folder, should not
-   share a target path). Windows keeps no such tidying. A symlink is followed (the file it
-   points to is replaced, so the link keeps working); anything else that is not a regular file,
-   a directory, a FIFO or a device, is refused before anything is written. */
+   share a target path). On Windows the flush is FlushFileBuffers and the rename MoveFileExW
+   (replace, write-through), which also replaces a file that another program reads, if it shares
+   delete access as mgpu's own reads do; names go through UTF-16. A symlink is followed on POSIX
+   (the file it points to is replaced, so the link keeps working); anything else that is not a
+   regular file, a directory, a FIFO or a device, is refused before anything is written. */
 #define MGPU__TMP_SUFFIX ".tmp"
 #define MGPU__TMP_BASE_MAX 160
 
@@ -9729,30 +9783,82 @@ static char* mgpu__dir_of(const char* path, size_t dir_len) {
     else strcpy(dir, ".");
     return dir;
 }
+#endif
+
+#if defined(__unix__) || defined(__APPLE__) || defined(_WIN32)
+/* Is name one of the temporary files of prefix's target (".<cut base>.<hash>.<pid>.<n>.tmp"),
+   written by a process other than this one that no longer exists? */
+static int mgpu__tmp_is_stale(const char* name, const char* prefix) {
+    size_t plen = strlen(prefix), nlen = strlen(name), slen = strlen(MGPU__TMP_SUFFIX);
+    const char* rest = name + plen;
+    char* end = NULL;
+    long long pid;
+    if (strncmp(name, prefix, plen) != 0 || nlen < plen + slen || strcmp(name + nlen - slen, MGPU__TMP_SUFFIX) != 0) return 0;
+    if (*rest < '0' || *rest > '9') return 0;
+    errno = 0;
+    pid = strtoll(rest, &end, 10);
+    if (errno || !end || *end != '.' || pid <= 0 || pid > 0x7fffffff) return 0;
+#ifdef _WIN32
+    {
+        HANDLE h;
+        DWORD code = 0;
+        if ((DWORD)pid == GetCurrentProcessId()) return 0;
+        h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, (DWORD)pid);
+        if (!h) return GetLastError() == ERROR_INVALID_PARAMETER;   /* no such process (else: alive, not ours) */
+        if (!GetExitCodeProcess(h, &code)) code = STILL_ACTIVE;
+        CloseHandle(h);
+        return code != STILL_ACTIVE;   /* exited, its handle still held by someone */
+    }
+#else
+    if ((pid_t)pid == getpid()) return 0;
+    return kill((pid_t)pid, 0) != 0 && errno == ESRCH;   /* alive (EPERM: alive, someone else's) */
+#endif
+}
 
 /* After a successful save: remove the temporary files for path whose writer is gone. */
+#ifdef _WIN32
+static void mgpu__remove_stale_tmp(const char* path) {
+    char prefix[MGPU__TMP_BASE_MAX + 16], *pattern, name[4 * MAX_PATH];
+    size_t dir_len;
+    wchar_t *wpattern, *wfull;
+    WIN32_FIND_DATAW e;
+    HANDLE d;
+    mgpu__tmp_prefix(path, &dir_len, prefix, sizeof prefix);
+    pattern = (char*)MGPU_MALLOC(dir_len + strlen(prefix) + 8);
+    if (!pattern) return;
+    snprintf(pattern, dir_len + strlen(prefix) + 8, "%.*s%s*" MGPU__TMP_SUFFIX, (int)dir_len, path, prefix);
+    wpattern = mgpu__wide_path(pattern);
+    MGPU_FREE(pattern);
+    if (!wpattern) return;
+    d = FindFirstFileW(wpattern, &e);
+    MGPU_FREE(wpattern);
+    if (d == INVALID_HANDLE_VALUE) return;
+    do {
+        if (!WideCharToMultiByte(CP_UTF8, 0, e.cFileName, -1, name, (int)sizeof name, NULL, NULL)) continue;
+        if (!mgpu__tmp_is_stale(name, prefix)) continue;
+        pattern = (char*)MGPU_MALLOC(dir_len + strlen(name) + 1);
+        if (!pattern) break;
+        snprintf(pattern, dir_len + strlen(name) + 1, "%.*s%s", (int)dir_len, path, name);
+        wfull = mgpu__wide_path(pattern);
+        MGPU_FREE(pattern);
+        if (wfull) DeleteFileW(wfull);
+        MGPU_FREE(wfull);
+    } while (FindNextFileW(d, &e));
+    FindClose(d);
+}
+#else
 static void mgpu__remove_stale_tmp(const char* path) {
     char prefix[MGPU__TMP_BASE_MAX + 16], *dir, *full;
-    size_t dir_len, plen;
+    size_t dir_len;
     DIR* d;
     struct dirent* e;
     mgpu__tmp_prefix(path, &dir_len, prefix, sizeof prefix);
-    plen = strlen(prefix);
     dir = mgpu__dir_of(path, dir_len);
     full = (char*)MGPU_MALLOC(dir_len + 256 + 2);
     if (!dir || !full) { MGPU_FREE(dir); MGPU_FREE(full); return; }
     d = opendir(dir);
     while (d && (e = readdir(d)) != NULL) {
-        const char* rest = e->d_name + plen;
-        char* end = NULL;
-        long long pid;
-        size_t nlen = strlen(e->d_name), slen = strlen(MGPU__TMP_SUFFIX);
-        if (strncmp(e->d_name, prefix, plen) != 0 || nlen < plen + slen || strcmp(e->d_name + nlen - slen, MGPU__TMP_SUFFIX) != 0) continue;
-        if (*rest < '0' || *rest > '9') continue;
-        errno = 0;
-        pid = strtoll(rest, &end, 10);
-        if (errno || !end || *end != '.' || pid <= 0 || pid > 0x7fffffff || (pid_t)pid == getpid()) continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;   /* alive (EPERM: alive, someone else's) */
+        if (!mgpu__tmp_is_stale(e->d_name, prefix)) continue;
         snprintf(full, dir_len + 256 + 2, "%.*s%s", (int)dir_len, path, e->d_name);
         remove(full);
     }
@@ -9760,7 +9866,10 @@ static void mgpu__remove_stale_tmp(const char* path) {
     MGPU_FREE(dir);
     MGPU_FREE(full);
 }
+#endif
+#endif
 
+#if defined(__unix__) || defined(__APPLE__)
 /* fsync the folder holding path, so that the rename itself survives a power loss. Returns 0, or
    an errno worth reporting (file systems that cannot fsync a folder say EINVAL: not an error). */
 static int mgpu__sync_dir(const char* path, size_t dir_len) {
@@ -9777,6 +9886,41 @@ static int mgpu__sync_dir(const char* path, size_t dir_len) {
 }
 #endif
 
+#ifdef _WIN32
+/* Moves the temporary file wtmp over wtarget in one step; 0 or a Win32 error. First as
+   SetFileInformationByHandle's rename with POSIX semantics (Windows 10 1709 and later, NTFS):
+   that also replaces a file another program has open with FILE_SHARE_DELETE, as on POSIX; the
+   moved file is flushed again so that its new name is on the disk too. Where the system cannot
+   (older Windows, FAT, wine), MoveFileExW with replace and write-through. */
+typedef struct mgpu__win_rename_info {   /* FILE_RENAME_INFO as Windows 10 declares it */
+    DWORD flags;
+    HANDLE root;
+    DWORD length;
+    WCHAR name[1];
+} mgpu__win_rename_info;
+static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget) {
+    size_t len = wcslen(wtarget), size = sizeof(mgpu__win_rename_info) + len * sizeof(WCHAR);
+    HANDLE h = CreateFileW(wtmp, DELETE | GENERIC_WRITE | SYNCHRONIZE, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                           NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
+    mgpu__win_rename_info* info = (mgpu__win_rename_info*)mgpu__calloc(1, size);
+    if (h != INVALID_HANDLE_VALUE && info) {
+        BOOL moved;
+        info->flags = 0x1 | 0x2;   /* FILE_RENAME_FLAG_REPLACE_IF_EXISTS | FILE_RENAME_FLAG_POSIX_SEMANTICS */
+        info->length = (DWORD)(len * sizeof(WCHAR));
+        memcpy(info->name, wtarget, len * sizeof(WCHAR));
+        moved = SetFileInformationByHandle(h, (FILE_INFO_BY_HANDLE_CLASS)22 /* FileRenameInfoEx */, info, (DWORD)size);
+        if (moved) FlushFileBuffers(h);
+        CloseHandle(h);
+        MGPU_FREE(info);
+        if (moved) return 0;
+    } else {
+        if (h != INVALID_HANDLE_VALUE) CloseHandle(h);
+        MGPU_FREE(info);
+    }
+    return MoveFileExW(wtmp, wtarget, MOVEFILE_REPLACE_EXISTING | MOVEFILE_WRITE_THROUGH) ? 0 : GetLastError();
+}
+#endif
+
 /* Writes a safetensors file atomically, as described above. On any failure the temporary file
    is removed and path is left untouched. */
 static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* items, int count,
@@ -9789,6 +9933,9 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     uint8_t len8[8];
     const char* step = NULL;
     int i, err = 0;
+#ifdef _WIN32
+    DWORD win_err = 0;
+#endif
     unsigned long pid = 0, n;
     size_t dir_len = 0;
     mgpu_result r;
@@ -9822,6 +9969,19 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
 #else
     target = (char*)MGPU_MALLOC(strlen(path) + 1);
     if (target) strcpy(target, path);
+#ifdef _WIN32
+    pid = (unsigned long)GetCurrentProcessId();
+    {   /* a folder is never replaced (MoveFileExW would say only "access denied") */
+        wchar_t* w = mgpu__wide_path(path);
+        DWORD attr = w ? GetFileAttributesW(w) : INVALID_FILE_ATTRIBUTES;
+        MGPU_FREE(w);
+        if (attr != INVALID_FILE_ATTRIBUTES && (attr & FILE_ATTRIBUTE_DIRECTORY)) {
+            MGPU_FREE(target);
+            MGPU_FREE(b.p);
+            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a directory, not a regular file; a checkpoint replaces only a regular file", path);
+        }
+    }
+#endif
 #endif
     mgpu__tmp_prefix(target ? target : path, &dir_len, prefix, sizeof prefix);
     tmp = (char*)MGPU_MALLOC(dir_len + strlen(prefix) + 64);
@@ -9832,28 +9992,54 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path);
     }
     n = (unsigned long)(size_t)&b;   /* a local's address: distinct for the live threads of a process */
-    sprintf(tmp, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
-    f = fopen(tmp, "wb");
+    snprintf(tmp, dir_len + strlen(prefix) + 64, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
+    f = mgpu__fopen(tmp, "wb");
     if (!f) { err = errno; step = "cannot create the temporary file"; }
     if (!step && (fwrite(len8, 1, 8, f) != 8 || fwrite(b.p, 1, b.len, f) != b.len)) { err = errno; step = "write failed"; }
     for (i = 0; !step && i < count; ++i)
         if (items[i].bytes && fwrite(items[i].data, 1, items[i].bytes, f) != items[i].bytes) { err = errno; step = "write failed"; }
     if (!step && fflush(f) != 0) { err = errno; step = "write failed"; }
-#if defined(__unix__) || defined(__APPLE__)
+#if defined(__APPLE__) && defined(F_FULLFSYNC)
+    /* macOS's fsync leaves the data in the drive's cache; F_FULLFSYNC asks the drive to write it
+       (some file systems cannot: then fsync is what there is) */
+    if (!step && fcntl(fileno(f), F_FULLFSYNC) != 0 && fsync(fileno(f)) != 0) { err = errno; step = "fsync failed"; }
+#elif defined(__unix__) || defined(__APPLE__)
     if (!step && fsync(fileno(f)) != 0) { err = errno; step = "fsync failed"; }
+#elif defined(_WIN32)
+    if (!step && !FlushFileBuffers((HANDLE)_get_osfhandle(_fileno(f)))) { win_err = GetLastError(); step = "flush to disk failed"; }
 #endif
     if (f && fclose(f) != 0 && !step) { err = errno; step = "close failed"; }
-    if (!step && rename(tmp, target) != 0) {
-        err = errno;
-        step = "cannot rename the temporary file over it";
-#if !(defined(__unix__) || defined(__APPLE__))
-        /* Windows' rename does not replace an existing file (so this fallback is not atomic) */
-        if (remove(target) == 0 && rename(tmp, target) == 0) step = NULL;
-#endif
+#ifdef _WIN32
+    if (!step) {
+        wchar_t* wtmp = mgpu__wide_path(tmp);
+        wchar_t* wtarget = mgpu__wide_path(target);
+        if (!wtmp || !wtarget) { err = errno; step = "cannot convert its name to UTF-16"; }
+        else if ((win_err = mgpu__win_replace(wtmp, wtarget)) != 0) {
+            step = win_err == ERROR_SHARING_VIOLATION || win_err == ERROR_ACCESS_DENIED
+                       ? "cannot replace it (another program may hold it open without sharing delete access)"
+                       : "cannot move the temporary file over it";
+        }
+        MGPU_FREE(wtmp);
+        MGPU_FREE(wtarget);
     }
+#else
+    if (!step && rename(tmp, target) != 0) { err = errno; step = "cannot rename the temporary file over it"; }
+#endif
     if (step) {
-        if (f) remove(tmp);
-        r = mgpu__fail(MGPU_ERROR_IO, "%s: %s (%s): %s", path, step, tmp, err ? strerror(err) : "unknown error");
+        if (f) {
+#ifdef _WIN32
+            wchar_t* wtmp = mgpu__wide_path(tmp);
+            if (wtmp) DeleteFileW(wtmp);
+            MGPU_FREE(wtmp);
+#else
+            remove(tmp);
+#endif
+        }
+        r = mgpu__fail(MGPU_ERROR_IO, "%s: %s (%s): %s", path, step, tmp,
+#ifdef _WIN32
+                       win_err ? mgpu__win_error(win_err) :
+#endif
+                       err ? strerror(err) : "unknown error");
     }
 #if defined(__unix__) || defined(__APPLE__)
     else {
@@ -9861,6 +10047,8 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         if (err) r = mgpu__fail(MGPU_ERROR_IO, "%s: written and renamed, but fsync of its folder failed: %s", path, strerror(err));
         mgpu__remove_stale_tmp(target);
     }
+#elif defined(_WIN32)
+    else mgpu__remove_stale_tmp(target);
 #endif
     MGPU_FREE(tmp);
     MGPU_FREE(target);
@@ -9918,9 +10106,62 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
         *len = n;
         return MGPU_OK;
     }
+#elif defined(_WIN32)
+    {   /* shared for reading, writing and deleting: a save over this file meanwhile succeeds */
+        wchar_t* w = mgpu__wide_path(path);
+        HANDLE h;
+        LARGE_INTEGER size;
+        DWORD got_now = 0, attr;
+        (void)cap;
+        (void)got;
+        if (!w) return mgpu__fail(errno == ENOMEM ? MGPU_ERROR_OUT_OF_MEMORY : MGPU_ERROR_IO, "cannot open '%s': %s", path,
+                                  errno == ENOMEM ? "out of memory" : "the name is not UTF-8");
+        attr = GetFileAttributesW(w);
+        if (attr != INVALID_FILE_ATTRIBUTES && (attr & FILE_ATTRIBUTE_DIRECTORY)) {
+            MGPU_FREE(w);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': it is a directory, not a regular file", path);
+        }
+        h = CreateFileW(w, GENERIC_READ, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE, NULL, OPEN_EXISTING,
+                        FILE_ATTRIBUTE_NORMAL | FILE_FLAG_SEQUENTIAL_SCAN, NULL);
+        MGPU_FREE(w);
+        if (h == INVALID_HANDLE_VALUE) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, mgpu__win_error(GetLastError()));
+        if (GetFileType(h) != FILE_TYPE_DISK) {
+            CloseHandle(h);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': it is a device or a pipe, not a regular file", path);
+        }
+        if (!GetFileSizeEx(h, &size)) {
+            DWORD e = GetLastError();
+            CloseHandle(h);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, mgpu__win_error(e));
+        }
+        if ((uint64_t)size.QuadPart >= (uint64_t)(SIZE_MAX / 2)) {
+            CloseHandle(h);
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %llu bytes is more than this machine can address", path,
+                              (unsigned long long)size.QuadPart);
+        }
+        *data = (uint8_t*)MGPU_MALLOC((size_t)size.QuadPart + 1);
+        if (!*data) {
+            CloseHandle(h);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %llu bytes", path, (unsigned long long)size.QuadPart);
+        }
+        while (n < (size_t)size.QuadPart) {   /* ReadFile takes at most 4 GiB - 1 a call */
+            DWORD want = (DWORD)MGPU__MIN((size_t)size.QuadPart - n, (size_t)1 << 30);
+            if (!ReadFile(h, *data + n, want, &got_now, NULL) || got_now == 0) break;
+            n += got_now;
+        }
+        attr = n == (size_t)size.QuadPart ? 0 : GetLastError();
+        CloseHandle(h);
+        if (n != (size_t)size.QuadPart) {
+            MGPU_FREE(*data);
+            *data = NULL;
+            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, attr ? mgpu__win_error(attr) : "it became shorter while it was read");
+        }
+        *len = n;
+        return MGPU_OK;
+    }
 #else
     {
-        FILE* f = fopen(path, "rb");
+        FILE* f = mgpu__fopen(path, "rb");
         if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
         for (;;) {
             if (!*data || n == cap) {
