@@ -224,6 +224,10 @@
 #if defined(MGPU_IMPLEMENTATION) && defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
 #define _DARWIN_C_SOURCE 1
 #endif
+/* MinGW: its own C99 printf family (%zu, %lld), not the old msvcrt.dll's */
+#if defined(MGPU_IMPLEMENTATION) && defined(__MINGW32__) && !defined(__USE_MINGW_ANSI_STDIO)
+#define __USE_MINGW_ANSI_STDIO 1
+#endif
 
 /* ============================================================================================ */
 /* >>config                                                                                     */

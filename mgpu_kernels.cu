@@ -20,7 +20,9 @@
 #include "mgpu.h"
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
-#include <dlfcn.h>
+#ifndef _WIN32
+#include <dlfcn.h>   // NCCL is loaded at run time; Windows has no NCCL
+#endif
 #include <new>
 
 #include <limits.h>
@@ -39,7 +41,9 @@ static thread_local char g_message[512];
 
 const char* mgpu__cu_error_message(void) { return g_message; }
 
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)   // MSVC builds the .cu on Windows
 __attribute__((format(printf, 5, 6)))
+#endif
 static int report(int code, const char* name, const char* text, int line, const char* what, ...) {
     va_list ap;
     va_start(ap, what);
@@ -1313,6 +1317,12 @@ static struct {
     char why[256];   // why it did not load
 } nccl;
 
+#ifdef _WIN32
+// NCCL is built for Linux only: on Windows the P2P and host all-reduces serve.
+static void nccl_load(void) {
+    snprintf(nccl.why, sizeof nccl.why, "NCCL does not exist for Windows (the P2P and host all-reduce work there)");
+}
+#else
 template <class F> static bool nccl_symbol(void* lib, const char* name, F* fn) {
     void* p = dlsym(lib, name);
     if (!p) snprintf(nccl.why, sizeof nccl.why, "the NCCL library has no symbol %s", name);
@@ -1348,6 +1358,7 @@ static void nccl_load(void) {
                             nccl_symbol(lib, "ncclCommGetAsyncError", &nccl.CommGetAsyncError);
     memcpy(nccl.why, why, sizeof why);
 }
+#endif
 
 // Loads NCCL on first use (once, thread-safe); fails with the reason when it is unavailable.
 static int nccl_ready(void) {
