@@ -42,8 +42,9 @@
    MGPU_MPI              jobs of several processes over MPI (mgpu_dist_init, >>parallel): build
                          with mpicc; without it nothing needs MPI
    MGPU_NO_CPU_DISPATCH  x86 built without -mavx2 -mfma (a plain cc -O2): keep the portable GEMM
-                         kernel instead of choosing the AVX2+FMA one at run time where the CPU
-                         has it (GCC, Clang; the same bits as a -march=native build then)
+                         kernel and pooling loop instead of choosing the AVX2+FMA ones at run time
+                         where the CPU has them (GCC, Clang, MSVC; the same bits as a
+                         -march=native build then)
 
    ---------------------------------------------------------------------------------------------
    QUICK START (the gist of examples/tour.c, the complete program, which CI builds and runs)
@@ -1372,7 +1373,8 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 /* The CPU's AVX2 and FMA code (the GEMM's micro-kernel): where the compiler targets them
    (-march=native, -mavx2 -mfma) always; else, on x86 with GCC or Clang, compiled for them anyway
    and chosen at run time when the CPU has them, so that a plain `cc -O2` build is as fast on such
-   a CPU and still runs on any x86-64. MGPU_NO_CPU_DISPATCH leaves the portable code alone. */
+   a CPU and still runs on any x86-64; with MSVC, whose intrinsics need no flag, the same through
+   cpuid. MGPU_NO_CPU_DISPATCH leaves the portable code alone. */
 #if defined(__AVX2__) && defined(__FMA__)
 #define MGPU__AVX2_ALWAYS 1
 #define MGPU__AVX2 1
@@ -1382,9 +1384,36 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #define MGPU__AVX2 1
 #define MGPU__AVX2_FN __attribute__((target("avx2,fma")))
 #define MGPU__HAVE_AVX2() (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+#elif defined(_MSC_VER) && !defined(__clang__) && (defined(_M_X64) || defined(_M_IX86)) && !defined(MGPU_NO_CPU_DISPATCH)
+/* MSVC compiles AVX2 intrinsics without /arch:AVX2 (which never says FMA): asked through cpuid */
+#define MGPU__AVX2 1
+#define MGPU__AVX2_FN
+#define MGPU__HAVE_AVX2() mgpu__msvc_avx2_fma()
+#define MGPU__MSVC_CPUID 1
 #endif
 #ifdef MGPU__AVX2
 #include <immintrin.h>
+#endif
+#ifdef MGPU__MSVC_CPUID
+#include <intrin.h>
+/* AVX2 and FMA present, and their registers saved by the OS (XGETBV); the same answer in every
+   thread, so a race only asks twice */
+static int mgpu__msvc_avx2_fma(void) {
+    static int known = -1;
+    if (known < 0) {
+        int r[4], ok = 0;
+        __cpuid(r, 0);
+        if (r[0] >= 7) {
+            __cpuid(r, 1);
+            if (((r[2] >> 12) & 1) && ((r[2] >> 27) & 1) && ((r[2] >> 28) & 1) && (_xgetbv(0) & 6) == 6) {
+                __cpuidex(r, 7, 0);
+                ok = (r[1] >> 5) & 1;
+            }
+        }
+        known = ok;
+    }
+    return known;
+}
 #endif
 #ifdef MGPU_CBLAS
 #ifdef __APPLE__
@@ -4465,10 +4494,10 @@ static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, co
     return MGPU_OK;
 }
 
-#ifdef MGPU__AVX2_ALWAYS   /* (not chosen at run time yet: a plain build pools with the scalar loop) */
+#ifdef MGPU__AVX2
 /* 8 windows of the 2 x 2, stride 2 pool: u0 u1 and v0 v1 the 16 values of the two input rows
    from the first window's left edge, at0 that corner's index in the plane (w its width) */
-static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int32_t at0, int32_t w, __m256* y, __m256i* at) {
+static MGPU__AVX2_FN void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int32_t at0, int32_t w, __m256* y, __m256i* at) {
     const __m256 k1 = _mm256_castsi256_ps(_mm256_set1_epi32(1)), kw = _mm256_castsi256_ps(_mm256_set1_epi32(w));
     const __m256 kw1 = _mm256_castsi256_ps(_mm256_set1_epi32(w + 1));
     /* even and odd columns, back in order */
@@ -4487,34 +4516,45 @@ static void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, __m256 v1, int3
 
 /* One output row of the common 2 x 2, stride 2 pool with no padding, without branches: the
    maxima of random activations mispredict half their comparisons, and selects vectorise. The
-   same choice as the general loop: the first of equals, and a NaN only where it comes first. */
-static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
-                                  float* y, int32_t* at) {
-    int64_t ox = 0;
-#ifdef MGPU__AVX2_ALWAYS
+   same choice as the general loop: the first of equals, and a NaN only where it comes first.
+   With AVX2 (chosen at run time, as the GEMM's kernel) 8 windows at a time, the last few through
+   masks so that short rows (7 wide) stay vectorised; no address past a row's end is formed. */
+#ifdef MGPU__AVX2
+static MGPU__AVX2_FN void mgpu__maxpool_2x2_row_avx2(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
+                                                     float* y, int32_t* at) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 best;
     __m256i arg;
+    int64_t ox = 0;
     for (; ox + 8 <= ow; ox += 8) {
         mgpu__maxpool_2x2_8(_mm256_loadu_ps(r0 + 2 * ox), _mm256_loadu_ps(r0 + 2 * ox + 8), _mm256_loadu_ps(r1 + 2 * ox),
                             _mm256_loadu_ps(r1 + 2 * ox + 8), at0 + 2 * (int32_t)ox, w, &best, &arg);
         _mm256_storeu_ps(y + ox, best);
         _mm256_storeu_si256((__m256i*)(at + ox), arg);
     }
-    if (ox < ow) {   /* the last few windows through masks, so short rows (7 wide) stay vectorised */
+    if (ox < ow) {
         const int32_t n = (int32_t)(ow - ox);
         const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
         const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane), mo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-        const __m256 zero = _mm256_setzero_ps();   /* (no address past a row's end is formed) */
+        const __m256 zero = _mm256_setzero_ps();
         mgpu__maxpool_2x2_8(_mm256_maskload_ps(r0 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r0 + 2 * ox + 8, m1) : zero,
                             _mm256_maskload_ps(r1 + 2 * ox, m0), n > 4 ? _mm256_maskload_ps(r1 + 2 * ox + 8, m1) : zero,
                             at0 + 2 * (int32_t)ox, w, &best, &arg);
         _mm256_maskstore_ps(y + ox, mo, best);
         _mm256_maskstore_epi32(at + ox, mo, arg);
+    }
+}
+#endif
+static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0, int32_t w, int64_t ow,
+                                  float* y, int32_t* at) {
+    int64_t ox;
+#ifdef MGPU__AVX2
+    if (MGPU__HAVE_AVX2()) {
+        mgpu__maxpool_2x2_row_avx2(r0, r1, at0, w, ow, y, at);
         return;
     }
 #endif
-    for (; ox < ow; ++ox) {
+    for (ox = 0; ox < ow; ++ox) {
         const float a = r0[2 * ox], b = r0[2 * ox + 1], c = r1[2 * ox], d = r1[2 * ox + 1];
         float best = a;
         int32_t k = 0;
