@@ -1394,6 +1394,12 @@ int mgpu__cu_allreduce_oneshot(int dev, void* stream, float* const* bufs, int co
 #ifdef MGPU__AVX2
 #include <immintrin.h>
 #endif
+/* aarch64 always has NEON: its GEMM micro-kernel makes the same fused multiply-adds in the same
+   order as the AVX2 one, so an aarch64 build multiplies to the bits of an x86 one with AVX2 */
+#if defined(__aarch64__) && !defined(MGPU_NO_CPU_DISPATCH)
+#define MGPU__NEON 1
+#include <arm_neon.h>
+#endif
 #ifdef MGPU__MSVC_CPUID
 #include <intrin.h>
 /* AVX2 and FMA present, and their registers saved by the OS (XGETBV); the same answer in every
@@ -3333,7 +3339,40 @@ static MGPU__AVX2_FN void mgpu__gemm_kernel_avx2(int64_t kc, const float* a, int
 #undef MGPU__GEMM_ROW
 }
 #endif
-#ifndef MGPU__AVX2_ALWAYS
+#ifdef MGPU__NEON
+static void mgpu__gemm_kernel_neon(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
+                                   int64_t ldc, float alpha, int add) {
+    const int chain = add && alpha == 1.0f;   /* the tile starts from C */
+    const float32x4_t zero = vdupq_n_f32(0.0f), va = vdupq_n_f32(alpha);
+#define MGPU__GEMM_START(r, j) (chain ? vld1q_f32(c + (r) * ldc + (j)) : zero)
+#define MGPU__GEMM_ROW_START(r)                                                                                   \
+    float32x4_t c##r##0 = MGPU__GEMM_START(r, 0), c##r##1 = MGPU__GEMM_START(r, 4), c##r##2 = MGPU__GEMM_START(r, 8), \
+                c##r##3 = MGPU__GEMM_START(r, 12)
+    MGPU__GEMM_ROW_START(0); MGPU__GEMM_ROW_START(1); MGPU__GEMM_ROW_START(2);
+    MGPU__GEMM_ROW_START(3); MGPU__GEMM_ROW_START(4); MGPU__GEMM_ROW_START(5);
+#undef MGPU__GEMM_ROW_START
+#undef MGPU__GEMM_START
+    int64_t kk;
+    for (kk = 0; kk < kc; ++kk, a += ks, b += bs) {
+        const float32x4_t b0 = vld1q_f32(b), b1 = vld1q_f32(b + 4), b2 = vld1q_f32(b + 8), b3 = vld1q_f32(b + 12);
+        float32x4_t ar;
+#define MGPU__GEMM_FMA(r)                                                                                         \
+    ar = vdupq_n_f32(a[(r) * rs]);                                                                                \
+    c##r##0 = vfmaq_f32(c##r##0, ar, b0); c##r##1 = vfmaq_f32(c##r##1, ar, b1);                                   \
+    c##r##2 = vfmaq_f32(c##r##2, ar, b2); c##r##3 = vfmaq_f32(c##r##3, ar, b3)
+        MGPU__GEMM_FMA(0); MGPU__GEMM_FMA(1); MGPU__GEMM_FMA(2); MGPU__GEMM_FMA(3); MGPU__GEMM_FMA(4); MGPU__GEMM_FMA(5);
+#undef MGPU__GEMM_FMA
+    }
+    /* as the AVX2 kernel: C = tile (chained), or alpha * tile + (C or 0) in one fused step */
+#define MGPU__GEMM_OUT(r, q, v) \
+    vst1q_f32(c + (r) * ldc + 4 * (q), chain ? v : vfmaq_f32(add ? vld1q_f32(c + (r) * ldc + 4 * (q)) : zero, va, v))
+#define MGPU__GEMM_ROW(r) MGPU__GEMM_OUT(r, 0, c##r##0); MGPU__GEMM_OUT(r, 1, c##r##1); MGPU__GEMM_OUT(r, 2, c##r##2); MGPU__GEMM_OUT(r, 3, c##r##3)
+    MGPU__GEMM_ROW(0); MGPU__GEMM_ROW(1); MGPU__GEMM_ROW(2); MGPU__GEMM_ROW(3); MGPU__GEMM_ROW(4); MGPU__GEMM_ROW(5);
+#undef MGPU__GEMM_ROW
+#undef MGPU__GEMM_OUT
+}
+#endif
+#if !defined(MGPU__AVX2_ALWAYS) && !defined(MGPU__NEON)
 /* The portable micro-kernel: the same tile in a local array (the compiler vectorises the j loops). */
 static void mgpu__gemm_kernel_portable(int64_t kc, const float* a, int64_t rs, int64_t ks, const float* b, int64_t bs, float* c,
                               int64_t ldc, float alpha, int add) {
@@ -3360,7 +3399,9 @@ static void mgpu__gemm_kernel(int64_t kc, const float* a, int64_t rs, int64_t ks
         return;
     }
 #endif
-#ifndef MGPU__AVX2_ALWAYS
+#if defined(MGPU__NEON)
+    mgpu__gemm_kernel_neon(kc, a, rs, ks, b, bs, c, ldc, alpha, add);
+#elif !defined(MGPU__AVX2_ALWAYS)
     mgpu__gemm_kernel_portable(kc, a, rs, ks, b, bs, c, ldc, alpha, add);
 #endif
 }
