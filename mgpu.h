@@ -24,6 +24,12 @@
    Such a binary runs on any machine: with no GPU (or no driver) the device spec "auto" falls back
    to the CPU with a one-line notice. NCCL, when used, is loaded at run time with dlopen.
 
+   Windows: MinGW-w64 (x86_64-w64-mingw32-gcc -std=c99 -O2 prog.c) or MSVC (cl /O2 prog.c); the
+   implementation calls Win32 there (threads, clock, files), so no pthreads library is needed.
+   With CUDA on Windows, nvcc compiles mgpu_kernels.cu with MSVC; NCCL does not exist there (the
+   P2P and host all-reduce serve). macOS and aarch64 Linux build as on x86-64 Linux. README.md's
+   platform table says what has been compiled and run on each.
+
    A job of several processes (mpirun, srun): build with mpicc and MGPU_MPI, with or without CUDA:
 
        mpicc -std=c99 -O2 -DMGPU_MPI prog.c -lm -lpthread       then: mpirun -np 4 ./a.out
@@ -224,6 +230,10 @@
 #endif
 #if defined(MGPU_IMPLEMENTATION) && defined(__APPLE__) && !defined(_DARWIN_C_SOURCE)
 #define _DARWIN_C_SOURCE 1
+#endif
+/* MSVC: the standard C calls (fopen, getenv, strerror, strcpy) without its "deprecated" warnings */
+#if defined(MGPU_IMPLEMENTATION) && defined(_MSC_VER) && !defined(_CRT_SECURE_NO_WARNINGS)
+#define _CRT_SECURE_NO_WARNINGS 1
 #endif
 /* MinGW: its own C99 printf family (%zu, %lld), not the old msvcrt.dll's */
 #if defined(MGPU_IMPLEMENTATION) && defined(__MINGW32__) && !defined(__USE_MINGW_ANSI_STDIO)
