@@ -3203,9 +3203,27 @@ static void mgpu__scratch_put(mgpu__scratch* s) { if (s->ptr) mgpu__device_relea
 /* -- elementwise -- */
 typedef struct mgpu__ew_job { int op; const float *a, *b; float* y; float alpha; } mgpu__ew_job;
 /* One loop per op code, each calling the shared formula with a constant op: the compiler folds
-   the switch inside mgpu__*_apply away and vectorises the loop. */
-#define MGPU__UNARY_LOOP(code) for (i = begin; i < end; ++i) y[i] = mgpu__unary_apply(code, a[i], alpha)
-#define MGPU__BINARY_LOOP(code) for (i = begin; i < end; ++i) y[i] = mgpu__binary_apply(code, a[i], b[i], alpha)
+   the switch inside mgpu__*_apply away and vectorises the loop. In blocks of 16 read into locals
+   first: GCC's -O2 vectorises only a loop whose count it knows and whose stores cannot change its
+   loads, so a plain cc -O2 build vectorises these as well as -O3 does (ReLU's forward was a
+   quarter of a CNN step's time without). Each element gets the same formula: the same bits. */
+#define MGPU__EW_BLOCK 16
+#define MGPU__UNARY_LOOP(code)                                                                   \
+    for (i = begin; i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK) {                            \
+        float ta[MGPU__EW_BLOCK];                                                                \
+        int k;                                                                                   \
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) ta[k] = a[i + k];                                   \
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) y[i + k] = mgpu__unary_apply(code, ta[k], alpha);   \
+    }                                                                                            \
+    for (; i < end; ++i) y[i] = mgpu__unary_apply(code, a[i], alpha)
+#define MGPU__BINARY_LOOP(code)                                                                          \
+    for (i = begin; i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK) {                                    \
+        float ta[MGPU__EW_BLOCK], tb[MGPU__EW_BLOCK];                                                    \
+        int k;                                                                                           \
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) { ta[k] = a[i + k]; tb[k] = b[i + k]; }                     \
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) y[i + k] = mgpu__binary_apply(code, ta[k], tb[k], alpha);   \
+    }                                                                                                    \
+    for (; i < end; ++i) y[i] = mgpu__binary_apply(code, a[i], b[i], alpha)
 static void mgpu__unary_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__ew_job* j = (const mgpu__ew_job*)ctx;
     const float *a = j->a, alpha = j->alpha;
