@@ -10210,6 +10210,17 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
 /* The whole file in memory. Only a regular file is read, and only as many bytes as its size
    says: /dev/zero, a FIFO or a directory is refused up front (a FIFO is opened non-blocking, so
    that opening it does not wait for a writer) instead of being read until memory runs out. */
+#if defined(__unix__) || defined(__APPLE__) || defined(_WIN32)
+/* The buffer for a file of size bytes (one byte more: an empty file asks for 1, never malloc(0)). */
+static mgpu_result mgpu__read_buffer(const char* path, uint64_t size, uint8_t** data) {
+    if (size >= (uint64_t)(SIZE_MAX / 2))
+        return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %llu bytes is more than this machine can address", path,
+                          (unsigned long long)size);
+    *data = (uint8_t*)MGPU_MALLOC((size_t)size + 1);
+    if (!*data) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %llu bytes", path, (unsigned long long)size);
+    return MGPU_OK;
+}
+#endif
 static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len) {
     size_t cap = (size_t)1 << 20, n = 0, got;
     *data = NULL;
@@ -10232,15 +10243,9 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
             close(fd);
             return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': it is %s, not a regular file", path, mgpu__file_kind(st.st_mode));
         }
-        if ((uint64_t)st.st_size >= (uint64_t)(SIZE_MAX / 2)) {
+        if (mgpu__read_buffer(path, (uint64_t)st.st_size, data) != MGPU_OK) {
             close(fd);
-            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %llu bytes is more than this machine can address", path,
-                              (unsigned long long)st.st_size);
-        }
-        *data = (uint8_t*)MGPU_MALLOC((size_t)st.st_size + 1);
-        if (!*data) {
-            close(fd);
-            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %llu bytes", path, (unsigned long long)st.st_size);
+            return mgpu_last_result();
         }
         while (n < (size_t)st.st_size && ((r = read(fd, *data + n, (size_t)st.st_size - n)) > 0 || (r < 0 && errno == EINTR)))
             if (r > 0) n += (size_t)r;
@@ -10283,15 +10288,9 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
             CloseHandle(h);
             return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %s", path, mgpu__win_error(e));
         }
-        if ((uint64_t)size.QuadPart >= (uint64_t)(SIZE_MAX / 2)) {
+        if (mgpu__read_buffer(path, (uint64_t)size.QuadPart, data) != MGPU_OK) {
             CloseHandle(h);
-            return mgpu__fail(MGPU_ERROR_IO, "cannot read '%s': %llu bytes is more than this machine can address", path,
-                              (unsigned long long)size.QuadPart);
-        }
-        *data = (uint8_t*)MGPU_MALLOC((size_t)size.QuadPart + 1);
-        if (!*data) {
-            CloseHandle(h);
-            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "'%s': no memory for %llu bytes", path, (unsigned long long)size.QuadPart);
+            return mgpu_last_result();
         }
         while (n < (size_t)size.QuadPart) {   /* ReadFile takes at most 4 GiB - 1 a call */
             DWORD want = (DWORD)MGPU__MIN((size_t)size.QuadPart - n, (size_t)1 << 30);

@@ -202,6 +202,24 @@ static int child_hold(int share, const char* path, const char* ready, const char
     CloseHandle(h);
     return 0;
 }
+/* Starts a child that holds path open (sharing delete access or not) and waits for it to have
+   opened it; stop gets the name of the file that tells it to close and end. NULL on failure. */
+static HANDLE start_reader(int share, const char* path, char* stop, size_t stop_size) {
+    char ready[700], args[2200];
+    HANDLE child;
+    path_in_dir(ready, sizeof ready, share ? "ready1" : "ready0");
+    path_in_dir(stop, stop_size, share ? "stop1" : "stop0");
+    snprintf(args, sizeof args, "hold %d \"%s\" \"%s\" \"%s\"", share, path, ready, stop);
+    child = spawn_self(args);
+    CHECK(child != NULL, "start a reader process");
+    if (child && !wait_for_file(ready, 60)) {
+        CHECK(0, "the reader (sharing delete access: %d) did not open the checkpoint within 60 s", share);
+        TerminateProcess(child, 1);
+        CloseHandle(child);
+        return NULL;
+    }
+    return child;
+}
 /* child: "save PATH": save a large model to PATH over and over, until killed (at most 60 s) */
 static int child_save_loop(const char* path) {
     mgpu_device_set* set = mgpu_device_set_create("cpu");
@@ -222,17 +240,12 @@ static void test_save_over_open_file(mgpu_device_set* set) {
     CHECK(mgpu_model_save(a, NULL, path) == MGPU_OK, "first save: %s", mgpu_last_error());
 #ifdef _WIN32
     {
-        char ready[700], stop[700], args[2200];
+        char stop[700];
         HANDLE child;
         DWORD code = 1;
         /* a reader that shares delete access (as mgpu's own reads do): the save replaces the file */
-        path_in_dir(ready, sizeof ready, "ready1");
-        path_in_dir(stop, sizeof stop, "stop1");
-        snprintf(args, sizeof args, "hold 1 \"%s\" \"%s\" \"%s\"", path, ready, stop);
-        child = spawn_self(args);
-        CHECK(child != NULL, "start a reader process");
+        child = start_reader(1, path, stop, sizeof stop);
         if (child) {
-            CHECK(wait_for_file(ready, 60), "the reader opened the checkpoint");
             CHECK(mgpu_model_save(b, NULL, path) == MGPU_OK, "a save over a file another process holds open (sharing "
                   "delete access) succeeds: %s", mgpu_last_error());
             CHECK(mgpu_model_load(c, NULL, path) == MGPU_OK && same_params(b, c), "and the new checkpoint loads: %s",
@@ -246,14 +259,9 @@ static void test_save_over_open_file(mgpu_device_set* set) {
         /* a reader that does not share delete access: Windows can then not replace the file (wine
            can: its rename is the host's); either way nothing is lost. A failed save says why and
            leaves the old file; a save that went through left the new one. */
-        path_in_dir(ready, sizeof ready, "ready2");
-        path_in_dir(stop, sizeof stop, "stop2");
-        snprintf(args, sizeof args, "hold 0 \"%s\" \"%s\" \"%s\"", path, ready, stop);
-        child = spawn_self(args);
-        CHECK(child != NULL, "start a reader process");
+        child = start_reader(0, path, stop, sizeof stop);
         if (child) {
             mgpu_result r;
-            CHECK(wait_for_file(ready, 60), "the reader opened the checkpoint");
             r = mgpu_model_save(a, NULL, path);
             if (r != MGPU_OK) {
                 CHECK(r == MGPU_ERROR_IO && strstr(mgpu_last_error(), "held.safetensors") &&
