@@ -1,13 +1,177 @@
 /* tests/test.h - the smallest test harness that does the job.
    CHECK(cond, fmt, ...) records a pass or a failure (with file:line and a message);
    SKIP(fmt, ...) records a skip with its reason; test_summary() prints the last line
-   "N passed, N failed, N skipped" and returns the exit status. */
-#ifndef MGPU_TEST_H
-#define MGPU_TEST_H
+   "N passed, N failed, N skipped" and returns the exit status.
+   Its first part, the little the suites need from the system on POSIX and on Windows (MinGW,
+   run under wine by tests/windows.sh), also serves test_io.c, which has a harness of its own:
+   it defines TEST_PORTABILITY_ONLY before including this file. */
+#ifndef MGPU_TEST_PORT_H
+#define MGPU_TEST_PORT_H
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <errno.h>
+#include <dirent.h>
+#include <sys/types.h>
+#include <sys/stat.h>
+#ifdef _WIN32
+#ifndef WIN32_LEAN_AND_MEAN
+#define WIN32_LEAN_AND_MEAN
+#endif
+#ifndef NOMINMAX
+#define NOMINMAX
+#endif
+#include <windows.h>
+#include <process.h>   /* _beginthreadex */
+#include <direct.h>    /* _mkdir, _rmdir */
+#else
+#include <pthread.h>
+#include <unistd.h>
+#include <time.h>
+/* declared again for a suite whose <stdlib.h> came before mgpu.h asked for POSIX */
+int setenv(const char* name, const char* value, int overwrite);
+int unsetenv(const char* name);
+char* mkdtemp(char* tmpl);
+int nanosleep(const struct timespec* req, struct timespec* rem);
+#endif
+
+/* setenv(name, value, 1) and unsetenv(name); on Windows _putenv_s, which also changes the
+   environment a child process gets (there an empty value removes the variable). */
+static inline int test_setenv(const char* name, const char* value) {
+#ifdef _WIN32
+    return _putenv_s(name, value) == 0 ? 0 : -1;
+#else
+    return setenv(name, value, 1);
+#endif
+}
+static inline int test_unsetenv(const char* name) {
+#ifdef _WIN32
+    return _putenv_s(name, "") == 0 ? 0 : -1;
+#else
+    return unsetenv(name);
+#endif
+}
+
+/* mkdir(path, mode); Windows has no modes */
+static inline int test_mkdir(const char* path, int mode) {
+#ifdef _WIN32
+    (void)mode;
+    return _mkdir(path);
+#else
+    return mkdir(path, (mode_t)mode);
+#endif
+}
+
+static inline long test_getpid(void) {
+#ifdef _WIN32
+    return (long)GetCurrentProcessId();
+#else
+    return (long)getpid();
+#endif
+}
+
+static inline void test_sleep_ms(int ms) {
+#ifdef _WIN32
+    Sleep((DWORD)ms);
+#else
+    struct timespec ts;
+    ts.tv_sec = ms / 1000;
+    ts.tv_nsec = (long)(ms % 1000) * 1000000L;
+    nanosleep(&ts, NULL);
+#endif
+}
+
+/* The folder for temporary files, ending in a separator: "/tmp/" on POSIX (as the suites always
+   used), GetTempPath's on Windows. */
+static inline const char* test_tmp_base(void) {
+#ifdef _WIN32
+    static char base[MAX_PATH + 2];
+    if (!base[0]) {
+        DWORD n = GetTempPathA(MAX_PATH, base);
+        if (n == 0 || n >= MAX_PATH) strcpy(base, ".\\");
+    }
+    return base;
+#else
+    return "/tmp/";
+#endif
+}
+/* buf = the temporary folder + name */
+static inline const char* test_tmp_path(char* buf, size_t size, const char* name) {
+    snprintf(buf, size, "%s%s", test_tmp_base(), name);
+    return buf;
+}
+
+/* mkdtemp(tmpl) on POSIX. On Windows a new folder in the temporary folder named after tmpl's
+   last part, its XXXXXX replaced by the process id and a count; its path replaces tmpl (size
+   bytes). NULL when no folder could be made. */
+static inline char* test_mkdtemp(char* tmpl, size_t size) {
+#ifdef _WIN32
+    static unsigned count;
+    char name[128];
+    const char* slash = strrchr(tmpl, '/');
+    size_t len;
+    int tries;
+    snprintf(name, sizeof name, "%s", slash ? slash + 1 : tmpl);
+    len = strlen(name);
+    if (len >= 6 && strcmp(name + len - 6, "XXXXXX") == 0) name[len - 6] = 0;
+    for (tries = 0; tries < 1000; ++tries) {
+        snprintf(tmpl, size, "%s%s%lu-%u", test_tmp_base(), name, (unsigned long)GetCurrentProcessId(), count++);
+        if (CreateDirectoryA(tmpl, NULL)) return tmpl;
+        if (GetLastError() != ERROR_ALREADY_EXISTS) return NULL;
+    }
+    return NULL;
+#else
+    (void)size;
+    return mkdtemp(tmpl);
+#endif
+}
+
+/* rm -rf path */
+static inline void test_remove_tree(const char* path) {
+    DIR* d = opendir(path);
+    struct dirent* e;
+    char sub[1024];
+    if (!d) { remove(path); return; }
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        if ((size_t)snprintf(sub, sizeof sub, "%s/%s", path, e->d_name) >= sizeof sub) continue;
+        test_remove_tree(sub);
+    }
+    closedir(d);
+#ifdef _WIN32
+    _rmdir(path);
+#else
+    rmdir(path);
+#endif
+}
+
+/* A thread: TEST_THREAD_MAIN(name, arg) { ...; TEST_THREAD_END; }, started by
+   test_thread_start (0 on success, as pthread_create) and joined by test_thread_join. POSIX
+   threads, or _beginthreadex on Windows. */
+#ifdef _WIN32
+typedef HANDLE test_thread;
+#define TEST_THREAD_MAIN(name, arg) static unsigned __stdcall name(void* arg)
+#define TEST_THREAD_END return 0
+static inline int test_thread_start(test_thread* t, unsigned(__stdcall* fn)(void*), void* arg) {
+    *t = (HANDLE)_beginthreadex(NULL, 0, fn, arg, 0, NULL);
+    return *t ? 0 : -1;
+}
+static inline void test_thread_join(test_thread t) {
+    WaitForSingleObject(t, INFINITE);
+    CloseHandle(t);
+}
+#else
+typedef pthread_t test_thread;
+#define TEST_THREAD_MAIN(name, arg) static void* name(void* arg)
+#define TEST_THREAD_END return NULL
+static inline int test_thread_start(test_thread* t, void* (*fn)(void*), void* arg) { return pthread_create(t, NULL, fn, arg); }
+static inline void test_thread_join(test_thread t) { pthread_join(t, NULL); }
+#endif
+#endif /* MGPU_TEST_PORT_H */
+
+#if !defined(MGPU_TEST_H) && !defined(TEST_PORTABILITY_ONLY)
+#define MGPU_TEST_H
 
 static int test_passed, test_failed, test_skipped;
 static int test_verbose = -1;

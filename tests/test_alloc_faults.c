@@ -50,8 +50,9 @@ static void test_free(void* p) {
 #include <ctype.h>
 #include <dirent.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
+#undef IN    /* <windows.h>'s, empty */
+#undef OUT
 #define IN 8
 #define HIDDEN 16
 #define OUT 4
@@ -312,9 +313,13 @@ int main(int argc, char** argv) {
     test_select(argc, argv);
     mgpu_cpu_set_threads(1);    /* one thread: the Nth allocation is the same one every run */
     mgpu_log_set_callback(quiet, NULL);
-    snprintf(g_dir, sizeof g_dir, "/tmp/mgpu_alloc_faults_%d", (int)getpid());
+    {
+        char name[64];
+        snprintf(name, sizeof name, "mgpu_alloc_faults_%d", (int)test_getpid());
+        test_tmp_path(g_dir, sizeof g_dir, name);
+    }
     snprintf(g_path, sizeof g_path, "%s/ckpt.safetensors", g_dir);
-    if (mkdir(g_dir, 0700) != 0) { CHECK(0, "mkdir %s", g_dir); return test_summary("test_alloc_faults"); }
+    if (test_mkdir(g_dir, 0700) != 0) { CHECK(0, "mkdir %s", g_dir); return test_summary("test_alloc_faults"); }
     g_wide = 0;
     TEST_GROUP(test_sweep_mlp());
     TEST_GROUP(test_sweep_mlp_short());
@@ -322,6 +327,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_sweep_data_parallel());
     TEST_GROUP(test_sweep_data_parallel_short());
     remove(g_path);
-    rmdir(g_dir);
+    test_remove_tree(g_dir);
     return test_summary("test_alloc_faults");
 }

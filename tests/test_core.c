@@ -14,10 +14,11 @@
 
 #include <stdint.h>
 #include <time.h>
-#include <pthread.h>
 #include <fcntl.h>
+#ifndef _WIN32
 #include <sys/wait.h>
 #include <unistd.h>
+#endif
 
 
 #define TEST_PI 3.14159265358979323846
@@ -106,12 +107,12 @@ static void capture_log(mgpu_log_level level, const char* message, void* user) {
 
 /* mgpu_last_error is per thread: a failure on another thread leaves this thread's alone */
 typedef struct thread_probe { mgpu_result r, last; char text[1024]; } thread_probe;
-static void* error_thread(void* arg) {
+TEST_THREAD_MAIN(error_thread, arg) {
     thread_probe* p = (thread_probe*)arg;
     p->r = mgpu_tensor_upload(NULL, NULL, 0);
     p->last = mgpu_last_result();
     snprintf(p->text, sizeof p->text, "%s", mgpu_last_error());
-    return NULL;
+    TEST_THREAD_END;
 }
 
 static void test_results(void) {
@@ -149,19 +150,19 @@ static void test_results(void) {
 
     /* per thread */
     {
-        pthread_t th;
+        test_thread th;
         thread_probe probe;
         memset(&probe, 0, sizeof probe);
         rc = mgpu_matmul(o, a, b, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);
-        if (pthread_create(&th, NULL, error_thread, &probe) == 0) {
-            pthread_join(th, NULL);
+        if (test_thread_start(&th, error_thread, &probe) == 0) {
+            test_thread_join(th);
             CHECK(probe.r == MGPU_ERROR_INVALID_ARGUMENT && probe.last == MGPU_ERROR_INVALID_ARGUMENT &&
                       strstr(probe.text, "mgpu_tensor_upload") != NULL,
                   "error on another thread: %s \"%s\"", mgpu_result_string(probe.r), probe.text);
             CHECK(strstr(mgpu_last_error(), "mgpu_matmul") != NULL && mgpu_last_result() == MGPU_ERROR_SHAPE_MISMATCH,
                   "another thread's failure replaced this thread's error: \"%s\"", mgpu_last_error());
         } else {
-            CHECK(0, "pthread_create failed");
+            CHECK(0, "starting a thread failed");
         }
         mgpu_clear_error();
     }
@@ -201,7 +202,7 @@ static void test_devices(void) {
     int i;
     header("devices");
 
-    unsetenv("MGPU_DEVICES");
+    test_unsetenv("MGPU_DEVICES");
     CHECK(cpu != NULL && mgpu_device_kind_of(cpu) == MGPU_DEVICE_CPU, "mgpu_device_cpu");
     CHECK(strcmp(mgpu_device_label(cpu), "cpu") == 0, "CPU label \"%s\"", mgpu_device_label(cpu));
     CHECK(mgpu_device_cpu() == cpu, "mgpu_device_cpu is not one device");
@@ -342,7 +343,7 @@ static void test_devices(void) {
 #endif
 
     /* MGPU_DEVICES overrides "auto" (and only "auto") */
-    setenv("MGPU_DEVICES", "cpu:2", 1);
+    test_setenv("MGPU_DEVICES", "cpu:2");
     set = mgpu_device_set_create("auto");
     CHECK(set && mgpu_device_set_count(set) == 2 && strcmp(mgpu_device_set_spec(set), "cpu:2") == 0,
           "auto with MGPU_DEVICES=cpu:2 gave \"%s\" (%s)", mgpu_device_set_spec(set), mgpu_last_error());
@@ -351,12 +352,12 @@ static void test_devices(void) {
     CHECK(set && mgpu_device_set_count(set) == 1, "\"cpu\" with MGPU_DEVICES=cpu:2 has %d devices",
           mgpu_device_set_count(set));
     mgpu_device_set_destroy(set);
-    setenv("MGPU_DEVICES", "bogus", 1);
+    test_setenv("MGPU_DEVICES", "bogus");
     mgpu_clear_error();
     set = mgpu_device_set_create(NULL);
     expect_null(set, MGPU_ERROR_INVALID_ARGUMENT, "MGPU_DEVICES=bogus", "bogus", NULL);
     mgpu_device_set_destroy(set);
-    unsetenv("MGPU_DEVICES");
+    test_unsetenv("MGPU_DEVICES");
 
     /* the CPU's info */
     CHECK(mgpu_device_get_info(cpu, &info) == MGPU_OK, "get_info(cpu): %s", mgpu_last_error());
@@ -382,7 +383,7 @@ static void test_devices(void) {
     mgpu_tensor_destroy(NULL);
     CHECK(1, "destroy(NULL)");
 
-    if (saved) { setenv("MGPU_DEVICES", saved, 1); free(saved); }
+    if (saved) { test_setenv("MGPU_DEVICES", saved); free(saved); }
     gpu_group_note("devices");
 }
 
@@ -2433,7 +2434,7 @@ static void test_threads(void) {
 /* Two threads at once: CPU replicas each doing matmuls (the data-parallel CPU mode), and both
    threads allocating on one device (the allocator's lock). */
 typedef struct conc_job { mgpu_device* dev; mgpu_tensor *a, *b, *c; int reps; int failures; } conc_job;
-static void* conc_thread(void* arg) {
+TEST_THREAD_MAIN(conc_thread, arg) {
     conc_job* j = (conc_job*)arg;
     int r, i;
     for (r = 0; r < j->reps; ++r) {
@@ -2442,7 +2443,7 @@ static void* conc_thread(void* arg) {
         for (i = 0; i < 3; ++i) t[i] = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(1000 + 300 * i + r));
         for (i = 0; i < 3; ++i) { if (!t[i]) j->failures++; mgpu_tensor_destroy(t[i]); }
     }
-    return NULL;
+    TEST_THREAD_END;
 }
 
 static void test_concurrency(void) {
@@ -2451,7 +2452,7 @@ static void test_concurrency(void) {
     conc_job job[2];
     float* want[2];
     float* got = fbuf(m * n);
-    pthread_t th[2];
+    test_thread th[2];
     int i, started[2];
     mgpu_memory_stats s0, s;
     header("two threads on CPU replicas");
@@ -2474,10 +2475,10 @@ static void test_concurrency(void) {
         free(a);
         free(b);
     }
-    for (i = 0; i < 2; ++i) started[i] = pthread_create(&th[i], NULL, conc_thread, &job[i]) == 0;
+    for (i = 0; i < 2; ++i) started[i] = test_thread_start(&th[i], conc_thread, &job[i]) == 0;
     for (i = 0; i < 2; ++i) {
-        if (started[i]) pthread_join(th[i], NULL);
-        CHECK(started[i], "pthread_create %d failed", i);
+        if (started[i]) test_thread_join(th[i]);
+        CHECK(started[i], "starting thread %d failed", i);
         CHECK(job[i].failures == 0, "%d failures on thread %d: %s", job[i].failures, i, mgpu_last_error());
         tget(job[i].c, got);
         CHECK(all_equal_f(got, want[i], m * n), "matmul on %s alongside another thread differs from alone",
@@ -2496,7 +2497,7 @@ static void test_concurrency(void) {
     free(got);
 }
 
-#ifndef MGPU_NO_THREADS
+#if !defined(MGPU_NO_THREADS) && !defined(_WIN32)
 /* fork(): the child's pool starts afresh and uses threads again, even when the parent forked in
    the middle of a job on another thread (whose workers, lock and half-done job the child does
    not have). Each task sleeps, so that the workers take some of them; the child has an alarm in
@@ -2573,35 +2574,83 @@ static void test_fork(void) {
     }
     mgpu_cpu_set_threads(saved);
 }
+#elif !defined(MGPU_NO_THREADS)
+static void test_fork(void) {
+    header("fork");
+    SKIP("fork: Windows has no fork(), so no process starts with a copy of another's thread pool");
+}
+#endif
+
+#ifndef MGPU_NO_THREADS
 
 /* MGPU_CPU_SPIN_US: how long an idle worker watches for the next job before it sleeps. 20 jobs
    back to back, each of two 5 ms tasks (so that the worker takes one): with 0, the worker sleeps
    after each job; with 0.2 s, it never sleeps between them. */
 static void spin_task(void* ctx, int64_t task) {
-    struct timespec ts = { 0, 5 * 1000 * 1000 };
     (void)ctx;
     (void)task;
-    nanosleep(&ts, NULL);
+    test_sleep_ms(5);
 }
 static uint64_t worker_sleeps_in_20_jobs(double spin_seconds) {
     uint64_t before, after;
     int i;
-    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__mutex_lock(&mgpu__the_pool.lock);
     mgpu__pool_spin = spin_seconds;
     before = mgpu__the_pool.sleeps;
-    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    mgpu__mutex_unlock(&mgpu__the_pool.lock);
     for (i = 0; i < 20; ++i) mgpu__parallel_for(2, spin_task, NULL);
-    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__mutex_lock(&mgpu__the_pool.lock);
     after = mgpu__the_pool.sleeps;
-    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    mgpu__mutex_unlock(&mgpu__the_pool.lock);
     return after - before;
 }
+/* "test_core pool_spin" again in a fresh process with MGPU_CPU_SPIN_US=250, its output thrown
+   away: its exit status, 128 + its signal, or -1 when it could not be started. */
+#ifndef _WIN32
 static void child_runs_pool_spin_with_250(void) {
     int null = open("/dev/null", O_WRONLY);
     if (null >= 0) { dup2(null, 1); dup2(null, 2); }
     setenv("MGPU_CPU_SPIN_US", "250", 1);
     execl("/proc/self/exe", "test_core", "pool_spin", (char*)NULL);
 }
+static int run_pool_spin_with_250(void) { return run_in_child(child_runs_pool_spin_with_250); }
+#else
+static int run_pool_spin_with_250(void) {   /* CreateProcess of this program, which inherits the variable */
+    char exe[MAX_PATH], cmd[MAX_PATH + 32];
+    STARTUPINFOA si;
+    PROCESS_INFORMATION pi;
+    SECURITY_ATTRIBUTES sa;
+    HANDLE null;
+    DWORD code = (DWORD)-1;
+    if (!GetModuleFileNameA(NULL, exe, sizeof exe)) return -1;
+    snprintf(cmd, sizeof cmd, "\"%s\" pool_spin", exe);
+    memset(&sa, 0, sizeof sa);
+    sa.nLength = sizeof sa;
+    sa.bInheritHandle = TRUE;
+    null = CreateFileA("NUL", GENERIC_WRITE, FILE_SHARE_READ | FILE_SHARE_WRITE, &sa, OPEN_EXISTING, 0, NULL);
+    memset(&si, 0, sizeof si);
+    si.cb = sizeof si;
+    if (null != INVALID_HANDLE_VALUE) {
+        si.dwFlags = STARTF_USESTDHANDLES;
+        si.hStdInput = GetStdHandle(STD_INPUT_HANDLE);
+        si.hStdOutput = si.hStdError = null;
+    }
+    fflush(stdout);
+    test_setenv("MGPU_CPU_SPIN_US", "250");
+    if (CreateProcessA(exe, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si, &pi)) {
+        if (WaitForSingleObject(pi.hProcess, 60000) != WAIT_OBJECT_0) {   /* hung: as the alarm on POSIX */
+            TerminateProcess(pi.hProcess, 142);
+            WaitForSingleObject(pi.hProcess, INFINITE);
+        }
+        if (!GetExitCodeProcess(pi.hProcess, &code)) code = (DWORD)-1;
+        CloseHandle(pi.hThread);
+        CloseHandle(pi.hProcess);
+    }
+    test_unsetenv("MGPU_CPU_SPIN_US");
+    if (null != INVALID_HANDLE_VALUE) CloseHandle(null);
+    return (int)code;
+}
+#endif
 static void test_pool_spin(void) {
     const int saved = mgpu_cpu_threads();
     const char* env = getenv("MGPU_CPU_SPIN_US");
@@ -2610,9 +2659,9 @@ static void test_pool_spin(void) {
     header("pool spin");
     mgpu_cpu_set_threads(2);
     mgpu__parallel_for(2, spin_task, NULL);   /* the pool started, MGPU_CPU_SPIN_US read */
-    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__mutex_lock(&mgpu__the_pool.lock);
     saved_spin = mgpu__pool_spin;
-    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    mgpu__mutex_unlock(&mgpu__the_pool.lock);
     if (env) {   /* the run below: the variable reached the pool */
         CHECK(fabs(saved_spin - mgpu__pool_spin_from_env()) <= 1e-15, "MGPU_CPU_SPIN_US=%s: the pool spins %g s", env,
               saved_spin);
@@ -2620,16 +2669,16 @@ static void test_pool_spin(void) {
         int rc;
         CHECK(fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
         /* this group again in a fresh process, with the variable set: it must reach the pool */
-        rc = run_in_child(child_runs_pool_spin_with_250);
+        rc = run_pool_spin_with_250();
         CHECK(rc == 0, "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)", rc);
     }
     passive = worker_sleeps_in_20_jobs(0.0);
     active = worker_sleeps_in_20_jobs(0.2);
     CHECK(passive >= 5, "spin 0: the worker slept %llu times in 20 jobs, want about 20", (unsigned long long)passive);
     CHECK(active <= 1, "spin 0.2 s: the worker slept %llu times in 20 back-to-back jobs, want 0", (unsigned long long)active);
-    pthread_mutex_lock(&mgpu__the_pool.lock);
+    mgpu__mutex_lock(&mgpu__the_pool.lock);
     mgpu__pool_spin = saved_spin;
-    pthread_mutex_unlock(&mgpu__the_pool.lock);
+    mgpu__mutex_unlock(&mgpu__the_pool.lock);
     {   /* the variable read: whole microseconds, at most a second; anything else warns and gives 1 ms */
         static const struct { const char* text; double seconds; int warns; } cases[] = {
             { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5000000", 1.0, 0 }, { "", 1e-3, 0 }, { "fast", 1e-3, 1 },
@@ -2641,7 +2690,7 @@ static void test_pool_spin(void) {
         for (i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
             double got;
             memset(&cap, 0, sizeof cap);
-            setenv("MGPU_CPU_SPIN_US", cases[i].text, 1);
+            test_setenv("MGPU_CPU_SPIN_US", cases[i].text);
             got = mgpu__pool_spin_from_env();
             CHECK(fabs(got - cases[i].seconds) <= 1e-15, "MGPU_CPU_SPIN_US='%s': %g s, want %g", cases[i].text, got,
                   cases[i].seconds);
@@ -2650,8 +2699,8 @@ static void test_pool_spin(void) {
                   "MGPU_CPU_SPIN_US='%s': %d warning(s) \"%s\", want %d", cases[i].text, cap.calls, cap.last, cases[i].warns);
         }
         mgpu_log_set_callback(NULL, NULL);
-        if (kept) setenv("MGPU_CPU_SPIN_US", kept, 1);
-        else unsetenv("MGPU_CPU_SPIN_US");
+        if (kept) test_setenv("MGPU_CPU_SPIN_US", kept);
+        else test_unsetenv("MGPU_CPU_SPIN_US");
         free(kept);
     }
     mgpu_cpu_set_threads(saved);

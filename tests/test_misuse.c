@@ -293,8 +293,10 @@ static void test_indices(void) {
     {   /* a safetensors file's entries */
         mgpu_safetensors* st;
         mgpu_safetensors_info info;
-        CHECK(mgpu_model_save(m, o, "/tmp/mgpu_misuse_idx.safetensors") == MGPU_OK, "save: %s", mgpu_last_error());
-        st = mgpu_safetensors_open("/tmp/mgpu_misuse_idx.safetensors");
+        char path[512];
+        test_tmp_path(path, sizeof path, "mgpu_misuse_idx.safetensors");
+        CHECK(mgpu_model_save(m, o, path) == MGPU_OK, "save: %s", mgpu_last_error());
+        st = mgpu_safetensors_open(path);
         CHECK(st != NULL, "open: %s", mgpu_last_error());
         if (st) {
             int n = mgpu_safetensors_count(st);
@@ -311,7 +313,7 @@ static void test_indices(void) {
             CHECK(mgpu_safetensors_metadata(st, NULL) == NULL, "metadata(NULL key)");
             mgpu_safetensors_close(st);
         }
-        remove("/tmp/mgpu_misuse_idx.safetensors");
+        remove(path);
     }
 done:
     mgpu_tensor_destroy(t);
@@ -541,15 +543,17 @@ static void test_double_destroy(void) {
     mgpu_loader* l;
     mgpu_dataset ds;
     uint8_t images[8], labels[2] = { 0, 1 };
+    char path[512];
     header("double_destroy");
     if (!set) { CHECK(0, "set: %s", mgpu_last_error()); return; }
     m = small_model(set);
     o = m ? mgpu_optimizer_create(m, NULL) : NULL;
     ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
     if (!m || !o || !ar) { CHECK(0, "setup: %s", mgpu_last_error()); return; }
-    CHECK(mgpu_model_save(m, o, "/tmp/mgpu_misuse_dd.safetensors") == MGPU_OK, "save: %s", mgpu_last_error());
-    st = mgpu_safetensors_open("/tmp/mgpu_misuse_dd.safetensors");
-    remove("/tmp/mgpu_misuse_dd.safetensors");
+    test_tmp_path(path, sizeof path, "mgpu_misuse_dd.safetensors");
+    CHECK(mgpu_model_save(m, o, path) == MGPU_OK, "save: %s", mgpu_last_error());
+    st = mgpu_safetensors_open(path);
+    remove(path);
     memset(&ds, 0, sizeof ds);
     memset(images, 0, sizeof images);
     ds.count = 2; ds.rows = 2; ds.cols = 2; ds.images = images; ds.labels = labels;

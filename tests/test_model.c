@@ -1,7 +1,6 @@
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "test.h"
-#include <pthread.h>
 
 /* tests/test_model.c - layers, models, optimizers, training, checkpoints and the data loader.
 
@@ -28,7 +27,6 @@
 #include <stdint.h>
 #include <time.h>
 #include <errno.h>
-#include <unistd.h>
 #include <dirent.h>
 #include <sys/stat.h>
 
@@ -151,19 +149,7 @@ static int count_files_with(const char* dir, const char* part) {
     closedir(d);
     return n;
 }
-static void remove_tree(const char* path) {
-    DIR* d = opendir(path);
-    struct dirent* e;
-    char sub[1024];
-    if (!d) { remove(path); return; }
-    while ((e = readdir(d)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        snprintf(sub, sizeof sub, "%s/%s", path, e->d_name);
-        remove_tree(sub);
-    }
-    closedir(d);
-    rmdir(path);
-}
+static void remove_tree(const char* path) { test_remove_tree(path); }
 
 /* ---- models ---- */
 static mgpu_model* try_model(mgpu_shape input, mgpu_layer** layers, int n, const mgpu_device_set* devs,
@@ -2300,7 +2286,7 @@ static void test_checkpoints(void) {
                     NULL);
         CHECK(!file_exists(path), "a failed save left %s", path);
         tpath(dir, sizeof dir, "adir");
-        CHECK(mkdir(dir, 0700) == 0, "mkdir %s", dir);
+        CHECK(test_mkdir(dir, 0700) == 0, "mkdir %s", dir);
         expect_fail(mgpu_model_save(m, o, dir), MGPU_ERROR_IO, "save over a directory", "mgpu_model_save", NULL, NULL);
         {
             struct stat st;
@@ -2313,6 +2299,10 @@ static void test_checkpoints(void) {
         expect_fail(mgpu_model_save(m, o, path2), MGPU_ERROR_IO, "save below a file", "mgpu_model_save", NULL, NULL);
         MUST(mgpu_model_load(m, o, path));   /* the old checkpoint is intact */
         check_unchanged("after loading the intact old checkpoint", m, o, &snap);
+#ifdef _WIN32
+        SKIP("save into a read-only directory: Windows has no directory permission bits (a folder's read-only attribute "
+             "does not stop new files in it)");
+#else
         if (geteuid() != 0) {
             snprintf(path, sizeof path, "%s/ck.safetensors", dir);
             MUST(mgpu_model_save(m, o, path));
@@ -2326,6 +2316,7 @@ static void test_checkpoints(void) {
         } else {
             SKIP("save into a read-only directory: running as root (permissions do not apply)");
         }
+#endif
         /* a later save replaces an earlier one */
         {
             mgpu_model* other = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_CROSS_ENTROPY, 99, mgpu_layer_linear(4, 3));
@@ -2370,11 +2361,46 @@ static int write_idx(const char* path, int type, int ndim, const int* dims, cons
     ok = fwrite(hdr, 1, 4 + 4 * (size_t)ndim, f) == 4 + 4 * (size_t)ndim && fwrite(data, 1, bytes, f) == bytes;
     return (fclose(f) == 0) && ok;
 }
+#ifndef _WIN32
 static int gzip_file(const char* src, const char* dst) {
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "gzip -c -n '%s' > '%s' 2>/dev/null", src, dst);
     return system(cmd) == 0;
 }
+#else
+/* Windows has no gzip command: the file as a gzip member of stored (uncompressed) DEFLATE blocks,
+   with its CRC-32 and length, which is what the reader checks. */
+static int gzip_file(const char* src, const char* dst) {
+    static const uint8_t head[10] = {0x1F, 0x8B, 8, 0, 0, 0, 0, 0, 0, 255};
+    size_t len, off = 0;
+    uint8_t* data = read_file(src, &len);
+    uint32_t crc = 0xFFFFFFFFu;
+    uint8_t tail[8];
+    FILE* f = data ? fopen(dst, "wb") : NULL;
+    int ok = f != NULL, k;
+    size_t i;
+    for (i = 0; i < len; ++i) {
+        crc ^= data[i];
+        for (k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+    crc ^= 0xFFFFFFFFu;
+    if (ok) ok = fwrite(head, 1, 10, f) == 10;
+    do {   /* blocks of at most 65535 bytes; the last has BFINAL set (an empty file: one empty block) */
+        size_t n = len - off < 65535 ? len - off : 65535;
+        uint8_t b[5];
+        b[0] = off + n == len ? 1 : 0;
+        b[1] = (uint8_t)n; b[2] = (uint8_t)(n >> 8);
+        b[3] = (uint8_t)~n; b[4] = (uint8_t)(~n >> 8);
+        if (ok) ok = fwrite(b, 1, 5, f) == 5 && fwrite(data + off, 1, n, f) == n;
+        off += n;
+    } while (off < len);
+    for (k = 0; k < 4; ++k) { tail[k] = (uint8_t)(crc >> (8 * k)); tail[4 + k] = (uint8_t)((uint32_t)len >> (8 * k)); }
+    if (ok) ok = fwrite(tail, 1, 8, f) == 8;
+    if (f && fclose(f) != 0) ok = 0;
+    free(data);
+    return ok;
+}
+#endif
 
 static void check_dataset(const char* what, const mgpu_dataset* ds, int n, int rows, int cols, const uint8_t* img,
                           const uint8_t* lab) {
@@ -2859,12 +2885,12 @@ static mgpu_result picky_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx
 static const mgpu_layer_vtable picky_vt = { "Picky", NULL, NULL, NULL, NULL, NULL, NULL, picky_forward, picky_backward, NULL, NULL };
 
 typedef struct gemm_thread_arg { mgpu_tensor *a, *b, *c; int ok; } gemm_thread_arg;
-static void* gemm_thread(void* p) {
+TEST_THREAD_MAIN(gemm_thread, p) {
     gemm_thread_arg* g = (gemm_thread_arg*)p;
     int i;
     g->ok = 1;
     for (i = 0; i < 40; ++i) g->ok &= mgpu_matmul(g->c, g->a, g->b, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f) == MGPU_OK;
-    return NULL;
+    TEST_THREAD_END;
 }
 
 static void test_review_regressions(void) {
@@ -2951,17 +2977,17 @@ static void test_review_regressions(void) {
         mgpu_tensor_destroy(a);
     }
     {   /* a bad MGPU_DEVICES says where the spec came from */
-        setenv("MGPU_DEVICES", "gpu:9", 1);
+        test_setenv("MGPU_DEVICES", "gpu:9");
         CHECK(mgpu_device_set_create("auto") == NULL && strstr(mgpu_last_error(), "MGPU_DEVICES") != NULL,
               "bad MGPU_DEVICES: %s", mgpu_last_error());
-        unsetenv("MGPU_DEVICES");
+        test_unsetenv("MGPU_DEVICES");
     }
     {   /* two threads multiplying on the library's CPU device at once get right answers */
         gemm_thread_arg g[2];
-        pthread_t t[2];
+        test_thread t[2];
         float hc[2][64 * 32];
         double ref = 0.0;
-        int i, k, ok = 1;
+        int i, k, ok = 1, started[2];
         for (i = 0; i < 2; ++i) {
             g[i].a = tmake(cpu, MGPU_F32, mgpu_shape2(64, 300));
             g[i].b = tmake(cpu, MGPU_F32, mgpu_shape2(32, 300));
@@ -2969,8 +2995,11 @@ static void test_review_regressions(void) {
             MUST(mgpu_tensor_fill(g[i].a, i ? 0.5 : 0.25));
             MUST(mgpu_tensor_fill(g[i].b, 1.0));
         }
-        for (i = 0; i < 2; ++i) pthread_create(&t[i], NULL, gemm_thread, &g[i]);
-        for (i = 0; i < 2; ++i) pthread_join(t[i], NULL);
+        for (i = 0; i < 2; ++i) {
+            g[i].ok = 0;   /* stays 0 for a thread that did not start */
+            started[i] = test_thread_start(&t[i], gemm_thread, &g[i]) == 0;
+        }
+        for (i = 0; i < 2; ++i) if (started[i]) test_thread_join(t[i]);
         for (i = 0; i < 2; ++i) {
             tget(g[i].c, hc[i]);
             ref = (i ? 0.5 : 0.25) * 300.0;
@@ -3553,7 +3582,7 @@ int main(int argc, char** argv) {
     printf("built without CUDA\n");
 #endif
     snprintf(g_tmpdir, sizeof g_tmpdir, "%s/mgpu_test_model.XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-    if (!mkdtemp(g_tmpdir)) {
+    if (!test_mkdtemp(g_tmpdir, sizeof g_tmpdir)) {
         CHECK(0, "mkdtemp(%s): %s", g_tmpdir, strerror(errno));
         return test_summary("test_model");
     }

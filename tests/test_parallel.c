@@ -520,11 +520,11 @@ static mgpu_allreduce_kind backend_for(const char* spec, mgpu_allreduce_kind kin
     mgpu_device_set* set = mkset(spec);
     mgpu_allreduce* ar;
     mgpu_allreduce_kind got = (mgpu_allreduce_kind)-1;
-    if (env) setenv("MGPU_ALLREDUCE", env, 1);
+    if (env) test_setenv("MGPU_ALLREDUCE", env);
     log_capture_start();
     ar = mgpu_allreduce_create(set, kind);
     log_capture_stop();
-    if (env) unsetenv("MGPU_ALLREDUCE");
+    if (env) test_unsetenv("MGPU_ALLREDUCE");
     CHECK(ar != NULL, "mgpu_allreduce_create(%s, %s)%s%s: %s", spec, mgpu_allreduce_name(kind), env ? " with MGPU_ALLREDUCE=" : "",
           env ? env : "", mgpu_last_error());
     if (ar) got = mgpu_allreduce_backend(ar);
@@ -538,11 +538,11 @@ static mgpu_allreduce_kind backend_for(const char* spec, mgpu_allreduce_kind kin
 static void algorithm_case(const char* spec, const char* env, size_t bytes, const char* want, double want_traffic) {
     mgpu_device_set* set = mkset(spec);
     mgpu_allreduce* ar;
-    if (env) setenv("MGPU_P2P", env, 1);
+    if (env) test_setenv("MGPU_P2P", env);
     log_capture_start();
     ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
     log_capture_stop();
-    if (env) unsetenv("MGPU_P2P");
+    if (env) test_unsetenv("MGPU_P2P");
     CHECK(ar != NULL, "mgpu_allreduce_create(%s): %s", spec, mgpu_last_error());
     if (ar) {
         CHECK(strcmp(mgpu_allreduce_algorithm(ar, bytes), want) == 0, "%s%s%s, %zu bytes: algorithm %s, want %s", spec,
@@ -608,9 +608,9 @@ static void write_after_allreduce(const char* spec, const char* p2p, int rounds)
     float* x = fbuf(n);
     int r, k, bad = 0, bad_round = -1, bad_rep = -1;
     int64_t i, bad_at = -1;
-    if (p2p) setenv("MGPU_P2P", p2p, 1);
+    if (p2p) test_setenv("MGPU_P2P", p2p);
     ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_AUTO);
-    if (p2p) unsetenv("MGPU_P2P");
+    if (p2p) test_unsetenv("MGPU_P2P");
     CHECK(ar && R <= MAX_REP, "%s: communicator: %s", spec, mgpu_last_error());
     if (!ar || R > MAX_REP) goto done;
     for (r = 0; r < R; ++r) a[r] = tmake(mgpu_device_set_get(set, r), MGPU_F32, mgpu_shape1(n));
@@ -820,9 +820,9 @@ static void test_allreduce(void) {
             oneshot_matches_host(gpu_specs[i], 1001);
             oneshot_matches_host(gpu_specs[i], (1 << 16) + 5);
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
-            setenv("MGPU_P2P", "ring", 1);   /* the ring, which distinct GPUs take for large buffers */
+            test_setenv("MGPU_P2P", "ring");   /* the ring, which distinct GPUs take for large buffers */
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
-            unsetenv("MGPU_P2P");
+            test_unsetenv("MGPU_P2P");
             allreduce_on(gpu_specs[i], MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
             CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_AUTO, NULL) == MGPU_ALLREDUCE_P2P, "%s auto: backend is not p2p", gpu_specs[i]);
             CHECK(backend_for(gpu_specs[i], MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_P2P, "%s asking for nccl (one GPU twice): not p2p",
@@ -852,14 +852,14 @@ static void test_allreduce(void) {
                 mgpu_device_set* s2 = mkset("cuda:0,1");
                 const int peer = mgpu_device_can_access_peer(mgpu_device_set_get(s2, 0), mgpu_device_set_get(s2, 1));
                 mgpu_device_set_destroy(s2);
-                setenv("MGPU_ALLREDUCE", "p2p", 1);
+                test_setenv("MGPU_ALLREDUCE", "p2p");
                 algorithm_case("cuda:0,1", NULL, (size_t)256 << 10, peer ? "oneshot" : "ring", (peer ? 4.0 : 7.0) * (256 << 10));
                 algorithm_case("cuda:0,1", NULL, ((size_t)256 << 10) + 4, "ring", 7.0 * ((256 << 10) + 4));
-                unsetenv("MGPU_ALLREDUCE");
+                test_unsetenv("MGPU_ALLREDUCE");
             }
-            setenv("MGPU_P2P", "oneshot", 1);   /* one-shot at every size, where peer access allows */
+            test_setenv("MGPU_P2P", "oneshot");   /* one-shot at every size, where peer access allows */
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P);
-            unsetenv("MGPU_P2P");
+            test_unsetenv("MGPU_P2P");
             allreduce_on("cuda:0,1", MGPU_ALLREDUCE_HOST, MGPU_ALLREDUCE_HOST);
         } else {
             SKIP("nccl all-reduce: needs two distinct GPUs (this machine has %d)", g_gpus);
@@ -1544,9 +1544,9 @@ static void test_cuda_training(void) {
                     for (k = 0; k < 3; ++k) {
                         const char* name = p2p_env[k] ? p2p_env[k] : mgpu_allreduce_name(kinds[k]);
                         c.allreduce = kinds[k];
-                        if (p2p_env[k]) setenv("MGPU_P2P", p2p_env[k], 1);
+                        if (p2p_env[k]) test_setenv("MGPU_P2P", p2p_env[k]);
                         train_run(specs[i], &c, &ods[o], &bs, &got);
-                        if (p2p_env[k]) unsetenv("MGPU_P2P");
+                        if (p2p_env[k]) test_unsetenv("MGPU_P2P");
                         snprintf(what, sizeof what, "%s %s vs cuda:0, B=%lld, %s, %s", specs[i], name,
                                  (long long)Bs[bi], opt_name(&ods[o]), loss_name(c.loss));
                         CHECK(got.backend == kinds[k], "%s: backend %s", what, mgpu_allreduce_name(got.backend));
@@ -1594,8 +1594,8 @@ static void test_cuda_training(void) {
 /* 10. NCCL's summation order: MGPU_DETERMINISTIC=1 or verify_every pins NCCL_ALGO=Ring and
    NCCL_PROTO=Simple before the communicators are made, keeping what the user set. */
 static void env_restore(const char* name, const char* saved) {
-    if (saved) setenv(name, saved, 1);
-    else unsetenv(name);
+    if (saved) test_setenv(name, saved);
+    else test_unsetenv(name);
 }
 static int env_is(const char* name, const char* want) {
     const char* v = getenv(name);
@@ -1606,36 +1606,40 @@ static void test_nccl_pinning(void) {
     char *proto = getenv("NCCL_PROTO") ? strdup(getenv("NCCL_PROTO")) : NULL;
     char *det = getenv("MGPU_DETERMINISTIC") ? strdup(getenv("MGPU_DETERMINISTIC")) : NULL;
     header("10. NCCL pinned to ring + Simple for determinism");
-    unsetenv("NCCL_ALGO");
-    unsetenv("NCCL_PROTO");
+#ifdef _WIN32
+    SKIP("NCCL_ALGO and NCCL_PROTO pinned: there is no NCCL for Windows, and mgpu pins nothing there");
+#else
+    test_unsetenv("NCCL_ALGO");
+    test_unsetenv("NCCL_PROTO");
     mgpu__nccl_pin();
     CHECK(env_is("NCCL_ALGO", "Ring") && env_is("NCCL_PROTO", "Simple"), "pinning sets NCCL_ALGO=Ring, NCCL_PROTO=Simple");
-    setenv("NCCL_ALGO", "Tree", 1);
-    unsetenv("NCCL_PROTO");
+    test_setenv("NCCL_ALGO", "Tree");
+    test_unsetenv("NCCL_PROTO");
     log_capture_start();
     mgpu__nccl_pin();
     log_capture_stop();
     CHECK(env_is("NCCL_ALGO", "Tree") && env_is("NCCL_PROTO", "Simple"), "the user's NCCL_ALGO is kept, NCCL_PROTO pinned");
     CHECK(strstr(g_log, "NCCL_ALGO=Tree") != NULL, "a notice that the user's NCCL_ALGO is kept (log: '%s')", g_log);
+#endif
     if (g_gpus >= 2 && backend_for("cuda:0,1", MGPU_ALLREDUCE_NCCL, NULL) == MGPU_ALLREDUCE_NCCL) {
         mgpu_device_set* set = mkset("cuda:0,1");
         mgpu_allreduce* ar;
         mgpu_layer* layers[1];
         mgpu_model_desc d;
         mgpu_model* m;
-        unsetenv("NCCL_ALGO");
-        unsetenv("NCCL_PROTO");
-        unsetenv("MGPU_DETERMINISTIC");
+        test_unsetenv("NCCL_ALGO");
+        test_unsetenv("NCCL_PROTO");
+        test_unsetenv("MGPU_DETERMINISTIC");
         ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_NCCL);
         CHECK(ar && env_is("NCCL_ALGO", NULL) && env_is("NCCL_PROTO", NULL), "no determinism asked: NCCL chooses freely");
         mgpu_allreduce_destroy(ar);
-        setenv("MGPU_DETERMINISTIC", "1", 1);
+        test_setenv("MGPU_DETERMINISTIC", "1");
         ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_NCCL);
         CHECK(ar && env_is("NCCL_ALGO", "Ring") && env_is("NCCL_PROTO", "Simple"), "MGPU_DETERMINISTIC=1 pins NCCL");
         mgpu_allreduce_destroy(ar);
-        unsetenv("MGPU_DETERMINISTIC");
-        unsetenv("NCCL_ALGO");
-        unsetenv("NCCL_PROTO");
+        test_unsetenv("MGPU_DETERMINISTIC");
+        test_unsetenv("NCCL_ALGO");
+        test_unsetenv("NCCL_PROTO");
         memset(&d, 0, sizeof d);
         layers[0] = mgpu_layer_linear(4, 3);
         d.input = mgpu_shape1(4);
@@ -1917,10 +1921,11 @@ static void pipeline_errors(void) {
 /* A checkpoint written on 2 stages loads on 1 device and gives the same outputs, bit for bit. */
 static void pipeline_checkpoint(void) {
     mgpu_device_set* two = mkset("cpu:2");
-    const char* path = "/tmp/mgpu_pipeline_test.safetensors";
+    char path[512];
     mgpu_model *a = staged_mlp(two, 2, NULL, 2), *b = staged_mlp(NULL, 1, NULL, 1);
     float x[5 * 4], ya[15], yb[15];
     int i;
+    test_tmp_path(path, sizeof path, "mgpu_pipeline_test.safetensors");
     for (i = 0; i < 20; ++i) x[i] = (float)rng_gauss();
     if (a && b) {
         mgpu_optimizer* opt = mgpu_optimizer_create(a, NULL);
@@ -1952,11 +1957,12 @@ static void pipeline_checkpoint(void) {
    (the times: the CPU clock on CPU devices, CUDA events on GPUs). */
 static void pipeline_trace(const char* spec) {
     mgpu_device_set* set = mkset(spec);
-    const char* path = "/tmp/mgpu_pipeline_trace.json";
+    char path[512];
     mgpu_model* m = set ? staged_mlp(set, 2, NULL, 4) : NULL;
     mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
     double end0[4] = {0, 0, 0, 0}, start1[4] = {0, 0, 0, 0};
     int forwards = 0, backwards = 0, steps = 0, k;
+    test_tmp_path(path, sizeof path, "mgpu_pipeline_trace.json");
     CHECK(opt != NULL, "%s: a 2-stage model: %s", spec, mgpu_last_error());
     if (opt) {
         mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, 4));
@@ -2032,7 +2038,7 @@ int main(int argc, char** argv) {
 #else
     printf("built without CUDA\n");
 #endif
-    unsetenv("MGPU_ALLREDUCE");   /* the tests choose backends themselves */
+    test_unsetenv("MGPU_ALLREDUCE");   /* the tests choose backends themselves */
 
     TEST_GROUP(test_allreduce());
     TEST_GROUP(test_errors());
