@@ -9,6 +9,8 @@
 #   make fuzz       the libFuzzer harnesses (tests/fuzz), FUZZ_SECONDS each (default 600), two at a
 #                   time; make test runs each for 60 s
 #   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
+#   make test-windows  the CPU suites, the examples and the header built by MinGW-w64 and run under
+#                   wine, train's checkpoints equal to Linux's byte for byte (part of make test)
 #   make mpi        with mpicc (Debian: openmpi-bin libopenmpi-dev): build/train_mpi, one job over many
 #                   processes (mpirun -np 4 build/train_mpi --devices cpu), its CUDA and emulated
 #                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test)
@@ -47,7 +49,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -177,6 +179,14 @@ $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 
+# ---- Windows: MinGW-w64 and wine -----------------------------------------------------------------
+# tests/windows.sh cross-builds into $(B)/windows and runs under wine the header's compile checks
+# (C99, C11 -pedantic, C++17), the CPU suites and the examples, and train.exe against
+# $(B)/train_plain (the same checkpoints, byte for byte). Without x86_64-w64-mingw32-gcc or wine
+# (Debian: gcc-mingw-w64-x86-64 g++-mingw-w64-x86-64 wine wine64), one skip.
+test-windows: $(B)/train_plain
+	@sh tests/windows.sh $(B) $(DATA)
+
 # ---- ThreadSanitizer (clang): the data-parallel suite and a cpu:3 training -----------------------
 $(B)/test_parallel_tsan: tests/test_parallel.c $(HEADERS) | $(B)
 	$(CLANG) $(WARN) $(TSAN) -I. $< -o $@ $(LDLIBS)
@@ -238,6 +248,7 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain 
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" \
+	    "sh tests/windows.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
