@@ -78,6 +78,14 @@ if printf '#include <zlib.h>\nint main(void) { return zlibVersion() == 0; }\n' |
 else
     echo "   (no zlib for aarch64: test_io without HAVE_ZLIB; Debian: dpkg --add-architecture arm64, zlib1g-dev:arm64)"
 fi
+# the header alone, as tests/compile_check.sh builds it on x86
+for std in "-std=c99" "-std=c11 -pedantic"; do
+    if log=$("$acc" $std -Wall -Wextra -Werror -I. -c tests/compile_check.c -o "$out/compile_check.o" 2>&1); then
+        ok "$acc $std -Wall -Wextra -Werror compiles mgpu.h"
+    else
+        fail "$acc $std -Wall -Wextra -Werror: $(printf '%s\n' "$log" | head -n 3)"
+    fi
+done
 suites="test_core test_io test_model test_parallel test_misuse test_alloc_faults"
 tb=$(date +%s)
 for t in $suites; do
