@@ -11,6 +11,8 @@
 #   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
 #   make test-windows  the CPU suites, the examples and the header built by MinGW-w64 and run under
 #                   wine, train's checkpoints equal to Linux's byte for byte (part of make test)
+#   make test-aarch64  the CPU suites and build/train cross-compiled for aarch64, run under qemu-aarch64
+#                   (Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; part of make test)
 #   make mpi        with mpicc (Debian: openmpi-bin libopenmpi-dev): build/train_mpi, one job over many
 #                   processes (mpirun -np 4 build/train_mpi --devices cpu), its CUDA and emulated
 #                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test)
@@ -49,7 +51,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows
+.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -196,6 +198,13 @@ TSAN_BINS = $(if $(HAVE_TSAN),$(B)/test_parallel_tsan $(B)/train_tsan)
 tsan: $(TSAN_BINS)
 	@sh tests/tsan.sh $(B) $(DATA)
 
+# ---- aarch64 through qemu-user (tests/aarch64.sh) -------------------------------------------------
+# The CPU suites and examples/train.c built by aarch64-linux-gnu-gcc -O2 -static into $(B)/aarch64
+# (by the script), run under qemu-aarch64; the training compared with x86's $(B)/train_plain and
+# to the bit with x86's portable kernel. Without the cross compiler or qemu, one skip says so.
+test-aarch64: $(B)/train_plain
+	@sh tests/aarch64.sh $(B) $(DATA)
+
 # ---- fuzzing (tests/fuzz): libFuzzer harnesses built by clang with ASan + UBSan -----------------
 # FUZZ_SECONDS per harness, two at a time; new inputs collect in $(B)/fuzz/corpus, a crash's in
 # $(B)/fuzz/crash-<harness>-input. Without clang or libFuzzer the script reports skips.
@@ -250,7 +259,7 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain 
 	    "sh tests/mpi.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
-	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/aarch64.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <time.h>
 #include <fcntl.h>
+#include <errno.h>
 #ifndef _WIN32
 #include <sys/wait.h>
 #include <unistd.h>
@@ -2497,6 +2498,15 @@ static void test_concurrency(void) {
     free(got);
 }
 
+#ifndef MGPU_NO_THREADS
+/* MGPU_TEST_UNDER_QEMU=1 (tests/aarch64.sh sets it): the suite runs under qemu-user, whose own
+   limits a few checks meet; each such check says so, narrowly, and reports a skip instead */
+static int under_qemu(void) {
+    const char* v = getenv("MGPU_TEST_UNDER_QEMU");
+    return v && *v && strcmp(v, "0") != 0;
+}
+#endif
+
 #if !defined(MGPU_NO_THREADS) && !defined(_WIN32)
 /* fork(): the child's pool starts afresh and uses threads again, even when the parent forked in
    the middle of a job on another thread (whose workers, lock and half-done job the child does
@@ -2558,7 +2568,14 @@ static void test_fork(void) {
     mgpu__parallel_for(8, fork_task, &j);   /* the parent's pool at work first */
     CHECK(fork_job_threads(&j) > 1, "the parent's job ran on %d thread(s), want 2", fork_job_threads(&j));
     rc = run_in_child(child_runs_a_job);
-    CHECK(rc == 0, "a child forked while the pool was idle: exit %d (3: its job ran on its own thread alone)", rc);
+    /* Under qemu-user 7.2 (Debian 12's qemu-aarch64) a child forked from a process with live
+       threads cannot start one of its own: qemu asserts in qemu_plugin_vcpu_init_hook and the
+       child ends with 127, before mgpu's pool does anything. Exit 0 (passed) and 3 (the job ran
+       alone: mgpu's failure) keep their meaning there; any other end is qemu's, and a skip. */
+    if (under_qemu() && rc != 0 && rc != 3)
+        SKIP("a child forked while the pool was idle: exit %d under qemu-user (a forked child of a threaded process cannot start threads there)", rc);
+    else
+        CHECK(rc == 0, "a child forked while the pool was idle: exit %d (3: its job ran on its own thread alone)", rc);
     if (pthread_create(&th, NULL, fork_busy_thread, &busy) != 0) {
         CHECK(0, "pthread_create failed");
     } else {
@@ -2569,7 +2586,10 @@ static void test_fork(void) {
         rc = run_in_child(child_runs_a_job);
         pthread_join(th, NULL);
         CHECK(waited < 10000, "the other thread's job did not start in 10 s");
-        CHECK(rc == 0, "a child forked during another thread's job: exit %d (3: ran alone; 142: hung)", rc);
+        if (under_qemu() && rc != 0 && rc != 3)   /* as above */
+            SKIP("a child forked during another thread's job: exit %d under qemu-user (a forked child of a threaded process cannot start threads there)", rc);
+        else
+            CHECK(rc == 0, "a child forked during another thread's job: exit %d (3: ran alone; 142: hung)", rc);
         CHECK(fork_job_threads(&busy) > 1, "the other thread's job ran on %d thread(s)", fork_job_threads(&busy));
     }
     mgpu_cpu_set_threads(saved);
@@ -2612,6 +2632,7 @@ static void child_runs_pool_spin_with_250(void) {
     if (null >= 0) { dup2(null, 1); dup2(null, 2); }
     setenv("MGPU_CPU_SPIN_US", "250", 1);
     execl("/proc/self/exe", "test_core", "pool_spin", (char*)NULL);
+    _exit(errno == ENOEXEC ? 126 : 127);   /* 126: this binary is not one the kernel runs (under qemu-user) */
 }
 static int run_pool_spin_with_250(void) { return run_in_child(child_runs_pool_spin_with_250); }
 #else
@@ -2670,7 +2691,12 @@ static void test_pool_spin(void) {
         CHECK(fabs(saved_spin - 1e-3) <= 1e-15, "default spin %g s, want 1e-3", saved_spin);
         /* this group again in a fresh process, with the variable set: it must reach the pool */
         rc = run_pool_spin_with_250();
-        CHECK(rc == 0, "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)", rc);
+        /* qemu-user without binfmt_misc: the kernel cannot run the guest binary that
+           /proc/self/exe names (ENOEXEC); tests/aarch64.sh runs that line under qemu itself */
+        if (under_qemu() && rc == 126)
+            SKIP("MGPU_CPU_SPIN_US=250 test_core pool_spin: qemu-user cannot exec this aarch64 binary again (no binfmt_misc); tests/aarch64.sh runs it");
+        else
+            CHECK(rc == 0, "MGPU_CPU_SPIN_US=250 test_core pool_spin: exit %d (run it to see why)", rc);
     }
     passive = worker_sleeps_in_20_jobs(0.0);
     active = worker_sleeps_in_20_jobs(0.2);
