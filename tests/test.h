@@ -127,8 +127,48 @@ static inline char* test_mkdtemp(char* tmpl, size_t size) {
 #endif
 }
 
-/* rm -rf path */
+/* rm -rf path. On Windows through UTF-16 names with the \\?\ prefix, so that names past
+   MAX_PATH go too (test_io saves one). */
+#ifdef _WIN32
+static inline void test_remove_tree_w(const wchar_t* path) {
+    size_t n = wcslen(path);
+    DWORD attr = GetFileAttributesW(path);
+    wchar_t* sub;
+    WIN32_FIND_DATAW e;
+    HANDLE d;
+    if (attr == INVALID_FILE_ATTRIBUTES) return;
+    if (!(attr & FILE_ATTRIBUTE_DIRECTORY) || (attr & FILE_ATTRIBUTE_REPARSE_POINT)) {
+        if (attr & FILE_ATTRIBUTE_DIRECTORY) RemoveDirectoryW(path);
+        else { SetFileAttributesW(path, FILE_ATTRIBUTE_NORMAL); DeleteFileW(path); }
+        return;
+    }
+    sub = (wchar_t*)malloc((n + MAX_PATH + 3) * sizeof(wchar_t));
+    if (!sub) return;
+    wcscpy(sub, path);
+    wcscpy(sub + n, L"\\*");
+    d = FindFirstFileW(sub, &e);
+    if (d != INVALID_HANDLE_VALUE) {
+        do {
+            if (!wcscmp(e.cFileName, L".") || !wcscmp(e.cFileName, L"..")) continue;
+            wcscpy(sub + n + 1, e.cFileName);
+            test_remove_tree_w(sub);
+        } while (FindNextFileW(d, &e));
+        FindClose(d);
+    }
+    free(sub);
+    RemoveDirectoryW(path);
+}
+#endif
 static inline void test_remove_tree(const char* path) {
+#ifdef _WIN32
+    static wchar_t w[4100];
+    size_t i;
+    wcscpy(w, L"\\\\?\\");
+    if (MultiByteToWideChar(CP_UTF8, 0, path, -1, w + 4, 4096) <= 0) return;
+    for (i = 4; w[i]; ++i)
+        if (w[i] == L'/') w[i] = L'\\';
+    test_remove_tree_w(w[5] == L':' && w[6] == L'\\' ? w : w + 4);   /* the prefix only before X:\ */
+#else
     DIR* d = opendir(path);
     struct dirent* e;
     char sub[1024];
@@ -139,9 +179,6 @@ static inline void test_remove_tree(const char* path) {
         test_remove_tree(sub);
     }
     closedir(d);
-#ifdef _WIN32
-    _rmdir(path);
-#else
     rmdir(path);
 #endif
 }

@@ -124,6 +124,9 @@ for t in test_core test_io test_model test_parallel test_misuse test_alloc_fault
     fi
 done
 if [ $# -gt 0 ]; then
+    # what earlier runs left in wine's temporary folder: wine gives the first processes the same
+    # ids run after run, and a suite's folder named after its id must not be found full
+    rm -rf "$WINEPREFIX"/drive_c/users/*/Temp/mgpu[-_]* "$WINEPREFIX"/drive_c/users/*/AppData/Local/Temp/mgpu[-_]*
     sh tests/run_all.sh "$@" > "$w/suites.log" 2>&1
     grep -v -E '^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$' "$w/suites.log" | grep -v '^  ok '
     last=$(tail -n 1 "$w/suites.log")
