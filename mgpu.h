@@ -10036,22 +10036,28 @@ static int mgpu__sync_dir(const char* path, size_t dir_len) {
 #endif
 
 #ifdef _WIN32
-/* Moves the temporary file wtmp over wtarget in one step; 0 or a Win32 error. First as
-   SetFileInformationByHandle's rename with POSIX semantics (Windows 10 1709 and later, NTFS):
-   that also replaces a file another program has open with FILE_SHARE_DELETE, as on POSIX; the
-   moved file is flushed again so that its new name is on the disk too. Where the system cannot
-   (older Windows, FAT, wine), MoveFileExW with replace and write-through. */
+/* Moves the temporary file wtmp over wtarget; 0 or a Win32 error.
+   1. SetFileInformationByHandle's rename with POSIX semantics (Windows 10 1709 and later, NTFS):
+      one step, which also replaces a file another program has open with FILE_SHARE_DELETE, as on
+      POSIX; the moved file is flushed again so that its new name is on the disk too.
+   2. Where the system cannot (older Windows, FAT, wine): MoveFileExW with replace and
+      write-through, one step too, but refused while another program has the target open.
+   3. Then, for a target held open with FILE_SHARE_DELETE: ReplaceFileW, which moves the old file
+      to wbackup first (the reader keeps reading it; it is deleted once closed) and the new one in.
+      Not one step: a failure between its two moves puts the old file back; a crash there leaves
+      it at wbackup, beside the new one at wtmp. */
 typedef struct mgpu__win_rename_info {   /* FILE_RENAME_INFO as Windows 10 declares it */
     DWORD flags;
     HANDLE root;
     DWORD length;
     WCHAR name[1];
 } mgpu__win_rename_info;
-static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget) {
+static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget, const wchar_t* wbackup) {
     size_t len = wcslen(wtarget), size = sizeof(mgpu__win_rename_info) + len * sizeof(WCHAR);
     HANDLE h = CreateFileW(wtmp, DELETE | GENERIC_WRITE | SYNCHRONIZE, FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
                            NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
     mgpu__win_rename_info* info = (mgpu__win_rename_info*)mgpu__calloc(1, size);
+    DWORD e;
     if (h != INVALID_HANDLE_VALUE && info) {
         BOOL moved;
         info->flags = 0x1 | 0x2;   /* FILE_RENAME_FLAG_REPLACE_IF_EXISTS | FILE_RENAME_FLAG_POSIX_SEMANTICS */
@@ -10066,7 +10072,16 @@ static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget) {
         if (h != INVALID_HANDLE_VALUE) CloseHandle(h);
         MGPU_FREE(info);
     }
-    return MoveFileExW(wtmp, wtarget, MOVEFILE_REPLACE_EXISTING | MOVEFILE_WRITE_THROUGH) ? 0 : GetLastError();
+    if (MoveFileExW(wtmp, wtarget, MOVEFILE_REPLACE_EXISTING | MOVEFILE_WRITE_THROUGH)) return 0;
+    e = GetLastError();
+    if (e != ERROR_ACCESS_DENIED && e != ERROR_SHARING_VIOLATION) return e;
+    if (ReplaceFileW(wtarget, wtmp, wbackup, REPLACEFILE_IGNORE_MERGE_ERRORS, NULL, NULL)) {
+        DeleteFileW(wbackup);   /* gone once its reader closes it */
+        return 0;
+    }
+    e = GetLastError();
+    if (e == ERROR_UNABLE_TO_MOVE_REPLACEMENT_2) MoveFileExW(wbackup, wtarget, MOVEFILE_REPLACE_EXISTING | MOVEFILE_WRITE_THROUGH);
+    return e == ERROR_UNABLE_TO_REMOVE_REPLACED ? ERROR_SHARING_VIOLATION : e;   /* (held without sharing delete access) */
 }
 #endif
 
@@ -10084,6 +10099,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     int i, err = 0;
 #ifdef _WIN32
     DWORD win_err = 0;
+    wchar_t *wtmp = NULL, *wtarget = NULL, *wbackup = NULL;   /* tmp, target and a backup in UTF-16 */
 #endif
     unsigned long pid = 0, n;
     size_t dir_len = 0;
@@ -10142,7 +10158,28 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     }
     n = (unsigned long)(size_t)&b;   /* a local's address: distinct for the live threads of a process */
     snprintf(tmp, dir_len + strlen(prefix) + 64, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
-    f = mgpu__fopen(tmp, "wb");
+#ifdef _WIN32
+    {   /* every name in UTF-16 before anything is written, so that nothing after needs memory; the
+           backup is the temporary name with ".old" before ".tmp" (a stale one is tidied as the others) */
+        size_t wlen;
+        wtmp = mgpu__wide_path(tmp);
+        wtarget = mgpu__wide_path(target);
+        wlen = wtmp ? wcslen(wtmp) : 0;
+        wbackup = wtmp ? (wchar_t*)MGPU_MALLOC((wlen + 5) * sizeof(wchar_t)) : NULL;
+        if (!wtmp || !wtarget || !wbackup) {
+            r = errno == ENOMEM || (wtmp && wtarget) ? mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path)
+                                                     : mgpu__fail(MGPU_ERROR_IO, "%s: the name is not UTF-8", path);
+            MGPU_FREE(wtmp); MGPU_FREE(wtarget); MGPU_FREE(wbackup);
+            MGPU_FREE(tmp); MGPU_FREE(target); MGPU_FREE(b.p);
+            return r;
+        }
+        memcpy(wbackup, wtmp, (wlen - 4) * sizeof(wchar_t));
+        memcpy(wbackup + wlen - 4, L".old.tmp", 9 * sizeof(wchar_t));
+    }
+    f = _wfopen(wtmp, L"wb");
+#else
+    f = fopen(tmp, "wb");
+#endif
     if (!f) { err = errno; step = "cannot create the temporary file"; }
     if (!step && (fwrite(len8, 1, 8, f) != 8 || fwrite(b.p, 1, b.len, f) != b.len)) { err = errno; step = "write failed"; }
     for (i = 0; !step && i < count; ++i)
@@ -10159,27 +10196,17 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
 #endif
     if (f && fclose(f) != 0 && !step) { err = errno; step = "close failed"; }
 #ifdef _WIN32
-    if (!step) {
-        wchar_t* wtmp = mgpu__wide_path(tmp);
-        wchar_t* wtarget = mgpu__wide_path(target);
-        if (!wtmp || !wtarget) { err = errno; step = "cannot convert its name to UTF-16"; }
-        else if ((win_err = mgpu__win_replace(wtmp, wtarget)) != 0) {
-            step = win_err == ERROR_SHARING_VIOLATION || win_err == ERROR_ACCESS_DENIED
-                       ? "cannot replace it (another program may hold it open without sharing delete access)"
-                       : "cannot move the temporary file over it";
-        }
-        MGPU_FREE(wtmp);
-        MGPU_FREE(wtarget);
-    }
+    if (!step && (win_err = mgpu__win_replace(wtmp, wtarget, wbackup)) != 0)
+        step = win_err == ERROR_SHARING_VIOLATION || win_err == ERROR_ACCESS_DENIED
+                   ? "cannot replace it (another program may hold it open without sharing delete access)"
+                   : "cannot move the temporary file over it";
 #else
     if (!step && rename(tmp, target) != 0) { err = errno; step = "cannot rename the temporary file over it"; }
 #endif
     if (step) {
         if (f) {
 #ifdef _WIN32
-            wchar_t* wtmp = mgpu__wide_path(tmp);
-            if (wtmp) DeleteFileW(wtmp);
-            MGPU_FREE(wtmp);
+            DeleteFileW(wtmp);
 #else
             remove(tmp);
 #endif
@@ -10198,6 +10225,9 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     }
 #elif defined(_WIN32)
     else mgpu__remove_stale_tmp(target);
+    MGPU_FREE(wtmp);
+    MGPU_FREE(wtarget);
+    MGPU_FREE(wbackup);
 #endif
     MGPU_FREE(tmp);
     MGPU_FREE(target);
