@@ -1512,15 +1512,33 @@ static void* mgpu__calloc(size_t count, size_t size) {
    a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW).
    mgpu__fopen is fopen elsewhere. */
 #ifdef _WIN32
-/* path in UTF-16, in a new buffer; NULL with errno EINVAL (not UTF-8) or ENOMEM. */
+/* path in UTF-16, in a new buffer; NULL with errno EINVAL (not UTF-8) or ENOMEM. A path too long
+   for the calls' MAX_PATH (260) is made absolute with the \\?\ prefix, which lifts that limit. */
 static wchar_t* mgpu__wide_path(const char* path) {
     int n = MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, NULL, 0);
-    wchar_t* w;
+    wchar_t *w, *full;
+    DWORD len;
     if (n <= 0) { errno = EINVAL; return NULL; }
     w = (wchar_t*)MGPU_MALLOC((size_t)n * sizeof(wchar_t));
     if (!w) { errno = ENOMEM; return NULL; }
     MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, path, -1, w, n);
-    return w;
+    if (n < MAX_PATH - 12 || wcsncmp(w, L"\\\\?\\", 4) == 0) return w;   /* (12: room for a temporary suffix) */
+    len = GetFullPathNameW(w, 0, NULL, NULL);
+    full = len ? (wchar_t*)MGPU_MALLOC(((size_t)len + 8) * sizeof(wchar_t)) : NULL;
+    if (!full) { MGPU_FREE(w); errno = len ? ENOMEM : EINVAL; return NULL; }
+    if (wcsncmp(w, L"\\\\", 2) == 0 && GetFullPathNameW(w, len, full + 6, NULL)) {   /* \\server\share: \\?\UNC\server\share */
+        memcpy(full, L"\\\\?\\UN", 6 * sizeof(wchar_t));
+        full[6] = L'C';
+    } else if (GetFullPathNameW(w, len, full + 4, NULL)) {
+        memcpy(full, L"\\\\?\\", 4 * sizeof(wchar_t));
+    } else {
+        MGPU_FREE(full);
+        MGPU_FREE(w);
+        errno = EINVAL;
+        return NULL;
+    }
+    MGPU_FREE(w);
+    return full;
 }
 static FILE* mgpu__fopen(const char* path, const char* mode) {
     wchar_t wmode[8];

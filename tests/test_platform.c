@@ -209,6 +209,8 @@ static HANDLE start_reader(int share, const char* path, char* stop, size_t stop_
     HANDLE child;
     path_in_dir(ready, sizeof ready, share ? "ready1" : "ready0");
     path_in_dir(stop, stop_size, share ? "stop1" : "stop0");
+    remove_file(ready);   /* (wine gives a new process the ids of earlier runs: so the folder's name) */
+    remove_file(stop);
     snprintf(args, sizeof args, "hold %d \"%s\" \"%s\" \"%s\"", share, path, ready, stop);
     child = spawn_self(args);
     CHECK(child != NULL, "start a reader process");
@@ -218,6 +220,7 @@ static HANDLE start_reader(int share, const char* path, char* stop, size_t stop_
         CloseHandle(child);
         return NULL;
     }
+    remove_file(ready);
     return child;
 }
 /* child: "save PATH": save a large model to PATH over and over, until killed (at most 60 s) */
@@ -254,6 +257,7 @@ static void test_save_over_open_file(mgpu_device_set* set) {
             WaitForSingleObject(child, 60000);
             GetExitCodeProcess(child, &code);
             CloseHandle(child);
+            remove_file(stop);
             CHECK(code == 0, "the reader ended well (exit %lu)", (unsigned long)code);
         }
         /* a reader that does not share delete access: Windows can then not replace the file (wine
@@ -275,6 +279,7 @@ static void test_save_over_open_file(mgpu_device_set* set) {
             fclose(fopen(stop, "w"));
             WaitForSingleObject(child, 60000);
             CloseHandle(child);
+            remove_file(stop);
             CHECK(mgpu_model_load(c, NULL, path) == MGPU_OK && same_params(r == MGPU_OK ? a : b, c),
                   "the checkpoint is the %s one, whole: %s", r == MGPU_OK ? "new" : "old", mgpu_last_error());
         }
