@@ -47,10 +47,11 @@
                          yours); the bits may then depend on the BLAS's own thread count
    MGPU_MPI              jobs of several processes over MPI (mgpu_dist_init, >>parallel): build
                          with mpicc; without it nothing needs MPI
-   MGPU_NO_CPU_DISPATCH  x86 built without -mavx2 -mfma (a plain cc -O2): keep the portable GEMM
-                         kernel and pooling loop instead of choosing the AVX2+FMA ones at run time
-                         where the CPU has them (GCC, Clang, MSVC; the same bits as a
-                         -march=native build then)
+   MGPU_NO_CPU_DISPATCH  keep the portable GEMM kernel and pooling loop: on x86 built without
+                         -mavx2 -mfma (a plain cc -O2), instead of choosing the AVX2+FMA ones at
+                         run time where the CPU has them (GCC, Clang, MSVC; the same bits as a
+                         -march=native build then); on aarch64, instead of the NEON kernel (which
+                         gives the bits of x86's AVX2 one)
 
    ---------------------------------------------------------------------------------------------
    QUICK START (the gist of examples/tour.c, the complete program, which CI builds and runs)
