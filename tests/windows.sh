@@ -159,6 +159,8 @@ for e in hello custom_layer data_parallel model_parallel tour train; do
     if compile "$e.exe" "$w/$e.exe" examples/$e.c $wcc -std=c99 -Wall -Wextra -Werror -O2 -I. examples/$e.c -o "$w/$e.exe" -static; then
         exe_ok="$exe_ok $e"
     fi
+    # and as C11 -pedantic (compiled only; the examples are C: their compound literals are not C++)
+    compile "$e.c as C11 -pedantic" "$w/${e}_c11.o" examples/$e.c $wcc -std=c11 -pedantic -Wall -Wextra -Werror -I. -c examples/$e.c -o "$w/${e}_c11.o"
 done
 have() { case " $exe_ok " in *" $1 "*) return 0;; esac; return 1; }
 example() {   # example NAME ARGS...: passes when wine NAME.exe ARGS exits 0
