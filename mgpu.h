@@ -7139,23 +7139,26 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
 
 /* MGPU__EW_BLOCK parameters of mgpu__sgd_update with its choices given as constants (wd: weight
    decay, mom: momentum, first: the first step, nest: Nesterov): the same arithmetic in the same
-   order, so the same bits, in a loop without branches that the compiler vectorises. */
-static inline void mgpu__sgd_block(float* p, const float* g, float* buf, const mgpu__sgd_args* a, int wd, int mom, int first,
-                                   int nest) {
-    float tp[MGPU__EW_BLOCK], tg[MGPU__EW_BLOCK], tb[MGPU__EW_BLOCK];
+   order, so the same bits, in a loop without branches that the compiler vectorises. The three
+   buffers are distinct (parameters, gradients, momentum), which restrict tells it. */
+#if defined(__cplusplus) || defined(_MSC_VER)
+#define MGPU__RESTRICT __restrict
+#else
+#define MGPU__RESTRICT restrict
+#endif
+static inline void mgpu__sgd_block(float* MGPU__RESTRICT p, const float* MGPU__RESTRICT g, float* MGPU__RESTRICT buf,
+                                   const mgpu__sgd_args* a, int wd, int mom, int first, int nest) {
     int k;
-    for (k = 0; k < MGPU__EW_BLOCK; ++k) { tp[k] = p[k]; tg[k] = g[k]; tb[k] = buf[k]; }
     for (k = 0; k < MGPU__EW_BLOCK; ++k) {
-        float gk = tg[k];
-        if (wd) gk += a->weight_decay * tp[k];
+        float gk = g[k];
+        if (wd) gk += a->weight_decay * p[k];
         if (mom) {
-            const float bv = first ? gk : a->momentum * tb[k] + (1.0f - a->dampening) * gk;
-            tb[k] = bv;
+            const float bv = first ? gk : a->momentum * buf[k] + (1.0f - a->dampening) * gk;
+            buf[k] = bv;
             gk = nest ? gk + a->momentum * bv : bv;
         }
-        tp[k] -= a->lr * gk;
+        p[k] -= a->lr * gk;
     }
-    for (k = 0; k < MGPU__EW_BLOCK; ++k) { p[k] = tp[k]; buf[k] = tb[k]; }
 }
 
 typedef struct mgpu__optim_job {
