@@ -8,44 +8,22 @@
 #include "test.h"
 
 #ifdef _WIN32
-#include <windows.h>
-#include <direct.h>
+#define TEST_SEP "\\"
 #else
-#include <unistd.h>
-#include <sys/stat.h>
-#include <sys/types.h>
-char* mkdtemp(char* tmpl);
+#define TEST_SEP "/"
 #endif
 
-/* ---- small portable helpers ---- */
-static char g_dir[512];   /* this run's folder, ending in a separator */
+/* ---- small portable helpers (the system's own: tests/test.h) ---- */
+static char g_root[500];  /* this run's folder */
+static char g_dir[512];   /* the same, ending in a separator */
 
 static void make_dir(void) {
-#ifdef _WIN32
-    char base[MAX_PATH];
-    DWORD n = GetTempPathA(sizeof base, base);
-    if (n == 0 || n >= sizeof base) snprintf(base, sizeof base, ".\\");
-    snprintf(g_dir, sizeof g_dir, "%smgpu-platform-%lu\\", base, (unsigned long)GetCurrentProcessId());
-    CreateDirectoryA(g_dir, NULL);
-#else
-    char tmpl[] = "/tmp/mgpu-platform-XXXXXX";
-    if (!mkdtemp(tmpl)) { perror("mkdtemp"); exit(1); }
-    snprintf(g_dir, sizeof g_dir, "%s/", tmpl);
-#endif
+    snprintf(g_root, sizeof g_root, "/tmp/mgpu-platform-XXXXXX");
+    if (!test_mkdtemp(g_root, sizeof g_root)) { perror("mkdtemp"); exit(1); }
+    snprintf(g_dir, sizeof g_dir, "%s" TEST_SEP, g_root);
 }
 
 static void path_in_dir(char* out, size_t size, const char* name) { snprintf(out, size, "%s%s", g_dir, name); }
-
-static void sleep_ms(int ms) {
-#ifdef _WIN32
-    Sleep((DWORD)ms);
-#else
-    struct timespec ts;
-    ts.tv_sec = ms / 1000;
-    ts.tv_nsec = (long)(ms % 1000) * 1000000L;
-    nanosleep(&ts, NULL);
-#endif
-}
 
 static int file_exists(const char* path) {
 #ifdef _WIN32
@@ -126,7 +104,7 @@ static void test_system(void) {
     CHECK(info.free_memory > 0 && info.free_memory <= info.total_memory, "cpu free memory %zu of %zu bytes",
           info.free_memory, info.total_memory);
     t0 = mgpu_seconds();
-    sleep_ms(30);
+    test_sleep_ms(30);
     t1 = mgpu_seconds();
     CHECK(t1 - t0 >= 0.025, "mgpu_seconds advances with the wall clock: %.4f s across a 30 ms sleep", t1 - t0);
     CHECK(t1 >= t0, "mgpu_seconds is monotonic");
@@ -185,7 +163,7 @@ static int wait_for_file(const char* path, int seconds) {
     int i;
     for (i = 0; i < seconds * 100; ++i) {
         if (file_exists(path)) return 1;
-        sleep_ms(10);
+        test_sleep_ms(10);
     }
     return 0;
 }
@@ -340,7 +318,7 @@ static void test_killed_save(mgpu_device_set* set) {
             snprintf(args, sizeof args, "save \"%s\"", path);
             child = spawn_self(args);
             if (!child) { CHECK(0, "start a saving process"); break; }
-            sleep_ms(150 + 97 * round);
+            test_sleep_ms(150 + 97 * round);
             TerminateProcess(child, 9);
             WaitForSingleObject(child, 60000);
             CloseHandle(child);
@@ -381,10 +359,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_save_over_open_file(set));
     TEST_GROUP(test_killed_save(set));
     mgpu_device_set_destroy(set);
-#ifdef _WIN32
-    RemoveDirectoryA(g_dir);
-#else
-    rmdir(g_dir);
-#endif
+    test_remove_tree(g_root);
     return test_summary("test_platform");
 }
