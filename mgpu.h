@@ -10158,16 +10158,6 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     if (target) strcpy(target, path);
 #ifdef _WIN32
     pid = (unsigned long)GetCurrentProcessId();
-    {   /* a folder is never replaced (MoveFileExW would say only "access denied") */
-        wchar_t* w = mgpu__wide_path(path);
-        DWORD attr = w ? GetFileAttributesW(w) : INVALID_FILE_ATTRIBUTES;
-        MGPU_FREE(w);
-        if (attr != INVALID_FILE_ATTRIBUTES && (attr & FILE_ATTRIBUTE_DIRECTORY)) {
-            MGPU_FREE(target);
-            MGPU_FREE(b.p);
-            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a directory, not a regular file; a checkpoint replaces only a regular file", path);
-        }
-    }
 #endif
 #endif
     mgpu__tmp_prefix(target ? target : path, &dir_len, prefix, sizeof prefix);
@@ -10182,15 +10172,21 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     snprintf(tmp, dir_len + strlen(prefix) + 64, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
 #ifdef _WIN32
     {   /* every name in UTF-16 before anything is written, so that nothing after needs memory; the
-           backup is the temporary name with ".old" before ".tmp" (a stale one is tidied as the others) */
+           backup is the temporary name with ".old" before ".tmp" (a stale one is tidied as the
+           others). A folder is never replaced (MoveFileExW would say only "access denied"). */
         size_t wlen;
+        DWORD attr;
         wtmp = mgpu__wide_path(tmp);
         wtarget = mgpu__wide_path(target);
         wlen = wtmp ? wcslen(wtmp) : 0;
         wbackup = wtmp ? (wchar_t*)MGPU_MALLOC((wlen + 5) * sizeof(wchar_t)) : NULL;
-        if (!wtmp || !wtarget || !wbackup) {
+        attr = wtarget ? GetFileAttributesW(wtarget) : INVALID_FILE_ATTRIBUTES;
+        if (!wtmp || !wtarget || !wbackup)
             r = errno == ENOMEM || (wtmp && wtarget) ? mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path)
                                                      : mgpu__fail(MGPU_ERROR_IO, "%s: the name is not UTF-8", path);
+        else if (attr != INVALID_FILE_ATTRIBUTES && (attr & FILE_ATTRIBUTE_DIRECTORY))
+            r = mgpu__fail(MGPU_ERROR_IO, "%s: it is a directory, not a regular file; a checkpoint replaces only a regular file", path);
+        if (r) {
             MGPU_FREE(wtmp); MGPU_FREE(wtarget); MGPU_FREE(wbackup);
             MGPU_FREE(tmp); MGPU_FREE(target); MGPU_FREE(b.p);
             return r;
@@ -10247,6 +10243,8 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     }
 #elif defined(_WIN32)
     else mgpu__remove_stale_tmp(target);
+#endif
+#ifdef _WIN32
     MGPU_FREE(wtmp);
     MGPU_FREE(wtarget);
     MGPU_FREE(wbackup);
