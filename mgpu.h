@@ -7180,22 +7180,22 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
         for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
         return;
     }
-    /* SGD: the update's four choices fixed in the code of each loop (GCC's -O2 vectorises no loop
-       with a branch in it), blocks through locals as the elementwise loops; then the rest */
-    if (!m) m = &unused;
+    /* SGD: whole blocks with the update's four choices fixed in the code of each loop (GCC's -O2
+       vectorises no loop with a branch in it), then the rest one at a time. m is NULL exactly when
+       there is no momentum, and then no block reads it. */
     i = begin;
 #define MGPU__SGD_CASE(wd, mom, first, nest)                                                               \
     case (wd) | (mom) << 1 | (first) << 2 | (nest) << 3:                                                   \
-        for (; m != &unused && i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK)                             \
-            mgpu__sgd_block(p + i, g + i, m + i, &sgd, wd, mom, first, nest);                              \
+        for (; i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK)                                             \
+            mgpu__sgd_block(p + i, g + i, m ? m + i : NULL, &sgd, wd, mom, first, nest);                   \
         break
     switch ((sgd.weight_decay != 0.0f) | (sgd.momentum != 0.0f) << 1 | (sgd.first_step != 0) << 2 | (sgd.nesterov != 0) << 3) {
         MGPU__SGD_CASE(0, 0, 0, 0); MGPU__SGD_CASE(1, 0, 0, 0); MGPU__SGD_CASE(0, 1, 0, 0); MGPU__SGD_CASE(1, 1, 0, 0);
         MGPU__SGD_CASE(0, 1, 0, 1); MGPU__SGD_CASE(1, 1, 0, 1);
-    default: break;   /* the first step, or momentum 0 with nesterov set (refused when made): the loop below */
+    default: break;   /* the first step, or nesterov without momentum (refused when made): the loop below */
     }
 #undef MGPU__SGD_CASE
-    for (; i < end; ++i) mgpu__sgd_update(&p[i], g[i], m == &unused ? &unused : &m[i], &sgd);
+    for (; i < end; ++i) mgpu__sgd_update(&p[i], g[i], m ? &m[i] : &unused, &sgd);
 }
 
 /* The most optimizer steps counted: 2^53, where a double still counts every step, so that
