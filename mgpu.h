@@ -152,6 +152,9 @@
                               before they sleep (default 1000; 0 sleeps at once, for a machine
                               shared with other busy programs: OpenMP's OMP_WAIT_POLICY=passive)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
+   MGPU_DIST_TIMEOUT=S        seconds a collective of a job of several processes waits for the
+                              other ranks before it names those that did not answer and ends the
+                              job (MPI_Abort) (default 300; 0 waits forever, as MPI does)
    MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
                               NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
                               also done for a model with verify_every (see >>parallel)
@@ -637,7 +640,10 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
    MGPU_CPU_THREADS says otherwise. A model made with desc.distributed is one data-parallel job
    over every process's replicas (>>model). mgpu_dist_shutdown leaves it (MPI_Finalize, if
    mgpu_dist_init called MPI_Init); mgpu_dist_abort ends every process of the job at once
-   (MPI_Abort): what a rank calls when it fails on its own, so that no other rank waits for it. */
+   (MPI_Abort): what a rank calls when it fails on its own, so that no other rank waits for it.
+   A rank that stops answering (its host frozen, its link down) is no error to MPI; the library's
+   collectives wait for it MGPU_DIST_TIMEOUT seconds (default 300), then name the collective, the
+   step and the ranks that did not answer, and end the job (MPI_Abort). */
 MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv);
 MGPUDEF void mgpu_dist_shutdown(void);
 MGPUDEF void mgpu_dist_abort(int exit_code);
@@ -1926,7 +1932,12 @@ static void mgpu__parallel_range(int64_t n, int64_t min_per_task, mgpu__range_fn
    mean the local rank's share of the GPUs. One process alone until then. */
 static struct mgpu__dist_state {
     int joined, called_init, rank, size, local_rank, local_size;
-} mgpu__dist = { 0, 0, 0, 1, 0, 1 };
+    /* what a collective that times out reports (mgpu__dist_wait): the operation and step of the
+       distributed model that called it, and every rank's host */
+    const char* doing;
+    int64_t step;
+    char (*hosts)[64];
+} mgpu__dist = { 0, 0, 0, 1, 0, 1, NULL, 0, NULL };
 #ifdef MGPU_MPI
 static MPI_Comm mgpu__dist_comm;   /* the library's own copy of MPI_COMM_WORLD: its messages never meet the program's */
 #endif
@@ -5127,6 +5138,7 @@ typedef struct mgpu__rank {
 } mgpu__rank;
 
 /* Processes (the end of this section): a vote of every rank, and sums across them. */
+static void mgpu__dist_doing(const char* op, int64_t step);
 static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int64_t* counts, double* sum);
 static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
@@ -5535,6 +5547,7 @@ MGPUDEF mgpu_result mgpu_allreduce_sum(mgpu_allreduce* ar, mgpu_tensor* const* t
     float* bufs[MGPU__MAX_REPLICAS];
     mgpu_result r = mgpu__allreduce_check(ar, tensors, count, bufs);
     if (!ar || !ar->rank_devices) return r != MGPU_OK ? r : mgpu__ar_sum(ar, bufs, (size_t)mgpu_tensor_numel(tensors[0]));
+    mgpu__dist_doing("mgpu_allreduce_sum", 0);
     if (!ar->across_processes) return mgpu__dist_sum("mgpu_allreduce_sum", tensors, count, ar->rank_devices, r, 0.0, NULL);
     if (r == MGPU_OK) r = mgpu__ar_check_processes(ar);
     MGPU__TRY(mgpu__dist_agree_size("mgpu_allreduce_sum", r, r == MGPU_OK ? mgpu_tensor_numel(tensors[0]) : 0, 0.0, NULL));
@@ -5577,7 +5590,108 @@ static float* mgpu__dist_buffer(int which, size_t floats) {
     }
     return mgpu__dist_scratch[which].p;
 }
+
+/* ---- a collective that cannot finish, ends ----
+   A rank that stops answering (its host frozen, its link down, the process stopped) is no error
+   to MPI: a blocking collective waits for it as long as the transport does, which over TCP can be
+   forever. So the library's collectives are messages between pairs of ranks, posted at once
+   (MPI_Isend, MPI_Irecv) and watched (MPI_Testall) for MGPU_DIST_TIMEOUT seconds (default 300;
+   PyTorch's process groups have such a timeout too). Past it the rank says which collective,
+   which step, and which ranks had not answered, and ends the job (MPI_Abort), so that mpirun or
+   srun returns; a checkpoint saved before is whole (saves are atomic). Pairs rather than MPI's
+   collectives because then the ranks that did not answer are known; the sums add the same
+   numbers in the same order, so the bits are those of MPI_Alltoallv and MPI_Allgatherv. */
+#define MGPU__DIST_TIMEOUT_DEFAULT 300.0
+enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER };
+static struct {
+    MPI_Request* req;   /* 2 (P - 1): a send to and a receive from every other rank */
+    int* peer;          /* whom each is with (-1 - rank once named in a timeout's message) */
+    int count;
+    double timeout;     /* seconds; 0 waits forever */
+} mgpu__dist_posts;
+
+static void mgpu__dist_post(int send, void* buf, int count, MPI_Datatype type, int peer, int tag) {
+    int* n = &mgpu__dist_posts.count;
+    if (count <= 0) return;   /* both sides of a pair agree on an empty message, and skip it */
+    if (send) MPI_Isend(buf, count, type, peer, tag, mgpu__dist_comm, &mgpu__dist_posts.req[*n]);
+    else MPI_Irecv(buf, count, type, peer, tag, mgpu__dist_comm, &mgpu__dist_posts.req[*n]);
+    mgpu__dist_posts.peer[(*n)++] = peer;
+}
+
+/* A short wait between tests once a collective has waited a while: the first millisecond spins,
+   as MPI's own blocking calls do; then the core is left to others (oversubscribed ranks). */
+static void mgpu__dist_pause(double waited) {
+    if (waited < 1e-3) return;
+#if defined(_WIN32)
+    Sleep(waited < 0.1 ? 0 : 1);
+#else
+    {
+        struct timespec ts;
+        ts.tv_sec = 0;
+        ts.tv_nsec = waited < 0.1 ? 20000 : 1000000;
+        nanosleep(&ts, NULL);
+    }
 #endif
+}
+
+static void mgpu__dist_timed_out(const char* collective, double waited) {
+    char peers[768], where[160];
+    size_t len = 0;
+    int i, j, done, listed = 0;
+    peers[0] = 0;
+    for (i = 0; i < mgpu__dist_posts.count; ++i) {
+        const int q = mgpu__dist_posts.peer[i];
+        MPI_Test(&mgpu__dist_posts.req[i], &done, MPI_STATUS_IGNORE);
+        for (j = 0; j < i && !done; ++j) done = mgpu__dist_posts.peer[j] == -1 - q;   /* named already */
+        if (done || len + 100 > sizeof peers) continue;
+        len += (size_t)snprintf(peers + len, sizeof peers - len, "%srank %d (%s)", listed++ ? ", " : "", q,
+                                mgpu__dist.hosts ? mgpu__dist.hosts[q] : "?");
+        mgpu__dist_posts.peer[i] = -1 - q;
+    }
+    if (mgpu__dist.step > 0) snprintf(where, sizeof where, "step %lld (%s)", (long long)mgpu__dist.step, mgpu__dist.doing);
+    else snprintf(where, sizeof where, "%s", mgpu__dist.doing ? mgpu__dist.doing : "a collective call");
+    fprintf(stderr, "mgpu: rank %d of %d (%s): %s of %s: no answer from %s after %.0f s (MGPU_DIST_TIMEOUT=%g); "
+            "ending the job\n", mgpu__dist.rank, mgpu__dist.size, mgpu__dist.hosts ? mgpu__dist.hosts[mgpu__dist.rank] : "?",
+            collective, where, listed ? peers : "the other ranks", waited, mgpu__dist_posts.timeout);
+    mgpu_dist_abort(1);
+}
+
+/* Waits for every posted message, or ends the job past the timeout. */
+static void mgpu__dist_wait(const char* collective) {
+    const double start = MPI_Wtime();
+    int done = 0;
+    for (;;) {
+        double waited;
+        MPI_Testall(mgpu__dist_posts.count, mgpu__dist_posts.req, &done, MPI_STATUSES_IGNORE);
+        if (done) break;
+        waited = MPI_Wtime() - start;
+        if (mgpu__dist_posts.timeout > 0 && waited > mgpu__dist_posts.timeout) mgpu__dist_timed_out(collective, waited);
+        mgpu__dist_pause(waited);
+    }
+    mgpu__dist_posts.count = 0;
+}
+
+/* MGPU_DIST_TIMEOUT: seconds (a decimal number, 0 for no timeout), read by mgpu_dist_init. */
+static double mgpu__dist_timeout_from_env(void) {
+    const char* env = getenv("MGPU_DIST_TIMEOUT");
+    char* end = NULL;
+    double t;
+    if (!env || !*env) return MGPU__DIST_TIMEOUT_DEFAULT;
+    t = strtod(env, &end);
+    if (*end || !(t >= 0.0) || t > 1e9) {
+        mgpu__log(MGPU_LOG_WARN, "MGPU_DIST_TIMEOUT='%s' is not a number of seconds >= 0; using %g", env,
+                  MGPU__DIST_TIMEOUT_DEFAULT);
+        return MGPU__DIST_TIMEOUT_DEFAULT;
+    }
+    return t;
+}
+#endif
+
+/* What the collectives of a distributed model's call report if they time out. */
+static void mgpu__dist_doing(const char* op, int64_t step) {
+    mgpu__dist.doing = op;
+    mgpu__dist.step = step;
+}
 
 
 MGPUDEF int mgpu_dist_rank(void) { return mgpu__dist.rank; }
@@ -5609,6 +5723,19 @@ MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv) {
     MPI_Comm_rank(local, &mgpu__dist.local_rank);
     MPI_Comm_size(local, &mgpu__dist.local_size);
     MPI_Comm_free(&local);
+    mgpu__dist_posts.timeout = mgpu__dist_timeout_from_env();
+    mgpu__dist_posts.req = (MPI_Request*)mgpu__calloc((size_t)mgpu__dist.size * 2, sizeof(MPI_Request));
+    mgpu__dist_posts.peer = (int*)mgpu__calloc((size_t)mgpu__dist.size * 2, sizeof(int));
+    mgpu__dist.hosts = (char(*)[64])mgpu__calloc((size_t)mgpu__dist.size, sizeof *mgpu__dist.hosts);
+    {   /* every rank's host, for the messages of a rank that does not answer */
+        char me[MPI_MAX_PROCESSOR_NAME + 1] = { 0 };
+        int len = 0, ok = mgpu__dist_posts.req && mgpu__dist_posts.peer && mgpu__dist.hosts;
+        MPI_Get_processor_name(me, &len);
+        MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mgpu__dist_comm);
+        if (!ok) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for %d ranks", op, mgpu__dist.size);
+        memcpy(mgpu__dist.hosts[mgpu__dist.rank], me, MGPU__MIN(sizeof *mgpu__dist.hosts - 1, strlen(me)));
+        MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, mgpu__dist.hosts, (int)sizeof *mgpu__dist.hosts, MPI_BYTE, mgpu__dist_comm);
+    }
     mgpu__dist.joined = 1;
     if (mgpu__dist.local_size > 1 && mgpu__cpu_thread_count <= 0 && !getenv("MGPU_CPU_THREADS")) {
         /* the machine's cores shared among its ranks, not every rank on every core */
@@ -5631,6 +5758,12 @@ MGPUDEF void mgpu_dist_shutdown(void) {
         mgpu__dist_scratch[i].p = NULL;
         mgpu__dist_scratch[i].floats = 0;
     }
+    MGPU_FREE(mgpu__dist_posts.req);
+    MGPU_FREE(mgpu__dist_posts.peer);
+    MGPU_FREE(mgpu__dist.hosts);
+    mgpu__dist_posts.req = NULL;
+    mgpu__dist_posts.peer = NULL;
+    mgpu__dist.hosts = NULL;
     MPI_Comm_free(&mgpu__dist_comm);
     if (mgpu__dist.called_init) MPI_Finalize();
     mgpu__dist.joined = mgpu__dist.called_init = 0;
@@ -5680,7 +5813,12 @@ static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double numb
             fprintf(stderr, "mgpu: rank %d: out of host memory for a vote of %d ranks\n", mgpu__dist.rank, mgpu__dist.size);
             mgpu_dist_abort(1);
         }
-        MPI_Allgather(&vote, (int)sizeof vote, MPI_BYTE, all, (int)sizeof vote, MPI_BYTE, mgpu__dist_comm);
+        for (i = 0; i < mgpu__dist.size; ++i) {
+            if (i == mgpu__dist.rank) { all[i] = vote; continue; }
+            mgpu__dist_post(0, &all[i], (int)sizeof vote, MPI_BYTE, i, MGPU__TAG_VOTE);
+            mgpu__dist_post(1, &vote, (int)sizeof vote, MPI_BYTE, i, MGPU__TAG_VOTE);
+        }
+        mgpu__dist_wait("the vote");
         if (sum) *sum = 0.0;
         for (i = 0; i < mgpu__dist.size; ++i) {
             if (failed < 0 && all[i].result != MGPU_OK) failed = i;
@@ -5725,8 +5863,14 @@ static void mgpu__dist_broadcast(void* p, size_t bytes) {
 #ifdef MGPU_MPI
     const size_t piece = (size_t)1 << 30;
     size_t at;
-    for (at = 0; at < bytes; at += piece)
-        MPI_Bcast((char*)p + at, (int)MGPU__MIN(piece, bytes - at), MPI_BYTE, 0, mgpu__dist_comm);
+    int q;
+    for (at = 0; at < bytes; at += piece) {
+        const int len = (int)MGPU__MIN(piece, bytes - at);
+        for (q = 1; q < mgpu__dist.size; ++q)
+            if (mgpu__dist.rank == 0) mgpu__dist_post(1, (char*)p + at, len, MPI_BYTE, q, MGPU__TAG_BROADCAST);
+        if (mgpu__dist.rank != 0) mgpu__dist_post(0, (char*)p + at, len, MPI_BYTE, 0, MGPU__TAG_BROADCAST);
+        mgpu__dist_wait("a broadcast from rank 0");
+    }
 #else
     (void)p; (void)bytes;
 #endif
@@ -5736,8 +5880,9 @@ static void mgpu__dist_broadcast(void* p, size_t bytes) {
    process's, in the order of the job's replicas (rank 0's L_0, then rank 1's, ...), into every
    tensor: ((b0 + b1) + b2) + ..., the order of the host all-reduce of one process with all of
    them, so that the bits do not depend on how the replicas are spread over processes. Each rank
-   sums one slice of the buffer from every replica's copy of that slice (MPI_Alltoallv: a
-   reduce-scatter), then every rank gathers every slice (MPI_Allgatherv): 2 (P - 1) / P of a
+   sums one slice of the buffer from every replica's copy of that slice (a
+   reduce-scatter), then every rank gathers every slice (an all-gather), both as messages between
+   pairs of ranks that time out (mgpu__dist_wait): 2 (P - 1) / P of a
    buffer per replica goes over the wire, as in a ring. (The slices come unsummed from each
    process, so a process with several replicas sends each of them; its own sum first would change
    the order.) GPU tensors are staged through host memory.
@@ -5796,13 +5941,26 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
             slice_counts[q] = (int)count;
             slice_at[q] = (int)start;
         }
-        MPI_Alltoallv(send, send_counts, send_at, MPI_FLOAT, recv, recv_counts, recv_at, MPI_FLOAT, mgpu__dist_comm);
+        for (q = 0; q < P; ++q) {   /* reduce-scatter: my slice of every replica of the job */
+            if (q == me) {
+                memcpy(recv + recv_at[q], send + send_at[q], (size_t)send_counts[q] * sizeof(float));
+                continue;
+            }
+            mgpu__dist_post(0, recv + recv_at[q], recv_counts[q], MPI_FLOAT, q, MGPU__TAG_SLICES);
+            mgpu__dist_post(1, send + send_at[q], send_counts[q], MPI_FLOAT, q, MGPU__TAG_SLICES);
+        }
+        mgpu__dist_wait("the sum's reduce-scatter");
         for (l = 1; l < total; ++l) {   /* my slice: the job's replicas in order */
             const float* src = recv + (size_t)l * (size_t)my_count;
             for (i = 0; i < (size_t)my_count; ++i) recv[i] += src[i];
         }
         memcpy(bufs[0] + at + my_start, recv, (size_t)my_count * sizeof(float));
-        MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, bufs[0] + at, slice_counts, slice_at, MPI_FLOAT, mgpu__dist_comm);
+        for (q = 0; q < P; ++q) {   /* all-gather: every rank's summed slice */
+            if (q == me) continue;
+            mgpu__dist_post(0, bufs[0] + at + slice_at[q], slice_counts[q], MPI_FLOAT, q, MGPU__TAG_GATHER);
+            mgpu__dist_post(1, bufs[0] + at + my_start, (int)my_count, MPI_FLOAT, q, MGPU__TAG_GATHER);
+        }
+        mgpu__dist_wait("the sum's all-gather");
     }
     for (l = 1; r == MGPU_OK && l < L; ++l) memcpy(bufs[l], bufs[0], n * sizeof(float));
     if (r == MGPU_OK && staged) {   /* the GPUs get the sum; every rank hears whether all did */
@@ -6818,6 +6976,7 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
     mgpu_model* m = mgpu__model_create_here(desc);
     if (!desc || !desc->distributed || mgpu__dist.size <= 1) return m;
+    mgpu__dist_doing("mgpu_model_create", 0);
     if (mgpu__model_join(m, m ? MGPU_OK : mgpu_last_result(), desc) != MGPU_OK) {
         mgpu__model_free(m);   /* the message is the failed rank's: "rank 1 of 4: mgpu_model_create: ..." */
         return NULL;
@@ -8022,6 +8181,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     int i;
     b.row_base = 0;
     if (m->dist) {
+        mgpu__dist_doing(op, m->steps + 1);
         if (res == MGPU_OK && m->dist_suspect)   /* the same flag on every rank: they all refuse */
             res = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: the ranks may hold different parameters since %s; load a checkpoint "
                              "(mgpu_model_load) to go on", op, m->dist_suspect);
@@ -10419,6 +10579,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
    its result, so that no rank goes on before the file is there, nor after it failed. */
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc);
+    mgpu__dist_doing("mgpu_model_save", 0);
     return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
 }
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
@@ -10784,6 +10945,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     mgpu_result r = mgpu__model_load_here(m, opt, path, desc);
     if (!m || !m->dist) return r;
+    mgpu__dist_doing("mgpu_model_load", 0);
     r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     /* some ranks may have loaded while others failed: steps refuse until a load works everywhere */
     m->dist_suspect = r == MGPU_OK ? NULL : "a load that failed on a rank";

@@ -167,6 +167,30 @@ else
     failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
 fi
 pkill -9 -f "$b/train_mpi --data" 2>/dev/null
+# rank 1 stopped (SIGSTOP) mid-training, as by a frozen host: it breaks no connection, so only
+# the other ranks' timeout (MGPU_DIST_TIMEOUT=5 here) ends the job, naming the rank and the step
+MGPU_DIST_TIMEOUT=5 $mpi -np 3 -x MGPU_DIST_TIMEOUT "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 \
+    > "$tmp/stop.txt" 2>&1 &
+job=$!
+victim=
+for i in $(seq 1 100); do   # rank 1: the second child of mpirun
+    sleep 0.1
+    [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 3 ] && victim=$(pgrep -P $job -f train_mpi | sort -n | sed -n 2p) && break
+done
+sleep 1
+start=$(date +%s)
+[ -n "$victim" ] && kill -STOP "$victim"
+( sleep 90; kill -9 $job 2>/dev/null ) & watchdog=$!
+wait $job; rc=$?
+kill $watchdog 2>/dev/null
+took=$(( $(date +%s) - start ))
+n=$(grep -c "mgpu: rank [02] of 3 (.*): .* of step [0-9]* (mgpu_model_train_step): no answer from rank 1 (.*) after [0-9]* s (MGPU_DIST_TIMEOUT=5)" "$tmp/stop.txt")
+if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 35 ] && [ "$n" -ge 1 ] && ! pgrep -f "$b/train_mpi --data" >/dev/null; then
+    passed=$((passed + 1)); echo "  ok   rank 1 stopped mid-step: the job ends in ${took} s (exit $rc): $(grep -m 1 'no answer' "$tmp/stop.txt")"
+else
+    failed=$((failed + 1)); echo "  FAIL rank 1 stopped (pid ${victim:-none}): exit $rc after ${took} s, $n ranks named it: $(tail -n 5 "$tmp/stop.txt")"
+fi
+pkill -9 -f "$b/train_mpi --data" 2>/dev/null
 # rank 1's emulated GPU out of memory from its 10th cudaMalloc on (in its first step): both ranks stop, with its message
 if [ -x "$b/train_mpi_emu" ]; then
     timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 1 ]; then
