@@ -15,7 +15,9 @@
 #                   (Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; part of make test)
 #   make mpi        with mpicc (Debian: openmpi-bin libopenmpi-dev): build/train_mpi, one job over many
 #                   processes (mpirun -np 4 build/train_mpi --devices cpu), its CUDA and emulated
-#                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test)
+#                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test;
+#                   tests/cluster.sh runs them across hosts made of network namespaces, by mpirun
+#                   and by Slurm: root, iproute2, slurm-wlm, munge, nftables)
 # Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder), CLANG.
 
 CC        ?= cc
@@ -256,7 +258,7 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain 
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
-	    "sh tests/mpi.sh $(B) $(DATA)" \
+	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
 	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/aarch64.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"

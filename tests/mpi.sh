@@ -157,9 +157,9 @@ done
 sleep 1
 start=$(date +%s)
 [ -n "$victim" ] && kill -9 "$victim"
-( sleep 60; kill -9 $job 2>/dev/null ) & watchdog=$!
+( sleep 60; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
 wait $job; rc=$?
-kill $watchdog 2>/dev/null
+kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
 took=$(( $(date +%s) - start ))
 if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 30 ] && grep -q -i "signal 9\|killed" "$tmp/kill.txt"; then
     passed=$((passed + 1)); echo "  ok   rank 1 killed mid-training: the job ends in ${took} s (exit $rc), mpirun names the signal"
@@ -180,9 +180,9 @@ done
 sleep 1
 start=$(date +%s)
 [ -n "$victim" ] && kill -STOP "$victim"
-( sleep 90; kill -9 $job 2>/dev/null ) & watchdog=$!
+( sleep 90; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
 wait $job; rc=$?
-kill $watchdog 2>/dev/null
+kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
 took=$(( $(date +%s) - start ))
 n=$(grep -c "mgpu: rank [02] of 3 (.*): .* of step [0-9]* (mgpu_model_train_step): no answer from rank 1 (.*) after [0-9]* s (MGPU_DIST_TIMEOUT=5)" "$tmp/stop.txt")
 if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 35 ] && [ "$n" -ge 1 ] && ! pgrep -f "$b/train_mpi --data" >/dev/null; then
