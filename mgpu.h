@@ -1340,12 +1340,14 @@ int mgpu__cu_nccl_group_end(void);
 int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream);
 /* NCCL across processes: rank 0's unique id goes to every process (MPI_Bcast), then each process
    makes one communicator per local device, ranks first .. first + count - 1 of nranks, in one
-   NCCL group. check: 0 while a communicator is healthy, else the NCCL error that broke it. */
+   NCCL group. check: 0 while a communicator is healthy, else the NCCL error that broke it.
+   abort: ncclCommAbort, for a communicator whose collective will never finish (a peer gone). */
 #define MGPU__CU_NCCL_ID_BYTES 128
 int mgpu__cu_nccl_across_processes(void);   /* 1 when the library has ncclGetUniqueId and friends */
 int mgpu__cu_nccl_unique_id(void* id);
 int mgpu__cu_nccl_comm_init_ranks(const void* id, int nranks, int first, int count, const int* devs, void** comms);
 int mgpu__cu_nccl_comm_check(void* comm);
+int mgpu__cu_nccl_comm_abort(void* comm);
 
 /* The one-shot all-reduce of the P2P backend: one kernel on dev reads bufs[0..count)[0..n) (each
    reachable from dev: the same GPU, or peer access on), sums them in replica order
@@ -5634,8 +5636,19 @@ static void mgpu__dist_pause(double waited) {
 #endif
 }
 
+/* The end of a collective that timed out: what it was, in which step, who did not answer. */
+static void mgpu__dist_give_up(const char* collective, const char* silent, double waited) {
+    char where[160];
+    if (mgpu__dist.step > 0) snprintf(where, sizeof where, "step %lld (%s)", (long long)mgpu__dist.step, mgpu__dist.doing);
+    else snprintf(where, sizeof where, "%s", mgpu__dist.doing ? mgpu__dist.doing : "a collective call");
+    fprintf(stderr, "mgpu: rank %d of %d (%s): %s of %s: no answer from %s after %.0f s (MGPU_DIST_TIMEOUT=%g); "
+            "ending the job\n", mgpu__dist.rank, mgpu__dist.size, mgpu__dist.hosts ? mgpu__dist.hosts[mgpu__dist.rank] : "?",
+            collective, where, silent, waited, mgpu__dist_posts.timeout);
+    mgpu_dist_abort(1);
+}
+
 static void mgpu__dist_timed_out(const char* collective, double waited) {
-    char peers[768], where[160];
+    char peers[768];
     size_t len = 0;
     int i, j, done, listed = 0;
     peers[0] = 0;
@@ -5648,12 +5661,7 @@ static void mgpu__dist_timed_out(const char* collective, double waited) {
                                 mgpu__dist.hosts ? mgpu__dist.hosts[q] : "?");
         mgpu__dist_posts.peer[i] = -1 - q;
     }
-    if (mgpu__dist.step > 0) snprintf(where, sizeof where, "step %lld (%s)", (long long)mgpu__dist.step, mgpu__dist.doing);
-    else snprintf(where, sizeof where, "%s", mgpu__dist.doing ? mgpu__dist.doing : "a collective call");
-    fprintf(stderr, "mgpu: rank %d of %d (%s): %s of %s: no answer from %s after %.0f s (MGPU_DIST_TIMEOUT=%g); "
-            "ending the job\n", mgpu__dist.rank, mgpu__dist.size, mgpu__dist.hosts ? mgpu__dist.hosts[mgpu__dist.rank] : "?",
-            collective, where, listed ? peers : "the other ranks", waited, mgpu__dist_posts.timeout);
-    mgpu_dist_abort(1);
+    mgpu__dist_give_up(collective, listed ? peers : "the other ranks", waited);
 }
 
 /* Waits for every posted message, or ends the job past the timeout. */
@@ -6076,6 +6084,41 @@ static mgpu_result mgpu__ar_check_processes(const mgpu_allreduce* ar) {
         if ((rc = MGPU__CUDA(mgpu__cu_nccl_comm_check(ar->rank[i].nccl_comm))) != 0)
             return mgpu__cu_result(rc, "all-reduce across processes", ar->rank[i].dev);
     return MGPU_OK;
+}
+
+/* Or it hangs without a word: the kernels of the ranks left wait for a peer that is gone. So the
+   host waits for the GPUs of a step that summed through NCCL across processes by asking
+   (cudaEventQuery on the compute streams, which wait for the sums; and ncclCommGetAsyncError)
+   instead of blocking, for MGPU_DIST_TIMEOUT seconds; past it the communicators are aborted
+   (ncclCommAbort) and the job ends, as when a collective of MPI's times out. */
+static mgpu_result mgpu__ar_wait_processes(mgpu_allreduce* ar) {
+#ifdef MGPU_MPI
+    static const char* op = "the NCCL all-reduce across processes";
+    const double start = mgpu_seconds();
+    int i, done, all;
+    if (!ar || !ar->across_processes) return MGPU_OK;
+    for (i = 0; i < ar->count; ++i)   /* (a distributed model's steps are never graphs: ev_compute is free here) */
+        MGPU__CU(op, ar->rank[i].dev, mgpu__cu_event_record(ar->rank[i].dev->ordinal, ar->rank[i].ev_compute, ar->rank[i].dev->stream));
+    for (;;) {
+        double waited;
+        for (i = 0, all = 1; i < ar->count; ++i) {
+            MGPU__CU(op, ar->rank[i].dev, mgpu__cu_event_done(ar->rank[i].dev->ordinal, ar->rank[i].ev_compute, &done));
+            all &= done;
+        }
+        if (all) return MGPU_OK;
+        MGPU__TRY(mgpu__ar_check_processes(ar));
+        waited = mgpu_seconds() - start;
+        if (mgpu__dist_posts.timeout > 0 && waited > mgpu__dist_posts.timeout) {
+            for (i = 0; i < ar->count; ++i) (void)MGPU__CUDA(mgpu__cu_nccl_comm_abort(ar->rank[i].nccl_comm));
+            mgpu__dist_give_up(op, "another rank's GPUs (a rank or a link gone?); the communicators were aborted (ncclCommAbort)",
+                               waited);
+        }
+        mgpu__dist_pause(waited);
+    }
+#else
+    (void)ar;
+    return MGPU_OK;
+#endif
 }
 
 /* ---- >>impl model ----------------------------------------------------------------------- */
@@ -7920,7 +7963,9 @@ static mgpu_result mgpu__dist_reduce(mgpu_model* m, mgpu_result mine, double num
         }
         if (m->ar[s] && m->ar[s]->across_processes) {
             MGPU__TRY(mgpu__dist_agree(mine, 0, number, NULL, number_sum));
-            MGPU__TRY(mgpu__dist_agree(mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s)), 0, 0.0, NULL, NULL));
+            mgpu_result summed = mgpu__ar_sum(m->ar[s], bufs, (size_t)mgpu__stage_floats(m, s));
+            if (summed == MGPU_OK) summed = mgpu__ar_wait_processes(m->ar[s]);
+            MGPU__TRY(mgpu__dist_agree(summed, 0, 0.0, NULL, NULL));
         } else {
             MGPU__TRY(mgpu__dist_sum("all-reduce across processes", grads, m->replica_count, m->dist_replicas, mine, number,
                                      number_sum));
@@ -8205,6 +8250,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
 #endif
     else res = mgpu__run_batch_streams(&b, reduce && (!m->dist || mgpu__dist_overlaps(m)));          /* 3, 4 */
     if (m->dist) {   /* every rank's verdict on its work (and its loss), with the sums across the job or alone */
+        if (res == MGPU_OK && mgpu__dist_overlaps(m)) res = mgpu__ar_wait_processes(m->ar[0]);   /* (a hung NCCL ends) */
         if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
         if (reduce && !m->grads_reduced) MGPU__TRY(mgpu__dist_reduce(m, res, loss_sum, &loss_sum));  /* 4. reduce */
         else MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));   /* (NCCL overlapped backward) */

@@ -1313,6 +1313,7 @@ static struct {
     ncclResult_t (*GetUniqueId)(void* id);
     ncclResult_t (*CommInitRank)(ncclComm_t* comm, int nranks, ncclUniqueId_bytes id, int rank);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t* async_error);
+    ncclResult_t (*CommAbort)(ncclComm_t comm);
     bool loaded, across_processes;
     char why[256];   // why it did not load
 } nccl;
@@ -1355,7 +1356,8 @@ static void nccl_load(void) {
     memcpy(why, nccl.why, sizeof why);   // the optional symbols' absence is no reason for the rest
     nccl.across_processes = nccl_symbol(lib, "ncclGetUniqueId", &nccl.GetUniqueId) &&
                             nccl_symbol(lib, "ncclCommInitRank", &nccl.CommInitRank) &&
-                            nccl_symbol(lib, "ncclCommGetAsyncError", &nccl.CommGetAsyncError);
+                            nccl_symbol(lib, "ncclCommGetAsyncError", &nccl.CommGetAsyncError) &&
+                            nccl_symbol(lib, "ncclCommAbort", &nccl.CommAbort);
     memcpy(nccl.why, why, sizeof why);
 }
 #endif
@@ -1441,6 +1443,14 @@ int mgpu__cu_nccl_comm_check(void* comm) {
     ncclResult_t async_error = ncclSuccess;
     NCCL_TRY(nccl.CommGetAsyncError((ncclComm_t)comm, &async_error), "ncclCommGetAsyncError(%p)", comm);
     NCCL_TRY(async_error, "an earlier NCCL operation failed (ncclCommGetAsyncError)");
+    return MGPU__CU_OK;
+}
+
+// A communicator whose collective will never finish (a peer gone): its kernels stopped, its
+// resources freed, without waiting for the other ranks as ncclCommDestroy would.
+int mgpu__cu_nccl_comm_abort(void* comm) {
+    TRY(nccl_ready());
+    if (comm) NCCL_TRY(nccl.CommAbort((ncclComm_t)comm), "ncclCommAbort(%p)", comm);
     return MGPU__CU_OK;
 }
 

@@ -21,7 +21,8 @@
 #    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
 # 3. failures: a rank given a bad data path, a rank killed mid-training, a rank out of (emulated)
 #    GPU memory, a launch failing on a rank mid-step, and a rank whose NCCL communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the
-#    whole job within seconds, with the failing rank's message.
+#    whole job within seconds, with the failing rank's message; a rank stopped (SIGSTOP) and a
+#    rank whose NCCL all-reduce hangs (MGPU_EMU_NCCL_FAIL=hang:1) end it after MGPU_DIST_TIMEOUT.
 # Usage: mpi.sh [BUILD_DIR] [DATA_DIR]. Skips without mpirun or the MPI builds (make mpi), and
 # part 2 and 3 without Fashion-MNIST.
 b=${1:-build}
@@ -229,6 +230,21 @@ if [ -x "$b/train_mpi_emu" ]; then
         passed=$((passed + 1)); echo "  ok   a broken NCCL communicator on rank 1 ends both ranks with its message in ${took} s"
     else
         failed=$((failed + 1)); echo "  FAIL a broken NCCL communicator on rank 1: exit $rc, $n ranks said so: $(tail -n 4 "$tmp/async.txt")"
+    fi
+fi
+# rank 1's NCCL all-reduce hangs (its GPU stuck in NCCL's kernel, as when a peer is gone): the
+# host's timed wait for the GPUs ends both ranks after MGPU_DIST_TIMEOUT=5, their communicators
+# aborted (the emulator's all-reduces end only by ncclCommAbort; its own timeout is put at 120 s)
+if [ -x "$b/train_mpi_emu" ]; then
+    start=$(date +%s)
+    timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 -x MGPU_EMU_NCCL_FAIL=hang:1 \
+        -x MGPU_EMU_TIMEOUT=120 -x MGPU_DIST_TIMEOUT=5 "$b/train_mpi_emu" --data "$data" --quiet --seed 7 --max-steps 300 > "$tmp/hang.txt" 2>&1; rc=$?
+    took=$(( $(date +%s) - start ))
+    n=$(grep -c "mgpu: rank [01] of 2 (.*): the NCCL all-reduce across processes of step 1 (mgpu_model_train_step): no answer .*ncclCommAbort.* after [0-9]* s (MGPU_DIST_TIMEOUT=5)" "$tmp/hang.txt")
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ "$n" -ge 1 ] && [ $took -le 35 ]; then
+        passed=$((passed + 1)); echo "  ok   a hung NCCL all-reduce on rank 1 ends the job in ${took} s, $n ranks saying so"
+    else
+        failed=$((failed + 1)); echo "  FAIL a hung NCCL all-reduce on rank 1: exit $rc after ${took} s, $n ranks said so: $(grep -v '^ *$' "$tmp/hang.txt" | head -n 4)"
     fi
 fi
 

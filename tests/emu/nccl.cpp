@@ -14,6 +14,9 @@
    order into the sum slot, and every rank copies the sum out; a process-shared mutex and
    condition variable order them, with the emulator's timeout.
    MGPU_EMU_NCCL_FAIL=init makes ncclCommInitAll fail as NCCL does without a usable GPU;
+   MGPU_EMU_NCCL_FAIL=hang:R makes global rank R's all-reduces across processes never finish (a
+   GPU stuck in NCCL's kernel as when a peer is gone): they, and the other ranks' that wait for
+   them, end only when their communicator is aborted (ncclCommAbort);
    MGPU_EMU_NCCL_FAIL=async:R makes global rank R's communicator report ncclRemoteError through
    ncclCommGetAsyncError after its first all-reduce (a peer gone, as NCCL sees it). */
 #include "emu.h"
@@ -182,6 +185,8 @@ struct ncclComm {
     shared_clique* shared = nullptr;   // across processes
     int async_error = 0;               // what ncclCommGetAsyncError reports
     bool fail_async = false;           // MGPU_EMU_NCCL_FAIL=async:R for this rank
+    bool hang = false;                 // MGPU_EMU_NCCL_FAIL=hang:R for this rank
+    int aborted = 0;                   // ncclCommAbort was called (atomic)
 };
 typedef ncclComm* ncclComm_t;
 
@@ -194,10 +199,28 @@ struct shared_call {
     size_t count;
 };
 
+bool aborted(const ncclComm* comm) { return __atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE) != 0; }
+
+// A hung rank's all-reduce (MGPU_EMU_NCCL_FAIL=hang:R), and the others' that wait for it: until
+// the communicator is aborted, as NCCL's kernels spin until ncclCommAbort stops them.
+void wait_aborted(shared_call* k) {
+    shared_clique* sc = k->comm->shared;
+    pthread_mutex_lock(&sc->mu);
+    while (!aborted(k->comm)) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_sec += 1;   // (an abort from this process also broadcasts; another's may not reach us)
+        pthread_cond_timedwait(&sc->cv, &sc->mu, &t);
+    }
+    pthread_mutex_unlock(&sc->mu);
+    k->comm->async_error = ncclRemoteError;
+}
+
 void run_allreduce_shared(void* arg) {
     shared_call* k = (shared_call*)arg;
     shared_clique* sc = k->comm->shared;
     const int rank = k->comm->rank;
+    if (k->comm->hang) return wait_aborted(k);
     for (size_t off = 0; off < k->count; off += kRoundFloats) {
         const size_t len = k->count - off < kRoundFloats ? k->count - off : kRoundFloats;
         pthread_mutex_lock(&sc->mu);
@@ -218,7 +241,13 @@ void run_allreduce_shared(void* arg) {
             sc->draining = 1;
             pthread_cond_broadcast(&sc->cv);
         } else {
-            shared_wait(sc, [&] { return sc->draining && sc->round == mine; }, "ncclAllReduce across processes", rank);
+            shared_wait(sc, [&] { return (sc->draining && sc->round == mine) || aborted(k->comm); }, "ncclAllReduce across processes",
+                        rank);
+            if (aborted(k->comm)) {   // the job is ending: this rank's share of the round is left as it is
+                pthread_mutex_unlock(&sc->mu);
+                k->comm->async_error = ncclRemoteError;
+                return;
+            }
         }
         memcpy(k->recv + off, sc->data + (size_t)sc->n * kRoundFloats, len * sizeof(float));
         if (++sc->departed == sc->n) {
@@ -336,6 +365,7 @@ NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
     ncclComm* c = new ncclComm{nullptr, rank, mgpu_emu_stream_device(NULL)};
     c->shared = sc;
     c->fail_async = fail && strncmp(fail, "async:", 6) == 0 && atoi(fail + 6) == rank;
+    c->hang = fail && strncmp(fail, "hang:", 5) == 0 && atoi(fail + 5) == rank;
     *comm = c;
     return ncclSuccess;
 }
@@ -343,6 +373,19 @@ NCCL_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniq
 NCCL_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
     if (!comm || !async_error) return ncclInvalidArgument;
     *async_error = __atomic_load_n(&comm->async_error, __ATOMIC_ACQUIRE);
+    return ncclSuccess;
+}
+
+// Stops the communicator's pending all-reduce (which then ends), as NCCL's does. The communicator
+// itself is kept: a stream may still be inside its last collective, and the process is ending.
+NCCL_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (!comm) return ncclInvalidArgument;
+    __atomic_store_n(&comm->aborted, 1, __ATOMIC_RELEASE);
+    if (comm->shared) {
+        pthread_mutex_lock(&comm->shared->mu);
+        pthread_cond_broadcast(&comm->shared->cv);
+        pthread_mutex_unlock(&comm->shared->mu);
+    }
     return ncclSuccess;
 }
 
