@@ -614,7 +614,7 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create(const mgpu_device_set* set, mgpu_a
 MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar);
 MGPUDEF mgpu_allreduce_kind mgpu_allreduce_backend(const mgpu_allreduce* ar);
 /* The algorithm a sum of `bytes` per replica takes ("nccl", "oneshot", "ring", "host", "none";
-   "alltoallv+allgatherv" across processes through MPI),
+   "reduce-scatter+all-gather" across processes through MPI, point to point),
    and the bytes it reads plus writes in the memory where it sums (device memory for P2P, host
    memory for HOST on CPU replicas), copies and sum kernels together; 0 where that is not one
    memory's figure (NCCL's internals, HOST staging GPU buffers through the host). For bandwidth
@@ -5335,7 +5335,7 @@ static int mgpu__ar_oneshot_fits(const mgpu_allreduce* ar, size_t bytes) {
 }
 
 MGPUDEF const char* mgpu_allreduce_algorithm(const mgpu_allreduce* ar, size_t bytes) {
-    if (ar && ar->rank_devices && !ar->across_processes) return "alltoallv+allgatherv";   /* through MPI */
+    if (ar && ar->rank_devices && !ar->across_processes) return "reduce-scatter+all-gather";   /* through MPI */
     if (!ar || ar->kind == MGPU_ALLREDUCE_NONE) return "none";
     if (ar->kind == MGPU_ALLREDUCE_P2P) return mgpu__ar_oneshot_fits(ar, bytes) ? "oneshot" : "ring";
     return mgpu_allreduce_name(ar->kind);
