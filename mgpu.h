@@ -5626,7 +5626,7 @@ static void mgpu__dist_pause(double waited) {
     if (waited < 1e-3) return;
 #if defined(_WIN32)
     Sleep(waited < 0.1 ? 0 : 1);
-#else
+#elif defined(CLOCK_MONOTONIC)   /* POSIX's time.h, as mgpu_seconds wants (else this spins) */
     {
         struct timespec ts;
         ts.tv_sec = 0;
