@@ -31,7 +31,7 @@ for bin in train_mpi train_cpu emu/ckpt_diff; do [ -x "$b/$bin" ] || skip_all "n
     skip_all "no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"
 b=$(cd "$b" && pwd)
 p=mgpuc$$   # this run's namespaces: $p-h1 .. $p-h3, and $p-sw holding the bridge
-tmp=$(mktemp -d /var/tmp/mgpu-cluster.XXXXXX)   # not in /tmp, which each host has of its own
+tmp=$(mktemp -d)
 hosts="h1 h2 h3"
 
 # ---- the hosts ----
@@ -70,14 +70,14 @@ made=$(
 ) 2>&1
 [ "$(printf '%s' "$made" | tail -n 1)" = ok ] || skip_all "cannot make network namespaces here: $made"
 
-# on HOST COMMAND...: COMMAND on HOST: its network namespace, its hostname, and in a mount
-# namespace of its own its /etc/hosts and an empty /tmp (as two machines have: Open MPI's and
-# Slurm's PMIx files there do not meet); /sys stays the machine's, where slurmd finds cgroups
+# on HOST COMMAND...: COMMAND on HOST: its network namespace, its hostname, and its /etc/hosts
+# (in a mount namespace of its own); the file system is the machine's (Open MPI names its files
+# in /tmp by host; Slurm's are put apart by TmpFS below); /sys too, where slurmd finds cgroups
 cat > "$tmp/on" <<EOF
 #!/bin/sh
 h=\$1; shift
 exec nsenter --net=/run/netns/$p-\$h unshare --uts --mount sh -c 'mount --bind "$tmp/hosts" /etc/hosts &&
-    mount -t tmpfs -o size=1g tmpfs /tmp && hostname "\$0" && exec "\$@"' "\$h" "\$@"
+    hostname "\$0" && exec "\$@"' "\$h" "\$@"
 EOF
 # Open MPI's rsh agent, in place of ssh: "agent [options] HOST COMMAND" (the command as one line)
 cat > "$tmp/agent" <<EOF
@@ -94,7 +94,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # only. The launcher's daemons notice a lost peer by TCP keepalives: 20 s + 3 x 2 s here (Open
 # MPI's default is 300 s + 9 x 20 s), longer than the ranks' timeout (MGPU_DIST_TIMEOUT=10 in
 # the faults), so that the ranks end by their own timeout, and the daemons after them.
-mpirun="$on h1 mpirun --mca plm_rsh_agent $tmp/agent --mca btl self,vader,tcp --mca btl_tcp_if_include 10.77.0.0/24
+# (Open MPI's session files in this run's folder: a killed job's are removed with it)
+mkdir -p "$tmp/ompi"
+mpirun="$on h1 mpirun --mca orte_tmpdir_base $tmp/ompi --mca plm_rsh_agent $tmp/agent --mca btl self,vader,tcp --mca btl_tcp_if_include 10.77.0.0/24
     --mca oob_tcp_if_include 10.77.0.0/24 --mca oob_tcp_keepalive_time 20 --mca oob_tcp_keepalive_intvl 2
     --mca oob_tcp_keepalive_probes 3 --bind-to none --oversubscribe"
 common="--data $data --quiet --seed 7 --schedule constant"
@@ -212,7 +214,7 @@ slurm() {
     for tool in munged mungekey slurmctld slurmd srun; do
         command -v $tool >/dev/null 2>&1 || { skipped=$((skipped + 1)); echo "  skip Slurm: no $tool (apt-get install slurm-wlm munge)"; return; }
     done
-    s=$tmp/slurm; mkdir -p $s/state $s/munge
+    s=$tmp/slurm; mkdir -p $s/state $s/munge $s/tmp-h1 $s/tmp-h2
     chmod 700 $s/munge
     mungekey -c -k $s/munge/munge.key 2>/dev/null || dd if=/dev/urandom of=$s/munge/munge.key bs=1024 count=1 2>/dev/null
     chmod 600 $s/munge/munge.key
@@ -229,6 +231,7 @@ SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$s/state
 SlurmdSpoolDir=$s/spool-%n
+TmpFS=$s/tmp-%n
 SlurmctldPidFile=$tmp/slurmctld.pid
 SlurmdPidFile=$tmp/slurmd-%n.pid
 SlurmctldLogFile=$s/slurmctld.log
@@ -259,7 +262,7 @@ EOF
         skipped=$((skipped + 1)); echo "  skip srun --mpi=pmix: this Slurm has no PMIx plugin: $($on h1 srun --mpi=list 2>&1 | tr '\n' ' ')"; return
     fi
     # (Open MPI's settings in the environment, which srun passes on: its --export splits at commas)
-    srun="$on h1 env OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.77.0.0/24 timeout 300 srun -N 2 -n 4 --mpi=pmix --overcommit"
+    srun="$on h1 env OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.77.0.0/24 OMPI_MCA_orte_tmpdir_base=$tmp/ompi timeout 300 srun -N 2 -n 4 --mpi=pmix --overcommit"
     $srun sh -c 'echo "$SLURM_PROCID $SLURM_NTASKS $SLURM_LOCALID $(hostname)"' > "$tmp/env.txt" 2>&1
     want=$(printf '0 4 0 h1\n1 4 1 h1\n2 4 0 h2\n3 4 1 h2')
     [ "$(sort "$tmp/env.txt")" = "$want" ] && ok "srun -N 2 -n 4: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID on h1, h2 as the README says" ||
