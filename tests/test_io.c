@@ -1706,6 +1706,48 @@ static void test_reader_roundtrip(void) {
 }
 
 /* the dtypes mgpu converts, and the ones it refuses */
+/* A file with tensors mgpu cannot compute in still opens: they are listed with their dtype and
+   readable 0, reading one is UNSUPPORTED naming it, and the others read (FP8 scales beside
+   weights, as real checkpoints hold them). */
+static void test_reader_unsupported(void) {
+    char path[512];
+    mgpu_safetensors* st;
+    mgpu_safetensors_info info;
+    mgpu_tensor* t;
+    static const float w[2] = {1.5f, -2.0f};
+    uint8_t buf[32];
+    memset(buf, 0x11, sizeof buf);
+    memcpy(buf + 2, w, 8);
+    snprintf(path, sizeof path, "%s/fp8.safetensors", g_dir);
+    CHECK(write_st_bytes(path,
+                         "{\"scale\":{\"dtype\":\"F8_E4M3\",\"shape\":[2],\"data_offsets\":[0,2]},"
+                         "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[2,10]},"
+                         "\"c\":{\"dtype\":\"C64\",\"shape\":[1],\"data_offsets\":[10,18]},"
+                         "\"q\":{\"dtype\":\"F4\",\"shape\":[2,2],\"data_offsets\":[18,20]},"
+                         "\"u\":{\"dtype\":\"U32\",\"shape\":[1],\"data_offsets\":[20,24]}}",
+                         buf, 24),
+          "write %s", path);
+    st = mgpu_safetensors_open(path);
+    CHECK(st != NULL, "a file with F8_E4M3, C64, F4 and U32 tensors opens: %s", st ? "" : mgpu_last_error());
+    if (!st) return;
+    CHECK(mgpu_safetensors_count(st) == 5, "all five listed");
+    CHECK(mgpu_safetensors_get_info(st, 0, &info) == MGPU_OK && !strcmp(info.dtype, "F8_E4M3") && !info.readable && info.bytes == 2,
+          "F8_E4M3 listed with its dtype, not readable");
+    CHECK(mgpu_safetensors_get_info(st, 3, &info) == MGPU_OK && !strcmp(info.dtype, "F4") && info.ndim == 2 && info.bytes == 2,
+          "F4 listed");
+    t = mgpu_safetensors_read(st, "scale", NULL);
+    CHECK(!t && err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'scale'", "F8_E4M3"), "reading F8_E4M3 is UNSUPPORTED naming it");
+    mgpu_tensor_destroy(t);
+    t = mgpu_safetensors_read(st, "c", NULL);
+    CHECK(!t && err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'c'", "C64"), "reading C64 is UNSUPPORTED naming it");
+    mgpu_tensor_destroy(t);
+    t = mgpu_safetensors_read(st, "w", NULL);
+    CHECK(t && ((const float*)mgpu_tensor_data(t))[0] == 1.5f && ((const float*)mgpu_tensor_data(t))[1] == -2.0f,
+          "the F32 tensor beside them reads");
+    mgpu_tensor_destroy(t);
+    mgpu_safetensors_close(st);
+}
+
 static void test_reader_dtypes(void) {
     char path[512], shape[96];
     mgpu_safetensors* st;
@@ -1889,6 +1931,7 @@ int main(int argc, char** argv) {
     printf("== the public safetensors reader\n");
     TEST_GROUP(test_reader_roundtrip());
     TEST_GROUP(test_reader_dtypes());
+    TEST_GROUP(test_reader_unsupported());
     TEST_GROUP(test_reader_python());
     TEST_GROUP(test_reader_malformed(2000));
 #ifdef _WIN32
