@@ -9463,8 +9463,10 @@ static void mgpu__st_shape_str(const mgpu__st_tensor* t, char* buf, size_t cap) 
 }
 
 /* Parses one tensor entry {"dtype":..., "shape":[...], "data_offsets":[b, e]} (other keys are
-   ignored, as the reference's serde struct does); the sizes are checked later, in file order. */
-static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_file* f, mgpu__st_tensor* t, const char* tname) {
+   ignored, as the reference's serde struct does); the sizes are checked later, in file order.
+   Its name is at t->name_at in the string arena, which moves when it grows: tname follows it. */
+static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_file* f, mgpu__st_tensor* t) {
+    const char* tname = f->strings.p + t->name_at;
     int have_dtype = 0, have_shape = 0, have_offsets = 0, n, c;
     mgpu_result r;
     if (mgpu__json_peek(j) != '{')
@@ -9478,6 +9480,7 @@ static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_file* f, mgpu__st_tens
         if ((r = mgpu__json_string(j, &f->strings, &klen)) != MGPU_OK) return r;
         if (f->strings.oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
         key = f->strings.p + at;
+        tname = f->strings.p + t->name_at;
         if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
         if (klen == 5 && !memcmp(key, "dtype", 5)) {
             size_t vat = f->strings.len, dlen;
@@ -9488,6 +9491,8 @@ static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_file* f, mgpu__st_tens
             if ((r = mgpu__json_string(j, &f->strings, &dlen)) != MGPU_OK) return r;
             if (f->strings.oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
             dt = f->strings.p + vat;
+            key = NULL;   /* moved with the arena, and no longer needed */
+            tname = f->strings.p + t->name_at;
             t->dt = mgpu__st_dtype_find(dt, dlen);
             if (t->dt < 0)
                 return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': unknown dtype '%.40s' (the format's are F64, F32, F16, "
@@ -9769,7 +9774,7 @@ static mgpu_result mgpu__st_parse(const uint8_t* file, size_t file_len, const ch
             t = &out->tensors[out->count];
             memset(t, 0, sizeof *t);
             t->name_at = at;
-            if ((r = mgpu__st_entry(&j, out, t, key)) != MGPU_OK) break;
+            if ((r = mgpu__st_entry(&j, out, t)) != MGPU_OK) break;
             out->count++;
         }
         c = mgpu__json_peek(&j);

@@ -901,6 +901,12 @@ static void test_st_malformed(void) {
     ST_BAD("{\"__metadata__\":[]}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "\"__metadata__\" is not a JSON object");
     ST_BAD("{\"__metadata__\":{\"k\":5}}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "value of 'k' is not a string");
     ST_BAD("{\"__metadata__\":{},\"__metadata__\":{}}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "duplicate \"__metadata__\"");
+    /* a long key inside an entry grows the string arena under the tensor's name (which the fuzzer
+       found read after the move; the sanitizer build sees it) */
+    strcpy(big, "{\"t\":{\"");
+    for (i = 0; i < 600; ++i) strcat(big, "x");
+    strcat(big, "\":1,\"shape\":[1]}}");
+    ST_BAD(big, 0, MGPU_ERROR_BAD_FILE, "tensor 't'", "no \"dtype\"");
 }
 
 #include "st_rules.h"   /* the reference's rules, each with a file breaking it, and files it accepts */
