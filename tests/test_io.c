@@ -818,7 +818,7 @@ static void test_st_malformed(void) {
     uint8_t* p;
     size_t n;
     mgpu__st_file f;
-    int i;
+    int i, k;
     /* framing */
     p = mk_st("{}", 0, &n);
     CHECK(err_is(mgpu__st_parse(p, 7, "tiny.safetensors", &f), MGPU_ERROR_BAD_FILE, "tiny.safetensors", "too short"), "< 8 bytes");
@@ -874,6 +874,14 @@ static void test_st_malformed(void) {
     for (i = 0; i < 40; ++i) strcat(big, "}]");
     strcat(big, ",\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}");
     CHECK(st_try(big, 1) == MGPU_OK, "82 levels of nesting in an unknown field");
+    for (k = 125; k <= 126; ++k) {   /* the reference's exact limit: 2 + 125 levels read, 2 + 126 refused */
+        strcpy(big, "{\"t\":{\"x\":");
+        for (i = 0; i < k; ++i) strcat(big, "[");
+        for (i = 0; i < k; ++i) strcat(big, "]");
+        strcat(big, ",\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}");
+        if (k == 125) CHECK(st_try(big, 1) == MGPU_OK, "125 nested arrays in an unknown field, as serde_json reads them");
+        else ST_BAD(big, 1, MGPU_ERROR_BAD_FILE, "not valid JSON", "nested too deeply");
+    }
     /* structure */
     ST_BAD("[1,2]", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "not a JSON object");
     ST_BAD("\"x\"", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "not a JSON object");
