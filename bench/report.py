@@ -146,7 +146,8 @@ lines += ["", "n/a (DDP): PyTorch replicates across processes (DistributedDataPa
           "dp_ rows: hidden is the share of the all-reduce time that the step hides behind backward. "
           "n/a (pipeline): PyTorch's pipelines (torch.distributed.pipelining) run one process per stage; "
           "pipe_ rows: the bubble is the idle share of a traced step's forward-backward span, averaged over "
-          "the stages, beside the theoretical (S-1)/(M+S-1)."]
+          "the stages, beside the theoretical (S-1)/(M+S-1). safetensors_ rows: the PyTorch column is the "
+          "reference library, Python safetensors (numpy), reading the same file."]
 text = "\n".join(lines) + "\n"
 print(text)
 with open(out_path, "w") as f:
