@@ -916,7 +916,8 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
 /* ============================================================================================ */
 /* Checkpoints in the safetensors format with PyTorch's nn.Sequential state_dict names and layouts
    ("0.weight" [out, in], "0.bias", Conv2d weight [out, in, kh, kw]): safetensors.torch.load_file
-   plus load_state_dict reads them unchanged, and a file saved by PyTorch loads here. With an
+   plus load_state_dict reads them unchanged, and a file saved by PyTorch loads here (F32, or
+   F64, F16 and BF16 converted to F32 as load_state_dict does: exactly, F64 rounded to nearest). With an
    optimizer, its state goes in the same file ("optimizer.0.weight.momentum_buffer", ...) and the
    step count in the metadata, so training resumes exactly. Saving is atomic: a temporary file
    ".<name>.<hash>.<pid>.<n>.tmp" beside the target (cut to fit 255 bytes), fsync'ed, renamed over
@@ -978,18 +979,21 @@ MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l);   /* per epoch */
 
 /* ---- any safetensors file, and checkpoints with more than the model ---- */
 /* A safetensors file read as named tensors (safetensors.safe_open): open validates the whole
-   header as strictly as mgpu_model_load does (and keeps the file in memory); list the tensors,
-   read one onto a device, read the "__metadata__" strings; close. Names and strings returned
-   live until close. */
+   file by the reference implementation's rules, as mgpu_model_load does (and keeps the file in
+   memory, its names indexed by a hash); list the tensors, read one onto a device, read the
+   "__metadata__" strings; close. Names and strings returned live until close. Every dtype of the
+   format opens; tensors of one mgpu does not compute in (F8_*, F6_*, F4, C64, U16, U32, U64) are
+   listed with readable 0, and reading one fails with MGPU_ERROR_UNSUPPORTED. */
 typedef struct mgpu_safetensors mgpu_safetensors;
 typedef struct mgpu_safetensors_info {
     const char* name;       /* "model.0.weight" */
-    const char* dtype;      /* as in the file: "F32", "F16", "BF16", "F64", "I64", "I32", ... */
-    int ndim;               /* 0 to 8 (mgpu tensors take at most 4) */
-    int64_t shape[8];
+    const char* dtype;      /* as in the file: "F32", "F16", "BF16", "F64", "I64", "F8_E4M3", ... */
+    int ndim;               /* any (mgpu tensors take at most 4) */
+    int64_t shape[8];       /* the first 8 dimensions */
     uint64_t bytes;         /* in the file */
-    mgpu_dtype read_dtype;  /* what mgpu_safetensors_read makes of it: F32 from any float dtype,
-                               I32 from the integer ones, U8 from U8 and BOOL */
+    int readable;           /* 1: mgpu_safetensors_read reads it; 0: a dtype mgpu does not compute in */
+    mgpu_dtype read_dtype;  /* what mgpu_safetensors_read makes of it: F32 from F64, F32, F16 and
+                               BF16, I32 from I64, I32, I16 and I8, U8 from U8 and BOOL */
 } mgpu_safetensors_info;
 MGPUDEF mgpu_safetensors* mgpu_safetensors_open(const char* path);
 MGPUDEF void mgpu_safetensors_close(mgpu_safetensors* st);
@@ -1019,13 +1023,17 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
 
 /* Your own strings in a checkpoint's "__metadata__" (e.g. the input normalisation), beside
    mgpu's ("format", "mgpu.step", ...); mgpu_safetensors_metadata or PyTorch's
-   safe_open(path, "pt").metadata() reads them back. Keys: non-empty UTF-8 of at most 127 bytes,
-   not "format" nor starting with "mgpu.", no two alike; values: UTF-8 of at most 1023 bytes.
-   A zeroed desc is mgpu_model_save. */
+   safe_open(path, "pt").metadata() reads them back. Keys: non-empty UTF-8, not "format" nor
+   starting with "mgpu.", no two alike; values: UTF-8. A zeroed desc is mgpu_model_save.
+   dtype: the tensors' dtype in the file, MGPU_SAVE_F32 (0, the default: the exact bits),
+   MGPU_SAVE_BF16 or MGPU_SAVE_F16 (half the size, rounded to nearest even, as PyTorch's
+   .to(torch.bfloat16) does); mgpu_model_load reads all three back into F32. */
 typedef struct mgpu_metadata { const char* key; const char* value; } mgpu_metadata;
+typedef enum mgpu_save_dtype { MGPU_SAVE_F32 = 0, MGPU_SAVE_BF16 = 1, MGPU_SAVE_F16 = 2 } mgpu_save_dtype;
 typedef struct mgpu_save_desc {
     const mgpu_metadata* metadata;
     int metadata_count;
+    mgpu_save_dtype dtype;
 } mgpu_save_desc;
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
 
@@ -9330,44 +9338,78 @@ static mgpu_result mgpu__idx_parse(const uint8_t* buf, size_t len, const char* n
 }
 
 /* ======================================== safetensors ======================================= */
-typedef struct mgpu__st_tensor {
-    char name[256];
-    char dtype[8];
-    int ndim;
-    int64_t shape[8];
-    uint64_t begin, end; /* relative to the start of the byte buffer */
-} mgpu__st_tensor;
-typedef struct mgpu__st_meta { char key[128]; char value[1024]; } mgpu__st_meta;
-typedef struct mgpu__st_file {
-    mgpu__st_tensor* tensors;
-    int count;
-    mgpu__st_meta* meta;
-    int meta_count;
-    uint64_t data_start; /* file offset of the byte buffer */
-} mgpu__st_file;
+/* The rules are the reference implementation's (huggingface/safetensors, src/tensor.rs), in its
+   order; tests/test_io.c lists each with where it comes from. Nothing else is limited: names,
+   metadata strings, ranks and counts are bounded only by the 100 MB header. */
 
-#define MGPU__ST_MAX_HEADER ((uint64_t)100 * 1000 * 1000)
-#define MGPU__ST_MAX_TENSORS (1 << 20)
-#define MGPU__ST_MAX_META 4096
-#define MGPU__JSON_MAX_DEPTH 64
+/* Every dtype the format defines (the reference's Dtype enum), its size in bits, and what
+   mgpu_safetensors_read makes of it; readable 0: listed and skipped, reading it is UNSUPPORTED. */
+typedef struct mgpu__st_dtype { const char* name; int bits; int readable; mgpu_dtype read_as; } mgpu__st_dtype;
+static const mgpu__st_dtype mgpu__st_dtypes[] = {
+    {"F64", 64, 1, MGPU_F32}, {"F32", 32, 1, MGPU_F32}, {"F16", 16, 1, MGPU_F32}, {"BF16", 16, 1, MGPU_F32},
+    {"I64", 64, 1, MGPU_I32}, {"I32", 32, 1, MGPU_I32}, {"I16", 16, 1, MGPU_I32}, {"I8", 8, 1, MGPU_I32},
+    {"U8", 8, 1, MGPU_U8}, {"BOOL", 8, 1, MGPU_U8},
+    {"U16", 16, 0, MGPU_U8}, {"U32", 32, 0, MGPU_U8}, {"U64", 64, 0, MGPU_U8}, {"C64", 64, 0, MGPU_U8},
+    {"F8_E4M3", 8, 0, MGPU_U8}, {"F8_E5M2", 8, 0, MGPU_U8}, {"F8_E8M0", 8, 0, MGPU_U8},
+    {"F8_E4M3FNUZ", 8, 0, MGPU_U8}, {"F8_E5M2FNUZ", 8, 0, MGPU_U8},
+    {"F6_E2M3", 6, 0, MGPU_U8}, {"F6_E3M2", 6, 0, MGPU_U8}, {"F4", 4, 0, MGPU_U8}};
+#define MGPU__ST_DTYPES ((int)(sizeof mgpu__st_dtypes / sizeof mgpu__st_dtypes[0]))
 
-static size_t mgpu__st_dtype_size(const char* dtype) {
-    static const char* const names[10] = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
-    static const uint8_t sizes[10] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
+/* Index of the dtype called name (n bytes) in mgpu__st_dtypes, or -1. */
+static int mgpu__st_dtype_find(const char* name, size_t n) {
     int i;
-    if (!dtype) return 0;
-    for (i = 0; i < 10; ++i)
-        if (!strcmp(dtype, names[i])) return sizes[i];
-    return 0;
+    for (i = 0; i < MGPU__ST_DTYPES; ++i)
+        if (strlen(mgpu__st_dtypes[i].name) == n && !memcmp(mgpu__st_dtypes[i].name, name, n)) return i;
+    return -1;
+}
+/* Bytes per element of a dtype mgpu reads and writes; 0 for any other name. */
+static size_t mgpu__st_dtype_size(const char* dtype) {
+    int i = dtype ? mgpu__st_dtype_find(dtype, strlen(dtype)) : -1;
+    return i >= 0 && mgpu__st_dtypes[i].readable ? (size_t)mgpu__st_dtypes[i].bits / 8 : 0;
 }
 
-/* dtypes that the safetensors format defines but mgpu does not read. */
-static int mgpu__st_dtype_known_unsupported(const char* dtype) {
-    static const char* const names[] = {"U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64"};
-    size_t i;
-    for (i = 0; i < sizeof names / sizeof names[0]; ++i)
-        if (!strcmp(dtype, names[i])) return 1;
-    return 0;
+typedef struct mgpu__st_tensor {
+    const char* name;        /* decoded, in the file's string arena */
+    const uint64_t* shape;   /* ndim entries, in the file's dims arena */
+    const char* dtype;       /* mgpu__st_dtypes[dt].name */
+    int ndim, dt;
+    uint64_t begin, end;     /* relative to the start of the byte buffer */
+    size_t name_at, shape_at; /* the arenas' offsets, while they still grow */
+} mgpu__st_tensor;
+typedef struct mgpu__st_meta { const char* key; const char* value; size_t key_at, value_at; } mgpu__st_meta;
+typedef struct mgpu__sbuf { char* p; size_t len, cap; int oom; } mgpu__sbuf;
+typedef struct mgpu__st_file {
+    mgpu__st_tensor* tensors;
+    int count, cap;
+    mgpu__st_meta* meta;
+    int meta_count, meta_cap;
+    mgpu__sbuf strings;      /* every name, key and value, NUL-terminated */
+    uint64_t* dims;          /* every shape */
+    size_t dims_len, dims_cap;
+    int* slots;              /* hash of the names: tensor index + 1, 0 when empty */
+    size_t slot_mask;
+    int* meta_slots;         /* the same for the metadata keys */
+    size_t meta_mask;
+    uint64_t data_start;     /* file offset of the byte buffer */
+} mgpu__st_file;
+
+#define MGPU__ST_MAX_HEADER ((uint64_t)100 * 1000 * 1000)   /* the reference's MAX_HEADER_SIZE */
+#define MGPU__JSON_MAX_DEPTH 127   /* serde_json's recursion limit (128 levels, the last refused) */
+
+static void mgpu__sb_put(mgpu__sbuf* b, const char* s, size_t n) {
+    if (b->oom) return;
+    if (b->cap - b->len < n + 1) {
+        size_t cap = b->cap ? b->cap : 256;
+        char* p;
+        while (cap - b->len < n + 1) cap *= 2;
+        p = (char*)MGPU_REALLOC(b->p, cap);
+        if (!p) { b->oom = 1; return; }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
 }
 
 /* Length of the valid UTF-8 sequence at s (at most n bytes), 0 if invalid (overlong forms,
@@ -9431,16 +9473,23 @@ static int mgpu__json_hex4(const uint8_t* s, uint32_t* v) {
     return 1;
 }
 
-/* Reads a string (the cursor is on its opening quote), decoding escapes to UTF-8. Up to cap-1
-   bytes go to dst (NUL-terminated, when dst is not NULL); *out_len gets the full decoded length. */
-static mgpu_result mgpu__json_string(mgpu__json* j, char* dst, size_t cap, size_t* out_len) {
+/* Reads a string (the cursor is on its opening quote), decoding escapes to UTF-8 and appending
+   it and a NUL to out (when not NULL); *out_len gets its decoded length, without the NUL. */
+static mgpu_result mgpu__json_string(mgpu__json* j, mgpu__sbuf* out, size_t* out_len) {
     size_t n = 0;
     if (mgpu__json_peek(j) != '"') return mgpu__json_error(j, "expected a string");
     j->pos++;
     for (;;) {
         uint8_t buf[4];
-        int k, blen;
+        int blen;
         uint32_t c;
+        size_t run = j->pos;
+        while (run < j->len && j->s[run] >= 0x20 && j->s[run] < 0x80 && j->s[run] != '"' && j->s[run] != '\\') run++;
+        if (run > j->pos) {   /* a run of plain ASCII, copied at once */
+            if (out) mgpu__sb_put(out, (const char*)j->s + j->pos, run - j->pos);
+            n += run - j->pos;
+            j->pos = run;
+        }
         if (j->pos >= j->len) return mgpu__json_error(j, "unterminated string");
         c = j->s[j->pos];
         if (c == '"') { j->pos++; break; }
@@ -9496,10 +9545,10 @@ static mgpu_result mgpu__json_string(mgpu__json* j, char* dst, size_t cap, size_
             memcpy(buf, j->s + j->pos, (size_t)blen);
             j->pos += (size_t)blen;
         }
-        for (k = 0; k < blen; ++k, ++n)
-            if (dst && n + 1 < cap) dst[n] = (char)buf[k];
+        if (out) mgpu__sb_put(out, (const char*)buf, (size_t)blen);
+        n += (size_t)blen;
     }
-    if (dst && cap) dst[n < cap ? n : cap - 1] = 0;
+    if (out) mgpu__sb_put(out, "", 1);   /* its own NUL, which the next string does not overwrite */
     if (out_len) *out_len = n;
     return MGPU_OK;
 }
@@ -9536,7 +9585,7 @@ static mgpu_result mgpu__json_skip(mgpu__json* j, int depth) {
         if (mgpu__json_peek(j) == close) { j->pos++; return MGPU_OK; }
         for (;;) {
             if (close == '}') {
-                if ((r = mgpu__json_string(j, NULL, 0, NULL)) != MGPU_OK) return r;
+                if ((r = mgpu__json_string(j, NULL, NULL)) != MGPU_OK) return r;
                 if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
             }
             if ((r = mgpu__json_skip(j, depth + 1)) != MGPU_OK) return r;
@@ -9546,7 +9595,7 @@ static mgpu_result mgpu__json_skip(mgpu__json* j, int depth) {
             if (c != ',') { j->pos--; return mgpu__json_error(j, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'"); }
         }
     }
-    if (c == '"') return mgpu__json_string(j, NULL, 0, NULL);
+    if (c == '"') return mgpu__json_string(j, NULL, NULL);
     if (c == '-' || (c >= '0' && c <= '9')) return mgpu__json_number(j);
     if (c == 't' && j->len - j->pos >= 4 && !memcmp(j->s + j->pos, "true", 4)) { j->pos += 4; return MGPU_OK; }
     if (c == 'f' && j->len - j->pos >= 5 && !memcmp(j->s + j->pos, "false", 5)) { j->pos += 5; return MGPU_OK; }
@@ -9575,8 +9624,9 @@ static const char* mgpu__json_uint(mgpu__json* j, uint64_t* v) {
     return NULL;
 }
 
-/* Reads an array of non-negative integers (at most max of them) for tensor t. */
-static mgpu_result mgpu__st_uint_array(mgpu__json* j, const char* field, const char* tname, uint64_t* vals, int max,
+/* Reads an array of non-negative integers for tensor tname, appending them to f->dims (at most
+   max of them; 0: any number); *count gets how many. */
+static mgpu_result mgpu__st_uint_array(mgpu__json* j, mgpu__st_file* f, const char* field, const char* tname, int max,
                                        int* count) {
     const char* why;
     int c;
@@ -9587,14 +9637,20 @@ static mgpu_result mgpu__st_uint_array(mgpu__json* j, const char* field, const c
     if (mgpu__json_peek(j) == ']') { j->pos++; return MGPU_OK; }
     for (;;) {
         uint64_t v;
-        if (*count == max)
-            return mgpu__fail(max == 8 ? MGPU_ERROR_UNSUPPORTED : MGPU_ERROR_BAD_FILE,
-                              "%s: tensor '%s': %s has more than %d entries%s", j->name, tname, field, max,
-                              max == 8 ? " (more than 8 dimensions is not supported)" : "");
+        if (max && *count == max)
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': %s has more than %d entries", j->name, tname, field, max);
         why = mgpu__json_uint(j, &v);
         if (why)
             return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': %s entry %d %s", j->name, tname, field, *count, why);
-        vals[(*count)++] = v;
+        if (f->dims_len == f->dims_cap) {
+            size_t cap = f->dims_cap ? f->dims_cap * 2 : 64;
+            uint64_t* grown = (uint64_t*)MGPU_REALLOC(f->dims, cap * sizeof *grown);
+            if (!grown) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
+            f->dims = grown;
+            f->dims_cap = cap;
+        }
+        f->dims[f->dims_len++] = v;
+        ++*count;
         c = mgpu__json_peek(j);
         j->pos++;
         if (c == ']') return MGPU_OK;
@@ -9608,140 +9664,111 @@ static void mgpu__st_shape_str(const mgpu__st_tensor* t, char* buf, size_t cap) 
     buf[0] = 0;
     n += (size_t)snprintf(buf, cap, "[");
     for (i = 0; i < t->ndim && n < cap; ++i)
-        n += (size_t)snprintf(buf + n, cap - n, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+        n += (size_t)snprintf(buf + n, cap - n, i ? ", %llu" : "%llu", (unsigned long long)t->shape[i]);
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
-/* Parses one tensor entry {"dtype":..., "shape":[...], "data_offsets":[b, e]} and checks it
-   against the byte buffer of buf_len bytes. */
-static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_tensor* t, uint64_t buf_len) {
-    int have_dtype = 0, have_shape = 0, have_offsets = 0, n, i, c;
-    uint64_t vals[8], elems = 1, bytes;
-    size_t dsize;
+/* Parses one tensor entry {"dtype":..., "shape":[...], "data_offsets":[b, e]} (other keys are
+   ignored, as the reference's serde struct does); the sizes are checked later, in file order.
+   Its name is at t->name_at in the string arena, which moves when it grows: tname follows it. */
+static mgpu_result mgpu__st_entry(mgpu__json* j, mgpu__st_file* f, mgpu__st_tensor* t) {
+    const char* tname = f->strings.p + t->name_at;
+    int have_dtype = 0, have_shape = 0, have_offsets = 0, n, c;
     mgpu_result r;
-    char shape[200];
     if (mgpu__json_peek(j) != '{')
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry is not a JSON object", j->name, t->name);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry is not a JSON object", j->name, tname);
     j->pos++;
     if (mgpu__json_peek(j) == '}') j->pos++;
     else for (;;) {
-        char key[16];
+        const size_t at = f->strings.len;   /* the key, decoded into the arena and dropped after */
         size_t klen;
-        if ((r = mgpu__json_string(j, key, sizeof key, &klen)) != MGPU_OK) return r;
+        const char* key;
+        if ((r = mgpu__json_string(j, &f->strings, &klen)) != MGPU_OK) return r;
+        if (f->strings.oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
+        key = f->strings.p + at;
+        tname = f->strings.p + t->name_at;
         if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
-        if (klen == 5 && !strcmp(key, "dtype")) {
-            char dt[16];
-            size_t dlen;
-            if (have_dtype++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"dtype\"", j->name, t->name);
-            int clean;
+        if (klen == 5 && !memcmp(key, "dtype", 5)) {
+            size_t vat = f->strings.len, dlen;
+            const char* dt;
+            if (have_dtype++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"dtype\"", j->name, tname);
             if (mgpu__json_peek(j) != '"')
-                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': dtype is not a string", j->name, t->name);
-            if ((r = mgpu__json_string(j, dt, sizeof dt, &dlen)) != MGPU_OK) return r;
-            clean = dlen < sizeof dt && strlen(dt) == dlen;
-            if (clean && dlen < sizeof t->dtype && mgpu__st_dtype_size(dt)) {
-                memcpy(t->dtype, dt, dlen + 1);
-            } else if (clean && mgpu__st_dtype_known_unsupported(dt)) {
-                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported", j->name, t->name, dt);
-            } else {
-                return mgpu__fail(MGPU_ERROR_BAD_FILE,
-                                  "%s: tensor '%s': unknown dtype '%s%s' (expected F64, F32, F16, BF16, I64, I32, I16, I8, U8 or BOOL)",
-                                  j->name, t->name, dt, clean ? "" : "...");
-            }
-        } else if (klen == 5 && !strcmp(key, "shape")) {
-            if (have_shape++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"shape\"", j->name, t->name);
-            if ((r = mgpu__st_uint_array(j, "shape", t->name, vals, 8, &n)) != MGPU_OK) return r;
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': dtype is not a string", j->name, tname);
+            if ((r = mgpu__json_string(j, &f->strings, &dlen)) != MGPU_OK) return r;
+            if (f->strings.oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
+            dt = f->strings.p + vat;
+            key = NULL;   /* moved with the arena, and no longer needed */
+            tname = f->strings.p + t->name_at;
+            t->dt = mgpu__st_dtype_find(dt, dlen);
+            if (t->dt < 0)
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': unknown dtype '%.40s' (the format's are F64, F32, F16, "
+                                  "BF16, F8_E4M3, F8_E5M2, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, F6_E2M3, F6_E3M2, F4, C64, I64, "
+                                  "I32, I16, I8, U64, U32, U16, U8, BOOL)", j->name, tname, dt);
+            t->dtype = mgpu__st_dtypes[t->dt].name;
+        } else if (klen == 5 && !memcmp(key, "shape", 5)) {
+            if (have_shape++) return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"shape\"", j->name, tname);
+            t->shape_at = f->dims_len;
+            if ((r = mgpu__st_uint_array(j, f, "shape", tname, 0, &n)) != MGPU_OK) return r;
             t->ndim = n;
-            for (i = 0; i < n; ++i) {
-                if (vals[i] > (uint64_t)INT64_MAX)
-                    return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape entry %d is too large (overflow)", j->name,
-                                      t->name, i);
-                t->shape[i] = (int64_t)vals[i];
-            }
-        } else if (klen == 12 && !strcmp(key, "data_offsets")) {
+        } else if (klen == 12 && !memcmp(key, "data_offsets", 12)) {
+            const size_t dat = f->dims_len;   /* read through the dims arena, then dropped */
             if (have_offsets++)
-                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"data_offsets\"", j->name, t->name);
-            if ((r = mgpu__st_uint_array(j, "data_offsets", t->name, vals, 2, &n)) != MGPU_OK) return r;
+                return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': duplicate \"data_offsets\"", j->name, tname);
+            if ((r = mgpu__st_uint_array(j, f, "data_offsets", tname, 2, &n)) != MGPU_OK) return r;
             if (n != 2)
                 return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': data_offsets must hold 2 entries [begin, end], not %d",
-                                  j->name, t->name, n);
-            t->begin = vals[0];
-            t->end = vals[1];
+                                  j->name, tname, n);
+            t->begin = f->dims[dat];
+            t->end = f->dims[dat + 1];
+            f->dims_len = dat;
         } else {
-            if ((r = mgpu__json_skip(j, 2)) != MGPU_OK) return r; /* unknown keys are ignored */
+            if ((r = mgpu__json_skip(j, 3)) != MGPU_OK) return r; /* unknown keys are ignored */
         }
+        f->strings.len = at;   /* tname lies before at: still valid */
         c = mgpu__json_peek(j);
         j->pos++;
         if (c == '}') break;
         if (c != ',') { j->pos--; return mgpu__json_error(j, "expected ',' or '}'"); }
     }
     if (!have_dtype || !have_shape || !have_offsets)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry has no \"%s\"", j->name, t->name,
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': entry has no \"%s\"", j->name, tname,
                           !have_dtype ? "dtype" : !have_shape ? "shape" : "data_offsets");
-    /* sizes, overflow-safe: a zero dimension makes the tensor empty whatever the others are */
-    for (i = 0; i < t->ndim; ++i)
-        if (t->shape[i] == 0) elems = 0;
-    mgpu__st_shape_str(t, shape, sizeof shape);
-    for (i = 0; i < t->ndim && elems; ++i) {
-        if (elems > UINT64_MAX / (uint64_t)t->shape[i])
-            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape %s overflows (too many elements)", j->name,
-                              t->name, shape);
-        elems *= (uint64_t)t->shape[i];
-    }
-    dsize = mgpu__st_dtype_size(t->dtype);
-    if (elems > UINT64_MAX / dsize)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': shape %s of %s overflows (too many bytes)", j->name, t->name,
-                          shape, t->dtype);
-    bytes = elems * dsize;
-    if (t->begin > t->end)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%s': data_offsets begin %llu > end %llu", j->name, t->name,
-                          (unsigned long long)t->begin, (unsigned long long)t->end);
-    if (t->end > buf_len)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE,
-                          "%s: tensor '%s': data_offsets end %llu is beyond the end of the byte buffer (%llu bytes; file truncated?)",
-                          j->name, t->name, (unsigned long long)t->end, (unsigned long long)buf_len);
-    if (t->end - t->begin != bytes)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE,
-                          "%s: tensor '%s': data_offsets [%llu, %llu] span %llu bytes but %s %s needs %llu (size mismatch)",
-                          j->name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
-                          (unsigned long long)(t->end - t->begin), t->dtype, shape, (unsigned long long)bytes);
     return MGPU_OK;
 }
 
+/* "__metadata__": null, or an object of strings (the reference's Option<HashMap<String, String>>). */
 static mgpu_result mgpu__st_metadata(mgpu__json* j, mgpu__st_file* out) {
     mgpu_result r;
-    int c, cap = 0;
+    int c;
+    if (mgpu__json_peek(j) == 'n' && j->len - j->pos >= 4 && !memcmp(j->s + j->pos, "null", 4)) { j->pos += 4; return MGPU_OK; }
     if (mgpu__json_peek(j) != '{')
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" is not a JSON object of strings", j->name);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" is not a JSON object of strings (nor null)", j->name);
     j->pos++;
     if (mgpu__json_peek(j) == '}') { j->pos++; return MGPU_OK; }
     for (;;) {
         mgpu__st_meta* m;
         size_t klen, vlen;
-        if (out->meta_count == cap) {
-            mgpu__st_meta* grown;
-            if (cap >= MGPU__ST_MAX_META)
-                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: more than %d \"__metadata__\" entries", j->name, MGPU__ST_MAX_META);
-            cap = cap ? cap * 2 : 8;
-            grown = (mgpu__st_meta*)MGPU_REALLOC(out->meta, (size_t)cap * sizeof *grown);
+        if (out->meta_count == out->meta_cap) {
+            int cap = out->meta_cap ? out->meta_cap * 2 : 8;
+            mgpu__st_meta* grown = (mgpu__st_meta*)MGPU_REALLOC(out->meta, (size_t)cap * sizeof *grown);
             if (!grown) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
             out->meta = grown;
+            out->meta_cap = cap;
         }
         m = &out->meta[out->meta_count];
-        if ((r = mgpu__json_string(j, m->key, sizeof m->key, &klen)) != MGPU_OK) return r;
-        if (klen >= sizeof m->key)
-            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" key '%.40s...' is %zu bytes; at most %d are supported",
-                              j->name, m->key, klen, (int)sizeof m->key - 1);
-        if (strlen(m->key) != klen)
-            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" key '%s' contains a NUL character", j->name, m->key);
+        m->key_at = out->strings.len;
+        if ((r = mgpu__json_string(j, &out->strings, &klen)) != MGPU_OK) return r;
         if ((r = mgpu__json_expect(j, ':', "expected ':'")) != MGPU_OK) return r;
         if (mgpu__json_peek(j) != '"')
-            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" value of '%s' is not a string", j->name, m->key);
-        if ((r = mgpu__json_string(j, m->value, sizeof m->value, &vlen)) != MGPU_OK) return r;
-        if (vlen >= sizeof m->value)
-            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" value of '%s' is %zu bytes; at most %d are supported",
-                              j->name, m->key, vlen, (int)sizeof m->value - 1);
-        if (strlen(m->value) != vlen)
-            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" value of '%s' contains a NUL character", j->name, m->key);
+            return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: \"__metadata__\" value of '%.200s' is not a string", j->name,
+                              out->strings.oom ? "?" : out->strings.p + m->key_at);
+        m->value_at = out->strings.len;
+        if ((r = mgpu__json_string(j, &out->strings, &vlen)) != MGPU_OK) return r;
+        if (out->strings.oom) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", j->name);
+        /* C strings: a NUL inside one cannot be handed out (the reference's Rust strings can hold it) */
+        if (strlen(out->strings.p + m->key_at) != klen || strlen(out->strings.p + m->value_at) != vlen)
+            return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: \"__metadata__\" entry '%.200s' contains a NUL character", j->name,
+                              out->strings.p + m->key_at);
         out->meta_count++;
         c = mgpu__json_peek(j);
         j->pos++;
@@ -9771,48 +9798,112 @@ static const char* mgpu__dup_name(const char** names, int n) {
     return NULL;
 }
 
-/* Duplicate names, duplicate metadata keys and overlapping data ranges. */
-static mgpu_result mgpu__st_cross_check(const mgpu__st_file* f, const char* name) {
-    int n = f->count > f->meta_count ? f->count : f->meta_count, i;
-    const char** names;
-    const char* d;
+static size_t mgpu__st_hash(const char* s) {   /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; ++s) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return (size_t)(h ^ (h >> 32));
+}
+
+/* Entry i of an array of structs whose first field is their name (tensors, metadata entries). */
+#define MGPU__ST_NAME(base, stride, i) (*(const char* const*)((const char*)(base) + (size_t)(i) * (stride)))
+
+/* The slot of name in a hash of base's entries: where it is, or the empty slot where it goes. */
+static size_t mgpu__st_slot(const int* slots, size_t mask, const void* base, size_t stride, const char* name) {
+    size_t s = mgpu__st_hash(name) & mask;
+    while (slots[s] && strcmp(MGPU__ST_NAME(base, stride, slots[s] - 1), name) != 0) s = (s + 1) & mask;
+    return s;
+}
+
+/* Hashes the names of base's *n entries into *slots (open addressing, at most half full: entry
+   index + 1, 0 when empty). A name given twice keeps its last entry, as the reference's JSON maps
+   do; the earlier ones are dropped and *n shrinks. */
+static mgpu_result mgpu__st_hash_names(void* base, size_t stride, int* n, int** slots, size_t* mask, const char* name) {
+    size_t size = 2;
+    char* dropped = NULL;
+    int i, k, drops = 0, pass;
+    while (size < 2 * (size_t)*n) size *= 2;
+    *mask = size - 1;
+    for (pass = 0; pass < 2; ++pass) {   /* a second pass only after dropping repeats */
+        MGPU_FREE(*slots);
+        *slots = (int*)mgpu__calloc(size, sizeof **slots);
+        if (!*slots) { MGPU_FREE(dropped); return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory indexing the header", name); }
+        for (i = 0; i < *n; ++i) {
+            size_t s = mgpu__st_slot(*slots, *mask, base, stride, MGPU__ST_NAME(base, stride, i));
+            if ((*slots)[s]) {
+                if (!dropped && !(dropped = (char*)mgpu__calloc((size_t)*n, 1)))
+                    return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory indexing the header", name);
+                dropped[(*slots)[s] - 1] = 1;
+                drops++;
+            }
+            (*slots)[s] = i + 1;
+        }
+        if (!drops) break;
+        for (i = k = 0; i < *n; ++i)
+            if (!dropped[i]) memmove((char*)base + (size_t)k++ * stride, (char*)base + (size_t)i * stride, stride);
+        *n = k;
+        drops = 0;
+        memset(dropped, 0, (size_t)k);
+    }
+    MGPU_FREE(dropped);
+    return MGPU_OK;
+}
+
+static const mgpu__st_tensor* mgpu__st_find(const mgpu__st_file* f, const char* name) {
+    int i = f->slots[mgpu__st_slot(f->slots, f->slot_mask, f->tensors, sizeof *f->tensors, name)];
+    return i ? &f->tensors[i - 1] : NULL;
+}
+static const char* mgpu__st_meta_value(const mgpu__st_file* f, const char* key) {
+    int i = f->meta_slots[mgpu__st_slot(f->meta_slots, f->meta_mask, f->meta, sizeof *f->meta, key)];
+    return i ? f->meta[i - 1].value : NULL;
+}
+
+/* The reference's validate(), in its order: the tensors sorted by data_offsets, each starting
+   where the previous one ended (no holes, no overlaps), its element count and bit count without
+   overflow (multiplied left to right, so [2^40, 2^40, 0] overflows before its 0), a whole number
+   of bytes, exactly the span of its offsets; and the last one ending at the end of the file, so
+   that nothing can hide after the tensors (a polyglot file). */
+static mgpu_result mgpu__st_validate(const mgpu__st_file* f, uint64_t buf_len, const char* name) {
     const mgpu__st_tensor** byoff;
     mgpu_result r = MGPU_OK;
-    uint64_t maxend = 0;
-    const mgpu__st_tensor* holder = NULL;
-    if (n == 0) return MGPU_OK;
-    names = (const char**)MGPU_MALLOC((size_t)n * sizeof *names);
-    byoff = (const mgpu__st_tensor**)MGPU_MALLOC((size_t)n * sizeof *byoff);
-    if (!names || !byoff) {
-        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory checking the header", name);
-    }
-    if (r == MGPU_OK) {
-        for (i = 0; i < f->count; ++i) names[i] = f->tensors[i].name;
-        if ((d = mgpu__dup_name(names, f->count)) != NULL)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate tensor name '%s'", name, d);
-    }
-    if (r == MGPU_OK) {
-        for (i = 0; i < f->meta_count; ++i) names[i] = f->meta[i].key;
-        if ((d = mgpu__dup_name(names, f->meta_count)) != NULL)
-            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate \"__metadata__\" key '%s'", name, d);
-    }
-    if (r == MGPU_OK) {
-        for (i = 0; i < f->count; ++i) byoff[i] = &f->tensors[i];
-        qsort(byoff, (size_t)f->count, sizeof *byoff, mgpu__st_cmp_offsets);
-        for (i = 0; i < f->count; ++i) {
-            if (holder && byoff[i]->begin < maxend) {
-                r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensors '%s' [%llu, %llu) and '%s' [%llu, %llu) overlap", name,
-                               holder->name, (unsigned long long)holder->begin, (unsigned long long)holder->end,
-                               byoff[i]->name, (unsigned long long)byoff[i]->begin, (unsigned long long)byoff[i]->end);
-                break;
-            }
-            if (byoff[i]->end > maxend || !holder) {
-                maxend = byoff[i]->end;
-                holder = byoff[i];
-            }
+    uint64_t start = 0;
+    int i, d;
+    char shape[200];
+    byoff = (const mgpu__st_tensor**)MGPU_MALLOC(((size_t)f->count + 1) * sizeof *byoff);
+    if (!byoff) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory checking the header", name);
+    for (i = 0; i < f->count; ++i) byoff[i] = &f->tensors[i];
+    qsort(byoff, (size_t)f->count, sizeof *byoff, mgpu__st_cmp_offsets);
+    for (i = 0; i < f->count && r == MGPU_OK; ++i) {
+        const mgpu__st_tensor* t = byoff[i];
+        uint64_t elems = 1, bits = (uint64_t)mgpu__st_dtypes[t->dt].bits;
+        int overflow = 0;
+        mgpu__st_shape_str(t, shape, sizeof shape);
+        if (t->begin != start || t->end < t->begin) {
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%.200s': invalid offset: data_offsets [%llu, %llu] %s (the data must "
+                           "be contiguous from byte 0)", name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                           t->end < t->begin ? "end before they begin" : t->begin > start ? "leave a hole after the previous tensor"
+                                                                                          : "overlap the previous tensor");
+            break;
         }
+        start = t->end;
+        for (d = 0; d < t->ndim && !overflow; ++d) {
+            if (t->shape[d] && elems > UINT64_MAX / t->shape[d]) overflow = 1;
+            else elems *= t->shape[d];
+        }
+        if (overflow || elems > UINT64_MAX / bits)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%.200s': validation overflow: shape %s of %s overflows 64 bits",
+                           name, t->name, shape, t->dtype);
+        else if (elems * bits % 8)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%.200s': misaligned slice: shape %s of %s is %llu bits, not whole "
+                           "bytes", name, t->name, shape, t->dtype, (unsigned long long)(elems * bits));
+        else if (t->end - t->begin != elems * bits / 8)
+            r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: tensor '%.200s': invalid tensor info: data_offsets [%llu, %llu] span %llu "
+                           "bytes but %s %s needs %llu", name, t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                           (unsigned long long)(t->end - t->begin), t->dtype, shape, (unsigned long long)(elems * bits / 8));
     }
-    MGPU_FREE((void*)names);
+    if (r == MGPU_OK && start != buf_len)
+        r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: incomplete buffer: the tensors' data ends at byte %llu but the file's byte "
+                       "buffer holds %llu (%s)", name, (unsigned long long)start, (unsigned long long)buf_len,
+                       start < buf_len ? "bytes after the tensors are refused: a polyglot file?" : "file truncated?");
     MGPU_FREE((void*)byoff);
     return r;
 }
@@ -9821,6 +9912,10 @@ static void mgpu__st_free(mgpu__st_file* f) {
     if (!f) return;
     MGPU_FREE(f->tensors);
     MGPU_FREE(f->meta);
+    MGPU_FREE(f->strings.p);
+    MGPU_FREE(f->dims);
+    MGPU_FREE(f->slots);
+    MGPU_FREE(f->meta_slots);
     memset(f, 0, sizeof *f);
 }
 
@@ -9829,20 +9924,21 @@ static void mgpu__st_free(mgpu__st_file* f) {
 static mgpu_result mgpu__st_parse(const uint8_t* file, size_t file_len, const char* name, mgpu__st_file* out) {
     mgpu__json j;
     uint64_t hlen, buf_len;
-    int c, cap = 0, have_meta = 0;
+    int c, have_meta = 0, i;
     mgpu_result r = MGPU_OK;
     if (!name) name = "(memory)";
     if (!out || (!file && file_len)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_parse(%s): NULL argument", name);
     memset(out, 0, sizeof *out);
     if (file_len < 8)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: %zu bytes is too short for a safetensors file (need at least 8)", name, file_len);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: header too small: %zu bytes is too short for a safetensors file (need at "
+                          "least 8)", name, file_len);
     hlen = (uint64_t)mgpu__le32(file) | ((uint64_t)mgpu__le32(file + 4) << 32);
     if (hlen > MGPU__ST_MAX_HEADER)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header length %llu exceeds the 100 MB limit (not a safetensors file?)",
-                          name, (unsigned long long)hlen);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: header too large: safetensors header length %llu exceeds the 100 MB limit "
+                          "(not a safetensors file?)", name, (unsigned long long)hlen);
     if (hlen > (uint64_t)file_len - 8)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: safetensors header length %llu is larger than the rest of the file (%zu bytes)",
-                          name, (unsigned long long)hlen, file_len - 8);
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: invalid header length: safetensors header length %llu is larger than the "
+                          "rest of the file (%zu bytes)", name, (unsigned long long)hlen, file_len - 8);
     out->data_start = 8 + hlen;
     buf_len = (uint64_t)file_len - out->data_start;
     j.s = file + 8;
@@ -9856,39 +9952,35 @@ static mgpu_result mgpu__st_parse(const uint8_t* file, size_t file_len, const ch
     j.pos++;
     if (mgpu__json_peek(&j) == '}') j.pos++;
     else for (;;) {
-        char key[256];
+        const size_t at = out->strings.len;
         size_t klen;
-        if ((r = mgpu__json_string(&j, key, sizeof key, &klen)) != MGPU_OK) break;
+        const char* key;
+        if ((r = mgpu__json_string(&j, &out->strings, &klen)) != MGPU_OK) break;
+        if (out->strings.oom) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", name); break; }
+        key = out->strings.p + at;
         if ((r = mgpu__json_expect(&j, ':', "expected ':'")) != MGPU_OK) break;
         if (klen == 12 && !strcmp(key, "__metadata__")) {
+            out->strings.len = at;
             if (have_meta++) { r = mgpu__fail(MGPU_ERROR_BAD_FILE, "%s: duplicate \"__metadata__\"", name); break; }
             if ((r = mgpu__st_metadata(&j, out)) != MGPU_OK) break;
         } else {
             mgpu__st_tensor* t;
-            if (klen >= sizeof key) {
-                r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor name '%.40s...' is %zu bytes; at most 255 are supported",
-                               name, key, klen);
-                break;
-            }
             if (strlen(key) != klen) {
-                r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor name '%s' contains a NUL character", name, key);
+                r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: tensor name '%.200s' contains a NUL character", name, key);
                 break;
             }
-            if (out->count == cap) {
-                mgpu__st_tensor* grown;
-                if (cap >= MGPU__ST_MAX_TENSORS) {
-                    r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: more than %d tensors", name, MGPU__ST_MAX_TENSORS);
-                    break;
-                }
-                cap = cap ? cap * 2 : 16;
-                grown = (mgpu__st_tensor*)MGPU_REALLOC(out->tensors, (size_t)cap * sizeof *grown);
+            if (out->count == out->cap) {
+                int cap = out->cap ? out->cap * 2 : 16;
+                mgpu__st_tensor* grown = out->cap >= INT32_MAX / 2 ? NULL
+                                         : (mgpu__st_tensor*)MGPU_REALLOC(out->tensors, (size_t)cap * sizeof *grown);
                 if (!grown) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory reading the header", name); break; }
                 out->tensors = grown;
+                out->cap = cap;
             }
             t = &out->tensors[out->count];
             memset(t, 0, sizeof *t);
-            memcpy(t->name, key, klen + 1);
-            if ((r = mgpu__st_entry(&j, t, buf_len)) != MGPU_OK) break;
+            t->name_at = at;
+            if ((r = mgpu__st_entry(&j, out, t)) != MGPU_OK) break;
             out->count++;
         }
         c = mgpu__json_peek(&j);
@@ -9898,7 +9990,20 @@ static mgpu_result mgpu__st_parse(const uint8_t* file, size_t file_len, const ch
     }
     if (r == MGPU_OK && mgpu__json_peek(&j) >= 0) /* only whitespace padding may follow */
         r = mgpu__json_error(&j, "trailing characters after the header object");
-    if (r == MGPU_OK) r = mgpu__st_cross_check(out, name);
+    if (r == MGPU_OK) {   /* the arenas are done growing: their offsets become pointers */
+        for (i = 0; i < out->count; ++i) {
+            out->tensors[i].name = out->strings.p + out->tensors[i].name_at;
+            out->tensors[i].shape = out->dims + out->tensors[i].shape_at;
+        }
+        for (i = 0; i < out->meta_count; ++i) {
+            out->meta[i].key = out->strings.p + out->meta[i].key_at;
+            out->meta[i].value = out->strings.p + out->meta[i].value_at;
+        }
+        r = mgpu__st_hash_names(out->tensors, sizeof *out->tensors, &out->count, &out->slots, &out->slot_mask, name);
+        if (r == MGPU_OK)
+            r = mgpu__st_hash_names(out->meta, sizeof *out->meta, &out->meta_count, &out->meta_slots, &out->meta_mask, name);
+    }
+    if (r == MGPU_OK) r = mgpu__st_validate(out, buf_len, name);
     if (r != MGPU_OK) mgpu__st_free(out);
     return r;
 }
@@ -9913,23 +10018,6 @@ typedef struct mgpu__st_write_item {
     size_t bytes;           /* must equal product(shape) * dtype size */
 } mgpu__st_write_item;
 
-typedef struct mgpu__sbuf { char* p; size_t len, cap; int oom; } mgpu__sbuf;
-
-static void mgpu__sb_put(mgpu__sbuf* b, const char* s, size_t n) {
-    if (b->oom) return;
-    if (b->cap - b->len < n + 1) {
-        size_t cap = b->cap ? b->cap : 256;
-        char* p;
-        while (cap - b->len < n + 1) cap *= 2;
-        p = (char*)MGPU_REALLOC(b->p, cap);
-        if (!p) { b->oom = 1; return; }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
 static void mgpu__sb_str(mgpu__sbuf* b, const char* s) { mgpu__sb_put(b, s, strlen(s)); }
 static void mgpu__sb_u64(mgpu__sbuf* b, uint64_t v) {
     char tmp[32];
@@ -9977,19 +10065,16 @@ static mgpu_result mgpu__st_header(const char* path, const mgpu__st_write_item* 
     for (i = 0; i < meta_count; ++i) {
         const char* key = meta_keys[i];
         const char* val = meta_values[i];
-        if (!key || !val || strlen(key) > 127 || strlen(val) > 1023 || !mgpu__utf8_valid(key) || !mgpu__utf8_valid(val))
-            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                              "mgpu__st_write(%s): metadata entry %d must be UTF-8 strings of at most 127 (key) and 1023 (value) bytes",
-                              path, i);
+        if (!key || !val || !mgpu__utf8_valid(key) || !mgpu__utf8_valid(val))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): metadata entry %d must be UTF-8 strings", path, i);
     }
     for (i = 0; i < count; ++i) {
         const mgpu__st_write_item* it = &items[i];
         uint64_t elems = 1;
         size_t dsize = mgpu__st_dtype_size(it->dtype);
-        if (!it->name || !strlen(it->name) || strlen(it->name) > 255 || !mgpu__utf8_valid(it->name) || !strcmp(it->name, "__metadata__"))
+        if (!it->name || !strlen(it->name) || !mgpu__utf8_valid(it->name) || !strcmp(it->name, "__metadata__"))
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
-                              "mgpu__st_write(%s): item %d: the name must be non-empty UTF-8 of at most 255 bytes, not \"__metadata__\"",
-                              path, i);
+                              "mgpu__st_write(%s): item %d: the name must be non-empty UTF-8, not \"__metadata__\"", path, i);
         if (!dsize)
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write(%s): tensor '%s': unknown dtype '%s'", path, it->name,
                               it->dtype ? it->dtype : "(null)");
@@ -10605,6 +10690,33 @@ static void mgpu__state_tensor_name(char* buf, size_t size, const char* param, c
 
 #define MGPU__SAVE_META 6   /* the most metadata entries mgpu writes itself */
 
+/* float to bfloat16 and to IEEE half, rounded to nearest even (NaNs stay NaNs, quiet). */
+static uint16_t mgpu__float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+    x += 0x7FFFu + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+static uint16_t mgpu__float_to_half(float f) {   /* after F. Giesen's float_to_half_fast3_rtne */
+    uint32_t x, ax;
+    uint16_t sign;
+    memcpy(&x, &f, sizeof x);
+    sign = (uint16_t)((x >> 16) & 0x8000);
+    ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x47800000u)   /* 2^16 and above, infinities, NaNs */
+        return (uint16_t)(sign | (ax > 0x7F800000u ? 0x7E00 : 0x7C00));
+    if (ax < 0x38800000u) {   /* below 2^-14: a subnormal half; adding 0.5 rounds to a multiple of 2^-24 */
+        float v;
+        memcpy(&v, &ax, sizeof v);
+        v += 0.5f;
+        memcpy(&ax, &v, sizeof ax);
+        return (uint16_t)(sign | (uint16_t)(ax - 0x3F000000u));
+    }
+    ax += ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((ax >> 13) & 1);   /* rebias, round to nearest even */
+    return (uint16_t)(sign | (uint16_t)(ax >> 13));
+}
+
 /* A user's metadata entry i, checked before anything is written: NULL when fine, else why not. */
 static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
     const char* k = meta[i].key;
@@ -10612,8 +10724,8 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
     int j;
     if (!k || !*k) return "the key is NULL or empty";
     if (!v) return "the value is NULL";
-    if (strlen(k) > 127 || !mgpu__utf8_valid(k)) return "the key must be UTF-8 of at most 127 bytes";
-    if (strlen(v) > 1023 || !mgpu__utf8_valid(v)) return "the value must be UTF-8 of at most 1023 bytes";
+    if (!mgpu__utf8_valid(k)) return "the key must be UTF-8";
+    if (!mgpu__utf8_valid(v)) return "the value must be UTF-8";
     if (!strcmp(k, "format") || !strncmp(k, "mgpu.", 5)) return "the key is mgpu's own ('format' and 'mgpu.*' are reserved)";
     for (j = 0; j < i; ++j)
         if (!strcmp(meta[j].key, k)) return "the key is given twice";
@@ -10632,20 +10744,25 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
+    uint16_t* half = NULL;   /* the tensors in BF16 or F16, when desc asks */
     char (*names)[96] = NULL;
     char step[32], dropout_step[32], layers_text[512];
     const char** keys = NULL;
     const char** values = NULL;
     const mgpu_metadata* user = desc ? desc->metadata : NULL;
     const int user_count = desc ? desc->metadata_count : 0;
+    const mgpu_save_dtype dtype = desc ? desc->dtype : MGPU_SAVE_F32;
     int states = 0, n = 0, i, s, meta = 0;
     size_t len = 0;
     mgpu_result r = MGPU_OK;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
-    if (user_count < 0 || user_count > MGPU__ST_MAX_META - MGPU__SAVE_META || (user_count > 0 && !user))
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d metadata entries at %p (want 0 to %d, and the array)", op,
-                          user_count, (const void*)user, MGPU__ST_MAX_META - MGPU__SAVE_META);
+    if (dtype != MGPU_SAVE_F32 && dtype != MGPU_SAVE_BF16 && dtype != MGPU_SAVE_F16)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: dtype %d (want MGPU_SAVE_F32, MGPU_SAVE_BF16 or MGPU_SAVE_F16)", op,
+                          (int)dtype);
+    if (user_count < 0 || user_count > INT32_MAX - MGPU__SAVE_META || (user_count > 0 && !user))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d metadata entries at %p (want 0 or more, and the array)", op,
+                          user_count, (const void*)user);
     for (i = 0; i < user_count; ++i) {
         const char* why = mgpu__user_meta_problem(user, i);
         if (why)
@@ -10667,17 +10784,25 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
                                      host + (size_t)m->flat_floats * (size_t)s + (size_t)m->stage_off[i],
                                      (size_t)mgpu__stage_floats(m, i) * sizeof(float));
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
+    if (dtype != MGPU_SAVE_F32) {
+        const size_t total = (size_t)m->flat_floats * (size_t)(1 + states);
+        size_t k;
+        half = (uint16_t*)mgpu__calloc(total + 1, sizeof *half);
+        if (!half) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
+        for (k = 0; k < total; ++k) half[k] = dtype == MGPU_SAVE_BF16 ? mgpu__float_to_bf16(host[k]) : mgpu__float_to_half(host[k]);
+    }
     for (s = 0; s <= states; ++s)
         for (i = 0; i < m->tensor_count; ++i, ++n) {
             const mgpu__param* p = &m->tensors[i];
             if (s == 0) snprintf(names[n], sizeof names[n], "%s", p->name);
             else mgpu__state_tensor_name(names[n], sizeof names[n], p->name, mgpu__optimizer_state_name(opt, s - 1));
             items[n].name = names[n];
-            items[n].dtype = "F32";
+            items[n].dtype = dtype == MGPU_SAVE_BF16 ? "BF16" : dtype == MGPU_SAVE_F16 ? "F16" : "F32";
             items[n].ndim = p->shape.ndim;
             items[n].shape = p->shape.dim;
-            items[n].data = host + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
-            items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * sizeof(float);
+            if (half) items[n].data = half + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
+            else items[n].data = host + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
+            items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * (half ? sizeof *half : sizeof(float));
         }
     for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
         len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
@@ -10696,6 +10821,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     if (r != MGPU_OK) mgpu__refail(op);
 done:
     MGPU_FREE(host);
+    MGPU_FREE(half);
     MGPU_FREE(items);
     MGPU_FREE(names);
     MGPU_FREE((void*)keys);
@@ -10707,16 +10833,6 @@ MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* o
     return mgpu_model_save_ex(m, opt, path, NULL);
 }
 
-static const mgpu__st_tensor* mgpu__st_find(const mgpu__st_file* f, const char* name) {
-    int i;
-    for (i = 0; i < f->count; ++i) if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
-    return NULL;
-}
-static const char* mgpu__st_meta_value(const mgpu__st_file* f, const char* key) {
-    int i;
-    for (i = 0; i < f->meta_count; ++i) if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
-    return NULL;
-}
 
 /* -- the public reader: a safetensors file as named tensors -- */
 /* A file read whole and its header validated by mgpu__st_parse: the one way into a safetensors
@@ -10749,12 +10865,6 @@ static const uint8_t* mgpu__st_data(const mgpu_safetensors* f, const mgpu__st_te
     return f->file + f->st.data_start + e->begin;
 }
 
-/* What mgpu_safetensors_read makes of a file dtype (the parser admits only the ten it knows). */
-static mgpu_dtype mgpu__st_read_dtype(const char* dtype) {
-    if (!strcmp(dtype, "F32") || !strcmp(dtype, "F64") || !strcmp(dtype, "F16") || !strcmp(dtype, "BF16")) return MGPU_F32;
-    if (!strcmp(dtype, "U8") || !strcmp(dtype, "BOOL")) return MGPU_U8;
-    return MGPU_I32;   /* I64, I32, I16, I8 */
-}
 
 /* IEEE half to float, exactly (every half is a float). */
 static float mgpu__half_to_float(uint16_t h) {
@@ -10854,9 +10964,10 @@ MGPUDEF mgpu_result mgpu_safetensors_get_info(const mgpu_safetensors* st, int i,
     info->name = e->name;
     info->dtype = e->dtype;
     info->ndim = e->ndim;
-    for (d = 0; d < e->ndim; ++d) info->shape[d] = e->shape[d];
+    for (d = 0; d < e->ndim && d < 8; ++d) info->shape[d] = (int64_t)e->shape[d];
     info->bytes = e->end - e->begin;
-    info->read_dtype = mgpu__st_read_dtype(e->dtype);
+    info->readable = mgpu__st_dtypes[e->dt].readable;
+    info->read_dtype = mgpu__st_dtypes[e->dt].read_as;
     return MGPU_OK;
 }
 
@@ -10883,6 +10994,11 @@ MGPUDEF mgpu_tensor* mgpu_safetensors_read(const mgpu_safetensors* st, const cha
     int d, i = mgpu__st_index(op, st, name);
     if (i < 0) return NULL;
     e = &st->st.tensors[i];
+    if (!mgpu__st_dtypes[e->dt].readable) {
+        mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s': tensor '%s' is %s, a dtype mgpu does not compute in (the file's other "
+                   "tensors read)", op, st->path, name, e->dtype);
+        return NULL;
+    }
     if (e->ndim > MGPU_MAX_DIMS) {
         mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s': tensor '%s' has %d dimensions; mgpu tensors have at most %d", op, st->path,
                    name, e->ndim, MGPU_MAX_DIMS);
@@ -10890,9 +11006,14 @@ MGPUDEF mgpu_tensor* mgpu_safetensors_read(const mgpu_safetensors* st, const cha
     }
     memset(&shape, 0, sizeof shape);
     shape.ndim = e->ndim;
-    for (d = 0; d < e->ndim; ++d) shape.dim[d] = e->shape[d];
+    for (d = 0; d < e->ndim; ++d) shape.dim[d] = (int64_t)e->shape[d];
     for (d = 0; d < e->ndim; ++d) n *= (size_t)e->shape[d];   /* the parser checked the bytes are in the file */
-    dt = mgpu__st_read_dtype(e->dtype);
+    for (d = 0; d < e->ndim; ++d)
+        if (e->shape[d] > (uint64_t)INT64_MAX) {   /* the format allows it next to a 0, mgpu's shapes do not */
+            mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s': tensor '%s' has a dimension of 2^63 or more", op, st->path, name);
+            return NULL;
+        }
+    dt = mgpu__st_dtypes[e->dt].read_as;
     t = mgpu_tensor_create(dev ? dev : mgpu_device_cpu(), dt, shape);
     if (!t) { mgpu__refail(op); return NULL; }
     src = mgpu__st_data(st, e);
@@ -10937,7 +11058,8 @@ MGPUDEF const char* mgpu_safetensors_metadata(const mgpu_safetensors* st, const 
     return v;
 }
 
-/* The entry for a model tensor must be F32 with exactly the model's shape. */
+/* The entry for a model tensor must be a float dtype (F32, or F64, F16, BF16 converted to it, as
+   load_state_dict does) with exactly the model's shape. */
 static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, const char* name, mgpu_shape shape) {
     char want[96], got[96];
     mgpu_shape s;
@@ -10945,9 +11067,9 @@ static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, c
     if (!e) return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' has no tensor '%s'", path, name);
     memset(&s, 0, sizeof s);
     s.ndim = MGPU__MIN(e->ndim, MGPU_MAX_DIMS);
-    for (i = 0; i < s.ndim; ++i) s.dim[i] = e->shape[i];
-    if (strcmp(e->dtype, "F32") != 0)
-        return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': tensor '%s' is %s, expected F32", path, name, e->dtype);
+    for (i = 0; i < s.ndim; ++i) s.dim[i] = (int64_t)e->shape[i];
+    if (!mgpu__st_dtypes[e->dt].readable || mgpu__st_dtypes[e->dt].read_as != MGPU_F32)
+        return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': tensor '%s' is %s, expected F32, F64, F16 or BF16", path, name, e->dtype);
     if (e->ndim != shape.ndim || !mgpu_shape_equal(s, shape))
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "'%s': tensor '%s' has shape %s, the model's is %s", path, name,
                           mgpu__shape_text(s, got, sizeof got), mgpu__shape_text(shape, want, sizeof want));
@@ -11085,7 +11207,9 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
             const mgpu__st_tensor* e;
             mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, s == 0 ? NULL : mgpu__optimizer_state_name(opt, s - 1));
             e = mgpu__st_find(st, name);
-            memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));
+            if (strcmp(e->dtype, "F32") == 0) memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));
+            else mgpu__st_convert(op, path, e, mgpu__st_data(&sf, e), (size_t)mgpu_shape_numel(m->tensors[i].shape),
+                                  host + m->tensors[i].offset);   /* float dtypes: cannot fail */
         }
         for (i = 0; i < m->part_count && r == MGPU_OK; ++i)
             if (mgpu__stage_floats(m, m->part[i].stage) > 0)

@@ -679,8 +679,55 @@ static int bench_emu(void) {
 }
 #endif
 
+/* ---- a checkpoint of a million small tensors: open it and read every tensor ---- */
+/* bench safetensors PATH: writes PATH (count F32 [4] tensors, "layers.N.w"), then times
+   mgpu_safetensors_open plus mgpu_safetensors_read of every tensor onto the CPU, by name, in the
+   file's order; bench/bench_safetensors.py times the reference library on the same file. */
+static void bench_safetensors(const char* path, int count) {
+    mgpu__st_write_item* items = (mgpu__st_write_item*)calloc((size_t)count, sizeof *items);
+    char (*names)[24] = (char(*)[24])calloc((size_t)count, sizeof *names);
+    static const int64_t shape[1] = {4};
+    static const float data[4] = {1, 2, 3, 4};
+    char workload[64];
+    double times[3];
+    int i, rep;
+    if (!items || !names) fail("safetensors bench: out of memory");
+    for (i = 0; i < count; ++i) {
+        snprintf(names[i], sizeof names[i], "layers.%d.w", i);
+        items[i].name = names[i];
+        items[i].dtype = "F32";
+        items[i].ndim = 1;
+        items[i].shape = shape;
+        items[i].data = data;
+        items[i].bytes = sizeof data;
+    }
+    if (mgpu__st_write(path, items, count, NULL, NULL, 0) != MGPU_OK) fail("safetensors bench: write");
+    free(items);
+    for (rep = 0; rep < 3; ++rep) {
+        double t0 = mgpu_seconds();
+        mgpu_safetensors* st = mgpu_safetensors_open(path);
+        if (!st) fail("safetensors bench: open");
+        for (i = 0; i < count; ++i) {
+            mgpu_tensor* t = mgpu_safetensors_read(st, names[i], NULL);
+            if (!t) fail("safetensors bench: read");
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_safetensors_close(st);
+        times[rep] = mgpu_seconds() - t0;
+    }
+    free(names);
+    snprintf(workload, sizeof workload, "safetensors_%dk_tensors", count / 1000);
+    row(workload, "cpu", "open_read_all", median(times, 3) * 1e3, "ms", "open + read every F32 [4] tensor by name");
+}
+
 int main(int argc, char** argv) {
     const char* which = argc > 1 ? argv[1] : "all";
+    if (!strcmp(which, "safetensors")) {   /* bench safetensors PATH [--quick] */
+        quick = argc > 3 && !strcmp(argv[3], "--quick");
+        if (argc < 3) { fprintf(stderr, "usage: bench safetensors PATH [--quick]\n"); return 2; }
+        bench_safetensors(argv[2], quick ? 100000 : 1000000);
+        return 0;
+    }
     if (!strcmp(which, "mpi")) {   /* bench_mpi under mpirun -np P: the all-reduce across P processes, one CPU replica each */
         int i;
         if (mgpu_dist_init(&argc, &argv) != MGPU_OK) fail("mgpu_dist_init");

@@ -60,6 +60,8 @@ goals = [
      lambda v, t: v >= 0.7, ">= 0.7 of copy"),
     (lambda w, d, m: d.startswith("cuda") and m == "peak_mem", lambda v, t: None if t is None else v <= t, "<= PyTorch"),
     (lambda w, d, m: m == "allocs_per_step", lambda v, t: v == 0, "0"),
+    (lambda w, d, m: w.startswith("safetensors_") and m == "open_read_all",
+     lambda v, t: None if t is None else v <= 10 * t, "<= 10x the reference library (Python safetensors)"),
     (lambda w, d, m: w.startswith("gemm_") and d == "cpu" and m == "of_openblas", lambda v, t: v >= 0.9, ">= 0.9 of OpenBLAS"),
     (lambda w, d, m: w == "gemm_2048x4096x4096" and d == "cpu" and m == "of_peak", lambda v, t: v >= 0.8, ">= 0.8 of the FMA peak"),
     (lambda w, d, m: (w, d, m) == ("cnn_b128", "cpu", "step"), faster(1.5), ">= 1.5x PyTorch"),
@@ -144,7 +146,8 @@ lines += ["", "n/a (DDP): PyTorch replicates across processes (DistributedDataPa
           "dp_ rows: hidden is the share of the all-reduce time that the step hides behind backward. "
           "n/a (pipeline): PyTorch's pipelines (torch.distributed.pipelining) run one process per stage; "
           "pipe_ rows: the bubble is the idle share of a traced step's forward-backward span, averaged over "
-          "the stages, beside the theoretical (S-1)/(M+S-1)."]
+          "the stages, beside the theoretical (S-1)/(M+S-1). safetensors_ rows: the PyTorch column is the "
+          "reference library, Python safetensors (numpy), reading the same file."]
 text = "\n".join(lines) + "\n"
 print(text)
 with open(out_path, "w") as f:

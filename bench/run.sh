@@ -21,6 +21,18 @@ if [ -x "$mpi_bench" ] && command -v mpirun >/dev/null 2>&1; then
         mpirun --oversubscribe --bind-to none -np $np "$mpi_bench" mpi "$@" >> "$out/mgpu.tsv" || echo "bench: bench_mpi -np $np failed" >&2
     done
 fi
+# a million small tensors: mgpu's safetensors reader against the reference library's (Python
+# safetensors, numpy), on the same file; its row goes beside PyTorch's
+"$bench" safetensors "$out/million.safetensors" "$@" >> "$out/mgpu.tsv" || echo "bench: the safetensors row failed" >&2
+st_work=$(awk -F'\t' '$3 == "open_read_all" { print $1 }' "$out/mgpu.tsv")
+st_py=""
+for p in python3 /usr/bin/python3; do
+    command -v $p >/dev/null 2>&1 && $p -c "import safetensors, numpy" 2>/dev/null && { st_py=$p; break; }
+done
+if [ -n "$st_py" ] && [ -n "$st_work" ]; then
+    $st_py "$dir/bench_safetensors.py" "$out/million.safetensors" "$st_work" >> "$out/torch.tsv" || echo "bench: the safetensors reference failed" >&2
+else echo "bench: no Python with safetensors and numpy: the safetensors row has no reference" >&2; fi
+rm -f "$out/million.safetensors"
 threads=$(awk -F'\t' '$1 == "threads" { print $4 }' "$out/mgpu.tsv")
 py=""
 for p in python3 /usr/bin/python3; do

@@ -9,6 +9,8 @@
                         the logits to DIR/torch_part.mgpu_logits; read its "encoder.weight" (F16)
                         with mgpu_safetensors_read into DIR/encoder.f32, and its metadata "note"
                         into DIR/note.txt
+     interop mixed DIR  load DIR/torch_mixed.safetensors (PyTorch's mlp with F32, BF16 and F16
+                        tensors) and write the logits to DIR/torch_mixed.mgpu_logits
    The cnn goes twice: once on one CPU device, once as a pipeline of 2 stages on cpu:2 with 2
    micro-batches ("cnn_2stages", read from and compared with PyTorch's cnn): a checkpoint keeps
    PyTorch's names whatever the layout.
@@ -115,14 +117,26 @@ int main(int argc, char** argv) {
     long count, n;
     float* inputs;
     int i, k;
-    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "part"))) {
-        fprintf(stderr, "usage: interop save|load|part DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "part") && strcmp(argv[1], "mixed"))) {
+        fprintf(stderr, "usage: interop save|load|part|mixed DIR\n");
         return 2;
     }
     snprintf(path, sizeof path, "%s/inputs.f32", argv[2]);
     inputs = read_all(path, &count);
     if (!inputs) { fprintf(stderr, "interop: cannot read %s\n", path); return 2; }
     n = count / 784;
+    if (n < 1) { fprintf(stderr, "interop: %s holds no 28 x 28 image\n", path); return 2; }
+    if (!strcmp(argv[1], "mixed")) {   /* the model converts each dtype to its F32 */
+        mgpu_model* m = make_model("mlp");
+        snprintf(path, sizeof path, "%s/torch_mixed.safetensors", argv[2]);
+        i = m && mgpu_model_load(m, NULL, path) == MGPU_OK;
+        snprintf(path, sizeof path, "%s/torch_mixed.mgpu_logits", argv[2]);
+        i = i && write_logits(m, inputs, n, path);
+        if (!i) fprintf(stderr, "interop mixed: %s\n", mgpu_last_error());
+        mgpu_model_destroy(m);
+        free(inputs);
+        return i ? 0 : 1;
+    }
     if (!strcmp(argv[1], "part")) {
         i = part(argv[2], inputs, n);
         free(inputs);
@@ -141,9 +155,12 @@ int main(int argc, char** argv) {
             od.momentum = 0.9f;
             opt = mgpu_optimizer_create(m, &od);
             for (k = 0; k < 8; ++k) ((int32_t*)mgpu_tensor_data(y))[k] = k % 10;
-            for (k = 0; k < 3 && opt && x && y; ++k)
-                if (mgpu_tensor_upload(x, inputs + (size_t)(k % (n / 8 > 0 ? n / 8 : 1)) * 8 * 784, 8 * 784 * sizeof(float)) ||
-                    mgpu_model_train_step(m, opt, x, y, NULL)) break;
+            for (k = 0; k < 3 && opt && x && y; ++k) {   /* batch k: images 8k .. 8k+7, round the n there are */
+                int j;
+                for (j = 0; j < 8; ++j)
+                    memcpy((float*)mgpu_tensor_data(x) + (size_t)j * 784, inputs + (size_t)((k * 8 + j) % n) * 784, 784 * sizeof(float));
+                if (mgpu_model_train_step(m, opt, x, y, NULL)) break;
+            }
             snprintf(path, sizeof path, "%s/mgpu_%s.safetensors", argv[2], names[i]);
             if (k < 3 || mgpu_model_save(m, opt, path) != MGPU_OK) { fprintf(stderr, "interop: %s\n", mgpu_last_error()); return 1; }
             snprintf(path, sizeof path, "%s/mgpu_%s.logits", argv[2], names[i]);

@@ -132,6 +132,24 @@ with tempfile.TemporaryDirectory() as d:
         check(torch.equal(got, enc.float()), "mgpu_safetensors_read of PyTorch's F16 tensor equals it in float32")
         check(open(os.path.join(d, "note.txt")).read() == "from PyTorch", "mgpu_safetensors_metadata reads PyTorch's metadata")
 
+    # PyTorch -> mgpu, a checkpoint in mixed dtypes (as bf16/fp16 training saves them): F32, BF16
+    # and F16 tensors, each converted exactly to the model's F32 (load_state_dict does the same)
+    torch.manual_seed(3)
+    model = mlp()
+    sd = model.state_dict()
+    mixed = {"1.weight": sd["1.weight"].bfloat16(), "1.bias": sd["1.bias"].half(),
+             "3.weight": sd["3.weight"].contiguous(), "3.bias": sd["3.bias"].bfloat16()}
+    save_file(mixed, os.path.join(d, "torch_mixed.safetensors"))
+    model.load_state_dict({k: v.float() for k, v in mixed.items()})
+    with torch.no_grad():
+        ref_mixed = model(x)
+    rc = subprocess.run([os.path.join(build, "interop"), "mixed", d]).returncode
+    check(rc == 0, "interop mixed ran (exit %d)" % rc)
+    if rc == 0:
+        err = (logits_file(os.path.join(d, "torch_mixed.mgpu_logits"), n) - ref_mixed).abs().max().item()
+        print("   torch (F32, BF16, F16 tensors) -> mgpu mlp: max |logit difference| %.3g" % err)
+        check(err <= 1e-6, "a checkpoint in F32, BF16 and F16 gives PyTorch's logits to 1e-6 (max diff %.3g)" % err)
+
 c_written = os.path.join(build, "c_written.safetensors")
 if os.path.exists(c_written):
     rc = subprocess.run([sys.executable, os.path.join(here, "check_c_written.py"), c_written]).returncode

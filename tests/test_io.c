@@ -818,7 +818,7 @@ static void test_st_malformed(void) {
     uint8_t* p;
     size_t n;
     mgpu__st_file f;
-    int i;
+    int i, k;
     /* framing */
     p = mk_st("{}", 0, &n);
     CHECK(err_is(mgpu__st_parse(p, 7, "tiny.safetensors", &f), MGPU_ERROR_BAD_FILE, "tiny.safetensors", "too short"), "< 8 bytes");
@@ -862,24 +862,30 @@ static void test_st_malformed(void) {
         CHECK(err_is(mgpu__st_parse(file, 16, "nul.safetensors", &f), MGPU_ERROR_BAD_FILE, "nul.safetensors", "trailing characters"),
               "NUL padding");
     }
-    /* depth bomb inside an ignored key */
+    /* depth bomb inside an ignored key: serde_json refuses 128 levels, and so does mgpu */
     strcpy(big, "{\"t\":{\"x\":");
     for (i = 0; i < 200; ++i) strcat(big, "[");
     for (i = 0; i < 200; ++i) strcat(big, "]");
     strcat(big, ",\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}");
     ST_BAD(big, 1, MGPU_ERROR_BAD_FILE, "not valid JSON", "nested too deeply");
-    strcpy(big, "{\"t\":{\"x\":");
+    strcpy(big, "{\"t\":{\"x\":");   /* 2 + 80 levels: the reference reads it */
     for (i = 0; i < 40; ++i) strcat(big, "[{\"k\":");
     strcat(big, "1");
     for (i = 0; i < 40; ++i) strcat(big, "}]");
     strcat(big, ",\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}");
-    ST_BAD(big, 1, MGPU_ERROR_BAD_FILE, "not valid JSON", "nested too deeply");
+    CHECK(st_try(big, 1) == MGPU_OK, "82 levels of nesting in an unknown field");
+    for (k = 125; k <= 126; ++k) {   /* the reference's exact limit: 2 + 125 levels read, 2 + 126 refused */
+        strcpy(big, "{\"t\":{\"x\":");
+        for (i = 0; i < k; ++i) strcat(big, "[");
+        for (i = 0; i < k; ++i) strcat(big, "]");
+        strcat(big, ",\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}");
+        if (k == 125) CHECK(st_try(big, 1) == MGPU_OK, "125 nested arrays in an unknown field, as serde_json reads them");
+        else ST_BAD(big, 1, MGPU_ERROR_BAD_FILE, "not valid JSON", "nested too deeply");
+    }
     /* structure */
     ST_BAD("[1,2]", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "not a JSON object");
     ST_BAD("\"x\"", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "not a JSON object");
     ST_BAD("{\"t\":5}", 0, MGPU_ERROR_BAD_FILE, "tensor 't'", "not a JSON object");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}",
-           16, MGPU_ERROR_BAD_FILE, "bad.safetensors", "duplicate tensor name 't'");
     ST_BAD("{\"t\":{\"shape\":[2],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "no \"dtype\"");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "no \"shape\"");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "no \"data_offsets\"");
@@ -893,50 +899,72 @@ static void test_st_malformed(void) {
     ST_BAD("{\"t\":{\"dtype\":\"F33\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "unknown dtype 'F33'");
     ST_BAD("{\"t\":{\"dtype\":\"F32\\u0000\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "unknown dtype");
     ST_BAD("{\"t\":{\"dtype\":\"FLOAT32_WITH_A_LONG_NAME\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "unknown dtype");
-    ST_BAD("{\"t\":{\"dtype\":\"U16\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, MGPU_ERROR_UNSUPPORTED, "tensor 't'", "dtype U16 is not supported");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "shape entry 0 is negative");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[1,2.0],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "shape entry 1 is not an integer");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2e0],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "not an integer");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[\"2\"],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "not a number");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[02],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "leading zero");
     ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[18446744073709551616],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "overflows 64 bits");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[9223372036854775808],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "too large");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "overflows");
-    ST_BAD("{\"t\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952,4],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "overflows");
-    ST_BAD("{\"t\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952],\"data_offsets\":[0,8]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "too many bytes");
-    ST_BAD("{\"t\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,1]}}", 1, MGPU_ERROR_UNSUPPORTED, "tensor 't'", "more than 8 dimensions");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "begin 8 > end 0");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 7, MGPU_ERROR_BAD_FILE, "tensor 't'", "beyond the end of the byte buffer");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[18446744073709551615,18446744073709551615]}}", 8, MGPU_ERROR_BAD_FILE, "tensor 't'", "beyond");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 12, MGPU_ERROR_BAD_FILE, "tensor 't'", "size mismatch");
-    ST_BAD("{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"u\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[6,10]}}", 10,
-           MGPU_ERROR_BAD_FILE, "tensors 't' [0, 8) and 'u' [6, 10) overlap", NULL);
-    ST_BAD("{\"a\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[4,8]},\"b\":{\"dtype\":\"U8\",\"shape\":[10],\"data_offsets\":[0,10]}}", 10,
-           MGPU_ERROR_BAD_FILE, "overlap", "'b'");
-    ST_BAD("{\"a\":{\"dtype\":\"U8\",\"shape\":[10],\"data_offsets\":[0,10]},\"z\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[5,5]}}", 10,
-           MGPU_ERROR_BAD_FILE, "overlap", NULL);
-    /* names and metadata */
-    strcpy(big, "{\"");
-    for (i = 0; i < 256; ++i) strcat(big, "n");
-    strcat(big, "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}");
-    ST_BAD(big, 1, MGPU_ERROR_UNSUPPORTED, "bad.safetensors", "256 bytes; at most 255");
-    strcpy(big, "{\"");
-    for (i = 0; i < 255; ++i) strcat(big, "n");
-    strcat(big, "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}");
-    CHECK(st_try(big, 1) == MGPU_OK, "255-byte name is accepted");
     ST_BAD("{\"a\\u0000b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, MGPU_ERROR_UNSUPPORTED, "bad.safetensors", "NUL");
     ST_BAD("{\"__metadata__\":[]}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "\"__metadata__\" is not a JSON object");
     ST_BAD("{\"__metadata__\":{\"k\":5}}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "value of 'k' is not a string");
-    ST_BAD("{\"__metadata__\":{\"k\":\"a\",\"k\":\"b\"}}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "duplicate \"__metadata__\" key 'k'");
     ST_BAD("{\"__metadata__\":{},\"__metadata__\":{}}", 0, MGPU_ERROR_BAD_FILE, "bad.safetensors", "duplicate \"__metadata__\"");
-    strcpy(big, "{\"__metadata__\":{\"k\":\"");
-    for (i = 0; i < 1024; ++i) strcat(big, "v");
-    strcat(big, "\"}}");
-    ST_BAD(big, 0, MGPU_ERROR_UNSUPPORTED, "value of 'k' is 1024 bytes", "at most 1023");
+    /* a long key inside an entry grows the string arena under the tensor's name (which the fuzzer
+       found read after the move; the sanitizer build sees it) */
+    strcpy(big, "{\"t\":{\"");
+    for (i = 0; i < 600; ++i) strcat(big, "x");
+    strcat(big, "\":1,\"shape\":[1]}}");
+    ST_BAD(big, 0, MGPU_ERROR_BAD_FILE, "tensor 't'", "no \"dtype\"");
+}
+
+#include "st_rules.h"   /* the reference's rules, each with a file breaking it, and files it accepts */
+
+static void test_st_reference_rules(void) {
+    char* big;
+    size_t i, n, k;
+    for (i = 0; i < sizeof st_rules / sizeof st_rules[0]; ++i) {
+        const st_rule* r = &st_rules[i];
+        uint8_t* p = mk_st(r->json ? r->json : "{}", r->buf, &n);
+        mgpu__st_file f;
+        size_t len = n;
+        if (!r->json && r->buf == 0) len = 7;                                  /* too small */
+        if (!r->json && r->buf == 1) { p[0] = 0x01; p[1] = 0xE1; p[2] = 0xF5; p[3] = 0x05; }   /* 100,000,001 */
+        if (!r->json && r->buf == 2) p[0] = 9;                                 /* one past the end */
+        CHECK(err_is(mgpu__st_parse(p, len, "rule.safetensors", &f), MGPU_ERROR_BAD_FILE, "rule.safetensors", r->why),
+              "rule '%s' (%s)", r->rule, r->source);
+        mgpu__st_free(&f);
+        free(p);
+    }
+    for (i = 0; i < sizeof st_accepted / sizeof st_accepted[0]; ++i)
+        CHECK(st_try(st_accepted[i].json, st_accepted[i].buf) == MGPU_OK, "the reference opens it, so does mgpu: %s (%s)",
+              st_accepted[i].what, mgpu_last_error());
+    {   /* the last entry of a repeated name or key is the one kept */
+        uint8_t* p = mk_st(st_accepted[8].json, 2, &n);
+        mgpu__st_file f;
+        CHECK(mgpu__st_parse(p, n, "rep.safetensors", &f) == MGPU_OK && f.count == 1 && f.tensors[0].shape[0] == 2 &&
+                  mgpu__st_find(&f, "t") == &f.tensors[0], "a repeated name keeps its last entry");
+        mgpu__st_free(&f);
+        free(p);
+        p = mk_st(st_accepted[9].json, 0, &n);
+        CHECK(mgpu__st_parse(p, n, "rep.safetensors", &f) == MGPU_OK && f.meta_count == 1 && !strcmp(mgpu__st_meta_value(&f, "k"), "b"),
+              "a repeated metadata key keeps its last value");
+        mgpu__st_free(&f);
+        free(p);
+    }
+    /* no limits the format does not have: a 100 kB name, key and value, 10,000 metadata entries */
+    big = (char*)malloc(1300000);
     strcpy(big, "{\"__metadata__\":{\"");
-    for (i = 0; i < 128; ++i) strcat(big, "k");
-    strcat(big, "\":\"v\"}}");
-    ST_BAD(big, 0, MGPU_ERROR_UNSUPPORTED, "key", "at most 127");
+    n = strlen(big);
+    for (k = 0; k < 100000; ++k) big[n++] = 'k';
+    memcpy(big + n, "\":\"", 3); n += 3;
+    for (k = 0; k < 100000; ++k) big[n++] = 'v';
+    big[n++] = '"';
+    for (k = 0; k < 10000; ++k) n += (size_t)sprintf(big + n, ",\"m%zu\":\"x\"", k);
+    memcpy(big + n, "},\"", 3); n += 3;
+    for (k = 0; k < 100000; ++k) big[n++] = 'n';
+    strcpy(big + n, "\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}");
+    CHECK(st_try(big, 1) == MGPU_OK, "100 kB name, key and value and 10,001 metadata entries (%s)", mgpu_last_error());
+    free(big);
 }
 
 static void test_st_good_json(void) {
@@ -965,7 +993,7 @@ static void test_st_good_json(void) {
     mgpu__st_free(&f);
     mgpu__st_free(&f); /* idempotent on a zeroed struct */
     free(p);
-    CHECK(st_try("{}", 0) == MGPU_OK && st_try("{}", 100) == MGPU_OK, "empty header");
+    CHECK(st_try("{}", 0) == MGPU_OK, "empty header");
     CHECK(mgpu__st_dtype_size("F64") == 8 && mgpu__st_dtype_size("F32") == 4 && mgpu__st_dtype_size("F16") == 2 &&
               mgpu__st_dtype_size("BF16") == 2 && mgpu__st_dtype_size("I64") == 8 && mgpu__st_dtype_size("I32") == 4 &&
               mgpu__st_dtype_size("I16") == 2 && mgpu__st_dtype_size("I8") == 1 && mgpu__st_dtype_size("U8") == 1 &&
@@ -1089,7 +1117,7 @@ static void test_st_python(void) {
         q = line + used;
         ndim = (int)strtol(q, &q, 10);
         ok &= !strcmp(f.tensors[i].name, name) && !strcmp(f.tensors[i].dtype, dtype) && f.tensors[i].ndim == ndim;
-        for (k = 0; k < ndim; ++k) ok &= f.tensors[i].shape[k] == strtoll(q, &q, 10);
+        for (k = 0; k < ndim; ++k) ok &= f.tensors[i].shape[k] == strtoull(q, &q, 10);
         {
             unsigned long long b = strtoull(q, &q, 10), e = strtoull(q, &q, 10), sum = strtoull(q, &q, 10), s = 0, j;
             ok &= f.tensors[i].begin == b && f.tensors[i].end == e;
@@ -1636,6 +1664,48 @@ static void test_reader_roundtrip(void) {
 }
 
 /* the dtypes mgpu converts, and the ones it refuses */
+/* A file with tensors mgpu cannot compute in still opens: they are listed with their dtype and
+   readable 0, reading one is UNSUPPORTED naming it, and the others read (FP8 scales beside
+   weights, as real checkpoints hold them). */
+static void test_reader_unsupported(void) {
+    char path[512];
+    mgpu_safetensors* st;
+    mgpu_safetensors_info info;
+    mgpu_tensor* t;
+    static const float w[2] = {1.5f, -2.0f};
+    uint8_t buf[32];
+    memset(buf, 0x11, sizeof buf);
+    memcpy(buf + 2, w, 8);
+    snprintf(path, sizeof path, "%s/fp8.safetensors", g_dir);
+    CHECK(write_st_bytes(path,
+                         "{\"scale\":{\"dtype\":\"F8_E4M3\",\"shape\":[2],\"data_offsets\":[0,2]},"
+                         "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[2,10]},"
+                         "\"c\":{\"dtype\":\"C64\",\"shape\":[1],\"data_offsets\":[10,18]},"
+                         "\"q\":{\"dtype\":\"F4\",\"shape\":[2,2],\"data_offsets\":[18,20]},"
+                         "\"u\":{\"dtype\":\"U32\",\"shape\":[1],\"data_offsets\":[20,24]}}",
+                         buf, 24),
+          "write %s", path);
+    st = mgpu_safetensors_open(path);
+    CHECK(st != NULL, "a file with F8_E4M3, C64, F4 and U32 tensors opens: %s", st ? "" : mgpu_last_error());
+    if (!st) return;
+    CHECK(mgpu_safetensors_count(st) == 5, "all five listed");
+    CHECK(mgpu_safetensors_get_info(st, 0, &info) == MGPU_OK && !strcmp(info.dtype, "F8_E4M3") && !info.readable && info.bytes == 2,
+          "F8_E4M3 listed with its dtype, not readable");
+    CHECK(mgpu_safetensors_get_info(st, 3, &info) == MGPU_OK && !strcmp(info.dtype, "F4") && info.ndim == 2 && info.bytes == 2,
+          "F4 listed");
+    t = mgpu_safetensors_read(st, "scale", NULL);
+    CHECK(!t && err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'scale'", "F8_E4M3"), "reading F8_E4M3 is UNSUPPORTED naming it");
+    mgpu_tensor_destroy(t);
+    t = mgpu_safetensors_read(st, "c", NULL);
+    CHECK(!t && err_is(mgpu_last_result(), MGPU_ERROR_UNSUPPORTED, "'c'", "C64"), "reading C64 is UNSUPPORTED naming it");
+    mgpu_tensor_destroy(t);
+    t = mgpu_safetensors_read(st, "w", NULL);
+    CHECK(t && ((const float*)mgpu_tensor_data(t))[0] == 1.5f && ((const float*)mgpu_tensor_data(t))[1] == -2.0f,
+          "the F32 tensor beside them reads");
+    mgpu_tensor_destroy(t);
+    mgpu_safetensors_close(st);
+}
+
 static void test_reader_dtypes(void) {
     char path[512], shape[96];
     mgpu_safetensors* st;
@@ -1656,8 +1726,7 @@ static void test_reader_dtypes(void) {
     memcpy(buf + off, i16, 4); off += 4;       /* 18..22 */
     memcpy(buf + off, i8, 2); off += 2;        /* 22..24 */
     memcpy(buf + off, flags, 3); off += 3;     /* 24..27 */
-    off = 32;
-    memcpy(buf + off, big, 16); off += 16;     /* 32..48 */
+    memcpy(buf + off, big, 16); off += 16;     /* 27..43 */
     snprintf(path, sizeof path, "%s/dtypes.safetensors", g_dir);
     CHECK(write_st_bytes(path,
                          "{\"h\":{\"dtype\":\"F16\",\"shape\":[7],\"data_offsets\":[0,14]},"
@@ -1665,9 +1734,9 @@ static void test_reader_dtypes(void) {
                          "\"s\":{\"dtype\":\"I16\",\"shape\":[2],\"data_offsets\":[18,22]},"
                          "\"c\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[22,24]},"
                          "\"f\":{\"dtype\":\"BOOL\",\"shape\":[3],\"data_offsets\":[24,27]},"
-                         "\"big\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[32,48]},"
-                         "\"five\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,2],\"data_offsets\":[48,50]}}",
-                         buf, 50),
+                         "\"big\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[27,43]},"
+                         "\"five\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,2],\"data_offsets\":[43,45]}}",
+                         buf, 45),
           "write %s", path);
     st = mgpu_safetensors_open(path);
     CHECK(st != NULL, "open %s", path);
@@ -1753,7 +1822,7 @@ static void test_reader_malformed(int iters) {
     CHECK(!mgpu_safetensors_open(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, "mgpu_safetensors_open", "larger than the rest"),
           "a cut header");
     CHECK(write_st_bytes(path, "{\"t\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", NULL, 0) &&
-              !mgpu_safetensors_open(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, "tensor 't'", "beyond the end"),
+              !mgpu_safetensors_open(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, "tensor 't'", "invalid tensor info"),
           "a tensor beyond the end");
     /* mutated files: never a crash (ASan watches); whatever opens reads every tensor in bounds */
     m = (uint8_t*)malloc(n);
@@ -1811,6 +1880,7 @@ int main(int argc, char** argv) {
     printf("== safetensors\n");
     TEST_GROUP(test_st_good_json());
     TEST_GROUP(test_st_malformed());
+    TEST_GROUP(test_st_reference_rules());
     TEST_GROUP(test_st_roundtrip());
     TEST_GROUP(test_st_python());
     TEST_GROUP(test_st_fuzz(20000));
@@ -1819,6 +1889,7 @@ int main(int argc, char** argv) {
     printf("== the public safetensors reader\n");
     TEST_GROUP(test_reader_roundtrip());
     TEST_GROUP(test_reader_dtypes());
+    TEST_GROUP(test_reader_unsupported());
     TEST_GROUP(test_reader_python());
     TEST_GROUP(test_reader_malformed(2000));
 #ifdef _WIN32

@@ -2137,9 +2137,9 @@ static void test_checkpoints(void) {
             expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_SHAPE_MISMATCH, "weight [4,3] for [3,4]", "0.weight", "[4,3]",
                         "[3,4]");
             check_unchanged("transposed weight", m, o, &snap);
-            w[0] = it[0]; w[0].dtype = "F64"; w[0].bytes = 96; w[1] = it[1];
+            w[0] = it[0]; w[0].dtype = "F8_E4M3"; w[0].bytes = 12; w[1] = it[1];   /* F64, F16, BF16 convert; this does not */
             CHECK(write_st(path, w, 2, NULL), "write %s", path);
-            expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "an F64 weight", "0.weight", "F64", "F32");
+            expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "an F8_E4M3 weight", "0.weight", "F8_E4M3", "F32");
             check_unchanged("wrong dtype", m, o, &snap);
             w[0] = it[0]; w[1] = it[1]; w[1].dtype = "I32";
             CHECK(write_st(path, w, 2, NULL), "write %s", path);
@@ -2268,7 +2268,7 @@ static void test_checkpoints(void) {
             for (k = 0; k < 8; ++k) buf[k] = (uint8_t)((uint64_t)hl >> (8 * k));
             memcpy(buf + 8, hdr, hl);
             CHECK(write_file(path, buf, 8 + hl + 56), "write");
-            expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "data_offsets of the wrong size", "0.bias", "size", NULL);
+            expect_fail(mgpu_model_load(m, o, path), MGPU_ERROR_BAD_FILE, "data_offsets of the wrong size", "0.bias", "invalid tensor info", NULL);
             check_unchanged("wrong data_offsets", m, o, &snap);
         }
         tpath(path, sizeof path, "does-not-exist.safetensors");
@@ -3060,6 +3060,89 @@ static int param_equals_file(const mgpu_model* m, int r, const char* name, const
     return ok;
 }
 
+/* Checkpoints in BF16, F16 (mgpu_save_desc.dtype) and F64 (as PyTorch may write them) load into
+   the model's F32 as load_state_dict converts them: BF16 and F16 exactly, F64 rounded to nearest. */
+static void test_load_save_dtypes(void) {
+    static const mgpu_save_dtype kinds[2] = {MGPU_SAVE_BF16, MGPU_SAVE_F16};
+    static const char* const names[2] = {"BF16", "F16"};
+    char path[512];
+    mgpu_model *m = ck_model(31, 0), *m2 = ck_model(32, 0);
+    mgpu_save_desc sd;
+    int k, i;
+    header("11b. checkpoints in BF16, F16 and F64");
+    if (!m || !m2) goto done;
+    memset(&sd, 0, sizeof sd);
+    for (k = 0; k < 2; ++k) {
+        mgpu_safetensors* st;
+        mgpu_safetensors_info info;
+        int ok = 1;
+        tpath(path, sizeof path, k ? "half.safetensors" : "bf16.safetensors");
+        sd.dtype = kinds[k];
+        CHECK(mgpu_model_save_ex(m, NULL, path, &sd) == MGPU_OK, "save in %s: %s", names[k], mgpu_last_error());
+        st = mgpu_safetensors_open(path);
+        CHECK(st && mgpu_safetensors_get_info(st, 0, &info) == MGPU_OK && !strcmp(info.dtype, names[k]) && info.bytes == 12 * 6 * 2,
+              "the file holds %s tensors", names[k]);
+        mgpu_safetensors_close(st);
+        CHECK(mgpu_model_load(m2, NULL, path) == MGPU_OK, "load the %s file: %s", names[k], mgpu_last_error());
+        for (i = 0; i < m->tensor_count; ++i) {
+            mgpu_tensor* a = mgpu_model_param(m, 0, m->tensors[i].name);
+            mgpu_tensor* b = mgpu_model_param(m2, 0, m->tensors[i].name);
+            int64_t n = mgpu_tensor_numel(a), j;
+            float *x = fbuf(n), *y = fbuf(n);
+            tget(a, x);
+            tget(b, y);
+            for (j = 0; j < n; ++j) {
+                float want;
+                if (k == 0) {
+                    uint32_t bits = (uint32_t)mgpu__float_to_bf16(x[j]) << 16;
+                    memcpy(&want, &bits, sizeof want);
+                } else want = mgpu__half_to_float(mgpu__float_to_half(x[j]));
+                ok &= memcmp(&want, &y[j], sizeof want) == 0 && fabsf(want - x[j]) <= fabsf(x[j]) * (k ? 1e-3f : 4e-3f) + 1e-7f;
+            }
+            free(x);
+            free(y);
+        }
+        CHECK(ok, "%s: every parameter is the saved value rounded to nearest even, read back exactly", names[k]);
+    }
+    sd.dtype = (mgpu_save_dtype)7;
+    tpath(path, sizeof path, "bf16.safetensors");
+    CHECK(mgpu_model_save_ex(m, NULL, path, &sd) == MGPU_ERROR_INVALID_ARGUMENT && strstr(mgpu_last_error(), "dtype 7"),
+          "an unknown save dtype is refused");
+    {   /* F64, as torch.save of a .double() model writes it: rounded to nearest float */
+        mgpu__st_write_item it[8];
+        double* d[8];
+        int ok = 1;
+        memset(it, 0, sizeof it);
+        for (i = 0; i < m->tensor_count && i < 8; ++i) {
+            size_t n = (size_t)mgpu_shape_numel(m->tensors[i].shape), j;
+            d[i] = (double*)xmalloc(n * sizeof(double));
+            for (j = 0; j < n; ++j) d[i][j] = 0.1 * (double)(j % 9) - 0.3 + 1e-12 * (double)j;   /* not floats */
+            it[i].name = m->tensors[i].name;
+            it[i].dtype = "F64";
+            it[i].ndim = m->tensors[i].shape.ndim;
+            it[i].shape = m->tensors[i].shape.dim;
+            it[i].data = d[i];
+            it[i].bytes = n * sizeof(double);
+        }
+        tpath(path, sizeof path, "f64.safetensors");
+        CHECK(mgpu__st_write(path, it, m->tensor_count, NULL, NULL, 0) == MGPU_OK, "write an F64 checkpoint: %s", mgpu_last_error());
+        CHECK(mgpu_model_load(m2, NULL, path) == MGPU_OK, "load the F64 file: %s", mgpu_last_error());
+        for (i = 0; i < m->tensor_count && i < 8; ++i) {
+            mgpu_tensor* b = mgpu_model_param(m2, 0, m->tensors[i].name);
+            int64_t n = mgpu_tensor_numel(b), j;
+            float* y = fbuf(n);
+            tget(b, y);
+            for (j = 0; j < n; ++j) ok &= y[j] == (float)d[i][j];
+            free(y);
+            free(d[i]);
+        }
+        CHECK(ok, "F64: every parameter is the file's value rounded to the nearest float");
+    }
+done:
+    mgpu_model_destroy(m);
+    mgpu_model_destroy(m2);
+}
+
 static void test_load_ex(void) {
     char path[512], path2[512];
     mgpu_load_desc ld;
@@ -3237,12 +3320,17 @@ static void test_user_metadata(void) {
             expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, what, "mgpu_model_save", "metadata entry 1",
                         bad[i].says);
         }
-        meta[1].key = longkey; meta[1].value = "x";
-        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a 128-byte key", "metadata entry 1",
-                    "at most 127", NULL);
-        meta[1].key = "k"; meta[1].value = longval;
-        expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a 1024-byte value", "metadata entry 1",
-                    "at most 1023", NULL);
+        {   /* no limits the format does not have: a 128-byte key and a 1024-byte value save and read back */
+            char path3[600];
+            mgpu_safetensors* st = NULL;
+            snprintf(path3, sizeof path3, "%s.long", path2);
+            meta[1].key = longkey; meta[1].value = longval;
+            CHECK(mgpu_model_save_ex(m, o, path3, &sd) == MGPU_OK && (st = mgpu_safetensors_open(path3)) != NULL &&
+                      mgpu_safetensors_metadata(st, longkey) && !strcmp(mgpu_safetensors_metadata(st, longkey), longval),
+                  "a 128-byte key and a 1024-byte value: %s", mgpu_last_error());
+            if (st) mgpu_safetensors_close(st);
+            remove(path3);
+        }
         meta[1].key = "input.mean"; meta[1].value = "1";
         expect_fail(mgpu_model_save_ex(m, o, path2, &sd), MGPU_ERROR_INVALID_ARGUMENT, "a key twice", "'input.mean'", "twice", NULL);
         sd.metadata_count = -1;
@@ -3605,6 +3693,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_cuda_twins());
     TEST_GROUP(test_review_regressions());
     TEST_GROUP(test_load_ex());
+    TEST_GROUP(test_load_save_dtypes());
     TEST_GROUP(test_user_metadata());
     TEST_GROUP(test_named_views());
     TEST_GROUP(test_optimizer_state());

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../st_rules.h"
 
 #define DIR "tests/fuzz/corpus/"
 
@@ -78,6 +79,12 @@ static void checkpoints(void) {
             fprintf(stderr, "%s\n", mgpu_last_error());
             exit(1);
         }
+        if (k == 0) {   /* the same checkpoint in BF16 and in F16, which the load converts */
+            sd.dtype = MGPU_SAVE_BF16;
+            if (mgpu_model_save_ex(m, opt, DIR "model_load/sgd_momentum_bf16.safetensors", &sd)) exit(1);
+            sd.dtype = MGPU_SAVE_F16;
+            if (mgpu_model_save_ex(m, opt, DIR "model_load/sgd_momentum_f16.safetensors", &sd)) exit(1);
+        }
         mgpu_tensor_destroy(x);
         mgpu_tensor_destroy(y);
         mgpu_optimizer_destroy(opt);
@@ -89,6 +96,23 @@ static void checkpoints(void) {
         uint8_t* py = slurp("tests/fixtures/py.safetensors", &n);
         put(DIR "safetensors/py.safetensors", py, n);
         free(py);
+    }
+    {   /* each rule of the reference broken once, and each file it accepts (tests/st_rules.h) */
+        uint8_t buf[1024];
+        char path[256];
+        size_t i, k, h;
+        for (i = 0; i < sizeof st_rules / sizeof st_rules[0] + sizeof st_accepted / sizeof st_accepted[0]; ++i) {
+            const int rule = i < sizeof st_rules / sizeof st_rules[0];
+            const char* json = rule ? st_rules[i].json : st_accepted[i - sizeof st_rules / sizeof st_rules[0]].json;
+            size_t data = rule ? st_rules[i].buf : st_accepted[i - sizeof st_rules / sizeof st_rules[0]].buf;
+            if (!json) continue;   /* the framing cases: the mutator finds those */
+            h = strlen(json);
+            for (k = 0; k < 8; ++k) buf[k] = (uint8_t)((uint64_t)h >> (8 * k));
+            memcpy(buf + 8, json, h);
+            memset(buf + 8 + h, 0x3c, data);
+            snprintf(path, sizeof path, DIR "safetensors/%s-%02zu.safetensors", rule ? "rule" : "accepted", i);
+            put(path, buf, 8 + h + data);
+        }
     }
 }
 
