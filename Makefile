@@ -102,7 +102,7 @@ HAVE_CLANG := $(shell printf 'int main(void){return 0;}\n' | $(CLANG) -x c $(CLA
 HAVE_TSAN  := $(shell printf 'int main(void){return 0;}\n' | $(CLANG) -x c $(TSAN) - -o /dev/null 2>/dev/null && echo 1)
 $(B)/test_%_clang: tests/test_%.c $(HEADERS) | $(B)
 	$(CLANG) $(WARN) $(CLANG_SANITIZE) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
-CLANG_TESTS = $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang),"sh -c 'echo skip the clang sanitizer builds: no $(CLANG) with ASan and UBSan, apt-get install clang libclang-rt-dev; echo 0 passed, 0 failed, 4 skipped'")
+CLANG_TESTS = $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang),"sh tests/skip.sh 4 the clang sanitizer builds: no $(CLANG) with ASan and UBSan, apt-get install clang libclang-rt-dev")
 test-clang: $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
 	@sh tests/run_all.sh $(CLANG_TESTS)
 
@@ -111,7 +111,7 @@ test-clang: $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang))
 HAVE_CBLAS := $(shell printf '\043include <cblas.h>\nint main(void){return 0;}\n' | $(CC) -x c - -o /dev/null -lopenblas 2>/dev/null && echo 1)
 $(B)/test_core_cblas: tests/test_core.c $(HEADERS) | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CBLAS -I. $< -o $@ -lopenblas $(LDLIBS)
-CBLAS_TEST = $(if $(HAVE_CBLAS),$(B)/test_core_cblas,"sh -c 'echo skip test_core_cblas: no OpenBLAS, apt-get install libopenblas-dev; echo 0 passed, 0 failed, 1 skipped'")
+CBLAS_TEST = $(if $(HAVE_CBLAS),$(B)/test_core_cblas,"sh tests/skip.sh 1 test_core_cblas: no OpenBLAS, apt-get install libopenblas-dev")
 
 # ---- the GPU emulator (tests/emu): mgpu_kernels.cu compiled as host C++, run on the CPU --------
 # libmgpuemu.so stands for -lcudart -lcublas; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
@@ -278,7 +278,7 @@ demo: $(DEMO_BIN) $(if $(EMU),$(EMU_DIR)/libnccl_emu.so)
 	  $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist || \
 	  { $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get update -qq && $$( [ "$$(id -u)" -ne 0 ] && echo sudo ) apt-get install -y -qq dataset-fashion-mnist; }; fi
 	$(if $(EMU),MGPU_EMU_DEVICES=$(EMU) MGPU_NCCL_LIBRARY=$(abspath $(EMU_DIR))/libnccl_emu.so )$(DEMO_BIN) --data $(DATA) --model $(MODEL) \
-	    $(if $(DEVICES),--devices $(DEVICES)) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS)) --save $(B)/fashion_$(MODEL).safetensors
+	    $(if $(DEVICES),--devices $(DEVICES)) $(if $(MAX_STEPS),--max-steps $(MAX_STEPS)) --save $(B)/fashion_$(MODEL)$(if $(EMU),_emu$(EMU)).safetensors
 
 # ---- benchmarks, side by side with PyTorch (bench/run.sh writes bench/results/) ---------------
 $(B)/bench: bench/bench.c mgpu.h | $(B)

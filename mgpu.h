@@ -2284,7 +2284,7 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
         if (cuda_count > 0) s = "cuda";
         else {
             if (!noticed && MGPU__CUDA_BUILT)
-                mgpu__log(MGPU_LOG_INFO, "no usable CUDA device (%s); running on the CPU",
+                mgpu__log(MGPU_LOG_INFO, "no GPU or no NVIDIA driver found, so \"auto\" runs on the CPU (CUDA says: %s)",
                           rc ? mgpu__cuda_message() : "0 devices");
             noticed = 1;
             s = "cpu";

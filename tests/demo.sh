@@ -32,6 +32,16 @@ check '[ $rc -ne 0 ] && grep -q "unknown option" "$tmp/err"' "an unknown flag is
 check '[ $rc -ne 0 ] && grep -q "dataset-fashion-mnist" "$tmp/err"' "missing data: says how to get it (exit $rc)"
 "$train" --help | grep -q -- "--devices" && ok "--help lists the flags" || bad "--help lists the flags"
 
+# the CUDA build on a machine with no GPU (CI's): "auto" falls back to the CPU, saying plainly why
+# (not only CUDA's "driver version is insufficient", which reads as a driver to fix)
+if ldd "$train" 2>/dev/null | grep -q libcudart && ! nvidia-smi -L >/dev/null 2>&1; then
+    "$train" --data "$tmp/nowhere" >/dev/null 2>"$tmp/err"
+    check 'grep -q "no GPU or no NVIDIA driver found, so \"auto\" runs on the CPU (CUDA says: " "$tmp/err"' \
+        "no GPU: the notice says none was found and the CPU is used: $(grep -m 1 'no GPU' "$tmp/err")"
+else
+    skipped=$((skipped + 1)); echo "  skip the no-GPU notice: $train is not the CUDA build, or this machine has a GPU"
+fi
+
 if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
     skipped=$((skipped + 5)); echo "  skip the training runs: no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"
     echo "$passed passed, $failed failed, $skipped skipped"; [ $failed -eq 0 ]; exit
