@@ -41,6 +41,7 @@ typedef struct options {
     int epochs, batch, quiet, graph;
     int64_t max_steps;
     float lr, momentum, weight_decay;
+    float mean, std;         /* the input x = (pixel / 255 - mean) / std */
     unsigned long long seed;
 } options;
 
@@ -57,6 +58,8 @@ static void usage(FILE* f) {
             "  --optimizer NAME    sgd | adamw [sgd]\n"
             "  --schedule NAME     cosine | step | constant [cosine]\n"
             "  --seed N            initialisation, shuffling and dropout [1]\n"
+            "  --mean F, --std F   the input normalisation, x = (pixel / 255 - mean) / std [0.2860, 0.3530: the\n"
+            "                      training set's]; --mean 0 --std 1 is ToTensor() alone, as PyTorch's tutorials\n"
             "  --devices SPEC      auto, cpu, cpu:4, cuda, cuda:0,1, cuda:0,0 [auto]; with --stages S, R x S\n"
             "                      devices hold R replicas of an S-stage pipeline (replica r's stage s on device\n"
             "                      r * S + s): cpu:2 --stages 2, or cuda:0,1,2,3 --stages 2 for 2 x 2\n"
@@ -150,13 +153,15 @@ static int parse_args(int argc, char** argv, options* o) {
     o->epochs = 5;
     o->batch = 64;
     o->momentum = 0.9f;
+    o->mean = 0.2860f;   /* Fashion-MNIST training-set pixel statistics */
+    o->std = 0.3530f;
     o->seed = 1;
     for (i = 1; i < argc; ++i) {
         const char* a = argv[i];
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
         int takes = 1, ok = 1;
         static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
-                                        "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay",
+                                        "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay", "--mean", "--std",
                                         "--stages", "--split", "--micro-batches", "--pipeline", "--dropout", "--trace" };
         int known = 0;
         size_t k;
@@ -205,6 +210,8 @@ static int parse_args(int argc, char** argv, options* o) {
         }
         else if (!strcmp(a, "--lr")) { ok = parse_float(a, v, &o->lr); have_lr = 1; }
         else if (!strcmp(a, "--momentum")) ok = parse_float(a, v, &o->momentum);
+        else if (!strcmp(a, "--mean")) ok = parse_float(a, v, &o->mean);
+        else if (!strcmp(a, "--std")) ok = parse_float(a, v, &o->std);
         else if (!strcmp(a, "--weight-decay")) { ok = parse_float(a, v, &o->weight_decay); have_wd = 1; }
         else { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
         if (!ok) return 0;
@@ -219,6 +226,7 @@ static int parse_args(int argc, char** argv, options* o) {
     if (!o->micro_batches) o->micro_batches = o->stages > 1 ? 2 * o->stages : 1;
     if (have_lr && !(o->lr > 0)) { fprintf(stderr, "train: --lr must be > 0, not %g\n", (double)o->lr); return 0; }
     if (have_wd && !(o->weight_decay >= 0)) { fprintf(stderr, "train: --weight-decay must be >= 0, not %g\n", (double)o->weight_decay); return 0; }
+    if (!(o->std > 0)) { fprintf(stderr, "train: --std must be > 0, not %g\n", (double)o->std); return 0; }
     if (!(o->momentum >= 0 && o->momentum < 1)) { fprintf(stderr, "train: --momentum must be in [0, 1), not %g\n", (double)o->momentum); return 0; }
     if (!have_lr) o->lr = strcmp(o->optimizer, "adamw") ? 0.05f : 0.001f;
     if (!have_wd) o->weight_decay = strcmp(o->optimizer, "adamw") ? 0.0f : 0.01f;
@@ -351,7 +359,7 @@ int main(int argc, char** argv) {
     mgpu_optimizer* opt = NULL;
     mgpu_loader* loader = NULL;
     mgpu_tensor *test_x = NULL, *test_y = NULL;
-    const float mean = 0.2860f, std = 0.3530f;   /* Fashion-MNIST training-set pixel statistics */
+    float mean, std;   /* the input normalisation (--mean, --std) */
     int64_t batches, steps = 0, samples = 0, correct = 0, first_step, trace_from = 0;
     int traced = 0;
     double train_seconds = 0.0, start = mgpu_seconds();
@@ -366,6 +374,8 @@ int main(int argc, char** argv) {
     interactive = isatty(1);
 #endif
     if (!parse_args(argc, argv, &o)) { status = 2; goto done; }
+    mean = o.mean;
+    std = o.std;
     if (rank != 0) o.quiet = 1;   /* rank 0 speaks for the job */
     set = mgpu_device_set_create(o.devices);   /* before the data: a bad --devices fails at once */
     if (!set) { fprintf(stderr, "train: --devices: %s\n", mgpu_last_error()); status = 2; goto done; }

@@ -41,6 +41,10 @@ refused --weight-decay --weight-decay nan
 refused --weight-decay --weight-decay inf
 refused --momentum --momentum 1
 refused --momentum --momentum nan
+refused --std --std 0
+refused --std --std -0.5
+refused --mean --mean nan
+refused --mean --mean 0.1x
 refused --devices --devices cuda:0,,1
 refused --devices --devices cuda:
 refused --devices --devices cpu:0
@@ -70,6 +74,24 @@ accepted --lr 1e-6 --weight-decay 0.5 --momentum 0
 accepted --epochs 1000000 --max-steps 9007199254740992 --seed 18446744073709551615
 accepted --save "$tmp/model.safetensors"
 accepted --save model-in-cwd.safetensors
+accepted --mean 0 --std 1 --momentum 0 --schedule constant --lr 0.01
+
+# the tutorial's inputs, ToTensor() alone: --mean 0 --std 1 trains on pixel / 255 and says so
+if [ -e "$data/train-images-idx3-ubyte.gz" ] || [ -e "$data/train-images-idx3-ubyte" ]; then
+    timeout 120 "$train" --data "$data" --quiet --devices cpu --max-steps 20 --mean 0 --std 1 --save "$tmp/raw.safetensors" \
+        > "$tmp/raw.txt" 2>"$tmp/err"
+    timeout 120 "$train" --data "$data" --quiet --devices cpu --max-steps 20 > "$tmp/normed.txt" 2>>"$tmp/err"
+    loss_raw=$(tail -n 1 "$tmp/raw.txt" | tr ' ' '\n' | sed -n 's/^train_loss=//p')
+    loss_normed=$(tail -n 1 "$tmp/normed.txt" | tr ' ' '\n' | sed -n 's/^train_loss=//p')
+    if [ -n "$loss_raw" ] && [ -n "$loss_normed" ] && [ "$loss_raw" != "$loss_normed" ] &&
+       head -c 4096 "$tmp/raw.safetensors" | grep -a -q '"input.mean":"0.0000","input.std":"1.0000"'; then
+        ok "--mean 0 --std 1: another training (loss $loss_raw, normalised $loss_normed), and the checkpoint says so"
+    else
+        bad "--mean 0 --std 1: losses '$loss_raw' and '$loss_normed', metadata: $(head -c 4096 "$tmp/raw.safetensors" | tr ',' '\n' | grep -a input.mean)"
+    fi
+else
+    skipped=$((skipped + 1)); echo "  skip --mean 0 --std 1: no Fashion-MNIST in $data"
+fi
 
 # a checkpoint claiming 2^53 steps: every epoch is done, so train evaluates and stops
 if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
