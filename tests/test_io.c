@@ -1175,10 +1175,13 @@ static void test_st_fuzz(int iters) {
             accepted++;
             for (t = 0; t < f.count; ++t) {
                 const mgpu__st_tensor* x = &f.tensors[t];
-                uint64_t want = mgpu__st_dtype_size(x->dtype);
+                const char* arena_end = f.strings.p + f.strings.len;
+                uint64_t want = (uint64_t)mgpu__st_dtypes[x->dt].bits;   /* any dtype, readable or not */
                 int d;
                 for (d = 0; d < x->ndim; ++d) want *= (uint64_t)x->shape[d];
-                if (x->begin > x->end || f.data_start + x->end > len || x->end - x->begin != want || memchr(x->name, 0, 256) == NULL)
+                want = (want + 7) / 8;
+                if (x->begin > x->end || f.data_start + x->end > len || x->end - x->begin != want || x->name < f.strings.p ||
+                    x->name >= arena_end || memchr(x->name, 0, (size_t)(arena_end - x->name)) == NULL)
                     inconsistent++;
             }
         } else if (f.tensors || f.meta || f.count) {
