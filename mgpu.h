@@ -5882,9 +5882,8 @@ static void mgpu__dist_broadcast(void* p, size_t bytes) {
     int q;
     for (at = 0; at < bytes; at += piece) {
         const int len = (int)MGPU__MIN(piece, bytes - at);
-        for (q = 1; q < mgpu__dist.size; ++q)
-            if (mgpu__dist.rank == 0) mgpu__dist_post(1, (char*)p + at, len, MPI_BYTE, q, MGPU__TAG_BROADCAST);
         if (mgpu__dist.rank != 0) mgpu__dist_post(0, (char*)p + at, len, MPI_BYTE, 0, MGPU__TAG_BROADCAST);
+        else for (q = 1; q < mgpu__dist.size; ++q) mgpu__dist_post(1, (char*)p + at, len, MPI_BYTE, q, MGPU__TAG_BROADCAST);
         mgpu__dist_wait("a broadcast from rank 0");
     }
 #else
@@ -6098,7 +6097,9 @@ static mgpu_result mgpu__ar_check_processes(const mgpu_allreduce* ar) {
    host waits for the GPUs of a step that summed through NCCL across processes by asking
    (cudaEventQuery on the compute streams, which wait for the sums; and ncclCommGetAsyncError)
    instead of blocking, for MGPU_DIST_TIMEOUT seconds; past it the communicators are aborted
-   (ncclCommAbort) and the job ends, as when a collective of MPI's times out. */
+   (ncclCommAbort) and the job ends, as when a collective of MPI's times out. Every such step
+   waits here, whether or not it asked for its loss (whose download waits for the GPUs anyway):
+   a step that did not would otherwise block later, untimed, in the next upload or download. */
 static mgpu_result mgpu__ar_wait_processes(mgpu_allreduce* ar) {
 #ifdef MGPU_MPI
     static const char* op = "the NCCL all-reduce across processes";
