@@ -7809,7 +7809,7 @@ typedef struct mgpu__batch {
     int64_t row_base;                    /* a distributed model: the rows of the ranks before this one */
     int zero_grads;                      /* a whole step's: the gradients zeroed first (on a GPU, on each
                                             part's stream as its first op is queued) */
-    mgpu_result* results;                /* CPU threads: each part's */
+    mgpu_result results[MGPU__MAX_REPLICAS];   /* CPU threads: each part's */
 } mgpu__batch;
 
 /* A batch of the library's own steps: rows numbered from the step's first, no salt on any part's
@@ -8064,14 +8064,12 @@ MGPU__THREAD_MAIN(mgpu__part_thread_main, arg) {
 
 static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
     mgpu_model* m = b->m;
-    mgpu_result results[MGPU__MAX_REPLICAS];
     int i, failed = -1;
     if (b->zero_grads) MGPU__TRY(mgpu_model_zero_grad(m));
-    b->results = results;
     for (i = 0; i < m->part_count; ++i) {
         m->part[i].forwards_done = m->part[i].backwards_done = 0;
         m->task_error[i][0] = 0;
-        results[i] = MGPU_OK;
+        b->results[i] = MGPU_OK;
     }
     m->pipe_failed = 0;
     if (m->stage_count == 1) {
@@ -8094,11 +8092,11 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
         for (i = 0; i < m->part_count; ++i) mgpu__thread_join(threads[i].thread);
     }
     for (i = 0; i < m->part_count; ++i)   /* the first part that failed by itself, not by a neighbour's failure */
-        if (results[i] != MGPU_OK && m->task_error[i][0]) { failed = i; break; }
+        if (b->results[i] != MGPU_OK && m->task_error[i][0]) { failed = i; break; }
     for (i = 0; failed < 0 && i < m->part_count; ++i)
-        if (results[i] != MGPU_OK) failed = i;
+        if (b->results[i] != MGPU_OK) failed = i;
     if (failed >= 0)
-        return mgpu__fail(results[failed], "%s", m->task_error[failed][0] ? m->task_error[failed] : "a pipeline part failed");
+        return mgpu__fail(b->results[failed], "%s", m->task_error[failed][0] ? m->task_error[failed] : "a pipeline part failed");
     return reduce ? mgpu__reduce_grads(m) : MGPU_OK;                                                /* 4. reduce */
 }
 #endif
