@@ -53,7 +53,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
+.PHONY: all test test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
 
 $(B):
@@ -124,7 +124,7 @@ EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
 EMU_OPT   = -O2 -g
 # grids of at most 61 blocks (65535 on a GPU): the grid-stride loops of the kernels run at the
 # quick sizes of the tests
-EMU_KERNELS = -DMGPU_CU_MAX_BLOCKS=61
+EMU_KERNELS = -DMGPU_CU_MAX_BLOCKS=61 -DMGPU_NCCL_DEFAULT_LIBRARY='"libnccl_emu.so"'
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
 EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
 EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff \
@@ -157,6 +157,14 @@ $(EMU_DIR)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU_DIR)
 	$(CC) $(WARN) -O2 $< -o $@ -lm
 $(EMU_DIR)/bench: bench/bench.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+
+# A program of your own on emulated GPUs, with the emulated NCCL found by default:
+#   make emu-program SRC=my.c      builds build/emu/my (beside the emulator's libraries)
+#   MGPU_EMU_DEVICES=4 build/emu/my   runs it on 4 emulated GPUs (cuda:0 to cuda:3)
+emu-program: $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so
+	@test -n "$(SRC)" || { echo "emu-program: say which program, e.g. make emu-program SRC=examples/hello.c"; exit 2; }
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $(SRC) $(EMU_DIR)/mgpu_kernels.o -o $(EMU_DIR)/$(basename $(notdir $(SRC))) \
+	    -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 
 # the same under AddressSanitizer + UBSan
 $(EMU_ASAN)/libmgpuemu.so: tests/emu/runtime.cpp $(EMU_HDRS) | $(EMU_ASAN)
@@ -257,7 +265,7 @@ test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain 
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
+	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \

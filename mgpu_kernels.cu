@@ -1332,10 +1332,16 @@ template <class F> static bool nccl_symbol(void* lib, const char* name, F* fn) {
 }
 
 // MGPU_NCCL_LIBRARY names the library (say a pip-installed NCCL outside the loader's path);
-// otherwise libnccl.so.2, then libnccl.so.
+// otherwise MGPU_NCCL_DEFAULT_LIBRARY: libnccl.so.2, then libnccl.so. The emulator's builds
+// (tests/emu, make emu-program) name its own, libnccl_emu.so beside the program, so that a real
+// NCCL installed on the machine is not what an emulated GPU loads.
+#ifndef MGPU_NCCL_DEFAULT_LIBRARY
+#define MGPU_NCCL_DEFAULT_LIBRARY "libnccl.so.2", "libnccl.so"
+#endif
 static void nccl_load(void) {
     const char* env = getenv("MGPU_NCCL_LIBRARY");
-    const char* names[3] = { env && *env ? env : "libnccl.so.2", "libnccl.so", NULL };
+    const char* defaults[] = { MGPU_NCCL_DEFAULT_LIBRARY, NULL };
+    const char* names[3] = { env && *env ? env : defaults[0], defaults[1], NULL };
     void* lib = NULL;
     for (int i = 0; !lib && names[i] && (i == 0 || !(env && *env)); ++i) {
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
