@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
         mgpu_device_set* set1 = mgpu_device_set_create(on_gpu ? "cuda:1" : "cpu");
         mgpu_layer *first[4], *second[3];
         mgpu_model *half0, *half1;
-        mgpu_tensor *x0, *act1;
+        mgpu_tensor *x0, *act1, *x_one;
         const mgpu_tensor *h, *out, *want;
         static float got[BATCH * CLASSES], ref[BATCH * CLASSES];
         float worst = 0.0f;
@@ -176,12 +176,14 @@ int main(int argc, char** argv) {
         }
         x0 = mgpu_tensor_create(mgpu_model_device(half0, 0), MGPU_F32, mgpu_shape2(BATCH, IN));          /* x.to('cuda:0') */
         act1 = mgpu_tensor_create(mgpu_model_device(half1, 0), MGPU_F32, mgpu_shape2(BATCH, HID));       /* room on device 1 */
-        NEED(x0 && act1);
+        x_one = mgpu_tensor_create(mgpu_model_device(one, 0), MGPU_F32, mgpu_shape2(BATCH, IN));         /* for the whole model */
+        NEED(x0 && act1 && x_one);
         TRY(mgpu_tensor_copy(x0, tx));
+        TRY(mgpu_tensor_copy(x_one, tx));
         NEED(h = mgpu_model_forward(half0, 0, x0, 0));     /* layers 0-3 on device 0 */
         TRY(mgpu_tensor_copy(act1, h));                     /* the activations: h.to('cuda:1') */
         NEED(out = mgpu_model_forward(half1, 0, act1, 0)); /* layers 4-6 on device 1 */
-        NEED(want = mgpu_model_forward(one, 0, tx, 0));    /* the whole model on one device */
+        NEED(want = mgpu_model_forward(one, 0, x_one, 0));    /* the whole model on one device */
         TRY(mgpu_tensor_download(out, got, sizeof got));
         TRY(mgpu_tensor_download(want, ref, sizeof ref));
         for (i = 0; i < BATCH * CLASSES; ++i) worst = fmaxf(worst, fabsf(got[i] - ref[i]));
@@ -190,7 +192,7 @@ int main(int argc, char** argv) {
         if (on_gpu ? worst <= 1e-5f : memcmp(got, ref, sizeof got) == 0)
             printf("part 1: two devices by hand = one device (%s)\n", worst == 0.0f ? "bit for bit" : "to rounding");
         else { printf("part 1: the outputs DIFFER by %g\n", (double)worst); failed = 1; }
-        mgpu_tensor_destroy(x0); mgpu_tensor_destroy(act1);
+        mgpu_tensor_destroy(x0); mgpu_tensor_destroy(act1); mgpu_tensor_destroy(x_one);
         mgpu_model_destroy(half0); mgpu_model_destroy(half1);
         mgpu_device_set_destroy(set0); mgpu_device_set_destroy(set1);
     }
