@@ -895,8 +895,17 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
    all-reduces, a slice per micro-batch's forward ("F 3") and backward ("B 3"), per all-reduce
    (a bucket's, on GPUs as it overlaps backward) and per optimizer step. Times come from the CPU
    clock on CPU devices and from CUDA events on GPUs, each GPU's set against the CPU clock at the
-   start to within microseconds; start waits for the devices. */
+   start to within microseconds; start waits for the devices.
+   A path ending in ".svg" gets a picture of the same slices instead, drawn by mgpu for any
+   browser (no Python, no Perfetto): a row per device's compute stream and a thinner one for its
+   all-reduces (where there are any), a box per slice at its times in the JSON's order, labelled
+   with its micro-batch ("F 3") where it is wide enough, its whole name and times in its tooltip
+   (an SVG <title>), colours for forward, backward, all-reduce and optimizer step, a time axis in
+   microseconds or milliseconds from the trace's start. stop writes the file and ends the trace;
+   write writes the slices so far (waiting for them) and goes on tracing, e.g. one run in both
+   formats: write "t.json", then stop "t.svg". */
 MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m);
+MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path);
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
 
 /* The building blocks of a step, for a loop of your own (one replica):
@@ -6458,51 +6467,183 @@ MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m) {
     return MGPU_OK;
 }
 
-/* Chrome's trace format: complete events ("ph": "X") in microseconds, one thread per track. */
-MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
-    static const char* op = "mgpu_model_trace_stop";
-    mgpu__trace* tr;
-    mgpu_result r = MGPU_OK;
-    FILE* f;
+/* Each slice's times in microseconds from the start, into t[2i] and t[2i + 1]: the host clock for
+   host work, for GPU work its events against its GPU's base event (which waits for them). */
+static mgpu_result mgpu__trace_times(const mgpu_model* m, const char* op, double* t) {
+    const mgpu__trace* tr = m->trace;
     int i;
-    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
-    if (!(tr = m->trace)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    f = mgpu__fopen(path, "w");
-    if (!f) {
-        r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
-        mgpu__trace_free(m);
-        return r;
+    for (i = 0; i < tr->count; ++i) {
+        const mgpu__slice* sl = &tr->slices[i];
+        const mgpu__part* p = &m->part[sl->part];
+        t[2 * i] = (sl->t0 - tr->t_begin) * 1e6;
+        t[2 * i + 1] = (sl->t1 - tr->t_begin) * 1e6;
+        if (sl->e0 && sl->e1 && tr->base[sl->part]) {   /* GPU work: its own clock, from the start */
+            float a = 0.0f, b = 0.0f;
+            int rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e0, &a));
+            if (!rc) rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e1, &b));
+            if (rc) return mgpu__cu_result(rc, op, p->dev);
+            t[2 * i] = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)a * 1e3;
+            t[2 * i + 1] = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)b * 1e3;
+        }
+        if (t[2 * i + 1] < t[2 * i]) t[2 * i + 1] = t[2 * i];   /* (a slice not closed yet) */
     }
+    return MGPU_OK;
+}
+
+static void mgpu__trace_title(const mgpu_model* m, char* s, size_t size) {
+    snprintf(s, size, "mgpu: %d replica%s x %d stage%s, %d micro-batch%s, %s", m->replica_count, m->replica_count == 1 ? "" : "s",
+             m->stage_count, m->stage_count == 1 ? "" : "s", m->micro_batches, m->micro_batches == 1 ? "" : "es",
+             m->schedule == MGPU_PIPELINE_GPIPE ? "GPipe" : "1F1B");
+}
+
+/* Chrome's trace format: complete events ("ph": "X") in microseconds, one thread per track. */
+static void mgpu__trace_json(FILE* f, const mgpu_model* m, const double* t) {
+    const mgpu__trace* tr = m->trace;
+    char title[160];
+    int i;
+    mgpu__trace_title(m, title, sizeof title);
     fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
-    fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"args\": {\"name\": \"mgpu: %d replica%s x %d stage%s, "
-            "%d micro-batch%s, %s\"}}", m->replica_count, m->replica_count == 1 ? "" : "s", m->stage_count,
-            m->stage_count == 1 ? "" : "s", m->micro_batches, m->micro_batches == 1 ? "" : "es",
-            m->schedule == MGPU_PIPELINE_GPIPE ? "GPipe" : "1F1B");
+    fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"args\": {\"name\": \"%s\"}}", title);
     for (i = 0; i < 2 * m->part_count; ++i) {
         const mgpu__part* p = &m->part[i / 2];
         fprintf(f, ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 1, \"tid\": %d, \"args\": {\"name\": \"%s: replica %d "
                 "stage %d%s\"}}", i, p->dev->label, p->replica, p->stage, i % 2 ? ", all-reduce" : "");
         fprintf(f, ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 1, \"tid\": %d, \"args\": {\"sort_index\": %d}}", i, i);
     }
-    for (i = 0; i < tr->count && r == MGPU_OK; ++i) {
-        const mgpu__slice* sl = &tr->slices[i];
-        const mgpu__part* p = &m->part[sl->part];
-        double t0 = (sl->t0 - tr->t_begin) * 1e6, t1 = (sl->t1 - tr->t_begin) * 1e6;
-        if (sl->e0 && sl->e1 && tr->base[sl->part]) {   /* GPU work: its own clock, from the start */
-            float a = 0.0f, b = 0.0f;
-            int rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e0, &a));
-            if (!rc) rc = MGPU__CUDA(mgpu__cu_event_elapsed(p->dev->ordinal, tr->base[sl->part], sl->e1, &b));
-            if (rc) { r = mgpu__cu_result(rc, op, p->dev); break; }
-            t0 = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)a * 1e3;
-            t1 = (tr->base_host[sl->part] - tr->t_begin) * 1e6 + (double)b * 1e3;
-        }
-        fprintf(f, ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f}", sl->name,
-                sl->part * 2 + sl->comm, t0, t1 > t0 ? t1 - t0 : 0.0);
-    }
+    for (i = 0; i < tr->count; ++i)
+        fprintf(f, ",\n{\"name\": \"%s\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f}", tr->slices[i].name,
+                tr->slices[i].part * 2 + tr->slices[i].comm, t[2 * i], t[2 * i + 1] - t[2 * i]);
     fprintf(f, "\n]}\n");
-    if (fclose(f) != 0 && r == MGPU_OK) r = mgpu__fail(MGPU_ERROR_IO, "%s: writing '%s': %s", op, path, strerror(errno));
-    if (r == MGPU_OK && tr->failed)
-        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
+}
+
+static void mgpu__xml_text(FILE* f, const char* s) {   /* text and attribute values, escaped */
+    for (; *s; ++s) {
+        if (*s == '&') fputs("&amp;", f);
+        else if (*s == '<') fputs("&lt;", f);
+        else if (*s == '>') fputs("&gt;", f);
+        else if (*s == '"') fputs("&quot;", f);
+        else fputc(*s, f);
+    }
+}
+
+/* The same slices as a picture, for a browser: a row per part's compute stream (and one, thinner,
+   for its all-reduces where the trace has any), a box per slice at its times, labelled where it
+   is wide enough (every box names itself in its <title>, a browser's tooltip), a time axis below. */
+static void mgpu__trace_svg(FILE* f, const mgpu_model* m, const double* t) {
+    enum { W = 1200, LEFT = 210, RIGHT = 20, TOP = 44, ROW = 26, COMM_ROW = 14, GAP = 4, PART_GAP = 10 };
+    static const char* kinds[4][2] = { { "F", "#4e79a7" }, { "B", "#f28e2b" }, { "ar", "#59a14f" }, { "opt", "#9d7660" } };
+    const mgpu__trace* tr = m->trace;
+    const double plot = (double)(W - LEFT - RIGHT);
+    double t_min = 0.0, t_max = 0.0, span, step, scale, unit, tick;
+    const char* unit_name;
+    char title[160];
+    int i, comm_rows = 0, part_h, height, y_axis;
+    for (i = 0; i < tr->count; ++i) {
+        if (i == 0 || t[2 * i] < t_min) t_min = t[2 * i];
+        if (i == 0 || t[2 * i + 1] > t_max) t_max = t[2 * i + 1];
+        comm_rows |= tr->slices[i].comm;
+    }
+    span = t_max > t_min ? t_max - t_min : 1.0;
+    /* ticks every 1, 2 or 5 times a power of ten, about eight of them; ms from 2 ms up */
+    step = pow(10.0, floor(log10(span / 8.0)));
+    if (span / step > 40.0) step *= 5.0;
+    else if (span / step > 16.0) step *= 2.0;
+    unit = span >= 2000.0 ? 1000.0 : 1.0;
+    unit_name = span >= 2000.0 ? "ms" : "us";
+    scale = plot / span;
+    part_h = ROW + (comm_rows ? GAP + COMM_ROW : 0) + PART_GAP;
+    y_axis = TOP + m->part_count * part_h;
+    height = y_axis + 40;
+    mgpu__trace_title(m, title, sizeof title);
+    fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+               "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
+               "font-family=\"sans-serif\" font-size=\"11\">\n", W, height, W, height);
+    fprintf(f, "<rect width=\"%d\" height=\"%d\" fill=\"white\"/>\n<text x=\"10\" y=\"20\" font-size=\"14\">", W, height);
+    mgpu__xml_text(f, title);
+    fprintf(f, "</text>\n");
+    for (i = 0; i < 4; ++i)   /* the legend, top right */
+        fprintf(f, "<rect x=\"%d\" y=\"10\" width=\"12\" height=\"12\" fill=\"%s\"/><text x=\"%d\" y=\"20\">%s</text>\n", W - 430 + 105 * i,
+                kinds[i][1], W - 430 + 105 * i + 16, i == 0 ? "forward F k" : i == 1 ? "backward B k" : i == 2 ? "all-reduce" : "optimizer step");
+    for (i = 0; i < m->part_count; ++i) {   /* the rows' names */
+        const mgpu__part* p = &m->part[i];
+        char name[96];
+        const int y = TOP + i * part_h;
+        snprintf(name, sizeof name, "%s: replica %d stage %d", p->dev->label, p->replica, p->stage);
+        fprintf(f, "<rect class=\"row\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f2f2f2\"/>\n", LEFT, y, W - LEFT - RIGHT, ROW);
+        fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">", LEFT - 8, y + ROW / 2 + 4);
+        mgpu__xml_text(f, name);
+        fprintf(f, "</text>\n");
+        if (comm_rows)
+            fprintf(f, "<rect class=\"row\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#f2f2f2\"/>\n"
+                       "<text x=\"%d\" y=\"%d\" text-anchor=\"end\" font-size=\"9\">all-reduce</text>\n",
+                    LEFT, y + ROW + GAP, W - LEFT - RIGHT, COMM_ROW, LEFT - 8, y + ROW + GAP + COMM_ROW - 3);
+    }
+    fprintf(f, "<line class=\"axis\" x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"black\"/>\n", LEFT, y_axis, W - RIGHT, y_axis);
+    for (tick = ceil(t_min / step) * step; tick <= t_max + 1e-9 * span; tick += step) {
+        const double x = LEFT + (tick - t_min) * scale;
+        fprintf(f, "<line x1=\"%.2f\" y1=\"%d\" x2=\"%.2f\" y2=\"%d\" stroke=\"black\"/><text x=\"%.2f\" y=\"%d\" text-anchor=\"middle\">%g</text>\n",
+                x, y_axis, x, y_axis + 5, x, y_axis + 18, tick / unit);
+    }
+    fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"end\">%s from the trace's start</text>\n", W - RIGHT, y_axis + 34, unit_name);
+    for (i = 0; i < tr->count; ++i) {   /* the slices, in the order of the JSON trace */
+        const mgpu__slice* sl = &tr->slices[i];
+        const int kind = sl->name[0] == 'F' ? 0 : sl->name[0] == 'B' ? 1 : !strncmp(sl->name, "all-reduce", 10) ? 2 : 3;
+        const double x = LEFT + (t[2 * i] - t_min) * scale, w = (t[2 * i + 1] - t[2 * i]) * scale;
+        const int y = TOP + sl->part * part_h + (sl->comm ? ROW + GAP : 0), h = sl->comm ? COMM_ROW : ROW;
+        const char* label = kind < 2 ? sl->name + 2 : kind == 2 ? "AR" : "opt";   /* "F 3": its micro-batch */
+        fprintf(f, "<rect class=\"%s\" x=\"%.2f\" y=\"%d\" width=\"%.2f\" height=\"%d\" fill=\"%s\" stroke=\"white\" stroke-width=\"0.5\">"
+                   "<title>", kinds[kind][0], x, y, w, h, kinds[kind][1]);
+        mgpu__xml_text(f, sl->name);
+        fprintf(f, ": %.3f to %.3f %s</title></rect>\n", (t[2 * i] - t_min) / unit, (t[2 * i + 1] - t_min) / unit, unit_name);
+        if (w >= 6.5 * (double)strlen(sl->name) + 4.0) label = sl->name;
+        if (w >= 6.5 * (double)strlen(label) + 2.0 && h >= ROW) {
+            fprintf(f, "<text x=\"%.2f\" y=\"%d\" text-anchor=\"middle\" fill=\"white\">", x + w / 2.0, y + ROW / 2 + 4);
+            mgpu__xml_text(f, label);
+            fprintf(f, "</text>\n");
+        }
+    }
+    fprintf(f, "</svg>\n");
+}
+
+/* ".svg" (any case) at the end of a path asks for the picture */
+static int mgpu__path_is_svg(const char* path) {
+    const size_t n = strlen(path);
+    return n >= 4 && path[n - 4] == '.' && (path[n - 3] | 0x20) == 's' && (path[n - 2] | 0x20) == 'v' && (path[n - 1] | 0x20) == 'g';
+}
+
+static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op) {
+    mgpu__trace* tr = m->trace;
+    mgpu_result r;
+    double* t = (double*)mgpu__calloc((size_t)tr->count * 2 + 2, sizeof(double));
+    FILE* f;
+    if (!t) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    if ((r = mgpu__trace_times(m, op, t)) != MGPU_OK) { MGPU_FREE(t); return r; }
+    if (!(f = mgpu__fopen(path, "w"))) {
+        r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
+        MGPU_FREE(t);
+        return r;
+    }
+    if (mgpu__path_is_svg(path)) mgpu__trace_svg(f, m, t);
+    else mgpu__trace_json(f, m, t);
+    MGPU_FREE(t);
+    if (fclose(f) != 0) return mgpu__fail(MGPU_ERROR_IO, "%s: writing '%s': %s", op, path, strerror(errno));
+    if (tr->failed) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path) {
+    static const char* op = "mgpu_model_trace_write";
+    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
+    if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
+    return mgpu__trace_write(m, path, op);
+}
+
+MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
+    static const char* op = "mgpu_model_trace_stop";
+    mgpu_result r;
+    if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
+    if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
+    r = mgpu__trace_write(m, path, op);
     mgpu__trace_free(m);
     return r;
 }

@@ -35,7 +35,7 @@ typedef struct options {
     const char* schedule;    /* cosine | step | constant */
     const char* pipeline;    /* 1f1b | gpipe */
     const char* split;       /* "2,5": the first layer of stages 1, 2, ... */
-    const char* trace;       /* a Chrome trace of three steps */
+    const char* trace;       /* a trace of three steps: Chrome's JSON, or an SVG picture */
     int stages, micro_batches, split_at[64];
     float dropout;
     int epochs, batch, quiet, graph;
@@ -69,7 +69,8 @@ static void usage(FILE* f) {
             "  --pipeline NAME     1f1b | gpipe: the order of the micro-batches' passes [1f1b]\n"
             "  --dropout P         a Dropout(P) after each hidden ReLU of the linear layers [none]\n"
             "  --trace FILE.json   a trace of three steps (the 6th to the 8th, or the first ones of a short run) in\n"
-            "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing\n"
+            "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing;\n"
+            "  --trace FILE.svg    or as a picture that any browser opens (a row per device, a box per pass)\n"
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
             "  --graph             on GPUs, each step as one CUDA graph launch after the first of its batch shape\n"
             "                      (same results; steps a graph cannot hold run op by op, saying why once)\n"

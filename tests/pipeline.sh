@@ -92,5 +92,14 @@ print(len(slices), "slices")' "$tmp/trace.json" 2>&1); then
         failed=$((failed + 1)); echo "  FAIL --trace: $out"
     fi
 fi
+# --trace FILE.svg: the same steps as a picture, a box per slice (the library's test checks more)
+if run "$b/train_cpu" trace-svg --model mlp --max-steps 12 --devices cpu:4 --stages 2 --micro-batches 4 --trace "$tmp/trace.svg"; then
+    f=$(grep -c '<rect class="F"' "$tmp/trace.svg"); bw=$(grep -c '<rect class="B"' "$tmp/trace.svg")
+    if head -n 2 "$tmp/trace.svg" | grep -q '<svg ' && [ "$f" -eq 48 ] && [ "$bw" -eq 48 ] && tail -n 1 "$tmp/trace.svg" | grep -qx '</svg>'; then
+        passed=$((passed + 1)); echo "  ok   --trace as SVG: $f forward and $bw backward boxes"
+    else
+        failed=$((failed + 1)); echo "  FAIL --trace as SVG: $f forward and $bw backward boxes (want 48 and 48), or not an <svg>"
+    fi
+fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]

@@ -36,6 +36,7 @@
 
 #include <stdint.h>
 #include <time.h>
+#include <ctype.h>
 
 #define MAX_STEPS 8
 #define MAX_REP 17   /* one more than the one-shot kernel takes */
@@ -2012,6 +2013,168 @@ static void pipeline_trace(const char* spec) {
     mgpu_device_set_destroy(set);
 }
 
+/* Is this XML well-formed as far as a trace's picture needs: every element closed in order (or
+   self-closed), quoted attributes, one root <svg>, only the five escapes of text? Returns NULL,
+   or what is wrong. */
+static const char* svg_well_formed(const char* s) {
+    char stack[32][16];
+    int depth = 0, roots = 0;
+    while (*s) {
+        if (*s == '&') {
+            if (strncmp(s, "&amp;", 5) && strncmp(s, "&lt;", 4) && strncmp(s, "&gt;", 4) && strncmp(s, "&quot;", 6) && strncmp(s, "&apos;", 6))
+                return "an unknown entity";
+            ++s;
+        } else if (*s == '>') {
+            return "a '>' outside a tag";
+        } else if (*s != '<') {
+            ++s;
+        } else if (s[1] == '?') {   /* the declaration */
+            const char* e = strstr(s, "?>");
+            if (!e) return "an unclosed <?";
+            s = e + 2;
+        } else {
+            const int closing = s[1] == '/';
+            char name[16];
+            int n = 0;
+            const char* p = s + 1 + closing;
+            while ((isalnum((unsigned char)*p) || *p == ':') && n < 15) name[n++] = *p++;
+            name[n] = 0;
+            if (!n) return "a tag without a name";
+            for (;;) {   /* attributes: name="value" */
+                while (*p == ' ' || *p == '\n') ++p;
+                if (*p == '>' || (*p == '/' && p[1] == '>')) break;
+                if (closing || !(isalpha((unsigned char)*p))) return "a bad attribute";
+                while (isalnum((unsigned char)*p) || *p == '-' || *p == ':') ++p;
+                if (p[0] != '=' || p[1] != '"') return "an attribute without a quoted value";
+                p += 2;
+                while (*p && *p != '"' && *p != '<') ++p;
+                if (*p != '"') return "an unclosed attribute value";
+                ++p;
+            }
+            if (closing) {
+                if (!depth || strcmp(stack[depth - 1], name)) return "a closing tag that closes nothing open";
+                --depth;
+            } else if (*p == '>') {
+                if (depth == 32) return "too deep";
+                if (!depth && (roots++ || strcmp(name, "svg"))) return "a root other than one <svg>";
+                strcpy(stack[depth++], name);
+            } else if (!depth) {
+                return "an element outside <svg>";
+            }
+            s = p + (*p == '>' ? 1 : 2);
+        }
+    }
+    return depth ? "an element left open" : roots != 1 ? "no <svg>" : NULL;
+}
+
+static char* read_text_file(const char* path) {
+    FILE* f = fopen(path, "rb");
+    char* s;
+    long n;
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    s = (char*)malloc((size_t)n + 1);
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) { free(s); s = NULL; }
+    if (s) s[n] = 0;
+    fclose(f);
+    return s;
+}
+
+/* The same traced step of 2 replicas x 2 stages written as JSON (mgpu_model_trace_write) and as
+   SVG (mgpu_model_trace_stop to a .svg path): a well-formed picture with one box per slice of
+   the JSON, in its order and of its kind, each inside the time axis and on its track's row, the
+   forwards' boxes in time order on stage 0 (micro-batch k's box after k-1's). */
+static void pipeline_trace_svg(const char* spec) {
+    mgpu_device_set* set = mkset(spec);
+    char json_path[512], svg_path[512];
+    mgpu_model* m = set ? staged_mlp(set, 2, NULL, 4) : NULL;
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    test_tmp_path(json_path, sizeof json_path, "mgpu_trace_svg.json");
+    test_tmp_path(svg_path, sizeof svg_path, "mgpu_trace_svg.SVG");
+    CHECK(opt != NULL, "%s: a 2 x 2 model: %s", spec, mgpu_last_error());
+    if (opt) {
+        mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, 4));
+        mgpu_tensor* y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(8));
+        char names[64][40];
+        int tids[64], count = 0, boxes = 0, labels = 0, k;
+        char *json, *svg;
+        double x1 = 0, x2 = 0, last_f = -1.0;
+        memset(mgpu_tensor_data(x), 0, 8 * 4 * 4);
+        memset(mgpu_tensor_data(y), 0, 8 * 4);
+        CHECK(mgpu_model_trace_write(m, json_path) == MGPU_ERROR_INVALID_ARGUMENT, "%s: trace_write before start", spec);
+        CHECK(mgpu_model_trace_start(m) == MGPU_OK, "%s: trace_start: %s", spec, mgpu_last_error());
+        CHECK(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "%s: traced step: %s", spec, mgpu_last_error());
+        CHECK(mgpu_model_trace_write(m, json_path) == MGPU_OK, "%s: trace_write: %s", spec, mgpu_last_error());
+        CHECK(mgpu_model_trace_stop(m, svg_path) == MGPU_OK, "%s: trace_stop to .SVG: %s", spec, mgpu_last_error());
+        json = read_text_file(json_path);
+        svg = read_text_file(svg_path);
+        CHECK(json && svg, "%s: the trace files", spec);
+        if (json && svg) {
+            const char* at = json;
+            const char* bad = svg_well_formed(svg);
+            CHECK(bad == NULL, "%s: the SVG is not well-formed: %s", spec, bad ? bad : "");
+            CHECK(!strncmp(json, "{", 1) && !strstr(json, "<svg"), "%s: the .json path got JSON", spec);
+            while ((at = strstr(at, "{\"name\": \"")) != NULL) {   /* the JSON's slices, in order */
+                char name[40];
+                int tid;
+                at += 10;
+                if (!strstr(at, "\"ph\": \"X\"") || strstr(at, "\"ph\": \"X\"") > strchr(at, '}')) continue;
+                if (sscanf(at, "%39[^\"]\", \"ph\": \"X\", \"pid\": 1, \"tid\": %d", name, &tid) == 2 && count < 64) {
+                    strcpy(names[count], name);
+                    tids[count++] = tid;
+                }
+            }
+            CHECK(count == 16 + 16 + 4 + 4, "%s: %d slices in the JSON (want 16 F, 16 B, 4 all-reduce, 4 optimizer steps)", spec, count);
+            at = strstr(svg, "<line class=\"axis\"");
+            CHECK(at && sscanf(at, "<line class=\"axis\" x1=\"%lf\" y1=\"%*d\" x2=\"%lf\"", &x1, &x2) == 2 && x2 > x1,
+                  "%s: the SVG has no time axis", spec);
+            for (at = svg; (at = strstr(at, "<rect class=\"")) != NULL; ++at) {
+                char cls[8], name[40];
+                double bx, bw;
+                int by, bh;
+                const char* want;
+                if (!strncmp(at, "<rect class=\"row\"", 17)) continue;
+                if (sscanf(at, "<rect class=\"%7[^\"]\" x=\"%lf\" y=\"%d\" width=\"%lf\" height=\"%d\"", cls, &bx, &by, &bw, &bh) != 5 ||
+                    !strstr(at, "<title>") || sscanf(strstr(at, "<title>") + 7, "%39[^:]", name) != 1) {
+                    CHECK(0, "%s: an SVG box that does not read: %.80s", spec, at);
+                    continue;
+                }
+                if (boxes >= count) { boxes++; continue; }
+                want = names[boxes][0] == 'F' ? "F" : names[boxes][0] == 'B' ? "B" : !strncmp(names[boxes], "all-reduce", 10) ? "ar" : "opt";
+                CHECK(!strcmp(name, names[boxes]) && !strcmp(cls, want), "%s: SVG box %d is '%s' (%s), the JSON's slice '%s' (%s)", spec,
+                      boxes, name, cls, names[boxes], want);
+                CHECK(bx >= x1 - 0.01 && bw >= 0 && bx + bw <= x2 + 0.01, "%s: box '%s' at x %.2f..%.2f, outside the axis %.2f..%.2f", spec,
+                      name, bx, bx + bw, x1, x2);
+                CHECK(by > 0 && by + bh < (int)(strstr(svg, "<line class=\"axis\"") - svg) && (tids[boxes] % 2 ? bh < 20 : bh >= 20),
+                      "%s: box '%s' of track %d at y %d, height %d", spec, name, tids[boxes], by, bh);
+                if (tids[boxes] == 0 && name[0] == 'F') {   /* stage 0 of replica 0 runs its forwards in order */
+                    CHECK(bx >= last_f, "%s: box '%s' left of the forward before it", spec, name);
+                    last_f = bx;
+                }
+                boxes++;
+            }
+            CHECK(boxes == count, "%s: %d boxes in the SVG, %d slices in the JSON", spec, boxes, count);
+            for (k = 0; k < 4; ++k) {   /* a browser shows the names: the title, the rows */
+                char row[64];
+                snprintf(row, sizeof row, ": replica %d stage %d</text>", k / 2, k % 2);
+                labels += strstr(svg, row) != NULL;
+            }
+            CHECK(labels == 4 && strstr(svg, "2 replicas x 2 stages, 4 micro-batches, 1F1B"), "%s: the SVG names its rows and the model", spec);
+        }
+        free(json);
+        free(svg);
+        remove(json_path);
+        remove(svg_path);
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(y);
+    }
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_pipeline(void) {
     header("pipelines");
     pipeline_equivalence("cpu");
@@ -2021,10 +2184,12 @@ static void test_pipeline(void) {
     pipeline_errors();
     pipeline_checkpoint();
     pipeline_trace("cpu:2");
+    pipeline_trace_svg("cpu:4");
     if (!gpu_group("pipelines")) return;
     pipeline_equivalence("cuda:0");
     pipeline_input_grad("cuda:0,0,0");
     pipeline_trace(g_gpus >= 2 ? "cuda:0,1" : "cuda:0,0");
+    pipeline_trace_svg(g_gpus >= 4 ? "cuda:0,1,2,3" : "cuda:0,0,0,0");
 }
 
 int main(int argc, char** argv) {

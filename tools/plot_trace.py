@@ -1,4 +1,5 @@
 """Draw mgpu traces (mgpu_model_trace_stop, build/train --trace) as timelines, one panel per trace.
+(Without Python: a trace path ending in .svg makes mgpu draw the picture itself.)
 
   python3 tools/plot_trace.py OUT.png TRACE.json [TRACE.json ...]
 
