@@ -3,7 +3,7 @@
 # marked in the README as one that cannot run inside make test, by a trailing comment that says
 # "needs a GPU", "needs MPI", "needs Slurm" or "cannot run inside make test" (make test itself).
 # A command neither run nor marked fails, and so does a sentence of the README of the form
-# "It prints `X`" whose X no command printed as its last line.
+# "It prints `X`" whose X no command printed as its last line, and a README of more than 250 lines.
 #   - `sudo apt-get install PKG...` runs as `apt-get install -s` (a simulation, no root): every
 #     package must exist (or be installed already);
 #   - every other command runs verbatim, in order, with a time limit, in a scratch folder that
@@ -35,6 +35,10 @@ done
 ln -s "$babs" "$s/build"
 # a reader's make, not a sub-make of make test: none of its flags or variables
 unset MAKEFLAGS MFLAGS MAKELEVEL MAKEOVERRIDES
+
+# a front page, not a manual (issue 22): at most 250 lines
+lines=$(wc -l < "$readme")
+if [ "$lines" -le 250 ]; then ok "$readme has $lines lines (at most 250)"; else fail "$readme has $lines lines, more than 250: move a section into docs/"; fi
 
 # the README's program, as my.c
 awk '/^## A first program/{t=1} t&&/^```c$/{c=1;next} c&&/^```$/{exit} c' "$readme" > "$s/my.c"
