@@ -1,7 +1,8 @@
 #!/bin/sh
 # Every shell command of README.md's ```sh blocks is run here, as a reader would type it, or is
 # marked in the README as one that cannot run inside make test, by a trailing comment that says
-# "needs a GPU", "needs MPI", "needs Slurm" or "cannot run inside make test" (make test itself).
+# "needs a GPU", "needs CUDA", "needs MPI", "needs Slurm" or "cannot run inside make test" (make
+# test itself).
 # A command neither run nor marked fails, and so does a sentence of the README of the form
 # "It prints `X`" whose X no command printed as its last line, and a README of more than 250 lines.
 #   - `sudo apt-get install PKG...` runs as `apt-get install -s` (a simulation, no root): every
@@ -61,7 +62,7 @@ while IFS= read -r line; do
     cmd=$(printf '%s\n' "$line" | sed 's/[[:space:]]#.*$//; s/[[:space:]]*$//')
     note=$(printf '%s\n' "$line" | sed -n 's/^.*[[:space:]]#[[:space:]]*//p')
     case "$note" in
-        *"needs a GPU"*|*"needs MPI"*|*"needs Slurm"*|*"cannot run inside make test"*)
+        *"needs a GPU"*|*"needs CUDA"*|*"needs MPI"*|*"needs Slurm"*|*"cannot run inside make test"*)
             skip "$cmd (the README marks it: $note)"; continue ;;
     esac
     case "$cmd" in
