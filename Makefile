@@ -1,6 +1,7 @@
 # mgpu: build, test, demo.
 #   make            build the CPU-only variant, and the CUDA variant when nvcc is found, into build/
-#   make test       run every test on both variants (CUDA tests report skips without a GPU)
+#   make test       run every test on both variants (CUDA tests report skips without a GPU), and
+#                   every command of README.md (tests/readme_commands.sh)
 #   make demo       train on Fashion-MNIST with build/train (every GPU, or the CPU); EMU=4 DEVICES=cuda:0,1,2,3
 #                   MAX_STEPS=200: on 4 emulated GPUs
 #   make test-emu   the CUDA build on emulated GPUs (tests/emu): no GPU needed; part of make test
@@ -264,7 +265,7 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \

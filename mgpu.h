@@ -27,8 +27,8 @@
    Windows: MinGW-w64 (x86_64-w64-mingw32-gcc -std=c99 -O2 prog.c) or MSVC (cl /O2 prog.c); the
    implementation calls Win32 there (threads, clock, files), so no pthreads library is needed.
    With CUDA on Windows, nvcc compiles mgpu_kernels.cu with MSVC; NCCL does not exist there (the
-   P2P and host all-reduce serve). macOS and aarch64 Linux build as on x86-64 Linux. README.md's
-   platform table says what has been compiled and run on each.
+   P2P and host all-reduce serve). macOS and aarch64 Linux build as on x86-64 Linux. The table of
+   docs/platforms.md says what has been compiled and run on each.
 
    A job of several processes (mpirun, srun): build with mpicc and MGPU_MPI, with or without CUDA:
 

@@ -1,4 +1,4 @@
-/* tour.c - the README's tour: train the 784-128-10 MLP on Fashion-MNIST for one epoch on every
+/* tour.c - the guide's tour: train the 784-128-10 MLP on Fashion-MNIST for one epoch on every
    GPU present (or the CPU), test it, save it. Run: build/tour [DIR [OUT]]   (DIR holds the IDX
    files, by default Debian's dataset-fashion-mnist; OUT is the checkpoint, tour.safetensors) */
 #define MGPU_IMPLEMENTATION

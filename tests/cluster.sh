@@ -14,7 +14,7 @@
 #      step, and a restart on the hosts left with another process count ends where an
 #      uninterrupted cpu:4 run does.
 #   3. Slurm: srun -N 2 -n 4 --mpi=pmix build/train_mpi gives the bits of cpu:4; the ranks see
-#      SLURM_PROCID and SLURM_LOCALID as the README's table says.
+#      SLURM_PROCID and SLURM_LOCALID as docs/mpi.md's table says.
 # At its end nothing it made is left: processes, namespaces (with their veths), Slurm and munge
 # state. It reports its own time.
 # Usage: cluster.sh [BUILD_DIR] [DATA_DIR]. Needs root, iproute2 (ip, tc), unshare, mpirun and
@@ -265,7 +265,7 @@ EOF
     srun="$on h1 env OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=10.77.0.0/24 OMPI_MCA_orte_tmpdir_base=$tmp/ompi timeout 300 srun -N 2 -n 4 --mpi=pmix --overcommit"
     $srun sh -c 'echo "$SLURM_PROCID $SLURM_NTASKS $SLURM_LOCALID $(hostname)"' > "$tmp/env.txt" 2>&1
     want=$(printf '0 4 0 h1\n1 4 1 h1\n2 4 0 h2\n3 4 1 h2')
-    [ "$(grep -E '^[0-9]+ [0-9]+ [0-9]+ h[0-9]$' "$tmp/env.txt" | sort)" = "$want" ] && ok "srun -N 2 -n 4: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID on h1, h2 as the README says" ||
+    [ "$(grep -E '^[0-9]+ [0-9]+ [0-9]+ h[0-9]$' "$tmp/env.txt" | sort)" = "$want" ] && ok "srun -N 2 -n 4: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID on h1, h2 as docs/mpi.md says" ||
         fail "srun's environment: $(cat "$tmp/env.txt" | tr '\n' ';') (want $(echo "$want" | tr '\n' ';'))"
     run srun-np4 $srun "$b/train_mpi" --devices cpu $steps && check srun-np4 cpu4
     grep -q "processes=4 devices=cpu replicas=4 " "$tmp/srun-np4.txt" && ok "srun's result line names the 4 processes" ||

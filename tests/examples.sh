@@ -2,7 +2,7 @@
 # The examples run and succeed: hello multiplies, custom_layer learns with its SiLU (exit 0 when
 # the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical,
 # model_parallel's two stages by hand match the library's pipeline bit for bit, the
-# README's tour trains an epoch of Fashion-MNIST (and the README's copy of it is the file).
+# tour trains an epoch of Fashion-MNIST (and docs/guide.md's copy of it is the file).
 # With a CUDA build of data_parallel and a GPU, also four replicas on one GPU.
 b=${1:-build}
 passed=0; failed=0; skipped=0

@@ -146,52 +146,59 @@ if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $took -le 30 ] && grep -q "Fashion-MNIS
 else
     failed=$((failed + 1)); echo "  FAIL a bad data path on rank 1: exit $rc after ${took} s: $(tail -n 5 "$tmp/bad.txt")"
 fi
-# rank 1 killed while the job trains
-$mpi -np 2 "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 > "$tmp/kill.txt" 2>&1 &
-job=$!
-victim=
-for i in $(seq 1 100); do   # until both ranks train (rank 1's process: the younger child of mpirun)
-    sleep 0.1
-    victim=$(pgrep -P $job -n -f train_mpi)
-    [ -n "$victim" ] && [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 2 ] && break
-done
-sleep 1
-start=$(date +%s)
-[ -n "$victim" ] && kill -9 "$victim"
-( sleep 60; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
-wait $job; rc=$?
-kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
-took=$(( $(date +%s) - start ))
-if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 30 ] && grep -q -i "signal 9\|killed" "$tmp/kill.txt"; then
-    passed=$((passed + 1)); echo "  ok   rank 1 killed mid-training: the job ends in ${took} s (exit $rc), mpirun names the signal"
+# a rank killed, and a rank stopped, mid-training: pgrep finds the ranks among mpirun's children
+if ! command -v pgrep >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1; then
+    skipped=$((skipped + 2)); echo "  skip a rank killed and a rank stopped mid-training: no pgrep or pkill to find the ranks (apt-get install procps)"
 else
-    failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
+    # rank 1 killed while the job trains
+    $mpi -np 2 "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 > "$tmp/kill.txt" 2>&1 &
+    job=$!
+    victim=
+    for i in $(seq 1 100); do   # until both ranks train (rank 1's process: the younger child of mpirun)
+        sleep 0.1
+        victim=$(pgrep -P $job -n -f train_mpi)
+        [ -n "$victim" ] && [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 2 ] && break
+    done
+    sleep 1
+    start=$(date +%s)
+    [ -n "$victim" ] && kill -9 "$victim"
+    ( sleep 60; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
+    wait $job; rc=$?
+    kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
+    took=$(( $(date +%s) - start ))
+    if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 30 ] && grep -q -i "signal 9\|killed" "$tmp/kill.txt"; then
+        passed=$((passed + 1)); echo "  ok   rank 1 killed mid-training: the job ends in ${took} s (exit $rc), mpirun names the signal"
+    else
+        failed=$((failed + 1)); echo "  FAIL rank 1 killed (pid ${victim:-none}): exit $rc after ${took} s: $(tail -n 5 "$tmp/kill.txt")"
+    fi
+    pkill -9 -f "$b/train_mpi --data" 2>/dev/null
+    # rank 1 stopped (SIGSTOP) mid-training, as by a frozen host: it breaks no connection, so only
+    # the other ranks' timeout (MGPU_DIST_TIMEOUT=5 here) ends the job, naming the rank and the step
+    MGPU_DIST_TIMEOUT=5 $mpi -np 3 -x MGPU_DIST_TIMEOUT "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 \
+        > "$tmp/stop.txt" 2>&1 &
+    job=$!
+    victim=
+    for i in $(seq 1 100); do   # rank 1: the second child of mpirun
+        sleep 0.1
+        [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 3 ] && victim=$(pgrep -P $job -f train_mpi | sort -n | sed -n 2p) && break
+    done
+    sleep 1
+    start=$(date +%s)
+    [ -n "$victim" ] && kill -STOP "$victim"
+    ( sleep 90; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
+    wait $job; rc=$?
+    kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
+    took=$(( $(date +%s) - start ))
+    # (on a loaded machine rank 1 may be stopped before its first step, while the model is made:
+    # then the vote of mgpu_model_create is the collective named, which is as right)
+    n=$(grep -c "mgpu: rank [02] of 3 (.*): .*: no answer from rank 1 (.*) after [0-9]* s (MGPU_DIST_TIMEOUT=5)" "$tmp/stop.txt")
+    if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 35 ] && [ "$n" -ge 1 ] && ! pgrep -f "$b/train_mpi --data" >/dev/null; then
+        passed=$((passed + 1)); echo "  ok   rank 1 stopped (SIGSTOP): the job ends in ${took} s (exit $rc): $(grep -m 1 'no answer' "$tmp/stop.txt")"
+    else
+        failed=$((failed + 1)); echo "  FAIL rank 1 stopped (pid ${victim:-none}): exit $rc after ${took} s, $n ranks named it: $(tail -n 5 "$tmp/stop.txt")"
+    fi
+    pkill -9 -f "$b/train_mpi --data" 2>/dev/null
 fi
-pkill -9 -f "$b/train_mpi --data" 2>/dev/null
-# rank 1 stopped (SIGSTOP) mid-training, as by a frozen host: it breaks no connection, so only
-# the other ranks' timeout (MGPU_DIST_TIMEOUT=5 here) ends the job, naming the rank and the step
-MGPU_DIST_TIMEOUT=5 $mpi -np 3 -x MGPU_DIST_TIMEOUT "$b/train_mpi" --data "$data" --quiet --seed 7 --devices cpu --epochs 50 \
-    > "$tmp/stop.txt" 2>&1 &
-job=$!
-victim=
-for i in $(seq 1 100); do   # rank 1: the second child of mpirun
-    sleep 0.1
-    [ "$(pgrep -P $job -f train_mpi | wc -l)" -ge 3 ] && victim=$(pgrep -P $job -f train_mpi | sort -n | sed -n 2p) && break
-done
-sleep 1
-start=$(date +%s)
-[ -n "$victim" ] && kill -STOP "$victim"
-( sleep 90; kill -9 $job ) >/dev/null 2>&1 & watchdog=$!   # (its sleep holds no pipe of ours)
-wait $job; rc=$?
-kill $watchdog $(pgrep -P $watchdog) 2>/dev/null
-took=$(( $(date +%s) - start ))
-n=$(grep -c "mgpu: rank [02] of 3 (.*): .* of step [0-9]* (mgpu_model_train_step): no answer from rank 1 (.*) after [0-9]* s (MGPU_DIST_TIMEOUT=5)" "$tmp/stop.txt")
-if [ -n "$victim" ] && [ $rc -ne 0 ] && [ $took -le 35 ] && [ "$n" -ge 1 ] && ! pgrep -f "$b/train_mpi --data" >/dev/null; then
-    passed=$((passed + 1)); echo "  ok   rank 1 stopped mid-step: the job ends in ${took} s (exit $rc): $(grep -m 1 'no answer' "$tmp/stop.txt")"
-else
-    failed=$((failed + 1)); echo "  FAIL rank 1 stopped (pid ${victim:-none}): exit $rc after ${took} s, $n ranks named it: $(tail -n 5 "$tmp/stop.txt")"
-fi
-pkill -9 -f "$b/train_mpi --data" 2>/dev/null
 # rank 1's emulated GPU out of memory from its 10th cudaMalloc on (in its first step): both ranks stop, with its message
 if [ -x "$b/train_mpi_emu" ]; then
     timeout 120 $mpi -np 2 -x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=2 sh -c 'if [ "${OMPI_COMM_WORLD_RANK:-0}" = 1 ]; then

@@ -20,7 +20,7 @@ tsan_run() {
 }
 
 if [ ! -x "$B/test_parallel_tsan" ] || [ ! -x "$B/train_tsan" ]; then
-    echo "skip tsan: $B/test_parallel_tsan and $B/train_tsan are not built (make tsan needs clang)"
+    echo "skip tsan: $B/test_parallel_tsan and $B/train_tsan are not built (make tsan needs clang with its TSan runtime: apt-get install clang libclang-rt-dev)"
     echo "0 passed, 0 failed, 2 skipped"
     exit 0
 fi

@@ -6,7 +6,7 @@
 Each panel shows one step (the first optimizer step's forward and backward slices and what lies
 between): a row per device's compute stream, forwards in blue, backwards in orange, all-reduces and
 optimizer steps in grey, each slice labelled with its micro-batch. Needs matplotlib (Debian:
-python3-matplotlib). The README's picture of GPipe and 1F1B comes from it:
+python3-matplotlib). The picture of GPipe and 1F1B in docs/pipelines.md comes from it:
   build/train --model cnn --devices cpu:4 --stages 4 --micro-batches 8 --pipeline gpipe --trace g.json ...
 """
 import json
