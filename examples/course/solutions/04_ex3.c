@@ -65,11 +65,14 @@ int main(int argc, char** argv) {
     double a[EPOCHS], b[EPOCHS];
     mgpu_dataset* data;
     for (i = 1; i < argc; ++i) {
-        if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = strtol(argv[++i], NULL, 10);
+        if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
+            char* end;
+            steps = strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end || steps < 0) { fprintf(stderr, "04_ex3: --steps '%s': want a count of batches (0: whole epochs)\n", argv[i]); return 2; }
+        }
         else if (argv[i][0] != '-' && positional < 3) { *(positional == 0 ? &one : positional == 1 ? &many : &dir) = argv[i]; positional++; }
         else { fprintf(stderr, "usage: 04_ex3 [ONE] [MANY] [DATA] [--steps N]\n"); return 2; }
     }
-    if (steps < 0) { fprintf(stderr, "04_ex3: --steps %ld: want 1 or more (0: whole epochs)\n", steps); return 2; }
     if (!(data = load(dir, "train")) || train(one, data, steps, a) || train(many, data, steps, b)) {
         fprintf(stderr, "04_ex3: %s\n", mgpu_last_error());
         goto done;
