@@ -39,8 +39,10 @@ class SimpleNet(nn.Module):   # the tutorial's, as it is
 def idx(folder, name, offset):
     """An IDX file's bytes after its header (offset 16 for images, 8 for labels)."""
     path = os.path.join(folder, name)
-    opener = gzip.open if os.path.exists(path + ".gz") else open
-    with opener(path + ".gz" if opener is gzip.open else path, "rb") as f:
+    if os.path.exists(path + ".gz"):   # Debian's files are gzipped
+        with gzip.open(path + ".gz", "rb") as f:
+            return np.frombuffer(f.read(), dtype=np.uint8)[offset:]
+    with open(path, "rb") as f:
         return np.frombuffer(f.read(), dtype=np.uint8)[offset:]
 
 
