@@ -32,7 +32,7 @@ shape() {
     awk '/^```/ { if (code) { code = 0 } else { code = 1; kind = substr($0, 4); print "code " (kind == "" ? "-" : kind) }; next }
          !code && /^#+ / { match($0, /^#+/); print "heading " RLENGTH }' "$1"
 }
-programs() { grep -o 'examples/course/[A-Za-z0-9_./-]*\.\(c\|py\|sh\)' "$1" | sort -u; }
+programs() { grep -o 'examples/course/[A-Za-z0-9_./-]*\.\(cu\|c\|py\|sh\)' "$1" | sort -u; }
 sections_en="## The idea|## In PyTorch|## In mgpu|## What it prints|## Exercises|## Solutions"
 sections_zh="## 思路|## PyTorch 的写法|## mgpu 的写法|## 运行结果|## 练习|## 答案"
 if [ ! -d "$en" ] || [ ! -d "$zh" ]; then
@@ -61,7 +61,7 @@ else
                 done;;
         esac
     done
-    for p in examples/course/*.c examples/course/*.py examples/course/solutions/*.c; do
+    for p in examples/course/*.c examples/course/*.py examples/course/solutions/*.c examples/course/*.cu examples/course/solutions/*.cu; do
         [ -f "$p" ] || continue
         grep -qF "$p" "$en"/*.md && grep -qF "$p" "$zh"/*.md && ok "$p is named by an English and a Chinese lesson" || \
             fail "$p is not named by a lesson in both en/ and zh/"
