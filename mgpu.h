@@ -179,7 +179,8 @@
      a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
      cannot be used in a child forked after it started.)
    - CUDA: a call that runs kernels makes their device current (cudaSetDevice) and does not
-     restore the caller's; set your own device again before your own CUDA calls. Inside a training step (train_step,
+     restore the caller's; set your own device again before your own CUDA calls (for a kernel
+     of your own, mgpu_cuda_begin does: >>ops). Inside a training step (train_step,
      accumulate, apply) the library remembers the device it made current last, and forgets it
      after a custom layer's code or the log callback ran (either may change it).
 
