@@ -211,7 +211,8 @@
    >>memory      caching allocator statistics, empty_cache, pinned host memory
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
    >>random      counter-based Philox RNG, identical on CPU and GPU
-   >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax
+   >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
+                 of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
