@@ -95,7 +95,7 @@ $(B)/test_%_asan: tests/test_%.c $(HEADERS) | $(B)
 	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -I. $< -o $@ $(LIBS_$*) $(LDLIBS)
 
 $(B)/test_%_cuda: tests/test_%.c $(HEADERS) $(B)/mgpu_kernels.o | $(B)
-	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o $(CU_OBJ) -o $@ $(CUDA_LIBS) $(LIBS_$*) $(LDLIBS)
 
 # the same suites built by clang with its ASan + UBSan (without clang or its sanitizer runtimes,
 # Debian's libclang-rt-dev, one skip says so)
@@ -148,7 +148,7 @@ $(EMU_DIR)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_DIR)/libmgpu
 $(EMU_DIR)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS)
 	$(EMU_CXX) $(EMU_OPT) $(EMU_KERNELS) -march=native -Wno-unknown-pragmas -I. -c $< -o $@
 $(EMU_DIR)/test_%: tests/test_%.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
-	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+	$(CC) $(WARN) $(CFLAGS) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o $(CU_OBJ) -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
 $(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU_DIR)/selfcheck.cpp -o $(EMU_DIR)/selfcheck.o
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU_DIR)/selfcheck.o $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
@@ -159,12 +159,36 @@ $(EMU_DIR)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU_DIR)
 $(EMU_DIR)/bench: bench/bench.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -DMGPU_BENCH_EMU -I. -Itests/emu $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 
+# ---- CUDA files of a program's own: kernels it launches on mgpu's streams (mgpu_cuda_begin) ----
+# FILE.cu (a path below this folder) becomes $(B)/cu/FILE.o by nvcc, and $(EMU_DIR)/cu/FILE.o
+# (or $(EMU_ASAN)/cu/FILE.o) by tests/emu/cu2cpp.py and the host compiler, as mgpu_kernels.cu does.
+$(B)/cu/%.o: %.cu mgpu.h
+	@mkdir -p $(@D)
+	$(NVCC) $(NVFLAGS) -I. -c $< -o $@
+$(EMU_DIR)/cu/%.cpp: %.cu tests/emu/cu2cpp.py
+	@mkdir -p $(@D)
+	$(PYTHON) tests/emu/cu2cpp.py $< $@
+$(EMU_DIR)/cu/%.o: $(EMU_DIR)/cu/%.cpp mgpu.h $(EMU_HDRS)
+	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -I. -c $< -o $@
+$(EMU_ASAN)/cu/%.o: $(EMU_DIR)/cu/%.cpp mgpu.h $(EMU_HDRS)
+	@mkdir -p $(@D)
+	$(EMU_CXX) $(SANITIZE) -Wno-unknown-pragmas -I. -c $< -o $@
+# A suite's own kernels, linked into its CUDA and emulated builds: CU_<suite> lists them, CU_OBJ
+# names their objects beside the binary being linked. test_core's group "kernels of your own".
+CU_core = tests/test_core_kernels.cu
+CU_OBJ  = $(CU_$*:%.cu=$(@D)/cu/%.o)
+$(B)/test_core_cuda: $(CU_core:%.cu=$(B)/cu/%.o)
+$(EMU_DIR)/test_core: $(CU_core:%.cu=$(EMU_DIR)/cu/%.o)
+$(EMU_ASAN)/test_core: $(CU_core:%.cu=$(EMU_ASAN)/cu/%.o)
+
 # A program of your own on emulated GPUs, with the emulated NCCL found by default:
 #   make emu-program SRC=my.c      builds build/emu/my (beside the emulator's libraries)
 #   MGPU_EMU_DEVICES=4 build/emu/my   runs it on 4 emulated GPUs (cuda:0 to cuda:3)
-emu-program: $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so
+#   make emu-program SRC=my.c KERNELS=my_kernel.cu    with CUDA files of its own (mgpu_cuda_begin)
+KERNEL_OBJS = $(KERNELS:%.cu=$(EMU_DIR)/cu/%.o)
+emu-program: $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(KERNEL_OBJS)
 	@test -n "$(SRC)" || { echo "emu-program: say which program, e.g. make emu-program SRC=examples/hello.c"; exit 2; }
-	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $(SRC) $(EMU_DIR)/mgpu_kernels.o -o $(EMU_DIR)/$(basename $(notdir $(SRC))) \
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $(SRC) $(EMU_DIR)/mgpu_kernels.o $(KERNEL_OBJS) -o $(EMU_DIR)/$(basename $(notdir $(SRC))) \
 	    -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 
 # the same under AddressSanitizer + UBSan
@@ -175,7 +199,7 @@ $(EMU_ASAN)/libnccl_emu.so: tests/emu/nccl.cpp tests/emu/emu.h $(EMU_ASAN)/libmg
 $(EMU_ASAN)/mgpu_kernels.o: $(EMU_DIR)/mgpu_kernels.cpp mgpu.h $(EMU_HDRS) | $(EMU_ASAN)
 	$(EMU_CXX) $(SANITIZE) $(EMU_KERNELS) -Wno-unknown-pragmas -I. -c $< -o $@
 $(EMU_ASAN)/test_%: tests/test_%.c $(HEADERS) $(EMU_ASAN)/mgpu_kernels.o $(EMU_ASAN)/libmgpuemu.so
-	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
+	$(CC) $(WARN) $(SANITIZE) $(EXTRA_$*) -DMGPU_CUDA -I. $< $(EMU_ASAN)/mgpu_kernels.o $(CU_OBJ) -o $@ -L$(EMU_ASAN) $(EMU_LINK) $(LIBS_$*) $(LDLIBS)
 
 test-emu: $(EMU_BINS)
 	@sh tests/emu/run.sh $(B)

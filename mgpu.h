@@ -179,7 +179,8 @@
      a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
      cannot be used in a child forked after it started.)
    - CUDA: a call that runs kernels makes their device current (cudaSetDevice) and does not
-     restore the caller's; set your own device again before your own CUDA calls. Inside a training step (train_step,
+     restore the caller's; set your own device again before your own CUDA calls (for a kernel
+     of your own, mgpu_cuda_begin does: >>ops). Inside a training step (train_step,
      accumulate, apply) the library remembers the device it made current last, and forgets it
      after a custom layer's code or the log callback ran (either may change it).
 
@@ -210,7 +211,8 @@
    >>memory      caching allocator statistics, empty_cache, pinned host memory
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
    >>random      counter-based Philox RNG, identical on CPU and GPU
-   >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax
+   >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
+                 of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
@@ -513,6 +515,51 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
    comes from Philox (seed, offset), so CPU and GPU drop the same elements. */
 MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu_tensor* x, float p,
                                  uint64_t seed, uint64_t offset);
+
+/* ---- kernels of your own: an op mgpu lacks, written for the CPU and for CUDA ----
+   (examples/course/09_sin.c and its 09_sin_kernel.cu, lesson 09 of docs/course.) Four pieces,
+   not a vtable of ops: your CUDA kernel stays a plain .cu file, compiled by nvcc beside
+   mgpu_kernels.cu and launched with <<< >>> as in any CUDA tutorial, and all it needs from mgpu is
+   the device pointers (mgpu_tensor_data), its GPU made current and the one stream every op of
+   that device runs on. Launched there, it runs after the ops queued before it and before those
+   queued after (and a download waits for it), with no wait on the host, as mgpu's own kernels
+   do. On the CPU, your loop runs over slices of the tensor on the thread pool of mgpu's CPU ops.
+   Such an op works in a custom layer's forward and backward too (>>layer).
+
+       if ((r = mgpu_tensor_check("my_sin", "x", x, MGPU_F32, NULL, NULL)) != MGPU_OK ||
+           (r = mgpu_tensor_check("my_sin", "y", y, MGPU_F32, "x", x)) != MGPU_OK) return r;
+       if (mgpu_device_kind_of(mgpu_tensor_device(x)) == MGPU_DEVICE_CPU)
+           return mgpu_cpu_parallel(mgpu_tensor_device(x), n, 0, sin_slice, &job);
+       if ((r = mgpu_cuda_begin(mgpu_tensor_device(x), &stream)) != MGPU_OK) return r;
+       sin_launch(stream, mgpu_tensor_data(x), mgpu_tensor_data(y), n);   // yours, in the .cu
+       return mgpu_cuda_end(mgpu_tensor_device(x), "sin_kernel");
+
+   The checks of mgpu's own ops, for yours: t is not NULL and has dtype dt; with like (named
+   like_name), t is also on like's device (any two CPU devices pass: both are host memory) and
+   has like's shape. On failure the last error names op, the tensor and what is wrong with it
+   (MGPU_ERROR_INVALID_ARGUMENT, _DTYPE_MISMATCH, _DEVICE_MISMATCH or _SHAPE_MISMATCH). */
+MGPUDEF mgpu_result mgpu_tensor_check(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt,
+                                      const char* like_name, const mgpu_tensor* like);
+/* fn(user, begin, end) for slices [begin, end) that cover [0, n) once, on the CPU backend's
+   threads (MGPU_CPU_THREADS, mgpu_cpu_set_threads), several at once: each slice is yours alone,
+   so write only its own elements. Returns when every slice is done. grain: the fewest elements
+   worth a thread of their own (0: 32768, what mgpu's elementwise ops use); below 2 x grain, one
+   slice on the caller's thread. dev must be a CPU device: a GPU tensor's data is GPU memory, which
+   the host cannot touch (MGPU_ERROR_DEVICE_MISMATCH). */
+typedef void (*mgpu_cpu_range_fn)(void* user, int64_t begin, int64_t end);
+MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain, mgpu_cpu_range_fn fn, void* user);
+/* Before your launch: makes dev's GPU current on this thread (cudaSetDevice, which CUDA wants
+   for a launch on that GPU's stream) and gives its compute stream, a cudaStream_t:
+   kernel<<<grid, block, 0, (cudaStream_t)stream>>>(...). After it: mgpu_cuda_end checks the
+   launch (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails
+   with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
+   cudaErrorInvalidConfiguration ...") when it did not start; `kernel` names it there (NULL:
+   "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
+   that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
+   a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU
+   devices. */
+MGPUDEF mgpu_result mgpu_cuda_begin(mgpu_device* dev, void** stream);
+MGPUDEF mgpu_result mgpu_cuda_end(mgpu_device* dev, const char* kernel);
 
 /* ============================================================================================ */
 /* >>layer                                                                                      */
@@ -1263,6 +1310,11 @@ int mgpu__cu_event_synchronize(int dev, void* event);
    the stream's device whichever is current. */
 int mgpu__cu_step_scope(int enter);
 int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
+/* The program's own kernels (mgpu_cuda_begin, mgpu_cuda_end): make dev current, trusting
+   nothing this thread did before (the program's code runs around these); then its launch's
+   status (cudaGetLastError), named as `kernel` in the message. */
+int mgpu__cu_use_device(int dev);
+int mgpu__cu_check_launch(int dev, const char* kernel);
 /* CUDA graphs: capture on stream (global mode), end it into an executable graph, launch, destroy */
 int mgpu__cu_capture_begin(int dev, void* stream);
 int mgpu__cu_capture_end(int dev, void* stream, void** exec);
@@ -4763,6 +4815,54 @@ static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tens
     memset(&job, 0, sizeof job);
     job.g = g; job.in = MGPU__F32(dy); job.out = MGPU__F32(dx); job.index_in = MGPU__I32(argmax);
     mgpu__parallel_range((int64_t)g->n * g->c, 8, mgpu__maxpool_backward_range, &job);
+    return MGPU_OK;
+}
+
+/* -- kernels of your own -- */
+MGPUDEF mgpu_result mgpu_tensor_check(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt,
+                                      const char* like_name, const mgpu_tensor* like) {
+    op = op ? op : "mgpu_tensor_check";
+    name = name ? name : "tensor";
+    like_name = like_name ? like_name : "like";
+    MGPU__TRY(mgpu__check_tensor(op, name, t, dt));
+    if (!like) return MGPU_OK;
+    MGPU__TRY(mgpu__check_same_device(op, name, t, like_name, like));
+    return mgpu__check_same_shape(op, name, t, like_name, like);
+}
+
+/* The device a CPU loop or a CUDA launch of the program's own is for, or why not. */
+static mgpu_result mgpu__check_kind(const char* op, const mgpu_device* dev, mgpu_device_kind want) {
+    if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL device", op);
+    if (dev->kind == want) return MGPU_OK;
+    if (want == MGPU_DEVICE_CPU)
+        return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: %s is a GPU, whose memory the host cannot touch: launch "
+                          "a CUDA kernel on it between mgpu_cuda_begin and mgpu_cuda_end", op, dev->label);
+    return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: %s is a CPU device, not a GPU: run a CPU loop on it with "
+                      "mgpu_cpu_parallel", op, dev->label);
+}
+
+MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain, mgpu_cpu_range_fn fn, void* user) {
+    MGPU__TRY(mgpu__check_kind("mgpu_cpu_parallel", dev, MGPU_DEVICE_CPU));
+    if (!fn) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_cpu_parallel: NULL function");
+    if (n < 0 || grain < 0)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_cpu_parallel: n %lld and grain %lld must be >= 0",
+                          (long long)n, (long long)grain);
+    mgpu__parallel_range(n, grain ? grain : MGPU__EW_MIN_PER_THREAD, fn, user);
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_cuda_begin(mgpu_device* dev, void** stream) {
+    if (stream) *stream = NULL;
+    MGPU__TRY(mgpu__check_kind("mgpu_cuda_begin", dev, MGPU_DEVICE_CUDA));
+    if (!stream) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_cuda_begin on %s: NULL stream pointer", dev->label);
+    MGPU__CU("mgpu_cuda_begin", dev, mgpu__cu_use_device(dev->ordinal));
+    *stream = dev->stream;
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_cuda_end(mgpu_device* dev, const char* kernel) {
+    MGPU__TRY(mgpu__check_kind("mgpu_cuda_end", dev, MGPU_DEVICE_CUDA));
+    MGPU__CU("mgpu_cuda_end", dev, mgpu__cu_check_launch(dev->ordinal, kernel ? kernel : "your kernel"));
     return MGPU_OK;
 }
 

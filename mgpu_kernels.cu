@@ -137,6 +137,20 @@ static int use_device(int dev) {
     return MGPU__CU_OK;
 }
 #define USE_DEVICE(dev) TRY(use_device(dev))
+
+// The program's own kernels (mgpu_cuda_begin and mgpu_cuda_end): its code runs around these
+// calls and may have set another device, so neither trusts what this thread did before.
+int mgpu__cu_use_device(int dev) {
+    t_current = -1;
+    return use_device(dev);
+}
+
+int mgpu__cu_check_launch(int dev, const char* kernel) {
+    t_current = -1;
+    CUDA_TRY(cudaGetLastError(), "launch of %s on device %d", kernel, dev);
+    return MGPU__CU_OK;
+}
+
 // Copies, events and waits run on the stream's device whichever is current (CUDA's rules for
 // streams and events: only a kernel launch, and cuBLAS, need the stream's device current). The
 // legacy stream, NULL, is the current device's.

@@ -9,6 +9,9 @@
 #        // course-run-emu N: ARGS     the emulated-GPU build (make emu-program), on N emulated GPUs
 #        // course-mpirun NP: ARGS     the MPI build (mpicc -DMGPU_MPI), mpirun -np NP (skipped without MPI)
 #        // course-expect: TEXT        every run's output contains TEXT
+#        // course-kernels: FILE.cu     CUDA code of the program's own: linked into its emulated build
+#                                      (make emu-program KERNELS=...), compiled by nvcc where there is
+#                                      one (compile only); the CPU build must not need it
 #      $DATA in ARGS is the Fashion-MNIST folder (a run that needs it is skipped without it). A
 #      program checks its own numbers and exits non-zero when one is wrong.
 # Usage: tests/course.sh [BUILD] [DATA]
@@ -29,7 +32,7 @@ shape() {
     awk '/^```/ { if (code) { code = 0 } else { code = 1; kind = substr($0, 4); print "code " (kind == "" ? "-" : kind) }; next }
          !code && /^#+ / { match($0, /^#+/); print "heading " RLENGTH }' "$1"
 }
-programs() { grep -o 'examples/course/[A-Za-z0-9_./-]*\.\(c\|py\|sh\)' "$1" | sort -u; }
+programs() { grep -o 'examples/course/[A-Za-z0-9_./-]*\.\(cu\|c\|py\|sh\)' "$1" | sort -u; }
 sections_en="## The idea|## In PyTorch|## In mgpu|## What it prints|## Exercises|## Solutions"
 sections_zh="## 思路|## PyTorch 的写法|## mgpu 的写法|## 运行结果|## 练习|## 答案"
 if [ ! -d "$en" ] || [ ! -d "$zh" ]; then
@@ -58,7 +61,7 @@ else
                 done;;
         esac
     done
-    for p in examples/course/*.c examples/course/*.py examples/course/solutions/*.c; do
+    for p in examples/course/*.c examples/course/*.py examples/course/solutions/*.c examples/course/*.cu examples/course/solutions/*.cu; do
         [ -f "$p" ] || continue
         grep -qF "$p" "$en"/*.md && grep -qF "$p" "$zh"/*.md && ok "$p is named by an English and a Chinese lesson" || \
             fail "$p is not named by a lesson in both en/ and zh/"
@@ -68,6 +71,7 @@ fi
 echo "== the programs"
 mkdir -p "$b/course"
 have_emu=""; have_mpi=""
+nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
 command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && have_mpi=1
 [ "$(id -u)" -eq 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # run KIND NAME CMD...: run it and check the output for each course-expect line of $src
@@ -91,6 +95,13 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
     name=$(basename "$src" .c)
     sed -n 's|^// course-expect: ||p' "$src" > "$tmp/expect"
     grep -q '^// course-\(run\|run-emu [0-9]*\|mpirun [0-9]*\):' "$src" || { fail "$src has no // course-run line"; continue; }
+    kernels=$(sed -n 's|^// course-kernels: *||p' "$src" | tr '\n' ' ' | sed 's/ *$//')
+    for k in $kernels; do
+        if [ ! -f "$k" ]; then fail "$src: its kernels file $k does not exist"
+        elif [ -z "$nvcc" ]; then skip "$k by nvcc: no nvcc"
+        elif env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s B="$b" NVCC="$nvcc" "$b/cu/${k%.cu}.o" > "$tmp/cc" 2>&1; then ok "$k compiles with nvcc"
+        else fail "$k compiles with nvcc"; sed 's/^/       /' "$tmp/cc" | head -n 20; fi
+    done
     if grep -q '^// course-run:' "$src"; then
         if $CC -std=c99 -Wall -Wextra -Werror -O2 -I. "$src" -o "$b/course/$name" -lm -lpthread > "$tmp/cc" 2>&1; then
             sed -n 's|^// course-run: *||p' "$src" | while IFS= read -r args; do
@@ -102,7 +113,7 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
         else fail "$src builds with $CC -std=c99 -Wall -Wextra -Werror"; sed 's/^/       /' "$tmp/cc" | head -n 20; fi
     fi
     if grep -q '^// course-run-emu [0-9]*:' "$src"; then
-        if env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s emu-program B="$b" SRC="$src" > "$tmp/cc" 2>&1; then
+        if env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s emu-program B="$b" SRC="$src" KERNELS="$kernels" > "$tmp/cc" 2>&1; then
             sed -n 's|^// course-run-emu \([0-9]*\): *|\1 |p' "$src" | while read -r n args; do
                 eval "set -- $args"
                 run "$name $args (on $n emulated GPUs)" env MGPU_EMU_DEVICES="$n" "$b/emu/$name" "$@"

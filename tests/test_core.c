@@ -2367,6 +2367,173 @@ static void test_op_errors(void) {
 }
 
 /* ============================================================================================ */
+/* 7c. kernels of your own: mgpu_tensor_check, mgpu_cpu_parallel, mgpu_cuda_begin and _end      */
+/* ============================================================================================ */
+#ifdef MGPU_CUDA
+/* tests/test_core_kernels.cu: y = sin(x) * scale, launched with this grid on stream */
+void test_sin_launch(void* stream, const float* x, float* y, size_t n, float scale, unsigned blocks, unsigned threads);
+#endif
+
+/* the CPU half of the op: one slice of y = sin(x) * scale, and a mark on every element it wrote */
+typedef struct own_job { const float* x; float* y; float scale; int* marks; int64_t* slice_of; } own_job;
+static void own_sin_slice(void* user, int64_t begin, int64_t end) {
+    const own_job* j = (const own_job*)user;
+    int64_t i;
+    for (i = begin; i < end; ++i) {
+        j->y[i] = sinf(j->x[i]) * j->scale;
+        if (j->marks) { j->marks[i]++; j->slice_of[i] = begin; }
+    }
+}
+
+/* An op of the program's own, as a user writes it (mgpu.h, >>ops): checks, then the CPU loop or
+   the CUDA launch. threads: the launch's block size (above 1024 it fails to launch); at most 8
+   blocks, so that the kernel's grid-stride loop covers the rest. */
+static mgpu_result own_sin(mgpu_tensor* y, const mgpu_tensor* x, float scale, unsigned threads, int* marks,
+                           int64_t* slice_of) {
+    mgpu_device* dev = mgpu_tensor_device(x);
+    int64_t n = mgpu_tensor_numel(x);
+    mgpu_result r;
+    if ((r = mgpu_tensor_check("own_sin", "x", x, MGPU_F32, NULL, NULL)) != MGPU_OK ||
+        (r = mgpu_tensor_check("own_sin", "y", y, MGPU_F32, "x", x)) != MGPU_OK)
+        return r;
+    if (mgpu_device_kind_of(dev) == MGPU_DEVICE_CPU) {
+        own_job job;
+        job.x = (const float*)mgpu_tensor_data(x); job.y = (float*)mgpu_tensor_data(y); job.scale = scale;
+        job.marks = marks; job.slice_of = slice_of;
+        return mgpu_cpu_parallel(dev, n, 1000, own_sin_slice, &job);
+    }
+#ifdef MGPU_CUDA
+    if (n > 0) {
+        void* stream;
+        int64_t blocks = (n + threads - 1) / threads;
+        if ((r = mgpu_cuda_begin(dev, &stream)) != MGPU_OK) return r;
+        test_sin_launch(stream, (const float*)mgpu_tensor_data(x), (float*)mgpu_tensor_data(y), (size_t)n, scale,
+                        (unsigned)(blocks < 8 ? blocks : 8), threads);
+        return mgpu_cuda_end(dev, "test_sin_kernel");
+    }
+#else
+    (void)threads;
+#endif
+    return MGPU_OK;
+}
+
+/* z = 2 sin(x / 2) + x, by mgpu_scale, own_sin and mgpu_add queued one after the other with no
+   wait between them: on a GPU only the stream orders them. */
+static void own_chain_on(mgpu_device* dev, int64_t n) {
+    float *x = fbuf(n), *got = fbuf(n);
+    double* ref = dbuf(n);
+    int* marks = (int*)xmalloc((size_t)(n ? n : 1) * sizeof(int));
+    int64_t* slice_of = (int64_t*)xmalloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    mgpu_tensor *tx, *th, *ty, *tz;
+    int64_t i, slices = 0, once = 0;
+    char what[96];
+    int cpu = !is_gpu(dev);
+    rnd_uniform(x, n, -10.0, 10.0);
+    for (i = 0; i < n; ++i) ref[i] = 2.0 * sin(0.5 * (double)x[i]) + (double)x[i];
+    tx = tfrom(dev, mgpu_shape1(n), x);
+    th = tmake(dev, MGPU_F32, mgpu_shape1(n));
+    ty = tmake(dev, MGPU_F32, mgpu_shape1(n));
+    tz = tmake(dev, MGPU_F32, mgpu_shape1(n));
+    MUST(mgpu_tensor_fill(ty, NAN));   /* an element the op misses stays NaN */
+    MUST(mgpu_scale(th, tx, 0.5f));
+    MUST(own_sin(ty, th, 2.0f, 128, cpu ? marks : NULL, cpu ? slice_of : NULL));
+    MUST(mgpu_add(tz, ty, tx));
+    tget(tz, got);
+    snprintf(what, sizeof what, "own sin between mgpu_scale and mgpu_add, n %lld", (long long)n);
+    check_err(dev, what, got, ref, n, 1e-6);
+    if (cpu) {
+        for (i = 0; i < n; ++i) {
+            once += marks[i] == 1;
+            slices += slice_of[i] == (i ? slice_of[i - 1] : -1) ? 0 : 1;
+        }
+        CHECK(once == n, "mgpu_cpu_parallel, n %lld: %lld elements visited once", (long long)n, (long long)once);
+        CHECK(slices <= mgpu_cpu_threads() && (n < 2000 || mgpu_cpu_threads() == 1 || slices > 1),
+              "mgpu_cpu_parallel, n %lld, grain 1000, %d threads: %lld slices", (long long)n, mgpu_cpu_threads(),
+              (long long)slices);
+    }
+    mgpu_tensor_destroy(tx); mgpu_tensor_destroy(th); mgpu_tensor_destroy(ty); mgpu_tensor_destroy(tz);
+    free(x); free(got); free(ref); free(marks); free(slice_of);
+}
+
+static void test_own_kernels(void) {
+    const int64_t sizes[4] = { 0, 1, 1001, g_quick ? 20011 : 300007 };
+    int d, s;
+    void* stream = &stream;
+    header("kernels of your own");
+    for (d = 0; d < g_ndev; ++d)
+        for (s = 0; s < 4; ++s) own_chain_on(g_devs[d], sizes[s]);
+    /* wrong devices, dtypes and shapes, in every build */
+    {
+        mgpu_tensor *c = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 3)), *ci = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape2(2, 3));
+        mgpu_tensor* c3 = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(3, 2));
+        expect_fail(mgpu_tensor_check("own_sin", "x", NULL, MGPU_F32, NULL, NULL), MGPU_ERROR_INVALID_ARGUMENT,
+                    "mgpu_tensor_check of NULL", "own_sin", "'x' is NULL", NULL);
+        expect_fail(own_sin(ci, c, 1.0f, 128, NULL, NULL), MGPU_ERROR_DTYPE_MISMATCH, "own op, an i32 output",
+                    "own_sin", "'y'", "i32");
+        expect_fail(own_sin(c3, c, 1.0f, 128, NULL, NULL), MGPU_ERROR_SHAPE_MISMATCH, "own op, shapes differ",
+                    "own_sin", "[3,2]", "[2,3]");
+        MUST(mgpu_tensor_check("own_sin", "x", c, MGPU_F32, "y", c));
+        expect_fail(mgpu_cpu_parallel(NULL, 10, 0, own_sin_slice, NULL), MGPU_ERROR_INVALID_ARGUMENT,
+                    "mgpu_cpu_parallel on NULL", "mgpu_cpu_parallel", "NULL device", NULL);
+        expect_fail(mgpu_cpu_parallel(mgpu_device_cpu(), 10, 0, NULL, NULL), MGPU_ERROR_INVALID_ARGUMENT,
+                    "mgpu_cpu_parallel without a function", "mgpu_cpu_parallel", "NULL function", NULL);
+        expect_fail(mgpu_cpu_parallel(mgpu_device_cpu(), -1, 0, own_sin_slice, NULL), MGPU_ERROR_INVALID_ARGUMENT,
+                    "mgpu_cpu_parallel of -1 elements", "mgpu_cpu_parallel", "-1", NULL);
+        MUST(mgpu_cpu_parallel(mgpu_device_cpu(), 0, 0, own_sin_slice, NULL));   /* nothing to do: fn is not called */
+        expect_fail(mgpu_cuda_begin(mgpu_device_cpu(), &stream), MGPU_ERROR_DEVICE_MISMATCH, "mgpu_cuda_begin on the CPU",
+                    "mgpu_cuda_begin", "cpu is a CPU device", "mgpu_cpu_parallel");
+        CHECK(stream == NULL, "mgpu_cuda_begin on the CPU leaves the stream NULL");
+        expect_fail(mgpu_cuda_end(mgpu_device_cpu(), "k"), MGPU_ERROR_DEVICE_MISMATCH, "mgpu_cuda_end on the CPU",
+                    "mgpu_cuda_end", "cpu", NULL);
+        mgpu_tensor_destroy(c); mgpu_tensor_destroy(ci); mgpu_tensor_destroy(c3);
+    }
+#ifdef MGPU_CUDA
+    if (g_gpu) {
+        float h[6] = { 0.5f, 1, 2, 3, 4, 5 }, got[6];
+        mgpu_tensor *c = tfrom(mgpu_device_cpu(), mgpu_shape2(2, 3), h), *g = tfrom(g_gpu, mgpu_shape2(2, 3), h);
+        mgpu_tensor* gy = tmake(g_gpu, MGPU_F32, mgpu_shape2(2, 3));
+        int i, ok = 1;
+        expect_fail(own_sin(c, g, 1.0f, 128, NULL, NULL), MGPU_ERROR_DEVICE_MISMATCH, "own op, cuda -> cpu", "own_sin",
+                    "@cpu", "@cuda:0");
+        expect_fail(mgpu_cpu_parallel(g_gpu, 6, 0, own_sin_slice, NULL), MGPU_ERROR_DEVICE_MISMATCH,
+                    "mgpu_cpu_parallel on a GPU", "mgpu_cpu_parallel", "cuda:0 is a GPU", "mgpu_cuda_begin");
+        expect_fail(mgpu_cuda_begin(g_gpu, NULL), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_cuda_begin without a stream pointer",
+                    "mgpu_cuda_begin", "NULL stream", NULL);
+        /* a launch that cannot start (2048 threads a block): the user's error, named */
+        expect_fail(own_sin(gy, g, 1.0f, 2048, NULL, NULL), MGPU_ERROR_CUDA, "own kernel of 2048 threads a block",
+                    "mgpu_cuda_end on cuda:0", "test_sin_kernel", "cudaErrorInvalidConfiguration");
+        /* and the next launch works: the failure was cleared */
+        MUST(own_sin(gy, g, 1.0f, 32, NULL, NULL));
+        tget(gy, got);
+        for (i = 0; i < 6; ++i) ok &= fabs((double)got[i] - sin((double)h[i])) <= 1e-6;
+        CHECK(ok, "own kernel after a failed launch: sin(0.5) %g", (double)got[0]);
+        mgpu_tensor_destroy(c); mgpu_tensor_destroy(g); mgpu_tensor_destroy(gy);
+    }
+    /* several GPUs: the kernel on the last, after mgpu made the first current */
+    if (g_gpu && mgpu_cuda_device_count() > 1) {
+        mgpu_device_set* all = mgpu_device_set_create("cuda");
+        CHECK(all != NULL, "mgpu_device_set_create(\"cuda\"): %s", mgpu_last_error());
+        if (all) {
+            mgpu_device* last = mgpu_device_set_get(all, mgpu_device_set_count(all) - 1);
+            float h[5] = { -3, -1, 0, 1, 3 }, got[5];
+            mgpu_tensor *first = tmake(mgpu_device_set_get(all, 0), MGPU_F32, mgpu_shape1(5));
+            mgpu_tensor *x = tfrom(last, mgpu_shape1(5), h), *y = tmake(last, MGPU_F32, mgpu_shape1(5));
+            int i, ok = 1;
+            MUST(mgpu_tensor_fill(first, 1.0));   /* a kernel on the first GPU: it is current now */
+            MUST(own_sin(y, x, 1.0f, 64, NULL, NULL));
+            tget(y, got);
+            for (i = 0; i < 5; ++i) ok &= fabs((double)got[i] - sin((double)h[i])) <= 1e-6;
+            CHECK(ok, "own kernel on %s after a kernel on %s", mgpu_device_label(last),
+                  mgpu_device_label(mgpu_device_set_get(all, 0)));
+            mgpu_tensor_destroy(first); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+            MUST(mgpu_device_set_destroy(all));
+        }
+    }
+#endif
+    gpu_group_note("kernels of your own");
+}
+
+/* ============================================================================================ */
 /* 8. CPU threads                                                                               */
 /* ============================================================================================ */
 static void test_threads(void) {
@@ -2764,6 +2931,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_softmax_losses());
     TEST_GROUP(test_views_in_ops());
     TEST_GROUP(test_op_errors());
+    TEST_GROUP(test_own_kernels());
     TEST_GROUP(test_hostile_sizes());
     TEST_GROUP(test_threads());
     TEST_GROUP(test_concurrency());

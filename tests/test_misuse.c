@@ -156,6 +156,16 @@ static void test_nulls(void) {
     EXPECT_FAIL(mgpu_count_correct(t, lab, NULL), "mgpu_count_correct");
     EXPECT_FAIL(mgpu_dropout(NULL, t, t, 0.5f, 1, 0), "mgpu_dropout");
     EXPECT_FAIL(mgpu_dropout(t, t, NULL, 0.5f, 1, 0), "mgpu_dropout");
+    /* kernels of your own */
+    EXPECT_FAIL(mgpu_tensor_check("my_op", "x", NULL, MGPU_F32, NULL, NULL), "my_op");
+    EXPECT_FAIL(mgpu_tensor_check(NULL, NULL, NULL, MGPU_F32, NULL, NULL), "mgpu_tensor_check");
+    EXPECT_FAIL(mgpu_tensor_check("my_op", "y", t, MGPU_F32, "x", lab), "my_op");   /* shapes differ */
+    EXPECT_FAIL(mgpu_cpu_parallel(NULL, 6, 0, NULL, NULL), "mgpu_cpu_parallel");
+    EXPECT_FAIL(mgpu_cpu_parallel(cpu, 6, 0, NULL, NULL), "mgpu_cpu_parallel");
+    EXPECT_FAIL(mgpu_cuda_begin(NULL, NULL), "mgpu_cuda_begin");
+    EXPECT_FAIL(mgpu_cuda_begin(cpu, NULL), "mgpu_cuda_begin");
+    EXPECT_FAIL(mgpu_cuda_end(NULL, NULL), "mgpu_cuda_end");
+    EXPECT_FAIL(mgpu_cuda_end(cpu, NULL), "mgpu_cuda_end");
     /* layers */
     EXPECT_NULL(mgpu_layer_create(NULL, NULL), "mgpu_layer_create");
     CHECK(mgpu_layer_user_data(NULL) == NULL, "layer_user_data(NULL)");

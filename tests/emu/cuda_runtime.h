@@ -6,6 +6,9 @@
    behave as on hardware (warpSize 32). */
 #ifndef MGPU_EMU_CUDA_RUNTIME_H
 #define MGPU_EMU_CUDA_RUNTIME_H
+/* the real header declares the math functions too (sinf, expf...): a user's .cu file that
+   calls them includes nothing more (examples/course/09_sin_kernel.cu) */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
