@@ -369,7 +369,9 @@ typedef struct mgpu_device_counters {
     uint64_t rows_backward;     /* batch rows run backward here */
     uint64_t ops;               /* ops queued: kernels on a GPU, parallel loops on the CPU */
     uint64_t bytes_host_to_device;   /* copied in from host memory: uploads, a GPU replica's batch
-                                        (CPU replicas read the batch in place: no copy) */
+                                        (CPU replicas read the batch in place: no copy; a loader
+                                        made with shard_for copies the rows of cpu#1, cpu#2, ...
+                                        ahead, device to device) */
     uint64_t bytes_device_to_host;   /* copied out to host memory: downloads, losses read back */
     uint64_t bytes_device_to_device; /* copied in from another device (a pipeline's activations) */
     uint64_t bytes_allreduced;  /* this device's share of every all-reduce it took part in: a
@@ -888,6 +890,10 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
    nothing when the model is on the CPU. MGPU_ERROR_INVALID_ARGUMENT before the first batch, and
    for a distributed model (whose loss is a sum over the ranks: pass a pointer to the step). */
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss);
+/* The mean loss of one replica's rows of that batch (a replica of this process, distributed
+   models too), read as mgpu_model_last_loss reads it: the batch's loss is the replicas' losses
+   weighted by their rows (mgpu_device_counters.rows_forward says how many each ran). */
+MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* loss);
 /* Training steps replayed from a CUDA graph so far (desc.graph): 0 while they run op by op. */
 MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m);
 /* The same step in parts, for gradient accumulation over micro-batches (DDP's no_sync()):
@@ -8037,19 +8043,28 @@ static int mgpu__stage_ready(const mgpu_model* m, int s, const int* next, const 
 }
 
 /* The batch's loss summed over its rows, from each micro-batch's mean (waits for the devices). */
-static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
-    double total = 0.0;
+/* The loss summed over replica r's rows of a batch, and their count. */
+static mgpu_result mgpu__replica_loss_sum(mgpu_model* m, int r, int64_t batch, double* sum, int64_t* rows) {
     float v[4096];
-    int64_t start, count, mstart, mcount;
-    int r, k;
+    int64_t start, mstart, mcount;
+    int k;
+    const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
+    mgpu__split(batch, m->replica_count, r, &start, rows);
+    MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
+    *sum = 0.0;
+    for (k = 0; k < m->micro_batches; ++k) {
+        mgpu__split(*rows, m->micro_batches, k, &mstart, &mcount);
+        *sum += (double)v[k] * (double)mcount;
+    }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
+    double total = 0.0, one;
+    int64_t rows;
+    int r;
     for (r = 0; r < m->replica_count; ++r) {
-        const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
-        mgpu__split(batch, m->replica_count, r, &start, &count);
-        MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
-        for (k = 0; k < m->micro_batches; ++k) {
-            mgpu__split(count, m->micro_batches, k, &mstart, &mcount);
-            total += (double)v[k] * (double)mcount;
-        }
+        MGPU__TRY(mgpu__replica_loss_sum(m, r, batch, &one, &rows));
+        total += one;
     }
     *sum = total;
     return MGPU_OK;
@@ -8368,6 +8383,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
         if (reduce && !m->grads_reduced) MGPU__TRY(mgpu__dist_reduce(m, res, loss_sum, &loss_sum));  /* 4. reduce */
         else MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));   /* (NCCL overlapped backward) */
         m->rows_in_step += all_rows;
+        m->last_batch = batch;   /* this rank's rows (mgpu_model_replica_loss) */
         if (loss) *loss = (float)(loss_sum / (double)all_rows);
         return MGPU_OK;
     }
@@ -8706,6 +8722,19 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 }
 
 MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m) { return m ? m->graph_steps : 0; }
+
+MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* loss) {
+    static const char* op = "mgpu_model_replica_loss";
+    double sum;
+    int64_t rows;
+    if (!m || !loss) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL %s", op, m ? "loss" : "model");
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    MGPU__TRY(mgpu__check_replica(op, m, replica));
+    if (!m->last_batch) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no batch has been run yet", op);
+    MGPU__TRY(mgpu__replica_loss_sum(m, replica, m->last_batch, &sum, &rows));
+    *loss = rows > 0 ? (float)(sum / (double)rows) : 0.0f;
+    return MGPU_OK;
+}
 
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss) {
     static const char* op = "mgpu_model_last_loss";

@@ -106,6 +106,7 @@ typedef struct mlp_cfg {
     mgpu_allreduce_kind allreduce;
     int stages, micro_batches;          /* a pipeline: 0 means the default (1) */
     mgpu_pipeline_schedule schedule;
+    int graph;                          /* GPU steps as CUDA graph launches */
 } mlp_cfg;
 
 static mlp_cfg mlp_default(mgpu_loss_kind loss) {
@@ -140,6 +141,7 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
     d.stages = c->stages;
     d.micro_batches = c->micro_batches;
     d.schedule = c->schedule;
+    d.graph = c->graph;
     m = mgpu_model_create(&d);
     CHECK(m != NULL, "mgpu_model_create on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
     return m;
@@ -2037,7 +2039,7 @@ static void test_pipeline(void) {
    backward on its share of the rows (B = 25 on two: 13 and 12), all-reduces the whole gradient
    buffer once a step, and the host never waits for a CPU device. Pipelines: each stage runs
    every row, and the boundary's activations [B, 16] go one way and their gradients the other. */
-static void counters_case(const char* spec, int stages, int64_t B) {
+static void counters_case(const char* spec, int stages, int64_t B, int graph) {
     const int steps = 3;
     mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
     mgpu_optimizer_desc od = sgd_desc();
@@ -2053,6 +2055,7 @@ static void counters_case(const char* spec, int stages, int64_t B) {
     float loss;
     c.stages = stages;
     c.micro_batches = stages > 1 ? 2 : 0;
+    c.graph = graph;
     make_batches(&bs, steps, B, &c);
     m = make_mlp(set, &c);
     opt = m ? mgpu_optimizer_create(m, &od) : NULL;
@@ -2065,6 +2068,7 @@ static void counters_case(const char* spec, int stages, int64_t B) {
     }
     for (s = 0; opt && s < steps; ++s)
         CHECK(mgpu_model_train_step(m, opt, bs.x[s], bs.y[s], &loss) == MGPU_OK, "%s step %d: %s", spec, s, mgpu_last_error());
+    if (graph) CHECK(mgpu_model_graph_steps(m) > 0, "%s: no step was a CUDA graph's launch", spec);
     for (i = 0; i < n; ++i) mgpu_device_get_counters(mgpu_device_set_get(set, i), &k[i]);
     for (i = 0; i < n; ++i) {
         const int replica = i / stages, stage = i % stages;   /* a replica's stages are consecutive devices */
@@ -2099,6 +2103,20 @@ static void counters_case(const char* spec, int stages, int64_t B) {
     }
     CHECK(rows == (uint64_t)(B * steps), "%s: the replicas ran %llu rows, the batches have %lld", spec, (unsigned long long)rows,
           (long long)(B * steps));
+    {   /* the last step's loss is the replicas' losses weighted by their rows */
+        double sum = 0.0;
+        for (i = 0; i < replicas; ++i) {
+            float mine = 0.0f;
+            int64_t start, count;
+            mgpu__split(B, replicas, i, &start, &count);
+            CHECK(mgpu_model_replica_loss(m, i, &mine) == MGPU_OK, "%s: mgpu_model_replica_loss(%d): %s", spec, i, mgpu_last_error());
+            sum += (double)mine * (double)count;
+        }
+        CHECK(fabs(sum / (double)B - (double)loss) <= 1e-5 * fabs((double)loss), "%s: the replicas' losses make %.7g, the step's %.7g",
+              spec, sum / (double)B, (double)loss);
+        CHECK(mgpu_model_replica_loss(m, replicas, &loss) == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "replica"),
+              "%s: mgpu_model_replica_loss of replica %d: %s", spec, replicas, mgpu_last_error());
+    }
     if (gpu) CHECK(k[n - 1].host_waits > 0 && k[n - 1].bytes_device_to_host > 0, "%s: reading the loss waited %llu times for %llu bytes",
                    spec, (unsigned long long)k[n - 1].host_waits, (unsigned long long)k[n - 1].bytes_device_to_host);
     /* evaluation: forward only */
@@ -2150,15 +2168,17 @@ static void test_counters(void) {
     mgpu_tensor_destroy(a);
     mgpu_tensor_destroy(b);
     mgpu_device_set_destroy(set);
-    counters_case("cpu", 1, 24);
-    counters_case("cpu:2", 1, 24);
-    counters_case("cpu:2", 1, 25);
-    counters_case("cpu:3", 1, 25);
-    counters_case("cpu:2", 2, 24);
-    counters_case("cpu:4", 2, 25);
+    counters_case("cpu", 1, 24, 0);
+    counters_case("cpu:2", 1, 24, 0);
+    counters_case("cpu:2", 1, 25, 0);
+    counters_case("cpu:3", 1, 25, 0);
+    counters_case("cpu:2", 2, 24, 0);
+    counters_case("cpu:4", 2, 25, 0);
     if (!gpu_group("per-device counters")) return;
-    counters_case("cuda:0,0", 1, 25);
-    counters_case("cuda:0,0", 2, 24);
+    counters_case("cuda:0,0", 1, 25, 0);
+    counters_case("cuda:0,0", 2, 24, 0);
+    counters_case("cuda:0,0", 1, 25, 1);   /* a graph's launch counts what its capture queued */
+    if (g_gpus >= 2) counters_case("cuda:0,1", 1, 24, 0);   /* NCCL where it loads */
 }
 
 int main(int argc, char** argv) {
