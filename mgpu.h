@@ -206,7 +206,8 @@
    >>config      version, MGPUDEF, allocator and assert overrides
    >>result      result codes, last error, logger
    >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range
-   >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation
+   >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation,
+                 each device's counters of its work (rows, copies, all-reduces, waits)
    >>memory      caching allocator statistics, empty_cache, pinned host memory
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
    >>random      counter-based Philox RNG, identical on CPU and GPU

@@ -29,10 +29,11 @@
    9. CPU replicas running at once, reading one host batch, first layer wider than a GEMM panel
       (a regression test: they once shared one GEMM packing buffer, fixed in c7ee5ad)
    10. NCCL pinned to ring + Simple (NCCL_ALGO, NCCL_PROTO) when determinism or verify mode asks
-  11. per-device counters (mgpu_device_get_counters): rows, bytes all-reduced and copied, ops,
-      waits, allocations against what known steps must do, on cpu:N, pipelines, and cuda:0,0
-  10. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
+  11. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
       and the CPU (a skip without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
+  12. per-device counters (mgpu_device_get_counters): rows, bytes all-reduced and copied, ops,
+      waits, allocations against what known steps must do, on cpu:N and pipelines; on GPUs
+      (cuda:0,0, a CUDA graph's steps, cuda:0,1 with NCCL); mgpu_model_replica_loss
 
    MGPU_TEST_QUICK=1 uses smaller all-reduce sizes; MGPU_TEST_SEED=N repeats a run's inputs. */
 
