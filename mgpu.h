@@ -362,19 +362,21 @@ MGPUDEF mgpu_result mgpu_device_allow_tf32(mgpu_device* dev, int allow);
 
 /* What a device has done since it was made (or since mgpu_device_reset_counters), to see each
    replica's share of the work. Counted by the thread that queues the work, never by waiting for
-   the device: cheap enough to be always on. A CUDA graph's replay (a model's `graph` steps)
-   counts as one op, but its rows, copies and all-reduces as the eager step would. */
+   the device: cheap enough to be always on. A counter belongs to a device, not to a model: all
+   that runs there counts (on cpu:N, device 0 is mgpu_device_cpu(), where a program's own CPU
+   tensors live too). A CUDA graph's launch (a model's `graph` steps) counts what its capture
+   queued: the ops, rows, copies and all-reduces of the eager step. */
 typedef struct mgpu_device_counters {
     uint64_t rows_forward;      /* batch rows run forward here: train steps, accumulate, evaluate
                                    (each stage of a pipeline counts the rows it ran) */
     uint64_t rows_backward;     /* batch rows run backward here */
     uint64_t ops;               /* ops queued: kernels on a GPU, parallel loops on the CPU */
-    uint64_t bytes_host_to_device;   /* copied in from host memory: uploads, a GPU replica's batch
-                                        (CPU replicas read the batch in place: no copy; a loader
-                                        made with shard_for copies the rows of cpu#1, cpu#2, ...
-                                        ahead, device to device) */
+    uint64_t bytes_host_to_device;   /* copied in from host memory: uploads, a GPU replica's rows
+                                        of the batch (CPU replicas read them in place) */
     uint64_t bytes_device_to_host;   /* copied out to host memory: downloads, losses read back */
-    uint64_t bytes_device_to_device; /* copied in from another device (a pipeline's activations) */
+    uint64_t bytes_device_to_device; /* copied in from another device: a pipeline's activations,
+                                        mgpu_tensor_copy between devices (a loader made with
+                                        shard_for gives cpu#1, cpu#2, ... their rows so) */
     uint64_t bytes_allreduced;  /* this device's share of every all-reduce it took part in: a
                                    step of R > 1 replicas adds the gradient buffer's bytes */
     uint64_t host_waits;        /* times the host waited for this device (0 on the CPU, whose
@@ -893,7 +895,7 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss);
 /* The mean loss of one replica's rows of that batch (a replica of this process, distributed
    models too), read as mgpu_model_last_loss reads it: the batch's loss is the replicas' losses
-   weighted by their rows (mgpu_device_counters.rows_forward says how many each ran). */
+   weighted by their rows (mgpu_device_counters.rows_backward counts them). */
 MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* loss);
 /* Training steps replayed from a CUDA graph so far (desc.graph): 0 while they run op by op. */
 MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m);
