@@ -3239,7 +3239,7 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: dst %s and src %s differ in element count", op,
                           mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
     n = mgpu_tensor_numel(src);
-    MGPU__COUNT(MGPU__DEV(src), ops, 1);
+    MGPU__COUNT(MGPU__DEV(dst), ops, 1);
     if (!MGPU__IS_CPU(src)) {
         MGPU__CU(op, MGPU__DEV(src), mgpu__cu_convert(MGPU__DEV(src)->ordinal, MGPU__DEV(src)->stream, (size_t)n,
                                                       (int)src->dtype, mgpu_tensor_data(src), (int)dst->dtype,
@@ -3380,7 +3380,7 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
     mgpu__ew_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);   /* (the output's: a CPU op may read the batch on another CPU device) */
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
                                                   MGPU__F32(x), MGPU__F32(out), alpha));
@@ -3397,7 +3397,7 @@ static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, cons
     MGPU__TRY(mgpu__check_tensor(op, an, a, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, bn, b, an, a));
     MGPU__TRY(mgpu__check_like(op, "out", out, an, a));
-    MGPU__COUNT(MGPU__DEV(a), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(a)) {
         MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (size_t)mgpu_tensor_numel(a),
                                                    MGPU__F32(a), MGPU__F32(b), MGPU__F32(out), alpha));
@@ -3952,7 +3952,7 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
     if (mgpu__overlap(out, a) || mgpu__overlap(out, b))   /* out is cleared/accumulated while a and b are read */
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with an input", op,
                           mgpu_tensor_describe(out, tc, sizeof tc));
-    MGPU__COUNT(MGPU__DEV(a), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
         return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
@@ -4017,7 +4017,7 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
     MGPU__TRY(mgpu__check_channels(op, "bias", bias, "x", x));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     mgpu__channel_split(x, &outer, &channels, &inner);
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
                                                      MGPU__F32(x), MGPU__F32(bias), MGPU__F32(out)));
@@ -4038,7 +4038,7 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
 static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t outer,
                                      int64_t channels, int64_t inner, float scale, int accumulate) {
     (void)op;
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, MGPU__F32(x),
                                                         MGPU__F32(out), scale, accumulate));
@@ -4091,7 +4091,7 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_softmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__F32(out)));
@@ -4139,7 +4139,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
     if (rows == 0 || cols == 0)
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: logits %s is empty", op, mgpu_tensor_describe(logits, tx, sizeof tx));
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)rows;
-    MGPU__COUNT(MGPU__DEV(logits), ops, 1);
+    MGPU__COUNT(MGPU__DEV(loss), ops, 1);
     if (!MGPU__IS_CPU(logits)) {
         mgpu__scratch s;
         int rc;
@@ -4188,7 +4188,7 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
     n = mgpu_tensor_numel(pred);
     if (n == 0) return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'pred' is empty", op);
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)n;
-    MGPU__COUNT(MGPU__DEV(pred), ops, 1);
+    MGPU__COUNT(MGPU__DEV(loss), ops, 1);
     if (!MGPU__IS_CPU(pred)) {
         mgpu__scratch s;
         int rc;
@@ -4232,7 +4232,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
     if (out->shape.ndim != 1 || out->shape.dim[0] != rows || cols == 0)
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s must be [%lld] for x %s (with at least one column)", op,
                           mgpu_tensor_describe(out, to, sizeof to), (long long)rows, mgpu_tensor_describe(x, tx, sizeof tx));
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_argmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__I32(out)));
@@ -4321,7 +4321,7 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
     if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, seed_on_device, offset,
                                                     first, p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
@@ -4388,7 +4388,7 @@ static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
 }
 static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
     mgpu__window_job job;
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(cols), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
         return MGPU_OK;
@@ -4685,7 +4685,7 @@ static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
 }
 static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
     mgpu__window_job job;
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("transpose", MGPU__DEV(x), mgpu__cu_transpose(MGPU__CUDA_ARGS(MGPU__DEV(x)), batch, rows, cols, MGPU__F32(x), MGPU__F32(y)));
         return MGPU_OK;
@@ -4816,7 +4816,7 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
 }
 static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
     mgpu__window_job job;
-    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
         return MGPU_OK;
@@ -4841,7 +4841,7 @@ static void mgpu__maxpool_backward_range(void* ctx, int64_t p0, int64_t p1) {
 }
 static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
     mgpu__window_job job;
-    MGPU__COUNT(MGPU__DEV(dy), ops, 1);
+    MGPU__COUNT(MGPU__DEV(dx), ops, 1);
     if (!MGPU__IS_CPU(dy)) {
         MGPU__CU("MaxPool2d backward", MGPU__DEV(dy), mgpu__cu_maxpool_backward(MGPU__CUDA_ARGS(MGPU__DEV(dy)), g, MGPU__F32(dy), MGPU__I32(argmax), MGPU__F32(dx)));
         return MGPU_OK;
