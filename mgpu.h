@@ -207,7 +207,8 @@
    >>config      version, MGPUDEF, allocator and assert overrides
    >>result      result codes, last error, logger
    >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range
-   >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation
+   >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation,
+                 each device's counters of its work (rows, copies, all-reduces, waits)
    >>memory      caching allocator statistics, empty_cache, pinned host memory
    >>tensor      shapes, dtypes, tensors, views, copies between any two devices
    >>random      counter-based Philox RNG, identical on CPU and GPU
@@ -360,6 +361,32 @@ MGPUDEF void mgpu_cpu_set_threads(int n);
 MGPUDEF int mgpu_cpu_threads(void);
 /* Allow TF32 tensor-core math in float32 GEMMs on this device (default off, as in PyTorch). */
 MGPUDEF mgpu_result mgpu_device_allow_tf32(mgpu_device* dev, int allow);
+
+/* What a device has done since it was made (or since mgpu_device_reset_counters), to see each
+   replica's share of the work. Counted by the thread that queues the work, never by waiting for
+   the device: cheap enough to be always on. A counter belongs to a device, not to a model: all
+   that runs there counts (on cpu:N, device 0 is mgpu_device_cpu(), where a program's own CPU
+   tensors live too). A CUDA graph's launch (a model's `graph` steps) counts what its capture
+   queued: the ops, rows, copies and all-reduces of the eager step. */
+typedef struct mgpu_device_counters {
+    uint64_t rows_forward;      /* batch rows run forward here: train steps, accumulate, evaluate
+                                   (each stage of a pipeline counts the rows it ran) */
+    uint64_t rows_backward;     /* batch rows run backward here */
+    uint64_t ops;               /* ops queued: kernels on a GPU, parallel loops on the CPU */
+    uint64_t bytes_host_to_device;   /* copied in from host memory: uploads, a GPU replica's rows
+                                        of the batch (CPU replicas read them in place) */
+    uint64_t bytes_device_to_host;   /* copied out to host memory: downloads, losses read back */
+    uint64_t bytes_device_to_device; /* copied in from another device: a pipeline's activations,
+                                        mgpu_tensor_copy between devices (a loader made with
+                                        shard_for gives cpu#1, cpu#2, ... their rows so) */
+    uint64_t bytes_allreduced;  /* this device's share of every all-reduce it took part in: a
+                                   step of R > 1 replicas adds the gradient buffer's bytes */
+    uint64_t host_waits;        /* times the host waited for this device (0 on the CPU, whose
+                                   ops are done when they return) */
+    uint64_t allocs;            /* tensor memory handed out by its allocator (cached or new) */
+} mgpu_device_counters;
+MGPUDEF mgpu_result mgpu_device_get_counters(const mgpu_device* dev, mgpu_device_counters* counters);
+MGPUDEF void mgpu_device_reset_counters(mgpu_device* dev);
 
 /* ============================================================================================ */
 /* >>memory                                                                                     */
@@ -913,6 +940,10 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
    nothing when the model is on the CPU. MGPU_ERROR_INVALID_ARGUMENT before the first batch, and
    for a distributed model (whose loss is a sum over the ranks: pass a pointer to the step). */
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss);
+/* The mean loss of one replica's rows of that batch (a replica of this process, distributed
+   models too), read as mgpu_model_last_loss reads it: the batch's loss is the replicas' losses
+   weighted by their rows (mgpu_device_counters.rows_backward counts them). */
+MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* loss);
 /* Training steps replayed from a CUDA graph so far (desc.graph): 0 while they run op by op. */
 MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m);
 /* The same step in parts, for gradient accumulation over micro-batches (DDP's no_sync()):
@@ -2064,7 +2095,22 @@ struct mgpu_device {
     mgpu__staging staging[MGPU__STAGING_SLOTS];   /* CUDA: used in turn, under alloc's lock */
     int staging_next;
     uint64_t staging_waits;       /* uploads that found their buffer still being read */
+    mgpu_device_counters counters;   /* public (mgpu_device_get_counters), added to by MGPU__COUNT */
 };
+
+/* Counters are added to by the thread that queues the work; several threads may share a device
+   (the CPU device, a loader's thread), so the add is atomic, relaxed: no order, no lock. */
+#if defined(__GNUC__) || defined(__clang__)
+#define MGPU__COUNT(dev, field, n) ((void)__atomic_fetch_add(&(dev)->counters.field, (uint64_t)(n), __ATOMIC_RELAXED))
+#define MGPU__COUNT_READ(dev, field) __atomic_load_n(&(dev)->counters.field, __ATOMIC_RELAXED)
+#define MGPU__COUNT_ZERO(dev, field) __atomic_store_n(&(dev)->counters.field, (uint64_t)0, __ATOMIC_RELAXED)
+#else
+#define MGPU__COUNT(dev, field, n) ((void)((dev)->counters.field += (uint64_t)(n)))
+#define MGPU__COUNT_READ(dev, field) ((dev)->counters.field)
+#define MGPU__COUNT_ZERO(dev, field) ((void)((dev)->counters.field = 0))
+#endif
+#define MGPU__COUNTER_LIST(X) X(rows_forward) X(rows_backward) X(ops) X(bytes_host_to_device) \
+    X(bytes_device_to_host) X(bytes_device_to_device) X(bytes_allreduced) X(host_waits) X(allocs)
 
 struct mgpu_device_set {
     int count;
@@ -2522,9 +2568,26 @@ MGPUDEF int mgpu_device_can_access_peer(const mgpu_device* a, const mgpu_device*
 
 MGPUDEF mgpu_result mgpu_device_synchronize(mgpu_device* dev) {
     if (!dev) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_synchronize: NULL device");
-    if (dev->kind == MGPU_DEVICE_CUDA)
+    if (dev->kind == MGPU_DEVICE_CUDA) {
+        MGPU__COUNT(dev, host_waits, 1);
         MGPU__CU("mgpu_device_synchronize", dev, mgpu__cu_stream_synchronize(dev->ordinal, dev->stream));
+    }
     return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_device_get_counters(const mgpu_device* dev, mgpu_device_counters* counters) {
+    if (!dev || !counters)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_device_get_counters: NULL %s", dev ? "counters" : "device");
+#define MGPU__COUNTER_GET(field) counters->field = MGPU__COUNT_READ(dev, field);
+    MGPU__COUNTER_LIST(MGPU__COUNTER_GET)
+#undef MGPU__COUNTER_GET
+    return MGPU_OK;
+}
+MGPUDEF void mgpu_device_reset_counters(mgpu_device* dev) {
+    if (!dev) return;
+#define MGPU__COUNTER_RESET(field) MGPU__COUNT_ZERO(dev, field);
+    MGPU__COUNTER_LIST(MGPU__COUNTER_RESET)
+#undef MGPU__COUNTER_RESET
 }
 
 MGPUDEF mgpu_result mgpu_device_allow_tf32(mgpu_device* dev, int allow) {
@@ -2660,6 +2723,7 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
         size = b->size;
         MGPU_FREE(b);
         dev->alloc.stats.cache_hits++;
+        MGPU__COUNT(dev, allocs, 1);
     }
     mgpu__unlock(&dev->alloc);
     if (!ptr) {
@@ -2687,6 +2751,7 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
         }
         mgpu__lock(&dev->alloc);
         dev->alloc.stats.backend_allocs++;
+        MGPU__COUNT(dev, allocs, 1);
         dev->alloc.stats.bytes_reserved += size;
         mgpu__unlock(&dev->alloc);
     }
@@ -2783,7 +2848,9 @@ static mgpu_result mgpu__upload_pieces(mgpu_device* d, void* dst, const mgpu__ho
     int rc = 0, done = 1, i;
     size_t bytes = 0;
     for (i = 0; i < count; ++i) bytes = MGPU__MAX(bytes, piece[i].at + piece[i].bytes);
+    MGPU__COUNT(d, bytes_host_to_device, bytes);
     if (bytes > MGPU__STAGING_MAX) {   /* a whole data set, say: copied directly, waited for */
+        MGPU__COUNT(d, host_waits, 1);
         for (i = 0; i < count; ++i)
             MGPU__CU(op, d, mgpu__cu_memcpy(d->ordinal, (char*)dst + piece[i].at, piece[i].host, piece[i].bytes, d->stream));
         MGPU__CU(op, d, mgpu__cu_stream_synchronize(d->ordinal, d->stream));
@@ -2798,6 +2865,7 @@ static mgpu_result mgpu__upload_pieces(mgpu_device* d, void* dst, const mgpu__ho
     if (!rc) rc = MGPU__CUDA(mgpu__cu_event_done(d->ordinal, st->read, &done));
     if (rc == 0 && !done) {
         d->staging_waits++;
+        MGPU__COUNT(d, host_waits, 1);
         rc = MGPU__CUDA(mgpu__cu_event_synchronize(d->ordinal, st->read));
     }
     if (rc == 0 && st->capacity < bytes) {
@@ -3088,7 +3156,9 @@ MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t 
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_upload: %zu bytes given for %s (%zu bytes)", bytes,
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
     if (!bytes) return MGPU_OK;
+    MGPU__COUNT(MGPU__DEV(t), bytes_host_to_device, bytes);
     if (MGPU__IS_CPU(t)) { memcpy(mgpu_tensor_data(t), host, bytes); return MGPU_OK; }
+    MGPU__COUNT(MGPU__DEV(t), host_waits, 1);
     MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t),
              mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, mgpu_tensor_data(t), host, bytes, MGPU__DEV(t)->stream));
     MGPU__CU("mgpu_tensor_upload", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
@@ -3102,7 +3172,9 @@ MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_download: %zu bytes of room for %s (%zu bytes)", bytes,
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
     if (!bytes) return MGPU_OK;
+    MGPU__COUNT(MGPU__DEV(t), bytes_device_to_host, bytes);
     if (MGPU__IS_CPU(t)) { memcpy(host, mgpu_tensor_data(t), bytes); return MGPU_OK; }
+    MGPU__COUNT(MGPU__DEV(t), host_waits, 1);
     MGPU__CU("mgpu_tensor_download", MGPU__DEV(t),
              mgpu__cu_memcpy(MGPU__DEV(t)->ordinal, host, mgpu_tensor_data(t), bytes, MGPU__DEV(t)->stream));
     MGPU__CU("mgpu_tensor_download", MGPU__DEV(t), mgpu__cu_stream_synchronize(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream));
@@ -3132,6 +3204,8 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     if (!bytes || mgpu_tensor_data(dst) == mgpu_tensor_data(src)) return MGPU_OK;
     if (sd->kind == MGPU_DEVICE_CPU && dd->kind == MGPU_DEVICE_CPU) {
         char *d = (char*)mgpu_tensor_data(dst), *s = (char*)mgpu_tensor_data(src);
+        if (sd != dd) MGPU__COUNT(dd, bytes_device_to_device, bytes);
+        else MGPU__COUNT(dd, ops, 1);
         if (d + bytes <= s || s + bytes <= d) {   /* disjoint: copy slices on every thread */
             mgpu__copy_job job;
             job.dst = d;
@@ -3145,6 +3219,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     if (sd->kind == MGPU_DEVICE_CPU) return mgpu__upload_async(dd, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, "mgpu_tensor_copy");
     if (dd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_download(src, mgpu_tensor_data(dst), bytes);
     if (sd == dd) {   /* same stream: ordered with everything else on it */
+        MGPU__COUNT(dd, ops, 1);
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
         return MGPU_OK;
     }
@@ -3153,6 +3228,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
        for the copy before it goes on (whatever next overwrites src, or reuses its memory, comes
        after), as if both devices ran one stream. A peer copy goes directly over NVLink/PCIe
        where peer access is on, or through the host otherwise. */
+    MGPU__COUNT(dd, bytes_device_to_device, bytes);
     MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_event_record(sd->ordinal, sd->order, sd->stream));
     MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_wait_event(dd->ordinal, dd->stream, sd->order));
     if (sd->ordinal == dd->ordinal)
@@ -3198,6 +3274,7 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     int64_t i, n;
     if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_fill: NULL tensor");
     n = mgpu_tensor_numel(t);
+    MGPU__COUNT(MGPU__DEV(t), ops, 1);
     if (!MGPU__IS_CPU(t)) {
         MGPU__CU("mgpu_tensor_fill", MGPU__DEV(t),
                  mgpu__cu_fill(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, mgpu_tensor_data(t), (int)t->dtype, (size_t)n, value));
@@ -3223,6 +3300,7 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: dst %s and src %s differ in element count", op,
                           mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
     n = mgpu_tensor_numel(src);
+    MGPU__COUNT(MGPU__DEV(dst), ops, 1);
     if (!MGPU__IS_CPU(src)) {
         MGPU__CU(op, MGPU__DEV(src), mgpu__cu_convert(MGPU__DEV(src)->ordinal, MGPU__DEV(src)->stream, (size_t)n,
                                                       (int)src->dtype, mgpu_tensor_data(src), (int)dst->dtype,
@@ -3270,6 +3348,7 @@ static void mgpu__rand_range(void* ctx, int64_t begin, int64_t end) {
 static mgpu_result mgpu__rand(const char* op, mgpu_tensor* t, uint64_t seed, uint64_t offset, int normal, float a, float b) {
     mgpu__rand_job job;
     MGPU__TRY(mgpu__check_tensor(op, "t", t, MGPU_F32));
+    MGPU__COUNT(MGPU__DEV(t), ops, 1);
     if (!MGPU__IS_CPU(t)) {
         MGPU__CU(op, MGPU__DEV(t), mgpu__cu_rand(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, normal,
                                                  (size_t)mgpu_tensor_numel(t), seed, offset, a, b, MGPU__F32(t)));
@@ -3362,6 +3441,7 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
     mgpu__ew_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);   /* (the output's: a CPU op may read the batch on another CPU device) */
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
                                                   MGPU__F32(x), MGPU__F32(out), alpha));
@@ -3378,6 +3458,7 @@ static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, cons
     MGPU__TRY(mgpu__check_tensor(op, an, a, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, bn, b, an, a));
     MGPU__TRY(mgpu__check_like(op, "out", out, an, a));
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(a)) {
         MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (size_t)mgpu_tensor_numel(a),
                                                    MGPU__F32(a), MGPU__F32(b), MGPU__F32(out), alpha));
@@ -3932,6 +4013,7 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
     if (mgpu__overlap(out, a) || mgpu__overlap(out, b))   /* out is cleared/accumulated while a and b are read */
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with an input", op,
                           mgpu_tensor_describe(out, tc, sizeof tc));
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
         return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
@@ -3996,6 +4078,7 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
     MGPU__TRY(mgpu__check_channels(op, "bias", bias, "x", x));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     mgpu__channel_split(x, &outer, &channels, &inner);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
                                                      MGPU__F32(x), MGPU__F32(bias), MGPU__F32(out)));
@@ -4016,6 +4099,7 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
 static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t outer,
                                      int64_t channels, int64_t inner, float scale, int accumulate) {
     (void)op;
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, MGPU__F32(x),
                                                         MGPU__F32(out), scale, accumulate));
@@ -4068,6 +4152,7 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_softmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__F32(out)));
@@ -4115,6 +4200,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
     if (rows == 0 || cols == 0)
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: logits %s is empty", op, mgpu_tensor_describe(logits, tx, sizeof tx));
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)rows;
+    MGPU__COUNT(MGPU__DEV(loss), ops, 1);
     if (!MGPU__IS_CPU(logits)) {
         mgpu__scratch s;
         int rc;
@@ -4163,6 +4249,7 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
     n = mgpu_tensor_numel(pred);
     if (n == 0) return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'pred' is empty", op);
     if (grad_scale == 0.0f) grad_scale = 1.0f / (float)n;
+    MGPU__COUNT(MGPU__DEV(loss), ops, 1);
     if (!MGPU__IS_CPU(pred)) {
         mgpu__scratch s;
         int rc;
@@ -4206,6 +4293,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
     if (out->shape.ndim != 1 || out->shape.dim[0] != rows || cols == 0)
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s must be [%lld] for x %s (with at least one column)", op,
                           mgpu_tensor_describe(out, to, sizeof to), (long long)rows, mgpu_tensor_describe(x, tx, sizeof tx));
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_argmax(MGPU__CUDA_ARGS(MGPU__DEV(x)), (int)rows, (int)cols, MGPU__F32(x), MGPU__I32(out)));
@@ -4219,6 +4307,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
    logits' device), queued on its stream: nothing waits. Shapes checked by the caller. */
 static mgpu_result mgpu__count_correct_queued(const char* op, const mgpu_tensor* logits, const mgpu_tensor* labels, int32_t* count) {
     mgpu_device* dev = MGPU__DEV(logits);
+    MGPU__COUNT(dev, ops, 1);
     mgpu__scratch s;
     int rc;
     MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
@@ -4293,6 +4382,7 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
     if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, seed_on_device, offset,
                                                     first, p, MGPU__F32(x), MGPU__F32(out), MGPU__F32(mask)));
@@ -4359,6 +4449,7 @@ static void mgpu__im2col_range(void* ctx, int64_t n0, int64_t n1) {
 }
 static mgpu_result mgpu__im2col(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* cols) {
     mgpu__window_job job;
+    MGPU__COUNT(MGPU__DEV(cols), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("Conv2d forward (im2col)", MGPU__DEV(x), mgpu__cu_im2col(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(cols)));
         return MGPU_OK;
@@ -4404,6 +4495,7 @@ static void mgpu__col2im_range(void* ctx, int64_t n0, int64_t n1) {
 }
 static mgpu_result mgpu__col2im(const mgpu__window* g, const mgpu_tensor* cols, mgpu_tensor* dx) {
     mgpu__window_job job;
+    MGPU__COUNT(MGPU__DEV(dx), ops, 1);
     if (!MGPU__IS_CPU(dx)) {
         MGPU__CU("Conv2d backward (col2im)", MGPU__DEV(dx), mgpu__cu_col2im(MGPU__CUDA_ARGS(MGPU__DEV(dx)), g, MGPU__F32(cols), MGPU__F32(dx)));
         return MGPU_OK;
@@ -4654,6 +4746,7 @@ static void mgpu__transpose_range(void* ctx, int64_t b0, int64_t b1) {
 }
 static mgpu_result mgpu__transpose(int64_t batch, int64_t rows, int64_t cols, const mgpu_tensor* x, mgpu_tensor* y) {
     mgpu__window_job job;
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("transpose", MGPU__DEV(x), mgpu__cu_transpose(MGPU__CUDA_ARGS(MGPU__DEV(x)), batch, rows, cols, MGPU__F32(x), MGPU__F32(y)));
         return MGPU_OK;
@@ -4784,6 +4877,7 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
 }
 static mgpu_result mgpu__maxpool(const mgpu__window* g, const mgpu_tensor* x, mgpu_tensor* y, mgpu_tensor* argmax) {
     mgpu__window_job job;
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU("MaxPool2d forward", MGPU__DEV(x), mgpu__cu_maxpool(MGPU__CUDA_ARGS(MGPU__DEV(x)), g, MGPU__F32(x), MGPU__F32(y), MGPU__I32(argmax)));
         return MGPU_OK;
@@ -4808,6 +4902,7 @@ static void mgpu__maxpool_backward_range(void* ctx, int64_t p0, int64_t p1) {
 }
 static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tensor* dy, const mgpu_tensor* argmax, mgpu_tensor* dx) {
     mgpu__window_job job;
+    MGPU__COUNT(MGPU__DEV(dx), ops, 1);
     if (!MGPU__IS_CPU(dy)) {
         MGPU__CU("MaxPool2d backward", MGPU__DEV(dy), mgpu__cu_maxpool_backward(MGPU__CUDA_ARGS(MGPU__DEV(dy)), g, MGPU__F32(dy), MGPU__I32(argmax), MGPU__F32(dx)));
         return MGPU_OK;
@@ -5604,8 +5699,10 @@ static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_
         host[i] = ar->host_stage + (size_t)i * n;
         MGPU__CU("all-reduce", r->dev, mgpu__cu_memcpy(r->dev->ordinal, host[i], bufs[i], n * sizeof(float), r->stream));
     }
-    for (i = 0; i < ar->count; ++i)
+    for (i = 0; i < ar->count; ++i) {
+        MGPU__COUNT(ar->rank[i].dev, host_waits, 1);
         MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_synchronize(ar->rank[i].dev->ordinal, ar->rank[i].stream));
+    }
     job.bufs = host;
     job.count = ar->count;
     mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__host_sum_range, &job);
@@ -5613,16 +5710,25 @@ static mgpu_result mgpu__ar_staged(mgpu_allreduce* ar, float* const* bufs, size_
         mgpu__rank* r = &ar->rank[i];
         MGPU__CU("all-reduce", r->dev, mgpu__cu_memcpy(r->dev->ordinal, bufs[i], host[0], n * sizeof(float), r->stream));
     }
-    for (i = 0; i < ar->count; ++i)   /* the host buffer is reused by the next call */
+    for (i = 0; i < ar->count; ++i) {   /* the host buffer is reused by the next call */
+        MGPU__COUNT(ar->rank[i].dev, host_waits, 1);
         MGPU__CU("all-reduce", ar->rank[i].dev, mgpu__cu_stream_synchronize(ar->rank[i].dev->ordinal, ar->rank[i].stream));
+    }
     return MGPU_OK;
 }
 
 /* Sum bufs[i][0..n) across replicas, on the comm streams (GPU) or right away (CPU). The caller
    orders it with the compute streams (mgpu__ar_after_events or _after_compute, then
    mgpu__ar_before_compute). */
+/* Every device of a sum counts its share (mgpu_device_counters.bytes_allreduced). */
+static void mgpu__ar_count(mgpu_allreduce* ar, size_t n) {
+    int i;
+    for (i = 0; i < ar->count; ++i) MGPU__COUNT(ar->rank[i].dev, bytes_allreduced, n * sizeof(float));
+}
+
 static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     if (ar->kind == MGPU_ALLREDUCE_NONE || n == 0) return MGPU_OK;
+    mgpu__ar_count(ar, n);
     if (ar->rank[0].dev->kind == MGPU_DEVICE_CPU) {
         mgpu__host_sum_job job;
         job.bufs = bufs;
@@ -5651,7 +5757,10 @@ static mgpu_result mgpu__ar_reduce(mgpu_allreduce* ar, float* const* bufs, size_
    work issued next (on the CPU, simply now). */
 static mgpu_result mgpu__ar_sum(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     if (ar->rank[0].dev->kind == MGPU_DEVICE_CUDA && ar->kind != MGPU_ALLREDUCE_NONE) {
-        if (n > 0 && mgpu__ar_oneshot_fits(ar, n * sizeof(float))) return mgpu__ar_oneshot(ar, bufs, n, 1);
+        if (n > 0 && mgpu__ar_oneshot_fits(ar, n * sizeof(float))) {
+            mgpu__ar_count(ar, n);
+            return mgpu__ar_oneshot(ar, bufs, n, 1);
+        }
         MGPU__TRY(mgpu__ar_after_compute(ar));
         MGPU__TRY(mgpu__ar_reduce(ar, bufs, n));
         return mgpu__ar_before_compute(ar);
@@ -6026,6 +6135,7 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
     int q, l, total = 0, staged = 0;
     mgpu_result r = mine;
     if (P <= 1) { if (number_sum) *number_sum = number; return mine; }
+    for (l = 0; l < L && n > 0; ++l) MGPU__COUNT(MGPU__DEV(ts[l]), bytes_allreduced, n * sizeof(float));
     for (q = 0; q < P; ++q) total += rank_replicas[q];
     piece = MGPU__MAX((size_t)64, (size_t)(INT32_MAX / MGPU__MAX(L, total)) & ~(size_t)63);
     piece = MGPU__MIN(piece, MGPU__MAX(n, (size_t)1));
@@ -6287,6 +6397,7 @@ typedef struct mgpu__part {
                                            in xbuf when one GPU part takes them from the CPU */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
     struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
+    mgpu_device_counters graph_work;    /* what the graph's capture queued on dev: a launch adds it */
     mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
     mgpu_tensor* eval;                  /* the last stage, in an evaluation: each chunk's mean loss,
                                            then each chunk's correct count (int32 bits), [2 chunks]
@@ -7712,6 +7823,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         job.g = MGPU__F32(r->grads);
         job.m = opt->state1[i] ? MGPU__F32(opt->state1[i]) : NULL;
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
+        MGPU__COUNT(r->dev, ops, 1);
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
         } else if (job.adamw) {
@@ -7823,6 +7935,7 @@ static mgpu_result mgpu__stage_copy(const mgpu__part* on, mgpu_tensor* dst, cons
     static const char* op = "pipeline copy";
     mgpu_device *dd = MGPU__DEV(dst), *sd = MGPU__DEV(src);
     if (dd->kind == MGPU_DEVICE_CPU && sd->kind == MGPU_DEVICE_CPU) return mgpu_tensor_copy(dst, src);
+    MGPU__COUNT(dd, bytes_device_to_device, mgpu_tensor_bytes(src));
     if (dd->ordinal == sd->ordinal)
         MGPU__CU(op, on->dev, mgpu__cu_memcpy(on->dev->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), mgpu_tensor_bytes(src),
                                              on->dev->stream));
@@ -7848,6 +7961,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));   /* after mgpu__part_wait (the caller's) */
         x = sl->xin;
     }
+    MGPU__COUNT(p->dev, rows_forward, x->shape.dim[0]);
     MGPU__TRY(mgpu__slot_resize(m, p, sl, x->shape));
     sl->input = *x;
     sl->training = training;
@@ -7897,6 +8011,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
    this part's stream into that stage's slot (free: that stage ran backward k - slots before
    its forward k, which this part's forward k came after). */
 static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
+    MGPU__COUNT(p->dev, rows_backward, p->slot[k % p->slot_count].input.shape.dim[0]);
     if (p->stage > 0) {
         mgpu__part* to = p - 1;
         mgpu__slot* dst = &to->slot[k % to->slot_count];
@@ -8172,19 +8287,28 @@ static int mgpu__stage_ready(const mgpu_model* m, int s, const int* next, const 
 }
 
 /* The batch's loss summed over its rows, from each micro-batch's mean (waits for the devices). */
-static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
-    double total = 0.0;
+/* The loss summed over replica r's rows of a batch, and their count. */
+static mgpu_result mgpu__replica_loss_sum(mgpu_model* m, int r, int64_t batch, double* sum, int64_t* rows) {
     float v[4096];
-    int64_t start, count, mstart, mcount;
-    int r, k;
+    int64_t start, mstart, mcount;
+    int k;
+    const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
+    mgpu__split(batch, m->replica_count, r, &start, rows);
+    MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
+    *sum = 0.0;
+    for (k = 0; k < m->micro_batches; ++k) {
+        mgpu__split(*rows, m->micro_batches, k, &mstart, &mcount);
+        *sum += (double)v[k] * (double)mcount;
+    }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
+    double total = 0.0, one;
+    int64_t rows;
+    int r;
     for (r = 0; r < m->replica_count; ++r) {
-        const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
-        mgpu__split(batch, m->replica_count, r, &start, &count);
-        MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
-        for (k = 0; k < m->micro_batches; ++k) {
-            mgpu__split(count, m->micro_batches, k, &mstart, &mcount);
-            total += (double)v[k] * (double)mcount;
-        }
+        MGPU__TRY(mgpu__replica_loss_sum(m, r, batch, &one, &rows));
+        total += one;
     }
     *sum = total;
     return MGPU_OK;
@@ -8503,6 +8627,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
         if (reduce && !m->grads_reduced) MGPU__TRY(mgpu__dist_reduce(m, res, loss_sum, &loss_sum));  /* 4. reduce */
         else MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));   /* (NCCL overlapped backward) */
         m->rows_in_step += all_rows;
+        m->last_batch = batch;   /* this rank's rows (mgpu_model_replica_loss) */
         if (loss) *loss = (float)(loss_sum / (double)all_rows);
         return MGPU_OK;
     }
@@ -8735,9 +8860,22 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         return MGPU_OK;
     }
     if (r == MGPU_OK && !m->graph_exec) {
+        for (i = 0; i < m->part_count; ++i) mgpu_device_get_counters(m->part[i].dev, &m->part[i].graph_work);
         mgpu__step_state_save(m, opt, &before);
         r = mgpu__graph_capture(m, opt, &b);
         mgpu__step_state_load(m, opt, &before);   /* nothing ran: the launch below does it */
+        for (i = 0; i < m->part_count; ++i) {   /* nor did the work the capture counted: each launch counts it */
+            mgpu_device_counters now;
+            mgpu__part* p = &m->part[i];
+            mgpu_device_get_counters(p->dev, &now);
+#define MGPU__GRAPH_WORK(field) p->graph_work.field = now.field - p->graph_work.field;
+            MGPU__COUNTER_LIST(MGPU__GRAPH_WORK)
+#undef MGPU__GRAPH_WORK
+            p->graph_work.allocs = 0;   /* (those were real: the graph's buffers) */
+#define MGPU__GRAPH_UNDO(field) MGPU__COUNT(p->dev, field, 0 - p->graph_work.field);
+            MGPU__COUNTER_LIST(MGPU__GRAPH_UNDO)
+#undef MGPU__GRAPH_UNDO
+        }
         if (r != MGPU_OK) {
             mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());
             m->graph = 0;
@@ -8760,6 +8898,11 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         return r;
     }
     *eager = 0;
+    for (i = 0; i < m->part_count; ++i) {   /* what the launch queued on each device */
+#define MGPU__GRAPH_DID(field) MGPU__COUNT(m->part[i].dev, field, m->part[i].graph_work.field);
+        MGPU__COUNTER_LIST(MGPU__GRAPH_DID)
+#undef MGPU__GRAPH_DID
+    }
     /* the host's side of the step, as the eager one leaves it */
     mgpu__optimizer_advance(opt);
     m->grads_reduced = 1;
@@ -8823,6 +8966,19 @@ MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, co
 }
 
 MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m) { return m ? m->graph_steps : 0; }
+
+MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* loss) {
+    static const char* op = "mgpu_model_replica_loss";
+    double sum;
+    int64_t rows;
+    if (!m || !loss) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL %s", op, m ? "loss" : "model");
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    MGPU__TRY(mgpu__check_replica(op, m, replica));
+    if (!m->last_batch) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no batch has been run yet", op);
+    MGPU__TRY(mgpu__replica_loss_sum(m, replica, m->last_batch, &sum, &rows));
+    *loss = rows > 0 ? (float)(sum / (double)rows) : 0.0f;
+    return MGPU_OK;
+}
 
 MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss) {
     static const char* op = "mgpu_model_last_loss";

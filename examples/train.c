@@ -38,7 +38,7 @@ typedef struct options {
     const char* trace;       /* a trace of three steps: Chrome's JSON, or an SVG picture */
     int stages, micro_batches, split_at[64];
     float dropout;
-    int epochs, batch, quiet, graph;
+    int epochs, batch, quiet, graph, verbose;
     int64_t max_steps;
     float lr, momentum, weight_decay;
     float mean, std;         /* the input x = (pixel / 255 - mean) / std */
@@ -78,6 +78,9 @@ static void usage(FILE* f) {
             "                      input normalisation in its metadata (input.mean, input.std)\n"
             "  --load FILE         resume from a checkpoint written by --save (or a PyTorch state_dict)\n"
             "  --quiet             no progress bars\n"
+            "  --verbose           with each progress line, one line per replica: its rows and loss in that\n"
+            "                      step, the bytes it all-reduced, and its counters since the start (ops,\n"
+            "                      copies, waits for the device: mgpu_device_get_counters)\n"
             "  --help              this text\n");
 }
 
@@ -170,6 +173,7 @@ static int parse_args(int argc, char** argv, options* o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--quiet")) { o->quiet = 1; takes = 0; }
         else if (!strcmp(a, "--graph")) { o->graph = 1; takes = 0; }
+        else if (!strcmp(a, "--verbose")) { o->verbose = 1; takes = 0; }
         else if (!known) { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
         else if (!strcmp(a, "--data")) o->data = v;
@@ -352,6 +356,50 @@ static void progress(const options* o, const char* where, int epoch, int64_t don
     fflush(stdout);
 }
 
+/* --verbose: what each replica did in the step just run (its counters now minus `before`, taken
+   just before the step) and since the start. A replica of several stages: its first stage's rows,
+   every stage's all-reduce and ops. */
+#define MAX_VERBOSE 64
+static void replica_lines(mgpu_model* model, int64_t step, const mgpu_device_counters* before) {
+    int r, s;
+    for (r = 0; r < mgpu_model_replica_count(model) && r < MAX_VERBOSE; ++r) {
+        mgpu_device_counters k, sum;
+        float loss = 0.0f;
+        memset(&sum, 0, sizeof sum);
+        for (s = 0; s < mgpu_model_stage_count(model); ++s) {
+            mgpu_device_get_counters(mgpu_model_stage_device(model, r, s), &k);
+            if (s == 0) { sum.rows_forward = k.rows_forward; sum.rows_backward = k.rows_backward; }
+            sum.ops += k.ops;
+            sum.bytes_allreduced += k.bytes_allreduced;
+            sum.bytes_host_to_device += k.bytes_host_to_device;
+            sum.bytes_device_to_host += k.bytes_device_to_host;
+            sum.bytes_device_to_device += k.bytes_device_to_device;
+            sum.host_waits += k.host_waits;
+        }
+        mgpu_model_replica_loss(model, r, &loss);
+        printf("  replica %d on %s: step %lld rows=%llu loss=%.4f allreduced=%llu | since the start: rows=%llu allreduced=%llu "
+               "ops=%llu h2d=%llu d2h=%llu d2d=%llu waits=%llu\n", r, mgpu_device_label(mgpu_model_device(model, r)), (long long)step,
+               (unsigned long long)(sum.rows_backward - before[r].rows_backward), (double)loss,
+               (unsigned long long)(sum.bytes_allreduced - before[r].bytes_allreduced), (unsigned long long)sum.rows_backward,
+               (unsigned long long)sum.bytes_allreduced, (unsigned long long)sum.ops, (unsigned long long)sum.bytes_host_to_device,
+               (unsigned long long)sum.bytes_device_to_host, (unsigned long long)sum.bytes_device_to_device,
+               (unsigned long long)sum.host_waits);
+    }
+}
+/* Each replica's rows and bytes all-reduced so far (the `before` of replica_lines). */
+static void replica_snapshot(mgpu_model* model, mgpu_device_counters* before) {
+    int r, s;
+    for (r = 0; r < mgpu_model_replica_count(model) && r < MAX_VERBOSE; ++r) {
+        mgpu_device_counters k;
+        memset(&before[r], 0, sizeof before[r]);
+        for (s = 0; s < mgpu_model_stage_count(model); ++s) {
+            mgpu_device_get_counters(mgpu_model_stage_device(model, r, s), &k);
+            if (s == 0) before[r].rows_backward = k.rows_backward;
+            before[r].bytes_allreduced += k.bytes_allreduced;
+        }
+    }
+}
+
 int main(int argc, char** argv) {
     options o;
     mgpu_device_set* set = NULL;
@@ -368,6 +416,7 @@ int main(int argc, char** argv) {
     int64_t epoch;
     int status = 1, interactive = 0, stop = 0, rank, ranks;
     char where[128];
+    mgpu_device_counters before[MAX_VERBOSE];
     if (mgpu_dist_init(&argc, &argv) != MGPU_OK) { fprintf(stderr, "train: %s\n", mgpu_last_error()); return 1; }
     rank = mgpu_dist_rank();   /* 0 of 1 without MPI */
     ranks = mgpu_dist_size();
@@ -435,6 +484,10 @@ int main(int argc, char** argv) {
         const int64_t planned = o.max_steps ? o.max_steps - first_step : batches * o.epochs - first_step;
         trace_from = first_step + (planned >= 8 ? 5 : 0);
     }
+    if (o.verbose) {   /* --verbose counts from the first step: not the setup's copies (the test set, the replicas' first weights) */
+        int d;
+        for (d = 0; d < mgpu_device_set_count(set); ++d) mgpu_device_reset_counters(mgpu_device_set_get(set, d));
+    }
     /* 64-bit: a checkpoint may hold up to 2^53 steps, far past an int's epochs */
     for (epoch = steps / batches; epoch < o.epochs && !stop; ++epoch) {
         const mgpu_tensor *x, *y;
@@ -453,6 +506,7 @@ int main(int argc, char** argv) {
                 fprintf(stderr, "\ntrain: --trace: %s\n", mgpu_last_error());
                 goto done;
             }
+            if (o.verbose && (show || last)) replica_snapshot(model, before);
             if (mgpu_model_train_step(model, opt, x, y, show || last ? &loss : NULL) != MGPU_OK) {
                 fprintf(stderr, "\ntrain: %s\n", mgpu_last_error());
                 goto done;
@@ -466,6 +520,10 @@ int main(int argc, char** argv) {
             epoch_samples = b * (int64_t)o.batch < train->count ? b * (int64_t)o.batch : train->count;   /* every rank's */
             rate = epoch_samples / (mgpu_seconds() - t0 + 1e-9);
             if (show) progress(&o, where, (int)epoch, b, batches, loss, rate, !interactive);
+            if (o.verbose && rank == 0 && (show || last)) {   /* (after a redrawn bar: below it) */
+                if (interactive && !o.quiet && show) printf("\n");
+                replica_lines(model, steps, before);
+            }
         }
         train_seconds += mgpu_seconds() - t0;
         samples += epoch_samples;

@@ -193,6 +193,15 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
         if (!accumulate) {
             ok &= mgpu_model_train_step(dm, dopt, xs, ys, &dl) == MGPU_OK;
             ok &= mgpu_model_train_step(ref, ropt, x, y, &rl) == MGPU_OK;
+            {   /* each replica's own loss: this rank's, as the one process's replica of the same rows */
+                int i;
+                for (i = 0; ok && i < mgpu_model_replica_count(dm); ++i) {
+                    float mine = -1.0f, theirs = -2.0f;
+                    ok &= mgpu_model_replica_loss(dm, i, &mine) == MGPU_OK &&
+                          mgpu_model_replica_loss(ref, mgpu_model_first_replica(dm) + i, &theirs) == MGPU_OK;
+                    losses &= fabsf(mine - theirs) <= 1e-6f * fabsf(theirs);
+                }
+            }
         } else {   /* the batch in two halves, each rank with its rows of each half */
             const int64_t half = B / 2;
             mgpu_tensor *a = mgpu_tensor_view_rows(x, 0, half), *b = mgpu_tensor_view_rows(x, half, B - half);
@@ -216,7 +225,7 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
         mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     }
     CHECK(ok, "%s: %d steps: %s", what, steps, ok ? "" : mgpu_last_error());
-    CHECK(losses, "%s: the job's loss is the one process's", what);
+    CHECK(losses, "%s: the job's loss, and each replica's (mgpu_model_replica_loss), are the one process's", what);
     CHECK(same_params(dm, ref), "%s, batch %lld: the same parameters as one process on %s, bit for bit", what, (long long)B, spec);
     CHECK(mgpu_model_verify_replicas(dm) == MGPU_OK, "%s: every replica of every rank the same: %s", what, mgpu_last_error());
     mgpu_optimizer_destroy(dopt); mgpu_optimizer_destroy(ropt);

@@ -29,8 +29,11 @@
    9. CPU replicas running at once, reading one host batch, first layer wider than a GEMM panel
       (a regression test: they once shared one GEMM packing buffer, fixed in c7ee5ad)
    10. NCCL pinned to ring + Simple (NCCL_ALGO, NCCL_PROTO) when determinism or verify mode asks
-  10. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
+  11. CUDA: the same on cuda:0,0 and cuda:0,0,0,0 (P2P and HOST, small buckets) against cuda:0
       and the CPU (a skip without a GPU; a failure with MGPU_TEST_REQUIRE_GPU=1)
+  12. per-device counters (mgpu_device_get_counters): rows, bytes all-reduced and copied, ops,
+      waits, allocations against what known steps must do, on cpu:N and pipelines; on GPUs
+      (cuda:0,0, a CUDA graph's steps, cuda:0,1 with NCCL); mgpu_model_replica_loss
 
    MGPU_TEST_QUICK=1 uses smaller all-reduce sizes; MGPU_TEST_SEED=N repeats a run's inputs. */
 
@@ -105,6 +108,7 @@ typedef struct mlp_cfg {
     mgpu_allreduce_kind allreduce;
     int stages, micro_batches;          /* a pipeline: 0 means the default (1) */
     mgpu_pipeline_schedule schedule;
+    int graph;                          /* GPU steps as CUDA graph launches */
 } mlp_cfg;
 
 static mlp_cfg mlp_default(mgpu_loss_kind loss) {
@@ -139,6 +143,7 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
     d.stages = c->stages;
     d.micro_batches = c->micro_batches;
     d.schedule = c->schedule;
+    d.graph = c->graph;
     m = mgpu_model_create(&d);
     CHECK(m != NULL, "mgpu_model_create on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
     return m;
@@ -2192,6 +2197,158 @@ static void test_pipeline(void) {
     pipeline_trace_svg(g_gpus >= 4 ? "cuda:0,1,2,3" : "cuda:0,0,0,0");
 }
 
+/* ============================================================================================ */
+/* 12. per-device counters                                                                      */
+/* ============================================================================================ */
+/* mgpu_device_counters against what known steps must do: an MLP of 12 -> 16 -> 5 (293 floats of
+   parameters, a flat buffer of a few more) trained `steps` steps of B rows on a set of devices. Each replica runs forward and
+   backward on its share of the rows (B = 25 on two: 13 and 12), all-reduces the whole gradient
+   buffer once a step, and the host never waits for a CPU device. Pipelines: each stage runs
+   every row, and the boundary's activations [B, 16] go one way and their gradients the other. */
+static void counters_case(const char* spec, int stages, int64_t B, int graph) {
+    const int steps = 3;
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = sgd_desc();
+    mgpu_device_set* set = mkset(spec);
+    batch_set bs;
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_device_counters k[4];
+    const int n = mgpu_device_set_count(set), gpu = mgpu_device_kind_of(mgpu_device_set_get(set, 0)) == MGPU_DEVICE_CUDA;
+    const int replicas = n / stages;
+    uint64_t rows = 0;
+    int i, s;
+    float loss;
+    c.stages = stages;
+    c.micro_batches = stages > 1 ? 2 : 0;
+    c.graph = graph;
+    make_batches(&bs, steps, B, &c);
+    m = make_mlp(set, &c);
+    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    CHECK(opt != NULL, "counters on %s: %s", spec, mgpu_last_error());
+    for (i = 0; i < n; ++i) mgpu_device_reset_counters(mgpu_device_set_get(set, i));
+    for (i = 0; i < n; ++i) {
+        CHECK(mgpu_device_get_counters(mgpu_device_set_get(set, i), &k[i]) == MGPU_OK, "mgpu_device_get_counters: %s", mgpu_last_error());
+        CHECK(k[i].rows_forward == 0 && k[i].ops == 0 && k[i].bytes_allreduced == 0 && k[i].allocs == 0,
+              "%s device %d: counters not zero after mgpu_device_reset_counters", spec, i);
+    }
+    for (s = 0; opt && s < steps; ++s)
+        CHECK(mgpu_model_train_step(m, opt, bs.x[s], bs.y[s], &loss) == MGPU_OK, "%s step %d: %s", spec, s, mgpu_last_error());
+    if (graph) CHECK(mgpu_model_graph_steps(m) > 0, "%s: no step was a CUDA graph's launch", spec);
+    for (i = 0; i < n; ++i) mgpu_device_get_counters(mgpu_device_set_get(set, i), &k[i]);
+    for (i = 0; i < n; ++i) {
+        const int replica = i / stages, stage = i % stages;   /* a replica's stages are consecutive devices */
+        int64_t start, count;
+        uint64_t want;
+        mgpu__split(B, replicas, replica, &start, &count);
+        want = (uint64_t)(count * steps);
+        CHECK(k[i].rows_forward == want && k[i].rows_backward == want, "%s device %d: rows forward %llu, backward %llu, want %llu",
+              spec, i, (unsigned long long)k[i].rows_forward, (unsigned long long)k[i].rows_backward, (unsigned long long)want);
+        if (stage == 0) rows += k[i].rows_forward;
+        /* the stage's whole flat gradient buffer (its tensors padded for alignment) */
+        want = replicas > 1 ? (uint64_t)steps * mgpu_tensor_bytes(mgpu_model_stage_grads(m, replica, stage)) : 0;
+        CHECK(k[i].bytes_allreduced == want, "%s device %d: %llu bytes all-reduced, want %llu", spec, i,
+              (unsigned long long)k[i].bytes_allreduced, (unsigned long long)want);
+        want = stages > 1 ? (uint64_t)(steps * count * 16) * sizeof(float) : 0;
+        CHECK(k[i].bytes_device_to_device == want, "%s device %d: %llu bytes from other devices, want %llu", spec, i,
+              (unsigned long long)k[i].bytes_device_to_device, (unsigned long long)want);
+        CHECK(k[i].ops >= (uint64_t)steps * (stages > 1 ? 2 : 5), "%s device %d: %llu ops in %d steps", spec, i,
+              (unsigned long long)k[i].ops, steps);
+        /* the same work on every replica, counted on the device that does it (a CPU replica's first
+           GEMM reads the batch on the CPU device: the op is still its own) */
+        CHECK(k[i].ops == k[i % stages].ops, "%s device %d: %llu ops, replica 0's same stage %llu", spec, i,
+              (unsigned long long)k[i].ops, (unsigned long long)k[i % stages].ops);
+        if (gpu) {
+            /* its rows of x (12 floats) and their labels go up every step */
+            want = stage == 0 ? (uint64_t)(steps * count * 12) * sizeof(float) : 0;
+            CHECK(k[i].bytes_host_to_device >= want, "%s device %d: %llu bytes from the host, want at least %llu", spec, i,
+                  (unsigned long long)k[i].bytes_host_to_device, (unsigned long long)want);
+        } else {
+            CHECK(k[i].bytes_host_to_device == 0 && k[i].host_waits == 0,
+                  "%s device %d: a CPU replica copied %llu bytes in and waited %llu times, want 0 and 0", spec, i,
+                  (unsigned long long)k[i].bytes_host_to_device, (unsigned long long)k[i].host_waits);
+        }
+    }
+    CHECK(rows == (uint64_t)(B * steps), "%s: the replicas ran %llu rows, the batches have %lld", spec, (unsigned long long)rows,
+          (long long)(B * steps));
+    {   /* the last step's loss is the replicas' losses weighted by their rows */
+        double sum = 0.0;
+        for (i = 0; i < replicas; ++i) {
+            float mine = 0.0f;
+            int64_t start, count;
+            mgpu__split(B, replicas, i, &start, &count);
+            CHECK(mgpu_model_replica_loss(m, i, &mine) == MGPU_OK, "%s: mgpu_model_replica_loss(%d): %s", spec, i, mgpu_last_error());
+            sum += (double)mine * (double)count;
+        }
+        CHECK(fabs(sum / (double)B - (double)loss) <= 1e-5 * fabs((double)loss), "%s: the replicas' losses make %.7g, the step's %.7g",
+              spec, sum / (double)B, (double)loss);
+        CHECK(mgpu_model_replica_loss(m, replicas, &loss) == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "replica"),
+              "%s: mgpu_model_replica_loss of replica %d: %s", spec, replicas, mgpu_last_error());
+    }
+    if (gpu) CHECK(k[n - 1].host_waits > 0 && k[n - 1].bytes_device_to_host > 0, "%s: reading the loss waited %llu times for %llu bytes",
+                   spec, (unsigned long long)k[n - 1].host_waits, (unsigned long long)k[n - 1].bytes_device_to_host);
+    /* evaluation: forward only */
+    mgpu_device_reset_counters(mgpu_device_set_get(set, 0));
+    if (opt) CHECK(mgpu_model_evaluate(m, bs.x[0], bs.y[0], &loss, NULL) == MGPU_OK, "%s evaluate: %s", spec, mgpu_last_error());
+    mgpu_device_get_counters(mgpu_device_set_get(set, 0), &k[0]);
+    {
+        int64_t start, count;
+        mgpu__split(B, replicas, 0, &start, &count);
+        CHECK(k[0].rows_forward == (uint64_t)count && k[0].rows_backward == 0 && k[0].bytes_allreduced == 0,
+              "%s evaluate: device 0 ran %llu rows forward, %llu backward, all-reduced %llu bytes; want %lld, 0, 0", spec,
+              (unsigned long long)k[0].rows_forward, (unsigned long long)k[0].rows_backward,
+              (unsigned long long)k[0].bytes_allreduced, (long long)count);
+    }
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    free_batches(&bs);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_counters(void) {
+    mgpu_tensor *a, *b;
+    mgpu_device_counters k;
+    mgpu_device_set* set;
+    float host[6] = {0};
+    header("per-device counters");
+    CHECK(mgpu_device_get_counters(NULL, &k) == MGPU_ERROR_INVALID_ARGUMENT && has(mgpu_last_error(), "mgpu_device_get_counters"),
+          "NULL device: %s", mgpu_last_error());
+    CHECK(mgpu_device_get_counters(mgpu_device_cpu(), NULL) == MGPU_ERROR_INVALID_ARGUMENT, "NULL counters accepted");
+    mgpu_device_reset_counters(NULL);   /* does nothing */
+    /* copies: upload 24 bytes in, copy them to the other device, download them */
+    set = mkset("cpu:2");
+    mgpu_device_reset_counters(mgpu_device_set_get(set, 0));
+    mgpu_device_reset_counters(mgpu_device_set_get(set, 1));
+    a = tmake(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(6));
+    b = tmake(mgpu_device_set_get(set, 1), MGPU_F32, mgpu_shape1(6));
+    CHECK(mgpu_tensor_upload(a, host, sizeof host) == MGPU_OK && mgpu_tensor_copy(b, a) == MGPU_OK &&
+          mgpu_tensor_download(b, host, sizeof host) == MGPU_OK && mgpu_scale(b, b, 2.0f) == MGPU_OK, "copies: %s", mgpu_last_error());
+    mgpu_device_get_counters(mgpu_device_set_get(set, 0), &k);
+    CHECK(k.bytes_host_to_device == 24 && k.bytes_device_to_host == 0 && k.bytes_device_to_device == 0 && k.allocs == 1 && k.ops == 0,
+          "cpu#0 after an upload: h2d %llu d2h %llu d2d %llu allocs %llu ops %llu, want 24 0 0 1 0",
+          (unsigned long long)k.bytes_host_to_device, (unsigned long long)k.bytes_device_to_host,
+          (unsigned long long)k.bytes_device_to_device, (unsigned long long)k.allocs, (unsigned long long)k.ops);
+    mgpu_device_get_counters(mgpu_device_set_get(set, 1), &k);
+    CHECK(k.bytes_host_to_device == 0 && k.bytes_device_to_host == 24 && k.bytes_device_to_device == 24 && k.allocs == 1 && k.ops == 1,
+          "cpu#1 after a copy in, a download and a scale: h2d %llu d2h %llu d2d %llu allocs %llu ops %llu, want 0 24 24 1 1",
+          (unsigned long long)k.bytes_host_to_device, (unsigned long long)k.bytes_device_to_host,
+          (unsigned long long)k.bytes_device_to_device, (unsigned long long)k.allocs, (unsigned long long)k.ops);
+    mgpu_tensor_destroy(a);
+    mgpu_tensor_destroy(b);
+    mgpu_device_set_destroy(set);
+    counters_case("cpu", 1, 24, 0);
+    counters_case("cpu:2", 1, 24, 0);
+    counters_case("cpu:2", 1, 25, 0);
+    counters_case("cpu:3", 1, 25, 0);
+    counters_case("cpu:2", 2, 24, 0);
+    counters_case("cpu:4", 2, 25, 0);
+    if (!gpu_group("per-device counters")) return;
+    counters_case("cuda:0,0", 1, 25, 0);
+    counters_case("cuda:0,0", 2, 24, 0);
+    counters_case("cuda:0,0", 1, 25, 1);   /* a graph's launch counts what its capture queued */
+    if (g_gpus >= 2) counters_case("cuda:0,1", 1, 24, 0);   /* NCCL where it loads */
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -2217,6 +2374,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_nccl_pinning());
     TEST_GROUP(test_cuda_training());
     TEST_GROUP(test_pipeline());
+    TEST_GROUP(test_counters());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");

@@ -2,7 +2,8 @@
 # build/train refuses bad flags before it trains: a non-zero exit and a message that names the
 # flag. Out-of-range numbers (not truncated), --lr 0/inf/nan, a negative --weight-decay (0 is
 # legal), a malformed --devices without a GPU, a --save path that cannot be written; and a
-# checkpoint whose step count is past every epoch resumes as finished instead of looping.
+# checkpoint whose step count is past every epoch resumes as finished instead of looping; --verbose
+# prints each replica's rows, loss and bytes all-reduced, and they add up.
 # Usage: train_flags.sh [TRAIN_BINARY] [DATA_DIR]
 train=${1:-build/train}
 data=${2:-/usr/share/datasets/fashion-mnist}
@@ -91,6 +92,33 @@ if [ -e "$data/train-images-idx3-ubyte.gz" ] || [ -e "$data/train-images-idx3-ub
     fi
 else
     skipped=$((skipped + 1)); echo "  skip --mean 0 --std 1: no Fashion-MNIST in $data"
+fi
+
+# --verbose: a line per replica with each progress line and at the end, whose numbers add up: the
+# replicas' rows of a step make the batch (50 on 3 replicas: 17, 17, 16), each all-reduced the same
+# bytes, and since the start their rows make steps x batch; without it, no such line
+if [ -e "$data/train-images-idx3-ubyte.gz" ] || [ -e "$data/train-images-idx3-ubyte" ]; then
+    timeout 120 "$train" --data "$data" --devices cpu:3 --epochs 1 --batch 50 --max-steps 3 --verbose > "$tmp/verbose.txt" 2>"$tmp/err"
+    timeout 120 "$train" --data "$data" --devices cpu:3 --epochs 1 --batch 50 --max-steps 3 > "$tmp/plain.txt" 2>>"$tmp/err"
+    check=$(grep '^  replica [0-9]* on ' "$tmp/verbose.txt" | tail -n 3 | awk -F' [|] ' '
+        { split($1, a, " "); split($2, b, " ")
+          for (i = 1; i in a; ++i) if (split(a[i], kv, "=") == 2) step_[kv[1]] = kv[2]
+          for (i = 1; i in b; ++i) if (split(b[i], kv, "=") == 2) all_[kv[1]] = kv[2]
+          if (n == 0) { step = a[6]; ar = step_["allreduced"] }
+          if (step_["allreduced"] != ar || a[6] != step || !(step_["loss"] + 0 > 0)) odd = "inconsistent"
+          n++; rows += step_["rows"]; all += all_["rows"] }
+        END { printf "%d %d %d %s %s", n, rows, all, ar, odd }')
+    set -- $check
+    if [ "$1" = 3 ] && [ "$2" = 50 ] && [ "$3" = 150 ] && [ "${4:-0}" -gt 0 ] && [ -z "$5" ] &&
+       ! grep -q '^  replica ' "$tmp/plain.txt" && [ "$(tail -n 1 "$tmp/plain.txt" | sed 's/samples_per_s=.*//')" = \
+       "$(tail -n 1 "$tmp/verbose.txt" | sed 's/samples_per_s=.*//')" ]; then
+        ok "--verbose: 3 replicas, rows $2 of a batch of 50, $3 of 3 steps, $4 bytes all-reduced each; none without it"
+    else
+        bad "--verbose: replicas $1, rows $2 (want 50), since the start $3 (want 150), all-reduced $4, ${5:-consistent}"
+        grep '^  replica' "$tmp/verbose.txt" | tail -n 3 | sed 's/^/       /'
+    fi
+else
+    skipped=$((skipped + 1)); echo "  skip --verbose: no Fashion-MNIST in $data"
 fi
 
 # a checkpoint claiming 2^53 steps: every epoch is done, so train evaluates and stops
