@@ -2333,7 +2333,7 @@ static void test_op_errors(void) {
     {
         mgpu_device_set* set = mgpu_device_set_create("cpu:2");
         if (set) {
-            float h[6] = { 1, 2, 3, 4, 5, 6 }, g[6];
+            float h[9] = { 1, 2, 3, 4, 5, 6, 7, 8, 9 }, g[6];
             mgpu_device *d0 = mgpu_device_set_get(set, 0), *d1 = mgpu_device_set_get(set, 1);
             mgpu_tensor *a = tfrom(d0, mgpu_shape2(2, 3), h), *b = tfrom(d1, mgpu_shape2(2, 3), h);
             mgpu_tensor *w = tfrom(d1, mgpu_shape2(3, 3), h), *o = tmake(d0, MGPU_F32, mgpu_shape2(2, 3));
