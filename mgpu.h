@@ -489,7 +489,14 @@ MGPUDEF uint64_t mgpu_rand_offsets(int64_t n);
 /* >>ops                                                                                        */
 /* ============================================================================================ */
 /* Every op checks that its tensors are float32 (unless said otherwise), share one device, and
-   have matching shapes; out may alias an input in the elementwise ops. */
+   have matching shapes; out may alias an input in the elementwise ops. One device means one:
+   two CPU devices of a set ("cpu:2") are refused as two GPUs are (MGPU_ERROR_DEVICE_MISMATCH,
+   "mgpu_add: 'b' f32[4]@cpu#1 and 'a' f32[4]@cpu are on different devices"), although both are
+   host memory, so that a program tried on "cpu:N" fails where it would on "cuda:0,1"; move a
+   tensor first (mgpu_tensor_copy, mgpu_tensor_to). Deliberate exceptions, inside the library
+   only: the all-reduce of CPU replicas sums their buffers in place across devices (as NCCL and
+   P2P read other GPUs'), and a step lends a CPU replica its rows of a batch that is on another
+   CPU device without a copy (a GPU gets a copy). */
 MGPUDEF mgpu_result mgpu_add(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
 MGPUDEF mgpu_result mgpu_sub(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
 MGPUDEF mgpu_result mgpu_mul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
@@ -987,7 +994,8 @@ MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path);
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
 
 /* The building blocks of a step, for a loop of your own (one replica):
-   forward on x (on the replica's first device) returns the output tensor (on its last stage's
+   forward on x (on the replica's first device, exactly: a tensor of another CPU device is refused
+   as one of another GPU is) returns the output tensor (on its last stage's
    device), owned by the model; x must stay alive and unchanged until backward (the model keeps
    only its header). Backward takes d(loss)/d(output) and ADDS the parameter gradients into the
    gradient buffers. With stages, both go through every stage of the replica in turn. */
@@ -3119,11 +3127,12 @@ static mgpu_result mgpu__check_tensor(const char* op, const char* name, const mg
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_dtype_name(dt));
     return MGPU_OK;
 }
-/* Tensors on the CPU may mix freely (all host memory); a CUDA op needs all on one device. */
+/* An op needs all its tensors on one device: on the CPU devices of a set too (all host memory,
+   but refused as on GPUs, so that a program tried on "cpu:N" fails where it would on "cuda:..."). */
 static mgpu_result mgpu__check_same_device(const char* op, const char* an, const mgpu_tensor* a,
                                            const char* bn, const mgpu_tensor* b) {
     char ta[128], tb[128];
-    if (MGPU__DEV(a) == MGPU__DEV(b) || (MGPU__IS_CPU(a) && MGPU__IS_CPU(b))) return MGPU_OK;
+    if (MGPU__DEV(a) == MGPU__DEV(b)) return MGPU_OK;
     return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: '%s' %s and '%s' %s are on different devices", op, an,
                       mgpu_tensor_describe(a, ta, sizeof ta), bn, mgpu_tensor_describe(b, tb, sizeof tb));
 }
@@ -6395,6 +6404,8 @@ typedef struct mgpu__part {
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
                                            stage) or the target (last stage) lives elsewhere; both
                                            in xbuf when one GPU part takes them from the CPU */
+    mgpu__storage xlent, tlent;         /* a CPU part: x's and the target's host memory, lent to this
+                                           device without a copy (mgpu__part_slice) */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
     struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
     mgpu_device_counters graph_work;    /* what the graph's capture queued on dev: a launch adds it */
@@ -8036,7 +8047,7 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
     int s;
     if (mgpu__check_replica(op, m, replica) != MGPU_OK || mgpu__check_input(op, m, x) != MGPU_OK) return NULL;
     first = mgpu__part_of(m, replica, 0);
-    if (MGPU__DEV(x) != first->dev && !(MGPU__IS_CPU(x) && first->dev->kind == MGPU_DEVICE_CPU)) {
+    if (MGPU__DEV(x) != first->dev) {   /* on the CPU devices of a set too, as on GPUs */
         char tx[128];
         mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: x %s is not on replica %d's device %s", op,
                    mgpu_tensor_describe(x, tx, sizeof tx), replica, first->dev->label);
@@ -8114,11 +8125,24 @@ static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* c
 }
 
 /* A part's slice of t, on its device: t itself where possible (unless copy), else a copy in
-   *buf. (A CUDA graph's steps always copy: the graph reads the buffers of its capture.) */
+   *buf. (A CUDA graph's steps always copy: the graph reads the buffers of its capture.) Host
+   memory on another CPU device is lent to the part's (*lent: the same memory, labelled with the
+   part's device, never freed through it), so that the ops of the part, which refuse tensors of
+   two devices, run on it without a copy. */
 static mgpu_result mgpu__part_slice(const mgpu__part* p, const mgpu_tensor* t, int64_t start, int64_t count, int copy,
-                                    mgpu_tensor** buf, mgpu_tensor* view) {
+                                    mgpu_tensor** buf, mgpu__storage* lent, mgpu_tensor* view) {
     *view = mgpu__rows(t, start, count);
-    if (!copy && (MGPU__DEV(t) == p->dev || (MGPU__IS_CPU(t) && p->dev->kind == MGPU_DEVICE_CPU))) return MGPU_OK;
+    if (!copy && MGPU__DEV(t) == p->dev) return MGPU_OK;
+    if (!copy && MGPU__IS_CPU(t) && p->dev->kind == MGPU_DEVICE_CPU) {
+        if (lent->ptr != t->storage->ptr || lent->dev != p->dev) {   /* unchanged: not rewritten while
+                                                                        another stage's thread reads it */
+            *lent = *t->storage;
+            lent->dev = p->dev;
+            lent->refs = 1;   /* the lender's; never released */
+        }
+        view->storage = lent;
+        return MGPU_OK;
+    }
     MGPU__TRY(mgpu__ensure(buf, p->dev, t->dtype, view->shape));
     MGPU__TRY(mgpu_tensor_copy(*buf, view));
     *view = **buf;
@@ -8133,8 +8157,8 @@ static mgpu_result mgpu__part_inputs(mgpu__part* in, mgpu__part* out, const mgpu
     mgpu__host_piece piece[2];
     mgpu_tensor both;
     if (in != out || in->dev->kind == MGPU_DEVICE_CPU || !MGPU__IS_CPU(x) || !MGPU__IS_CPU(target)) {
-        MGPU__TRY(mgpu__part_slice(in, x, start, count, copy, &in->xbuf, xs));
-        return mgpu__part_slice(out, target, start, count, copy, &out->tbuf, ts);
+        MGPU__TRY(mgpu__part_slice(in, x, start, count, copy, &in->xbuf, &in->xlent, xs));
+        return mgpu__part_slice(out, target, start, count, copy, &out->tbuf, &out->tlent, ts);
     }
     *xs = mgpu__rows(x, start, count);
     *ts = mgpu__rows(target, start, count);

@@ -2328,19 +2328,49 @@ static void test_op_errors(void) {
     int d;
     header("op error paths");
     for (d = 0; d < g_ndev; ++d) errors_on(g_devs[d]);
-    /* two CPU devices share host memory: ops may mix them */
+    /* two CPU devices of a set share host memory, yet ops refuse to mix them, as they refuse two
+       GPUs (a program tried on cpu:N fails where it would on cuda:0,1); copies move between them */
     {
         mgpu_device_set* set = mgpu_device_set_create("cpu:2");
         if (set) {
-            float h[6] = { 1, 2, 3, 4, 5, 6 }, g[6];
-            mgpu_tensor *a = tfrom(mgpu_device_cpu(), mgpu_shape2(2, 3), h);
-            mgpu_tensor *b = tfrom(mgpu_device_set_get(set, 1), mgpu_shape2(2, 3), h);
-            MUST(mgpu_add(a, a, b));
+            float h[9] = { 1, 2, 3, 4, 5, 6, 7, 8, 9 }, g[6];
+            mgpu_device *d0 = mgpu_device_set_get(set, 0), *d1 = mgpu_device_set_get(set, 1);
+            mgpu_tensor *a = tfrom(d0, mgpu_shape2(2, 3), h), *b = tfrom(d1, mgpu_shape2(2, 3), h);
+            mgpu_tensor *w = tfrom(d1, mgpu_shape2(3, 3), h), *o = tmake(d0, MGPU_F32, mgpu_shape2(2, 3));
+            mgpu_tensor *lab = tmake(d1, MGPU_I32, mgpu_shape1(2)), *loss = tmake(d0, MGPU_F32, mgpu_shape1(1));
+            mgpu_tensor *u8 = tmake(d1, MGPU_U8, mgpu_shape2(2, 3)), *c = NULL;
+            MUST(mgpu_tensor_zero(lab));
+            MUST(mgpu_tensor_zero(u8));
+            CHECK(d0 != d1 && strcmp(mgpu_device_label(d1), "cpu#1") == 0, "cpu:2 has two devices, the second cpu#1 (%s)",
+                  mgpu_device_label(d1));
+            expect_fail(mgpu_add(a, a, b), MGPU_ERROR_DEVICE_MISMATCH, "add of cpu and cpu#1 tensors", "mgpu_add",
+                        "'b' f32[2,3]@cpu#1", "'a' f32[2,3]@cpu ");
+            CHECK(strcmp(mgpu_last_error(), "mgpu_add: 'b' f32[2,3]@cpu#1 and 'a' f32[2,3]@cpu are on different devices") == 0,
+                  "add of cpu and cpu#1: the message names the op, both tensors and both devices: %s", mgpu_last_error());
             tget(a, g);
-            CHECK(g[0] == 2.0f && g[5] == 12.0f, "add of cpu and cpu#1 tensors");
-            mgpu_tensor_destroy(a);
-            mgpu_tensor_destroy(b);
-            mgpu_device_set_destroy(set);
+            CHECK(g[0] == 1.0f && g[5] == 6.0f, "the refused add left its output alone");
+            expect_fail(mgpu_relu(b, a), MGPU_ERROR_DEVICE_MISMATCH, "relu cpu -> cpu#1", "mgpu_relu", "@cpu#1", "are on different devices");
+            expect_fail(mgpu_matmul(o, a, w, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_DEVICE_MISMATCH,
+                        "matmul cpu @ cpu#1", "mgpu_matmul", "'b' f32[3,3]@cpu#1", "'a' f32[2,3]@cpu ");
+            expect_fail(mgpu_softmax_cross_entropy(loss, NULL, a, lab, 1.0f), MGPU_ERROR_DEVICE_MISMATCH,
+                        "cross_entropy with labels on cpu#1", "mgpu_softmax_cross_entropy", "'labels' i32[2]@cpu#1", "'logits' f32[2,3]@cpu ");
+            expect_fail(mgpu_tensor_convert(a, u8, 1.0f, 0.0f), MGPU_ERROR_DEVICE_MISMATCH, "convert cpu#1 -> cpu",
+                        "mgpu_tensor_convert", "@cpu#1", "@cpu ");
+            /* copies are how a tensor moves: then the op runs */
+            MUST(mgpu_tensor_copy(o, b));
+            MUST(mgpu_add(a, a, o));
+            tget(a, g);
+            CHECK(g[0] == 2.0f && g[5] == 12.0f, "add after copying cpu#1's tensor to cpu");
+            c = mgpu_tensor_to(a, d1);
+            CHECK(c && mgpu_tensor_device(c) == d1, "tensor_to(cpu#1): %s", mgpu_last_error());
+            if (c) {
+                MUST(mgpu_add(c, c, b));
+                tget(c, g);
+                CHECK(g[0] == 3.0f && g[5] == 18.0f, "add on cpu#1 after tensor_to");
+            }
+            mgpu_tensor_destroy(c); mgpu_tensor_destroy(u8); mgpu_tensor_destroy(loss); mgpu_tensor_destroy(lab);
+            mgpu_tensor_destroy(o); mgpu_tensor_destroy(w); mgpu_tensor_destroy(b); mgpu_tensor_destroy(a);
+            MUST(mgpu_device_set_destroy(set));
         }
     }
 #ifdef MGPU_CUDA

@@ -8,6 +8,8 @@
      owned      tensors the library owns refuse mgpu_tensor_destroy
      double_destroy  handles destroyed twice, or used by a create or a training step after their
                 destroy, refused
+     devices    tensors of two CPU devices of a set given to one op or to a replica: refused as
+                two GPUs' are, with the same message
    Usage: build/test_misuse [GROUP] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -617,6 +619,52 @@ static void test_double_destroy(void) {
     }
 }
 
+/* The CPU devices of "cpu:2" are kept apart as two GPUs are: an op or a replica given a tensor of
+   the other device fails with MGPU_ERROR_DEVICE_MISMATCH naming both; a training step, which
+   splits a host batch itself, takes it from any CPU device. */
+static void test_devices(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+    mgpu_model* m = set ? small_model(set) : NULL;
+    mgpu_device *d0 = set ? mgpu_device_set_get(set, 0) : NULL, *d1 = set ? mgpu_device_set_get(set, 1) : NULL;
+    mgpu_tensor *x0 = NULL, *x1 = NULL, *y1 = NULL, *s1 = NULL;
+    header("devices");
+    if (!m) { CHECK(0, "cpu:2 model: %s", mgpu_last_error()); mgpu_device_set_destroy(set); return; }
+    x0 = mgpu_tensor_create(d0, MGPU_F32, mgpu_shape2(2, 4));
+    x1 = mgpu_tensor_create(d1, MGPU_F32, mgpu_shape2(2, 4));
+    y1 = mgpu_tensor_create(d1, MGPU_I32, mgpu_shape1(2));
+    s1 = mgpu_tensor_create(d1, MGPU_F32, mgpu_shape2(2, 4));
+    if (!x0 || !x1 || !y1 || !s1) CHECK(0, "tensors: %s", mgpu_last_error());
+    else {
+        const mgpu_tensor* out;
+        mgpu_optimizer_desc od;
+        mgpu_optimizer* opt;
+        float loss = -1.0f;
+        CHECK(mgpu_tensor_fill(x0, 0.5) == MGPU_OK && mgpu_tensor_fill(x1, 0.5) == MGPU_OK && mgpu_tensor_zero(y1) == MGPU_OK,
+              "fill: %s", mgpu_last_error());
+        EXPECT_FAIL(mgpu_add(s1, x1, x0), "mgpu_add");
+        CHECK(mgpu_last_result() == MGPU_ERROR_DEVICE_MISMATCH && strstr(mgpu_last_error(), "@cpu#1") &&
+              strstr(mgpu_last_error(), "f32[2,4]@cpu ") && strstr(mgpu_last_error(), "are on different devices"),
+              "add of cpu#1 and cpu: %s", mgpu_last_error());
+        EXPECT_NULL(mgpu_model_forward(m, 1, x0, 0), "mgpu_model_forward");
+        CHECK(mgpu_last_result() == MGPU_ERROR_DEVICE_MISMATCH && strstr(mgpu_last_error(), "f32[2,4]@cpu ") &&
+              strstr(mgpu_last_error(), "replica 1's device cpu#1"), "replica 1 given x on cpu: %s", mgpu_last_error());
+        EXPECT_NULL(mgpu_model_forward(m, 0, x1, 0), "mgpu_model_forward");
+        CHECK(mgpu_last_result() == MGPU_ERROR_DEVICE_MISMATCH, "replica 0 given x on cpu#1: %s", mgpu_last_error());
+        out = mgpu_model_forward(m, 1, x1, 0);
+        CHECK(out && mgpu_tensor_device(out) == d1, "replica 1 given x on cpu#1: %s", mgpu_last_error());
+        memset(&od, 0, sizeof od);
+        od.kind = MGPU_SGD;
+        od.lr = 0.1f;
+        opt = mgpu_optimizer_create(m, &od);
+        CHECK(opt && mgpu_model_train_step(m, opt, x1, y1, &loss) == MGPU_OK && loss > 0.0f,
+              "a step on a batch of cpu#1 (split by the library): %s", mgpu_last_error());
+        mgpu_optimizer_destroy(opt);
+    }
+    mgpu_tensor_destroy(s1); mgpu_tensor_destroy(y1); mgpu_tensor_destroy(x1); mgpu_tensor_destroy(x0);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 int main(int argc, char** argv) {
     (void)test_rel_error;   /* test.h's, unused here */
     test_start("test_misuse");
@@ -628,5 +676,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_lifetimes());
     TEST_GROUP(test_owned());
     TEST_GROUP(test_double_destroy());
+    TEST_GROUP(test_devices());
     return test_summary("test_misuse");
 }

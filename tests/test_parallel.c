@@ -317,7 +317,7 @@ static void manual_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_
             mgpu_tensor *xd = xv, *yd = yv, *loss = NULL, *dout = NULL;
             const mgpu_tensor* out;
             float l = 0.0f;
-            if (mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA) {
+            if (dev != mgpu_tensor_device(xv)) {   /* another GPU, or another CPU device: ops refuse both */
                 xd = mgpu_tensor_to(xv, dev);
                 yd = mgpu_tensor_to(yv, dev);
             }
