@@ -206,7 +206,9 @@ resumed() {
 fault link-down "no answer from rank [23] (h2)" "ip -n $p-sw link set port-h2 down"
 ip -n $p-sw link set port-h2 up
 resumed resume-h1h3 link-down $mpirun --host h1:1,h3:1 -np 2 "$b/train_mpi" --devices cpu:2
-fault host-killed "h2\|rank [23]" "kill -9 \$(ip netns pids $p-h2)"
+# (mpirun's own words for a lost host vary: "lost communication with a remote daemon ... on node
+# h2", or only that a daemon could not connect back to it)
+fault host-killed "h2\|rank [23]\|daemon" "kill -9 \$(ip netns pids $p-h2)"
 resumed resume-h3 host-killed $on h3 "$b/train_cpu" --devices cpu:4
 
 # ---- 3. Slurm ----
