@@ -569,8 +569,8 @@ MGPUDEF mgpu_result mgpu_dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
        return mgpu_cuda_end(mgpu_tensor_device(x), "sin_kernel");
 
    The checks of mgpu's own ops, for yours: t is not NULL and has dtype dt; with like (named
-   like_name), t is also on like's device (any two CPU devices pass: both are host memory) and
-   has like's shape. On failure the last error names op, the tensor and what is wrong with it
+   like_name), t is also on like's device (exactly: two CPU devices of a set are refused, as
+   two GPUs are) and has like's shape. On failure the last error names op, the tensor and what is wrong with it
    (MGPU_ERROR_INVALID_ARGUMENT, _DTYPE_MISMATCH, _DEVICE_MISMATCH or _SHAPE_MISMATCH). */
 MGPUDEF mgpu_result mgpu_tensor_check(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt,
                                       const char* like_name, const mgpu_tensor* like);
@@ -3450,7 +3450,7 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
     mgpu__ew_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
-    MGPU__COUNT(MGPU__DEV(out), ops, 1);   /* (the output's: a CPU op may read the batch on another CPU device) */
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
                                                   MGPU__F32(x), MGPU__F32(out), alpha));

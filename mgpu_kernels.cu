@@ -141,12 +141,12 @@ static int use_device(int dev) {
 // The program's own kernels (mgpu_cuda_begin and mgpu_cuda_end): its code runs around these
 // calls and may have set another device, so neither trusts what this thread did before.
 int mgpu__cu_use_device(int dev) {
-    t_current = -1;
+    mgpu__cu_device_unknown();
     return use_device(dev);
 }
 
 int mgpu__cu_check_launch(int dev, const char* kernel) {
-    t_current = -1;
+    mgpu__cu_device_unknown();
     CUDA_TRY(cudaGetLastError(), "launch of %s on device %d", kernel, dev);
     return MGPU__CU_OK;
 }
