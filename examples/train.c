@@ -356,26 +356,31 @@ static void progress(const options* o, const char* where, int epoch, int64_t don
     fflush(stdout);
 }
 
-/* --verbose: what each replica did in the step just run (its counters now minus `before`, taken
-   just before the step) and since the start. A replica of several stages: its first stage's rows,
-   every stage's all-reduce and ops. */
+/* --verbose: replica r's counters, summed over its stages' devices (its first stage's rows). */
 #define MAX_VERBOSE 64
+static void replica_counters(mgpu_model* model, int r, mgpu_device_counters* sum) {
+    int s;
+    memset(sum, 0, sizeof *sum);
+    for (s = 0; s < mgpu_model_stage_count(model); ++s) {
+        mgpu_device_counters k;
+        mgpu_device_get_counters(mgpu_model_stage_device(model, r, s), &k);
+        if (s == 0) { sum->rows_forward = k.rows_forward; sum->rows_backward = k.rows_backward; }
+        sum->ops += k.ops;
+        sum->bytes_allreduced += k.bytes_allreduced;
+        sum->bytes_host_to_device += k.bytes_host_to_device;
+        sum->bytes_device_to_host += k.bytes_device_to_host;
+        sum->bytes_device_to_device += k.bytes_device_to_device;
+        sum->host_waits += k.host_waits;
+    }
+}
+/* What each replica did in the step just run (its counters now minus `before`, taken just
+   before the step by replica_snapshot) and since the start. */
 static void replica_lines(mgpu_model* model, int64_t step, const mgpu_device_counters* before) {
-    int r, s;
+    int r;
     for (r = 0; r < mgpu_model_replica_count(model) && r < MAX_VERBOSE; ++r) {
-        mgpu_device_counters k, sum;
+        mgpu_device_counters sum;
         float loss = 0.0f;
-        memset(&sum, 0, sizeof sum);
-        for (s = 0; s < mgpu_model_stage_count(model); ++s) {
-            mgpu_device_get_counters(mgpu_model_stage_device(model, r, s), &k);
-            if (s == 0) { sum.rows_forward = k.rows_forward; sum.rows_backward = k.rows_backward; }
-            sum.ops += k.ops;
-            sum.bytes_allreduced += k.bytes_allreduced;
-            sum.bytes_host_to_device += k.bytes_host_to_device;
-            sum.bytes_device_to_host += k.bytes_device_to_host;
-            sum.bytes_device_to_device += k.bytes_device_to_device;
-            sum.host_waits += k.host_waits;
-        }
+        replica_counters(model, r, &sum);
         mgpu_model_replica_loss(model, r, &loss);
         printf("  replica %d on %s: step %lld rows=%llu loss=%.4f allreduced=%llu | since the start: rows=%llu allreduced=%llu "
                "ops=%llu h2d=%llu d2h=%llu d2d=%llu waits=%llu\n", r, mgpu_device_label(mgpu_model_device(model, r)), (long long)step,
@@ -386,18 +391,9 @@ static void replica_lines(mgpu_model* model, int64_t step, const mgpu_device_cou
                (unsigned long long)sum.host_waits);
     }
 }
-/* Each replica's rows and bytes all-reduced so far (the `before` of replica_lines). */
 static void replica_snapshot(mgpu_model* model, mgpu_device_counters* before) {
-    int r, s;
-    for (r = 0; r < mgpu_model_replica_count(model) && r < MAX_VERBOSE; ++r) {
-        mgpu_device_counters k;
-        memset(&before[r], 0, sizeof before[r]);
-        for (s = 0; s < mgpu_model_stage_count(model); ++s) {
-            mgpu_device_get_counters(mgpu_model_stage_device(model, r, s), &k);
-            if (s == 0) before[r].rows_backward = k.rows_backward;
-            before[r].bytes_allreduced += k.bytes_allreduced;
-        }
-    }
+    int r;
+    for (r = 0; r < mgpu_model_replica_count(model) && r < MAX_VERBOSE; ++r) replica_counters(model, r, &before[r]);
 }
 
 int main(int argc, char** argv) {
