@@ -20,7 +20,7 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | tee -a "$log"
 echo "== 1. CUDA test suites" | tee -a "$log"
-MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda \
+MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda $b/test_seq_cuda \
     > $b/suites.txt 2>&1 || status=1
 cat $b/suites.txt >> "$log"
 grep -E "^(test_core|test_model|test_parallel): " $b/suites.txt | while read -r line; do echo "   $line"; done
