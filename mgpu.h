@@ -305,6 +305,16 @@ MGPUDEF const char* mgpu_result_string(mgpu_result r);
 MGPUDEF const char* mgpu_last_error(void);
 MGPUDEF mgpu_result mgpu_last_result(void);
 MGPUDEF void mgpu_clear_error(void);
+/* Record a failure of your own code (a custom layer's forward, say) as mgpu's own failures are
+   recorded: sets this thread's last error to the formatted message and result r, tells the log
+   callback, and returns r, so a layer can `return mgpu_fail(MGPU_ERROR_UNSUPPORTED, "...")`. The
+   model then reports that code and message behind where it happened ("mgpu_model_forward: layer 3
+   (MyLayer): ..."); a layer that fails without a message is named as having given none. */
+MGPUDEF mgpu_result mgpu_fail(mgpu_result r, const char* fmt, ...)
+#if defined(__GNUC__) || defined(__clang__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
 
 typedef enum mgpu_log_level { MGPU_LOG_ERROR = 0, MGPU_LOG_WARN = 1, MGPU_LOG_INFO = 2 } mgpu_log_level;
 typedef void (*mgpu_log_fn)(mgpu_log_level level, const char* message, void* user);
@@ -531,8 +541,12 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x);
 /* Mean softmax cross-entropy of logits [rows, classes] against int32 labels [rows]; loss is an
    f32 tensor of one element (on the same device, so no sync). dlogits, when not NULL, receives
    (softmax - onehot) * grad_scale; grad_scale 0 means 1/rows, the gradient of the mean.
-   A label outside [0, classes): on the CPU an error naming the row; on a GPU (which cannot
-   check without a sync) the loss and that row's gradient become NaN. */
+   A label of MGPU_IGNORE_INDEX (-1, nanoGPT's ignore_index) is no target: its row adds nothing to
+   the loss, its gradient row is 0, and the mean is over the other rows (grad_scale 0 means 1 over
+   their count; 0 when every row is ignored, where PyTorch gives NaN). Any other label outside
+   [0, classes): on the CPU an error naming the row; on a GPU (which cannot check without a sync)
+   the loss and that row's gradient become NaN. */
+#define MGPU_IGNORE_INDEX (-1)
 MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits,
                                                const mgpu_tensor* logits, const mgpu_tensor* labels,
                                                float grad_scale);
@@ -542,7 +556,8 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
 /* int32 out [rows] = index of the largest value in each row of x [rows, cols] (first on ties). */
 MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x);
 /* How many rows of logits have their argmax equal to the int32 label (waits for the result).
-   A label outside [0, classes) is an error on the CPU; on a GPU its row counts as wrong. */
+   A row labelled MGPU_IGNORE_INDEX never counts; any other label outside [0, classes) is an
+   error on the CPU, and on a GPU its row counts as wrong. */
 MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_tensor* labels, int64_t* count);
 
 /* Dropout as an op: mask[i] is 0 (dropped, probability p) or 1/(1-p); out = x * mask. The mask
@@ -768,12 +783,21 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
 
 /* mgpu_model_desc, zero-initialised; zero means default:
      field          default                       meaning
-     input          (required)                    one sample's shape: shape1(784), shape3(1, 28, 28)
+     input          (required)                    one sample's shape: shape1(784), shape3(1, 28, 28),
+                                                  shape1(T) for a sequence of T token ids
+     input_dtype    MGPU_F32                      or MGPU_I32: token ids, for a first layer that
+                                                  takes them (Embedding); no input gradient then
      layers         (required)                    owned by the model from here on, even on failure;
                                                   each distinct, and owned by no other model
      layer_count    (required)
      devices        NULL: the CPU                 one replica per device; must outlive the model
-     loss           MGPU_LOSS_CROSS_ENTROPY       int32 labels; MGPU_LOSS_MSE takes f32 targets
+     loss           MGPU_LOSS_CROSS_ENTROPY       int32 labels, one per output row: [B] for an
+                                                  output [B, classes], [B, T] for [B, T, vocab]
+                                                  (a label per position); MGPU_IGNORE_INDEX labels
+                                                  are no targets, and the loss is the mean over the
+                                                  batch's other labels, however the batch is split
+                                                  (replicas, micro-batches, processes);
+                                                  MGPU_LOSS_MSE takes f32 targets
      seed           0                             parameter initialisation and dropout
      allreduce      MGPU_ALLREDUCE_AUTO           the backend (MGPU_ALLREDUCE overrides AUTO)
      bucket_bytes   25 MiB (the first 1 MiB)      gradient bucket size (DDP's bucket_cap_mb)
@@ -817,6 +841,7 @@ typedef struct mgpu_model_desc {
     mgpu_pipeline_schedule schedule;
     int distributed;
     int graph;
+    mgpu_dtype input_dtype;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -971,7 +996,9 @@ MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt);
    the first difference). */
 MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m);
 /* Evaluation (dropout off) of x against target: mean loss and, for cross-entropy, the number of
-   correct predictions. Either output may be NULL. */
+   correct predictions. Either output may be NULL. With a label per position ([B, T] targets) the
+   loss is the mean over every label that is not MGPU_IGNORE_INDEX (each token weighs the same) and
+   `correct` counts positions. */
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                         float* loss, int64_t* correct);
 
@@ -1396,9 +1423,11 @@ int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, in
 int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
                          const float* x, float* out, float scale, int accumulate);
 int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
-/* loss[0] = mean over rows of -log softmax(logits)[label]; dlogits (may be NULL) =
-   (softmax - onehot) * grad_scale. A label outside [0, cols) makes its row's loss NaN and its
-   gradient row NaN. scratch: rows floats. Deterministic. */
+/* loss[0] = mean over the rows whose label is not MGPU_IGNORE_INDEX of -log softmax(logits)[label]
+   (0 when there are none); dlogits (may be NULL) = (softmax - onehot) * grad_scale, 0 in an
+   ignored row; grad_scale 0: 1 over the rows not ignored, counted on the device. Any other label
+   outside [0, cols) makes its row's loss NaN and its gradient row NaN. scratch: rows + 1 floats.
+   Deterministic. */
 int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
                           const int32_t* labels, float* loss, float* dlogits, float grad_scale,
                           float* scratch);
@@ -1733,21 +1762,54 @@ static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
 }
 
 /* Record why an operation failed ("mgpu_matmul: ...") and return the code. */
-static mgpu_result mgpu__fail(mgpu_result r, const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
+static mgpu_result mgpu__vfail(mgpu_result r, const char* fmt, va_list ap) {
     vsnprintf(mgpu__error_text, sizeof mgpu__error_text, fmt, ap);
-    va_end(ap);
     mgpu__error_code = r;
     if (mgpu__log_fn) mgpu__log_fn(MGPU_LOG_ERROR, mgpu__error_text, mgpu__log_user);
     return r;
 }
+static mgpu_result mgpu__fail(mgpu_result r, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    r = mgpu__vfail(r, fmt, ap);
+    va_end(ap);
+    return r;
+}
 
-/* Re-prefix the last error with where it happened. */
+MGPUDEF mgpu_result mgpu_fail(mgpu_result r, const char* fmt, ...) {
+    va_list ap;
+    if (!fmt) return mgpu__fail(r, "(no message)");
+    va_start(ap, fmt);
+    r = mgpu__vfail(r, fmt, ap);
+    va_end(ap);
+    return r;
+}
+
+/* Re-prefix the last error with where it happened (once: a message that already starts with
+   `where` keeps its prefix). */
 static mgpu_result mgpu__refail(const char* where) {
     char msg[sizeof mgpu__error_text];
+    const size_t n = strlen(where);
+    const mgpu_result r = mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT;
+    if (strncmp(mgpu__error_text, where, n) == 0 && mgpu__error_text[n] == ':') {
+        mgpu__error_code = r;
+        if (mgpu__log_fn) mgpu__log_fn(MGPU_LOG_ERROR, mgpu__error_text, mgpu__log_user);
+        return r;
+    }
     memcpy(msg, mgpu__error_text, sizeof msg);
-    return mgpu__fail(mgpu__error_code ? mgpu__error_code : MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", where, msg);
+    return mgpu__fail(r, "%s: %s", where, msg);
+}
+
+/* A layer's own failure r, behind where it happened: with the layer's message (its code, not the
+   one of an earlier, unrelated failure: the caller cleared the error before calling it), or
+   saying that it gave none. */
+static mgpu_result mgpu__layer_refail(mgpu_result r, const char* where) {
+    if (r == MGPU_OK) r = MGPU_ERROR_INVALID_ARGUMENT;
+    if (!mgpu__error_text[0])
+        return mgpu__fail(r, "%s: failed with '%s' and no message (a layer of your own can give one: mgpu_fail)", where,
+                          mgpu_result_string(r));
+    mgpu__error_code = r;
+    return mgpu__refail(where);
 }
 
 /* ---- >>impl threads: a small pool for the CPU backend ----------------------------------- */
@@ -4208,13 +4270,12 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
                           mgpu_tensor_describe(logits, tx, sizeof tx));
     if (rows == 0 || cols == 0)
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: logits %s is empty", op, mgpu_tensor_describe(logits, tx, sizeof tx));
-    if (grad_scale == 0.0f) grad_scale = 1.0f / (float)rows;
     MGPU__COUNT(MGPU__DEV(loss), ops, 1);
-    if (!MGPU__IS_CPU(logits)) {
+    if (!MGPU__IS_CPU(logits)) {   /* grad_scale 0: the kernels count the targets on the device */
         mgpu__scratch s;
         int rc;
         MGPU__TRY(mgpu__check_rows_fit_int(op, "logits", logits));
-        MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)rows * sizeof(float), op));
+        MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)(rows + 1) * sizeof(float), op));
         rc = MGPU__CUDA(mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
                                               MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL,
                                               grad_scale, (float*)s.ptr));
@@ -4222,17 +4283,34 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
         if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(logits));
         return MGPU_OK;
     }
-    for (r = 0; r < rows; ++r)   /* every label first: a failed call writes nothing */
-        if (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols)
-            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
-                              (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
+    {
+        int64_t targets = 0;
+        for (r = 0; r < rows; ++r) {   /* every label first: a failed call writes nothing */
+            if (MGPU__I32(labels)[r] == MGPU_IGNORE_INDEX) continue;
+            if (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols)
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld) (and not "
+                                  "MGPU_IGNORE_INDEX)", op, (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
+            targets++;
+        }
+        if (grad_scale == 0.0f) grad_scale = targets ? 1.0f / (float)targets : 0.0f;
+        if (!targets) {
+            MGPU__F32(loss)[0] = 0.0f;
+            return dlogits ? mgpu_tensor_zero(dlogits) : MGPU_OK;
+        }
+    }
     {
         double total = 0.0;
+        int64_t targets = 0;
         for (r = 0; r < rows; ++r) {
             const float* px = MGPU__F32(logits) + r * cols;
             int32_t label = MGPU__I32(labels)[r];
             float mx = px[0];
             double s = 0.0, lse;
+            if (label == MGPU_IGNORE_INDEX) {
+                if (dlogits) memset(MGPU__F32(dlogits) + r * cols, 0, (size_t)cols * sizeof(float));
+                continue;
+            }
+            targets++;
             for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
             for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
             lse = mx + log(s);
@@ -4242,7 +4320,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
                 for (c = 0; c < cols; ++c) pd[c] = (float)((exp((double)px[c] - lse) - (c == label)) * grad_scale);
             }
         }
-        MGPU__F32(loss)[0] = (float)(total / (double)rows);
+        MGPU__F32(loss)[0] = (float)(total / (double)targets);
     }
     return MGPU_OK;
 }
@@ -4361,7 +4439,7 @@ MGPUDEF mgpu_result mgpu_count_correct(const mgpu_tensor* logits, const mgpu_ten
         return MGPU_OK;
     }
     for (r = 0; r < rows; ++r)   /* a label no class has is an error, not a wrong guess */
-        if (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols)
+        if (MGPU__I32(labels)[r] != MGPU_IGNORE_INDEX && (MGPU__I32(labels)[r] < 0 || MGPU__I32(labels)[r] >= cols))
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: label %d of row %lld is outside [0, %lld)", op,
                               (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
     for (r = 0; r < rows; ++r) n += mgpu__row_argmax(MGPU__F32(logits) + r * cols, cols) == MGPU__I32(labels)[r];
@@ -5063,15 +5141,23 @@ static mgpu_result mgpu__bias_grad_add(mgpu_tensor* dbias, const mgpu_tensor* dy
 static int mgpu__two_params(const mgpu_layer* l) { (void)l; return 2; }
 static int mgpu__one_aux(const mgpu_layer* l) { (void)l; return 1; }
 
-/* -- Linear: y = x W^T + b, W [out, in] -- */
+/* -- Linear: y = x W^T + b, W [out, in], on the last dimension of x [..., in] (every other
+   dimension is rows: [B, T, in] is B x T rows, as nn.Linear takes it) -- */
 static mgpu_result mgpu__linear_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
-    char want[64];
-    if (x.ndim != 2 || x.dim[1] != l->cfg.in) {
-        snprintf(want, sizeof want, "[batch,%d]%s", l->cfg.in, x.ndim > 2 ? " (add a Flatten before it)" : "");
+    char want[80];
+    if (x.ndim < 2 || x.dim[x.ndim - 1] != l->cfg.in) {
+        snprintf(want, sizeof want, "[...,%d]%s", l->cfg.in,
+                 x.ndim > 2 && mgpu_shape_numel(x) / MGPU__MAX(x.dim[0], 1) == l->cfg.in ? " (add a Flatten before it)" : "");
         return mgpu__layer_shape_error(l, x, want);
     }
-    *y = mgpu_shape2(x.dim[0], l->cfg.out);
+    *y = x;
+    y->dim[x.ndim - 1] = l->cfg.out;
     return MGPU_OK;
+}
+/* x [..., d] seen as the 2-D [rows, d] it is in memory */
+static mgpu_tensor mgpu__rows_2d(const mgpu_tensor* x) {
+    const int64_t d = x->shape.dim[x->shape.ndim - 1];
+    return mgpu__reshaped(x, mgpu_shape2(d ? mgpu_tensor_numel(x) / d : 0, d));
 }
 static mgpu_result mgpu__linear_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
     *name = i == 0 ? "weight" : "bias";
@@ -5082,16 +5168,22 @@ static mgpu_result mgpu__linear_init(const mgpu_layer* l, const mgpu_layer_ctx* 
     return mgpu__init_fan_in(ctx, seed, l->cfg.in);
 }
 static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const mgpu_tensor x2 = mgpu__rows_2d(x);
+    mgpu_tensor y2 = mgpu__rows_2d(y);
     (void)l;
-    MGPU__TRY(mgpu_matmul(y, x, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
-    return mgpu_bias_add(y, y, ctx->params[1]);
+    MGPU__TRY(mgpu_matmul(&y2, &x2, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
+    return mgpu_bias_add(&y2, &y2, ctx->params[1]);
 }
 static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const mgpu_tensor x2 = mgpu__rows_2d(x), dy2 = mgpu__rows_2d(dy);
+    mgpu_tensor dx2;
     (void)l; (void)y;
-    MGPU__TRY(mgpu_matmul(ctx->grads[0], dy, x, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));      /* dW += dy^T x */
-    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], dy));                  /* db += sum(dy) */
-    return dx ? mgpu_matmul(dx, dy, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f) : MGPU_OK;   /* dx = dy W */
+    MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));      /* dW += dy^T x */
+    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dy2));                  /* db += sum(dy) */
+    if (!dx) return MGPU_OK;
+    dx2 = mgpu__rows_2d(dx);
+    return mgpu_matmul(&dx2, &dy2, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
 }
 static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
     snprintf(buf, size, "%d -> %d", l->cfg.in, l->cfg.out);
@@ -6424,6 +6516,8 @@ struct mgpu_model {
     mgpu_layer** layers;
     int layer_count;
     mgpu_shape input;
+    mgpu_dtype input_dtype;
+    mgpu_shape output;                  /* the last layer's output for a batch of one */
     mgpu_loss_kind loss;
     uint64_t seed;
     /* Dropout masks are a function of (seed, step, layer, sample row): every forward within a
@@ -6450,6 +6544,9 @@ struct mgpu_model {
     int verify_every;
     int64_t steps;                      /* optimizer steps applied through this model */
     int64_t last_batch;                 /* rows of the last batch run (mgpu_model_last_loss), 0: none */
+    int64_t* terms;                     /* [R * M]: the loss's terms (targets not ignored, or rows for
+                                           MSE) of each replica's micro-batches of the last batch */
+    int64_t last_terms;                 /* their sum: the batch's loss is the terms' mean */
     /* a training step as a CUDA graph (desc.graph, >>impl train) */
     int graph;                          /* asked for, and not found impossible */
     void* graph_exec;                   /* the captured step, or NULL */
@@ -6459,6 +6556,7 @@ struct mgpu_model {
     void** graph_events;                /* per part, 4: capture fork, capture join, before a launch, after */
     int64_t graph_steps;                /* steps replayed from the graph */
     int capturing;                      /* a step is being captured: Dropout reads its key on the device */
+    double graph_terms;                 /* the loss's terms of the captured step (its gradient's scale) */
     uint64_t graph_buffers;             /* where the buffers the graph works in were at its capture */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
@@ -6930,6 +7028,7 @@ static void mgpu__model_free(mgpu_model* m) {
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
+    MGPU_FREE(m->terms);
     MGPU_FREE(m);
 }
 
@@ -7002,6 +7101,7 @@ static mgpu_result mgpu__model_layout(mgpu_model* m) {
         m->first_tensor[i + 1] = m->first_tensor[i] + pc;
         m->first_aux[i + 1] = m->first_aux[i] + ac;
     }
+    m->output = shape;
     m->tensor_count = m->first_tensor[m->layer_count];
     m->tensors = (mgpu__param*)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu__param));
     if (!m->tensors) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
@@ -7271,6 +7371,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
         m->layers[i]->owner = m;
     }
     m->input = desc->input;
+    m->input_dtype = desc->input_dtype;
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
@@ -7291,6 +7392,11 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
                        mgpu__shape_text(m->input, text, sizeof text));
             return mgpu__model_fail(m, op);
         }
+    if (m->input_dtype != MGPU_F32 && m->input_dtype != MGPU_I32) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "input_dtype %s (want MGPU_F32, or MGPU_I32 for token ids)",
+                   mgpu_dtype_name(m->input_dtype));
+        return mgpu__model_fail(m, op);
+    }
     if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
                    "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
@@ -7299,6 +7405,11 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_stages(m, desc, devices) != MGPU_OK) return mgpu__model_fail(m, op);
     m->part_count = devices;
     m->replica_count = devices / m->stage_count;
+    m->terms = (int64_t*)mgpu__calloc((size_t)m->replica_count * (size_t)m->micro_batches, sizeof(int64_t));
+    if (!m->terms) {
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+        return mgpu__model_fail(m, op);
+    }
     if (mgpu__model_parts(m, desc->devices) != MGPU_OK || mgpu__model_init(m) != MGPU_OK ||
         mgpu__model_communicators(m, desc) != MGPU_OK)
         return mgpu__model_fail(m, op);
@@ -7888,7 +7999,7 @@ MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
 static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const mgpu_tensor* x) {
     char tx[128], ts[96];
     int i, ok;
-    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, m->input_dtype));
     ok = x->shape.ndim == m->input.ndim + 1;
     for (i = 0; ok && i < m->input.ndim; ++i) ok = x->shape.dim[i + 1] == m->input.dim[i];
     if (!ok)
@@ -7981,11 +8092,12 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         mgpu_layer_ctx ctx;
         mgpu_result r;
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
+        mgpu_clear_error();   /* a failure's message is the layer's own, never an earlier one */
         r = m->layers[i]->vt->forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
         if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
         if (r != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
-            return mgpu__refail(where);
+            return mgpu__layer_refail(r, where);
         }
     }
     sl->has_input = 1;
@@ -8004,16 +8116,17 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     mgpu_layer_ctx ctx;
     mgpu_result r;
     char where[96];
-    if (i == first && (p->stage > 0 || input_grad)) {
+    if (i == first && (p->stage > 0 || (input_grad && m->input_dtype == MGPU_F32))) {   /* (token ids have none) */
         MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, MGPU_F32, sl->input.shape));
         dx = sl->dxin;
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
+    mgpu_clear_error();
     r = m->layers[i]->vt->backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
-        return mgpu__refail(where);
+        return mgpu__layer_refail(r, where);
     }
     return MGPU_OK;
 }
@@ -8105,14 +8218,56 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
 
 /* ---- move 2, split: each replica's rows of the batch, on its devices ---- */
 
-/* The target of a batch: int32 [B] for cross-entropy, or f32 [B, ...] for MSE. */
+/* The target of a batch: for cross-entropy int32 labels, one per row of the output, so the
+   output's shape without its last dimension ([B] for [B, classes], [B, T] for [B, T, vocab]); for
+   MSE f32 [B, ...] (checked against the output where it is made). */
 static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target) {
-    char tt[128], tx[128];
+    char tt[128], tx[128], want[96];
+    int i, ok;
     MGPU__TRY(mgpu__check_tensor(op, "target", target, m->loss == MGPU_LOSS_MSE ? MGPU_F32 : MGPU_I32));
-    if (target->shape.ndim < 1 || target->shape.dim[0] != x->shape.dim[0] || (m->loss != MGPU_LOSS_MSE && target->shape.ndim != 1))
-        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s (want one %s per sample)", op,
-                          mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx),
-                          m->loss == MGPU_LOSS_MSE ? "row" : "int32 label");
+    ok = target->shape.ndim >= 1 && target->shape.dim[0] == x->shape.dim[0];
+    if (m->loss != MGPU_LOSS_MSE) {
+        mgpu_shape labels = m->output;   /* [1, ..., classes] -> [B, ...] */
+        labels.ndim = MGPU__MAX(labels.ndim - 1, 1);
+        labels.dim[0] = x->shape.dim[0];
+        ok = ok && target->shape.ndim == labels.ndim;
+        for (i = 1; ok && i < labels.ndim; ++i) ok = target->shape.dim[i] == labels.dim[i];
+        if (!ok) {
+            mgpu__shape_text(labels, want, sizeof want);
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s: want int32 labels %s, one per "
+                              "row of the model's output (MGPU_IGNORE_INDEX for none)", op,
+                              mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx), want);
+        }
+    }
+    if (!ok)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: target %s does not match x %s (want one row per sample)", op,
+                          mgpu_tensor_describe(target, tt, sizeof tt), mgpu_tensor_describe(x, tx, sizeof tx));
+    return MGPU_OK;
+}
+
+/* The loss's terms among rows [start, start + count) of a target: for cross-entropy its labels
+   that are not MGPU_IGNORE_INDEX (read on the host: a target on a GPU is downloaded, which waits),
+   for MSE the rows. A batch's loss is the mean over its terms, and its gradient scaled by them. */
+static mgpu_result mgpu__loss_terms(const mgpu_model* m, const mgpu_tensor* target, int64_t start, int64_t count,
+                                    int64_t* terms) {
+    const mgpu_tensor rows = mgpu__rows(target, start, count);
+    const int64_t n = mgpu_tensor_numel(&rows);
+    const int32_t* labels = MGPU__I32(&rows);
+    int32_t* host = NULL;
+    int64_t i, valid = 0;
+    *terms = count;
+    if (m->loss == MGPU_LOSS_MSE || n == 0) return MGPU_OK;
+    if (!MGPU__IS_CPU(target)) {
+        mgpu_result r;
+        host = (int32_t*)MGPU_MALLOC((size_t)n * sizeof(int32_t));
+        if (!host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "the loss's targets: out of host memory");
+        r = mgpu_tensor_download(&rows, host, (size_t)n * sizeof(int32_t));
+        if (r != MGPU_OK) { MGPU_FREE(host); return r; }
+        labels = host;
+    }
+    for (i = 0; i < n; ++i) valid += labels[i] != MGPU_IGNORE_INDEX;
+    MGPU_FREE(host);
+    *terms = valid;
     return MGPU_OK;
 }
 
@@ -8187,6 +8342,8 @@ typedef struct mgpu__batch {
     mgpu_tensor xs[MGPU__MAX_REPLICAS], ts[MGPU__MAX_REPLICAS];
     int64_t first[MGPU__MAX_REPLICAS];   /* where each replica's rows start in the batch */
     int64_t row_base;                    /* a distributed model: the rows of the ranks before this one */
+    double grad_terms;                   /* cross-entropy: the terms the gradient is the mean over (the
+                                            batch's, across processes; batch_total's share of them) */
     int zero_grads;                      /* a whole step's: the gradients zeroed first (on a GPU, on each
                                             part's stream as its first op is queued) */
     mgpu_result results[MGPU__MAX_REPLICAS];   /* CPU threads: each part's */
@@ -8201,6 +8358,29 @@ static void mgpu__batch_begin(mgpu__batch* b, mgpu_model* m, const char* op, int
     b->op = op;
     b->batch_total = batch_total;
     b->zero_grads = 0;
+}
+
+/* The loss's terms of each replica's micro-batches (m->terms) and their sum on this process. */
+static mgpu_result mgpu__batch_terms(mgpu_model* m, const mgpu_tensor* target, int64_t* sum) {
+    int64_t start, count, mstart, mcount, *t;
+    int r, k;
+    *sum = 0;
+    for (r = 0; r < m->replica_count; ++r) {
+        mgpu__split(target->shape.dim[0], m->replica_count, r, &start, &count);
+        for (k = 0; k < m->micro_batches; ++k) {
+            mgpu__split(count, m->micro_batches, k, &mstart, &mcount);
+            t = &m->terms[r * m->micro_batches + k];
+            MGPU__TRY(mgpu__loss_terms(m, target, start + mstart, mcount, t));
+            *sum += *t;
+        }
+    }
+    m->last_terms = *sum;
+    return MGPU_OK;
+}
+/* The gradient's terms for a batch of `rows` rows with `terms` terms (both of the whole job),
+   part of batch_total rows: the batch's share of them. */
+static double mgpu__grad_terms(int64_t terms, int64_t rows, int64_t batch_total) {
+    return rows > 0 && batch_total != rows ? (double)terms * (double)batch_total / (double)rows : (double)terms;
 }
 
 static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const mgpu_tensor* target) {
@@ -8220,8 +8400,14 @@ static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const
 /* Loss (and, with dout, its gradient scaled by grad_scale) of an output into `loss` [1]. */
 static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tensor* out, const mgpu_tensor* target,
                               mgpu_tensor* dout, float grad_scale) {
+    const int64_t classes = out->shape.dim[out->shape.ndim - 1], rows = classes ? mgpu_tensor_numel(out) / classes : 0;
+    mgpu_tensor logits, labels, dlogits;
     if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(loss, dout, out, target, grad_scale);
-    return mgpu_softmax_cross_entropy(loss, dout, out, target, grad_scale);
+    /* a label per row: [B, T, vocab] is B x T rows of logits (the same memory, seen 2-D) */
+    logits = mgpu__reshaped(out, mgpu_shape2(rows, classes));
+    labels = mgpu__reshaped(target, mgpu_shape1(rows));
+    if (dout) dlogits = mgpu__reshaped(dout, logits.shape);
+    return mgpu_softmax_cross_entropy(loss, dout ? &dlogits : NULL, &logits, &labels, grad_scale);
 }
 
 /* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
@@ -8246,7 +8432,9 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     /* The gradient of the WHOLE batch's mean loss: summed over replicas and micro-batches it is
        exactly the one-device gradient, however unevenly the rows were split. MSE averages
        every element. */
-    per_row = m->loss == MGPU_LOSS_MSE ? (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1) : 1.0;
+    if (m->loss != MGPU_LOSS_MSE)   /* the mean over the batch's labels that are not ignored */
+        return mgpu__loss(m, &lk, out, &tk, sl->dout, b->grad_terms > 0.0 ? (float)(1.0 / b->grad_terms) : 0.0f);
+    per_row = (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1);
     return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)));
 }
 
@@ -8310,37 +8498,38 @@ static int mgpu__stage_ready(const mgpu_model* m, int s, const int* next, const 
     return op >= 0 ? s == 0 || fdone[s - 1] > k : s == m->stage_count - 1 || bdone[s + 1] > k;
 }
 
-/* The batch's loss summed over its rows, from each micro-batch's mean (waits for the devices). */
-/* The loss summed over replica r's rows of a batch, and their count. */
-static mgpu_result mgpu__replica_loss_sum(mgpu_model* m, int r, int64_t batch, double* sum, int64_t* rows) {
+/* The loss summed over replica r's terms of the last batch (its rows, or the labels that are not
+   ignored), from each micro-batch's mean, and their count (waits for the devices). */
+static mgpu_result mgpu__replica_loss_sum(mgpu_model* m, int r, double* sum, int64_t* terms) {
     float v[4096];
-    int64_t start, mstart, mcount;
     int k;
     const mgpu_tensor losses = mgpu__rows(mgpu__part_of(m, r, m->stage_count - 1)->losses, 0, m->micro_batches);
-    mgpu__split(batch, m->replica_count, r, &start, rows);
     MGPU__TRY(mgpu_tensor_download(&losses, v, (size_t)m->micro_batches * sizeof(float)));
     *sum = 0.0;
+    *terms = 0;
     for (k = 0; k < m->micro_batches; ++k) {
-        mgpu__split(*rows, m->micro_batches, k, &mstart, &mcount);
-        *sum += (double)v[k] * (double)mcount;
+        const int64_t t = m->terms[r * m->micro_batches + k];
+        if (t) *sum += (double)v[k] * (double)t;
+        *terms += t;
     }
     return MGPU_OK;
 }
-static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, int64_t batch, double* sum) {
+static mgpu_result mgpu__batch_loss_sum(mgpu_model* m, double* sum) {
     double total = 0.0, one;
-    int64_t rows;
+    int64_t terms;
     int r;
     for (r = 0; r < m->replica_count; ++r) {
-        MGPU__TRY(mgpu__replica_loss_sum(m, r, batch, &one, &rows));
+        MGPU__TRY(mgpu__replica_loss_sum(m, r, &one, &terms));
         total += one;
     }
     *sum = total;
     return MGPU_OK;
 }
-static mgpu_result mgpu__batch_loss(mgpu_model* m, int64_t batch, float* loss) {
+/* The last batch's mean loss over its terms (0 when it had none: every label ignored). */
+static mgpu_result mgpu__batch_loss(mgpu_model* m, float* loss) {
     double sum = 0.0;
-    MGPU__TRY(mgpu__batch_loss_sum(m, batch, &sum));
-    *loss = (float)(sum / (double)batch);
+    MGPU__TRY(mgpu__batch_loss_sum(m, &sum));
+    *loss = m->last_terms ? (float)(sum / (double)m->last_terms) : 0.0f;
     return MGPU_OK;
 }
 
@@ -8617,17 +8806,19 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
                                    int64_t batch_total, int reduce, float* loss) {
     mgpu__batch b;
     mgpu_result res = pre != MGPU_OK ? pre : mgpu__batch_check(m, op, x, target);
-    int64_t batch = res == MGPU_OK ? x->shape.dim[0] : 0, all_rows = batch;
-    double loss_sum = 0.0;
+    int64_t batch = res == MGPU_OK ? x->shape.dim[0] : 0, all_rows = batch, terms = 0;
+    double loss_sum = 0.0, all_terms;
     int i;
     b.row_base = 0;
+    if (res == MGPU_OK) res = mgpu__batch_terms(m, target, &terms);
+    all_terms = (double)terms;
     if (m->dist) {
         mgpu__dist_doing(op, m->steps + 1);
         if (res == MGPU_OK && m->dist_suspect)   /* the same flag on every rank: they all refuse */
             res = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: the ranks may hold different parameters since %s; load a checkpoint "
                              "(mgpu_model_load) to go on", op, m->dist_suspect);
         for (i = 0; i < m->stage_count && res == MGPU_OK; ++i) res = mgpu__ar_check_processes(m->ar[i]);
-        MGPU__TRY(mgpu__dist_agree(res, batch, 0.0, m->dist_rows, NULL));
+        MGPU__TRY(mgpu__dist_agree(res, batch, (double)terms, m->dist_rows, &all_terms));
         for (i = 0, all_rows = 0; i < mgpu__dist.size; ++i) {
             if (i < mgpu__dist.rank) b.row_base += m->dist_rows[i];
             all_rows += m->dist_rows[i];
@@ -8636,6 +8827,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     MGPU__TRY(res);
     if (batch_total < all_rows) batch_total = all_rows;
     mgpu__batch_begin(&b, m, op, batch_total);
+    b.grad_terms = mgpu__grad_terms((int64_t)all_terms, all_rows, batch_total);
     b.zero_grads = reduce;   /* a whole step: from zeroed gradients */
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
     if (res != MGPU_OK) {
@@ -8647,18 +8839,18 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     else res = mgpu__run_batch_streams(&b, reduce && (!m->dist || mgpu__dist_overlaps(m)));          /* 3, 4 */
     if (m->dist) {   /* every rank's verdict on its work (and its loss), with the sums across the job or alone */
         if (res == MGPU_OK && mgpu__dist_overlaps(m)) res = mgpu__ar_wait_processes(m->ar[0]);   /* (a hung NCCL ends) */
-        if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, batch, &loss_sum);
+        if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, &loss_sum);
         if (reduce && !m->grads_reduced) MGPU__TRY(mgpu__dist_reduce(m, res, loss_sum, &loss_sum));  /* 4. reduce */
         else MGPU__TRY(mgpu__dist_agree(res, 0, loss_sum, NULL, &loss_sum));   /* (NCCL overlapped backward) */
         m->rows_in_step += all_rows;
         m->last_batch = batch;   /* this rank's rows (mgpu_model_replica_loss) */
-        if (loss) *loss = (float)(loss_sum / (double)all_rows);
+        if (loss) *loss = all_terms > 0.0 ? (float)(loss_sum / all_terms) : 0.0f;
         return MGPU_OK;
     }
     MGPU__TRY(res);
     m->rows_in_step += batch;   /* a next batch of this step continues the row numbering */
     m->last_batch = batch;
-    return loss ? mgpu__batch_loss(m, batch, loss) : MGPU_OK;
+    return loss ? mgpu__batch_loss(m, loss) : MGPU_OK;
 }
 
 /* ---- move 5, update: the same optimizer step on every replica ---- */
@@ -8835,6 +9027,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     mgpu__batch b;
     mgpu__part* first = &m->part[0];
     mgpu_result r;
+    int64_t terms = 0;
     int i, dropout, was_reduced;
     b.row_base = 0;
     *eager = 1;
@@ -8870,8 +9063,16 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     /* outside the graph: this update's numbers, the step's Dropout key and the batch's rows, into
        the buffers it reads */
     r = mgpu__batch_check(m, op, x, target);
+    if (r == MGPU_OK) r = mgpu__batch_terms(m, target, &terms);
+    if (r == MGPU_OK && m->graph_exec && (double)terms != m->graph_terms) {
+        /* the graph scales the gradient by the labels its capture counted: another count (labels
+           ignored) runs this step eagerly, the graph is kept for the batches that match it */
+        m->grads_reduced = was_reduced;
+        return MGPU_OK;
+    }
     if (r == MGPU_OK) r = mgpu__optimizer_prepare(opt, op);
     mgpu__batch_begin(&b, m, op, x->shape.dim[0]);
+    b.grad_terms = (double)terms;
     for (i = 0; r == MGPU_OK && dropout && i < m->part_count; ++i) {
         const uint64_t key = mgpu__step_seed(m, &m->part[i]);
         r = mgpu__upload_async(m->part[i].dev, mgpu_tensor_data(m->part[i].step_seed), &key, sizeof key, op);
@@ -8887,6 +9088,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         for (i = 0; i < m->part_count; ++i) mgpu_device_get_counters(m->part[i].dev, &m->part[i].graph_work);
         mgpu__step_state_save(m, opt, &before);
         r = mgpu__graph_capture(m, opt, &b);
+        m->graph_terms = b.grad_terms;
         mgpu__step_state_load(m, opt, &before);   /* nothing ran: the launch below does it */
         for (i = 0; i < m->part_count; ++i) {   /* nor did the work the capture counted: each launch counts it */
             mgpu_device_counters now;
@@ -8936,7 +9138,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     /* what comes next on each device after the graph */
     for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, first, 3, &m->part[i]));
     MGPU__TRY(mgpu__verify_if_due(m));
-    return loss ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
+    return loss ? mgpu__batch_loss(m, loss) : MGPU_OK;
 }
 
 /* ---- the public steps ---- */
@@ -8977,7 +9179,7 @@ static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     MGPU__TRY(mgpu__run_batch(m, op, r, x, target, 0, 1, m->dist ? loss : NULL));                  /* 2, 3, 4 */
     MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
     /* read the loss only now: the optimizer step is already queued behind it */
-    return loss && !m->dist ? mgpu__batch_loss(m, x->shape.dim[0], loss) : MGPU_OK;
+    return loss && !m->dist ? mgpu__batch_loss(m, loss) : MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
@@ -8999,7 +9201,7 @@ MGPUDEF mgpu_result mgpu_model_replica_loss(mgpu_model* m, int replica, float* l
     if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
     MGPU__TRY(mgpu__check_replica(op, m, replica));
     if (!m->last_batch) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no batch has been run yet", op);
-    MGPU__TRY(mgpu__replica_loss_sum(m, replica, m->last_batch, &sum, &rows));
+    MGPU__TRY(mgpu__replica_loss_sum(m, replica, &sum, &rows));
     *loss = rows > 0 ? (float)(sum / (double)rows) : 0.0f;
     return MGPU_OK;
 }
@@ -9012,7 +9214,7 @@ MGPUDEF mgpu_result mgpu_model_last_loss(mgpu_model* m, float* loss) {
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a distributed model's loss is summed over the ranks in its step: "
                           "pass a loss pointer to mgpu_model_train_step", op);
     if (!m->last_batch) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no batch has been run yet", op);
-    return mgpu__batch_loss(m, m->last_batch, loss);
+    return mgpu__batch_loss(m, loss);
 }
 
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
@@ -9112,7 +9314,7 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
 MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                         float* loss, int64_t* correct) {
     static const char* op = "mgpu_model_evaluate";
-    int64_t n, per_chunk, chunks, j, start, count, hits = 0, c;
+    int64_t n, per_chunk, chunks, j, start, count, hits = 0, c, terms = 0;
     double total = 0.0;
     float* host = NULL;
     mgpu_result res = MGPU_OK;
@@ -9151,11 +9353,15 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
             lj = mgpu__rows(last->eval, j, 1);
             MGPU__TRY(mgpu__loss(m, &lj, out, &ts, NULL, 1.0f));
-            if (counting && last->dev->kind == MGPU_DEVICE_CPU) {
-                MGPU__TRY(mgpu_count_correct(out, &ts, &c));
-                counts[j] = (int32_t)c;
-            } else if (counting) {
-                MGPU__TRY(mgpu__count_correct_queued(op, out, &ts, counts + j));
+            if (counting) {   /* a label per row of the output: [B, T, vocab] is B x T rows */
+                const int64_t classes = out->shape.dim[out->shape.ndim - 1], rows2 = mgpu_tensor_numel(out) / MGPU__MAX(classes, 1);
+                const mgpu_tensor logits = mgpu__reshaped(out, mgpu_shape2(rows2, classes)), labels = mgpu__reshaped(&ts, mgpu_shape1(rows2));
+                if (last->dev->kind == MGPU_DEVICE_CPU) {
+                    MGPU__TRY(mgpu_count_correct(&logits, &labels, &c));
+                    counts[j] = (int32_t)c;
+                } else {
+                    MGPU__TRY(mgpu__count_correct_queued(op, &logits, &labels, counts + j));
+                }
             }
         }
     }
@@ -9165,16 +9371,19 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
         res = mgpu_tensor_download(mgpu__part_of(m, i, m->stage_count - 1)->eval, host + 2 * chunks * i,
                                    (size_t)(2 * chunks) * sizeof(float));
     for (j = 0; j < chunks && res == MGPU_OK; ++j)   /* summed in the order of the rows, as before */
-        for (i = 0; i < m->replica_count; ++i) {
+        for (i = 0; i < m->replica_count && res == MGPU_OK; ++i) {
             const float* mine = host + 2 * chunks * i;
+            int64_t t;
             mgpu__split(MGPU__MIN(n - j * per_chunk, per_chunk), m->replica_count, i, &start, &count);
             if (count == 0) continue;
-            total += (double)mine[j] * (double)count;
+            res = mgpu__loss_terms(m, target, j * per_chunk + start, count, &t);   /* each chunk's mean, by its terms */
+            if (t) total += (double)mine[j] * (double)t;
+            terms += t;
             if (counting) hits += ((const int32_t*)(mine + chunks))[j];
         }
     MGPU_FREE(host);
     MGPU__TRY(res);
-    if (loss) *loss = n ? (float)(total / (double)n) : 0.0f;
+    if (loss) *loss = terms ? (float)(total / (double)terms) : 0.0f;
     if (correct) *correct = hits;
     return MGPU_OK;
 }

@@ -843,11 +843,13 @@ int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels,
 // Softmax over rows, one row per group of G threads: a warp for narrow rows, the whole block for
 // wide ones. Computes the row max m and s = sum exp(x - m) (subtracting m keeps exp finite).
 // Without labels, y = exp(x - m) / s. With labels (cross-entropy), row_loss[r] = m + log(s) -
-// x[label] and, when y is given, y = (softmax - onehot) * grad_scale; an out-of-range label
-// makes both NaN.
+// x[label] and, when y is given, y = (softmax - onehot) * grad_scale (* scale_on_device when
+// given); an ignored row (MGPU_IGNORE_INDEX) gets 0 in both, another out-of-range label NaN.
 template <int G>
 __global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, const float* x, float* y,
-                                                           const int32_t* labels, float* row_loss, float grad_scale) {
+                                                           const int32_t* labels, float* row_loss, float grad_scale,
+                                                           const float* scale_on_device) {
+    if (scale_on_device) grad_scale = *scale_on_device;
     constexpr int kRowsPerBlock = kThreads / G;
     const int lane = threadIdx.x % G;
     for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / G; r < rows;
@@ -862,6 +864,12 @@ __global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, c
         // may be x itself: an in-place gradient)
         const int label = labels ? labels[r] : 0;
         const bool valid = label >= 0 && label < cols;
+        if (label == MGPU_IGNORE_INDEX) {   // the whole group takes this branch: no reduction skipped by half
+            if (lane == 0) row_loss[r] = 0.0f;
+            if (yr)
+                for (int j = lane; j < cols; j += G) yr[j] = 0.0f;
+            continue;
+        }
         const float x_label = labels && valid ? xr[label] : 0.0f;
         s = group_reduce<G>(s, sum_op<float>());
         // In place (y == x), a lane's writes below may land on x[label], which every lane read
@@ -881,29 +889,52 @@ __global__ void __launch_bounds__(kThreads) softmax_kernel(int rows, int cols, c
 }
 
 static int launch_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y,
-                          const int32_t* labels, float* row_loss, float grad_scale) {
+                          const int32_t* labels, float* row_loss, float grad_scale, const float* scale_on_device) {
     if (rows <= 0) return MGPU__CU_OK;
     if (cols <= 1024)
         softmax_kernel<32><<<blocks_for(rows, kThreads / 32), kThreads, 0, as_stream(stream)>>>(
-            rows, cols, x, y, labels, row_loss, grad_scale);
+            rows, cols, x, y, labels, row_loss, grad_scale, scale_on_device);
     else
         softmax_kernel<kThreads><<<blocks_for(rows, 1), kThreads, 0, as_stream(stream)>>>(
-            rows, cols, x, y, labels, row_loss, grad_scale);
+            rows, cols, x, y, labels, row_loss, grad_scale, scale_on_device);
     CHECK_LAUNCH(labels ? "softmax_xent" : "softmax", dev);
     return MGPU__CU_OK;
 }
 
 int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y) {
     USE_DEVICE(dev);
-    return launch_softmax(dev, stream, rows, cols, x, y, nullptr, nullptr, 0.0f);
+    return launch_softmax(dev, stream, rows, cols, x, y, nullptr, nullptr, 0.0f, nullptr);
+}
+
+// The cross-entropy's targets: the rows whose label is not MGPU_IGNORE_INDEX, counted by one
+// block. With row_loss: out[0] = the mean of row_loss over them (summed as finish_kernel sums,
+// so that a batch without ignored rows gets the bits it always had; 0 when there are none).
+// Without: out[0] = 1 / their count (0 when none), the gradient's scale of the mean.
+__global__ void __launch_bounds__(kThreads)
+xent_targets_kernel(int rows, const int32_t* labels, const float* row_loss, float* out) {
+    double acc = 0.0;
+    int n = 0;
+    for (int i = threadIdx.x; i < rows; i += kThreads) {
+        if (row_loss) acc += (double)row_loss[i];
+        n += labels[i] != MGPU_IGNORE_INDEX;
+    }
+    if (row_loss) acc = block_reduce(acc, sum_op<double>());
+    n = block_reduce(n, sum_op<int>());
+    if (threadIdx.x == 0) out[0] = n == 0 ? 0.0f : row_loss ? (float)(acc / (double)n) : 1.0f / (float)n;
 }
 
 int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
                           const int32_t* labels, float* loss, float* dlogits, float grad_scale,
                           float* scratch) {
     USE_DEVICE(dev);
-    TRY(launch_softmax(dev, stream, rows, cols, logits, dlogits, labels, scratch, grad_scale));
-    finish_kernel<float, double><<<1, kThreads, 0, as_stream(stream)>>>(scratch, rows, (double)rows, loss);
+    float* scale = nullptr;   // grad_scale 0: 1 / the targets, on the device (scratch[rows])
+    if (dlogits && grad_scale == 0.0f && rows > 0) {
+        scale = scratch + rows;
+        xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, nullptr, scale);
+        CHECK_LAUNCH("softmax_xent targets", dev);
+    }
+    TRY(launch_softmax(dev, stream, rows, cols, logits, dlogits, labels, scratch, grad_scale, scale));
+    xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, scratch, loss);
     CHECK_LAUNCH("softmax_xent mean", dev);
     return MGPU__CU_OK;
 }

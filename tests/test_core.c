@@ -1764,24 +1764,34 @@ static void softmax_large_logits(mgpu_device* dev) {
     mgpu_tensor_destroy(ty);
 }
 
-static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale, float grad_scale) {
+/* ignore_every k > 0: every k-th row (from row 1) is labelled MGPU_IGNORE_INDEX, no target;
+   -1: every row. The loss is the mean over the other rows, an ignored row's gradient 0. */
+static void xent_case_ignoring(mgpu_device* dev, int64_t rows, int64_t cols, double scale, float grad_scale, int ignore_every) {
     const int64_t n = rows * cols;
     float *x = fbuf(n), *got = fbuf(n), loss = NAN;
     int32_t* lab = (int32_t*)xmalloc((size_t)rows * sizeof(int32_t));
     double *ref = dbuf(n), *xd = dbuf(cols), total = 0.0, gs, lref;
     mgpu_tensor *tx, *tl, *tloss, *td;
-    int64_t r, c;
+    int64_t r, c, targets = 0;
     char what[160];
     rnd_normal(x, n, scale);
-    for (r = 0; r < rows; ++r) lab[r] = rng_int((int)cols);
-    gs = grad_scale == 0.0f ? 1.0 / (double)rows : (double)grad_scale;
     for (r = 0; r < rows; ++r) {
+        lab[r] = rng_int((int)cols);
+        if (ignore_every < 0 || (ignore_every > 0 && r % ignore_every == 1)) lab[r] = MGPU_IGNORE_INDEX;
+        targets += lab[r] != MGPU_IGNORE_INDEX;
+    }
+    gs = grad_scale == 0.0f ? (targets ? 1.0 / (double)targets : 0.0) : (double)grad_scale;
+    for (r = 0; r < rows; ++r) {
+        if (lab[r] == MGPU_IGNORE_INDEX) {
+            for (c = 0; c < cols; ++c) ref[r * cols + c] = 0.0;
+            continue;
+        }
         ref_softmax_row(x + r * cols, cols, ref + r * cols);
         for (c = 0; c < cols; ++c) xd[c] = x[r * cols + c];
         total += ref_xent_row(xd, cols, lab[r]);
         for (c = 0; c < cols; ++c) ref[r * cols + c] = (ref[r * cols + c] - (c == lab[r])) * gs;
     }
-    lref = total / (double)rows;
+    lref = targets ? total / (double)targets : 0.0;
     tx = tfrom(dev, mgpu_shape2(rows, cols), x);
     tl = tfrom_i32(dev, mgpu_shape1(rows), lab);
     tloss = tmake(dev, MGPU_F32, mgpu_shape1(1));
@@ -1790,17 +1800,19 @@ static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale
     MUST(mgpu_softmax_cross_entropy(tloss, td, tx, tl, grad_scale));
     tget(tloss, &loss);
     tget(td, got);
-    snprintf(what, sizeof what, "cross_entropy loss [%lld,%lld] grad_scale %g", (long long)rows, (long long)cols, grad_scale);
-    check_err(dev, what, &loss, &lref, 1, 1e-5);
-    snprintf(what, sizeof what, "cross_entropy dlogits [%lld,%lld] grad_scale %g", (long long)rows, (long long)cols,
-             grad_scale);
+    snprintf(what, sizeof what, "cross_entropy loss [%lld,%lld] grad_scale %g, ignoring %d", (long long)rows, (long long)cols,
+             grad_scale, ignore_every);
+    if (targets == 0) CHECK(loss == 0.0f, "%s: every label ignored gives loss %g, want 0", what, loss);
+    else check_err(dev, what, &loss, &lref, 1, 1e-5);
+    snprintf(what, sizeof what, "cross_entropy dlogits [%lld,%lld] grad_scale %g, ignoring %d", (long long)rows, (long long)cols,
+             grad_scale, ignore_every);
     check_err(dev, what, got, ref, n, 1e-5);
     /* without dlogits */
     loss = NAN;
     MUST(mgpu_softmax_cross_entropy(tloss, NULL, tx, tl, grad_scale));
     tget(tloss, &loss);
     snprintf(what, sizeof what, "cross_entropy loss [%lld,%lld], dlogits NULL", (long long)rows, (long long)cols);
-    check_err(dev, what, &loss, &lref, 1, 1e-5);
+    if (targets) check_err(dev, what, &loss, &lref, 1, 1e-5);
     /* in place, dlogits == logits (which the API allows): a lane must not overwrite x[label]
        before every lane of its row has read it (on a GPU a __syncwarp orders them; compute-
        sanitizer's racecheck and synccheck in make gpu-check look at it) */
@@ -1809,11 +1821,11 @@ static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale
     tget(tloss, &loss);
     tget(tx, got);
     snprintf(what, sizeof what, "cross_entropy [%lld,%lld] in place: loss", (long long)rows, (long long)cols);
-    check_err(dev, what, &loss, &lref, 1, 1e-5);
+    if (targets) check_err(dev, what, &loss, &lref, 1, 1e-5);
     snprintf(what, sizeof what, "cross_entropy [%lld,%lld] in place: dlogits", (long long)rows, (long long)cols);
     check_err(dev, what, got, ref, n, 1e-5);
     /* the gradient of the mean loss against a central difference of the loss, in double */
-    if (grad_scale == 0.0f && n <= 20000) {
+    if (grad_scale == 0.0f && n <= 20000 && ignore_every == 0) {
         const double h = 1e-5;
         for (r = 0; r < rows; ++r)
             for (c = 0; c < cols; ++c) {
@@ -1835,6 +1847,9 @@ static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale
     mgpu_tensor_destroy(tloss);
     mgpu_tensor_destroy(td);
     free(x); free(got); free(lab); free(ref); free(xd);
+}
+static void xent_case(mgpu_device* dev, int64_t rows, int64_t cols, double scale, float grad_scale) {
+    xent_case_ignoring(dev, rows, cols, scale, grad_scale, 0);
 }
 
 static void mse_case(mgpu_device* dev, mgpu_shape s, float grad_scale) {
@@ -1949,10 +1964,10 @@ static void bad_label_on(mgpu_device* dev) {
               "cross_entropy with a bad label (row 3) changed dlogits before failing: row 0 now %g %g ..., was %g %g",
               d1[0], d1[1], d0[0], d0[1]);
         lab[3] = 0;
-        lab[0] = -1;
+        lab[0] = -2;   /* (-1 is MGPU_IGNORE_INDEX) */
         tput(tl, lab);
         r = mgpu_softmax_cross_entropy(tloss, NULL, tx, tl, 0.0f);
-        expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, "cross_entropy with label -1 in row 0", "row 0", "-1", NULL);
+        expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, "cross_entropy with label -2 in row 0", "row 0", "-2", NULL);
     } else {   /* the seam's contract on the GPU: the row's loss (so the mean) is NaN */
         MUST(mgpu_softmax_cross_entropy(tloss, td, tx, tl, 0.0f));
         tget(tloss, &loss);
@@ -1982,6 +1997,10 @@ static void test_softmax_losses(void) {
         xent_case(dev, 7, 1000, 4.0, 0.0f);
         xent_case(dev, g_quick ? 256 : 4096, 10, 3.0, 0.0f);
         xent_case(dev, 3, 5, 300.0, 0.0f);   /* large logits */
+        xent_case_ignoring(dev, 61, 10, 2.0, 0.0f, 3);   /* MGPU_IGNORE_INDEX rows: the mean of the others */
+        xent_case_ignoring(dev, 37, 1500, 2.0, 0.0f, 2);   /* (rows of a whole block on a GPU) */
+        xent_case_ignoring(dev, 9, 10, 2.0, 0.125f, 4);
+        xent_case_ignoring(dev, 5, 10, 2.0, 0.0f, -1);   /* every row ignored: loss 0, gradient 0 */
         mse_case(dev, mgpu_shape2(33, 7), 0.0f);
         mse_case(dev, mgpu_shape2(33, 7), 0.5f);
         mse_case(dev, mgpu_shape1(1), 0.0f);

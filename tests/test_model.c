@@ -821,7 +821,7 @@ static void test_model_errors(void) {
     /* a layer that rejects its input: Linear(10, 5) right after a [1, 28, 28] input */
     m = TRY_MODEL(mgpu_shape3(1, 28, 28), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_linear(10, 5));
     mgpu_model_destroy(m);
-    expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Linear(10,5) on [1,28,28]", "layer 0 (Linear)", "[1,1,28,28]", "[batch,10]");
+    expect_null(m, MGPU_ERROR_SHAPE_MISMATCH, "Linear(10,5) on [1,28,28]", "layer 0 (Linear)", "[1,1,28,28]", "[...,10]");
     CHECK(strstr(mgpu_last_error(), "mgpu_model_create") != NULL, "message names the call: %s", mgpu_last_error());
     /* a sample shape no tensor can have: [-5], [3, 0] */
     m = TRY_MODEL(mgpu_shape1(-5), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_relu());
