@@ -388,6 +388,13 @@ static inline mgpu_tensor* tfrom(mgpu_device* d, mgpu_shape s, const float* host
     tput(t, host);
     return t;
 }
+/* An op that must succeed: a failure is recorded with the message; a success is not counted. */
+#define MUST(expr)                                                                          \
+    do {                                                                                    \
+        mgpu_result must_r_ = (expr);                                                       \
+        if (must_r_ != MGPU_OK)                                                             \
+            CHECK(0, "%s -> %s: %s", #expr, mgpu_result_string(must_r_), mgpu_last_error()); \
+    } while (0)
 /* A call that must fail with `want`, leaving a message that contains each of s1..s3 (NULL: skip). */
 static inline void expect_fail(mgpu_result got, mgpu_result want, const char* what, const char* s1, const char* s2,
                         const char* s3) {

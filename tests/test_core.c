@@ -53,13 +53,6 @@ static void rnd_normal(float* x, int64_t n, double std) {
 
 /* A tensor the test cannot go on without: a failure here ends the run (with its summary). */
 
-/* An op that must succeed: a failure is recorded with the message; a success is not counted. */
-#define MUST(expr)                                                                          \
-    do {                                                                                    \
-        mgpu_result must_r_ = (expr);                                                       \
-        if (must_r_ != MGPU_OK)                                                             \
-            CHECK(0, "%s -> %s: %s", #expr, mgpu_result_string(must_r_), mgpu_last_error()); \
-    } while (0)
 
 /* The normalised error of test.h; for fewer than 100 values its denominator is at least the norm
    of n unit values, so that one result that happens to be near 0 (a cancelling dot product, gelu

@@ -75,13 +75,6 @@ static void rnd_distinct(float* x, int64_t n) {
 
 /* A tensor the test cannot go on without: a failure here ends the run (with its summary). */
 
-/* An op that must succeed: a failure is recorded with the message; a success is not counted. */
-#define MUST(expr)                                                                          \
-    do {                                                                                    \
-        mgpu_result must_r_ = (expr);                                                       \
-        if (must_r_ != MGPU_OK)                                                             \
-            CHECK(0, "%s -> %s: %s", #expr, mgpu_result_string(must_r_), mgpu_last_error()); \
-    } while (0)
 
 static void expect_null(const void* p, mgpu_result want, const char* what, const char* s1, const char* s2,
                         const char* s3) {

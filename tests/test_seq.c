@@ -31,8 +31,268 @@ static int gpu_part(const char* group) { return test_gpu_group(group, g_gpu != N
 /* ============================================================================================ */
 /* 1. sequences                                                                                 */
 /* ============================================================================================ */
+/* A token model made here: x int32 ids [B, T] (vocabulary V) -> OneHot [B, T, V] (a layer of the
+   test's own, so that the plumbing is tested apart from the Embedding) -> Linear(V, H) -> ReLU ->
+   Linear(H, V), cross-entropy per position. */
+enum { SEQ_T = 5, SEQ_V = 7, SEQ_H = 6 };
+static mgpu_result onehot_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    (void)l;
+    if (x.ndim != 2) return mgpu_fail(MGPU_ERROR_SHAPE_MISMATCH, "OneHot: want [B, T] ids");
+    *y = mgpu_shape3(x.dim[0], x.dim[1], SEQ_V);
+    return MGPU_OK;
+}
+static mgpu_result onehot_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const int64_t n = mgpu_tensor_numel(x);
+    int32_t* ids = (int32_t*)xmalloc((size_t)n * sizeof(int32_t));
+    float* h = fbuf(n * SEQ_V);
+    int64_t i;
+    mgpu_result r;
+    (void)l; (void)ctx;
+    if ((r = mgpu_tensor_download(x, ids, (size_t)n * sizeof(int32_t))) == MGPU_OK) {
+        for (i = 0; i < n; ++i) h[i * SEQ_V + ids[i]] = 1.0f;
+        r = mgpu_tensor_upload(y, h, (size_t)n * SEQ_V * sizeof(float));
+    }
+    free(ids); free(h);
+    return r;
+}
+static mgpu_result onehot_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                   const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y; (void)dy;
+    return dx ? mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "OneHot: asked for a gradient of token ids") : MGPU_OK;
+}
+static const mgpu_layer_vtable g_onehot_vt = { "OneHot", onehot_shape, NULL, NULL, NULL, NULL, NULL,
+                                               onehot_forward, onehot_backward, NULL, NULL };
+
+static mgpu_model* token_model(const mgpu_device_set* set, int micro_batches) {
+    mgpu_layer* layers[4];
+    mgpu_model* m;
+    layers[0] = mgpu_layer_create(&g_onehot_vt, NULL);
+    layers[1] = mgpu_layer_linear(SEQ_V, SEQ_H);
+    layers[2] = mgpu_layer_relu();
+    layers[3] = mgpu_layer_linear(SEQ_H, SEQ_V);
+    m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(SEQ_T), .input_dtype = MGPU_I32, .layers = layers,
+                                              .layer_count = 4, .devices = set, .seed = 7, .micro_batches = micro_batches });
+    CHECK(m != NULL, "token model on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
+    return m;
+}
+
+/* float64 loss and gradient of the token model for ids and labels [B, T]: the mean over the
+   labels that are not ignored; grads in the flat buffer's order (W1, b1, W2, b2 at their views) */
+static double token_reference(mgpu_model* m, const int32_t* ids, const int32_t* lab, int B, double* grad, int64_t nflat) {
+    float* flat = fbuf(nflat);
+    const mgpu_tensor* w1v = mgpu_model_param(m, 0, "1.weight");
+    int64_t o1 = (int64_t)((const char*)mgpu_tensor_data(w1v) - (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+    int64_t ob1 = o1 + SEQ_H * SEQ_V, ow2, ob2;
+    double loss = 0.0;
+    int count = 0, r, i, j;
+    ow2 = (int64_t)((const char*)mgpu_tensor_data(mgpu_model_param(m, 0, "3.weight")) -
+                    (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+    ob2 = ow2 + SEQ_V * SEQ_H;
+    ob1 = (int64_t)((const char*)mgpu_tensor_data(mgpu_model_param(m, 0, "1.bias")) -
+                    (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+    ob2 = (int64_t)((const char*)mgpu_tensor_data(mgpu_model_param(m, 0, "3.bias")) -
+                    (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+    tget(mgpu_model_params(m, 0), flat);
+    for (i = 0; i < nflat; ++i) grad[i] = 0.0;
+    for (r = 0; r < B * SEQ_T; ++r) count += lab[r] != MGPU_IGNORE_INDEX;
+    for (r = 0; r < B * SEQ_T; ++r) {
+        double pre[SEQ_H], h[SEQ_H], z[SEQ_V], mx = -1e300, s = 0.0, dz[SEQ_V], dh[SEQ_H];
+        if (lab[r] == MGPU_IGNORE_INDEX) continue;
+        for (j = 0; j < SEQ_H; ++j) {
+            pre[j] = (double)flat[o1 + j * SEQ_V + ids[r]] + flat[ob1 + j];
+            h[j] = pre[j] > 0 ? pre[j] : 0.0;
+        }
+        for (i = 0; i < SEQ_V; ++i) {
+            z[i] = flat[ob2 + i];
+            for (j = 0; j < SEQ_H; ++j) z[i] += (double)flat[ow2 + i * SEQ_H + j] * h[j];
+            if (z[i] > mx) mx = z[i];
+        }
+        for (i = 0; i < SEQ_V; ++i) s += exp(z[i] - mx);
+        loss += mx + log(s) - z[lab[r]];
+        for (i = 0; i < SEQ_V; ++i) dz[i] = (exp(z[i] - mx) / s - (i == lab[r])) / count;
+        for (j = 0; j < SEQ_H; ++j) dh[j] = 0.0;
+        for (i = 0; i < SEQ_V; ++i) {
+            grad[ob2 + i] += dz[i];
+            for (j = 0; j < SEQ_H; ++j) {
+                grad[ow2 + i * SEQ_H + j] += dz[i] * h[j];
+                dh[j] += dz[i] * flat[ow2 + i * SEQ_H + j];
+            }
+        }
+        for (j = 0; j < SEQ_H; ++j) {
+            if (pre[j] <= 0) continue;
+            grad[ob1 + j] += dh[j];
+            grad[o1 + j * SEQ_V + ids[r]] += dh[j];
+        }
+    }
+    free(flat);
+    return count ? loss / count : 0.0;
+}
+
+/* One batch accumulated on `spec` (its loss and gradient of replica 0) against the float64
+   reference; returns the gradient (caller frees) for comparisons between layouts. */
+static int64_t g_token_flat;   /* the token model's flat parameters */
+static float* token_batch(const char* spec, int micro, const int32_t* ids, const int32_t* lab, int B, float* loss_out) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m;
+    mgpu_tensor *x, *y;
+    float loss = NAN, *g = NULL;
+    double *ref, lref, e;
+    int64_t n;
+    if (!set) { CHECK(0, "device set %s: %s", spec, mgpu_last_error()); return NULL; }
+    m = token_model(set, micro);
+    if (!m) { mgpu_device_set_destroy(set); return NULL; }
+    n = g_token_flat = mgpu_tensor_numel(mgpu_model_params(m, 0));
+    x = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), ids);
+    y = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), lab);
+    ref = dbuf(n);
+    lref = token_reference(m, ids, lab, B, ref, n);
+    MUST(mgpu_model_accumulate(m, x, y, 0, &loss));
+    MUST(mgpu_model_reduce_grads(m));
+    g = fbuf(n);
+    tget(mgpu_model_grads(m, 0), g);
+    CHECK(fabs(loss - lref) <= 1e-5 * fabs(lref) + 1e-7, "%s (M=%d): loss %.9g, float64 %.9g (mean over the labels not ignored)",
+          spec, micro, loss, lref);
+    e = test_rel_error(g, ref, (size_t)n);
+    CHECK(e <= 1e-5, "%s (M=%d): gradient against float64: normalised error %.3g", spec, micro, e);
+    {
+        float again = NAN;
+        MUST(mgpu_model_last_loss(m, &again));
+        CHECK(again == loss, "%s: mgpu_model_last_loss %.9g, the step gave %.9g", spec, again, loss);
+    }
+    *loss_out = loss;
+    free(ref);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return g;
+}
+
+/* A layer of the test's own that fails, with or without a message of its own. */
+static mgpu_result failing_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)ctx; (void)x; (void)y;
+    if (mgpu_layer_user_data(l)) return mgpu_fail(MGPU_ERROR_UNSUPPORTED, "Failing: %s", (const char*)mgpu_layer_user_data(l));
+    return MGPU_ERROR_UNSUPPORTED;
+}
+static mgpu_result failing_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                    const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y; (void)dy; (void)dx;
+    return MGPU_OK;
+}
+static const mgpu_layer_vtable g_failing_vt = { "Failing", NULL, NULL, NULL, NULL, NULL, NULL,
+                                                failing_forward, failing_backward, NULL, NULL };
+
+static void layer_errors(void) {
+    mgpu_layer* layers[2];
+    mgpu_model* m;
+    mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 3));
+    int with_message;
+    MUST(mgpu_tensor_zero(x));
+    for (with_message = 0; with_message < 2; ++with_message) {
+        const mgpu_tensor* out;
+        layers[0] = mgpu_layer_relu();
+        layers[1] = mgpu_layer_create(&g_failing_vt, with_message ? (void*)"no such op here" : NULL);
+        m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 2 });
+        CHECK(m != NULL, "model with a failing layer: %s", mgpu_last_error());
+        if (!m) continue;
+        (void)mgpu_fail(MGPU_ERROR_IO, "an earlier, unrelated failure");
+        out = mgpu_model_forward(m, 0, x, 1);
+        CHECK(out == NULL && mgpu_last_result() == MGPU_ERROR_UNSUPPORTED, "a layer's MGPU_ERROR_UNSUPPORTED reaches the caller "
+              "as %s (%s)", mgpu_result_string(mgpu_last_result()), mgpu_last_error());
+        CHECK(strstr(mgpu_last_error(), "layer 1 (Failing)") && !strstr(mgpu_last_error(), "unrelated") &&
+              strstr(mgpu_last_error(), with_message ? "no such op here" : "no message"),
+              "the layer's own message, or that it gave none, never a stale one: %s", mgpu_last_error());
+        mgpu_model_destroy(m);
+    }
+    /* a creation error names the call once */
+    layers[0] = mgpu_layer_linear(4, 2);
+    m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 1 });
+    CHECK(m == NULL && strstr(mgpu_last_error(), "mgpu_model_create: layer 0") &&
+          !strstr(mgpu_last_error(), "mgpu_model_create: mgpu_model_create"), "one prefix: %s", mgpu_last_error());
+    mgpu_tensor_destroy(x);
+}
+
 static void test_sequences(void) {
+    enum { B = 6 };
+    int32_t ids[B * SEQ_T], lab[B * SEQ_T];
+    float loss1 = 0, loss, *g1, *g;
+    const char* specs[] = { "cpu:2", "cpu:3", "cpu:4" };
+    int i, s;
     header("1. sequences: token inputs, targets per position, Linear on [..., D]");
+    for (i = 0; i < B * SEQ_T; ++i) {
+        ids[i] = rng_int(SEQ_V);
+        lab[i] = rng_int(SEQ_V);
+    }
+    /* ignored labels unevenly: all of sample 1's (a replica of cpu:3 and cpu:4 has none of
+       its own in some micro-batch), and a few more */
+    for (i = 0; i < SEQ_T; ++i) lab[SEQ_T + i] = MGPU_IGNORE_INDEX;
+    lab[3] = lab[17] = lab[22] = MGPU_IGNORE_INDEX;
+    g1 = token_batch("cpu", 1, ids, lab, B, &loss1);
+    for (s = 0; s < 3 && g1; ++s) {
+        int micro;
+        for (micro = 1; micro <= 2; ++micro) {
+            /* N replicas x M micro-batches on B/(NM) sequences each: the one-device gradient (the
+               mean over the whole batch's labels, weighted by each part's own count) */
+            if (B < (s + 2) * micro) continue;
+            g = token_batch(specs[s], micro, ids, lab, B, &loss);
+            if (!g) continue;
+            CHECK(fabs(loss - loss1) <= 1e-6 * fabs(loss1), "%s M=%d: loss %.9g, one device %.9g", specs[s], micro, loss, loss1);
+            {
+                double* d1 = dbuf(g_token_flat), e;
+                int64_t j;
+                for (j = 0; j < g_token_flat; ++j) d1[j] = g1[j];
+                e = test_rel_error(g, d1, (size_t)g_token_flat);
+                CHECK(e <= 1e-6, "%s M=%d: gradient against one device: normalised error %.3g", specs[s], micro, e);
+                free(d1);
+            }
+            free(g);
+        }
+    }
+    free(g1);
+    /* every label ignored: loss 0, no gradient */
+    {
+        int32_t none[B * SEQ_T];
+        for (i = 0; i < B * SEQ_T; ++i) none[i] = MGPU_IGNORE_INDEX;
+        g = token_batch("cpu:2", 1, ids, none, B, &loss);
+        if (g) {
+            int nonzero = 0;
+            for (i = 0; i < 16; ++i) nonzero += g[i] != 0.0f;
+            CHECK(loss == 0.0f && nonzero == 0, "every label ignored: loss %g, %d nonzero gradients", loss, nonzero);
+            free(g);
+        }
+    }
+    /* what the model refuses: float x for token ids, labels of another shape, a label past the vocabulary */
+    {
+        mgpu_model* m = token_model(NULL, 1);
+        mgpu_tensor *xf = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(B, SEQ_T)), *x = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), ids);
+        mgpu_tensor *y1 = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(B), lab), *y = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), lab);
+        float l;
+        if (m) {
+            MUST(mgpu_tensor_zero(xf));
+            expect_fail(mgpu_model_accumulate(m, xf, y, 0, &l), MGPU_ERROR_DTYPE_MISMATCH, "f32 x for a model of token ids", "x", "i32", NULL);
+            expect_fail(mgpu_model_accumulate(m, x, y1, 0, &l), MGPU_ERROR_SHAPE_MISMATCH, "labels [B] for an output [B,T,V]",
+                        "target", "[6,5]", NULL);
+            lab[4] = SEQ_V;
+            tput(y, lab);
+            expect_fail(mgpu_model_accumulate(m, x, y, 0, &l), MGPU_ERROR_INVALID_ARGUMENT, "a label past the vocabulary",
+                        "label 7", "outside [0, 7)", NULL);
+            lab[4] = 0;
+            CHECK(mgpu_model_input_grad(m, 0) == NULL, "token ids have no input gradient");
+            mgpu_model_destroy(m);
+        }
+        m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .input_dtype = MGPU_U8,
+                                                  .layers = (mgpu_layer*[]){ mgpu_layer_relu() }, .layer_count = 1 });
+        CHECK(m == NULL, "input_dtype u8 refused");
+        expect_fail(m ? MGPU_OK : mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "input_dtype u8", "input_dtype", "MGPU_I32", NULL);
+        mgpu_model_destroy(m);
+        mgpu_tensor_destroy(xf); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y1); mgpu_tensor_destroy(y);
+    }
+    layer_errors();
+    /* the same on a GPU: one batch, loss and gradient within 1e-5 of float64 */
+    if (gpu_part("sequences")) {
+        g = token_batch("cuda:0", 1, ids, lab, B, &loss);
+        free(g);
+    }
 }
 
 /* ============================================================================================ */
