@@ -672,6 +672,25 @@ MGPUDEF mgpu_layer* mgpu_layer_flatten(void);
 MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
 MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
 
+/* Containers, layers made of layers (a GPT block or a ResNet block is one entry of a model's
+   list, so pipelines still cut between entries). Each takes its layers over, as a model does
+   (even on failure: NULL, with the layers destroyed); destroying it destroys them.
+     sequential  nn.Sequential: the layers in turn; parameters named "0.weight", "1.bias", ...
+     residual    y = f(x) + x, or y = f(x) + shortcut(x) with a shortcut layer (a 1x1 Conv2d to
+                 change the channels, ResNet's downsample); f's parameters keep their names
+                 ("0.weight" for a sequential f), the shortcut's are "shortcut.weight", ...
+   Their random streams (Dropout inside) are their own per child, and CUDA graphs hold them when
+   every child is a built-in. */
+MGPUDEF mgpu_layer* mgpu_layer_sequential(mgpu_layer* const* layers, int count);
+MGPUDEF mgpu_layer* mgpu_layer_residual(mgpu_layer* f, mgpu_layer* shortcut /* NULL: the identity */);
+/* Calling a layer from the code of a layer of your own (or a container): ctx is the child's, its
+   params, grads and aux pointing at the child's share of yours (declare them in your
+   param_count/param_shape and aux_count/aux_shape). Checks y's shape against the layer's
+   output_shape; a failure names the layer ("Linear(4 -> 2): ..."). */
+MGPUDEF mgpu_result mgpu_layer_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y);
+MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                        const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx);
+
 
 /* ============================================================================================ */
 /* >>parallel                                                                                   */
@@ -5063,6 +5082,8 @@ struct mgpu_layer {
     void* user;
     mgpu__layer_cfg cfg;
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
+    int uses_rng;              /* draws random numbers (Dropout, or a container holding one): a CUDA
+                                  graph of the step reads the step's key on the device */
     int graph_safe;            /* a built-in, whose work a CUDA graph may capture (what changes
                                   from step to step, Dropout's key, it reads on the device) */
 };
@@ -5268,7 +5289,11 @@ MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.p = p;
-    return mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+    {
+        mgpu_layer* l = mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+        if (l) l->uses_rng = p > 0.0f;
+        return l;
+    }
 }
 
 /* -- Flatten: [N, ...] -> [N, rest] -- */
@@ -5434,6 +5459,262 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     cfg.kernel = kernel_size;
     cfg.stride = stride ? stride : kernel_size;
     return mgpu__builtin_layer(&mgpu__pool_vt, &cfg);
+}
+
+
+/* -- calling a layer, and the containers (sequential, residual) -- */
+static mgpu_result mgpu__output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
+    return l->vt->output_shape(l, x, y);
+}
+static mgpu_result mgpu__call_failed(const mgpu_layer* l, mgpu_result r) {
+    char where[128], cfg[96] = "";
+    if (l->vt->describe) l->vt->describe(l, cfg, sizeof cfg);
+    snprintf(where, sizeof where, "%s(%s)", mgpu_layer_type(l), cfg);
+    return mgpu__layer_refail(r, where);
+}
+MGPUDEF mgpu_result mgpu_layer_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu_shape want;
+    mgpu_result r;
+    char tx[128], ty[128];
+    if (!l || !ctx || !x || !y) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_forward: NULL %s",
+                                                  !l ? "layer" : !ctx ? "ctx" : !x ? "x" : "y");
+    if ((r = mgpu__output_shape(l, x->shape, &want)) != MGPU_OK) return mgpu__call_failed(l, r);
+    if (!mgpu_shape_equal(want, y->shape))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_layer_forward: %s on x %s gives y of shape %s, not %s", mgpu_layer_type(l),
+                          mgpu_tensor_describe(x, tx, sizeof tx), mgpu__shape_text(want, ty, sizeof ty),
+                          mgpu__shape_text(y->shape, tx, sizeof tx));
+    mgpu_clear_error();
+    r = l->vt->forward(l, ctx, x, y);
+    return r == MGPU_OK ? MGPU_OK : mgpu__call_failed(l, r);
+}
+MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                        const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu_result r;
+    if (!l || !ctx || !x || !y || !dy) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_backward: NULL %s",
+                                                         !l ? "layer" : !ctx ? "ctx" : !x ? "x" : !y ? "y" : "dy");
+    mgpu_clear_error();
+    r = l->vt->backward(l, ctx, x, y, dy, dx);
+    return r == MGPU_OK ? MGPU_OK : mgpu__call_failed(l, r);
+}
+
+/* A container's children and where each one's parameters and aux buffers start in its own. For a
+   residual block kid 0 is f and kid 1 the shortcut (if any). Its own buffers come after the
+   children's, in aux: sequential, the output of every child but the last and their gradients
+   (2 (n - 1)); residual, f's output and a gradient of x (2), and the same for the shortcut. */
+typedef struct mgpu__container {
+    int count, residual;
+    mgpu_layer** kid;
+    int* first_param;       /* [count + 1] */
+    int* first_aux;         /* [count + 1]; first_aux[count]: the container's own */
+    char (*names)[64];      /* the parameters' names */
+} mgpu__container;
+
+static uint64_t mgpu__mix(uint64_t x);
+static const mgpu__container* mgpu__box(const mgpu_layer* l) { return (const mgpu__container*)l->user; }
+static int mgpu__box_params(const mgpu_layer* l) { return mgpu__box(l)->first_param[mgpu__box(l)->count]; }
+static int mgpu__box_own_aux(const mgpu__container* c) { return c->residual ? 2 * c->count : 2 * (c->count - 1); }
+static int mgpu__box_aux(const mgpu_layer* l) { return mgpu__box(l)->first_aux[mgpu__box(l)->count] + mgpu__box_own_aux(mgpu__box(l)); }
+static mgpu_result mgpu__box_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    const mgpu__container* c = mgpu__box(l);
+    int k = 0;
+    const char* kid_name;
+    while (i >= c->first_param[k + 1]) ++k;
+    MGPU__TRY(c->kid[k]->vt->param_shape(c->kid[k], i - c->first_param[k], &kid_name, shape));
+    *name = c->names[i];
+    return MGPU_OK;
+}
+/* Child k's context: its share of the parameters, gradients and buffers, and a random stream of its
+   own (a counter range picked by the path to it; the key stays the step's, which a graph reads on
+   the device). */
+static mgpu_layer_ctx mgpu__kid_ctx(const mgpu__container* c, const mgpu_layer_ctx* ctx, int k) {
+    mgpu_layer_ctx sub = *ctx;
+    sub.params = ctx->params + c->first_param[k];
+    sub.grads = ctx->grads + c->first_param[k];
+    sub.aux = ctx->aux + c->first_aux[k];
+    sub.offset = mgpu__mix(ctx->offset ^ mgpu__mix((uint64_t)k + 1)) << 34;   /* 2^34 counters each */
+    return sub;
+}
+static mgpu_result mgpu__box_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    const mgpu__container* c = mgpu__box(l);
+    mgpu_shape s = x, f;
+    int k;
+    if (c->residual) {
+        char want[128], have[64];
+        MGPU__TRY(mgpu__output_shape(c->kid[0], x, &f));
+        if (c->count > 1) MGPU__TRY(mgpu__output_shape(c->kid[1], x, &s));
+        if (!mgpu_shape_equal(f, s)) {
+            snprintf(want, sizeof want, "f(x) %s and %s of the same shape", mgpu__shape_text(f, have, sizeof have),
+                     c->count > 1 ? "shortcut(x)" : "x (give a shortcut layer to change it)");
+            return mgpu__layer_shape_error(l, x, want);
+        }
+        *y = f;
+        return MGPU_OK;
+    }
+    for (k = 0; k < c->count; ++k) MGPU__TRY(mgpu__output_shape(c->kid[k], s, &s));
+    *y = s;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    const mgpu__container* c = mgpu__box(l);
+    mgpu_shape in = x, out;
+    int k;
+    for (k = 0; k < c->count; ++k) {   /* a child's own: for its input shape */
+        if (i < c->first_aux[k + 1]) return c->kid[k]->vt->aux_shape(c->kid[k], i - c->first_aux[k], in, dt, shape);
+        if (!c->residual) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
+    }
+    i -= c->first_aux[c->count];
+    *dt = MGPU_F32;
+    if (c->residual) {   /* per child: its output, then a gradient of x */
+        MGPU__TRY(mgpu__output_shape(c->kid[i / 2], x, &out));
+        *shape = i % 2 == 0 ? out : x;
+        return MGPU_OK;
+    }
+    for (k = 0, in = x; k <= i % (c->count - 1); ++k) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
+    *shape = in;   /* child k's output, and (second half) its gradient */
+    return MGPU_OK;
+}
+static mgpu_result mgpu__box_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    const mgpu__container* c = mgpu__box(l);
+    int k;
+    for (k = 0; k < c->count; ++k) {
+        const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
+        if (c->kid[k]->vt->init && c->first_param[k + 1] > c->first_param[k])
+            MGPU__TRY(c->kid[k]->vt->init(c->kid[k], &sub, mgpu__mix(seed ^ mgpu__mix((uint64_t)k + 1))));
+    }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const mgpu__container* c = mgpu__box(l);
+    mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
+    int k;
+    for (k = 0; k < c->count; ++k) {
+        const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
+        if (c->residual) MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, x, own[2 * k]));
+        else MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, k ? own[k - 1] : x, k < c->count - 1 ? own[k] : y));
+    }
+    if (c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[2] : x);   /* f(x) + shortcut(x) */
+    return MGPU_OK;
+}
+static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                      const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const mgpu__container* c = mgpu__box(l);
+    mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
+    const int n = c->count;
+    int k;
+    if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)) */
+        for (k = 0; k < n; ++k) {
+            const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
+            MGPU__TRY(mgpu_layer_backward(c->kid[k], &sub, x, own[2 * k], dy, dx ? own[2 * k + 1] : NULL));
+        }
+        if (!dx) return MGPU_OK;
+        return mgpu_add(dx, own[1], n > 1 ? own[3] : dy);
+    }
+    for (k = n - 1; k >= 0; --k) {
+        const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
+        MGPU__TRY(mgpu_layer_backward(c->kid[k], &sub, k ? own[k - 1] : x, k < n - 1 ? own[k] : y,
+                                      k < n - 1 ? own[n - 1 + k] : dy, k ? own[n - 1 + k - 1] : dx));
+    }
+    return MGPU_OK;
+}
+static void mgpu__box_describe(const mgpu_layer* l, char* buf, size_t size) {
+    const mgpu__container* c = mgpu__box(l);
+    size_t at = 0;
+    int k;
+    buf[0] = 0;
+    for (k = 0; k < c->count && at + 1 < size; ++k) {
+        int w = snprintf(buf + at, size - at, "%s%s%s", k ? (c->residual ? " + shortcut " : ", ") : "",
+                         mgpu_layer_type(c->kid[k]), c->residual && k == 0 ? (c->count > 1 ? "" : " + x") : "");
+        if (w < 0) break;
+        at += (size_t)w;
+    }
+}
+static void mgpu__box_destroy(mgpu_layer* l) {
+    mgpu__container* c = (mgpu__container*)l->user;
+    int k;
+    if (!c) return;
+    for (k = 0; k < c->count; ++k) mgpu__layer_free(c->kid[k]);
+    MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names);
+    MGPU_FREE(c);
+}
+static const mgpu_layer_vtable mgpu__sequential_vt = {
+    "Sequential", mgpu__box_output_shape, mgpu__box_params, mgpu__box_param_shape, mgpu__box_init,
+    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy
+};
+static const mgpu_layer_vtable mgpu__residual_vt = {
+    "Residual", mgpu__box_output_shape, mgpu__box_params, mgpu__box_param_shape, mgpu__box_init,
+    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy
+};
+
+/* Takes kids over (all freed on any failure, as mgpu_model_create does with its layers). */
+static mgpu_layer* mgpu__container_make(const char* op, const mgpu_layer_vtable* vt, mgpu_layer* const* kids, int count, int residual) {
+    mgpu__container* c = NULL;
+    mgpu_layer* l = NULL;
+    int k, j, i, ok = 1;
+    for (k = 0; k < count && ok; ++k) {
+        ok = kids[k] && !kids[k]->owner;
+        for (j = 0; j < k && ok; ++j) ok = kids[j] != kids[k];
+    }
+    if (!ok || count < 1) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %s", op, count < 1 ? "no layers" :
+                   "a layer is NULL (did its constructor fail?), given twice, or already another's");
+        goto fail;
+    }
+    c = (mgpu__container*)mgpu__calloc(1, sizeof *c);
+    if (c) {
+        c->kid = (mgpu_layer**)mgpu__calloc((size_t)count, sizeof(mgpu_layer*));
+        c->first_param = (int*)mgpu__calloc((size_t)count + 1, sizeof(int));
+        c->first_aux = (int*)mgpu__calloc((size_t)count + 1, sizeof(int));
+    }
+    if (!c || !c->kid || !c->first_param || !c->first_aux) goto oom;
+    c->count = count;
+    c->residual = residual;
+    for (k = 0; k < count; ++k) {
+        const int pc = kids[k]->vt->param_count ? kids[k]->vt->param_count(kids[k]) : 0;
+        const int ac = kids[k]->vt->aux_count ? kids[k]->vt->aux_count(kids[k]) : 0;
+        c->kid[k] = kids[k];
+        c->first_param[k + 1] = c->first_param[k] + pc;
+        c->first_aux[k + 1] = c->first_aux[k] + ac;
+    }
+    c->names = (char(*)[64])mgpu__calloc((size_t)MGPU__MAX(c->first_param[count], 1), 64);
+    if (!c->names) goto oom;
+    for (k = 0, i = 0; k < count; ++k)
+        for (j = 0; j < c->first_param[k + 1] - c->first_param[k]; ++j, ++i) {
+            const char* name = "param";
+            mgpu_shape shape;
+            (void)kids[k]->vt->param_shape(kids[k], j, &name, &shape);
+            if (residual) snprintf(c->names[i], 64, "%s%s", k ? "shortcut." : "", name);
+            else snprintf(c->names[i], 64, "%d.%s", k, name);
+        }
+    l = mgpu_layer_create(vt, c);
+    if (!l) goto fail;
+    l->graph_safe = 1;
+    for (k = 0; k < count; ++k) {
+        kids[k]->owner = (const mgpu_model*)l;   /* (owned: no model may take it) */
+        l->graph_safe &= kids[k]->graph_safe;
+        l->uses_rng |= kids[k]->uses_rng;
+    }
+    return l;
+oom:
+    mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+fail:
+    if (c) { MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names); MGPU_FREE(c); }
+    for (k = 0; k < count; ++k) {
+        if (!kids[k] || kids[k]->owner) continue;
+        for (j = 0; j < k && kids[j] != kids[k]; ++j) {}
+        if (j == k) mgpu__layer_free(kids[k]);
+    }
+    return NULL;
+}
+MGPUDEF mgpu_layer* mgpu_layer_sequential(mgpu_layer* const* layers, int count) {
+    if (!layers) count = 0;
+    return mgpu__container_make("mgpu_layer_sequential", &mgpu__sequential_vt, layers, count, 0);
+}
+MGPUDEF mgpu_layer* mgpu_layer_residual(mgpu_layer* f, mgpu_layer* shortcut) {
+    mgpu_layer* kids[2];
+    kids[0] = f;
+    kids[1] = shortcut;
+    return mgpu__container_make("mgpu_layer_residual", &mgpu__residual_vt, kids, shortcut ? 2 : 1, 1);
 }
 
 
@@ -6630,9 +6911,7 @@ static mgpu_shape mgpu__batch_shape(const mgpu_model* m, int64_t batch) {
 
 /* Output shape of layer i for input shape x. */
 static mgpu_result mgpu__layer_output(const mgpu_model* m, int i, mgpu_shape x, mgpu_shape* y) {
-    const mgpu_layer* l = m->layers[i];
-    if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
-    return l->vt->output_shape(l, x, y);
+    return mgpu__output_shape(m->layers[i], x, y);
 }
 
 static uint64_t mgpu__step_seed(const mgpu_model* m, const mgpu__part* p) {
@@ -9046,7 +9325,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         m->graph_opt = opt;
         m->graph_warm = 0;
     }
-    for (i = 0; i < m->layer_count && m->layers[i]->vt != &mgpu__dropout_vt; ++i) {}
+    for (i = 0; i < m->layer_count && !m->layers[i]->uses_rng; ++i) {}
     dropout = i < m->layer_count;
     for (i = 0; dropout && i < m->part_count; ++i)   /* made before the warm-up step, so that its temporaries follow */
         MGPU__TRY(mgpu__ensure(&m->part[i].step_seed, m->part[i].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));

@@ -312,8 +312,168 @@ static void test_attention(void) {
 /* ============================================================================================ */
 /* 4. containers                                                                                */
 /* ============================================================================================ */
+/* L = sum(out .* R) in float64 for input x (host) on model m's replica 0 */
+static double box_loss(mgpu_model* m, mgpu_tensor* tx, const float* x, const float* R, int64_t ny) {
+    const mgpu_tensor* out;
+    float* y = fbuf(ny);
+    double L = 0.0;
+    int64_t i;
+    tput(tx, x);
+    out = mgpu_model_forward(m, 0, tx, 1);
+    if (out) tget(out, y);
+    else CHECK(0, "forward: %s", mgpu_last_error());
+    for (i = 0; i < ny; ++i) L += (double)y[i] * R[i];
+    free(y);
+    return L;
+}
+
+/* Every parameter gradient and dx of a one-layer model against central differences; returns the
+   model's output for the GPU twin. */
+static void box_gradcheck(const char* what, mgpu_layer* box, int B, int in, int out_features, mgpu_device_set* set) {
+    mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(in), .layers = &box, .layer_count = 1,
+                                                          .devices = set, .seed = 3 });
+    mgpu_device* dev;
+    mgpu_tensor *tx, *tr;
+    float *x, *R, *flat, *g, *dx;
+    double *num, e;
+    int64_t nf, ny = (int64_t)B * out_features, i;
+    const double h = 1e-2;
+    CHECK(m != NULL, "%s: model: %s", what, mgpu_last_error());
+    if (!m) return;
+    dev = mgpu_model_device(m, 0);
+    nf = mgpu_tensor_numel(mgpu_model_params(m, 0));
+    x = fbuf((int64_t)B * in); R = fbuf(ny); flat = fbuf(nf); g = fbuf(nf); dx = fbuf((int64_t)B * in);
+    for (i = 0; i < (int64_t)B * in; ++i) x[i] = (float)rng_gauss();
+    for (i = 0; i < ny; ++i) R[i] = (float)rng_gauss();
+    tx = tmake(dev, MGPU_F32, mgpu_shape2(B, in));
+    tr = tmake(dev, MGPU_F32, mgpu_shape2(B, out_features));
+    tput(tr, R);
+    (void)box_loss(m, tx, x, R, ny);
+    MUST(mgpu_model_zero_grad(m));
+    MUST(mgpu_model_backward(m, 0, tr));
+    tget(mgpu_model_grads(m, 0), g);
+    {
+        const mgpu_tensor* tdx = mgpu_model_input_grad(m, 0);
+        if (tdx) tget(tdx, dx);
+        else CHECK(0, "%s: input gradient: %s", what, mgpu_last_error());
+    }
+    tget(mgpu_model_params(m, 0), flat);
+    num = dbuf(nf);
+    for (i = 0; i < nf; ++i) {   /* (the padding between tensors has a zero gradient on both sides) */
+        float save = flat[i];
+        double lp, lm;
+        flat[i] = save + (float)h; tput(mgpu_model_params(m, 0), flat);
+        lp = box_loss(m, tx, x, R, ny);
+        flat[i] = save - (float)h; tput(mgpu_model_params(m, 0), flat);
+        lm = box_loss(m, tx, x, R, ny);
+        flat[i] = save;
+        num[i] = (lp - lm) / (2.0 * h);
+    }
+    tput(mgpu_model_params(m, 0), flat);
+    e = test_rel_error(g, num, (size_t)nf);
+    CHECK(e <= 2e-3, "%s on %s: parameter gradients against central differences: normalised error %.3g", what,
+          mgpu_device_label(dev), e);
+    free(num);
+    num = dbuf((int64_t)B * in);
+    for (i = 0; i < (int64_t)B * in; ++i) {
+        float save = x[i];
+        double lp, lm;
+        x[i] = save + (float)h; lp = box_loss(m, tx, x, R, ny);
+        x[i] = save - (float)h; lm = box_loss(m, tx, x, R, ny);
+        x[i] = save;
+        num[i] = (lp - lm) / (2.0 * h);
+    }
+    e = test_rel_error(dx, num, (size_t)B * (size_t)in);
+    CHECK(e <= 2e-3, "%s on %s: dx against central differences: normalised error %.3g", what, mgpu_device_label(dev), e);
+    free(num); free(x); free(R); free(flat); free(g); free(dx);
+    mgpu_tensor_destroy(tx);
+    mgpu_tensor_destroy(tr);
+    mgpu_model_destroy(m);
+}
+
+static mgpu_layer* mlp_block(int d, int hidden) {
+    mgpu_layer* kids[3];
+    kids[0] = mgpu_layer_linear(d, hidden);
+    kids[1] = mgpu_layer_tanh();
+    kids[2] = mgpu_layer_linear(hidden, d);
+    return mgpu_layer_sequential(kids, 3);
+}
+
 static void test_containers(void) {
+    mgpu_model *a, *b;
+    mgpu_layer* flat_layers[3];
+    mgpu_layer* box;
+    int i;
     header("4. containers: sequential, residual, a layer called from a layer");
+    /* a Sequential as one layer gives the bits of its layers in the model's own list */
+    box = mlp_block(5, 4);
+    a = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(5), .layers = &box, .layer_count = 1, .seed = 1 });
+    flat_layers[0] = mgpu_layer_linear(5, 4); flat_layers[1] = mgpu_layer_tanh(); flat_layers[2] = mgpu_layer_linear(4, 5);
+    b = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(5), .layers = flat_layers, .layer_count = 3, .seed = 1 });
+    CHECK(a && b, "models: %s", mgpu_last_error());
+    if (a && b) {
+        const char* want[4] = { "0.0.weight", "0.0.bias", "0.2.weight", "0.2.bias" };
+        mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(3, 5)), *y;
+        const int32_t labels[3] = { 0, 4, 2 };
+        float la = 0, lb = 0, *ga, *gb;
+        int64_t n = mgpu_tensor_numel(mgpu_model_params(a, 0));
+        CHECK(mgpu_model_tensor_count(a) == 4, "Sequential: %d named tensors", mgpu_model_tensor_count(a));
+        for (i = 0; i < 4 && i < mgpu_model_tensor_count(a); ++i)
+            CHECK(!strcmp(mgpu_model_tensor_name(a, i), want[i]), "Sequential: tensor %d is '%s', want '%s'", i,
+                  mgpu_model_tensor_name(a, i), want[i]);
+        CHECK(n == mgpu_tensor_numel(mgpu_model_params(b, 0)), "the same flat layout");
+        MUST(mgpu_tensor_copy(mgpu_model_params(b, 0), mgpu_model_params(a, 0)));
+        MUST(mgpu_rand_normal(x, 5, 0, 0.0f, 1.0f));
+        y = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(3), labels);
+        MUST(mgpu_model_accumulate(a, x, y, 0, &la));
+        MUST(mgpu_model_accumulate(b, x, y, 0, &lb));
+        ga = fbuf(n); gb = fbuf(n);
+        tget(mgpu_model_grads(a, 0), ga);
+        tget(mgpu_model_grads(b, 0), gb);
+        CHECK(la == lb && !memcmp(ga, gb, (size_t)n * sizeof(float)), "Sequential vs the same layers in the model: loss %.9g vs "
+              "%.9g, gradients %s", la, lb, memcmp(ga, gb, (size_t)n * sizeof(float)) ? "differ" : "equal");
+        free(ga); free(gb);
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    mgpu_model_destroy(a);
+    mgpu_model_destroy(b);
+    /* residual blocks against central differences, on the CPU and the GPU */
+    for (i = 0; i < 2; ++i) {
+        mgpu_device_set* set = NULL;
+        if (i == 1) {
+            if (!gpu_part("containers")) break;
+            set = mgpu_device_set_create("cuda:0");
+        }
+        box_gradcheck("Residual(Sequential(Linear, Tanh, Linear)) + x", mgpu_layer_residual(mlp_block(4, 6), NULL), 3, 4, 4, set);
+        box_gradcheck("Residual(Linear 4->6) + shortcut Linear 4->6",
+                      mgpu_layer_residual(mgpu_layer_linear(4, 6), mgpu_layer_linear(4, 6)), 2, 4, 6, set);
+        {
+            mgpu_layer* two[2];
+            two[0] = mgpu_layer_residual(mlp_block(4, 5), NULL);
+            two[1] = mgpu_layer_residual(mlp_block(4, 3), NULL);
+            box_gradcheck("Sequential(Residual, Residual)", mgpu_layer_sequential(two, 2), 2, 4, 4, set);
+        }
+        mgpu_device_set_destroy(set);
+    }
+    /* names of a residual block with a shortcut, and what containers refuse */
+    box = mgpu_layer_residual(mgpu_layer_linear(4, 6), mgpu_layer_linear(4, 6));
+    a = box ? mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = &box, .layer_count = 1 }) : NULL;
+    CHECK(a && !strcmp(mgpu_model_tensor_name(a, 2), "0.shortcut.weight"), "shortcut's names: '%s'",
+          a ? mgpu_model_tensor_name(a, 2) : mgpu_last_error());
+    mgpu_model_destroy(a);
+    box = mgpu_layer_residual(mgpu_layer_linear(4, 6), NULL);
+    a = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = &box, .layer_count = 1 });
+    CHECK(a == NULL && strstr(mgpu_last_error(), "shortcut"), "f(x) of another shape than x without a shortcut refused: %s",
+          mgpu_last_error());
+    {
+        mgpu_layer* kids[2];
+        kids[0] = mgpu_layer_relu();
+        kids[1] = NULL;
+        CHECK(mgpu_layer_sequential(kids, 2) == NULL && mgpu_last_result() == MGPU_ERROR_INVALID_ARGUMENT,
+              "a NULL layer in a Sequential refused (and the other freed: ASan's leak check)");
+        kids[0] = kids[1] = mgpu_layer_relu();
+        CHECK(mgpu_layer_sequential(kids, 2) == NULL && strstr(mgpu_last_error(), "twice"), "the same layer twice refused");
+    }
 }
 
 int main(int argc, char** argv) {
