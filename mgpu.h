@@ -5646,6 +5646,17 @@ static const mgpu_layer_vtable mgpu__residual_vt = {
     mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy
 };
 
+/* A failed mgpu_model_create or container still owns its layers (the promise of both): destroy
+   each one that no model or container owns, once, however often it appears. */
+static void mgpu__drop_layers(mgpu_layer* const* layers, int count) {
+    int i, j;
+    for (i = 0; i < count; ++i) {
+        if (!layers[i]) continue;
+        for (j = 0; j < i && layers[j] != layers[i]; ++j) {}
+        if (j == i && !layers[i]->owner) mgpu__layer_free(layers[i]);   /* pointers compared first: no freed one is read */
+    }
+}
+
 /* Takes kids over (all freed on any failure, as mgpu_model_create does with its layers). */
 static mgpu_layer* mgpu__container_make(const char* op, const mgpu_layer_vtable* vt, mgpu_layer* const* kids, int count, int residual) {
     mgpu__container* c = NULL;
@@ -5699,11 +5710,7 @@ oom:
     mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
 fail:
     if (c) { MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names); MGPU_FREE(c); }
-    for (k = 0; k < count; ++k) {
-        if (!kids[k] || kids[k]->owner) continue;
-        for (j = 0; j < k && kids[j] != kids[k]; ++j) {}
-        if (j == k) mgpu__layer_free(kids[k]);
-    }
+    mgpu__drop_layers(kids, count);
     return NULL;
 }
 MGPUDEF mgpu_layer* mgpu_layer_sequential(mgpu_layer* const* layers, int count) {
@@ -7589,24 +7596,13 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
     return MGPU_OK;
 }
 
-/* A failed mgpu_model_create still owns its layers (the desc's promise): destroy each one that
-   no other model owns, once, however often it appears. */
-static void mgpu__model_drop_layers(mgpu_layer** layers, int count) {
-    int i, j;
-    for (i = 0; i < count; ++i) {
-        if (!layers[i]) continue;
-        for (j = 0; j < i && layers[j] != layers[i]; ++j) {}
-        if (j == i && !layers[i]->owner) mgpu__layer_free(layers[i]);   /* pointers compared first: no freed one is read */
-    }
-}
-
 static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_model* m;
     int i, devices;
     if (!desc || !desc->layers || desc->layer_count <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model needs at least one layer", op);
-        if (desc && desc->layers) mgpu__model_drop_layers(desc->layers, desc->layer_count);
+        if (desc && desc->layers) mgpu__drop_layers(desc->layers, desc->layer_count);
         return NULL;
     }
     for (i = 0; i < desc->layer_count; ++i) {   /* each layer one model's, once (LIFETIMES) */
@@ -7618,7 +7614,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
             /* a constructor out of memory makes the model out of memory too */
             mgpu__fail(mgpu_last_result() == MGPU_ERROR_OUT_OF_MEMORY ? MGPU_ERROR_OUT_OF_MEMORY : MGPU_ERROR_INVALID_ARGUMENT,
                        "%s: layer %d is NULL (did its constructor fail? %s)", op, i, why[0] ? why : "no error recorded");
-            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            mgpu__drop_layers(desc->layers, desc->layer_count);
             return NULL;
         }
         for (j = 0; j < i && desc->layers[j] != l; ++j) {}
@@ -7628,19 +7624,19 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
                            op, j, i, mgpu_layer_type(l));
             else
                 mgpu__fail(MGPU_ERROR_IN_USE, "%s: layer %d (%s) already belongs to another model", op, i, mgpu_layer_type(l));
-            mgpu__model_drop_layers(desc->layers, desc->layer_count);
+            mgpu__drop_layers(desc->layers, desc->layer_count);
             return NULL;
         }
     }
     if (desc->devices && !mgpu__live_check(desc->devices, MGPU__LIVE_SET, op, "device set")) {
-        mgpu__model_drop_layers(desc->layers, desc->layer_count);
+        mgpu__drop_layers(desc->layers, desc->layer_count);
         return NULL;
     }
     m = (mgpu_model*)mgpu__calloc(1, sizeof *m);
     if (m) m->layers = (mgpu_layer**)mgpu__calloc((size_t)desc->layer_count, sizeof(mgpu_layer*));
     if (!m || !m->layers) {
         MGPU_FREE(m);
-        mgpu__model_drop_layers(desc->layers, desc->layer_count);
+        mgpu__drop_layers(desc->layers, desc->layer_count);
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         return NULL;
     }
