@@ -657,12 +657,23 @@ typedef struct mgpu_layer_vtable {
 /* A custom layer: vt must outlive it; user is handed back by mgpu_layer_user_data. */
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user);
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l);
+/* Names a layer's parameters, as a PyTorch module's attribute does: "transformer.wte" makes the
+   Embedding's "transformer.wte.weight" instead of "0.weight" (its place in the model's or a
+   container's list); "" gives its parameters' names as they are (a residual block whose f holds
+   "ln_1" and "attn"). At most 47 bytes. Returns l; NULL (with l destroyed) for a bad name. */
+MGPUDEF mgpu_layer* mgpu_layer_name(mgpu_layer* l, const char* name);
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l);
 /* Only for a layer no model owns: MGPU_ERROR_IN_USE, changing nothing, for one a model owns. */
 MGPUDEF mgpu_result mgpu_layer_destroy(mgpu_layer* l);
 
 /* Built-in layers, named and initialised as in torch.nn. */
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features);
+/* nn.Linear(in, out, bias=False): "weight" alone (GPT-2's output head, lm_head). */
+MGPUDEF mgpu_layer* mgpu_layer_linear_no_bias(int in_features, int out_features);
+/* Hugging Face's Conv1D (GPT-2's c_attn, c_proj, c_fc): a Linear whose "weight" is stored
+   [in, out] (y = x W + b), initialised as GPT-2 does (weight N(0, 0.02), bias 0), so that
+   GPT2LMHeadModel's files load as they are. */
+MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features);
 MGPUDEF mgpu_layer* mgpu_layer_relu(void);
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void);
@@ -798,6 +809,12 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
 typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
+/* Tied parameters (GPT-2's token embedding and output head): `param` is `to`, one tensor under
+   two names, by their state_dict names ("5.weight" is "0.weight"). Their gradients add up in the
+   one buffer (every backward ADDS), the optimizer updates it once, a checkpoint stores it under
+   `to` alone (as Hugging Face's save_pretrained leaves lm_head.weight out), and `param`'s layer
+   does not initialise it. Both must have one shape and lie in one pipeline stage. */
+typedef struct mgpu_tie { const char* param; const char* to; } mgpu_tie;
 typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIPE = 1 } mgpu_pipeline_schedule;
 
 /* mgpu_model_desc, zero-initialised; zero means default:
@@ -806,6 +823,7 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   shape1(T) for a sequence of T token ids
      input_dtype    MGPU_F32                      or MGPU_I32: token ids, for a first layer that
                                                   takes them (Embedding); no input gradient then
+     ties, tie_count NULL, 0                      tied parameters (mgpu_tie, above)
      layers         (required)                    owned by the model from here on, even on failure;
                                                   each distinct, and owned by no other model
      layer_count    (required)
@@ -861,6 +879,8 @@ typedef struct mgpu_model_desc {
     int distributed;
     int graph;
     mgpu_dtype input_dtype;
+    const mgpu_tie* ties;
+    int tie_count;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -5075,11 +5095,14 @@ typedef struct mgpu__layer_cfg {
     int kernel, stride, pad;
     float p;                /* Dropout */
     int forward_op, backward_op, backward_uses_output;   /* activations */
+    int no_bias, in_out;    /* Linear without a bias; with its weight stored [in, out] (Conv1D) */
 } mgpu__layer_cfg;
 
 struct mgpu_layer {
     const mgpu_layer_vtable* vt;
     void* user;
+    char name[48];             /* mgpu_layer_name's, when named */
+    int named;
     mgpu__layer_cfg cfg;
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
     int uses_rng;              /* draws random numbers (Dropout, or a container holding one): a CUDA
@@ -5106,6 +5129,24 @@ MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
     return l;
 }
 MGPUDEF void* mgpu_layer_user_data(const mgpu_layer* l) { return l ? l->user : NULL; }
+static void mgpu__layer_free(mgpu_layer* l);
+MGPUDEF mgpu_layer* mgpu_layer_name(mgpu_layer* l, const char* name) {
+    if (!l) return NULL;   /* (its constructor's error stays the last one) */
+    if (!name || strlen(name) >= sizeof l->name || l->owner) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_name: %s", !name ? "NULL name" : l->owner ? "the layer belongs to a "
+                   "model or container already" : "the name is longer than 47 bytes");
+        if (!l->owner) mgpu__layer_free(l);
+        return NULL;
+    }
+    memcpy(l->name, name, strlen(name) + 1);
+    l->named = 1;
+    return l;
+}
+/* A parameter's state_dict name inside a list: "<place>.<name>", or "<layer's name>.<name>". */
+static void mgpu__param_name(char* buf, size_t size, const mgpu_layer* l, int place, const char* name) {
+    if (!l->named) snprintf(buf, size, "%d.%s", place, name);
+    else snprintf(buf, size, "%s%s%s", l->name, l->name[0] ? "." : "", name);
+}
 MGPUDEF const char* mgpu_layer_type(const mgpu_layer* l) { return l && l->vt->type ? l->vt->type : "Layer"; }
 static void mgpu__layer_free(mgpu_layer* l) {
     if (!l) return;
@@ -5180,49 +5221,69 @@ static mgpu_tensor mgpu__rows_2d(const mgpu_tensor* x) {
     const int64_t d = x->shape.dim[x->shape.ndim - 1];
     return mgpu__reshaped(x, mgpu_shape2(d ? mgpu_tensor_numel(x) / d : 0, d));
 }
+static int mgpu__linear_params(const mgpu_layer* l) { return l->cfg.no_bias ? 1 : 2; }
 static mgpu_result mgpu__linear_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
     *name = i == 0 ? "weight" : "bias";
-    *shape = i == 0 ? mgpu_shape2(l->cfg.out, l->cfg.in) : mgpu_shape1(l->cfg.out);
+    *shape = i == 0 ? (l->cfg.in_out ? mgpu_shape2(l->cfg.in, l->cfg.out) : mgpu_shape2(l->cfg.out, l->cfg.in)) : mgpu_shape1(l->cfg.out);
     return MGPU_OK;
 }
 static mgpu_result mgpu__linear_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    const float bound = 1.0f / sqrtf((float)l->cfg.in);
+    if (l->cfg.in_out) return mgpu_rand_normal(ctx->params[0], seed, 0, 0.0f, 0.02f);   /* GPT-2's; the bias stays 0 */
+    if (l->cfg.no_bias) return mgpu_rand_uniform(ctx->params[0], seed, 0, -bound, bound);
     return mgpu__init_fan_in(ctx, seed, l->cfg.in);
 }
+/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out] */
 static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     const mgpu_tensor x2 = mgpu__rows_2d(x);
     mgpu_tensor y2 = mgpu__rows_2d(y);
-    (void)l;
-    MGPU__TRY(mgpu_matmul(&y2, &x2, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
-    return mgpu_bias_add(&y2, &y2, ctx->params[1]);
+    MGPU__TRY(mgpu_matmul(&y2, &x2, ctx->params[0], MGPU_NO_TRANS, l->cfg.in_out ? MGPU_NO_TRANS : MGPU_TRANS, 1.0f, 0.0f));
+    return l->cfg.no_bias ? MGPU_OK : mgpu_bias_add(&y2, &y2, ctx->params[1]);
 }
 static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu_tensor x2 = mgpu__rows_2d(x), dy2 = mgpu__rows_2d(dy);
     mgpu_tensor dx2;
-    (void)l; (void)y;
-    MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));      /* dW += dy^T x */
-    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dy2));                  /* db += sum(dy) */
+    (void)y;
+    if (l->cfg.in_out) MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dy2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dW += x^T dy */
+    else MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));                 /* dW += dy^T x */
+    if (!l->cfg.no_bias) MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dy2));                  /* db += sum(dy) */
     if (!dx) return MGPU_OK;
     dx2 = mgpu__rows_2d(dx);
-    return mgpu_matmul(&dx2, &dy2, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
+    return mgpu_matmul(&dx2, &dy2, ctx->params[0], MGPU_NO_TRANS, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
 }
 static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
-    snprintf(buf, size, "%d -> %d", l->cfg.in, l->cfg.out);
+    snprintf(buf, size, "%d -> %d%s", l->cfg.in, l->cfg.out, l->cfg.no_bias ? ", no bias" : "");
 }
 static const mgpu_layer_vtable mgpu__linear_vt = {
-    "Linear", mgpu__linear_output_shape, mgpu__two_params, mgpu__linear_param_shape, mgpu__linear_init,
+    "Linear", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
     NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
 };
-MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
+static const mgpu_layer_vtable mgpu__conv1d_vt = {
+    "Conv1D", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
+    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
+};
+static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_features, int no_bias, int in_out) {
     mgpu__layer_cfg cfg;
     if (in_features <= 0 || out_features <= 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_linear: features %d -> %d must be positive", in_features, out_features);
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: features %d -> %d must be positive", op, in_features, out_features);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.in = in_features;
     cfg.out = out_features;
-    return mgpu__builtin_layer(&mgpu__linear_vt, &cfg);
+    cfg.no_bias = no_bias;
+    cfg.in_out = in_out;
+    return mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg);
+}
+MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
+    return mgpu__linear_make("mgpu_layer_linear", in_features, out_features, 0, 0);
+}
+MGPUDEF mgpu_layer* mgpu_layer_linear_no_bias(int in_features, int out_features) {
+    return mgpu__linear_make("mgpu_layer_linear_no_bias", in_features, out_features, 1, 0);
+}
+MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features) {
+    return mgpu__linear_make("mgpu_layer_conv1d", in_features, out_features, 0, 1);
 }
 
 /* -- activations: one implementation, the op codes in cfg -- */
@@ -5694,8 +5755,8 @@ static mgpu_layer* mgpu__container_make(const char* op, const mgpu_layer_vtable*
             const char* name = "param";
             mgpu_shape shape;
             (void)kids[k]->vt->param_shape(kids[k], j, &name, &shape);
-            if (residual) snprintf(c->names[i], 64, "%s%s", k ? "shortcut." : "", name);
-            else snprintf(c->names[i], 64, "%d.%s", k, name);
+            if (residual && !kids[k]->named) snprintf(c->names[i], 64, "%s%s", k ? "shortcut." : "", name);
+            else mgpu__param_name(c->names[i], 64, kids[k], k, name);
         }
     l = mgpu_layer_create(vt, c);
     if (!l) goto fail;
@@ -6743,6 +6804,7 @@ typedef struct mgpu__param {
     char name[64];          /* "0.weight" */
     mgpu_shape shape;
     int64_t offset;         /* floats from the start of the whole model's flat layout */
+    int tied;               /* the tensor whose floats it shares (desc.ties), or -1: its own */
 } mgpu__param;
 
 /* A contiguous range of one stage's flat gradient buffer, reduced as one all-reduce as soon as
@@ -7351,6 +7413,7 @@ static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
         int layer = m->stage_layer[s + 1] - 1, first = 1;
         for (t = t1 - 1; t >= t0; --t) {
             const size_t limit = first ? first_bytes : bucket_bytes;
+            if (m->tensors[t].tied >= 0 && t != t0) continue;   /* its floats are its twin's, summed in the twin's bucket */
             while (layer > m->stage_layer[s] && m->first_tensor[layer] > t) --layer;   /* the layer owning tensor t */
             if ((size_t)(end - m->tensors[t].offset) * sizeof(float) >= limit || t == t0) {
                 mgpu__bucket* b = &m->buckets[m->bucket_count++];
@@ -7369,7 +7432,7 @@ static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
 /* Step 1 of a model: walk the shapes with a batch of one (every layer must accept what the
    previous one gives), count each layer's parameters and saved buffers, and lay the parameters
    out in one flat layout, each at a 64-byte boundary, named as in PyTorch's state_dict. */
-static mgpu_result mgpu__model_layout(mgpu_model* m) {
+static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc) {
     static const char* op = "mgpu_model_create";
     mgpu_shape shape = mgpu__batch_shape(m, 1);
     char where[96];
@@ -7400,12 +7463,36 @@ static mgpu_result mgpu__model_layout(mgpu_model* m) {
             if (l->vt->param_shape(l, j, &name, &m->tensors[t].shape) != MGPU_OK ||
                 mgpu__check_shape("parameter shape", MGPU_F32, m->tensors[t].shape, &bytes) != MGPU_OK)
                 return mgpu__refail(where);
-            snprintf(m->tensors[t].name, sizeof m->tensors[t].name, "%d.%s", i, name);
-            m->tensors[t].offset = m->flat_floats;
-            m->param_count += mgpu_shape_numel(m->tensors[t].shape);
-            m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
+            mgpu__param_name(m->tensors[t].name, sizeof m->tensors[t].name, l, i, name);
+            m->tensors[t].tied = -1;
         }
     }
+    for (i = 0; i < desc->tie_count; ++i) {   /* ties, checked before any tensor gets a place */
+        const char* p = desc->ties ? desc->ties[i].param : NULL;
+        const char* to = desc->ties ? desc->ties[i].to : NULL;
+        int a = -1, b = -1;
+        char sa[64], sb[64];
+        for (t = 0; t < m->tensor_count && p && to; ++t) {
+            if (!strcmp(m->tensors[t].name, p)) a = t;
+            if (!strcmp(m->tensors[t].name, to)) b = t;
+        }
+        if (a < 0 || b < 0 || a == b || m->tensors[a].tied >= 0 || m->tensors[b].tied >= 0)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tie %d ('%s' to '%s'): %s", op, i, p ? p : "NULL", to ? to : "NULL",
+                              a < 0 || b < 0 ? "no parameter of that name (mgpu_model_tensor_name lists them)" :
+                              a == b ? "a parameter tied to itself" : "tied already (tie each to the one that stays)");
+        if (!mgpu_shape_equal(m->tensors[a].shape, m->tensors[b].shape))
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: tie %d: '%s' %s and '%s' %s have different shapes", op, i, p,
+                              mgpu__shape_text(m->tensors[a].shape, sa, sizeof sa), to, mgpu__shape_text(m->tensors[b].shape, sb, sizeof sb));
+        m->tensors[a].tied = b;
+    }
+    for (t = 0; t < m->tensor_count; ++t) {   /* each at a 64-byte boundary; a tied one at its twin's */
+        if (m->tensors[t].tied >= 0) continue;
+        m->tensors[t].offset = m->flat_floats;
+        m->param_count += mgpu_shape_numel(m->tensors[t].shape);
+        m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
+    }
+    for (t = 0; t < m->tensor_count; ++t)
+        if (m->tensors[t].tied >= 0) m->tensors[t].offset = m->tensors[m->tensors[t].tied].offset;
     return MGPU_OK;
 }
 
@@ -7466,10 +7553,23 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         MGPU_FREE(prefix); MGPU_FREE(cost); MGPU_FREE(cut);
     }
     for (s = 0; s < S; ++s) {
-        const int t = m->first_tensor[m->stage_layer[s]];
+        int t = m->first_tensor[m->stage_layer[s]];
+        while (t < m->tensor_count && m->tensors[t].tied >= 0) ++t;   /* (a tied one lies elsewhere) */
         m->stage_off[s] = t < m->tensor_count ? m->tensors[t].offset : m->flat_floats;
     }
     m->stage_off[S] = m->flat_floats;
+    for (i = 0; i < L; ++i) {   /* a tie within a stage: its gradient is one buffer's */
+        int t;
+        for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) {
+            int twin_layer = 0;
+            if (m->tensors[t].tied < 0) continue;
+            while (m->first_tensor[twin_layer + 1] <= m->tensors[t].tied) ++twin_layer;
+            if (mgpu__layer_stage(m, i) != mgpu__layer_stage(m, twin_layer))
+                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s' (layer %d) is tied to '%s' (layer %d) in another pipeline "
+                                  "stage; ties across stages are not supported (choose a split that keeps them together)", op,
+                                  m->tensors[t].name, i, m->tensors[m->tensors[t].tied].name, twin_layer);
+        }
+    }
     return MGPU_OK;
 }
 
@@ -7538,10 +7638,29 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
         const mgpu_layer* l = m->layers[i];
         const mgpu__part* p = mgpu__part_of(m, 0, mgpu__layer_stage(m, i));
         mgpu_layer_ctx ctx;
-        if (!l->vt->init || m->first_tensor[i + 1] == m->first_tensor[i]) continue;
+        const int n = m->first_tensor[i + 1] - m->first_tensor[i];
+        mgpu_tensor** params = NULL;
+        mgpu_result r = MGPU_OK;
+        int j;
+        if (!l->vt->init || n == 0) continue;
         mgpu__layer_ctx_for(m, p, &p->slot[0], i, 0, &ctx);
         snprintf(where, sizeof where, "mgpu_model_create: initialising layer %d (%s)", i, mgpu_layer_type(l));
-        if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__refail(where);
+        for (j = 0; j < n && m->tensors[m->first_tensor[i] + j].tied < 0; ++j) {}
+        if (j < n) {   /* a tied parameter keeps its twin's values: the layer initialises a scratch copy */
+            params = (mgpu_tensor**)mgpu__calloc((size_t)n, sizeof *params);
+            if (!params) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", where);
+            for (j = 0; j < n && r == MGPU_OK; ++j) {
+                const mgpu__param* t = &m->tensors[m->first_tensor[i] + j];
+                params[j] = t->tied < 0 ? ctx.params[j] : mgpu_tensor_create(p->dev, MGPU_F32, t->shape);
+                if (!params[j]) r = MGPU_ERROR_OUT_OF_MEMORY;
+            }
+            ctx.params = params;
+        }
+        if (r == MGPU_OK) r = l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i));
+        for (j = 0; params && j < n; ++j)
+            if (m->tensors[m->first_tensor[i] + j].tied >= 0) mgpu_tensor_destroy(params[j]);
+        MGPU_FREE(params);
+        if (r != MGPU_OK) return mgpu__refail(where);
     }
     for (i = m->stage_count; i < m->part_count; ++i)
         if (mgpu_tensor_copy(m->part[i].params, m->part[i % m->stage_count].params) != MGPU_OK)
@@ -7677,7 +7796,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
                    "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
         return mgpu__model_fail(m, op);
     }
-    if (mgpu__model_layout(m) != MGPU_OK || mgpu__model_stages(m, desc, devices) != MGPU_OK) return mgpu__model_fail(m, op);
+    if (mgpu__model_layout(m, desc) != MGPU_OK || mgpu__model_stages(m, desc, devices) != MGPU_OK) return mgpu__model_fail(m, op);
     m->part_count = devices;
     m->replica_count = devices / m->stage_count;
     m->terms = (int64_t*)mgpu__calloc((size_t)m->replica_count * (size_t)m->micro_batches, sizeof(int64_t));
@@ -11696,8 +11815,9 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
         for (k = 0; k < total; ++k) half[k] = dtype == MGPU_SAVE_BF16 ? mgpu__float_to_bf16(host[k]) : mgpu__float_to_half(host[k]);
     }
     for (s = 0; s <= states; ++s)
-        for (i = 0; i < m->tensor_count; ++i, ++n) {
+        for (i = 0; i < m->tensor_count; ++i) {
             const mgpu__param* p = &m->tensors[i];
+            if (p->tied >= 0) continue;   /* stored under its twin's name alone */
             if (s == 0) snprintf(names[n], sizeof names[n], "%s", p->name);
             else mgpu__state_tensor_name(names[n], sizeof names[n], p->name, mgpu__optimizer_state_name(opt, s - 1));
             items[n].name = names[n];
@@ -11707,6 +11827,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
             if (half) items[n].data = half + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
             else items[n].data = host + (size_t)m->flat_floats * (size_t)s + (size_t)p->offset;
             items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * (half ? sizeof *half : sizeof(float));
+            ++n;
         }
     for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
         len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
@@ -12030,7 +12151,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
     float* host = NULL;
     char name[512];
     const char* prefix;
-    int states, found_states = 0, i, s, allow_extra;
+    int states, found_states = 0, stored = 0, i, s, allow_extra;
     int64_t step = 0;
     const char* dropout_text = NULL;
     unsigned long long dropout_step = 0;
@@ -12049,6 +12170,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
     /* check everything before changing anything: a failed load leaves the model as it was */
     for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i) {
         const mgpu__st_tensor* e;
+        if (m->tensors[i].tied >= 0) continue;   /* its twin's (a file may hold it too: PyTorch's state_dict does) */
         mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, NULL);
         e = mgpu__st_find(st, name);
         r = e ? mgpu__st_expect(path, e, name, m->tensors[i].shape) : mgpu__load_missing(path, m, st, name, m->tensors[i].name);
@@ -12072,6 +12194,8 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
         char* end = NULL;
         for (s = 0; s < states; ++s)
             for (i = 0; i < m->tensor_count; ++i) {
+                if (m->tensors[i].tied >= 0) continue;
+                stored += s == 0;
                 mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
                 found_states += mgpu__st_find(st, name) != NULL;
             }
@@ -12081,13 +12205,14 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
                            errno == ERANGE || !end || *end || step > MGPU__MAX_STEPS))
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': 'mgpu.step' in the metadata is '%.40s', not a step count from 0 to 2^53", path,
                            steps);
-        else if (found_states && found_states != states * m->tensor_count)
+        else if (found_states && found_states != states * stored)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' holds %d of the %d optimizer state tensors", path, found_states,
-                           states * m->tensor_count);
+                           states * stored);
         else if (found_states && !steps)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': optimizer state without 'mgpu.step' in the metadata", path);
         for (s = 0; r == MGPU_OK && found_states && s < states; ++s)
             for (i = 0; r == MGPU_OK && i < m->tensor_count; ++i) {
+                if (m->tensors[i].tied >= 0) continue;
                 mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, mgpu__optimizer_state_name(opt, s));
                 r = mgpu__st_expect(path, mgpu__st_find(st, name), name, m->tensors[i].shape);
             }
@@ -12109,6 +12234,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
         memset(host, 0, (size_t)m->flat_floats * sizeof(float));
         for (i = 0; i < m->tensor_count; ++i) {
             const mgpu__st_tensor* e;
+            if (m->tensors[i].tied >= 0) continue;
             mgpu__load_name(name, sizeof name, prefix, m->tensors[i].name, s == 0 ? NULL : mgpu__optimizer_state_name(opt, s - 1));
             e = mgpu__st_find(st, name);
             if (strcmp(e->dtype, "F32") == 0) memcpy(host + m->tensors[i].offset, mgpu__st_data(&sf, e), (size_t)(e->end - e->begin));

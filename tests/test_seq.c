@@ -11,6 +11,7 @@
       loops, gradients against central finite differences, CUDA kernels against the CPU
    3. causal multi-head self-attention: the same checks
    4. containers (sequential, residual) and calling a layer from a layer of your own
+   5. layer names (Hugging Face's), tied parameters, Linear without a bias, Conv1D
 
    Each group's GPU part runs on cuda:0 (real or emulated) and reports a skip without one (a
    failure with MGPU_TEST_REQUIRE_GPU=1). MGPU_TEST_QUICK=1 uses smaller sizes. */
@@ -329,17 +330,22 @@ static double box_loss(mgpu_model* m, mgpu_tensor* tx, const float* x, const flo
 
 /* Every parameter gradient and dx of a one-layer model against central differences; returns the
    model's output for the GPU twin. */
+static void model_gradcheck(const char* what, mgpu_model* m, int B, int in, int out_features);
 static void box_gradcheck(const char* what, mgpu_layer* box, int B, int in, int out_features, mgpu_device_set* set) {
     mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(in), .layers = &box, .layer_count = 1,
                                                           .devices = set, .seed = 3 });
+    CHECK(m != NULL, "%s: model: %s", what, mgpu_last_error());
+    if (m) model_gradcheck(what, m, B, in, out_features);
+    mgpu_model_destroy(m);
+}
+/* (x [B, in] -> y [B, out]; the model is the caller's) */
+static void model_gradcheck(const char* what, mgpu_model* m, int B, int in, int out_features) {
     mgpu_device* dev;
     mgpu_tensor *tx, *tr;
     float *x, *R, *flat, *g, *dx;
     double *num, e;
     int64_t nf, ny = (int64_t)B * out_features, i;
     const double h = 1e-2;
-    CHECK(m != NULL, "%s: model: %s", what, mgpu_last_error());
-    if (!m) return;
     dev = mgpu_model_device(m, 0);
     nf = mgpu_tensor_numel(mgpu_model_params(m, 0));
     x = fbuf((int64_t)B * in); R = fbuf(ny); flat = fbuf(nf); g = fbuf(nf); dx = fbuf((int64_t)B * in);
@@ -388,7 +394,118 @@ static void box_gradcheck(const char* what, mgpu_layer* box, int B, int in, int 
     free(num); free(x); free(R); free(flat); free(g); free(dx);
     mgpu_tensor_destroy(tx);
     mgpu_tensor_destroy(tr);
-    mgpu_model_destroy(m);
+}
+
+/* names (mgpu_layer_name), tied parameters, Linear without a bias and Hugging Face's Conv1D */
+static void test_names_ties(void) {
+    char path[512];
+    mgpu_layer* layers[4];
+    mgpu_model* m;
+    int i;
+    header("5. names, tied parameters, Linear without a bias, Conv1D");
+    box_gradcheck("Linear 5->3 without a bias", mgpu_layer_linear_no_bias(5, 3), 3, 5, 3, NULL);
+    box_gradcheck("Conv1D 5->3 (weight [in, out])", mgpu_layer_conv1d(5, 3), 3, 5, 3, NULL);
+    {   /* GPT-2's block names */
+        mgpu_layer* kids[3];
+        const char* want[] = { "enc.weight", "enc.bias", "h.0.mlp.c_fc.weight", "h.0.mlp.c_fc.bias", "h.0.mlp.c_proj.weight",
+                               "h.0.mlp.c_proj.bias", "2.weight" };
+        kids[0] = mgpu_layer_name(mgpu_layer_conv1d(4, 8), "c_fc");
+        kids[1] = mgpu_layer_tanh();
+        kids[2] = mgpu_layer_name(mgpu_layer_conv1d(8, 4), "c_proj");
+        layers[0] = mgpu_layer_name(mgpu_layer_linear(3, 4), "enc");
+        layers[1] = mgpu_layer_name(mgpu_layer_residual(mgpu_layer_name(mgpu_layer_sequential(kids, 3), "mlp"), NULL), "h.0");
+        layers[2] = mgpu_layer_linear_no_bias(4, 3);
+        m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 3 });
+        CHECK(m && mgpu_model_tensor_count(m) == 7, "named model: %s", m ? "7 tensors" : mgpu_last_error());
+        for (i = 0; m && i < 7 && i < mgpu_model_tensor_count(m); ++i)
+            CHECK(!strcmp(mgpu_model_tensor_name(m, i), want[i]), "tensor %d is '%s', want '%s'", i, mgpu_model_tensor_name(m, i), want[i]);
+        if (m) {
+            const float* w;
+            mgpu_tensor* cpu = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(4, 8));
+            float v[32];
+            double mean = 0, sq = 0;
+            MUST(mgpu_tensor_copy(cpu, mgpu_model_param(m, 0, "h.0.mlp.c_fc.weight")));
+            tget(cpu, v);
+            w = v;
+            for (i = 0; i < 32; ++i) { mean += w[i] / 32.0; sq += (double)w[i] * w[i] / 32.0; }
+            CHECK(fabs(mean) < 0.02 && sqrt(sq) > 0.01 && sqrt(sq) < 0.04, "Conv1D's init N(0, 0.02): mean %.4f, rms %.4f", mean, sqrt(sq));
+            mgpu_tensor_destroy(cpu);
+        }
+        mgpu_model_destroy(m);
+        CHECK(mgpu_layer_name(mgpu_layer_relu(), "a name of more than forty-seven bytes, which is too long") == NULL &&
+              strstr(mgpu_last_error(), "47"), "a long name refused: %s", mgpu_last_error());
+    }
+    /* a tie: the head's weight is the first layer's (an autoencoder's, [4, 3] both) */
+    for (i = 0; i < 2; ++i) {
+        const mgpu_tie tie = { "head.weight", "enc.weight" };
+        mgpu_model* m2;
+        float *a, *b;
+        int64_t n;
+        layers[0] = mgpu_layer_name(mgpu_layer_linear(3, 4), "enc");
+        layers[1] = mgpu_layer_tanh();
+        layers[2] = mgpu_layer_name(mgpu_layer_linear_no_bias(4, 3), "head");   /* weight [3, 4]: not the same shape */
+        if (i == 1) {
+            mgpu_layer_destroy(layers[2]);
+            layers[2] = mgpu_layer_name(mgpu_layer_conv1d(4, 3), "head");   /* weight [in, out] = [4, 3]: enc's shape */
+        }
+        m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 3, .ties = &tie,
+                                                  .tie_count = 1, .seed = 9 });
+        if (i == 0) {
+            CHECK(m == NULL && mgpu_last_result() == MGPU_ERROR_SHAPE_MISMATCH && strstr(mgpu_last_error(), "[3,4]"),
+                  "a tie of two shapes refused: %s", mgpu_last_error());
+            mgpu_model_destroy(m);
+            continue;
+        }
+        CHECK(m != NULL, "tied model: %s", mgpu_last_error());
+        if (!m) continue;
+        CHECK(mgpu_model_param_count(m) == 4 * 3 + 4 + 3, "a tied parameter counts once: %lld", (long long)mgpu_model_param_count(m));
+        CHECK(mgpu_tensor_data(mgpu_model_param(m, 0, "head.weight")) == mgpu_tensor_data(mgpu_model_param(m, 0, "enc.weight")),
+              "the tied tensors share their floats");
+        model_gradcheck("tied Linear 3->4, Tanh, Conv1D 4->3 (gradients of both uses added)", m, 3, 3, 3);
+        snprintf(path, sizeof path, "%s/mgpu_test_seq_tie_%ld.safetensors", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", test_getpid());
+        MUST(mgpu_model_save(m, NULL, path));
+        {
+            mgpu_safetensors* st = mgpu_safetensors_open(path);
+            CHECK(st && mgpu_safetensors_count(st) == 3 && mgpu_safetensors_find(st, "head.weight") < 0,
+                  "the file stores the tied tensor once (under enc.weight): %d tensors", st ? mgpu_safetensors_count(st) : -1);
+            mgpu_safetensors_close(st);
+        }
+        layers[0] = mgpu_layer_name(mgpu_layer_linear(3, 4), "enc");
+        layers[1] = mgpu_layer_tanh();
+        layers[2] = mgpu_layer_name(mgpu_layer_conv1d(4, 3), "head");
+        m2 = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 3, .ties = &tie,
+                                                   .tie_count = 1, .seed = 10 });
+        if (m2) {
+            MUST(mgpu_model_load(m2, NULL, path));
+            n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+            a = fbuf(n); b = fbuf(n);
+            tget(mgpu_model_params(m, 0), a);
+            tget(mgpu_model_params(m2, 0), b);
+            CHECK(mgpu_tensor_numel(mgpu_model_params(m2, 0)) == n && !memcmp(a, b, (size_t)n * sizeof(float)),
+                  "a tied model loads what it saved");
+            free(a); free(b);
+        }
+        mgpu_model_destroy(m2);
+        remove(path);
+        mgpu_model_destroy(m);
+        {   /* across pipeline stages: refused */
+            mgpu_device_set* two = mgpu_device_set_create("cpu:2");
+            layers[0] = mgpu_layer_name(mgpu_layer_linear(3, 4), "enc");
+            layers[1] = mgpu_layer_tanh();
+            layers[2] = mgpu_layer_name(mgpu_layer_conv1d(4, 3), "head");
+            m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 3, .ties = &tie,
+                                                      .tie_count = 1, .devices = two, .stages = 2, .split = (const int[]){ 2 } });
+            CHECK(m == NULL && strstr(mgpu_last_error(), "another pipeline stage"), "a tie across stages refused: %s", mgpu_last_error());
+            mgpu_model_destroy(m);
+            mgpu_device_set_destroy(two);
+        }
+    }
+    {
+        const mgpu_tie bad = { "head.weight", "nothing.weight" };
+        layers[0] = mgpu_layer_linear(3, 4);
+        m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(3), .layers = layers, .layer_count = 1, .ties = &bad, .tie_count = 1 });
+        CHECK(m == NULL && strstr(mgpu_last_error(), "no parameter of that name"), "a tie of unknown names refused: %s", mgpu_last_error());
+    }
 }
 
 static mgpu_layer* mlp_block(int d, int hidden) {
@@ -496,6 +613,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_norm_embedding());
     TEST_GROUP(test_attention());
     TEST_GROUP(test_containers());
+    TEST_GROUP(test_names_ties());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
 #endif
