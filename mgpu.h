@@ -1195,6 +1195,9 @@ typedef struct mgpu_save_desc {
     const mgpu_metadata* metadata;
     int metadata_count;
     mgpu_save_dtype dtype;
+    const char* prefix;   /* before every tensor's name, as mgpu_load_desc.prefix reads it back:
+                             "transformer." writes a GPT of Hugging Face's names (wte.weight, h.0.
+                             ...) in GPT2LMHeadModel's layout. NULL: none */
 } mgpu_save_desc;
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
 
@@ -11710,6 +11713,13 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
 static void mgpu__state_tensor_name(char* buf, size_t size, const char* param, const char* state) {
     snprintf(buf, size, MGPU__OPT_PREFIX "%s.%s", param, state);
 }
+/* A tensor's name in a file: prefix + the parameter's name, or its optimizer state's name. */
+static void mgpu__load_name(char* buf, size_t size, const char* prefix, const char* param, const char* state) {
+    char joined[400];
+    snprintf(joined, sizeof joined, "%s%s", prefix, param);
+    if (state) mgpu__state_tensor_name(buf, size, joined, state);
+    else snprintf(buf, size, "%s", joined);
+}
 
 #define MGPU__SAVE_META 6   /* the most metadata entries mgpu writes itself */
 
@@ -11780,6 +11790,9 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     mgpu_result r = MGPU_OK;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    if (desc && desc->prefix && strlen(desc->prefix) > 24)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the prefix '%.40s' is %zu bytes; at most 24", op, desc->prefix,
+                          strlen(desc->prefix));
     if (dtype != MGPU_SAVE_F32 && dtype != MGPU_SAVE_BF16 && dtype != MGPU_SAVE_F16)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: dtype %d (want MGPU_SAVE_F32, MGPU_SAVE_BF16 or MGPU_SAVE_F16)", op,
                           (int)dtype);
@@ -11818,8 +11831,8 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
         for (i = 0; i < m->tensor_count; ++i) {
             const mgpu__param* p = &m->tensors[i];
             if (p->tied >= 0) continue;   /* stored under its twin's name alone */
-            if (s == 0) snprintf(names[n], sizeof names[n], "%s", p->name);
-            else mgpu__state_tensor_name(names[n], sizeof names[n], p->name, mgpu__optimizer_state_name(opt, s - 1));
+            mgpu__load_name(names[n], sizeof names[n], desc && desc->prefix ? desc->prefix : "", p->name,
+                            s == 0 ? NULL : mgpu__optimizer_state_name(opt, s - 1));
             items[n].name = names[n];
             items[n].dtype = dtype == MGPU_SAVE_BF16 ? "BF16" : dtype == MGPU_SAVE_F16 ? "F16" : "F32";
             items[n].ndim = p->shape.ndim;
@@ -12104,12 +12117,6 @@ static mgpu_result mgpu__st_expect(const char* path, const mgpu__st_tensor* e, c
 /* The file's name for a model parameter (prefix + param) or, with state, for its optimizer
    state (the checkpoint's name for the state of prefix + param). Prefixes are at most 256 bytes
    and parameter names 63: every name fits buf's 512. */
-static void mgpu__load_name(char* buf, size_t size, const char* prefix, const char* param, const char* state) {
-    char joined[400];
-    snprintf(joined, sizeof joined, "%s%s", prefix, param);
-    if (state) mgpu__state_tensor_name(buf, size, joined, state);
-    else snprintf(buf, size, "%s", joined);
-}
 
 /* The error for model tensor `want` missing from the file, with a hint when the file holds the
    whole model under a prefix (a PyTorch module's "model.0.weight" for "0.weight"). */
