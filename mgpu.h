@@ -121,6 +121,7 @@
                    set), models, communicators (mgpu_allreduce_create)
      model         optimizers made for it
      dataset       loaders reading it
+     tokens        data sets made from them (mgpu_dataset_tokens)
      layer         the model that owns it: a layer passed to mgpu_model_create belongs to that
                    model, which destroys it; the same layer twice in one model, or a layer of
                    another model, makes mgpu_model_create fail (the layers it could own are
@@ -138,8 +139,8 @@
    mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
    (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
    Other calls do not look a handle up: using a destroyed one there is undefined. Tensors,
-   layers and data sets are too many or too plain to list: destroying one twice is undefined, as
-   free() twice is.
+   layers, data sets and tokens are too many or too plain to list: destroying one twice is
+   undefined, as free() twice is.
 
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
@@ -220,7 +221,8 @@
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
    >>train       the data-parallel step in five moves: split, compute, reduce, update; evaluate
    >>io          safetensors checkpoints (whole or part, with metadata), a safetensors reader,
-                 IDX data sets, a shuffling batch loader
+                 IDX data sets, token files (llm.c's) and a byte tokenizer, a shuffling batch
+                 loader of images or token windows
    >>seam        the interface between mgpu.h and mgpu_kernels.cu, and the math both share
    >>impl        the implementation (same order as above)
    >>license
@@ -1094,32 +1096,98 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_save(const mgpu_model* m, const mgpu_optimizer* opt, const char* path);
 MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const char* path);
 
-/* The MNIST family's IDX files, gzipped or plain: images [count, rows, cols] u8, labels [count]. */
+/* ---- token files (llm.c's format) and a byte-level tokenizer ---- */
+/* llm.c's token file (the .bin files of its dev/data, GPT-2 tokens): a header of 256
+   little-endian int32, [0] = 20240520 (MGPU_TOKENS_MAGIC), [1] = 1 (MGPU_TOKENS_VERSION), [2] = N
+   (the token count; the rest are 0 and not read), then N little-endian uint16 tokens and
+   nothing else.
+   mgpu_tokens holds such a file in memory (opaque; its tokens are read only).
+     mgpu_tokens_load       reads a file whole; refuses (MGPU_ERROR_IO) a file it cannot open or a
+                            directory, and (MGPU_ERROR_BAD_FILE) a header shorter than 1024 bytes,
+                            another magic or version (named beside the expected ones), a count
+                            that disagrees with the file's size (truncated or with bytes past the
+                            last token: both numbers said), and N = 0; the path is in every message
+     mgpu_tokens_from_text  the byte-level tokenizer: any file's bytes as tokens 0..255, in order
+                            (vocabulary MGPU_TOKENS_BYTE_VOCAB = 256; decoding is token = byte);
+                            an empty file is refused
+     mgpu_tokens_from_memory  count tokens copied from memory (a tokenizer of your own)
+     mgpu_tokens_save       writes the file, atomically as checkpoints are (a temporary file beside
+                            it, fsync'ed and renamed over it: see the checkpoints above); at most
+                            INT32_MAX tokens (the header's count is an int32)
+     mgpu_tokens_max_id     the largest token of the file: a program refuses a file whose
+                            max_id >= its vocabulary before it trains (-1 for NULL)
+   A text file becomes a token file by mgpu_tokens_save(mgpu_tokens_from_text("input.txt"),
+   "input.bin") (docs/guide.md). */
+#define MGPU_TOKENS_MAGIC 20240520
+#define MGPU_TOKENS_VERSION 1
+#define MGPU_TOKENS_HEADER_BYTES 1024
+#define MGPU_TOKENS_BYTE_VOCAB 256
+typedef struct mgpu_tokens mgpu_tokens;
+MGPUDEF mgpu_tokens* mgpu_tokens_load(const char* path);
+MGPUDEF mgpu_tokens* mgpu_tokens_from_text(const char* path);
+MGPUDEF mgpu_tokens* mgpu_tokens_from_memory(const uint16_t* tokens, int64_t count);
+MGPUDEF mgpu_result mgpu_tokens_save(const mgpu_tokens* t, const char* path);
+MGPUDEF int64_t mgpu_tokens_count(const mgpu_tokens* t);          /* N (0 for NULL) */
+MGPUDEF const uint16_t* mgpu_tokens_data(const mgpu_tokens* t);   /* N tokens, host byte order */
+MGPUDEF int mgpu_tokens_max_id(const mgpu_tokens* t);
+/* MGPU_ERROR_IN_USE, changing nothing, while data sets made from it (mgpu_dataset_tokens) live. */
+MGPUDEF mgpu_result mgpu_tokens_destroy(mgpu_tokens* t);
+/* Byte-level tokens (a model's samples) as text that is safe to print, into out (size bytes,
+   always NUL-terminated when size > 0; like snprintf, the return value is the length the whole
+   text needs, so out of that size + 1 holds it all). Printable ASCII, newline, tab and whole
+   valid UTF-8 characters are copied; a backslash becomes "\\", other bytes "\xNN", ids
+   outside 0..255 "<id>". A character or escape that does not fit is left out whole. */
+MGPUDEF size_t mgpu_tokens_to_text(const int32_t* ids, int64_t n, char* out, size_t size);
+
+/* ---- data sets and the batch loader ---- */
+/* A data set is images with labels, or windows of tokens:
+   - images (mgpu_dataset_load_idx: the MNIST family's IDX files, gzipped or plain): count images
+     [rows, cols] u8 with a label each;
+   - token windows (mgpu_dataset_tokens(t, seq), T = seq): window j is x = t[jT .. jT+T) and
+     y = t[jT+1 .. jT+T+1), the next token at every position (int32 [T] each); count =
+     W = (N - 1) / T windows (the tokens after the last window are not used; W = 0 is an error
+     naming N and T). The data set reads t's tokens in place: t outlives it (LIFETIMES). */
 typedef struct mgpu_dataset {
-    int64_t count;
+    int64_t count;     /* images, or windows */
     int rows, cols;
     uint8_t* images;   /* count * rows * cols */
     uint8_t* labels;   /* count */
     int loaders;       /* the library's: loaders reading it (mgpu_dataset_destroy refuses while
                           any); 0 in a data set you fill yourself */
+    const mgpu_tokens* tokens;   /* a token data set's tokens (images, labels NULL, rows, cols
+                                    0); NULL in an image data set */
+    int seq;                     /* a token data set's window length T */
 } mgpu_dataset;
 MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char* labels_path);
+MGPUDEF mgpu_dataset* mgpu_dataset_tokens(const mgpu_tokens* t, int seq);
 /* MGPU_ERROR_IN_USE, changing nothing, while loaders read it. */
 MGPUDEF mgpu_result mgpu_dataset_destroy(mgpu_dataset* ds);
 
-/* Batches of (x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]) in a seeded
-   shuffled order, assembled in pinned host memory (a step copies its rows into the GPUs' own
-   pinned staging buffers at once, see mgpu_tensor_copy, so the next batch may overwrite it). */
+/* Batches in a seeded shuffled order, assembled in pinned host memory (a step copies its rows
+   into the GPUs' own pinned staging buffers at once, see mgpu_tensor_copy, so the next batch may
+   overwrite it):
+     images          x f32 [B, 1, rows, cols] scaled to (pixel/255 - mean)/std, y i32 [B]
+     token windows   x i32 [B, T], y i32 [B, T] (the tokens as they are: mean and std must be
+                     left 0, a token data set refuses them rather than ignoring a mistake)
+   An epoch walks the samples (images or windows) once in its order: in order without shuffle,
+   so batch k holds samples kB .. kB+B-1; the last batch is smaller when B does not divide the
+   count, unless drop_last skips it or wrap completes it with the epoch's first samples (0, 1, ...
+   without shuffle; again as often as needed when the count is below B), so that every batch has
+   B rows (one shape: one CUDA graph, llm.c's fixed [B, T]). Training on tokens: .shuffle = 1 (or
+   0) and .wrap = 1; evaluating every window once in order, the last batch smaller: the defaults. */
 /* mgpu_loader_desc, zero-initialised; zero means default:
      field          default                       meaning
      batch          64                            samples per batch
      shuffle        0: in file order              reshuffle every epoch (seeded)
      drop_last      0: keep it                    skip a last, smaller batch
      seed           0                             the shuffle's seed
-     mean, std      0, 1                          x = (pixel / 255 - mean) / std
+     mean, std      0, 1                          images: x = (pixel / 255 - mean) / std; tokens:
+                                                  must be 0
      shard_for      NULL: the whole batch         a distributed model: only this process's rows of
                                                   each batch of `batch` rows (each rank's loader,
-                                                  with the same seed, walks the same batches) */
+                                                  with the same seed, walks the same batches)
+     wrap           0: keep it smaller            complete a last, smaller batch with the epoch's
+                                                  first samples (not with drop_last) */
 typedef struct mgpu_loader_desc {
     int batch;
     int shuffle;
@@ -1127,6 +1195,7 @@ typedef struct mgpu_loader_desc {
     uint64_t seed;
     float mean, std;
     const mgpu_model* shard_for;
+    int wrap;
 } mgpu_loader_desc;
 typedef struct mgpu_loader mgpu_loader;
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc);
@@ -1136,7 +1205,7 @@ MGPUDEF void mgpu_loader_start(mgpu_loader* l, int epoch);
 /* The next batch (tensors on the CPU, owned by the loader, valid until the next call); 0 at the
    end of the epoch. */
 MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_tensor** y);
-MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l);   /* per epoch */
+MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l);   /* per epoch (those next gives) */
 
 /* ---- any safetensors file, and checkpoints with more than the model ---- */
 /* A safetensors file read as named tensors (safetensors.safe_open): open validates the whole
@@ -11424,33 +11493,25 @@ static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget, cons
 }
 #endif
 
-/* Writes a safetensors file atomically, as described above. On any failure the temporary file
-   is removed and path is left untouched. */
-static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* items, int count,
-                                  const char* const* meta_keys, const char* const* meta_values, int meta_count) {
-    mgpu__sbuf b;
+/* Writes path atomically, as described above: body(f, user) writes the contents to the temporary
+   file (0, or nonzero with errno set when a write failed); `what` names the kind of file in the
+   messages ("a checkpoint"). On any failure the temporary file is removed and path is left
+   untouched. Safetensors checkpoints and token files are saved through it. */
+static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*body)(FILE* f, const void* user), const void* user) {
     char* tmp = NULL;
     char* target = NULL;   /* path, its symlinks followed */
     char prefix[MGPU__TMP_BASE_MAX + 16];
     FILE* f = NULL;
-    uint8_t len8[8];
     const char* step = NULL;
-    int i, err = 0;
+    int err = 0;
 #ifdef _WIN32
     DWORD win_err = 0;
     wchar_t *wtmp = NULL, *wtarget = NULL, *wbackup = NULL;   /* tmp, target and a backup in UTF-16 */
 #endif
     unsigned long pid = 0, n;
     size_t dir_len = 0;
-    mgpu_result r;
-    if (!path || !*path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write: no path");
-    memset(&b, 0, sizeof b);
-    r = mgpu__st_header(path, items, count, meta_keys, meta_values, meta_count, &b);
-    if (r) {
-        MGPU_FREE(b.p);
-        return r;
-    }
-    for (i = 0; i < 8; ++i) len8[i] = (uint8_t)((uint64_t)b.len >> (8 * i));
+    mgpu_result r = MGPU_OK;
+    if (!path || !*path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "save: no path");
 #if defined(__unix__) || defined(__APPLE__)
     {
         struct stat st;
@@ -11458,15 +11519,13 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         target = mgpu__follow_links(path);
         if (!target) {
             err = errno;
-            MGPU_FREE(b.p);
             if (err == ENOMEM) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for its path", path);
             return mgpu__fail(MGPU_ERROR_IO, "%s: cannot follow the symbolic link: %s", path, strerror(err));
         }
         if (stat(target, &st) == 0 && !S_ISREG(st.st_mode)) {
-            r = mgpu__fail(MGPU_ERROR_IO, "%s: '%s' is %s, not a regular file; a checkpoint replaces only a regular file", path,
-                           target, mgpu__file_kind(st.st_mode));
+            r = mgpu__fail(MGPU_ERROR_IO, "%s: '%s' is %s, not a regular file; %s replaces only a regular file", path,
+                           target, mgpu__file_kind(st.st_mode), what);
             MGPU_FREE(target);
-            MGPU_FREE(b.p);
             return r;
         }
     }
@@ -11482,10 +11541,9 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     if (!tmp || !target) {
         MGPU_FREE(tmp);
         MGPU_FREE(target);
-        MGPU_FREE(b.p);
-        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path);
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory for its temporary file's name", path);
     }
-    n = (unsigned long)(size_t)&b;   /* a local's address: distinct for the live threads of a process */
+    n = (unsigned long)(size_t)&f;   /* a local's address: distinct for the live threads of a process */
     snprintf(tmp, dir_len + strlen(prefix) + 64, "%.*s%s%lu.%lx" MGPU__TMP_SUFFIX, (int)dir_len, target, prefix, pid, n);
 #ifdef _WIN32
     {   /* every name in UTF-16 before anything is written, so that nothing after needs memory; the
@@ -11499,13 +11557,13 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
         wbackup = wtmp ? (wchar_t*)MGPU_MALLOC((wlen + 5) * sizeof(wchar_t)) : NULL;
         attr = wtarget ? GetFileAttributesW(wtarget) : INVALID_FILE_ATTRIBUTES;
         if (!wtmp || !wtarget || !wbackup)
-            r = errno == ENOMEM || (wtmp && wtarget) ? mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu__st_write(%s): out of memory", path)
+            r = errno == ENOMEM || (wtmp && wtarget) ? mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of memory for its temporary file's name", path)
                                                      : mgpu__fail(MGPU_ERROR_IO, "%s: the name is not UTF-8", path);
         else if (attr != INVALID_FILE_ATTRIBUTES && (attr & FILE_ATTRIBUTE_DIRECTORY))
-            r = mgpu__fail(MGPU_ERROR_IO, "%s: it is a directory, not a regular file; a checkpoint replaces only a regular file", path);
+            r = mgpu__fail(MGPU_ERROR_IO, "%s: it is a directory, not a regular file; %s replaces only a regular file", path, what);
         if (r) {
             MGPU_FREE(wtmp); MGPU_FREE(wtarget); MGPU_FREE(wbackup);
-            MGPU_FREE(tmp); MGPU_FREE(target); MGPU_FREE(b.p);
+            MGPU_FREE(tmp); MGPU_FREE(target);
             return r;
         }
         memcpy(wbackup, wtmp, (wlen - 4) * sizeof(wchar_t));
@@ -11516,9 +11574,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     f = fopen(tmp, "wb");
 #endif
     if (!f) { err = errno; step = "cannot create the temporary file"; }
-    if (!step && (fwrite(len8, 1, 8, f) != 8 || fwrite(b.p, 1, b.len, f) != b.len)) { err = errno; step = "write failed"; }
-    for (i = 0; !step && i < count; ++i)
-        if (items[i].bytes && fwrite(items[i].data, 1, items[i].bytes, f) != items[i].bytes) { err = errno; step = "write failed"; }
+    if (!step && body(f, user) != 0) { err = errno; step = "write failed"; }
     if (!step && fflush(f) != 0) { err = errno; step = "write failed"; }
 #if defined(__APPLE__) && defined(F_FULLFSYNC)
     /* macOS's fsync leaves the data in the drive's cache; F_FULLFSYNC asks the drive to write it
@@ -11568,6 +11624,39 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
 #endif
     MGPU_FREE(tmp);
     MGPU_FREE(target);
+    return r;
+}
+
+/* A safetensors file: the 8-byte header length, the header, the tensors' bytes in order. */
+typedef struct mgpu__st_body {
+    const mgpu__sbuf* header;
+    const mgpu__st_write_item* items;
+    int count;
+} mgpu__st_body;
+static int mgpu__st_write_body(FILE* f, const void* user) {
+    const mgpu__st_body* sb = (const mgpu__st_body*)user;
+    uint8_t len8[8];
+    int i;
+    for (i = 0; i < 8; ++i) len8[i] = (uint8_t)((uint64_t)sb->header->len >> (8 * i));
+    if (fwrite(len8, 1, 8, f) != 8 || fwrite(sb->header->p, 1, sb->header->len, f) != sb->header->len) return 1;
+    for (i = 0; i < sb->count; ++i)
+        if (sb->items[i].bytes && fwrite(sb->items[i].data, 1, sb->items[i].bytes, f) != sb->items[i].bytes) return 1;
+    return 0;
+}
+
+/* Writes a safetensors file atomically (mgpu__write_atomic). */
+static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* items, int count,
+                                  const char* const* meta_keys, const char* const* meta_values, int meta_count) {
+    mgpu__sbuf b;
+    mgpu__st_body body;
+    mgpu_result r;
+    if (!path || !*path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu__st_write: no path");
+    memset(&b, 0, sizeof b);
+    r = mgpu__st_header(path, items, count, meta_keys, meta_values, meta_count, &b);
+    body.header = &b;
+    body.items = items;
+    body.count = count;
+    if (r == MGPU_OK) r = mgpu__write_atomic(path, "a checkpoint", mgpu__st_write_body, &body);
     MGPU_FREE(b.p);
     return r;
 }
@@ -12276,6 +12365,207 @@ MGPUDEF mgpu_result mgpu_model_load(mgpu_model* m, mgpu_optimizer* opt, const ch
     return mgpu_model_load_ex(m, opt, path, NULL);
 }
 
+/* -- token files (llm.c's format) and the byte-level tokenizer -- */
+struct mgpu_tokens {
+    uint8_t* mem;      /* the memory data lies in: a loaded file whole (header included), or the tokens */
+    uint16_t* data;    /* count tokens, host byte order */
+    int64_t count;
+    int max_id;
+    int datasets;      /* data sets reading it (mgpu_tokens_destroy refuses while any) */
+};
+
+static int mgpu__host_little_endian(void) {
+    const uint16_t one = 1;
+    uint8_t first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+/* Makes the tokens object around mem (taken: freed on failure too), data = count tokens in it
+   already in host order, and finds the largest id. */
+static mgpu_tokens* mgpu__tokens_wrap(uint8_t* mem, uint16_t* data, int64_t count, const char* op) {
+    mgpu_tokens* t = (mgpu_tokens*)mgpu__calloc(1, sizeof *t);
+    uint16_t top = 0;
+    int64_t i;
+    if (!t) {
+        MGPU_FREE(mem);
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        return NULL;
+    }
+    for (i = 0; i < count; ++i) top = data[i] > top ? data[i] : top;
+    t->mem = mem;
+    t->data = data;
+    t->count = count;
+    t->max_id = top;
+    return t;
+}
+
+MGPUDEF mgpu_tokens* mgpu_tokens_load(const char* path) {
+    uint8_t* file = NULL;
+    size_t len = 0;
+    int32_t magic, version, count;
+    uint64_t want;
+    uint16_t* data;
+    if (!path) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_load: NULL path"); return NULL; }
+    if (mgpu__read_file(path, &file, &len) != MGPU_OK) { mgpu__refail("mgpu_tokens_load"); return NULL; }
+    if (len < MGPU_TOKENS_HEADER_BYTES) {
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_load: '%s' is %zu bytes, shorter than the %d-byte header of a token file (llm.c's format)",
+                   path, len, MGPU_TOKENS_HEADER_BYTES);
+        MGPU_FREE(file);
+        return NULL;
+    }
+    magic = (int32_t)mgpu__le32(file);
+    version = (int32_t)mgpu__le32(file + 4);
+    count = (int32_t)mgpu__le32(file + 8);
+    want = MGPU_TOKENS_HEADER_BYTES + 2 * (uint64_t)(count < 0 ? 0 : count);
+    if (magic != MGPU_TOKENS_MAGIC)
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_load: '%s' has magic %ld, expected %d: %s", path, (long)magic, MGPU_TOKENS_MAGIC,
+                   magic == 20240801 ? "this is llm.c's Llama 3 file (uint32 tokens), which mgpu does not read"
+                                     : "not a token file of llm.c's format");
+    else if (version != MGPU_TOKENS_VERSION)
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_load: '%s' has version %ld, expected %d (uint16 tokens)", path, (long)version,
+                   MGPU_TOKENS_VERSION);
+    else if (count < 0)
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_load: '%s': its header's token count is %ld", path, (long)count);
+    else if ((uint64_t)len < want)
+        mgpu__fail(MGPU_ERROR_BAD_FILE,
+                   "mgpu_tokens_load: '%s' is truncated: its header says %ld tokens (%llu bytes in all), the file has %zu bytes (%llu tokens%s)",
+                   path, (long)count, (unsigned long long)want, len, (unsigned long long)((len - MGPU_TOKENS_HEADER_BYTES) / 2),
+                   (len - MGPU_TOKENS_HEADER_BYTES) % 2 ? " and a byte" : "");
+    else if ((uint64_t)len > want)
+        mgpu__fail(MGPU_ERROR_BAD_FILE,
+                   "mgpu_tokens_load: '%s' has %llu bytes past its last token: its header says %ld tokens (%llu bytes in all), the file has %zu bytes",
+                   path, (unsigned long long)((uint64_t)len - want), (long)count, (unsigned long long)want, len);
+    else if (count == 0)
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_load: '%s' is empty: its header says 0 tokens", path);
+    else {
+        data = (uint16_t*)(void*)(file + MGPU_TOKENS_HEADER_BYTES);   /* 2-aligned: the allocation's start + 1024 */
+        if (!mgpu__host_little_endian()) {   /* the file is little-endian whatever the host */
+            int64_t i;
+            for (i = 0; i < count; ++i) {
+                const uint8_t* b = file + MGPU_TOKENS_HEADER_BYTES + 2 * i;
+                data[i] = (uint16_t)(b[0] | (b[1] << 8));
+            }
+        }
+        return mgpu__tokens_wrap(file, data, count, "mgpu_tokens_load");
+    }
+    MGPU_FREE(file);
+    return NULL;
+}
+
+MGPUDEF mgpu_tokens* mgpu_tokens_from_text(const char* path) {
+    uint8_t* file = NULL;
+    uint16_t* data;
+    size_t len = 0, i;
+    if (!path) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_from_text: NULL path"); return NULL; }
+    if (mgpu__read_file(path, &file, &len) != MGPU_OK) { mgpu__refail("mgpu_tokens_from_text"); return NULL; }
+    if (len == 0) {
+        MGPU_FREE(file);
+        mgpu__fail(MGPU_ERROR_BAD_FILE, "mgpu_tokens_from_text: '%s' is empty: no tokens", path);
+        return NULL;
+    }
+    data = len <= SIZE_MAX / sizeof(uint16_t) ? (uint16_t*)MGPU_MALLOC(len * sizeof(uint16_t)) : NULL;
+    if (!data) {
+        MGPU_FREE(file);
+        mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_tokens_from_text: '%s': no memory for %zu tokens", path, len);
+        return NULL;
+    }
+    for (i = 0; i < len; ++i) data[i] = file[i];   /* the byte-level tokenizer: token = byte */
+    MGPU_FREE(file);
+    return mgpu__tokens_wrap((uint8_t*)data, data, (int64_t)len, "mgpu_tokens_from_text");
+}
+
+MGPUDEF mgpu_tokens* mgpu_tokens_from_memory(const uint16_t* tokens, int64_t count) {
+    uint16_t* data;
+    if (!tokens || count <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_from_memory: %lld tokens%s (at least 1)", (long long)count,
+                   tokens ? "" : " at NULL");
+        return NULL;
+    }
+    data = (uint64_t)count <= SIZE_MAX / sizeof(uint16_t) ? (uint16_t*)MGPU_MALLOC((size_t)count * sizeof(uint16_t)) : NULL;
+    if (!data) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_tokens_from_memory: no memory for %lld tokens", (long long)count); return NULL; }
+    memcpy(data, tokens, (size_t)count * sizeof(uint16_t));
+    return mgpu__tokens_wrap((uint8_t*)data, data, count, "mgpu_tokens_from_memory");
+}
+
+/* The file's contents: the header, then the tokens little-endian (through a small buffer on a
+   big-endian host). */
+static int mgpu__tokens_write_body(FILE* f, const void* user) {
+    const mgpu_tokens* t = (const mgpu_tokens*)user;
+    uint8_t head[MGPU_TOKENS_HEADER_BYTES], buf[4096];
+    const uint32_t fields[3] = { MGPU_TOKENS_MAGIC, MGPU_TOKENS_VERSION, (uint32_t)t->count };
+    int64_t i = 0;
+    int k;
+    memset(head, 0, sizeof head);
+    for (k = 0; k < 12; ++k) head[k] = (uint8_t)(fields[k / 4] >> (8 * (k % 4)));
+    if (fwrite(head, 1, sizeof head, f) != sizeof head) return 1;
+    if (mgpu__host_little_endian())
+        return fwrite(t->data, sizeof(uint16_t), (size_t)t->count, f) != (size_t)t->count;
+    while (i < t->count) {
+        size_t n = (size_t)MGPU__MIN(t->count - i, (int64_t)sizeof buf / 2), j;
+        for (j = 0; j < n; ++j) {
+            buf[2 * j] = (uint8_t)t->data[i + (int64_t)j];
+            buf[2 * j + 1] = (uint8_t)(t->data[i + (int64_t)j] >> 8);
+        }
+        if (fwrite(buf, 2, n, f) != n) return 1;
+        i += (int64_t)n;
+    }
+    return 0;
+}
+
+MGPUDEF mgpu_result mgpu_tokens_save(const mgpu_tokens* t, const char* path) {
+    if (!t || !path || !*path)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_save: %s", !t ? "NULL tokens" : "no path");
+    if (t->count > INT32_MAX)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
+                          "mgpu_tokens_save(%s): %lld tokens, more than the header's int32 count holds (%d): split them into shards", path, (long long)t->count, INT32_MAX);
+    if (mgpu__write_atomic(path, "a token file", mgpu__tokens_write_body, t) != MGPU_OK) return mgpu__refail("mgpu_tokens_save");
+    return MGPU_OK;
+}
+
+MGPUDEF int64_t mgpu_tokens_count(const mgpu_tokens* t) { return t ? t->count : 0; }
+MGPUDEF const uint16_t* mgpu_tokens_data(const mgpu_tokens* t) { return t ? t->data : NULL; }
+MGPUDEF int mgpu_tokens_max_id(const mgpu_tokens* t) { return t ? t->max_id : -1; }
+
+MGPUDEF mgpu_result mgpu_tokens_destroy(mgpu_tokens* t) {
+    if (!t) return MGPU_OK;
+    if (t->datasets)
+        return mgpu__fail(MGPU_ERROR_IN_USE, "mgpu_tokens_destroy: %d data set%s still read%s these tokens; destroy %s first",
+                          t->datasets, t->datasets == 1 ? "" : "s", t->datasets == 1 ? "s" : "", t->datasets == 1 ? "it" : "them");
+    MGPU_FREE(t->mem);
+    MGPU_FREE(t);
+    return MGPU_OK;
+}
+
+MGPUDEF size_t mgpu_tokens_to_text(const int32_t* ids, int64_t n, char* out, size_t size) {
+    size_t need = 0, used = 0;   /* the whole text's length; what out holds */
+    int full = 0;                /* a piece did not fit: out stays a prefix of the text */
+    int64_t i = 0;
+    if (!ids) n = 0;
+    while (i < n) {
+        char piece[16];
+        uint8_t bytes[4];
+        int len = 0, k, take = 1;
+        for (k = 0; k < 4 && i + k < n && ids[i + k] >= 0 && ids[i + k] <= 255; ++k) bytes[k] = (uint8_t)ids[i + k];
+        if (ids[i] < 0 || ids[i] > 255) len = snprintf(piece, sizeof piece, "<%ld>", (long)ids[i]);
+        else if (bytes[0] >= 0x80 && (take = mgpu__utf8_len(bytes, (size_t)k)) >= 2) {   /* a whole UTF-8 character */
+            memcpy(piece, bytes, (size_t)take);
+            len = take;
+        } else if (bytes[0] == '\\') len = snprintf(piece, sizeof piece, "\\\\");
+        else if (bytes[0] == '\n' || bytes[0] == '\t' || (bytes[0] >= 0x20 && bytes[0] < 0x7F)) piece[len++] = (char)bytes[0];
+        else len = snprintf(piece, sizeof piece, "\\x%02X", bytes[0]);
+        if (take < 1) take = 1;
+        i += take;
+        need += (size_t)len;
+        if (!full && used + (size_t)len < size) {
+            memcpy(out + used, piece, (size_t)len);
+            used += (size_t)len;
+        } else full = 1;
+    }
+    if (size) out[used] = 0;
+    return need;
+}
+
 /* -- IDX data sets -- */
 static mgpu_result mgpu__load_idx(const char* path, int want_ndim, uint8_t** out, mgpu__idx* idx) {
     uint8_t *file = NULL, *raw = NULL;
@@ -12300,6 +12590,7 @@ static mgpu_result mgpu__load_idx(const char* path, int want_ndim, uint8_t** out
 
 static void mgpu__dataset_free(mgpu_dataset* ds) {
     if (!ds) return;
+    if (ds->tokens) ((mgpu_tokens*)ds->tokens)->datasets--;   /* the library's count in the caller's const tokens */
     MGPU_FREE(ds->images);
     MGPU_FREE(ds->labels);
     MGPU_FREE(ds);
@@ -12334,13 +12625,34 @@ MGPUDEF mgpu_dataset* mgpu_dataset_load_idx(const char* images_path, const char*
     return ds;
 }
 
+MGPUDEF mgpu_dataset* mgpu_dataset_tokens(const mgpu_tokens* t, int seq) {
+    mgpu_dataset* ds;
+    if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dataset_tokens: NULL tokens"); return NULL; }
+    if (seq < 1) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dataset_tokens: seq %d (the window length T must be at least 1)", seq);
+        return NULL;
+    }
+    if ((t->count - 1) / seq == 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_dataset_tokens: N = %lld tokens make no window of T = %d (one needs T + 1 = %lld: "
+                   "x and the token after it for y)", (long long)t->count, seq, (long long)seq + 1);
+        return NULL;
+    }
+    ds = (mgpu_dataset*)mgpu__calloc(1, sizeof *ds);
+    if (!ds) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_dataset_tokens: out of host memory"); return NULL; }
+    ds->count = (t->count - 1) / seq;   /* W: the window after the last whole one lacks its last target */
+    ds->tokens = t;
+    ds->seq = seq;
+    ((mgpu_tokens*)t)->datasets++;
+    return ds;
+}
+
 /* -- the batch loader -- */
 struct mgpu_loader {
     const mgpu_dataset* ds;     /* counted in ds->loaders while the loader lives (LIFETIMES) */
     mgpu_loader_desc d;
     int64_t* order;
     int64_t pos;
-    float* x_pinned;
+    void* x_pinned;      /* float (images) or int32_t (tokens) */
     int32_t* y_pinned;
     mgpu__storage x_storage, y_storage;   /* the pinned buffers seen as CPU tensors */
     mgpu_tensor x, y;
@@ -12362,24 +12674,37 @@ MGPUDEF void mgpu_loader_destroy(mgpu_loader* l) {
 
 MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loader_desc* desc) {
     mgpu_loader* l;
-    size_t pixels;
+    size_t pixels, y_per;   /* x and y values per sample */
     if (!ds || ds->count <= 0) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: empty or NULL data set"); return NULL; }
+    if (ds->tokens && (ds->seq < 1 || ds->count > (ds->tokens->count - 1) / ds->seq)) {   /* (a data set filled by hand) */
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: a token data set of %lld windows of seq %d, but its %lld tokens make %lld",
+                   (long long)ds->count, ds->seq, (long long)ds->tokens->count, ds->seq < 1 ? 0ll : (long long)((ds->tokens->count - 1) / ds->seq));
+        return NULL;
+    }
+    if (ds->tokens && desc && (desc->mean != 0.0f || desc->std != 0.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: mean %g and std %g normalise pixels; a token data set has none "
+                   "(leave both 0: its batches are the tokens as they are)", (double)desc->mean, (double)desc->std);
+        return NULL;
+    }
     l = (mgpu_loader*)mgpu__calloc(1, sizeof *l);
     if (!l) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory"); return NULL; }
     if (desc) l->d = *desc;
     l->d.batch = MGPU__DEF(l->d.batch, 64);
     l->d.std = MGPU__DEF(l->d.std, 1.0f);
-    if (l->d.batch < 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: batch %d", l->d.batch);
+    if (l->d.batch < 0 || (l->d.wrap && l->d.drop_last)) {
+        if (l->d.batch < 0) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: batch %d", l->d.batch);
+        else mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_loader_create: wrap and drop_last both set: a last, smaller batch is "
+                        "either completed (wrap) or skipped (drop_last), choose one");
         mgpu__loader_free(l);
         return NULL;
     }
     l->ds = ds;
     ((mgpu_dataset*)ds)->loaders++;
-    pixels = (size_t)ds->rows * (size_t)ds->cols;
+    pixels = ds->tokens ? (size_t)ds->seq : (size_t)ds->rows * (size_t)ds->cols;
+    y_per = ds->tokens ? (size_t)ds->seq : 1;
     l->order = (int64_t*)MGPU_MALLOC((size_t)ds->count * sizeof(int64_t));
-    l->x_pinned = (float*)mgpu_pinned_alloc((size_t)l->d.batch * pixels * sizeof(float));
-    l->y_pinned = (int32_t*)mgpu_pinned_alloc((size_t)l->d.batch * sizeof(int32_t));
+    l->x_pinned = mgpu_pinned_alloc((size_t)l->d.batch * pixels * (ds->tokens ? sizeof(int32_t) : sizeof(float)));
+    l->y_pinned = (int32_t*)mgpu_pinned_alloc((size_t)l->d.batch * y_per * sizeof(int32_t));
     if (!l->order || !l->x_pinned || !l->y_pinned) {
         mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_loader_create: out of host memory for batches of %d", l->d.batch);
         mgpu__loader_free(l);
@@ -12391,11 +12716,11 @@ MGPUDEF mgpu_loader* mgpu_loader_create(const mgpu_dataset* ds, const mgpu_loade
     l->x_storage.refs = l->y_storage.refs = 1;   /* never released: the loader frees the memory */
     l->x.owned = l->y.owned = 1;   /* the loader's own headers, inside it */
     l->x.storage = &l->x_storage;
-    l->x.dtype = MGPU_F32;
-    l->x.shape = mgpu_shape4(l->d.batch, 1, ds->rows, ds->cols);
+    l->x.dtype = ds->tokens ? MGPU_I32 : MGPU_F32;
+    l->x.shape = ds->tokens ? mgpu_shape2(l->d.batch, ds->seq) : mgpu_shape4(l->d.batch, 1, ds->rows, ds->cols);
     l->y.storage = &l->y_storage;
     l->y.dtype = MGPU_I32;
-    l->y.shape = mgpu_shape1(l->d.batch);
+    l->y.shape = ds->tokens ? mgpu_shape2(l->d.batch, ds->seq) : mgpu_shape1(l->d.batch);
     mgpu_loader_start(l, 0);
     if (mgpu__live_add(l, MGPU__LIVE_LOADER, "mgpu_loader_create") != MGPU_OK) { mgpu__loader_free(l); return NULL; }
     return l;
@@ -12424,6 +12749,7 @@ MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_t
     if (!l || l->pos >= l->ds->count) return 0;
     b = MGPU__MIN((int64_t)l->d.batch, l->ds->count - l->pos);
     if (b < l->d.batch && l->d.drop_last) return 0;
+    if (l->d.wrap) b = l->d.batch;   /* completed from the epoch's first samples: order[(pos + i) % count] below */
     rows = b;
     if (l->d.shard_for && l->d.shard_for->dist) {   /* the rows of this process's replicas, as mgpu__split gives them out */
         const mgpu_model* m = l->d.shard_for;
@@ -12435,11 +12761,22 @@ MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_t
     scale = 1.0f / (255.0f * l->d.std);
     shift = -l->d.mean / l->d.std;
     for (i = 0; i < rows; ++i) {
-        const int64_t k = l->order[l->pos + from + i];
-        const uint8_t* img = l->ds->images + k * pixels;
-        float* out = l->x_pinned + i * pixels;
-        for (p = 0; p < pixels; ++p) out[p] = (float)img[p] * scale + shift;
-        l->y_pinned[i] = l->ds->labels[k];
+        const int64_t k = l->order[(l->pos + from + i) % l->ds->count];
+        if (l->ds->tokens) {   /* window k: x = t[kT .. kT+T), y = the same shifted by one */
+            const int64_t T = l->ds->seq;
+            const uint16_t* src = mgpu_tokens_data(l->ds->tokens) + k * T;
+            int32_t* xo = (int32_t*)l->x_pinned + i * T;
+            int32_t* yo = l->y_pinned + i * T;
+            for (p = 0; p < T; ++p) {
+                xo[p] = src[p];
+                yo[p] = src[p + 1];
+            }
+        } else {
+            const uint8_t* img = l->ds->images + k * pixels;
+            float* out = (float*)l->x_pinned + i * pixels;
+            for (p = 0; p < pixels; ++p) out[p] = (float)img[p] * scale + shift;
+            l->y_pinned[i] = l->ds->labels[k];
+        }
     }
     l->x.shape.dim[0] = rows;
     l->y.shape.dim[0] = rows;
@@ -12451,7 +12788,7 @@ MGPUDEF int mgpu_loader_next(mgpu_loader* l, const mgpu_tensor** x, const mgpu_t
 
 MGPUDEF int64_t mgpu_loader_batches(const mgpu_loader* l) {
     if (!l) return 0;
-    return l->d.drop_last ? l->ds->count / l->d.batch : (l->ds->count + l->d.batch - 1) / l->d.batch;
+    return l->d.drop_last ? l->ds->count / l->d.batch : (l->ds->count + l->d.batch - 1) / l->d.batch;   /* (wrap: a whole last one) */
 }
 
 #ifdef __cplusplus

@@ -8,8 +8,8 @@
    parameters of the clean run (a fallback, e.g. the caching allocator giving a block straight
    back when it has no memory for its list node, or retrying after emptying its cache), and
    must leave no block behind: the live count is 0 after the scenario destroyed what it made.
-   A second scenario does the same on two CPU replicas with AdamW, a loader, evaluation and the
-   safetensors reader. The CPU backend runs on one thread, so the Nth allocation is the same one
+   A second scenario does the same on two CPU replicas with AdamW, a loader, evaluation, the
+   safetensors reader, and a token file saved, loaded and read as windows by a loader. The CPU backend runs on one thread, so the Nth allocation is the same one
    in every run. Then the same sweeps with memory staying short: every allocation
    from the Nth on fails, the destroys included.
    MGPU_ALLOC_FAULTS_STRIDE=S tries only every S-th allocation (for a quicker look).
@@ -59,7 +59,7 @@ static void test_free(void* p) {
 #define BATCH 8
 #define STEPS 3
 
-static char g_dir[256], g_path[300];
+static char g_dir[256], g_path[300], g_tok_path[300];
 
 static void quiet(mgpu_log_level level, const char* message, void* user) { (void)level; (void)message; (void)user; }
 
@@ -121,6 +121,9 @@ static void scenario(outcome* o) {
     mgpu_loader* loader = NULL;
     mgpu_safetensors* st = NULL;
     mgpu_tensor* read = NULL;
+    mgpu_tokens *tokens = NULL, *tokens2 = NULL;
+    mgpu_dataset* tds = NULL;
+    mgpu_loader* tloader = NULL;
     float xs[BATCH * IN];
     int32_t ys[BATCH];
     int i;
@@ -174,6 +177,30 @@ static void scenario(outcome* o) {
         }
         STEP(mgpu_model_evaluate(m, x, y, &loss, &correct));
     }
+    if (g_wide && o->rc == MGPU_OK) {   /* token windows: a token file saved, loaded, read by a loader with wrap */
+        uint16_t toks[14];
+        const mgpu_tensor *bx, *by;
+        mgpu_loader_desc tl;
+        for (i = 0; i < 14; ++i) toks[i] = (uint16_t)(100 + i);
+        MADE(tokens, mgpu_tokens_from_memory(toks, 14));
+        STEP(mgpu_tokens_save(tokens, g_tok_path));
+        MADE(tokens2, mgpu_tokens_load(g_tok_path));
+        MADE(tds, mgpu_dataset_tokens(tokens2, 4));   /* 3 windows */
+        memset(&tl, 0, sizeof tl);
+        tl.batch = 2;
+        tl.shuffle = 1;
+        tl.wrap = 1;
+        MADE(tloader, mgpu_loader_create(tds, &tl));
+        mgpu_loader_start(tloader, 1);
+        while (o->rc == MGPU_OK && mgpu_loader_next(tloader, &bx, &by)) {
+            const int32_t *xv = (const int32_t*)mgpu_tensor_data(bx), *yv = (const int32_t*)mgpu_tensor_data(by);
+            for (i = 0; i < 8; ++i)
+                if (yv[i] != xv[i] + 1 || (xv[i - i % 4] - 100) % 4 != 0) {
+                    o->rc = MGPU_ERROR_BAD_FILE;
+                    snprintf(o->error, sizeof o->error, "token windows read back wrong");
+                }
+        }
+    }
     if (g_wide) {
         mgpu_metadata meta[1];
         mgpu_save_desc sd;
@@ -210,6 +237,10 @@ static void scenario(outcome* o) {
     mgpu_safetensors_close(st);
     mgpu_loader_destroy(loader);
     DESTROY(mgpu_dataset_destroy(ds));
+    mgpu_loader_destroy(tloader);
+    DESTROY(mgpu_dataset_destroy(tds));
+    DESTROY(mgpu_tokens_destroy(tokens2));
+    DESTROY(mgpu_tokens_destroy(tokens));
     mgpu_optimizer_destroy(opt2);
     DESTROY(mgpu_model_destroy(m2));
     mgpu_optimizer_destroy(opt);
@@ -236,7 +267,7 @@ static int stray_files(void) {
     int n = 0;
     if (!d) return 0;
     while ((e = readdir(d)) != NULL)
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, "ckpt.safetensors")) n++;
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strcmp(e->d_name, "ckpt.safetensors") && strcmp(e->d_name, "tokens.bin")) n++;
     closedir(d);
     return n;
 }
@@ -265,6 +296,7 @@ static void sweep(const char* name, int persist) {
         g_live = 0;
         g_failed = 0;
         remove(g_path);
+        remove(g_tok_path);
         scenario(&run);
         if (test_is_verbose())
             printf("  allocation %ld: %s%s%s\n", n, run.rc ? mgpu_result_string(run.rc) : "ok", run.rc ? ": " : "", run.error);
@@ -319,6 +351,7 @@ int main(int argc, char** argv) {
         test_tmp_path(g_dir, sizeof g_dir, name);
     }
     snprintf(g_path, sizeof g_path, "%s/ckpt.safetensors", g_dir);
+    snprintf(g_tok_path, sizeof g_tok_path, "%s/tokens.bin", g_dir);
     if (test_mkdir(g_dir, 0700) != 0) { CHECK(0, "mkdir %s", g_dir); return test_summary("test_alloc_faults"); }
     g_wide = 0;
     TEST_GROUP(test_sweep_mlp());
@@ -327,6 +360,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_sweep_data_parallel());
     TEST_GROUP(test_sweep_data_parallel_short());
     remove(g_path);
+    remove(g_tok_path);
     test_remove_tree(g_dir);
     return test_summary("test_alloc_faults");
 }

@@ -1,4 +1,5 @@
-/* test_io.c - tests of mgpu.h's file readers and writer (gzip, IDX, safetensors).
+/* test_io.c - tests of mgpu.h's file readers and writers (gzip, IDX, safetensors, token files)
+   and the loader of token windows.
    Built and run by `make test` (plain and ASan+UBSan builds). Optional inputs:
    HAVE_ZLIB (link -lz) for round trips against zlib; tests/fixtures/py.* written by the Python
    safetensors package (python3 tests/gen_fixtures.py tests/fixtures regenerates them);
@@ -1858,6 +1859,499 @@ static void test_reader_malformed(int iters) {
     free(base);
 }
 
+/* ---------------------------------------------------------------------- token files --- */
+/* llm.c's token file written byte by byte as its Python (dev/data/data_common.py) does: a
+   header of 256 little-endian int32 (magic, version, count, zeros), then count uint16, LE. */
+static size_t make_token_file(uint8_t* buf, int32_t magic, int32_t version, int32_t count, const uint16_t* tok, int64_t n) {
+    const int32_t h[3] = {magic, version, count};
+    int64_t i;
+    int k;
+    memset(buf, 0, 1024);
+    for (k = 0; k < 12; ++k) buf[k] = (uint8_t)((uint32_t)h[k / 4] >> (8 * (k % 4)));
+    for (i = 0; i < n; ++i) {
+        buf[1024 + 2 * i] = (uint8_t)tok[i];
+        buf[1024 + 2 * i + 1] = (uint8_t)(tok[i] >> 8);
+    }
+    return 1024 + 2 * (size_t)n;
+}
+
+/* loading path fails with code, and the message names the path and says s1 and s2 */
+static int tokens_refused(const char* path, mgpu_result code, const char* s1, const char* s2) {
+    mgpu_tokens* t;
+    mgpu_clear_error();
+    t = mgpu_tokens_load(path);
+    if (t) { mgpu_tokens_destroy(t); return 0; }
+    return err_is(mgpu_last_result(), code, path, s1) && err_is(mgpu_last_result(), code, "mgpu_tokens_load", s2);
+}
+
+static void test_tokens_files(void) {
+    enum { N = 1000 };
+    static uint16_t tok[N + 8];
+    static uint8_t buf[1024 + 2 * (N + 8)];
+    char path[512], bad[512], dir[512];
+    uint8_t* p;
+    size_t n;
+    int64_t i;
+    int same, top;
+    mgpu_tokens *t, *u;
+    mgpu_dataset* ds;
+
+    /* a round trip: from memory, saved, loaded */
+    for (i = 0, top = 0; i < N; ++i) {
+        tok[i] = (uint16_t)(i == 500 ? 65535 : rnd() % 50257);
+        top = tok[i] > top ? tok[i] : top;
+    }
+    t = mgpu_tokens_from_memory(tok, N);
+    CHECK(t && mgpu_tokens_count(t) == N && mgpu_tokens_max_id(t) == top && mgpu_tokens_data(t) != tok &&
+              !memcmp(mgpu_tokens_data(t), tok, sizeof(uint16_t) * N),
+          "from memory: a copy of %d tokens, max id %d (got %d)", N, top, mgpu_tokens_max_id(t));
+    snprintf(path, sizeof path, "%s/rt.bin", g_dir);
+    CHECK(mgpu_tokens_save(t, path) == MGPU_OK, "save: %s", mgpu_last_error());
+    p = read_file(path, &n);
+    CHECK(p && n == make_token_file(buf, 20240520, 1, N, tok, N) && !memcmp(p, buf, n),
+          "the file is llm.c's: header (magic 20240520, version 1, count %d, zeros), then little-endian uint16 (%zu bytes)", N, n);
+    free(p);
+    CHECK(count_tmp_files(g_dir) == 0, "no temporary file left behind");
+    u = mgpu_tokens_load(path);
+    CHECK(u && mgpu_tokens_count(u) == N && mgpu_tokens_max_id(u) == top && !memcmp(mgpu_tokens_data(u), tok, sizeof(uint16_t) * N),
+          "load gives the tokens saved: %s", mgpu_last_error());
+    mgpu_tokens_destroy(u);
+    /* a save replaces the file (atomically, by the checkpoints' writer) */
+    tok[0] = 7;
+    u = mgpu_tokens_from_memory(tok, 3);
+    CHECK(u && mgpu_tokens_save(u, path) == MGPU_OK, "save over it: %s", mgpu_last_error());
+    mgpu_tokens_destroy(u);
+    u = mgpu_tokens_load(path);
+    top = tok[0] > tok[1] ? tok[0] : tok[1];
+    top = tok[2] > top ? tok[2] : top;
+    CHECK(u && mgpu_tokens_count(u) == 3 && mgpu_tokens_data(u)[0] == 7 && mgpu_tokens_max_id(u) == top,
+          "the new file replaced the old one: %s", mgpu_last_error());
+    mgpu_tokens_destroy(u);
+    /* a file written by hand, as llm.c's Python writes it */
+    n = make_token_file(buf, 20240520, 1, 5, tok, 5);
+    snprintf(path, sizeof path, "%s/hand.bin", g_dir);
+    CHECK(write_file(path, buf, n), "write %s", path);
+    u = mgpu_tokens_load(path);
+    CHECK(u && mgpu_tokens_count(u) == 5 && !memcmp(mgpu_tokens_data(u), tok, 10), "a file written byte by byte loads: %s", mgpu_last_error());
+    mgpu_tokens_destroy(u);
+
+    /* every bad file, its message naming the path and the numbers */
+    snprintf(bad, sizeof bad, "%s/no-such-tokens.bin", g_dir);
+    CHECK(tokens_refused(bad, MGPU_ERROR_IO, "cannot open", NULL), "a missing file");
+    snprintf(dir, sizeof dir, "%s/a-folder.bin", g_dir);
+    test_mkdir(dir, 0755);
+    CHECK(tokens_refused(dir, MGPU_ERROR_IO, "not a regular file", NULL), "a directory");
+    snprintf(bad, sizeof bad, "%s/bad.bin", g_dir);
+    CHECK(write_file(bad, buf, 10), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "is 10 bytes, shorter than the 1024-byte header", NULL), "a 10-byte file");
+    CHECK(write_file(bad, buf, 0), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "is 0 bytes", NULL), "an empty file");
+    CHECK(write_file(bad, buf, 1023), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "is 1023 bytes", NULL), "a header one byte short");
+    n = make_token_file(buf, 12345, 1, 5, tok, 5);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "has magic 12345, expected 20240520", "not a token file"), "another magic");
+    n = make_token_file(buf, 20240801, 7, 5, tok, 5);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "has magic 20240801, expected 20240520", "Llama 3"), "llm.c's Llama 3 file");
+    n = make_token_file(buf, 20240520, 2, 5, tok, 5);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "has version 2, expected 1", NULL), "another version");
+    n = make_token_file(buf, 20240520, 1, 100, tok, 50);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "is truncated: its header says 100 tokens (1224 bytes in all), the file has 1124 bytes (50 tokens)",
+                         NULL), "a truncated file");
+    CHECK(write_file(bad, buf, n + 1), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "header says 100 tokens (1224 bytes in all), the file has 1125 bytes (50 tokens and a byte)", NULL),
+          "a truncated file with an odd byte");
+    n = make_token_file(buf, 20240520, 1, 5, tok, 8);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "has 6 bytes past its last token: its header says 5 tokens (1034 bytes in all), the file has 1040 bytes",
+                         NULL), "extra bytes");
+    n = make_token_file(buf, 20240520, 1, -3, tok, 0);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "token count is -3", NULL), "a negative count");
+    n = make_token_file(buf, 20240520, 1, 0, tok, 0);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "is empty: its header says 0 tokens", NULL), "N = 0");
+    n = make_token_file(buf, 20240520, 1, 0, tok, 1);
+    CHECK(write_file(bad, buf, n), "write");
+    CHECK(tokens_refused(bad, MGPU_ERROR_BAD_FILE, "2 bytes past its last token", NULL), "N = 0 with a token after the header");
+    mgpu_clear_error();
+    CHECK(!mgpu_tokens_load(NULL) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_load", "NULL"), "a NULL path");
+
+    /* save's refusals: nothing written, no temporary file left */
+    CHECK(err_is(mgpu_tokens_save(NULL, path), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_save", "NULL tokens"), "save NULL");
+    CHECK(err_is(mgpu_tokens_save(t, ""), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_save", "no path"), "save to no path");
+    CHECK(err_is(mgpu_tokens_save(t, dir), MGPU_ERROR_IO, dir, "a token file replaces only a regular file"), "save over a directory");
+    snprintf(bad, sizeof bad, "%s/no-such-folder/t.bin", g_dir);
+    CHECK(err_is(mgpu_tokens_save(t, bad), MGPU_ERROR_IO, bad, "cannot create the temporary file"), "save into a missing folder");
+    CHECK(count_tmp_files(g_dir) == 0, "no temporary file left behind by failed saves");
+
+    /* the byte-level tokenizer: every byte value, and text */
+    {
+        static const char text[] = "First Citizen:\nBefore we proceed any further, hear me speak.\n";
+        uint8_t bytes[256 + sizeof text];
+        for (i = 0; i < 256; ++i) bytes[i] = (uint8_t)(255 - i);
+        memcpy(bytes + 256, text, sizeof text - 1);
+        n = 256 + sizeof text - 1;
+        snprintf(path, sizeof path, "%s/input.txt", g_dir);
+        CHECK(write_file(path, bytes, n), "write");
+        u = mgpu_tokens_from_text(path);
+        for (i = 0, same = u && mgpu_tokens_count(u) == (int64_t)n; same && i < (int64_t)n; ++i) same &= mgpu_tokens_data(u)[i] == bytes[i];
+        CHECK(same && mgpu_tokens_max_id(u) == 255, "text to tokens: token i is byte i (%zu bytes): %s", n, mgpu_last_error());
+        snprintf(bad, sizeof bad, "%s/input.bin", g_dir);
+        CHECK(u && mgpu_tokens_save(u, bad) == MGPU_OK, "the text's tokens saved: %s", mgpu_last_error());
+        mgpu_tokens_destroy(u);
+        u = mgpu_tokens_load(bad);
+        for (i = 0, same = u && mgpu_tokens_count(u) == (int64_t)n; same && i < (int64_t)n; ++i) same &= mgpu_tokens_data(u)[i] == bytes[i];
+        CHECK(same, "text -> token file -> tokens: the bytes again");
+        mgpu_tokens_destroy(u);
+        /* text alone: max id is the largest byte of the text */
+        CHECK(write_file(path, text, sizeof text - 1), "write");
+        u = mgpu_tokens_from_text(path);
+        for (i = 0, top = 0; i < (int64_t)sizeof text - 1; ++i) top = (uint8_t)text[i] > top ? (uint8_t)text[i] : top;
+        CHECK(u && mgpu_tokens_count(u) == (int64_t)sizeof text - 1 && mgpu_tokens_max_id(u) == top, "ASCII text: max id %d", top);
+        mgpu_tokens_destroy(u);
+        CHECK(write_file(path, text, 0), "write");
+        mgpu_clear_error();
+        CHECK(!mgpu_tokens_from_text(path) && err_is(mgpu_last_result(), MGPU_ERROR_BAD_FILE, path, "is empty"), "an empty text file");
+        snprintf(bad, sizeof bad, "%s/no-such-text.txt", g_dir);
+        CHECK(!mgpu_tokens_from_text(bad) && err_is(mgpu_last_result(), MGPU_ERROR_IO, bad, "mgpu_tokens_from_text"), "a missing text file");
+    }
+    mgpu_clear_error();
+    CHECK(!mgpu_tokens_from_memory(tok, 0) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tokens_from_memory", "0 tokens"),
+          "from memory: 0 tokens");
+    CHECK(mgpu_tokens_count(NULL) == 0 && mgpu_tokens_data(NULL) == NULL && mgpu_tokens_max_id(NULL) == -1, "NULL's count, data, max id");
+
+    /* lifetimes: tokens outlive the data sets made from them */
+    ds = mgpu_dataset_tokens(t, 4);
+    CHECK(ds != NULL, "data set: %s", mgpu_last_error());
+    CHECK(err_is(mgpu_tokens_destroy(t), MGPU_ERROR_IN_USE, "mgpu_tokens_destroy", "1 data set still reads"), "destroy while a data set reads them");
+    CHECK(mgpu_tokens_count(t) == N, "the refused destroy changed nothing");
+    CHECK(mgpu_dataset_destroy(ds) == MGPU_OK && mgpu_tokens_destroy(t) == MGPU_OK, "data set, then tokens: %s", mgpu_last_error());
+    CHECK(mgpu_tokens_destroy(NULL) == MGPU_OK, "destroy NULL");
+
+    /* printing byte tokens: printable ASCII, newline, tab and UTF-8 kept; the rest escaped */
+    {
+        static const int32_t ids[] = {'H', 'i', '\n', '\t', 1, '\\', 0xC3, 0xA9, 0xC3, 'x', 0xE4, 0xB8, 0xAD, 0xFF, 300, -1, 0x7F};
+        const int count = (int)(sizeof ids / sizeof ids[0]);
+        const char* expect = "Hi\n\t\\x01\\\\\xC3\xA9\\xC3x\xE4\xB8\xAD\\xFF<300><-1>\\x7F";
+        char out[64];
+        size_t need = mgpu_tokens_to_text(ids, count, out, sizeof out);
+        CHECK(need == strlen(expect) && !strcmp(out, expect), "to_text: '%s' (%zu), want '%s' (%zu)", out, need, expect, strlen(expect));
+        need = mgpu_tokens_to_text(ids, count, out, 8);   /* "Hi\n\t" fits, "\\x01" (4) not */
+        CHECK(need == strlen(expect) && !strcmp(out, "Hi\n\t"), "to_text cut: whole pieces only: '%s'", out);
+        need = mgpu_tokens_to_text(ids, 8, out, 11);   /* 10 bytes to the backslash's escape, then no room for the 2 bytes of U+00E9 */
+        CHECK(!strcmp(out, "Hi\n\t\\x01\\\\") && need == 12, "to_text keeps a UTF-8 character whole: '%s' %zu", out, need);
+        CHECK(mgpu_tokens_to_text(ids, count, NULL, 0) == strlen(expect), "to_text measures with size 0");
+        CHECK(mgpu_tokens_to_text(NULL, 5, out, sizeof out) == 0 && out[0] == 0, "to_text of NULL ids: ''");
+    }
+}
+
+/* ------------------------------------------------------------- windows of tokens, batches --- */
+/* Token i is i + 1000 (below 65536): a window's first x is 1000 + jT, so every row says which
+   window it is. Checks a batch's shape and that row r is window want[r] exactly (x and y). */
+static int tokens_batch_is(const mgpu_tensor* x, const mgpu_tensor* y, int T, const int64_t* want, int rows) {
+    const int32_t *xs, *ys;
+    int r, k, ok;
+    mgpu_shape sx = mgpu_tensor_shape(x), sy = mgpu_tensor_shape(y);
+    ok = sx.ndim == 2 && sy.ndim == 2 && sx.dim[0] == rows && sy.dim[0] == rows && sx.dim[1] == T && sy.dim[1] == T &&
+         mgpu_tensor_dtype(x) == MGPU_I32 && mgpu_tensor_dtype(y) == MGPU_I32;
+    if (!ok) return 0;
+    xs = (const int32_t*)mgpu_tensor_data(x);
+    ys = (const int32_t*)mgpu_tensor_data(y);
+    for (r = 0; r < rows; ++r)
+        for (k = 0; k < T; ++k)
+            ok &= xs[r * T + k] == 1000 + want[r] * T + k && ys[r * T + k] == 1000 + want[r] * T + k + 1;
+    return ok;
+}
+/* the window of each row of a batch (-1 where the row is no window's) */
+static void tokens_rows(const mgpu_tensor* x, int T, int64_t* out) {
+    const int32_t* xs = (const int32_t*)mgpu_tensor_data(x);
+    int64_t r;
+    for (r = 0; r < mgpu_tensor_dim(x, 0); ++r) out[r] = (xs[r * T] - 1000) % T == 0 ? (xs[r * T] - 1000) / T : -1;
+}
+
+static void test_tokens_windows(void) {
+    enum { N = 23, T = 4, W = (N - 1) / T, NS = 203, WS = (NS - 1) / T };   /* W = 5 windows; WS = 50 */
+    uint16_t tok[NS];
+    char path[512];
+    mgpu_tokens *t, *ts, *t1;
+    mgpu_dataset *ds, *dss, *ds1;
+    mgpu_loader* l;
+    mgpu_loader_desc ld;
+    const mgpu_tensor *x, *y;
+    int64_t want[8], got[64];
+    int i, b, ok;
+    for (i = 0; i < NS; ++i) tok[i] = (uint16_t)(1000 + i);
+    /* through a file, as a program reads one */
+    t = mgpu_tokens_from_memory(tok, N);
+    snprintf(path, sizeof path, "%s/windows.bin", g_dir);
+    CHECK(t && mgpu_tokens_save(t, path) == MGPU_OK, "save: %s", mgpu_last_error());
+    mgpu_tokens_destroy(t);
+    t = mgpu_tokens_load(path);
+    ts = mgpu_tokens_from_memory(tok, NS);
+    CHECK(t && ts, "tokens: %s", mgpu_last_error());
+    if (!t || !ts) return;
+    ds = mgpu_dataset_tokens(t, T);
+    CHECK(ds && ds->count == W && ds->seq == T && ds->tokens == t && !ds->images && !ds->labels,
+          "%d tokens in windows of %d: W = (N - 1) / T = %d windows (%lld)", N, T, W, ds ? (long long)ds->count : -1ll);
+    if (!ds) return;
+
+    /* no shuffle, defaults (the evaluation loop): every window once in order, the last batch smaller */
+    memset(&ld, 0, sizeof ld);
+    ld.batch = 2;
+    l = mgpu_loader_create(ds, &ld);
+    CHECK(l && mgpu_loader_batches(l) == 3, "5 windows in batches of 2: 3 batches: %s", mgpu_last_error());
+    for (b = 0, ok = 1; l && mgpu_loader_next(l, &x, &y); ++b) {
+        int rows = b < 2 ? 2 : 1;
+        for (i = 0; i < rows; ++i) want[i] = 2 * b + i;
+        ok &= b < 3 && tokens_batch_is(x, y, T, want, rows);
+    }
+    CHECK(ok && b == 3, "in order: x = t[jT .. jT+T), y = t[jT+1 .. jT+T+1) for windows 0,1 | 2,3 | 4 (%d batches)", b);
+    CHECK(l && !mgpu_loader_next(l, &x, &y), "next after the epoch's end: 0");
+    mgpu_loader_destroy(l);
+
+    /* wrap: the last batch completed with windows 0, 1, ... (the training loop's fixed [B, T]) */
+    ld.wrap = 1;
+    ld.batch = 2;
+    l = mgpu_loader_create(ds, &ld);
+    CHECK(l && mgpu_loader_batches(l) == 3, "wrap: 3 batches");
+    for (b = 0, ok = 1; l && mgpu_loader_next(l, &x, &y); ++b) {
+        for (i = 0; i < 2; ++i) want[i] = (2 * b + i) % W;
+        ok &= b < 3 && tokens_batch_is(x, y, T, want, 2);
+    }
+    CHECK(ok && b == 3, "wrap: windows 0,1 | 2,3 | 4,0 (%d batches)", b);
+    if (l) {
+        mgpu_loader_start(l, 1);
+        want[0] = 0; want[1] = 1;
+        CHECK(mgpu_loader_next(l, &x, &y) && tokens_batch_is(x, y, T, want, 2), "the next epoch starts at window 0 again");
+    }
+    mgpu_loader_destroy(l);
+    ld.batch = 3;
+    l = mgpu_loader_create(ds, &ld);
+    for (b = 0, ok = 1; l && mgpu_loader_next(l, &x, &y); ++b) {
+        for (i = 0; i < 3; ++i) want[i] = (3 * b + i) % W;
+        ok &= b < 2 && tokens_batch_is(x, y, T, want, 3);
+    }
+    CHECK(ok && b == 2, "wrap, batches of 3: windows 0,1,2 | 3,4,0 (%d batches)", b);
+    mgpu_loader_destroy(l);
+    ld.batch = 12;   /* more than the windows: they come round again */
+    l = mgpu_loader_create(ds, &ld);
+    CHECK(l && mgpu_loader_batches(l) == 1 && mgpu_loader_next(l, &x, &y) && mgpu_tensor_dim(x, 0) == 12, "wrap, 12 rows of 5 windows");
+    if (l) {
+        tokens_rows(x, T, got);
+        for (i = 0, ok = 1; i < 12; ++i) ok &= got[i] == i % W;
+        CHECK(ok && !mgpu_loader_next(l, &x, &y), "wrap, 12 rows: windows 0..4, 0..4, 0, 1");
+    }
+    mgpu_loader_destroy(l);
+
+    /* drop_last: the partial batch skipped; with wrap: refused */
+    ld.wrap = 0;
+    ld.drop_last = 1;
+    ld.batch = 2;
+    l = mgpu_loader_create(ds, &ld);
+    for (b = 0, ok = 1; l && mgpu_loader_next(l, &x, &y); ++b) {
+        for (i = 0; i < 2; ++i) want[i] = 2 * b + i;
+        ok &= b < 2 && tokens_batch_is(x, y, T, want, 2);
+    }
+    CHECK(l && ok && b == 2 && mgpu_loader_batches(l) == 2, "drop_last: windows 0,1 | 2,3 (%d batches)", b);
+    mgpu_loader_destroy(l);
+    ld.wrap = 1;
+    mgpu_clear_error();
+    CHECK(!mgpu_loader_create(ds, &ld) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "wrap and drop_last", NULL), "wrap with drop_last");
+    ld.wrap = 0;
+    ld.drop_last = 0;
+    /* mean and std normalise pixels: refused for tokens */
+    ld.mean = 0.5f;
+    mgpu_clear_error();
+    CHECK(!mgpu_loader_create(ds, &ld) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "mean 0.5", "token data set"), "mean for tokens");
+    ld.mean = 0.0f;
+    ld.std = 2.0f;
+    mgpu_clear_error();
+    CHECK(!mgpu_loader_create(ds, &ld) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "std 2", "leave both 0"), "std for tokens");
+    ld.std = 0.0f;
+    /* the data set and its tokens outlive the loader */
+    l = mgpu_loader_create(ds, NULL);
+    CHECK(l && mgpu_loader_batches(l) == 1 && mgpu_loader_next(l, &x, &y) && mgpu_tensor_dim(x, 0) == W, "defaults: one batch of 5 windows");
+    CHECK(err_is(mgpu_dataset_destroy(ds), MGPU_ERROR_IN_USE, "1 loader", NULL) && err_is(mgpu_tokens_destroy(t), MGPU_ERROR_IN_USE, "1 data set", NULL),
+          "destroying the data set or the tokens while read: refused");
+    mgpu_loader_destroy(l);
+
+    /* shuffle: each epoch a permutation of the 50 windows, a function of (seed, epoch) */
+    dss = mgpu_dataset_tokens(ts, T);
+    CHECK(dss && dss->count == WS, "%d tokens: %d windows", NS, WS);
+    if (dss) {
+        int64_t order[3][WS];
+        int e, seen[WS];
+        ld.batch = 8;
+        ld.shuffle = 1;
+        ld.seed = 11;
+        l = mgpu_loader_create(dss, &ld);
+        for (e = 0, ok = 1; l && e < 3; ++e) {
+            int count = 0;
+            mgpu_loader_start(l, e == 2 ? 0 : e);
+            memset(seen, 0, sizeof seen);
+            while (mgpu_loader_next(l, &x, &y)) {
+                int rows = (int)mgpu_tensor_dim(x, 0);
+                tokens_rows(x, T, got);
+                for (i = 0; i < rows; ++i) {
+                    ok &= got[i] >= 0 && got[i] < WS && count + i < WS;
+                    if (got[i] < 0 || got[i] >= WS || count + i >= WS) break;
+                    seen[got[i]]++;
+                    order[e][count + i] = got[i];
+                }
+                /* every row's y is its x shifted by one: check the batch against its own windows */
+                ok &= count + rows <= WS && tokens_batch_is(x, y, T, got, rows);
+                count += rows;
+            }
+            for (i = 0; i < WS; ++i) ok &= seen[i] == 1;
+            ok &= count == WS;
+        }
+        CHECK(l && ok, "shuffled: every epoch a permutation of the windows, each row x and y of one window");
+        CHECK(memcmp(order[0], order[1], sizeof order[0]) != 0, "epochs 0 and 1: the same order");
+        CHECK(memcmp(order[0], order[2], sizeof order[0]) == 0, "epoch 0 twice: different orders");
+        for (i = 0, ok = 1; i < WS; ++i) ok &= order[0][i] == i;
+        CHECK(!ok, "shuffle left the order as it was");
+        mgpu_loader_destroy(l);
+        l = mgpu_loader_create(dss, &ld);   /* another loader, the same seed: the same epoch 1 */
+        if (l) {
+            int count = 0;
+            mgpu_loader_start(l, 1);
+            for (ok = 1; mgpu_loader_next(l, &x, &y); count += (int)mgpu_tensor_dim(x, 0)) {
+                tokens_rows(x, T, got);
+                for (i = 0; i < mgpu_tensor_dim(x, 0); ++i) ok &= got[i] == order[1][count + i];
+            }
+            CHECK(ok && count == WS, "the same seed and epoch in another loader: the same order");
+            mgpu_loader_destroy(l);
+        }
+        ld.seed = 12;
+        l = mgpu_loader_create(dss, &ld);
+        if (l) {
+            int count = 0;
+            for (ok = 1; mgpu_loader_next(l, &x, &y); count += (int)mgpu_tensor_dim(x, 0)) {
+                tokens_rows(x, T, got);
+                for (i = 0; i < mgpu_tensor_dim(x, 0); ++i) ok &= got[i] == order[0][count + i];
+            }
+            CHECK(!ok, "seeds 11 and 12 give the same order");
+            mgpu_loader_destroy(l);
+        }
+        /* shuffled with wrap: 7 batches of 8, the last one's 6 missing rows the epoch's first 6 windows */
+        ld.seed = 11;
+        ld.wrap = 1;
+        l = mgpu_loader_create(dss, &ld);
+        if (l) {
+            int count = 0;
+            mgpu_loader_start(l, 1);
+            for (b = 0, ok = 1; mgpu_loader_next(l, &x, &y); ++b, count += 8) {
+                ok &= mgpu_tensor_dim(x, 0) == 8;
+                tokens_rows(x, T, got);
+                for (i = 0; ok && i < 8; ++i) ok &= got[i] == order[1][(count + i) % WS];
+            }
+            CHECK(ok && b == 7 && mgpu_loader_batches(l) == 7, "shuffled with wrap: epoch 1's order, then its first 6 windows (%d batches)", b);
+            mgpu_loader_destroy(l);
+        }
+        ld.wrap = 0;
+        ld.shuffle = 0;
+
+        /* sharding across 2 processes: each one's rows of every batch as mgpu__split gives them
+           out (3 and 2 of a batch of 5), the two together the whole batch. The model is made to
+           look like one replica of a job of 2 processes (what mgpu_dist_init would set up). */
+        {
+            mgpu_layer* layers[1];
+            mgpu_model_desc md;
+            mgpu_model* m;
+            mgpu_loader *whole, *part[2];
+            int q;
+            memset(&md, 0, sizeof md);
+            layers[0] = mgpu_layer_linear(T, 2);
+            md.input = mgpu_shape1(T);
+            md.layers = layers;
+            md.layer_count = 1;
+            m = mgpu_model_create(&md);
+            CHECK(m != NULL, "model: %s", mgpu_last_error());
+            if (m) {
+                ld.batch = 5;
+                ld.shuffle = 1;
+                ld.wrap = 1;   /* 50 windows in batches of 5: also checks that shards and wrap agree */
+                ld.seed = 3;
+                whole = mgpu_loader_create(dss, &ld);
+                ld.shard_for = m;
+                part[0] = mgpu_loader_create(dss, &ld);
+                part[1] = mgpu_loader_create(dss, &ld);
+                ld.shard_for = NULL;
+                m->dist = 1;
+                m->dist_total = 2;
+                for (b = 0, ok = whole && part[0] && part[1]; ok && mgpu_loader_next(whole, &x, &y); ++b) {
+                    int64_t all[5];
+                    tokens_rows(x, T, all);
+                    for (q = 0; q < 2; ++q) {
+                        const int64_t from = q == 0 ? 0 : 3, rows = q == 0 ? 3 : 2;
+                        const mgpu_tensor *px, *py;
+                        m->dist_first = q;
+                        ok &= mgpu_loader_next(part[q], &px, &py) && tokens_batch_is(px, py, T, all + from, (int)rows);
+                    }
+                }
+                m->dist_first = 0;
+                CHECK(ok && b == 10 && !mgpu_loader_next(part[0], &x, &y) && !mgpu_loader_next(part[1], &x, &y),
+                      "2 processes: rows 0..2 and 3..4 of each of the 10 batches, then both end");
+                m->dist = 0;
+                m->dist_total = 0;
+                mgpu_loader_destroy(whole);
+                mgpu_loader_destroy(part[0]);
+                mgpu_loader_destroy(part[1]);
+                mgpu_model_destroy(m);
+            }
+            memset(&ld, 0, sizeof ld);
+        }
+        mgpu_dataset_destroy(dss);
+    }
+
+    /* a file of exactly T + 1 tokens: one window; of T tokens: none */
+    t1 = mgpu_tokens_from_memory(tok, T + 1);
+    ds1 = t1 ? mgpu_dataset_tokens(t1, T) : NULL;
+    CHECK(ds1 && ds1->count == 1, "T + 1 tokens: one window: %s", mgpu_last_error());
+    if (ds1) {
+        memset(&ld, 0, sizeof ld);
+        ld.batch = 4;
+        l = mgpu_loader_create(ds1, &ld);
+        want[0] = 0;
+        CHECK(l && mgpu_loader_next(l, &x, &y) && tokens_batch_is(x, y, T, want, 1) && !mgpu_loader_next(l, &x, &y),
+              "T + 1 tokens: one batch of one window, x = t[0..T), y = t[1..T]");
+        mgpu_loader_destroy(l);
+        ld.wrap = 1;
+        l = mgpu_loader_create(ds1, &ld);
+        want[1] = want[2] = want[3] = 0;
+        CHECK(l && mgpu_loader_next(l, &x, &y) && tokens_batch_is(x, y, T, want, 4) && !mgpu_loader_next(l, &x, &y),
+              "T + 1 tokens, wrap: one batch of 4 rows, window 0 each time");
+        mgpu_loader_destroy(l);
+        mgpu_dataset_destroy(ds1);
+    }
+    mgpu_tokens_destroy(t1);
+    t1 = mgpu_tokens_from_memory(tok, T);
+    mgpu_clear_error();
+    CHECK(t1 && !mgpu_dataset_tokens(t1, T) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "N = 4 tokens", "T = 4"),
+          "T tokens: no window, the message names N and T");
+    mgpu_clear_error();
+    CHECK(!mgpu_dataset_tokens(t1, 0) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "seq 0", NULL), "seq 0");
+    CHECK(!mgpu_dataset_tokens(NULL, 4) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "NULL tokens", NULL), "NULL tokens");
+    mgpu_tokens_destroy(t1);
+    /* a data set filled by hand that claims more windows than its tokens hold: refused */
+    {
+        mgpu_dataset hand;
+        memset(&hand, 0, sizeof hand);
+        hand.tokens = t;
+        hand.seq = T;
+        hand.count = W + 1;
+        mgpu_clear_error();
+        CHECK(!mgpu_loader_create(&hand, NULL) && err_is(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "6 windows of seq 4", "make 5"),
+              "a hand-filled token data set of too many windows");
+    }
+    CHECK(mgpu_dataset_destroy(ds) == MGPU_OK && mgpu_tokens_destroy(t) == MGPU_OK && mgpu_tokens_destroy(ts) == MGPU_OK, "destroy: %s",
+          mgpu_last_error());
+}
+
 /* build/test_io GROUP (or TEST_ONLY=GROUP) runs only the groups whose call contains GROUP, as in
    the suites built on tests/test.h; a filter that matches nothing fails. */
 static const char* g_only;
@@ -1895,6 +2389,9 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_reader_unsupported());
     TEST_GROUP(test_reader_python());
     TEST_GROUP(test_reader_malformed(2000));
+    printf("== token files and windows\n");
+    TEST_GROUP(test_tokens_files());
+    TEST_GROUP(test_tokens_windows());
 #ifdef _WIN32
     (void)cmd;
     test_remove_tree(g_dir);

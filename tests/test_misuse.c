@@ -218,6 +218,14 @@ static void test_nulls(void) {
     mgpu_loader_start(NULL, 0);
     CHECK(mgpu_loader_next(NULL, &bx, &by) == 0, "loader_next(NULL)");
     CHECK(mgpu_loader_batches(NULL) == 0, "loader_batches(NULL)");
+    EXPECT_NULL(mgpu_tokens_load(NULL), "mgpu_tokens_load");
+    EXPECT_NULL(mgpu_tokens_from_text(NULL), "mgpu_tokens_from_text");
+    EXPECT_NULL(mgpu_tokens_from_memory(NULL, 4), "mgpu_tokens_from_memory");
+    EXPECT_FAIL(mgpu_tokens_save(NULL, "/tmp/never.bin"), "mgpu_tokens_save");
+    CHECK(mgpu_tokens_count(NULL) == 0 && mgpu_tokens_data(NULL) == NULL && mgpu_tokens_max_id(NULL) == -1, "tokens getters (NULL)");
+    CHECK(mgpu_tokens_destroy(NULL) == MGPU_OK, "tokens_destroy(NULL)");
+    CHECK(mgpu_tokens_to_text(NULL, 3, NULL, 0) == 0, "tokens_to_text(NULL)");
+    EXPECT_NULL(mgpu_dataset_tokens(NULL, 4), "mgpu_dataset_tokens");
     EXPECT_NULL(mgpu_safetensors_open(NULL), "mgpu_safetensors_open");
     CHECK(mgpu_safetensors_count(NULL) == 0, "safetensors_count(NULL)");
     EXPECT_FAIL(mgpu_safetensors_get_info(NULL, 0, &sinfo), "mgpu_safetensors_get_info");

@@ -19,7 +19,7 @@
    5. checkpoints: rank 0 writes, every rank finds the file when the call returns, a one-process
       model loads it with the same bits; a save that fails on rank 0 fails every rank
    6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
-      the ranks together see every row once
+      the ranks together see every row once; the same for windows of tokens, with and without wrap
 
    With MGPU_TEST_MPI_CUDA=1 (tests/mpi.sh runs the emulated build so, with MGPU_EMU_DEVICES=4):
    the same on GPUs, rank 0 on cuda:0,1 and the others on cuda:0, against one process on
@@ -453,6 +453,85 @@ static void test_loader(const char* dir) {
     remove(lp);
 }
 
+/* The same with token windows (mgpu_dataset_tokens): token i is i, so a row's first x says its
+   window; with wrap every batch has BATCH rows, the last one completed from the epoch's first. */
+static void test_loader_tokens(void) {
+    enum { T = 3, W = 40, N = W * T + 2, BATCH = 7 };
+    uint16_t tok[N];
+    int i, w, rows = 0, ok = 1;
+    mgpu_device_set *set = mgpu_device_set_create(my_spec()), *one;
+    mgpu_model* m;
+    mgpu_tokens* t;
+    mgpu_dataset* ds;
+    mgpu_allreduce* ar;
+    mgpu_tensor* seen;
+    const mgpu_tensor *x, *y, *wx, *wy;
+    header("token loaders with shard_for");
+    for (i = 0; i < N; ++i) tok[i] = (uint16_t)i;
+    t = mgpu_tokens_from_memory(tok, N);
+    ds = t ? mgpu_dataset_tokens(t, T) : NULL;
+    m = make_mlp(set, 1, HIDDEN);
+    CHECK(ds && ds->count == W && m, "tokens, windows and model: %s", mgpu_last_error());
+    if (!ds || !m) return;
+    seen = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(W));
+    for (w = 0; w < 2; ++w) {   /* without wrap, then with */
+        mgpu_loader_desc d;
+        mgpu_loader *mine, *whole;
+        int64_t batches = 0;
+        memset(&d, 0, sizeof d);
+        d.batch = BATCH;
+        d.shuffle = 1;
+        d.seed = 9;
+        d.wrap = w;
+        whole = mgpu_loader_create(ds, &d);
+        d.shard_for = m;
+        mine = mgpu_loader_create(ds, &d);
+        CHECK(mine && whole, "loaders: %s", mgpu_last_error());
+        if (!mine || !whole) break;
+        mgpu_tensor_zero(seen);
+        mgpu_loader_start(mine, 2);
+        mgpu_loader_start(whole, 2);
+        while (mgpu_loader_next(whole, &wx, &wy)) {
+            int64_t from, count, k, j;
+            ok &= mgpu_loader_next(mine, &x, &y);
+            if (!ok) break;
+            ok &= !w || mgpu_tensor_dim(wx, 0) == BATCH;
+            my_rows(m, mgpu_tensor_dim(wy, 0), &from, &count);
+            ok &= mgpu_tensor_dim(y, 0) == count && mgpu_tensor_dim(x, 0) == count && mgpu_tensor_dim(x, 1) == T;
+            for (k = 0; ok && k < count; ++k) {
+                const int32_t* xr = (const int32_t*)mgpu_tensor_data(x) + k * T;
+                const int32_t* yr = (const int32_t*)mgpu_tensor_data(y) + k * T;
+                ok &= !memcmp(xr, (const int32_t*)mgpu_tensor_data(wx) + (from + k) * T, T * sizeof(int32_t)) &&
+                      !memcmp(yr, (const int32_t*)mgpu_tensor_data(wy) + (from + k) * T, T * sizeof(int32_t));
+                for (j = 0; j < T; ++j) ok &= xr[j] == xr[0] + j && yr[j] == xr[0] + j + 1;   /* a window, y shifted by one */
+                ok &= xr[0] % T == 0 && xr[0] / T < W;
+                if (ok && (!w || batches < W / BATCH || from + k < W % BATCH))   /* not the wrap's repeats */
+                    ((float*)mgpu_tensor_data(seen))[xr[0] / T] += 1.0f;
+                rows++;
+            }
+            batches++;
+        }
+        CHECK(ok && !mgpu_loader_next(mine, &x, &y) && batches == (W + BATCH - 1) / BATCH,
+              "rank %d%s: its rows of every batch of windows, %d in all, the replicas' rows of the batch", g_rank, w ? " (wrap)" : "", rows);
+        one = mgpu_device_set_create("cpu");
+        ar = mgpu_allreduce_create_distributed(one, MGPU_ALLREDUCE_AUTO);
+        CHECK(ar && mgpu_allreduce_sum(ar, &seen, 1) == MGPU_OK, "the ranks' counts summed: %s", mgpu_last_error());
+        for (i = 0, ok = 1; i < W; ++i) ok &= ((float*)mgpu_tensor_data(seen))[i] == 1.0f;
+        CHECK(ok, "the ranks together see every window of the epoch once%s", w ? " (besides the wrap's repeats)" : "");
+        mgpu_allreduce_destroy(ar);
+        mgpu_device_set_destroy(one);
+        mgpu_loader_destroy(mine);
+        mgpu_loader_destroy(whole);
+        rows = 0;
+        ok = 1;
+    }
+    mgpu_tensor_destroy(seen);
+    mgpu_dataset_destroy(ds);
+    mgpu_tokens_destroy(t);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 int main(int argc, char** argv) {
     const char* dir = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     int status;
@@ -474,6 +553,7 @@ int main(int argc, char** argv) {
         TEST_GROUP(test_failures());
         TEST_GROUP(test_checkpoints(dir));
         TEST_GROUP(test_loader(dir));
+        TEST_GROUP(test_loader_tokens());
     }
     (void)test_rel_error;   /* test.h's, unused here */
     printf("rank %d ", g_rank);

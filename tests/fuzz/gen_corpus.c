@@ -1,7 +1,7 @@
 /* gen_corpus.c - writes the seed corpora of the fuzz harnesses into tests/fuzz/corpus/<harness>/
    (checked in; run again only to change them): checkpoints of the harnesses' MLP saved by
    mgpu itself, IDX pairs, and gzip and raw DEFLATE streams from zlib in each of its modes.
-   cc -std=c99 -I. tests/fuzz/gen_corpus.c -o build/gen_corpus -lz -lm -lpthread && build/gen_corpus */
+   cc -std=c99 -I. tests/fuzz/gen_corpus.c -o build/gen_corpus -lz -lm -lpthread && build/gen_corpus [PART...] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <zlib.h>
@@ -179,9 +179,54 @@ static void deflate_streams(void) {
     put(DIR "gunzip/not_gzip", "plain bytes", 11);
 }
 
-int main(void) {
-    checkpoints();
-    idx();
-    deflate_streams();
+/* fuzz_tokens: 3 option bytes (T, batch, flags), then an llm.c token file (or text) */
+static void tokens(void) {
+    static const struct { const char* name; uint8_t t, batch, flags; int count, file_count, magic, version; } seeds[] = {
+        { "in_order", 3, 1, 0, 40, 40, 20240520, 1 },       /* T 4, batch 2 */
+        { "shuffle_wrap", 2, 2, 3 | (5 << 3), 41, 41, 20240520, 1 },
+        { "drop_last", 4, 3, 4, 33, 33, 20240520, 1 },
+        { "one_window", 7, 4, 2, 9, 9, 20240520, 1 },       /* exactly T + 1 tokens */
+        { "no_window", 7, 0, 0, 8, 8, 20240520, 1 },
+        { "truncated", 3, 1, 0, 40, 30, 20240520, 1 },
+        { "llama3", 3, 1, 0, 10, 20, 20240801, 7 },
+    };
+    uint8_t buf[3 + 1024 + 2 * 64];
+    char path[256];
+    size_t s;
+    int i;
+    for (s = 0; s < sizeof seeds / sizeof seeds[0]; ++s) {
+        const int32_t h[3] = { seeds[s].magic, seeds[s].version, seeds[s].count };
+        memset(buf, 0, sizeof buf);
+        buf[0] = seeds[s].t;
+        buf[1] = seeds[s].batch;
+        buf[2] = seeds[s].flags;
+        for (i = 0; i < 12; ++i) buf[3 + i] = (uint8_t)((uint32_t)h[i / 4] >> (8 * (i % 4)));
+        for (i = 0; i < seeds[s].file_count; ++i) {   /* GPT-2-sized ids, and a few small ones */
+            const unsigned v = i % 5 == 0 ? (unsigned)i : (unsigned)(i * 7919u) % 50257u;
+            buf[3 + 1024 + 2 * i] = (uint8_t)v;
+            buf[3 + 1024 + 2 * i + 1] = (uint8_t)(v >> 8);
+        }
+        snprintf(path, sizeof path, DIR "tokens/%s", seeds[s].name);
+        put(path, buf, 3 + 1024 + 2 * (size_t)seeds[s].file_count);
+    }
+    {   /* text, not a token file: the tokenizer's path */
+        static const char text[] = "\003\002\000First Citizen:\nBefore we proceed\xc3\xa9 any further\x01\n";
+        put(DIR "tokens/text", text, sizeof text - 1);
+    }
+}
+
+/* gen_corpus [PART...]: PART one of checkpoints, idx, deflate, tokens (default: all) */
+int main(int argc, char** argv) {
+    int i, all = argc < 2;
+    for (i = 1; i < argc; ++i)
+        if (strcmp(argv[i], "checkpoints") && strcmp(argv[i], "idx") && strcmp(argv[i], "deflate") && strcmp(argv[i], "tokens")) {
+            fprintf(stderr, "gen_corpus: no part '%s' (checkpoints, idx, deflate, tokens)\n", argv[i]);
+            return 2;
+        }
+#define GEN_PART(name, call) do { int k_; for (k_ = 1; k_ < argc; ++k_) if (!strcmp(argv[k_], name)) break; if (all || k_ < argc) call; } while (0)
+    GEN_PART("checkpoints", checkpoints());
+    GEN_PART("idx", idx());
+    GEN_PART("deflate", deflate_streams());
+    GEN_PART("tokens", tokens());
     return 0;
 }
