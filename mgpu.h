@@ -11867,7 +11867,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
     uint16_t* half = NULL;   /* the tensors in BF16 or F16, when desc asks */
-    char (*names)[96] = NULL;
+    char (*names)[512] = NULL;   /* (as a load names them, mgpu__load_name) */
     char step[32], dropout_step[32], layers_text[512];
     const char** keys = NULL;
     const char** values = NULL;
@@ -11897,7 +11897,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     states = opt ? mgpu__optimizer_state_count(opt) : 0;
     host = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
     items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *items);
-    names = (char(*)[96])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *names);
+    names = (char(*)[512])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *names);
     keys = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *keys);
     values = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *values);
     if (!host || !items || !names || !keys || !values) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
