@@ -188,8 +188,9 @@
    DOES NOT (yet)
    ---------------------------------------------------------------------------------------------
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
-     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU, Tanh, Sigmoid, Dropout,
-     Flatten, Conv2d, MaxPool2d (no normalisation layers, no attention).
+     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU (exact, and GPT-2's tanh
+     form), Tanh, Sigmoid, Dropout, Flatten, Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding
+     and PositionEmbedding (no BatchNorm, no attention).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -214,7 +215,8 @@
    >>random      counter-based Philox RNG, identical on CPU and GPU
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
                  of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
-   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
+   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...;
+                 >>layer transformer: LayerNorm, Embedding, PositionEmbedding
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
@@ -5463,10 +5465,17 @@ static mgpu_result mgpu__ln_check(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
     if (z) MGPU__TRY(mgpu__check_like(op, zn, z, "x", x));
     for (i = 0; i < 2; ++i) {
+        char text[128];
         MGPU__TRY(mgpu__check_tensor(op, i ? "bias" : "weight", ctx->params[i], MGPU_F32));
         MGPU__TRY(mgpu__check_same_device(op, i ? "bias" : "weight", ctx->params[i], "x", x));
         MGPU__TRY(mgpu__check_tensor(op, i ? "rstd" : "mean", ctx->aux[i], MGPU_F32));
         MGPU__TRY(mgpu__check_same_device(op, i ? "rstd" : "mean", ctx->aux[i], "x", x));
+        if (mgpu_tensor_numel(ctx->params[i]) != l->cfg.in)
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should have %d elements", op, i ? "bias" : "weight",
+                              mgpu_tensor_describe(ctx->params[i], text, sizeof text), l->cfg.in);
+        if (mgpu_tensor_numel(ctx->aux[i]) != mgpu_tensor_numel(x) / l->cfg.in)
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should have one element per row of x", op,
+                              i ? "rstd" : "mean", mgpu_tensor_describe(ctx->aux[i], text, sizeof text));
     }
     return MGPU_OK;
 }
@@ -5731,15 +5740,24 @@ static mgpu_result mgpu__pos_output_shape(const mgpu_layer* l, mgpu_shape x, mgp
     *y = x;
     return MGPU_OK;
 }
-static mgpu_result mgpu__pos_check(const mgpu_layer* l, const char* op, const mgpu_tensor* x, const char* yn, const mgpu_tensor* y) {
+/* x [batch, T, dim], y (or dy) like it, the weight (or its gradient) wn f32 [max_positions, dim] on x's device */
+static mgpu_result mgpu__pos_check(const mgpu_layer* l, const char* op, const mgpu_tensor* x, const char* yn,
+                                   const mgpu_tensor* y, const char* wn, const mgpu_tensor* w) {
+    char text[128];
     mgpu_shape ys;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
     MGPU__TRY(mgpu__pos_output_shape(l, x->shape, &ys));
-    return y ? mgpu__check_like(op, yn, y, "x", x) : MGPU_OK;
+    MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
+    MGPU__TRY(mgpu__check_tensor(op, wn, w, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, wn, w, "x", x));
+    if (mgpu_tensor_numel(w) != (int64_t)l->cfg.in * l->cfg.out)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should be [%d,%d]", op, wn,
+                          mgpu_tensor_describe(w, text, sizeof text), l->cfg.in, l->cfg.out);
+    return MGPU_OK;
 }
 static mgpu_result mgpu__pos_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     mgpu_tensor x2, y2, w;
-    MGPU__TRY(mgpu__pos_check(l, "PositionEmbedding forward", x, "y", y));
+    MGPU__TRY(mgpu__pos_check(l, "PositionEmbedding forward", x, "y", y, "weight", ctx->params[0]));
     x2 = mgpu__reshaped(x, mgpu_shape2(x->shape.dim[0], x->shape.dim[1] * x->shape.dim[2]));
     y2 = mgpu__reshaped(y, x2.shape);
     w = mgpu__reshaped(ctx->params[0], mgpu_shape1(x2.shape.dim[1]));   /* rows 0..T-1 */
@@ -5750,10 +5768,8 @@ static mgpu_result mgpu__pos_backward(const mgpu_layer* l, const mgpu_layer_ctx*
     static const char* op = "PositionEmbedding backward";
     mgpu_tensor dy2, dw;
     (void)y;
-    MGPU__TRY(mgpu__pos_check(l, op, x, "dy", dy));
+    MGPU__TRY(mgpu__pos_check(l, op, x, "dy", dy, "dweight", ctx->grads[0]));
     if (dx) MGPU__TRY(mgpu__check_like(op, "dx", dx, "x", x));
-    MGPU__TRY(mgpu__check_tensor(op, "dweight", ctx->grads[0], MGPU_F32));
-    MGPU__TRY(mgpu__check_same_device(op, "dweight", ctx->grads[0], "x", x));
     dy2 = mgpu__reshaped(dy, mgpu_shape2(x->shape.dim[0], x->shape.dim[1] * x->shape.dim[2]));
     dw = mgpu__reshaped(ctx->grads[0], mgpu_shape1(dy2.shape.dim[1]));
     MGPU__TRY(mgpu__bias_grad_add(&dw, &dy2));   /* dweight[t] += sum over the batch of dy[b, t], in order */
