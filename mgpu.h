@@ -1250,7 +1250,7 @@ typedef enum mgpu__unary_op {
     MGPU__UNARY_GELU_TANH = 5   /* GPT-2's tanh form (nn.GELU(approximate='tanh')) */
 } mgpu__unary_op;
 
-/* GELU's tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); with dgelu, its
+/* GELU's tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); with `derivative`, its
    derivative 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u). */
 static inline MGPU__HD float mgpu__gelu_tanh(float x, int derivative) {
     const float k = 0.79788456080286536f, c = 0.044715f;   /* sqrt(2/pi) */
