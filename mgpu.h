@@ -189,8 +189,9 @@
    DOES NOT (yet)
    ---------------------------------------------------------------------------------------------
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
-     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU, Tanh, Sigmoid, Dropout,
-     Flatten, Conv2d, MaxPool2d (no normalisation layers, no attention).
+     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU (exact, and GPT-2's tanh
+     form), Tanh, Sigmoid, Dropout, Flatten, Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding
+     and PositionEmbedding (no BatchNorm, no attention).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -215,7 +216,8 @@
    >>random      counter-based Philox RNG, identical on CPU and GPU
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
                  of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
-   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
+   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...;
+                 >>layer transformer: LayerNorm, Embedding, PositionEmbedding
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
@@ -516,11 +518,14 @@ MGPUDEF mgpu_result mgpu_scale(mgpu_tensor* out, const mgpu_tensor* x, float alp
 MGPUDEF mgpu_result mgpu_axpy(mgpu_tensor* y, float alpha, const mgpu_tensor* x); /* y += alpha*x */
 MGPUDEF mgpu_result mgpu_relu(mgpu_tensor* out, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_gelu(mgpu_tensor* out, const mgpu_tensor* x);     /* exact (erf) GELU */
+/* GELU's tanh form (nn.GELU(approximate='tanh'), GPT-2's): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+MGPUDEF mgpu_result mgpu_gelu_tanh(mgpu_tensor* out, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_tanh(mgpu_tensor* out, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_sigmoid(mgpu_tensor* out, const mgpu_tensor* x);
-/* Gradients: relu and gelu take the forward input x; tanh and sigmoid take the forward output y. */
+/* Gradients: relu and both gelus take the forward input x; tanh and sigmoid take the forward output y. */
 MGPUDEF mgpu_result mgpu_relu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
+MGPUDEF mgpu_result mgpu_gelu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y);
 
@@ -685,6 +690,26 @@ MGPUDEF mgpu_layer* mgpu_layer_flatten(void);
 MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
 MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
 
+/* >>layer transformer: the layers of a GPT, with GPT-2's names, shapes and initialisation. A
+   GPT-2's input is Embedding (the tokens, wte) -> PositionEmbedding (wpe). */
+/* nn.LayerNorm(dim) over the last dimension of x [batch, ..., dim]: each row is normalised by its
+   mean and biased variance, y = (x - mean) / sqrt(var + 1e-5) * weight + bias (eps 1e-5, GPT-2's).
+   "weight" [dim] starts at ones, "bias" [dim] at zeros. */
+MGPUDEF mgpu_layer* mgpu_layer_layer_norm(int dim);
+/* nn.Embedding(num_embeddings, dim): int32 ids [batch, ...] (1 to 3 dimensions) -> f32
+   [batch, ..., dim], y[..., :] = weight[id, :]. "weight" [num_embeddings, dim] starts N(0, 0.02):
+   GPT-2's initialisation, as Hugging Face's GPT2 does it (nn.Embedding's own default is N(0, 1)).
+   An id outside [0, num_embeddings): on the CPU an error naming its position and value; on a GPU
+   (which cannot check without a sync) that position's output row becomes NaN, as a bad label
+   does in mgpu_softmax_cross_entropy, and backward skips it. Ids have no gradient: backward
+   leaves dx untouched (a model passes NULL to its first layer). */
+MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim);
+/* GPT-2's learned position embedding (wpe): x f32 [batch, T, dim] -> y = x + weight[t] at each
+   position t < T; T may be at most max_positions (a shape error otherwise). "weight"
+   [max_positions, dim] starts N(0, 0.02), as GPT-2's. Backward: dx = dy. */
+MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim);
+/* nn.GELU(approximate='tanh'), GPT-2's GELU: mgpu_gelu_tanh (>>ops) as a layer, type "GELU". */
+MGPUDEF mgpu_layer* mgpu_layer_gelu_tanh(void);
 /* Containers, layers made of layers (a GPT block or a ResNet block is one entry of a model's
    list, so pipelines still cut between entries). Each takes its layers over, as a model does
    (even on failure: NULL, with the layers destroyed); destroying it destroys them.
@@ -1358,8 +1383,18 @@ typedef enum mgpu__unary_op {
     MGPU__UNARY_RELU = 1,
     MGPU__UNARY_GELU = 2,    /* x * Phi(x), exact erf form (nn.GELU default) */
     MGPU__UNARY_TANH = 3,
-    MGPU__UNARY_SIGMOID = 4
+    MGPU__UNARY_SIGMOID = 4,
+    MGPU__UNARY_GELU_TANH = 5   /* GPT-2's tanh form (nn.GELU(approximate='tanh')) */
 } mgpu__unary_op;
+
+/* GELU's tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); with `derivative`, its
+   derivative 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u). */
+static inline MGPU__HD float mgpu__gelu_tanh(float x, int derivative) {
+    const float k = 0.79788456080286536f, c = 0.044715f;   /* sqrt(2/pi) */
+    const float t = tanhf(k * (x + c * x * x * x));
+    if (!derivative) return 0.5f * x * (1.0f + t);
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
+}
 
 static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
     switch (op) {
@@ -1368,6 +1403,7 @@ static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
     case MGPU__UNARY_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     case MGPU__UNARY_TANH: return tanhf(x);
     case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case MGPU__UNARY_GELU_TANH: return mgpu__gelu_tanh(x, 0);
     default: return 0.0f;
     }
 }
@@ -1380,7 +1416,8 @@ typedef enum mgpu__binary_op {
     MGPU__BINARY_RELU_BWD = 4,     /* a = dy, b = x */
     MGPU__BINARY_GELU_BWD = 5,     /* a = dy, b = x */
     MGPU__BINARY_TANH_BWD = 6,     /* a = dy, b = y = tanh(x) */
-    MGPU__BINARY_SIGMOID_BWD = 7   /* a = dy, b = y = sigmoid(x) */
+    MGPU__BINARY_SIGMOID_BWD = 7,  /* a = dy, b = y = sigmoid(x) */
+    MGPU__BINARY_GELU_TANH_BWD = 8 /* a = dy, b = x */
 } mgpu__binary_op;
 
 static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float alpha) {
@@ -1397,6 +1434,7 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
     }
     case MGPU__BINARY_TANH_BWD: return a * (1.0f - b * b);
     case MGPU__BINARY_SIGMOID_BWD: return a * b * (1.0f - b);
+    case MGPU__BINARY_GELU_TANH_BWD: return a * mgpu__gelu_tanh(b, 1);
     default: return 0.0f;
     }
 }
@@ -1569,6 +1607,24 @@ int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* 
 /* dx (overwritten) = sum of dy over the windows whose argmax is this element; deterministic */
 int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
                               const int32_t* argmax, float* dx);
+
+/* >>layer transformer. LayerNorm over the rows of x [rows, cols]: mean[r], rstd[r] =
+   1 / sqrt(biased variance + eps), y = (x - mean) * rstd * weight + bias. */
+int mgpu__cu_layer_norm(int dev, void* stream, int64_t rows, int cols, float eps, const float* x,
+                        const float* weight, const float* bias, float* y, float* mean, float* rstd);
+/* Its backward, xhat = (x - mean) * rstd: dweight += sum over rows of dy * xhat and dbias += sum
+   over rows of dy (a fixed order: deterministic); dx (NULL: none) = rstd * (g - mean(g) -
+   xhat * mean(g * xhat)) with g = dy * weight, the means over the row. */
+int mgpu__cu_layer_norm_backward(int dev, void* stream, int64_t rows, int cols, const float* x, const float* weight,
+                                 const float* mean, const float* rstd, const float* dy, float* dx,
+                                 float* dweight, float* dbias);
+/* y[p, :] = weight[ids[p], :] for the n ids; a row of NaN for an id outside [0, num) */
+int mgpu__cu_embedding(int dev, void* stream, int64_t n, int num, int dim, const int32_t* ids,
+                       const float* weight, float* y);
+/* dweight[v, :] += dy[p, :] for each p with ids[p] == v, in increasing p, onto dweight itself
+   (the CPU's order and bits); no atomics. Ids outside [0, num) add nowhere. */
+int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int dim, const int32_t* ids,
+                                const float* dy, float* dweight);
 
 /* optimizers over a flat buffer, one fused kernel each; args in device memory (uploaded ahead of
    the step, so that a step replayed from a CUDA graph reads its own); momentum_buf NULL without
@@ -3596,6 +3652,7 @@ static void mgpu__unary_range(void* ctx, int64_t begin, int64_t end) {
     case MGPU__UNARY_RELU: MGPU__UNARY_LOOP(MGPU__UNARY_RELU); break;
     case MGPU__UNARY_GELU: MGPU__UNARY_LOOP(MGPU__UNARY_GELU); break;
     case MGPU__UNARY_TANH: MGPU__UNARY_LOOP(MGPU__UNARY_TANH); break;
+    case MGPU__UNARY_GELU_TANH: MGPU__UNARY_LOOP(MGPU__UNARY_GELU_TANH); break;
     default: MGPU__UNARY_LOOP(MGPU__UNARY_SIGMOID); break;
     }
 }
@@ -3612,6 +3669,7 @@ static void mgpu__binary_range(void* ctx, int64_t begin, int64_t end) {
     case MGPU__BINARY_RELU_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_RELU_BWD); break;
     case MGPU__BINARY_GELU_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_GELU_BWD); break;
     case MGPU__BINARY_TANH_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_TANH_BWD); break;
+    case MGPU__BINARY_GELU_TANH_BWD: MGPU__BINARY_LOOP(MGPU__BINARY_GELU_TANH_BWD); break;
     default: MGPU__BINARY_LOOP(MGPU__BINARY_SIGMOID_BWD); break;
     }
 }
@@ -3658,10 +3716,12 @@ MGPUDEF mgpu_result mgpu_axpy(mgpu_tensor* y, float alpha, const mgpu_tensor* x)
 MGPUDEF mgpu_result mgpu_scale(mgpu_tensor* out, const mgpu_tensor* x, float alpha) { return mgpu__unary("mgpu_scale", MGPU__UNARY_SCALE, out, x, alpha); }
 MGPUDEF mgpu_result mgpu_relu(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_relu", MGPU__UNARY_RELU, out, x, 0.0f); }
 MGPUDEF mgpu_result mgpu_gelu(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_gelu", MGPU__UNARY_GELU, out, x, 0.0f); }
+MGPUDEF mgpu_result mgpu_gelu_tanh(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_gelu_tanh", MGPU__UNARY_GELU_TANH, out, x, 0.0f); }
 MGPUDEF mgpu_result mgpu_tanh(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_tanh", MGPU__UNARY_TANH, out, x, 0.0f); }
 MGPUDEF mgpu_result mgpu_sigmoid(mgpu_tensor* out, const mgpu_tensor* x) { return mgpu__unary("mgpu_sigmoid", MGPU__UNARY_SIGMOID, out, x, 0.0f); }
 MGPUDEF mgpu_result mgpu_relu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x) { return mgpu__binary("mgpu_relu_backward", MGPU__BINARY_RELU_BWD, dx, "dy", dy, "x", x, 0.0f); }
 MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x) { return mgpu__binary("mgpu_gelu_backward", MGPU__BINARY_GELU_BWD, dx, "dy", dy, "x", x, 0.0f); }
+MGPUDEF mgpu_result mgpu_gelu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x) { return mgpu__binary("mgpu_gelu_tanh_backward", MGPU__BINARY_GELU_TANH_BWD, dx, "dy", dy, "x", x, 0.0f); }
 MGPUDEF mgpu_result mgpu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_tanh_backward", MGPU__BINARY_TANH_BWD, dx, "dy", dy, "y", y, 0.0f); }
 MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* y) { return mgpu__binary("mgpu_sigmoid_backward", MGPU__BINARY_SIGMOID_BWD, dx, "dy", dy, "y", y, 0.0f); }
 
@@ -5388,6 +5448,11 @@ MGPUDEF mgpu_layer* mgpu_layer_relu(void) { return mgpu__activation(&mgpu__relu_
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void) { return mgpu__activation(&mgpu__gelu_vt, MGPU__UNARY_GELU, MGPU__BINARY_GELU_BWD, 0); }
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void) { return mgpu__activation(&mgpu__tanh_vt, MGPU__UNARY_TANH, MGPU__BINARY_TANH_BWD, 1); }
 MGPUDEF mgpu_layer* mgpu_layer_sigmoid(void) { return mgpu__activation(&mgpu__sigmoid_vt, MGPU__UNARY_SIGMOID, MGPU__BINARY_SIGMOID_BWD, 1); }
+/* GPT-2's GELU: type "GELU" as in PyTorch, told apart from the exact one by its description */
+static void mgpu__gelu_tanh_describe(const mgpu_layer* l, char* buf, size_t size) { (void)l; snprintf(buf, size, "approximate='tanh'"); }
+static const mgpu_layer_vtable mgpu__gelu_tanh_vt = { "GELU", NULL, NULL, NULL, NULL, NULL, NULL, mgpu__activation_forward,
+                                                      mgpu__activation_backward, mgpu__gelu_tanh_describe, NULL };
+MGPUDEF mgpu_layer* mgpu_layer_gelu_tanh(void) { return mgpu__activation(&mgpu__gelu_tanh_vt, MGPU__UNARY_GELU_TANH, MGPU__BINARY_GELU_TANH_BWD, 0); }
 
 /* -- Dropout: a Philox mask, kept for backward; the identity when not training -- */
 static mgpu_result mgpu__same_shape_aux(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
@@ -5592,6 +5657,394 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     cfg.kernel = kernel_size;
     cfg.stride = stride ? stride : kernel_size;
     return mgpu__builtin_layer(&mgpu__pool_vt, &cfg);
+}
+
+/* ---- >>impl layer transformer: LayerNorm, Embedding, PositionEmbedding ------------------ */
+#define MGPU__LAYER_NORM_EPS 1e-5f   /* nn.LayerNorm's default, and GPT-2's */
+
+/* "[1,3]": the coordinates of flat index i in shape s */
+static const char* mgpu__index_text(mgpu_shape s, int64_t i, char* buf, size_t size) {
+    int64_t at[MGPU_MAX_DIMS];
+    mgpu_shape c = s;
+    int d;
+    for (d = s.ndim - 1; d >= 0; --d) {
+        at[d] = s.dim[d] > 0 ? i % s.dim[d] : 0;
+        i = s.dim[d] > 0 ? i / s.dim[d] : 0;
+    }
+    for (d = 0; d < s.ndim; ++d) c.dim[d] = at[d];
+    return mgpu__shape_text(c, buf, size);
+}
+
+/* -- LayerNorm over the last dimension: rows of x [rows, dim], each on its own -- */
+static mgpu_result mgpu__ln_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char want[64];
+    if (x.ndim < 2 || x.dim[x.ndim - 1] != l->cfg.in) {
+        snprintf(want, sizeof want, "[batch,...,%d]", l->cfg.in);
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    *y = x;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__ln_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    *name = i == 0 ? "weight" : "bias";
+    *shape = mgpu_shape1(l->cfg.in);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__ln_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    (void)l; (void)seed;
+    MGPU__TRY(mgpu_tensor_fill(ctx->params[0], 1.0));
+    return mgpu_tensor_zero(ctx->params[1]);
+}
+static int mgpu__two_aux(const mgpu_layer* l) { (void)l; return 2; }
+/* aux 0: each row's mean, aux 1: its 1/sqrt(var + eps); x's shape without the last dimension */
+static mgpu_result mgpu__ln_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    (void)i;
+    MGPU__TRY(mgpu__ln_output_shape(l, x, shape));
+    shape->ndim--;
+    *dt = MGPU_F32;
+    return MGPU_OK;
+}
+/* the layer's tensors, checked: x and its twins (y, or dy and dx) on one device, mean and rstd */
+static mgpu_result mgpu__ln_check(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const char* op, const mgpu_tensor* x,
+                                  const char* yn, const mgpu_tensor* y, const char* zn, const mgpu_tensor* z) {
+    mgpu_shape ys;
+    int i;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__ln_output_shape(l, x->shape, &ys));
+    MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
+    if (z) MGPU__TRY(mgpu__check_like(op, zn, z, "x", x));
+    for (i = 0; i < 2; ++i) {
+        char text[128];
+        MGPU__TRY(mgpu__check_tensor(op, i ? "bias" : "weight", ctx->params[i], MGPU_F32));
+        MGPU__TRY(mgpu__check_same_device(op, i ? "bias" : "weight", ctx->params[i], "x", x));
+        MGPU__TRY(mgpu__check_tensor(op, i ? "rstd" : "mean", ctx->aux[i], MGPU_F32));
+        MGPU__TRY(mgpu__check_same_device(op, i ? "rstd" : "mean", ctx->aux[i], "x", x));
+        if (mgpu_tensor_numel(ctx->params[i]) != l->cfg.in)
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should have %d elements", op, i ? "bias" : "weight",
+                              mgpu_tensor_describe(ctx->params[i], text, sizeof text), l->cfg.in);
+        if (mgpu_tensor_numel(ctx->aux[i]) != mgpu_tensor_numel(x) / l->cfg.in)
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should have one element per row of x", op,
+                              i ? "rstd" : "mean", mgpu_tensor_describe(ctx->aux[i], text, sizeof text));
+    }
+    return MGPU_OK;
+}
+
+typedef struct mgpu__ln_job {
+    int64_t rows, cols;
+    const float *x, *w, *b, *dy;
+    float *y, *mean, *rstd, *dx, *dw, *db;
+} mgpu__ln_job;
+/* rows [r0, r1): the mean and variance in double (the reference), y from their float values, the
+   ones backward reads again */
+static void mgpu__ln_forward_rows(void* ctx, int64_t r0, int64_t r1) {
+    const mgpu__ln_job* j = (const mgpu__ln_job*)ctx;
+    const int64_t n = j->cols;
+    int64_t r, c;
+    for (r = r0; r < r1; ++r) {
+        const float* x = j->x + r * n;
+        float* y = j->y + r * n;
+        double s = 0.0, v = 0.0;
+        float m, rs;
+        for (c = 0; c < n; ++c) s += x[c];
+        s /= (double)n;
+        for (c = 0; c < n; ++c) v += ((double)x[c] - s) * ((double)x[c] - s);
+        m = (float)s;
+        rs = (float)(1.0 / sqrt(v / (double)n + (double)MGPU__LAYER_NORM_EPS));
+        j->mean[r] = m;
+        j->rstd[r] = rs;
+        for (c = 0; c < n; ++c) y[c] = (x[c] - m) * rs * j->w[c] + j->b[c];
+    }
+}
+/* dx of rows [r0, r1) */
+static void mgpu__ln_dx_rows(void* ctx, int64_t r0, int64_t r1) {
+    const mgpu__ln_job* j = (const mgpu__ln_job*)ctx;
+    const int64_t n = j->cols;
+    int64_t r, c;
+    for (r = r0; r < r1; ++r) {
+        const float *x = j->x + r * n, *dy = j->dy + r * n, m = j->mean[r], rs = j->rstd[r];
+        float* dx = j->dx + r * n;
+        double s1 = 0.0, s2 = 0.0;
+        float a, b;
+        for (c = 0; c < n; ++c) {
+            const float g = dy[c] * j->w[c];
+            s1 += g;
+            s2 += (double)g * ((x[c] - m) * rs);
+        }
+        a = (float)(s1 / (double)n);
+        b = (float)(s2 / (double)n);
+        for (c = 0; c < n; ++c) dx[c] = rs * (dy[c] * j->w[c] - a - (x[c] - m) * rs * b);
+    }
+}
+/* dweight and dbias of columns [c0, c1): down the rows in order, 256 columns at a time, onto the
+   gradients themselves (as the bias gradient's column sums: a batch cut into micro-batches sums
+   to the same bits) */
+static void mgpu__ln_dparams_cols(void* ctx, int64_t c0, int64_t c1) {
+    const mgpu__ln_job* j = (const mgpu__ln_job*)ctx;
+    const int64_t n = j->cols;
+    float sw[256], sb[256];
+    int64_t a, w, r, c;
+    for (a = c0; a < c1; a += w) {
+        w = MGPU__MIN(c1 - a, (int64_t)256);
+        for (c = 0; c < w; ++c) { sw[c] = j->dw[a + c]; sb[c] = j->db[a + c]; }
+        for (r = 0; r < j->rows; ++r) {
+            const float *x = j->x + r * n + a, *dy = j->dy + r * n + a, m = j->mean[r], rs = j->rstd[r];
+            for (c = 0; c < w; ++c) {
+                sw[c] += dy[c] * ((x[c] - m) * rs);
+                sb[c] += dy[c];
+            }
+        }
+        for (c = 0; c < w; ++c) { j->dw[a + c] = sw[c]; j->db[a + c] = sb[c]; }
+    }
+}
+static mgpu_result mgpu__ln_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    static const char* op = "LayerNorm forward";
+    mgpu__ln_job job;
+    const int64_t cols = l->cfg.in, rows = mgpu_tensor_numel(x) / cols;
+    MGPU__TRY(mgpu__ln_check(l, ctx, op, x, "y", y, NULL, NULL));
+    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_layer_norm(MGPU__CUDA_ARGS(MGPU__DEV(x)), rows, (int)cols, MGPU__LAYER_NORM_EPS,
+                                                       MGPU__F32(x), MGPU__F32(ctx->params[0]), MGPU__F32(ctx->params[1]),
+                                                       MGPU__F32(y), MGPU__F32(ctx->aux[0]), MGPU__F32(ctx->aux[1])));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.rows = rows; job.cols = cols;
+    job.x = MGPU__F32(x); job.w = MGPU__F32(ctx->params[0]); job.b = MGPU__F32(ctx->params[1]);
+    job.y = MGPU__F32(y); job.mean = MGPU__F32(ctx->aux[0]); job.rstd = MGPU__F32(ctx->aux[1]);
+    mgpu__parallel_range(rows, MGPU__EW_MIN_PER_THREAD / cols + 1, mgpu__ln_forward_rows, &job);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__ln_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                     const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    static const char* op = "LayerNorm backward";
+    mgpu__ln_job job;
+    const int64_t cols = l->cfg.in, rows = mgpu_tensor_numel(x) / cols;
+    int i;
+    (void)y;
+    MGPU__TRY(mgpu__ln_check(l, ctx, op, x, "dy", dy, "dx", dx));
+    for (i = 0; i < 2; ++i) MGPU__TRY(mgpu__check_like(op, i ? "dbias" : "dweight", ctx->grads[i], "weight", ctx->params[0]));
+    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_layer_norm_backward(MGPU__CUDA_ARGS(MGPU__DEV(x)), rows, (int)cols, MGPU__F32(x),
+                                                                MGPU__F32(ctx->params[0]), MGPU__F32(ctx->aux[0]),
+                                                                MGPU__F32(ctx->aux[1]), MGPU__F32(dy), dx ? MGPU__F32(dx) : NULL,
+                                                                MGPU__F32(ctx->grads[0]), MGPU__F32(ctx->grads[1])));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.rows = rows; job.cols = cols;
+    job.x = MGPU__F32(x); job.w = MGPU__F32(ctx->params[0]); job.dy = MGPU__F32(dy);
+    job.mean = MGPU__F32(ctx->aux[0]); job.rstd = MGPU__F32(ctx->aux[1]);
+    job.dw = MGPU__F32(ctx->grads[0]); job.db = MGPU__F32(ctx->grads[1]);
+    mgpu__parallel_range(cols, 64, mgpu__ln_dparams_cols, &job);
+    if (dx) {
+        job.dx = MGPU__F32(dx);
+        mgpu__parallel_range(rows, MGPU__EW_MIN_PER_THREAD / cols + 1, mgpu__ln_dx_rows, &job);
+    }
+    return MGPU_OK;
+}
+static void mgpu__ln_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "%d, eps=1e-05", l->cfg.in); }
+static const mgpu_layer_vtable mgpu__ln_vt = {
+    "LayerNorm", mgpu__ln_output_shape, mgpu__two_params, mgpu__ln_param_shape, mgpu__ln_init,
+    mgpu__two_aux, mgpu__ln_aux_shape, mgpu__ln_forward, mgpu__ln_backward, mgpu__ln_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_layer_layer_norm(int dim) {
+    mgpu__layer_cfg cfg;
+    if (dim <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_layer_norm: dim %d must be positive", dim);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = dim;
+    return mgpu__builtin_layer(&mgpu__ln_vt, &cfg);
+}
+
+/* -- Embedding: rows of weight [num, dim] picked by int32 ids -- */
+static mgpu_result mgpu__emb_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    if (x.ndim < 1 || x.ndim >= MGPU_MAX_DIMS) return mgpu__layer_shape_error(l, x, "int32 ids [batch, ...] of 1 to 3 dimensions");
+    *y = x;
+    y->dim[y->ndim++] = l->cfg.out;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__emb_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    (void)i;
+    *name = "weight";
+    *shape = mgpu_shape2(l->cfg.in, l->cfg.out);
+    return MGPU_OK;
+}
+static int mgpu__one_param(const mgpu_layer* l) { (void)l; return 1; }
+/* N(0, 0.02): GPT-2's (Hugging Face's GPT2PreTrainedModel._init_weights), for both embeddings */
+static mgpu_result mgpu__emb_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    (void)l;
+    return mgpu_rand_normal(ctx->params[0], seed, 0, 0.0f, 0.02f);
+}
+/* ids int32, y (or dy) f32 [ids..., dim], weight (or its gradient) on their device; on the CPU
+   every id inside [0, num) */
+static mgpu_result mgpu__emb_check(const mgpu_layer* l, const char* op, const mgpu_tensor* ids, const char* yn,
+                                   const mgpu_tensor* y, const char* wn, const mgpu_tensor* w) {
+    char ti[128], ty[128], desc[64];
+    mgpu_shape ys;
+    int64_t p, n;
+    MGPU__TRY(mgpu__check_tensor(op, "ids", ids, MGPU_I32));
+    MGPU__TRY(mgpu__emb_output_shape(l, ids->shape, &ys));
+    MGPU__TRY(mgpu__check_tensor(op, yn, y, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, yn, y, "ids", ids));
+    if (!mgpu_shape_equal(y->shape, ys))
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should be %s for ids %s", op, yn,
+                          mgpu_tensor_describe(y, ty, sizeof ty), mgpu__shape_text(ys, desc, sizeof desc),
+                          mgpu_tensor_describe(ids, ti, sizeof ti));
+    MGPU__TRY(mgpu__check_tensor(op, wn, w, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, wn, w, "ids", ids));
+    if (mgpu_tensor_numel(w) != (int64_t)l->cfg.in * l->cfg.out)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should be [%d,%d]", op, wn,
+                          mgpu_tensor_describe(w, ty, sizeof ty), l->cfg.in, l->cfg.out);
+    if (!MGPU__IS_CPU(ids)) return MGPU_OK;   /* a GPU cannot look without a sync: NaN rows there */
+    n = mgpu_tensor_numel(ids);
+    for (p = 0; p < n; ++p) {   /* every id first: a failed call writes nothing */
+        const int32_t id = MGPU__I32(ids)[p];
+        if (id < 0 || id >= l->cfg.in)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: id %d at position %s of ids %s is outside [0, %d) "
+                              "(num_embeddings)", op, (int)id, mgpu__index_text(ids->shape, p, desc, sizeof desc),
+                              mgpu_tensor_describe(ids, ti, sizeof ti), l->cfg.in);
+    }
+    return MGPU_OK;
+}
+typedef struct mgpu__emb_job { int64_t n, dim; const int32_t* ids; const float* src; float* dst; } mgpu__emb_job;
+static void mgpu__emb_forward_range(void* ctx, int64_t p0, int64_t p1) {
+    const mgpu__emb_job* j = (const mgpu__emb_job*)ctx;
+    int64_t p;
+    for (p = p0; p < p1; ++p) memcpy(j->dst + p * j->dim, j->src + (int64_t)j->ids[p] * j->dim, (size_t)j->dim * sizeof(float));
+}
+/* columns [c0, c1) of dweight: the positions in order, each adding its dy row onto its id's row
+   (the GPU's order, so the same bits) */
+static void mgpu__emb_backward_cols(void* ctx, int64_t c0, int64_t c1) {
+    const mgpu__emb_job* j = (const mgpu__emb_job*)ctx;
+    int64_t p, c;
+    for (p = 0; p < j->n; ++p) {
+        const float* dy = j->src + p * j->dim;
+        float* dw = j->dst + (int64_t)j->ids[p] * j->dim;
+        for (c = c0; c < c1; ++c) dw[c] += dy[c];
+    }
+}
+static mgpu_result mgpu__emb_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    static const char* op = "Embedding forward";
+    mgpu__emb_job job;
+    MGPU__TRY(mgpu__emb_check(l, op, x, "y", y, "weight", ctx->params[0]));
+    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_embedding(MGPU__CUDA_ARGS(MGPU__DEV(x)), mgpu_tensor_numel(x), l->cfg.in, l->cfg.out,
+                                                      MGPU__I32(x), MGPU__F32(ctx->params[0]), MGPU__F32(y)));
+        return MGPU_OK;
+    }
+    job.n = mgpu_tensor_numel(x); job.dim = l->cfg.out;
+    job.ids = MGPU__I32(x); job.src = MGPU__F32(ctx->params[0]); job.dst = MGPU__F32(y);
+    mgpu__parallel_range(job.n, MGPU__EW_MIN_PER_THREAD / job.dim + 1, mgpu__emb_forward_range, &job);
+    return MGPU_OK;
+}
+/* dx is left untouched: ids have no gradient */
+static mgpu_result mgpu__emb_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                      const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    static const char* op = "Embedding backward";
+    mgpu__emb_job job;
+    (void)y; (void)dx;
+    MGPU__TRY(mgpu__emb_check(l, op, x, "dy", dy, "dweight", ctx->grads[0]));
+    MGPU__COUNT(MGPU__DEV(x), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_embedding_backward(MGPU__CUDA_ARGS(MGPU__DEV(x)), mgpu_tensor_numel(x), l->cfg.in,
+                                                               l->cfg.out, MGPU__I32(x), MGPU__F32(dy), MGPU__F32(ctx->grads[0])));
+        return MGPU_OK;
+    }
+    job.n = mgpu_tensor_numel(x); job.dim = l->cfg.out;
+    job.ids = MGPU__I32(x); job.src = MGPU__F32(dy); job.dst = MGPU__F32(ctx->grads[0]);
+    mgpu__parallel_range(job.dim, 64, mgpu__emb_backward_cols, &job);
+    return MGPU_OK;
+}
+static void mgpu__emb_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "%d, %d", l->cfg.in, l->cfg.out); }
+static const mgpu_layer_vtable mgpu__emb_vt = {
+    "Embedding", mgpu__emb_output_shape, mgpu__one_param, mgpu__emb_param_shape, mgpu__emb_init,
+    NULL, NULL, mgpu__emb_forward, mgpu__emb_backward, mgpu__emb_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim) {
+    mgpu__layer_cfg cfg;
+    if (num_embeddings <= 0 || dim <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_embedding: num_embeddings %d and dim %d must be positive",
+                   num_embeddings, dim);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = num_embeddings;
+    cfg.out = dim;
+    return mgpu__builtin_layer(&mgpu__emb_vt, &cfg);
+}
+
+/* -- PositionEmbedding: y = x + weight[t]. Rows 0..T-1 of the weight are its first T*dim floats,
+   so this is a bias [T*dim] added to x seen as [batch, T*dim], and its gradient that bias's -- */
+static mgpu_result mgpu__pos_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char want[96];
+    if (x.ndim != 3 || x.dim[1] > l->cfg.in || x.dim[2] != l->cfg.out) {
+        snprintf(want, sizeof want, "[batch,T,%d] with T <= max_positions %d", l->cfg.out, l->cfg.in);
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    *y = x;
+    return MGPU_OK;
+}
+/* x [batch, T, dim], y (or dy) like it, the weight (or its gradient) wn f32 [max_positions, dim] on x's device */
+static mgpu_result mgpu__pos_check(const mgpu_layer* l, const char* op, const mgpu_tensor* x, const char* yn,
+                                   const mgpu_tensor* y, const char* wn, const mgpu_tensor* w) {
+    char text[128];
+    mgpu_shape ys;
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__pos_output_shape(l, x->shape, &ys));
+    MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
+    MGPU__TRY(mgpu__check_tensor(op, wn, w, MGPU_F32));
+    MGPU__TRY(mgpu__check_same_device(op, wn, w, "x", x));
+    if (mgpu_tensor_numel(w) != (int64_t)l->cfg.in * l->cfg.out)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s should be [%d,%d]", op, wn,
+                          mgpu_tensor_describe(w, text, sizeof text), l->cfg.in, l->cfg.out);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__pos_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu_tensor x2, y2, w;
+    MGPU__TRY(mgpu__pos_check(l, "PositionEmbedding forward", x, "y", y, "weight", ctx->params[0]));
+    x2 = mgpu__reshaped(x, mgpu_shape2(x->shape.dim[0], x->shape.dim[1] * x->shape.dim[2]));
+    y2 = mgpu__reshaped(y, x2.shape);
+    w = mgpu__reshaped(ctx->params[0], mgpu_shape1(x2.shape.dim[1]));   /* rows 0..T-1 */
+    return mgpu_bias_add(&y2, &x2, &w);
+}
+static mgpu_result mgpu__pos_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                      const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    static const char* op = "PositionEmbedding backward";
+    mgpu_tensor dy2, dw;
+    (void)y;
+    MGPU__TRY(mgpu__pos_check(l, op, x, "dy", dy, "dweight", ctx->grads[0]));
+    if (dx) MGPU__TRY(mgpu__check_like(op, "dx", dx, "x", x));
+    dy2 = mgpu__reshaped(dy, mgpu_shape2(x->shape.dim[0], x->shape.dim[1] * x->shape.dim[2]));
+    dw = mgpu__reshaped(ctx->grads[0], mgpu_shape1(dy2.shape.dim[1]));
+    MGPU__TRY(mgpu__bias_grad_add(&dw, &dy2));   /* dweight[t] += sum over the batch of dy[b, t], in order */
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static mgpu_result mgpu__pos_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    (void)i;
+    *name = "weight";
+    *shape = mgpu_shape2(l->cfg.in, l->cfg.out);
+    return MGPU_OK;
+}
+static const mgpu_layer_vtable mgpu__pos_vt = {
+    "PositionEmbedding", mgpu__pos_output_shape, mgpu__one_param, mgpu__pos_param_shape, mgpu__emb_init,
+    NULL, NULL, mgpu__pos_forward, mgpu__pos_backward, mgpu__emb_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
+    mgpu__layer_cfg cfg;
+    if (max_positions <= 0 || dim <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_position_embedding: max_positions %d and dim %d must be positive",
+                   max_positions, dim);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = max_positions;
+    cfg.out = dim;
+    return mgpu__builtin_layer(&mgpu__pos_vt, &cfg);
 }
 
 

@@ -1242,6 +1242,190 @@ int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64
 }
 
 // ============================================================================================
+// >>layer transformer  LayerNorm and Embedding. Every sum has a fixed order (no atomics), so a
+//                      replayed graph and the replicas of data parallelism give the same bits.
+// ============================================================================================
+// LayerNorm forward, one row per group of G threads (a warp for rows up to 1024 wide, else the
+// block): the mean, then the variance as the mean of (x - mean)^2 (two passes: no cancellation).
+template <int G>
+__global__ void __launch_bounds__(kThreads) layer_norm_kernel(int64_t rows, int cols, float eps, const float* x,
+                                                              const float* w, const float* b, float* y, float* mean,
+                                                              float* rstd) {
+    constexpr int kRowsPerBlock = kThreads / G;
+    const int lane = threadIdx.x % G;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / G; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const float* xr = x + r * cols;
+        float s = 0.0f;
+        for (int j = lane; j < cols; j += G) s += xr[j];
+        const float m = group_reduce<G>(s, sum_op<float>()) / (float)cols;
+        float v = 0.0f;
+        for (int j = lane; j < cols; j += G) {
+            const float d = xr[j] - m;
+            v += d * d;
+        }
+        const float rs = 1.0f / sqrtf(group_reduce<G>(v, sum_op<float>()) / (float)cols + eps);
+        if (lane == 0) {
+            mean[r] = m;
+            rstd[r] = rs;
+        }
+        float* yr = y + r * cols;
+        for (int j = lane; j < cols; j += G) yr[j] = (xr[j] - m) * rs * w[j] + b[j];
+    }
+}
+
+// dx of LayerNorm, one row per group as above: g = dy * w, xhat = (x - mean) * rstd,
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
+template <int G>
+__global__ void __launch_bounds__(kThreads) layer_norm_dx_kernel(int64_t rows, int cols, const float* x, const float* w,
+                                                                 const float* mean, const float* rstd, const float* dy,
+                                                                 float* dx) {
+    constexpr int kRowsPerBlock = kThreads / G;
+    const int lane = threadIdx.x % G;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / G; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const float *xr = x + r * cols, *dyr = dy + r * cols, m = mean[r], rs = rstd[r];
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int j = lane; j < cols; j += G) {
+            const float g = dyr[j] * w[j];
+            s1 += g;
+            s2 += g * ((xr[j] - m) * rs);
+        }
+        const float a = group_reduce<G>(s1, sum_op<float>()) / (float)cols;
+        const float c = group_reduce<G>(s2, sum_op<float>()) / (float)cols;
+        float* dxr = dx + r * cols;
+        for (int j = lane; j < cols; j += G) dxr[j] = rs * (dyr[j] * w[j] - a - (xr[j] - m) * rs * c);
+    }
+}
+
+// dweight += sum over rows of dy * xhat, dbias += sum over rows of dy: column sums laid out as
+// column_sum_kernel's (a block owns `width` adjacent columns, row groups stride down the rows and
+// meet in shared memory in order), with xhat made on the fly from x, mean and rstd.
+__global__ void __launch_bounds__(kThreads)
+layer_norm_params_kernel(int64_t rows, int cols, int width, const float* x, const float* mean, const float* rstd,
+                         const float* dy, float* dweight, float* dbias) {
+    __shared__ float part_w[kThreads], part_b[kThreads];
+    const int groups = kThreads / width, lane = threadIdx.x % width, group = threadIdx.x / width;
+    for (int64_t c0 = (int64_t)blockIdx.x * width; c0 < cols; c0 += (int64_t)gridDim.x * width) {
+        const int64_t c = c0 + lane;
+        float sw = 0.0f, sb = 0.0f;
+        if (group < groups && c < cols)
+            for (int64_t r = group; r < rows; r += groups) {
+                const float g = dy[r * cols + c];
+                sb += g;
+                sw += g * ((x[r * cols + c] - mean[r]) * rstd[r]);
+            }
+        part_w[threadIdx.x] = sw;
+        part_b[threadIdx.x] = sb;
+        __syncthreads();
+        if (group == 0 && c < cols) {
+            float tw = 0.0f, tb = 0.0f;
+            for (int g = 0; g < groups; ++g) {
+                tw += part_w[g * width + lane];
+                tb += part_b[g * width + lane];
+            }
+            dweight[c] += tw;
+            dbias[c] += tb;
+        }
+        __syncthreads();
+    }
+}
+
+int mgpu__cu_layer_norm(int dev, void* stream, int64_t rows, int cols, float eps, const float* x,
+                        const float* weight, const float* bias, float* y, float* mean, float* rstd) {
+    USE_DEVICE(dev);
+    if (rows <= 0 || cols <= 0) return MGPU__CU_OK;
+    if (cols <= 1024)
+        layer_norm_kernel<32><<<blocks_for(rows, kThreads / 32), kThreads, 0, as_stream(stream)>>>(
+            rows, cols, eps, x, weight, bias, y, mean, rstd);
+    else
+        layer_norm_kernel<kThreads><<<blocks_for(rows, 1), kThreads, 0, as_stream(stream)>>>(
+            rows, cols, eps, x, weight, bias, y, mean, rstd);
+    CHECK_LAUNCH("layer_norm", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_layer_norm_backward(int dev, void* stream, int64_t rows, int cols, const float* x, const float* weight,
+                                 const float* mean, const float* rstd, const float* dy, float* dx,
+                                 float* dweight, float* dbias) {
+    USE_DEVICE(dev);
+    if (rows <= 0 || cols <= 0) return MGPU__CU_OK;
+    cudaStream_t s = as_stream(stream);
+    const int width = cols < 32 ? cols : 32;
+    layer_norm_params_kernel<<<blocks_for(cols, width), kThreads, 0, s>>>(rows, cols, width, x, mean, rstd, dy,
+                                                                          dweight, dbias);
+    CHECK_LAUNCH("layer_norm_backward (weight, bias)", dev);
+    if (!dx) return MGPU__CU_OK;
+    if (cols <= 1024)
+        layer_norm_dx_kernel<32><<<blocks_for(rows, kThreads / 32), kThreads, 0, s>>>(rows, cols, x, weight, mean, rstd,
+                                                                                    dy, dx);
+    else
+        layer_norm_dx_kernel<kThreads><<<blocks_for(rows, 1), kThreads, 0, s>>>(rows, cols, x, weight, mean, rstd, dy, dx);
+    CHECK_LAUNCH("layer_norm_backward (dx)", dev);
+    return MGPU__CU_OK;
+}
+
+// y[p, c] = weight[ids[p], c], one thread per output element; NaN for an id out of range (no
+// sync can tell the host, so the loss that follows shows it)
+struct embedding_op {
+    int num, dim;
+    const int32_t* ids;
+    const float* weight;
+    float* y;
+    template <class I> __device__ void operator()(I i) const {
+        const int32_t id = ids[i / (I)dim];
+        y[i] = id >= 0 && id < num ? weight[(int64_t)id * dim + (int64_t)(i % (I)dim)] : NAN;
+    }
+};
+
+int mgpu__cu_embedding(int dev, void* stream, int64_t n, int num, int dim, const int32_t* ids,
+                       const float* weight, float* y) {
+    USE_DEVICE(dev);
+    if (dim <= 0) return MGPU__CU_OK;
+    return launch_index(dev, stream, "embedding", n * dim, embedding_op{num, dim, ids, weight, y});
+}
+
+// dweight[v, :] += the dy rows of the positions whose id is v, in increasing position, without
+// atomics: a block per vocabulary row v (grid-stride), a thread per column (256 at a time). The
+// block reads the ids 256 at a time and marks the hits in shared memory; most chunks of a large
+// vocabulary hold none and cost one read each, the others add their dy rows in order.
+__global__ void __launch_bounds__(kThreads)
+embedding_backward_kernel(int64_t n, int num, int dim, const int32_t* ids, const float* dy, float* dweight) {
+    __shared__ int hit[kThreads];
+    __shared__ int any;
+    for (int v = blockIdx.x; v < num; v += gridDim.x)
+        for (int c0 = 0; c0 < dim; c0 += kThreads) {
+            const int c = c0 + threadIdx.x;
+            float* dw = dweight + (int64_t)v * dim;
+            float acc = c < dim ? dw[c] : 0.0f;   // onto the gradient itself, as the CPU adds
+            for (int64_t p0 = 0; p0 < n; p0 += kThreads) {
+                __syncthreads();   // every thread is done with the previous chunk's hit and any
+                if (threadIdx.x == 0) any = 0;
+                __syncthreads();
+                const int64_t p = p0 + threadIdx.x;
+                const int h = p < n && ids[p] == v;
+                hit[threadIdx.x] = h;
+                if (h) any = 1;   // the same value from every writer: no race on the result
+                __syncthreads();
+                if (!any || c >= dim) continue;
+                const int count = n - p0 < kThreads ? (int)(n - p0) : kThreads;
+                for (int k = 0; k < count; ++k)
+                    if (hit[k]) acc += dy[(p0 + k) * dim + c];
+            }
+            if (c < dim) dw[c] = acc;
+        }
+}
+
+int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int dim, const int32_t* ids,
+                                const float* dy, float* dweight) {
+    USE_DEVICE(dev);
+    if (n <= 0 || num <= 0 || dim <= 0) return MGPU__CU_OK;
+    embedding_backward_kernel<<<blocks_for(num, 1), kThreads, 0, as_stream(stream)>>>(n, num, dim, ids, dy, dweight);
+    CHECK_LAUNCH("embedding_backward", dev);
+    return MGPU__CU_OK;
+}
+
+// ============================================================================================
 // >>optimizers  one fused elementwise pass per step, the update rules from mgpu.h
 // ============================================================================================
 // The update's numbers are read from device memory (uploaded ahead of the step), so a step

@@ -299,8 +299,772 @@ static void test_sequences(void) {
 /* ============================================================================================ */
 /* 2. LayerNorm, Embedding, position embedding, GELU (tanh)                                     */
 /* ============================================================================================ */
+/* ---- helpers of group 2: a layer run through its vtable by hand, without a model (the struct of
+   a layer is visible here: this file holds the implementation) ---- */
+#define NE_MUST(expr)                                                                              \
+    do {                                                                                          \
+        mgpu_result ne_r_ = (expr);                                                               \
+        if (ne_r_ != MGPU_OK) CHECK(0, "%s: %s: %s", #expr, mgpu_result_string(ne_r_), mgpu_last_error()); \
+    } while (0)
+
+typedef struct ne_run {
+    mgpu_layer* l;
+    int np, na;
+    mgpu_tensor *p[2], *g[2], *aux[2], *y;
+    mgpu_layer_ctx ctx;
+} ne_run;
+
+/* parameters (initialised as a model would), zero gradients, aux buffers and y for input xs on dev */
+static int ne_open(ne_run* r, mgpu_layer* l, mgpu_device* dev, mgpu_shape xs, uint64_t seed) {
+    const mgpu_layer_vtable* vt = l->vt;
+    mgpu_shape ys = xs, s;
+    mgpu_dtype dt;
+    const char* name;
+    int i;
+    memset(r, 0, sizeof *r);
+    r->l = l;
+    if (vt->output_shape && vt->output_shape(l, xs, &ys) != MGPU_OK) {
+        CHECK(0, "%s output_shape: %s", mgpu_layer_type(l), mgpu_last_error());
+        return 0;
+    }
+    r->np = vt->param_count ? vt->param_count(l) : 0;
+    r->na = vt->aux_count ? vt->aux_count(l) : 0;
+    for (i = 0; i < r->np; ++i) {
+        NE_MUST(vt->param_shape(l, i, &name, &s));
+        r->p[i] = tmake(dev, MGPU_F32, s);
+        r->g[i] = tmake(dev, MGPU_F32, s);
+        NE_MUST(mgpu_tensor_zero(r->p[i]));
+        NE_MUST(mgpu_tensor_zero(r->g[i]));
+    }
+    for (i = 0; i < r->na; ++i) {
+        NE_MUST(vt->aux_shape(l, i, xs, &dt, &s));
+        r->aux[i] = tmake(dev, dt, s);
+    }
+    r->y = tmake(dev, MGPU_F32, ys);
+    r->ctx.device = dev;
+    r->ctx.params = r->p;
+    r->ctx.grads = r->g;
+    r->ctx.aux = r->aux;
+    r->ctx.training = 1;
+    r->ctx.seed = seed;
+    if (vt->init) NE_MUST(vt->init(l, &r->ctx, seed));
+    return 1;
+}
+static void ne_close(ne_run* r) {
+    int i;
+    for (i = 0; i < 2; ++i) {
+        mgpu_tensor_destroy(r->p[i]);
+        mgpu_tensor_destroy(r->g[i]);
+        mgpu_tensor_destroy(r->aux[i]);
+    }
+    mgpu_tensor_destroy(r->y);
+    memset(r, 0, sizeof *r);
+}
+static mgpu_result ne_forward(ne_run* r, const mgpu_tensor* x) { return r->l->vt->forward(r->l, &r->ctx, x, r->y); }
+static mgpu_result ne_backward(ne_run* r, const mgpu_tensor* x, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    return r->l->vt->backward(r->l, &r->ctx, x, r->y, dy, dx);
+}
+static void ne_zero_grads(ne_run* r) {
+    int i;
+    for (i = 0; i < r->np; ++i) NE_MUST(mgpu_tensor_zero(r->g[i]));
+}
+/* a tensor's floats in fresh host memory */
+static float* ne_get(const mgpu_tensor* t) {
+    float* h = fbuf(mgpu_tensor_numel(t));
+    tget(t, h);
+    return h;
+}
+static double* ne_widen(const float* x, int64_t n) {
+    double* d = dbuf(n);
+    int64_t i;
+    for (i = 0; i < n; ++i) d[i] = x[i];
+    return d;
+}
+/* normalised error of got against the float results ref */
+static double ne_err(const float* got, const float* ref, int64_t n) {
+    double* d = ne_widen(ref, n);
+    double e = test_rel_error(got, d, (size_t)n);
+    free(d);
+    return e;
+}
+static void ne_normal(float* x, int64_t n, double sd) {
+    int64_t i;
+    for (i = 0; i < n; ++i) x[i] = (float)(rng_gauss() * sd);
+}
+/* L = sum(y .* R) of the layer's forward, in float64 */
+static double ne_loss(ne_run* r, const mgpu_tensor* x, const float* R, float* ybuf) {
+    double L = 0.0;
+    int64_t i, n = mgpu_tensor_numel(r->y);
+    NE_MUST(ne_forward(r, x));
+    tget(r->y, ybuf);
+    for (i = 0; i < n; ++i) L += (double)ybuf[i] * R[i];
+    return L;
+}
+
+/* The checks every layer of the group gets, on the CPU and then on the GPU:
+     - forward against yref, a float64 loop over the same x and parameters;
+     - every parameter gradient and dx (for f32 x) against central differences of L = sum(y .* R);
+     - two backward passes after one forward add the parameter gradients twice, and write dx
+       (not add to it);
+     - the GPU twin: the same x and parameters on g_gpu, y, the gradients and dx within 1e-5
+       (normalised) of the CPU's, and a second backward from zero gives the same bits.
+   x is host memory of dtype xdt; params (NULL: keep the layer's initial values) host copies. */
+static void ne_check_layer(const char* label, mgpu_layer* l, mgpu_shape xs, mgpu_dtype xdt, const void* x,
+                           float* const* params, const double* yref) {
+    mgpu_device* cpu = mgpu_device_cpu();
+    const int has_dx = xdt == MGPU_F32;
+    const float eps = 1e-2f;
+    ne_run r;
+    mgpu_tensor *tx, *tr, *tdx = NULL;
+    float *y, *R, *g[2] = {NULL, NULL}, *p[2] = {NULL, NULL}, *dx = NULL, *xh = NULL;
+    int64_t nx = mgpu_shape_numel(xs), ny, i, j;
+    int k;
+    if (!ne_open(&r, l, cpu, xs, 7)) return;
+    for (k = 0; k < r.np; ++k) {
+        if (params) tput(r.p[k], params[k]);
+        p[k] = ne_get(r.p[k]);
+    }
+    tx = tmake(cpu, xdt, xs);
+    tput(tx, x);
+    ny = mgpu_tensor_numel(r.y);
+    y = fbuf(ny);
+    NE_MUST(ne_forward(&r, tx));
+    tget(r.y, y);
+    {
+        double e = test_rel_error(y, yref, (size_t)ny);
+        CHECK(e <= 1e-5, "%s: forward against the float64 loop: normalised error %.3g", label, e);
+    }
+    /* gradients of L = sum(y .* R) */
+    R = fbuf(ny);
+    ne_normal(R, ny, 1.0);
+    tr = tfrom(cpu, mgpu_tensor_shape(r.y), R);
+    if (has_dx) tdx = tmake(cpu, MGPU_F32, xs);
+    NE_MUST(ne_backward(&r, tx, tr, tdx));
+    for (k = 0; k < r.np; ++k) g[k] = ne_get(r.g[k]);
+    if (has_dx) dx = ne_get(tdx);
+    /* central differences, through the layer's own forward */
+    {
+        float* yb = fbuf(ny);
+        for (k = 0; k < r.np + has_dx; ++k) {
+            const int is_x = k == r.np;
+            const int64_t n = is_x ? nx : mgpu_tensor_numel(r.p[k]);
+            float* v = is_x ? NULL : p[k];
+            double* num;
+            double e;
+            if (is_x) {
+                v = xh = fbuf(nx);
+                memcpy(xh, x, (size_t)nx * sizeof(float));
+            }
+            num = dbuf(n);
+            for (j = 0; j < n; ++j) {
+                const float save = v[j];
+                double lp, lm;
+                v[j] = save + eps;
+                tput(is_x ? tx : r.p[k], v);
+                lp = ne_loss(&r, tx, R, yb);
+                v[j] = save - eps;
+                tput(is_x ? tx : r.p[k], v);
+                lm = ne_loss(&r, tx, R, yb);
+                v[j] = save;
+                num[j] = (lp - lm) / ((double)(save + eps) - (double)(save - eps));
+            }
+            tput(is_x ? tx : r.p[k], v);
+            e = test_rel_error(is_x ? dx : g[k], num, (size_t)n);
+            {
+                const char* name = "x";
+                mgpu_shape s;
+                if (!is_x) NE_MUST(l->vt->param_shape(l, k, &name, &s));
+                CHECK(e <= 2e-3, "%s: d L / d %s against central differences: normalised error %.3g", label, name, e);
+            }
+            free(num);
+        }
+        free(yb);
+    }
+    /* backward adds into the parameter gradients and writes dx */
+    ne_zero_grads(&r);
+    NE_MUST(ne_forward(&r, tx));
+    NE_MUST(ne_backward(&r, tx, tr, tdx));
+    NE_MUST(ne_backward(&r, tx, tr, tdx));
+    for (k = 0; k < r.np; ++k) {
+        float* g2 = ne_get(r.g[k]);
+        double* twice = dbuf(mgpu_tensor_numel(r.g[k]));
+        double e;
+        for (i = 0; i < mgpu_tensor_numel(r.g[k]); ++i) twice[i] = 2.0 * g[k][i];
+        e = test_rel_error(g2, twice, (size_t)mgpu_tensor_numel(r.g[k]));
+        CHECK(e <= 1e-6, "%s: two backward passes: parameter %d's gradient not doubled (error %.3g)", label, k, e);
+        free(g2); free(twice);
+    }
+    if (has_dx) {
+        float* dx2 = ne_get(tdx);
+        CHECK(!memcmp(dx, dx2, (size_t)nx * sizeof(float)), "%s: a second backward pass changed dx (added to it?)", label);
+        free(dx2);
+    }
+    /* the GPU twin */
+    if (gpu_part(label)) {
+        ne_run gr;
+        mgpu_tensor *gx = tmake(g_gpu, xdt, xs), *gdy, *gdx = NULL;
+        float *gy, *gg[2] = {NULL, NULL}, *gdxh = NULL;
+        if (ne_open(&gr, l, g_gpu, xs, 7)) {
+            for (k = 0; k < gr.np; ++k) {
+                float* init = ne_get(gr.p[k]);
+                if (!params) CHECK(!memcmp(init, p[k], (size_t)mgpu_tensor_numel(gr.p[k]) * sizeof(float)),
+                                   "%s: cuda: parameter %d initialised differently from the CPU's", label, k);
+                free(init);
+                tput(gr.p[k], p[k]);
+            }
+            tput(gx, x);
+            gdy = tfrom(g_gpu, mgpu_tensor_shape(gr.y), R);
+            if (has_dx) gdx = tmake(g_gpu, MGPU_F32, xs);
+            NE_MUST(ne_forward(&gr, gx));
+            gy = ne_get(gr.y);
+            {
+                double e = ne_err(gy, y, ny);
+                CHECK(e <= 1e-5, "%s: cuda forward against the CPU: normalised error %.3g", label, e);
+            }
+            NE_MUST(ne_backward(&gr, gx, gdy, gdx));
+            for (k = 0; k < gr.np; ++k) {
+                double e;
+                gg[k] = ne_get(gr.g[k]);
+                e = ne_err(gg[k], g[k], mgpu_tensor_numel(gr.g[k]));
+                CHECK(e <= 1e-5, "%s: cuda gradient of parameter %d against the CPU: normalised error %.3g", label, k, e);
+            }
+            if (has_dx) {
+                double e;
+                gdxh = ne_get(gdx);
+                e = ne_err(gdxh, dx, nx);
+                CHECK(e <= 1e-5, "%s: cuda dx against the CPU: normalised error %.3g", label, e);
+            }
+            /* deterministic: the same bits again from zero */
+            ne_zero_grads(&gr);
+            NE_MUST(ne_backward(&gr, gx, gdy, gdx));
+            for (k = 0; k < gr.np; ++k) {
+                float* again = ne_get(gr.g[k]);
+                CHECK(!memcmp(again, gg[k], (size_t)mgpu_tensor_numel(gr.g[k]) * sizeof(float)),
+                      "%s: cuda: a second backward gives other bits for parameter %d", label, k);
+                free(again);
+            }
+            if (has_dx) {
+                float* again = ne_get(gdx);
+                CHECK(!memcmp(again, gdxh, (size_t)nx * sizeof(float)), "%s: cuda: a second backward gives other bits for dx", label);
+                free(again);
+            }
+            /* and a third adds onto the gradients: twice the first's */
+            NE_MUST(ne_backward(&gr, gx, gdy, gdx));
+            for (k = 0; k < gr.np; ++k) {
+                float* again = ne_get(gr.g[k]);
+                double* twice = dbuf(mgpu_tensor_numel(gr.g[k]));
+                double e;
+                for (i = 0; i < mgpu_tensor_numel(gr.g[k]); ++i) twice[i] = 2.0 * gg[k][i];
+                e = test_rel_error(again, twice, (size_t)mgpu_tensor_numel(gr.g[k]));
+                CHECK(e <= 1e-6, "%s: cuda: two backward passes: parameter %d's gradient not doubled (error %.3g)", label, k, e);
+                free(again); free(twice);
+            }
+            for (k = 0; k < 2; ++k) free(gg[k]);
+            free(gy); free(gdxh);
+            mgpu_tensor_destroy(gdy);
+            mgpu_tensor_destroy(gdx);
+            ne_close(&gr);
+        }
+        mgpu_tensor_destroy(gx);
+    }
+    for (k = 0; k < 2; ++k) { free(g[k]); free(p[k]); }
+    free(y); free(R); free(dx); free(xh);
+    mgpu_tensor_destroy(tx);
+    mgpu_tensor_destroy(tr);
+    mgpu_tensor_destroy(tdx);
+    ne_close(&r);
+}
+
+/* a creator that must fail: NULL, MGPU_ERROR_INVALID_ARGUMENT, a message naming the function */
+static void ne_expect_null(mgpu_layer* l, const char* what, const char* fn) {
+    CHECK(l == NULL, "%s: made a layer", what);
+    if (l) { mgpu_layer_destroy(l); return; }
+    expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, what, fn, NULL, NULL);
+}
+
+/* -- LayerNorm over the last dimension of xs -- */
+static void ne_layer_norm(mgpu_shape xs) {
+    const int dim = (int)xs.dim[xs.ndim - 1];
+    const int64_t nx = mgpu_shape_numel(xs), rows = nx / dim;
+    mgpu_layer* l = mgpu_layer_layer_norm(dim);
+    float *x = fbuf(nx), *w = fbuf(dim), *b = fbuf(dim);
+    float* params[2];
+    double* yref = dbuf(nx);
+    char label[96], shape[64];
+    int64_t r, c;
+    CHECK(l && !strcmp(mgpu_layer_type(l), "LayerNorm"), "mgpu_layer_layer_norm(%d): %s", dim, l ? mgpu_layer_type(l) : mgpu_last_error());
+    if (!l) { free(x); free(w); free(b); free(yref); return; }
+    snprintf(label, sizeof label, "LayerNorm(%d) on %s", dim, mgpu__shape_text(xs, shape, sizeof shape));
+    {   /* initial values: weight ones, bias zeros; names as PyTorch's */
+        ne_run run;
+        const char* name;
+        mgpu_shape s;
+        if (ne_open(&run, l, mgpu_device_cpu(), xs, 3)) {
+            float *w0 = ne_get(run.p[0]), *b0 = ne_get(run.p[1]);
+            int ok = 1;
+            for (c = 0; c < dim; ++c) ok &= w0[c] == 1.0f && b0[c] == 0.0f;
+            CHECK(run.np == 2 && ok, "%s: initial weight ones and bias zeros", label);
+            NE_MUST(l->vt->param_shape(l, 0, &name, &s));
+            CHECK(!strcmp(name, "weight") && s.ndim == 1 && s.dim[0] == dim, "%s: parameter 0 is '%s'", label, name);
+            NE_MUST(l->vt->param_shape(l, 1, &name, &s));
+            CHECK(!strcmp(name, "bias") && s.ndim == 1 && s.dim[0] == dim, "%s: parameter 1 is '%s'", label, name);
+            free(w0); free(b0);
+            ne_close(&run);
+        }
+    }
+    ne_normal(x, nx, 1.5);
+    for (r = 0; r < rows; ++r) x[r * dim] += (float)r;   /* rows of different means */
+    ne_normal(w, dim, 1.0);
+    ne_normal(b, dim, 1.0);
+    for (r = 0; r < rows; ++r) {
+        double m = 0.0, v = 0.0;
+        for (c = 0; c < dim; ++c) m += x[r * dim + c];
+        m /= dim;
+        for (c = 0; c < dim; ++c) v += (x[r * dim + c] - m) * (x[r * dim + c] - m);
+        v /= dim;
+        for (c = 0; c < dim; ++c) yref[r * dim + c] = (x[r * dim + c] - m) / sqrt(v + 1e-5) * w[c] + b[c];
+    }
+    params[0] = w; params[1] = b;
+    ne_check_layer(label, l, xs, MGPU_F32, x, params, yref);
+    {   /* the kept mean and rstd, against float64 */
+        ne_run run;
+        mgpu_tensor* tx = tfrom(mgpu_device_cpu(), xs, x);
+        if (ne_open(&run, l, mgpu_device_cpu(), xs, 3)) {
+            float *m, *rs;
+            double *mref = dbuf(rows), *rsref = dbuf(rows);
+            NE_MUST(ne_forward(&run, tx));
+            m = ne_get(run.aux[0]);
+            rs = ne_get(run.aux[1]);
+            {
+                int64_t q;
+                for (q = 0; q < rows; ++q) {
+                    double mm = 0.0, v = 0.0;
+                    for (c = 0; c < dim; ++c) mm += x[q * dim + c];
+                    mm /= dim;
+                    for (c = 0; c < dim; ++c) v += (x[q * dim + c] - mm) * (x[q * dim + c] - mm);
+                    mref[q] = mm;
+                    rsref[q] = 1.0 / sqrt(v / dim + 1e-5);
+                }
+            }
+            CHECK(mgpu_tensor_numel(run.aux[0]) == rows && test_rel_error(m, mref, (size_t)rows) <= 1e-6 &&
+                  test_rel_error(rs, rsref, (size_t)rows) <= 1e-6, "%s: the kept mean and 1/sqrt(var + eps)", label);
+            free(m); free(rs); free(mref); free(rsref);
+            ne_close(&run);
+        }
+        mgpu_tensor_destroy(tx);
+    }
+    mgpu_layer_destroy(l);
+    free(x); free(w); free(b); free(yref);
+}
+
+/* -- Embedding(num, dim) on ids of shape is -- */
+static void ne_embedding(int num, int dim, mgpu_shape is) {
+    const int64_t n = mgpu_shape_numel(is);
+    mgpu_layer* l = mgpu_layer_embedding(num, dim);
+    mgpu_device* cpu = mgpu_device_cpu();
+    int32_t* ids = (int32_t*)xmalloc((size_t)n * sizeof(int32_t));
+    double* yref;
+    float* w;
+    char label[96], shape[64];
+    int64_t p, c;
+    ne_run r;
+    CHECK(l && !strcmp(mgpu_layer_type(l), "Embedding"), "mgpu_layer_embedding(%d, %d): %s", num, dim,
+          l ? mgpu_layer_type(l) : mgpu_last_error());
+    if (!l) { free(ids); return; }
+    snprintf(label, sizeof label, "Embedding(%d, %d) on ids %s", num, dim, mgpu__shape_text(is, shape, sizeof shape));
+    for (p = 0; p < n; ++p) ids[p] = rng_int(num);
+    if (n > 3) { ids[n - 1] = ids[0]; ids[n / 2] = ids[0]; }   /* an id three times: its rows add */
+    if (!ne_open(&r, l, cpu, is, 7)) { mgpu_layer_destroy(l); free(ids); return; }   /* ne_check_layer's seed */
+    w = ne_get(r.p[0]);
+    {   /* N(0, 0.02), GPT-2's */
+        double s = 0.0, s2 = 0.0, sd;
+        const int64_t nw = (int64_t)num * dim;
+        for (p = 0; p < nw; ++p) { s += w[p]; s2 += (double)w[p] * w[p]; }
+        sd = sqrt(s2 / nw - (s / nw) * (s / nw));
+        CHECK(fabs(s / nw) < 0.01 && sd > 0.015 && sd < 0.025, "%s: initial weight mean %.4g, std %.4g (want N(0, 0.02))",
+              label, s / nw, sd);
+    }
+    yref = dbuf(n * dim);
+    for (p = 0; p < n; ++p)
+        for (c = 0; c < dim; ++c) yref[p * dim + c] = w[(int64_t)ids[p] * dim + c];
+    ne_check_layer(label, l, is, MGPU_I32, ids, NULL, yref);
+    {   /* dx: ids have no gradient, and backward leaves dx alone */
+        mgpu_tensor *tx = tfrom_i32(cpu, is, ids), *dx = tmake(cpu, MGPU_I32, is), *dy = tmake(cpu, MGPU_F32, mgpu_tensor_shape(r.y));
+        int32_t* back = (int32_t*)xmalloc((size_t)n * sizeof(int32_t));
+        int ok = 1;
+        NE_MUST(mgpu_tensor_fill(dx, 7777));
+        NE_MUST(mgpu_tensor_fill(dy, 1.0));
+        NE_MUST(ne_forward(&r, tx));
+        NE_MUST(ne_backward(&r, tx, dy, dx));
+        tget(dx, back);
+        for (p = 0; p < n; ++p) ok &= back[p] == 7777;
+        CHECK(ok, "%s: backward changed dx", label);
+        free(back);
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(dx); mgpu_tensor_destroy(dy);
+    }
+    free(w); free(yref); free(ids);
+    ne_close(&r);
+    mgpu_layer_destroy(l);
+}
+
+/* ids outside [0, num): refused on the CPU (naming the id and its position, writing nothing), a
+   NaN row on the GPU, which backward skips */
+static void ne_embedding_bad_ids(void) {
+    const int num = 9, dim = 35, B = 2, T = 5;
+    mgpu_layer* l = mgpu_layer_embedding(num, dim);
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_shape is = mgpu_shape2(B, T);
+    int32_t ids[2 * 5];
+    int p, c, bad;
+    ne_run r;
+    if (!l) { CHECK(0, "mgpu_layer_embedding: %s", mgpu_last_error()); return; }
+    for (p = 0; p < B * T; ++p) ids[p] = (p * 4) % num;
+    if (ne_open(&r, l, cpu, is, 1)) {
+        static const int32_t wrong[2] = {9, -1};
+        static const int at[2] = {1 * 5 + 2, 0};
+        static const char* where[2] = {"[1,2]", "[0,0]"};
+        for (bad = 0; bad < 2; ++bad) {
+            mgpu_tensor* tx;
+            float* y;
+            char what[64], idtext[32];
+            int same = 1;
+            int32_t keep = ids[at[bad]];
+            ids[at[bad]] = wrong[bad];
+            tx = tfrom_i32(cpu, is, ids);
+            NE_MUST(mgpu_tensor_fill(r.y, 3.0));
+            snprintf(what, sizeof what, "Embedding forward, id %d at %s", (int)wrong[bad], where[bad]);
+            snprintf(idtext, sizeof idtext, "id %d ", (int)wrong[bad]);
+            expect_fail(ne_forward(&r, tx), MGPU_ERROR_INVALID_ARGUMENT, what, idtext, where[bad], "Embedding");
+            y = ne_get(r.y);
+            for (p = 0; p < B * T * dim; ++p) same &= y[p] == 3.0f;
+            CHECK(same, "%s: the output was written", what);
+            snprintf(what, sizeof what, "Embedding backward, id %d at %s", (int)wrong[bad], where[bad]);
+            expect_fail(ne_backward(&r, tx, r.y, NULL), MGPU_ERROR_INVALID_ARGUMENT, what, idtext, where[bad], NULL);
+            free(y);
+            mgpu_tensor_destroy(tx);
+            ids[at[bad]] = keep;
+        }
+        {   /* f32 ids are refused too */
+            mgpu_tensor* fx = tmake(cpu, MGPU_F32, is);
+            NE_MUST(mgpu_tensor_zero(fx));
+            expect_fail(ne_forward(&r, fx), MGPU_ERROR_DTYPE_MISMATCH, "Embedding forward with f32 ids", "Embedding", "i32", NULL);
+            mgpu_tensor_destroy(fx);
+        }
+        ne_close(&r);
+    }
+    if (gpu_part("Embedding with bad ids")) {
+        ne_run gr;
+        if (ne_open(&gr, l, g_gpu, is, 1)) {
+            float *w = ne_get(gr.p[0]), *y, *dy = fbuf(B * T * dim), *dw;
+            double* ref = dbuf(num * dim);
+            mgpu_tensor *tx, *tdy;
+            int rows_ok = 1, nan_ok = 1;
+            ids[3] = num + 4;
+            ids[6] = -2;
+            tx = tfrom_i32(g_gpu, is, ids);
+            NE_MUST(ne_forward(&gr, tx));
+            y = ne_get(gr.y);
+            for (p = 0; p < B * T; ++p)
+                for (c = 0; c < dim; ++c) {
+                    if (p == 3 || p == 6) nan_ok &= y[p * dim + c] != y[p * dim + c];
+                    else rows_ok &= y[p * dim + c] == w[ids[p] * dim + c];
+                }
+            CHECK(nan_ok, "cuda Embedding: the rows of ids outside [0, %d) are not NaN", num);
+            CHECK(rows_ok, "cuda Embedding: the rows of good ids beside bad ones are wrong");
+            ne_normal(dy, B * T * dim, 1.0);
+            tdy = tfrom(g_gpu, mgpu_tensor_shape(gr.y), dy);
+            NE_MUST(ne_backward(&gr, tx, tdy, NULL));
+            dw = ne_get(gr.g[0]);
+            for (p = 0; p < B * T; ++p)
+                if (p != 3 && p != 6)
+                    for (c = 0; c < dim; ++c) ref[ids[p] * dim + c] += dy[p * dim + c];
+            {
+                double e = test_rel_error(dw, ref, (size_t)num * dim);
+                CHECK(e <= 1e-6, "cuda Embedding backward skips bad ids: normalised error %.3g", e);
+            }
+            free(w); free(y); free(dy); free(dw); free(ref);
+            mgpu_tensor_destroy(tx); mgpu_tensor_destroy(tdy);
+            ne_close(&gr);
+        }
+    }
+    mgpu_layer_destroy(l);
+}
+
+/* -- PositionEmbedding(max, dim) on x [B, T, dim] -- */
+static void ne_position(int max, int dim, int B, int T) {
+    mgpu_shape xs = mgpu_shape3(B, T, dim);
+    const int64_t nx = mgpu_shape_numel(xs);
+    mgpu_layer* l = mgpu_layer_position_embedding(max, dim);
+    mgpu_device* cpu = mgpu_device_cpu();
+    float *x = fbuf(nx), *w;
+    double* yref = dbuf(nx);
+    char label[96];
+    int64_t b, t, c;
+    ne_run r;
+    CHECK(l && !strcmp(mgpu_layer_type(l), "PositionEmbedding"), "mgpu_layer_position_embedding(%d, %d): %s", max, dim,
+          l ? mgpu_layer_type(l) : mgpu_last_error());
+    if (!l) { free(x); free(yref); return; }
+    snprintf(label, sizeof label, "PositionEmbedding(%d, %d) on [%d,%d,%d]", max, dim, B, T, dim);
+    if (!ne_open(&r, l, cpu, xs, 7)) { mgpu_layer_destroy(l); free(x); free(yref); return; }   /* ne_check_layer's seed */
+    w = ne_get(r.p[0]);
+    ne_normal(x, nx, 1.0);
+    for (b = 0; b < B; ++b)
+        for (t = 0; t < T; ++t)
+            for (c = 0; c < dim; ++c) yref[(b * T + t) * dim + c] = (double)x[(b * T + t) * dim + c] + w[t * dim + c];
+    ne_check_layer(label, l, xs, MGPU_F32, x, NULL, yref);
+    {   /* positions from T on get no gradient; those below get the sum over the batch */
+        mgpu_tensor *tx = tfrom(cpu, xs, x), *dy = tfrom(cpu, xs, x);
+        float* g;
+        double* ref = dbuf((int64_t)max * dim);
+        NE_MUST(ne_forward(&r, tx));
+        NE_MUST(ne_backward(&r, tx, dy, NULL));
+        g = ne_get(r.g[0]);
+        for (b = 0; b < B; ++b)
+            for (t = 0; t < T * dim; ++t) ref[t] += x[b * T * dim + t];
+        CHECK(test_rel_error(g, ref, (size_t)max * dim) <= 1e-6, "%s: dweight is not the sum of dy over the batch, or rows "
+              "from T on are not zero", label);
+        free(g); free(ref);
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(dy);
+    }
+    free(w); free(x); free(yref);
+    ne_close(&r);
+    mgpu_layer_destroy(l);
+}
+
+/* -- GELU's tanh form: the op and its backward against float64, the layer -- */
+static double ne_gelu_tanh_ref(double x, int derivative) {
+    const double k = sqrt(2.0 / 3.14159265358979323846), c = 0.044715, t = tanh(k * (x + c * x * x * x));
+    return derivative ? 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x) : 0.5 * x * (1.0 + t);
+}
+static void ne_gelu_tanh(void) {
+    const int n = 1003;
+    mgpu_device* cpu = mgpu_device_cpu();
+    float *x = fbuf(n), *dy = fbuf(n), *y = fbuf(n), *dx = fbuf(n);
+    double *yref = dbuf(n), *dxref = dbuf(n);
+    mgpu_tensor *tx, *tdy, *ty, *tdx;
+    mgpu_layer* l = mgpu_layer_gelu_tanh();
+    int i;
+    for (i = 0; i < n; ++i) {
+        x[i] = -8.0f + 16.0f * (float)i / (float)(n - 1);
+        dy[i] = (float)rng_gauss();
+        yref[i] = ne_gelu_tanh_ref(x[i], 0);
+        dxref[i] = dy[i] * ne_gelu_tanh_ref(x[i], 1);
+    }
+    tx = tfrom(cpu, mgpu_shape1(n), x);
+    tdy = tfrom(cpu, mgpu_shape1(n), dy);
+    ty = tmake(cpu, MGPU_F32, mgpu_shape1(n));
+    tdx = tmake(cpu, MGPU_F32, mgpu_shape1(n));
+    NE_MUST(mgpu_gelu_tanh(ty, tx));
+    NE_MUST(mgpu_gelu_tanh_backward(tdx, tdy, tx));
+    tget(ty, y);
+    tget(tdx, dx);
+    {
+        double e1 = test_rel_error(y, yref, (size_t)n), e2 = test_rel_error(dx, dxref, (size_t)n);
+        CHECK(e1 <= 1e-6, "mgpu_gelu_tanh on [-8, 8] against float64: normalised error %.3g", e1);
+        CHECK(e2 <= 1e-6, "mgpu_gelu_tanh_backward on [-8, 8] against float64: normalised error %.3g", e2);
+    }
+    {   /* not the exact GELU: the two differ by up to about 5e-4 */
+        float* exact = fbuf(n);
+        double most = 0.0;
+        NE_MUST(mgpu_gelu(tdx, tx));
+        tget(tdx, exact);
+        for (i = 0; i < n; ++i) most = fabs((double)exact[i] - y[i]) > most ? fabs((double)exact[i] - y[i]) : most;
+        CHECK(most > 1e-4, "mgpu_gelu_tanh differs from mgpu_gelu by at most %.3g", most);
+        free(exact);
+    }
+    expect_fail(mgpu_gelu_tanh(ty, NULL), MGPU_ERROR_INVALID_ARGUMENT, "mgpu_gelu_tanh(out, NULL)", "mgpu_gelu_tanh", NULL, NULL);
+    if (gpu_part("mgpu_gelu_tanh")) {
+        mgpu_tensor *gx = tfrom(g_gpu, mgpu_shape1(n), x), *gdy = tfrom(g_gpu, mgpu_shape1(n), dy);
+        mgpu_tensor *gy = tmake(g_gpu, MGPU_F32, mgpu_shape1(n)), *gdx = tmake(g_gpu, MGPU_F32, mgpu_shape1(n));
+        float *hy = fbuf(n), *hdx = fbuf(n);
+        NE_MUST(mgpu_gelu_tanh(gy, gx));
+        NE_MUST(mgpu_gelu_tanh_backward(gdx, gdy, gx));
+        tget(gy, hy);
+        tget(gdx, hdx);
+        CHECK(ne_err(hy, y, n) <= 1e-5 && ne_err(hdx, dx, n) <= 1e-5, "cuda mgpu_gelu_tanh and its backward against the "
+              "CPU: normalised errors %.3g, %.3g", ne_err(hy, y, n), ne_err(hdx, dx, n));
+        free(hy); free(hdx);
+        mgpu_tensor_destroy(gx); mgpu_tensor_destroy(gdy); mgpu_tensor_destroy(gy); mgpu_tensor_destroy(gdx);
+    }
+    /* the layer: type GELU, described as PyTorch's approximate='tanh' */
+    CHECK(l && !strcmp(mgpu_layer_type(l), "GELU"), "mgpu_layer_gelu_tanh: %s", l ? mgpu_layer_type(l) : mgpu_last_error());
+    if (l) {
+        char desc[64] = "";
+        mgpu_shape xs = mgpu_shape3(2, 3, 37);
+        const int64_t nx = mgpu_shape_numel(xs);
+        float* lx = fbuf(nx);
+        double* lref = dbuf(nx);
+        int64_t j;
+        if (l->vt->describe) l->vt->describe(l, desc, sizeof desc);
+        CHECK(!strcmp(desc, "approximate='tanh'"), "mgpu_layer_gelu_tanh describes itself as \"%s\"", desc);
+        ne_normal(lx, nx, 2.0);
+        for (j = 0; j < nx; ++j) lref[j] = ne_gelu_tanh_ref(lx[j], 0);
+        ne_check_layer("GELU(approximate='tanh') on [2,3,37]", l, xs, MGPU_F32, lx, NULL, lref);
+        free(lx); free(lref);
+        mgpu_layer_destroy(l);
+    }
+    free(x); free(dy); free(y); free(dx); free(yref); free(dxref);
+    mgpu_tensor_destroy(tx); mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(ty); mgpu_tensor_destroy(tdx);
+}
+
+/* The f32 layers in a model (mgpu_model_create): LayerNorm -> GELU (tanh) -> PositionEmbedding on
+   samples [T, D] give what the layers give run by hand, forward and backward, bit for bit; a T
+   above max_positions is refused when the model is made, naming both. */
+static void ne_in_a_model(void) {
+    const int B = 3, T = 5, D = 19;
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_layer* layers[3];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    mgpu_shape xs = mgpu_shape3(B, T, D);
+    const int64_t nx = mgpu_shape_numel(xs);
+    float *x = fbuf(nx), *R = fbuf(nx);
+    int i;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_layer_norm(D);
+    layers[1] = mgpu_layer_gelu_tanh();
+    layers[2] = mgpu_layer_position_embedding(T + 2, D);
+    d.input = mgpu_shape2(T, D);
+    d.layers = layers;
+    d.layer_count = 3;
+    d.seed = 21;
+    m = mgpu_model_create(&d);
+    CHECK(m != NULL, "LayerNorm -> GELU (tanh) -> PositionEmbedding model: %s", mgpu_last_error());
+    if (m) {
+        ne_run run[3];
+        mgpu_tensor *tx = tfrom(cpu, xs, x), *tr, *dmid[2];
+        const mgpu_tensor* out;
+        int ok = 1;
+        CHECK(mgpu_model_tensor_count(m) == 3 && !strcmp(mgpu_model_tensor_name(m, 0), "0.weight") &&
+              !strcmp(mgpu_model_tensor_name(m, 1), "0.bias") && !strcmp(mgpu_model_tensor_name(m, 2), "2.weight"),
+              "model tensors: %d, '%s' ...", mgpu_model_tensor_count(m), mgpu_model_tensor_name(m, 0));
+        ne_normal(x, nx, 1.0);
+        ne_normal(R, nx, 1.0);
+        tput(tx, x);
+        tr = tfrom(cpu, xs, R);
+        /* LayerNorm's parameters other than ones and zeros, so that they matter */
+        {
+            float* p = fbuf(D);
+            ne_normal(p, D, 1.0);
+            tput(mgpu_model_tensor(m, 0, 0), p);
+            ne_normal(p, D, 1.0);
+            tput(mgpu_model_tensor(m, 0, 1), p);
+            free(p);
+        }
+        out = mgpu_model_forward(m, 0, tx, 1);
+        CHECK(out != NULL, "model forward: %s", mgpu_last_error());
+        NE_MUST(mgpu_model_zero_grad(m));
+        if (out) NE_MUST(mgpu_model_backward(m, 0, tr));
+        for (i = 0; i < 3; ++i) ok &= ne_open(&run[i], layers[i], cpu, xs, 0);
+        if (out && ok) {
+            float *a, *b2;
+            for (i = 0; i < 3; ++i)
+                if (run[i].np) NE_MUST(mgpu_tensor_copy(run[i].p[0], mgpu_model_tensor(m, 0, i == 0 ? 0 : 2)));
+            NE_MUST(mgpu_tensor_copy(run[0].p[1], mgpu_model_tensor(m, 0, 1)));
+            NE_MUST(ne_forward(&run[0], tx));
+            NE_MUST(ne_forward(&run[1], run[0].y));
+            NE_MUST(ne_forward(&run[2], run[1].y));
+            a = ne_get(out);
+            b2 = ne_get(run[2].y);
+            CHECK(!memcmp(a, b2, (size_t)nx * sizeof(float)), "model forward differs from the layers run by hand");
+            free(a); free(b2);
+            dmid[0] = tmake(cpu, MGPU_F32, xs);
+            dmid[1] = tmake(cpu, MGPU_F32, xs);
+            NE_MUST(ne_backward(&run[2], run[1].y, tr, dmid[1]));
+            NE_MUST(ne_backward(&run[1], run[0].y, dmid[1], dmid[0]));
+            NE_MUST(ne_backward(&run[0], tx, dmid[0], NULL));
+            {
+                const mgpu_tensor* mg = mgpu_model_grads(m, 0);
+                float* all = ne_get(mg);
+                float *g0 = ne_get(run[0].g[0]), *g1 = ne_get(run[0].g[1]), *g2 = ne_get(run[2].g[0]);
+                const int64_t o0 = ((const char*)mgpu_tensor_data(mgpu_model_tensor(m, 0, 0)) - (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+                const int64_t o1 = ((const char*)mgpu_tensor_data(mgpu_model_tensor(m, 0, 1)) - (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+                const int64_t o2 = ((const char*)mgpu_tensor_data(mgpu_model_tensor(m, 0, 2)) - (const char*)mgpu_tensor_data(mgpu_model_params(m, 0))) / 4;
+                CHECK(!memcmp(all + o0, g0, D * sizeof(float)) && !memcmp(all + o1, g1, D * sizeof(float)) &&
+                      !memcmp(all + o2, g2, (size_t)(T + 2) * D * sizeof(float)),
+                      "model gradients differ from the layers run by hand");
+                free(all); free(g0); free(g1); free(g2);
+            }
+            mgpu_tensor_destroy(dmid[0]);
+            mgpu_tensor_destroy(dmid[1]);
+        }
+        for (i = 0; i < 3; ++i) ne_close(&run[i]);
+        mgpu_tensor_destroy(tx);
+        mgpu_tensor_destroy(tr);
+        mgpu_model_destroy(m);
+    }
+    /* T above max_positions */
+    layers[0] = mgpu_layer_position_embedding(T, D);
+    d.input = mgpu_shape2(T + 1, D);
+    d.layers = layers;
+    d.layer_count = 1;
+    m = mgpu_model_create(&d);
+    CHECK(m == NULL, "a model with T %d above max_positions %d was made", T + 1, T);
+    if (m) mgpu_model_destroy(m);
+    else expect_fail(mgpu_last_result(), MGPU_ERROR_SHAPE_MISMATCH, "PositionEmbedding(5, 19) on T 6", ",6,19]",
+                     "max_positions 5", "PositionEmbedding");
+    free(x); free(R);
+}
+
+/* sizes refused at creation, shapes refused at forward */
+static void ne_errors(void) {
+    mgpu_layer* l;
+    ne_expect_null(mgpu_layer_layer_norm(0), "mgpu_layer_layer_norm(0)", "mgpu_layer_layer_norm");
+    ne_expect_null(mgpu_layer_layer_norm(-3), "mgpu_layer_layer_norm(-3)", "mgpu_layer_layer_norm");
+    ne_expect_null(mgpu_layer_embedding(0, 4), "mgpu_layer_embedding(0, 4)", "mgpu_layer_embedding");
+    ne_expect_null(mgpu_layer_embedding(4, 0), "mgpu_layer_embedding(4, 0)", "mgpu_layer_embedding");
+    ne_expect_null(mgpu_layer_embedding(-1, -1), "mgpu_layer_embedding(-1, -1)", "mgpu_layer_embedding");
+    ne_expect_null(mgpu_layer_position_embedding(0, 4), "mgpu_layer_position_embedding(0, 4)", "mgpu_layer_position_embedding");
+    ne_expect_null(mgpu_layer_position_embedding(4, -2), "mgpu_layer_position_embedding(4, -2)", "mgpu_layer_position_embedding");
+    l = mgpu_layer_layer_norm(37);
+    if (l) {
+        mgpu_shape y;
+        ne_run run;
+        expect_fail(l->vt->output_shape(l, mgpu_shape2(3, 36), &y), MGPU_ERROR_SHAPE_MISMATCH, "LayerNorm(37) on [3,36]",
+                    "LayerNorm", "[3,36]", "37");
+        expect_fail(l->vt->output_shape(l, mgpu_shape1(37), &y), MGPU_ERROR_SHAPE_MISMATCH, "LayerNorm(37) on [37]",
+                    "LayerNorm", "[37]", NULL);
+        if (ne_open(&run, l, mgpu_device_cpu(), mgpu_shape2(3, 37), 0)) {
+            mgpu_tensor* bad = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(3, 36));
+            NE_MUST(mgpu_tensor_zero(bad));
+            expect_fail(ne_forward(&run, bad), MGPU_ERROR_SHAPE_MISMATCH, "LayerNorm(37) forward on [3,36]", "[3,36]", NULL, NULL);
+            mgpu_tensor_destroy(bad);
+            ne_close(&run);
+        }
+        mgpu_layer_destroy(l);
+    }
+    l = mgpu_layer_embedding(5, 3);
+    if (l) {
+        mgpu_shape y;
+        expect_fail(l->vt->output_shape(l, mgpu_shape4(2, 2, 2, 2), &y), MGPU_ERROR_SHAPE_MISMATCH, "Embedding on 4-D ids",
+                    "Embedding", "[2,2,2,2]", NULL);
+        mgpu_layer_destroy(l);
+    }
+    l = mgpu_layer_position_embedding(4, 3);
+    if (l) {
+        mgpu_shape y;
+        expect_fail(l->vt->output_shape(l, mgpu_shape3(2, 5, 3), &y), MGPU_ERROR_SHAPE_MISMATCH,
+                    "PositionEmbedding(4, 3) on T 5", "[2,5,3]", "max_positions 4", NULL);
+        expect_fail(l->vt->output_shape(l, mgpu_shape3(2, 4, 2), &y), MGPU_ERROR_SHAPE_MISMATCH,
+                    "PositionEmbedding(4, 3) on dim 2", "[2,4,2]", NULL, NULL);
+        mgpu_layer_destroy(l);
+    }
+}
+
 static void test_norm_embedding(void) {
     header("2. LayerNorm, Embedding, position embedding, GELU (tanh)");
+    ne_layer_norm(mgpu_shape3(3, 5, 37));      /* T not a power of two, dim not a multiple of 32 */
+    ne_layer_norm(mgpu_shape4(2, 3, 2, 7));    /* several leading dimensions */
+    ne_layer_norm(mgpu_shape2(2, 1030));       /* rows wider than 1024: a block per row on a GPU */
+    ne_embedding(13, 37, mgpu_shape2(3, 5));
+    ne_embedding(7, 6, mgpu_shape3(2, 3, 4));
+    ne_embedding(300, 33, mgpu_shape1(7));     /* more vocabulary rows than the grid has blocks */
+    ne_embedding_bad_ids();
+    ne_position(11, 37, 3, 5);
+    ne_position(6, 8, 2, 6);                   /* T = max_positions */
+    ne_gelu_tanh();
+    ne_in_a_model();
+    ne_errors();
 }
 
 /* ============================================================================================ */
