@@ -55,7 +55,7 @@ CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:
 endif
 
 .PHONY: all test test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
-all: $(CPU_BINS) $(CUDA_BINS) $(B)/train
+all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt
 
 $(B):
 	@mkdir -p $(B)
@@ -76,6 +76,13 @@ $(B)/train_cpu: examples/train.c mgpu.h | $(B)
 
 $(B)/train_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(B)/mgpu_kernels.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# build/gpt (examples/gpt.c): a GPT-2 trained on tokens or text, on every device present; the CUDA
+# build when there is nvcc, as build/train
+$(B)/gpt_cpu: examples/gpt.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+$(B)/gpt: $(if $(NVCC),$(B)/gpt_cuda,$(B)/gpt_cpu)
+	cp $< $@
 
 # The plain build a user who vendors mgpu.h makes (cc -O2, no -march): its CPU kernels are
 # chosen at run time (tests/plain_build.sh, and make bench's *_plain_O2 rows)
@@ -152,6 +159,8 @@ $(EMU_DIR)/test_%: tests/test_%.c $(HEADERS) $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR
 $(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) tests/emu/emu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU_DIR)/selfcheck.cpp -o $(EMU_DIR)/selfcheck.o
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU_DIR)/selfcheck.o $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+$(EMU_DIR)/gpt: examples/gpt.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 $(B)/train_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
 $(EMU_DIR)/ckpt_diff: tests/emu/ckpt_diff.c | $(EMU_DIR)
@@ -286,10 +295,10 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/course_simplenet.sh $(B) $(DATA)" \
 	    "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
