@@ -189,7 +189,9 @@
    ---------------------------------------------------------------------------------------------
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
      backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU, Tanh, Sigmoid, Dropout,
-     Flatten, Conv2d, MaxPool2d (no normalisation layers, no attention).
+     Flatten, Conv2d, MaxPool2d, CausalSelfAttention (GPT-2's attention block, which keeps the
+     [batch, heads, T, T] attention matrix: no fused FlashAttention kernel yet); no
+     normalisation layers.
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -214,7 +216,8 @@
    >>random      counter-based Philox RNG, identical on CPU and GPU
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
                  of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
-   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
+   >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...,
+                 causal self-attention (>>layer transformer)
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
