@@ -5572,13 +5572,32 @@ static mgpu_result mgpu__attn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x
     }
     return MGPU_OK;
 }
-/* the geometry, after the checks a direct call of the vtable needs too */
-static mgpu_result mgpu__attn_geometry(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu__attn* g) {
-    mgpu_shape y;
-    MGPU__TRY(mgpu__attn_output_shape(l, x->shape, &y));
-    if (!ctx->aux)
-        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "CausalSelfAttention(dim %d, heads %d): no aux buffers in the layer's ctx",
-                          l->cfg.in, l->cfg.out);
+/* The geometry, after the checks that keep a hand-made ctx (a harness calling the vtable) from
+   reading past a tensor: x [batch, T, dim], `y` (y or dy) and dx (may be NULL) of x's shape, and
+   every aux buffer f32 of aux_shape's shape on x's device (the GEMMs see 2-D views of them). */
+static mgpu_result mgpu__attn_geometry(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const char* pass, const mgpu_tensor* x,
+                                       const char* yn, const mgpu_tensor* y, const mgpu_tensor* dx, mgpu__attn* g) {
+    char op[96], name[24], ta[128], ts[64], tx[64];
+    mgpu_shape ys, want;
+    mgpu_dtype dt;
+    int i;
+    snprintf(op, sizeof op, "CausalSelfAttention(dim %d, heads %d) %s", l->cfg.in, l->cfg.out, pass);
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__attn_output_shape(l, x->shape, &ys));
+    MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
+    if (dx) MGPU__TRY(mgpu__check_like(op, "dx", dx, "x", x));
+    if (!ctx || !ctx->aux || !ctx->params || !ctx->grads)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the ctx lacks its params, grads or aux buffers", op);
+    for (i = 0; i < mgpu__attn_aux_count(l); ++i) {
+        MGPU__TRY(mgpu__attn_aux_shape(l, i, x->shape, &dt, &want));
+        snprintf(name, sizeof name, "aux[%d]", i);
+        MGPU__TRY(mgpu__check_tensor(op, name, ctx->aux[i], dt));
+        MGPU__TRY(mgpu__check_same_device(op, name, ctx->aux[i], "x", x));
+        if (!mgpu_shape_equal(ctx->aux[i]->shape, want))
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: %s %s, expected %s for x %s", op, name,
+                              mgpu_tensor_describe(ctx->aux[i], ta, sizeof ta), mgpu__shape_text(want, ts, sizeof ts),
+                              mgpu__shape_text(x->shape, tx, sizeof tx));
+    }
     g->batch = (int)x->shape.dim[0];
     g->t = (int)x->shape.dim[1];
     g->heads = l->cfg.out;
@@ -5591,7 +5610,7 @@ static mgpu_result mgpu__attn_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     mgpu_tensor x2, qkv2, y2, yh2;
     int64_t rows;
     const int drop = ctx->training && l->cfg.p > 0.0f;
-    MGPU__TRY(mgpu__attn_geometry(l, ctx, x, &g));
+    MGPU__TRY(mgpu__attn_geometry(l, ctx, "forward", x, "y", y, NULL, &g));
     rows = (int64_t)g.batch * g.t;
     x2 = mgpu__reshaped(x, mgpu_shape2(rows, l->cfg.in));
     y2 = mgpu__reshaped(y, mgpu_shape2(rows, l->cfg.in));
@@ -5617,7 +5636,7 @@ static mgpu_result mgpu__attn_backward(const mgpu_layer* l, const mgpu_layer_ctx
     int64_t rows;
     const int drop = ctx->training && l->cfg.p > 0.0f;
     (void)y;
-    MGPU__TRY(mgpu__attn_geometry(l, ctx, x, &g));
+    MGPU__TRY(mgpu__attn_geometry(l, ctx, "backward", x, "dy", dy, dx, &g));
     rows = (int64_t)g.batch * g.t;
     if (drop) {   /* through the residual dropout */
         MGPU__TRY(mgpu_mul(ctx->aux[MGPU__ATTN_DOUT], dy, ctx->aux[MGPU__ATTN_OUT_MASK]));

@@ -513,6 +513,40 @@ static void attn_create_errors(void) {
     mgpu_layer_destroy(l);
 }
 
+/* A hand-made ctx with wrong tensors gets a clear error, never a read past a tensor. */
+static void attn_misuse(void) {
+    mgpu_layer* l = mgpu_layer_causal_self_attention(8, 2, 0.0f);
+    mgpu_device* cpu = mgpu_device_cpu();
+    mgpu_tensor *bad_x, *bad_aux, *bad_dy, *keep;
+    attn_rig r;
+    if (!l) { CHECK(0, "attention misuse: create: %s", mgpu_last_error()); return; }
+    attn_rig_make(&r, l, cpu, 2, 5, 8, 2);
+    bad_x = tmake(cpu, MGPU_F32, mgpu_shape3(2, 5, 9));
+    bad_aux = tmake(cpu, MGPU_F32, mgpu_shape4(2, 2, 5, 4));
+    bad_dy = tmake(cpu, MGPU_F32, mgpu_shape3(2, 4, 8));
+    expect_fail(l->vt->forward(l, &r.ctx, bad_x, r.y), MGPU_ERROR_SHAPE_MISMATCH, "attention forward on [2,5,9]",
+                "CausalSelfAttention", "[batch,T,8]", NULL);
+    expect_fail(l->vt->forward(l, &r.ctx, r.x, bad_x), MGPU_ERROR_SHAPE_MISMATCH, "attention forward into y [2,5,9]",
+                "CausalSelfAttention(dim 8, heads 2) forward", "'y'", NULL);
+    keep = r.aux[1];
+    r.aux[1] = bad_aux;
+    expect_fail(l->vt->forward(l, &r.ctx, r.x, r.y), MGPU_ERROR_SHAPE_MISMATCH, "attention forward with aux[1] [2,2,5,4]",
+                "aux[1]", "[2,2,5,5]", NULL);
+    r.aux[1] = keep;
+    ATTN_MUST(mgpu_tensor_zero(r.x));
+    ATTN_MUST(l->vt->forward(l, &r.ctx, r.x, r.y));
+    expect_fail(l->vt->backward(l, &r.ctx, r.x, r.y, bad_dy, r.dx), MGPU_ERROR_SHAPE_MISMATCH, "attention backward with dy [2,4,8]",
+                "backward", "'dy'", NULL);
+    r.ctx.aux = NULL;
+    expect_fail(l->vt->forward(l, &r.ctx, r.x, r.y), MGPU_ERROR_INVALID_ARGUMENT, "attention forward without aux", "aux", NULL, NULL);
+    r.ctx.aux = r.aux;
+    mgpu_tensor_destroy(bad_x);
+    mgpu_tensor_destroy(bad_aux);
+    mgpu_tensor_destroy(bad_dy);
+    attn_rig_free(&r);
+    mgpu_layer_destroy(l);
+}
+
 /* The GPU twin of one configuration: same inputs on the CPU and on g_gpu; forward, the masks
    (bit for bit), every gradient and dx within 1e-5; a second GPU run gives the same bits. */
 static void attn_gpu_case(int B, int T, int D, int H, float p, int training) {
@@ -672,6 +706,7 @@ static void attn_gpu_model(void) {
 static void test_attention(void) {
     header("3. causal multi-head self-attention");
     attn_create_errors();
+    attn_misuse();
     attn_cpu_case(2, 5, 8, 2, 0.0f);    /* several heads */
     attn_cpu_case(3, 5, 6, 1, 0.0f);    /* one head */
     attn_cpu_case(2, 1, 4, 1, 0.0f);    /* T = 1 */
@@ -683,9 +718,9 @@ static void test_attention(void) {
         attn_gpu_case(2, 5, 8, 2, 0.0f, 1);
         attn_gpu_case(3, 5, 6, 1, 0.0f, 1);
         attn_gpu_case(2, 1, 4, 1, 0.0f, 1);
-        attn_gpu_case(2, 37, 8, 4, 0.0f, 1);
+        attn_gpu_case(4, 37, 16, 4, 0.0f, 1);   /* 592 rows: more than the emulator's 61 blocks of 8 warps cover in one pass */
         attn_gpu_case(1, 37, 70, 1, 0.0f, 1);   /* head size past 32 (lanes loop over it) */
-        attn_gpu_case(2, 37, 8, 2, 0.4f, 1);    /* dropout: the CPU's masks */
+        attn_gpu_case(4, 37, 16, 4, 0.4f, 1);   /* dropout: the CPU's masks */
         attn_gpu_case(2, 5, 8, 2, 0.4f, 0);     /* evaluation ignores it */
         attn_gpu_model();
     }
