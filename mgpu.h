@@ -5158,6 +5158,8 @@ struct mgpu_layer {
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
     int graph_safe;            /* a built-in, whose work a CUDA graph may capture (what changes
                                   from step to step, Dropout's key, it reads on the device) */
+    int uses_rng;              /* draws from the step's Dropout key (Dropout, CausalSelfAttention
+                                  with dropout): a CUDA graph's step gives it that key on the device */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -5341,13 +5343,16 @@ static const mgpu_layer_vtable mgpu__dropout_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (!(p >= 0.0f && p < 1.0f)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_dropout: p = %g, want 0 <= p < 1", (double)p);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.p = p;
-    return mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+    l = mgpu__builtin_layer(&mgpu__dropout_vt, &cfg);
+    if (l) l->uses_rng = 1;
+    return l;
 }
 
 /* -- Flatten: [N, ...] -> [N, rest] -- */
@@ -5668,6 +5673,7 @@ static const mgpu_layer_vtable mgpu__attn_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float dropout) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (dim <= 0 || heads <= 0 || dim % heads != 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_causal_self_attention: dim %d, heads %d: both must be positive "
                    "and dim a multiple of heads (head size dim / heads)", dim, heads);
@@ -5681,7 +5687,9 @@ MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float d
     cfg.in = dim;
     cfg.out = heads;
     cfg.p = dropout;
-    return mgpu__builtin_layer(&mgpu__attn_vt, &cfg);
+    l = mgpu__builtin_layer(&mgpu__attn_vt, &cfg);
+    if (l) l->uses_rng = dropout > 0.0f;
+    return l;
 }
 
 
@@ -9193,7 +9201,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         m->graph_opt = opt;
         m->graph_warm = 0;
     }
-    for (i = 0; i < m->layer_count && m->layers[i]->vt != &mgpu__dropout_vt; ++i) {}
+    for (i = 0; i < m->layer_count && !m->layers[i]->uses_rng; ++i) {}   /* a layer that draws: the key goes in */
     dropout = i < m->layer_count;
     for (i = 0; dropout && i < m->part_count; ++i)   /* made before the warm-up step, so that its temporaries follow */
         MGPU__TRY(mgpu__ensure(&m->part[i].step_seed, m->part[i].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));

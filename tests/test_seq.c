@@ -487,6 +487,79 @@ static void attn_model(void) {
     else expect_fail(mgpu_last_result(), MGPU_ERROR_SHAPE_MISMATCH, "attention on [T, dim + 1]", "CausalSelfAttention", "[batch,T,16]", NULL);
 }
 
+/* A training step (MSE on [batch, T, dim], SGD) with both dropouts on "cpu" and on "cpu:2": the
+   replicas' masks are drawn by sample, so two replicas of two samples each take the step one
+   device takes (to rounding: the replicas' gradients are summed in another order). */
+static double attn_step(const char* spec, float p, const float* xs, const float* ts, int B, int T, int D, int H, float* change,
+                        size_t* bytes) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_layer* layers[1];
+    mgpu_model_desc desc;
+    mgpu_optimizer_desc od;
+    mgpu_model* m = NULL;
+    mgpu_optimizer* opt = NULL;
+    mgpu_tensor *x = NULL, *t = NULL;
+    float loss = NAN;
+    mgpu_result r;
+    if (!set) { CHECK(0, "attention step: %s: %s", spec, mgpu_last_error()); return NAN; }
+    layers[0] = mgpu_layer_causal_self_attention(D, H, p);
+    memset(&desc, 0, sizeof desc);
+    desc.input = mgpu_shape2(T, D);
+    desc.layers = layers;
+    desc.layer_count = 1;
+    desc.devices = set;
+    desc.loss = MGPU_LOSS_MSE;
+    desc.seed = 5;
+    m = mgpu_model_create(&desc);
+    memset(&od, 0, sizeof od);
+    od.kind = MGPU_SGD;
+    od.lr = 0.5f;
+    if (m) opt = mgpu_optimizer_create(m, &od);
+    CHECK(m && opt, "attention step on %s: %s", spec, mgpu_last_error());
+    if (m && opt) {
+        float* before;
+        size_t i;
+        x = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), xs);
+        t = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), ts);
+        *bytes = mgpu_tensor_bytes(mgpu_model_params(m, 0));
+        before = fbuf((int64_t)(*bytes / sizeof(float)));
+        tget(mgpu_model_params(m, 0), before);
+        r = mgpu_model_train_step(m, opt, x, t, &loss);
+        CHECK(r == MGPU_OK, "attention step on %s: %s", spec, mgpu_last_error());
+        tget(mgpu_model_params(m, 0), change);
+        for (i = 0; i < *bytes / sizeof(float); ++i) change[i] -= before[i];   /* the step's change */
+        free(before);
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(t);
+    mgpu_optimizer_destroy(opt);
+    if (m) mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return loss;
+}
+static void attn_replicas(void) {
+    const int B = 4, T = 6, D = 8, H = 2;
+    const int64_t n = (int64_t)B * T * D;
+    float *xs = fbuf(n), *ts = fbuf(n), *p1 = fbuf(4 * D * D + 4 * D + 64), *p2 = fbuf(4 * D * D + 4 * D + 64),
+          *p0 = fbuf(4 * D * D + 4 * D + 64);
+    size_t b1 = 0, b2 = 0, b0 = 0;
+    double l1, l2, l0;
+    int64_t i;
+    for (i = 0; i < n; ++i) { xs[i] = (float)rng_gauss(); ts[i] = (float)(0.1 * rng_gauss()); }
+    l1 = attn_step("cpu", 0.3f, xs, ts, B, T, D, H, p1, &b1);
+    l2 = attn_step("cpu:2", 0.3f, xs, ts, B, T, D, H, p2, &b2);
+    l0 = attn_step("cpu", 0.0f, xs, ts, B, T, D, H, p0, &b0);
+    CHECK(b1 == b2 && b1 > 0 && b1 <= (size_t)(4 * D * D + 4 * D + 64) * sizeof(float), "attention step: flat buffers of %zu and %zu bytes", b1, b2);
+    if (b1 == b2 && b1 > 0 && b1 <= (size_t)(4 * D * D + 4 * D + 64) * sizeof(float)) {
+        double e = attn_rel(p2, p1, (int64_t)(b1 / sizeof(float)));
+        CHECK(fabs(l1 - l2) <= 1e-6 * fabs(l1), "attention step with dropout: loss %.9g on cpu, %.9g on cpu:2", l1, l2);
+        CHECK(e <= 1e-5, "attention step with dropout: the parameters' change on cpu:2 differs from cpu's: normalised error %.3g", e);
+        CHECK(l0 != l1 && attn_rel(p0, p1, (int64_t)(b1 / sizeof(float))) > 1e-2,
+              "attention step: dropout 0.3 gave the step of dropout 0 (loss %.9g)", l0);
+    }
+    free(xs); free(ts); free(p1); free(p2); free(p0);
+}
+
 static void attn_create_errors(void) {
     mgpu_layer* l;
     l = mgpu_layer_causal_self_attention(10, 3, 0.0f);
@@ -703,6 +776,67 @@ static void attn_gpu_model(void) {
 #endif
 }
 
+/* Steps of a GPU model with both dropouts, eager and as a CUDA graph's replays (whose kernels read
+   each step's key on the device): the same bits after every step. */
+static void attn_gpu_graph(void) {
+#ifdef MGPU_CUDA
+    const int B = 3, T = 7, D = 8, H = 2, steps = 4;
+    const int64_t n = (int64_t)B * T * D;
+    mgpu_model* m[2] = { NULL, NULL };
+    mgpu_optimizer* opt[2] = { NULL, NULL };
+    float *xs = fbuf(n), *ts = fbuf(n), *p[2] = { NULL, NULL };
+    mgpu_tensor *x, *t;
+    size_t bytes = 0;
+    int k, step, same = 1;
+    for (k = 0; k < n; ++k) { xs[k] = (float)rng_gauss(); ts[k] = (float)(0.1 * rng_gauss()); }
+    x = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), xs);
+    t = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), ts);
+    for (k = 0; k < 2; ++k) {
+        mgpu_layer* layers[1];
+        mgpu_model_desc desc;
+        mgpu_optimizer_desc od;
+        layers[0] = mgpu_layer_causal_self_attention(D, H, 0.3f);
+        memset(&desc, 0, sizeof desc);
+        desc.input = mgpu_shape2(T, D);
+        desc.layers = layers;
+        desc.layer_count = 1;
+        desc.devices = g_gpu_set;
+        desc.loss = MGPU_LOSS_MSE;
+        desc.seed = 9;
+        desc.graph = k;
+        m[k] = mgpu_model_create(&desc);
+        memset(&od, 0, sizeof od);
+        od.kind = MGPU_SGD;
+        od.lr = 0.5f;
+        if (m[k]) opt[k] = mgpu_optimizer_create(m[k], &od);
+        CHECK(m[k] && opt[k], "cuda attention graph %d: %s", k, mgpu_last_error());
+    }
+    if (opt[0] && opt[1]) {
+        bytes = mgpu_tensor_bytes(mgpu_model_params(m[0], 0));
+        p[0] = fbuf((int64_t)(bytes / sizeof(float)));
+        p[1] = fbuf((int64_t)(bytes / sizeof(float)));
+        for (step = 0; step < steps && same; ++step) {
+            for (k = 0; k < 2; ++k) {
+                mgpu_result r = mgpu_model_train_step(m[k], opt[k], x, t, NULL);
+                if (r != MGPU_OK) CHECK(0, "cuda attention graph %d: step %d: %s", k, step, mgpu_last_error());
+                tget(mgpu_model_params(m[k], 0), p[k]);
+            }
+            same = !memcmp(p[0], p[1], bytes);
+            CHECK(same, "cuda attention: step %d replayed from a CUDA graph differs from the eager step", step);
+        }
+        CHECK(mgpu_model_graph_steps(m[1]) > 0, "cuda attention: no step was a CUDA graph's replay");
+    }
+    for (k = 0; k < 2; ++k) {
+        mgpu_optimizer_destroy(opt[k]);
+        if (m[k]) mgpu_model_destroy(m[k]);
+        free(p[k]);
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(t);
+    free(xs); free(ts);
+#endif
+}
+
 static void test_attention(void) {
     header("3. causal multi-head self-attention");
     attn_create_errors();
@@ -714,6 +848,7 @@ static void test_attention(void) {
     attn_cpu_case(2, 5, 8, 2, 0.3f);    /* both dropouts, training: the same masks in every forward */
     attn_cpu_dropout();
     attn_model();
+    attn_replicas();
     if (gpu_part("attention")) {
         attn_gpu_case(2, 5, 8, 2, 0.0f, 1);
         attn_gpu_case(3, 5, 6, 1, 0.0f, 1);
@@ -723,6 +858,7 @@ static void test_attention(void) {
         attn_gpu_case(4, 37, 16, 4, 0.4f, 1);   /* dropout: the CPU's masks */
         attn_gpu_case(2, 5, 8, 2, 0.4f, 0);     /* evaluation ignores it */
         attn_gpu_model();
+        attn_gpu_graph();
     }
 }
 
