@@ -617,7 +617,8 @@ typedef struct mgpu_layer_ctx {
                                     numbers by sample, and N replicas match one device */
     const uint64_t* seed_on_device;   /* NULL, or (while a step is captured as a CUDA graph) where
                                     the device holds `seed` at each replay of it: a GPU kernel
-                                    that draws from seed reads it there (the built-in Dropout) */
+                                    that draws from seed reads it there (the built-in Dropout,
+                                    CausalSelfAttention) */
 } mgpu_layer_ctx;
 
 typedef struct mgpu_layer_vtable {

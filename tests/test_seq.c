@@ -339,10 +339,10 @@ static void attn_cpu_case(int B, int T, int D, int H, float p) {
                 CHECK(before == 0, "%s: changing x at t = %d changed %lld outputs before it (or of other samples)", what,
                       t0, (long long)before);
                 CHECK(at > 0, "%s: changing x at t = %d changed nothing at t = %d", what, t0, t0);
+                if (t0 < T - 1) CHECK(others > 0, "%s: changing x at t = %d changed nothing after it", what, t0);
             }
             for (k = 0; k < D; ++k) v.x[(int64_t)t0 * D + k] -= 0.5f;
         }
-        (void)others;
     }
     for (k = 0; k <= ATTN_PARAMS; ++k) free(g[k]);
     free(y); free(y2); free(R); free(ref); free(amask); free(omask);
