@@ -189,9 +189,12 @@
    DOES NOT (yet)
    ---------------------------------------------------------------------------------------------
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
-     backward (examples/custom_layer.c). Built-ins: Linear, ReLU, GELU (exact, and GPT-2's tanh
-     form), Tanh, Sigmoid, Dropout, Flatten, Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding
-     and PositionEmbedding (no BatchNorm, no attention).
+     backward (examples/custom_layer.c). Built-ins: Linear (also without a bias, and Hugging
+     Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
+     Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding, PositionEmbedding and
+     CausalSelfAttention (which keeps the [batch, heads, T, T] attention matrix: no fused
+     FlashAttention kernel yet); containers (Sequential, Residual) make blocks of them. No
+     BatchNorm, no buffers (running statistics) yet.
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -217,7 +220,8 @@
    >>ops         elementwise, matmul, bias, reductions, softmax, cross-entropy, argmax; kernels
                  of your own (a CPU loop on the pool, a CUDA kernel on a device's stream)
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...;
-                 >>layer transformer: LayerNorm, Embedding, PositionEmbedding
+                 >>layer transformer: LayerNorm, Embedding, PositionEmbedding, CausalSelfAttention;
+                 containers (Sequential, Residual), names, calling a layer from a layer
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
@@ -636,7 +640,8 @@ typedef struct mgpu_layer_ctx {
                                     numbers by sample, and N replicas match one device */
     const uint64_t* seed_on_device;   /* NULL, or (while a step is captured as a CUDA graph) where
                                     the device holds `seed` at each replay of it: a GPU kernel
-                                    that draws from seed reads it there (the built-in Dropout) */
+                                    that draws from seed reads it there (the built-in Dropout,
+                                    CausalSelfAttention) */
 } mgpu_layer_ctx;
 
 typedef struct mgpu_layer_vtable {
@@ -710,6 +715,19 @@ MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim);
 MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim);
 /* nn.GELU(approximate='tanh'), GPT-2's GELU: mgpu_gelu_tanh (>>ops) as a layer, type "GELU". */
 MGPUDEF mgpu_layer* mgpu_layer_gelu_tanh(void);
+/* GPT-2's attention block (Hugging Face's GPT2Attention, nanoGPT's CausalSelfAttention) as one
+   layer, type "CausalSelfAttention": x [batch, T, dim] (any T >= 1) -> [batch, T, dim].
+       qkv = x c_attn.weight + c_attn.bias            q, k, v: columns [0,dim), [dim,2dim), [2dim,3dim);
+                                                       head h: columns h*hs .. (h+1)*hs of each, hs = dim/heads
+       att = softmax(q k^T / sqrt(hs)), key s > query t masked (-inf); attention dropout on att
+       out = (att v, heads merged back to [batch, T, dim]) c_proj.weight + c_proj.bias; residual dropout
+   Parameters "c_attn.weight" [dim, 3*dim], "c_attn.bias" [3*dim], "c_proj.weight" [dim, dim],
+   "c_proj.bias" [dim], stored [in, out] as Hugging Face's Conv1D stores them (GPT2LMHeadModel's
+   files load as they are; nanoGPT's nn.Linear holds the transpose), initialised as GPT-2: weights
+   N(0, 0.02), biases 0. Both dropouts (probability
+   `dropout`, only in training) draw from Philox as the Dropout layer does, by sample. dim % heads
+   must be 0. The attention matrix [batch, heads, T, T] is kept for backward (no fused kernel yet). */
+MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float dropout);
 /* Containers, layers made of layers (a GPT block or a ResNet block is one entry of a model's
    list, so pipelines still cut between entries). Each takes its layers over, as a model does
    (even on failure: NULL, with the layers destroyed); destroying it destroys them.
@@ -1482,6 +1500,13 @@ typedef struct mgpu__window {
     int oh, ow;              /* output height and width */
 } mgpu__window;
 
+/* The geometry of causal self-attention: qkv [batch, t, 3 * heads * head_size] (q, k, v side by
+   side, head h at columns h * head_size of each), attention rows [batch, heads, t, t]. */
+typedef struct mgpu__attn {
+    int batch, t, heads, head_size;
+    float scale;             /* 1 / sqrt(head_size) */
+} mgpu__attn;
+
 /* ---- backend interface, implemented in mgpu_kernels.cu ----
    Every function returns 0 on success or one of the codes below, and then leaves a message
    naming the failed call, the CUDA/cuBLAS/NCCL error name and mgpu_kernels.cu:line, which
@@ -1607,6 +1632,18 @@ int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* 
 /* dx (overwritten) = sum of dy over the windows whose argmax is this element; deterministic */
 int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
                               const int32_t* argmax, float* dx);
+/* Causal attention's core. Forward, a row per (b, h, t): att (probabilities, 0 above the
+   diagonal) = softmax of the masked scores; with mask (not NULL), mask[i] =
+   mgpu__dropout_scale(seed, offset, first + i, p) on and below the diagonal, 0 above; y [batch,
+   t, heads*head_size] = (att .* mask) v. seed_on_device as in mgpu__cu_dropout.
+   Backward: dscores (overwritten, [batch, heads, t, t]) = att .* (dP - rowsum(dP .* att)) * scale
+   with dP = (dy v^T) .* mask; dqkv (overwritten) = [dS k, dS^T q, (att .* mask)^T dy] per head.
+   Every sum in a fixed order; no atomics. */
+int mgpu__cu_attention_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* att, float* y,
+                               float* mask, uint64_t seed, const uint64_t* seed_on_device, uint64_t offset,
+                               uint64_t first, float p);
+int mgpu__cu_attention_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* att,
+                                const float* mask, const float* dy, float* dscores, float* dqkv);
 
 /* >>layer transformer. LayerNorm over the rows of x [rows, cols]: mean[r], rstd[r] =
    1 / sqrt(biased variance + eps), y = (x - mean) * rstd * weight + bias. */
@@ -5171,6 +5208,141 @@ static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tens
     return MGPU_OK;
 }
 
+/* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU a
+   task per (batch, head): it writes only its head's rows of att, mask and dscores and its head's
+   columns of y and dqkv, so the results do not depend on the thread count. -- */
+typedef struct mgpu__attn_job {
+    mgpu__attn g;
+    const float *qkv, *dy;
+    float *att, *mask, *y, *dscores, *dqkv;
+    uint64_t seed, offset, first;
+    float p;
+} mgpu__attn_job;
+
+static void mgpu__attn_forward_task(void* ctx, int64_t bh) {
+    const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
+    const mgpu__attn* g = &j->g;
+    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D;
+    const int64_t b = bh / g->heads, h = bh % g->heads;
+    const float* base = j->qkv + b * T * W + h * hs;   /* this head's q of row 0; k at + D, v at + 2 D */
+    int64_t t, s, d;
+    for (t = 0; t < T; ++t) {
+        const int64_t row = bh * T + t;
+        const float* q = base + t * W;
+        float* a = j->att + row * T;
+        float* mk = j->mask ? j->mask + row * T : NULL;
+        float* yr = j->y + (b * T + t) * D + h * hs;
+        float m = -INFINITY, sum = 0.0f;
+        for (s = 0; s <= t; ++s) {
+            const float* k = base + s * W + D;
+            float dot = 0.0f;
+            for (d = 0; d < hs; ++d) dot += q[d] * k[d];
+            a[s] = dot * g->scale;
+            m = a[s] > m ? a[s] : m;
+        }
+        for (s = 0; s <= t; ++s) { a[s] = expf(a[s] - m); sum += a[s]; }   /* max subtracted: no overflow */
+        for (s = 0; s <= t; ++s) a[s] /= sum;
+        for (s = t + 1; s < T; ++s) a[s] = 0.0f;   /* the causal mask: exp(-inf) */
+        if (mk)
+            for (s = 0; s < T; ++s)
+                mk[s] = s <= t ? mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)(row * T + s), j->p) : 0.0f;
+        for (d = 0; d < hs; ++d) yr[d] = 0.0f;
+        for (s = 0; s <= t; ++s) {
+            const float w = mk ? a[s] * mk[s] : a[s];
+            const float* v = base + s * W + 2 * D;
+            for (d = 0; d < hs; ++d) yr[d] += w * v[d];
+        }
+    }
+}
+
+static void mgpu__attn_backward_task(void* ctx, int64_t bh) {
+    const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
+    const mgpu__attn* g = &j->g;
+    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D;
+    const int64_t b = bh / g->heads, h = bh % g->heads;
+    const float* base = j->qkv + b * T * W + h * hs;
+    float* dbase = j->dqkv + b * T * W + h * hs;
+    const float* dybase = j->dy + b * T * D + h * hs;
+    int64_t t, s, d;
+    /* by query rows: dS, then dq = dS k */
+    for (t = 0; t < T; ++t) {
+        const int64_t row = bh * T + t;
+        const float* a = j->att + row * T;
+        const float* mk = j->mask ? j->mask + row * T : NULL;
+        const float* dyr = dybase + t * D;
+        float* ds = j->dscores + row * T;
+        float* dq = dbase + t * W;
+        float rs = 0.0f;
+        for (s = 0; s <= t; ++s) {
+            const float* v = base + s * W + 2 * D;
+            float da = 0.0f;
+            for (d = 0; d < hs; ++d) da += dyr[d] * v[d];
+            ds[s] = mk ? da * mk[s] : da;   /* d att before the dropout */
+            rs += ds[s] * a[s];
+        }
+        for (s = 0; s <= t; ++s) ds[s] = a[s] * (ds[s] - rs) * g->scale;
+        for (s = t + 1; s < T; ++s) ds[s] = 0.0f;
+        for (d = 0; d < hs; ++d) dq[d] = 0.0f;
+        for (s = 0; s <= t; ++s) {
+            const float* k = base + s * W + D;
+            for (d = 0; d < hs; ++d) dq[d] += ds[s] * k[d];
+        }
+    }
+    /* by key rows: dk = dS^T q, dv = (att .* mask)^T dy, down the column s from the diagonal */
+    for (s = 0; s < T; ++s) {
+        float* dk = dbase + s * W + D;
+        float* dv = dk + D;
+        for (d = 0; d < hs; ++d) dk[d] = dv[d] = 0.0f;
+        for (t = s; t < T; ++t) {
+            const int64_t at = (bh * T + t) * T + s;
+            const float w = j->dscores[at], a = j->mask ? j->att[at] * j->mask[at] : j->att[at];
+            const float* q = base + t * W;
+            const float* dyr = dybase + t * D;
+            for (d = 0; d < hs; ++d) {
+                dk[d] += w * q[d];
+                dv[d] += a * dyr[d];
+            }
+        }
+    }
+}
+
+static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* att, mgpu_tensor* y,
+                                           mgpu_tensor* mask, uint64_t seed, const uint64_t* seed_on_device,
+                                           uint64_t offset, uint64_t first, float p) {
+    mgpu__attn_job job;
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
+    if (!MGPU__IS_CPU(qkv)) {
+        MGPU__CU("CausalSelfAttention forward", MGPU__DEV(qkv),
+                 mgpu__cu_attention_forward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(att), MGPU__F32(y),
+                                            mask ? MGPU__F32(mask) : NULL, seed, seed_on_device, offset, first, p));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.g = *g; job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
+    job.mask = mask ? MGPU__F32(mask) : NULL;
+    job.seed = seed; job.offset = offset; job.first = first; job.p = p;
+    mgpu__parallel_for((int64_t)g->batch * g->heads, mgpu__attn_forward_task, &job);
+    return MGPU_OK;
+}
+
+static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tensor* qkv, const mgpu_tensor* att,
+                                            const mgpu_tensor* mask, const mgpu_tensor* dy, mgpu_tensor* dscores,
+                                            mgpu_tensor* dqkv) {
+    mgpu__attn_job job;
+    MGPU__COUNT(MGPU__DEV(dqkv), ops, 1);
+    if (!MGPU__IS_CPU(qkv)) {
+        MGPU__CU("CausalSelfAttention backward", MGPU__DEV(qkv),
+                 mgpu__cu_attention_backward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(att),
+                                             mask ? MGPU__F32(mask) : NULL, MGPU__F32(dy), MGPU__F32(dscores), MGPU__F32(dqkv)));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.g = *g; job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
+    job.dy = MGPU__F32(dy); job.dscores = MGPU__F32(dscores); job.dqkv = MGPU__F32(dqkv);
+    mgpu__parallel_for((int64_t)g->batch * g->heads, mgpu__attn_backward_task, &job);
+    return MGPU_OK;
+}
+
 /* -- kernels of your own -- */
 MGPUDEF mgpu_result mgpu_tensor_check(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt,
                                       const char* like_name, const mgpu_tensor* like) {
@@ -5237,10 +5409,11 @@ struct mgpu_layer {
     int named;
     mgpu__layer_cfg cfg;
     const mgpu_model* owner;   /* the model it belongs to (LIFETIMES), or NULL */
-    int uses_rng;              /* draws random numbers (Dropout, or a container holding one): a CUDA
-                                  graph of the step reads the step's key on the device */
     int graph_safe;            /* a built-in, whose work a CUDA graph may capture (what changes
                                   from step to step, Dropout's key, it reads on the device) */
+    int uses_rng;              /* draws from the step's Dropout key (Dropout, CausalSelfAttention
+                                  with dropout, a container holding one): a CUDA graph's step gives
+                                  it that key on the device */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -6047,6 +6220,178 @@ MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
     return mgpu__builtin_layer(&mgpu__pos_vt, &cfg);
 }
 
+
+/* ---- >>layer transformer ---- */
+/* -- CausalSelfAttention: cfg.in = dim, cfg.out = heads, cfg.p = dropout. The projections are
+   GEMMs on [batch*T, ...] views; the core is mgpu__attention_forward/backward. Aux buffers, from
+   forward to backward: qkv, att (probabilities), y (heads merged, c_proj's input), and with
+   dropout the two masks; backward's scratch: dy (into the heads), dqkv, dscores and, with
+   dropout, d out before the residual dropout. Backward never writes forward's buffers, so a
+   second backward after one forward adds the same gradients again. -- */
+enum {
+    MGPU__ATTN_QKV, MGPU__ATTN_ATT, MGPU__ATTN_Y,                /* kept from forward */
+    MGPU__ATTN_DY, MGPU__ATTN_DQKV, MGPU__ATTN_DSCORES,          /* backward's scratch */
+    MGPU__ATTN_MASK, MGPU__ATTN_OUT_MASK, MGPU__ATTN_DOUT,       /* with dropout only */
+    MGPU__ATTN_AUX_MAX
+};
+/* the residual dropout's counters: past any attention dropout's (B*heads*T*T/4 of them) */
+#define MGPU__ATTN_OUT_OFFSET ((uint64_t)1 << 39)
+
+static mgpu_result mgpu__attn_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char want[64];
+    if (x.ndim != 3 || x.dim[1] < 1 || x.dim[2] != l->cfg.in || x.dim[0] > 0x7fffffff || x.dim[1] > 0x7fffffff) {
+        snprintf(want, sizeof want, "[batch,T,%d] with T >= 1", l->cfg.in);
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    *y = x;
+    return MGPU_OK;
+}
+static int mgpu__attn_param_count(const mgpu_layer* l) { (void)l; return 4; }
+static mgpu_result mgpu__attn_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    static const char* names[4] = { "c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias" };
+    const int64_t d = l->cfg.in;
+    *name = names[i];
+    *shape = i == 0 ? mgpu_shape2(d, 3 * d) : i == 1 ? mgpu_shape1(3 * d) : i == 2 ? mgpu_shape2(d, d) : mgpu_shape1(d);   /* [in, out] */
+    return MGPU_OK;
+}
+/* GPT-2 (Hugging Face's _init_weights): weights N(0, 0.02), biases zero; each weight from its own
+   counters. (GPT-2 also scales c_proj.weight by 1/sqrt(2 n_layer): a model's choice, not the
+   layer's, which does not know n_layer.) */
+static mgpu_result mgpu__attn_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    (void)l;
+    MGPU__TRY(mgpu_rand_normal(ctx->params[0], seed, 0, 0.0f, 0.02f));
+    MGPU__TRY(mgpu_rand_normal(ctx->params[2], seed, mgpu_rand_offsets(mgpu_tensor_numel(ctx->params[0])), 0.0f, 0.02f));
+    MGPU__TRY(mgpu_tensor_zero(ctx->params[1]));
+    return mgpu_tensor_zero(ctx->params[3]);
+}
+static int mgpu__attn_aux_count(const mgpu_layer* l) { return l->cfg.p > 0.0f ? MGPU__ATTN_AUX_MAX : MGPU__ATTN_MASK; }
+static mgpu_result mgpu__attn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    mgpu_shape y;
+    MGPU__TRY(mgpu__attn_output_shape(l, x, &y));
+    *dt = MGPU_F32;
+    switch (i) {
+    case MGPU__ATTN_QKV: case MGPU__ATTN_DQKV: *shape = mgpu_shape3(x.dim[0], x.dim[1], 3 * x.dim[2]); break;
+    case MGPU__ATTN_ATT: case MGPU__ATTN_DSCORES: case MGPU__ATTN_MASK:
+        *shape = mgpu_shape4(x.dim[0], l->cfg.out, x.dim[1], x.dim[1]);
+        break;
+    default: *shape = x; break;   /* y, dy, the residual mask, d out */
+    }
+    return MGPU_OK;
+}
+/* The geometry, after the checks that keep a hand-made ctx (a harness calling the vtable) from
+   reading past a tensor: x [batch, T, dim], `y` (y or dy) and dx (may be NULL) of x's shape, and
+   every aux buffer f32 of aux_shape's shape on x's device (the GEMMs see 2-D views of them). */
+static mgpu_result mgpu__attn_geometry(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const char* pass, const mgpu_tensor* x,
+                                       const char* yn, const mgpu_tensor* y, const mgpu_tensor* dx, mgpu__attn* g) {
+    char op[96], name[24], ta[128], ts[64], tx[64];
+    mgpu_shape ys, want;
+    mgpu_dtype dt;
+    int i;
+    snprintf(op, sizeof op, "CausalSelfAttention(dim %d, heads %d) %s", l->cfg.in, l->cfg.out, pass);
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
+    MGPU__TRY(mgpu__attn_output_shape(l, x->shape, &ys));
+    MGPU__TRY(mgpu__check_like(op, yn, y, "x", x));
+    if (dx) MGPU__TRY(mgpu__check_like(op, "dx", dx, "x", x));
+    if (!ctx || !ctx->aux || !ctx->params || !ctx->grads)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the ctx lacks its params, grads or aux buffers", op);
+    for (i = 0; i < mgpu__attn_aux_count(l); ++i) {
+        MGPU__TRY(mgpu__attn_aux_shape(l, i, x->shape, &dt, &want));
+        snprintf(name, sizeof name, "aux[%d]", i);
+        MGPU__TRY(mgpu__check_tensor(op, name, ctx->aux[i], dt));
+        MGPU__TRY(mgpu__check_same_device(op, name, ctx->aux[i], "x", x));
+        if (!mgpu_shape_equal(ctx->aux[i]->shape, want))
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: %s %s, expected %s for x %s", op, name,
+                              mgpu_tensor_describe(ctx->aux[i], ta, sizeof ta), mgpu__shape_text(want, ts, sizeof ts),
+                              mgpu__shape_text(x->shape, tx, sizeof tx));
+    }
+    g->batch = (int)x->shape.dim[0];
+    g->t = (int)x->shape.dim[1];
+    g->heads = l->cfg.out;
+    g->head_size = l->cfg.in / l->cfg.out;
+    g->scale = 1.0f / sqrtf((float)g->head_size);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__attn_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu__attn g;
+    mgpu_tensor x2, qkv2, y2, yh2;
+    int64_t rows;
+    const int drop = ctx->training && l->cfg.p > 0.0f;
+    MGPU__TRY(mgpu__attn_geometry(l, ctx, "forward", x, "y", y, NULL, &g));
+    rows = (int64_t)g.batch * g.t;
+    x2 = mgpu__reshaped(x, mgpu_shape2(rows, l->cfg.in));
+    y2 = mgpu__reshaped(y, mgpu_shape2(rows, l->cfg.in));
+    qkv2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_QKV], mgpu_shape2(rows, 3 * (int64_t)l->cfg.in));
+    yh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_Y], mgpu_shape2(rows, l->cfg.in));
+    MGPU__TRY(mgpu_matmul(&qkv2, &x2, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));   /* qkv = x Wa */
+    MGPU__TRY(mgpu_bias_add(&qkv2, &qkv2, ctx->params[1]));
+    /* numbered by sample: row r's mask is the same whichever replica holds it */
+    MGPU__TRY(mgpu__attention_forward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_ATT], ctx->aux[MGPU__ATTN_Y],
+                                      drop ? ctx->aux[MGPU__ATTN_MASK] : NULL, ctx->seed, ctx->seed_on_device, ctx->offset,
+                                      (uint64_t)ctx->first_row * (uint64_t)g.heads * (uint64_t)g.t * (uint64_t)g.t, l->cfg.p));
+    MGPU__TRY(mgpu_matmul(&y2, &yh2, ctx->params[2], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));    /* out = y Wp */
+    MGPU__TRY(mgpu_bias_add(&y2, &y2, ctx->params[3]));
+    if (!drop) return MGPU_OK;
+    return mgpu__dropout(y, ctx->aux[MGPU__ATTN_OUT_MASK], y, l->cfg.p, ctx->seed, ctx->seed_on_device,
+                         ctx->offset + MGPU__ATTN_OUT_OFFSET, (uint64_t)ctx->first_row * (uint64_t)g.t * (uint64_t)l->cfg.in);
+}
+static mgpu_result mgpu__attn_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu__attn g;
+    mgpu_tensor x2, dout2, yh2, dyh2, dqkv2, dx2;
+    const mgpu_tensor* dout = dy;
+    int64_t rows;
+    const int drop = ctx->training && l->cfg.p > 0.0f;
+    (void)y;
+    MGPU__TRY(mgpu__attn_geometry(l, ctx, "backward", x, "dy", dy, dx, &g));
+    rows = (int64_t)g.batch * g.t;
+    if (drop) {   /* through the residual dropout */
+        MGPU__TRY(mgpu_mul(ctx->aux[MGPU__ATTN_DOUT], dy, ctx->aux[MGPU__ATTN_OUT_MASK]));
+        dout = ctx->aux[MGPU__ATTN_DOUT];
+    }
+    x2 = mgpu__reshaped(x, mgpu_shape2(rows, l->cfg.in));
+    dout2 = mgpu__reshaped(dout, mgpu_shape2(rows, l->cfg.in));
+    yh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_Y], mgpu_shape2(rows, l->cfg.in));
+    dyh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_DY], mgpu_shape2(rows, l->cfg.in));
+    dqkv2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_DQKV], mgpu_shape2(rows, 3 * (int64_t)l->cfg.in));
+    MGPU__TRY(mgpu_matmul(ctx->grads[2], &yh2, &dout2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dWp += y^T dout */
+    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[3], &dout2));
+    MGPU__TRY(mgpu_matmul(&dyh2, &dout2, ctx->params[2], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));  /* dy = dout Wp^T */
+    MGPU__TRY(mgpu__attention_backward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_ATT],
+                                       drop ? ctx->aux[MGPU__ATTN_MASK] : NULL, ctx->aux[MGPU__ATTN_DY],
+                                       ctx->aux[MGPU__ATTN_DSCORES], ctx->aux[MGPU__ATTN_DQKV]));
+    MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dqkv2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));    /* dWa += x^T dqkv */
+    MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dqkv2));
+    if (!dx) return MGPU_OK;
+    dx2 = mgpu__reshaped(dx, mgpu_shape2(rows, l->cfg.in));
+    return mgpu_matmul(&dx2, &dqkv2, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f);  /* dx = dqkv Wa^T */
+}
+static void mgpu__attn_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "dim %d, heads %d, dropout %g", l->cfg.in, l->cfg.out, (double)l->cfg.p);
+}
+static const mgpu_layer_vtable mgpu__attn_vt = {
+    "CausalSelfAttention", mgpu__attn_output_shape, mgpu__attn_param_count, mgpu__attn_param_shape, mgpu__attn_init,
+    mgpu__attn_aux_count, mgpu__attn_aux_shape, mgpu__attn_forward, mgpu__attn_backward, mgpu__attn_describe, NULL
+};
+MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float dropout) {
+    mgpu__layer_cfg cfg;
+    mgpu_layer* l;
+    if (dim <= 0 || heads <= 0 || dim % heads != 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_causal_self_attention: dim %d, heads %d: both must be positive "
+                   "and dim a multiple of heads (head size dim / heads)", dim, heads);
+        return NULL;
+    }
+    if (!(dropout >= 0.0f && dropout < 1.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_causal_self_attention: dropout %g, want 0 <= dropout < 1", (double)dropout);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = dim;
+    cfg.out = heads;
+    cfg.p = dropout;
+    l = mgpu__builtin_layer(&mgpu__attn_vt, &cfg);
+    if (l) l->uses_rng = dropout > 0.0f;
+    return l;
+}
 
 /* -- calling a layer, and the containers (sequential, residual) -- */
 static mgpu_result mgpu__output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {

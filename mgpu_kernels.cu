@@ -1048,7 +1048,7 @@ int mgpu__cu_count_correct(int dev, void* stream, int rows, int cols, const floa
 }
 
 // ============================================================================================
-// >>layers  im2col / col2im, max pooling, dropout, transpose. The backward passes are gathers:
+// >>layers  im2col / col2im, max pooling, dropout, attention, transpose. The backward passes are gathers:
 //           each input element adds up the windows that cover it, so no atomics are needed.
 // ============================================================================================
 
@@ -1209,6 +1209,161 @@ int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, cons
                               const int32_t* argmax, float* dx) {
     USE_DEVICE(dev);
     return launch_index(dev, stream, "maxpool_backward", window_inputs(g), maxpool_backward_op{*g, dy, argmax, dx});
+}
+
+// ---- >>layers attention: causal self-attention's core, a warp per row (as softmax_kernel<32>).
+// The row of att (or dscores) in global memory is the warp's scratch, so any T fits; a lane
+// writes it, __syncwarp, then every lane reads it. Each output element is one lane's sum in
+// order s = 0, 1, ... (or t = s, s + 1, ...), and the row sums are warp_reduce's fixed tree:
+// deterministic, no atomics.
+struct attn_index {   // row r of [batch, heads, t]: its b, b * heads + h, h and t
+    int64_t b, bh;
+    int h, t;
+};
+__device__ __forceinline__ attn_index attn_row(const mgpu__attn& g, int64_t r) {
+    attn_index ix;
+    ix.t = (int)(r % g.t);
+    ix.bh = r / g.t;
+    ix.h = (int)(ix.bh % g.heads);
+    ix.b = ix.bh / g.heads;
+    return ix;
+}
+
+__global__ void __launch_bounds__(kThreads)
+attention_forward_kernel(mgpu__attn g, const float* qkv, float* att, float* y, float* mask, uint64_t seed,
+                         const uint64_t* seed_at, uint64_t offset, uint64_t first, float p) {
+    constexpr int kRowsPerBlock = kThreads / 32;
+    const int lane = threadIdx.x & 31, hs = g.head_size;
+    const int64_t T = g.t, D = (int64_t)g.heads * hs, W = 3 * D, rows = (int64_t)g.batch * g.heads * T;
+    const uint64_t key = mask && seed_at ? *seed_at : seed;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / 32; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const attn_index ix = attn_row(g, r);
+        const int t = ix.t;
+        const float* base = qkv + ix.b * T * W + (int64_t)ix.h * hs;   // q of row 0; k at + D, v at + 2 D
+        const float* q = base + t * W;
+        float* a = att + r * T;
+        float* mk = mask ? mask + r * T : nullptr;
+        float m = -INFINITY;
+        for (int s = lane; s <= t; s += 32) {
+            const float* k = base + s * W + D;
+            float dot = 0.0f;
+            for (int d = 0; d < hs; ++d) dot += q[d] * k[d];
+            a[s] = dot * g.scale;
+            m = fmaxf(m, a[s]);
+        }
+        m = group_reduce<32>(m, max_op());
+        float sum = 0.0f;
+        for (int s = lane; s <= t; s += 32) {
+            a[s] = expf(a[s] - m);   // max subtracted: no overflow
+            sum += a[s];
+        }
+        sum = group_reduce<32>(sum, sum_op<float>());
+        for (int s = lane; s <= t; s += 32) a[s] /= sum;
+        for (int s = t + 1 + lane; s < T; s += 32) a[s] = 0.0f;   // the causal mask: exp(-inf)
+        if (mk)
+            for (int s = lane; s < T; s += 32)
+                mk[s] = s <= t ? mgpu__dropout_scale(key, offset, first + (uint64_t)(r * T + s), p) : 0.0f;
+        __syncwarp();   // every lane's a[s] and mk[s] written before any lane reads the whole row
+        float* yr = y + (ix.b * T + t) * D + (int64_t)ix.h * hs;
+        for (int d = lane; d < hs; d += 32) {
+            float acc = 0.0f;
+            for (int s = 0; s <= t; ++s) acc += (mk ? a[s] * mk[s] : a[s]) * base[s * W + 2 * D + d];
+            yr[d] = acc;
+        }
+        __syncwarp();   // the row's reads done before the warp's next row (none shares memory, but cheap)
+    }
+}
+
+// By query rows: dS = att .* (dP - rowsum(dP .* att)) * scale, dP = (dy v^T) .* mask; dq = dS k.
+__global__ void __launch_bounds__(kThreads)
+attention_backward_query_kernel(mgpu__attn g, const float* qkv, const float* att, const float* mask, const float* dy,
+                                float* dscores, float* dqkv) {
+    constexpr int kRowsPerBlock = kThreads / 32;
+    const int lane = threadIdx.x & 31, hs = g.head_size;
+    const int64_t T = g.t, D = (int64_t)g.heads * hs, W = 3 * D, rows = (int64_t)g.batch * g.heads * T;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / 32; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const attn_index ix = attn_row(g, r);
+        const int t = ix.t;
+        const float* base = qkv + ix.b * T * W + (int64_t)ix.h * hs;
+        const float* a = att + r * T;
+        const float* mk = mask ? mask + r * T : nullptr;
+        const float* dyr = dy + (ix.b * T + t) * D + (int64_t)ix.h * hs;
+        float* ds = dscores + r * T;
+        float rs = 0.0f;
+        for (int s = lane; s <= t; s += 32) {
+            const float* v = base + s * W + 2 * D;
+            float da = 0.0f;
+            for (int d = 0; d < hs; ++d) da += dyr[d] * v[d];
+            ds[s] = mk ? da * mk[s] : da;   // d att before the dropout
+            rs += ds[s] * a[s];
+        }
+        rs = group_reduce<32>(rs, sum_op<float>());
+        for (int s = lane; s <= t; s += 32) ds[s] = a[s] * (ds[s] - rs) * g.scale;   // this lane's own entries
+        for (int s = t + 1 + lane; s < T; s += 32) ds[s] = 0.0f;
+        __syncwarp();
+        float* dq = dqkv + (ix.b * T + t) * W + (int64_t)ix.h * hs;
+        for (int d = lane; d < hs; d += 32) {
+            float acc = 0.0f;
+            for (int s = 0; s <= t; ++s) acc += ds[s] * base[s * W + D + d];
+            dq[d] = acc;
+        }
+        __syncwarp();
+    }
+}
+
+// By key rows s: dk = dS^T q and dv = (att .* mask)^T dy, down column s from the diagonal (all of
+// dscores is written by the kernel before, on the same stream).
+__global__ void __launch_bounds__(kThreads)
+attention_backward_key_kernel(mgpu__attn g, const float* qkv, const float* att, const float* mask, const float* dy,
+                              const float* dscores, float* dqkv) {
+    constexpr int kRowsPerBlock = kThreads / 32;
+    const int lane = threadIdx.x & 31, hs = g.head_size;
+    const int64_t T = g.t, D = (int64_t)g.heads * hs, W = 3 * D, rows = (int64_t)g.batch * g.heads * T;
+    for (int64_t r = (int64_t)blockIdx.x * kRowsPerBlock + threadIdx.x / 32; r < rows;
+         r += (int64_t)gridDim.x * kRowsPerBlock) {
+        const attn_index ix = attn_row(g, r);
+        const int s = ix.t;
+        const float* base = qkv + ix.b * T * W + (int64_t)ix.h * hs;
+        const float* dybase = dy + ix.b * T * D + (int64_t)ix.h * hs;
+        float* dk = dqkv + (ix.b * T + s) * W + D + (int64_t)ix.h * hs;
+        for (int d = lane; d < hs; d += 32) {
+            float acc_k = 0.0f, acc_v = 0.0f;
+            for (int64_t t = s; t < T; ++t) {
+                const int64_t at = (ix.bh * T + t) * T + s;
+                acc_k += dscores[at] * base[t * W + d];
+                acc_v += (mask ? att[at] * mask[at] : att[at]) * dybase[t * D + d];
+            }
+            dk[d] = acc_k;
+            dk[D + d] = acc_v;
+        }
+    }
+}
+
+int mgpu__cu_attention_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* att, float* y,
+                               float* mask, uint64_t seed, const uint64_t* seed_on_device, uint64_t offset,
+                               uint64_t first, float p) {
+    USE_DEVICE(dev);
+    const int64_t rows = (int64_t)g->batch * g->heads * g->t;
+    if (rows <= 0) return MGPU__CU_OK;
+    attention_forward_kernel<<<blocks_for(rows, kThreads / 32), kThreads, 0, as_stream(stream)>>>(
+        *g, qkv, att, y, mask, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_forward", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_attention_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* att,
+                                const float* mask, const float* dy, float* dscores, float* dqkv) {
+    USE_DEVICE(dev);
+    const int64_t rows = (int64_t)g->batch * g->heads * g->t;
+    if (rows <= 0) return MGPU__CU_OK;
+    const unsigned blocks = blocks_for(rows, kThreads / 32);
+    attention_backward_query_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(*g, qkv, att, mask, dy, dscores, dqkv);
+    CHECK_LAUNCH("attention_backward_query", dev);
+    attention_backward_key_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(*g, qkv, att, mask, dy, dscores, dqkv);
+    CHECK_LAUNCH("attention_backward_key", dev);
+    return MGPU__CU_OK;
 }
 
 // y[b][j][i] = x[b][i][j] through a 32 x 32 shared tile (33 columns wide, against bank conflicts),
