@@ -30,6 +30,7 @@ def check(ok, what):
     global passed, failed
     if ok:
         passed += 1
+        print("  ok   " + what)
     else:
         failed += 1
         print("  FAIL " + what)
