@@ -12,6 +12,7 @@
    3. causal multi-head self-attention: the same checks
    4. containers (sequential, residual) and calling a layer from a layer of your own
    5. layer names (Hugging Face's), tied parameters, Linear without a bias, Conv1D
+   6. a GPT (examples/gpt.c's layers) in 4 pipeline stages and as a CUDA graph, bit for bit
 
    Each group's GPU part runs on cuda:0 (real or emulated) and reports a skip without one (a
    failure with MGPU_TEST_REQUIRE_GPU=1). MGPU_TEST_QUICK=1 uses smaller sizes. */
@@ -2170,6 +2171,131 @@ static void test_containers(void) {
     }
 }
 
+/* ============================================================================================ */
+/* 6. a GPT in every layout: pipelines, CUDA graphs                                             */
+/* ============================================================================================ */
+enum { GPT_V = 11, GPT_T = 6, GPT_C = 8, GPT_H = 2, GPT_L = 2, GPT_B = 4 };
+static mgpu_layer* tiny_block(float p) {
+    mgpu_layer* attn[2] = { mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_1"),
+                            mgpu_layer_name(mgpu_layer_causal_self_attention(GPT_C, GPT_H, p), "attn") };
+    mgpu_layer* mlp[4] = { mgpu_layer_name(mgpu_layer_conv1d(GPT_C, 4 * GPT_C), "c_fc"), mgpu_layer_gelu_tanh(),
+                           mgpu_layer_name(mgpu_layer_conv1d(4 * GPT_C, GPT_C), "c_proj"), mgpu_layer_dropout(p) };
+    mgpu_layer* ff[2] = { mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_2"), mgpu_layer_name(mgpu_layer_sequential(mlp, 4), "mlp") };
+    mgpu_layer* both[2] = { mgpu_layer_name(mgpu_layer_residual(mgpu_layer_sequential(attn, 2), NULL), ""),
+                            mgpu_layer_name(mgpu_layer_residual(mgpu_layer_sequential(ff, 2), NULL), "") };
+    return mgpu_layer_sequential(both, 2);
+}
+/* GPT-2's layers (examples/gpt.c's), the head tied to the embedding or not */
+static mgpu_model* tiny_gpt(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p) {
+    static const mgpu_tie tie = { "6.weight", "0.weight" };   /* the head is the embedding */
+    const char* spec = set ? mgpu_device_set_spec(set) : NULL;
+    mgpu_layer* layers[3 + GPT_L + 2];
+    mgpu_model* m;
+    int n = 0, i;
+    layers[n++] = mgpu_layer_embedding(GPT_V, GPT_C);
+    layers[n++] = mgpu_layer_position_embedding(GPT_T, GPT_C);
+    layers[n++] = mgpu_layer_dropout(p);
+    for (i = 0; i < GPT_L; ++i) layers[n++] = tiny_block(p);
+    layers[n++] = mgpu_layer_layer_norm(GPT_C);
+    layers[n++] = mgpu_layer_linear_no_bias(GPT_C, GPT_V);
+    m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(GPT_T), .input_dtype = MGPU_I32, .layers = layers, .layer_count = n,
+                                              .devices = set, .seed = 5, .stages = stages, .micro_batches = micro, .graph = graph,
+                                              .ties = tied ? &tie : NULL, .tie_count = tied });
+    CHECK(m != NULL, "a GPT on %s (%d stages, %d micro-batches%s): %s", spec ? spec : "cpu", stages, micro, graph ? ", graph" : "",
+          mgpu_last_error());
+    return m;
+}
+/* every stage's floats of replica 0, in the flat layout's order */
+static float* all_floats(const mgpu_model* m, int grads, int64_t* n) {
+    int s;
+    float* out;
+    *n = 0;
+    for (s = 0; s < mgpu_model_stage_count(m); ++s)
+        *n += mgpu_tensor_numel(grads ? mgpu_model_stage_grads(m, 0, s) : mgpu_model_stage_params(m, 0, s));
+    out = fbuf(*n + 1);
+    *n = 0;
+    for (s = 0; s < mgpu_model_stage_count(m); ++s) {
+        const mgpu_tensor* t = grads ? mgpu_model_stage_grads(m, 0, s) : mgpu_model_stage_params(m, 0, s);
+        tget(t, out + *n);
+        *n += mgpu_tensor_numel(t);
+    }
+    return out;
+}
+static void gpt_batch(int32_t* ids, int32_t* lab, int step) {
+    int i;
+    for (i = 0; i < GPT_B * GPT_T; ++i) {
+        ids[i] = (i * 7 + step * 3 + i / 5) % GPT_V;
+        lab[i] = (i * 5 + step + 1) % GPT_V;
+    }
+}
+/* K SGD steps; the parameters after them, and the last loss */
+static float* gpt_steps(mgpu_model* m, int K, float* last) {
+    mgpu_optimizer* opt = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f });
+    int32_t ids[GPT_B * GPT_T], lab[GPT_B * GPT_T];
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape2(GPT_B, GPT_T)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape2(GPT_B, GPT_T));
+    float* p;
+    int64_t n;
+    int k;
+    for (k = 0; k < K && opt; ++k) {
+        gpt_batch(ids, lab, k);
+        tput(x, ids);
+        tput(y, lab);
+        MUST(mgpu_model_train_step(m, opt, x, y, last));
+    }
+    p = all_floats(m, 0, &n);
+    mgpu_optimizer_destroy(opt);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    return p;
+}
+
+static void test_gpt_layouts(void) {
+    int32_t ids[GPT_B * GPT_T], lab[GPT_B * GPT_T];
+    mgpu_model *one, *piped;
+    mgpu_device_set* four;
+    header("6. a GPT in every layout: 4 pipeline stages, CUDA graphs");
+    gpt_batch(ids, lab, 0);
+    /* one device against 4 stages of 2 micro-batches each on the CPU: the same bits (untied: a
+       tie across stages is refused, test 5) */
+    four = mgpu_device_set_create("cpu:4");
+    one = tiny_gpt(NULL, 1, 1, 0, 0, 0.1f);
+    piped = tiny_gpt(four, 4, 2, 0, 0, 0.1f);
+    if (one && piped) {
+        mgpu_tensor *x = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(GPT_B, GPT_T), ids), *y = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(GPT_B, GPT_T), lab);
+        float l1 = 0, l4 = 1, *g1, *g4;
+        int64_t n1, n4;
+        MUST(mgpu_model_accumulate(one, x, y, 0, &l1));
+        MUST(mgpu_model_accumulate(piped, x, y, 0, &l4));
+        g1 = all_floats(one, 1, &n1);
+        g4 = all_floats(piped, 1, &n4);
+        CHECK(n1 == n4 && l1 == l4 && !memcmp(g1, g4, (size_t)n1 * sizeof(float)),
+              "a GPT with dropout in 4 pipeline stages x 2 micro-batches equals one device bit for bit: loss %.9g vs %.9g, "
+              "gradients %s", l1, l4, n1 == n4 && !memcmp(g1, g4, (size_t)n1 * sizeof(float)) ? "equal" : "differ");
+        free(g1); free(g4);
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    mgpu_model_destroy(one);
+    mgpu_model_destroy(piped);
+    mgpu_device_set_destroy(four);
+    /* a CUDA graph of the whole step (dropout included) against eager steps: the same bits */
+    if (gpu_part("a GPT as a CUDA graph")) {
+        mgpu_device_set* gpu = mgpu_device_set_create("cuda:0");
+        mgpu_model* eager = tiny_gpt(gpu, 1, 1, 0, 1, 0.1f);
+        mgpu_model* graph = tiny_gpt(gpu, 1, 1, 1, 1, 0.1f);
+        if (eager && graph) {
+            float le = 0, lg = 1, *pe = gpt_steps(eager, 5, &le), *pg = gpt_steps(graph, 5, &lg);
+            int64_t n = mgpu_tensor_numel(mgpu_model_params(eager, 0));
+            CHECK(mgpu_model_graph_steps(graph) >= 3, "the GPT's steps replayed from a graph: %lld", (long long)mgpu_model_graph_steps(graph));
+            CHECK(le == lg && !memcmp(pe, pg, (size_t)n * sizeof(float)), "a GPT's graph steps equal eager ones bit for bit: loss "
+                  "%.9g vs %.9g, parameters %s", le, lg, memcmp(pe, pg, (size_t)n * sizeof(float)) ? "differ" : "equal");
+            free(pe); free(pg);
+        }
+        mgpu_model_destroy(eager);
+        mgpu_model_destroy(graph);
+        mgpu_device_set_destroy(gpu);
+    }
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_seq");
     test_select(argc, argv);
@@ -2191,6 +2317,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_attention());
     TEST_GROUP(test_containers());
     TEST_GROUP(test_names_ties());
+    TEST_GROUP(test_gpt_layouts());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
 #endif
