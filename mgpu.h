@@ -217,7 +217,8 @@
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
-   >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
+   >>optim       SGD and AdamW over the flat buffer, learning-rate schedules, weight-decay groups,
+                 clipping by global norm
    >>train       the data-parallel step in five moves: split, compute, reduce, update; evaluate
    >>io          safetensors checkpoints (whole or part, with metadata), a safetensors reader,
                  IDX data sets, a shuffling batch loader
