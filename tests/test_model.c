@@ -1614,6 +1614,11 @@ static void test_optim_groups_clip(void) {
             clip_train_compare("AdamW clipped, cuda:0,0 (data parallel)", "cuda:0,0", 1, 0, &d, xs, ys, 1e-5);
             clip_train_compare("AdamW clipped, cuda:0,0 (2 pipeline stages)", "cuda:0,0", 2, 0, &d, xs, ys, 1e-5);
             clip_train_compare("AdamW clipped, cuda:0 as a CUDA graph", "cuda:0", 1, 1, &d, xs, ys, 1e-5);
+            clip_train_compare("AdamW clipped, cuda:0,0 (2 stages) as a CUDA graph", "cuda:0,0", 2, 1, &d, xs, ys, 1e-5);
+            if (mgpu_cuda_device_count() >= 2)   /* the stages' sums between two GPUs (peer copies) */
+                clip_train_compare("AdamW clipped, cuda:0,1 (2 pipeline stages)", "cuda:0,1", 2, 0, &d, xs, ys, 1e-5);
+            else
+                SKIP("clipping across the stages of two GPUs: %d GPU(s)", mgpu_cuda_device_count());
         }
 #else
         gpu_group_note("parameter groups and clipping");
