@@ -1346,10 +1346,11 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
 }
 
 /* Optimizer updates of one parameter element, exactly PyTorch's rules (torch.optim.SGD with
-   foreach=False; torch.optim.AdamW). grad_scale is clipping's coefficient (1 without clipping,
-   and g * 1 is g: the same bits as no scale at all), the gradient multiplied by it first as
-   clip_grad_norm_'s g.mul_(clip_coef) does. A parameter of a no-decay group gets the same
-   arguments with weight_decay 0. */
+   foreach=False; torch.optim.AdamW). grad_scale is clipping's coefficient, the gradient
+   multiplied by it first as clip_grad_norm_'s g.mul_(clip_coef) does; at 1 (no clipping, or
+   below the threshold) the multiply is skipped, so that no compiler can fuse it into an FMA with
+   what follows: the bits of the update without clipping. A parameter of a no-decay group gets
+   the same arguments with weight_decay 0. */
 typedef struct mgpu__sgd_args {
     float lr, momentum, dampening, weight_decay;
     int nesterov;
@@ -1358,7 +1359,7 @@ typedef struct mgpu__sgd_args {
 } mgpu__sgd_args;
 
 static inline MGPU__HD void mgpu__sgd_update(float* p, float g, float* buf, const mgpu__sgd_args* a) {
-    g *= a->grad_scale;
+    if (a->grad_scale != 1.0f) g *= a->grad_scale;
     if (a->weight_decay != 0.0f) g += a->weight_decay * *p;
     if (a->momentum != 0.0f) {
         float bv = a->first_step ? g : a->momentum * *buf + (1.0f - a->dampening) * g;
@@ -1377,7 +1378,7 @@ typedef struct mgpu__adamw_args {
 
 static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, float* v, const mgpu__adamw_args* a) {
     float mv, vv, denom;
-    g *= a->grad_scale;
+    if (a->grad_scale != 1.0f) g *= a->grad_scale;
     *p *= 1.0f - a->lr * a->weight_decay;
     mv = a->beta1 * *m + (1.0f - a->beta1) * g;
     vv = a->beta2 * *v + (1.0f - a->beta2) * g * g;
@@ -8276,19 +8277,20 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
 }
 
 /* MGPU__EW_BLOCK parameters of mgpu__sgd_update with its choices given as constants (wd: weight
-   decay, mom: momentum, first: the first step, nest: Nesterov): the same arithmetic in the same
-   order, so the same bits, in a loop without branches that the compiler vectorises. The three
-   buffers are distinct (parameters, gradients, momentum), which restrict tells it. */
+   decay, mom: momentum, first: the first step, nest: Nesterov, sc: a clipping scale other than
+   1): the same arithmetic in the same order, so the same bits, in a loop without branches that
+   the compiler vectorises. The three buffers are distinct (parameters, gradients, momentum),
+   which restrict tells it. */
 #if defined(__cplusplus) || defined(_MSC_VER)
 #define MGPU__RESTRICT __restrict
 #else
 #define MGPU__RESTRICT restrict
 #endif
 static inline void mgpu__sgd_block(float* MGPU__RESTRICT p, const float* MGPU__RESTRICT g, float* MGPU__RESTRICT buf,
-                                   const mgpu__sgd_args* a, int wd, int mom, int first, int nest) {
+                                   const mgpu__sgd_args* a, int wd, int mom, int first, int nest, int sc) {
     int k;
     for (k = 0; k < MGPU__EW_BLOCK; ++k) {
-        float gk = g[k] * a->grad_scale;
+        float gk = sc ? g[k] * a->grad_scale : g[k];
         if (wd) gk += a->weight_decay * p[k];
         if (mom) {
             const float bv = first ? gk : a->momentum * buf[k] + (1.0f - a->dampening) * gk;
@@ -8321,18 +8323,21 @@ static void mgpu__optim_span(const mgpu__optim_job* j, const mgpu__sgd_args* sgd
         for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
         return;
     }
-    /* SGD: whole blocks with the update's four choices fixed in the code of each loop (GCC's -O2
+    /* SGD: whole blocks with the update's five choices fixed in the code of each loop (GCC's -O2
        vectorises no loop with a branch in it), then the rest one at a time. m is NULL exactly when
        there is no momentum, and then no block reads it. */
     i = begin;
-#define MGPU__SGD_CASE(wd, mom, first, nest)                                                               \
-    case (wd) | (mom) << 1 | (first) << 2 | (nest) << 3:                                                   \
+#define MGPU__SGD_CASE(wd, mom, first, nest, sc)                                                           \
+    case (wd) | (mom) << 1 | (first) << 2 | (nest) << 3 | (sc) << 4:                                       \
         for (; i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK)                                             \
-            mgpu__sgd_block(p + i, g + i, m ? m + i : NULL, &sgd, wd, mom, first, nest);                   \
+            mgpu__sgd_block(p + i, g + i, m ? m + i : NULL, &sgd, wd, mom, first, nest, sc);               \
         break
-    switch ((sgd.weight_decay != 0.0f) | (sgd.momentum != 0.0f) << 1 | (sgd.first_step != 0) << 2 | (sgd.nesterov != 0) << 3) {
-        MGPU__SGD_CASE(0, 0, 0, 0); MGPU__SGD_CASE(1, 0, 0, 0); MGPU__SGD_CASE(0, 1, 0, 0); MGPU__SGD_CASE(1, 1, 0, 0);
-        MGPU__SGD_CASE(0, 1, 0, 1); MGPU__SGD_CASE(1, 1, 0, 1);
+    switch ((sgd.weight_decay != 0.0f) | (sgd.momentum != 0.0f) << 1 | (sgd.first_step != 0) << 2 | (sgd.nesterov != 0) << 3 |
+            (sgd.grad_scale != 1.0f) << 4) {   /* (sc: a clipped step's scale, as in mgpu__sgd_update) */
+        MGPU__SGD_CASE(0, 0, 0, 0, 0); MGPU__SGD_CASE(1, 0, 0, 0, 0); MGPU__SGD_CASE(0, 1, 0, 0, 0); MGPU__SGD_CASE(1, 1, 0, 0, 0);
+        MGPU__SGD_CASE(0, 1, 0, 1, 0); MGPU__SGD_CASE(1, 1, 0, 1, 0);
+        MGPU__SGD_CASE(0, 0, 0, 0, 1); MGPU__SGD_CASE(1, 0, 0, 0, 1); MGPU__SGD_CASE(0, 1, 0, 0, 1); MGPU__SGD_CASE(1, 1, 0, 0, 1);
+        MGPU__SGD_CASE(0, 1, 0, 1, 1); MGPU__SGD_CASE(1, 1, 0, 1, 1);
     default: break;   /* the first step, or nesterov without momentum (refused when made): the loop below */
     }
 #undef MGPU__SGD_CASE
