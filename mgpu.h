@@ -135,8 +135,9 @@
    files are listed while they live (by address, never read after their destroy), so a second
    destroy, a model or optimizer made on a destroyed set or model, or a destroyed model or
    optimizer given to a training step (train_step, accumulate, apply, evaluate,
-   mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
-   (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
+   mgpu_optimizer_step) or to mgpu_optimizer_last_grad_norm, fails with
+   MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model (destroyed already?)"), unless a new
+   object of the same kind took the old address meanwhile.
    Other calls do not look a handle up: using a destroyed one there is undefined. Tensors,
    layers and data sets are too many or too plain to list: destroying one twice is undefined, as
    free() twice is.
