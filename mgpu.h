@@ -8094,7 +8094,8 @@ static mgpu_result mgpu__optimizer_groups(mgpu_optimizer* opt, const char* op) {
                           op, d->no_decay_count, d->no_decay ? "given" : "NULL");
     for (k = 0; k < d->no_decay_count; ++k)
         if (mgpu__model_find(op, m, d->no_decay[k]) < 0) return mgpu__refail(op);   /* names the unknown one */
-    if (!d->decay_matrices_only && d->no_decay_count == 0) return MGPU_OK;   /* no groups: every element decays */
+    if ((!d->decay_matrices_only && d->no_decay_count == 0) || d->weight_decay == 0.0f)
+        return MGPU_OK;   /* no groups (every element decays), or no decay to leave out */
     opt->edge_first = (int*)mgpu__calloc((size_t)m->stage_count + 1, sizeof(int));
     opt->edges = (int64_t*)mgpu__calloc((size_t)MGPU__MAX(2 * m->tensor_count, 1), sizeof(int64_t));
     opt->edges_dev = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
