@@ -136,8 +136,9 @@
    files are listed while they live (by address, never read after their destroy), so a second
    destroy, a model or optimizer made on a destroyed set or model, or a destroyed model or
    optimizer given to a training step (train_step, accumulate, apply, evaluate,
-   mgpu_optimizer_step), fails with MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model
-   (destroyed already?)"), unless a new object of the same kind took the old address meanwhile.
+   mgpu_optimizer_step) or to mgpu_optimizer_last_grad_norm, fails with
+   MGPU_ERROR_INVALID_ARGUMENT ("... is not a live model (destroyed already?)"), unless a new
+   object of the same kind took the old address meanwhile.
    Other calls do not look a handle up: using a destroyed one there is undefined. Tensors,
    layers, data sets and tokens are too many or too plain to list: destroying one twice is
    undefined, as free() twice is.
@@ -224,7 +225,8 @@
                  containers (Sequential, Residual), names, calling a layer from a layer
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
-   >>optim       SGD and AdamW over the flat buffer, learning-rate schedules
+   >>optim       SGD and AdamW over the flat buffer, learning-rate schedules, weight-decay groups,
+                 clipping by global norm
    >>train       the data-parallel step in five moves: split, compute, reduce, update; evaluate
    >>io          safetensors checkpoints (whole or part, with metadata), a safetensors reader,
                  IDX data sets, token files (llm.c's) and a byte tokenizer, a shuffling batch
@@ -987,7 +989,34 @@ typedef enum mgpu_schedule_kind { MGPU_SCHEDULE_CONSTANT = 0, MGPU_SCHEDULE_STEP
      step_size      (required by STEP)            multiply lr by gamma every step_size steps
      gamma          0.1                           STEP
      total_steps    (required by COSINE)          steps from lr down to min_lr (T_max)
-     min_lr         0                             COSINE (eta_min) */
+     min_lr         0                             COSINE (eta_min)
+     decay_matrices_only  0                       1: weight_decay only on parameters of 2 or more
+                                                  dimensions (nanoGPT's and llm.c's groups): none
+                                                  on biases and LayerNorm weights (1-D); weight
+                                                  matrices, convolution kernels and embeddings
+                                                  (2-D, decayed as nanoGPT decays them) keep it
+     no_decay       NULL                          state_dict names ("0.bias", "3.weight") of
+     no_decay_count 0                             parameters without weight decay (with the rule
+                                                  above or alone); an unknown name is refused
+     clip_norm      0: off                        clip gradients by their global L2 norm before
+                                                  each update (torch.nn.utils.clip_grad_norm_):
+                                                  the norm over every gradient of the model (all
+                                                  stages of a replica, every tensor; replicas hold
+                                                  the same reduced gradients, so one replica's is
+                                                  the norm), and above clip_norm each gradient is
+                                                  scaled by clip_norm / (norm + 1e-6) inside the
+                                                  update (the gradient buffers keep the unclipped
+                                                  values); INFINITY: measure the norm, never clip;
+                                                  mgpu_optimizer_last_grad_norm reads it
+   A parameter without weight decay gets exactly the update of PyTorch's parameter group with
+   weight_decay 0; with neither field set every parameter decays, as before. The fused update
+   stays one pass per device: on a GPU the kernel looks each element's group up in a small
+   table of the flat buffer's no-decay ranges; on the CPU the ranges run as separate loops.
+   On GPUs the norm is summed on the device in a fixed order (float64 partial sums, no atomics)
+   and the update reads the scale from device memory: no wait for the host, so a step captured
+   as a CUDA graph clips too. A pipeline's stages each add their squares on their own device,
+   then copy one float64 to every other stage of their replica (S - 1 copies of 8 bytes per
+   stage), so every stage scales by the same norm. On the CPU the sum is float64 as well. */
 typedef struct mgpu_optimizer_desc {
     mgpu_optimizer_kind kind;
     float lr;
@@ -1000,6 +1029,10 @@ typedef struct mgpu_optimizer_desc {
     float gamma;
     int total_steps;
     float min_lr;
+    int decay_matrices_only;
+    const char* const* no_decay;
+    int no_decay_count;
+    float clip_norm;
 } mgpu_optimizer_desc;
 
 typedef struct mgpu_optimizer mgpu_optimizer;
@@ -1019,6 +1052,10 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
 /* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
    and AdamW's bias corrections) at 0. The parameters are left as they are. */
 MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
+/* The global L2 norm of the gradients that the last step clipped by (desc.clip_norm), before
+   clipping: what torch.nn.utils.clip_grad_norm_ returns. Waits for a GPU to finish the step.
+   MGPU_ERROR_INVALID_ARGUMENT without clip_norm, or before the first step. */
+MGPUDEF mgpu_result mgpu_optimizer_last_grad_norm(mgpu_optimizer* opt, float* norm);
 
 /* ============================================================================================ */
 /* >>train                                                                                      */
@@ -1458,14 +1495,20 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
 }
 
 /* Optimizer updates of one parameter element, exactly PyTorch's rules (torch.optim.SGD with
-   foreach=False; torch.optim.AdamW). */
+   foreach=False; torch.optim.AdamW). grad_scale is clipping's coefficient, the gradient
+   multiplied by it first as clip_grad_norm_'s g.mul_(clip_coef) does; at 1 (no clipping, or
+   below the threshold) the multiply is skipped, so that no compiler can fuse it into an FMA with
+   what follows: the bits of the update without clipping. A parameter of a no-decay group gets
+   the same arguments with weight_decay 0. */
 typedef struct mgpu__sgd_args {
     float lr, momentum, dampening, weight_decay;
     int nesterov;
     int first_step;   /* the momentum buffer starts as the first gradient, as in PyTorch */
+    float grad_scale;
 } mgpu__sgd_args;
 
 static inline MGPU__HD void mgpu__sgd_update(float* p, float g, float* buf, const mgpu__sgd_args* a) {
+    if (a->grad_scale != 1.0f) g *= a->grad_scale;
     if (a->weight_decay != 0.0f) g += a->weight_decay * *p;
     if (a->momentum != 0.0f) {
         float bv = a->first_step ? g : a->momentum * *buf + (1.0f - a->dampening) * g;
@@ -1479,10 +1522,12 @@ typedef struct mgpu__adamw_args {
     float lr, beta1, beta2, eps, weight_decay;
     float bias_correction1;        /* 1 - beta1^step */
     float bias_correction2_sqrt;   /* sqrt(1 - beta2^step) */
+    float grad_scale;
 } mgpu__adamw_args;
 
 static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, float* v, const mgpu__adamw_args* a) {
     float mv, vv, denom;
+    if (a->grad_scale != 1.0f) g *= a->grad_scale;
     *p *= 1.0f - a->lr * a->weight_decay;
     mv = a->beta1 * *m + (1.0f - a->beta1) * g;
     vv = a->beta2 * *v + (1.0f - a->beta2) * g * g;
@@ -1490,6 +1535,24 @@ static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, floa
     *v = vv;
     denom = sqrtf(vv) / a->bias_correction2_sqrt + a->eps;
     *p -= (a->lr / a->bias_correction1) * (mv / denom);
+}
+
+/* Clipping by global norm, torch.nn.utils.clip_grad_norm_'s rule in float32: the coefficient
+   max_norm / (norm + 1e-6), clamped to at most 1 (a NaN norm gives NaN, as torch.clamp does). */
+static inline MGPU__HD float mgpu__clip_scale(float norm, float max_norm) {
+    const float coef = max_norm / (norm + 1e-6f);
+    return coef > 1.0f ? 1.0f : coef;
+}
+/* Element i of a flat buffer is in a no-decay group when an odd number of edges are <= i:
+   edges[0..count) ascending, the no-decay ranges [edges[0], edges[1]), [edges[2], edges[3]), ... */
+static inline MGPU__HD int mgpu__edges_upto(const int64_t* edges, int count, int64_t i) {
+    int lo = 0, hi = count;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (edges[mid] <= i) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
 
 /* The geometry of a sliding window over NCHW images (Conv2d, MaxPool2d). */
@@ -1665,11 +1728,19 @@ int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int d
 
 /* optimizers over a flat buffer, one fused kernel each; args in device memory (uploaded ahead of
    the step, so that a step replayed from a CUDA graph reads its own); momentum_buf NULL without
-   momentum */
+   momentum; no_decay: edge_count edges in device memory (mgpu__edges_upto), the elements in
+   their ranges updated with weight_decay 0 (edge_count 0: every element decays) */
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 const mgpu__sgd_args* args);
+                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count);
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   const mgpu__adamw_args* args);
+                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count);
+/* sum[0] = the sum of x[i]^2 over n floats, added in float64 in an order that depends on n
+   alone (deterministic). scratch: MGPU__CU_REDUCE_SCRATCH doubles. */
+int mgpu__cu_sum_squares(int dev, void* stream, size_t n, const float* x, double* sum, double* scratch);
+/* Clipping's coefficient on the device, for the update to read: norm[0] = sqrt(sums[0] + ... +
+   sums[count - 1]) (added in that order, float64) as a float, scale[0] = mgpu__clip_scale(norm,
+   max_norm). */
+int mgpu__cu_clip_scale(int dev, void* stream, const double* sums, int count, float max_norm, float* norm, float* scale);
 
 /* NCCL, loaded at run time with dlopen("libnccl.so.2"); nothing links against it */
 int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed */
@@ -8929,7 +9000,23 @@ struct mgpu_optimizer {
     mgpu__adamw_args adamw;
     int64_t prepared;           /* -1: none yet */
     mgpu_tensor** args;         /* per part on a GPU: those numbers in its memory, where its kernel reads them */
+    /* parameter groups: stage s's no-decay ranges of its flat buffer as edges (mgpu__edges_upto),
+       edges[edge_first[s] .. edge_first[s + 1]); none without groups */
+    int64_t* edges;
+    int* edge_first;            /* [S + 1], or NULL without groups */
+    mgpu_tensor** edges_dev;    /* per part on a GPU with edges: its stage's, in its memory (int64 bytes) */
+    /* clipping (d.clip_norm > 0) */
+    mgpu_tensor** clip_sums;    /* per part on a GPU: its replica's stages' sums of squares [S] (float64),
+                                   then MGPU__CU_REDUCE_SCRATCH float64 of scratch (bytes) */
+    mgpu_tensor** clip_norm;    /* per part on a GPU: the norm, as its stage computed it [1] */
+    double* cpu_sums;           /* on the CPU: one sum of squares per chunk of MGPU__CLIP_CHUNK */
+    float cpu_norm;             /* on the CPU: the last step's norm */
+    int norm_known;             /* a step clipped since the optimizer was made */
 };
+
+/* On the CPU the sum of squares is cut into chunks of this many floats, each summed by one task,
+   and the chunks added in order: the same bits on any number of threads. */
+#define MGPU__CLIP_CHUNK ((int64_t)1 << 16)
 
 static void mgpu__optimizer_free(mgpu_optimizer* opt) {
     int i;
@@ -8944,8 +9031,17 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
         if (opt->state1) mgpu__tensor_free(opt->state1[i]);
         if (opt->state2) mgpu__tensor_free(opt->state2[i]);
         if (opt->args) mgpu__tensor_free(opt->args[i]);
+        if (opt->edges_dev) mgpu__tensor_free(opt->edges_dev[i]);
+        if (opt->clip_sums) mgpu__tensor_free(opt->clip_sums[i]);
+        if (opt->clip_norm) mgpu__tensor_free(opt->clip_norm[i]);
     }
     MGPU_FREE(opt->args);
+    MGPU_FREE(opt->edges_dev);
+    MGPU_FREE(opt->clip_sums);
+    MGPU_FREE(opt->clip_norm);
+    MGPU_FREE(opt->edges);
+    MGPU_FREE(opt->edge_first);
+    MGPU_FREE(opt->cpu_sums);
     for (i = 0; opt->views && i < opt->view_count; ++i) mgpu__tensor_free(opt->views[i]);
     MGPU_FREE(opt->views);
     MGPU_FREE(opt->state1);
@@ -8964,6 +9060,82 @@ static int mgpu__optimizer_state_count(const mgpu_optimizer* opt) {
 static const char* mgpu__optimizer_state_name(const mgpu_optimizer* opt, int i) {
     if (opt->d.kind == MGPU_ADAMW) return i == 0 ? "exp_avg" : "exp_avg_sq";
     return "momentum_buffer";
+}
+
+/* Parameter groups (desc.decay_matrices_only, desc.no_decay): whether tensor t decays. */
+static int mgpu__tensor_decays(const mgpu_model* m, const mgpu_optimizer_desc* d, int t) {
+    int k;
+    if (d->decay_matrices_only && m->tensors[t].shape.ndim < 2) return 0;
+    for (k = 0; k < d->no_decay_count; ++k)
+        if (!strcmp(d->no_decay[k], m->tensors[t].name)) return 0;
+    return 1;
+}
+
+/* The no-decay ranges of each stage's flat buffer as edges (mgpu__edges_upto): the tensors of a
+   stage lie in offset order, so adjacent no-decay tensors merge into one range and the edges
+   come out ascending. On each GPU part a copy, which the update kernel reads. */
+static mgpu_result mgpu__optimizer_groups(mgpu_optimizer* opt, const char* op) {
+    const mgpu_model* m = opt->model;
+    const mgpu_optimizer_desc* d = &opt->d;
+    int t, k, s, count = 0;
+    if (d->no_decay_count < 0 || (d->no_decay_count > 0 && !d->no_decay))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no_decay_count %d with no_decay %s: want a list of that many names",
+                          op, d->no_decay_count, d->no_decay ? "given" : "NULL");
+    for (k = 0; k < d->no_decay_count; ++k)
+        if (mgpu__model_find(op, m, d->no_decay[k]) < 0) return mgpu__refail(op);   /* names the unknown one */
+    if ((!d->decay_matrices_only && d->no_decay_count == 0) || d->weight_decay == 0.0f)
+        return MGPU_OK;   /* no groups (every element decays), or no decay to leave out */
+    opt->edge_first = (int*)mgpu__calloc((size_t)m->stage_count + 1, sizeof(int));
+    opt->edges = (int64_t*)mgpu__calloc((size_t)MGPU__MAX(2 * m->tensor_count, 1), sizeof(int64_t));
+    opt->edges_dev = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
+    if (!opt->edge_first || !opt->edges || !opt->edges_dev) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (s = 0, t = 0; s < m->stage_count; ++s) {
+        opt->edge_first[s] = count;
+        for (; t < m->tensor_count && mgpu__tensor_stage(m, t) == s; ++t) {
+            const int64_t begin = m->tensors[t].offset - m->stage_off[s], end = begin + mgpu_shape_numel(m->tensors[t].shape);
+            if (mgpu__tensor_decays(m, d, t) || end == begin) continue;
+            if (count > opt->edge_first[s] && opt->edges[count - 1] >= begin) {   /* joins the range before */
+                opt->edges[count - 1] = MGPU__MAX(opt->edges[count - 1], end);
+            } else {
+                opt->edges[count++] = begin;
+                opt->edges[count++] = end;
+            }
+        }
+    }
+    opt->edge_first[m->stage_count] = count;
+    for (k = 0; k < m->part_count; ++k) {
+        const mgpu__part* p = &m->part[k];
+        const int first = opt->edge_first[p->stage], n = opt->edge_first[p->stage + 1] - first;
+        if (p->dev->kind != MGPU_DEVICE_CUDA || n == 0) continue;
+        opt->edges_dev[k] = mgpu__own(mgpu_tensor_create(p->dev, MGPU_U8, mgpu_shape1((int64_t)n * (int64_t)sizeof(int64_t))));
+        if (!opt->edges_dev[k]) return mgpu__refail(op);
+        MGPU__TRY(mgpu__upload_async(p->dev, mgpu_tensor_data(opt->edges_dev[k]), opt->edges + first, (size_t)n * sizeof(int64_t), op));
+    }
+    return MGPU_OK;
+}
+
+/* Clipping's buffers: on each GPU part its replica's stages' sums of squares and the norm; on
+   the CPU one float64 per chunk of the largest stage. */
+static mgpu_result mgpu__optimizer_clip_buffers(mgpu_optimizer* opt, const char* op) {
+    const mgpu_model* m = opt->model;
+    int64_t most = 1;
+    int k;
+    if (!(opt->d.clip_norm > 0.0f)) return MGPU_OK;
+    if (m->part[0].dev->kind == MGPU_DEVICE_CPU) {
+        for (k = 0; k < m->stage_count; ++k) most = MGPU__MAX(most, mgpu__stage_floats(m, k));
+        opt->cpu_sums = (double*)mgpu__calloc((size_t)((most + MGPU__CLIP_CHUNK - 1) / MGPU__CLIP_CHUNK), sizeof(double));
+        return opt->cpu_sums ? MGPU_OK : mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    }
+    opt->clip_sums = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
+    opt->clip_norm = (mgpu_tensor**)mgpu__calloc((size_t)m->part_count, sizeof(mgpu_tensor*));
+    if (!opt->clip_sums || !opt->clip_norm) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (k = 0; k < m->part_count; ++k) {
+        const int64_t bytes = (int64_t)sizeof(double) * (m->stage_count + MGPU__CU_REDUCE_SCRATCH);
+        opt->clip_sums[k] = mgpu__own(mgpu_tensor_create(m->part[k].dev, MGPU_U8, mgpu_shape1(bytes)));
+        opt->clip_norm[k] = mgpu__own(mgpu_tensor_create(m->part[k].dev, MGPU_F32, mgpu_shape1(1)));
+        if (!opt->clip_sums[k] || !opt->clip_norm[k]) return mgpu__refail(op);
+    }
+    return MGPU_OK;
 }
 
 MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimizer_desc* desc) {
@@ -8997,6 +9169,11 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: schedule %d needs step_size > 0 (step) or total_steps > 0 (cosine)", op, (int)d.schedule);
         return NULL;
     }
+    if (!(d.clip_norm >= 0.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: clip_norm %g: want >= 0 (0: no clipping, INFINITY: the norm alone)", op,
+                   (double)d.clip_norm);
+        return NULL;
+    }
     opt = (mgpu_optimizer*)mgpu__calloc(1, sizeof *opt);
     if (!opt) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     opt->model = m;
@@ -9020,6 +9197,10 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
                                                         mgpu_shape1((int64_t)MGPU__MAX(sizeof(mgpu__sgd_args), sizeof(mgpu__adamw_args)))));
             if (!opt->args[i]) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
+    if (mgpu__optimizer_groups(opt, op) != MGPU_OK || mgpu__optimizer_clip_buffers(opt, op) != MGPU_OK) {
+        mgpu__optimizer_free(opt);
+        return NULL;
+    }
     if (mgpu__live_add(opt, MGPU__LIVE_OPTIMIZER, op) != MGPU_OK) { mgpu__optimizer_free(opt); return NULL; }
     return opt;
 }
@@ -9087,19 +9268,20 @@ MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt) {
 }
 
 /* MGPU__EW_BLOCK parameters of mgpu__sgd_update with its choices given as constants (wd: weight
-   decay, mom: momentum, first: the first step, nest: Nesterov): the same arithmetic in the same
-   order, so the same bits, in a loop without branches that the compiler vectorises. The three
-   buffers are distinct (parameters, gradients, momentum), which restrict tells it. */
+   decay, mom: momentum, first: the first step, nest: Nesterov, sc: a clipping scale other than
+   1): the same arithmetic in the same order, so the same bits, in a loop without branches that
+   the compiler vectorises. The three buffers are distinct (parameters, gradients, momentum),
+   which restrict tells it. */
 #if defined(__cplusplus) || defined(_MSC_VER)
 #define MGPU__RESTRICT __restrict
 #else
 #define MGPU__RESTRICT restrict
 #endif
 static inline void mgpu__sgd_block(float* MGPU__RESTRICT p, const float* MGPU__RESTRICT g, float* MGPU__RESTRICT buf,
-                                   const mgpu__sgd_args* a, int wd, int mom, int first, int nest) {
+                                   const mgpu__sgd_args* a, int wd, int mom, int first, int nest, int sc) {
     int k;
     for (k = 0; k < MGPU__EW_BLOCK; ++k) {
-        float gk = g[k];
+        float gk = sc ? g[k] * a->grad_scale : g[k];
         if (wd) gk += a->weight_decay * p[k];
         if (mom) {
             const float bv = first ? gk : a->momentum * buf[k] + (1.0f - a->dampening) * gk;
@@ -9115,36 +9297,62 @@ typedef struct mgpu__optim_job {
     const float* g;
     const mgpu__sgd_args* sgd;
     const mgpu__adamw_args* adamw;   /* NULL for SGD */
+    const int64_t* edges;            /* the part's no-decay ranges (mgpu__edges_upto) */
+    int edge_count;
 } mgpu__optim_job;
-static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
-    const mgpu__optim_job* j = (const mgpu__optim_job*)ctx;
+/* [begin, end) of the job's buffers with one group's arguments */
+static void mgpu__optim_span(const mgpu__optim_job* j, const mgpu__sgd_args* sgd_args, const mgpu__adamw_args* adamw_args,
+                             int64_t begin, int64_t end) {
     /* the arguments and pointers as locals: a store through p could otherwise alias the floats
        of the job, and the compiler would reload them every element instead of vectorising */
-    const mgpu__sgd_args sgd = *j->sgd;
+    const mgpu__sgd_args sgd = *sgd_args;
     float *p = j->p, *m = j->m, *v = j->v, unused = 0.0f;
     const float* g = j->g;
     int64_t i;
-    if (j->adamw) {
-        const mgpu__adamw_args adamw = *j->adamw;
+    if (adamw_args) {
+        const mgpu__adamw_args adamw = *adamw_args;
         for (i = begin; i < end; ++i) mgpu__adamw_update(&p[i], g[i], &m[i], &v[i], &adamw);
         return;
     }
-    /* SGD: whole blocks with the update's four choices fixed in the code of each loop (GCC's -O2
+    /* SGD: whole blocks with the update's five choices fixed in the code of each loop (GCC's -O2
        vectorises no loop with a branch in it), then the rest one at a time. m is NULL exactly when
        there is no momentum, and then no block reads it. */
     i = begin;
-#define MGPU__SGD_CASE(wd, mom, first, nest)                                                               \
-    case (wd) | (mom) << 1 | (first) << 2 | (nest) << 3:                                                   \
+#define MGPU__SGD_CASE(wd, mom, first, nest, sc)                                                           \
+    case (wd) | (mom) << 1 | (first) << 2 | (nest) << 3 | (sc) << 4:                                       \
         for (; i + MGPU__EW_BLOCK <= end; i += MGPU__EW_BLOCK)                                             \
-            mgpu__sgd_block(p + i, g + i, m ? m + i : NULL, &sgd, wd, mom, first, nest);                   \
+            mgpu__sgd_block(p + i, g + i, m ? m + i : NULL, &sgd, wd, mom, first, nest, sc);               \
         break
-    switch ((sgd.weight_decay != 0.0f) | (sgd.momentum != 0.0f) << 1 | (sgd.first_step != 0) << 2 | (sgd.nesterov != 0) << 3) {
-        MGPU__SGD_CASE(0, 0, 0, 0); MGPU__SGD_CASE(1, 0, 0, 0); MGPU__SGD_CASE(0, 1, 0, 0); MGPU__SGD_CASE(1, 1, 0, 0);
-        MGPU__SGD_CASE(0, 1, 0, 1); MGPU__SGD_CASE(1, 1, 0, 1);
+    switch ((sgd.weight_decay != 0.0f) | (sgd.momentum != 0.0f) << 1 | (sgd.first_step != 0) << 2 | (sgd.nesterov != 0) << 3 |
+            (sgd.grad_scale != 1.0f) << 4) {   /* (sc: a clipped step's scale, as in mgpu__sgd_update) */
+        MGPU__SGD_CASE(0, 0, 0, 0, 0); MGPU__SGD_CASE(1, 0, 0, 0, 0); MGPU__SGD_CASE(0, 1, 0, 0, 0); MGPU__SGD_CASE(1, 1, 0, 0, 0);
+        MGPU__SGD_CASE(0, 1, 0, 1, 0); MGPU__SGD_CASE(1, 1, 0, 1, 0);
+        MGPU__SGD_CASE(0, 0, 0, 0, 1); MGPU__SGD_CASE(1, 0, 0, 0, 1); MGPU__SGD_CASE(0, 1, 0, 0, 1); MGPU__SGD_CASE(1, 1, 0, 0, 1);
+        MGPU__SGD_CASE(0, 1, 0, 1, 1); MGPU__SGD_CASE(1, 1, 0, 1, 1);
     default: break;   /* the first step, or nesterov without momentum (refused when made): the loop below */
     }
 #undef MGPU__SGD_CASE
     for (; i < end; ++i) mgpu__sgd_update(&p[i], g[i], m ? &m[i] : &unused, &sgd);
+}
+/* A thread's range, cut where the group changes: each piece one loop with its arguments (the
+   no-decay ones: weight_decay 0), so that each still vectorises. */
+static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__optim_job* j = (const mgpu__optim_job*)ctx;
+    mgpu__sgd_args sgd0;
+    mgpu__adamw_args adamw0;
+    int c;
+    if (!j->edge_count) { mgpu__optim_span(j, j->sgd, j->adamw, begin, end); return; }
+    sgd0 = *j->sgd;
+    sgd0.weight_decay = 0.0f;
+    if (j->adamw) { adamw0 = *j->adamw; adamw0.weight_decay = 0.0f; }
+    c = mgpu__edges_upto(j->edges, j->edge_count, begin);
+    while (begin < end) {
+        const int64_t stop = c < j->edge_count ? MGPU__MIN(end, j->edges[c]) : end;
+        if (c & 1) mgpu__optim_span(j, &sgd0, j->adamw ? &adamw0 : NULL, begin, stop);
+        else mgpu__optim_span(j, j->sgd, j->adamw, begin, stop);
+        begin = stop;
+        ++c;
+    }
 }
 
 /* The most optimizer steps counted: 2^53, where a double still counts every step, so that
@@ -9175,6 +9383,7 @@ static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt, const char* op) 
     opt->adamw.eps = opt->d.eps;
     opt->adamw.bias_correction1 = (float)(1.0 - pow(opt->d.beta1, (double)(opt->steps + 1)));
     opt->adamw.bias_correction2_sqrt = (float)sqrt(1.0 - pow(opt->d.beta2, (double)(opt->steps + 1)));
+    opt->sgd.grad_scale = opt->adamw.grad_scale = 1.0f;   /* clipping sets it (on a GPU, in its memory) */
     for (i = 0; i < opt->part_count; ++i)
         if (opt->args[i])
             MGPU__TRY(mgpu__upload_async(MGPU__DEV(opt->args[i]), mgpu_tensor_data(opt->args[i]),
@@ -9184,8 +9393,99 @@ static mgpu_result mgpu__optimizer_prepare(mgpu_optimizer* opt, const char* op) 
     return MGPU_OK;
 }
 
+/* The sum of squares of n floats in float64, in chunks of MGPU__CLIP_CHUNK on the thread pool,
+   the chunks added in order. */
+typedef struct mgpu__sumsq_job { const float* x; int64_t n; double* sums; } mgpu__sumsq_job;
+static void mgpu__sumsq_task(void* ctx, int64_t task) {
+    const mgpu__sumsq_job* j = (const mgpu__sumsq_job*)ctx;
+    const int64_t begin = task * MGPU__CLIP_CHUNK, end = MGPU__MIN(begin + MGPU__CLIP_CHUNK, j->n);
+    const float* x = j->x;
+    double acc = 0.0;
+    int64_t i;
+    for (i = begin; i < end; ++i) acc += (double)x[i] * (double)x[i];
+    j->sums[task] = acc;
+}
+static double mgpu__sum_squares_cpu(double* sums, const float* x, int64_t n) {
+    mgpu__sumsq_job job;
+    const int64_t chunks = (n + MGPU__CLIP_CHUNK - 1) / MGPU__CLIP_CHUNK;
+    double total = 0.0;
+    int64_t i;
+    job.x = x; job.n = n; job.sums = sums;
+    mgpu__parallel_for(chunks, mgpu__sumsq_task, &job);
+    for (i = 0; i < chunks; ++i) total += sums[i];
+    return total;
+}
+
+/* Clipping by global norm, before the update: the norm of every gradient of a replica (all its
+   stages), and from it the scale every update multiplies the gradients by (mgpu__clip_scale).
+   The replicas hold the same reduced gradients. On the CPU: replica 0's stages, summed here.
+   On GPUs each part adds its own squares on its device; a pipeline's stages then copy their sum
+   to every other stage of their replica (8 bytes each, ordered by events as mgpu_tensor_copy
+   orders a copy), and each part adds the S sums in stage order into its norm and writes the
+   scale into its update's arguments: the same norm on every stage, and no wait for the host. */
+static mgpu_result mgpu__optimizer_clip(mgpu_optimizer* opt, const char* op) {
+    mgpu_model* m = opt->model;
+    const int S = m->stage_count;
+    size_t at;
+    int i, t;
+    if (m->part[0].dev->kind == MGPU_DEVICE_CPU) {
+        double total = 0.0;
+        for (t = 0; t < S; ++t) total += mgpu__sum_squares_cpu(opt->cpu_sums, MGPU__F32(m->part[t].grads), mgpu_tensor_numel(m->part[t].grads));
+        opt->cpu_norm = (float)sqrt(total);
+        opt->sgd.grad_scale = opt->adamw.grad_scale = mgpu__clip_scale(opt->cpu_norm, opt->d.clip_norm);
+        return MGPU_OK;
+    }
+    for (i = 0; i < m->part_count; ++i) {
+        mgpu__part* p = &m->part[i];
+        double* sums = (double*)mgpu_tensor_data(opt->clip_sums[i]);
+        MGPU__COUNT(p->dev, ops, 2);
+        MGPU__CU(op, p->dev, mgpu__cu_sum_squares(MGPU__CUDA_ARGS(p->dev), (size_t)mgpu_tensor_numel(p->grads), MGPU__F32(p->grads),
+                                                  sums + p->stage, sums + S));
+    }
+    for (i = 0; i < m->part_count; ++i)
+        for (t = 0; t < S; ++t) {
+            mgpu__part *to = &m->part[i], *from = &m->part[i - to->stage + t];
+            mgpu_device *dd = to->dev, *sd = from->dev;
+            double* dst = (double*)mgpu_tensor_data(opt->clip_sums[i]) + t;
+            const double* src = (const double*)mgpu_tensor_data(opt->clip_sums[i - to->stage + t]) + t;
+            if (t == to->stage) continue;
+            MGPU__COUNT(dd, bytes_device_to_device, sizeof(double));
+            MGPU__CU(op, sd, mgpu__cu_event_record(sd->ordinal, sd->order, sd->stream));
+            MGPU__CU(op, dd, mgpu__cu_stream_wait_event(dd->ordinal, dd->stream, sd->order));
+            if (sd->ordinal == dd->ordinal)
+                MGPU__CU(op, dd, mgpu__cu_memcpy(dd->ordinal, dst, src, sizeof(double), dd->stream));
+            else
+                MGPU__CU(op, dd, mgpu__cu_memcpy_peer(dd->ordinal, dst, sd->ordinal, src, sizeof(double), dd->stream));
+            MGPU__CU(op, dd, mgpu__cu_event_record(dd->ordinal, dd->order, dd->stream));
+            MGPU__CU(op, sd, mgpu__cu_stream_wait_event(sd->ordinal, sd->stream, dd->order));
+        }
+    at = opt->d.kind == MGPU_ADAMW ? offsetof(mgpu__adamw_args, grad_scale) : offsetof(mgpu__sgd_args, grad_scale);
+    for (i = 0; i < m->part_count; ++i) {
+        mgpu__part* p = &m->part[i];
+        MGPU__COUNT(p->dev, ops, 1);
+        MGPU__CU(op, p->dev, mgpu__cu_clip_scale(MGPU__CUDA_ARGS(p->dev), (const double*)mgpu_tensor_data(opt->clip_sums[i]), S,
+                                                 opt->d.clip_norm, MGPU__F32(opt->clip_norm[i]),
+                                                 (float*)((char*)mgpu_tensor_data(opt->args[i]) + at)));
+    }
+    return MGPU_OK;
+}
+
+MGPUDEF mgpu_result mgpu_optimizer_last_grad_norm(mgpu_optimizer* opt, float* norm) {
+    static const char* op = "mgpu_optimizer_last_grad_norm";
+    if (!opt || !norm) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL %s", op, opt ? "norm" : "optimizer");
+    if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (!(opt->d.clip_norm > 0.0f))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer does not clip (desc.clip_norm 0); ask clip_norm = "
+                          "INFINITY for the norm without clipping", op);
+    if (!opt->norm_known) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no step has been taken yet", op);
+    if (opt->clip_norm) return mgpu_tensor_download(opt->clip_norm[0], norm, sizeof *norm) == MGPU_OK ? MGPU_OK : mgpu__refail(op);
+    *norm = opt->cpu_norm;
+    return MGPU_OK;
+}
+
 /* The host's side of an update: counted, and the next step draws new dropout masks from row 0. */
 static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
+    if (opt->d.clip_norm > 0.0f) opt->norm_known = 1;
     opt->steps++;
     opt->model->dropout_step++;
     opt->model->rows_in_step = 0;
@@ -9198,6 +9498,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     mgpu__optim_job job;
     int i;
     MGPU__TRY(mgpu__optimizer_prepare(opt, op));
+    if (opt->d.clip_norm > 0.0f) MGPU__TRY(mgpu__optimizer_clip(opt, op));
     memset(&job, 0, sizeof job);
     job.sgd = &opt->sgd;
     job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
@@ -9205,19 +9506,24 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         mgpu__part* r = &opt->model->part[i];
         size_t n = (size_t)mgpu_tensor_numel(r->params);
         const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
+        const int64_t* edges_dev = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
         job.p = MGPU__F32(r->params);
         job.g = MGPU__F32(r->grads);
         job.m = opt->state1[i] ? MGPU__F32(opt->state1[i]) : NULL;
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
+        job.edges = opt->edge_first ? opt->edges + opt->edge_first[r->stage] : NULL;
+        job.edge_count = opt->edge_first ? opt->edge_first[r->stage + 1] - opt->edge_first[r->stage] : 0;
         MGPU__COUNT(r->dev, ops, 1);
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
         } else if (job.adamw) {
             MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
-                                                (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i])));
+                                                (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
+                                                edges_dev ? job.edge_count : 0));
         } else {
             MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
-                                              (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i])));
+                                              (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
+                                              edges_dev ? job.edge_count : 0));
         }
         mgpu__trace_close(opt->model, slice, r->dev->stream);
     }

@@ -1584,19 +1584,41 @@ int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int d
 // >>optimizers  one fused elementwise pass per step, the update rules from mgpu.h
 // ============================================================================================
 // The update's numbers are read from device memory (uploaded ahead of the step), so a step
-// replayed from a CUDA graph uses its own learning rate and bias corrections.
+// replayed from a CUDA graph uses its own learning rate and bias corrections; clipping's scale
+// is written there on the device (clip_scale_kernel) before the update reads it. Parameter
+// groups: an element in a no-decay range (edges, mgpu__edges_upto) takes the arguments with
+// weight_decay 0; the pack's first element finds its range by a binary search over the small
+// table, the next ones step on. Without edges every element takes `args` as before.
+struct decay_groups {
+    const int64_t* edges;
+    int count;
+    // index into the edges of element i (the number of edges <= i), for a pack from i
+    __device__ int first(size_t i) const { return count ? mgpu__edges_upto(edges, count, (int64_t)i) : 0; }
+    __device__ int next(int c, size_t i) const {
+        while (c < count && edges[c] <= (int64_t)i) ++c;
+        return c;
+    }
+};
+
 struct sgd_op {
     float* param;
     const float* grad;
     float* buf;   // NULL without momentum
     const mgpu__sgd_args* args;
+    decay_groups groups;
     template <int V> __device__ float apply(size_t i) const {
         const mgpu__sgd_args a = *args;
+        mgpu__sgd_args a0 = a;
+        a0.weight_decay = 0.0f;
         pack<float, V> p = load<V>(param, i), b = {};
         const pack<float, V> g = load<V>(grad, i);
         if (buf) b = load<V>(buf, i);
+        int c = groups.first(i);
 #pragma unroll
-        for (int k = 0; k < V; ++k) mgpu__sgd_update(&p.v[k], g.v[k], &b.v[k], &a);
+        for (int k = 0; k < V; ++k) {
+            if (k) c = groups.next(c, i + k);
+            mgpu__sgd_update(&p.v[k], g.v[k], &b.v[k], (c & 1) ? &a0 : &a);
+        }
         store<V>(param, i, p);
         if (buf) store<V>(buf, i, b);
         return 0.0f;
@@ -1609,12 +1631,19 @@ struct adamw_op {
     float* m;
     float* v;
     const mgpu__adamw_args* args;
+    decay_groups groups;
     template <int V> __device__ float apply(size_t i) const {
         const mgpu__adamw_args a = *args;
+        mgpu__adamw_args a0 = a;
+        a0.weight_decay = 0.0f;
         pack<float, V> p = load<V>(param, i), mv = load<V>(m, i), vv = load<V>(v, i);
         const pack<float, V> g = load<V>(grad, i);
+        int c = groups.first(i);
 #pragma unroll
-        for (int k = 0; k < V; ++k) mgpu__adamw_update(&p.v[k], g.v[k], &mv.v[k], &vv.v[k], &a);
+        for (int k = 0; k < V; ++k) {
+            if (k) c = groups.next(c, i + k);
+            mgpu__adamw_update(&p.v[k], g.v[k], &mv.v[k], &vv.v[k], (c & 1) ? &a0 : &a);
+        }
         store<V>(param, i, p);
         store<V>(m, i, mv);
         store<V>(v, i, vv);
@@ -1623,15 +1652,57 @@ struct adamw_op {
 };
 
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 const mgpu__sgd_args* args) {
+                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, momentum_buf, args}, vec4_ok(param, grad, momentum_buf));
+    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, momentum_buf, args, decay_groups{no_decay, edge_count}},
+                      vec4_ok(param, grad, momentum_buf));
 }
 
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   const mgpu__adamw_args* args) {
+                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args}, vec4_ok(param, grad, m, v));
+    return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args, decay_groups{no_decay, edge_count}},
+                      vec4_ok(param, grad, m, v));
+}
+
+// Clipping by global norm, without the host: each thread adds the squares of its grid-stride
+// elements in float64, a fixed tree per block, then one block adds the blocks' sums in order.
+// The grid depends on n alone, and the accesses are scalar, so the order (and the bits) too.
+__global__ void __launch_bounds__(kThreads) sum_squares_kernel(size_t n, const float* x, double* part) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    double acc = 0.0;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) acc += (double)x[i] * (double)x[i];
+    acc = block_reduce(acc, sum_op<double>());
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+int mgpu__cu_sum_squares(int dev, void* stream, size_t n, const float* x, double* sum, double* scratch) {
+    USE_DEVICE(dev);
+    cudaStream_t s = as_stream(stream);
+    const unsigned blocks = n ? blocks_for(n, kThreads, MGPU__CU_REDUCE_SCRATCH) : 0;
+    if (blocks) {
+        sum_squares_kernel<<<blocks, kThreads, 0, s>>>(n, x, scratch);
+        CHECK_LAUNCH("sum of squares", dev);
+    }
+    finish_kernel<double, double><<<1, kThreads, 0, s>>>(scratch, blocks, 1.0, sum);
+    CHECK_LAUNCH("sum of squares (blocks)", dev);
+    return MGPU__CU_OK;
+}
+
+// One thread: the stages' sums in stage order, so every stage of a replica gets the same norm.
+__global__ void clip_scale_kernel(const double* sums, int count, float max_norm, float* norm, float* scale) {
+    double total = 0.0;
+    for (int i = 0; i < count; ++i) total += sums[i];
+    const float nv = (float)sqrt(total);
+    norm[0] = nv;
+    scale[0] = mgpu__clip_scale(nv, max_norm);
+}
+
+int mgpu__cu_clip_scale(int dev, void* stream, const double* sums, int count, float max_norm, float* norm, float* scale) {
+    USE_DEVICE(dev);
+    clip_scale_kernel<<<1, 1, 0, as_stream(stream)>>>(sums, count, max_norm, norm, scale);
+    CHECK_LAUNCH("clip scale", dev);
+    return MGPU__CU_OK;
 }
 
 // ============================================================================================

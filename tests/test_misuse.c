@@ -199,6 +199,7 @@ static void test_nulls(void) {
     CHECK(mgpu_optimizer_step_count(NULL) == 0, "optimizer_step_count(NULL)");
     EXPECT_NULL(mgpu_optimizer_state(NULL, 0, "0.weight", "momentum_buffer"), "mgpu_optimizer_state");
     EXPECT_FAIL(mgpu_optimizer_reset(NULL), "mgpu_optimizer_reset");
+    EXPECT_FAIL(mgpu_optimizer_last_grad_norm(NULL, NULL), "mgpu_optimizer_last_grad_norm");
     EXPECT_FAIL(mgpu_model_train_step(NULL, NULL, t, lab, &loss), "mgpu_model_train_step");
     EXPECT_FAIL(mgpu_model_accumulate(NULL, t, lab, 0, &loss), "mgpu_model_accumulate");
     EXPECT_FAIL(mgpu_model_reduce_grads(NULL), "mgpu_model_reduce_grads");
@@ -602,6 +603,10 @@ static void test_double_destroy(void) {
     CHECK(strstr(mgpu_last_error(), "mgpu_optimizer_destroy") && strstr(mgpu_last_error(), "not a live"), "optimizer twice: %s",
           mgpu_last_error());
     EXPECT_FAIL(mgpu_optimizer_step(o), "mgpu_optimizer_step");
+    {
+        float norm;
+        EXPECT_FAIL(mgpu_optimizer_last_grad_norm(o, &norm), "mgpu_optimizer_last_grad_norm");   /* (looked up: refused) */
+    }
     EXPECT_FAIL(mgpu_model_apply(m, o), "mgpu_model_apply");
     CHECK(mgpu_model_destroy(m) == MGPU_OK, "model: %s", mgpu_last_error());
     EXPECT_FAIL(mgpu_model_destroy(m), "mgpu_model_destroy");

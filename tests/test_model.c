@@ -10,7 +10,9 @@
    2. initialisation (bounds, spread, seeds, replicas)
    3. model errors (shapes, NULL layers, bad inputs and targets, summary)
    4. a custom layer through mgpu_layer_vtable
-   5. SGD and AdamW against PyTorch's rules in float64, learning-rate schedules, invalid descs
+   5. SGD and AdamW against PyTorch's rules in float64, learning-rate schedules, invalid descs;
+      5b. parameter groups without weight decay and clipping by global norm (float64, cpu:2 data
+      parallel and pipelined, the GPU twin)
    6. training: loss goes down, analytic first-step gradients, evaluate, determinism,
       data-parallel equivalence on cpu:2, cpu:3, cpu:4
    7. checkpoints: round trips, exact resume, every kind of bad file, atomic save
@@ -1280,6 +1282,348 @@ static void test_optimizers(void) {
         expect_fail(mgpu_optimizer_step(NULL), MGPU_ERROR_INVALID_ARGUMENT, "step of a NULL optimizer", NULL, NULL, NULL);
     }
     mgpu_model_destroy(m);
+}
+
+/* ============================================================================================ */
+/* 5b. parameter groups (no weight decay) and clipping by global norm                           */
+/* ============================================================================================ */
+static void make_clusters(int n, int dim, int classes, float* x, int32_t* y, double spread);
+
+/* One update of flat float64 parameters by PyTorch's rules, each element with its group's decay
+   (wd[i]) and the gradients first scaled by clip_grad_norm_'s coefficient (scale). */
+typedef struct ref_opt {
+    int adamw, nesterov;
+    double lr, mom, damp, b1, b2, eps;
+    double *p, *buf, *ma, *va;
+} ref_opt;
+static void ref_opt_step(ref_opt* r, const float* g, const double* wd, double scale, int64_t n, int t) {
+    int64_t i;
+    for (i = 0; i < n; ++i) {
+        double gi = (double)(float)(g[i] * (float)scale);   /* g.mul_(clip_coef) in float32 */
+        if (!r->adamw) {
+            if (wd[i] != 0.0) gi += wd[i] * r->p[i];
+            if (r->mom != 0.0) {
+                r->buf[i] = t == 0 ? gi : r->mom * r->buf[i] + (1.0 - r->damp) * gi;
+                gi = r->nesterov ? gi + r->mom * r->buf[i] : r->buf[i];
+            }
+            r->p[i] -= r->lr * gi;
+        } else {
+            double bc1 = 1.0 - pow(r->b1, t + 1), bc2 = 1.0 - pow(r->b2, t + 1);
+            r->p[i] *= 1.0 - r->lr * wd[i];
+            r->ma[i] = r->b1 * r->ma[i] + (1.0 - r->b1) * gi;
+            r->va[i] = r->b2 * r->va[i] + (1.0 - r->b2) * gi * gi;
+            r->p[i] -= r->lr / bc1 * r->ma[i] / (sqrt(r->va[i]) / sqrt(bc2) + r->eps);
+        }
+    }
+}
+
+/* The no-decay tensors by name (matrices_only: also every tensor of fewer than 2 dimensions), as
+   a per-element weight decay over the flat buffer. */
+static double* decay_of(const mgpu_model* m, double wd, int matrices_only, const char* const* names, int count) {
+    double* out = dbuf(flat_n(m));
+    int64_t i;
+    int t, k;
+    for (i = 0; i < flat_n(m); ++i) out[i] = wd;   /* (the gaps between tensors decay, as in mgpu) */
+    for (t = 0; t < mgpu_model_tensor_count(m); ++t) {
+        int decays = !(matrices_only && mgpu_tensor_shape(mgpu_model_tensor(m, 0, t)).ndim < 2);
+        for (k = 0; k < count; ++k) decays &= strcmp(names[k], mgpu_model_tensor_name(m, t)) != 0;
+        if (!decays)
+            for (i = 0; i < tnumel(m, t); ++i) out[toff(m, t) + i] = 0.0;
+    }
+    return out;
+}
+
+/* `steps` updates of a Linear(5, 4) -> Linear(4, 3) model on `set` from random gradients, against
+   float64: groups by d.decay_matrices_only / d.no_decay, clipping by d.clip_norm (the gradients
+   scaled by `gscale` first, to land above or below it). Returns the parameters (caller frees). */
+static float* groups_clip_case(const char* label, mgpu_optimizer_desc d, int steps, double gscale, const mgpu_device_set* set,
+                               uint64_t gseed, float* norms, int64_t* count) {
+    mgpu_model* m = MODEL(mgpu_shape1(5), set, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(5, 4), mgpu_layer_linear(4, 3));
+    mgpu_optimizer* opt;
+    ref_opt r;
+    double *wd, worst_norm = 0.0;
+    float *p0, *g, *got = NULL;
+    int64_t n, i;
+    int t, scaled = 0;
+    uint64_t saved = g_rng_state;
+    if (!m) return NULL;
+    opt = mgpu_optimizer_create(m, &d);
+    CHECK(opt != NULL, "%s: mgpu_optimizer_create: %s", label, mgpu_last_error());
+    if (!opt) { mgpu_model_destroy(m); return NULL; }
+    n = *count = flat_n(m);
+    memset(&r, 0, sizeof r);
+    r.adamw = d.kind == MGPU_ADAMW;
+    r.nesterov = d.nesterov;
+    r.lr = d.lr; r.mom = d.momentum; r.damp = d.dampening;
+    r.b1 = d.beta1 ? d.beta1 : 0.9f; r.b2 = d.beta2 ? d.beta2 : 0.999f; r.eps = d.eps ? d.eps : 1e-8f;
+    r.p = dbuf(n); r.buf = dbuf(n); r.ma = dbuf(n); r.va = dbuf(n);
+    memset(r.buf, 0, (size_t)n * sizeof(double)); memset(r.ma, 0, (size_t)n * sizeof(double)); memset(r.va, 0, (size_t)n * sizeof(double));
+    wd = decay_of(m, d.weight_decay, d.decay_matrices_only, d.no_decay, d.no_decay_count);
+    p0 = fbuf(n); g = fbuf(n);
+    g_rng_state = gseed;   /* the same numbers for every device the case runs on */
+    rnd_normal(p0, n, 0.3);
+    put_flat(m, 0, p0);
+    for (i = 0; i < n; ++i) r.p[i] = p0[i];
+    for (t = 0; t < steps; ++t) {
+        double norm = 0.0, scale = 1.0;
+        float got_norm = -1.0f;
+        rnd_normal(g, n, gscale);
+        for (i = 0; i < n; ++i) norm += (double)g[i] * g[i];
+        norm = sqrt(norm);
+        if (d.clip_norm > 0.0f) {
+            float coef = d.clip_norm / ((float)norm + 1e-6f);
+            scale = coef > 1.0f ? 1.0 : coef;
+            scaled += scale < 1.0;
+        }
+        put_grads(m, 0, g);
+        MUST(mgpu_optimizer_step(opt));
+        ref_opt_step(&r, g, wd, scale, n, t);
+        if (d.clip_norm > 0.0f) {
+            MUST(mgpu_optimizer_last_grad_norm(opt, &got_norm));
+            worst_norm = fmax(worst_norm, rel_diff(got_norm, norm));
+            if (norms) norms[t] = got_norm;
+        }
+        free(got);
+        got = get_flat(m, 0);
+        {
+            double e1 = test_rel_error(got, r.p, (size_t)n), e2;
+            double* dref = dbuf(n);
+            float* dgot = fbuf(n);
+            for (i = 0; i < n; ++i) { dref[i] = r.p[i] - p0[i]; dgot[i] = (float)((double)got[i] - p0[i]); }
+            e2 = test_rel_error(dgot, dref, (size_t)n);
+            CHECK(e1 < 2e-6 && e2 < 2e-4, "%s: step %d: parameters off the float64 reference: error %.3g, displacement error %.3g",
+                  label, t + 1, e1, e2);
+            free(dref);
+            free(dgot);
+        }
+    }
+    if (d.clip_norm > 0.0f) {
+        CHECK(worst_norm < 1e-6, "%s: mgpu_optimizer_last_grad_norm off the float64 norm by %.3g", label, worst_norm);
+        if (gscale > 1.0 && d.clip_norm < 1.0f) CHECK(scaled == steps, "%s: %d of %d steps clipped, want all", label, scaled, steps);
+    }
+    g_rng_state = saved ^ gseed;
+    free(wd); free(p0); free(g); free(r.p); free(r.buf); free(r.ma); free(r.va);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    return got;
+}
+
+/* Training steps of a Linear(6, 8) -> Tanh -> Linear(8, 8) -> Tanh -> Linear(8, 3) model on `spec`
+   (NULL: the CPU) in `stages`: the parameters (every stage's, in the layout's order) and the
+   norm of each step. */
+static float* clip_train(const char* spec, int stages, int graph, const mgpu_optimizer_desc* od, int steps, int batch,
+                         const float* xs, const int32_t* ys, float* norms, int64_t* count) {
+    mgpu_device_set* set = spec ? mgpu_device_set_create(spec) : NULL;
+    mgpu_model_desc md;
+    mgpu_model* m;
+    mgpu_optimizer* o = NULL;
+    float* out = NULL;
+    int s;
+    mgpu_layer* layers[5];
+    if (spec && !set) { CHECK(0, "%s: %s", spec, mgpu_last_error()); return NULL; }
+    layers[0] = mgpu_layer_linear(6, 8); layers[1] = mgpu_layer_tanh(); layers[2] = mgpu_layer_linear(8, 8);
+    layers[3] = mgpu_layer_tanh(); layers[4] = mgpu_layer_linear(8, 3);
+    memset(&md, 0, sizeof md);
+    md.input = mgpu_shape1(6); md.layers = layers; md.layer_count = 5; md.devices = set; md.seed = 12;
+    md.stages = stages; md.micro_batches = stages > 1 ? 2 : 1; md.graph = graph;
+    m = mgpu_model_create(&md);
+    CHECK(m != NULL, "%s, %d stage(s): mgpu_model_create: %s", spec ? spec : "cpu", stages, mgpu_last_error());
+    if (m) o = mgpu_optimizer_create(m, od);
+    CHECK(!m || o, "%s: mgpu_optimizer_create: %s", spec ? spec : "cpu", mgpu_last_error());
+    if (m && o) {
+        int64_t at = 0;
+        for (s = 0; s < steps; ++s) {
+            mgpu_tensor* x = tfrom(mgpu_device_cpu(), mgpu_shape2(batch, 6), xs + (size_t)s * batch * 6);
+            mgpu_tensor* y = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(batch), ys + (size_t)s * batch);
+            MUST(mgpu_model_train_step(m, o, x, y, NULL));
+            MUST(mgpu_optimizer_last_grad_norm(o, &norms[s]));
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(y);
+        }
+        for (s = 0, *count = 0; s < mgpu_model_stage_count(m); ++s) *count += mgpu_tensor_numel(mgpu_model_stage_params(m, 0, s));
+        out = fbuf(*count);   /* (the layout's gaps between tensors too) */
+        for (s = 0; s < mgpu_model_stage_count(m); ++s) {
+            const mgpu_tensor* sp = mgpu_model_stage_params(m, 0, s);
+            tget(sp, out + at);
+            at += mgpu_tensor_numel(sp);
+        }
+        for (s = 1; s < mgpu_model_replica_count(m); ++s) {   /* every stage of every replica as replica 0's */
+            int st, same = 1;
+            for (st = 0; st < mgpu_model_stage_count(m); ++st) {
+                const mgpu_tensor *t0 = mgpu_model_stage_params(m, 0, st), *ts = mgpu_model_stage_params(m, s, st);
+                float *h0 = fbuf(mgpu_tensor_numel(t0)), *hs = fbuf(mgpu_tensor_numel(ts));
+                tget(t0, h0);
+                tget(ts, hs);
+                same &= same_bits(h0, hs, (size_t)mgpu_tensor_numel(t0) * sizeof(float));
+                free(h0);
+                free(hs);
+            }
+            CHECK(same, "%s: replica %d not bit-identical to replica 0 after clipped steps", spec, s);
+        }
+        if (graph) CHECK(mgpu_model_graph_steps(m) > 0, "%s: no step replayed from a CUDA graph", spec);
+    }
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return out;
+}
+
+/* The clipped training of `spec` against one CPU: parameters and norms within tol. */
+static void clip_train_compare(const char* label, const char* spec, int stages, int graph, const mgpu_optimizer_desc* od,
+                               const float* xs, const int32_t* ys, double tol) {
+    enum { STEPS = 4, BATCH = 8 };
+    float n1[STEPS], n2[STEPS];
+    int64_t c1 = 0, c2 = 0;
+    float* p1 = clip_train(NULL, 1, 0, od, STEPS, BATCH, xs, ys, n1, &c1);
+    float* p2 = clip_train(spec, stages, graph, od, STEPS, BATCH, xs, ys, n2, &c2);
+    if (p1 && p2 && c1 == c2) {
+        double worst = 0.0;
+        int s;
+        for (s = 0; s < STEPS; ++s) worst = fmax(worst, rel_diff(n2[s], n1[s]));
+        CHECK(worst < tol, "%s: norms differ from one CPU's by %.3g", label, worst);
+        CHECK(rel_error_ff(p2, p1, c1) < tol, "%s: parameters differ from one CPU's by %.3g", label, rel_error_ff(p2, p1, c1));
+        CHECK(n1[0] > od->clip_norm, "%s: the first norm %g is not above clip_norm %g (nothing clipped)", label, (double)n1[0],
+              (double)od->clip_norm);
+    }
+    free(p1);
+    free(p2);
+}
+
+static void test_optim_groups_clip(void) {
+    static const char* const no_dec[] = { "1.weight", "0.bias" };
+    static const char* const bad[] = { "0.bias", "2.weight" };
+    mgpu_optimizer_desc d;
+    uint64_t seed = rng_u64();
+    float *a, *b;
+    int64_t i, cnt = 0;
+    header("5b. parameter groups (no weight decay) and clipping by global norm");
+    /* groups against float64, SGD and AdamW */
+    d = odesc(MGPU_SGD, 0.1f); d.momentum = 0.9f; d.weight_decay = 0.2f; d.decay_matrices_only = 1;
+    free(groups_clip_case("SGD momentum, wd 0.2, decay_matrices_only", d, 5, 1.0, NULL, seed, NULL, &cnt));
+    d = odesc(MGPU_SGD, 0.1f); d.weight_decay = 0.2f; d.no_decay = no_dec; d.no_decay_count = 2;
+    free(groups_clip_case("SGD wd 0.2, no_decay {1.weight, 0.bias}", d, 4, 1.0, NULL, seed, NULL, &cnt));
+    d = odesc(MGPU_ADAMW, 0.01f); d.weight_decay = 0.1f; d.decay_matrices_only = 1;
+    free(groups_clip_case("AdamW wd 0.1, decay_matrices_only", d, 5, 1.0, NULL, seed, NULL, &cnt));
+    d = odesc(MGPU_ADAMW, 0.01f); d.weight_decay = 0.1f; d.decay_matrices_only = 1; d.no_decay = no_dec; d.no_decay_count = 1;
+    free(groups_clip_case("AdamW wd 0.1, decay_matrices_only + no_decay {1.weight}", d, 4, 1.0, NULL, seed, NULL, &cnt));
+    /* biases untouched by decay: zero gradients move only the matrices (SGD without momentum) */
+    {
+        mgpu_model* m = MODEL(mgpu_shape1(5), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(5, 4), mgpu_layer_linear(4, 3));
+        mgpu_optimizer* o;
+        d = odesc(MGPU_SGD, 0.1f); d.weight_decay = 0.5f; d.decay_matrices_only = 1;
+        o = m ? mgpu_optimizer_create(m, &d) : NULL;
+        if (o) {
+            int t, moved = 1, kept = 1;
+            float *before = get_flat(m, 0), *after;
+            MUST(mgpu_model_zero_grad(m));
+            MUST(mgpu_optimizer_step(o));
+            after = get_flat(m, 0);
+            for (t = 0; t < mgpu_model_tensor_count(m); ++t)
+                for (i = toff(m, t); i < toff(m, t) + tnumel(m, t); ++i) {
+                    if (mgpu_tensor_shape(mgpu_model_tensor(m, 0, t)).ndim < 2) kept &= after[i] == before[i];
+                    else moved &= after[i] == before[i] - 0.1f * (0.5f * before[i]) || before[i] == 0.0f;
+                }
+            CHECK(kept, "decay_matrices_only: a bias moved under weight decay with zero gradients");
+            CHECK(moved, "decay_matrices_only: a weight did not decay as p - lr * wd * p");
+            free(before);
+            free(after);
+        }
+        mgpu_optimizer_destroy(o);
+        mgpu_model_destroy(m);
+    }
+    /* clipping against float64: above the threshold (every step scaled), below it */
+    d = odesc(MGPU_SGD, 0.1f); d.momentum = 0.9f; d.clip_norm = 0.5f;
+    free(groups_clip_case("SGD momentum, clip_norm 0.5 (clipped)", d, 4, 2.0, NULL, seed, NULL, &cnt));
+    d = odesc(MGPU_ADAMW, 0.01f); d.weight_decay = 0.1f; d.decay_matrices_only = 1; d.clip_norm = 0.25f;
+    free(groups_clip_case("AdamW, decay_matrices_only, clip_norm 0.25 (clipped)", d, 5, 2.0, NULL, seed, NULL, &cnt));
+    d = odesc(MGPU_ADAMW, 0.01f); d.clip_norm = 1e4f;
+    a = groups_clip_case("AdamW, clip_norm 1e4 (never reached)", d, 3, 1.0, NULL, seed, NULL, &cnt);
+    d.clip_norm = 0.0f;
+    b = groups_clip_case("AdamW, no clipping", d, 3, 1.0, NULL, seed, NULL, &cnt);
+    CHECK(a && b && !memcmp(a, b, (size_t)cnt * sizeof(float)), "below clip_norm the update has the bits of no clipping");
+    free(a);
+    d = odesc(MGPU_SGD, 0.1f); d.clip_norm = INFINITY;
+    a = groups_clip_case("SGD, clip_norm INFINITY (the norm alone)", d, 3, 1.0, NULL, seed, NULL, &cnt);
+    d.clip_norm = 0.0f;
+    free(b);
+    b = groups_clip_case("SGD, no clipping", d, 3, 1.0, NULL, seed, NULL, &cnt);
+    CHECK(a && b && !memcmp(a, b, (size_t)cnt * sizeof(float)), "clip_norm INFINITY: the update has the bits of no clipping");
+    free(a);
+    free(b);
+    /* refusals */
+    {
+        mgpu_model* m = MODEL(mgpu_shape1(5), NULL, MGPU_LOSS_CROSS_ENTROPY, 3, mgpu_layer_linear(5, 4), mgpu_layer_linear(4, 3));
+        mgpu_optimizer* o;
+        float norm;
+        d = odesc(MGPU_SGD, 0.1f); d.clip_norm = -1.0f;
+        expect_null(mgpu_optimizer_create(m, &d), MGPU_ERROR_INVALID_ARGUMENT, "clip_norm -1", "mgpu_optimizer_create", "clip_norm", NULL);
+        d = odesc(MGPU_SGD, 0.1f); d.clip_norm = NAN;
+        expect_null(mgpu_optimizer_create(m, &d), MGPU_ERROR_INVALID_ARGUMENT, "clip_norm NaN", "clip_norm", NULL, NULL);
+        d = odesc(MGPU_SGD, 0.1f); d.weight_decay = 0.1f; d.no_decay = bad; d.no_decay_count = 2;
+        expect_null(mgpu_optimizer_create(m, &d), MGPU_ERROR_INVALID_ARGUMENT, "no_decay with an unknown name", "mgpu_optimizer_create",
+                    "'2.weight'", NULL);
+        d = odesc(MGPU_SGD, 0.1f); d.no_decay_count = 1;
+        expect_null(mgpu_optimizer_create(m, &d), MGPU_ERROR_INVALID_ARGUMENT, "no_decay NULL with a count", "no_decay_count", NULL, NULL);
+        d = odesc(MGPU_SGD, 0.1f); d.no_decay = bad; d.no_decay_count = -1;
+        expect_null(mgpu_optimizer_create(m, &d), MGPU_ERROR_INVALID_ARGUMENT, "no_decay_count -1", "no_decay_count", NULL, NULL);
+        d = odesc(MGPU_SGD, 0.1f);
+        o = m ? mgpu_optimizer_create(m, &d) : NULL;
+        expect_fail(mgpu_optimizer_last_grad_norm(o, &norm), MGPU_ERROR_INVALID_ARGUMENT, "the norm without clipping",
+                    "mgpu_optimizer_last_grad_norm", "clip_norm", NULL);
+        mgpu_optimizer_destroy(o);
+        d.clip_norm = 1.0f;
+        o = m ? mgpu_optimizer_create(m, &d) : NULL;
+        expect_fail(mgpu_optimizer_last_grad_norm(o, &norm), MGPU_ERROR_INVALID_ARGUMENT, "the norm before a step", "no step", NULL, NULL);
+        expect_fail(mgpu_optimizer_last_grad_norm(o, NULL), MGPU_ERROR_INVALID_ARGUMENT, "a NULL norm", "NULL", NULL, NULL);
+        expect_fail(mgpu_optimizer_last_grad_norm(NULL, &norm), MGPU_ERROR_INVALID_ARGUMENT, "a NULL optimizer", "NULL", NULL, NULL);
+        mgpu_optimizer_destroy(o);
+        mgpu_model_destroy(m);
+    }
+    /* training: data-parallel cpu:2 and a pipeline of 2 stages on cpu:2 clip as one CPU does */
+    {
+        enum { STEPS = 4, BATCH = 8 };
+        float xs[STEPS * BATCH * 6];
+        int32_t ys[STEPS * BATCH];
+        make_clusters(STEPS * BATCH, 6, 3, xs, ys, 0.5);
+        d = odesc(MGPU_ADAMW, 0.02f); d.weight_decay = 0.1f; d.decay_matrices_only = 1; d.clip_norm = 0.05f;
+        clip_train_compare("AdamW clipped, cpu:2 (data parallel)", "cpu:2", 1, 0, &d, xs, ys, 1e-6);
+        clip_train_compare("AdamW clipped, cpu:2 (2 pipeline stages)", "cpu:2", 2, 0, &d, xs, ys, 1e-6);
+        d = odesc(MGPU_SGD, 0.1f); d.momentum = 0.9f; d.weight_decay = 0.05f; d.decay_matrices_only = 1; d.clip_norm = 0.05f;
+        clip_train_compare("SGD clipped, cpu:4 (2 replicas x 2 stages)", "cpu:4", 2, 0, &d, xs, ys, 1e-6);
+        /* the GPU twin: the kernels' groups and norm against the CPU's */
+#ifdef MGPU_CUDA
+        if (test_gpu_group("parameter groups and clipping", g_gpu != NULL)) {
+            float nc[5], ng[5];
+            int t;
+            double worst = 0.0;
+            d = odesc(MGPU_ADAMW, 0.01f); d.weight_decay = 0.1f; d.decay_matrices_only = 1; d.no_decay = no_dec; d.no_decay_count = 1;
+            d.clip_norm = 0.25f;
+            a = groups_clip_case("AdamW groups + clipping, cpu", d, 5, 2.0, NULL, seed, nc, &cnt);
+            b = groups_clip_case("AdamW groups + clipping, cuda:0", d, 5, 2.0, g_gpu_set, seed, ng, &cnt);
+            for (t = 0; t < 5; ++t) worst = fmax(worst, rel_diff(ng[t], nc[t]));
+            CHECK(worst < 1e-6, "cuda:0 vs cpu: norms differ by %.3g", worst);
+            CHECK(a && b && rel_error_ff(b, a, cnt) < 1e-6, "cuda:0 vs cpu: parameters differ by %.3g", a && b ? rel_error_ff(b, a, cnt) : -1.0);
+            free(a); free(b);
+            d = odesc(MGPU_SGD, 0.1f); d.momentum = 0.9f; d.weight_decay = 0.2f; d.decay_matrices_only = 1; d.clip_norm = 0.5f;
+            a = groups_clip_case("SGD groups + clipping, cpu", d, 4, 2.0, NULL, seed, nc, &cnt);
+            b = groups_clip_case("SGD groups + clipping, cuda:0", d, 4, 2.0, g_gpu_set, seed, ng, &cnt);
+            CHECK(a && b && rel_error_ff(b, a, cnt) < 1e-6, "SGD cuda:0 vs cpu: parameters differ by %.3g", a && b ? rel_error_ff(b, a, cnt) : -1.0);
+            free(a); free(b);
+            d = odesc(MGPU_ADAMW, 0.02f); d.weight_decay = 0.1f; d.decay_matrices_only = 1; d.clip_norm = 0.05f;
+            clip_train_compare("AdamW clipped, cuda:0", "cuda:0", 1, 0, &d, xs, ys, 1e-5);
+            clip_train_compare("AdamW clipped, cuda:0,0 (data parallel)", "cuda:0,0", 1, 0, &d, xs, ys, 1e-5);
+            clip_train_compare("AdamW clipped, cuda:0,0 (2 pipeline stages)", "cuda:0,0", 2, 0, &d, xs, ys, 1e-5);
+            clip_train_compare("AdamW clipped, cuda:0 as a CUDA graph", "cuda:0", 1, 1, &d, xs, ys, 1e-5);
+            clip_train_compare("AdamW clipped, cuda:0,0 (2 stages) as a CUDA graph", "cuda:0,0", 2, 1, &d, xs, ys, 1e-5);
+            if (mgpu_cuda_device_count() >= 2)   /* the stages' sums between two GPUs (peer copies) */
+                clip_train_compare("AdamW clipped, cuda:0,1 (2 pipeline stages)", "cuda:0,1", 2, 0, &d, xs, ys, 1e-5);
+            else
+                SKIP("clipping across the stages of two GPUs: %d GPU(s)", mgpu_cuda_device_count());
+        }
+#else
+        gpu_group_note("parameter groups and clipping");
+#endif
+    }
 }
 
 /* ============================================================================================ */
@@ -3680,6 +4024,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_getter_errors());
     TEST_GROUP(test_custom_layer());
     TEST_GROUP(test_optimizers());
+    TEST_GROUP(test_optim_groups_clip());
     TEST_GROUP(test_training());
     TEST_GROUP(test_checkpoints());
     TEST_GROUP(test_data());
