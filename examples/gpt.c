@@ -22,7 +22,7 @@
 typedef struct options {
     const char *load, *data, *text, *val, *optimizer, *devices, *save;
     int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k;
-    float lr, dropout, temperature, weight_decay;
+    float lr, dropout, temperature, weight_decay, clip;
     unsigned long long seed;
 } options;
 
@@ -41,7 +41,8 @@ static void usage(FILE* f) {
             "  --steps N           training steps [200]\n"
             "  --optimizer NAME    sgd | adamw [adamw]\n"
             "  --lr L              constant learning rate [0.001 adamw, 0.1 sgd]; plain SGD: no momentum\n"
-            "  --weight-decay F    [0]\n"
+            "  --weight-decay F    on the weight matrices alone (GPT-2's rule: no biases, norms) [0]\n"
+            "  --clip F            clip the gradients' global norm to F, 0: off [0]\n"
             "  --dropout P         embedding, attention and residual dropout [0]\n"
             "  --no-shuffle        batch k holds windows kB .. kB+B-1 in order, wrapping at the end\n"
             "  --devices SPEC      auto | cpu | cpu:4 | cuda | cuda:0,1 ... [auto]\n"
@@ -85,12 +86,14 @@ static int parse_args(int argc, char** argv, options* o) {
         GPT_INT("--sample", sample, 0, 1 << 24) GPT_INT("--every", every, 1, 1 << 30) GPT_INT("--top-k", top_k, 0, 1 << 30)
 #undef GPT_INT
         if (!strcmp(a, "--seed")) { o->seed = strtoull(v, &end, 10); if (!end || *end) goto bad; ++i; continue; }
-        if (!strcmp(a, "--lr") || !strcmp(a, "--dropout") || !strcmp(a, "--temperature") || !strcmp(a, "--weight-decay")) {
+        if (!strcmp(a, "--lr") || !strcmp(a, "--dropout") || !strcmp(a, "--temperature") || !strcmp(a, "--weight-decay") ||
+            !strcmp(a, "--clip")) {
             strtod(v, &end);
             if (!end || *end || !(f >= 0.0) || (!strcmp(a, "--dropout") && f >= 1.0)) goto bad;
             if (!strcmp(a, "--lr")) o->lr = (float)f;
             else if (!strcmp(a, "--dropout")) o->dropout = (float)f;
             else if (!strcmp(a, "--temperature")) o->temperature = (float)f;
+            else if (!strcmp(a, "--clip")) o->clip = (float)f;
             else o->weight_decay = (float)f;
             ++i;
             continue;
@@ -287,6 +290,7 @@ int main(int argc, char** argv) {
     double val_loss = NAN, t0;
     float loss = NAN;
     int step = 0, epoch = 0, rc = 1;
+    setvbuf(stdout, NULL, _IOLBF, 0);   /* progress lines as they come, also into a pipe */
     if (!parse_args(argc, argv, &o)) return 2;
     if (!gpt_data(&o, &train, &val)) goto fail;
     g.vocab = o.text ? MGPU_TOKENS_BYTE_VOCAB : 50257;
@@ -316,6 +320,7 @@ int main(int argc, char** argv) {
                                                                         .wrap = 1 })) ||
         !(opt = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = strcmp(o.optimizer, "sgd") ? MGPU_ADAMW : MGPU_SGD,
                                                                   .lr = o.lr, .weight_decay = o.weight_decay,
+                                                                  .decay_matrices_only = 1, .clip_norm = o.clip,
                                                                   .beta1 = 0.9f, .beta2 = 0.95f })))
         goto fail;
     t0 = mgpu_seconds();

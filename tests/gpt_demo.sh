@@ -1,0 +1,31 @@
+#!/bin/sh
+# build/gpt's demo: a byte-level GPT (4 blocks, 4 heads, width 128, T 64, batch 16, AdamW) trained
+# on a real text corpus from a Debian package (fortunes' cookie file, 245 kB) on the CPU, then
+# samples. It must bring the validation loss (the held-out tenth of the file) below 2.3 nats per
+# byte and print a sample; the seconds it took are printed, not checked (a loaded machine is
+# slower). Without the fortunes package, one skip. Usage: gpt_demo.sh [BUILD_DIR]
+b=${1:-build}
+text=/usr/share/games/fortunes/cookie
+if [ ! -e "$text" ]; then
+    echo "  skip the GPT demo: no $text (apt-get install fortunes)"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+fi
+out=$("$b/gpt" --text "$text" --steps 1500 --every 500 --lr 0.006 --devices cpu --sample 200 2>&1)
+rc=$?
+echo "$out" | sed 's/^/  | /'
+passed=0; failed=0
+last=$(echo "$out" | tail -n 1)
+val=$(echo "$last" | sed -n 's/.*val_loss=\([0-9.]*\).*/\1/p')
+if [ $rc -eq 0 ] && [ -n "$val" ] && awk -v v="$val" 'BEGIN { exit !(v < 2.3) }'; then
+    passed=$((passed + 1)); echo "  ok   the demo's validation loss $val < 2.3 nats per byte ($last)"
+else
+    failed=$((failed + 1)); echo "  FAIL the demo's validation loss '$val' (exit $rc), want below 2.3"
+fi
+if echo "$out" | grep -q -- '---- sample ----'; then
+    passed=$((passed + 1)); echo "  ok   the demo prints a sample"
+else
+    failed=$((failed + 1)); echo "  FAIL the demo printed no sample"
+fi
+echo "$passed passed, $failed failed, 0 skipped"
+[ $failed -eq 0 ]
