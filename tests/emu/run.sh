@@ -33,7 +33,7 @@ if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
 fi
 set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_NO_PEER=1 $e/test_parallel"
 echo "test seed $tseed (MGPU_TEST_SEED), chaos seed $seed (MGPU_EMU_CHAOS_SEED=$seed repeats it)"
-for t in test_core test_model test_parallel; do set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_CHAOS=$seed $e/$t"; done
+for t in test_core test_model test_parallel test_seq; do set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_CHAOS=$seed $e/$t"; done
 alib=$(cd "$a" && pwd)
 for t in $suites; do set -- "$@" "$common MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$alib/libnccl_emu.so $a/${t}"; done
 set -- "$@" "env MGPU_EMU_NCCL=$lib/libnccl_emu.so $e/test_emu" "sh tests/emu/train.sh $b"
