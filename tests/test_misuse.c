@@ -172,6 +172,13 @@ static void test_nulls(void) {
     EXPECT_NULL(mgpu_layer_create(NULL, NULL), "mgpu_layer_create");
     CHECK(mgpu_layer_user_data(NULL) == NULL, "layer_user_data(NULL)");
     CHECK(mgpu_layer_type(NULL) != NULL, "layer_type(NULL) is a string");
+    EXPECT_NULL(mgpu_layer_sequential(NULL, 2), "mgpu_layer_sequential");
+    EXPECT_NULL(mgpu_layer_residual(NULL, NULL), "mgpu_layer_residual");
+    EXPECT_NULL(mgpu_layer_name(mgpu_layer_relu(), NULL), "mgpu_layer_name");   /* (the layer is freed: ASan) */
+    CHECK(mgpu_layer_name(NULL, "a") == NULL, "layer_name(NULL layer) is NULL");
+    EXPECT_FAIL(mgpu_layer_forward(NULL, NULL, t, t), "mgpu_layer_forward");
+    EXPECT_FAIL(mgpu_layer_backward(NULL, NULL, t, t, t, t), "mgpu_layer_backward");
+    CHECK(mgpu_fail(MGPU_ERROR_IO, NULL) == MGPU_ERROR_IO && mgpu_last_result() == MGPU_ERROR_IO, "mgpu_fail(r, NULL) records r");
     /* all-reduce */
     EXPECT_NULL(mgpu_allreduce_create(NULL, MGPU_ALLREDUCE_AUTO), "mgpu_allreduce_create");
     CHECK(mgpu_allreduce_backend(NULL) == MGPU_ALLREDUCE_NONE, "allreduce_backend(NULL)");
