@@ -11,7 +11,7 @@ if [ ! -e "$text" ]; then
     echo "0 passed, 0 failed, 1 skipped"
     exit 0
 fi
-out=$("$b/gpt" --text "$text" --steps 1500 --every 500 --lr 0.006 --devices cpu --sample 200 2>&1)
+out=$("$b/gpt" --text "$text" --steps 2100 --every 300 --lr 0.003 --devices cpu --sample 200 2>&1)
 rc=$?
 echo "$out" | sed 's/^/  | /'
 passed=0; failed=0
