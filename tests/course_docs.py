@@ -232,7 +232,7 @@ def run_commands(tmp, data):
                     why = "no Fashion-MNIST in /usr/share/datasets/fashion-mnist"
                 elif re.search(r"(^|\s)python3\s", c) and not py:
                     why = "no python3 with torch and numpy (Debian: python3-torch)"
-                elif re.search(r"(^|\s)python3\s.*--init", c) and not py_st:
+                elif (re.search(r"(^|\s)python3\s.*--init", c) or "course_simplenet.sh" in c) and not py_st:
                     why = "no python3 with torch, numpy and safetensors (pip install safetensors)"
                 elif re.search(r"(^|\s)(mpicc|mpirun)\s", c) and not have_mpi:
                     why = "no mpicc or mpirun (Debian: openmpi-bin libopenmpi-dev)"
