@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The course's text (docs/course/en and docs/course/zh), checked two ways; tests/course.sh runs both.
 
-  course_docs.py commands TMP [DATA]
+  course_docs.py commands TMP [DATA [FILE...]]
       Runs every shell command the course README and the lessons show (```sh blocks of the English
       files; the Chinese ones must show the same commands), AS WRITTEN, each file in a fresh copy
       of the repository (its tracked and unignored files: no build/ folder), then checks every
@@ -22,7 +22,8 @@
       lesson is run as a reader who starts there would run it.
       The environment is that of a CPU-only reader: NVCC empty (make builds the CPU variants),
       a python3 with torch first in PATH where one exists, Open MPI allowed to oversubscribe
-      (the lesson says to when processes outnumber cores) and to run as root.
+      (the lesson says to when processes outnumber cores) and to run as root. FILE...: only
+      those (e.g. 07-pipelines.md), to try one lesson again.
 
   course_docs.py zh
       The Chinese files: one term per concept (the glossary's "术语规范" table lists each term
@@ -171,7 +172,7 @@ KEEP = ["build/emu/mgpu_kernels.cpp", "build/emu/mgpu_kernels.o", "build/emu/lib
         "build/emu/libnccl_emu.so"]
 
 
-def run_commands(tmp, data):
+def run_commands(tmp, data, only):
     files = tracked_files()
     if files is None:
         skip("the lessons' commands: not a git checkout, no list of tracked files to copy")
@@ -198,7 +199,7 @@ def run_commands(tmp, data):
     data_prog = re.compile(r"(^|[\s/])(04_simplenet|04_ex[0-9]|train|train_mpi|course_simplenet\.sh)(\s|$)")
     for name in ORDER:
         en = os.path.join(EN, name)
-        if not os.path.exists(en):
+        if not os.path.exists(en) or (only and name not in only):
             continue
         bl = blocks(en)
         if not any(b["kind"] == "sh" for b in bl):
@@ -447,7 +448,7 @@ def zh_checks():
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "commands":
         same_blocks()
-        run_commands(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
+        run_commands(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "", sys.argv[4:])
     elif len(sys.argv) == 2 and sys.argv[1] == "zh":
         zh_checks()
     else:
