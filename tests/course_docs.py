@@ -15,6 +15,8 @@
                                             (timings, rates, wait counts)
         <!-- course-illustrative: WHY -->   above ```text: not an output to check (a formula, or
                                             an output of a machine this test does not have)
+        <!-- course-table-column: N: CMD -->  above a markdown table (en and zh): every cell of
+                                            its column N, below the header, is a number CMD printed
       Every ```text block must carry course-output or course-illustrative. A quoted line must be
       a whole line of the output; "..." in it stands for any text (a line shown shortened).
       Between files only the emulator's libraries are kept (build/emu/mgpu_kernels.*,
@@ -258,6 +260,9 @@ def run_commands(tmp, data, only):
                 shutil.copy2(os.path.join(clone, k), os.path.join(kept, k))
         print("       (%s: %d commands in a fresh copy, %.0f s)" % (name, nrun, time.time() - t0), flush=True)
         check_outputs(name, bl, allcmds, outputs)
+        for lang in (EN, ZH):
+            if os.path.exists(os.path.join(lang, name)):
+                check_tables(os.path.join(lang, name), allcmds, outputs)
     shutil.rmtree(os.path.join(tmp, "clone"), ignore_errors=True)
 
 
@@ -300,6 +305,38 @@ def check_outputs(name, bl, cmds, outputs):
         else:
             ok("%s: the quoted output of '%s' (%d lines as printed%s)"
                % (where, " + ".join(m["course-output"]), checked, ", %d that vary" % skipped if skipped else ""))
+
+
+def check_tables(path, cmds, outputs):
+    """Markdown tables whose columns quote numbers a command printed (course-table-column)."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    for i, line in enumerate(lines):
+        m = re.match(r"<!-- course-table-column: (\d+): (.*) -->$", line)
+        if not m:
+            continue
+        col, cmd = int(m.group(1)), m.group(2)
+        where = "%s line %d" % (path, i + 1)
+        k = find_cmd(cmds, cmd)
+        if k < 0:
+            fail("%s: course-table-column names '%s', which is not one of the file's commands" % (where, cmd))
+            continue
+        if k not in outputs:
+            skip("%s: column %d of the table: '%s' did not run here" % (where, col, cmd))
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("|"):
+            j += 1
+        rows = []
+        while j < len(lines) and lines[j].startswith("|"):
+            rows.append(lines[j])
+            j += 1
+        cells = [r.strip().strip("|").split("|")[col - 1].strip() for r in rows[2:] if len(r.strip().strip("|").split("|")) >= col]
+        cells = [c for c in cells if c]
+        wrong = [c for c in cells if not re.search(r"(?<![\d.])%s(?![\d])" % re.escape(c), outputs[k])]
+        if not cells or wrong:
+            fail("%s: column %d of the table: %s not printed by '%s'" % (where, col, ", ".join(wrong) or "no cells", cmd))
+        else:
+            ok("%s: column %d of the table, %d numbers, as '%s' printed them" % (where, col, len(cells), cmd))
 
 
 def same_blocks():
