@@ -13,7 +13,12 @@
 #                                      (make emu-program KERNELS=...), compiled by nvcc where there is
 #                                      one (compile only); the CPU build must not need it
 #      $DATA in ARGS is the Fashion-MNIST folder (a run that needs it is skipped without it). A
-#      program checks its own numbers and exits non-zero when one is wrong.
+#      program checks its own numbers and exits non-zero when one is wrong;
+#   3. every shell command of the course README and of the lessons runs as written, in a fresh copy
+#      of the repository (no build/), and every output a lesson quotes is what the command printed
+#      (tests/course_docs.py commands: the markers that say which block is which are described there);
+#   4. the Chinese text keeps the glossary's terminology list, full-width punctuation, “” quotes,
+#      "第 NN 课：" headings and no English prose outside code (tests/course_docs.py zh).
 # Usage: tests/course.sh [BUILD] [DATA]
 b=${1:-build}
 DATA=${2:-/usr/share/datasets/fashion-mnist}
@@ -134,6 +139,20 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
         else fail "$src builds with mpicc -DMGPU_MPI"; sed 's/^/       /' "$tmp/cc" | head -n 20; fi
     fi
 done
+
+# the counts of a tests/course_docs.py run, added to ours
+docs() {
+    if ! command -v python3 >/dev/null 2>&1; then skip "tests/course_docs.py $1: no python3"; return; fi
+    python3 tests/course_docs.py "$@" | tee "$tmp/docs.out" | grep -v ' passed, .* failed, .* skipped$'
+    set -- $(sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed, \([0-9]*\) skipped$/\1 \2 \3/p' "$tmp/docs.out")
+    if [ $# -eq 3 ]; then passed=$((passed + $1)); failed=$((failed + $2)); skipped=$((skipped + $3))
+    else fail "tests/course_docs.py ended without its counts"; fi
+}
+echo "== the Chinese text: the glossary's terms, punctuation, headings"
+docs zh
+echo "== every shell command of the README and the lessons, as written, from a fresh copy; their quoted outputs"
+mkdir -p "$tmp/docs"
+docs commands "$tmp/docs" "$DATA"
 
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]

@@ -7,6 +7,7 @@
      ./07_ex1 cpu:4 cpu */
 // course-run: cpu:4 cpu
 // course-expect: every M trains exactly like one device
+// course-expect: S = 4, M = 16: bubble 15.8%, parameters = one device's
 // course-expect: smallest M with a bubble of at most 10%: 27
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
