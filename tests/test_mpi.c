@@ -20,6 +20,12 @@
       model loads it with the same bits; a save that fails on rank 0 fails every rank
    6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
       the ranks together see every row once; the same for windows of tokens, with and without wrap
+   7. a GPT (Dropout, the head tied to the embedding), each rank's rows from a token loader with
+      shard_for: one replica on every rank against one process with them all (cpu:G), SGD and
+      AdamW, then with MGPU_IGNORE_INDEX labels spread unevenly across the ranks (a step where the
+      second half of the batch has none, one where the job has none), also with rank 0 holding
+      two replicas and with accumulate + apply: the parameters bit for bit after every step, the
+      job's loss and each replica's bit for bit
 
    With MGPU_TEST_MPI_CUDA=1 (tests/mpi.sh runs the emulated build so, with MGPU_EMU_DEVICES=4):
    the same on GPUs, rank 0 on cuda:0,1 and the others on cuda:0, against one process on
