@@ -661,8 +661,12 @@ static void gpt_both(const char* what, const char* mine, mgpu_optimizer_desc od,
         }
         if (!mgpu_loader_next(lm, &x, &y)) { ok = 0; why = "no batch from the loader with shard_for"; break; }
         my_rows(dm, mgpu_tensor_dim(wy, 0), &from, &count);
-        ok &= mgpu_tensor_dim(x, 0) == count && !memcmp(mgpu_tensor_data(x), (const int32_t*)mgpu_tensor_data(wx) + from * GPT_T,
-                                                        (size_t)(count * GPT_T) * sizeof(int32_t));
+        if (mgpu_tensor_dim(x, 0) != count ||
+            memcmp(mgpu_tensor_data(x), (const int32_t*)mgpu_tensor_data(wx) + from * GPT_T, (size_t)(count * GPT_T) * sizeof(int32_t))) {
+            ok = 0;
+            why = "the loader with shard_for gave other rows than this rank's of the whole batch";
+            break;
+        }
         if (ignore) {
             ym = gpt_ignore(y, s, from, mgpu_tensor_dim(wy, 0));
             yw = gpt_ignore(wy, s, 0, mgpu_tensor_dim(wy, 0));
