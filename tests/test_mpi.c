@@ -20,6 +20,12 @@
       model loads it with the same bits; a save that fails on rank 0 fails every rank
    6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
       the ranks together see every row once; the same for windows of tokens, with and without wrap
+   7. a GPT (Dropout, the head tied to the embedding), each rank's rows from a token loader with
+      shard_for: one replica on every rank against one process with them all (cpu:G), SGD and
+      AdamW, then with MGPU_IGNORE_INDEX labels spread unevenly across the ranks (a step where the
+      second half of the batch has none, one where the job has none), also with rank 0 holding
+      two replicas and with accumulate + apply: the parameters bit for bit after every step, the
+      job's loss and each replica's bit for bit
 
    With MGPU_TEST_MPI_CUDA=1 (tests/mpi.sh runs the emulated build so, with MGPU_EMU_DEVICES=4):
    the same on GPUs, rank 0 on cuda:0,1 and the others on cuda:0, against one process on
@@ -532,6 +538,215 @@ static void test_loader_tokens(void) {
     mgpu_device_set_destroy(set);
 }
 
+/* ---- 7. a GPT ---- */
+/* GPT-2's layers as examples/gpt.c makes them (tests/test_seq.c's tiny_gpt), small: Embedding,
+   PositionEmbedding, Dropout, blocks of LayerNorm + CausalSelfAttention and LayerNorm + MLP in
+   residual containers, a final LayerNorm and a head tied to the embedding. */
+enum { GPT_V = 13, GPT_T = 6, GPT_C = 8, GPT_H = 2, GPT_L = 2 };
+static mgpu_layer* gpt_block(float p) {
+    mgpu_layer* attn[2] = { mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_1"),
+                            mgpu_layer_name(mgpu_layer_causal_self_attention(GPT_C, GPT_H, p), "attn") };
+    mgpu_layer* mlp[4] = { mgpu_layer_name(mgpu_layer_conv1d(GPT_C, 4 * GPT_C), "c_fc"), mgpu_layer_gelu_tanh(),
+                           mgpu_layer_name(mgpu_layer_conv1d(4 * GPT_C, GPT_C), "c_proj"), mgpu_layer_dropout(p) };
+    mgpu_layer* ff[2] = { mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_2"), mgpu_layer_name(mgpu_layer_sequential(mlp, 4), "mlp") };
+    mgpu_layer* both[2] = { mgpu_layer_residual(mgpu_layer_sequential(attn, 2), NULL), mgpu_layer_residual(mgpu_layer_sequential(ff, 2), NULL) };
+    return mgpu_layer_sequential(both, 2);
+}
+static mgpu_model* make_gpt(const mgpu_device_set* set, int distributed) {
+    static const mgpu_tie tie = { "6.weight", "0.weight" };   /* the head (layer 3 + GPT_L + 1) is the embedding */
+    mgpu_layer* layers[3 + GPT_L + 2];
+    mgpu_model_desc d;
+    int n = 0, i;
+    layers[n++] = mgpu_layer_embedding(GPT_V, GPT_C);
+    layers[n++] = mgpu_layer_position_embedding(GPT_T, GPT_C);
+    layers[n++] = mgpu_layer_dropout(0.2f);
+    for (i = 0; i < GPT_L; ++i) layers[n++] = gpt_block(0.2f);
+    layers[n++] = mgpu_layer_layer_norm(GPT_C);
+    layers[n++] = mgpu_layer_linear_no_bias(GPT_C, GPT_V);
+    memset(&d, 0, sizeof d);
+    d.input = mgpu_shape1(GPT_T);
+    d.input_dtype = MGPU_I32;
+    d.layers = layers;
+    d.layer_count = n;
+    d.devices = set;
+    d.seed = distributed ? 7 + (uint64_t)g_rank : 7;   /* a job takes rank 0's */
+    d.distributed = distributed;
+    d.ties = &tie;
+    d.tie_count = 1;
+    return mgpu_model_create(&d);
+}
+
+/* Whether label t of the batch's row `row` (of `rows`) is MGPU_IGNORE_INDEX at step s: a rule of
+   the global batch, the same in both processes, that leaves the ranks unevenly many labels: the
+   later rows lose more, and every third step the second half of the batch loses all of them
+   (so that the last rank has none: no term, and no gradient but zeros); at step 3 every label of
+   the job (a loss of 0, gradients of 0: the optimizer's step all the same). */
+static int gpt_ignored(int s, int64_t row, int64_t rows, int t) {
+    if (s == 3) return 1;
+    if (s % 3 == 1) return row >= rows / 2;
+    return (row * 7 + t * 3 + s) % 5 < (row < rows / 2 ? 1 : 3);
+}
+/* A copy of labels y (rows [from, from + count) of the global batch of `rows`) with the rule's ignored. */
+static mgpu_tensor* gpt_ignore(const mgpu_tensor* y, int s, int64_t from, int64_t rows) {
+    mgpu_tensor* out = mgpu_tensor_to(y, mgpu_device_cpu());
+    int32_t* lab = out ? (int32_t*)mgpu_tensor_data(out) : NULL;
+    int64_t k;
+    int t;
+    for (k = 0; lab && k < mgpu_tensor_dim(y, 0); ++k)
+        for (t = 0; t < GPT_T; ++t)
+            if (gpt_ignored(s, from + k, rows, t)) lab[k * GPT_T + t] = MGPU_IGNORE_INDEX;
+    return out;
+}
+
+/* The labels of y that count (not MGPU_IGNORE_INDEX). */
+static int gpt_terms(const mgpu_tensor* y) {
+    int64_t k;
+    int n = 0;
+    for (k = 0; k < mgpu_tensor_numel(y); ++k) n += ((const int32_t*)mgpu_tensor_data(y))[k] != MGPU_IGNORE_INDEX;
+    return n;
+}
+
+/* A distributed GPT (each rank's rows from a loader with shard_for) against one process with
+   every replica (the whole batch from a loader over the same windows): the same parameters bit
+   for bit after every step, and the same loss, the job's and each replica's. mine: the rank's
+   devices ("cpu" or "cuda:0" for one replica each; NULL for my_spec's). ignore: gpt_ignored's
+   labels ignored; accumulate: each batch in two halves (mgpu_model_accumulate, then apply). */
+static void gpt_both(const char* what, const char* mine, mgpu_optimizer_desc od, int batch, int steps, int ignore, int accumulate) {
+    enum { WINDOWS = 30, N = WINDOWS * GPT_T + 1 };
+    uint16_t tok[N];
+    char spec[64];
+    uint32_t lcg = 12345;
+    mgpu_device_set *set = mgpu_device_set_create(mine ? mine : my_spec()), *all;
+    mgpu_model *dm = make_gpt(set, 1), *ref;
+    mgpu_optimizer *dopt, *ropt;
+    mgpu_tokens* t;
+    mgpu_dataset* ds;
+    mgpu_loader *lm, *lw;
+    mgpu_loader_desc ld;
+    int s, i, ok = 1, losses = 1, same = 1, bad_step = -1, terms_here = 0;
+    float dl = 0.0f, rl = 0.0f;
+    const char* why = NULL;
+    if (!dm) { CHECK(0, "%s: distributed GPT: %s", what, mgpu_last_error()); mgpu_device_set_destroy(set); return; }
+    all_spec(spec, sizeof spec, mgpu_model_total_replica_count(dm));
+    all = mgpu_device_set_create(spec);
+    ref = make_gpt(all, 0);
+    for (i = 0; i < N; ++i) {   /* tokens with no short period: an LCG's high bits */
+        lcg = lcg * 1664525u + 1013904223u;
+        tok[i] = (uint16_t)((lcg >> 16) % GPT_V);
+    }
+    t = mgpu_tokens_from_memory(tok, N);
+    ds = t ? mgpu_dataset_tokens(t, GPT_T) : NULL;
+    memset(&ld, 0, sizeof ld);
+    ld.batch = batch;
+    ld.shuffle = 1;
+    ld.seed = 3;
+    ld.wrap = 1;
+    lw = ds ? mgpu_loader_create(ds, &ld) : NULL;
+    ld.shard_for = dm;
+    lm = ds ? mgpu_loader_create(ds, &ld) : NULL;
+    dopt = mgpu_optimizer_create(dm, &od);
+    ropt = ref ? mgpu_optimizer_create(ref, &od) : NULL;
+    CHECK(ref && lm && lw && dopt && ropt, "%s: the one-process GPT on %s, loaders, optimizers: %s", what, spec, mgpu_last_error());
+    if (!ref || !lm || !lw || !dopt || !ropt) ok = 0;
+    if (ok) CHECK(same_params(dm, ref), "%s: rank 0's initial parameters everywhere (each rank seeded its own)", what);
+    if (ok) { mgpu_loader_start(lm, 1); mgpu_loader_start(lw, 1); }
+    for (s = 0; s < steps && ok; ++s) {
+        const mgpu_tensor *x, *y, *wx, *wy;
+        mgpu_tensor *ym = NULL, *yw = NULL;
+        int64_t from, count;
+        if (!mgpu_loader_next(lw, &wx, &wy)) {   /* the epoch's end: the next epoch, in both */
+            mgpu_loader_start(lm, s + 2);
+            mgpu_loader_start(lw, s + 2);
+            if (!mgpu_loader_next(lw, &wx, &wy)) { ok = 0; why = "no batch from the loader of every row"; break; }
+        }
+        if (!mgpu_loader_next(lm, &x, &y)) { ok = 0; why = "no batch from the loader with shard_for"; break; }
+        my_rows(dm, mgpu_tensor_dim(wy, 0), &from, &count);
+        if (mgpu_tensor_dim(x, 0) != count ||
+            memcmp(mgpu_tensor_data(x), (const int32_t*)mgpu_tensor_data(wx) + from * GPT_T, (size_t)(count * GPT_T) * sizeof(int32_t))) {
+            ok = 0;
+            why = "the loader with shard_for gave other rows than this rank's of the whole batch";
+            break;
+        }
+        if (ignore) {
+            ym = gpt_ignore(y, s, from, mgpu_tensor_dim(wy, 0));
+            yw = gpt_ignore(wy, s, 0, mgpu_tensor_dim(wy, 0));
+            ok &= ym && yw;
+        }
+        if (ok && !accumulate) {
+            terms_here += gpt_terms(ignore ? ym : y);
+            ok &= mgpu_model_train_step(dm, dopt, x, ignore ? ym : y, &dl) == MGPU_OK;
+            if (ok) ok &= mgpu_model_train_step(ref, ropt, wx, ignore ? yw : wy, &rl) == MGPU_OK;
+            losses &= !ok || dl == rl;
+        } else if (ok) {   /* the batch in two halves, each rank with its rows of each half (as train_both) */
+            const int64_t B = mgpu_tensor_dim(wy, 0), half = B / 2;
+            mgpu_tensor *xa = mgpu_tensor_to(wx, mgpu_device_cpu()), *ya = ignore ? yw : mgpu_tensor_to(wy, mgpu_device_cpu());
+            int h;
+            for (h = 0; ok && h < 2; ++h) {
+                const int64_t at = h ? half : 0, n = h ? B - half : half;
+                int64_t f, c;
+                mgpu_tensor *hx = mgpu_tensor_view_rows(xa, at, n), *hy = mgpu_tensor_view_rows(ya, at, n), *mx, *my;
+                my_rows(dm, n, &f, &c);
+                mx = mgpu_tensor_view_rows(hx, f, c);
+                my = mgpu_tensor_view_rows(hy, f, c);
+                terms_here += gpt_terms(my);
+                ok &= mgpu_model_accumulate(dm, mx, my, B, &dl) == MGPU_OK && mgpu_model_accumulate(ref, hx, hy, B, &rl) == MGPU_OK;
+                losses &= !ok || dl == rl;
+                mgpu_tensor_destroy(mx); mgpu_tensor_destroy(my); mgpu_tensor_destroy(hx); mgpu_tensor_destroy(hy);
+            }
+            ok = ok && mgpu_model_apply(dm, dopt) == MGPU_OK && mgpu_model_apply(ref, ropt) == MGPU_OK;
+            mgpu_tensor_destroy(xa);
+            if (!ignore) mgpu_tensor_destroy(ya);
+        }
+        for (i = 0; ok && i < mgpu_model_replica_count(dm); ++i) {   /* this rank's replicas: the one process's of the same rows */
+            float a = -1.0f, b = -2.0f;
+            ok &= mgpu_model_replica_loss(dm, i, &a) == MGPU_OK && mgpu_model_replica_loss(ref, mgpu_model_first_replica(dm) + i, &b) == MGPU_OK;
+            losses &= a == b;
+        }
+        if (ok && !same_params(dm, ref) && same) { same = 0; bad_step = s; }
+        mgpu_tensor_destroy(ym);
+        mgpu_tensor_destroy(yw);
+    }
+    CHECK(ok, "%s: %d steps on %s: %s", what, steps, mine ? mine : my_spec(), ok ? "" : why ? why : mgpu_last_error());
+    CHECK(losses, "%s: the job's loss (%.9g against %.9g at the last step), and each replica's, are the one process's, bit for bit",
+          what, dl, rl);
+    CHECK(same, "%s, batch %d: the same parameters as one process on %s after every step, bit for bit (first differing "
+          "after step %d of 0 to %d; -1: none)", what, batch, spec, bad_step, steps - 1);
+    if (ignore) {   /* the labels that count, rank by rank: uneven, or the test tests less than it says */
+        mgpu_device_set* cpu = mgpu_device_set_create("cpu");
+        mgpu_allreduce* ar = mgpu_allreduce_create_distributed(cpu, MGPU_ALLREDUCE_AUTO);
+        mgpu_tensor* per = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(g_size));
+        const float* v = (const float*)mgpu_tensor_data(per);
+        int uneven = 0;
+        mgpu_tensor_zero(per);
+        ((float*)mgpu_tensor_data(per))[g_rank] = (float)terms_here;
+        CHECK(ar && mgpu_allreduce_sum(ar, &per, 1) == MGPU_OK, "the ranks' counts of labels summed: %s", mgpu_last_error());
+        for (i = 1; i < g_size; ++i) uneven |= v[i] != v[0];
+        CHECK(uneven && v[g_rank] == (float)terms_here, "%s: the labels that count are spread unevenly: rank 0 %g, rank 1 %g, "
+              "this rank (%d) %d", what, v[0], v[1], g_rank, terms_here);
+        mgpu_tensor_destroy(per);
+        mgpu_allreduce_destroy(ar);
+        mgpu_device_set_destroy(cpu);
+    }
+    CHECK(mgpu_model_verify_replicas(dm) == MGPU_OK, "%s: every replica of every rank the same: %s", what, mgpu_last_error());
+    mgpu_loader_destroy(lm);
+    mgpu_loader_destroy(lw);
+    mgpu_dataset_destroy(ds);
+    mgpu_tokens_destroy(t);
+    mgpu_optimizer_destroy(dopt); mgpu_optimizer_destroy(ropt);
+    mgpu_model_destroy(dm); mgpu_model_destroy(ref);
+    mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
+}
+
+static void test_gpt(void) {
+    const char* one = g_cuda ? "cuda:0" : "cpu";   /* one replica on every rank */
+    header("a distributed GPT against one process with all the replicas");
+    gpt_both("GPT, SGD", one, sgd(), 2 * g_size + 1, 4, 0, 0);
+    gpt_both("GPT, AdamW", one, adamw(), 2 * g_size + 1, 4, 0, 0);
+    gpt_both("GPT, AdamW, labels ignored unevenly", one, adamw(), 2 * g_size + 1, 5, 1, 0);
+    gpt_both("GPT, SGD, labels ignored unevenly, rank 0 with two replicas", NULL, sgd(), 2 * g_total, 5, 1, 0);
+    gpt_both("GPT, AdamW, accumulate + apply, labels ignored unevenly", one, adamw(), 4 * g_size + 1, 4, 1, 1);
+}
+
 int main(int argc, char** argv) {
     const char* dir = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     int status;
@@ -554,6 +769,7 @@ int main(int argc, char** argv) {
         TEST_GROUP(test_checkpoints(dir));
         TEST_GROUP(test_loader(dir));
         TEST_GROUP(test_loader_tokens());
+        TEST_GROUP(test_gpt());
     }
     (void)test_rel_error;   /* test.h's, unused here */
     printf("rank %d ", g_rank);
