@@ -9975,10 +9975,12 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     return MGPU_OK;
 }
 
+static mgpu_result mgpu__sync_buffers(mgpu_model* m);   /* (>>impl train) */
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_step: NULL optimizer");
     if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_step", "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
-    return mgpu__optimizer_step(opt);
+    MGPU__TRY(mgpu__optimizer_step(opt));
+    return mgpu__sync_buffers(opt->model);   /* a loop of your own: buffers equal on every replica too */
 }
 
 /* ---- >>impl train: the data-parallel training step -------------------------------------- */
