@@ -192,10 +192,12 @@
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
      backward (examples/custom_layer.c). Built-ins: Linear (also without a bias, and Hugging
      Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
-     Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding, PositionEmbedding and
-     CausalSelfAttention (which keeps the [batch, heads, T, T] attention matrix: no fused
-     FlashAttention kernel yet); containers (Sequential, Residual) make blocks of them. No
-     BatchNorm, no buffers (running statistics) yet.
+     Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
+     PositionEmbedding and CausalSelfAttention (which keeps the [batch, heads, T, T] attention
+     matrix: no fused FlashAttention kernel yet); containers (Sequential, Residual) make blocks
+     of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
+     after each step: no SyncBatchNorm (statistics across replicas), and a step with a
+     BatchNorm2d is not captured as a CUDA graph.
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
