@@ -2466,7 +2466,8 @@ static void bn_eval_and_running(const char* label, mgpu_device* dev, int n, int 
 }
 
 /* a small ResNet: conv -> BN -> ReLU -> residual(conv, BN, ReLU, conv, BN) -> ReLU -> GAP -> Linear */
-static mgpu_model* bn_resnet(const mgpu_device_set* set, int verify_every, uint64_t seed) {
+static mgpu_model* bn_resnet_ex(const mgpu_device_set* set, int verify_every, uint64_t seed, int stages, int micro_batches) {
+    static const int split[1] = { 3 };   /* (stage 1 from the residual block on) */
     mgpu_layer* f[5];
     mgpu_layer* layers[6];
     f[0] = mgpu_layer_conv2d(4, 4, 3, 1, 1); f[1] = mgpu_layer_batch_norm2d(4); f[2] = mgpu_layer_relu();
@@ -2478,7 +2479,11 @@ static mgpu_model* bn_resnet(const mgpu_device_set* set, int verify_every, uint6
     layers[4] = mgpu_layer_global_avg_pool2d();
     layers[5] = mgpu_layer_linear(4, 3);
     return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(1, 6, 6), .layers = layers, .layer_count = 6,
-                                                 .devices = set, .seed = seed, .verify_every = verify_every });
+                                                 .devices = set, .seed = seed, .verify_every = verify_every,
+                                                 .stages = stages, .split = stages > 1 ? split : NULL, .micro_batches = micro_batches });
+}
+static mgpu_model* bn_resnet(const mgpu_device_set* set, int verify_every, uint64_t seed) {
+    return bn_resnet_ex(set, verify_every, seed, 1, 1);
 }
 
 static void test_batchnorm(void) {
@@ -2603,6 +2608,37 @@ static void test_batchnorm(void) {
         mgpu_optimizer_destroy(opt);
         mgpu_model_destroy(m);
         mgpu_model_destroy(fresh);
+        mgpu_device_set_destroy(set);
+    }
+    /* a pipeline of 2 stages on cpu:2, 2 micro-batches: each buffer on its layer's stage, and each
+       micro-batch's forward moves the running statistics (as a GPipe of PyTorch's does) */
+    {
+        mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+        mgpu_model* m = set ? bn_resnet_ex(set, 0, 5, 2, 2) : NULL;
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        CHECK(set && m && opt, "cpu:2 ResNet in 2 stages: %s", mgpu_last_error());
+        if (set && m && opt) {
+            mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 6, 6));
+            const int32_t labels[8] = { 0, 1, 2, 0, 1, 2, 0, 1 };
+            mgpu_tensor* t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+            mgpu_tensor *b0 = mgpu_model_buffer(m, 0, "1.num_batches_tracked"), *b1 = mgpu_model_buffer(m, 0, "3.4.num_batches_tracked");
+            float n0 = -1.0f, n1 = -1.0f;
+            int k;
+            CHECK(b0 && b1 && mgpu_tensor_device(b0) == mgpu_model_stage_device(m, 0, 0) &&
+                  mgpu_tensor_device(b1) == mgpu_model_stage_device(m, 0, 1) && mgpu_model_stage_buffers(m, 0, 1) != NULL,
+                  "2 stages: buffers on their layers' stages (%s)", mgpu_last_error());
+            for (k = 0; k < 2; ++k) {
+                MUST(mgpu_rand_normal(x, 200 + (uint64_t)k, 0, 0.0f, 1.0f));
+                MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+            }
+            if (b0 && b1) { tget(b0, &n0); tget(b1, &n1); }
+            CHECK(n0 == 4.0f && n1 == 4.0f, "2 steps of 2 micro-batches: num_batches_tracked %g and %g on the stages, want 4", (double)n0,
+                  (double)n1);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
         mgpu_device_set_destroy(set);
     }
 }
