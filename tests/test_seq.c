@@ -2610,6 +2610,47 @@ static void test_batchnorm(void) {
         mgpu_model_destroy(fresh);
         mgpu_device_set_destroy(set);
     }
+    /* the GPU twin of the replicas: two on one GPU (cuda:0,0), verified after every step, and
+       every buffer against cpu:2's after the same steps (each replica the same rows) */
+    if (gpu_part("BatchNorm2d replicas")) {
+        mgpu_device_set* set = mgpu_device_set_create("cuda:0,0");
+        mgpu_device_set* cpus = mgpu_device_set_create("cpu:2");
+        mgpu_model *m = set ? bn_resnet(set, 1, 3) : NULL, *ref = cpus ? bn_resnet(cpus, 0, 3) : NULL;
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        mgpu_optimizer* ropt = ref ? mgpu_optimizer_create(ref, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        CHECK(set && m && ref && opt && ropt, "cuda:0,0 ResNet: %s", mgpu_last_error());
+        if (set && m && ref && opt && ropt) {
+            mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 6, 6));
+            const int32_t labels[8] = { 2, 1, 0, 0, 1, 2, 2, 1 };
+            mgpu_tensor* t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+            float a[4], b[4];
+            double ref64[4];
+            int k, i;
+            for (k = 0; k < 3; ++k) {
+                MUST(mgpu_rand_normal(x, 300 + (uint64_t)k, 0, 0.0f, 1.0f));
+                MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+                MUST(mgpu_model_train_step(ref, ropt, x, t, NULL));
+            }
+            for (i = 0; i < mgpu_model_buffer_count(m); ++i) {
+                const int at = mgpu_model_tensor_count(m) - mgpu_model_buffer_count(m) + i;
+                const int64_t n = mgpu_tensor_numel(mgpu_model_tensor(m, 0, at));
+                double e;
+                tget(mgpu_model_tensor(m, 0, at), a);
+                tget(mgpu_model_tensor(m, 1, at), b);
+                CHECK(!memcmp(a, b, (size_t)n * sizeof(float)), "cuda:0,0: replica 1's '%s' differs from replica 0's",
+                      mgpu_model_tensor_name(m, at));
+                tget(mgpu_model_tensor(ref, 0, at), b);
+                for (k = 0; k < n; ++k) ref64[k] = b[k];
+                e = test_rel_error(a, ref64, (size_t)n);
+                CHECK(e <= 1e-4, "cuda:0,0: '%s' against cpu:2's after 3 steps: normalised error %.3g", mgpu_model_tensor_name(m, at), e);
+            }
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_optimizer_destroy(opt); mgpu_optimizer_destroy(ropt);
+        mgpu_model_destroy(m); mgpu_model_destroy(ref);
+        mgpu_device_set_destroy(set); mgpu_device_set_destroy(cpus);
+    }
     /* a pipeline of 2 stages on cpu:2, 2 micro-batches: each buffer on its layer's stage, and each
        micro-batch's forward moves the running statistics (as a GPipe of PyTorch's does) */
     {
