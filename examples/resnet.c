@@ -4,7 +4,8 @@
    build/resnet --devices cpu:2 --save resnet.safetensors   (PyTorch names: "1.running_mean", ...)
 
    Flags as build/train's: --data DIR, --epochs N [2], --batch N [64], --lr F [0.05, SGD with
-   momentum 0.9 and a cosine schedule], --devices SPEC [auto], --seed N [1], --save FILE. The last
+   momentum 0.9 and a cosine schedule], --devices SPEC [auto], --seed N [1], --save FILE, --max-steps N
+   [0: no limit; a smoke test's short run, evaluated all the same]. The last
    line is key=value pairs ending in test_acc=X, as build/train's. The layers:
      conv 3x3 (1 -> 32), BN, ReLU, max-pool 2            28x28 -> 14x14
      residual block: conv, BN, ReLU, conv, BN (+ x), ReLU at 32 channels
@@ -47,10 +48,10 @@ int main(int argc, char** argv) {
     int epochs = 2, batch = 64, i;
     unsigned long long seed = 1;
     float lr = 0.05f, loss = 0.0f, test_loss = 0.0f;
-    int64_t correct = 0, steps = 0;
+    int64_t correct = 0, steps = 0, max_steps = 0;
     for (i = 1; i < argc; ++i) {
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--help")) { printf("usage: resnet [--data DIR] [--epochs N] [--batch N] [--lr F] [--devices SPEC] [--seed N] [--save FILE]\n"); return 0; }
+        if (!strcmp(argv[i], "--help")) { printf("usage: resnet [--data DIR] [--epochs N] [--batch N] [--lr F] [--devices SPEC] [--seed N] [--save FILE] [--max-steps N]\n"); return 0; }
         if (!v) FAIL("unknown option or missing value: '%s' (see --help)", argv[i]);
         if (!strcmp(argv[i], "--data")) data = v;
         else if (!strcmp(argv[i], "--devices")) devices = v;
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(argv[i], "--batch")) batch = atoi(v);
         else if (!strcmp(argv[i], "--lr")) lr = (float)atof(v);
         else if (!strcmp(argv[i], "--seed")) seed = strtoull(v, NULL, 10);
+        else if (!strcmp(argv[i], "--max-steps")) max_steps = atoll(v);
         else FAIL("unknown option '%s' (see --help)", argv[i]);
         ++i;
     }
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
     if (!opt || !mgpu_loader_next(all, &test_x, &test_y)) FAIL("%s", mgpu_last_error());
     for (int epoch = 0; epoch < epochs; ++epoch) {
         mgpu_loader_start(loader, epoch);
-        while (mgpu_loader_next(loader, &x, &y)) {
+        while ((!max_steps || steps < max_steps) && mgpu_loader_next(loader, &x, &y)) {
             if (mgpu_model_train_step(model, opt, x, y, ++steps % 100 == 0 ? &loss : NULL) != MGPU_OK) FAIL("%s", mgpu_last_error());
             if (steps % 100 == 0) { printf("\repoch %d step %lld loss %.4f", epoch + 1, (long long)steps, (double)loss); fflush(stdout); }
         }
