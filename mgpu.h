@@ -863,6 +863,10 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
    on device r * S + s. S = 1 is the plain data-parallel model, R = 1 the plain pipeline. On each
    device the parameters of its stage are views into ONE flat buffer, and so are the gradients:
    the all-reduce is one call (or a few buckets), the optimizer one fused kernel per device.
+   Buffers (state that is not trained: BatchNorm2d's running statistics) lie in a third flat
+   buffer per device, of its stage's layers: never optimised, never all-reduced; each replica's
+   forward passes update its own, and after every optimizer step replica 0's are copied to the
+   other replicas (mgpu_model_buffer).
 
    A pipeline runs each batch as M micro-batches: stage s passes micro-batch k's activations to
    stage s+1 (a peer copy between GPUs, a copy between CPU devices) and gets their gradient back,
@@ -9422,6 +9426,12 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
+    if (m->buffer_count) {   /* not trained, so not among the parameters (nor in torchsummary's count) */
+        int64_t values = 0;
+        int b;
+        for (b = 0; b < m->buffer_count; ++b) values += mgpu_shape_numel(m->buffers[b].shape);
+        fprintf(f, "Buffers (running statistics, not trained): %d, %lld values\n", m->buffer_count, (long long)values);
+    }
 }
 
 static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int replica) {
