@@ -55,7 +55,7 @@ CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:
 endif
 
 .PHONY: all test test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
-all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt
+all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt $(B)/resnet
 
 $(B):
 	@mkdir -p $(B)
@@ -82,6 +82,13 @@ $(B)/train_cuda: examples/train.c mgpu.h $(B)/mgpu_kernels.o | $(B)
 $(B)/gpt_cpu: examples/gpt.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 $(B)/gpt: $(if $(NVCC),$(B)/gpt_cuda,$(B)/gpt_cpu)
+	cp $< $@
+
+# build/resnet (examples/resnet.c): a small ResNet with BatchNorm on Fashion-MNIST, the CUDA build
+# when there is nvcc, as build/gpt
+$(B)/resnet_cpu: examples/resnet.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+$(B)/resnet: $(if $(NVCC),$(B)/resnet_cuda,$(B)/resnet_cpu)
 	cp $< $@
 
 # The plain build a user who vendors mgpu.h makes (cc -O2, no -march): its CPU kernels are
@@ -223,6 +230,8 @@ test-cuda: $(CUDA_BINS)
 
 $(B)/interop: tests/interop.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+$(B)/bn_torch: tests/bn_torch.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
 
 # ---- Windows: MinGW-w64 and wine -----------------------------------------------------------------
@@ -295,10 +304,10 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+test: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/gpt_demo.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/bn_torch.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/gpt_demo.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/course_simplenet.sh $(B) $(DATA)" \
 	    "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \

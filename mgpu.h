@@ -192,10 +192,12 @@
    - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
      backward (examples/custom_layer.c). Built-ins: Linear (also without a bias, and Hugging
      Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
-     Conv2d, MaxPool2d, and for GPT-2 LayerNorm, Embedding, PositionEmbedding and
-     CausalSelfAttention (which keeps the [batch, heads, T, T] attention matrix: no fused
-     FlashAttention kernel yet); containers (Sequential, Residual) make blocks of them. No
-     BatchNorm, no buffers (running statistics) yet.
+     Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
+     PositionEmbedding and CausalSelfAttention (which keeps the [batch, heads, T, T] attention
+     matrix: no fused FlashAttention kernel yet); containers (Sequential, Residual) make blocks
+     of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
+     after each step: no SyncBatchNorm (statistics across replicas), and a step with a
+     BatchNorm2d is not captured as a CUDA graph.
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -636,6 +638,8 @@ typedef struct mgpu_layer_ctx {
     mgpu_tensor* const* params;  /* this layer's parameters (views into the model's flat buffer) */
     mgpu_tensor* const* grads;   /* their gradients: backward ADDS into them */
     mgpu_tensor* const* aux;     /* the buffers declared by aux_shape, kept from forward to backward */
+    mgpu_tensor* const* buffers; /* this layer's buffers (buffer_shape: running statistics), views into
+                                    the model's flat buffer of buffers; NULL for a layer without */
     int training;                /* 1 in a training forward pass */
     uint64_t seed, offset;       /* a fresh random stream for this layer and step */
     int64_t first_row;           /* this replica's first sample in the whole batch: draw random
@@ -666,6 +670,12 @@ typedef struct mgpu_layer_vtable {
     void (*describe)(const mgpu_layer* l, char* buf, size_t size);
     /* Frees the user data. NULL: nothing to free. */
     void (*destroy)(mgpu_layer* l);
+    /* Buffers: state that is not trained (nn.Module's register_buffer: BatchNorm's running
+       statistics), in state_dict order. A forward pass may change them (ctx->buffers); init
+       sets their first values (or they stay 0). Never optimised, never all-reduced, no gradient;
+       saved in checkpoints. NULL: none. */
+    int (*buffer_count)(const mgpu_layer* l);
+    mgpu_result (*buffer_shape)(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape);
 } mgpu_layer_vtable;
 
 /* A custom layer: vt must outlive it; user is handed back by mgpu_layer_user_data. */
@@ -696,6 +706,18 @@ MGPUDEF mgpu_layer* mgpu_layer_dropout(float p);
 MGPUDEF mgpu_layer* mgpu_layer_flatten(void);
 MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding);
 MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
+/* nn.BatchNorm2d(channels) (eps 1e-5, momentum 0.1, affine) on x [N, channels, H, W]. Training:
+   each channel normalised by its mean and biased variance over (N, H, W) of the batch (of this
+   replica's, or micro-batch's, rows: no SyncBatchNorm), y = (x - mean) / sqrt(var + eps) * weight
+   + bias, and running_mean, running_var move 0.1 of the way to the batch's mean and UNBIASED
+   variance, num_batches_tracked += 1, as PyTorch does. Evaluation: the running statistics.
+   Parameters "weight" (ones), "bias" (zeros); buffers "running_mean" (zeros), "running_var"
+   (ones), "num_batches_tracked" (0; kept as a float, exact to 2^24, written to a checkpoint as
+   PyTorch's I64). Backward is training mode's. Not captured in a CUDA graph (steps run eagerly). */
+MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels);
+/* [N, C, H, W] -> [N, C], each the mean of its H x W plane: ResNet's AdaptiveAvgPool2d((1, 1))
+   followed by flatten(1), in one layer (type "AdaptiveAvgPool2d"). */
+MGPUDEF mgpu_layer* mgpu_layer_global_avg_pool2d(void);
 
 /* >>layer transformer: the layers of a GPT, with GPT-2's names, shapes and initialisation. A
    GPT-2's input is Embedding (the tokens, wte) -> PositionEmbedding (wpe). */
@@ -841,6 +863,10 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
    on device r * S + s. S = 1 is the plain data-parallel model, R = 1 the plain pipeline. On each
    device the parameters of its stage are views into ONE flat buffer, and so are the gradients:
    the all-reduce is one call (or a few buckets), the optimizer one fused kernel per device.
+   Buffers (state that is not trained: BatchNorm2d's running statistics) lie in a third flat
+   buffer per device, of its stage's layers: never optimised, never all-reduced; each replica's
+   forward passes update its own, and after every optimizer step replica 0's are copied to the
+   other replicas (mgpu_model_buffer).
 
    A pipeline runs each batch as M micro-batches: stage s passes micro-batch k's activations to
    stage s+1 (a peer copy between GPUs, a copy between CPU devices) and gets their gradient back,
@@ -955,8 +981,12 @@ MGPUDEF mgpu_tensor* mgpu_model_stage_params(const mgpu_model* m, int replica, i
 MGPUDEF mgpu_tensor* mgpu_model_stage_grads(const mgpu_model* m, int replica, int stage);
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica);
-/* Named parameter views ("0.weight", "0.bias", "2.weight", ...) in state_dict order. */
+/* Named parameter views ("0.weight", "0.bias", "2.weight", ...) in state_dict order, then the
+   buffers' ("1.running_mean", ...): tensors count - buffer_count and on are buffers, so a program
+   tells them apart by index (mgpu_model_tensor_is_buffer). */
 MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m);
+MGPUDEF int mgpu_model_buffer_count(const mgpu_model* m);
+MGPUDEF int mgpu_model_tensor_is_buffer(const mgpu_model* m, int i);
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i);
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
 /* Prints layers, output shapes and parameter counts (like torchsummary); to stdout if f is NULL. */
@@ -968,6 +998,13 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
    with mgpu_last_error() naming the unknown name, when the model has no such parameter. */
 MGPUDEF mgpu_tensor* mgpu_model_param(const mgpu_model* m, int replica, const char* name);
 MGPUDEF mgpu_tensor* mgpu_model_grad(const mgpu_model* m, int replica, const char* name);
+/* One buffer by its state_dict name ("1.running_mean") on one replica, likewise; and the flat
+   buffer of buffers of a replica's stage (NULL with no error when the stage has none). Buffers
+   are the same on every replica: after each optimizer step (mgpu_model_train_step,
+   mgpu_model_apply) replica 0's are copied to the others (DDP's broadcast_buffers does it at the
+   start of the next forward instead), and mgpu_model_verify_replicas compares them too. */
+MGPUDEF mgpu_tensor* mgpu_model_buffer(const mgpu_model* m, int replica, const char* name);
+MGPUDEF mgpu_tensor* mgpu_model_stage_buffers(const mgpu_model* m, int replica, int stage);
 
 /* ============================================================================================ */
 /* >>optim                                                                                      */
@@ -1695,6 +1732,21 @@ int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* 
 /* dx (overwritten) = sum of dy over the windows whose argmax is this element; deterministic */
 int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
                               const int32_t* argmax, float* dx);
+/* BatchNorm2d over x [n, c, hw], per channel. Training: mean and biased variance var over (n, hw),
+   save_mean = mean, save_rstd = 1 / sqrt(var + eps), running_mean and running_var moved by
+   momentum towards mean and var * m / (m - 1) (m = n * hw > 1), count[0] += 1. Evaluation
+   (training 0): mean and var from the running statistics (save_* untouched). y = (x - mean) *
+   rstd * weight + bias. Backward (training's): dweight += sum(dy * xhat), dbias += sum(dy), and
+   dx (NULL: none) = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) *
+   rstd. A block per channel, sums in a fixed order, no atomics. */
+int mgpu__cu_batch_norm(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x, const float* weight,
+                        const float* bias, float* running_mean, float* running_var, float* count, int training,
+                        float momentum, float eps, float* save_mean, float* save_rstd, float* y);
+int mgpu__cu_batch_norm_backward(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x,
+                                 const float* dy, const float* weight, const float* save_mean, const float* save_rstd,
+                                 float* dweight, float* dbias, float* dx);
+/* dx[p, i] = dy[p] * scale for dx [planes, hw] (global average pooling's backward) */
+int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const float* dy, float scale, float* dx);
 /* Causal attention's core. Forward, a row per (b, h, t): att (probabilities, 0 above the
    diagonal) = softmax of the masked scores; with mask (not NULL), mask[i] =
    mgpu__dropout_scale(seed, offset, first + i, p) on and below the diagonal, 0 above; y [batch,
@@ -5279,6 +5331,138 @@ static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tens
     return MGPU_OK;
 }
 
+/* -- BatchNorm2d and global average pooling over x [n, c, hw] (the layers check the shapes). The
+   CPU: a task per channel, its sums in double (the float64 reference of the tests is a loop of
+   the same formulas); each channel's work is its task's alone, so any thread count gives the same
+   bits. -- */
+typedef struct mgpu__bn_job {
+    int64_t n, c, hw;
+    const float *x, *w, *b, *dy, *mean_in, *rstd_in;
+    float *run_mean, *run_var, *count, *save_mean, *save_rstd, *y, *dw, *db, *dx;
+    int training;
+    float momentum, eps;
+} mgpu__bn_job;
+static void mgpu__bn_forward_task(void* ctx, int64_t ch) {
+    const mgpu__bn_job* j = (const mgpu__bn_job*)ctx;
+    const int64_t m = j->n * j->hw;
+    double mean, rstd, s = 0.0, v = 0.0;
+    int64_t o, i;
+    float scale, shift;
+    if (j->training) {
+        for (o = 0; o < j->n; ++o)
+            for (i = 0; i < j->hw; ++i) s += j->x[(o * j->c + ch) * j->hw + i];
+        mean = s / (double)m;
+        for (o = 0; o < j->n; ++o)
+            for (i = 0; i < j->hw; ++i) {
+                const double d = j->x[(o * j->c + ch) * j->hw + i] - mean;
+                v += d * d;
+            }
+        v /= (double)m;
+        rstd = 1.0 / sqrt(v + (double)j->eps);
+        j->run_mean[ch] = (1.0f - j->momentum) * j->run_mean[ch] + j->momentum * (float)mean;
+        j->run_var[ch] = (1.0f - j->momentum) * j->run_var[ch] + j->momentum * (float)(v * (double)m / (double)(m - 1));
+        j->save_mean[ch] = (float)mean;
+        j->save_rstd[ch] = (float)rstd;
+        if (ch == 0) j->count[0] += 1.0f;
+    } else {
+        mean = j->run_mean[ch];
+        rstd = 1.0 / sqrt((double)j->run_var[ch] + (double)j->eps);
+    }
+    scale = (float)(rstd * j->w[ch]);
+    shift = (float)(j->b[ch] - mean * rstd * j->w[ch]);
+    for (o = 0; o < j->n; ++o) {
+        const float* px = j->x + (o * j->c + ch) * j->hw;
+        float* py = j->y + (o * j->c + ch) * j->hw;
+        for (i = 0; i < j->hw; ++i) py[i] = px[i] * scale + shift;
+    }
+}
+static void mgpu__bn_backward_task(void* ctx, int64_t ch) {
+    const mgpu__bn_job* j = (const mgpu__bn_job*)ctx;
+    const int64_t m = j->n * j->hw;
+    const double mean = j->mean_in[ch], rstd = j->rstd_in[ch];
+    double s1 = 0.0, s2 = 0.0, k, a, bb;
+    int64_t o, i;
+    for (o = 0; o < j->n; ++o)
+        for (i = 0; i < j->hw; ++i) {
+            const int64_t at = (o * j->c + ch) * j->hw + i;
+            s1 += j->dy[at];
+            s2 += j->dy[at] * ((j->x[at] - mean) * rstd);
+        }
+    j->dw[ch] += (float)s2;
+    j->db[ch] += (float)s1;
+    if (!j->dx) return;
+    k = j->w[ch] * rstd;
+    a = s1 / (double)m;
+    bb = s2 / (double)m;
+    for (o = 0; o < j->n; ++o)
+        for (i = 0; i < j->hw; ++i) {
+            const int64_t at = (o * j->c + ch) * j->hw + i;
+            j->dx[at] = (float)(k * (j->dy[at] - a - (j->x[at] - mean) * rstd * bb));
+        }
+}
+/* buf: running_mean, running_var, num_batches_tracked; aux: the batch's mean and rstd */
+static mgpu_result mgpu__batch_norm(const mgpu_tensor* x, const mgpu_tensor* w, const mgpu_tensor* b, mgpu_tensor* const* buf,
+                                    int training, float momentum, float eps, mgpu_tensor* save_mean, mgpu_tensor* save_rstd,
+                                    mgpu_tensor* y) {
+    mgpu__bn_job j;
+    memset(&j, 0, sizeof j);
+    mgpu__channel_split(x, &j.n, &j.c, &j.hw);
+    MGPU__COUNT(MGPU__DEV(y), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU("BatchNorm2d forward", MGPU__DEV(x),
+                 mgpu__cu_batch_norm(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(w), MGPU__F32(b),
+                                     MGPU__F32(buf[0]), MGPU__F32(buf[1]), MGPU__F32(buf[2]), training, momentum, eps,
+                                     MGPU__F32(save_mean), MGPU__F32(save_rstd), MGPU__F32(y)));
+        return MGPU_OK;
+    }
+    j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.b = MGPU__F32(b);
+    j.run_mean = MGPU__F32(buf[0]); j.run_var = MGPU__F32(buf[1]); j.count = MGPU__F32(buf[2]);
+    j.save_mean = MGPU__F32(save_mean); j.save_rstd = MGPU__F32(save_rstd); j.y = MGPU__F32(y);
+    j.training = training; j.momentum = momentum; j.eps = eps;
+    if (j.n * j.hw > 0) mgpu__parallel_for(j.c, mgpu__bn_forward_task, &j);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__batch_norm_backward(const mgpu_tensor* x, const mgpu_tensor* dy, const mgpu_tensor* w,
+                                             const mgpu_tensor* save_mean, const mgpu_tensor* save_rstd, mgpu_tensor* dw,
+                                             mgpu_tensor* db, mgpu_tensor* dx) {
+    mgpu__bn_job j;
+    memset(&j, 0, sizeof j);
+    mgpu__channel_split(x, &j.n, &j.c, &j.hw);
+    MGPU__COUNT(MGPU__DEV(dw), ops, 1);
+    if (!MGPU__IS_CPU(x)) {
+        MGPU__CU("BatchNorm2d backward", MGPU__DEV(x),
+                 mgpu__cu_batch_norm_backward(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(dy),
+                                              MGPU__F32(w), MGPU__F32(save_mean), MGPU__F32(save_rstd), MGPU__F32(dw),
+                                              MGPU__F32(db), dx ? MGPU__F32(dx) : NULL));
+        return MGPU_OK;
+    }
+    j.x = MGPU__F32(x); j.dy = MGPU__F32(dy); j.w = MGPU__F32(w);
+    j.mean_in = MGPU__F32(save_mean); j.rstd_in = MGPU__F32(save_rstd);
+    j.dw = MGPU__F32(dw); j.db = MGPU__F32(db); j.dx = dx ? MGPU__F32(dx) : NULL;
+    if (j.n * j.hw > 0) mgpu__parallel_for(j.c, mgpu__bn_backward_task, &j);
+    return MGPU_OK;
+}
+/* dx [planes, hw] = dy [planes] * scale, each value spread over its plane */
+typedef struct mgpu__spread_job { int64_t hw; const float* dy; float scale; float* dx; } mgpu__spread_job;
+static void mgpu__spread_range(void* ctx, int64_t p0, int64_t p1) {
+    const mgpu__spread_job* j = (const mgpu__spread_job*)ctx;
+    int64_t p, i;
+    for (p = p0; p < p1; ++p)
+        for (i = 0; i < j->hw; ++i) j->dx[p * j->hw + i] = j->dy[p] * j->scale;
+}
+static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* dy, float scale, mgpu_tensor* dx) {
+    mgpu__spread_job j;
+    MGPU__COUNT(MGPU__DEV(dx), ops, 1);
+    if (!MGPU__IS_CPU(dx)) {
+        MGPU__CU("AdaptiveAvgPool2d backward", MGPU__DEV(dx),
+                 mgpu__cu_spread(MGPU__CUDA_ARGS(MGPU__DEV(dx)), planes, hw, MGPU__F32(dy), scale, MGPU__F32(dx)));
+        return MGPU_OK;
+    }
+    j.hw = hw; j.dy = MGPU__F32(dy); j.scale = scale; j.dx = MGPU__F32(dx);
+    mgpu__parallel_range(planes, 64, mgpu__spread_range, &j);
+    return MGPU_OK;
+}
+
 /* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU a
    task per (batch, head): it writes only its head's rows of att, mask and dscores and its head's
    columns of y and dqkv, so the results do not depend on the thread count. -- */
@@ -5493,8 +5677,9 @@ MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_create: a layer needs a vtable with forward and backward");
         return NULL;
     }
-    if ((vt->param_count && !vt->param_shape) || (vt->aux_count && !vt->aux_shape)) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_create: %s: param_count needs param_shape, aux_count needs aux_shape",
+    if ((vt->param_count && !vt->param_shape) || (vt->aux_count && !vt->aux_shape) || (vt->buffer_count && !vt->buffer_shape)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_create: %s: param_count needs param_shape, aux_count needs aux_shape, "
+                   "buffer_count needs buffer_shape",
                    vt->type ? vt->type : "layer");
         return NULL;
     }
@@ -5578,6 +5763,7 @@ static mgpu_result mgpu__bias_grad_add(mgpu_tensor* dbias, const mgpu_tensor* dy
 
 static int mgpu__two_params(const mgpu_layer* l) { (void)l; return 2; }
 static int mgpu__one_aux(const mgpu_layer* l) { (void)l; return 1; }
+static int mgpu__two_aux(const mgpu_layer* l) { (void)l; return 2; }
 
 /* -- Linear: y = x W^T + b, W [out, in], on the last dimension of x [..., in] (every other
    dimension is rows: [B, T, in] is B x T rows, as nn.Linear takes it) -- */
@@ -5633,11 +5819,11 @@ static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
 }
 static const mgpu_layer_vtable mgpu__linear_vt = {
     "Linear", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
-    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
+    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL, NULL, NULL
 };
 static const mgpu_layer_vtable mgpu__conv1d_vt = {
     "Conv1D", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
-    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL
+    NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL, NULL, NULL
 };
 static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_features, int no_bias, int in_out) {
     mgpu__layer_cfg cfg;
@@ -5675,7 +5861,7 @@ static mgpu_result mgpu__activation_backward(const mgpu_layer* l, const mgpu_lay
 }
 #define MGPU__ACTIVATION_VT(name, type)                                                                \
     static const mgpu_layer_vtable name = { type, NULL, NULL, NULL, NULL, NULL, NULL,                  \
-                                            mgpu__activation_forward, mgpu__activation_backward, NULL, NULL }
+                                            mgpu__activation_forward, mgpu__activation_backward, NULL, NULL, NULL, NULL }
 MGPU__ACTIVATION_VT(mgpu__relu_vt, "ReLU");
 MGPU__ACTIVATION_VT(mgpu__gelu_vt, "GELU");
 MGPU__ACTIVATION_VT(mgpu__tanh_vt, "Tanh");
@@ -5695,7 +5881,7 @@ MGPUDEF mgpu_layer* mgpu_layer_sigmoid(void) { return mgpu__activation(&mgpu__si
 /* GPT-2's GELU: type "GELU" as in PyTorch, told apart from the exact one by its description */
 static void mgpu__gelu_tanh_describe(const mgpu_layer* l, char* buf, size_t size) { (void)l; snprintf(buf, size, "approximate='tanh'"); }
 static const mgpu_layer_vtable mgpu__gelu_tanh_vt = { "GELU", NULL, NULL, NULL, NULL, NULL, NULL, mgpu__activation_forward,
-                                                      mgpu__activation_backward, mgpu__gelu_tanh_describe, NULL };
+                                                      mgpu__activation_backward, mgpu__gelu_tanh_describe, NULL, NULL, NULL };
 MGPUDEF mgpu_layer* mgpu_layer_gelu_tanh(void) { return mgpu__activation(&mgpu__gelu_tanh_vt, MGPU__UNARY_GELU_TANH, MGPU__BINARY_GELU_TANH_BWD, 0); }
 
 /* -- Dropout: a Philox mask, kept for backward; the identity when not training -- */
@@ -5721,7 +5907,7 @@ static mgpu_result mgpu__dropout_backward(const mgpu_layer* l, const mgpu_layer_
 static void mgpu__dropout_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "p=%g", (double)l->cfg.p); }
 static const mgpu_layer_vtable mgpu__dropout_vt = {
     "Dropout", NULL, NULL, NULL, NULL, mgpu__one_aux, mgpu__same_shape_aux,
-    mgpu__dropout_forward, mgpu__dropout_backward, mgpu__dropout_describe, NULL
+    mgpu__dropout_forward, mgpu__dropout_backward, mgpu__dropout_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_dropout(float p) {
     mgpu__layer_cfg cfg;
@@ -5758,7 +5944,7 @@ static mgpu_result mgpu__flatten_backward(const mgpu_layer* l, const mgpu_layer_
 }
 static const mgpu_layer_vtable mgpu__flatten_vt = {
     "Flatten", mgpu__flatten_output_shape, NULL, NULL, NULL, NULL, NULL,
-    mgpu__flatten_forward, mgpu__flatten_backward, NULL, NULL
+    mgpu__flatten_forward, mgpu__flatten_backward, NULL, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_flatten(void) {
     mgpu__layer_cfg cfg;
@@ -5845,7 +6031,7 @@ static void mgpu__conv_describe(const mgpu_layer* l, char* buf, size_t size) {
 }
 static const mgpu_layer_vtable mgpu__conv_vt = {
     "Conv2d", mgpu__conv_output_shape, mgpu__two_params, mgpu__conv_param_shape, mgpu__conv_init,
-    mgpu__three_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL
+    mgpu__three_aux, mgpu__conv_aux_shape, mgpu__conv_forward, mgpu__conv_backward, mgpu__conv_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
     mgpu__layer_cfg cfg;
@@ -5889,7 +6075,7 @@ static void mgpu__pool_describe(const mgpu_layer* l, char* buf, size_t size) {
 }
 static const mgpu_layer_vtable mgpu__pool_vt = {
     "MaxPool2d", mgpu__pool_output_shape, NULL, NULL, NULL, mgpu__one_aux, mgpu__pool_aux_shape,
-    mgpu__pool_forward, mgpu__pool_backward, mgpu__pool_describe, NULL
+    mgpu__pool_forward, mgpu__pool_backward, mgpu__pool_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     mgpu__layer_cfg cfg;
@@ -5901,6 +6087,116 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     cfg.kernel = kernel_size;
     cfg.stride = stride ? stride : kernel_size;
     return mgpu__builtin_layer(&mgpu__pool_vt, &cfg);
+}
+
+/* -- BatchNorm2d: aux 0, 1 the batch's mean and rstd per channel (for backward); buffers
+   running_mean, running_var, num_batches_tracked -- */
+#define MGPU__BN_EPS 1e-5f       /* nn.BatchNorm2d's defaults */
+#define MGPU__BN_MOMENTUM 0.1f
+static mgpu_result mgpu__bn_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char want[64];
+    if (x.ndim != 4 || x.dim[1] != l->cfg.in) {
+        snprintf(want, sizeof want, "[batch,%d,height,width]", l->cfg.in);
+        return mgpu__layer_shape_error(l, x, want);
+    }
+    *y = x;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__bn_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    *name = i == 0 ? "weight" : "bias";
+    *shape = mgpu_shape1(l->cfg.in);
+    return MGPU_OK;
+}
+static int mgpu__bn_buffer_count(const mgpu_layer* l) { (void)l; return 3; }
+static mgpu_result mgpu__bn_buffer_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    static const char* names[3] = { "running_mean", "running_var", "num_batches_tracked" };
+    *name = names[i];
+    if (i < 2) *shape = mgpu_shape1(l->cfg.in);
+    else memset(shape, 0, sizeof *shape);   /* a scalar, as PyTorch's */
+    return MGPU_OK;
+}
+static mgpu_result mgpu__bn_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    (void)l; (void)seed;
+    MGPU__TRY(mgpu_tensor_fill(ctx->params[0], 1.0));
+    MGPU__TRY(mgpu_tensor_zero(ctx->params[1]));
+    if (!ctx->buffers) return MGPU_OK;   /* (a harness without buffers) */
+    MGPU__TRY(mgpu_tensor_zero(ctx->buffers[0]));
+    MGPU__TRY(mgpu_tensor_fill(ctx->buffers[1], 1.0));
+    return mgpu_tensor_zero(ctx->buffers[2]);
+}
+static mgpu_result mgpu__bn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    (void)i; (void)x;
+    *dt = MGPU_F32;
+    *shape = mgpu_shape1(l->cfg.in);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__bn_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const int64_t per_channel = mgpu_tensor_numel(x) / l->cfg.in;
+    if (!ctx->buffers)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "BatchNorm2d(%d): no buffers in ctx (running_mean, running_var, "
+                          "num_batches_tracked: a model gives them)", l->cfg.in);
+    if (ctx->training && per_channel <= 1)   /* (PyTorch refuses too: no variance of one value) */
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "BatchNorm2d(%d): training needs more than one value per channel, x has "
+                          "%lld (batch %lld)", l->cfg.in, (long long)per_channel, (long long)x->shape.dim[0]);
+    return mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, ctx->training, MGPU__BN_MOMENTUM, MGPU__BN_EPS,
+                            ctx->aux[0], ctx->aux[1], y);
+}
+static mgpu_result mgpu__bn_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                     const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)y;
+    if (!ctx->training)
+        return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "BatchNorm2d(%d): backward after an evaluation forward (only training "
+                          "mode's backward is supported)", l->cfg.in);
+    return mgpu__batch_norm_backward(x, dy, ctx->params[0], ctx->aux[0], ctx->aux[1], ctx->grads[0], ctx->grads[1], dx);
+}
+static void mgpu__bn_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "%d, eps=1e-05, momentum=0.1", l->cfg.in);
+}
+static const mgpu_layer_vtable mgpu__bn_vt = {
+    "BatchNorm2d", mgpu__bn_output_shape, mgpu__two_params, mgpu__bn_param_shape, mgpu__bn_init,
+    mgpu__two_aux, mgpu__bn_aux_shape, mgpu__bn_forward, mgpu__bn_backward, mgpu__bn_describe, NULL,
+    mgpu__bn_buffer_count, mgpu__bn_buffer_shape
+};
+MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels) {
+    mgpu__layer_cfg cfg;
+    mgpu_layer* l;
+    if (channels <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_batch_norm2d: %d channels, want at least 1", channels);
+        return NULL;
+    }
+    memset(&cfg, 0, sizeof cfg);
+    cfg.in = channels;
+    l = mgpu__builtin_layer(&mgpu__bn_vt, &cfg);
+    if (l) l->graph_safe = 0;   /* its buffers are copied between replicas after the step, on the host's order */
+    return l;
+}
+
+/* -- global average pooling: [N, C, H, W] -> [N, C], a channel sum over each plane -- */
+static mgpu_result mgpu__gap_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    if (x.ndim != 4) return mgpu__layer_shape_error(l, x, "[batch,channels,height,width]");
+    *y = mgpu_shape2(x.dim[0], x.dim[1]);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__gap_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const int64_t planes = x->shape.dim[0] * x->shape.dim[1], hw = x->shape.dim[2] * x->shape.dim[3];
+    (void)l; (void)ctx;
+    return mgpu__channel_sum("AdaptiveAvgPool2d forward", y, x, 1, planes, hw, hw ? 1.0f / (float)hw : 1.0f, 0);
+}
+static mgpu_result mgpu__gap_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                      const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const int64_t planes = x->shape.dim[0] * x->shape.dim[1], hw = x->shape.dim[2] * x->shape.dim[3];
+    (void)l; (void)ctx; (void)y;
+    return dx ? mgpu__spread(planes, hw, dy, hw ? 1.0f / (float)hw : 1.0f, dx) : MGPU_OK;
+}
+static void mgpu__gap_describe(const mgpu_layer* l, char* buf, size_t size) { (void)l; snprintf(buf, size, "(1, 1), flattened"); }
+static const mgpu_layer_vtable mgpu__gap_vt = {
+    "AdaptiveAvgPool2d", mgpu__gap_output_shape, NULL, NULL, NULL, NULL, NULL,
+    mgpu__gap_forward, mgpu__gap_backward, mgpu__gap_describe, NULL, NULL, NULL
+};
+MGPUDEF mgpu_layer* mgpu_layer_global_avg_pool2d(void) {
+    mgpu__layer_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    return mgpu__builtin_layer(&mgpu__gap_vt, &cfg);
 }
 
 /* ---- >>impl layer transformer: LayerNorm, Embedding, PositionEmbedding ------------------ */
@@ -5939,7 +6235,6 @@ static mgpu_result mgpu__ln_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx,
     MGPU__TRY(mgpu_tensor_fill(ctx->params[0], 1.0));
     return mgpu_tensor_zero(ctx->params[1]);
 }
-static int mgpu__two_aux(const mgpu_layer* l) { (void)l; return 2; }
 /* aux 0: each row's mean, aux 1: its 1/sqrt(var + eps); x's shape without the last dimension */
 static mgpu_result mgpu__ln_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     (void)i;
@@ -6091,7 +6386,7 @@ static mgpu_result mgpu__ln_backward(const mgpu_layer* l, const mgpu_layer_ctx* 
 static void mgpu__ln_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "%d, eps=1e-05", l->cfg.in); }
 static const mgpu_layer_vtable mgpu__ln_vt = {
     "LayerNorm", mgpu__ln_output_shape, mgpu__two_params, mgpu__ln_param_shape, mgpu__ln_init,
-    mgpu__two_aux, mgpu__ln_aux_shape, mgpu__ln_forward, mgpu__ln_backward, mgpu__ln_describe, NULL
+    mgpu__two_aux, mgpu__ln_aux_shape, mgpu__ln_forward, mgpu__ln_backward, mgpu__ln_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_layer_norm(int dim) {
     mgpu__layer_cfg cfg;
@@ -6207,7 +6502,7 @@ static mgpu_result mgpu__emb_backward(const mgpu_layer* l, const mgpu_layer_ctx*
 static void mgpu__emb_describe(const mgpu_layer* l, char* buf, size_t size) { snprintf(buf, size, "%d, %d", l->cfg.in, l->cfg.out); }
 static const mgpu_layer_vtable mgpu__emb_vt = {
     "Embedding", mgpu__emb_output_shape, mgpu__one_param, mgpu__emb_param_shape, mgpu__emb_init,
-    NULL, NULL, mgpu__emb_forward, mgpu__emb_backward, mgpu__emb_describe, NULL
+    NULL, NULL, mgpu__emb_forward, mgpu__emb_backward, mgpu__emb_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim) {
     mgpu__layer_cfg cfg;
@@ -6276,7 +6571,7 @@ static mgpu_result mgpu__pos_param_shape(const mgpu_layer* l, int i, const char*
 }
 static const mgpu_layer_vtable mgpu__pos_vt = {
     "PositionEmbedding", mgpu__pos_output_shape, mgpu__one_param, mgpu__pos_param_shape, mgpu__emb_init,
-    NULL, NULL, mgpu__pos_forward, mgpu__pos_backward, mgpu__emb_describe, NULL
+    NULL, NULL, mgpu__pos_forward, mgpu__pos_backward, mgpu__emb_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
     mgpu__layer_cfg cfg;
@@ -6441,7 +6736,7 @@ static void mgpu__attn_describe(const mgpu_layer* l, char* buf, size_t size) {
 }
 static const mgpu_layer_vtable mgpu__attn_vt = {
     "CausalSelfAttention", mgpu__attn_output_shape, mgpu__attn_param_count, mgpu__attn_param_shape, mgpu__attn_init,
-    mgpu__attn_aux_count, mgpu__attn_aux_shape, mgpu__attn_forward, mgpu__attn_backward, mgpu__attn_describe, NULL
+    mgpu__attn_aux_count, mgpu__attn_aux_shape, mgpu__attn_forward, mgpu__attn_backward, mgpu__attn_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float dropout) {
     mgpu__layer_cfg cfg;
@@ -6509,7 +6804,9 @@ typedef struct mgpu__container {
     mgpu_layer** kid;
     int* first_param;       /* [count + 1] */
     int* first_aux;         /* [count + 1]; first_aux[count]: the container's own */
+    int* first_buffer;      /* [count + 1] */
     char (*names)[64];      /* the parameters' names */
+    char (*bnames)[64];     /* the buffers', named as the parameters are */
 } mgpu__container;
 
 static uint64_t mgpu__mix(uint64_t x);
@@ -6526,6 +6823,16 @@ static mgpu_result mgpu__box_param_shape(const mgpu_layer* l, int i, const char*
     *name = c->names[i];
     return MGPU_OK;
 }
+static int mgpu__box_buffers(const mgpu_layer* l) { return mgpu__box(l)->first_buffer[mgpu__box(l)->count]; }
+static mgpu_result mgpu__box_buffer_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    const mgpu__container* c = mgpu__box(l);
+    int k = 0;
+    const char* kid_name;
+    while (i >= c->first_buffer[k + 1]) ++k;
+    MGPU__TRY(c->kid[k]->vt->buffer_shape(c->kid[k], i - c->first_buffer[k], &kid_name, shape));
+    *name = c->bnames[i];
+    return MGPU_OK;
+}
 /* Child k's context: its share of the parameters, gradients and buffers, and a random stream of its
    own (a counter range picked by the path to it; the key stays the step's, which a graph reads on
    the device). */
@@ -6534,6 +6841,7 @@ static mgpu_layer_ctx mgpu__kid_ctx(const mgpu__container* c, const mgpu_layer_c
     sub.params = ctx->params + c->first_param[k];
     sub.grads = ctx->grads + c->first_param[k];
     sub.aux = ctx->aux + c->first_aux[k];
+    sub.buffers = ctx->buffers ? ctx->buffers + c->first_buffer[k] : NULL;
     sub.offset = mgpu__mix(ctx->offset ^ mgpu__mix((uint64_t)k + 1)) << 34;   /* 2^34 counters each */
     return sub;
 }
@@ -6581,7 +6889,7 @@ static mgpu_result mgpu__box_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     int k;
     for (k = 0; k < c->count; ++k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-        if (c->kid[k]->vt->init && c->first_param[k + 1] > c->first_param[k])
+        if (c->kid[k]->vt->init && (c->first_param[k + 1] > c->first_param[k] || c->first_buffer[k + 1] > c->first_buffer[k]))
             MGPU__TRY(c->kid[k]->vt->init(c->kid[k], &sub, mgpu__mix(seed ^ mgpu__mix((uint64_t)k + 1))));
     }
     return MGPU_OK;
@@ -6637,15 +6945,18 @@ static void mgpu__box_destroy(mgpu_layer* l) {
     if (!c) return;
     for (k = 0; k < c->count; ++k) mgpu__layer_free(c->kid[k]);
     MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names);
+    MGPU_FREE(c->first_buffer); MGPU_FREE(c->bnames);
     MGPU_FREE(c);
 }
 static const mgpu_layer_vtable mgpu__sequential_vt = {
     "Sequential", mgpu__box_output_shape, mgpu__box_params, mgpu__box_param_shape, mgpu__box_init,
-    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy
+    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy,
+    mgpu__box_buffers, mgpu__box_buffer_shape
 };
 static const mgpu_layer_vtable mgpu__residual_vt = {
     "Residual", mgpu__box_output_shape, mgpu__box_params, mgpu__box_param_shape, mgpu__box_init,
-    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy
+    mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy,
+    mgpu__box_buffers, mgpu__box_buffer_shape
 };
 
 /* A failed mgpu_model_create or container still owns its layers (the promise of both): destroy
@@ -6678,19 +6989,31 @@ static mgpu_layer* mgpu__container_make(const char* op, const mgpu_layer_vtable*
         c->kid = (mgpu_layer**)mgpu__calloc((size_t)count, sizeof(mgpu_layer*));
         c->first_param = (int*)mgpu__calloc((size_t)count + 1, sizeof(int));
         c->first_aux = (int*)mgpu__calloc((size_t)count + 1, sizeof(int));
+        c->first_buffer = (int*)mgpu__calloc((size_t)count + 1, sizeof(int));
     }
-    if (!c || !c->kid || !c->first_param || !c->first_aux) goto oom;
+    if (!c || !c->kid || !c->first_param || !c->first_aux || !c->first_buffer) goto oom;
     c->count = count;
     c->residual = residual;
     for (k = 0; k < count; ++k) {
         const int pc = kids[k]->vt->param_count ? kids[k]->vt->param_count(kids[k]) : 0;
         const int ac = kids[k]->vt->aux_count ? kids[k]->vt->aux_count(kids[k]) : 0;
+        const int bc = kids[k]->vt->buffer_count ? kids[k]->vt->buffer_count(kids[k]) : 0;
         c->kid[k] = kids[k];
+        c->first_buffer[k + 1] = c->first_buffer[k] + bc;
         c->first_param[k + 1] = c->first_param[k] + pc;
         c->first_aux[k + 1] = c->first_aux[k] + ac;
     }
     c->names = (char(*)[64])mgpu__calloc((size_t)MGPU__MAX(c->first_param[count], 1), 64);
-    if (!c->names) goto oom;
+    c->bnames = (char(*)[64])mgpu__calloc((size_t)MGPU__MAX(c->first_buffer[count], 1), 64);
+    if (!c->names || !c->bnames) goto oom;
+    for (k = 0, i = 0; k < count; ++k)
+        for (j = 0; j < c->first_buffer[k + 1] - c->first_buffer[k]; ++j, ++i) {
+            const char* name = "buffer";
+            mgpu_shape shape;
+            (void)kids[k]->vt->buffer_shape(kids[k], j, &name, &shape);
+            if (residual && !kids[k]->named) snprintf(c->bnames[i], 64, "%s%s", k ? "shortcut." : "", name);
+            else mgpu__param_name(c->bnames[i], 64, kids[k], k, name);
+        }
     for (k = 0, i = 0; k < count; ++k)
         for (j = 0; j < c->first_param[k + 1] - c->first_param[k]; ++j, ++i) {
             const char* name = "param";
@@ -6711,7 +7034,10 @@ static mgpu_layer* mgpu__container_make(const char* op, const mgpu_layer_vtable*
 oom:
     mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
 fail:
-    if (c) { MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names); MGPU_FREE(c); }
+    if (c) {
+        MGPU_FREE(c->kid); MGPU_FREE(c->first_param); MGPU_FREE(c->first_aux); MGPU_FREE(c->names);
+        MGPU_FREE(c->first_buffer); MGPU_FREE(c->bnames); MGPU_FREE(c);
+    }
     mgpu__drop_layers(kids, count);
     return NULL;
 }
@@ -7780,6 +8106,8 @@ typedef struct mgpu__part {
     mgpu_device* dev;
     int replica, stage;
     mgpu_tensor *params, *grads;        /* the stage's flat buffers */
+    mgpu_tensor* bufs;                  /* its flat buffer of buffers, or NULL when it has none */
+    mgpu_tensor** bview;                /* named views into it, [buffer_count], like pview */
     mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count]; NULL for the
                                            tensors of other stages */
     mgpu__slot* slot;                   /* micro-batch k uses slot k % slot_count */
@@ -7822,6 +8150,12 @@ struct mgpu_model {
     int* first_tensor;                  /* [layer_count + 1]: layer i owns tensors [first[i], first[i+1]) */
     int* first_aux;                     /* likewise for aux buffers */
     int64_t flat_floats, param_count;
+    /* buffers (running statistics): a second flat layout, in layer order, never optimised */
+    mgpu__param* buffers;
+    int buffer_count;
+    int* first_buffer;                  /* [layer_count + 1]: layer i owns buffers [first[i], first[i+1]) */
+    int64_t buf_floats;
+    int64_t* stage_boff;                /* [S + 1]: stage s's buffer floats are [stage_boff[s], stage_boff[s+1]) */
     /* the layout: R replicas x S stages, M micro-batches */
     mgpu__part* part;                   /* [R * S] */
     int part_count, replica_count, stage_count, micro_batches;
@@ -7897,6 +8231,7 @@ static int mgpu__tensor_stage(const mgpu_model* m, int t) {
     return s;
 }
 static int64_t mgpu__stage_floats(const mgpu_model* m, int stage) { return m->stage_off[stage + 1] - m->stage_off[stage]; }
+static int64_t mgpu__stage_buf_floats(const mgpu_model* m, int stage) { return m->stage_boff[stage + 1] - m->stage_boff[stage]; }
 
 static void mgpu__slot_free_buffers(mgpu_model* m, mgpu__slot* sl) {
     int i;
@@ -7933,6 +8268,7 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
     ctx->params = p->pview + m->first_tensor[i];
     ctx->grads = p->gview + m->first_tensor[i];
     ctx->aux = sl->aux + m->first_aux[i];
+    ctx->buffers = p->bview + m->first_buffer[i];
     ctx->training = training;
     /* every step a new key; within it, every layer its own counter range, rows within it by
        first_row; a loop of your own (mgpu_model_forward) salts each replica's stream: it does
@@ -8294,6 +8630,9 @@ static void mgpu__model_free(mgpu_model* m) {
             if (p->pview) mgpu__tensor_free(p->pview[j]);
             if (p->gview) mgpu__tensor_free(p->gview[j]);
         }
+        for (j = 0; p->bview && j < m->buffer_count; ++j) mgpu__tensor_free(p->bview[j]);
+        mgpu__tensor_free(p->bufs);
+        MGPU_FREE(p->bview);
         for (j = 0; p->events && j < 2 * m->micro_batches; ++j)
             if (p->events[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->events[j]));
         mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
@@ -8316,6 +8655,7 @@ static void mgpu__model_free(mgpu_model* m) {
     for (i = 0; m->layers && i < m->layer_count; ++i) mgpu__layer_free(m->layers[i]);   /* distinct: checked at create */
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
+    MGPU_FREE(m->buffers); MGPU_FREE(m->first_buffer); MGPU_FREE(m->stage_boff);
     MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
     MGPU_FREE(m->terms);
     MGPU_FREE(m);
@@ -8380,16 +8720,38 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
     int i, j, t;
     m->first_tensor = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
     m->first_aux = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
-    if (!m->first_tensor || !m->first_aux) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    m->first_buffer = (int*)mgpu__calloc((size_t)m->layer_count + 1, sizeof(int));
+    if (!m->first_tensor || !m->first_aux || !m->first_buffer) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     for (i = 0; i < m->layer_count; ++i) {
         const mgpu_layer* l = m->layers[i];
         int pc = l->vt->param_count ? l->vt->param_count(l) : 0;
         int ac = l->vt->aux_count ? l->vt->aux_count(l) : 0;
+        int bc = l->vt->buffer_count ? l->vt->buffer_count(l) : 0;
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
         if (mgpu__layer_output(m, i, shape, &shape) != MGPU_OK) return mgpu__refail(where);
-        if (pc < 0 || ac < 0) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: negative parameter or buffer count", where);
+        if (pc < 0 || ac < 0 || bc < 0) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: negative parameter or buffer count", where);
         m->first_tensor[i + 1] = m->first_tensor[i] + pc;
         m->first_aux[i + 1] = m->first_aux[i] + ac;
+        m->first_buffer[i + 1] = m->first_buffer[i] + bc;
+    }
+    m->buffer_count = m->first_buffer[m->layer_count];
+    m->buffers = (mgpu__param*)mgpu__calloc((size_t)MGPU__MAX(m->buffer_count, 1), sizeof(mgpu__param));
+    if (!m->buffers) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    for (i = 0, t = 0; i < m->layer_count; ++i) {   /* buffers: named as parameters are, laid out as they are */
+        const mgpu_layer* l = m->layers[i];
+        for (j = 0; j < m->first_buffer[i + 1] - m->first_buffer[i]; ++j, ++t) {
+            const char* name = "buffer";
+            size_t bytes;
+            mgpu__param* b = &m->buffers[t];
+            snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(l));
+            if (l->vt->buffer_shape(l, j, &name, &b->shape) != MGPU_OK ||
+                mgpu__check_shape("buffer shape", MGPU_F32, b->shape, &bytes) != MGPU_OK)
+                return mgpu__refail(where);
+            mgpu__param_name(b->name, sizeof b->name, l, i, name);
+            b->tied = -1;
+            b->offset = m->buf_floats;
+            m->buf_floats += (mgpu_shape_numel(b->shape) + 15) / 16 * 16;
+        }
     }
     m->output = shape;
     m->tensor_count = m->first_tensor[m->layer_count];
@@ -8455,7 +8817,8 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
                           "devices: replica r's stage s on device r * %d + s)", op, devices, devices == 1 ? "" : "s", S, S, S);
     m->stage_layer = (int*)mgpu__calloc((size_t)S + 1, sizeof(int));
     m->stage_off = (int64_t*)mgpu__calloc((size_t)S + 1, sizeof(int64_t));
-    if (!m->stage_layer || !m->stage_off) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    m->stage_boff = (int64_t*)mgpu__calloc((size_t)S + 1, sizeof(int64_t));
+    if (!m->stage_layer || !m->stage_off || !m->stage_boff) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     m->stage_layer[S] = L;
     if (desc->split && S > 1) {
         for (s = 1; s < S; ++s) {
@@ -8499,6 +8862,11 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         m->stage_off[s] = t < m->tensor_count ? m->tensors[t].offset : m->flat_floats;
     }
     m->stage_off[S] = m->flat_floats;
+    for (s = 0; s < S; ++s) {   /* a buffer lives on its layer's stage */
+        const int b = m->first_buffer[m->stage_layer[s]];
+        m->stage_boff[s] = b < m->buffer_count ? m->buffers[b].offset : m->buf_floats;
+    }
+    m->stage_boff[S] = m->buf_floats;
     for (i = 0; i < L; ++i) {   /* a tie within a stage: its gradient is one buffer's */
         int t;
         for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) {
@@ -8537,7 +8905,8 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
         p->slot = (mgpu__slot*)mgpu__calloc((size_t)p->slot_count, sizeof(mgpu__slot));
         p->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
         p->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
-        if (!p->slot || !p->pview || !p->gview) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        p->bview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->buffer_count, 1), sizeof(mgpu_tensor*));
+        if (!p->slot || !p->pview || !p->gview || !p->bview) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         for (j = 0; j < p->slot_count; ++j) {
             mgpu__slot* sl = &p->slot[j];
             sl->in_shape.ndim = -1;
@@ -8558,6 +8927,14 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
             p->pview[t] = mgpu__view_at(p->params, at, m->tensors[t].shape, op);
             p->gview[t] = mgpu__view_at(p->grads, at, m->tensors[t].shape, op);
             if (!p->pview[t] || !p->gview[t]) return mgpu__refail(op);
+        }
+        if (mgpu__stage_buf_floats(m, p->stage) > 0) {   /* buffers start at 0 (then the layers' init) */
+            p->bufs = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(mgpu__stage_buf_floats(m, p->stage))));
+            if (!p->bufs || mgpu_tensor_zero(p->bufs)) return mgpu__refail(op);
+            for (t = m->first_buffer[m->stage_layer[p->stage]]; t < m->first_buffer[m->stage_layer[p->stage + 1]]; ++t) {
+                p->bview[t] = mgpu__view_at(p->bufs, m->buffers[t].offset - m->stage_boff[p->stage], m->buffers[t].shape, op);
+                if (!p->bview[t]) return mgpu__refail(op);
+            }
         }
         if (p->dev->kind == MGPU_DEVICE_CUDA && m->stage_count > 1) {   /* the order between stages' streams */
             p->events = (void**)mgpu__calloc((size_t)2 * (size_t)m->micro_batches, sizeof(void*));
@@ -8580,10 +8957,11 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
         const mgpu__part* p = mgpu__part_of(m, 0, mgpu__layer_stage(m, i));
         mgpu_layer_ctx ctx;
         const int n = m->first_tensor[i + 1] - m->first_tensor[i];
+        const int nb = m->first_buffer[i + 1] - m->first_buffer[i];
         mgpu_tensor** params = NULL;
         mgpu_result r = MGPU_OK;
         int j;
-        if (!l->vt->init || n == 0) continue;
+        if (!l->vt->init || (n == 0 && nb == 0)) continue;
         mgpu__layer_ctx_for(m, p, &p->slot[0], i, 0, &ctx);
         snprintf(where, sizeof where, "mgpu_model_create: initialising layer %d (%s)", i, mgpu_layer_type(l));
         for (j = 0; j < n && m->tensors[m->first_tensor[i] + j].tied < 0; ++j) {}
@@ -8604,7 +8982,8 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
         if (r != MGPU_OK) return mgpu__refail(where);
     }
     for (i = m->stage_count; i < m->part_count; ++i)
-        if (mgpu_tensor_copy(m->part[i].params, m->part[i % m->stage_count].params) != MGPU_OK)
+        if (mgpu_tensor_copy(m->part[i].params, m->part[i % m->stage_count].params) != MGPU_OK ||
+            (m->part[i].bufs && mgpu_tensor_copy(m->part[i].bufs, m->part[i % m->stage_count].bufs) != MGPU_OK))
             return mgpu__refail("mgpu_model_create");
     return MGPU_OK;
 }
@@ -8768,6 +9147,10 @@ static uint64_t mgpu__model_signature(const mgpu_model* m) {
         for (c = m->tensors[i].name; *c; ++c) MGPU__HASH((unsigned char)*c);
         for (d = 0; d < m->tensors[i].shape.ndim; ++d) MGPU__HASH(m->tensors[i].shape.dim[d]);
     }
+    for (i = 0; i < m->buffer_count; ++i) {
+        for (c = m->buffers[i].name; *c; ++c) MGPU__HASH((unsigned char)*c);
+        for (d = 0; d < m->buffers[i].shape.ndim; ++d) MGPU__HASH(m->buffers[i].shape.dim[d]);
+    }
     for (i = 0; i <= m->stage_count; ++i) MGPU__HASH(m->stage_layer[i]);
     MGPU__HASH(m->micro_batches);
     MGPU__HASH(m->loss);
@@ -8791,6 +9174,33 @@ static mgpu_result mgpu__dist_broadcast_params(mgpu_model* m) {
         mgpu__dist_broadcast(host, (size_t)n * sizeof(float));
         for (rep = 0; rep < m->replica_count && r == MGPU_OK; ++rep)
             r = mgpu_tensor_upload(mgpu__part_of(m, rep, s)->params, host, (size_t)n * sizeof(float));
+        r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    }
+    MGPU_FREE(host);
+    return r;
+#else
+    (void)m;
+    return MGPU_OK;
+#endif
+}
+
+/* Rank 0's replica 0's buffers into every replica of every rank, stage by stage (at create, and
+   after every optimizer step: mgpu__sync_buffers). */
+static mgpu_result mgpu__dist_broadcast_buffers(mgpu_model* m) {
+#ifdef MGPU_MPI
+    float* host = (float*)MGPU_MALLOC((size_t)m->buf_floats * sizeof(float) + 1);
+    mgpu_result r = MGPU_OK;
+    int s, rep;
+    if (!host) return mgpu__dist_agree(mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory for the buffers' broadcast"),
+                                       0, 0.0, NULL, NULL);
+    for (s = 0; s < m->stage_count && r == MGPU_OK; ++s) {
+        const int64_t n = mgpu__stage_buf_floats(m, s);
+        if (n == 0) continue;   /* (the same on every rank: the layers agree) */
+        if (mgpu__dist.rank == 0) r = mgpu_tensor_download(mgpu__part_of(m, 0, s)->bufs, host, (size_t)n * sizeof(float));
+        if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+        mgpu__dist_broadcast(host, (size_t)n * sizeof(float));
+        for (rep = 0; rep < m->replica_count && r == MGPU_OK; ++rep)
+            r = mgpu_tensor_upload(mgpu__part_of(m, rep, s)->bufs, host, (size_t)n * sizeof(float));
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     }
     MGPU_FREE(host);
@@ -8831,7 +9241,8 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     for (s = 0; s < m->stage_count; ++s)   /* GPUs: one NCCL communicator per stage over the job (every rank votes) */
         MGPU__TRY(mgpu__ar_join_processes(m->ar[s], m->dist_replicas, desc->allreduce,
                                           m->verify_every > 0 || mgpu__deterministic_from_env()));
-    return mgpu__dist_broadcast_params(m);
+    MGPU__TRY(mgpu__dist_broadcast_params(m));
+    return mgpu__dist_broadcast_buffers(m);
 }
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc) {
@@ -8906,13 +9317,52 @@ MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica) {
 MGPUDEF mgpu_tensor* mgpu_model_grads(const mgpu_model* m, int replica) {
     return mgpu__part_buffer("mgpu_model_grads", m, replica, 0, 1, 1);
 }
-MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count : 0; }
+MGPUDEF int mgpu_model_tensor_count(const mgpu_model* m) { return m ? m->tensor_count + m->buffer_count : 0; }
+MGPUDEF int mgpu_model_buffer_count(const mgpu_model* m) { return m ? m->buffer_count : 0; }
+MGPUDEF int mgpu_model_tensor_is_buffer(const mgpu_model* m, int i) { return m && i >= m->tensor_count && i < m->tensor_count + m->buffer_count; }
+/* The listing's index i as a buffer's index (>= 0), or -1 for a parameter; an error when neither. */
+static int mgpu__listed(const char* op, const mgpu_model* m, int replica, int i, int* buffer) {
+    *buffer = -1;
+    if (m && i >= m->tensor_count && i < m->tensor_count + m->buffer_count) {
+        *buffer = i - m->tensor_count;
+        return mgpu__model_has(op, m, replica, MGPU__ANY, MGPU__ANY);
+    }
+    if (m && (i < 0 || i >= m->tensor_count) && m->buffer_count)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: tensor %d of a model with %d parameters and %d buffers (0 to %d)", op, i,
+                          m->tensor_count, m->buffer_count, m->tensor_count + m->buffer_count - 1), 0;
+    return mgpu__model_has(op, m, replica, MGPU__ANY, i);
+}
+/* The stage that holds buffer b */
+static int mgpu__buffer_stage(const mgpu_model* m, int b) {
+    int s = 0;
+    while (s + 1 < m->stage_count && m->first_buffer[m->stage_layer[s + 1]] <= b) ++s;
+    return s;
+}
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i) {
-    return mgpu__model_has("mgpu_model_tensor_name", m, MGPU__ANY, MGPU__ANY, i) ? m->tensors[i].name : NULL;
+    int b;
+    if (!mgpu__listed("mgpu_model_tensor_name", m, MGPU__ANY, i, &b)) return NULL;
+    return b >= 0 ? m->buffers[b].name : m->tensors[i].name;
 }
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i) {
-    return mgpu__model_has("mgpu_model_tensor", m, replica, MGPU__ANY, i) ? mgpu__part_of(m, replica, mgpu__tensor_stage(m, i))->pview[i]
-                                                                          : NULL;
+    int b;
+    if (!mgpu__listed("mgpu_model_tensor", m, replica, i, &b)) return NULL;
+    if (b >= 0) return mgpu__part_of(m, replica, mgpu__buffer_stage(m, b))->bview[b];
+    return mgpu__part_of(m, replica, mgpu__tensor_stage(m, i))->pview[i];
+}
+MGPUDEF mgpu_tensor* mgpu_model_buffer(const mgpu_model* m, int replica, const char* name) {
+    static const char* op = "mgpu_model_buffer";
+    int b;
+    if (!mgpu__model_has(op, m, replica, MGPU__ANY, MGPU__ANY)) return NULL;
+    if (!name) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL name", op); return NULL; }
+    for (b = 0; b < m->buffer_count; ++b)
+        if (!strcmp(m->buffers[b].name, name)) return mgpu__part_of(m, replica, mgpu__buffer_stage(m, b))->bview[b];
+    mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the model has no buffer '%.80s' (it has %d%s%s%s)", op, name, m->buffer_count,
+               m->buffer_count ? ": '" : "", m->buffer_count ? m->buffers[0].name : "", m->buffer_count ? "', ..." : "");
+    return NULL;
+}
+MGPUDEF mgpu_tensor* mgpu_model_stage_buffers(const mgpu_model* m, int replica, int stage) {
+    if (!mgpu__model_has("mgpu_model_stage_buffers", m, replica, stage, MGPU__ANY)) return NULL;
+    return mgpu__part_of(m, replica, stage)->bufs;
 }
 /* The index of the tensor called name, or -1 with an error naming it and a few of the model's. */
 static int mgpu__model_find(const char* op, const mgpu_model* m, const char* name) {
@@ -8976,6 +9426,12 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
+    if (m->buffer_count) {   /* not trained, so not among the parameters (nor in torchsummary's count) */
+        int64_t values = 0;
+        int b;
+        for (b = 0; b < m->buffer_count; ++b) values += mgpu_shape_numel(m->buffers[b].shape);
+        fprintf(f, "Buffers (running statistics, not trained): %d, %lld values\n", m->buffer_count, (long long)values);
+    }
 }
 
 static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int replica) {
@@ -9531,10 +9987,12 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     return MGPU_OK;
 }
 
+static mgpu_result mgpu__sync_buffers(mgpu_model* m);   /* (>>impl train) */
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_step: NULL optimizer");
     if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_step", "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
-    return mgpu__optimizer_step(opt);
+    MGPU__TRY(mgpu__optimizer_step(opt));
+    return mgpu__sync_buffers(opt->model);   /* a loop of your own: buffers equal on every replica too */
 }
 
 /* ---- >>impl train: the data-parallel training step -------------------------------------- */
@@ -10440,6 +10898,20 @@ static mgpu_result mgpu__verify_if_due(mgpu_model* m) {
         return mgpu_model_verify_replicas(m);
     return MGPU_OK;
 }
+/* Buffers (running statistics) the same on every replica: each replica's forward passes moved its
+   own by its own rows, so after each optimizer step replica 0's are copied to the others, stage by
+   stage (and, in a job, rank 0's to every rank). DDP's broadcast_buffers copies at the start of
+   the next forward instead: the same values wherever they are read, and here a checkpoint or
+   mgpu_model_verify_replicas right after a step sees them equal. */
+static mgpu_result mgpu__sync_buffers(mgpu_model* m) {
+    int i;
+    if (m->buf_floats == 0) return MGPU_OK;
+    if (m->dist) return mgpu__dist_broadcast_buffers(m);
+    for (i = m->stage_count; i < m->part_count; ++i)
+        if (m->part[i].bufs && mgpu_tensor_copy(m->part[i].bufs, m->part[i % m->stage_count].bufs) != MGPU_OK)
+            return mgpu__refail("copying replica 0's buffers to the other replicas");
+    return MGPU_OK;
+}
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     mgpu_result r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
     if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
@@ -10448,6 +10920,7 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     }
     MGPU__TRY(r);
     m->steps++;
+    MGPU__TRY(mgpu__sync_buffers(m));
     return mgpu__verify_if_due(m);
 }
 
@@ -10819,6 +11292,38 @@ MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
     return r;
 }
 
+/* The buffers of every replica against replica 0's of its stage, bit for bit (this process's;
+   across the ranks of a job they were broadcast from rank 0 after the step). */
+static mgpu_result mgpu__verify_buffers(const mgpu_model* m, const char* op) {
+    float* first = (float*)mgpu__calloc((size_t)m->buf_floats * 2 + 1, sizeof(float));
+    float* other;
+    mgpu_result r = MGPU_OK;
+    int i, b;
+    if (!first) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    other = first + m->buf_floats;
+    for (i = 0; i < m->part_count && r == MGPU_OK; ++i) {
+        const mgpu__part* p = &m->part[i];
+        const int64_t n = mgpu__stage_buf_floats(m, p->stage), o = m->stage_boff[p->stage];
+        if (n == 0) continue;
+        r = mgpu_tensor_download(p->bufs, (p->replica == 0 ? first : other) + o, (size_t)n * sizeof(float));
+        if (r != MGPU_OK || p->replica == 0 || memcmp(first + o, other + o, (size_t)n * sizeof(float)) == 0) continue;
+        for (b = m->first_buffer[m->stage_layer[p->stage]]; b < m->first_buffer[m->stage_layer[p->stage + 1]] && r == MGPU_OK; ++b) {
+            const int64_t count = mgpu_shape_numel(m->buffers[b].shape), at = m->buffers[b].offset;
+            int64_t k;
+            for (k = 0; k < count; ++k)
+                if (memcmp(&first[at + k], &other[at + k], sizeof(float)) != 0) {
+                    r = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: after %lld steps replica %d (%s) differs from replica 0 (%s) at "
+                                   "buffer '%s' element %lld: %.9g vs %.9g", op, (long long)m->steps, p->replica, p->dev->label,
+                                   m->part[p->stage].dev->label, m->buffers[b].name, (long long)k, (double)other[at + k],
+                                   (double)first[at + k]);
+                    break;
+                }
+        }
+    }
+    MGPU_FREE(first);
+    return r;
+}
+
 MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
     static const char* op = "mgpu_model_verify_replicas";
     float *first, *other;
@@ -10832,6 +11337,7 @@ MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m) {
         return m->dist ? mgpu__dist_agree(r, 0, 0.0, NULL, NULL) : r;
     }
     other = first + m->flat_floats;
+    if (m->buf_floats > 0) r = mgpu__verify_buffers(m, op);
     for (i = 0; i < m->part_count && r == MGPU_OK; ++i) {   /* each part against replica 0's of its stage */
         const mgpu__part* p = &m->part[i];
         const int64_t n = mgpu__stage_floats(m, p->stage), o = m->stage_off[p->stage];
@@ -12959,6 +13465,12 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
 }
 
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
+/* A buffer that counts (BatchNorm's num_batches_tracked) is an int64 in PyTorch's state_dict: the
+   file holds it as I64, the model as a float (exact to 2^24). */
+static int mgpu__buffer_is_count(const char* name) {
+    const size_t n = strlen(name), k = strlen("num_batches_tracked");
+    return n >= k && !strcmp(name + n - k, "num_batches_tracked");
+}
 /* A distributed model: rank 0 writes (every replica holds the same bits), and every rank returns
    its result, so that no rank goes on before the file is there, nor after it failed. */
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
@@ -12971,6 +13483,8 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
     uint16_t* half = NULL;   /* the tensors in BF16 or F16, when desc asks */
+    float* bhost = NULL;     /* the buffers (always F32, a count as I64) */
+    int64_t* counts = NULL;
     char (*names)[512] = NULL;   /* (as a load names them, mgpu__load_name) */
     char step[32], dropout_step[32], layers_text[512];
     const char** keys = NULL;
@@ -13000,11 +13514,19 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     }
     states = opt ? mgpu__optimizer_state_count(opt) : 0;
     host = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
-    items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *items);
-    names = (char(*)[512])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + 1, sizeof *names);
+    items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + (size_t)m->buffer_count + 1, sizeof *items);
+    names = (char(*)[512])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + (size_t)m->buffer_count + 1, sizeof *names);
+    bhost = (float*)mgpu__calloc((size_t)m->buf_floats + 1, sizeof(float));
+    counts = (int64_t*)mgpu__calloc((size_t)m->buf_floats + 1, sizeof(int64_t));
     keys = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *keys);
     values = (const char**)mgpu__calloc((size_t)(MGPU__SAVE_META + user_count), sizeof *values);
-    if (!host || !items || !names || !keys || !values) { r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); goto done; }
+    if (!host || !items || !names || !keys || !values || !bhost || !counts) {
+        r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        goto done;
+    }
+    for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)   /* replica 0's buffers (every replica's are the same) */
+        if (mgpu__stage_buf_floats(m, i) > 0)
+            r = mgpu_tensor_download(m->part[i].bufs, bhost + m->stage_boff[i], (size_t)mgpu__stage_buf_floats(m, i) * sizeof(float));
     /* replica 0 holds the model, stage by stage; every replica is identical */
     for (s = 0; r == MGPU_OK && s <= states; ++s)
         for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)
@@ -13035,6 +13557,25 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
             items[n].bytes = (size_t)mgpu_shape_numel(p->shape) * (half ? sizeof *half : sizeof(float));
             ++n;
         }
+    for (i = 0; i < m->buffer_count; ++i) {   /* after the parameters, in F32 whatever desc->dtype says */
+        const mgpu__param* b = &m->buffers[i];
+        const int count = mgpu__buffer_is_count(b->name);
+        int64_t k;
+        mgpu__load_name(names[n], sizeof names[n], desc && desc->prefix ? desc->prefix : "", b->name, NULL);
+        items[n].name = names[n];
+        items[n].dtype = count ? "I64" : "F32";
+        items[n].ndim = b->shape.ndim;
+        items[n].shape = b->shape.dim;
+        if (count) {
+            for (k = 0; k < mgpu_shape_numel(b->shape); ++k) counts[b->offset + k] = (int64_t)bhost[b->offset + k];
+            items[n].data = counts + b->offset;
+            items[n].bytes = (size_t)mgpu_shape_numel(b->shape) * sizeof(int64_t);
+        } else {
+            items[n].data = bhost + b->offset;
+            items[n].bytes = (size_t)mgpu_shape_numel(b->shape) * sizeof(float);
+        }
+        ++n;
+    }
     for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
         len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
     keys[meta] = "format"; values[meta++] = "pt";
@@ -13053,6 +13594,8 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
 done:
     MGPU_FREE(host);
     MGPU_FREE(half);
+    MGPU_FREE(bhost);
+    MGPU_FREE(counts);
     MGPU_FREE(items);
     MGPU_FREE(names);
     MGPU_FREE((void*)keys);
@@ -13375,12 +13918,30 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
         e = mgpu__st_find(st, name);
         r = e ? mgpu__st_expect(path, e, name, m->tensors[i].shape) : mgpu__load_missing(path, m, st, name, m->tensors[i].name);
     }
+    for (i = 0; i < m->buffer_count && r == MGPU_OK; ++i) {   /* buffers: a float dtype, or an integer for a count */
+        const mgpu__st_tensor* e;
+        mgpu__load_name(name, sizeof name, prefix, m->buffers[i].name, NULL);
+        e = mgpu__st_find(st, name);
+        if (!e) r = mgpu__load_missing(path, m, st, name, m->buffers[i].name);
+        else if (!strcmp(e->dtype, "I64") || !strcmp(e->dtype, "I32")) {
+            mgpu_shape fs;
+            int d;
+            char got[96], want[96];
+            memset(&fs, 0, sizeof fs);
+            fs.ndim = MGPU__MIN(e->ndim, MGPU_MAX_DIMS);
+            for (d = 0; d < fs.ndim; ++d) fs.dim[d] = (int64_t)e->shape[d];
+            if (e->ndim != m->buffers[i].shape.ndim || !mgpu_shape_equal(fs, m->buffers[i].shape))
+                r = mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "'%s': tensor '%s' has shape %s, the model's is %s", path, name,
+                               mgpu__shape_text(fs, got, sizeof got), mgpu__shape_text(m->buffers[i].shape, want, sizeof want));
+        } else r = mgpu__st_expect(path, e, name, m->buffers[i].shape);
+    }
     mgpu__load_name(name, sizeof name, prefix, m->tensor_count ? m->tensors[0].name : "", NULL);   /* for the message */
     for (i = 0; r == MGPU_OK && !allow_extra && i < st->count; ++i) {   /* strict, like load_state_dict */
         const char* fname = st->tensors[i].name;
         const size_t plen = strlen(prefix);
         int known = 0, t;
         for (t = 0; t < m->tensor_count && !known; ++t) known = !strncmp(fname, prefix, plen) && !strcmp(fname + plen, m->tensors[t].name);
+        for (t = 0; t < m->buffer_count && !known; ++t) known = !strncmp(fname, prefix, plen) && !strcmp(fname + plen, m->buffers[t].name);
         if (!known && strncmp(fname, MGPU__OPT_PREFIX, strlen(MGPU__OPT_PREFIX)) != 0)
             r = mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s': unexpected tensor '%s' (the model has %d tensors, '%s' ... ; "
                            "mgpu_load_desc.allow_extra ignores the others)", path, st->tensors[i].name, m->tensor_count, name);
@@ -13445,6 +14006,29 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
             if (mgpu__stage_floats(m, m->part[i].stage) > 0)
                 r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
                                    host + m->stage_off[m->part[i].stage], (size_t)mgpu__stage_floats(m, m->part[i].stage) * sizeof(float));
+    }
+    if (r == MGPU_OK && m->buffer_count > 0) {   /* the buffers, into every replica */
+        float* bhost = (float*)mgpu__calloc((size_t)m->buf_floats + 1, sizeof(float));
+        if (!bhost) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        for (i = 0; bhost && i < m->buffer_count; ++i) {
+            const mgpu__st_tensor* e;
+            const int64_t count = mgpu_shape_numel(m->buffers[i].shape);
+            const uint8_t* src;
+            int64_t k;
+            mgpu__load_name(name, sizeof name, prefix, m->buffers[i].name, NULL);
+            e = mgpu__st_find(st, name);
+            src = mgpu__st_data(&sf, e);
+            if (!strcmp(e->dtype, "I64"))
+                for (k = 0; k < count; ++k) { int64_t v; memcpy(&v, src + 8 * k, 8); bhost[m->buffers[i].offset + k] = (float)v; }
+            else if (!strcmp(e->dtype, "I32"))
+                for (k = 0; k < count; ++k) { int32_t v; memcpy(&v, src + 4 * k, 4); bhost[m->buffers[i].offset + k] = (float)v; }
+            else (void)mgpu__st_convert(op, path, e, src, (size_t)count, bhost + m->buffers[i].offset);   /* float dtypes: cannot fail */
+        }
+        for (i = 0; bhost && i < m->part_count && r == MGPU_OK; ++i)
+            if (m->part[i].bufs)
+                r = mgpu_tensor_upload(m->part[i].bufs, bhost + m->stage_boff[m->part[i].stage],
+                                       (size_t)mgpu__stage_buf_floats(m, m->part[i].stage) * sizeof(float));
+        MGPU_FREE(bhost);
     }
     if (r == MGPU_OK && opt) {
         opt->steps = step;   /* schedules and bias corrections resume where they were */

@@ -1211,6 +1211,117 @@ int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, cons
     return launch_index(dev, stream, "maxpool_backward", window_inputs(g), maxpool_backward_op{*g, dy, argmax, dx});
 }
 
+// ---- >>layers BatchNorm2d and global average pooling, x as [n, c, hw]. A block per channel: its
+// threads stride over the channel's n * hw elements and meet in block_reduce, a fixed order, so
+// every replay and replica gives the same bits (no atomics). Thread t visits flat offsets
+// t, t + kThreads, ... as (o, i), stepped without a division (as channel_sum_kernel).
+template <class F> __device__ __forceinline__ void channel_walk(int64_t n, int64_t c, int64_t hw, int64_t ch, F f) {
+    const int64_t step_o = kThreads / hw, step_i = kThreads % hw;
+    int64_t o = threadIdx.x / hw, i = threadIdx.x % hw;
+    while (o < n) {
+        f((o * c + ch) * hw + i);
+        o += step_o;
+        i += step_i;
+        if (i >= hw) { i -= hw; ++o; }
+    }
+}
+
+// Training: the batch's mean and biased variance (two passes: no cancellation), the running
+// statistics moved by momentum towards the mean and the unbiased variance, num_batches_tracked + 1.
+// Evaluation: the running statistics. Then y = (x - mean) * rstd * weight + bias.
+__global__ void __launch_bounds__(kThreads)
+batch_norm_kernel(int64_t n, int64_t c, int64_t hw, const float* x, const float* w, const float* b, float* run_mean,
+                  float* run_var, float* count, int training, float momentum, float eps, float* save_mean,
+                  float* save_rstd, float* y) {
+    const int64_t m = n * hw;
+    for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        float mean, rstd;
+        if (training) {
+            float s = 0.0f;
+            channel_walk(n, c, hw, ch, [&](int64_t j) { s += x[j]; });
+            mean = block_reduce(s, sum_op<float>()) / (float)m;
+            float v = 0.0f;
+            channel_walk(n, c, hw, ch, [&](int64_t j) { const float d = x[j] - mean; v += d * d; });
+            const float var = block_reduce(v, sum_op<float>()) / (float)m;
+            rstd = 1.0f / sqrtf(var + eps);
+            if (threadIdx.x == 0) {
+                run_mean[ch] = (1.0f - momentum) * run_mean[ch] + momentum * mean;
+                run_var[ch] = (1.0f - momentum) * run_var[ch] + momentum * (var * (float)m / (float)(m - 1));
+                save_mean[ch] = mean;
+                save_rstd[ch] = rstd;
+                if (ch == 0) count[0] += 1.0f;
+            }
+        } else {
+            mean = run_mean[ch];
+            rstd = 1.0f / sqrtf(run_var[ch] + eps);
+        }
+        const float scale = rstd * w[ch], shift = b[ch] - mean * rstd * w[ch];
+        channel_walk(n, c, hw, ch, [&](int64_t j) { y[j] = x[j] * scale + shift; });
+        __syncthreads();   // (the next channel's block_reduce reuses shared memory)
+    }
+}
+
+// Backward in training mode: xhat = (x - mean) * rstd, dweight += sum(dy * xhat), dbias +=
+// sum(dy), dx = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
+__global__ void __launch_bounds__(kThreads)
+batch_norm_backward_kernel(int64_t n, int64_t c, int64_t hw, const float* x, const float* dy, const float* w,
+                           const float* save_mean, const float* save_rstd, float* dw, float* db, float* dx) {
+    const int64_t m = n * hw;
+    for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        const float mean = save_mean[ch], rstd = save_rstd[ch];
+        float s1 = 0.0f, s2 = 0.0f;
+        channel_walk(n, c, hw, ch, [&](int64_t j) { s1 += dy[j]; s2 += dy[j] * ((x[j] - mean) * rstd); });
+        const float sum_dy = block_reduce(s1, sum_op<float>());
+        const float sum_dyx = block_reduce(s2, sum_op<float>());
+        if (threadIdx.x == 0) {
+            dw[ch] += sum_dyx;
+            db[ch] += sum_dy;
+        }
+        if (dx) {
+            const float k = w[ch] * rstd, a = sum_dy / (float)m, bb = sum_dyx / (float)m;
+            channel_walk(n, c, hw, ch, [&](int64_t j) { dx[j] = k * (dy[j] - a - (x[j] - mean) * rstd * bb); });
+        }
+        __syncthreads();
+    }
+}
+
+int mgpu__cu_batch_norm(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x, const float* weight,
+                        const float* bias, float* running_mean, float* running_var, float* count, int training,
+                        float momentum, float eps, float* save_mean, float* save_rstd, float* y) {
+    USE_DEVICE(dev);
+    if (n <= 0 || c <= 0 || hw <= 0) return MGPU__CU_OK;
+    batch_norm_kernel<<<blocks_for(c, 1), kThreads, 0, as_stream(stream)>>>(n, c, hw, x, weight, bias, running_mean,
+                                                                          running_var, count, training, momentum, eps,
+                                                                          save_mean, save_rstd, y);
+    CHECK_LAUNCH("batch_norm", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_batch_norm_backward(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x,
+                                 const float* dy, const float* weight, const float* save_mean, const float* save_rstd,
+                                 float* dweight, float* dbias, float* dx) {
+    USE_DEVICE(dev);
+    if (n <= 0 || c <= 0 || hw <= 0) return MGPU__CU_OK;
+    batch_norm_backward_kernel<<<blocks_for(c, 1), kThreads, 0, as_stream(stream)>>>(n, c, hw, x, dy, weight, save_mean,
+                                                                                   save_rstd, dweight, dbias, dx);
+    CHECK_LAUNCH("batch_norm_backward", dev);
+    return MGPU__CU_OK;
+}
+
+// Global average pooling's backward: dx[p, i] = dy[p] * scale, a thread per element of dx.
+struct spread_op {
+    int64_t hw;
+    const float* dy;
+    float scale;
+    float* dx;
+    template <class I> __device__ void operator()(I idx) const { dx[idx] = dy[(int64_t)idx / hw] * scale; }
+};
+int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const float* dy, float scale, float* dx) {
+    USE_DEVICE(dev);
+    if (hw <= 0) return MGPU__CU_OK;
+    return launch_index(dev, stream, "spread", planes * hw, spread_op{hw, dy, scale, dx});
+}
+
 // ---- >>layers attention: causal self-attention's core, a warp per row (as softmax_kernel<32>).
 // The row of att (or dscores) in global memory is the warp's scratch, so any T fits; a lane
 // writes it, __syncwarp, then every lane reads it. Each output element is one lane's sum in

@@ -45,7 +45,8 @@ static const mgpu_layer_vtable silu_vtable = {
     NULL,            /* nothing to initialise */
     silu_aux_count, silu_aux_shape,
     silu_forward, silu_backward,
-    NULL, NULL       /* describe, destroy */
+    NULL, NULL,      /* describe, destroy */
+    NULL, NULL       /* no buffers (running statistics) */
 };
 
 int main(void) {

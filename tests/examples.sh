@@ -2,7 +2,8 @@
 # The examples run and succeed: hello multiplies, custom_layer learns with its SiLU (exit 0 when
 # the loss falls below 0.3), data_parallel keeps 2, 3 and 4 CPU replicas bit-identical,
 # model_parallel's two stages by hand match the library's pipeline bit for bit, the
-# tour trains an epoch of Fashion-MNIST (and docs/guide.md's copy of it is the file).
+# tour trains an epoch of Fashion-MNIST (and docs/guide.md's copy of it is the file), resnet
+# runs 40 steps of its BatchNorm ResNet on cpu:2 (test accuracy above 0.3).
 # With a CUDA build of data_parallel and a GPU, also four replicas on one GPU.
 b=${1:-build}
 passed=0; failed=0; skipped=0
@@ -18,6 +19,12 @@ run sh tests/readme_tour.sh
 data=/usr/share/datasets/fashion-mnist
 if [ -e "$data/train-images-idx3-ubyte.gz" ]; then
     run "$b/tour" "$data" "$b/tour.safetensors"
+    # build/resnet: 40 steps of its BatchNorm ResNet on two CPU replicas, saved with its buffers
+    if [ -x "$b/resnet" ]; then
+        run sh -c "'$b/resnet' --data '$data' --devices cpu:2 --max-steps 40 --save '$b/resnet.safetensors' | grep -q 'test_acc=0\.[3-9]'"
+    else
+        skipped=$((skipped + 1)); echo "  skip resnet: $b/resnet is not built (make $b/resnet)"
+    fi
 else
     skipped=$((skipped + 1)); echo "  skip tour: no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"
 fi

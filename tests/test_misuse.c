@@ -407,7 +407,7 @@ static mgpu_result ident_backward(const mgpu_layer* l, const mgpu_layer_ctx* c, 
     return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
 }
 static void ident_destroy(mgpu_layer* l) { (void)l; g_user_destroyed++; }
-static const mgpu_layer_vtable ident_vt = { "Identity", NULL, NULL, NULL, NULL, NULL, NULL, ident_forward, ident_backward, NULL, ident_destroy };
+static const mgpu_layer_vtable ident_vt = { "Identity", NULL, NULL, NULL, NULL, NULL, NULL, ident_forward, ident_backward, NULL, ident_destroy, NULL, NULL };
 
 static void test_lifetimes(void) {
     mgpu_device_set* set = mgpu_device_set_create("cpu:2");

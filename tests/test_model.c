@@ -265,7 +265,7 @@ static mgpu_result addin_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     return r;
 }
 static const mgpu_layer_vtable addin_vt = {
-    "AddInput", NULL, one_param, addin_param_shape, NULL, NULL, NULL, addin_forward, addin_backward, NULL, custom_destroy
+    "AddInput", NULL, one_param, addin_param_shape, NULL, NULL, NULL, addin_forward, addin_backward, NULL, custom_destroy, NULL, NULL
 };
 static mgpu_layer* addin_layer(mgpu_shape shape, int* destroyed) {
     custom_info* u = new_info(shape, destroyed, 0.0f);
@@ -321,7 +321,7 @@ static void scale_describe(const mgpu_layer* l, char* buf, size_t size) {
 }
 static const mgpu_layer_vtable scale_vt = {
     "Scale", NULL, one_param, scale_param_shape, scale_init, NULL, NULL, scale_forward, scale_backward,
-    scale_describe, custom_destroy
+    scale_describe, custom_destroy, NULL, NULL
 };
 static mgpu_layer* scale_layer(float init, int* destroyed) {
     custom_info* u = new_info(mgpu_shape1(1), destroyed, init);
@@ -3219,7 +3219,7 @@ static mgpu_result picky_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     (void)l; (void)ctx; (void)x; (void)y;
     return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
 }
-static const mgpu_layer_vtable picky_vt = { "Picky", NULL, NULL, NULL, NULL, NULL, NULL, picky_forward, picky_backward, NULL, NULL };
+static const mgpu_layer_vtable picky_vt = { "Picky", NULL, NULL, NULL, NULL, NULL, NULL, picky_forward, picky_backward, NULL, NULL, NULL, NULL };
 
 typedef struct gemm_thread_arg { mgpu_tensor *a, *b, *c; int ok; } gemm_thread_arg;
 TEST_THREAD_MAIN(gemm_thread, p) {

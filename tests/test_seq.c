@@ -13,6 +13,9 @@
    4. containers (sequential, residual) and calling a layer from a layer of your own
    5. layer names (Hugging Face's), tied parameters, Linear without a bias, Conv1D
    6. a GPT (examples/gpt.c's layers) in 4 pipeline stages and as a CUDA graph, bit for bit
+   7. BatchNorm2d (training and evaluation against float64, gradients, running statistics by
+      PyTorch's rule), buffers (cpu:2 replicas verified every step, save and load), global
+      average pooling
 
    Each group's GPU part runs on cuda:0 (real or emulated) and reports a skip without one (a
    failure with MGPU_TEST_REQUIRE_GPU=1). MGPU_TEST_QUICK=1 uses smaller sizes. */
@@ -63,7 +66,7 @@ static mgpu_result onehot_backward(const mgpu_layer* l, const mgpu_layer_ctx* ct
     return dx ? mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "OneHot: asked for a gradient of token ids") : MGPU_OK;
 }
 static const mgpu_layer_vtable g_onehot_vt = { "OneHot", onehot_shape, NULL, NULL, NULL, NULL, NULL,
-                                               onehot_forward, onehot_backward, NULL, NULL };
+                                               onehot_forward, onehot_backward, NULL, NULL, NULL, NULL };
 
 static mgpu_model* token_model(const mgpu_device_set* set, int micro_batches) {
     mgpu_layer* layers[4];
@@ -182,7 +185,7 @@ static mgpu_result failing_backward(const mgpu_layer* l, const mgpu_layer_ctx* c
     return MGPU_OK;
 }
 static const mgpu_layer_vtable g_failing_vt = { "Failing", NULL, NULL, NULL, NULL, NULL, NULL,
-                                                failing_forward, failing_backward, NULL, NULL };
+                                                failing_forward, failing_backward, NULL, NULL, NULL, NULL };
 
 static void layer_errors(void) {
     mgpu_layer* layers[2];
@@ -2296,6 +2299,391 @@ static void test_gpt_layouts(void) {
     }
 }
 
+/* ============================================================================================ */
+/* 7. BatchNorm2d, buffers, global average pooling                                              */
+/* ============================================================================================ */
+/* A harness for ne_check_layer: BatchNorm2d inside a layer of the test's own that hands it
+   buffers of the test's own (one set per device), as a model would. */
+typedef struct bn_harness { mgpu_layer* bn; mgpu_tensor* buf[2][3]; } bn_harness;
+static mgpu_tensor* const* bnh_buffers(const mgpu_layer* l, mgpu_device* dev) {
+    bn_harness* h = (bn_harness*)mgpu_layer_user_data(l);
+    const int k = dev == mgpu_device_cpu() ? 0 : 1;
+    int i;
+    for (i = 0; i < 3 && !h->buf[k][i]; ++i) {
+        const char* name;
+        mgpu_shape s;
+        NE_MUST(h->bn->vt->buffer_shape(h->bn, i, &name, &s));
+        h->buf[k][i] = tmake(dev, MGPU_F32, s);
+    }
+    return h->buf[k];
+}
+static mgpu_layer_ctx bnh_ctx(const mgpu_layer* l, const mgpu_layer_ctx* ctx) {
+    mgpu_layer_ctx sub = *ctx;
+    sub.buffers = bnh_buffers(l, ctx->device);
+    return sub;
+}
+static mgpu_layer* bnh_bn(const mgpu_layer* l) { return ((bn_harness*)mgpu_layer_user_data(l))->bn; }
+static mgpu_result bnh_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) { return bnh_bn(l)->vt->output_shape(bnh_bn(l), x, y); }
+static int bnh_params(const mgpu_layer* l) { return bnh_bn(l)->vt->param_count(bnh_bn(l)); }
+static mgpu_result bnh_param_shape(const mgpu_layer* l, int i, const char** n, mgpu_shape* s) { return bnh_bn(l)->vt->param_shape(bnh_bn(l), i, n, s); }
+static int bnh_aux(const mgpu_layer* l) { return bnh_bn(l)->vt->aux_count(bnh_bn(l)); }
+static mgpu_result bnh_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* s) {
+    return bnh_bn(l)->vt->aux_shape(bnh_bn(l), i, x, dt, s);
+}
+static mgpu_result bnh_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    const mgpu_layer_ctx sub = bnh_ctx(l, ctx);
+    return bnh_bn(l)->vt->init(bnh_bn(l), &sub, seed);
+}
+static mgpu_result bnh_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    const mgpu_layer_ctx sub = bnh_ctx(l, ctx);
+    return mgpu_layer_forward(bnh_bn(l), &sub, x, y);
+}
+static mgpu_result bnh_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const mgpu_layer_ctx sub = bnh_ctx(l, ctx);
+    return mgpu_layer_backward(bnh_bn(l), &sub, x, y, dy, dx);
+}
+static void bnh_destroy(mgpu_layer* l) {
+    bn_harness* h = (bn_harness*)mgpu_layer_user_data(l);
+    int i;
+    mgpu_layer_destroy(h->bn);
+    for (i = 0; i < 6; ++i) mgpu_tensor_destroy(h->buf[i / 3][i % 3]);
+    free(h);
+}
+static const mgpu_layer_vtable g_bnh_vt = { "BatchNorm2d", bnh_shape, bnh_params, bnh_param_shape, bnh_init, bnh_aux, bnh_aux_shape,
+                                            bnh_forward, bnh_backward, NULL, bnh_destroy, NULL, NULL };
+
+/* float64 BatchNorm2d on x [n, c, hw] with the batch's statistics (training) or given ones;
+   mean and var (biased) out when training */
+static void bn_ref(const float* x, int n, int c, int hw, const float* w, const float* b, int training, const double* mean_in,
+                   const double* var_in, double* y, double* mean_out, double* var_out) {
+    int o, ch, i;
+    for (ch = 0; ch < c; ++ch) {
+        double mean = 0.0, var = 0.0;
+        if (training) {
+            for (o = 0; o < n; ++o) for (i = 0; i < hw; ++i) mean += x[(o * c + ch) * hw + i];
+            mean /= (double)n * hw;
+            for (o = 0; o < n; ++o) for (i = 0; i < hw; ++i) var += (x[(o * c + ch) * hw + i] - mean) * (x[(o * c + ch) * hw + i] - mean);
+            var /= (double)n * hw;
+            if (mean_out) { mean_out[ch] = mean; var_out[ch] = var; }
+        } else {
+            mean = mean_in[ch];
+            var = var_in[ch];
+        }
+        for (o = 0; o < n; ++o)
+            for (i = 0; i < hw; ++i)
+                y[(o * c + ch) * hw + i] = (x[(o * c + ch) * hw + i] - mean) / sqrt(var + 1e-5) * w[ch] + b[ch];
+    }
+}
+static void bn_input(float* x, int n, int c, int hw) {
+    int o, ch, i;
+    for (o = 0; o < n; ++o)
+        for (ch = 0; ch < c; ++ch)
+            for (i = 0; i < hw; ++i) x[(o * c + ch) * hw + i] = (float)(rng_gauss() * (1.0 + ch) + 0.5 * ch - 1.0);
+}
+
+/* Evaluation with given running statistics, and the running statistics after `batches` training
+   forwards against PyTorch's rule in float64, on dev. */
+static void bn_eval_and_running(const char* label, mgpu_device* dev, int n, int c, int hw) {
+    mgpu_layer* bn = mgpu_layer_batch_norm2d(c);
+    const int batches = 3;
+    CHECK(bn != NULL, "mgpu_layer_batch_norm2d(%d): %s", c, mgpu_last_error());
+    if (!bn) return;
+    {
+    mgpu_shape xs = mgpu_shape4(n, c, 1, hw);
+    mgpu_tensor *p[2], *g[2], *aux[2], *buf[3], *tx, *ty;
+    float *x = fbuf((int64_t)n * c * hw), *y = fbuf((int64_t)n * c * hw), *w = fbuf(c), *b = fbuf(c), *rm = fbuf(c), *rv = fbuf(c), cnt;
+    double *yref = dbuf((int64_t)n * c * hw), *m64 = dbuf(c), *v64 = dbuf(c), *bm = dbuf(c), *bv = dbuf(c);
+    mgpu_layer_ctx ctx;
+    const char* name;
+    mgpu_shape s;
+    int i, k;
+    for (i = 0; i < 2; ++i) { p[i] = tmake(dev, MGPU_F32, mgpu_shape1(c)); g[i] = tmake(dev, MGPU_F32, mgpu_shape1(c)); aux[i] = tmake(dev, MGPU_F32, mgpu_shape1(c)); }
+    for (i = 0; i < 3; ++i) { NE_MUST(bn->vt->buffer_shape(bn, i, &name, &s)); buf[i] = tmake(dev, MGPU_F32, s); }
+    tx = tmake(dev, MGPU_F32, xs);
+    ty = tmake(dev, MGPU_F32, xs);
+    memset(&ctx, 0, sizeof ctx);
+    ctx.device = dev; ctx.params = p; ctx.grads = g; ctx.aux = aux; ctx.buffers = buf;
+    NE_MUST(bn->vt->init(bn, &ctx, 1));
+    tget(buf[1], rv);
+    tget(buf[2], &cnt);
+    CHECK(rv[0] == 1.0f && rv[c - 1] == 1.0f && cnt == 0.0f, "%s: init: running_var %g, num_batches_tracked %g (want 1, 0)", label,
+          (double)rv[0], (double)cnt);
+    for (i = 0; i < c; ++i) { w[i] = (float)(1.0 + 0.5 * rng_gauss()); b[i] = (float)rng_gauss(); m64[i] = 0.0; v64[i] = 1.0; }
+    tput(p[0], w); tput(p[1], b);
+    /* training batches: PyTorch's rule, in float64 */
+    for (k = 0; k < batches; ++k) {
+        bn_input(x, n, c, hw);
+        tput(tx, x);
+        ctx.training = 1;
+        NE_MUST(mgpu_layer_forward(bn, &ctx, tx, ty));
+        bn_ref(x, n, c, hw, w, b, 1, NULL, NULL, yref, bm, bv);
+        for (i = 0; i < c; ++i) {
+            m64[i] = 0.9 * m64[i] + 0.1 * bm[i];
+            v64[i] = 0.9 * v64[i] + 0.1 * bv[i] * (double)(n * hw) / (double)(n * hw - 1);
+        }
+        tget(ty, y);
+        {
+            double e = test_rel_error(y, yref, (size_t)n * c * hw);
+            CHECK(e <= 1e-5, "%s: training forward %d against float64: normalised error %.3g", label, k, e);
+        }
+    }
+    tget(buf[0], rm); tget(buf[1], rv); tget(buf[2], &cnt);
+    {
+        double em = test_rel_error(rm, m64, (size_t)c), ev = test_rel_error(rv, v64, (size_t)c);
+        CHECK(em <= 1e-6 && ev <= 1e-6 && cnt == (float)batches, "%s: running statistics after %d batches against PyTorch's rule in "
+              "float64: mean error %.3g, var error %.3g, num_batches_tracked %g", label, batches, em, ev, (double)cnt);
+    }
+    /* evaluation: the running statistics, and no change to them */
+    bn_input(x, n, c, hw);
+    tput(tx, x);
+    ctx.training = 0;
+    NE_MUST(mgpu_layer_forward(bn, &ctx, tx, ty));
+    for (i = 0; i < c; ++i) { bm[i] = rm[i]; bv[i] = rv[i]; }
+    bn_ref(x, n, c, hw, w, b, 0, bm, bv, yref, NULL, NULL);
+    tget(ty, y);
+    {
+        float rm2[64], cnt2;
+        double e = test_rel_error(y, yref, (size_t)n * c * hw);
+        CHECK(e <= 1e-5, "%s: evaluation forward against float64 with the running statistics: normalised error %.3g", label, e);
+        tget(buf[0], rm2); tget(buf[2], &cnt2);
+        CHECK(!memcmp(rm, rm2, (size_t)c * sizeof(float)) && cnt2 == cnt, "%s: evaluation changed the buffers", label);
+    }
+    /* a batch of one value per channel cannot train (PyTorch refuses it too) */
+    {
+        mgpu_tensor* one = tmake(dev, MGPU_F32, mgpu_shape4(1, c, 1, 1));
+        ctx.training = 1;
+        expect_fail(mgpu_layer_forward(bn, &ctx, one, one), MGPU_ERROR_SHAPE_MISMATCH, "BatchNorm2d on one value per channel",
+                    "one value", "BatchNorm2d", NULL);
+        mgpu_tensor_destroy(one);
+    }
+    for (i = 0; i < 2; ++i) { mgpu_tensor_destroy(p[i]); mgpu_tensor_destroy(g[i]); mgpu_tensor_destroy(aux[i]); }
+    for (i = 0; i < 3; ++i) mgpu_tensor_destroy(buf[i]);
+    mgpu_tensor_destroy(tx); mgpu_tensor_destroy(ty);
+    mgpu_layer_destroy(bn);
+    free(x); free(y); free(w); free(b); free(rm); free(rv); free(yref); free(m64); free(v64); free(bm); free(bv);
+    }
+}
+
+/* a small ResNet: conv -> BN -> ReLU -> residual(conv, BN, ReLU, conv, BN) -> ReLU -> GAP -> Linear */
+static mgpu_model* bn_resnet_ex(const mgpu_device_set* set, int verify_every, uint64_t seed, int stages, int micro_batches) {
+    static const int split[1] = { 3 };   /* (stage 1 from the residual block on) */
+    mgpu_layer* f[5];
+    mgpu_layer* layers[6];
+    f[0] = mgpu_layer_conv2d(4, 4, 3, 1, 1); f[1] = mgpu_layer_batch_norm2d(4); f[2] = mgpu_layer_relu();
+    f[3] = mgpu_layer_conv2d(4, 4, 3, 1, 1); f[4] = mgpu_layer_batch_norm2d(4);
+    layers[0] = mgpu_layer_conv2d(1, 4, 3, 1, 1);
+    layers[1] = mgpu_layer_batch_norm2d(4);
+    layers[2] = mgpu_layer_relu();
+    layers[3] = mgpu_layer_residual(mgpu_layer_sequential(f, 5), NULL);
+    layers[4] = mgpu_layer_global_avg_pool2d();
+    layers[5] = mgpu_layer_linear(4, 3);
+    return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(1, 6, 6), .layers = layers, .layer_count = 6,
+                                                 .devices = set, .seed = seed, .verify_every = verify_every,
+                                                 .stages = stages, .split = stages > 1 ? split : NULL, .micro_batches = micro_batches });
+}
+static mgpu_model* bn_resnet(const mgpu_device_set* set, int verify_every, uint64_t seed) {
+    return bn_resnet_ex(set, verify_every, seed, 1, 1);
+}
+
+static void test_batchnorm(void) {
+    const int n = g_quick ? 4 : 6, c = 3, h = 3, w = 4;
+    header("7. BatchNorm2d, buffers, global average pooling");
+    /* forward (training) and gradients through ne_check_layer, with the GPU twin */
+    {
+        bn_harness* hb = (bn_harness*)xmalloc(sizeof *hb);
+        mgpu_layer* l;
+        float *x = fbuf((int64_t)n * c * h * w), *pw = fbuf(c), *pb = fbuf(c);
+        float* params[2];
+        double* yref = dbuf((int64_t)n * c * h * w);
+        int i;
+        memset(hb, 0, sizeof *hb);
+        hb->bn = mgpu_layer_batch_norm2d(c);
+        l = mgpu_layer_create(&g_bnh_vt, hb);
+        CHECK(hb->bn && l, "BatchNorm2d harness: %s", mgpu_last_error());
+        bn_input(x, n, c, h * w);
+        for (i = 0; i < c; ++i) { pw[i] = (float)(1.0 + 0.5 * rng_gauss()); pb[i] = (float)rng_gauss(); }
+        params[0] = pw; params[1] = pb;
+        bn_ref(x, n, c, h * w, pw, pb, 1, NULL, NULL, yref, NULL, NULL);
+        if (l) ne_check_layer("BatchNorm2d (training)", l, mgpu_shape4(n, c, h, w), MGPU_F32, x, params, yref);
+        mgpu_layer_destroy(l);
+        free(x); free(pw); free(pb); free(yref);
+    }
+    bn_eval_and_running("BatchNorm2d", mgpu_device_cpu(), n, c, h * w);
+    if (gpu_part("BatchNorm2d running statistics")) bn_eval_and_running("BatchNorm2d cuda", g_gpu, n, c, h * w);
+    /* global average pooling */
+    {
+        mgpu_layer* l = mgpu_layer_global_avg_pool2d();
+        float* x = fbuf((int64_t)n * c * h * w);
+        double* yref = dbuf((int64_t)n * c);
+        int i, j;
+        ne_normal(x, (int64_t)n * c * h * w, 1.0);
+        for (i = 0; i < n * c; ++i) {
+            yref[i] = 0.0;
+            for (j = 0; j < h * w; ++j) yref[i] += x[i * h * w + j];
+            yref[i] /= h * w;
+        }
+        ne_check_layer("AdaptiveAvgPool2d", l, mgpu_shape4(n, c, h, w), MGPU_F32, x, NULL, yref);
+        mgpu_layer_destroy(l);
+        free(x); free(yref);
+    }
+    /* a residual block with BatchNorm on cpu:2, replicas verified after every step; its buffers
+       listed, equal on both replicas, saved and loaded */
+    {
+        mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+        mgpu_model* m = set ? bn_resnet(set, 1, 3) : NULL;
+        mgpu_model* fresh = bn_resnet(NULL, 0, 4);
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f }) : NULL;
+        const int batch = 8, steps = g_quick ? 3 : 5;
+        CHECK(set && m && fresh && opt, "cpu:2 ResNet: %s", mgpu_last_error());
+        if (set && m && fresh && opt) {
+            mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(batch, 1, 6, 6));
+            int32_t labels[8];
+            mgpu_tensor* t;
+            char path[512];
+            int i, k, bufs = 0, r_ok = 1;
+            float loss = 0.0f;
+            const char* want[3] = { "1.running_mean", "3.1.num_batches_tracked", "3.4.running_var" };
+            for (i = 0; i < batch; ++i) labels[i] = i % 3;
+            t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(batch), labels);
+            CHECK(mgpu_model_buffer_count(m) == 9, "3 BatchNorm2d: %d buffers, want 9", mgpu_model_buffer_count(m));
+            for (i = 0; i < mgpu_model_tensor_count(m); ++i) {
+                const char* name = mgpu_model_tensor_name(m, i);
+                bufs += mgpu_model_tensor_is_buffer(m, i);
+                for (k = 0; k < 3; ++k)
+                    if (!strcmp(name, want[k]))
+                        CHECK(mgpu_model_tensor_is_buffer(m, i), "'%s' is listed as a parameter", name);
+            }
+            CHECK(bufs == 9 && mgpu_model_buffer(m, 1, "3.4.running_var") != NULL && mgpu_model_param(m, 0, "1.running_mean") == NULL,
+                  "buffers listed: %d; by name: %s", bufs, mgpu_last_error());
+            for (k = 0; k < steps && r_ok; ++k) {
+                mgpu_result r;
+                MUST(mgpu_rand_normal(x, 100 + (uint64_t)k, 0, 0.3f, 1.0f));
+                r = mgpu_model_train_step(m, opt, x, t, &loss);
+                r_ok = r == MGPU_OK;
+                CHECK(r_ok, "cpu:2 step %d with verify_every = 1: %s", k, mgpu_last_error());
+            }
+            {
+                float c0[4], c1[4], nbt;
+                tget(mgpu_model_buffer(m, 0, "3.1.running_mean"), c0);
+                tget(mgpu_model_buffer(m, 1, "3.1.running_mean"), c1);
+                tget(mgpu_model_buffer(m, 1, "3.1.num_batches_tracked"), &nbt);
+                CHECK(!memcmp(c0, c1, sizeof c0) && c0[0] != 0.0f && nbt == (float)steps && isfinite(loss),
+                      "buffers: replica 1's running_mean %s replica 0's (%g), num_batches_tracked %g after %d steps, loss %g",
+                      memcmp(c0, c1, sizeof c0) ? "differs from" : "equals", (double)c0[0], (double)nbt, steps, (double)loss);
+                MUST(mgpu_model_verify_replicas(m));
+                /* a replica that drifts is caught */
+                c1[2] += 1.0f;
+                tput(mgpu_model_buffer(m, 1, "3.1.running_mean"), c1);
+                expect_fail(mgpu_model_verify_replicas(m), MGPU_ERROR_DIVERGED, "a changed buffer on replica 1", "3.1.running_mean",
+                            "replica 1", NULL);
+                tput(mgpu_model_buffer(m, 1, "3.1.running_mean"), c0);
+            }
+            test_tmp_path(path, sizeof path, "bn_buffers.safetensors");
+            MUST(mgpu_model_save(m, NULL, path));
+            MUST(mgpu_model_load(fresh, NULL, path));
+            {
+                mgpu_safetensors* st = mgpu_safetensors_open(path);
+                mgpu_safetensors_info info;
+                int at = st ? mgpu_safetensors_find(st, "1.num_batches_tracked") : -1;
+                memset(&info, 0, sizeof info);
+                if (at >= 0) MUST(mgpu_safetensors_get_info(st, at, &info));
+                CHECK(at >= 0 && !strcmp(info.dtype, "I64") && info.ndim == 0, "the file's num_batches_tracked: %s, ndim %d (want I64, "
+                      "a scalar as PyTorch's)", at >= 0 ? info.dtype : "missing", info.ndim);
+                mgpu_safetensors_close(st);
+            }
+            for (i = 0; i < mgpu_model_buffer_count(m); ++i) {
+                const int at = mgpu_model_tensor_count(m) - mgpu_model_buffer_count(m) + i;
+                mgpu_tensor *a = mgpu_model_tensor(m, 0, at), *b = mgpu_model_tensor(fresh, 0, at);
+                float va[4], vb[4];
+                tget(a, va);
+                tget(b, vb);
+                CHECK(!memcmp(va, vb, (size_t)mgpu_tensor_numel(a) * sizeof(float)), "save and load: buffer '%s' differs",
+                      mgpu_model_tensor_name(m, at));
+            }
+            remove(path);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+        mgpu_model_destroy(fresh);
+        mgpu_device_set_destroy(set);
+    }
+    /* the GPU twin of the replicas: two on one GPU (cuda:0,0), verified after every step, and
+       every buffer against cpu:2's after the same steps (each replica the same rows) */
+    if (gpu_part("BatchNorm2d replicas")) {
+        mgpu_device_set* set = mgpu_device_set_create("cuda:0,0");
+        mgpu_device_set* cpus = mgpu_device_set_create("cpu:2");
+        mgpu_model *m = set ? bn_resnet(set, 1, 3) : NULL, *ref = cpus ? bn_resnet(cpus, 0, 3) : NULL;
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        mgpu_optimizer* ropt = ref ? mgpu_optimizer_create(ref, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        CHECK(set && m && ref && opt && ropt, "cuda:0,0 ResNet: %s", mgpu_last_error());
+        if (set && m && ref && opt && ropt) {
+            mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 6, 6));
+            const int32_t labels[8] = { 2, 1, 0, 0, 1, 2, 2, 1 };
+            mgpu_tensor* t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+            float a[4], b[4];
+            double ref64[4];
+            int k, i;
+            for (k = 0; k < 3; ++k) {
+                MUST(mgpu_rand_normal(x, 300 + (uint64_t)k, 0, 0.0f, 1.0f));
+                MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+                MUST(mgpu_model_train_step(ref, ropt, x, t, NULL));
+            }
+            for (i = 0; i < mgpu_model_buffer_count(m); ++i) {
+                const int at = mgpu_model_tensor_count(m) - mgpu_model_buffer_count(m) + i;
+                const int64_t n = mgpu_tensor_numel(mgpu_model_tensor(m, 0, at));
+                double e;
+                tget(mgpu_model_tensor(m, 0, at), a);
+                tget(mgpu_model_tensor(m, 1, at), b);
+                CHECK(!memcmp(a, b, (size_t)n * sizeof(float)), "cuda:0,0: replica 1's '%s' differs from replica 0's",
+                      mgpu_model_tensor_name(m, at));
+                tget(mgpu_model_tensor(ref, 0, at), b);
+                for (k = 0; k < n; ++k) ref64[k] = b[k];
+                e = test_rel_error(a, ref64, (size_t)n);
+                CHECK(e <= 1e-4, "cuda:0,0: '%s' against cpu:2's after 3 steps: normalised error %.3g", mgpu_model_tensor_name(m, at), e);
+            }
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_optimizer_destroy(opt); mgpu_optimizer_destroy(ropt);
+        mgpu_model_destroy(m); mgpu_model_destroy(ref);
+        mgpu_device_set_destroy(set); mgpu_device_set_destroy(cpus);
+    }
+    /* a pipeline of 2 stages on cpu:2, 2 micro-batches: each buffer on its layer's stage, and each
+       micro-batch's forward moves the running statistics (as a GPipe of PyTorch's does) */
+    {
+        mgpu_device_set* set = mgpu_device_set_create("cpu:2");
+        mgpu_model* m = set ? bn_resnet_ex(set, 0, 5, 2, 2) : NULL;
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
+        CHECK(set && m && opt, "cpu:2 ResNet in 2 stages: %s", mgpu_last_error());
+        if (set && m && opt) {
+            mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 6, 6));
+            const int32_t labels[8] = { 0, 1, 2, 0, 1, 2, 0, 1 };
+            mgpu_tensor* t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+            mgpu_tensor *b0 = mgpu_model_buffer(m, 0, "1.num_batches_tracked"), *b1 = mgpu_model_buffer(m, 0, "3.4.num_batches_tracked");
+            float n0 = -1.0f, n1 = -1.0f;
+            int k;
+            CHECK(b0 && b1 && mgpu_tensor_device(b0) == mgpu_model_stage_device(m, 0, 0) &&
+                  mgpu_tensor_device(b1) == mgpu_model_stage_device(m, 0, 1) && mgpu_model_stage_buffers(m, 0, 1) != NULL,
+                  "2 stages: buffers on their layers' stages (%s)", mgpu_last_error());
+            for (k = 0; k < 2; ++k) {
+                MUST(mgpu_rand_normal(x, 200 + (uint64_t)k, 0, 0.0f, 1.0f));
+                MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+            }
+            if (b0 && b1) { tget(b0, &n0); tget(b1, &n1); }
+            CHECK(n0 == 4.0f && n1 == 4.0f, "2 steps of 2 micro-batches: num_batches_tracked %g and %g on the stages, want 4", (double)n0,
+                  (double)n1);
+            mgpu_tensor_destroy(x);
+            mgpu_tensor_destroy(t);
+        }
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    }
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_seq");
     test_select(argc, argv);
@@ -2318,6 +2706,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_containers());
     TEST_GROUP(test_names_ties());
     TEST_GROUP(test_gpt_layouts());
+    TEST_GROUP(test_batchnorm());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
 #endif
