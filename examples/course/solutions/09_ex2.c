@@ -76,7 +76,7 @@ static mgpu_result sin_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, 
     return dx ? sin_op("Sin backward", dx, dy, x) : MGPU_OK;   /* dx NULL: the first layer */
 }
 static const mgpu_layer_vtable sin_vtable = {
-    "Sin", NULL, NULL, NULL, NULL, NULL, NULL, sin_forward, sin_backward, NULL, NULL
+    "Sin", NULL, NULL, NULL, NULL, NULL, NULL, sin_forward, sin_backward, NULL, NULL, NULL, NULL
 };
 
 static float target(float t) { return 0.5f * sinf(3.0f * t) + 0.3f * cosf(t); }
