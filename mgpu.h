@@ -906,7 +906,12 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   (a label per position); MGPU_IGNORE_INDEX labels
                                                   are no targets, and the loss is the mean over the
                                                   batch's other labels, however the batch is split
-                                                  (replicas, micro-batches, processes);
+                                                  (replicas, micro-batches, processes), when the
+                                                  labels are on the CPU (as loaders give them);
+                                                  labels already on a GPU are not read by the host
+                                                  (a step never waits): each part's mean is then
+                                                  weighted by its positions, as DDP averages its
+                                                  replicas' means (the same without ignored labels);
                                                   MGPU_LOSS_MSE takes f32 targets
      seed           0                             parameter initialisation and dropout
      allreduce      MGPU_ALLREDUCE_AUTO           the backend (MGPU_ALLREDUCE overrides AUTO)
@@ -1699,12 +1704,12 @@ int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels,
 int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
 /* loss[0] = mean over the rows whose label is not MGPU_IGNORE_INDEX of -log softmax(logits)[label]
    (0 when there are none); dlogits (may be NULL) = (softmax - onehot) * grad_scale, 0 in an
-   ignored row; grad_scale 0: 1 over the rows not ignored, counted on the device. Any other label
-   outside [0, cols) makes its row's loss NaN and its gradient row NaN. scratch: rows + 1 floats.
-   Deterministic. */
+   ignored row; grad_scale 0: mean_factor over the rows not ignored, counted on the device. Any
+   other label outside [0, cols) makes its row's loss NaN and its gradient row NaN. scratch:
+   rows + 1 floats. Deterministic. */
 int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
                           const int32_t* labels, float* loss, float* dlogits, float grad_scale,
-                          float* scratch);
+                          float mean_factor, float* scratch);
 /* loss[0] = mean of (pred - target)^2; dpred (may be NULL) = 2 (pred - target) * grad_scale.
    scratch: MGPU__CU_REDUCE_SCRATCH floats. Deterministic. */
 #define MGPU__CU_REDUCE_SCRATCH 1024
@@ -4582,8 +4587,10 @@ static mgpu_result mgpu__check_loss_tensor(const char* op, const mgpu_tensor* lo
     return MGPU_OK;
 }
 
-MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
-                                               const mgpu_tensor* labels, float grad_scale) {
+/* mgpu_softmax_cross_entropy, whose grad_scale 0 means mean_factor over the labels not ignored
+   (the public op's 1; a model's step whose labels are on a GPU weighs its parts so, >>train) */
+static mgpu_result mgpu__softmax_xent(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
+                                      const mgpu_tensor* labels, float grad_scale, float mean_factor) {
     static const char* op = "mgpu_softmax_cross_entropy";
     char tl[128], tx[128];
     int64_t rows, cols, r, c;
@@ -4609,7 +4616,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
         MGPU__TRY(mgpu__scratch_get(&s, MGPU__DEV(logits), (size_t)(rows + 1) * sizeof(float), op));
         rc = MGPU__CUDA(mgpu__cu_softmax_xent(MGPU__CUDA_ARGS(MGPU__DEV(logits)), (int)rows, (int)cols, MGPU__F32(logits),
                                               MGPU__I32(labels), MGPU__F32(loss), dlogits ? MGPU__F32(dlogits) : NULL,
-                                              grad_scale, (float*)s.ptr));
+                                              grad_scale, mean_factor, (float*)s.ptr));
         mgpu__scratch_put(&s);
         if (rc) return mgpu__cu_result(rc, op, MGPU__DEV(logits));
         return MGPU_OK;
@@ -4623,7 +4630,7 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
                                   "MGPU_IGNORE_INDEX)", op, (int)MGPU__I32(labels)[r], (long long)r, (long long)cols);
             targets++;
         }
-        if (grad_scale == 0.0f) grad_scale = targets ? 1.0f / (float)targets : 0.0f;
+        if (grad_scale == 0.0f) grad_scale = targets ? mean_factor / (float)targets : 0.0f;
         if (!targets) {
             MGPU__F32(loss)[0] = 0.0f;
             return dlogits ? mgpu_tensor_zero(dlogits) : MGPU_OK;
@@ -4654,6 +4661,10 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
         MGPU__F32(loss)[0] = (float)(total / (double)targets);
     }
     return MGPU_OK;
+}
+MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
+                                               const mgpu_tensor* labels, float grad_scale) {
+    return mgpu__softmax_xent(loss, dlogits, logits, labels, grad_scale, 1.0f);
 }
 
 MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_tensor* pred,
@@ -10274,27 +10285,23 @@ static mgpu_result mgpu__check_target(const char* op, const mgpu_model* m, const
 }
 
 /* The loss's terms among rows [start, start + count) of a target: for cross-entropy its labels
-   that are not MGPU_IGNORE_INDEX (read on the host: a target on a GPU is downloaded, which waits),
-   for MSE the rows. A batch's loss is the mean over its terms, and its gradient scaled by them. */
+   that are not MGPU_IGNORE_INDEX, read on the host; for labels on a GPU, which the host does not
+   read (a step never waits for the devices), their positions, and each part's loss is then the
+   mean over its own labels, weighted by its positions (mgpu__micro_forward); for MSE the rows. A
+   batch's loss is the weighted mean over its parts, and its gradient scaled alike. */
 static mgpu_result mgpu__loss_terms(const mgpu_model* m, const mgpu_tensor* target, int64_t start, int64_t count,
                                     int64_t* terms) {
     const mgpu_tensor rows = mgpu__rows(target, start, count);
     const int64_t n = mgpu_tensor_numel(&rows);
     const int32_t* labels = MGPU__I32(&rows);
-    int32_t* host = NULL;
     int64_t i, valid = 0;
     *terms = count;
     if (m->loss == MGPU_LOSS_MSE || n == 0) return MGPU_OK;
     if (!MGPU__IS_CPU(target)) {
-        mgpu_result r;
-        host = (int32_t*)MGPU_MALLOC((size_t)n * sizeof(int32_t));
-        if (!host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "the loss's targets: out of host memory");
-        r = mgpu_tensor_download(&rows, host, (size_t)n * sizeof(int32_t));
-        if (r != MGPU_OK) { MGPU_FREE(host); return r; }
-        labels = host;
+        *terms = n;
+        return MGPU_OK;
     }
     for (i = 0; i < n; ++i) valid += labels[i] != MGPU_IGNORE_INDEX;
-    MGPU_FREE(host);
     *terms = valid;
     return MGPU_OK;
 }
@@ -10372,6 +10379,8 @@ typedef struct mgpu__batch {
     int64_t row_base;                    /* a distributed model: the rows of the ranks before this one */
     double grad_terms;                   /* cross-entropy: the terms the gradient is the mean over (the
                                             batch's, across processes; batch_total's share of them) */
+    int labels_on_device;                /* cross-entropy labels on a GPU: terms are positions, and each
+                                            part's mean is counted on its device (mgpu__loss_terms) */
     int zero_grads;                      /* a whole step's: the gradients zeroed first (on a GPU, on each
                                             part's stream as its first op is queued) */
     mgpu_result results[MGPU__MAX_REPLICAS];   /* CPU threads: each part's */
@@ -10386,6 +10395,8 @@ static void mgpu__batch_begin(mgpu__batch* b, mgpu_model* m, const char* op, int
     b->op = op;
     b->batch_total = batch_total;
     b->zero_grads = 0;
+    b->grad_terms = 0.0;
+    b->labels_on_device = 0;
 }
 
 /* The loss's terms of each replica's micro-batches (m->terms) and their sum on this process. */
@@ -10427,7 +10438,7 @@ static mgpu_result mgpu__batch_split(mgpu__batch* b, const mgpu_tensor* x, const
 
 /* Loss (and, with dout, its gradient scaled by grad_scale) of an output into `loss` [1]. */
 static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tensor* out, const mgpu_tensor* target,
-                              mgpu_tensor* dout, float grad_scale) {
+                              mgpu_tensor* dout, float grad_scale, float mean_factor) {
     const int64_t classes = out->shape.dim[out->shape.ndim - 1], rows = classes ? mgpu_tensor_numel(out) / classes : 0;
     mgpu_tensor logits, labels, dlogits;
     if (m->loss == MGPU_LOSS_MSE) return mgpu_mse(loss, dout, out, target, grad_scale);
@@ -10435,7 +10446,7 @@ static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tenso
     logits = mgpu__reshaped(out, mgpu_shape2(rows, classes));
     labels = mgpu__reshaped(target, mgpu_shape1(rows));
     if (dout) dlogits = mgpu__reshaped(dout, logits.shape);
-    return mgpu_softmax_cross_entropy(loss, dout ? &dlogits : NULL, &logits, &labels, grad_scale);
+    return mgpu__softmax_xent(loss, dout ? &dlogits : NULL, &logits, &labels, grad_scale, mean_factor);
 }
 
 /* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
@@ -10460,10 +10471,13 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     /* The gradient of the WHOLE batch's mean loss: summed over replicas and micro-batches it is
        exactly the one-device gradient, however unevenly the rows were split. MSE averages
        every element. */
+    if (m->loss != MGPU_LOSS_MSE && b->labels_on_device)   /* its own mean, weighted by its positions' share */
+        return mgpu__loss(m, &lk, out, &tk, sl->dout, 0.0f,
+                          b->grad_terms > 0.0 ? (float)((double)m->terms[r * m->micro_batches + k] / b->grad_terms) : 0.0f);
     if (m->loss != MGPU_LOSS_MSE)   /* the mean over the batch's labels that are not ignored */
-        return mgpu__loss(m, &lk, out, &tk, sl->dout, b->grad_terms > 0.0 ? (float)(1.0 / b->grad_terms) : 0.0f);
+        return mgpu__loss(m, &lk, out, &tk, sl->dout, b->grad_terms > 0.0 ? (float)(1.0 / b->grad_terms) : 0.0f, 1.0f);
     per_row = (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1);
-    return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)));
+    return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)), 1.0f);
 }
 
 /* The two as a trace sees them: a slice each, from when their input is there (on a GPU the
@@ -10856,6 +10870,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     if (batch_total < all_rows) batch_total = all_rows;
     mgpu__batch_begin(&b, m, op, batch_total);
     b.grad_terms = mgpu__grad_terms((int64_t)all_terms, all_rows, batch_total);
+    b.labels_on_device = m->loss != MGPU_LOSS_MSE && target && !MGPU__IS_CPU(target);
     b.zero_grads = reduce;   /* a whole step: from zeroed gradients */
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
     if (res != MGPU_OK) {
@@ -11116,6 +11131,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     if (r == MGPU_OK) r = mgpu__optimizer_prepare(opt, op);
     mgpu__batch_begin(&b, m, op, x->shape.dim[0]);
     b.grad_terms = (double)terms;
+    b.labels_on_device = m->loss != MGPU_LOSS_MSE && target && !MGPU__IS_CPU(target);
     for (i = 0; r == MGPU_OK && dropout && i < m->part_count; ++i) {
         const uint64_t key = mgpu__step_seed(m, &m->part[i]);
         r = mgpu__upload_async(m->part[i].dev, mgpu_tensor_data(m->part[i].step_seed), &key, sizeof key, op);
@@ -11428,7 +11444,7 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             if (!out) return mgpu__refail(op);
             if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(op, "target", &ts, "output", out));
             lj = mgpu__rows(last->eval, j, 1);
-            MGPU__TRY(mgpu__loss(m, &lj, out, &ts, NULL, 1.0f));
+            MGPU__TRY(mgpu__loss(m, &lj, out, &ts, NULL, 1.0f, 1.0f));
             if (counting) {   /* a label per row of the output: [B, T, vocab] is B x T rows */
                 const int64_t classes = out->shape.dim[out->shape.ndim - 1], rows2 = mgpu_tensor_numel(out) / MGPU__MAX(classes, 1);
                 const mgpu_tensor logits = mgpu__reshaped(out, mgpu_shape2(rows2, classes)), labels = mgpu__reshaped(&ts, mgpu_shape1(rows2));

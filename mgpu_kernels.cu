@@ -909,9 +909,9 @@ int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, 
 // The cross-entropy's targets: the rows whose label is not MGPU_IGNORE_INDEX, counted by one
 // block. With row_loss: out[0] = the mean of row_loss over them (summed as finish_kernel sums,
 // so that a batch without ignored rows gets the bits it always had; 0 when there are none).
-// Without: out[0] = 1 / their count (0 when none), the gradient's scale of the mean.
+// Without: out[0] = factor / their count (0 when none), the gradient's scale of the mean.
 __global__ void __launch_bounds__(kThreads)
-xent_targets_kernel(int rows, const int32_t* labels, const float* row_loss, float* out) {
+xent_targets_kernel(int rows, const int32_t* labels, const float* row_loss, float* out, float factor) {
     double acc = 0.0;
     int n = 0;
     for (int i = threadIdx.x; i < rows; i += kThreads) {
@@ -920,21 +920,21 @@ xent_targets_kernel(int rows, const int32_t* labels, const float* row_loss, floa
     }
     if (row_loss) acc = block_reduce(acc, sum_op<double>());
     n = block_reduce(n, sum_op<int>());
-    if (threadIdx.x == 0) out[0] = n == 0 ? 0.0f : row_loss ? (float)(acc / (double)n) : 1.0f / (float)n;
+    if (threadIdx.x == 0) out[0] = n == 0 ? 0.0f : row_loss ? (float)(acc / (double)n) : factor / (float)n;
 }
 
 int mgpu__cu_softmax_xent(int dev, void* stream, int rows, int cols, const float* logits,
                           const int32_t* labels, float* loss, float* dlogits, float grad_scale,
-                          float* scratch) {
+                          float mean_factor, float* scratch) {
     USE_DEVICE(dev);
-    float* scale = nullptr;   // grad_scale 0: 1 / the targets, on the device (scratch[rows])
+    float* scale = nullptr;   // grad_scale 0: mean_factor / the targets, on the device (scratch[rows])
     if (dlogits && grad_scale == 0.0f && rows > 0) {
         scale = scratch + rows;
-        xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, nullptr, scale);
+        xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, nullptr, scale, mean_factor);
         CHECK_LAUNCH("softmax_xent targets", dev);
     }
     TRY(launch_softmax(dev, stream, rows, cols, logits, dlogits, labels, scratch, grad_scale, scale));
-    xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, scratch, loss);
+    xent_targets_kernel<<<1, kThreads, 0, as_stream(stream)>>>(rows, labels, scratch, loss, 1.0f);
     CHECK_LAUNCH("softmax_xent mean", dev);
     return MGPU__CU_OK;
 }

@@ -136,7 +136,15 @@ static double token_reference(mgpu_model* m, const int32_t* ids, const int32_t* 
 /* One batch accumulated on `spec` (its loss and gradient of replica 0) against the float64
    reference; returns the gradient (caller frees) for comparisons between layouts. */
 static int64_t g_token_flat;   /* the token model's flat parameters */
+/* (labels_on_gpu: x and the labels on the model's first device, which the step does not read on
+   the host; with one replica and one micro-batch the device's mean is the batch's) */
+static float* token_batch_on(const char* spec, int micro, const int32_t* ids, const int32_t* lab, int B, float* loss_out,
+                             int labels_on_gpu);
 static float* token_batch(const char* spec, int micro, const int32_t* ids, const int32_t* lab, int B, float* loss_out) {
+    return token_batch_on(spec, micro, ids, lab, B, loss_out, 0);
+}
+static float* token_batch_on(const char* spec, int micro, const int32_t* ids, const int32_t* lab, int B, float* loss_out,
+                             int labels_on_gpu) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
     mgpu_model* m;
     mgpu_tensor *x, *y;
@@ -147,8 +155,8 @@ static float* token_batch(const char* spec, int micro, const int32_t* ids, const
     m = token_model(set, micro);
     if (!m) { mgpu_device_set_destroy(set); return NULL; }
     n = g_token_flat = mgpu_tensor_numel(mgpu_model_params(m, 0));
-    x = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), ids);
-    y = tfrom_i32(mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), lab);
+    x = tfrom_i32(labels_on_gpu ? mgpu_model_device(m, 0) : mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), ids);
+    y = tfrom_i32(labels_on_gpu ? mgpu_model_device(m, 0) : mgpu_device_cpu(), mgpu_shape2(B, SEQ_T), lab);
     ref = dbuf(n);
     lref = token_reference(m, ids, lab, B, ref, n);
     MUST(mgpu_model_accumulate(m, x, y, 0, &loss));
@@ -296,6 +304,8 @@ static void test_sequences(void) {
     /* the same on a GPU: one batch, loss and gradient within 1e-5 of float64 */
     if (gpu_part("sequences")) {
         g = token_batch("cuda:0", 1, ids, lab, B, &loss);
+        free(g);
+        g = token_batch_on("cuda:0", 1, ids, lab, B, &loss, 1);   /* the labels on the GPU */
         free(g);
     }
 }
