@@ -6515,17 +6515,20 @@ static const mgpu_layer_vtable mgpu__emb_vt = {
     "Embedding", mgpu__emb_output_shape, mgpu__one_param, mgpu__emb_param_shape, mgpu__emb_init,
     NULL, NULL, mgpu__emb_forward, mgpu__emb_backward, mgpu__emb_describe, NULL, NULL, NULL
 };
-MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim) {
+/* Embedding and PositionEmbedding: a weight table [rows, dim] (cfg.in, cfg.out) */
+static mgpu_layer* mgpu__table_layer(const char* op, const char* rows_name, const mgpu_layer_vtable* vt, int rows, int dim) {
     mgpu__layer_cfg cfg;
-    if (num_embeddings <= 0 || dim <= 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_embedding: num_embeddings %d and dim %d must be positive",
-                   num_embeddings, dim);
+    if (rows <= 0 || dim <= 0) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %s %d and dim %d must be positive", op, rows_name, rows, dim);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
-    cfg.in = num_embeddings;
+    cfg.in = rows;
     cfg.out = dim;
-    return mgpu__builtin_layer(&mgpu__emb_vt, &cfg);
+    return mgpu__builtin_layer(vt, &cfg);
+}
+MGPUDEF mgpu_layer* mgpu_layer_embedding(int num_embeddings, int dim) {
+    return mgpu__table_layer("mgpu_layer_embedding", "num_embeddings", &mgpu__emb_vt, num_embeddings, dim);
 }
 
 /* -- PositionEmbedding: y = x + weight[t]. Rows 0..T-1 of the weight are its first T*dim floats,
@@ -6574,27 +6577,12 @@ static mgpu_result mgpu__pos_backward(const mgpu_layer* l, const mgpu_layer_ctx*
     MGPU__TRY(mgpu__bias_grad_add(&dw, &dy2));   /* dweight[t] += sum over the batch of dy[b, t], in order */
     return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
 }
-static mgpu_result mgpu__pos_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
-    (void)i;
-    *name = "weight";
-    *shape = mgpu_shape2(l->cfg.in, l->cfg.out);
-    return MGPU_OK;
-}
 static const mgpu_layer_vtable mgpu__pos_vt = {
-    "PositionEmbedding", mgpu__pos_output_shape, mgpu__one_param, mgpu__pos_param_shape, mgpu__emb_init,
+    "PositionEmbedding", mgpu__pos_output_shape, mgpu__one_param, mgpu__emb_param_shape, mgpu__emb_init,
     NULL, NULL, mgpu__pos_forward, mgpu__pos_backward, mgpu__emb_describe, NULL, NULL, NULL
 };
 MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
-    mgpu__layer_cfg cfg;
-    if (max_positions <= 0 || dim <= 0) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_position_embedding: max_positions %d and dim %d must be positive",
-                   max_positions, dim);
-        return NULL;
-    }
-    memset(&cfg, 0, sizeof cfg);
-    cfg.in = max_positions;
-    cfg.out = dim;
-    return mgpu__builtin_layer(&mgpu__pos_vt, &cfg);
+    return mgpu__table_layer("mgpu_layer_position_embedding", "max_positions", &mgpu__pos_vt, max_positions, dim);
 }
 
 
