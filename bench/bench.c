@@ -57,6 +57,19 @@ static int use_graph;      /* desc.graph of the models made */
 static int batch_on_cpu;   /* the batch as a loader gives it, on the CPU, instead of on the first device */
 static mgpu_pipeline_schedule pipe_schedule;
 
+/* one GPT-2 block, x + attn(ln_1(x)) then x + mlp(ln_2(x)), as examples/gpt.c builds it */
+#define GPT_VOCAB 256
+#define GPT_T 64
+#define GPT_C 128
+static mgpu_layer* gpt_block(int C, int H) {
+    mgpu_layer* attn[2] = { mgpu_layer_layer_norm(C), mgpu_layer_causal_self_attention(C, H, 0.0f) };
+    mgpu_layer* mlp[3] = { mgpu_layer_conv1d(C, 4 * C), mgpu_layer_gelu_tanh(), mgpu_layer_conv1d(4 * C, C) };
+    mgpu_layer* ff[2] = { mgpu_layer_layer_norm(C), mgpu_layer_sequential(mlp, 3) };
+    mgpu_layer* both[2] = { mgpu_layer_residual(mgpu_layer_sequential(attn, 2), NULL),
+                            mgpu_layer_residual(mgpu_layer_sequential(ff, 2), NULL) };
+    return mgpu_layer_sequential(both, 2);
+}
+
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     mgpu_model_desc d;
     mgpu_layer* layers[12];
@@ -76,6 +89,18 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
         d.input = mgpu_shape1(4096);
         for (i = 0; i < 4; ++i) { layers[n++] = mgpu_layer_linear(4096, 4096); layers[n++] = mgpu_layer_relu(); }
         layers[n++] = mgpu_layer_linear(4096, 10);
+    } else if (!strcmp(name, "gpt")) {   /* examples/gpt.c's default GPT-2: 4 blocks of width 128, 4 heads, T 64,
+        bytes as tokens, the head tied to the token embedding (names as Hugging Face's, for the tie) */
+        static const mgpu_tie head_is_wte = { "lm_head.weight", "wte.weight" };
+        d.input = mgpu_shape1(GPT_T);
+        d.input_dtype = MGPU_I32;
+        d.ties = &head_is_wte;
+        d.tie_count = 1;
+        layers[n++] = mgpu_layer_name(mgpu_layer_embedding(GPT_VOCAB, GPT_C), "wte");
+        layers[n++] = mgpu_layer_name(mgpu_layer_position_embedding(GPT_T, GPT_C), "wpe");
+        for (i = 0; i < 4; ++i) layers[n++] = gpt_block(GPT_C, 4);
+        layers[n++] = mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_f");
+        layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(GPT_C, GPT_VOCAB), "lm_head");
     } else {   /* the cnn of examples/train.c */
         d.input = mgpu_shape3(1, 28, 28);
         layers[n++] = mgpu_layer_conv2d(1, 16, 3, 1, 1); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_maxpool2d(2, 2);
@@ -90,11 +115,12 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
 /* a batch of inputs for the model */
 static mgpu_shape batch_shape(const char* model_name, int batch) {
     if (!strcmp(model_name, "cnn")) return mgpu_shape4(batch, 1, 28, 28);
+    if (!strcmp(model_name, "gpt")) return mgpu_shape2(batch, GPT_T);
     return mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
 }
 
-/* A model on spec with SGD (momentum 0.9) and one random batch on its first replica's device:
-   the step itself is measured, not the copy of a host batch. */
+/* A model on spec with SGD (momentum 0.9), the GPT with AdamW, and one random batch on its first
+   replica's device: the step itself is measured, not the copy of a host batch. */
 typedef struct training {
     mgpu_device_set* set;
     mgpu_model* m;
@@ -115,7 +141,21 @@ static training training_create(const char* model_name, const char* spec, int ba
     memset(&od, 0, sizeof od);
     od.lr = 0.01f;
     od.momentum = 0.9f;
+    if (!strcmp(model_name, "gpt")) { od.kind = MGPU_ADAMW; od.lr = 1e-3f; od.momentum = 0.0f; }
     tr.opt = mgpu_optimizer_create(tr.m, &od);
+    if (!strcmp(model_name, "gpt")) {   /* random tokens; each target is the next token */
+        int32_t* ids = (int32_t*)malloc(sizeof(int32_t) * (size_t)batch * GPT_T + 1);
+        uint32_t state = 12345u;
+        int k;
+        for (k = 0; ids && k < batch * GPT_T + 1; ++k) ids[k] = (int32_t)((state = state * 1664525u + 1013904223u) >> 24);
+        tr.x = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, batch_shape(model_name, batch));
+        tr.y = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, batch_shape(model_name, batch));
+        if (!ids || !tr.opt || !tr.x || !tr.y || mgpu_tensor_upload(tr.x, ids, sizeof(int32_t) * (size_t)batch * GPT_T) ||
+            mgpu_tensor_upload(tr.y, ids + 1, sizeof(int32_t) * (size_t)batch * GPT_T))
+            fail(spec);
+        free(ids);
+        return tr;
+    }
     tr.x = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_F32, batch_shape(model_name, batch));
     tr.y = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, mgpu_shape1(batch));
     if (!tr.opt || !tr.x || !tr.y || mgpu_rand_normal(tr.x, 3, 0, 0.0f, 1.0f) || mgpu_tensor_fill(tr.y, 3.0)) fail(spec);
@@ -168,10 +208,11 @@ static void bench_training(const char* workload, const char* model_name, const c
     training_destroy(&tr);
 }
 
-/* the MLP's and the CNN's steps on one CPU device, set beside PyTorch's */
+/* the MLP's, the CNN's and the GPT's steps on one CPU device, set beside PyTorch's */
 static void bench_cpu_steps(void) {
     bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
     bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
+    bench_training("gpt_b16_t64", "gpt", "cpu", 16, quick ? 5 : 40, 0);
 }
 
 

@@ -25,7 +25,48 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+class GPTBlock(nn.Module):
+    """One GPT-2 block as examples/gpt.c's (and nanoGPT's on torch 1.13, which has no SDPA):
+    x + attn(ln_1(x)), then x + mlp(ln_2(x)), tanh GELU, the causal mask a buffer."""
+
+    def __init__(self, width, heads, T):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_fc, self.mlp_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).tril().logical_not())
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(self.ln_1(x)).split(C, dim=2))
+        a = (q @ k.transpose(-2, -1)) * (1.0 / (C // self.heads) ** 0.5)
+        a = torch.softmax(a.masked_fill(self.mask[:T, :T], float("-inf")), dim=-1)
+        x = x + self.c_proj((a @ v).transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """bench.c's "gpt": vocabulary 256, 64 positions, 4 blocks of width 128 and 4 heads, the head
+    tied to the token embedding"""
+
+    def __init__(self, vocab=256, T=64, width=128, heads=4, layers=4):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(T, width)
+        self.h = nn.ModuleList([GPTBlock(width, heads, T) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(width)
+        self.register_buffer("pos", torch.arange(T))
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(self.pos[:idx.shape[1]])
+        for block in self.h:
+            x = block(x)
+        return nn.functional.linear(self.ln_f(x), self.wte.weight).flatten(0, 1)
+
+
 def model_for(name):
+    if name == "gpt":
+        return GPT(), (64,)
     if name == "mlp784":
         return nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10)), (784,)
     if name == "mlp4096":
@@ -49,6 +90,10 @@ def bench_training(workload, name, label, batch, steps, tf32=False):
     loss_fn = nn.CrossEntropyLoss()
     x = torch.randn(batch, *shape, device=dev)
     y = torch.full((batch,), 3, dtype=torch.long, device=dev)
+    if name == "gpt":   # AdamW (foreach: PyTorch's faster one on the CPU too), random tokens, a target per position
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
+        x = torch.randint(0, 256, (batch, *shape), device=dev)
+        y = torch.randint(0, 256, (batch * shape[0],), device=dev)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -148,6 +193,7 @@ row("torch", "-", "blas", 0, "", blas_library())
 if which in ("cpu", "all", "steps"):
     bench_training("mlp784_b64", "mlp784", "cpu", 64, 50 if quick else 300)
     bench_training("cnn_b128", "cnn", "cpu", 128, 3 if quick else 30)
+    bench_training("gpt_b16_t64", "gpt", "cpu", 16, 5 if quick else 40)
 if which in ("cpu", "all"):
     bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
 if which in ("cuda", "all") and torch.cuda.is_available():

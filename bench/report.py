@@ -65,6 +65,7 @@ goals = [
     (lambda w, d, m: w.startswith("gemm_") and d == "cpu" and m == "of_openblas", lambda v, t: v >= 0.9, ">= 0.9 of OpenBLAS"),
     (lambda w, d, m: w == "gemm_2048x4096x4096" and d == "cpu" and m == "of_peak", lambda v, t: v >= 0.8, ">= 0.8 of the FMA peak"),
     (lambda w, d, m: (w, d, m) == ("cnn_b128", "cpu", "step"), faster(1.5), ">= 1.5x PyTorch"),
+    (lambda w, d, m: (w, d, m) == ("gpt_b16_t64", "cpu", "step"), faster(1.5), ">= 1.5x PyTorch"),
     (lambda w, d, m: (w, d, m) == ("mlp784_b64_plain_O2", "cpu", "step"),
      lambda v, t: None if ("mlp784_b64", "cpu") not in native_step else v <= 1.1 * native_step[("mlp784_b64", "cpu")],
      "within 10% of the -march=native build"),
