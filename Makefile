@@ -263,7 +263,7 @@ test-aarch64: $(B)/train_plain
 # $(B)/fuzz/crash-<harness>-input. Without clang or libFuzzer the script reports skips.
 # The harnesses are built here (so make -j2 builds them with the rest) and, with the same flags,
 # by run.sh itself when one is missing or older than its sources.
-FUZZ_HARNESSES = safetensors model_load idx gunzip inflate tokens
+FUZZ_HARNESSES = safetensors model_load idx gunzip inflate tokens gpt_load
 FUZZ_CFLAGS = $(WARN) -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
 HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char* d, long n) { (void)d; (void)n; return 0; }\n' | \
                $(CLANG) -x c $(FUZZ_CFLAGS) - -o /dev/null 2>/dev/null && echo 1)

@@ -9,7 +9,7 @@
 B=${1:-build}
 SECONDS_EACH=${2:-60}
 if [ $# -ge 2 ]; then shift 2; else shift $#; fi   # (a failed shift ends dash)
-HARNESSES=${*:-safetensors model_load idx gunzip inflate tokens}
+HARNESSES=${*:-safetensors model_load idx gunzip inflate tokens gpt_load}
 CLANG=${CLANG:-clang}
 MAX_LEN=${FUZZ_MAX_LEN:-4096}   # inputs stay small, so each run covers many of them
 CFLAGS="-std=c99 -Wall -Wextra -Werror -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all"
