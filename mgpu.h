@@ -196,8 +196,7 @@
      PositionEmbedding and CausalSelfAttention (which keeps the [batch, heads, T, T] attention
      matrix: no fused FlashAttention kernel yet); containers (Sequential, Residual) make blocks
      of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
-     after each step: no SyncBatchNorm (statistics across replicas), and a step with a
-     BatchNorm2d is not captured as a CUDA graph.
+     after each step (also a CUDA graph's): no SyncBatchNorm (statistics across replicas).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -6170,16 +6169,13 @@ static const mgpu_layer_vtable mgpu__bn_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels) {
     mgpu__layer_cfg cfg;
-    mgpu_layer* l;
     if (channels <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_batch_norm2d: %d channels, want at least 1", channels);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.in = channels;
-    l = mgpu__builtin_layer(&mgpu__bn_vt, &cfg);
-    if (l) l->graph_safe = 0;   /* its buffers are copied between replicas after the step, on the host's order */
-    return l;
+    return mgpu__builtin_layer(&mgpu__bn_vt, &cfg);
 }
 
 /* -- global average pooling: [N, C, H, W] -> [N, C], a channel sum over each plane -- */
@@ -11184,6 +11180,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     m->graph_steps++;
     /* what comes next on each device after the graph */
     for (i = 1; i < m->part_count; ++i) MGPU__TRY(mgpu__graph_order(m, op, first, 3, &m->part[i]));
+    MGPU__TRY(mgpu__sync_buffers(m));   /* (after the graph, as after an eager update) */
     MGPU__TRY(mgpu__verify_if_due(m));
     return loss ? mgpu__batch_loss(m, loss) : MGPU_OK;
 }

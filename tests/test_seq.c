@@ -2476,7 +2476,8 @@ static void bn_eval_and_running(const char* label, mgpu_device* dev, int n, int 
 }
 
 /* a small ResNet: conv -> BN -> ReLU -> residual(conv, BN, ReLU, conv, BN) -> ReLU -> GAP -> Linear */
-static mgpu_model* bn_resnet_ex(const mgpu_device_set* set, int verify_every, uint64_t seed, int stages, int micro_batches) {
+static mgpu_model* bn_resnet_ex(const mgpu_device_set* set, int verify_every, uint64_t seed, int stages, int micro_batches,
+                                int graph) {
     static const int split[1] = { 3 };   /* (stage 1 from the residual block on) */
     mgpu_layer* f[5];
     mgpu_layer* layers[6];
@@ -2490,10 +2491,11 @@ static mgpu_model* bn_resnet_ex(const mgpu_device_set* set, int verify_every, ui
     layers[5] = mgpu_layer_linear(4, 3);
     return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(1, 6, 6), .layers = layers, .layer_count = 6,
                                                  .devices = set, .seed = seed, .verify_every = verify_every,
-                                                 .stages = stages, .split = stages > 1 ? split : NULL, .micro_batches = micro_batches });
+                                                 .stages = stages, .split = stages > 1 ? split : NULL, .micro_batches = micro_batches,
+                                                 .graph = graph });
 }
 static mgpu_model* bn_resnet(const mgpu_device_set* set, int verify_every, uint64_t seed) {
-    return bn_resnet_ex(set, verify_every, seed, 1, 1);
+    return bn_resnet_ex(set, verify_every, seed, 1, 1, 0);
 }
 
 static void test_batchnorm(void) {
@@ -2661,11 +2663,52 @@ static void test_batchnorm(void) {
         mgpu_model_destroy(m); mgpu_model_destroy(ref);
         mgpu_device_set_destroy(set); mgpu_device_set_destroy(cpus);
     }
+    /* the same steps as a CUDA graph's replays on two GPUs (cuda:0,1 where there are two): every
+       parameter and buffer of both replicas equal to eager steps' bit for bit */
+    if (gpu_part("BatchNorm2d in a CUDA graph")) {
+        const char* spec = mgpu_cuda_device_count() > 1 ? "cuda:0,1" : "cuda:0,0";
+        mgpu_device_set* set = mgpu_device_set_create(spec);
+        mgpu_model* m[2];
+        mgpu_optimizer* opt[2];
+        mgpu_tensor* x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 1, 6, 6));
+        const int32_t labels[8] = { 2, 1, 0, 0, 1, 2, 2, 1 };
+        mgpu_tensor* t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+        int k, step, r, i;
+        for (k = 0; k < 2; ++k) {
+            m[k] = set ? bn_resnet_ex(set, 0, 3, 1, 1, k) : NULL;
+            opt[k] = m[k] ? mgpu_optimizer_create(m[k], &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f }) : NULL;
+        }
+        CHECK(set && m[0] && m[1] && opt[0] && opt[1], "%s ResNet, eager and graph: %s", spec, mgpu_last_error());
+        for (step = 0; set && m[0] && m[1] && opt[0] && opt[1] && step < 5; ++step) {
+            float loss[2] = { 0.0f, 1.0f };
+            MUST(mgpu_rand_normal(x, 400 + (uint64_t)step, 0, 0.0f, 1.0f));
+            for (k = 0; k < 2; ++k) MUST(mgpu_model_train_step(m[k], opt[k], x, t, &loss[k]));
+            CHECK(loss[0] == loss[1], "%s ResNet step %d: loss %.9g eager, %.9g replayed from a graph", spec, step, (double)loss[0],
+                  (double)loss[1]);
+        }
+        for (r = 0; set && m[0] && m[1] && r < 2; ++r)
+            for (i = 0; i < mgpu_model_tensor_count(m[0]); ++i) {
+                const mgpu_tensor *a = mgpu_model_tensor(m[0], r, i), *b = mgpu_model_tensor(m[1], r, i);
+                float va[256], vb[256];
+                const int64_t n = mgpu_tensor_numel(a);
+                if (n > 256) { CHECK(0, "'%s' has %lld floats: the test's arrays hold 256", mgpu_model_tensor_name(m[0], i), (long long)n); continue; }
+                tget(a, va);
+                tget(b, vb);
+                CHECK(!memcmp(va, vb, (size_t)n * sizeof(float)), "%s ResNet after 5 steps: replica %d's '%s' differs between "
+                      "graph and eager steps", spec, r, mgpu_model_tensor_name(m[0], i));
+            }
+        if (m[1]) CHECK(mgpu_model_graph_steps(m[1]) >= 3, "a ResNet with BatchNorm2d: %lld of 5 steps replayed from a CUDA graph",
+                        (long long)mgpu_model_graph_steps(m[1]));
+        for (k = 0; k < 2; ++k) { mgpu_optimizer_destroy(opt[k]); mgpu_model_destroy(m[k]); }
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(t);
+        mgpu_device_set_destroy(set);
+    }
     /* a pipeline of 2 stages on cpu:2, 2 micro-batches: each buffer on its layer's stage, and each
        micro-batch's forward moves the running statistics (as a GPipe of PyTorch's does) */
     {
         mgpu_device_set* set = mgpu_device_set_create("cpu:2");
-        mgpu_model* m = set ? bn_resnet_ex(set, 0, 5, 2, 2) : NULL;
+        mgpu_model* m = set ? bn_resnet_ex(set, 0, 5, 2, 2, 0) : NULL;
         mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.05f }) : NULL;
         CHECK(set && m && opt, "cpu:2 ResNet in 2 stages: %s", mgpu_last_error());
         if (set && m && opt) {
