@@ -881,11 +881,14 @@ MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set*
 typedef struct mgpu_model mgpu_model;
 
 typedef enum mgpu_loss_kind { MGPU_LOSS_CROSS_ENTROPY = 0, MGPU_LOSS_MSE = 1 } mgpu_loss_kind;
-/* Tied parameters (GPT-2's token embedding and output head): `param` is `to`, one tensor under
-   two names, by their state_dict names ("5.weight" is "0.weight"). Their gradients add up in the
-   one buffer (every backward ADDS), the optimizer updates it once, a checkpoint stores it under
-   `to` alone (as Hugging Face's save_pretrained leaves lm_head.weight out), and `param`'s layer
-   does not initialise it. Both must have one shape and lie in one pipeline stage. */
+/* Tied parameters (GPT-2's token embedding and output head): `param` is `to`, one parameter under
+   two names, by their state_dict names ("5.weight" is "0.weight"), of one shape. `param` holds a
+   copy of `to`'s values and gets its own gradient; each update adds it into `to`'s (and sets it to
+   zero), moves `to` once and copies the result into `param`, so they may lie in different
+   pipeline stages (GPT-2's embedding in the first, its head in the last). It starts as `to`
+   (`param`'s layer's initialisation is overwritten), a load sets both, a checkpoint stores `to`
+   alone (as Hugging Face's save_pretrained leaves lm_head.weight out), and the parameter counts
+   once. Write its values through `to`: a write into `param` lasts until the next update. */
 typedef struct mgpu_tie { const char* param; const char* to; } mgpu_tie;
 typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIPE = 1 } mgpu_pipeline_schedule;
 
@@ -8066,7 +8069,7 @@ typedef struct mgpu__param {
     char name[64];          /* "0.weight" */
     mgpu_shape shape;
     int64_t offset;         /* floats from the start of the whole model's flat layout */
-    int tied;               /* the tensor whose floats it shares (desc.ties), or -1: its own */
+    int tied;               /* the tensor it is a copy of (desc.ties, mgpu__ties_gather), or -1 */
 } mgpu__param;
 
 /* A contiguous range of one stage's flat gradient buffer, reduced as one all-reduce as soon as
@@ -8105,6 +8108,8 @@ typedef struct mgpu__part {
     mgpu_tensor** bview;                /* named views into it, [buffer_count], like pview */
     mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count]; NULL for the
                                            tensors of other stages */
+    mgpu_tensor** tie_in;               /* [tensor_count]: where tied tensor t's gradient comes to
+                                           be added into its twin, here, from another device */
     mgpu__slot* slot;                   /* micro-batch k uses slot k % slot_count */
     int slot_count;
     mgpu_tensor *xbuf, *tbuf;           /* the replica's rows of a batch, copied here when x (first
@@ -8634,6 +8639,8 @@ static void mgpu__model_free(mgpu_model* m) {
         mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->eval); mgpu__tensor_free(p->step_seed);
         for (j = 0; p->bucket_done && j < m->bucket_count; ++j)
             if (p->bucket_done[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_done[j]));
+        for (j = 0; p->tie_in && j < m->tensor_count; ++j) mgpu__tensor_free(p->tie_in[j]);
+        MGPU_FREE(p->tie_in);
         MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events); MGPU_FREE(p->bucket_done);
     }
     mgpu__graph_drop(m);
@@ -8689,7 +8696,6 @@ static mgpu_result mgpu__make_buckets(mgpu_model* m, size_t bucket_bytes) {
         int layer = m->stage_layer[s + 1] - 1, first = 1;
         for (t = t1 - 1; t >= t0; --t) {
             const size_t limit = first ? first_bytes : bucket_bytes;
-            if (m->tensors[t].tied >= 0 && t != t0) continue;   /* its floats are its twin's, summed in the twin's bucket */
             while (layer > m->stage_layer[s] && m->first_tensor[layer] > t) --layer;   /* the layer owning tensor t */
             if ((size_t)(end - m->tensors[t].offset) * sizeof(float) >= limit || t == t0) {
                 mgpu__bucket* b = &m->buckets[m->bucket_count++];
@@ -8783,14 +8789,11 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
                               mgpu__shape_text(m->tensors[a].shape, sa, sizeof sa), to, mgpu__shape_text(m->tensors[b].shape, sb, sizeof sb));
         m->tensors[a].tied = b;
     }
-    for (t = 0; t < m->tensor_count; ++t) {   /* each at a 64-byte boundary; a tied one at its twin's */
-        if (m->tensors[t].tied >= 0) continue;
+    for (t = 0; t < m->tensor_count; ++t) {   /* each at a 64-byte boundary, a tied one too (its twin's copy) */
         m->tensors[t].offset = m->flat_floats;
-        m->param_count += mgpu_shape_numel(m->tensors[t].shape);
+        if (m->tensors[t].tied < 0) m->param_count += mgpu_shape_numel(m->tensors[t].shape);
         m->flat_floats += (mgpu_shape_numel(m->tensors[t].shape) + 15) / 16 * 16;
     }
-    for (t = 0; t < m->tensor_count; ++t)
-        if (m->tensors[t].tied >= 0) m->tensors[t].offset = m->tensors[m->tensors[t].tied].offset;
     return MGPU_OK;
 }
 
@@ -8852,8 +8855,7 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         MGPU_FREE(prefix); MGPU_FREE(cost); MGPU_FREE(cut);
     }
     for (s = 0; s < S; ++s) {
-        int t = m->first_tensor[m->stage_layer[s]];
-        while (t < m->tensor_count && m->tensors[t].tied >= 0) ++t;   /* (a tied one lies elsewhere) */
+        const int t = m->first_tensor[m->stage_layer[s]];
         m->stage_off[s] = t < m->tensor_count ? m->tensors[t].offset : m->flat_floats;
     }
     m->stage_off[S] = m->flat_floats;
@@ -8862,18 +8864,6 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         m->stage_boff[s] = b < m->buffer_count ? m->buffers[b].offset : m->buf_floats;
     }
     m->stage_boff[S] = m->buf_floats;
-    for (i = 0; i < L; ++i) {   /* a tie within a stage: its gradient is one buffer's */
-        int t;
-        for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) {
-            int twin_layer = 0;
-            if (m->tensors[t].tied < 0) continue;
-            while (m->first_tensor[twin_layer + 1] <= m->tensors[t].tied) ++twin_layer;
-            if (mgpu__layer_stage(m, i) != mgpu__layer_stage(m, twin_layer))
-                return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: '%s' (layer %d) is tied to '%s' (layer %d) in another pipeline "
-                                  "stage; ties across stages are not supported (choose a split that keeps them together)", op,
-                                  m->tensors[t].name, i, m->tensors[m->tensors[t].tied].name, twin_layer);
-        }
-    }
     return MGPU_OK;
 }
 
@@ -8901,7 +8891,9 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
         p->pview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
         p->gview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
         p->bview = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->buffer_count, 1), sizeof(mgpu_tensor*));
-        if (!p->slot || !p->pview || !p->gview || !p->bview) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        p->tie_in = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+        if (!p->slot || !p->pview || !p->gview || !p->bview || !p->tie_in)
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         for (j = 0; j < p->slot_count; ++j) {
             mgpu__slot* sl = &p->slot[j];
             sl->in_shape.ndim = -1;
@@ -8923,6 +8915,10 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
             p->gview[t] = mgpu__view_at(p->grads, at, m->tensors[t].shape, op);
             if (!p->pview[t] || !p->gview[t]) return mgpu__refail(op);
         }
+        for (t = 0; t < m->tensor_count; ++t)   /* a tie from another stage: its gradient comes here first */
+            if (m->tensors[t].tied >= 0 && mgpu__tensor_stage(m, m->tensors[t].tied) == p->stage && mgpu__tensor_stage(m, t) != p->stage &&
+                !(p->tie_in[t] = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, m->tensors[t].shape))))
+                return mgpu__refail(op);
         if (mgpu__stage_buf_floats(m, p->stage) > 0) {   /* buffers start at 0 (then the layers' init) */
             p->bufs = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(mgpu__stage_buf_floats(m, p->stage))));
             if (!p->bufs || mgpu_tensor_zero(p->bufs)) return mgpu__refail(op);
@@ -8941,6 +8937,50 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
     return MGPU_OK;
 }
 
+/* Tied parameters (desc.ties). Each tensor has its own place in the flat buffers, a tied one
+   too: it holds a copy of its twin's values, and its layer's backward adds into its own
+   gradient, from zero, as any layer's does. Before an update each tie's gradient is added into
+   its twin's (twin + tied, one addition per float, the same on every layout) and set to zero;
+   the update then moves the twin alone, and the copy follows it. So one device and a pipeline
+   whose stages hold the two ends (GPT-2's token embedding in the first, its output head in the
+   last, as Megatron-LM's pipelines have them) give the same bits, and the clipping norm counts
+   each gradient once. Across devices the gradient travels to the twin's device (part->tie_in)
+   and the values back, copies ordered by events, so a CUDA graph holds them too. */
+static mgpu_result mgpu__ties_gather(mgpu_model* m, const char* op) {
+    int r, t;
+    for (r = 0; r < m->replica_count; ++r)
+        for (t = 0; t < m->tensor_count; ++t) {
+            const int twin = m->tensors[t].tied;
+            mgpu__part *from, *to;
+            mgpu_tensor* g;
+            if (twin < 0) continue;
+            from = mgpu__part_of(m, r, mgpu__tensor_stage(m, t));
+            to = mgpu__part_of(m, r, mgpu__tensor_stage(m, twin));
+            g = to->tie_in[t] ? to->tie_in[t] : from->gview[t];
+            if ((g != from->gview[t] && mgpu_tensor_copy(g, from->gview[t]) != MGPU_OK) || mgpu_axpy(to->gview[twin], 1.0f, g) != MGPU_OK ||
+                mgpu_tensor_zero(from->gview[t]) != MGPU_OK) {
+                char where[192];
+                snprintf(where, sizeof where, "%s: adding the gradient of '%s' into '%s''s (tied)", op, m->tensors[t].name, m->tensors[twin].name);
+                return mgpu__refail(where);
+            }
+        }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__ties_spread(mgpu_model* m, const char* op) {
+    int r, t;
+    for (r = 0; r < m->replica_count; ++r)
+        for (t = 0; t < m->tensor_count; ++t) {
+            const int twin = m->tensors[t].tied;
+            if (twin >= 0 && mgpu_tensor_copy(mgpu__part_of(m, r, mgpu__tensor_stage(m, t))->pview[t],
+                                              mgpu__part_of(m, r, mgpu__tensor_stage(m, twin))->pview[twin]) != MGPU_OK) {
+                char where[192];
+                snprintf(where, sizeof where, "%s: copying '%s' into '%s' (tied)", op, m->tensors[twin].name, m->tensors[t].name);
+                return mgpu__refail(where);
+            }
+        }
+    return MGPU_OK;
+}
+
 /* Step 4, data parallelism's first move (replicate): initialise on replica 0, then copy to every
    other replica, so all start from the same model. Never again: replicas stay in step because
    each takes the same update (>>train). */
@@ -8953,34 +8993,16 @@ static mgpu_result mgpu__model_init(mgpu_model* m) {
         mgpu_layer_ctx ctx;
         const int n = m->first_tensor[i + 1] - m->first_tensor[i];
         const int nb = m->first_buffer[i + 1] - m->first_buffer[i];
-        mgpu_tensor** params = NULL;
-        mgpu_result r = MGPU_OK;
-        int j;
         if (!l->vt->init || (n == 0 && nb == 0)) continue;
         mgpu__layer_ctx_for(m, p, &p->slot[0], i, 0, &ctx);
         snprintf(where, sizeof where, "mgpu_model_create: initialising layer %d (%s)", i, mgpu_layer_type(l));
-        for (j = 0; j < n && m->tensors[m->first_tensor[i] + j].tied < 0; ++j) {}
-        if (j < n) {   /* a tied parameter keeps its twin's values: the layer initialises a scratch copy */
-            params = (mgpu_tensor**)mgpu__calloc((size_t)n, sizeof *params);
-            if (!params) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", where);
-            for (j = 0; j < n && r == MGPU_OK; ++j) {
-                const mgpu__param* t = &m->tensors[m->first_tensor[i] + j];
-                params[j] = t->tied < 0 ? ctx.params[j] : mgpu_tensor_create(p->dev, MGPU_F32, t->shape);
-                if (!params[j]) r = MGPU_ERROR_OUT_OF_MEMORY;
-            }
-            ctx.params = params;
-        }
-        if (r == MGPU_OK) r = l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i));
-        for (j = 0; params && j < n; ++j)
-            if (m->tensors[m->first_tensor[i] + j].tied >= 0) mgpu_tensor_destroy(params[j]);
-        MGPU_FREE(params);
-        if (r != MGPU_OK) return mgpu__refail(where);
+        if (l->vt->init(l, &ctx, mgpu__mix(m->seed + (uint64_t)i)) != MGPU_OK) return mgpu__refail(where);
     }
     for (i = m->stage_count; i < m->part_count; ++i)
         if (mgpu_tensor_copy(m->part[i].params, m->part[i % m->stage_count].params) != MGPU_OK ||
             (m->part[i].bufs && mgpu_tensor_copy(m->part[i].bufs, m->part[i % m->stage_count].bufs) != MGPU_OK))
             return mgpu__refail("mgpu_model_create");
-    return MGPU_OK;
+    return mgpu__ties_spread(m, "mgpu_model_create");   /* a tied parameter starts as its twin */
 }
 
 /* Step 5, what the reduce of every step needs: per stage, a communicator over its R copies, and
@@ -9949,6 +9971,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     mgpu__optim_job job;
     int i;
     MGPU__TRY(mgpu__optimizer_prepare(opt, op));
+    MGPU__TRY(mgpu__ties_gather(opt->model, op));
     if (opt->d.clip_norm > 0.0f) MGPU__TRY(mgpu__optimizer_clip(opt, op));
     memset(&job, 0, sizeof job);
     job.sgd = &opt->sgd;
@@ -9978,6 +10001,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         }
         mgpu__trace_close(opt->model, slice, r->dev->stream);
     }
+    MGPU__TRY(mgpu__ties_spread(opt->model, op));
     mgpu__optimizer_advance(opt);
     return MGPU_OK;
 }
@@ -14003,6 +14027,10 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
             else mgpu__st_convert(op, path, e, mgpu__st_data(&sf, e), (size_t)mgpu_shape_numel(m->tensors[i].shape),
                                   host + m->tensors[i].offset);   /* float dtypes: cannot fail */
         }
+        for (i = 0; s == 0 && i < m->tensor_count; ++i)   /* a tied parameter: its twin's copy */
+            if (m->tensors[i].tied >= 0)
+                memcpy(host + m->tensors[i].offset, host + m->tensors[m->tensors[i].tied].offset,
+                       (size_t)mgpu_shape_numel(m->tensors[i].shape) * sizeof(float));
         for (i = 0; i < m->part_count && r == MGPU_OK; ++i)
             if (mgpu__stage_floats(m, m->part[i].stage) > 0)
                 r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
