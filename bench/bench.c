@@ -837,6 +837,7 @@ int main(int argc, char** argv) {
         bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
+        bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
         /* eager against graph, the batch on the GPU already or coming from the CPU (pageable, staged) */
         use_graph = 1;
         bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, 0);

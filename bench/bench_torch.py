@@ -79,27 +79,19 @@ def model_for(name):
                          nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10)), (1, 28, 28)
 
 
-def bench_training(workload, name, label, batch, steps, tf32=False):
-    dev = torch.device("cuda:0" if label.startswith("cuda") else "cpu")
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.cuda.reset_peak_memory_stats(dev)
-    model, shape = model_for(name)
-    model = model.to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    x = torch.randn(batch, *shape, device=dev)
-    y = torch.full((batch,), 3, dtype=torch.long, device=dev)
-    if name == "gpt":   # AdamW (foreach: PyTorch's faster one on the CPU too), random tokens, a target per position
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
-        x = torch.randint(0, 256, (batch, *shape), device=dev)
-        y = torch.randint(0, 256, (batch * shape[0],), device=dev)
+def make_optimizer(name, params, fused):
+    """The optimizer of bench.c's workload: SGD with momentum 0.9, the GPT's AdamW. fused: PyTorch's
+    fused kernel (one launch for every parameter; SGD's from 2.1, AdamW's from 2.0), foreach (its
+    default on GPUs, a few launches per group) otherwise. None where this PyTorch has no fused one."""
+    try:
+        if name == "gpt":
+            return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, **({"fused": True} if fused else {"foreach": True}))
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
+    except (TypeError, RuntimeError, ValueError):
+        return None
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
 
+def timed_steps(step, dev, steps):
     for _ in range(3):
         step()
     sync(dev)
@@ -109,16 +101,108 @@ def bench_training(workload, name, label, batch, steps, tf32=False):
         step()
         sync(dev)
         times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    row(workload, label, "step", t * 1e3, "ms")
+    return statistics.median(times)
+
+
+def bench_training(workload, name, label, batch, steps, tf32=False, graph=False, bf16=False):
+    """One training step of bench.c's workload, median seconds. On a GPU PyTorch's best is the
+    anchor (the "step" row): its default foreach optimizer and its fused one are both timed, each
+    with its own row (step_foreach, step_fused), and the faster is the step. graph: the whole step
+    captured with torch.cuda.graph and replayed, as mgpu's graph rows are (PyTorch's recipe for
+    whole-network capture: warm-up on a side stream, then forward, backward and opt.step in the
+    graph). bf16: under torch.autocast(bfloat16), as PyTorch users train."""
+    dev = torch.device("cuda:0" if label.startswith("cuda") else "cpu")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    loss_fn = nn.CrossEntropyLoss()
+    results = {}
+    for fused in ((False, True) if dev.type == "cuda" else (False,)):
+        torch.manual_seed(1)
+        model, shape = model_for(name)
+        model = model.to(dev)
+        opt = make_optimizer(name, model.parameters(), fused)
+        if opt is None:
+            row(workload, label, "step_fused", 0, "ms", "no fused optimizer in this PyTorch")
+            continue
+        if name == "gpt":   # random tokens, a target per position
+            x = torch.randint(0, 256, (batch, *shape), device=dev)
+            y = torch.randint(0, 256, (batch * shape[0],), device=dev)
+        else:
+            x = torch.randn(batch, *shape, device=dev)
+            y = torch.full((batch,), 3, dtype=torch.long, device=dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+
+        def eager():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+
+        step = eager
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    eager()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            opt.zero_grad(set_to_none=True)
+            with torch.cuda.graph(g):
+                with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+            step = g.replay
+        t = timed_steps(step, dev, steps)
+        kind = "fused" if fused else "foreach" if dev.type == "cuda" else ""
+        if dev.type == "cuda":
+            row(workload, label, "step_" + kind, t * 1e3, "ms", "torch.cuda.graph" if graph else "")
+        results[kind] = (t, torch.cuda.max_memory_allocated(dev) / 1048576.0 if dev.type == "cuda" else None)
+    if not results:
+        return
+    kind = min(results, key=lambda k: results[k][0])
+    t, peak = results[kind]
+    note = ", ".join(x for x in ("%s %s" % (kind, "AdamW" if name == "gpt" else "SGD") if kind else "",
+                                 "torch.cuda.graph" if graph else "", "bf16 autocast" if bf16 else "") if x)
+    row(workload, label, "step", t * 1e3, "ms", note)
     if name == "mlp4096":
         # 3 GEMMs per Linear, none for the first layer's input gradient (x needs no gradient)
         flops = 2.0 * batch * (3.0 * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0) - 4096.0 * 4096.0)
         row(workload, label, "tflops", flops / t / 1e12, "TFLOP/s")
         if gemm_tflops:
             row(workload, label, "of_gemm", flops / t / 1e12 / gemm_tflops, "x", "of the bare GEMM rate")
-    if dev.type == "cuda":
-        row(workload, label, "peak_mem", torch.cuda.max_memory_allocated(dev) / 1048576.0, "MiB")
+    if peak is not None:
+        row(workload, label, "peak_mem", peak, "MiB", note)
+
+
+def bench_gemm_layouts(m, n, k, reps):
+    """The ceilings of a Linear step's three GEMMs on [m, k] inputs and a [n, k] weight, in TF32 and
+    bf16: forward y = x @ W^T, the weight gradient dW = dy^T @ x, the input gradient dx = dy @ W
+    (PyTorch-only rows: what mgpu's step is measured against)."""
+    dev = torch.device("cuda:0")
+    for dtype, tag in ((torch.float32, "tf32"), (torch.bfloat16, "bf16")):
+        torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        w = torch.randn(n, k, device=dev, dtype=dtype)
+        dy = torch.randn(m, n, device=dev, dtype=dtype)
+        for what, fn in (("x@W^T", lambda: torch.matmul(x, w.t())), ("dy^T@x", lambda: torch.matmul(dy.t(), x)),
+                         ("dy@W", lambda: torch.matmul(dy, w))):
+            times = []
+            for i in range(reps + 3):
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                sync(dev)
+                if i >= 3:
+                    times.append((time.perf_counter() - t0) / 10)
+            row("gemm_%dx%dx%d_%s" % (m, n, k, tag), "cuda:0", what, 2.0 * m * n * k / statistics.median(times) / 1e12, "TFLOP/s",
+                "PyTorch's matmul")
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def bench_bandwidth(label, nbytes, reps):
@@ -198,7 +282,13 @@ if which in ("cpu", "all"):
     bench_bandwidth("cpu", 256 << 20, 2 if quick else 5)
 if which in ("cuda", "all") and torch.cuda.is_available():
     bench_gemm("cuda:0", 2048, 4096, 4096, 20)
+    bench_gemm_layouts(2048, 4096, 4096, 20)
     bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300)
     bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, tf32=True)
     bench_training("cnn_b128", "cnn", "cuda:0", 128, 100)
+    # the fair anchors of mgpu's graph steps, and the bf16 that PyTorch users train in
+    bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, graph=True)
+    bench_training("cnn_b128_graph", "cnn", "cuda:0", 128, 100, graph=True)
+    bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, bf16=True)
+    bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100)
     bench_bandwidth("cuda:0", 256 << 20, 20)
