@@ -609,7 +609,26 @@ static int case_settings_fixed(void) {
     return 0;
 }
 
+/* 130 replicas on one GPU: the resolved spec is whole, 264 bytes (it was cut to 244; 256 replicas,
+   the most a set has, take the emulator 30 s to make); 257 are refused with the limit. */
+static int case_long_spec(void) {
+    char spec[1100];
+    mgpu_device_set* set;
+    int i;
+    strcpy(spec, "cuda:0");
+    for (i = 1; i < 130; ++i) strcat(spec, ",0");
+    set = mgpu_device_set_create(spec);
+    NEED(set && mgpu_device_set_count(set) == 130 && !strcmp(mgpu_device_set_spec(set), spec), "130 replicas: %s",
+         set ? mgpu_device_set_spec(set) : mgpu_last_error());
+    mgpu_device_set_destroy(set);
+    for (i = 130; i < 257; ++i) strcat(spec, ",0");
+    set = mgpu_device_set_create(spec);
+    NEED(!set && strstr(mgpu_last_error(), "more than 256 devices"), "257 replicas: %s", mgpu_last_error());
+    return 0;
+}
+
 static int run_case(const char* name) {
+    if (!strcmp(name, "long spec")) return case_long_spec();
     if (!strcmp(name, "settings agree")) return case_settings_agree();
     if (!strcmp(name, "settings fixed")) return case_settings_fixed();
     if (!strcmp(name, "no gpu")) return case_no_gpu();
@@ -741,6 +760,7 @@ int main(int argc, char** argv) {
 
     header("settings: the emulator's parser is mgpu.h's");
     expect_ok("settings agree", "MGPU_EMU_DEVICES=1");
+    expect_ok("long spec", "MGPU_EMU_DEVICES=1");
     expect_ok_saying("settings fixed", "MGPU_EMU_DEVICES=abc MGPU_EMU_STACK_KIB=0",
                      "mgpu-emu: MGPU_EMU_DEVICES='abc' is not a whole number of devices; using 1",
                      "mgpu-emu: MGPU_EMU_STACK_KIB='0' is outside");
