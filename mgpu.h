@@ -146,20 +146,27 @@
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
    ---------------------------------------------------------------------------------------------
+   Read one way (docs/guide.md's table has each one's range): surrounding spaces ignored, empty
+   is the default; a number is decimal, in its range (beyond: the nearest end), not inf or nan; a
+   flag is 0/1, true/false, on/off, yes/no in any case; anything else warns on stderr (or the log
+   callback), naming the variable, the value and what is used instead, and the job goes on.
    MGPU_DEVICES=spec          what "auto" means (e.g. cpu:4 to try data parallelism on a laptop)
-   MGPU_ALLREDUCE=nccl|p2p|host   the all-reduce backend, where the model asks for AUTO
+   MGPU_ALLREDUCE=nccl|p2p|host|auto   the all-reduce backend, where the model asks for AUTO
    MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
-   MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
+   MGPU_CPU_THREADS=N         threads of the CPU backend, 1..256 (default, or 0: every core)
    MGPU_CPU_SPIN_US=N         how long the CPU backend's idle threads watch for the next job
-                              before they sleep (default 1000; 0 sleeps at once, for a machine
-                              shared with other busy programs: OpenMP's OMP_WAIT_POLICY=passive)
+                              before they sleep, 0..1000000 (default 1000; 0 sleeps at once, for
+                              a machine shared with other busy programs: OpenMP's
+                              OMP_WAIT_POLICY=passive)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
    MGPU_DIST_TIMEOUT=S        seconds a collective of a job of several processes waits for the
                               other ranks before it names those that did not answer and ends the
-                              job (MPI_Abort) (default 300; 0 waits forever, as MPI does)
+                              job (MPI_Abort) (default 300; 0 waits forever, as MPI does; at least
+                              1, at most 1e9)
    MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
                               NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
-                              also done for a model with verify_every (see >>parallel)
+                              also done for a model with verify_every (see >>parallel); a flag
+                              (1, true, on, yes; 0, false, off, no)
 
    ---------------------------------------------------------------------------------------------
    THREADS
@@ -210,11 +217,16 @@
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
+   Messages: a message longer than mgpu_last_error()'s 1,024 bytes (a 100 kB device spec, a path
+   of 5,000 bytes) loses its middle ("..."), never its end: the op and the reason survive.
+
+   ---------------------------------------------------------------------------------------------
    CONTENTS (grep for the tag; declarations and implementation follow the same order)
    ---------------------------------------------------------------------------------------------
    >>config      version, MGPUDEF, allocator and assert overrides
    >>result      result codes, last error, logger
-   >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range
+   >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range;
+                 the one parser of the MGPU_* settings
    >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation,
                  each device's counters of its work (rows, copies, all-reduces, waits)
    >>memory      caching allocator statistics, empty_cache, pinned host memory
@@ -2355,11 +2367,11 @@ static double mgpu__setting_read_number(const char* name, double min, double max
         return def;
     }
     if (v < min || v > max) {   /* 1e999 too: strtod's HUGE_VAL */
-        const double near = v < min ? min : max;
+        const double nearest = v < min ? min : max;
         snprintf(why, sizeof why, "is outside %.15g..%.15g %s", min, max, unit);
-        snprintf(instead, sizeof instead, "%.15g", near);
+        snprintf(instead, sizeof instead, "%.15g", nearest);
         mgpu__setting_warn(name, why, instead);
-        return near;
+        return nearest;
     }
     return v;
 }

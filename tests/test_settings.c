@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #endif
 
+#ifndef _WIN32   /* the rows run in forked children: POSIX only (one skip says so on Windows) */
 #define CORES (-1.0)   /* the value of MGPU_CPU_THREADS's default: every core (at most 256) */
 #define ERR (-2.0)     /* MGPU_DEVICES: the set is refused, with an error naming the variable */
 
@@ -143,7 +144,6 @@ static double setting_used(const row* r, char* error, size_t size) {
     return -99.0;
 }
 
-#ifndef _WIN32
 /* Runs the row in a child: the value used (and the error, for MGPU_DEVICES) through a pipe, what
    it printed on stderr in `err`. 0 when the child ended well. */
 static int run_row(const row* r, double* used, char* error, size_t error_size, char* err, size_t err_size) {

@@ -44,7 +44,9 @@
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
      seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
    - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. They count the host's calls: the
-     nodes a graph launch replays count nothing. */
+     nodes a graph launch replays count nothing.
+   - MGPU_EMU_STACK_KIB: a kernel thread's stack (default and least 64 KiB, 256 under ASan).
+   - Every setting is read by mgpu.h's rules (setting_number below; docs/guide.md has the ranges). */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
 #include "emu.h"
@@ -163,11 +165,11 @@ double setting_number(const char* name, double min, double max, double def, bool
         return def;
     }
     if (v < min || v > max) {
-        const double near = v < min ? min : max;
+        const double nearest = v < min ? min : max;
         snprintf(why, sizeof why, "is outside %.15g..%.15g %s", min, max, unit);
-        snprintf(instead, sizeof instead, "%.15g", near);
+        snprintf(instead, sizeof instead, "%.15g", nearest);
         setting_warn(name, why, instead);
-        return near;
+        return nearest;
     }
     return v;
 }
