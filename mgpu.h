@@ -2347,7 +2347,7 @@ static double mgpu__setting_read_number(const char* name, double min, double max
     char text[64], *end = NULL, why[160], instead[64];
     double v;
     if (!mgpu__setting_text(name, &at, &len)) return def;
-    for (i = 0; i < len && i < sizeof text - 1; ++i) {   /* decimal only: no inf, nan, hex */
+    for (i = 0; i < len && i < sizeof text - 1; ++i) {   /* decimal only: no inf, nan, hex; 63 characters at most */
         const char c = at[i];
         if (!((c >= '0' && c <= '9') || c == '+' || c == '-' || c == '.' || c == 'e' || c == 'E')) break;
         text[i] = c;
