@@ -8,8 +8,8 @@
 # compiler, its C library or qemu-aarch64, one skip names the Debian packages to install.
 #
 # The suites: test_core, test_io, test_model, test_parallel, test_misuse, test_alloc_faults,
-# test_settings, with the Makefile's flags; test_io with -DHAVE_ZLIB -lz only where an aarch64 zlib links (Debian:
-# zlib1g-dev:arm64), else its gzip checks use the gzip command and the zlib ones report a skip.
+# test_settings, with the Makefile's flags; test_io with -DHAVE_ZLIB -lz only where an aarch64
+# zlib links (Debian: zlib1g-dev:arm64), else its gzip checks use the gzip command and the zlib ones report a skip.
 # MGPU_TEST_UNDER_QEMU=1 lets test_core skip, with the reason, what qemu-user 7.2 cannot run: a
 # forked child of a threaded process starting threads (qemu asserts), and the suite executing
 # itself again through /proc/self/exe (no binfmt_misc: ENOEXEC); that second run is made here.

@@ -7,7 +7,8 @@
 #     need no DLL beyond the system's (KERNEL32, msvcrt: no libwinpthread)
 #   - the CPU suites test_core, test_io, test_model, test_parallel, test_misuse,
 #     test_alloc_faults, test_platform and test_settings (its table skipped: no fork), built as the
-#     Makefile builds them on Linux but -O2 and -static (test_io with zlib only when a MinGW zlib is installed), through tests/run_all.sh
+#     Makefile builds them on Linux but -O2 and -static (test_io with zlib only when a MinGW zlib
+#     is installed), through tests/run_all.sh
 #   - the examples as tests/examples.sh runs them (tour on Fashion-MNIST from DATA_DIR)
 #   - build/train from seed 7 on Fashion-MNIST (MLP on cpu and cpu:3, 2 pipeline stages, the CNN)
 #     against the Linux build/train_plain (cc -std=c99 -O2): the checkpoints equal byte for byte
