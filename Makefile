@@ -297,9 +297,10 @@ mpi: $(MPI_BINS)
 
 # Issue 12's CPU-only suites, outside TESTS (no CUDA or emulated builds of them): the public API
 # misused (test_misuse, also under ASan+UBSan) and every host allocation failing in turn
-# (test_alloc_faults, under ASan+UBSan as well).
+# (test_alloc_faults, under ASan+UBSan as well); issue 37's every MGPU_* setting in every form
+# (test_settings).
 RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_faults $(B)/test_alloc_faults_asan \
-                    $(B)/test_platform $(B)/test_platform_asan
+                    $(B)/test_platform $(B)/test_platform_asan $(B)/test_settings $(B)/test_settings_asan
 
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the

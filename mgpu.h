@@ -146,20 +146,27 @@
    ---------------------------------------------------------------------------------------------
    ENVIRONMENT
    ---------------------------------------------------------------------------------------------
+   Read one way (docs/guide.md's table has each one's range): surrounding spaces ignored, empty
+   is the default; a number is decimal, in its range (beyond: the nearest end), not inf or nan; a
+   flag is 0/1, true/false, on/off, yes/no in any case; anything else warns on stderr (or the log
+   callback), naming the variable, the value and what is used instead, and the job goes on.
    MGPU_DEVICES=spec          what "auto" means (e.g. cpu:4 to try data parallelism on a laptop)
-   MGPU_ALLREDUCE=nccl|p2p|host   the all-reduce backend, where the model asks for AUTO
+   MGPU_ALLREDUCE=nccl|p2p|host|auto   the all-reduce backend, where the model asks for AUTO
    MGPU_P2P=ring|oneshot|auto     force one P2P algorithm
-   MGPU_CPU_THREADS=N         threads of the CPU backend (default: every core)
+   MGPU_CPU_THREADS=N         threads of the CPU backend, 1..256 (default, or 0: every core)
    MGPU_CPU_SPIN_US=N         how long the CPU backend's idle threads watch for the next job
-                              before they sleep (default 1000; 0 sleeps at once, for a machine
-                              shared with other busy programs: OpenMP's OMP_WAIT_POLICY=passive)
+                              before they sleep, 0..1000000 (default 1000; 0 sleeps at once, for
+                              a machine shared with other busy programs: OpenMP's
+                              OMP_WAIT_POLICY=passive)
    MGPU_NCCL_LIBRARY=path     the NCCL library to load (default libnccl.so.2, then libnccl.so)
    MGPU_DIST_TIMEOUT=S        seconds a collective of a job of several processes waits for the
                               other ranks before it names those that did not answer and ends the
-                              job (MPI_Abort) (default 300; 0 waits forever, as MPI does)
+                              job (MPI_Abort) (default 300; 0 waits forever, as MPI does; at least
+                              1, at most 1e9)
    MGPU_DETERMINISTIC=1       NCCL pinned to a fixed summation order: mgpu sets NCCL_ALGO=Ring and
                               NCCL_PROTO=Simple (unless already set) before its NCCL communicators;
-                              also done for a model with verify_every (see >>parallel)
+                              also done for a model with verify_every (see >>parallel); a flag
+                              (1, true, on, yes; 0, false, off, no)
 
    ---------------------------------------------------------------------------------------------
    THREADS
@@ -209,11 +216,16 @@
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
+   Messages: a message longer than mgpu_last_error()'s 1,024 bytes (a 100 kB device spec, a path
+   of 5,000 bytes) loses its middle ("..."), never its end: the op and the reason survive.
+
+   ---------------------------------------------------------------------------------------------
    CONTENTS (grep for the tag; declarations and implementation follow the same order)
    ---------------------------------------------------------------------------------------------
    >>config      version, MGPUDEF, allocator and assert overrides
    >>result      result codes, last error, logger
-   >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range
+   >>threads     (implementation only) the CPU backend's thread pool: parallel_for, parallel_range;
+                 the one parser of the MGPU_* settings
    >>device      CPU and CUDA devices, device sets from spec strings, streams, synchronisation,
                  each device's counters of its work (rows, copies, all-reduces, waits)
    >>memory      caching allocator statistics, empty_cache, pinned host memory
@@ -2079,11 +2091,43 @@ MGPUDEF mgpu_result mgpu_last_result(void) { return mgpu__error_code; }
 MGPUDEF void mgpu_clear_error(void) { mgpu__error_text[0] = 0; mgpu__error_code = MGPU_OK; }
 MGPUDEF void mgpu_log_set_callback(mgpu_log_fn fn, void* user) { mgpu__log_fn = fn; mgpu__log_user = user; }
 
+/* fmt with ap into out (size bytes). A message that does not fit loses its middle, never its
+   end: "mgpu_model_save: cannot write '/a/b...y/z.safetensors': No such file or directory" keeps
+   the op at its start and the reason at its end, whatever a 100 kB device spec or a 5,000-byte
+   path in between. One place for every message (errors, mgpu_fail, warnings), so no call site
+   has to cap its inputs. The cut moves off a UTF-8 sequence's middle. */
+static void mgpu__vformat(char* out, size_t size, const char* fmt, va_list ap) {
+    char first[1024];   /* not out: an argument may point into it (the last error again) */
+    va_list again;
+    int n;
+    va_copy(again, ap);
+    n = vsnprintf(first, sizeof first, fmt, ap);
+    if (n >= 0 && (size_t)n < size && (size_t)n < sizeof first) memcpy(out, first, (size_t)n + 1);
+    else if (n >= 0) {
+        char* all = (char*)MGPU_MALLOC((size_t)n + 1);
+        if (all && vsnprintf(all, (size_t)n + 1, fmt, again) == n && (size_t)n < size) memcpy(out, all, (size_t)n + 1);
+        else if (all) {
+            size_t head = (size - 4) / 2, tail = size - 4 - head;
+            while (head > 0 && ((unsigned char)all[head] & 0xC0) == 0x80) --head;
+            while (tail > 0 && ((unsigned char)all[n - tail] & 0xC0) == 0x80) --tail;
+            memcpy(out, all, head);
+            memcpy(out + head, "...", 3);
+            memcpy(out + head + 3, all + n - tail, tail + 1);
+        } else {   /* no memory for the whole: its start, as vsnprintf cuts */
+            snprintf(out, size, "%s", first);
+        }
+        MGPU_FREE(all);
+    } else {
+        snprintf(out, size, "%s", first);
+    }
+    va_end(again);
+}
+
 static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
     char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    mgpu__vformat(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (mgpu__log_fn) {
         mgpu__log_fn(level, msg, mgpu__log_user);
@@ -2097,7 +2141,7 @@ static void mgpu__log(mgpu_log_level level, const char* fmt, ...) {
 
 /* Record why an operation failed ("mgpu_matmul: ...") and return the code. */
 static mgpu_result mgpu__vfail(mgpu_result r, const char* fmt, va_list ap) {
-    vsnprintf(mgpu__error_text, sizeof mgpu__error_text, fmt, ap);
+    mgpu__vformat(mgpu__error_text, sizeof mgpu__error_text, fmt, ap);
     mgpu__error_code = r;
     if (mgpu__log_fn) mgpu__log_fn(MGPU_LOG_ERROR, mgpu__error_text, mgpu__log_user);
     return r;
@@ -2235,6 +2279,151 @@ static void mgpu__thread_yield(void) { sched_yield(); }
 #endif
 #endif
 
+/* ---- >>impl threads, settings: every MGPU_* environment variable read one way ---- */
+/* A setting is a number (with its range and unit), a flag or one of a few words, read by the
+   functions below and by nothing else:
+   - surrounding spaces are ignored; an empty value (or only spaces) is no value: the default;
+   - a number is decimal ("250", "0.5", "1e3"): not "inf", "nan", "0x10" or "12us"; a whole
+     number where the setting counts something ("2.5" threads is refused); one outside the range
+     is the nearest end of it;
+   - a flag is 0/1, true/false, on/off or yes/no, in any case; a word, one of the setting's own;
+   - anything else is never guessed at: a warning names the variable, the value and what is used
+     instead (once per variable and value in a process: a setting read at every model warns
+     once), and the job goes on.
+   tests/emu/runtime.cpp carries a copy of these rules for the emulator's MGPU_EMU_* variables
+   (tests/emu/test_emu.c checks that the two agree); docs/guide.md lists every variable. */
+#ifndef MGPU_NO_THREADS
+static mgpu__mutex mgpu__setting_lock = MGPU__MUTEX_INIT;
+#endif
+static struct { uint64_t name, value; } mgpu__setting_warned[64];   /* FNV-1a hashes */
+static int mgpu__setting_warned_count;
+
+static int mgpu__setting_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+/* The value of `name` without its surrounding spaces: [*at, *at + *len), and 1; 0 when the
+   variable is unset or empty. */
+static int mgpu__setting_text(const char* name, const char** at, size_t* len) {
+    const char* v = getenv(name);
+    size_t n;
+    if (!v) return 0;
+    while (mgpu__setting_space(*v)) ++v;
+    n = strlen(v);
+    while (n > 0 && mgpu__setting_space(v[n - 1])) --n;
+    *at = v;
+    *len = n;
+    return n > 0;
+}
+
+static uint64_t mgpu__setting_hash(const char* s) {   /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    for (; s && *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+/* Warns "NAME='value' <why>; using <instead>", unless this variable had this value warned about
+   already (the table's 64 entries outlast any program's settings). */
+static void mgpu__setting_warn(const char* name, const char* why, const char* instead) {
+    const char* v = getenv(name);
+    const uint64_t n = mgpu__setting_hash(name), h = mgpu__setting_hash(v);
+    int i, seen = 0;
+#ifndef MGPU_NO_THREADS
+    mgpu__mutex_lock(&mgpu__setting_lock);
+#endif
+    for (i = 0; i < mgpu__setting_warned_count && !seen; ++i)
+        seen = mgpu__setting_warned[i].name == n && mgpu__setting_warned[i].value == h;
+    if (!seen && mgpu__setting_warned_count < (int)(sizeof mgpu__setting_warned / sizeof mgpu__setting_warned[0])) {
+        mgpu__setting_warned[mgpu__setting_warned_count].name = n;
+        mgpu__setting_warned[mgpu__setting_warned_count++].value = h;
+    }
+#ifndef MGPU_NO_THREADS
+    mgpu__mutex_unlock(&mgpu__setting_lock);
+#endif
+    if (!seen) mgpu__log(MGPU_LOG_WARN, "%s='%s' %s; using %s", name, v ? v : "", why, instead);
+}
+
+/* The number `name` gives, in [min, max] (whole when `whole`), or def when it gives none or
+   something that is not one. unit names what it counts, for the warning ("seconds"). */
+static double mgpu__setting_read_number(const char* name, double min, double max, double def, int whole, const char* unit) {
+    const char* at;
+    size_t len, i;
+    char text[64], *end = NULL, why[160], instead[64];
+    double v;
+    if (!mgpu__setting_text(name, &at, &len)) return def;
+    for (i = 0; i < len && i < sizeof text - 1; ++i) {   /* decimal only: no inf, nan, hex; 63 characters at most */
+        const char c = at[i];
+        if (!((c >= '0' && c <= '9') || c == '+' || c == '-' || c == '.' || c == 'e' || c == 'E')) break;
+        text[i] = c;
+    }
+    text[i] = 0;
+    v = i == len ? strtod(text, &end) : 0.0;
+    if (i != len || end != text + len || v != v) {
+        snprintf(why, sizeof why, "is not %s number of %s", whole ? "a whole" : "a", unit);
+        snprintf(instead, sizeof instead, "%.15g", def);
+        mgpu__setting_warn(name, why, instead);
+        return def;
+    }
+    if (whole && v >= min && v <= max && v != floor(v)) {
+        snprintf(why, sizeof why, "is not a whole number of %s", unit);
+        snprintf(instead, sizeof instead, "%.15g", def);
+        mgpu__setting_warn(name, why, instead);
+        return def;
+    }
+    if (v < min || v > max) {   /* 1e999 too: strtod's HUGE_VAL */
+        const double nearest = v < min ? min : max;
+        snprintf(why, sizeof why, "is outside %.15g..%.15g %s", min, max, unit);
+        snprintf(instead, sizeof instead, "%.15g", nearest);
+        mgpu__setting_warn(name, why, instead);
+        return nearest;
+    }
+    return v;
+}
+static double mgpu__setting_number(const char* name, double min, double max, double def, const char* unit) {
+    return mgpu__setting_read_number(name, min, max, def, 0, unit);
+}
+static long mgpu__setting_whole(const char* name, long min, long max, long def, const char* unit) {
+    return (long)mgpu__setting_read_number(name, (double)min, (double)max, (double)def, 1, unit);
+}
+
+/* Whether `s` (n bytes) is `word`, in any case. */
+static int mgpu__setting_is(const char* s, size_t n, const char* word) {
+    size_t i;
+    for (i = 0; i < n; ++i) {
+        const char a = s[i] >= 'A' && s[i] <= 'Z' ? (char)(s[i] - 'A' + 'a') : s[i];
+        if (!word[i] || a != word[i]) return 0;
+    }
+    return word[n] == 0;
+}
+
+/* The index of the word `name` gives among words[0..count-1], or def (no value, or another
+   word). */
+static int mgpu__setting_choice(const char* name, const char* const* words, int count, int def) {
+    const char* at;
+    size_t len, used = 0;
+    char why[160];
+    int i;
+    if (!mgpu__setting_text(name, &at, &len)) return def;
+    for (i = 0; i < count; ++i)
+        if (mgpu__setting_is(at, len, words[i])) return i;
+    used = (size_t)snprintf(why, sizeof why, "is not");
+    for (i = 0; i < count && used < sizeof why; ++i)
+        used += (size_t)snprintf(why + used, sizeof why - used, "%s %s", i == 0 ? "" : i == count - 1 ? " or" : ",", words[i]);
+    mgpu__setting_warn(name, why, words[def]);
+    return def;
+}
+
+/* A flag: 1 for 1/true/on/yes, 0 for 0/false/off/no (any case), def otherwise. */
+static int mgpu__setting_flag(const char* name, int def) {
+    static const char* const words[8] = { "0", "1", "false", "true", "off", "on", "no", "yes" };
+    const char* at;
+    size_t len;
+    int i;
+    if (!mgpu__setting_text(name, &at, &len)) return def;
+    for (i = 0; i < 8; ++i)
+        if (mgpu__setting_is(at, len, words[i])) return i % 2;
+    mgpu__setting_warn(name, "is not 0/1, true/false, on/off or yes/no", def ? "1 (on)" : "0 (off)");
+    return def;
+}
+
 /* Cores this process may run on: every logical processor of every group on Windows, the online
    ones on POSIX; 0 when the system does not say. */
 static long mgpu__core_count(void) {
@@ -2252,11 +2441,11 @@ static int mgpu__cpu_thread_count;   /* 0 until first asked */
 
 MGPUDEF void mgpu_cpu_set_threads(int n) { mgpu__cpu_thread_count = n > 0 ? n : 1; }
 MGPUDEF int mgpu_cpu_threads(void) {
-    if (mgpu__cpu_thread_count <= 0) {
-        const char* env = getenv("MGPU_CPU_THREADS");
-        long n = env ? strtol(env, NULL, 10) : 0;
-        if (n <= 0) n = mgpu__core_count();
-        mgpu__cpu_thread_count = n > 0 ? (int)MGPU__MIN(n, 256) : 1;
+    if (mgpu__cpu_thread_count <= 0) {   /* MGPU_CPU_THREADS: 1..256, 0 (or none) for every core */
+        const long cores = MGPU__MIN(mgpu__core_count(), 256);
+        long n = mgpu__setting_whole("MGPU_CPU_THREADS", 0, 256, cores, "threads (0: every core)");
+        if (n <= 0) n = cores;
+        mgpu__cpu_thread_count = n > 0 ? (int)n : 1;
     }
     return mgpu__cpu_thread_count;
 }
@@ -2284,22 +2473,10 @@ typedef struct mgpu__pool {
 static mgpu__pool mgpu__the_pool = { MGPU__MUTEX_INIT, MGPU__COND_INIT,
                                      MGPU__COND_INIT, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0 };
 
-/* Seconds of watching before a sleep: MGPU_CPU_SPIN_US (whole microseconds), read once, on the
-   first job (mgpu__pool_setup). */
+/* Seconds of watching before a sleep: MGPU_CPU_SPIN_US (whole microseconds, at most a second),
+   read once, on the first job (mgpu__pool_setup). */
 static double mgpu__pool_spin_from_env(void) {
-    const char* env = getenv("MGPU_CPU_SPIN_US");
-    char* end = NULL;
-    long us = MGPU__POOL_SPIN_US_DEFAULT;
-    if (env && *env) {
-        errno = 0;
-        us = strtol(env, &end, 10);
-        if (errno || *end || us < 0) {
-            mgpu__log(MGPU_LOG_WARN, "MGPU_CPU_SPIN_US='%s' is not a whole number of microseconds >= 0; using %d",
-                      env, MGPU__POOL_SPIN_US_DEFAULT);
-            us = MGPU__POOL_SPIN_US_DEFAULT;
-        }
-    }
-    return (double)MGPU__MIN(us, 1000000L) * 1e-6;   /* at most a second */
+    return (double)mgpu__setting_whole("MGPU_CPU_SPIN_US", 0, 1000000L, MGPU__POOL_SPIN_US_DEFAULT, "microseconds") * 1e-6;
 }
 /* set once, before any worker starts (tests change it under the pool's lock) */
 static double mgpu__pool_spin = MGPU__POOL_SPIN_US_DEFAULT * 1e-6;
@@ -2519,7 +2696,7 @@ struct mgpu_device {
 struct mgpu_device_set {
     int count;
     mgpu_device** devices;
-    char spec[256];
+    char spec[8 + 256 * 8];       /* "cuda:" and 256 ordinals (MGPU__MAX_REPLICAS) below 1000000, with commas */
     int models, allreduces;       /* users, under devices[0]'s allocator lock (LIFETIMES) */
 };
 
@@ -2754,7 +2931,8 @@ static int mgpu__parse_list(const char* s, int* out, int max) {
         long v;
         if (*s < '0' || *s > '9') return -1;
         v = strtol(s, &end, 10);
-        if (v > 1000000 || n == max) return -1;
+        if (v > 1000000) return -1;
+        if (n == max) return -2;   /* more than max: said apart, with the limit */
         out[n++] = (int)v;
         s = end;
         if (*s == ',') { ++s; if (!*s) return -1; }
@@ -2782,11 +2960,17 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
     static const char* op = "mgpu_device_set_create";
     const char* s = spec ? spec : "auto";
     const char* from = "";   /* where the spec came from, for the messages */
+    char trimmed[16 + MGPU__MAX_REPLICAS * 8];   /* MGPU_DEVICES without its surrounding spaces */
     int cuda_count = 0, i, rc;
     memset(plan, 0, sizeof *plan);
     if (strcmp(s, "auto") == 0 || !*s) {
-        const char* env = getenv("MGPU_DEVICES");
-        if (env && *env && strcmp(env, "auto") != 0) { s = env; from = " (from MGPU_DEVICES)"; }
+        const char* env;
+        size_t len;
+        if (mgpu__setting_text("MGPU_DEVICES", &env, &len)) {   /* a longer one is no spec: said as given */
+            if (len < sizeof trimmed) { memcpy(trimmed, env, len); trimmed[len] = 0; env = trimmed; }
+            else env = getenv("MGPU_DEVICES");
+            if (strcmp(env, "auto") != 0) { s = env; from = " (from MGPU_DEVICES)"; }
+        }
     }
     rc = MGPU__CUDA(mgpu__cu_device_count(&cuda_count));
     if (rc != 0) cuda_count = 0;
@@ -2820,6 +3004,9 @@ static mgpu_result mgpu__device_plan_from_spec(const char* spec, mgpu__device_pl
     plan->cuda = 1;
     /* the syntax first: a malformed spec is reported as such on a machine without a GPU too */
     plan->count = s[4] == 0 ? 0 : mgpu__parse_list(s + 5, plan->ordinals, MGPU__MAX_REPLICAS);
+    if (plan->count == -2)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: device spec '%s'%s names more than %d devices, the most a set has",
+                          op, s, from, MGPU__MAX_REPLICAS);
     if (s[4] != 0 && plan->count <= 0)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: bad device spec '%s'%s (want cuda, cuda:0 or cuda:0,1,...)",
                           op, s, from);
@@ -2903,7 +3090,7 @@ MGPUDEF mgpu_device_set* mgpu_device_set_create(const char* spec) {
     if (!plan.cuda) snprintf(set->spec, sizeof set->spec, plan.count == 1 ? "cpu" : "cpu:%d", plan.count);
     else {
         size_t len = (size_t)snprintf(set->spec, sizeof set->spec, "cuda:");
-        for (i = 0; i < plan.count && len + 12 < sizeof set->spec; ++i)
+        for (i = 0; i < plan.count && len + 9 < sizeof set->spec; ++i)
             len += (size_t)snprintf(set->spec + len, sizeof set->spec - len, i ? ",%d" : "%d", plan.ordinals[i]);
     }
     if (mgpu__live_add(set, MGPU__LIVE_SET, "mgpu_device_set_create") != MGPU_OK) return mgpu__device_set_fail_free(set);
@@ -7128,22 +7315,17 @@ MGPUDEF void mgpu_allreduce_destroy(mgpu_allreduce* ar) {
 }
 
 static mgpu_allreduce_kind mgpu__allreduce_from_env(mgpu_allreduce_kind kind) {
-    const char* env = getenv("MGPU_ALLREDUCE");
-    if (kind != MGPU_ALLREDUCE_AUTO || !env || !*env) return kind;
-    if (!strcmp(env, "nccl")) return MGPU_ALLREDUCE_NCCL;
-    if (!strcmp(env, "p2p")) return MGPU_ALLREDUCE_P2P;
-    if (!strcmp(env, "host")) return MGPU_ALLREDUCE_HOST;
-    mgpu__log(MGPU_LOG_WARN, "MGPU_ALLREDUCE='%s' is not nccl, p2p or host; choosing automatically", env);
-    return kind;
+    static const char* const words[4] = { "auto", "nccl", "p2p", "host" };
+    static const mgpu_allreduce_kind kinds[4] = { MGPU_ALLREDUCE_AUTO, MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P,
+                                                  MGPU_ALLREDUCE_HOST };
+    if (kind != MGPU_ALLREDUCE_AUTO) return kind;
+    return kinds[mgpu__setting_choice("MGPU_ALLREDUCE", words, 4, 0)];
 }
 
 static mgpu__p2p_choice mgpu__p2p_choice_from_env(void) {
-    const char* env = getenv("MGPU_P2P");
-    if (!env || !*env || !strcmp(env, "auto")) return MGPU__P2P_AUTO;
-    if (!strcmp(env, "ring")) return MGPU__P2P_RING;
-    if (!strcmp(env, "oneshot")) return MGPU__P2P_ONESHOT;
-    mgpu__log(MGPU_LOG_WARN, "MGPU_P2P='%s' is not ring, oneshot or auto; choosing automatically", env);
-    return MGPU__P2P_AUTO;
+    static const char* const words[3] = { "auto", "ring", "oneshot" };
+    static const mgpu__p2p_choice choices[3] = { MGPU__P2P_AUTO, MGPU__P2P_RING, MGPU__P2P_ONESHOT };
+    return choices[mgpu__setting_choice("MGPU_P2P", words, 3, 0)];
 }
 
 /* NCCL picks an algorithm (ring, tree, NVLS, CollNet) and a protocol (LL, LL128, Simple) per call
@@ -7153,10 +7335,7 @@ static mgpu__p2p_choice mgpu__p2p_choice_from_env(void) {
    NCCL_ALGO=Ring and NCCL_PROTO=Simple, before the communicators are made, unless the user set
    them. NCCL reads them at its first initialisation in a process, so this holds when mgpu makes
    the process's first NCCL communicator. */
-static int mgpu__deterministic_from_env(void) {
-    const char* env = getenv("MGPU_DETERMINISTIC");
-    return env && *env && strcmp(env, "0") != 0;
-}
+static int mgpu__deterministic_from_env(void) { return mgpu__setting_flag("MGPU_DETERMINISTIC", 0); }
 static void mgpu__nccl_pin(void) {
 #if defined(__unix__) || defined(__APPLE__)
     static const char* const names[2] = {"NCCL_ALGO", "NCCL_PROTO"};
@@ -7544,7 +7723,6 @@ static float* mgpu__dist_buffer(int which, size_t floats) {
    srun returns; a checkpoint saved before is whole (saves are atomic). Pairs rather than MPI's
    collectives because then the ranks that did not answer are known; the sums add the same
    numbers in the same order, so the bits are those of MPI_Alltoallv and MPI_Allgatherv. */
-#define MGPU__DIST_TIMEOUT_DEFAULT 300.0
 enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER };
 static struct {
     MPI_Request* req;   /* 2 (P - 1): a send to and a receive from every other rank */
@@ -7620,21 +7798,21 @@ static void mgpu__dist_wait(const char* collective) {
     mgpu__dist_posts.count = 0;
 }
 
-/* MGPU_DIST_TIMEOUT: seconds (a decimal number, 0 for no timeout), read by mgpu_dist_init. */
+#endif
+
+/* MGPU_DIST_TIMEOUT: seconds (a decimal number, 0 for no timeout), read by mgpu_dist_init (the
+   MPI build; compiled in every build, so that tests/test_settings.c checks it). At least
+   MGPU__DIST_TIMEOUT_MIN: 1e-6 would end a healthy job at its first collective that waits. */
+#define MGPU__DIST_TIMEOUT_DEFAULT 300.0
+#define MGPU__DIST_TIMEOUT_MIN 1.0
 static double mgpu__dist_timeout_from_env(void) {
-    const char* env = getenv("MGPU_DIST_TIMEOUT");
-    char* end = NULL;
-    double t;
-    if (!env || !*env) return MGPU__DIST_TIMEOUT_DEFAULT;
-    t = strtod(env, &end);
-    if (*end || !(t >= 0.0) || t > 1e9) {
-        mgpu__log(MGPU_LOG_WARN, "MGPU_DIST_TIMEOUT='%s' is not a number of seconds >= 0; using %g", env,
-                  MGPU__DIST_TIMEOUT_DEFAULT);
-        return MGPU__DIST_TIMEOUT_DEFAULT;
+    double t = mgpu__setting_number("MGPU_DIST_TIMEOUT", 0.0, 1e9, MGPU__DIST_TIMEOUT_DEFAULT, "seconds");
+    if (t > 0.0 && t < MGPU__DIST_TIMEOUT_MIN) {
+        mgpu__setting_warn("MGPU_DIST_TIMEOUT", "is below the least timeout, 1 s (0: none)", "1");
+        t = MGPU__DIST_TIMEOUT_MIN;
     }
     return t;
 }
-#endif
 
 /* What the collectives of a distributed model's call report if they time out. */
 static void mgpu__dist_doing(const char* op, int64_t step) {
@@ -7694,6 +7872,7 @@ MGPUDEF mgpu_result mgpu_dist_init(int* argc, char*** argv) {
 #else
     (void)argc;
     (void)argv;
+    (void)mgpu__dist_timeout_from_env;   /* MPI's */
 #endif
     return MGPU_OK;
 }
@@ -9016,7 +9195,8 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
     /* a job's GPUs sum across processes through these too (mgpu__model_join), one replica or more */
     const int across = desc->distributed && mgpu__dist.size > 1 && m->part[0].dev->kind == MGPU_DEVICE_CUDA;
     /* a graph holds the P2P all-reduce, not NCCL across the GPUs of one process: what AUTO means then */
-    const mgpu_allreduce_kind kind = desc->graph && desc->allreduce == MGPU_ALLREDUCE_AUTO && !getenv("MGPU_ALLREDUCE") && !across &&
+    const mgpu_allreduce_kind kind = desc->graph && desc->allreduce == MGPU_ALLREDUCE_AUTO &&
+                                     mgpu__allreduce_from_env(MGPU_ALLREDUCE_AUTO) == MGPU_ALLREDUCE_AUTO && !across &&
                                      m->part[0].dev->kind == MGPU_DEVICE_CUDA ? MGPU_ALLREDUCE_P2P : desc->allreduce;
     for (s = 0; s < m->stage_count && (m->replica_count > 1 || across); ++s) {
         mgpu_device* devs[MGPU__MAX_REPLICAS];

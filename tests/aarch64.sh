@@ -7,9 +7,9 @@
 # AARCH64_CC, QEMU_AARCH64 and CC (the x86 compiler) may name other programs. Without the cross
 # compiler, its C library or qemu-aarch64, one skip names the Debian packages to install.
 #
-# The suites: test_core, test_io, test_model, test_parallel, test_misuse, test_alloc_faults, with
-# the Makefile's flags; test_io with -DHAVE_ZLIB -lz only where an aarch64 zlib links (Debian:
-# zlib1g-dev:arm64), else its gzip checks use the gzip command and the zlib ones report a skip.
+# The suites: test_core, test_io, test_model, test_parallel, test_misuse, test_alloc_faults,
+# test_settings, with the Makefile's flags; test_io with -DHAVE_ZLIB -lz only where an aarch64
+# zlib links (Debian: zlib1g-dev:arm64), else its gzip checks use the gzip command and the zlib ones report a skip.
 # MGPU_TEST_UNDER_QEMU=1 lets test_core skip, with the reason, what qemu-user 7.2 cannot run: a
 # forked child of a threaded process starting threads (qemu asserts), and the suite executing
 # itself again through /proc/self/exe (no binfmt_misc: ENOEXEC); that second run is made here.
@@ -86,7 +86,7 @@ for std in "-std=c99" "-std=c11 -pedantic"; do
         fail "$acc $std -Wall -Wextra -Werror: $(printf '%s\n' "$log" | head -n 3)"
     fi
 done
-suites="test_core test_io test_model test_parallel test_misuse test_alloc_faults"
+suites="test_core test_io test_model test_parallel test_misuse test_alloc_faults test_settings"
 tb=$(date +%s)
 for t in $suites; do
     if [ $t = test_io ]; then

@@ -2914,10 +2914,11 @@ static void test_pool_spin(void) {
     mgpu__mutex_lock(&mgpu__the_pool.lock);
     mgpu__pool_spin = saved_spin;
     mgpu__mutex_unlock(&mgpu__the_pool.lock);
-    {   /* the variable read: whole microseconds, at most a second; anything else warns and gives 1 ms */
+    {   /* the variable read: whole microseconds, 0 to a second (beyond: the nearest end, with a
+           warning); what is no such number warns and gives 1 ms (tests/test_settings.c has all forms) */
         static const struct { const char* text; double seconds; int warns; } cases[] = {
-            { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5000000", 1.0, 0 }, { "", 1e-3, 0 }, { "fast", 1e-3, 1 },
-            { "-3", 1e-3, 1 }, { "12us", 1e-3, 1 }, { "0.5", 1e-3, 1 }, { "99999999999999999999999", 1e-3, 1 } };
+            { "0", 0.0, 0 }, { "250", 250e-6, 0 }, { "5000000", 1.0, 1 }, { "", 1e-3, 0 }, { "fast", 1e-3, 1 },
+            { "-3", 0.0, 1 }, { "12us", 1e-3, 1 }, { "0.5", 1e-3, 1 }, { "99999999999999999999999", 1.0, 1 } };
         char* kept = env ? strdup(env) : NULL;
         log_capture cap;
         size_t i;

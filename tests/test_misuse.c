@@ -10,6 +10,9 @@
                 destroy, refused
      devices    tensors of two CPU devices of a set given to one op or to a replica: refused as
                 two GPUs' are, with the same message
+     long_inputs  a 100 kB device spec, a 5,000-byte path, a long warning: the message (1,024
+                bytes) loses the middle of the input, never its reason at the end; more than 256
+                devices say the limit
    Usage: build/test_misuse [GROUP] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -685,6 +688,139 @@ static void test_devices(void) {
     mgpu_device_set_destroy(set);
 }
 
+/* ---- long inputs: the message keeps its start (the op) and its end (the reason) ---- */
+static int ends_with(const char* s, const char* tail) {
+    const size_t n = strlen(s), t = strlen(tail);
+    return n >= t && strcmp(s + n - t, tail) == 0;
+}
+/* The message ends with the reason: the system's words for this path (POSIX); on Windows, whose
+   words for a long path vary, some words after the path's end ("m.safetensors...: Path not found"). */
+static int ends_with_reason(const char* s, const char* reason) {
+#ifdef _WIN32
+    const char *p = strstr(s, "m.safetensors"), *q;
+    (void)reason;
+    while (p && (q = strstr(p + 1, "m.safetensors")) != NULL) p = q;
+    return p && (q = strstr(p, ": ")) != NULL && q[2] != 0;
+#else
+    return ends_with(s, reason);
+#endif
+}
+/* whole UTF-8 sequences only: the cut in the middle never splits a character */
+static int utf8_whole(const char* s) {
+    const unsigned char* p = (const unsigned char*)s;
+    while (*p) {
+        int more = *p < 0x80 ? 0 : (*p & 0xE0) == 0xC0 ? 1 : (*p & 0xF0) == 0xE0 ? 2 : (*p & 0xF8) == 0xF0 ? 3 : -1;
+        if (more < 0) return 0;
+        for (++p; more > 0; --more, ++p)
+            if ((*p & 0xC0) != 0x80) return 0;
+    }
+    return 1;
+}
+/* The last error: shortened (at most 1,023 bytes, with "..." in it), from `op`, ending in `reason`
+   (EXPECT_SHORTENED) or in the reason for a path (EXPECT_SHORTENED_PATH). */
+#define EXPECT_SHORTENED_BY(what, op, reason, ends)                                                           \
+    CHECK(strlen(mgpu_last_error()) <= 1023 && strncmp(mgpu_last_error(), op, strlen(op)) == 0 &&              \
+              strstr(mgpu_last_error(), "...") && ends(mgpu_last_error(), reason) && utf8_whole(mgpu_last_error()), \
+          "%s: want '%s: ...%s' in at most 1,023 bytes, got %u bytes '%s'", what, op, reason,                        \
+          (unsigned)strlen(mgpu_last_error()), mgpu_last_error())
+#define EXPECT_SHORTENED(what, op, reason) EXPECT_SHORTENED_BY(what, op, reason, ends_with)
+#define EXPECT_SHORTENED_PATH(what, op, reason) EXPECT_SHORTENED_BY(what, op, reason, ends_with_reason)
+
+static char g_warning[2048];
+static void keep_warning(mgpu_log_level level, const char* message, void* user) {
+    (void)user;
+    if (level == MGPU_LOG_WARN) snprintf(g_warning, sizeof g_warning, "%s", message);
+}
+
+static void test_long_inputs(void) {
+    static char spec[100 * 1000 + 16], path[5200];
+    const size_t spec_len = 100 * 1000;
+    mgpu_model* m = small_model(NULL);
+    mgpu_tokens* tokens = mgpu_tokens_from_text("README.md");
+    char reason[256];
+    size_t i;
+    header("long inputs");
+    /* device specs of 100 kB: the rule the spec broke survives */
+    memcpy(spec, "cpu:", 4);
+    memset(spec + 4, '1', spec_len);
+    spec[4 + spec_len] = 0;
+    EXPECT_NULL(mgpu_device_set_create(spec), "mgpu_device_set_create");
+    EXPECT_SHORTENED("cpu:111...", "mgpu_device_set_create: bad device spec 'cpu:111", "' (cpu:N wants 1 <= N <= 256)");
+    memset(spec, 'x', spec_len);
+    spec[spec_len] = 0;
+    EXPECT_NULL(mgpu_device_set_create(spec), "mgpu_device_set_create");
+    EXPECT_SHORTENED("xxx...", "mgpu_device_set_create: unknown device spec 'xxx", "' (want auto, cpu, cpu:N, cuda, cuda:0,1,...)");
+    spec[20000] = 0;   /* Windows' variables hold at most 32,767 characters */
+    test_setenv("MGPU_DEVICES", spec);
+    EXPECT_NULL(mgpu_device_set_create("auto"), "mgpu_device_set_create");
+    EXPECT_SHORTENED("MGPU_DEVICES=xxx...", "mgpu_device_set_create: unknown device spec 'xxx",
+                     "' (from MGPU_DEVICES) (want auto, cpu, cpu:N, cuda, cuda:0,1,...)");
+    test_unsetenv("MGPU_DEVICES");
+    /* 257 devices: the limit said */
+    strcpy(spec, "cuda:0");
+    for (i = 1; i < 257; ++i) strcat(spec, ",0");
+    EXPECT_NULL(mgpu_device_set_create(spec), "mgpu_device_set_create");
+    CHECK(ends_with(mgpu_last_error(), "names more than 256 devices, the most a set has"), "257 GPUs: '%s'", mgpu_last_error());
+    EXPECT_NULL(mgpu_device_set_create("cpu:257"), "mgpu_device_set_create");
+    CHECK(strstr(mgpu_last_error(), "1 <= N <= 256") != NULL, "cpu:257: '%s'", mgpu_last_error());
+    {   /* 256 CPU replicas are a set (its resolved spec: tests/emu/test_emu.c's "long spec" for 256 GPUs) */
+        mgpu_device_set* set = mgpu_device_set_create("cpu:256");
+        CHECK(set && mgpu_device_set_count(set) == 256 && !strcmp(mgpu_device_set_spec(set), "cpu:256"), "cpu:256: %s",
+              set ? mgpu_device_set_spec(set) : mgpu_last_error());
+        mgpu_device_set_destroy(set);
+    }
+    /* a path of 5,000 bytes, in folders of 49 'a's (with a 2-byte character among them) under a
+       missing one: every call that takes a path says why it failed */
+    snprintf(path, sizeof path, "%smgpu_no_such_folder_%ld/", test_tmp_base(), test_getpid());
+    for (i = strlen(path); i < 5000; ++i) path[i] = i % 50 == 49 ? '/' : 'a';
+    memcpy(path + 2500, "\xc3\xa9", 2);   /* U+00E9 */
+    strcpy(path + 5000, "m.safetensors");
+    {
+        FILE* f = fopen(path, "rb");   /* the reason the system gives for this path */
+        snprintf(reason, sizeof reason, "': %s", strerror(errno));
+        if (f) fclose(f);
+    }
+    CHECK(m != NULL && tokens != NULL, "a model and tokens: %s", mgpu_last_error());
+    if (m && tokens) {
+        EXPECT_FAIL(mgpu_model_load(m, NULL, path), "mgpu_model_load");
+        EXPECT_SHORTENED_PATH("load", "mgpu_model_load: cannot open '", reason);
+        EXPECT_NULL(mgpu_safetensors_open(path), "mgpu_safetensors_open");
+        EXPECT_SHORTENED_PATH("safetensors", "mgpu_safetensors_open: cannot open '", reason);
+        EXPECT_NULL(mgpu_tokens_load(path), "mgpu_tokens_load");
+        EXPECT_SHORTENED_PATH("tokens", "mgpu_tokens_load: cannot open '", reason);
+        EXPECT_NULL(mgpu_tokens_from_text(path), "mgpu_tokens_from_text");
+        EXPECT_SHORTENED_PATH("text", "mgpu_tokens_from_text: cannot open '", reason);
+        EXPECT_NULL(mgpu_dataset_load_idx(path, path), "mgpu_dataset_load_idx");
+        EXPECT_SHORTENED_PATH("idx", "mgpu_dataset_load_idx: cannot open '", reason);
+        /* writes name their temporary file beside the target, and the reason after it */
+        EXPECT_FAIL(mgpu_model_save(m, NULL, path), "mgpu_model_save");
+        EXPECT_SHORTENED_PATH("save", "mgpu_model_save: ", reason + 1);
+        EXPECT_FAIL(mgpu_tokens_save(tokens, path), "mgpu_tokens_save");
+        EXPECT_SHORTENED_PATH("tokens save", "mgpu_tokens_save: ", reason + 1);
+        CHECK(mgpu_model_trace_start(m) == MGPU_OK, "trace start: %s", mgpu_last_error());
+        EXPECT_FAIL(mgpu_model_trace_stop(m, path), "mgpu_model_trace_stop");
+        CHECK(strlen(mgpu_last_error()) <= 1023 && strstr(mgpu_last_error(), "...") && strstr(mgpu_last_error(), "m.safetensors") &&
+                  utf8_whole(mgpu_last_error()),
+              "trace: the path's end and what follows it survive: '%s'", mgpu_last_error());
+        /* an error re-prefixed with where it happened keeps its end too */
+        mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "my_layer: %s: the reason", path);
+        mgpu__refail("mgpu_model_train_step");
+        EXPECT_SHORTENED("refail", "mgpu_model_train_step: my_layer: ", ": the reason");
+    }
+    /* a warning with a long value: the log line keeps what is used instead */
+    memset(spec, 'x', 3000);
+    spec[3000] = 0;
+    test_setenv("MGPU_DETERMINISTIC", spec);
+    mgpu_log_set_callback(keep_warning, NULL);
+    CHECK(mgpu__deterministic_from_env() == 0 && strlen(g_warning) <= 1023 && strstr(g_warning, "MGPU_DETERMINISTIC='xxx") &&
+              strstr(g_warning, "...") && ends_with(g_warning, "xxx' is not 0/1, true/false, on/off or yes/no; using 0 (off)"),
+          "a 3,000-byte MGPU_DETERMINISTIC: '%s'", g_warning);
+    mgpu_log_set_callback(NULL, NULL);
+    test_unsetenv("MGPU_DETERMINISTIC");
+    mgpu_tokens_destroy(tokens);
+    mgpu_model_destroy(m);
+}
+
 int main(int argc, char** argv) {
     (void)test_rel_error;   /* test.h's, unused here */
     test_start("test_misuse");
@@ -697,5 +833,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_owned());
     TEST_GROUP(test_double_destroy());
     TEST_GROUP(test_devices());
+    TEST_GROUP(test_long_inputs());
     return test_summary("test_misuse");
 }

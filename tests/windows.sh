@@ -6,8 +6,9 @@
 #     each also linked and run; and a plain "gcc -std=c99 examples/hello.c" build, which must
 #     need no DLL beyond the system's (KERNEL32, msvcrt: no libwinpthread)
 #   - the CPU suites test_core, test_io, test_model, test_parallel, test_misuse,
-#     test_alloc_faults and test_platform, built as the Makefile builds them on Linux but -O2 and
-#     -static (test_io with zlib only when a MinGW zlib is installed), through tests/run_all.sh
+#     test_alloc_faults, test_platform and test_settings (its table skipped: no fork), built as the
+#     Makefile builds them on Linux but -O2 and -static (test_io with zlib only when a MinGW zlib
+#     is installed), through tests/run_all.sh
 #   - the examples as tests/examples.sh runs them (tour on Fashion-MNIST from DATA_DIR)
 #   - build/train from seed 7 on Fashion-MNIST (MLP on cpu and cpu:3, 2 pipeline stages, the CNN)
 #     against the Linux build/train_plain (cc -std=c99 -O2): the checkpoints equal byte for byte
@@ -128,7 +129,7 @@ if printf '#include <zlib.h>\nint main(void){return zlibVersion()[0] == 0;}\n' |
 fi
 rm -f "$w/zlib_probe.exe"
 set --
-for t in test_core test_io test_model test_parallel test_misuse test_alloc_faults test_platform; do
+for t in test_core test_io test_model test_parallel test_misuse test_alloc_faults test_platform test_settings; do
     extra=; libs=
     if [ $t = test_io ] && [ -n "$zlib_flags" ]; then extra=$zlib_flags; libs=-lz; fi
     # shellcheck disable=SC2086

@@ -49,6 +49,12 @@ void mgpu_emu_count_collective(void);
 /* Waits on cv-like state with the emulator's timeout; aborts with `what` if it runs out. */
 double mgpu_emu_timeout_seconds(void);
 
+/* The emulator's copy of mgpu.h's settings parser (mgpu__setting_number, mgpu__setting_whole when
+   whole != 0, mgpu__setting_flag), for test_emu to check that the two agree; its warnings go to
+   stderr as "mgpu-emu: NAME='value' why; using X". */
+double mgpu_emu_setting_number(const char* name, double min, double max, double def, int whole, const char* unit);
+int mgpu_emu_setting_flag(const char* name, int def);
+
 #ifdef __cplusplus
 }
 #endif

@@ -44,7 +44,9 @@
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
      seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
    - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. They count the host's calls: the
-     nodes a graph launch replays count nothing. */
+     nodes a graph launch replays count nothing.
+   - MGPU_EMU_STACK_KIB: a kernel thread's stack (default and least 64 KiB, 256 under ASan).
+   - Every setting is read by mgpu.h's rules (setting_number below; docs/guide.md has the ranges). */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
 #include "emu.h"
@@ -59,6 +61,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -66,6 +69,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -104,9 +108,92 @@ struct config {
     bool print_counters = false;
 };
 
-long env_long(const char* name, long def) {
+// The emulator's settings, read by mgpu.h's rules (>>impl threads, settings), of which this is a
+// copy (runtime.cpp is C++ built apart from the header): surrounding spaces ignored, an empty value
+// is the default; a decimal number only (no inf, nan, hex, "12us"), whole where it counts
+// something, one outside the range is the nearest end; flags 0/1, true/false, on/off, yes/no in any
+// case; anything else warns once per variable and value ("mgpu-emu: NAME='v' why; using X") and
+// the default is used. test_emu checks that this copy and the header's agree, row by row.
+bool setting_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+bool setting_text(const char* name, const char** at, size_t* len) {
     const char* v = getenv(name);
-    return v && *v ? strtol(v, nullptr, 10) : def;
+    if (!v) return false;
+    while (setting_space(*v)) ++v;
+    size_t n = strlen(v);
+    while (n > 0 && setting_space(v[n - 1])) --n;
+    *at = v;
+    *len = n;
+    return n > 0;
+}
+
+void setting_warn(const char* name, const char* why, const char* instead) {
+    static std::mutex lock;
+    static std::set<std::pair<std::string, uint64_t>> warned;
+    const char* v = getenv(name);
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; v && v[i]; ++i) h = (h ^ (unsigned char)v[i]) * 1099511628211ull;
+    {
+        std::lock_guard<std::mutex> hold(lock);
+        if (!warned.insert(std::make_pair(std::string(name), h)).second) return;
+    }
+    fprintf(stderr, "mgpu-emu: %s='%s' %s; using %s\n", name, v ? v : "", why, instead);
+}
+
+double setting_number(const char* name, double min, double max, double def, bool whole, const char* unit) {
+    const char* at;
+    size_t len, i;
+    char text[64], *end = nullptr, why[160], instead[64];
+    if (!setting_text(name, &at, &len)) return def;
+    for (i = 0; i < len && i < sizeof text - 1; ++i) {   // decimal only: no inf, nan, hex; 63 characters at most
+        const char c = at[i];
+        if (!((c >= '0' && c <= '9') || c == '+' || c == '-' || c == '.' || c == 'e' || c == 'E')) break;
+        text[i] = c;
+    }
+    text[i] = 0;
+    const double v = i == len ? strtod(text, &end) : 0.0;
+    if (i != len || end != text + len || v != v) {
+        snprintf(why, sizeof why, "is not %s number of %s", whole ? "a whole" : "a", unit);
+        snprintf(instead, sizeof instead, "%.15g", def);
+        setting_warn(name, why, instead);
+        return def;
+    }
+    if (whole && v >= min && v <= max && v != floor(v)) {
+        snprintf(why, sizeof why, "is not a whole number of %s", unit);
+        snprintf(instead, sizeof instead, "%.15g", def);
+        setting_warn(name, why, instead);
+        return def;
+    }
+    if (v < min || v > max) {
+        const double nearest = v < min ? min : max;
+        snprintf(why, sizeof why, "is outside %.15g..%.15g %s", min, max, unit);
+        snprintf(instead, sizeof instead, "%.15g", nearest);
+        setting_warn(name, why, instead);
+        return nearest;
+    }
+    return v;
+}
+long setting_whole(const char* name, long min, long max, long def, const char* unit) {
+    return (long)setting_number(name, (double)min, (double)max, (double)def, true, unit);
+}
+
+bool setting_is(const char* s, size_t n, const char* word) {
+    for (size_t i = 0; i < n; ++i) {
+        const char a = s[i] >= 'A' && s[i] <= 'Z' ? (char)(s[i] - 'A' + 'a') : s[i];
+        if (!word[i] || a != word[i]) return false;
+    }
+    return word[n] == 0;
+}
+
+bool setting_flag(const char* name, bool def) {
+    static const char* const words[8] = {"0", "1", "false", "true", "off", "on", "no", "yes"};
+    const char* at;
+    size_t len;
+    if (!setting_text(name, &at, &len)) return def;
+    for (int i = 0; i < 8; ++i)
+        if (setting_is(at, len, words[i])) return i % 2 != 0;
+    setting_warn(name, "is not 0/1, true/false, on/off or yes/no", def ? "1 (on)" : "0 (off)");
+    return def;
 }
 
 std::atomic<uint64_t> c_launches{0}, c_syncs{0}, c_allocs{0}, c_frees{0}, c_h2d{0}, c_d2h{0}, c_peer{0}, c_d2d{0},
@@ -131,27 +218,27 @@ const config& conf() {
     static config c;
     static std::once_flag once;
     std::call_once(once, [] {
-        c.devices = (int)env_long("MGPU_EMU_DEVICES", 1);
-        if (c.devices < 0) c.devices = 0;
-        if (c.devices > kMaxDevices) c.devices = kMaxDevices;
-        c.memory = (size_t)env_long("MGPU_EMU_MEMORY", 16384) << 20;
-        c.max_threads = (int)env_long("MGPU_EMU_MAX_THREADS", 1024);
-        c.max_shared = (size_t)env_long("MGPU_EMU_MAX_SHARED", 49152);
-        c.fail_malloc = env_long("MGPU_EMU_FAIL_MALLOC", 0);
-        c.fail_malloc_count = env_long("MGPU_EMU_FAIL_MALLOC_COUNT", 1);
-        c.fail_launch = env_long("MGPU_EMU_FAIL_LAUNCH", 0);
-        c.no_peer = env_long("MGPU_EMU_NO_PEER", 0) != 0;
-        c.chaos = (uint64_t)env_long("MGPU_EMU_CHAOS", 0);
-        c.chaos_us = (int)env_long("MGPU_EMU_CHAOS_US", 300);
-        c.chaos_slow = (int)env_long("MGPU_EMU_CHAOS_SLOW", 10);
-        if (c.chaos_slow < 1) c.chaos_slow = 1;
-        c.timeout = (double)env_long("MGPU_EMU_TIMEOUT", 600);
+        const long big = 1000000000000000L;   // counts of calls: more than a program makes
+        c.devices = (int)setting_whole("MGPU_EMU_DEVICES", 0, kMaxDevices, 1, "devices");
+        c.memory = (size_t)setting_whole("MGPU_EMU_MEMORY", 1, 1L << 20, 16384, "MiB") << 20;
+        c.max_threads = (int)setting_whole("MGPU_EMU_MAX_THREADS", 1, 1024, 1024, "threads per block");
+        c.max_shared = (size_t)setting_whole("MGPU_EMU_MAX_SHARED", 0, 1L << 20, 49152, "bytes");
+        c.fail_malloc = setting_whole("MGPU_EMU_FAIL_MALLOC", 0, big, 0, "cudaMalloc calls");
+        c.fail_malloc_count = setting_whole("MGPU_EMU_FAIL_MALLOC_COUNT", 1, big, 1, "cudaMalloc calls");
+        c.fail_launch = setting_whole("MGPU_EMU_FAIL_LAUNCH", 0, big, 0, "launches");
+        c.no_peer = setting_flag("MGPU_EMU_NO_PEER", false);
+        c.chaos = (uint64_t)setting_whole("MGPU_EMU_CHAOS", 0, 1L << 53, 0, "(a seed; 0: off)");
+        c.chaos_us = (int)setting_whole("MGPU_EMU_CHAOS_US", 0, 1000000, 300, "microseconds");
+        c.chaos_slow = (int)setting_whole("MGPU_EMU_CHAOS_SLOW", 1, 1000, 10, "times");
+        c.timeout = setting_number("MGPU_EMU_TIMEOUT", 1, 1e9, 600, false, "seconds");
+        // a kernel's thread runs on a stack of this size: less than the default (what every kernel
+        // is tested with; ASan's frames are larger) would overflow it, so the default is the least
 #ifdef EMU_ASAN
-        c.stack = (size_t)env_long("MGPU_EMU_STACK_KIB", 256) << 10;
+        c.stack = (size_t)setting_whole("MGPU_EMU_STACK_KIB", 256, 1L << 20, 256, "KiB") << 10;
 #else
-        c.stack = (size_t)env_long("MGPU_EMU_STACK_KIB", 64) << 10;
+        c.stack = (size_t)setting_whole("MGPU_EMU_STACK_KIB", 64, 1L << 20, 64, "KiB") << 10;
 #endif
-        c.print_counters = env_long("MGPU_EMU_COUNTERS", 0) != 0;
+        c.print_counters = setting_flag("MGPU_EMU_COUNTERS", false);
         if (c.print_counters) atexit(print_counters_at_exit);
     });
     return c;
@@ -1860,5 +1947,9 @@ EMU_EXPORT void mgpu_emu_check_device_range(const char* what, const void* p, siz
 EMU_EXPORT void mgpu_emu_count_collective(void) { ++c_collectives; }
 
 EMU_EXPORT double mgpu_emu_timeout_seconds(void) { return conf().timeout; }
+EMU_EXPORT double mgpu_emu_setting_number(const char* name, double min, double max, double def, int whole, const char* unit) {
+    return setting_number(name, min, max, def, whole != 0, unit);
+}
+EMU_EXPORT int mgpu_emu_setting_flag(const char* name, int def) { return setting_flag(name, def != 0) ? 1 : 0; }
 
 }  // extern "C"

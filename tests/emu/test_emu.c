@@ -546,7 +546,91 @@ static int case_no_gpu(void) {
     return 0;
 }
 
+/* The emulator's settings (issue 37): its copy of mgpu.h's parser agrees with the header's on
+   every form (the same value used, the same warning), and two values that used to go wrong now
+   work: MGPU_EMU_DEVICES=abc (0 devices, silently) is the default 1 with a warning, and
+   MGPU_EMU_STACK_KIB=0 (a kernel's stack of 0 bytes: a segfault) is the least stack, 64 KiB. */
+static const char* const setting_forms[] = {
+    "5", " 5 ", "\t7\n", "0", "1e1", "2.5", "abc", "5x", "0x10", "-3", "1e3", "1e999", "inf", "nan", "", "   ",
+    "1", "true", "FALSE", "On", " off ", "yes", "No", "2", "maybe" };
+/* what one parser printed on stderr while it read the variable, without its prefix */
+static double read_setting(int emu, int flag, const char* name, char* err, size_t size) {
+    FILE* f = tmpfile();
+    const int saved = dup(2);
+    size_t got;
+    double v;
+    fflush(stderr);
+    if (f) dup2(fileno(f), 2);
+    if (flag > 0) v = emu ? mgpu_emu_setting_flag(name, 0) : mgpu__setting_flag(name, 0);
+    else if (emu) v = mgpu_emu_setting_number(name, 0, 100, 42, flag < 0, "things");
+    else v = mgpu__setting_read_number(name, 0, 100, 42, flag < 0, "things");
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    err[0] = 0;
+    if (f) {
+        rewind(f);
+        got = fread(err, 1, size - 1, f);
+        err[got] = 0;
+        fclose(f);
+    }
+    return v;
+}
+static int case_settings_agree(void) {
+    size_t i;
+    int kind, row = 0;
+    for (kind = -1; kind <= 1; ++kind)   /* whole numbers, numbers, flags */
+        for (i = 0; i < sizeof setting_forms / sizeof setting_forms[0]; ++i) {
+            char name[64], a[1024], b[1024];
+            const char *pa, *pb;
+            double va, vb;
+            snprintf(name, sizeof name, "MGPU_EMU_TEST_SETTING_%d", row++);   /* a fresh name: no warning given yet */
+            setenv(name, setting_forms[i], 1);
+            va = read_setting(0, kind, name, a, sizeof a);
+            vb = read_setting(1, kind, name, b, sizeof b);
+            pa = strncmp(a, "mgpu: ", 6) == 0 ? a + 6 : a;
+            pb = strncmp(b, "mgpu-emu: ", 10) == 0 ? b + 10 : b;
+            NEED(va == vb && strcmp(pa, pb) == 0 && (pa == a) == (pb == b),
+                 "%s '%s' (%s): mgpu.h uses %g and says '%s', the emulator %g and '%s'", name, setting_forms[i],
+                 kind < 0 ? "whole" : kind ? "flag" : "number", va, a, vb, b);
+        }
+    return 0;
+}
+static int case_settings_fixed(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cuda");
+    mgpu_tensor* t;
+    NEED(mgpu_cuda_device_count() == 1 && set && mgpu_device_set_count(set) == 1, "MGPU_EMU_DEVICES=abc: %d GPUs (%s), want 1",
+         mgpu_cuda_device_count(), set ? mgpu_device_set_spec(set) : mgpu_last_error());
+    t = mgpu_tensor_create(mgpu_device_set_get(set, 0), MGPU_F32, mgpu_shape1(1000));   /* kernels on the least stack */
+    NEED(t && mgpu_tensor_fill(t, 2.0) == MGPU_OK && tensor_value_is(t, 2.0f), "a kernel with MGPU_EMU_STACK_KIB=0: %s",
+         mgpu_last_error());
+    mgpu_tensor_destroy(t);
+    mgpu_device_set_destroy(set);
+    return 0;
+}
+
+/* 130 replicas on one GPU: the resolved spec is whole, 264 bytes (it was cut to 244; 256 replicas,
+   the most a set has, take the emulator 30 s to make); 257 are refused with the limit. */
+static int case_long_spec(void) {
+    char spec[1100];
+    mgpu_device_set* set;
+    int i;
+    strcpy(spec, "cuda:0");
+    for (i = 1; i < 130; ++i) strcat(spec, ",0");
+    set = mgpu_device_set_create(spec);
+    NEED(set && mgpu_device_set_count(set) == 130 && !strcmp(mgpu_device_set_spec(set), spec), "130 replicas: %s",
+         set ? mgpu_device_set_spec(set) : mgpu_last_error());
+    mgpu_device_set_destroy(set);
+    for (i = 130; i < 257; ++i) strcat(spec, ",0");
+    set = mgpu_device_set_create(spec);
+    NEED(!set && strstr(mgpu_last_error(), "more than 256 devices"), "257 replicas: %s", mgpu_last_error());
+    return 0;
+}
+
 static int run_case(const char* name) {
+    if (!strcmp(name, "long spec")) return case_long_spec();
+    if (!strcmp(name, "settings agree")) return case_settings_agree();
+    if (!strcmp(name, "settings fixed")) return case_settings_fixed();
     if (!strcmp(name, "no gpu")) return case_no_gpu();
     if (!strncmp(name, "selfcheck:", 10)) return selfcheck_run(name + 10);
     if (!strcmp(name, "oom retry")) return case_oom(0);
@@ -627,6 +711,14 @@ static void expect_report(const char* name, const char* env, const char* a, cons
           a, b ? b : "", out);
 }
 
+/* the case must end well, and its output contain a and b */
+static void expect_ok_saying(const char* name, const char* env, const char* a, const char* b) {
+    char out[8192];
+    int rc = in_child(name, env, out, sizeof out);
+    CHECK(rc == 0 && strstr(out, a) && strstr(out, b), "%s [%s]: exit %d, want \"%s\" and \"%s\" in the output:\n%s", name, env,
+          rc, a, b, out);
+}
+
 /* no NCCL: a machine's own libnccl.so.2 would otherwise be tried first */
 #define NO_NCCL "MGPU_NCCL_LIBRARY=/nonexistent/libnccl.so.2"
 
@@ -665,6 +757,13 @@ int main(int argc, char** argv) {
     expect_ok("selfcheck:graph_nccl", "MGPU_EMU_DEVICES=2");   /* skipped without MGPU_EMU_NCCL */
     expect_ok("selfcheck:graph_nccl", "MGPU_EMU_DEVICES=2 MGPU_EMU_CHAOS=1");
     expect_ok("selfcheck:pinned_async", "MGPU_EMU_DEVICES=1");
+
+    header("settings: the emulator's parser is mgpu.h's");
+    expect_ok("settings agree", "MGPU_EMU_DEVICES=1");
+    expect_ok("long spec", "MGPU_EMU_DEVICES=1");
+    expect_ok_saying("settings fixed", "MGPU_EMU_DEVICES=abc MGPU_EMU_STACK_KIB=0",
+                     "mgpu-emu: MGPU_EMU_DEVICES='abc' is not a whole number of devices; using 1",
+                     "mgpu-emu: MGPU_EMU_STACK_KIB='0' is outside");
 
     header("faults: mgpu's error or its documented fallback");
     expect_ok("no gpu", "MGPU_EMU_DEVICES=0");
