@@ -8145,7 +8145,7 @@ typedef struct mgpu__part {
                                            device without a copy (mgpu__part_slice) */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
     mgpu_tensor* finite;                /* desc.check_finite on a GPU: the gradients' sum of squares (a
-                                           double), then MGPU__CU_REDUCE_SCRATCH doubles of scratch */
+                                           double, mgpu__check_finite) */
     struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
     mgpu_device_counters graph_work;    /* what the graph's capture queued on dev: a launch adds it */
     mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
@@ -10964,11 +10964,16 @@ static mgpu_result mgpu__check_finite_here(mgpu_model* m) {
     int i, t;
     for (i = 0; !cpu && i < parts; ++i) {
         mgpu__part* p = &m->part[i];
+        mgpu__scratch sc;
+        int rc;
         if (!p->grads || mgpu_tensor_numel(p->grads) == 0) continue;
-        MGPU__TRY(mgpu__ensure(&p->finite, p->dev, MGPU_U8, mgpu_shape1((int64_t)sizeof(double) * (1 + MGPU__CU_REDUCE_SCRATCH))));
+        MGPU__TRY(mgpu__ensure(&p->finite, p->dev, MGPU_U8, mgpu_shape1((int64_t)sizeof(double))));
+        MGPU__TRY(mgpu__scratch_get(&sc, p->dev, MGPU__CU_REDUCE_SCRATCH * sizeof(double), op));
         MGPU__COUNT(p->dev, ops, 1);
-        MGPU__CU(op, p->dev, mgpu__cu_sum_squares(MGPU__CUDA_ARGS(p->dev), (size_t)mgpu_tensor_numel(p->grads), MGPU__F32(p->grads),
-                                                  (double*)mgpu_tensor_data(p->finite), (double*)mgpu_tensor_data(p->finite) + 1));
+        rc = MGPU__CUDA(mgpu__cu_sum_squares(MGPU__CUDA_ARGS(p->dev), (size_t)mgpu_tensor_numel(p->grads), MGPU__F32(p->grads),
+                                             (double*)mgpu_tensor_data(p->finite), (double*)sc.ptr));
+        mgpu__scratch_put(&sc);   /* (reused in stream order, as every op's scratch) */
+        if (rc) return mgpu__cu_result(rc, op, p->dev);
     }
     /* a distributed model's loss is its rank's rows' only: its gradients, summed over the job, say it */
     if (m->last_batch && !m->dist) {
