@@ -5221,12 +5221,20 @@ static MGPU__AVX2_FN void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, _
     const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
     const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
     __m256 best = a, k = _mm256_setzero_ps(), gt;
-    /* mgpu__pool_takes: greater, or NaN (unordered with itself) */
+    /* mgpu__pool_takes: greater, or NaN (unordered with itself); without a NaN among the 32 values
+       (one test for all, almost always) greater alone, which is cheaper */
+    const int nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+    if (!nan) {
+        gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+        gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+        gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    } else {
 #define MGPU__POOL_TAKES8(v) _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q))
-    gt = MGPU__POOL_TAKES8(b); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
-    gt = MGPU__POOL_TAKES8(c); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
-    gt = MGPU__POOL_TAKES8(d); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+        gt = MGPU__POOL_TAKES8(b); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+        gt = MGPU__POOL_TAKES8(c); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+        gt = MGPU__POOL_TAKES8(d); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
 #undef MGPU__POOL_TAKES8
+    }
     *y = best;
     *at = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_castps_si256(k));
 }
