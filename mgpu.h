@@ -109,6 +109,10 @@
    rank          One process of a job of several (MGPU_MPI: mpirun, srun), with devices of its
                  own; a distributed model is one data-parallel job over every rank's replicas.
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
+   NaN, Inf      never hidden: every op propagates them as PyTorch's does (relu(NaN) = NaN;
+                 MaxPool2d, argmax and accuracy take a NaN; a NaN norm is not clipped to a
+                 finite one). desc.check_finite (>>model) refuses a step whose loss or
+                 gradients hold one, naming the step, and leaves the model as it was.
 
    ---------------------------------------------------------------------------------------------
    LIFETIMES
@@ -205,8 +209,9 @@
      pipeline: those sum after backward, after the ranks' vote. (GPUs with NCCL across the job
      and one stage overlap their buckets' sums with backward, as in one process.)
    - strided tensors, more than 4 dimensions, GPUs other than NVIDIA's.
-   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, or
-     for mgpu_model_accumulate and mgpu_model_apply: those steps run eagerly.
+   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, with
+     desc.check_finite, or for mgpu_model_accumulate and mgpu_model_apply: those steps run
+     eagerly.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
@@ -1140,8 +1145,8 @@ MGPUDEF mgpu_result mgpu_optimizer_last_grad_norm(mgpu_optimizer* opt, float* no
    saying why once: another batch shape than the last (the graph is made again for it), tracing,
    a custom layer, NCCL across the GPUs of this process (NCCL warns that capturing it may
    deadlock; with desc.graph an AUTO all-reduce is P2P), the host-staged all-reduce, CPU devices,
-   a distributed model, or a capture that failed. Gradient accumulation (accumulate, apply) runs
-   eagerly. */
+   a distributed model, desc.check_finite, or a capture that failed. Gradient accumulation
+   (accumulate, apply) runs eagerly. */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
 /* The mean loss of the last batch given to mgpu_model_train_step or mgpu_model_accumulate, read
@@ -11059,7 +11064,8 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
    devices or of several processes, a custom layer (whose work may change from step to step on
    the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
-   deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce; a capture that
+   deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce or
+   desc.check_finite (the host reads the check before the update); a capture that
    fails (something in it waited for the host or allocated) falls back to eager steps for good. */
 static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
     int i;
