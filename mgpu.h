@@ -10968,6 +10968,7 @@ static mgpu_result mgpu__sync_buffers(mgpu_model* m) {
    them anyway. On the CPU the host all-reduce left every replica the same bits: replica 0's
    stages are enough. Only on a failure are the gradients read again, to name the parameter. */
 static int mgpu__finite(double v) { return v - v == 0.0; }   /* NaN - NaN, Inf - Inf are NaN */
+static const char* mgpu__nonfinite_name(double v) { return v != v ? "NaN" : v > 0.0 ? "+Inf" : "-Inf"; }   /* (%g may say -nan) */
 static mgpu_result mgpu__check_finite_here(mgpu_model* m) {
     static const char* op = "training step";
     const long long step = (long long)m->steps + 1;
@@ -10992,8 +10993,8 @@ static mgpu_result mgpu__check_finite_here(mgpu_model* m) {
     if (m->last_batch && !m->dist) {
         MGPU__TRY(mgpu__batch_loss(m, &loss));
         if (!mgpu__finite(loss))
-            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the loss is %g (desc.check_finite): no parameter was "
-                              "updated", op, step, (double)loss);
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the loss is %s (desc.check_finite): no parameter was "
+                              "updated", op, step, mgpu__nonfinite_name(loss));
     }
     for (i = 0; i < parts; ++i) {
         mgpu__part* p = &m->part[i];
@@ -11020,9 +11021,9 @@ static mgpu_result mgpu__check_finite_here(mgpu_model* m) {
             if (j < k) {
                 const float v = host[j];
                 MGPU_FREE(host);
-                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the gradient of %s holds %g (element %lld; replica %d, "
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the gradient of %s holds %s (element %lld; replica %d, "
                                   "%s) (desc.check_finite): no parameter was updated", op, step, mgpu_model_tensor_name(m, t),
-                                  (double)v, (long long)j, p->replica, p->dev->label);
+                                  mgpu__nonfinite_name(v), (long long)j, p->replica, p->dev->label);
             }
             MGPU_FREE(host);
         }

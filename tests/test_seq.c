@@ -2936,7 +2936,7 @@ static void nf_model(const char* where, const char* spec, int stages, int graph)
         before = nf_params(checked, &n);
         r = mgpu_model_train_step(checked, co, x, t, &loss);
         snprintf(what, sizeof what, "%s: check_finite, a NaN weight", where);
-        expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "loss is nan", "no parameter was updated");
+        expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "loss is NaN", "no parameter was updated");
         after = nf_params(checked, &n2);
         CHECK(n == n2 && !memcmp(before, after, (size_t)n * sizeof(float)), "%s: check_finite: the refused step changed the parameters",
               where);
@@ -2954,7 +2954,7 @@ static void nf_model(const char* where, const char* spec, int stages, int graph)
             if (g) { tget(g, gb); gb[1] = INFINITY; tput(g, gb); }
             r = mgpu_model_apply(checked, co);
             snprintf(what, sizeof what, "%s: check_finite, an Inf gradient", where);
-            expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "gradient of 2.bias", "no parameter");
+            expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "gradient of 2.bias holds +Inf", "no parameter");
             after = nf_params(checked, &n2);
             CHECK(n == n2 && !memcmp(before, after, (size_t)n * sizeof(float)), "%s: check_finite: the refused apply changed the "
                   "parameters", where);
