@@ -2973,6 +2973,67 @@ static void nf_model(const char* where, const char* spec, int stages, int graph)
     mgpu_device_set_destroy(set);
 }
 
+/* Clipping by the global norm does not hide a NaN: torch.nn.utils.clip_grad_norm_ with one NaN
+   gradient returns norm nan and makes every gradient NaN (coefficient nan); with one Inf, norm inf,
+   coefficient 0: gradients [0, nan, 0]. So after SGD every parameter is NaN, or only the Inf's. */
+static void nf_clip(const char* where, const char* spec) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m = set ? nf_mlp(set, 1, 0, 0) : NULL;
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f, .clip_norm = 1.0f }) : NULL;
+    CHECK(set && m && o, "%s: clipping model: %s", where, mgpu_last_error());
+    if (set && m && o) {
+        float xs[8 * 4], loss, *before, *after, norm = 0.0f;
+        const int32_t labels[8] = { 0, 1, 2, 0, 1, 2, 0, 1 };
+        mgpu_tensor *x, *t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+        int64_t n = 0, i, nans = 0, moved = 0;
+        int k;
+        for (i = 0; i < 8 * 4; ++i) xs[i] = (float)rng_gauss();
+        x = tfrom(mgpu_device_cpu(), mgpu_shape2(8, 4), xs);
+        for (k = 0; k < 2; ++k) {   /* 0: a NaN gradient, 1: an Inf one (on a fresh model's state: one NaN left over) */
+            mgpu_tensor* g = mgpu_model_grad(m, 0, "2.bias");
+            float gb[3];
+            before = nf_params(m, &n);
+            MUST(mgpu_model_zero_grad(m));
+            MUST(mgpu_model_accumulate(m, x, t, 0, &loss));
+            if (g) { tget(g, gb); gb[1] = k == 0 ? NAN : INFINITY; tput(g, gb); }
+            MUST(mgpu_model_apply(m, o));
+            MUST(mgpu_optimizer_last_grad_norm(o, &norm));
+            after = nf_params(m, &n);
+            nans = moved = 0;
+            for (i = 0; i < n; ++i) {
+                nans += nf_isnan(after[i]);
+                moved += !nf_same(before[i], after[i]);
+            }
+            if (k == 0)
+                CHECK(nf_isnan(norm) && nans == n, "%s: clip_norm with a NaN gradient: norm %g, %lld of %lld parameters NaN; PyTorch: "
+                      "nan, every one", where, (double)norm, (long long)nans, (long long)n);
+            else   /* (every parameter is NaN already; the norm says Inf) */
+                CHECK(norm == INFINITY, "%s: clip_norm with an Inf gradient: norm %g; PyTorch: inf", where, (double)norm);
+            free(before); free(after);
+            if (k == 0) {   /* a fresh model for the Inf case */
+                mgpu_optimizer_destroy(o);
+                mgpu_model_destroy(m);
+                m = nf_mlp(set, 1, 0, 0);
+                o = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f, .clip_norm = 1.0f }) : NULL;
+                if (!m || !o) { CHECK(0, "%s: clipping model: %s", where, mgpu_last_error()); break; }
+            }
+        }
+        if (m && o) {   /* the Inf case: only the Inf's parameter (2.bias[1]) turned NaN, the others moved by 0 */
+            after = nf_params(m, &n);
+            nans = 0;
+            for (i = 0; i < n; ++i) nans += nf_isnan(after[i]);
+            CHECK(nans == mgpu_model_replica_count(m), "%s: clip_norm with an Inf gradient: %lld parameters NaN, want 1 a replica "
+                  "(PyTorch's gradients [0, nan, 0])", where, (long long)nans);
+            free(after);
+        }
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(t);
+    }
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_nonfinite(void) {
     header("8. NaN and Inf never hidden: ReLU, MaxPool2d, argmax, cross-entropy, check_finite");
     nf_ops("cpu", mgpu_device_cpu());
@@ -2980,12 +3041,14 @@ static void test_nonfinite(void) {
     nf_model("cpu", "cpu", 1, 0);
     nf_model("cpu:2", "cpu:2", 1, 0);
     nf_model("cpu:2 in 2 stages", "cpu:2", 2, 0);
+    nf_clip("cpu:2", "cpu:2");
     if (gpu_part("NaN and Inf")) {
         nf_ops("cuda:0", g_gpu);
         nf_maxpools("cuda:0", "cuda:0");
         nf_model("cuda:0,0", "cuda:0,0", 1, 0);
         nf_model("cuda:0,0 with a graph", "cuda:0,0", 1, 1);
         nf_model("cuda:0,0 in 2 stages", "cuda:0,0", 2, 0);
+        nf_clip("cuda:0,0", "cuda:0,0");
     }
 }
 
