@@ -195,6 +195,8 @@ template <class... T> static bool vec4_ok(const T*... p) {
 template <class T> struct sum_op {
     __device__ T operator()(T a, T b) const { return a + b; }
 };
+// (fmaxf skips a NaN, but the row max only steadies softmax's exp: a NaN in the row still makes
+// its sum, so every output and the loss, NaN, as in PyTorch)
 struct max_op {
     __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };

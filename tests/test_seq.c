@@ -2796,6 +2796,19 @@ static void nf_ops(const char* where, mgpu_device* dev) {
         tget(loss, &lb);
         CHECK(nf_isnan(la) && nf_isnan(lb), "%s: cross-entropy of [1, nan, 3] and [1, inf, 3]: %g and %g, PyTorch: nan and nan", where,
               (double)la, (double)lb);
+        /* torch.softmax([[1, nan, 3]], 1) = [nan, nan, nan]; [[1, inf, 3]] too */
+        {
+            mgpu_tensor* y = tmake(dev, MGPU_F32, mgpu_shape2(1, 3));
+            float ya[3], yb[3];
+            MUST(mgpu_softmax(y, ta));
+            tget(y, ya);
+            MUST(mgpu_softmax(y, tb));
+            tget(y, yb);
+            CHECK(nf_isnan(ya[0]) && nf_isnan(ya[1]) && nf_isnan(ya[2]) && nf_isnan(yb[0]) && nf_isnan(yb[1]) && nf_isnan(yb[2]),
+                  "%s: softmax of [1, nan, 3]: [%g, %g, %g], of [1, inf, 3]: [%g, %g, %g]; PyTorch: NaN everywhere", where,
+                  (double)ya[0], (double)ya[1], (double)ya[2], (double)yb[0], (double)yb[1], (double)yb[2]);
+            mgpu_tensor_destroy(y);
+        }
         mgpu_tensor_destroy(tl); mgpu_tensor_destroy(loss); mgpu_tensor_destroy(ta); mgpu_tensor_destroy(tb);
     }
 }
