@@ -109,6 +109,10 @@
    rank          One process of a job of several (MGPU_MPI: mpirun, srun), with devices of its
                  own; a distributed model is one data-parallel job over every rank's replicas.
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
+   NaN, Inf      never hidden: every op propagates them as PyTorch's does (relu(NaN) = NaN;
+                 MaxPool2d, argmax and accuracy take a NaN; a NaN norm is not clipped to a
+                 finite one). desc.check_finite (>>model) refuses a step whose loss or
+                 gradients hold one, naming the step, and leaves the model as it was.
 
    ---------------------------------------------------------------------------------------------
    LIFETIMES
@@ -211,8 +215,9 @@
      pipeline: those sum after backward, after the ranks' vote. (GPUs with NCCL across the job
      and one stage overlap their buckets' sums with backward, as in one process.)
    - strided tensors, more than 4 dimensions, GPUs other than NVIDIA's.
-   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, or
-     for mgpu_model_accumulate and mgpu_model_apply: those steps run eagerly.
+   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, with
+     desc.check_finite, or for mgpu_model_accumulate and mgpu_model_apply: those steps run
+     eagerly.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
@@ -541,7 +546,9 @@ MGPUDEF mgpu_result mgpu_gelu(mgpu_tensor* out, const mgpu_tensor* x);     /* ex
 MGPUDEF mgpu_result mgpu_gelu_tanh(mgpu_tensor* out, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_tanh(mgpu_tensor* out, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_sigmoid(mgpu_tensor* out, const mgpu_tensor* x);
-/* Gradients: relu and both gelus take the forward input x; tanh and sigmoid take the forward output y. */
+/* Gradients: relu and both gelus take the forward input x; tanh and sigmoid take the forward output y.
+   NaN and Inf propagate as in PyTorch: relu(NaN) = NaN; relu's gradient is 0 where x <= 0, else dy
+   (so dy where x is NaN, torch's threshold_backward); MaxPool2d takes a NaN in its window. */
 MGPUDEF mgpu_result mgpu_relu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_gelu_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
 MGPUDEF mgpu_result mgpu_gelu_tanh_backward(mgpu_tensor* dx, const mgpu_tensor* dy, const mgpu_tensor* x);
@@ -579,7 +586,8 @@ MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* d
 /* Mean squared error (mean over every element), like nn.MSELoss. */
 MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_tensor* pred,
                              const mgpu_tensor* target, float grad_scale);
-/* int32 out [rows] = index of the largest value in each row of x [rows, cols] (first on ties). */
+/* int32 out [rows] = index of the largest value in each row of x [rows, cols] (first on ties; a
+   NaN counts as the largest, the first NaN wins, as torch.argmax). */
 MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x);
 /* How many rows of logits have their argmax equal to the int32 label (waits for the result).
    A row labelled MGPU_IGNORE_INDEX never counts; any other label outside [0, classes) is an
@@ -942,6 +950,16 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
      graph          0: every step queued op by op 1: a training step on GPUs captured once as a
                                                   CUDA graph and replayed with one launch (>>train);
                                                   its AUTO all-reduce is P2P, which a graph holds
+     check_finite   0: off (costs nothing)        1: before each update, the loss and every
+                                                  gradient are checked for NaN and Inf; a step
+                                                  with one fails (MGPU_ERROR_INVALID_ARGUMENT,
+                                                  naming the step, counted from 1, and the loss
+                                                  or the first such parameter's gradient) and
+                                                  updates nothing: parameters and optimizer state
+                                                  stay as before it (the gradients are kept for a
+                                                  look). Costs a pass over the gradients and one
+                                                  wait for the devices per step (the loss read
+                                                  with the check); steps then run without a graph
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -973,6 +991,7 @@ typedef struct mgpu_model_desc {
     mgpu_dtype input_dtype;
     const mgpu_tie* ties;
     int tie_count;
+    int check_finite;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -1140,8 +1159,8 @@ MGPUDEF mgpu_result mgpu_optimizer_last_grad_norm(mgpu_optimizer* opt, float* no
    saying why once: another batch shape than the last (the graph is made again for it), tracing,
    a custom layer, NCCL across the GPUs of this process (NCCL warns that capturing it may
    deadlock; with desc.graph an AUTO all-reduce is P2P), the host-staged all-reduce, CPU devices,
-   a distributed model, or a capture that failed. Gradient accumulation (accumulate, apply) runs
-   eagerly. */
+   a distributed model, desc.check_finite, or a capture that failed. Gradient accumulation
+   (accumulate, apply) runs eagerly. */
 MGPUDEF mgpu_result mgpu_model_train_step(mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x,
                                           const mgpu_tensor* target, float* loss);
 /* The mean loss of the last batch given to mgpu_model_train_step or mgpu_model_accumulate, read
@@ -1510,7 +1529,7 @@ static inline MGPU__HD float mgpu__gelu_tanh(float x, int derivative) {
 static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
     switch (op) {
     case MGPU__UNARY_SCALE: return alpha * x;
-    case MGPU__UNARY_RELU: return x > 0.0f ? x : 0.0f;
+    case MGPU__UNARY_RELU: return x <= 0.0f ? 0.0f : x;   /* NaN fails the test and passes, as torch.relu */
     case MGPU__UNARY_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     case MGPU__UNARY_TANH: return tanhf(x);
     case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + expf(-x));
@@ -1537,7 +1556,9 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
     case MGPU__BINARY_SUB: return a - b;
     case MGPU__BINARY_MUL: return a * b;
     case MGPU__BINARY_AXPY: return alpha * a + b;
-    case MGPU__BINARY_RELU_BWD: return b > 0.0f ? a : 0.0f;
+    /* PyTorch's threshold_backward(dy, relu(x), 0): 0 where relu(x) <= 0, else dy; so a NaN x passes
+       dy through (torch 1.13: grad 1 for x = NaN, dy = 1) and a NaN dy stays NaN where x > 0 or NaN */
+    case MGPU__BINARY_RELU_BWD: return b <= 0.0f ? 0.0f : a;
     case MGPU__BINARY_GELU_BWD: {
         float cdf = 0.5f * (1.0f + erff(b * 0.70710678118654752f));
         float pdf = 0.39894228040143268f * expf(-0.5f * b * b);
@@ -1592,6 +1613,13 @@ static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, floa
     denom = sqrtf(vv) / a->bias_correction2_sqrt + a->eps;
     *p -= (a->lr / a->bias_correction1) * (mv / denom);
 }
+
+/* Comparisons that keep NaN, as PyTorch's kernels do (a NaN is never skipped as "not greater"):
+   max pooling takes v over the window's best so far when v > best or v is NaN, so a NaN wins and,
+   of several, the last in scan order (torch.nn.functional.max_pool2d's index, CPU and CUDA);
+   argmax takes the first NaN of a row, else the first maximum (torch.argmax). */
+static inline MGPU__HD int mgpu__pool_takes(float v, float best) { return v > best || v != v; }
+static inline MGPU__HD int mgpu__argmax_takes(float v, float best) { return v != v ? best == best : v > best; }
 
 /* Clipping by global norm, torch.nn.utils.clip_grad_norm_'s rule in float32: the coefficient
    max_norm / (norm + 1e-6), clamped to at most 1 (a NaN norm gives NaN, as torch.clamp does). */
@@ -4894,7 +4922,7 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
 /* -- argmax and accuracy -- */
 static int64_t mgpu__row_argmax(const float* row, int64_t cols) {
     int64_t best = 0, c;
-    for (c = 1; c < cols; ++c) if (row[c] > row[best]) best = c;
+    for (c = 1; c < cols; ++c) if (mgpu__argmax_takes(row[c], row[best])) best = c;
     return best;
 }
 
@@ -5387,9 +5415,20 @@ static MGPU__AVX2_FN void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, _
     const __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0x88)), 0xD8));
     const __m256 d = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(v0, v1, 0xDD)), 0xD8));
     __m256 best = a, k = _mm256_setzero_ps(), gt;
-    gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
-    gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
-    gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    /* mgpu__pool_takes: greater, or NaN (unordered with itself); without a NaN among the 32 values
+       (one test for all, almost always) greater alone, which is cheaper */
+    const int nan = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+    if (!nan) {
+        gt = _mm256_cmp_ps(b, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+        gt = _mm256_cmp_ps(c, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+        gt = _mm256_cmp_ps(d, best, _CMP_GT_OQ); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+    } else {
+#define MGPU__POOL_TAKES8(v) _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q))
+        gt = MGPU__POOL_TAKES8(b); k = _mm256_blendv_ps(k, k1, gt); best = _mm256_blendv_ps(best, b, gt);
+        gt = MGPU__POOL_TAKES8(c); k = _mm256_blendv_ps(k, kw, gt); best = _mm256_blendv_ps(best, c, gt);
+        gt = MGPU__POOL_TAKES8(d); k = _mm256_blendv_ps(k, kw1, gt); best = _mm256_blendv_ps(best, d, gt);
+#undef MGPU__POOL_TAKES8
+    }
     *y = best;
     *at = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(at0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_castps_si256(k));
 }
@@ -5397,7 +5436,7 @@ static MGPU__AVX2_FN void mgpu__maxpool_2x2_8(__m256 u0, __m256 u1, __m256 v0, _
 
 /* One output row of the common 2 x 2, stride 2 pool with no padding, without branches: the
    maxima of random activations mispredict half their comparisons, and selects vectorise. The
-   same choice as the general loop: the first of equals, and a NaN only where it comes first.
+   same choice as the general loop: the first of equals, and a NaN wins (the last NaN, as PyTorch).
    With AVX2 (chosen at run time, as the GEMM's kernel) 8 windows at a time, the last few through
    masks so that short rows (7 wide) stay vectorised; no address past a row's end is formed. */
 #ifdef MGPU__AVX2
@@ -5439,9 +5478,10 @@ static void mgpu__maxpool_2x2_row(const float* r0, const float* r1, int32_t at0,
         const float a = r0[2 * ox], b = r0[2 * ox + 1], c = r1[2 * ox], d = r1[2 * ox + 1];
         float best = a;
         int32_t k = 0;
-        k = b > best ? 1 : k;     best = b > best ? b : best;
-        k = c > best ? w : k;     best = c > best ? c : best;
-        k = d > best ? w + 1 : k; best = d > best ? d : best;
+        int t;
+        t = mgpu__pool_takes(b, best); k = t ? 1 : k;     best = t ? b : best;
+        t = mgpu__pool_takes(c, best); k = t ? w : k;     best = t ? c : best;
+        t = mgpu__pool_takes(d, best); k = t ? w + 1 : k; best = t ? d : best;
         y[ox] = best;
         at[ox] = at0 + 2 * (int32_t)ox + k;
     }
@@ -5470,13 +5510,13 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
                     at = (int32_t)(iy0 * g->w + ix0);
                     best = src[0];
                     if (g->kh == 2 && g->kw == 2) {   /* the common 2 x 2 pool, spelled out */
-                        if (src[1] > best) { best = src[1]; at = (int32_t)(iy0 * g->w + ix0 + 1); }
-                        if (src[g->w] > best) { best = src[g->w]; at = (int32_t)((iy0 + 1) * g->w + ix0); }
-                        if (src[g->w + 1] > best) { best = src[g->w + 1]; at = (int32_t)((iy0 + 1) * g->w + ix0 + 1); }
+                        if (mgpu__pool_takes(src[1], best)) { best = src[1]; at = (int32_t)(iy0 * g->w + ix0 + 1); }
+                        if (mgpu__pool_takes(src[g->w], best)) { best = src[g->w]; at = (int32_t)((iy0 + 1) * g->w + ix0); }
+                        if (mgpu__pool_takes(src[g->w + 1], best)) { best = src[g->w + 1]; at = (int32_t)((iy0 + 1) * g->w + ix0 + 1); }
                     } else {
                         for (ky = 0; ky < g->kh; ++ky)
                             for (kx = 0; kx < g->kw; ++kx)
-                                if (src[ky * g->w + kx] > best) { best = src[ky * g->w + kx]; at = (int32_t)((iy0 + ky) * g->w + ix0 + kx); }
+                                if (mgpu__pool_takes(src[ky * g->w + kx], best)) { best = src[ky * g->w + kx]; at = (int32_t)((iy0 + ky) * g->w + ix0 + kx); }
                     }
                     py[oy * g->ow + ox] = best;
                     pa[oy * g->ow + ox] = at;
@@ -5486,7 +5526,7 @@ static void mgpu__maxpool_range(void* ctx, int64_t p0, int64_t p1) {
                     for (kx = 0; kx < g->kw; ++kx) {
                         const int64_t iy = oy * g->stride - g->pad + ky, ix = ox * g->stride - g->pad + kx;
                         if (iy < 0 || iy >= g->h || ix < 0 || ix >= g->w) continue;
-                        if (at < 0 || px[iy * g->w + ix] > best) { best = px[iy * g->w + ix]; at = (int32_t)(iy * g->w + ix); }
+                        if (at < 0 || mgpu__pool_takes(px[iy * g->w + ix], best)) { best = px[iy * g->w + ix]; at = (int32_t)(iy * g->w + ix); }
                     }
                 py[oy * g->ow + ox] = best;
                 pa[oy * g->ow + ox] = at;
@@ -8297,6 +8337,8 @@ typedef struct mgpu__part {
     mgpu__storage xlent, tlent;         /* a CPU part: x's and the target's host memory, lent to this
                                            device without a copy (mgpu__part_slice) */
     mgpu_tensor* step_seed;             /* a CUDA graph's step: the step's Dropout key (mgpu__step_seed) */
+    mgpu_tensor* finite;                /* desc.check_finite on a GPU: the gradients' sum of squares (a
+                                           double, mgpu__check_finite) */
     struct mgpu__block* held;           /* the blocks of temporaries the graph works in (mgpu__allocator) */
     mgpu_device_counters graph_work;    /* what the graph's capture queued on dev: a launch adds it */
     mgpu_tensor* losses;                /* the last stage: each micro-batch's mean loss, [M] */
@@ -8346,6 +8388,7 @@ struct mgpu_model {
     mgpu__bucket* buckets;              /* gradient buckets, last stage and last layers first */
     int bucket_count;
     int verify_every;
+    int check_finite;                   /* desc.check_finite: no update from a NaN or Inf (mgpu__check_finite) */
     int64_t steps;                      /* optimizer steps applied through this model */
     int64_t last_batch;                 /* rows of the last batch run (mgpu_model_last_loss), 0: none */
     int64_t* terms;                     /* [R * M]: the loss's terms (targets not ignored, or rows for
@@ -8816,6 +8859,7 @@ static void mgpu__model_free(mgpu_model* m) {
             if (p->events[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->events[j]));
         mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
         mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->eval); mgpu__tensor_free(p->step_seed);
+        mgpu__tensor_free(p->finite);
         for (j = 0; p->bucket_done && j < m->bucket_count; ++j)
             if (p->bucket_done[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_done[j]));
         for (j = 0; p->tie_in && j < m->tensor_count; ++j) mgpu__tensor_free(p->tie_in[j]);
@@ -9286,6 +9330,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
+    m->check_finite = desc->check_finite != 0;
     m->graph = desc->graph != 0;
     m->stage_count = MGPU__DEF(desc->stages, 1);
     m->micro_batches = MGPU__DEF(desc->micro_batches, 1);
@@ -9426,6 +9471,7 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     mgpu__dist_broadcast(&first, sizeof first);
     mgpu__dist_broadcast(&m->seed, sizeof m->seed);
     mgpu__dist_broadcast(&m->verify_every, sizeof m->verify_every);
+    mgpu__dist_broadcast(&m->check_finite, sizeof m->check_finite);
     if (first != mine)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "
                        "every rank must make the same layers", m->layer_count, (long long)m->param_count, m->stage_count);
@@ -11115,8 +11161,86 @@ static mgpu_result mgpu__sync_buffers(mgpu_model* m) {
             return mgpu__refail("copying replica 0's buffers to the other replicas");
     return MGPU_OK;
 }
+/* desc.check_finite, before the update: the loss and every gradient free of NaN and Inf. A float
+   squared is at most ~1.2e77, so a double sum of squares is finite exactly when every term is:
+   the clip norm's sum (mgpu__sum_squares_cpu in the thread pool; mgpu__cu_sum_squares on each GPU
+   part, queued on its stream) is the flag. The GPUs' sums are read after the loss, which waits for
+   them anyway. On the CPU the host all-reduce left every replica the same bits: replica 0's
+   stages are enough. Only on a failure are the gradients read again, to name the parameter. */
+static int mgpu__finite(double v) { return v - v == 0.0; }   /* NaN - NaN, Inf - Inf are NaN */
+static const char* mgpu__nonfinite_name(double v) { return v != v ? "NaN" : v > 0.0 ? "+Inf" : "-Inf"; }   /* (%g may say -nan) */
+static mgpu_result mgpu__check_finite_here(mgpu_model* m) {
+    static const char* op = "training step";
+    const long long step = (long long)m->steps + 1;
+    const int cpu = m->part[0].dev->kind == MGPU_DEVICE_CPU;
+    const int parts = cpu ? m->stage_count : m->part_count;
+    float loss = 0.0f;
+    int i, t;
+    for (i = 0; !cpu && i < parts; ++i) {
+        mgpu__part* p = &m->part[i];
+        mgpu__scratch sc;
+        int rc;
+        if (!p->grads || mgpu_tensor_numel(p->grads) == 0) continue;
+        MGPU__TRY(mgpu__ensure(&p->finite, p->dev, MGPU_U8, mgpu_shape1((int64_t)sizeof(double))));
+        MGPU__TRY(mgpu__scratch_get(&sc, p->dev, MGPU__CU_REDUCE_SCRATCH * sizeof(double), op));
+        MGPU__COUNT(p->dev, ops, 1);
+        rc = MGPU__CUDA(mgpu__cu_sum_squares(MGPU__CUDA_ARGS(p->dev), (size_t)mgpu_tensor_numel(p->grads), MGPU__F32(p->grads),
+                                             (double*)mgpu_tensor_data(p->finite), (double*)sc.ptr));
+        mgpu__scratch_put(&sc);   /* (reused in stream order, as every op's scratch) */
+        if (rc) return mgpu__cu_result(rc, op, p->dev);
+    }
+    /* a distributed model's loss is its rank's rows' only: its gradients, summed over the job, say it */
+    if (m->last_batch && !m->dist) {
+        MGPU__TRY(mgpu__batch_loss(m, &loss));
+        if (!mgpu__finite(loss))
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the loss is %s (desc.check_finite): no parameter was "
+                              "updated", op, step, mgpu__nonfinite_name(loss));
+    }
+    for (i = 0; i < parts; ++i) {
+        mgpu__part* p = &m->part[i];
+        const int64_t n = p->grads ? mgpu_tensor_numel(p->grads) : 0;
+        double sum = 0.0;
+        if (n == 0) continue;
+        if (cpu) {
+            double* sums = (double*)mgpu__calloc((size_t)((n + MGPU__CLIP_CHUNK - 1) / MGPU__CLIP_CHUNK), sizeof(double));
+            if (!sums) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+            sum = mgpu__sum_squares_cpu(sums, MGPU__F32(p->grads), n);
+            MGPU_FREE(sums);
+        } else if (mgpu_tensor_download(p->finite, &sum, sizeof sum) != MGPU_OK) {
+            return mgpu__refail(op);
+        }
+        if (mgpu__finite(sum)) continue;
+        for (t = 0; t < m->tensor_count; ++t) {   /* which parameter: the first whose gradient has one */
+            const mgpu_tensor* g = p->gview[t];
+            const int64_t k = g && mgpu__tensor_stage(m, t) == p->stage ? mgpu_tensor_numel(g) : 0;
+            float* host = k ? (float*)mgpu__calloc((size_t)k, sizeof(float)) : NULL;
+            int64_t j;
+            if (k && !host) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+            if (k && mgpu_tensor_download(g, host, (size_t)k * sizeof(float)) != MGPU_OK) { MGPU_FREE(host); return mgpu__refail(op); }
+            for (j = 0; j < k && mgpu__finite(host[j]); ++j) {}
+            if (j < k) {
+                const float v = host[j];
+                MGPU_FREE(host);
+                return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: the gradient of %s holds %s (element %lld; replica %d, "
+                                  "%s) (desc.check_finite): no parameter was updated", op, step, mgpu_model_tensor_name(m, t),
+                                  mgpu__nonfinite_name(v), (long long)j, p->replica, p->dev->label);
+            }
+            MGPU_FREE(host);
+        }
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s %lld: a gradient of stage %d holds NaN or Inf (replica %d, %s) "
+                          "(desc.check_finite): no parameter was updated", op, step, p->stage, p->replica, p->dev->label);
+    }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__check_finite(mgpu_model* m) {
+    const mgpu_result r = mgpu__check_finite_here(m);
+    return m->dist ? mgpu__dist_agree(r, 0, 0.0, NULL, NULL) : r;   /* every rank refuses the step, or none */
+}
+
 static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
-    mgpu_result r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
+    mgpu_result r;
+    if (m->check_finite) MGPU__TRY(mgpu__check_finite(m));
+    r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
     if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
         if (r != MGPU_OK) m->dist_suspect = "an optimizer step that failed on a rank";
@@ -11141,12 +11265,14 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
    devices or of several processes, a custom layer (whose work may change from step to step on
    the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
-   deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce; a capture that
+   deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce or
+   desc.check_finite (the host reads the check before the update); a capture that
    fails (something in it waited for the host or allocated) falls back to eager steps for good. */
 static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
     int i;
     why[0] = 0;
-    if (m->dist) snprintf(why, size, "a model of several processes (its ranks vote on the host every step)");
+    if (m->check_finite) snprintf(why, size, "desc.check_finite (the host reads the gradients' check before each update)");
+    if (!why[0] && m->dist) snprintf(why, size, "a model of several processes (its ranks vote on the host every step)");
     for (i = 0; !why[0] && i < m->part_count; ++i)
         if (m->part[i].dev->kind != MGPU_DEVICE_CUDA) snprintf(why, size, "%s is not a GPU", m->part[i].dev->label);
     for (i = 0; !why[0] && i < m->layer_count; ++i)

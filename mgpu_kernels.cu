@@ -195,6 +195,8 @@ template <class... T> static bool vec4_ok(const T*... p) {
 template <class T> struct sum_op {
     __device__ T operator()(T a, T b) const { return a + b; }
 };
+// (fmaxf skips a NaN, but the row max only steadies softmax's exp: a NaN in the row still makes
+// its sum, so every output and the loss, NaN, as in PyTorch)
 struct max_op {
     __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
@@ -976,25 +978,27 @@ int mgpu__cu_mse(int dev, void* stream, size_t n, const float* pred, const float
     return MGPU__CU_OK;
 }
 
-// Index of the first maximum of row[0, cols), matching the sequential loop `best = row[0]; for j:
-// if (row[j] > best) ...`: a NaN row[0] wins (nothing compares greater) and later NaNs are
-// skipped. Each lane scans a strided share; the lanes then merge by (larger value, then smaller
-// index), an order-independent rule. Returns the index in every lane (0 when cols == 0, as on the CPU).
+// Index of the first maximum of row[0, cols), matching the sequential loop `best = 0; for j: if
+// (mgpu__argmax_takes(row[j], row[best])) best = j`: the first NaN wins (torch.argmax), else the
+// first maximum. Each lane scans a strided share; the lanes then merge by (NaN, then larger value,
+// then smaller index), an order-independent rule. Returns the index in every lane (0 when cols == 0,
+// as on the CPU).
 __device__ int warp_row_argmax(const float* row, int cols, int lane) {
     if (cols <= 0) return 0;
-    if (isnan(row[0])) return 0;
     float best = -INFINITY;
-    int idx = INT_MAX;   // INT_MAX: this lane has seen no number yet
+    int idx = INT_MAX;   // INT_MAX: this lane has seen nothing yet
     for (int j = lane; j < cols; j += 32) {
         const float v = row[j];
-        if (v > best || (idx == INT_MAX && !isnan(v))) { best = v; idx = j; }
+        if (idx == INT_MAX || mgpu__argmax_takes(v, best)) { best = v; idx = j; }
     }
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) {
         const float other_best = __shfl_xor_sync(0xffffffffu, best, d);
         const int other_idx = __shfl_xor_sync(0xffffffffu, idx, d);
+        // neither beats the other (equal, or both NaN): the smaller index
         if (other_idx != INT_MAX &&
-            (idx == INT_MAX || other_best > best || (other_best == best && other_idx < idx))) {
+            (idx == INT_MAX || mgpu__argmax_takes(other_best, best) ||
+             (!mgpu__argmax_takes(best, other_best) && other_idx < idx))) {
             best = other_best;
             idx = other_idx;
         }
@@ -1106,7 +1110,8 @@ struct col2im_op {
 };
 
 // One thread per output. Padding is skipped (it counts as -inf); the first in-window element is
-// taken unconditionally, then only a strictly greater one replaces it (first maximum wins).
+// taken unconditionally, then only a strictly greater one or a NaN replaces it (first maximum
+// wins; a NaN wins over numbers, the last NaN over NaNs: PyTorch's rule, mgpu__pool_takes).
 struct maxpool_op {
     mgpu__window g;
     const float* x;
@@ -1126,7 +1131,7 @@ struct maxpool_op {
                 const int ix = ox * g.stride - g.pad + kx;
                 if (ix < 0 || ix >= g.w) continue;
                 const float v = plane[iy * g.w + ix];
-                if (arg < 0 || v > best) { best = v; arg = iy * g.w + ix; }
+                if (arg < 0 || mgpu__pool_takes(v, best)) { best = v; arg = iy * g.w + ix; }
             }
         }
         y[idx] = best;

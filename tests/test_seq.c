@@ -16,6 +16,9 @@
    7. BatchNorm2d (training and evaluation against float64, gradients, running statistics by
       PyTorch's rule), buffers (cpu:2 replicas verified every step, save and load), global
       average pooling
+   8. NaN and Inf never hidden: ReLU forward and backward, MaxPool2d, argmax, accuracy and
+      cross-entropy against PyTorch's values; a NaN weight makes the loss NaN; desc.check_finite
+      refuses a step with a NaN or Inf loss or gradient and updates nothing
 
    Each group's GPU part runs on cuda:0 (real or emulated) and reports a skip without one (a
    failure with MGPU_TEST_REQUIRE_GPU=1). MGPU_TEST_QUICK=1 uses smaller sizes. */
@@ -2807,6 +2810,374 @@ static void test_batchnorm(void) {
     }
 }
 
+/* ============================================================================================ */
+/* 8. NaN and Inf are never hidden (issue 37)                                                   */
+/* ============================================================================================ */
+/* The references are PyTorch 1.13's (/usr/bin/python3, run once; the values are in comments). */
+static int nf_same(float a, float b) { return (a != a && b != b) || a == b; }   /* NaN equals NaN here */
+static int nf_isnan(float v) { return v != v; }
+
+/* The ops on one device: relu and its gradient, the other activations, MaxPool2d, argmax and
+   accuracy, cross-entropy, each with NaN and Inf inputs. */
+static void nf_ops(const char* where, mgpu_device* dev) {
+    const float N = NAN, I = INFINITY;
+    /* torch.relu([nan, -1, 2, inf, -inf, 0]) = [nan, 0, 2, inf, 0, 0]; backward with dy = 1:
+       [1, 0, 1, 1, 0, 0] (threshold_backward on the output: a NaN x lets dy through) */
+    {
+        const float x[6] = { N, -1.0f, 2.0f, I, -I, 0.0f }, want[6] = { N, 0.0f, 2.0f, I, 0.0f, 0.0f };
+        const float one[6] = { 1, 1, 1, 1, 1, 1 }, wantd[6] = { 1, 0, 1, 1, 0, 0 };
+        mgpu_tensor *tx = tfrom(dev, mgpu_shape1(6), x), *ty = tmake(dev, MGPU_F32, mgpu_shape1(6));
+        mgpu_tensor *tdy = tfrom(dev, mgpu_shape1(6), one), *tdx = tmake(dev, MGPU_F32, mgpu_shape1(6));
+        float y[6], dx[6];
+        int i, ok = 1, okd = 1;
+        MUST(mgpu_relu(ty, tx));
+        MUST(mgpu_relu_backward(tdx, tdy, tx));
+        tget(ty, y);
+        tget(tdx, dx);
+        for (i = 0; i < 6; ++i) { ok &= nf_same(y[i], want[i]); okd &= nf_same(dx[i], wantd[i]); }
+        CHECK(ok, "%s: relu([nan, -1, 2, inf, -inf, 0]) = [%g, %g, %g, %g, %g, %g], PyTorch: [nan, 0, 2, inf, 0, 0]", where,
+              (double)y[0], (double)y[1], (double)y[2], (double)y[3], (double)y[4], (double)y[5]);
+        CHECK(okd, "%s: relu backward (dy = 1) = [%g, %g, %g, %g, %g, %g], PyTorch: [1, 0, 1, 1, 0, 0]", where, (double)dx[0],
+              (double)dx[1], (double)dx[2], (double)dx[3], (double)dx[4], (double)dx[5]);
+        /* a NaN dy on x = [nan, -1, 2, 0]: PyTorch [nan, 0, nan, 0] */
+        {
+            const float x2[4] = { N, -1.0f, 2.0f, 0.0f }, dy2[4] = { N, N, N, N };
+            mgpu_tensor *a = tfrom(dev, mgpu_shape1(4), x2), *b = tfrom(dev, mgpu_shape1(4), dy2), *c = tmake(dev, MGPU_F32, mgpu_shape1(4));
+            float d[4];
+            MUST(mgpu_relu_backward(c, b, a));
+            tget(c, d);
+            CHECK(nf_isnan(d[0]) && d[1] == 0.0f && nf_isnan(d[2]) && d[3] == 0.0f,
+                  "%s: relu backward of dy = NaN on x = [nan, -1, 2, 0]: [%g, %g, %g, %g], PyTorch: [nan, 0, nan, 0]", where,
+                  (double)d[0], (double)d[1], (double)d[2], (double)d[3]);
+            mgpu_tensor_destroy(a); mgpu_tensor_destroy(b); mgpu_tensor_destroy(c);
+        }
+        /* tanh, sigmoid, both GELUs of NaN: NaN (PyTorch too); gelu(-inf): NaN, tanh(inf) 1 */
+        {
+            mgpu_result (*fs[4])(mgpu_tensor*, const mgpu_tensor*) = { mgpu_tanh, mgpu_sigmoid, mgpu_gelu, mgpu_gelu_tanh };
+            static const char* names[4] = { "tanh", "sigmoid", "gelu", "gelu_tanh" };
+            for (i = 0; i < 4; ++i) {
+                MUST(fs[i](ty, tx));
+                tget(ty, y);
+                CHECK(nf_isnan(y[0]), "%s: %s(NaN) = %g, PyTorch: nan", where, names[i], (double)y[0]);
+            }
+            MUST(mgpu_gelu(ty, tx));
+            tget(ty, y);
+            CHECK(y[3] == I && nf_isnan(y[4]), "%s: gelu(inf), gelu(-inf) = %g, %g, PyTorch: inf, nan", where, (double)y[3], (double)y[4]);
+        }
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(ty); mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(tdx);
+    }
+    /* argmax: torch.argmax([[1, nan, 3, nan], [inf, 2, 3, 4], [-inf x 4], [nan, 1, 2, 3]], 1) = [1, 0, 0, 0]
+       (the first NaN wins); a row of 40 (wider than a warp) with 9 at 3 and NaNs at 37 and 35: 35 */
+    {
+        enum { C = 40 };
+        float x[5 * C];
+        const int32_t want[5] = { 1, 0, 0, 0, 35 }, labels[5] = { 1, 0, 0, 3, 35 };
+        int32_t got[5];
+        int64_t correct = -1;
+        mgpu_tensor *tx, *to, *tl;
+        int i;
+        for (i = 0; i < 5 * C; ++i) x[i] = -I;
+        x[0] = 1; x[1] = N; x[2] = 3; x[3] = N;
+        x[C] = I; x[C + 1] = 2; x[C + 2] = 3; x[C + 3] = 4;
+        x[3 * C] = N; x[3 * C + 1] = 1; x[3 * C + 2] = 2; x[3 * C + 3] = 3;
+        for (i = 0; i < C; ++i) x[4 * C + i] = (float)(i % 7);
+        x[4 * C + 3] = 9; x[4 * C + 37] = N; x[4 * C + 35] = N;
+        /* rows 0..2 have 4 values then -inf: argmax is unchanged by the padding */
+        tx = tfrom(dev, mgpu_shape2(5, C), x);
+        to = tmake(dev, MGPU_I32, mgpu_shape1(5));
+        tl = tfrom_i32(dev, mgpu_shape1(5), labels);
+        MUST(mgpu_argmax(to, tx));
+        tget(to, got);
+        CHECK(!memcmp(got, want, sizeof want), "%s: argmax with NaN and Inf = [%d, %d, %d, %d, %d], PyTorch: [1, 0, 0, 0, 35]", where,
+              got[0], got[1], got[2], got[3], got[4]);
+        MUST(mgpu_count_correct(tx, tl, &correct));
+        /* rows 0, 1, 2 and 4 (labels 3 of row 3 and 35 of row 4: what skipping NaNs would give instead) */
+        CHECK(correct == 4, "%s: accuracy with NaN rows: %lld correct, want 4 (a row with a NaN is its first NaN's class)",
+              where, (long long)correct);
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(to); mgpu_tensor_destroy(tl);
+    }
+    /* cross-entropy: F.cross_entropy([[1, nan, 3]], [0]) = nan; [[1, inf, 3]]: nan */
+    {
+        const float a[3] = { 1, N, 3 }, b[3] = { 1, I, 3 };
+        const int32_t label = 0;
+        mgpu_tensor *tl = tfrom_i32(dev, mgpu_shape1(1), &label), *loss = tmake(dev, MGPU_F32, mgpu_shape1(1));
+        mgpu_tensor *ta = tfrom(dev, mgpu_shape2(1, 3), a), *tb = tfrom(dev, mgpu_shape2(1, 3), b);
+        float la = 0.0f, lb = 0.0f;
+        MUST(mgpu_softmax_cross_entropy(loss, NULL, ta, tl, 0.0f));
+        tget(loss, &la);
+        MUST(mgpu_softmax_cross_entropy(loss, NULL, tb, tl, 0.0f));
+        tget(loss, &lb);
+        CHECK(nf_isnan(la) && nf_isnan(lb), "%s: cross-entropy of [1, nan, 3] and [1, inf, 3]: %g and %g, PyTorch: nan and nan", where,
+              (double)la, (double)lb);
+        /* torch.softmax([[1, nan, 3]], 1) = [nan, nan, nan]; [[1, inf, 3]] too */
+        {
+            mgpu_tensor* y = tmake(dev, MGPU_F32, mgpu_shape2(1, 3));
+            float ya[3], yb[3];
+            MUST(mgpu_softmax(y, ta));
+            tget(y, ya);
+            MUST(mgpu_softmax(y, tb));
+            tget(y, yb);
+            CHECK(nf_isnan(ya[0]) && nf_isnan(ya[1]) && nf_isnan(ya[2]) && nf_isnan(yb[0]) && nf_isnan(yb[1]) && nf_isnan(yb[2]),
+                  "%s: softmax of [1, nan, 3]: [%g, %g, %g], of [1, inf, 3]: [%g, %g, %g]; PyTorch: NaN everywhere", where,
+                  (double)ya[0], (double)ya[1], (double)ya[2], (double)yb[0], (double)yb[1], (double)yb[2]);
+            mgpu_tensor_destroy(y);
+        }
+        mgpu_tensor_destroy(tl); mgpu_tensor_destroy(loss); mgpu_tensor_destroy(ta); mgpu_tensor_destroy(tb);
+    }
+}
+
+/* MaxPool2d through a model (forward, and backward to the input's gradient): a NaN in a window
+   wins, and of several the last in scan order takes the gradient. PyTorch: max_pool2d(2) of
+   [[1, nan, 3, 4], [5, 6, 7, 8]] = [nan, 8], indices [1, 7]; of [[nan, nan, 3, nan], [5, 6, nan, 8]]
+   = [nan, nan], indices [1, 6]. A 3 x 3 window (the general loop) with NaNs at 2 and 6: index 6. */
+static void nf_maxpool(const char* where, const mgpu_device_set* set, int k, int w, const float* x, const int* want_at) {
+    mgpu_layer* layers[2];
+    mgpu_model* m;
+    const int h = k, ow = w / k;
+    layers[0] = mgpu_layer_maxpool2d(k, k);
+    layers[1] = mgpu_layer_flatten();
+    m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(1, h, w), .layers = layers, .layer_count = 2, .devices = set });
+    CHECK(m != NULL, "%s: MaxPool2d(%d) model: %s", where, k, mgpu_last_error());
+    if (m) {
+        mgpu_device* dev = mgpu_model_device(m, 0);
+        float ones[4] = { 1, 1, 1, 1 }, y[4], dx[12];
+        mgpu_tensor *tx = tfrom(dev, mgpu_shape4(1, 1, h, w), x), *dy = tfrom(dev, mgpu_shape2(1, ow), ones);
+        const mgpu_tensor* out = mgpu_model_forward(m, 0, tx, 1);
+        const mgpu_tensor* g;
+        int i, j, ok = 1;
+        CHECK(out != NULL, "%s: MaxPool2d forward: %s", where, mgpu_last_error());
+        if (out) {
+            tget(out, y);
+            for (i = 0; i < ow; ++i) ok &= nf_isnan(y[i]) == nf_isnan(x[want_at[i]]) && nf_same(y[i], x[want_at[i]]);
+            CHECK(ok, "%s: MaxPool2d(%d) forward with NaN: [%g, %g], want [%g, %g]", where, k, (double)y[0], (double)y[ow - 1],
+                  (double)x[want_at[0]], (double)x[want_at[ow - 1]]);
+            MUST(mgpu_model_backward(m, 0, dy));
+            g = mgpu_model_input_grad(m, 0);
+            CHECK(g != NULL, "%s: MaxPool2d input gradient: %s", where, mgpu_last_error());
+            if (g) {
+                tget(g, dx);
+                ok = 1;
+                for (j = 0; j < h * w; ++j) {
+                    float want = 0.0f;
+                    for (i = 0; i < ow; ++i) want += want_at[i] == j ? 1.0f : 0.0f;
+                    ok &= dx[j] == want;
+                }
+                CHECK(ok, "%s: MaxPool2d(%d) backward: the gradient is not at the indices PyTorch takes (%d, %d)", where, k,
+                      want_at[0], want_at[ow - 1]);
+            }
+        }
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(dy);
+        mgpu_model_destroy(m);
+    }
+}
+static void nf_maxpools(const char* where, const char* spec) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    const float N = NAN;
+    const float a[8] = { 1, N, 3, 4, 5, 6, 7, 8 }, b[8] = { N, N, 3, N, 5, 6, N, 8 };
+    const float c[9] = { 1, 2, N, 4, 5, 6, N, 8, 9 };
+    const int wa[2] = { 1, 7 }, wb[2] = { 1, 6 }, wc[1] = { 6 };
+    CHECK(set != NULL, "%s: %s", spec, mgpu_last_error());
+    if (set) {
+        nf_maxpool(where, set, 2, 4, a, wa);
+        nf_maxpool(where, set, 2, 4, b, wb);
+        nf_maxpool(where, set, 3, 3, c, wc);
+    }
+    mgpu_device_set_destroy(set);
+}
+
+/* Linear(4, 8) -> ReLU -> Linear(8, 3), cross-entropy */
+static mgpu_model* nf_mlp(const mgpu_device_set* set, int stages, int check_finite, int graph) {
+    static const int split[1] = { 2 };
+    mgpu_layer* layers[3];
+    layers[0] = mgpu_layer_linear(4, 8);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(8, 3);
+    return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = layers, .layer_count = 3, .devices = set,
+                                                 .seed = 5, .stages = stages, .split = stages > 1 ? split : NULL,
+                                                 .check_finite = check_finite, .graph = graph });
+}
+/* One element of parameter `name` of every replica set to v (as a load of a bad file would). */
+static void nf_poke(mgpu_model* m, const char* name, int64_t at, float v) {
+    int r;
+    for (r = 0; r < mgpu_model_replica_count(m); ++r) {
+        mgpu_tensor* p = mgpu_model_param(m, r, name);
+        float* host = p ? fbuf(mgpu_tensor_numel(p)) : NULL;
+        if (!p) { CHECK(0, "mgpu_model_param(%s): %s", name, mgpu_last_error()); return; }
+        tget(p, host);
+        host[at] = v;
+        tput(p, host);
+        free(host);
+    }
+}
+/* Every replica's parameters, concatenated (stage by stage), into a new buffer of *n floats. */
+static float* nf_params(mgpu_model* m, int64_t* n) {
+    const int R = mgpu_model_replica_count(m), S = mgpu_model_stage_count(m);
+    int64_t total = 0, at = 0;
+    float* all;
+    int r, s;
+    for (r = 0; r < R; ++r)
+        for (s = 0; s < S; ++s) total += mgpu_tensor_numel(mgpu_model_stage_params(m, r, s));
+    all = fbuf(total);
+    for (r = 0; r < R; ++r)
+        for (s = 0; s < S; ++s) {
+            tget(mgpu_model_stage_params(m, r, s), all + at);
+            at += mgpu_tensor_numel(mgpu_model_stage_params(m, r, s));
+        }
+    *n = total;
+    return all;
+}
+
+/* A NaN weight makes the loss NaN, not a finite falling one; with check_finite the step that
+   meets it fails naming the step, and changes no parameter (nor, the next clean step shows, the
+   optimizer's state); off by default. */
+static void nf_model(const char* where, const char* spec, int stages, int graph) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model *plain = set ? nf_mlp(set, stages, 0, graph) : NULL, *checked = set ? nf_mlp(set, stages, 1, graph) : NULL;
+    mgpu_optimizer_desc od = { .kind = MGPU_ADAMW, .lr = 0.01f };
+    mgpu_optimizer *po = plain ? mgpu_optimizer_create(plain, &od) : NULL, *co = checked ? mgpu_optimizer_create(checked, &od) : NULL;
+    CHECK(set && plain && checked && po && co, "%s (%s): %s", where, spec, mgpu_last_error());
+    if (set && plain && checked && po && co) {
+        float xs[8 * 4], loss = 0.0f;
+        const int32_t labels[8] = { 0, 1, 2, 0, 1, 2, 0, 1 };
+        mgpu_tensor *x, *t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+        float *before, *after;
+        int64_t n = 0, n2 = 0;
+        mgpu_result r;
+        char what[128];
+        int i, k;
+        for (i = 0; i < 8 * 4; ++i) xs[i] = (float)rng_gauss();
+        x = tfrom(mgpu_device_cpu(), mgpu_shape2(8, 4), xs);
+        /* off: a NaN weight steps on, and the loss is NaN at every step (PyTorch's too) */
+        MUST(mgpu_model_train_step(plain, po, x, t, &loss));
+        CHECK(loss == loss, "%s: a clean step's loss is %g", where, (double)loss);
+        nf_poke(plain, "0.weight", 5, NAN);
+        for (k = 0; k < 3; ++k) {
+            r = mgpu_model_train_step(plain, po, x, t, &loss);
+            CHECK(r == MGPU_OK && nf_isnan(loss), "%s: check_finite off, a NaN weight: step %d gives %s and loss %g, want OK and NaN",
+                  where, k + 2, mgpu_result_string(r), (double)loss);
+        }
+        /* on: a clean step, then the NaN weight: the step fails and nothing moves */
+        MUST(mgpu_model_train_step(checked, co, x, t, &loss));
+        nf_poke(checked, "0.weight", 5, NAN);
+        before = nf_params(checked, &n);
+        r = mgpu_model_train_step(checked, co, x, t, &loss);
+        snprintf(what, sizeof what, "%s: check_finite, a NaN weight", where);
+        expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "loss is NaN", "no parameter was updated");
+        after = nf_params(checked, &n2);
+        CHECK(n == n2 && !memcmp(before, after, (size_t)n * sizeof(float)), "%s: check_finite: the refused step changed the parameters",
+              where);
+        free(after);
+        /* a NaN gradient (a finite loss): accumulate, poke the gradient, apply: refused, naming it */
+        nf_poke(checked, "0.weight", 5, before[5] == before[5] ? before[5] : 0.5f);
+        {
+            mgpu_tensor* g = mgpu_model_grad(checked, 0, "2.bias");
+            float gb[3];
+            free(before);
+            before = nf_params(checked, &n);
+            MUST(mgpu_model_zero_grad(checked));
+            MUST(mgpu_model_accumulate(checked, x, t, 0, &loss));
+            CHECK(loss == loss, "%s: the repaired weight gives a finite loss (%g)", where, (double)loss);
+            if (g) { tget(g, gb); gb[1] = INFINITY; tput(g, gb); }
+            r = mgpu_model_apply(checked, co);
+            snprintf(what, sizeof what, "%s: check_finite, an Inf gradient", where);
+            expect_fail(r, MGPU_ERROR_INVALID_ARGUMENT, what, "step 2", "gradient of 2.bias holds +Inf", "no parameter");
+            after = nf_params(checked, &n2);
+            CHECK(n == n2 && !memcmp(before, after, (size_t)n * sizeof(float)), "%s: check_finite: the refused apply changed the "
+                  "parameters", where);
+            free(after);
+            MUST(mgpu_model_zero_grad(checked));
+            /* and the next clean step goes on as step 2 */
+            MUST(mgpu_model_train_step(checked, co, x, t, &loss));
+            CHECK(loss == loss, "%s: after the refused steps, a clean step's loss is %g", where, (double)loss);
+        }
+        free(before);
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(t);
+    }
+    mgpu_optimizer_destroy(po); mgpu_optimizer_destroy(co);
+    mgpu_model_destroy(plain); mgpu_model_destroy(checked);
+    mgpu_device_set_destroy(set);
+}
+
+/* Clipping by the global norm does not hide a NaN: torch.nn.utils.clip_grad_norm_ with one NaN
+   gradient returns norm nan and makes every gradient NaN (coefficient nan); with one Inf, norm inf,
+   coefficient 0: gradients [0, nan, 0]. So after SGD every parameter is NaN, or only the Inf's. */
+static void nf_clip(const char* where, const char* spec) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model* m = set ? nf_mlp(set, 1, 0, 0) : NULL;
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f, .clip_norm = 1.0f }) : NULL;
+    CHECK(set && m && o, "%s: clipping model: %s", where, mgpu_last_error());
+    if (set && m && o) {
+        float xs[8 * 4], loss, *before, *after, norm = 0.0f;
+        const int32_t labels[8] = { 0, 1, 2, 0, 1, 2, 0, 1 };
+        mgpu_tensor *x, *t = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+        int64_t n = 0, i, nans = 0, moved = 0;
+        int k;
+        for (i = 0; i < 8 * 4; ++i) xs[i] = (float)rng_gauss();
+        x = tfrom(mgpu_device_cpu(), mgpu_shape2(8, 4), xs);
+        for (k = 0; k < 2; ++k) {   /* 0: a NaN gradient, 1: an Inf one (on a fresh model's state: one NaN left over) */
+            mgpu_tensor* g = mgpu_model_grad(m, 0, "2.bias");
+            float gb[3];
+            before = nf_params(m, &n);
+            MUST(mgpu_model_zero_grad(m));
+            MUST(mgpu_model_accumulate(m, x, t, 0, &loss));
+            if (g) { tget(g, gb); gb[1] = k == 0 ? NAN : INFINITY; tput(g, gb); }
+            MUST(mgpu_model_apply(m, o));
+            MUST(mgpu_optimizer_last_grad_norm(o, &norm));
+            after = nf_params(m, &n);
+            nans = moved = 0;
+            for (i = 0; i < n; ++i) {
+                nans += nf_isnan(after[i]);
+                moved += !nf_same(before[i], after[i]);
+            }
+            if (k == 0)
+                CHECK(nf_isnan(norm) && nans == n, "%s: clip_norm with a NaN gradient: norm %g, %lld of %lld parameters NaN; PyTorch: "
+                      "nan, every one", where, (double)norm, (long long)nans, (long long)n);
+            else   /* (every parameter is NaN already; the norm says Inf) */
+                CHECK(norm == INFINITY, "%s: clip_norm with an Inf gradient: norm %g; PyTorch: inf", where, (double)norm);
+            free(before); free(after);
+            if (k == 0) {   /* a fresh model for the Inf case */
+                mgpu_optimizer_destroy(o);
+                mgpu_model_destroy(m);
+                m = nf_mlp(set, 1, 0, 0);
+                o = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f, .clip_norm = 1.0f }) : NULL;
+                if (!m || !o) { CHECK(0, "%s: clipping model: %s", where, mgpu_last_error()); break; }
+            }
+        }
+        if (m && o) {   /* the Inf case: only the Inf's parameter (2.bias[1]) turned NaN, the others moved by 0 */
+            after = nf_params(m, &n);
+            nans = 0;
+            for (i = 0; i < n; ++i) nans += nf_isnan(after[i]);
+            CHECK(nans == mgpu_model_replica_count(m), "%s: clip_norm with an Inf gradient: %lld parameters NaN, want 1 a replica "
+                  "(PyTorch's gradients [0, nan, 0])", where, (long long)nans);
+            free(after);
+        }
+        mgpu_tensor_destroy(x);
+        mgpu_tensor_destroy(t);
+    }
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_nonfinite(void) {
+    header("8. NaN and Inf never hidden: ReLU, MaxPool2d, argmax, cross-entropy, check_finite");
+    nf_ops("cpu", mgpu_device_cpu());
+    nf_maxpools("cpu", "cpu");
+    nf_model("cpu", "cpu", 1, 0);
+    nf_model("cpu:2", "cpu:2", 1, 0);
+    nf_model("cpu:2 in 2 stages", "cpu:2", 2, 0);
+    nf_clip("cpu:2", "cpu:2");
+    if (gpu_part("NaN and Inf")) {
+        nf_ops("cuda:0", g_gpu);
+        nf_maxpools("cuda:0", "cuda:0");
+        nf_model("cuda:0,0", "cuda:0,0", 1, 0);
+        nf_model("cuda:0,0 with a graph", "cuda:0,0", 1, 1);
+        nf_model("cuda:0,0 in 2 stages", "cuda:0,0", 2, 0);
+        nf_clip("cuda:0,0", "cuda:0,0");
+    }
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_seq");
     test_select(argc, argv);
@@ -2830,6 +3201,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_names_ties());
     TEST_GROUP(test_gpt_layouts());
     TEST_GROUP(test_batchnorm());
+    TEST_GROUP(test_nonfinite());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
 #endif
