@@ -1178,7 +1178,11 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
    (an SVG <title>), colours for forward, backward, all-reduce and optimizer step, a time axis in
    microseconds or milliseconds from the trace's start. stop writes the file and ends the trace;
    write writes the slices so far (waiting for them) and goes on tracing, e.g. one run in both
-   formats: write "t.json", then stop "t.svg". */
+   formats: write "t.json", then stop "t.svg". Both write as checkpoints are saved (>>io): a
+   temporary file beside the path, renamed over it; a folder, FIFO or device is refused at once,
+   and so is a symlink (never followed: a trace cannot replace the checkpoint a link leads to).
+   When the write fails (MGPU_ERROR_IO, naming the path and why), stop keeps the trace, so a
+   call to another path writes it. */
 MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path);
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
@@ -1987,8 +1991,7 @@ static void* mgpu__calloc(size_t count, size_t size) {
 }
 
 /* Files by name: mgpu's paths are UTF-8 on every platform. Windows' narrow-character calls read
-   a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW).
-   mgpu__fopen is fopen elsewhere. */
+   a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW). */
 #ifdef _WIN32
 /* path in UTF-16, in a new buffer; NULL with errno EINVAL (not UTF-8) or ENOMEM. A path too long
    for the calls' MAX_PATH (260) is made absolute with the \\?\ prefix, which lifts that limit. */
@@ -2018,18 +2021,6 @@ static wchar_t* mgpu__wide_path(const char* path) {
     MGPU_FREE(w);
     return full;
 }
-static FILE* mgpu__fopen(const char* path, const char* mode) {
-    wchar_t wmode[8];
-    wchar_t* w = mgpu__wide_path(path);
-    size_t i;
-    FILE* f;
-    if (!w) return NULL;
-    for (i = 0; mode[i] && i < 7; ++i) wmode[i] = (wchar_t)mode[i];
-    wmode[i] = 0;
-    f = _wfopen(w, wmode);
-    MGPU_FREE(w);
-    return f;
-}
 /* What a Win32 error code means, in this thread's buffer. */
 static const char* mgpu__win_error(DWORD code) {
     static MGPU__TLS char text[256];
@@ -2038,8 +2029,6 @@ static const char* mgpu__win_error(DWORD code) {
     if (!n) snprintf(text, sizeof text, "Windows error %lu", (unsigned long)code);
     return text;
 }
-#else
-static FILE* mgpu__fopen(const char* path, const char* mode) { return fopen(path, mode); }
 #endif
 
 MGPUDEF double mgpu_seconds(void) {
@@ -8555,22 +8544,38 @@ static int mgpu__path_is_svg(const char* path) {
     return n >= 4 && path[n - 4] == '.' && (path[n - 3] | 0x20) == 's' && (path[n - 2] | 0x20) == 'v' && (path[n - 1] | 0x20) == 'g';
 }
 
+static mgpu_result mgpu__write_atomic(const char* path, const char* what, int follow_links, int (*body)(FILE* f, const void* user),
+                                      const void* user);   /* (>>impl io) */
+typedef struct mgpu__trace_body {
+    const mgpu_model* m;
+    const double* t;
+    int svg;
+} mgpu__trace_body;
+static int mgpu__trace_write_body(FILE* f, const void* user) {
+    const mgpu__trace_body* b = (const mgpu__trace_body*)user;
+    if (b->svg) mgpu__trace_svg(f, b->m, b->t);
+    else mgpu__trace_json(f, b->m, b->t);
+    if (!ferror(f)) return 0;
+    if (!errno) errno = EIO;
+    return 1;
+}
+
+/* Written as checkpoints are (mgpu__write_atomic): a temporary file beside path renamed over it,
+   so a FIFO, device or folder is refused before anything is opened, and, unlike a checkpoint, a
+   symlink too. On failure the trace is left as it was, for a retry to another path. */
 static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op) {
     mgpu__trace* tr = m->trace;
     mgpu_result r;
+    mgpu__trace_body body;
     double* t = (double*)mgpu__calloc((size_t)tr->count * 2 + 2, sizeof(double));
-    FILE* f;
     if (!t) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     if ((r = mgpu__trace_times(m, op, t)) != MGPU_OK) { MGPU_FREE(t); return r; }
-    if (!(f = mgpu__fopen(path, "w"))) {
-        r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
-        MGPU_FREE(t);
-        return r;
-    }
-    if (mgpu__path_is_svg(path)) mgpu__trace_svg(f, m, t);
-    else mgpu__trace_json(f, m, t);
+    body.m = m;
+    body.t = t;
+    body.svg = mgpu__path_is_svg(path);
+    r = mgpu__write_atomic(path, "a trace", 0, mgpu__trace_write_body, &body);
     MGPU_FREE(t);
-    if (fclose(f) != 0) return mgpu__fail(MGPU_ERROR_IO, "%s: writing '%s': %s", op, path, strerror(errno));
+    if (r != MGPU_OK) return mgpu__refail(op);
     if (tr->failed) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
     return MGPU_OK;
 }
@@ -8588,7 +8593,7 @@ MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
     r = mgpu__trace_write(m, path, op);
-    mgpu__trace_free(m);
+    if (r == MGPU_OK || m->trace->failed) mgpu__trace_free(m);   /* written (even if short of slices); else kept for a retry */
     return r;
 }
 
@@ -13110,8 +13115,11 @@ static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget, cons
 /* Writes path atomically, as described above: body(f, user) writes the contents to the temporary
    file (0, or nonzero with errno set when a write failed); `what` names the kind of file in the
    messages ("a checkpoint"). On any failure the temporary file is removed and path is left
-   untouched. Safetensors checkpoints and token files are saved through it. */
-static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*body)(FILE* f, const void* user), const void* user) {
+   untouched. Safetensors checkpoints and token files are saved through it, following symlinks;
+   traces too, with follow_links 0: a symlink at path is refused (a trace's path is often typed
+   or made up, and must never replace the file a link leads to, such as a checkpoint). */
+static mgpu_result mgpu__write_atomic(const char* path, const char* what, int follow_links, int (*body)(FILE* f, const void* user),
+                                      const void* user) {
     char* tmp = NULL;
     char* target = NULL;   /* path, its symlinks followed */
     char prefix[MGPU__TMP_BASE_MAX + 16];
@@ -13130,7 +13138,11 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*
     {
         struct stat st;
         pid = (unsigned long)getpid();
-        target = mgpu__follow_links(path);
+        if (!follow_links && lstat(path, &st) == 0 && S_ISLNK(st.st_mode))   /* (rename below replaces, never follows, one made later) */
+            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (give the path it leads to)", path, what);
+        if (follow_links) target = mgpu__follow_links(path);
+        else if ((target = (char*)MGPU_MALLOC(strlen(path) + 1)) != NULL) strcpy(target, path);
+        else errno = ENOMEM;
         if (!target) {
             err = errno;
             if (err == ENOMEM) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for its path", path);
@@ -13144,6 +13156,7 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*
         }
     }
 #else
+    (void)follow_links;   /* Windows replaces a symlink, never follows it */
     target = (char*)MGPU_MALLOC(strlen(path) + 1);
     if (target) strcpy(target, path);
 #ifdef _WIN32
@@ -13270,7 +13283,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     body.header = &b;
     body.items = items;
     body.count = count;
-    if (r == MGPU_OK) r = mgpu__write_atomic(path, "a checkpoint", mgpu__st_write_body, &body);
+    if (r == MGPU_OK) r = mgpu__write_atomic(path, "a checkpoint", 1, mgpu__st_write_body, &body);
     MGPU_FREE(b.p);
     return r;
 }
@@ -13379,7 +13392,7 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
     }
 #else
     {
-        FILE* f = mgpu__fopen(path, "rb");
+        FILE* f = fopen(path, "rb");   /* (not Windows: see above) */
         if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
         for (;;) {
             if (!*data || n == cap) {
@@ -14211,7 +14224,7 @@ MGPUDEF mgpu_result mgpu_tokens_save(const mgpu_tokens* t, const char* path) {
     if (t->count > INT32_MAX)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
                           "mgpu_tokens_save(%s): %lld tokens, more than the header's int32 count holds (%d): split them into shards", path, (long long)t->count, INT32_MAX);
-    if (mgpu__write_atomic(path, "a token file", mgpu__tokens_write_body, t) != MGPU_OK) return mgpu__refail("mgpu_tokens_save");
+    if (mgpu__write_atomic(path, "a token file", 1, mgpu__tokens_write_body, t) != MGPU_OK) return mgpu__refail("mgpu_tokens_save");
     return MGPU_OK;
 }
 
