@@ -652,7 +652,9 @@ typedef struct mgpu_layer_ctx {
 
 typedef struct mgpu_layer_vtable {
     const char* type;   /* "Linear": the PyTorch class name, shown in summaries */
-    /* y's shape for x's shape (dimension 0 is the batch). NULL: same as x. */
+    /* y's shape for x's shape (dimension 0 is the batch). NULL: same as x. A shape of no tensor
+       (a negative or zero dimension, more than MGPU_MAX_DIMS) fails mgpu_model_create, naming
+       the layer. */
     mgpu_result (*output_shape)(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y);
     /* Parameters in PyTorch state_dict order ("weight", then "bias"). NULL: none. */
     int (*param_count)(const mgpu_layer* l);
@@ -1214,7 +1216,9 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
    A successful save removes the temporary files that earlier saves to the same path left behind
    when their process died (never a live process's). A symlink is followed (its target replaced,
    the link kept); a directory, FIFO or device is refused. Loading reads regular files only and
-   validates the whole file before it changes anything. Paths are UTF-8 on every platform. On
+   validates the whole file before it changes anything, including the model's layer types that the
+   file records ("mgpu.layers": a checkpoint of Linear,ReLU,Linear is refused by a Linear,Tanh,Linear
+   model unless mgpu_load_desc.weights_only; files of PyTorch, without it, are not checked). Paths are UTF-8 on every platform. On
    Windows: FlushFileBuffers, then MoveFileExW (replace, write-through) in one step; files are read
    sharing delete access, so a save replaces a checkpoint that another mgpu program is reading
    (a program that opens it without FILE_SHARE_DELETE makes the save fail, the old file intact);
@@ -1374,6 +1378,10 @@ typedef struct mgpu_load_desc {
                              NULL: no prefix */
     int allow_extra;      /* 1: ignore the file's other tensors (load_state_dict(strict=False));
                              0: refuse them. Missing model tensors are an error either way. */
+    int weights_only;     /* 1: load the tensors whatever model the file was saved from; 0: a file
+                             that records its model's layers (mgpu.layers: "Linear,ReLU,Linear",
+                             every mgpu checkpoint) and lists others than this model's is refused
+                             (MGPU_ERROR_BAD_FILE naming both). Files without it (PyTorch's) load. */
 } mgpu_load_desc;
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
 
@@ -6748,9 +6756,27 @@ MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float d
 }
 
 /* -- calling a layer, and the containers (sequential, residual) -- */
+/* A layer's output shape for x's; a shape no tensor can have (a custom layer's bug) is refused
+   here, naming the layer's output_shape, so that mgpu_model_create says which layer is wrong
+   instead of every step failing later in a tensor's creation. */
 static mgpu_result mgpu__output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char tx[96], ty[96], rank[64];
+    const char* bad = NULL;
+    int i;
     if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
-    return l->vt->output_shape(l, x, y);
+    MGPU__TRY(l->vt->output_shape(l, x, y));
+    if (y->ndim < 1 || y->ndim > MGPU_MAX_DIMS) {
+        snprintf(rank, sizeof rank, "mgpu's tensors have 1 to %d (the batch first)", MGPU_MAX_DIMS);
+        bad = rank;
+    }
+    for (i = 0; !bad && i < y->ndim; ++i)
+        if (y->dim[i] < 0 || (y->dim[i] == 0 && (i > 0 || x.ndim < 1 || x.dim[0] > 0))) bad = "a dimension is negative or 0";
+    if (!bad && mgpu_shape_numel(*y) < 0) bad = "its element count overflows";
+    if (!bad) return MGPU_OK;
+    if (y->ndim < 0 || y->ndim > MGPU_MAX_DIMS) snprintf(ty, sizeof ty, "a shape of %d dimensions", y->ndim);
+    else mgpu__shape_text(*y, ty, sizeof ty);
+    return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s's output_shape gives %s for an input %s: %s", mgpu_layer_type(l), ty,
+                      mgpu__shape_text(x, tx, sizeof tx), bad);
 }
 static mgpu_result mgpu__call_failed(const mgpu_layer* l, mgpu_result r) {
     char where[128], cfg[96] = "";
@@ -13139,7 +13165,7 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int fo
         struct stat st;
         pid = (unsigned long)getpid();
         if (!follow_links && lstat(path, &st) == 0 && S_ISLNK(st.st_mode))   /* (rename below replaces, never follows, one made later) */
-            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (give the path it leads to)", path, what);
+            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (remove it, or give another path)", path, what);
         if (follow_links) target = mgpu__follow_links(path);
         else if ((target = (char*)MGPU_MALLOC(strlen(path) + 1)) != NULL) strcpy(target, path);
         else errno = ENOMEM;
@@ -13495,6 +13521,14 @@ MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer
     mgpu__dist_doing("mgpu_model_save", 0);
     return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
 }
+/* The model's layer types, "Linear,ReLU,Linear", as a checkpoint records them ("mgpu.layers") and
+   a load compares them: cut at size - 1 bytes, the same cut for both. */
+static void mgpu__layers_text(const mgpu_model* m, char* buf, size_t size) {
+    size_t len = 0;
+    int i;
+    for (i = 0, buf[0] = 0; i < m->layer_count && len < size; ++i)
+        len += (size_t)snprintf(buf + len, size - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
+}
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
@@ -13510,7 +13544,6 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     const int user_count = desc ? desc->metadata_count : 0;
     const mgpu_save_dtype dtype = desc ? desc->dtype : MGPU_SAVE_F32;
     int states = 0, n = 0, i, s, meta = 0;
-    size_t len = 0;
     mgpu_result r = MGPU_OK;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
@@ -13593,8 +13626,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
         }
         ++n;
     }
-    for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
-        len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
+    mgpu__layers_text(m, layers_text, sizeof layers_text);
     keys[meta] = "format"; values[meta++] = "pt";
     keys[meta] = "mgpu.version"; values[meta++] = MGPU_VERSION_STRING;
     keys[meta] = "mgpu.layers"; values[meta++] = layers_text;
@@ -13904,6 +13936,48 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
     m->dist_suspect = r == MGPU_OK ? NULL : "a load that failed on a rank";
     return r;
 }
+/* s in buf, its middle replaced by "..." when it is longer than size - 1 bytes (both ends say
+   the most: a list's first and last items, a path's folder and file). */
+static const char* mgpu__text_middle(const char* s, char* buf, size_t size) {
+    const size_t n = strlen(s);
+    size_t head, tail;
+    if (n < size) { memcpy(buf, s, n + 1); return buf; }
+    head = (size - 4) / 2;
+    tail = size - 4 - head;
+    while (head > 0 && ((uint8_t)s[head] & 0xC0) == 0x80) --head;             /* not inside a UTF-8 character */
+    while (tail > 0 && ((uint8_t)s[n - tail] & 0xC0) == 0x80) --tail;
+    snprintf(buf, size, "%.*s...%s", (int)head, s, s + n - tail);
+    return buf;
+}
+
+/* The layer list a checkpoint records ("mgpu.layers", written by mgpu_model_save) against the
+   model's: a different architecture whose tensors happen to have the same names and shapes
+   (ReLU for Tanh) would load without a word. Files without the key (PyTorch's, Hugging Face's,
+   older mgpu's) are not checked. */
+static mgpu_result mgpu__load_check_layers(const char* path, const mgpu_model* m, const mgpu__st_file* st) {
+    const char* file = mgpu__st_meta_value(st, "mgpu.layers");
+    char mine[512], a[160], b[160];
+    const char *p, *q;
+    size_t np = 0, nq = 0;
+    int k;
+    if (!file) return MGPU_OK;
+    mgpu__layers_text(m, mine, sizeof mine);
+    if (!strcmp(file, mine)) return MGPU_OK;
+    for (k = 0, p = file, q = mine;; ++k) {   /* the first layer that differs ("none": one list ended) */
+        np = strcspn(p, ",");
+        nq = strcspn(q, ",");
+        if (np != nq || strncmp(p, q, np) != 0 || (!p[np] && !q[nq])) break;   /* (the last: "a," against "a") */
+        p += np;
+        q += nq;
+        if (*p) ++p;
+        if (*q) ++q;
+    }
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' was saved from a model of layers %s, this model's are %s (layer %d: %.*s there, %.*s here); "
+                      "mgpu_load_desc.weights_only loads its tensors anyway", path, mgpu__text_middle(file, a, sizeof a),
+                      mgpu__text_middle(mine, b, sizeof b), k, np ? (int)MGPU__MIN(np, 64) : 4, np ? p : "none",
+                      nq ? (int)MGPU__MIN(nq, 64) : 4, nq ? q : "none");
+}
+
 static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     static const char* op = "mgpu_model_load";
     mgpu_safetensors sf;
@@ -13928,6 +14002,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
     r = mgpu__st_load(path, &sf);
     if (r != MGPU_OK) goto done;
     /* check everything before changing anything: a failed load leaves the model as it was */
+    if (!(desc && desc->weights_only) && (r = mgpu__load_check_layers(path, m, st)) != MGPU_OK) goto done;
     for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i) {
         const mgpu__st_tensor* e;
         if (m->tensors[i].tied >= 0) continue;   /* its twin's (a file may hold it too: PyTorch's state_dict does) */
