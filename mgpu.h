@@ -1812,7 +1812,8 @@ int mgpu__cu_sum_squares(int dev, void* stream, size_t n, const float* x, double
 int mgpu__cu_clip_scale(int dev, void* stream, const double* sums, int count, float max_norm, float* norm, float* scale);
 
 /* NCCL, loaded at run time with dlopen("libnccl.so.2"); nothing links against it */
-int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed */
+int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed; else 0,
+                                        mgpu__cu_error_message naming each library tried and why */
 int mgpu__cu_nccl_comm_init_all(int count, const int* devs, void** comms);   /* comms[count] */
 int mgpu__cu_nccl_comm_destroy(void* comm);
 int mgpu__cu_nccl_group_start(void);
@@ -7222,9 +7223,9 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         for (i = 0; i < set->count; ++i) for (j = 0; j < i; ++j) distinct &= set->devices[i]->ordinal != set->devices[j]->ordinal;
         if (distinct && MGPU__CUDA(mgpu__cu_nccl_available()) == 1) kind = MGPU_ALLREDUCE_NCCL;
         else {
-            if (kind == MGPU_ALLREDUCE_NCCL)
-                mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s; using peer-to-peer instead",
-                          distinct ? "could not be loaded (libnccl.so.2)" : "cannot use one GPU twice");
+            if (kind == MGPU_ALLREDUCE_NCCL)   /* the library tried and dlopen's reason, as the backend says them */
+                mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s%s; using peer-to-peer instead",
+                          distinct ? "could not be loaded: " : "cannot use one GPU twice", distinct ? mgpu__cuda_message() : "");
             kind = MGPU_ALLREDUCE_P2P;
         }
     }

@@ -1881,7 +1881,7 @@ static struct {
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t* async_error);
     ncclResult_t (*CommAbort)(ncclComm_t comm);
     bool loaded, across_processes;
-    char why[256];   // why it did not load
+    char why[400];   // why it did not load
 } nccl;
 
 #ifdef _WIN32
@@ -1909,11 +1909,14 @@ static void nccl_load(void) {
     const char* defaults[] = { MGPU_NCCL_DEFAULT_LIBRARY, NULL };
     const char* names[3] = { env && *env ? env : defaults[0], defaults[1], NULL };
     void* lib = NULL;
+    size_t used = 0;
     for (int i = 0; !lib && names[i] && (i == 0 || !(env && *env)); ++i) {
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!lib) {
+        if (!lib && used < sizeof nccl.why) {   // every name tried, each with dlopen's reason
             const char* e = dlerror();
-            snprintf(nccl.why, sizeof nccl.why, "dlopen(%s): %s", names[i], e ? e : "failed");
+            int n = snprintf(nccl.why + used, sizeof nccl.why - used, "%sdlopen(\"%s\"%s): %s", i ? "; " : "", names[i],
+                             env && *env ? ", from MGPU_NCCL_LIBRARY" : "", e ? e : "failed");
+            used += n > 0 ? (size_t)n : 0;
         }
     }
     if (!lib) return;

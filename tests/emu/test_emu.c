@@ -554,8 +554,12 @@ static int run_case(const char* name) {
     if (!strcmp(name, "small device")) return case_small_device();
     if (!strcmp(name, "launch failure")) return case_launch_failure();
     if (!strcmp(name, "nccl")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL, NULL);
-    if (!strcmp(name, "nccl absent"))
-        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
+    if (!strcmp(name, "nccl absent")) {   /* the notice names the library tried (NO_NCCL's) and dlopen's reason */
+        NEED(case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded") == 0, "nccl absent");
+        NEED(strstr(g_log, "\"/nonexistent/libnccl.so.2\", from MGPU_NCCL_LIBRARY") && strstr(g_log, "No such file"),
+             "the notice lacks the library tried or dlopen's reason: %s", g_log);
+        return 0;
+    }
     if (!strcmp(name, "nccl init fails"))
         return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
     if (!strcmp(name, "no host sync")) return case_no_host_sync();
