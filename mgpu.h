@@ -1667,6 +1667,11 @@ int mgpu__cu_event_synchronize(int dev, void* event);
    the stream's device whichever is current. */
 int mgpu__cu_step_scope(int enter);
 int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
+/* A CUDA error pending on this thread (cleared): mgpu checks its own calls at once, so one found
+   before mgpu's work is the program's own (a launch not checked by mgpu_cuda_end). Every call
+   that makes a device current checks it outside a step, and the first after a custom layer's
+   code inside one; a step checks it after such code too, naming the layer. */
+int mgpu__cu_pending_error(void);
 /* The program's own kernels (mgpu_cuda_begin, mgpu_cuda_end): make dev current, trusting
    nothing this thread did before (the program's code runs around these); then its launch's
    status (cudaGetLastError), named as `kernel` in the message. */
@@ -10126,6 +10131,17 @@ static mgpu_result mgpu__stage_copy(const mgpu__part* on, mgpu_tensor* dst, cons
     return MGPU_OK;
 }
 
+/* After layer i's own code ran (a custom layer) on a GPU: a CUDA error it left pending (a launch
+   of its own not checked by mgpu_cuda_end) is its error, named as the layer's, not the next
+   launch's of mgpu. */
+static mgpu_result mgpu__custom_layer_pending(const mgpu_model* m, const mgpu__part* p, int i, const char* op) {
+    char where[96];
+    int rc;
+    if (m->layers[i]->graph_safe || p->dev->kind != MGPU_DEVICE_CUDA || (rc = MGPU__CUDA(mgpu__cu_pending_error())) == 0) return MGPU_OK;
+    snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
+    return mgpu__cu_result(rc, where, p->dev);
+}
+
 /* Forward of micro-batch k on a part, whose rows start at row first_row of the whole batch. The
    first stage reads x (on its device); a later stage first pulls the output of the stage
    before (which ran forward k already: the CPU threads wait for it, GPU streams order it). */
@@ -10158,6 +10174,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
             return mgpu__layer_refail(r, where);
         }
+        MGPU__TRY(mgpu__custom_layer_pending(m, p, i, op));
     }
     sl->has_input = 1;
     return MGPU_OK;   /* the caller marks forward k done (mgpu__part_mark), after what else it adds */
@@ -10187,7 +10204,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
         return mgpu__layer_refail(r, where);
     }
-    return MGPU_OK;
+    return mgpu__custom_layer_pending(m, p, i, op);
 }
 
 /* After a part's backward of micro-batch k: d input goes back to the stage before, pushed on
