@@ -8203,6 +8203,7 @@ struct mgpu_model {
     int capturing;                      /* a step is being captured: Dropout reads its key on the device */
     double graph_terms;                 /* the loss's terms of the captured step (its gradient's scale) */
     uint64_t graph_buffers;             /* where the buffers the graph works in were at its capture */
+    int graph_failures, graph_wait;     /* captures failed in a row; eager steps before the next try */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -10990,8 +10991,13 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
    devices or of several processes, a custom layer (whose work may change from step to step on
    the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
-   deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce; a capture that
-   fails (something in it waited for the host or allocated) falls back to eager steps for good. */
+   deadlock; the P2P all-reduce is captured instead) or the host-staged all-reduce. A capture that
+   fails (something in it waited for the host or allocated, another thread's call that capture
+   forbids) may have met a passing cause: that step and the next MGPU__GRAPH_RETRY_STEPS run
+   eagerly, then the capture is tried again; after MGPU__GRAPH_TRIES failures in a row the steps
+   stay eager for good (a warning says why). */
+#define MGPU__GRAPH_TRIES 3
+#define MGPU__GRAPH_RETRY_STEPS 10
 static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
     int i;
     why[0] = 0;
@@ -11146,6 +11152,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     for (i = 0; dropout && i < m->part_count; ++i)   /* made before the warm-up step, so that its temporaries follow */
         MGPU__TRY(mgpu__ensure(&m->part[i].step_seed, m->part[i].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));
     if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
+    if (!m->graph_exec && m->graph_wait > 0) { m->graph_wait--; return MGPU_OK; }   /* after a failed capture */
     if (!m->graph_events) {
         m->graph_events = (void**)mgpu__calloc((size_t)m->part_count * 4, sizeof(void*));
         if (!m->graph_events) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
@@ -11198,12 +11205,21 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
             MGPU__COUNTER_LIST(MGPU__GRAPH_UNDO)
 #undef MGPU__GRAPH_UNDO
         }
-        if (r != MGPU_OK) {
-            mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());
-            m->graph = 0;
+        if (r != MGPU_OK) {   /* this step runs eagerly; the capture is tried again, a few times */
+            if (++m->graph_failures >= MGPU__GRAPH_TRIES) {
+                mgpu__log(MGPU_LOG_WARN, "%s: steps run without a CUDA graph from now on: its capture failed %d times in a row, "
+                          "the last: %s", op, m->graph_failures, mgpu_last_error());
+                m->graph = 0;
+            } else {
+                m->graph_wait = MGPU__GRAPH_RETRY_STEPS;
+                mgpu__log(MGPU_LOG_INFO, "%s: this step and the next %d run without a CUDA graph, then its capture is tried "
+                          "again (%d of %d tries failed): %s", op, MGPU__GRAPH_RETRY_STEPS, m->graph_failures, MGPU__GRAPH_TRIES,
+                          mgpu_last_error());
+            }
             m->grads_reduced = was_reduced;
             return MGPU_OK;
         }
+        m->graph_failures = 0;
         m->graph_buffers = mgpu__graph_buffers(m);   /* (the capture may have sized a slot) */
     }
     /* the graph's work on each device after that device's uploads */
