@@ -8597,11 +8597,12 @@ static int mgpu__trace_write_body(FILE* f, const void* user) {
 
 /* Written as checkpoints are (mgpu__write_atomic): a temporary file beside path renamed over it,
    so a FIFO, device or folder is refused before anything is opened, and, unlike a checkpoint, a
-   symlink too. On failure the trace is left as it was, for a retry to another path. */
-static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op) {
+   symlink too. *written: whether path holds the trace now (also when it misses slices). */
+static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op, int* written) {
     mgpu__trace* tr = m->trace;
     mgpu_result r;
     mgpu__trace_body body;
+    *written = 0;
     double* t = (double*)mgpu__calloc((size_t)tr->count * 2 + 2, sizeof(double));
     if (!t) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     if ((r = mgpu__trace_times(m, op, t)) != MGPU_OK) { MGPU_FREE(t); return r; }
@@ -8611,24 +8612,27 @@ static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char
     r = mgpu__write_atomic(path, "a trace", 0, mgpu__trace_write_body, &body);
     MGPU_FREE(t);
     if (r != MGPU_OK) return mgpu__refail(op);
+    *written = 1;
     if (tr->failed) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
     return MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path) {
     static const char* op = "mgpu_model_trace_write";
+    int written;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    return mgpu__trace_write(m, path, op);
+    return mgpu__trace_write(m, path, op, &written);
 }
 
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
     static const char* op = "mgpu_model_trace_stop";
     mgpu_result r;
+    int written;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    r = mgpu__trace_write(m, path, op);
-    if (r == MGPU_OK || m->trace->failed) mgpu__trace_free(m);   /* written (even if short of slices); else kept for a retry */
+    r = mgpu__trace_write(m, path, op, &written);
+    if (written) mgpu__trace_free(m);   /* else kept, for a retry to another path */
     return r;
 }
 
@@ -13200,8 +13204,9 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int fo
     {
         struct stat st;
         pid = (unsigned long)getpid();
-        if (!follow_links && lstat(path, &st) == 0 && S_ISLNK(st.st_mode))   /* (rename below replaces, never follows, one made later) */
-            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (remove it, or give another path)", path, what);
+        if (!follow_links && lstat(path, &st) == 0 && S_ISLNK(st.st_mode))   /* (one made later: the rename replaces it) */
+            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (remove it, or give "
+                              "another path)", path, what);
         if (follow_links) target = mgpu__follow_links(path);
         else if ((target = (char*)MGPU_MALLOC(strlen(path) + 1)) != NULL) strcpy(target, path);
         else errno = ENOMEM;
