@@ -640,7 +640,9 @@ MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain
    "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
    that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
    a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU
-   devices. */
+   devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
+   mgpu call that finds its error pending fails saying so ("a CUDA error left pending by earlier
+   work ..."), and clears it; in a training step, a custom layer's is that layer's error. */
 MGPUDEF mgpu_result mgpu_cuda_begin(mgpu_device* dev, void** stream);
 MGPUDEF mgpu_result mgpu_cuda_end(mgpu_device* dev, const char* kernel);
 
@@ -671,7 +673,9 @@ typedef struct mgpu_layer_ctx {
 
 typedef struct mgpu_layer_vtable {
     const char* type;   /* "Linear": the PyTorch class name, shown in summaries */
-    /* y's shape for x's shape (dimension 0 is the batch). NULL: same as x. */
+    /* y's shape for x's shape (dimension 0 is the batch). NULL: same as x. A shape of no tensor
+       (a negative or zero dimension, more than MGPU_MAX_DIMS) fails mgpu_model_create, naming
+       the layer. */
     mgpu_result (*output_shape)(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y);
     /* Parameters in PyTorch state_dict order ("weight", then "bias"). NULL: none. */
     int (*param_count)(const mgpu_layer* l);
@@ -1211,7 +1215,11 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
    (an SVG <title>), colours for forward, backward, all-reduce and optimizer step, a time axis in
    microseconds or milliseconds from the trace's start. stop writes the file and ends the trace;
    write writes the slices so far (waiting for them) and goes on tracing, e.g. one run in both
-   formats: write "t.json", then stop "t.svg". */
+   formats: write "t.json", then stop "t.svg". Both write as checkpoints are saved (>>io): a
+   temporary file beside the path, renamed over it; a folder, FIFO or device is refused at once,
+   and so is a symlink (never followed: a trace cannot replace the checkpoint a link leads to).
+   When the write fails (MGPU_ERROR_IO, naming the path and why), stop keeps the trace, so a
+   call to another path writes it. */
 MGPUDEF mgpu_result mgpu_model_trace_start(mgpu_model* m);
 MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path);
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path);
@@ -1243,7 +1251,9 @@ MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m);
    A successful save removes the temporary files that earlier saves to the same path left behind
    when their process died (never a live process's). A symlink is followed (its target replaced,
    the link kept); a directory, FIFO or device is refused. Loading reads regular files only and
-   validates the whole file before it changes anything. Paths are UTF-8 on every platform. On
+   validates the whole file before it changes anything, including the model's layer types that the
+   file records ("mgpu.layers": a checkpoint of Linear,ReLU,Linear is refused by a Linear,Tanh,Linear
+   model unless mgpu_load_desc.weights_only; files of PyTorch, without it, are not checked). Paths are UTF-8 on every platform. On
    Windows: FlushFileBuffers, then MoveFileExW (replace, write-through) in one step; files are read
    sharing delete access, so a save replaces a checkpoint that another mgpu program is reading
    (a program that opens it without FILE_SHARE_DELETE makes the save fail, the old file intact);
@@ -1403,6 +1413,10 @@ typedef struct mgpu_load_desc {
                              NULL: no prefix */
     int allow_extra;      /* 1: ignore the file's other tensors (load_state_dict(strict=False));
                              0: refuse them. Missing model tensors are an error either way. */
+    int weights_only;     /* 1: load the tensors whatever model the file was saved from; 0: a file
+                             that records its model's layers (mgpu.layers: "Linear,ReLU,Linear",
+                             every mgpu checkpoint) and lists others than this model's is refused
+                             (MGPU_ERROR_BAD_FILE naming both). Files without it (PyTorch's) load. */
 } mgpu_load_desc;
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
 
@@ -1697,6 +1711,11 @@ int mgpu__cu_event_synchronize(int dev, void* event);
    the stream's device whichever is current. */
 int mgpu__cu_step_scope(int enter);
 int mgpu__cu_device_unknown(void);   /* the program's own code ran on this thread: trust nothing */
+/* A CUDA error pending on this thread (cleared): mgpu checks its own calls at once, so one found
+   before mgpu's work is the program's own (a launch not checked by mgpu_cuda_end). Every call
+   that makes a device current checks it outside a step, and the first after a custom layer's
+   code inside one; a step checks it after such code too, naming the layer. */
+int mgpu__cu_pending_error(void);
 /* The program's own kernels (mgpu_cuda_begin, mgpu_cuda_end): make dev current, trusting
    nothing this thread did before (the program's code runs around these); then its launch's
    status (cudaGetLastError), named as `kernel` in the message. */
@@ -1842,7 +1861,8 @@ int mgpu__cu_sum_squares(int dev, void* stream, size_t n, const float* x, double
 int mgpu__cu_clip_scale(int dev, void* stream, const double* sums, int count, float max_norm, float* norm, float* scale);
 
 /* NCCL, loaded at run time with dlopen("libnccl.so.2"); nothing links against it */
-int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed */
+int mgpu__cu_nccl_available(void);   /* 1 when the library loaded and has every symbol needed; else 0,
+                                        mgpu__cu_error_message naming each library tried and why */
 int mgpu__cu_nccl_comm_init_all(int count, const int* devs, void** comms);   /* comms[count] */
 int mgpu__cu_nccl_comm_destroy(void* comm);
 int mgpu__cu_nccl_group_start(void);
@@ -2029,8 +2049,7 @@ static void* mgpu__calloc(size_t count, size_t size) {
 }
 
 /* Files by name: mgpu's paths are UTF-8 on every platform. Windows' narrow-character calls read
-   a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW).
-   mgpu__fopen is fopen elsewhere. */
+   a name in the local code page, so there a name goes through UTF-16 (_wfopen, CreateFileW). */
 #ifdef _WIN32
 /* path in UTF-16, in a new buffer; NULL with errno EINVAL (not UTF-8) or ENOMEM. A path too long
    for the calls' MAX_PATH (260) is made absolute with the \\?\ prefix, which lifts that limit. */
@@ -2060,18 +2079,6 @@ static wchar_t* mgpu__wide_path(const char* path) {
     MGPU_FREE(w);
     return full;
 }
-static FILE* mgpu__fopen(const char* path, const char* mode) {
-    wchar_t wmode[8];
-    wchar_t* w = mgpu__wide_path(path);
-    size_t i;
-    FILE* f;
-    if (!w) return NULL;
-    for (i = 0; mode[i] && i < 7; ++i) wmode[i] = (wchar_t)mode[i];
-    wmode[i] = 0;
-    f = _wfopen(w, wmode);
-    MGPU_FREE(w);
-    return f;
-}
 /* What a Win32 error code means, in this thread's buffer. */
 static const char* mgpu__win_error(DWORD code) {
     static MGPU__TLS char text[256];
@@ -2080,8 +2087,6 @@ static const char* mgpu__win_error(DWORD code) {
     if (!n) snprintf(text, sizeof text, "Windows error %lu", (unsigned long)code);
     return text;
 }
-#else
-static FILE* mgpu__fopen(const char* path, const char* mode) { return fopen(path, mode); }
 #endif
 
 MGPUDEF double mgpu_seconds(void) {
@@ -2119,6 +2124,20 @@ MGPUDEF mgpu_result mgpu_last_result(void) { return mgpu__error_code; }
 MGPUDEF void mgpu_clear_error(void) { mgpu__error_text[0] = 0; mgpu__error_code = MGPU_OK; }
 MGPUDEF void mgpu_log_set_callback(mgpu_log_fn fn, void* user) { mgpu__log_fn = fn; mgpu__log_user = user; }
 
+/* s in buf, its middle replaced by "..." when it is longer than size - 1 bytes (both ends say
+   the most: a list's first and last items, a path's folder and file). */
+static const char* mgpu__text_middle(const char* s, char* buf, size_t size) {
+    const size_t n = strlen(s);
+    size_t head, tail;
+    if (n < size) { memcpy(buf, s, n + 1); return buf; }
+    head = (size - 4) / 2;
+    tail = size - 4 - head;
+    while (head > 0 && ((uint8_t)s[head] & 0xC0) == 0x80) --head;             /* not inside a UTF-8 character */
+    while (tail > 0 && ((uint8_t)s[n - tail] & 0xC0) == 0x80) --tail;
+    snprintf(buf, size, "%.*s...%s", (int)head, s, s + n - tail);
+    return buf;
+}
+
 /* fmt with ap into out (size bytes). A message that does not fit loses its middle, never its
    end: "mgpu_model_save: cannot write '/a/b...y/z.safetensors': No such file or directory" keeps
    the op at its start and the reason at its end, whatever a 100 kB device spec or a 5,000-byte
@@ -2135,12 +2154,7 @@ static void mgpu__vformat(char* out, size_t size, const char* fmt, va_list ap) {
         char* all = (char*)MGPU_MALLOC((size_t)n + 1);
         if (all && vsnprintf(all, (size_t)n + 1, fmt, again) == n && (size_t)n < size) memcpy(out, all, (size_t)n + 1);
         else if (all) {
-            size_t head = (size - 4) / 2, tail = size - 4 - head;
-            while (head > 0 && ((unsigned char)all[head] & 0xC0) == 0x80) --head;
-            while (tail > 0 && ((unsigned char)all[n - tail] & 0xC0) == 0x80) --tail;
-            memcpy(out, all, head);
-            memcpy(out + head, "...", 3);
-            memcpy(out + head + 3, all + n - tail, tail + 1);
+            (void)mgpu__text_middle(all, out, size);
         } else {   /* no memory for the whole: its start, as vsnprintf cuts */
             snprintf(out, size, "%s", first);
         }
@@ -6985,9 +6999,27 @@ MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float d
 }
 
 /* -- calling a layer, and the containers (sequential, residual) -- */
+/* A layer's output shape for x's; a shape no tensor can have (a custom layer's bug) is refused
+   here, naming the layer's output_shape, so that mgpu_model_create says which layer is wrong
+   instead of every step failing later in a tensor's creation. */
 static mgpu_result mgpu__output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    char tx[96], ty[96], rank[64];
+    const char* bad = NULL;
+    int i;
     if (!l->vt->output_shape) { *y = x; return MGPU_OK; }
-    return l->vt->output_shape(l, x, y);
+    MGPU__TRY(l->vt->output_shape(l, x, y));
+    if (y->ndim < 1 || y->ndim > MGPU_MAX_DIMS) {
+        snprintf(rank, sizeof rank, "mgpu's tensors have 1 to %d (the batch first)", MGPU_MAX_DIMS);
+        bad = rank;
+    }
+    for (i = 0; !bad && i < y->ndim; ++i)
+        if (y->dim[i] < 0 || (y->dim[i] == 0 && (i > 0 || x.ndim < 1 || x.dim[0] > 0))) bad = "a dimension is negative or 0";
+    if (!bad && mgpu_shape_numel(*y) < 0) bad = "its element count overflows";
+    if (!bad) return MGPU_OK;
+    if (y->ndim < 0 || y->ndim > MGPU_MAX_DIMS) snprintf(ty, sizeof ty, "a shape of %d dimensions", y->ndim);
+    else mgpu__shape_text(*y, ty, sizeof ty);
+    return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s's output_shape gives %s for an input %s: %s", mgpu_layer_type(l), ty,
+                      mgpu__shape_text(x, tx, sizeof tx), bad);
 }
 static mgpu_result mgpu__call_failed(const mgpu_layer* l, mgpu_result r) {
     char where[128], cfg[96] = "";
@@ -7425,9 +7457,9 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         for (i = 0; i < set->count; ++i) for (j = 0; j < i; ++j) distinct &= set->devices[i]->ordinal != set->devices[j]->ordinal;
         if (distinct && MGPU__CUDA(mgpu__cu_nccl_available()) == 1) kind = MGPU_ALLREDUCE_NCCL;
         else {
-            if (kind == MGPU_ALLREDUCE_NCCL)
-                mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s; using peer-to-peer instead",
-                          distinct ? "could not be loaded (libnccl.so.2)" : "cannot use one GPU twice");
+            if (kind == MGPU_ALLREDUCE_NCCL)   /* the library tried and dlopen's reason, as the backend says them */
+                mgpu__log(MGPU_LOG_INFO, "all-reduce: NCCL %s%s; using peer-to-peer instead",
+                          distinct ? "could not be loaded: " : "cannot use one GPU twice", distinct ? mgpu__cuda_message() : "");
             kind = MGPU_ALLREDUCE_P2P;
         }
     }
@@ -8405,6 +8437,7 @@ struct mgpu_model {
     int capturing;                      /* a step is being captured: Dropout reads its key on the device */
     double graph_terms;                 /* the loss's terms of the captured step (its gradient's scale) */
     uint64_t graph_buffers;             /* where the buffers the graph works in were at its capture */
+    int graph_failures, graph_wait;     /* captures failed in a row; eager steps before the next try */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
@@ -8778,40 +8811,60 @@ static int mgpu__path_is_svg(const char* path) {
     return n >= 4 && path[n - 4] == '.' && (path[n - 3] | 0x20) == 's' && (path[n - 2] | 0x20) == 'v' && (path[n - 1] | 0x20) == 'g';
 }
 
-static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op) {
+static mgpu_result mgpu__write_atomic(const char* path, const char* what, int follow_links, int (*body)(FILE* f, const void* user),
+                                      const void* user);   /* (>>impl io) */
+typedef struct mgpu__trace_body {
+    const mgpu_model* m;
+    const double* t;
+    int svg;
+} mgpu__trace_body;
+static int mgpu__trace_write_body(FILE* f, const void* user) {
+    const mgpu__trace_body* b = (const mgpu__trace_body*)user;
+    if (b->svg) mgpu__trace_svg(f, b->m, b->t);
+    else mgpu__trace_json(f, b->m, b->t);
+    if (!ferror(f)) return 0;
+    if (!errno) errno = EIO;
+    return 1;
+}
+
+/* Written as checkpoints are (mgpu__write_atomic): a temporary file beside path renamed over it,
+   so a FIFO, device or folder is refused before anything is opened, and, unlike a checkpoint, a
+   symlink too. *written: whether path holds the trace now (also when it misses slices). */
+static mgpu_result mgpu__trace_write(mgpu_model* m, const char* path, const char* op, int* written) {
     mgpu__trace* tr = m->trace;
     mgpu_result r;
+    mgpu__trace_body body;
+    *written = 0;
     double* t = (double*)mgpu__calloc((size_t)tr->count * 2 + 2, sizeof(double));
-    FILE* f;
     if (!t) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     if ((r = mgpu__trace_times(m, op, t)) != MGPU_OK) { MGPU_FREE(t); return r; }
-    if (!(f = mgpu__fopen(path, "w"))) {
-        r = mgpu__fail(MGPU_ERROR_IO, "%s: cannot write '%s': %s", op, path, strerror(errno));
-        MGPU_FREE(t);
-        return r;
-    }
-    if (mgpu__path_is_svg(path)) mgpu__trace_svg(f, m, t);
-    else mgpu__trace_json(f, m, t);
+    body.m = m;
+    body.t = t;
+    body.svg = mgpu__path_is_svg(path);
+    r = mgpu__write_atomic(path, "a trace", 0, mgpu__trace_write_body, &body);
     MGPU_FREE(t);
-    if (fclose(f) != 0) return mgpu__fail(MGPU_ERROR_IO, "%s: writing '%s': %s", op, path, strerror(errno));
+    if (r != MGPU_OK) return mgpu__refail(op);
+    *written = 1;
     if (tr->failed) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: '%s' misses slices (out of host memory or CUDA events)", op, path);
     return MGPU_OK;
 }
 
 MGPUDEF mgpu_result mgpu_model_trace_write(mgpu_model* m, const char* path) {
     static const char* op = "mgpu_model_trace_write";
+    int written;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    return mgpu__trace_write(m, path, op);
+    return mgpu__trace_write(m, path, op, &written);
 }
 
 MGPUDEF mgpu_result mgpu_model_trace_stop(mgpu_model* m, const char* path) {
     static const char* op = "mgpu_model_trace_stop";
     mgpu_result r;
+    int written;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (!m->trace) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: not tracing (mgpu_model_trace_start first)", op);
-    r = mgpu__trace_write(m, path, op);
-    mgpu__trace_free(m);
+    r = mgpu__trace_write(m, path, op, &written);
+    if (written) mgpu__trace_free(m);   /* else kept, for a retry to another path */
     return r;
 }
 
@@ -10340,6 +10393,17 @@ static mgpu_result mgpu__stage_copy(const mgpu__part* on, mgpu_tensor* dst, cons
     return MGPU_OK;
 }
 
+/* After layer i's own code ran (a custom layer) on a GPU: a CUDA error it left pending (a launch
+   of its own not checked by mgpu_cuda_end) is its error, named as the layer's, not the next
+   launch's of mgpu. */
+static mgpu_result mgpu__custom_layer_pending(const mgpu_model* m, const mgpu__part* p, int i, const char* op) {
+    char where[96];
+    int rc;
+    if (m->layers[i]->graph_safe || p->dev->kind != MGPU_DEVICE_CUDA || (rc = MGPU__CUDA(mgpu__cu_pending_error())) == 0) return MGPU_OK;
+    snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
+    return mgpu__cu_result(rc, where, p->dev);
+}
+
 /* Forward of micro-batch k on a part, whose rows start at row first_row of the whole batch. The
    first stage reads x (on its device); a later stage first pulls the output of the stage
    before (which ran forward k already: the CPU threads wait for it, GPU streams order it). */
@@ -10372,6 +10436,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
             return mgpu__layer_refail(r, where);
         }
+        MGPU__TRY(mgpu__custom_layer_pending(m, p, i, op));
     }
     sl->has_input = 1;
     return MGPU_OK;   /* the caller marks forward k done (mgpu__part_mark), after what else it adds */
@@ -10401,7 +10466,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
         return mgpu__layer_refail(r, where);
     }
-    return MGPU_OK;
+    return mgpu__custom_layer_pending(m, p, i, op);
 }
 
 /* After a part's backward of micro-batch k: d input goes back to the stage before, pushed on
@@ -11266,8 +11331,13 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    devices or of several processes, a custom layer (whose work may change from step to step on
    the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
    deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce or
-   desc.check_finite (the host reads the check before the update); a capture that
-   fails (something in it waited for the host or allocated) falls back to eager steps for good. */
+   desc.check_finite (the host reads the check before the update). A capture that
+   fails (something in it waited for the host or allocated, another thread's call that capture
+   forbids) may have met a passing cause: that step and the next MGPU__GRAPH_RETRY_STEPS run
+   eagerly, then the capture is tried again; after MGPU__GRAPH_TRIES failures in a row the steps
+   stay eager for good (a warning says why). */
+#define MGPU__GRAPH_TRIES 3
+#define MGPU__GRAPH_RETRY_STEPS 10
 static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
     int i;
     why[0] = 0;
@@ -11423,6 +11493,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     for (i = 0; dropout && i < m->part_count; ++i)   /* made before the warm-up step, so that its temporaries follow */
         MGPU__TRY(mgpu__ensure(&m->part[i].step_seed, m->part[i].dev, MGPU_U8, mgpu_shape1(sizeof(uint64_t))));
     if (!m->graph_exec && m->graph_warm++ < 1) return MGPU_OK;   /* this step makes every buffer */
+    if (!m->graph_exec && m->graph_wait > 0) { m->graph_wait--; return MGPU_OK; }   /* after a failed capture */
     if (!m->graph_events) {
         m->graph_events = (void**)mgpu__calloc((size_t)m->part_count * 4, sizeof(void*));
         if (!m->graph_events) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
@@ -11475,12 +11546,21 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
             MGPU__COUNTER_LIST(MGPU__GRAPH_UNDO)
 #undef MGPU__GRAPH_UNDO
         }
-        if (r != MGPU_OK) {
-            mgpu__log(MGPU_LOG_INFO, "%s: steps run without a CUDA graph: its capture failed: %s", op, mgpu_last_error());
-            m->graph = 0;
+        if (r != MGPU_OK) {   /* this step runs eagerly; the capture is tried again, a few times */
+            if (++m->graph_failures >= MGPU__GRAPH_TRIES) {
+                mgpu__log(MGPU_LOG_WARN, "%s: steps run without a CUDA graph from now on: its capture failed %d times in a row, "
+                          "the last: %s", op, m->graph_failures, mgpu_last_error());
+                m->graph = 0;
+            } else {
+                m->graph_wait = MGPU__GRAPH_RETRY_STEPS;
+                mgpu__log(MGPU_LOG_INFO, "%s: this step and the next %d run without a CUDA graph, then its capture is tried "
+                          "again (%d of %d tries failed): %s", op, MGPU__GRAPH_RETRY_STEPS, m->graph_failures, MGPU__GRAPH_TRIES,
+                          mgpu_last_error());
+            }
             m->grads_reduced = was_reduced;
             return MGPU_OK;
         }
+        m->graph_failures = 0;
         m->graph_buffers = mgpu__graph_buffers(m);   /* (the capture may have sized a slot) */
     }
     /* the graph's work on each device after that device's uploads */
@@ -13437,8 +13517,11 @@ static DWORD mgpu__win_replace(const wchar_t* wtmp, const wchar_t* wtarget, cons
 /* Writes path atomically, as described above: body(f, user) writes the contents to the temporary
    file (0, or nonzero with errno set when a write failed); `what` names the kind of file in the
    messages ("a checkpoint"). On any failure the temporary file is removed and path is left
-   untouched. Safetensors checkpoints and token files are saved through it. */
-static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*body)(FILE* f, const void* user), const void* user) {
+   untouched. Safetensors checkpoints and token files are saved through it, following symlinks;
+   traces too, with follow_links 0: a symlink at path is refused (a trace's path is often typed
+   or made up, and must never replace the file a link leads to, such as a checkpoint). */
+static mgpu_result mgpu__write_atomic(const char* path, const char* what, int follow_links, int (*body)(FILE* f, const void* user),
+                                      const void* user) {
     char* tmp = NULL;
     char* target = NULL;   /* path, its symlinks followed */
     char prefix[MGPU__TMP_BASE_MAX + 16];
@@ -13457,7 +13540,12 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*
     {
         struct stat st;
         pid = (unsigned long)getpid();
-        target = mgpu__follow_links(path);
+        if (!follow_links && lstat(path, &st) == 0 && S_ISLNK(st.st_mode))   /* (one made later: the rename replaces it) */
+            return mgpu__fail(MGPU_ERROR_IO, "%s: it is a symbolic link; %s is never written through one (remove it, or give "
+                              "another path)", path, what);
+        if (follow_links) target = mgpu__follow_links(path);
+        else if ((target = (char*)MGPU_MALLOC(strlen(path) + 1)) != NULL) strcpy(target, path);
+        else errno = ENOMEM;
         if (!target) {
             err = errno;
             if (err == ENOMEM) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for its path", path);
@@ -13471,6 +13559,7 @@ static mgpu_result mgpu__write_atomic(const char* path, const char* what, int (*
         }
     }
 #else
+    (void)follow_links;   /* Windows replaces a symlink, never follows it */
     target = (char*)MGPU_MALLOC(strlen(path) + 1);
     if (target) strcpy(target, path);
 #ifdef _WIN32
@@ -13597,7 +13686,7 @@ static mgpu_result mgpu__st_write(const char* path, const mgpu__st_write_item* i
     body.header = &b;
     body.items = items;
     body.count = count;
-    if (r == MGPU_OK) r = mgpu__write_atomic(path, "a checkpoint", mgpu__st_write_body, &body);
+    if (r == MGPU_OK) r = mgpu__write_atomic(path, "a checkpoint", 1, mgpu__st_write_body, &body);
     MGPU_FREE(b.p);
     return r;
 }
@@ -13706,7 +13795,7 @@ static mgpu_result mgpu__read_file(const char* path, uint8_t** data, size_t* len
     }
 #else
     {
-        FILE* f = mgpu__fopen(path, "rb");
+        FILE* f = fopen(path, "rb");   /* (not Windows: see above) */
         if (!f) return mgpu__fail(MGPU_ERROR_IO, "cannot open '%s': %s", path, strerror(errno));
         for (;;) {
             if (!*data || n == cap) {
@@ -13809,6 +13898,14 @@ MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer
     mgpu__dist_doing("mgpu_model_save", 0);
     return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
 }
+/* The model's layer types, "Linear,ReLU,Linear", as a checkpoint records them ("mgpu.layers") and
+   a load compares them: cut at size - 1 bytes, the same cut for both. */
+static void mgpu__layers_text(const mgpu_model* m, char* buf, size_t size) {
+    size_t len = 0;
+    int i;
+    for (i = 0, buf[0] = 0; i < m->layer_count && len < size; ++i)
+        len += (size_t)snprintf(buf + len, size - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
+}
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
@@ -13824,7 +13921,6 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     const int user_count = desc ? desc->metadata_count : 0;
     const mgpu_save_dtype dtype = desc ? desc->dtype : MGPU_SAVE_F32;
     int states = 0, n = 0, i, s, meta = 0;
-    size_t len = 0;
     mgpu_result r = MGPU_OK;
     if (!m || !path) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model or path", op);
     if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
@@ -13907,8 +14003,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
         }
         ++n;
     }
-    for (i = 0, layers_text[0] = 0; i < m->layer_count && len < sizeof layers_text; ++i)
-        len += (size_t)snprintf(layers_text + len, sizeof layers_text - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
+    mgpu__layers_text(m, layers_text, sizeof layers_text);
     keys[meta] = "format"; values[meta++] = "pt";
     keys[meta] = "mgpu.version"; values[meta++] = MGPU_VERSION_STRING;
     keys[meta] = "mgpu.layers"; values[meta++] = layers_text;
@@ -14218,6 +14313,35 @@ MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const
     m->dist_suspect = r == MGPU_OK ? NULL : "a load that failed on a rank";
     return r;
 }
+
+/* The layer list a checkpoint records ("mgpu.layers", written by mgpu_model_save) against the
+   model's: a different architecture whose tensors happen to have the same names and shapes
+   (ReLU for Tanh) would load without a word. Files without the key (PyTorch's, Hugging Face's,
+   older mgpu's) are not checked. */
+static mgpu_result mgpu__load_check_layers(const char* path, const mgpu_model* m, const mgpu__st_file* st) {
+    const char* file = mgpu__st_meta_value(st, "mgpu.layers");
+    char mine[512], a[160], b[160];
+    const char *p, *q;
+    size_t np = 0, nq = 0;
+    int k;
+    if (!file) return MGPU_OK;
+    mgpu__layers_text(m, mine, sizeof mine);
+    if (!strcmp(file, mine)) return MGPU_OK;
+    for (k = 0, p = file, q = mine;; ++k) {   /* the first layer that differs ("none": one list ended) */
+        np = strcspn(p, ",");
+        nq = strcspn(q, ",");
+        if (np != nq || strncmp(p, q, np) != 0 || (!p[np] && !q[nq])) break;   /* (the last: "a," against "a") */
+        p += np;
+        q += nq;
+        if (*p) ++p;
+        if (*q) ++q;
+    }
+    return mgpu__fail(MGPU_ERROR_BAD_FILE, "'%s' was saved from a model of layers %s, this model's are %s (layer %d: %.*s there, %.*s here); "
+                      "mgpu_load_desc.weights_only loads its tensors anyway", path, mgpu__text_middle(file, a, sizeof a),
+                      mgpu__text_middle(mine, b, sizeof b), k, np ? (int)MGPU__MIN(np, 64) : 4, np ? p : "none",
+                      nq ? (int)MGPU__MIN(nq, 64) : 4, nq ? q : "none");
+}
+
 static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     static const char* op = "mgpu_model_load";
     mgpu_safetensors sf;
@@ -14242,6 +14366,7 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
     r = mgpu__st_load(path, &sf);
     if (r != MGPU_OK) goto done;
     /* check everything before changing anything: a failed load leaves the model as it was */
+    if (!(desc && desc->weights_only) && (r = mgpu__load_check_layers(path, m, st)) != MGPU_OK) goto done;
     for (i = 0; i < m->tensor_count && r == MGPU_OK; ++i) {
         const mgpu__st_tensor* e;
         if (m->tensors[i].tied >= 0) continue;   /* its twin's (a file may hold it too: PyTorch's state_dict does) */
@@ -14542,7 +14667,7 @@ MGPUDEF mgpu_result mgpu_tokens_save(const mgpu_tokens* t, const char* path) {
     if (t->count > INT32_MAX)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT,
                           "mgpu_tokens_save(%s): %lld tokens, more than the header's int32 count holds (%d): split them into shards", path, (long long)t->count, INT32_MAX);
-    if (mgpu__write_atomic(path, "a token file", mgpu__tokens_write_body, t) != MGPU_OK) return mgpu__refail("mgpu_tokens_save");
+    if (mgpu__write_atomic(path, "a token file", 1, mgpu__tokens_write_body, t) != MGPU_OK) return mgpu__refail("mgpu_tokens_save");
     return MGPU_OK;
 }
 

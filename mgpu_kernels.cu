@@ -123,8 +123,22 @@ int mgpu__cu_device_unknown(void) {   // after code of the program's own ran on 
     return MGPU__CU_OK;
 }
 
+// A CUDA error pending on this thread before mgpu's work: mgpu checks each of its own launches
+// and calls at once (clearing the error), so it was left by the program's own code, a kernel
+// launched without mgpu_cuda_end's check most often: said so here (and cleared, as
+// cudaGetLastError does), not blamed on the launch of mgpu's that would have found it next. An
+// error of a kernel that faulted while running (sticky) is found here too: "earlier work".
+int mgpu__cu_pending_error(void) {
+    const cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return MGPU__CU_OK;
+    return report(e == cudaErrorMemoryAllocation ? MGPU__CU_ERR_OOM : MGPU__CU_ERR_CUDA, cudaGetErrorName(e), cudaGetErrorString(e),
+                  __LINE__, "a CUDA error left pending by earlier work on this thread, not by this call (a kernel of the "
+                  "program's own launched without mgpu_cuda_end to check it?)");
+}
+
 static int use_device(int dev) {
     if (t_step_depth > 0) {
+        if (t_current == -1) TRY(mgpu__cu_pending_error());   // the first call of a step, or after a custom layer's code
         if (t_current != dev) {
             CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice(%d)", dev);
             t_current = dev;
@@ -132,6 +146,7 @@ static int use_device(int dev) {
         return MGPU__CU_OK;
     }
     int current = -1;
+    TRY(mgpu__cu_pending_error());
     CUDA_TRY(cudaGetDevice(&current), "cudaGetDevice() while selecting device %d", dev);
     if (current != dev) CUDA_TRY(cudaSetDevice(dev), "cudaSetDevice(%d)", dev);
     return MGPU__CU_OK;
@@ -1886,7 +1901,7 @@ static struct {
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t* async_error);
     ncclResult_t (*CommAbort)(ncclComm_t comm);
     bool loaded, across_processes;
-    char why[256];   // why it did not load
+    char why[400];   // why it did not load
 } nccl;
 
 #ifdef _WIN32
@@ -1914,11 +1929,14 @@ static void nccl_load(void) {
     const char* defaults[] = { MGPU_NCCL_DEFAULT_LIBRARY, NULL };
     const char* names[3] = { env && *env ? env : defaults[0], defaults[1], NULL };
     void* lib = NULL;
+    size_t used = 0;
     for (int i = 0; !lib && names[i] && (i == 0 || !(env && *env)); ++i) {
         lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (!lib) {
+        if (!lib && used < sizeof nccl.why) {   // every name tried, each with dlopen's reason
             const char* e = dlerror();
-            snprintf(nccl.why, sizeof nccl.why, "dlopen(%s): %s", names[i], e ? e : "failed");
+            int n = snprintf(nccl.why + used, sizeof nccl.why - used, "%sdlopen(\"%s\"%s): %s", i ? "; " : "", names[i],
+                             env && *env ? ", from MGPU_NCCL_LIBRARY" : "", e ? e : "failed");
+            used += n > 0 ? (size_t)n : 0;
         }
     }
     if (!lib) return;

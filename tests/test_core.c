@@ -2944,6 +2944,85 @@ static void test_pool_spin(void) {
 #endif
 
 /* ============================================================================================ */
+/* ============================================================================================ */
+/* errors named at their source (issue 37)                                                      */
+/* ============================================================================================ */
+#ifdef MGPU_CUDA
+/* A custom layer whose forward launches a kernel that cannot start (2048 threads a block) and
+   forgets mgpu_cuda_end's check: y = x, then the bad launch. */
+static mgpu_result badlaunch_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    void* stream;
+    mgpu_result r;
+    (void)l;
+    if ((r = mgpu_tensor_copy(y, x)) != MGPU_OK || (r = mgpu_cuda_begin(ctx->device, &stream)) != MGPU_OK) return r;
+    test_sin_launch(stream, (const float*)mgpu_tensor_data(x), (float*)mgpu_tensor_data(y), (size_t)mgpu_tensor_numel(x), 1.0f, 1, 2048);
+    return MGPU_OK;
+}
+static mgpu_result badlaunch_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                      const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static const mgpu_layer_vtable badlaunch_vt = {
+    "BadLaunch", NULL, NULL, NULL, NULL, NULL, NULL, badlaunch_forward, badlaunch_backward, NULL, NULL, NULL, NULL
+};
+#endif
+
+/* A kernel of the program's own that failed to launch and was not checked with mgpu_cuda_end is
+   reported as such by the next mgpu call (not as a failure of that call's own launch), which
+   clears it; inside a step, as the custom layer's error, naming it. */
+static void test_error_sources(void) {
+    header("errors named at their source");
+    if (!test_gpu_group("errors named at their source", g_gpu != NULL)) return;
+#ifdef MGPU_CUDA
+    {
+        mgpu_tensor* t = tmake(g_gpu, MGPU_F32, mgpu_shape1(8));
+        void* stream = NULL;
+        mgpu_layer* layers[2];
+        mgpu_model_desc md;
+        mgpu_model* m;
+        MUST(mgpu_cuda_begin(g_gpu, &stream));
+        test_sin_launch(stream, (const float*)mgpu_tensor_data(t), (float*)mgpu_tensor_data(t), 8, 1.0f, 1, 2048);
+        expect_fail(mgpu_tensor_fill(t, 1.0), MGPU_ERROR_CUDA, "mgpu_tensor_fill after an unchecked bad launch", "left pending by earlier work",
+                    "mgpu_cuda_end", "cudaErrorInvalidConfiguration");
+        CHECK(!strstr(mgpu_last_error(), "launch of fill"), "blamed on mgpu's fill: %s", mgpu_last_error());
+        MUST(mgpu_tensor_fill(t, 1.0));   /* cleared */
+        MUST(mgpu_cuda_begin(g_gpu, &stream));
+        test_sin_launch(stream, (const float*)mgpu_tensor_data(t), (float*)mgpu_tensor_data(t), 8, 1.0f, 1, 2048);
+        expect_fail(mgpu_cuda_begin(g_gpu, &stream), MGPU_ERROR_CUDA, "mgpu_cuda_begin after an unchecked bad launch", "mgpu_cuda_begin",
+                    "left pending by earlier work", "cudaErrorInvalidConfiguration");
+        MUST(mgpu_cuda_begin(g_gpu, &stream));
+        MUST(mgpu_cuda_end(g_gpu, "nothing"));
+        /* in a step: the custom layer's error */
+        memset(&md, 0, sizeof md);
+        layers[0] = mgpu_layer_linear(4, 4);
+        layers[1] = mgpu_layer_create(&badlaunch_vt, NULL);
+        md.input = mgpu_shape1(4);
+        md.layers = layers;
+        md.layer_count = 2;
+        md.devices = g_gpu_set;
+        md.loss = MGPU_LOSS_MSE;
+        md.seed = 1;
+        m = mgpu_model_create(&md);
+        CHECK(m != NULL, "a model with BadLaunch: %s", mgpu_last_error());
+        if (m) {
+            mgpu_optimizer* opt = mgpu_optimizer_create(m, NULL);
+            mgpu_tensor* x = tmake(g_gpu, MGPU_F32, mgpu_shape2(2, 4));
+            mgpu_tensor* y = tmake(g_gpu, MGPU_F32, mgpu_shape2(2, 4));
+            MUST(mgpu_tensor_fill(x, 0.5));
+            MUST(mgpu_tensor_fill(y, 0.25));
+            expect_fail(opt ? mgpu_model_train_step(m, opt, x, y, NULL) : MGPU_OK, MGPU_ERROR_CUDA, "a step whose custom layer launched badly",
+                        "layer 1 (BadLaunch)", "left pending by earlier work", "cudaErrorInvalidConfiguration");
+            MUST(mgpu_tensor_fill(x, 0.5));   /* nothing left pending */
+            mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+            mgpu_optimizer_destroy(opt);
+            mgpu_model_destroy(m);
+        }
+        mgpu_tensor_destroy(t);
+    }
+#endif
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_core");
     test_select(argc, argv);
@@ -2982,6 +3061,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_fork());
     TEST_GROUP(test_pool_spin());
 #endif
+    TEST_GROUP(test_error_sources());
 
     mgpu_device_set_destroy(g_gpu_set);
     printf("(%.1f s)\n", now_seconds() - t0);

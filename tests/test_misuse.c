@@ -13,6 +13,8 @@
      long_inputs  a 100 kB device spec, a 5,000-byte path, a long warning: the message (1,024
                 bytes) loses the middle of the input, never its reason at the end; more than 256
                 devices say the limit
+     trace_files  traces to a folder, a missing folder, /dev/full, a FIFO, a symlink: refused at
+                once, nothing changed, the trace kept for a retry
    Usage: build/test_misuse [GROUP] */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
@@ -821,6 +823,97 @@ static void test_long_inputs(void) {
     mgpu_model_destroy(m);
 }
 
+/* The whole of a small file in buf (at most size bytes); its length, or -1. */
+static long read_small(const char* path, char* buf, size_t size) {
+    FILE* f = fopen(path, "rb");
+    size_t n;
+    if (!f) return -1;
+    n = fread(buf, 1, size, f);
+    fclose(f);
+    return (long)n;
+}
+/* How many entries (other than . and ..) folder has: a failed write leaves no temporary file. */
+static int entry_count(const char* folder) {
+    DIR* d = opendir(folder);
+    struct dirent* e;
+    int n = 0;
+    while (d && (e = readdir(d)) != NULL) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    if (d) closedir(d);
+    return n;
+}
+
+/* Traces are written as checkpoints are (issue 37): a failed mgpu_model_trace_stop (a folder, a
+   missing folder, /dev/full, a FIFO, a symlink) returns MGPU_ERROR_IO naming the op and the path,
+   at once, leaves nothing behind and keeps the trace, so a retry to a good path writes it; a
+   symlink to a checkpoint leaves the checkpoint as it was. */
+static void test_trace_files(void) {
+    mgpu_device_set* set = mgpu_device_set_create("cpu");
+    mgpu_model* m = set ? small_model(set) : NULL;
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 4));
+    mgpu_tensor* y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(2));
+    char dir[512], path[640], ckpt[640], before[4096], after[4096], bad[4][640];
+    int i, nbad = 0, entries;
+    header("trace_files");
+    test_tmp_path(dir, sizeof dir, "mgpu_trace_XXXXXX");
+    if (!opt || !x || !y || !test_mkdtemp(dir, sizeof dir)) {
+        CHECK(0, "setup: %s", mgpu_last_error());
+        goto done;
+    }
+    CHECK(mgpu_tensor_fill(x, 0.5) == MGPU_OK && mgpu_tensor_zero(y) == MGPU_OK, "fill: %s", mgpu_last_error());
+    CHECK(mgpu_model_trace_start(m) == MGPU_OK && mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK, "traced step: %s",
+          mgpu_last_error());
+    snprintf(ckpt, sizeof ckpt, "%s/model.safetensors", dir);
+    CHECK(mgpu_model_save(m, NULL, ckpt) == MGPU_OK, "save: %s", mgpu_last_error());
+    snprintf(bad[nbad++], sizeof bad[0], "%s", dir);                                   /* a folder */
+    snprintf(bad[nbad++], sizeof bad[0], "%s/missing/trace.json", dir);                /* in a missing folder */
+#if defined(__unix__) || defined(__APPLE__)
+    if (access("/dev/full", W_OK) == 0) snprintf(bad[nbad++], sizeof bad[0], "/dev/full");
+    snprintf(bad[nbad], sizeof bad[0], "%s/fifo.json", dir);   /* opened for writing, it would wait for a reader forever */
+    if (mkfifo(bad[nbad], 0600) == 0) ++nbad;
+    else SKIP("mkfifo: %s", strerror(errno));
+#endif
+    entries = entry_count(dir);
+    for (i = 0; i < nbad; ++i) {
+        double t0 = mgpu_seconds();
+        EXPECT_FAIL(mgpu_model_trace_stop(m, bad[i]), "mgpu_model_trace_stop");
+        CHECK(mgpu_last_result() == MGPU_ERROR_IO && strstr(mgpu_last_error(), bad[i]) && mgpu_seconds() - t0 < 5.0,
+              "trace to '%s': %s, '%s' after %.1f s", bad[i], mgpu_result_string(mgpu_last_result()), mgpu_last_error(), mgpu_seconds() - t0);
+        CHECK(entry_count(dir) == entries, "trace to '%s' left %d entries in its folder, not %d", bad[i], entry_count(dir), entries);
+    }
+#if defined(__unix__) || defined(__APPLE__)
+    {   /* a symlink to the checkpoint: refused, the checkpoint and the link as they were */
+        struct stat st;
+        long n0 = read_small(ckpt, before, sizeof before), n1;
+        snprintf(path, sizeof path, "%s/trace.json", dir);
+        CHECK(symlink(ckpt, path) == 0, "symlink: %s", strerror(errno));
+        EXPECT_FAIL(mgpu_model_trace_stop(m, path), "mgpu_model_trace_stop");
+        CHECK(mgpu_last_result() == MGPU_ERROR_IO && strstr(mgpu_last_error(), "symbolic link"), "trace to a symlink: %s", mgpu_last_error());
+        n1 = read_small(ckpt, after, sizeof after);
+        CHECK(n0 > 0 && n1 == n0 && memcmp(before, after, (size_t)n0) == 0, "the checkpoint behind the link changed (%ld bytes, then %ld)", n0, n1);
+        CHECK(lstat(path, &st) == 0 && S_ISLNK(st.st_mode), "the link itself was replaced");
+        remove(path);
+    }
+#endif
+    /* the retry to a good path: the trace was kept, with its slices; written, it is gone */
+    snprintf(path, sizeof path, "%s/trace.json", dir);
+    CHECK(mgpu_model_trace_stop(m, path) == MGPU_OK, "retry to a good path: %s", mgpu_last_error());
+    CHECK(read_small(path, after, sizeof after - 1) > 0 && (after[sizeof after - 1] = 0, strstr(after, "\"ph\": \"X\"") != NULL),
+          "the retried trace has no slices");
+    EXPECT_FAIL(mgpu_model_trace_stop(m, path), "mgpu_model_trace_stop");   /* stopped: nothing left to write */
+    /* a write that goes on tracing fails the same way and keeps tracing */
+    CHECK(mgpu_model_trace_start(m) == MGPU_OK, "trace_start again: %s", mgpu_last_error());
+    EXPECT_FAIL(mgpu_model_trace_write(m, dir), "mgpu_model_trace_write");
+    snprintf(path, sizeof path, "%s/trace.svg", dir);
+    CHECK(mgpu_model_trace_stop(m, path) == MGPU_OK, "stop after a failed write: %s", mgpu_last_error());
+done:
+    test_remove_tree(dir);
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 int main(int argc, char** argv) {
     (void)test_rel_error;   /* test.h's, unused here */
     test_start("test_misuse");
@@ -834,5 +927,6 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_double_destroy());
     TEST_GROUP(test_devices());
     TEST_GROUP(test_long_inputs());
+    TEST_GROUP(test_trace_files());
     return test_summary("test_misuse");
 }

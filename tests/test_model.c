@@ -3996,6 +3996,93 @@ static void test_harness_api_cuda(void) {
     gpu_group_note("reader, gradients and optimizer state by name");
 }
 
+/* ============================================================================================ */
+/* 14. errors that name their true source (issue 37)                                            */
+/* ============================================================================================ */
+/* A custom layer whose output_shape gives a shape no tensor has: its user data picks the fault. */
+static mgpu_result badshape_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    const int fault = *(const int*)mgpu_layer_user_data(l);
+    *y = x;
+    if (fault == 0) y->dim[1] = -5;           /* negative */
+    else if (fault == 1) y->ndim = 7;         /* more than MGPU_MAX_DIMS */
+    else if (fault == 2) y->dim[1] = 0;       /* no features */
+    return MGPU_OK;
+}
+static mgpu_result badshape_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    return mgpu_tensor_copy(y, x);
+}
+static mgpu_result badshape_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                     const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static const mgpu_layer_vtable badshape_vt = {
+    "BadShape", badshape_output_shape, NULL, NULL, NULL, NULL, NULL, badshape_forward, badshape_backward, NULL, NULL, NULL, NULL
+};
+
+/* A layer's output_shape giving a negative dimension, 7 dimensions or no features is refused by
+   mgpu_model_create, naming the layer's index, its type and output_shape (not a tensor's creation
+   in every step); a checkpoint of Linear,ReLU,Linear does not load into Linear,Tanh,Linear (both
+   lists named, and the first layer that differs) unless mgpu_load_desc.weights_only says so, and a
+   file without mgpu.layers (PyTorch's) loads. */
+static void test_true_sources(void) {
+    static int faults[3] = { 0, 1, 2 };
+    static const char* says[3] = { "[1,-5]", "7 dimensions", "[1,0]" };
+    char path[512], bare[512];
+    int f;
+    mgpu_model *a, *b;
+    header("14. errors that name their true source");
+    for (f = 0; f < 3; ++f) {
+        mgpu_model* m;
+        mgpu_clear_error();
+        m = TRY_MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_MSE, 1, mgpu_layer_linear(4, 4), mgpu_layer_relu(),
+                      mgpu_layer_create(&badshape_vt, &faults[f]));
+        expect_null(m, MGPU_ERROR_INVALID_ARGUMENT, says[f], "mgpu_model_create: layer 2 (BadShape)", "output_shape", says[f]);
+        mgpu_model_destroy(m);
+    }
+    a = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_MSE, 1, mgpu_layer_linear(4, 8), mgpu_layer_relu(), mgpu_layer_linear(8, 2));
+    b = MODEL(mgpu_shape1(4), NULL, MGPU_LOSS_MSE, 2, mgpu_layer_linear(4, 8), mgpu_layer_tanh(), mgpu_layer_linear(8, 2));
+    tpath(path, sizeof path, "arch.safetensors");
+    tpath(bare, sizeof bare, "arch_bare.safetensors");
+    if (a && b && mgpu_model_save(a, NULL, path) == MGPU_OK) {
+        mgpu_load_desc ld;
+        float* before = get_flat(b, 0);
+        float* after;
+        float* want = get_flat(a, 0);
+        const int64_t n = flat_n(b);
+        mgpu_safetensors* st;
+        expect_fail(mgpu_model_load(b, NULL, path), MGPU_ERROR_BAD_FILE, "Linear,ReLU,Linear into Linear,Tanh,Linear",
+                    "mgpu_model_load", "Linear,ReLU,Linear", "Linear,Tanh,Linear");
+        CHECK(strstr(mgpu_last_error(), "layer 1: ReLU there, Tanh here") && strstr(mgpu_last_error(), "weights_only"),
+              "the message names the first difference and the way out: %s", mgpu_last_error());
+        after = get_flat(b, 0);
+        CHECK(same_bits(before, after, (size_t)n * sizeof(float)), "a refused load changed the model");
+        free(after);
+        memset(&ld, 0, sizeof ld);
+        ld.weights_only = 1;
+        CHECK(mgpu_model_load_ex(b, NULL, path, &ld) == MGPU_OK, "weights_only: %s", mgpu_last_error());
+        after = get_flat(b, 0);
+        CHECK(same_bits(want, after, (size_t)n * sizeof(float)), "weights_only: the file's parameters");
+        free(after);
+        CHECK(mgpu_model_load(a, NULL, path) == MGPU_OK, "the same architecture: %s", mgpu_last_error());
+        st = mgpu_safetensors_open(path);
+        CHECK(st && mgpu_safetensors_metadata(st, "mgpu.layers") && !strcmp(mgpu_safetensors_metadata(st, "mgpu.layers"),
+              "Linear,ReLU,Linear"), "the saver records mgpu.layers");
+        mgpu_safetensors_close(st);
+        {   /* a file without mgpu.layers, as PyTorch writes them */
+            const st_item items[4] = { { "0.weight", "F32", 2, { 8, 4 }, 8 * 4 * 4 }, { "0.bias", "F32", 1, { 8 }, 8 * 4 },
+                                       { "2.weight", "F32", 2, { 2, 8 }, 2 * 8 * 4 }, { "2.bias", "F32", 1, { 2 }, 2 * 4 } };
+            CHECK(write_st(bare, items, 4, "\"format\":\"pt\""), "writing %s", bare);
+            CHECK(mgpu_model_load(b, NULL, bare) == MGPU_OK, "a file without mgpu.layers loads: %s", mgpu_last_error());
+        }
+        free(before);
+        free(want);
+    } else CHECK(0, "models and a checkpoint: %s", mgpu_last_error());
+    mgpu_model_destroy(a);
+    mgpu_model_destroy(b);
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_model");
     test_select(argc, argv);
@@ -4036,6 +4123,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_named_views());
     TEST_GROUP(test_optimizer_state());
     TEST_GROUP(test_harness_api_cuda());
+    TEST_GROUP(test_true_sources());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA

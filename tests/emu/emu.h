@@ -32,7 +32,8 @@ typedef struct mgpu_emu_counters {
 void mgpu_emu_get_counters(mgpu_emu_counters* out);
 
 /* Fault injection from a test: the next `count` calls of `what` ("malloc": cudaMalloc; "launch":
-   kernel launches) fail (cudaErrorMemoryAllocation; cudaErrorLaunchOutOfResources). */
+   kernel launches; "capture": cudaStreamBeginCapture) fail (cudaErrorMemoryAllocation;
+   cudaErrorLaunchOutOfResources; cudaErrorStreamCaptureUnsupported). */
 void mgpu_emu_fail_next(const char* what, long count);
 
 /* for the fake NCCL */

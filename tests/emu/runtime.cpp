@@ -98,7 +98,7 @@ struct config {
     size_t memory = (size_t)16384 << 20;
     int max_threads = 1024;
     size_t max_shared = 49152;
-    long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0, fail_launch_count = 1;
+    long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0, fail_launch_count = 1, fail_capture = 0;
     bool no_peer = false;
     uint64_t chaos = 0;
     int chaos_us = 300;
@@ -1370,6 +1370,14 @@ EMU_EXPORT cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStre
     if (!stream) return fail(cudaErrorStreamCaptureUnsupported);   // the legacy stream cannot be captured
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
+    {   // an injected fault (mgpu_emu_fail_next("capture")): what a call that capture forbids gives
+        config& cf = const_cast<config&>(conf());
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (cf.fail_capture > 0) {
+            --cf.fail_capture;
+            return fail(cudaErrorStreamCaptureUnsupported);
+        }
+    }
     std::lock_guard<std::mutex> lock(g_cap_mu);
     if (s->cap) return fail(cudaErrorIllegalState);
     std::shared_ptr<capture_state> c = std::make_shared<capture_state>();
@@ -1923,8 +1931,10 @@ EMU_EXPORT void mgpu_emu_fail_next(const char* what, long count) {
     } else if (!strcmp(what, "launch")) {
         c.fail_launch = g_launch_calls + 1;
         c.fail_launch_count = count;
+    } else if (!strcmp(what, "capture")) {
+        c.fail_capture = count;
     } else {
-        die("mgpu_emu_fail_next: unknown fault \"%s\" (malloc or launch)", what);
+        die("mgpu_emu_fail_next: unknown fault \"%s\" (malloc, launch or capture)", what);
     }
 }
 

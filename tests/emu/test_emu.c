@@ -533,6 +533,35 @@ static int case_graph_steps(const char* spec, int stages, int cnn, int adamw, in
     return 0;
 }
 
+/* A CUDA graph's capture that fails (cudaStreamBeginCapture refuses, `failures` times in a row):
+   the notice says why; the step and the next 10 run eagerly and the capture is tried again, until
+   the third failure turns graphs off for good (a warning). The steps' bits are the eager run's. */
+static int case_graph_retry(int failures) {
+    fed_cfg c = {"cuda:0", 1, 0, 0, 0, 0, 320};
+    fed_run a, b;
+    char what[64];
+    const int steps = 40;
+    const int64_t want = failures >= 3 ? 0 : steps - (1 + 11 * failures);   /* warm-up, then each failure and its 10 */
+    int i;
+    snprintf(what, sizeof what, "graph capture failing %d times", failures);
+    mgpu_log_set_callback(capture_log, NULL);
+    if (fed_open(&a, &c)) return 1;
+    c.graph = 1;
+    if (fed_open(&b, &c)) return 1;
+    mgpu_emu_fail_next("capture", failures);
+    for (i = 0; i < steps; ++i)
+        if (fed_step(&a, NULL) || fed_step(&b, NULL)) return 1;
+    NEED(strstr(g_log, "cudaErrorStreamCaptureUnsupported"), "%s: no notice saying why (log: %s)", what, g_log);
+    NEED(failures >= 3 ? strstr(g_log, "without a CUDA graph from now on") != NULL : strstr(g_log, "tried again") != NULL,
+         "%s: the notice (log: %s)", what, g_log);
+    NEED(mgpu_model_graph_steps(b.m) == want, "%s: %lld of %d steps replayed a graph, want %lld", what,
+         (long long)mgpu_model_graph_steps(b.m), steps, (long long)want);
+    if (same_params(&a, &b, 1, what)) return 1;
+    fed_close(&a);
+    fed_close(&b);
+    return 0;
+}
+
 /* MGPU_EMU_DEVICES=0: no GPU. auto falls back to the CPU; cuda is refused with no-device. */
 static int case_no_gpu(void) {
     mgpu_device_set* set;
@@ -638,11 +667,16 @@ static int run_case(const char* name) {
     if (!strcmp(name, "small device")) return case_small_device();
     if (!strcmp(name, "launch failure")) return case_launch_failure();
     if (!strcmp(name, "nccl")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_NCCL, NULL);
-    if (!strcmp(name, "nccl absent"))
-        return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded");
+    if (!strcmp(name, "nccl absent")) {   /* the notice names the library tried (NO_NCCL's) and dlopen's reason */
+        NEED(case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "could not be loaded") == 0, "nccl absent");
+        NEED(strstr(g_log, "\"/nonexistent/libnccl.so.2\", from MGPU_NCCL_LIBRARY") && strstr(g_log, "No such file"),
+             "the notice lacks the library tried or dlopen's reason: %s", g_log);
+        return 0;
+    }
     if (!strcmp(name, "nccl init fails"))
         return case_allreduce("cuda:0,1", MGPU_ALLREDUCE_NCCL, MGPU_ALLREDUCE_P2P, "NCCL initialisation failed");
     if (!strcmp(name, "no host sync")) return case_no_host_sync();
+    if (!strncmp(name, "graph retry: ", 13)) return case_graph_retry(atoi(name + 13));
     if (!strcmp(name, "fed steps: 1 gpu")) return case_fed_steps("cuda:0", 1);
     if (!strcmp(name, "fed steps: 4 gpus")) return case_fed_steps("cuda:0,1,2,3", 1);
     if (!strcmp(name, "fed steps: 2 x 2 pipeline")) return case_fed_steps("cuda:0,1,2,3", 2);
@@ -815,5 +849,9 @@ int main(int argc, char** argv) {
     expect_ok("graph: cuda:0,1,2,3 1 0 0 0", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
     expect_ok("graph: cuda:0,1,2,3 2 0 0 1", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=7 " NO_NCCL);
     expect_ok("graph: cuda:0,1,2,3 2 1 1 0", "MGPU_EMU_DEVICES=4 " NO_NCCL);
+    header("a CUDA graph's capture that fails: why, and tried again later");
+    expect_ok("graph retry: 1", "MGPU_EMU_DEVICES=1");
+    expect_ok("graph retry: 2", "MGPU_EMU_DEVICES=1 MGPU_EMU_CHAOS=8");
+    expect_ok("graph retry: 3", "MGPU_EMU_DEVICES=1");
     return test_summary("test_emu");
 }
