@@ -1841,6 +1841,28 @@ EMU_EXPORT void mgpu_emu_fail_next(const char* what, long count) {
     }
 }
 
+EMU_EXPORT void mgpu_emu_fail_at(const char* what, long nth, long count) {
+    config& c = const_cast<config&>(conf());
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) {
+        c.fail_malloc = nth > 0 ? g_malloc_calls + nth : 0;
+        c.fail_malloc_count = count;
+    } else if (!strcmp(what, "launch")) {
+        c.fail_launch = nth > 0 ? g_launch_calls + nth : 0;
+        c.fail_launch_count = count;
+    } else {
+        die("mgpu_emu_fail_at: unknown fault \"%s\" (malloc or launch)", what);
+    }
+}
+
+EMU_EXPORT long mgpu_emu_calls(const char* what) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) return g_malloc_calls;
+    if (!strcmp(what, "launch")) return g_launch_calls;
+    die("mgpu_emu_calls: unknown call \"%s\" (malloc or launch)", what);
+    return 0;
+}
+
 EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
     cudaStream_t s = resolve((cudaStream_t)stream);
     return s ? s->dev : -1;
