@@ -109,6 +109,10 @@
    rank          One process of a job of several (MGPU_MPI: mpirun, srun), with devices of its
                  own; a distributed model is one data-parallel job over every rank's replicas.
    five moves    replicate, split, compute, reduce, update: one training step (>>train).
+   suspect       A model whose step failed after it began to change state (replicas, stages or
+                 optimizer states may differ): steps and saves refuse with MGPU_ERROR_DIVERGED
+                 until mgpu_model_resync (replica 0 to the others) or a load; a step that fails
+                 before it changed anything leaves the model as it was (mgpu_model_suspect).
 
    ---------------------------------------------------------------------------------------------
    LIFETIMES
