@@ -10994,7 +10994,8 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     mgpu_result r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
     if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
-        if (r != MGPU_OK) mgpu__suspect_mark(m, "an optimizer step that failed on a rank", MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
+        if (r != MGPU_OK)
+            mgpu__suspect_mark(m, "an optimizer step that failed on a rank", MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
     }
     MGPU__TRY(r);
     m->steps++;
@@ -14007,7 +14008,6 @@ static mgpu_result mgpu__load_missing(const char* path, const mgpu_model* m, con
 }
 
 static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
-/* A distributed model: every rank reads the file, and fails if any rank could not. */
 /* A load that worked sets every replica's parameters and buffers (a file lacking a model
    tensor is refused): it clears the mark, unless the optimizer's states may differ and it was
    not given them. */
@@ -14016,6 +14016,7 @@ static void mgpu__suspect_loaded(mgpu_model* m, const mgpu_optimizer* opt) {
     m->suspect = NULL;
     m->suspect_flags = 0;
 }
+/* A distributed model: every rank reads the file, and fails if any rank could not. */
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     mgpu_result r = mgpu__model_load_here(m, opt, path, desc);
     if (!m || !m->dist) {
