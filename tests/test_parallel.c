@@ -2401,6 +2401,8 @@ static int after_failure(const char* what, mgpu_model* m, mgpu_optimizer* opt, c
               what, mgpu_result_string(r), mgpu_last_error());
         CHECK(mgpu_optimizer_step(opt) == MGPU_ERROR_DIVERGED, "%s: mgpu_optimizer_step of a suspect model: %s", what,
               mgpu_last_error());
+        CHECK(mgpu_model_accumulate(m, x, y, 0, NULL) == MGPU_ERROR_DIVERGED && mgpu_model_apply(m, opt) == MGPU_ERROR_DIVERGED,
+              "%s: accumulate or apply on a suspect model: %s", what, mgpu_last_error());
         r = mgpu_model_resync(m, opt);
         if (r == MGPU_ERROR_DIVERGED) {   /* replica 0 itself half-updated: only a load helps */
             CHECK(has(mgpu_last_error(), "mgpu_model_load"), "%s: resync refused without naming the way on: %s", what,
@@ -2544,7 +2546,11 @@ static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_s
             } else {
                 /* a capture that fails is dropped and the step runs eagerly: OK is fine there */
                 CHECK(r != MGPU_OK || (graph && fail_step == 1), "%s: the step did not fail", what);
-                const int how = after_failure(what, m, opt, bs.x[2], bs.y[2], ckpt, scratch);
+                int how;
+                if (mgpu_model_suspect(m))   /* (every GPU case is an optimizer step's: its states differ too) */
+                    CHECK(mgpu_model_resync(m, NULL) != MGPU_OK && mgpu_model_suspect(m) && has(mgpu_last_error(), "mgpu_model_resync"),
+                          "%s: resync without the optimizer: %s", what, mgpu_last_error());
+                how = after_failure(what, m, opt, bs.x[2], bs.y[2], ckpt, scratch);
                 *suspects += how != 0;
                 *loads += how == 2;
                 ++*cases;
