@@ -113,6 +113,10 @@
                  MaxPool2d, argmax and accuracy take a NaN; a NaN norm is not clipped to a
                  finite one). desc.check_finite (>>model) refuses a step whose loss or
                  gradients hold one, naming the step, and leaves the model as it was.
+   suspect       A model whose step failed after it began to change state (replicas, stages or
+                 optimizer states may differ): steps and saves refuse with MGPU_ERROR_DIVERGED
+                 until mgpu_model_resync (replica 0 to the others) or a load; a step that fails
+                 before it changed anything leaves the model as it was (mgpu_model_suspect).
 
    ---------------------------------------------------------------------------------------------
    LIFETIMES
@@ -1195,6 +1199,23 @@ MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt);
 /* Compare every replica's parameters with replica 0's, bit for bit (MGPU_ERROR_DIVERGED names
    the first difference). */
 MGPUDEF mgpu_result mgpu_model_verify_replicas(mgpu_model* m);
+/* Why the model is suspect, or NULL. A step that fails after it began to change state (an
+   optimizer step that updated some parts and not others, a failed CUDA graph replay, a copy or
+   broadcast of buffers, a batch that failed after forward moved some replicas' buffers, a failed
+   step or load on a rank of a job) marks the model: until a load or mgpu_model_resync clears it,
+   mgpu_model_train_step, _accumulate, _apply, mgpu_optimizer_step and mgpu_model_save refuse
+   with MGPU_ERROR_DIVERGED, saying why and how to go on. A step that fails before it changed
+   anything (bad input, a forward or backward that fails: gradients are zeroed by the next
+   step) does not mark it: the model is as it was and the next good step just works. */
+MGPUDEF const char* mgpu_model_suspect(const mgpu_model* m);
+/* Copy replica 0's parameters, buffers and (opt not NULL) the optimizer's states to every other
+   replica, stage by stage, zero the gradients (a failed step may have left them half-summed),
+   and clear the mark. An optimizer step that failed on another replica after replica 0 had taken
+   it leaves replica 0 one whole step ahead: resync brings the others to it (pass opt: their
+   states differ too). What it cannot fix, and refuses (load a checkpoint instead): a replica 0
+   whose stages did not all take the update (a pipeline; also a failed CUDA graph replay of one),
+   and a model of several processes (mgpu_model_load on every rank). */
+MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt);
 /* Evaluation (dropout off) of x against target: mean loss and, for cross-entropy, the number of
    correct predictions. Either output may be NULL. With a label per position ([B, T] targets) the
    loss is the mean over every label that is not MGPU_IGNORE_INDEX (each token weighs the same) and
@@ -8455,7 +8476,11 @@ struct mgpu_model {
     int dist, dist_first, dist_total;
     int* dist_replicas;                 /* [P] */
     int64_t* dist_rows;                 /* [P]: each rank's rows of the last batch */
-    const char* dist_suspect;           /* a failure that may have left the ranks different: why */
+    /* Suspect (mgpu_model_suspect): a step failed after it began to change state, so the replicas
+       (or stages, ranks, optimizer states) may differ or be half-updated: why, else NULL. Steps,
+       mgpu_optimizer_step and saves refuse until mgpu_model_resync or a load clears it. */
+    const char* suspect;
+    int suspect_flags;                  /* MGPU__SUSPECT_*: what can clear it */
 };
 
 /* splitmix64: decorrelates the seeds of layers and steps */
@@ -8473,6 +8498,26 @@ static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape 
 
 static mgpu__part* mgpu__part_of(const mgpu_model* m, int replica, int stage) {
     return &m->part[replica * m->stage_count + stage];
+}
+
+/* What can clear a suspect model: LOAD_ONLY, nothing but a load (replica 0 itself half-updated,
+   or ranks of a job); STATES, the optimizer's states may differ too (resync and load need opt). */
+#define MGPU__SUSPECT_LOAD_ONLY 1
+#define MGPU__SUSPECT_STATES 2
+static void mgpu__suspect_mark(mgpu_model* m, const char* why, int flags) {
+    if (!m->suspect) m->suspect = why;   /* the first cause is the one to report */
+    m->suspect_flags |= flags;
+}
+/* The refusal of every call that would build on a suspect model (one message for all layouts). */
+static mgpu_result mgpu__suspect_refuse(const mgpu_model* m, const char* op) {
+    if (!m->suspect) return MGPU_OK;
+    if (m->dist || (m->suspect_flags & MGPU__SUSPECT_LOAD_ONLY))
+        return mgpu__fail(MGPU_ERROR_DIVERGED, "%s: refused: the model may be half-updated or its %s may differ since %s; "
+                          "load a checkpoint (mgpu_model_load%s) to go on", op, m->dist ? "ranks" : "replicas", m->suspect,
+                          (m->suspect_flags & MGPU__SUSPECT_STATES) ? " with the optimizer" : "");
+    return mgpu__fail(MGPU_ERROR_DIVERGED, "%s: refused: the replicas may differ since %s; call mgpu_model_resync(model, %s) "
+                      "to copy replica 0 to the others, or load a checkpoint (mgpu_model_load), to go on", op, m->suspect,
+                      (m->suspect_flags & MGPU__SUSPECT_STATES) ? "optimizer" : "NULL or optimizer");
 }
 /* The stage that runs layer i, and the one that holds tensor t. */
 static int mgpu__layer_stage(const mgpu_model* m, int i) {
@@ -10243,12 +10288,28 @@ static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
     opt->model->rows_in_step = 0;
 }
 
+/* A launch failed after `done` parts (replica-major: replica 0's stages first) had taken the
+   update: none, the model is as it was; only some of replica 0's stages, it is half-updated and
+   only a load helps; all of replica 0's, replica 0 took the step (the host's count follows it)
+   and mgpu_model_resync brings the other replicas to it. */
+static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
+    mgpu_model* m = opt->model;
+    if (done == 0) return;
+    if (done < m->stage_count) {
+        mgpu__suspect_mark(m, "an optimizer step that failed after updating only some stages of replica 0",
+                           MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
+        return;
+    }
+    mgpu__optimizer_advance(opt);
+    mgpu__suspect_mark(m, "an optimizer step that failed on some replicas after replica 0 had taken it", MGPU__SUSPECT_STATES);
+}
+
 /* The step itself, for an optimizer already known to be live (the training steps check it once
    in mgpu__check_step). */
 static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     mgpu__optim_job job;
-    int i;
+    int i, rc = 0;
     MGPU__TRY(mgpu__optimizer_prepare(opt, op));
     MGPU__TRY(mgpu__ties_gather(opt->model, op));
     if (opt->d.clip_norm > 0.0f) MGPU__TRY(mgpu__optimizer_clip(opt, op));
@@ -10270,17 +10331,26 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
         } else if (job.adamw) {
-            MGPU__CU(op, r->dev, mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
-                                                (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                                edges_dev ? job.edge_count : 0));
+            rc = MGPU__CUDA(mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
+                                           (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
+                                           edges_dev ? job.edge_count : 0));
         } else {
-            MGPU__CU(op, r->dev, mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
-                                              (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                              edges_dev ? job.edge_count : 0));
+            rc = MGPU__CUDA(mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
+                                         (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
+                                         edges_dev ? job.edge_count : 0));
         }
         mgpu__trace_close(opt->model, slice, r->dev->stream);
+        if (rc != 0) {   /* parts 0 .. i-1 took the update, the others did not */
+            const mgpu_result res = mgpu__cu_result(rc, op, r->dev);
+            mgpu__optimizer_failed(opt, i);
+            return res;
+        }
     }
-    MGPU__TRY(mgpu__ties_spread(opt->model, op));
+    if (mgpu__ties_spread(opt->model, op) != MGPU_OK) {   /* every part took the update; some tied copies may not */
+        const mgpu_result res = mgpu_last_result();
+        mgpu__optimizer_failed(opt, opt->model->part_count);
+        return res;
+    }
     mgpu__optimizer_advance(opt);
     return MGPU_OK;
 }
@@ -10289,6 +10359,7 @@ static mgpu_result mgpu__sync_buffers(mgpu_model* m);   /* (>>impl train) */
 MGPUDEF mgpu_result mgpu_optimizer_step(mgpu_optimizer* opt) {
     if (!opt) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_step: NULL optimizer");
     if (!mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_step", "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
+    MGPU__TRY(mgpu__suspect_refuse(opt->model, "mgpu_optimizer_step"));
     MGPU__TRY(mgpu__optimizer_step(opt));
     return mgpu__sync_buffers(opt->model);   /* a loop of your own: buffers equal on every replica too */
 }
@@ -11149,15 +11220,13 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     mgpu_result res = pre != MGPU_OK ? pre : mgpu__batch_check(m, op, x, target);
     int64_t batch = res == MGPU_OK ? x->shape.dim[0] : 0, all_rows = batch, terms = 0;
     double loss_sum = 0.0, all_terms;
-    int i;
+    int i, ran;
     b.row_base = 0;
     if (res == MGPU_OK) res = mgpu__batch_terms(m, target, &terms);
     all_terms = (double)terms;
     if (m->dist) {
         mgpu__dist_doing(op, m->steps + 1);
-        if (res == MGPU_OK && m->dist_suspect)   /* the same flag on every rank: they all refuse */
-            res = mgpu__fail(MGPU_ERROR_DIVERGED, "%s: the ranks may hold different parameters since %s; load a checkpoint "
-                             "(mgpu_model_load) to go on", op, m->dist_suspect);
+        if (res == MGPU_OK) res = mgpu__suspect_refuse(m, op);   /* the same flag on every rank: they all refuse */
         for (i = 0; i < m->stage_count && res == MGPU_OK; ++i) res = mgpu__ar_check_processes(m->ar[i]);
         MGPU__TRY(mgpu__dist_agree(res, batch, (double)terms, m->dist_rows, &all_terms));
         for (i = 0, all_rows = 0; i < mgpu__dist.size; ++i) {
@@ -11172,6 +11241,7 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
     b.labels_on_device = m->loss != MGPU_LOSS_MSE && target && !MGPU__IS_CPU(target);
     b.zero_grads = reduce;   /* a whole step: from zeroed gradients */
     res = mgpu__batch_split(&b, x, target);                                                         /* 2. split */
+    ran = res == MGPU_OK;
     if (res != MGPU_OK) {
         if (reduce && mgpu__dist_overlaps(m)) mgpu__dist_issue_rest(m, 0);   /* the other ranks' NCCL waits for these */
     }
@@ -11189,6 +11259,9 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
         if (loss) *loss = all_terms > 0.0 ? (float)(loss_sum / all_terms) : 0.0f;
         return MGPU_OK;
     }
+    if (res != MGPU_OK && ran && m->buf_floats > 0 && m->part_count > m->stage_count)
+        /* forward may have moved some replicas' running statistics and not others' */
+        mgpu__suspect_mark(m, "a batch that failed after forward passes may have moved some replicas' buffers", 0);
     MGPU__TRY(res);
     m->rows_in_step += batch;   /* a next batch of this step continues the row numbering */
     m->last_batch = batch;
@@ -11220,10 +11293,16 @@ static mgpu_result mgpu__verify_if_due(mgpu_model* m) {
 static mgpu_result mgpu__sync_buffers(mgpu_model* m) {
     int i;
     if (m->buf_floats == 0) return MGPU_OK;
-    if (m->dist) return mgpu__dist_broadcast_buffers(m);
+    if (m->dist) {
+        if (mgpu__dist_broadcast_buffers(m) == MGPU_OK) return MGPU_OK;
+        mgpu__suspect_mark(m, "a broadcast of the buffers that failed", MGPU__SUSPECT_LOAD_ONLY);
+        return mgpu_last_result();
+    }
     for (i = m->stage_count; i < m->part_count; ++i)
-        if (m->part[i].bufs && mgpu_tensor_copy(m->part[i].bufs, m->part[i % m->stage_count].bufs) != MGPU_OK)
+        if (m->part[i].bufs && mgpu_tensor_copy(m->part[i].bufs, m->part[i % m->stage_count].bufs) != MGPU_OK) {
+            mgpu__suspect_mark(m, "a copy of replica 0's buffers that failed", 0);
             return mgpu__refail("copying replica 0's buffers to the other replicas");
+        }
     return MGPU_OK;
 }
 /* desc.check_finite, before the update: the loss and every gradient free of NaN and Inf. A float
@@ -11308,7 +11387,8 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
     r = mgpu__optimizer_step(opt);   /* opt checked by mgpu__check_step */
     if (m->dist && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {   /* (a CPU step cannot fail) */
         r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
-        if (r != MGPU_OK) m->dist_suspect = "an optimizer step that failed on a rank";
+        if (r != MGPU_OK)
+            mgpu__suspect_mark(m, "an optimizer step that failed on a rank", MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
     }
     MGPU__TRY(r);
     m->steps++;
@@ -11570,6 +11650,9 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         if (rc) {
             r = mgpu__cu_result(rc, op, first->dev);
             mgpu__graph_drop(m);   /* made again when the steps go on */
+            /* what of the replay ran is not known: replica 0 whole, unless its stages may differ */
+            mgpu__suspect_mark(m, "a CUDA graph replay of a step that failed",
+                               MGPU__SUSPECT_STATES | (m->stage_count > 1 ? MGPU__SUSPECT_LOAD_ONLY : 0));
         }
     }
     if (r != MGPU_OK) {
@@ -11621,6 +11704,7 @@ static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     static const char* op = "mgpu_model_train_step";
     mgpu_result r = mgpu__check_step(op, m, opt);
     int eager = 1;
+    if (r == MGPU_OK && !m->dist) r = mgpu__suspect_refuse(m, op);   /* (a job's ranks refuse together, in their vote) */
     if (r != MGPU_OK && !mgpu__votes(m)) return r;
     if (r == MGPU_OK && m->graph) {
         r = mgpu__graph_step(m, opt, x, target, loss, &eager);
@@ -11676,6 +11760,7 @@ MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, c
     mgpu_result r;
     if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_accumulate: NULL model");
     if (!mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_accumulate", "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (!m->dist) MGPU__TRY(mgpu__suspect_refuse(m, "mgpu_model_accumulate"));
     mgpu__step_scope(1);
     r = mgpu__run_batch(m, "mgpu_model_accumulate", MGPU_OK, x, target, batch_total, 0, loss);      /* 2, 3 */
     mgpu__step_scope(0);
@@ -11689,6 +11774,7 @@ MGPUDEF mgpu_result mgpu_model_reduce_grads(mgpu_model* m) {
 
 static mgpu_result mgpu__apply(mgpu_model* m, mgpu_optimizer* opt) {
     mgpu_result r = mgpu__check_step("mgpu_model_apply", m, opt);
+    if (r == MGPU_OK) r = mgpu__suspect_refuse(m, "mgpu_model_apply");   /* (the same flag on every rank) */
     if (mgpu__votes(m)) r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     MGPU__TRY(r);
     MGPU__TRY(mgpu__reduce_grads(m));                                                               /* 4 */
@@ -11701,6 +11787,50 @@ MGPUDEF mgpu_result mgpu_model_apply(mgpu_model* m, mgpu_optimizer* opt) {
     r = mgpu__apply(m, opt);
     mgpu__step_scope(0);
     return r;
+}
+
+MGPUDEF const char* mgpu_model_suspect(const mgpu_model* m) {
+    const char* why;
+    MGPU__LIVE_LOCK();
+    why = m && mgpu__live_find(m, MGPU__LIVE_MODEL) >= 0 ? m->suspect : NULL;
+    MGPU__LIVE_UNLOCK();
+    return why;
+}
+
+MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt) {
+    static const char* op = "mgpu_model_resync";
+    int i;
+    if (!m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL model", op);
+    if (!mgpu__live_check(m, MGPU__LIVE_MODEL, op, "model")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (opt && !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, op, "optimizer")) return MGPU_ERROR_INVALID_ARGUMENT;
+    if (opt && opt->model != m) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    if (m->dist)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: a model of several processes is not re-synced from rank 0; load a "
+                          "checkpoint (mgpu_model_load) on every rank", op);
+    if (m->suspect && (m->suspect_flags & MGPU__SUSPECT_LOAD_ONLY))
+        return mgpu__fail(MGPU_ERROR_DIVERGED, "%s: refused: replica 0 itself may be half-updated since %s (%d stages); load a "
+                          "checkpoint (mgpu_model_load with the optimizer) to go on", op, m->suspect, m->stage_count);
+    if (m->suspect && (m->suspect_flags & MGPU__SUSPECT_STATES) && !opt)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer's states may differ too since %s: pass the optimizer",
+                          op, m->suspect);
+    for (i = m->stage_count; i < m->part_count; ++i) {   /* replica-major: part i % S is replica 0's of its stage */
+        const mgpu__part *to = &m->part[i], *from = &m->part[i % m->stage_count];
+        mgpu_result r = mgpu_tensor_copy(to->params, from->params);
+        if (r == MGPU_OK && to->bufs) r = mgpu_tensor_copy(to->bufs, from->bufs);
+        if (r == MGPU_OK && opt && opt->state1[i]) r = mgpu_tensor_copy(opt->state1[i], opt->state1[i % m->stage_count]);
+        if (r == MGPU_OK && opt && opt->state2[i]) r = mgpu_tensor_copy(opt->state2[i], opt->state2[i % m->stage_count]);
+        if (r != MGPU_OK) {   /* (the mark stays: some replicas may be copied, others not) */
+            char where[160];
+            snprintf(where, sizeof where, "%s: copying replica 0's stage %d to replica %d (%s)", op, to->stage, to->replica,
+                     to->dev->label);
+            return mgpu__refail(where);
+        }
+    }
+    MGPU__TRY(mgpu__ties_spread(m, op));   /* (a tied copy that missed its update's copy) */
+    MGPU__TRY(mgpu_model_zero_grad(m));
+    m->suspect = NULL;
+    m->suspect_flags = 0;
+    return MGPU_OK;
 }
 
 /* The buffers of every replica against replica 0's of its stage, bit for bit (this process's;
@@ -13894,6 +14024,8 @@ static int mgpu__buffer_is_count(const char* name) {
 /* A distributed model: rank 0 writes (every replica holds the same bits), and every rank returns
    its result, so that no rank goes on before the file is there, nor after it failed. */
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
+    if (m && mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_save", "model") && m->suspect)   /* (the same flag on every rank) */
+        return mgpu__suspect_refuse(m, "mgpu_model_save");
     if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc);
     mgpu__dist_doing("mgpu_model_save", 0);
     return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
@@ -14303,14 +14435,26 @@ static mgpu_result mgpu__load_missing(const char* path, const mgpu_model* m, con
 }
 
 static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc);
+/* A load that worked sets every replica's parameters and buffers (a file lacking a model
+   tensor is refused): it clears the mark, unless the optimizer's states may differ and it was
+   not given them. */
+static void mgpu__suspect_loaded(mgpu_model* m, const mgpu_optimizer* opt) {
+    if (!m->suspect || (!opt && (m->suspect_flags & MGPU__SUSPECT_STATES))) return;
+    m->suspect = NULL;
+    m->suspect_flags = 0;
+}
 /* A distributed model: every rank reads the file, and fails if any rank could not. */
 MGPUDEF mgpu_result mgpu_model_load_ex(mgpu_model* m, mgpu_optimizer* opt, const char* path, const mgpu_load_desc* desc) {
     mgpu_result r = mgpu__model_load_here(m, opt, path, desc);
-    if (!m || !m->dist) return r;
+    if (!m || !m->dist) {
+        if (r == MGPU_OK) mgpu__suspect_loaded(m, opt);
+        return r;
+    }
     mgpu__dist_doing("mgpu_model_load", 0);
     r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     /* some ranks may have loaded while others failed: steps refuse until a load works everywhere */
-    m->dist_suspect = r == MGPU_OK ? NULL : "a load that failed on a rank";
+    if (r != MGPU_OK) mgpu__suspect_mark(m, "a load that failed on a rank", MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
+    else mgpu__suspect_loaded(m, opt);
     return r;
 }
 

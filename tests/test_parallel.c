@@ -34,12 +34,23 @@
   12. per-device counters (mgpu_device_get_counters): rows, bytes all-reduced and copied, ops,
       waits, allocations against what known steps must do, on cpu:N and pipelines; on GPUs
       (cuda:0,0, a CUDA graph's steps, cuda:0,1 with NCCL); mgpu_model_replica_loss
+  13. a failed step leaves no replica behind: after it, either nothing changed (the replicas
+      verify equal, the next step works) or the model is suspect (mgpu_model_suspect; the next
+      step and a save refuse with DIVERGED) until mgpu_model_resync or a load; never a step that
+      says OK and replicas that differ. On cpu:2 a custom layer failing in backward on replica 1
+      (with BatchNorm's buffers: marked; without: not), a bad batch (not marked); on emulated
+      GPUs (two replicas, eager and CUDA graph, a 2-stage pipeline of two replicas) every launch
+      of a step failing in turn (the emulator's mgpu_emu_fail_at, looked up with dlsym; a skip
+      in other builds)
 
    MGPU_TEST_QUICK=1 uses smaller all-reduce sizes; MGPU_TEST_SEED=N repeats a run's inputs. */
 
 #include <stdint.h>
 #include <time.h>
 #include <ctype.h>
+#if defined(MGPU_CUDA) && !defined(_WIN32)
+#include <dlfcn.h>
+#endif
 
 #define MAX_STEPS 8
 #define MAX_REP 17   /* one more than the one-shot kernel takes */
@@ -2350,6 +2361,238 @@ static void test_counters(void) {
     if (g_gpus >= 2) counters_case("cuda:0,1", 1, 24, 0);   /* NCCL where it loads */
 }
 
+/* ============================================================================================ */
+/* 13. a failed step leaves no replica behind                                                  */
+/* ============================================================================================ */
+/* "Fail": the identity, whose backward fails on one device while armed. */
+static mgpu_device* g_fail_dev;
+static int g_fail_armed;
+static mgpu_result fail_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    return mgpu_tensor_copy(y, x);
+}
+static mgpu_result fail_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                 const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)x; (void)y;
+    if (g_fail_armed && ctx->device == g_fail_dev) return MGPU_ERROR_INVALID_ARGUMENT;
+    return dx ? mgpu_tensor_copy(dx, dy) : MGPU_OK;
+}
+static const mgpu_layer_vtable fail_vt = {
+    "Fail", NULL, NULL, NULL, NULL, NULL, NULL, fail_forward, fail_backward, NULL, NULL, NULL, NULL
+};
+
+/* After a step that failed: not suspect, and then the replicas verify equal and the next step
+   works; or suspect, and then the next step and a save refuse (DIVERGED), and resync (or, where
+   it refuses, a load of ckpt) clears it, the replicas verify equal and training goes on.
+   Returns 0 when the model was not suspect, 1 when resync cleared it, 2 when a load did. */
+static int after_failure(const char* what, mgpu_model* m, mgpu_optimizer* opt, const mgpu_tensor* x, const mgpu_tensor* y,
+                         const char* ckpt, const char* scratch) {
+    const char* why = mgpu_model_suspect(m);
+    mgpu_result r;
+    int suspect = why != NULL, loaded = 0;
+    if (suspect) {
+        char reason[256];
+        snprintf(reason, sizeof reason, "%s", why);
+        r = mgpu_model_train_step(m, opt, x, y, NULL);
+        CHECK(r == MGPU_ERROR_DIVERGED && has(mgpu_last_error(), "mgpu_model_train_step") && has(mgpu_last_error(), reason) &&
+              has(mgpu_last_error(), "mgpu_model_load"), "%s: the step after a suspect one: %s: %s", what,
+              mgpu_result_string(r), mgpu_last_error());
+        r = mgpu_model_save(m, opt, scratch);
+        CHECK(r == MGPU_ERROR_DIVERGED && has(mgpu_last_error(), "mgpu_model_save"), "%s: a save of a suspect model: %s: %s",
+              what, mgpu_result_string(r), mgpu_last_error());
+        CHECK(mgpu_optimizer_step(opt) == MGPU_ERROR_DIVERGED, "%s: mgpu_optimizer_step of a suspect model: %s", what,
+              mgpu_last_error());
+        CHECK(mgpu_model_accumulate(m, x, y, 0, NULL) == MGPU_ERROR_DIVERGED && mgpu_model_apply(m, opt) == MGPU_ERROR_DIVERGED,
+              "%s: accumulate or apply on a suspect model: %s", what, mgpu_last_error());
+        r = mgpu_model_resync(m, opt);
+        if (r == MGPU_ERROR_DIVERGED) {   /* replica 0 itself half-updated: only a load helps */
+            CHECK(has(mgpu_last_error(), "mgpu_model_load"), "%s: resync refused without naming the way on: %s", what,
+                  mgpu_last_error());
+            r = mgpu_model_load(m, opt, ckpt);
+            loaded = 1;
+        }
+        CHECK(r == MGPU_OK && !mgpu_model_suspect(m), "%s: resync or load: %s: %s", what, mgpu_result_string(r),
+              mgpu_last_error());
+    }
+    r = mgpu_model_verify_replicas(m);
+    CHECK(r == MGPU_OK, "%s: %s, yet the replicas differ: %s", what, suspect ? "re-synced" : "not suspect", mgpu_last_error());
+    r = mgpu_model_train_step(m, opt, x, y, NULL);
+    CHECK(r == MGPU_OK, "%s: the next step: %s: %s", what, mgpu_result_string(r), mgpu_last_error());
+    r = mgpu_model_verify_replicas(m);
+    CHECK(r == MGPU_OK, "%s: the next step said OK, then the replicas differ: %s", what, mgpu_last_error());
+    return suspect + loaded;
+}
+
+/* cpu:2, a custom layer failing in backward on replica 1: with BatchNorm its forward moved the
+   running statistics of each replica by its own rows (suspect: a load, then a resync, clear
+   it); without buffers nothing changed. A bad batch changes nothing. */
+static void suspect_cpu_case(int with_bn) {
+    mgpu_device_set* set = mkset("cpu:2");
+    mgpu_layer* layers[5];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_optimizer_desc od = adamw_desc();
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 2, 2, 2)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(8));
+    mgpu_tensor* bad = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(8, 2, 2, 3));
+    char ckpt[512], scratch[512], what[64];
+    int n = 0, i, round;
+    float* px = (float*)mgpu_tensor_data(x);
+    int32_t* py = (int32_t*)mgpu_tensor_data(y);
+    for (i = 0; i < 64; ++i) px[i] = (float)rng_gauss();
+    for (i = 0; i < 8; ++i) py[i] = rng_int(5);
+    memset(&d, 0, sizeof d);
+    if (with_bn) layers[n++] = mgpu_layer_batch_norm2d(2);
+    layers[n++] = mgpu_layer_flatten();
+    layers[n++] = mgpu_layer_linear(8, 6);
+    layers[n++] = mgpu_layer_create(&fail_vt, NULL);
+    layers[n++] = mgpu_layer_linear(6, 5);
+    d.input = mgpu_shape3(2, 2, 2);
+    d.layers = layers;
+    d.layer_count = n;
+    d.devices = set;
+    d.loss = MGPU_LOSS_CROSS_ENTROPY;
+    d.seed = 7;
+    m = mgpu_model_create(&d);
+    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    snprintf(what, sizeof what, "cpu:2%s, backward failing on replica 1", with_bn ? " with BatchNorm" : "");
+    CHECK(opt != NULL, "%s: model: %s", what, mgpu_last_error());
+    if (!opt) goto done;
+    test_tmp_path(ckpt, sizeof ckpt, "mgpu_suspect_ckpt.safetensors");
+    test_tmp_path(scratch, sizeof scratch, "mgpu_suspect_scratch.safetensors");
+    CHECK(mgpu_model_train_step(m, opt, x, y, NULL) == MGPU_OK && mgpu_model_save(m, opt, ckpt) == MGPU_OK, "%s: first step "
+          "and save: %s", what, mgpu_last_error());
+    /* a bad batch: refused before anything changed */
+    CHECK(mgpu_model_train_step(m, opt, bad, y, NULL) != MGPU_OK && !mgpu_model_suspect(m), "%s: a bad batch: %s, suspect: %s",
+          what, mgpu_last_error(), mgpu_model_suspect(m) ? mgpu_model_suspect(m) : "no");
+    after_failure("cpu:2 after a bad batch", m, opt, x, y, ckpt, scratch);
+    g_fail_dev = mgpu_device_set_get(set, 1);
+    for (round = 0; round < 2; ++round) {
+        mgpu_result r;
+        int suspect;
+        g_fail_armed = 1;
+        r = mgpu_model_train_step(m, opt, x, y, NULL);
+        g_fail_armed = 0;
+        CHECK(r != MGPU_OK, "%s: the step did not fail", what);
+        if (round == 0 && with_bn && mgpu_model_suspect(m)) {   /* a load clears the mark too */
+            CHECK(mgpu_model_load(m, NULL, ckpt) == MGPU_OK && mgpu_model_suspect(m) == NULL, "%s: a load: %s (suspect: %s)",
+                  what, mgpu_last_error(), mgpu_model_suspect(m) ? mgpu_model_suspect(m) : "no");
+            continue;
+        }
+        suspect = after_failure(what, m, opt, x, y, ckpt, scratch);
+        CHECK(suspect == with_bn, "%s: suspect %d, want %d (and cleared by resync)", what, suspect, with_bn);
+    }
+    remove(ckpt);
+    remove(scratch);
+done:
+    CHECK(mgpu_model_resync(NULL, NULL) == MGPU_ERROR_INVALID_ARGUMENT && mgpu_model_suspect(NULL) == NULL, "resync(NULL)");
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(y);
+    mgpu_tensor_destroy(bad);
+    mgpu_device_set_destroy(set);
+}
+
+typedef void (*emu_fail_at_fn)(const char* what, long nth, long count);
+typedef long (*emu_calls_fn)(const char* what);
+static emu_fail_at_fn g_emu_fail_at;
+static emu_calls_fn g_emu_calls;
+static int emu_faults(void) {
+#if defined(MGPU_CUDA) && !defined(_WIN32)
+    void* self = dlopen(NULL, RTLD_NOW);
+    if (self) {
+        g_emu_fail_at = (emu_fail_at_fn)dlsym(self, "mgpu_emu_fail_at");
+        g_emu_calls = (emu_calls_fn)dlsym(self, "mgpu_emu_calls");
+    }
+#endif
+    return g_emu_fail_at && g_emu_calls;
+}
+
+/* Every launch of a step failing in turn, on a fresh model each time: the step's launches are
+   counted on a good run first. fail_step: which step fails (0: the first, eager; with a graph
+   1 is the step captured). */
+static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_step, int* suspects, int* loads, int* cases) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = adamw_desc();
+    batch_set bs;
+    char ckpt[512], scratch[512], what[160];
+    long launches = 0, nth;
+    c.graph = graph;
+    c.stages = stages;
+    c.bucket_bytes = 256;   /* two buckets */
+    make_batches(&bs, 3, 24, &c);
+    test_tmp_path(ckpt, sizeof ckpt, "mgpu_suspect_gpu.safetensors");
+    test_tmp_path(scratch, sizeof scratch, "mgpu_suspect_gpu_scratch.safetensors");
+    for (nth = 0; nth <= launches; ++nth) {   /* nth 0: the count */
+        mgpu_device_set* set = mkset(spec);
+        mgpu_model* m = make_mlp(set, &c);
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+        mgpu_result r = opt && mgpu_model_save(m, opt, ckpt) == MGPU_OK ? MGPU_OK : MGPU_ERROR_INVALID_ARGUMENT;
+        int s;
+        long before;
+        snprintf(what, sizeof what, "%s%s%s, launch %ld of step %d failing", spec, graph ? " graph" : "",
+                 stages > 1 ? " 2 stages" : "", nth, fail_step);
+        CHECK(r == MGPU_OK, "%s: model: %s", what, mgpu_last_error());
+        for (s = 0; r == MGPU_OK && s < fail_step; ++s) r = mgpu_model_train_step(m, opt, bs.x[s], bs.y[s], NULL);
+        CHECK(r == MGPU_OK, "%s: the steps before: %s", what, mgpu_last_error());
+        if (r == MGPU_OK) {
+            before = g_emu_calls("launch");
+            if (nth > 0) g_emu_fail_at("launch", nth, 1);
+            r = mgpu_model_train_step(m, opt, bs.x[fail_step], bs.y[fail_step], NULL);
+            g_emu_fail_at("launch", 0, 0);
+            if (nth == 0) {
+                launches = g_emu_calls("launch") - before;
+                CHECK(r == MGPU_OK && launches > 0, "%s: a good step: %ld launches: %s", what, launches, mgpu_last_error());
+            } else {
+                /* a capture that fails is dropped and the step runs eagerly: OK is fine there */
+                CHECK(r != MGPU_OK || (graph && fail_step == 1), "%s: the step did not fail", what);
+                int how;
+                if (mgpu_model_suspect(m))   /* (every GPU case is an optimizer step's: its states differ too) */
+                    CHECK(mgpu_model_resync(m, NULL) != MGPU_OK && mgpu_model_suspect(m) && has(mgpu_last_error(), "mgpu_model_resync"),
+                          "%s: resync without the optimizer: %s", what, mgpu_last_error());
+                how = after_failure(what, m, opt, bs.x[2], bs.y[2], ckpt, scratch);
+                *suspects += how != 0;
+                *loads += how == 2;
+                ++*cases;
+            }
+        }
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+        mgpu_device_set_destroy(set);
+    }
+    remove(ckpt);
+    remove(scratch);
+    free_batches(&bs);
+}
+
+static void test_suspect(void) {
+    const int two = g_gpus >= 2;
+    int suspects = 0, loads = 0, cases = 0, pipe_loads;
+    header("a failed step leaves no replica behind");
+    suspect_cpu_case(0);
+    suspect_cpu_case(1);
+    if (!gpu_group("failed steps on GPUs")) return;
+    if (!emu_faults()) {
+        SKIP("failed steps on GPUs: faults are injected on emulated GPUs only (tests/emu)");
+        return;
+    }
+    log_capture_start();   /* (each failed capture says steps go on without a graph) */
+    suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 0, 1, 0, &suspects, &loads, &cases);
+    suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 1, 1, 0, &suspects, &loads, &cases);
+    suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 1, 1, 1, &suspects, &loads, &cases);
+    CHECK(loads == 0, "%d failed steps of one stage needed a load: resync should do", loads);
+    suspect_gpu_case(two ? "cuda:0,1,0,1" : "cuda:0,0,0,0", 0, 2, 0, &suspects, &loads, &cases);
+    pipe_loads = loads;
+    log_capture_stop();
+    printf("  %d of %d failed steps on GPUs left a suspect model (%d half-updated replica 0's stages: a load)\n", suspects,
+           cases, loads);
+    /* the optimizer's launches of replica 0's stage 1 */
+    CHECK(pipe_loads > 0, "no failed pipeline step left replica 0 half-updated (its stage 1's update failing)");
+    /* the optimizer's launches come last in a step: some failures must have left a suspect model */
+    CHECK(suspects > 0 && suspects < cases, "%d of %d failed steps left a suspect model: want some, not all", suspects, cases);
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -2376,6 +2619,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_cuda_training());
     TEST_GROUP(test_pipeline());
     TEST_GROUP(test_counters());
+    TEST_GROUP(test_suspect());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");

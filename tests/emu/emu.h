@@ -35,6 +35,12 @@ void mgpu_emu_get_counters(mgpu_emu_counters* out);
    kernel launches; "capture": cudaStreamBeginCapture) fail (cudaErrorMemoryAllocation;
    cudaErrorLaunchOutOfResources; cudaErrorStreamCaptureUnsupported). */
 void mgpu_emu_fail_next(const char* what, long count);
+/* The same from the nth call from now (1: the next; nth <= 0 cancels any planned failure), and
+   how many calls of `what` were made so far (the numbering MGPU_EMU_FAIL_* counts in): a test
+   counts the launches of a step, then fails each in turn. Tests that are also built without the
+   emulator look both up with dlsym. */
+void mgpu_emu_fail_at(const char* what, long nth, long count);
+long mgpu_emu_calls(const char* what);
 
 /* for the fake NCCL */
 int mgpu_emu_device_count(void);

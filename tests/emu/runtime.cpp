@@ -39,7 +39,8 @@
      a different order; the order of the warps leaving a barrier comes from that seed too.
    - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
      after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
-     launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices).
+     launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices); a test sets the first two
+     at run time (mgpu_emu_fail_next, mgpu_emu_fail_at, counting with mgpu_emu_calls: emu.h).
    - A misuse the real GPU would not report reliably (an operand outside any allocation, a pointer
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
      seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
@@ -1936,6 +1937,28 @@ EMU_EXPORT void mgpu_emu_fail_next(const char* what, long count) {
     } else {
         die("mgpu_emu_fail_next: unknown fault \"%s\" (malloc, launch or capture)", what);
     }
+}
+
+EMU_EXPORT void mgpu_emu_fail_at(const char* what, long nth, long count) {
+    config& c = const_cast<config&>(conf());
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) {
+        c.fail_malloc = nth > 0 ? g_malloc_calls + nth : 0;
+        c.fail_malloc_count = count;
+    } else if (!strcmp(what, "launch")) {
+        c.fail_launch = nth > 0 ? g_launch_calls + nth : 0;
+        c.fail_launch_count = count;
+    } else {
+        die("mgpu_emu_fail_at: unknown fault \"%s\" (malloc or launch)", what);
+    }
+}
+
+EMU_EXPORT long mgpu_emu_calls(const char* what) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!strcmp(what, "malloc")) return g_malloc_calls;
+    if (!strcmp(what, "launch")) return g_launch_calls;
+    die("mgpu_emu_calls: unknown call \"%s\" (malloc or launch)", what);
+    return 0;
 }
 
 EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
