@@ -110,8 +110,10 @@ static inline char* test_mkdtemp(char* tmpl, size_t size) {
     static unsigned count;
     char name[128];
     const char* slash = strrchr(tmpl, '/');
+    const char* back = strrchr(tmpl, '\\');   /* (test_tmp_path's folder ends in one) */
     size_t len;
     int tries;
+    if (back && (!slash || back > slash)) slash = back;
     snprintf(name, sizeof name, "%s", slash ? slash + 1 : tmpl);
     len = strlen(name);
     if (len >= 6 && strcmp(name + len - 6, "XXXXXX") == 0) name[len - 6] = 0;

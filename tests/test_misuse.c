@@ -852,7 +852,7 @@ static void test_trace_files(void) {
     mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
     mgpu_tensor* x = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(2, 4));
     mgpu_tensor* y = mgpu_tensor_create(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(2));
-    char dir[512], path[640], ckpt[640], before[4096], after[4096], bad[4][640];
+    char dir[512], path[640], ckpt[640], after[4096], bad[4][640];
     int i, nbad = 0, entries;
     header("trace_files");
     test_tmp_path(dir, sizeof dir, "mgpu_trace_XXXXXX");
@@ -884,6 +884,7 @@ static void test_trace_files(void) {
 #if defined(__unix__) || defined(__APPLE__)
     {   /* a symlink to the checkpoint: refused, the checkpoint and the link as they were */
         struct stat st;
+        char before[4096];
         long n0 = read_small(ckpt, before, sizeof before), n1;
         snprintf(path, sizeof path, "%s/trace.json", dir);
         CHECK(symlink(ckpt, path) == 0, "symlink: %s", strerror(errno));
