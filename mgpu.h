@@ -1473,6 +1473,7 @@ MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer
 #if (defined(MGPU_IMPLEMENTATION) || defined(MGPU_KERNELS)) && !defined(MGPU__SEAM_DONE)
 #define MGPU__SEAM_DONE
 #include <math.h>
+#include <string.h>   /* memcpy: a float's bits */
 
 #ifdef __CUDACC__
 #define MGPU__HD __host__ __device__
@@ -1552,11 +1553,61 @@ typedef enum mgpu__unary_op {
     MGPU__UNARY_GELU_TANH = 5   /* GPT-2's tanh form (nn.GELU(approximate='tanh')) */
 } mgpu__unary_op;
 
+/* exp and tanh in plain float arithmetic, with no call and no branch, so that a loop of them
+   vectorises (glibc's tanhf, a call per element, was a third of a CPU GPT step). Both are
+   within 1.4 ulp of the exact values (tests/test_core.c sweeps every float of [2^-31, 11] for
+   tanh, every seventh for exp); NaN stays NaN, infinities give the limits, and exp flushes to 0
+   below -104. The bits of a float as an integer and back: memcpy is the cast C and CUDA allow. */
+static inline MGPU__HD uint32_t mgpu__f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+static inline MGPU__HD float mgpu__f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+/* e^x = 2^n e^r: n = x log2(e) rounded by adding 1.5 * 2^23 (no float-to-int conversion, which
+   NaN would make undefined), r = x - n ln 2 in two parts (Cody and Waite: n times the high part
+   is exact), e^r (|r| <= 0.35) by its Taylor series to r^7 (error below 6e-9), and 2^n in two
+   halves so that neither leaves float's exponents (n from -150 to 128). The clamps keep NaN. */
+static inline MGPU__HD float mgpu__expf(float x) {
+    const float round_magic = 12582912.0f;
+    float z, n, r, p;
+    uint32_t e, e1;
+    x = x > 89.0f ? 89.0f : x;       /* e^89 overflows to inf all the same */
+    x = x < -104.0f ? -104.0f : x;   /* e^-104 rounds to 0 all the same */
+    z = x * 1.44269504088896341f + round_magic;
+    n = z - round_magic;
+    r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    e = mgpu__f32_bits(z) - 0x4B400000u + 152u;   /* n + 152, from z's low bits: 2 to 280 */
+    e1 = e >> 1;                                  /* 2^n = 2^(e1 - 76) 2^(e - e1 - 76) */
+    return p * mgpu__f32_from_bits((e1 + 51u) << 23) * mgpu__f32_from_bits((e - e1 + 51u) << 23);
+}
+
+/* tanh: below 0.625, x + x^3 P(x^2), P fitted for the least largest relative error (Lawson's
+   iteration, error 1.6e-10); above, 1 - 2 / (e^2|x| + 1), |x| clamped at 10 where tanh is 1 in
+   float; the sign put back last, so tanh(-0) = -0 */
+static inline MGPU__HD float mgpu__tanhf(float x) {
+    float ax = x < 0.0f ? -x : x, y = x * x, p, big;
+    p = 2.142962276e-03f;
+    p = p * y - 8.177398777e-03f;
+    p = p * y + 2.170070347e-02f;
+    p = p * y - 5.394676312e-02f;
+    p = p * y + 1.333320601e-01f;
+    p = p * y - 3.333333080e-01f;
+    big = 1.0f - 2.0f / (mgpu__expf(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
+    return copysignf(ax < 0.625f ? ax + ax * y * p : big, x);
+}
+
 /* GELU's tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); with `derivative`, its
    derivative 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u). */
 static inline MGPU__HD float mgpu__gelu_tanh(float x, int derivative) {
     const float k = 0.79788456080286536f, c = 0.044715f;   /* sqrt(2/pi) */
-    const float t = tanhf(k * (x + c * x * x * x));
+    const float t = mgpu__tanhf(k * (x + c * x * x * x));
     if (!derivative) return 0.5f * x * (1.0f + t);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
 }
@@ -1566,8 +1617,8 @@ static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
     case MGPU__UNARY_SCALE: return alpha * x;
     case MGPU__UNARY_RELU: return x <= 0.0f ? 0.0f : x;   /* NaN fails the test and passes, as torch.relu */
     case MGPU__UNARY_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
-    case MGPU__UNARY_TANH: return tanhf(x);
-    case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case MGPU__UNARY_TANH: return mgpu__tanhf(x);
+    case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + mgpu__expf(-x));
     case MGPU__UNARY_GELU_TANH: return mgpu__gelu_tanh(x, 0);
     default: return 0.0f;
     }
@@ -5738,101 +5789,106 @@ static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* d
     return MGPU_OK;
 }
 
-/* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU a
-   task per (batch, head): it writes only its head's rows of att, mask and dscores and its head's
-   columns of y and dqkv, so the results do not depend on the thread count. -- */
+/* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU each
+   (batch, head) is five small GEMMs (mgpu__gemm_serial, on one thread) and the softmax between
+   them, the heads shared out over a task per thread, each task with its own scratch; a head's
+   results do not depend on the task that computes it, so neither do they on the thread count.
+   The products run over the whole T x T square, the masked half included: at GEMM speed that
+   costs less than triangular loops whose dot products cannot vectorise (their sums are ordered). -- */
 typedef struct mgpu__attn_job {
     mgpu__attn g;
     const float *qkv, *dy;
     float *att, *mask, *y, *dscores, *dqkv;
     uint64_t seed, offset, first;
     float p;
+    int64_t tasks;
+    size_t task_floats;   /* per task: GEMM packing space, then a T x T square (att .* mask) */
+    float* space;
 } mgpu__attn_job;
 
-static void mgpu__attn_forward_task(void* ctx, int64_t bh) {
+/* Scratch for the job's tasks from dev's caching allocator (the caller releases *size bytes). */
+static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, const char* op, size_t* size) {
+    const int64_t T = g->t;
+    memset(j, 0, sizeof *j);
+    j->g = *g;
+    j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), (int64_t)g->batch * g->heads));
+    j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (size_t)(T * T) + 15) / 16 * 16;
+    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * j->task_floats * (size_t)j->tasks, size, op);
+    return j->space ? MGPU_OK : mgpu_last_result();
+}
+
+/* The probabilities as dropout left them, for one head: att itself without a mask */
+static const float* mgpu__attn_dropped(const mgpu__attn_job* j, int64_t bh, float* square) {
+    const int64_t n = (int64_t)j->g.t * j->g.t;
+    const float *a = j->att + bh * n, *mk = j->mask ? j->mask + bh * n : NULL;
+    int64_t i;
+    if (!mk) return a;
+    for (i = 0; i < n; ++i) square[i] = a[i] * mk[i];
+    return square;
+}
+
+static void mgpu__attn_forward_task(void* ctx, int64_t task) {
     const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
     const mgpu__attn* g = &j->g;
-    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D;
-    const int64_t b = bh / g->heads, h = bh % g->heads;
-    const float* base = j->qkv + b * T * W + h * hs;   /* this head's q of row 0; k at + D, v at + 2 D */
-    int64_t t, s, d;
-    for (t = 0; t < T; ++t) {
-        const int64_t row = bh * T + t;
-        const float* q = base + t * W;
-        float* a = j->att + row * T;
-        float* mk = j->mask ? j->mask + row * T : NULL;
-        float* yr = j->y + (b * T + t) * D + h * hs;
-        float m = -INFINITY, sum = 0.0f;
-        for (s = 0; s <= t; ++s) {
-            const float* k = base + s * W + D;
-            float dot = 0.0f;
-            for (d = 0; d < hs; ++d) dot += q[d] * k[d];
-            a[s] = dot * g->scale;
-            m = a[s] > m ? a[s] : m;
+    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D, BH = (int64_t)g->batch * g->heads;
+    float* pack = j->space + (size_t)task * j->task_floats;
+    float* square = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    int64_t bh, t, s;
+    for (bh = BH * task / j->tasks; bh < BH * (task + 1) / j->tasks; ++bh) {
+        const int64_t b = bh / g->heads, h = bh % g->heads;
+        const float* base = j->qkv + b * T * W + h * hs;   /* this head's q of row 0; k at + D, v at + 2 D */
+        float* att = j->att + bh * T * T;
+        mgpu__gemm_serial(0, 1, T, T, hs, base, W, base + D, W, att, T, pack, 1, NULL);   /* q k^T */
+        for (t = 0; t < T; ++t) {
+            const int64_t row = bh * T + t;
+            float* a = att + t * T;
+            float m = -INFINITY, sum = 0.0f;
+            for (s = 0; s <= t; ++s) {
+                a[s] *= g->scale;
+                m = a[s] > m ? a[s] : m;
+            }
+            for (s = 0; s <= t; ++s) a[s] = mgpu__expf(a[s] - m);   /* max subtracted: no overflow */
+            for (s = 0; s <= t; ++s) sum += a[s];
+            for (s = 0; s <= t; ++s) a[s] /= sum;
+            for (s = t + 1; s < T; ++s) a[s] = 0.0f;   /* the causal mask: exp(-inf) */
+            if (j->mask)
+                for (s = 0; s < T; ++s)
+                    j->mask[row * T + s] = s <= t ? mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)(row * T + s), j->p) : 0.0f;
         }
-        for (s = 0; s <= t; ++s) { a[s] = expf(a[s] - m); sum += a[s]; }   /* max subtracted: no overflow */
-        for (s = 0; s <= t; ++s) a[s] /= sum;
-        for (s = t + 1; s < T; ++s) a[s] = 0.0f;   /* the causal mask: exp(-inf) */
-        if (mk)
-            for (s = 0; s < T; ++s)
-                mk[s] = s <= t ? mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)(row * T + s), j->p) : 0.0f;
-        for (d = 0; d < hs; ++d) yr[d] = 0.0f;
-        for (s = 0; s <= t; ++s) {
-            const float w = mk ? a[s] * mk[s] : a[s];
-            const float* v = base + s * W + 2 * D;
-            for (d = 0; d < hs; ++d) yr[d] += w * v[d];
-        }
+        mgpu__gemm_serial(0, 0, T, hs, T, mgpu__attn_dropped(j, bh, square), T, base + 2 * D, W,   /* y = (att .* mask) v */
+                          j->y + b * T * D + h * hs, D, pack, 1, NULL);
     }
 }
 
-static void mgpu__attn_backward_task(void* ctx, int64_t bh) {
+static void mgpu__attn_backward_task(void* ctx, int64_t task) {
     const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
     const mgpu__attn* g = &j->g;
-    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D;
-    const int64_t b = bh / g->heads, h = bh % g->heads;
-    const float* base = j->qkv + b * T * W + h * hs;
-    float* dbase = j->dqkv + b * T * W + h * hs;
-    const float* dybase = j->dy + b * T * D + h * hs;
-    int64_t t, s, d;
-    /* by query rows: dS, then dq = dS k */
-    for (t = 0; t < T; ++t) {
-        const int64_t row = bh * T + t;
-        const float* a = j->att + row * T;
-        const float* mk = j->mask ? j->mask + row * T : NULL;
-        const float* dyr = dybase + t * D;
-        float* ds = j->dscores + row * T;
-        float* dq = dbase + t * W;
-        float rs = 0.0f;
-        for (s = 0; s <= t; ++s) {
-            const float* v = base + s * W + 2 * D;
-            float da = 0.0f;
-            for (d = 0; d < hs; ++d) da += dyr[d] * v[d];
-            ds[s] = mk ? da * mk[s] : da;   /* d att before the dropout */
-            rs += ds[s] * a[s];
+    const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D, BH = (int64_t)g->batch * g->heads;
+    float* pack = j->space + (size_t)task * j->task_floats;
+    float* square = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    int64_t bh, t, s;
+    for (bh = BH * task / j->tasks; bh < BH * (task + 1) / j->tasks; ++bh) {
+        const int64_t b = bh / g->heads, h = bh % g->heads;
+        const float* base = j->qkv + b * T * W + h * hs;
+        const float* dy = j->dy + b * T * D + h * hs;
+        float* dbase = j->dqkv + b * T * W + h * hs;
+        float* ds = j->dscores + bh * T * T;
+        mgpu__gemm_serial(0, 1, T, T, hs, dy, D, base + 2 * D, W, ds, T, pack, 1, NULL);   /* d(att .* mask) = dy v^T */
+        for (t = 0; t < T; ++t) {   /* dS = att .* (dP - rowsum(dP .* att)) * scale, dP = that .* mask */
+            const float* a = j->att + (bh * T + t) * T;
+            const float* mk = j->mask ? j->mask + (bh * T + t) * T : NULL;
+            float* d = ds + t * T;
+            float rs = 0.0f;
+            if (mk)
+                for (s = 0; s <= t; ++s) d[s] *= mk[s];
+            for (s = 0; s <= t; ++s) rs += d[s] * a[s];
+            for (s = 0; s <= t; ++s) d[s] = a[s] * (d[s] - rs) * g->scale;
+            for (s = t + 1; s < T; ++s) d[s] = 0.0f;
         }
-        for (s = 0; s <= t; ++s) ds[s] = a[s] * (ds[s] - rs) * g->scale;
-        for (s = t + 1; s < T; ++s) ds[s] = 0.0f;
-        for (d = 0; d < hs; ++d) dq[d] = 0.0f;
-        for (s = 0; s <= t; ++s) {
-            const float* k = base + s * W + D;
-            for (d = 0; d < hs; ++d) dq[d] += ds[s] * k[d];
-        }
-    }
-    /* by key rows: dk = dS^T q, dv = (att .* mask)^T dy, down the column s from the diagonal */
-    for (s = 0; s < T; ++s) {
-        float* dk = dbase + s * W + D;
-        float* dv = dk + D;
-        for (d = 0; d < hs; ++d) dk[d] = dv[d] = 0.0f;
-        for (t = s; t < T; ++t) {
-            const int64_t at = (bh * T + t) * T + s;
-            const float w = j->dscores[at], a = j->mask ? j->att[at] * j->mask[at] : j->att[at];
-            const float* q = base + t * W;
-            const float* dyr = dybase + t * D;
-            for (d = 0; d < hs; ++d) {
-                dk[d] += w * q[d];
-                dv[d] += a * dyr[d];
-            }
-        }
+        mgpu__gemm_serial(0, 0, T, hs, T, ds, T, base + D, W, dbase, W, pack, 1, NULL);       /* dq = dS k */
+        mgpu__gemm_serial(1, 0, T, hs, T, ds, T, base, W, dbase + D, W, pack, 1, NULL);       /* dk = dS^T q */
+        mgpu__gemm_serial(1, 0, T, hs, T, mgpu__attn_dropped(j, bh, square), T, dy, D,        /* dv = (att .* mask)^T dy */
+                          dbase + 2 * D, W, pack, 1, NULL);
     }
 }
 
@@ -5840,6 +5896,7 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
                                            mgpu_tensor* mask, uint64_t seed, const uint64_t* seed_on_device,
                                            uint64_t offset, uint64_t first, float p) {
     mgpu__attn_job job;
+    size_t size;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
         MGPU__CU("CausalSelfAttention forward", MGPU__DEV(qkv),
@@ -5847,11 +5904,12 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
                                             mask ? MGPU__F32(mask) : NULL, seed, seed_on_device, offset, first, p));
         return MGPU_OK;
     }
-    memset(&job, 0, sizeof job);
-    job.g = *g; job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, "CausalSelfAttention forward", &size));
+    job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
     job.mask = mask ? MGPU__F32(mask) : NULL;
     job.seed = seed; job.offset = offset; job.first = first; job.p = p;
-    mgpu__parallel_for((int64_t)g->batch * g->heads, mgpu__attn_forward_task, &job);
+    mgpu__parallel_for(job.tasks, mgpu__attn_forward_task, &job);
+    mgpu__device_release(MGPU__DEV(y), job.space, size);
     return MGPU_OK;
 }
 
@@ -5859,6 +5917,7 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
                                             const mgpu_tensor* mask, const mgpu_tensor* dy, mgpu_tensor* dscores,
                                             mgpu_tensor* dqkv) {
     mgpu__attn_job job;
+    size_t size;
     MGPU__COUNT(MGPU__DEV(dqkv), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
         MGPU__CU("CausalSelfAttention backward", MGPU__DEV(qkv),
@@ -5866,10 +5925,11 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
                                              mask ? MGPU__F32(mask) : NULL, MGPU__F32(dy), MGPU__F32(dscores), MGPU__F32(dqkv)));
         return MGPU_OK;
     }
-    memset(&job, 0, sizeof job);
-    job.g = *g; job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, "CausalSelfAttention backward", &size));
+    job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
     job.dy = MGPU__F32(dy); job.dscores = MGPU__F32(dscores); job.dqkv = MGPU__F32(dqkv);
-    mgpu__parallel_for((int64_t)g->batch * g->heads, mgpu__attn_backward_task, &job);
+    mgpu__parallel_for(job.tasks, mgpu__attn_backward_task, &job);
+    mgpu__device_release(MGPU__DEV(dqkv), job.space, size);
     return MGPU_OK;
 }
 

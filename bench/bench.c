@@ -809,6 +809,10 @@ int main(int argc, char** argv) {
         bench_cpu_steps();
         return 0;
     }
+    if (!strcmp(which, "gpt")) {   /* the CPU GPT step alone, for a profiler */
+        bench_training("gpt_b16_t64", "gpt", "cpu", 16, quick ? 5 : 100, 0);
+        return 0;
+    }
     if (!strcmp(which, "allreduce")) {   /* the in-process host all-reduce alone, to set beside bench_mpi's */
         bench_allreduce("cpu:2", (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);
         bench_allreduce("cpu:4", (size_t)64 << 20, MGPU_ALLREDUCE_HOST, NULL);

@@ -13,6 +13,7 @@
    MGPU_TEST_SEED=N repeats a run's random inputs. */
 
 #include <stdint.h>
+#include <float.h>
 #include <time.h>
 #include <fcntl.h>
 #include <errno.h>
@@ -1367,6 +1368,48 @@ static void backward_fd_on(mgpu_device* dev) {
     mgpu_tensor_destroy(ty);
     mgpu_tensor_destroy(tdx);
     free(x); free(dy); free(got); free(ref);
+}
+
+/* mgpu__tanhf and mgpu__expf, the branch-free forms every elementwise op and the attention's
+   softmax use, against the exact values (double): within 1.5 ulp wherever the result is a normal
+   float, odd, and right at NaN, the infinities, -0 and the ends of exp's range. */
+static double ulps_off(float got, double want) {
+    const float w = (float)want;
+    const double ulp = w == 0.0f ? 1.4e-45 : (double)nextafterf(fabsf(w), INFINITY) - fabsf(w);
+    return fabs((double)got - want) / ulp;
+}
+static void test_fast_math(void) {
+    double worst = 0.0, worst_x = 0.0;
+    uint32_t b, stride = g_quick ? 97u : 3u;
+    int odd = 1, s;
+    for (b = 0x30000000u; b < 0x41300000u; b += stride) {   /* 2^-31 .. 11: beyond, tanh is x or 1 */
+        const float x = mgpu__f32_from_bits(b), t = mgpu__tanhf(x);
+        const double e = ulps_off(t, tanh((double)x));
+        if (mgpu__tanhf(-x) != -t) odd = 0;
+        if (e > worst) { worst = e; worst_x = x; }
+    }
+    CHECK(worst <= 1.5, "mgpu__tanhf: %.2f ulp off at %.9g", worst, worst_x);
+    CHECK(odd, "mgpu__tanhf(-x) != -mgpu__tanhf(x) somewhere");
+    CHECK(mgpu__tanhf(1e-30f) == 1e-30f && mgpu__tanhf(30.0f) == 1.0f && mgpu__tanhf(INFINITY) == 1.0f &&
+          mgpu__tanhf(-INFINITY) == -1.0f && isnan(mgpu__tanhf(NAN)) && signbit(mgpu__tanhf(-0.0f)) && mgpu__tanhf(-0.0f) == 0.0f,
+          "mgpu__tanhf at the specials: %g %g %g %g %g %g", mgpu__tanhf(1e-30f), mgpu__tanhf(30.0f), mgpu__tanhf(INFINITY),
+          mgpu__tanhf(-INFINITY), mgpu__tanhf(NAN), mgpu__tanhf(-0.0f));
+    worst = 0.0;
+    for (s = 0; s < 2; ++s)
+        for (b = 0; b < 0x7F800000u; b += stride * 10u + 1u) {
+            const float x = mgpu__f32_from_bits(b | (s ? 0x80000000u : 0u));
+            const double want = exp((double)x);
+            double e;
+            if (want > FLT_MAX || want < FLT_MIN) continue;
+            e = ulps_off(mgpu__expf(x), want);
+            if (e > worst) { worst = e; worst_x = x; }
+        }
+    CHECK(worst <= 1.5, "mgpu__expf: %.2f ulp off at %.9g", worst, worst_x);
+    CHECK(mgpu__expf(0.0f) == 1.0f && mgpu__expf(-INFINITY) == 0.0f && mgpu__expf(-200.0f) == 0.0f &&
+          isinf(mgpu__expf(89.0f)) && isinf(mgpu__expf(INFINITY)) && isnan(mgpu__expf(NAN)) &&
+          mgpu__expf(88.7f) < FLT_MAX && mgpu__expf(-100.0f) > 0.0f,
+          "mgpu__expf at the specials: %g %g %g %g %g %g %g %g", mgpu__expf(0.0f), mgpu__expf(-INFINITY), mgpu__expf(-200.0f),
+          mgpu__expf(89.0f), mgpu__expf(INFINITY), mgpu__expf(NAN), mgpu__expf(88.7f), mgpu__expf(-100.0f));
 }
 
 static void test_elementwise(void) {
@@ -3047,6 +3090,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_memory());
     TEST_GROUP(test_tensors());
     TEST_GROUP(test_random());
+    TEST_GROUP(test_fast_math());
     TEST_GROUP(test_elementwise());
     TEST_GROUP(test_matmul());
     TEST_GROUP(test_bias_reduce());
