@@ -1560,6 +1560,11 @@ typedef enum mgpu__unary_op {
    below -104. The bits of a float as an integer and back: memcpy is the cast C and CUDA allow. */
 static inline MGPU__HD uint32_t mgpu__f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
 static inline MGPU__HD float mgpu__f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+/* cond ? a : b through a mask of bits: GCC's -O2 vectorises a loop of these but not of ?: on floats */
+static inline MGPU__HD float mgpu__f32_select(int cond, float a, float b) {
+    const uint32_t m = 0u - (uint32_t)(cond != 0);
+    return mgpu__f32_from_bits((mgpu__f32_bits(a) & m) | (mgpu__f32_bits(b) & ~m));
+}
 
 /* e^x = 2^n e^r: n = x log2(e) rounded by adding 1.5 * 2^23 (no float-to-int conversion, which
    NaN would make undefined), r = x - n ln 2 in two parts (Cody and Waite: n times the high part
@@ -1569,8 +1574,8 @@ static inline MGPU__HD float mgpu__expf(float x) {
     const float round_magic = 12582912.0f;
     float z, n, r, p;
     uint32_t e, e1;
-    x = x > 89.0f ? 89.0f : x;       /* e^89 overflows to inf all the same */
-    x = x < -104.0f ? -104.0f : x;   /* e^-104 rounds to 0 all the same */
+    x = mgpu__f32_select(x > 89.0f, 89.0f, x);       /* e^89 overflows to inf all the same */
+    x = mgpu__f32_select(x < -104.0f, -104.0f, x);   /* e^-104 rounds to 0 all the same */
     z = x * 1.44269504088896341f + round_magic;
     n = z - round_magic;
     r = x - n * 0.693145751953125f;
@@ -1592,15 +1597,15 @@ static inline MGPU__HD float mgpu__expf(float x) {
    iteration, error 1.6e-10); above, 1 - 2 / (e^2|x| + 1), |x| clamped at 10 where tanh is 1 in
    float; the sign put back last, so tanh(-0) = -0 */
 static inline MGPU__HD float mgpu__tanhf(float x) {
-    float ax = x < 0.0f ? -x : x, y = x * x, p, big;
+    float ax = fabsf(x), y = x * x, p, big;
     p = 2.142962276e-03f;
     p = p * y - 8.177398777e-03f;
     p = p * y + 2.170070347e-02f;
     p = p * y - 5.394676312e-02f;
     p = p * y + 1.333320601e-01f;
     p = p * y - 3.333333080e-01f;
-    big = 1.0f - 2.0f / (mgpu__expf(2.0f * (ax > 10.0f ? 10.0f : ax)) + 1.0f);
-    return copysignf(ax < 0.625f ? ax + ax * y * p : big, x);
+    big = 1.0f - 2.0f / (mgpu__expf(2.0f * mgpu__f32_select(ax > 10.0f, 10.0f, ax)) + 1.0f);
+    return copysignf(mgpu__f32_select(ax < 0.625f, ax + ax * y * p, big), x);
 }
 
 /* GELU's tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); with `derivative`, its
@@ -4343,6 +4348,40 @@ typedef struct mgpu__gemm {
     int add;                  /* the current KC block adds onto C */
 } mgpu__gemm;
 
+#ifdef MGPU__AVX2
+/* p[k * 6 + r] = src[r * lds + k] for the 6 rows of a whole sliver, k in blocks of 8 through an 8 x
+   8 transpose in registers (two rows of zeros); returns how far along k it went (the rest, fewer
+   than 8, the caller copies). Each k's 6 floats are stored as 4 and 2, never past them: another
+   thread may be packing the next sliver. */
+static MGPU__AVX2_FN int64_t mgpu__pack_rows_6(const float* src, int64_t lds, int64_t kc, float* p) {
+    int64_t k;
+    for (k = 0; k + 8 <= kc; k += 8) {
+        const float* s0 = src + k;
+        const __m256 r0 = _mm256_loadu_ps(s0), r1 = _mm256_loadu_ps(s0 + lds), r2 = _mm256_loadu_ps(s0 + 2 * lds);
+        const __m256 r3 = _mm256_loadu_ps(s0 + 3 * lds), r4 = _mm256_loadu_ps(s0 + 4 * lds), r5 = _mm256_loadu_ps(s0 + 5 * lds);
+        const __m256 z = _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
+        const __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, z, 0x44), u5 = _mm256_shuffle_ps(t4, z, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, z, 0x44), u7 = _mm256_shuffle_ps(t5, z, 0xEE);
+        __m256 col[8];
+        int c;
+        col[0] = _mm256_permute2f128_ps(u0, u4, 0x20); col[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+        col[2] = _mm256_permute2f128_ps(u2, u6, 0x20); col[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+        col[4] = _mm256_permute2f128_ps(u0, u4, 0x31); col[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+        col[6] = _mm256_permute2f128_ps(u2, u6, 0x31); col[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+        for (c = 0; c < 8; ++c) {
+            float* d = p + (k + c) * MGPU__GEMM_MR;
+            _mm_storeu_ps(d, _mm256_castps256_ps128(col[c]));
+            _mm_storel_pi((__m64*)(void*)(d + 4), _mm256_extractf128_ps(col[c], 1));
+        }
+    }
+    return k;
+}
+#endif
+
 /* Sliver s of op(A) rows for the current panel into p [kc][MR]; zeros pad a partial one. */
 static void mgpu__gemm_pack_a_sliver(const mgpu__gemm* g, int64_t s, float* p) {
     const int64_t rows = MGPU__MIN((int64_t)MGPU__GEMM_MR, g->m - s * MGPU__GEMM_MR), i0 = s * MGPU__GEMM_MR;
@@ -4353,9 +4392,14 @@ static void mgpu__gemm_pack_a_sliver(const mgpu__gemm* g, int64_t s, float* p) {
         for (kk = 0; kk < g->kc; ++kk, src += g->lda)
             for (r = 0; r < rows; ++r) p[kk * MGPU__GEMM_MR + r] = src[r];
     } else {       /* each of the sliver's rows, along k */
+        const float* src = g->a + i0 * g->lda + g->k0;
+        kk = 0;
+#ifdef MGPU__AVX2
+        if (rows == MGPU__GEMM_MR && MGPU__HAVE_AVX2()) kk = mgpu__pack_rows_6(src, g->lda, g->kc, p);
+#endif
         for (r = 0; r < rows; ++r) {
-            const float* src = g->a + (i0 + r) * g->lda + g->k0;
-            for (kk = 0; kk < g->kc; ++kk) p[kk * MGPU__GEMM_MR + r] = src[kk];
+            int64_t k;
+            for (k = kk; k < g->kc; ++k) p[k * MGPU__GEMM_MR + r] = src[r * g->lda + k];
         }
     }
 }
@@ -4782,9 +4826,26 @@ static mgpu_result mgpu__check_channels(const char* op, const char* vn, const mg
     return MGPU_OK;
 }
 
+/* y = x + bias over the outer slices [o0, o1): a row of a Linear's output (inner 1) as one
+   vectorised loop over the channels */
+typedef struct mgpu__bias_job { int64_t channels, inner; const float *x, *bias; float* y; } mgpu__bias_job;
+static void mgpu__bias_range(void* ctx, int64_t o0, int64_t o1) {
+    const mgpu__bias_job* j = (const mgpu__bias_job*)ctx;
+    int64_t o, c, i;
+    for (o = o0; o < o1; ++o) {
+        const float* px = j->x + o * j->channels * j->inner;
+        float* py = j->y + o * j->channels * j->inner;
+        if (j->inner == 1)
+            for (c = 0; c < j->channels; ++c) py[c] = px[c] + j->bias[c];
+        else
+            for (c = 0; c < j->channels; ++c)
+                for (i = 0; i < j->inner; ++i) py[c * j->inner + i] = px[c * j->inner + i] + j->bias[c];
+    }
+}
+
 MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias) {
     static const char* op = "mgpu_bias_add";
-    int64_t outer, channels, inner, o, c, i;
+    int64_t outer, channels, inner;
     MGPU__TRY(mgpu__check_channels(op, "bias", bias, "x", x));
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     mgpu__channel_split(x, &outer, &channels, &inner);
@@ -4795,13 +4856,10 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
         return MGPU_OK;
     }
     {
-        const float *px = MGPU__F32(x), *pb = MGPU__F32(bias);
-        float* py = MGPU__F32(out);
-        for (o = 0; o < outer; ++o)
-            for (c = 0; c < channels; ++c) {
-                const int64_t base = (o * channels + c) * inner;
-                for (i = 0; i < inner; ++i) py[base + i] = px[base + i] + pb[c];
-            }
+        mgpu__bias_job j;
+        j.channels = channels; j.inner = inner; j.x = MGPU__F32(x); j.bias = MGPU__F32(bias); j.y = MGPU__F32(out);
+        mgpu__parallel_range(outer, MGPU__MAX((int64_t)1, MGPU__EW_MIN_PER_THREAD / MGPU__MAX((int64_t)1, channels * inner)),
+                             mgpu__bias_range, &j);
     }
     return MGPU_OK;
 }
@@ -4890,13 +4948,47 @@ static mgpu_result mgpu__check_loss_tensor(const char* op, const mgpu_tensor* lo
     return MGPU_OK;
 }
 
+/* Rows [r0, r1) of the CPU's cross-entropy: each row's loss, log-sum-exp in double, and its
+   gradient row (zero for an ignored label) */
+typedef struct mgpu__xent_job {
+    int64_t cols;
+    const float* logits;
+    const int32_t* labels;
+    float* dlogits;
+    float grad_scale;
+    double* row_loss;
+} mgpu__xent_job;
+static void mgpu__xent_range(void* ctx, int64_t r0, int64_t r1) {
+    const mgpu__xent_job* j = (const mgpu__xent_job*)ctx;
+    const int64_t cols = j->cols;
+    int64_t r, c;
+    for (r = r0; r < r1; ++r) {
+        const float* px = j->logits + r * cols;
+        const int32_t label = j->labels[r];
+        float mx = px[0];
+        double s = 0.0, lse;
+        if (label == MGPU_IGNORE_INDEX) {
+            if (j->dlogits) memset(j->dlogits + r * cols, 0, (size_t)cols * sizeof(float));
+            continue;
+        }
+        for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
+        for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
+        lse = mx + log(s);
+        j->row_loss[r] = lse - px[label];
+        if (j->dlogits) {
+            float* pd = j->dlogits + r * cols;
+            for (c = 0; c < cols; ++c) pd[c] = (float)((exp((double)px[c] - lse) - (c == label)) * j->grad_scale);
+        }
+    }
+}
+
 /* mgpu_softmax_cross_entropy, whose grad_scale 0 means mean_factor over the labels not ignored
    (the public op's 1; a model's step whose labels are on a GPU weighs its parts so, >>train) */
 static mgpu_result mgpu__softmax_xent(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
                                       const mgpu_tensor* labels, float grad_scale, float mean_factor) {
     static const char* op = "mgpu_softmax_cross_entropy";
     char tl[128], tx[128];
-    int64_t rows, cols, r, c;
+    int64_t rows, cols, r;
     MGPU__TRY(mgpu__check_tensor(op, "logits", logits, MGPU_F32));
     MGPU__TRY(mgpu__check_rank(op, "logits", logits, 2));
     MGPU__TRY(mgpu__check_tensor(op, "labels", labels, MGPU_I32));
@@ -4939,28 +5031,19 @@ static mgpu_result mgpu__softmax_xent(mgpu_tensor* loss, mgpu_tensor* dlogits, c
             return dlogits ? mgpu_tensor_zero(dlogits) : MGPU_OK;
         }
     }
-    {
+    {   /* the rows shared out over the threads, each row's loss kept apart and summed in order */
+        mgpu__xent_job j;
         double total = 0.0;
         int64_t targets = 0;
-        for (r = 0; r < rows; ++r) {
-            const float* px = MGPU__F32(logits) + r * cols;
-            int32_t label = MGPU__I32(labels)[r];
-            float mx = px[0];
-            double s = 0.0, lse;
-            if (label == MGPU_IGNORE_INDEX) {
-                if (dlogits) memset(MGPU__F32(dlogits) + r * cols, 0, (size_t)cols * sizeof(float));
-                continue;
-            }
-            targets++;
-            for (c = 1; c < cols; ++c) mx = px[c] > mx ? px[c] : mx;
-            for (c = 0; c < cols; ++c) s += exp((double)px[c] - mx);
-            lse = mx + log(s);
-            total += lse - px[label];
-            if (dlogits) {
-                float* pd = MGPU__F32(dlogits) + r * cols;
-                for (c = 0; c < cols; ++c) pd[c] = (float)((exp((double)px[c] - lse) - (c == label)) * grad_scale);
-            }
-        }
+        size_t size;
+        j.cols = cols; j.logits = MGPU__F32(logits); j.labels = MGPU__I32(labels);
+        j.dlogits = dlogits ? MGPU__F32(dlogits) : NULL; j.grad_scale = grad_scale;
+        j.row_loss = (double*)mgpu__device_alloc(MGPU__DEV(logits), (size_t)rows * sizeof(double), &size, op);
+        if (!j.row_loss) return mgpu_last_result();
+        mgpu__parallel_range(rows, MGPU__MAX((int64_t)1, MGPU__EW_MIN_PER_THREAD / cols), mgpu__xent_range, &j);
+        for (r = 0; r < rows; ++r)
+            if (MGPU__I32(labels)[r] != MGPU_IGNORE_INDEX) { total += j.row_loss[r]; targets++; }
+        mgpu__device_release(MGPU__DEV(logits), j.row_loss, size);
         MGPU__F32(loss)[0] = (float)(total / (double)targets);
     }
     return MGPU_OK;
@@ -5827,6 +5910,19 @@ static const float* mgpu__attn_dropped(const mgpu__attn_job* j, int64_t bh, floa
     return square;
 }
 
+/* a[i] = e^(a[i] - m) for i < n, in blocks of 16 read into locals first (as the elementwise loops
+   are, so that cc -O2 vectorises it too) */
+static void mgpu__exp_shifted(float* a, int64_t n, float m) {
+    int64_t i;
+    for (i = 0; i + MGPU__EW_BLOCK <= n; i += MGPU__EW_BLOCK) {
+        float t[MGPU__EW_BLOCK];
+        int k;
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) t[k] = a[i + k];
+        for (k = 0; k < MGPU__EW_BLOCK; ++k) a[i + k] = mgpu__expf(t[k] - m);
+    }
+    for (; i < n; ++i) a[i] = mgpu__expf(a[i] - m);
+}
+
 static void mgpu__attn_forward_task(void* ctx, int64_t task) {
     const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
     const mgpu__attn* g = &j->g;
@@ -5847,7 +5943,7 @@ static void mgpu__attn_forward_task(void* ctx, int64_t task) {
                 a[s] *= g->scale;
                 m = a[s] > m ? a[s] : m;
             }
-            for (s = 0; s <= t; ++s) a[s] = mgpu__expf(a[s] - m);   /* max subtracted: no overflow */
+            mgpu__exp_shifted(a, t + 1, m);   /* max subtracted: no overflow */
             for (s = 0; s <= t; ++s) sum += a[s];
             for (s = 0; s <= t; ++s) a[s] /= sum;
             for (s = t + 1; s < T; ++s) a[s] = 0.0f;   /* the causal mask: exp(-inf) */

@@ -190,6 +190,11 @@ static void bench_training(const char* workload, const char* model_name, const c
     }
     mgpu_memory_get_stats(first, &after);
     row(workload, spec, "step", median(t, steps) * 1e3, "ms", NULL);
+    if (getenv("BENCH_TRACE")) {   /* where a step's time goes: three more steps traced (Chrome's format) */
+        if (mgpu_model_trace_start(tr.m)) fail(workload);
+        for (i = 0; i < 3; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);
+        if (mgpu_model_trace_stop(tr.m, getenv("BENCH_TRACE"))) fail(workload);
+    }
     if (dev_is_gpu(first)) {   /* steps queued back to back, as a training loop runs them: the host works ahead */
         double t0 = mgpu_seconds();
         for (i = 0; i < steps; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);
