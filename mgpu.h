@@ -1130,7 +1130,8 @@ MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps t
    a momentum), "exp_avg" and "exp_avg_sq" (AdamW). A view owned by the optimizer (do not destroy
    it); read it, or write it to set the state. The state exists from mgpu_optimizer_create on,
    zero until the first step (whose SGD momentum buffer starts as the gradient, as PyTorch's
-   does). NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
+   does). A tied parameter (desc.ties) has its twin's state, as the one tensor it is in PyTorch.
+   NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
 MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
 /* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
    and AdamW's bias corrections) at 0. The parameters are left as they are. */
@@ -8592,6 +8593,9 @@ struct mgpu_model {
     mgpu_pipeline_schedule schedule;
     int* stage_layer;                   /* [S + 1]: stage s runs layers [stage_layer[s], stage_layer[s+1]) */
     int64_t* stage_off;                 /* [S + 1]: stage s's floats are [stage_off[s], stage_off[s+1]) */
+    int64_t* stage_moved;               /* [S]: the first floats of stage s, those an update moves: tied
+                                           copies at a stage's end (GPT-2's head) follow their twins
+                                           (mgpu__ties_spread), so the optimizer skips them */
     /* data parallelism */
     mgpu_allreduce** ar;                /* [S]: stage s's R copies; NULL with one replica */
     mgpu__bucket* buckets;              /* gradient buckets, last stage and last layers first */
@@ -9135,7 +9139,7 @@ static void mgpu__model_free(mgpu_model* m) {
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m->buffers); MGPU_FREE(m->first_buffer); MGPU_FREE(m->stage_boff);
-    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
+    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->stage_moved); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
     MGPU_FREE(m->terms);
     MGPU_FREE(m);
 }
@@ -9292,8 +9296,9 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
                           "devices: replica r's stage s on device r * %d + s)", op, devices, devices == 1 ? "" : "s", S, S, S);
     m->stage_layer = (int*)mgpu__calloc((size_t)S + 1, sizeof(int));
     m->stage_off = (int64_t*)mgpu__calloc((size_t)S + 1, sizeof(int64_t));
+    m->stage_moved = (int64_t*)mgpu__calloc((size_t)S, sizeof(int64_t));
     m->stage_boff = (int64_t*)mgpu__calloc((size_t)S + 1, sizeof(int64_t));
-    if (!m->stage_layer || !m->stage_off || !m->stage_boff) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    if (!m->stage_layer || !m->stage_off || !m->stage_moved || !m->stage_boff) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
     m->stage_layer[S] = L;
     if (desc->split && S > 1) {
         for (s = 1; s < S; ++s) {
@@ -9336,6 +9341,11 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         m->stage_off[s] = t < m->tensor_count ? m->tensors[t].offset : m->flat_floats;
     }
     m->stage_off[S] = m->flat_floats;
+    for (s = 0; s < S; ++s) {   /* the stage's floats, less the tied copies at its end */
+        int t = m->first_tensor[m->stage_layer[s + 1]] - 1;
+        m->stage_moved[s] = m->stage_off[s + 1] - m->stage_off[s];
+        for (; t >= m->first_tensor[m->stage_layer[s]] && m->tensors[t].tied >= 0; --t) m->stage_moved[s] = m->tensors[t].offset - m->stage_off[s];
+    }
     for (s = 0; s < S; ++s) {   /* a buffer lives on its layer's stage */
         const int b = m->first_buffer[m->stage_layer[s]];
         m->stage_boff[s] = b < m->buffer_count ? m->buffers[b].offset : m->buf_floats;
@@ -10199,6 +10209,7 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
         opt->views = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(opt->view_count, 1), sizeof(mgpu_tensor*));
         if (!opt->views) { opt->view_count = 0; mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
     }
+    if (m->tensors[t].tied >= 0) t = m->tensors[t].tied;   /* one tensor, one state: its twin's */
     v = (replica * 2 + s) * m->tensor_count + t;
     stage = mgpu__tensor_stage(m, t);
     if (!opt->views[v]) {
@@ -10474,7 +10485,7 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
     for (i = 0; i < opt->model->part_count; ++i) {
         mgpu__part* r = &opt->model->part[i];
-        size_t n = (size_t)mgpu_tensor_numel(r->params);
+        size_t n = (size_t)opt->model->stage_moved[r->stage];
         const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
         const int64_t* edges_dev = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
         job.p = MGPU__F32(r->params);

@@ -27,6 +27,7 @@ best_gemm = max(gemm_rates) if gemm_rates else None
 torch_version = next((r[4] for r in theirs if r[0] == "torch" and r[2] == "version"), None)
 torch_blas = next((r[5] for r in theirs if r[0] == "torch" and r[2] == "blas"), None)
 ref = {(w, d, m): v for w, d, m, v, u, n in theirs}
+ref_note = {(w, d, m): n for w, d, m, v, u, n in theirs}
 native_step = {(w, d): v for w, d, m, v, u, n in mine if m == "step"}   # the -march=native build's, for the plain one
 lower_is_better = {"ms", "us"}
 # goals of the benchmark issue: (test of workload, device, metric) -> (test of mgpu's value v and
@@ -131,6 +132,8 @@ for w, d, m, v, u, note in mine:
         ratio = ""
     else:
         theirs_text = "%.4g %s" % (t, u)
+        if ref_note.get((w, d, m), "").startswith("the fastest of"):   # which thread setting gave PyTorch's best
+            theirs_text += " (%s)" % ref_note[(w, d, m)].split(": ", 1)[-1]
         if u in lower_is_better:
             ratio = "%.2fx faster" % (t / v) if t >= v else "%.2fx slower" % (v / t)
         else:
@@ -149,7 +152,10 @@ if only_theirs:
     lines += ["", "PyTorch's rows without an mgpu counterpart:", "", "| workload | device | metric | PyTorch | note |",
               "| --- | --- | --- | --- | --- |"]
     lines += ["| %s | %s | %s | %.4g %s | %s |" % (w, d, m, v, u, n) for w, d, m, v, u, n in only_theirs]
-lines += ["", "n/a (DDP): PyTorch replicates across processes (DistributedDataParallel), so a one-process "
+lines += ["", "PyTorch's CPU steps: the fastest of three thread settings, each in a process of its own (its "
+          "defaults, OMP_WAIT_POLICY=PASSIVE, OPENBLAS_NUM_THREADS=1), named in brackets: its OpenMP pool and "
+          "OpenBLAS's can oversubscribe a small machine; step_default: with its defaults. "
+          "n/a (DDP): PyTorch replicates across processes (DistributedDataParallel), so a one-process "
           "figure has no counterpart. n/a (no CPU counter): PyTorch counts peak memory on GPUs only. "
           "mem_bw: the bytes an all-reduce reads plus writes in the memory its replicas share, per second; "
           "mem_of_copy and of_copy: against a device-to-device copy measured in the same run. "

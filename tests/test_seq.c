@@ -2072,6 +2072,29 @@ static void test_names_ties(void) {
             CHECK(worst < 1e-6 && !memcmp(e1, h1, sizeof e1), "one SGD step moves the tie by the sum of both gradients (error %.3g) "
                   "and the tied tensor follows its twin (%s)", worst, memcmp(e1, h1, sizeof e1) ? "it does not" : "bit for bit");
             mgpu_optimizer_destroy(sgd);
+            {   /* one tensor, one optimizer state: a tied one's is its twin's (the copy at the model's end,
+                   which the update skips, has none of its own) */
+                mgpu_optimizer* adam = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_ADAMW, .lr = 0.01f });
+                mgpu_tensor* se = adam ? mgpu_optimizer_state(adam, 0, "enc.weight", "exp_avg") : NULL;
+                mgpu_tensor* sh = adam ? mgpu_optimizer_state(adam, 0, "head.weight", "exp_avg") : NULL;
+                float a[12], b[12];
+                int nonzero = 0;
+                CHECK(se && sh, "AdamW's states of a tie: %s", mgpu_last_error());
+                if (se && sh) {
+                    MUST(mgpu_model_zero_grad(m));
+                    MUST(mgpu_model_accumulate(m, tx, ty, 0, NULL));
+                    MUST(mgpu_optimizer_step(adam));
+                    tget(se, a);
+                    tget(sh, b);
+                    for (k = 0; k < 12; ++k) nonzero += a[k] != 0.0f;
+                    CHECK(nonzero > 0 && !memcmp(a, b, sizeof a), "a tied tensor's exp_avg is its twin's (%d of 12 moved, %s)",
+                          nonzero, memcmp(a, b, sizeof a) ? "they differ" : "the same");
+                    tget(mgpu_model_param(m, 0, "enc.weight"), e1);
+                    tget(mgpu_model_param(m, 0, "head.weight"), h1);
+                    CHECK(!memcmp(e1, h1, sizeof e1) && memcmp(e1, e0, sizeof e1), "after AdamW the tied tensor is its twin, moved");
+                }
+                mgpu_optimizer_destroy(adam);
+            }
             mgpu_tensor_destroy(tx);
             mgpu_tensor_destroy(ty);
         }
