@@ -1556,9 +1556,10 @@ typedef enum mgpu__unary_op {
 
 /* exp and tanh in plain float arithmetic, with no call and no branch, so that a loop of them
    vectorises (glibc's tanhf, a call per element, was a third of a CPU GPT step). Both are
-   within 1.4 ulp of the exact values (tests/test_core.c sweeps every float of [2^-31, 11] for
-   tanh, every seventh for exp); NaN stays NaN, infinities give the limits, and exp flushes to 0
-   below -104. The bits of a float as an integer and back: memcpy is the cast C and CUDA allow. */
+   within 1.4 ulp of the exact values where the result is a normal float (test_core's
+   test_fast_math sweeps every third float of [2^-31, 11] for tanh, every 31st for exp; every
+   float measured 1.34 and 1.22 ulp at worst); NaN stays NaN, infinities give the limits, and exp
+   flushes to 0 below -104. The bits of a float as an integer and back: memcpy is the cast C and CUDA allow. */
 static inline MGPU__HD uint32_t mgpu__f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
 static inline MGPU__HD float mgpu__f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
 /* cond ? a : b through a mask of bits: GCC's -O2 vectorises a loop of these but not of ?: on floats */
@@ -4350,33 +4351,36 @@ typedef struct mgpu__gemm {
 } mgpu__gemm;
 
 #ifdef MGPU__AVX2
-/* p[k * 6 + r] = src[r * lds + k] for the 6 rows of a whole sliver, k in blocks of 8 through an 8 x
-   8 transpose in registers (two rows of zeros); returns how far along k it went (the rest, fewer
-   than 8, the caller copies). Each k's 6 floats are stored as 4 and 2, never past them: another
+/* r[0..8) transposed in place: column c of the 8 x 8 block in r[c] */
+static inline MGPU__AVX2_FN void mgpu__transpose_regs(__m256* r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]), t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    const __m256 t3 = _mm256_unpackhi_ps(r[2], r[3]), t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+/* p[k * 6 + r] = src[r * lds + k] for the 6 rows of a whole sliver, k in blocks of 8 through the
+   register transpose (two rows of zeros); returns how far along k it went (the rest, fewer than
+   8, the caller copies). Each k's 6 floats are stored as 4 and 2, never past them: another
    thread may be packing the next sliver. */
 static MGPU__AVX2_FN int64_t mgpu__pack_rows_6(const float* src, int64_t lds, int64_t kc, float* p) {
     int64_t k;
     for (k = 0; k + 8 <= kc; k += 8) {
-        const float* s0 = src + k;
-        const __m256 r0 = _mm256_loadu_ps(s0), r1 = _mm256_loadu_ps(s0 + lds), r2 = _mm256_loadu_ps(s0 + 2 * lds);
-        const __m256 r3 = _mm256_loadu_ps(s0 + 3 * lds), r4 = _mm256_loadu_ps(s0 + 4 * lds), r5 = _mm256_loadu_ps(s0 + 5 * lds);
-        const __m256 z = _mm256_setzero_ps();
-        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
-        const __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        const __m256 u4 = _mm256_shuffle_ps(t4, z, 0x44), u5 = _mm256_shuffle_ps(t4, z, 0xEE);
-        const __m256 u6 = _mm256_shuffle_ps(t5, z, 0x44), u7 = _mm256_shuffle_ps(t5, z, 0xEE);
-        __m256 col[8];
+        __m256 r[8];
         int c;
-        col[0] = _mm256_permute2f128_ps(u0, u4, 0x20); col[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-        col[2] = _mm256_permute2f128_ps(u2, u6, 0x20); col[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-        col[4] = _mm256_permute2f128_ps(u0, u4, 0x31); col[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-        col[6] = _mm256_permute2f128_ps(u2, u6, 0x31); col[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+        for (c = 0; c < 6; ++c) r[c] = _mm256_loadu_ps(src + c * lds + k);
+        r[6] = r[7] = _mm256_setzero_ps();
+        mgpu__transpose_regs(r);
         for (c = 0; c < 8; ++c) {
             float* d = p + (k + c) * MGPU__GEMM_MR;
-            _mm_storeu_ps(d, _mm256_castps256_ps128(col[c]));
-            _mm_storel_pi((__m64*)(void*)(d + 4), _mm256_extractf128_ps(col[c], 1));
+            _mm_storeu_ps(d, _mm256_castps256_ps128(r[c]));
+            _mm_storel_pi((__m64*)(void*)(d + 4), _mm256_extractf128_ps(r[c], 1));
         }
     }
     return k;
@@ -4412,24 +4416,11 @@ static void mgpu__gemm_pack_a(const mgpu__gemm* g, int64_t first, int64_t last) 
 #ifdef MGPU__AVX2
 /* dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block */
 static MGPU__AVX2_FN void mgpu__transpose_8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-    const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds), r2 = _mm256_loadu_ps(src + 2 * lds);
-    const __m256 r3 = _mm256_loadu_ps(src + 3 * lds), r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
-    const __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3);
-    const __m256 t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(dst + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(dst + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(dst + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(dst + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+    __m256 r[8];
+    int i;
+    for (i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    mgpu__transpose_regs(r);
+    for (i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * ldd, r[i]);
 }
 #endif
 
@@ -5874,11 +5865,14 @@ static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* d
 }
 
 /* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU each
-   (batch, head) is five small GEMMs (mgpu__gemm_serial, on one thread) and the softmax between
-   them, the heads shared out over a task per thread, each task with its own scratch; a head's
-   results do not depend on the task that computes it, so neither do they on the thread count.
-   The products run over the whole T x T square, the masked half included: at GEMM speed that
-   costs less than triangular loops whose dot products cannot vectorise (their sums are ordered). -- */
+   (batch, head) is six small GEMMs (mgpu__gemm_serial, on one thread: two forward, four
+   backward) and the softmax between them, the heads shared out over a task per thread, each task
+   with its own scratch; a head's results do not depend on the task that computes it, so neither
+   do they on the thread count. The products run over the whole T x T square, the masked half
+   included: at GEMM speed that costs less than triangular loops whose dot products cannot
+   vectorise (their sums are ordered), and cut at the diagonal in blocks they measured no faster
+   at T 64. So, as in PyTorch's att @ v, an Inf or NaN in a later position's v or k reaches the
+   earlier rows' y and dq (0 x Inf is NaN); the GPU kernels skip those terms. -- */
 typedef struct mgpu__attn_job {
     mgpu__attn g;
     const float *qkv, *dy;
@@ -5886,17 +5880,18 @@ typedef struct mgpu__attn_job {
     uint64_t seed, offset, first;
     float p;
     int64_t tasks;
-    size_t task_floats;   /* per task: GEMM packing space, then a T x T square (att .* mask) */
+    size_t task_floats;   /* per task: GEMM packing space, then (with dropout) a T x T square, att .* mask */
     float* space;
 } mgpu__attn_job;
 
 /* Scratch for the job's tasks from dev's caching allocator (the caller releases *size bytes). */
-static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, const char* op, size_t* size) {
+static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, int dropout, const char* op,
+                                       size_t* size) {
     const int64_t T = g->t;
     memset(j, 0, sizeof *j);
     j->g = *g;
     j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), (int64_t)g->batch * g->heads));
-    j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (size_t)(T * T) + 15) / 16 * 16;
+    j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (dropout ? (size_t)(T * T) : 0) + 15) / 16 * 16;
     j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * j->task_floats * (size_t)j->tasks, size, op);
     return j->space ? MGPU_OK : mgpu_last_result();
 }
@@ -6001,7 +5996,7 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
                                             mask ? MGPU__F32(mask) : NULL, seed, seed_on_device, offset, first, p));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, "CausalSelfAttention forward", &size));
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, mask != NULL, "CausalSelfAttention forward", &size));
     job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
     job.mask = mask ? MGPU__F32(mask) : NULL;
     job.seed = seed; job.offset = offset; job.first = first; job.p = p;
@@ -6022,7 +6017,7 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
                                              mask ? MGPU__F32(mask) : NULL, MGPU__F32(dy), MGPU__F32(dscores), MGPU__F32(dqkv)));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, "CausalSelfAttention backward", &size));
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, mask != NULL, "CausalSelfAttention backward", &size));
     job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
     job.dy = MGPU__F32(dy); job.dscores = MGPU__F32(dscores); job.dqkv = MGPU__F32(dqkv);
     mgpu__parallel_for(job.tasks, mgpu__attn_backward_task, &job);

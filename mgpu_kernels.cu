@@ -1386,7 +1386,7 @@ attention_forward_kernel(mgpu__attn g, const float* qkv, float* att, float* y, f
         m = group_reduce<32>(m, max_op());
         float sum = 0.0f;
         for (int s = lane; s <= t; s += 32) {
-            a[s] = expf(a[s] - m);   // max subtracted: no overflow
+            a[s] = mgpu__expf(a[s] - m);   // max subtracted: no overflow; the CPU's exp (>>seam)
             sum += a[s];
         }
         sum = group_reduce<32>(sum, sum_op<float>());
