@@ -5027,15 +5027,15 @@ static mgpu_result mgpu__softmax_xent(mgpu_tensor* loss, mgpu_tensor* dlogits, c
         mgpu__xent_job j;
         double total = 0.0;
         int64_t targets = 0;
-        size_t size;
+        mgpu__scratch scratch;
+        MGPU__TRY(mgpu__scratch_get(&scratch, MGPU__DEV(logits), (size_t)rows * sizeof(double), op));
         j.cols = cols; j.logits = MGPU__F32(logits); j.labels = MGPU__I32(labels);
         j.dlogits = dlogits ? MGPU__F32(dlogits) : NULL; j.grad_scale = grad_scale;
-        j.row_loss = (double*)mgpu__device_alloc(MGPU__DEV(logits), (size_t)rows * sizeof(double), &size, op);
-        if (!j.row_loss) return mgpu_last_result();
+        j.row_loss = (double*)scratch.ptr;
         mgpu__parallel_range(rows, MGPU__MAX((int64_t)1, MGPU__EW_MIN_PER_THREAD / cols), mgpu__xent_range, &j);
         for (r = 0; r < rows; ++r)
             if (MGPU__I32(labels)[r] != MGPU_IGNORE_INDEX) { total += j.row_loss[r]; targets++; }
-        mgpu__device_release(MGPU__DEV(logits), j.row_loss, size);
+        mgpu__scratch_put(&scratch);
         MGPU__F32(loss)[0] = (float)(total / (double)targets);
     }
     return MGPU_OK;
@@ -5881,19 +5881,20 @@ typedef struct mgpu__attn_job {
     float p;
     int64_t tasks;
     size_t task_floats;   /* per task: GEMM packing space, then (with dropout) a T x T square, att .* mask */
-    float* space;
+    float* space;         /* scratch's */
+    mgpu__scratch scratch;
 } mgpu__attn_job;
 
-/* Scratch for the job's tasks from dev's caching allocator (the caller releases *size bytes). */
-static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, int dropout, const char* op,
-                                       size_t* size) {
+/* Scratch for the job's tasks from dev's caching allocator (the caller puts it back). */
+static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, int dropout, const char* op) {
     const int64_t T = g->t;
     memset(j, 0, sizeof *j);
     j->g = *g;
     j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), (int64_t)g->batch * g->heads));
     j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (dropout ? (size_t)(T * T) : 0) + 15) / 16 * 16;
-    j->space = (float*)mgpu__device_alloc(dev, sizeof(float) * j->task_floats * (size_t)j->tasks, size, op);
-    return j->space ? MGPU_OK : mgpu_last_result();
+    MGPU__TRY(mgpu__scratch_get(&j->scratch, dev, sizeof(float) * j->task_floats * (size_t)j->tasks, op));
+    j->space = (float*)j->scratch.ptr;
+    return MGPU_OK;
 }
 
 /* The probabilities as dropout left them, for one head: att itself without a mask */
@@ -5988,7 +5989,6 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
                                            mgpu_tensor* mask, uint64_t seed, const uint64_t* seed_on_device,
                                            uint64_t offset, uint64_t first, float p) {
     mgpu__attn_job job;
-    size_t size;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
         MGPU__CU("CausalSelfAttention forward", MGPU__DEV(qkv),
@@ -5996,12 +5996,12 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
                                             mask ? MGPU__F32(mask) : NULL, seed, seed_on_device, offset, first, p));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, mask != NULL, "CausalSelfAttention forward", &size));
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, mask != NULL, "CausalSelfAttention forward"));
     job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
     job.mask = mask ? MGPU__F32(mask) : NULL;
     job.seed = seed; job.offset = offset; job.first = first; job.p = p;
     mgpu__parallel_for(job.tasks, mgpu__attn_forward_task, &job);
-    mgpu__device_release(MGPU__DEV(y), job.space, size);
+    mgpu__scratch_put(&job.scratch);
     return MGPU_OK;
 }
 
@@ -6009,7 +6009,6 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
                                             const mgpu_tensor* mask, const mgpu_tensor* dy, mgpu_tensor* dscores,
                                             mgpu_tensor* dqkv) {
     mgpu__attn_job job;
-    size_t size;
     MGPU__COUNT(MGPU__DEV(dqkv), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
         MGPU__CU("CausalSelfAttention backward", MGPU__DEV(qkv),
@@ -6017,11 +6016,11 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
                                              mask ? MGPU__F32(mask) : NULL, MGPU__F32(dy), MGPU__F32(dscores), MGPU__F32(dqkv)));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, mask != NULL, "CausalSelfAttention backward", &size));
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, mask != NULL, "CausalSelfAttention backward"));
     job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
     job.dy = MGPU__F32(dy); job.dscores = MGPU__F32(dscores); job.dqkv = MGPU__F32(dqkv);
     mgpu__parallel_for(job.tasks, mgpu__attn_backward_task, &job);
-    mgpu__device_release(MGPU__DEV(dqkv), job.space, size);
+    mgpu__scratch_put(&job.scratch);
     return MGPU_OK;
 }
 
@@ -14136,25 +14135,21 @@ static void mgpu__load_name(char* buf, size_t size, const char* prefix, const ch
 
 /* float to bfloat16 and to IEEE half, rounded to nearest even (NaNs stay NaNs, quiet). */
 static uint16_t mgpu__float_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
+    uint32_t x = mgpu__f32_bits(f);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
     x += 0x7FFFu + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
 }
 static uint16_t mgpu__float_to_half(float f) {   /* after F. Giesen's float_to_half_fast3_rtne */
-    uint32_t x, ax;
+    const uint32_t x = mgpu__f32_bits(f);
+    uint32_t ax;
     uint16_t sign;
-    memcpy(&x, &f, sizeof x);
     sign = (uint16_t)((x >> 16) & 0x8000);
     ax = x & 0x7FFFFFFFu;
     if (ax >= 0x47800000u)   /* 2^16 and above, infinities, NaNs */
         return (uint16_t)(sign | (ax > 0x7F800000u ? 0x7E00 : 0x7C00));
     if (ax < 0x38800000u) {   /* below 2^-14: a subnormal half; adding 0.5 rounds to a multiple of 2^-24 */
-        float v;
-        memcpy(&v, &ax, sizeof v);
-        v += 0.5f;
-        memcpy(&ax, &v, sizeof ax);
+        ax = mgpu__f32_bits(mgpu__f32_from_bits(ax) + 0.5f);
         return (uint16_t)(sign | (uint16_t)(ax - 0x3F000000u));
     }
     ax += ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((ax >> 13) & 1);   /* rebias, round to nearest even */
@@ -14363,16 +14358,14 @@ static const uint8_t* mgpu__st_data(const mgpu_safetensors* f, const mgpu__st_te
 /* IEEE half to float, exactly (every half is a float). */
 static float mgpu__half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (uint32_t)(h >> 10) & 0x1F, mant = (uint32_t)h & 0x3FF, bits;
-    float f;
     if (exp == 0 && mant != 0) {   /* subnormal: mant * 2^-24 */
-        f = (float)mant * 5.9604644775390625e-8f;
+        const float f = (float)mant * 5.9604644775390625e-8f;
         return sign ? -f : f;
     }
     if (exp == 0x1F) bits = sign | 0x7F800000u | (mant << 13);      /* infinities and NaNs */
     else if (exp == 0) bits = sign;                                 /* zeros */
     else bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal: rebias 15 -> 127 */
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return mgpu__f32_from_bits(bits);
 }
 
 /* n elements of a file dtype at src (little-endian, unaligned) to out, of mgpu__st_read_dtype's
@@ -14388,10 +14381,7 @@ static mgpu_result mgpu__st_convert(const char* op, const char* path, const mgpu
     else if (!strcmp(dt, "F16"))
         for (i = 0; i < n; ++i) f[i] = mgpu__half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
     else if (!strcmp(dt, "BF16"))
-        for (i = 0; i < n; ++i) {
-            uint32_t bits = ((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16;
-            memcpy(&f[i], &bits, sizeof bits);
-        }
+        for (i = 0; i < n; ++i) f[i] = mgpu__f32_from_bits(((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16);
     else if (!strcmp(dt, "I64"))
         for (i = 0; i < n; ++i) {
             int64_t v;
