@@ -353,7 +353,7 @@ GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/de
 gpu-check:
 	@test -n "$(GPU_CC)" || { echo "gpu-check: no GPU found (nvidia-smi)"; exit 1; }
 	$(MAKE) B=$(B)/gpu ARCH="-gencode arch=compute_$(GPU_CC),code=[sm_$(GPU_CC),compute_$(GPU_CC)]" \
-	    test-cuda $(B)/gpu/train_cuda $(B)/gpu/data_parallel_cuda $(B)/gpu/bench_cuda
+	    test-cuda $(B)/gpu/train_cuda $(B)/gpu/data_parallel_cuda $(B)/gpu/bench_cuda $(B)/gpu/gpt_cuda $(B)/gpu/resnet_cuda
 	sh tests/gpu_check.sh $(B)/gpu
 
 clean:

@@ -640,7 +640,7 @@ MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain
    kernel<<<grid, block, 0, (cudaStream_t)stream>>>(...). After it: mgpu_cuda_end checks the
    launch (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails
    with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
-   cudaErrorInvalidConfiguration ...") when it did not start; `kernel` names it there (NULL:
+   cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start; `kernel` names it there (NULL:
    "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
    that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
    a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU

@@ -2,7 +2,8 @@
 # make gpu-check: everything that needs a GPU, on a machine that has one. Run by the Makefile
 # after it built the CUDA variant for this GPU into BUILD (build/gpu). Prints a results table.
 #   1. the CUDA test suites (every CUDA op against the CPU reference; a skip counts as a failure)
-#   2. the examples on the GPU: four replicas of one GPU; build/train on cuda:0 and cuda:0,0
+#   2. the examples on the GPU: four replicas of one GPU; build/train on cuda:0 and cuda:0,0;
+#      build/gpt (TEXT, a text file) and build/resnet on cuda:0 and cuda:0,0
 #   3. the benchmarks beside PyTorch (bench/results/)
 #   4. the suites again under compute-sanitizer (quick sizes): memcheck, racecheck (shared-memory
 #      hazards: a missing __syncthreads or __syncwarp) and synccheck (barriers misused)
@@ -23,7 +24,7 @@ echo "== 1. CUDA test suites" | tee -a "$log"
 MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda $b/test_seq_cuda \
     > $b/suites.txt 2>&1 || status=1
 cat $b/suites.txt >> "$log"
-grep -E "^(test_core|test_model|test_parallel): " $b/suites.txt | while read -r line; do echo "   $line"; done
+grep -E "^(test_core|test_io|test_model|test_parallel|test_seq): " $b/suites.txt | while read -r line; do echo "   $line"; done
 add "CUDA test suites" "$(last $b/suites.txt)"
 grep -E "rel(ative)? error|relerr|max \|" $b/suites.txt | head -n 40 > $b/errors.txt
 
@@ -39,13 +40,30 @@ for run in "mlp cuda:0" "cnn cuda:0" "mlp cuda:0,0" "cnn cuda:0,0,0,0"; do
     [ -n "$out" ] || status=1
 done
 
+# the sequence models: build/gpt on the byte-level text, build/resnet (BatchNorm) one epoch
+text=${TEXT:-/usr/share/games/fortunes/fortunes}
+if [ -r "$text" ]; then
+    for d in cuda:0 cuda:0,0; do
+        out=$($to $b/gpt_cuda --text "$text" --steps 60 --every 60 --sample 0 --devices $d 2>>"$log" | tail -n 1)
+        echo "   $out" | tee -a "$log"
+        add "gpt --text --steps 60 --devices $d" "${out:-FAILED}"
+        [ -n "$out" ] || status=1
+    done
+else add "gpt --text" "skipped: no $text (TEXT=FILE)"; fi
+for d in cuda:0 cuda:0,0; do
+    out=$($to $b/resnet_cuda --data "$data" --epochs 1 --devices $d 2>>"$log" | tail -n 1)
+    echo "   $out" | tee -a "$log"
+    add "resnet --epochs 1 --devices $d" "${out:-FAILED}"
+    [ -n "$out" ] || status=1
+done
+
 echo "== 3. benchmarks" | tee -a "$log"
 $to sh bench/run.sh $b/bench_cuda >> "$log" 2>&1 && add "benchmarks" "$(ls -t bench/results/*.md | head -n 1)" || add "benchmarks" "FAILED"
 
 echo "== 4. compute-sanitizer: memcheck, racecheck, synccheck" | tee -a "$log"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     for tool in memcheck racecheck synccheck; do
-        for t in test_core_cuda test_model_cuda test_parallel_cuda; do
+        for t in test_core_cuda test_model_cuda test_seq_cuda test_parallel_cuda; do
             # --report-api-errors no: the suites provoke failing CUDA calls on purpose (an allocation
             # larger than the GPU, to test the out-of-memory path) and check every status themselves
             MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $to compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 $b/$t > $b/san_${tool}_$t.txt 2>&1
