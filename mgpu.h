@@ -725,6 +725,10 @@ MGPUDEF mgpu_layer* mgpu_layer_linear_no_bias(int in_features, int out_features)
    [in, out] (y = x W + b), initialised as GPT-2 does (weight N(0, 0.02), bias 0), so that
    GPT2LMHeadModel's files load as they are. */
 MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features);
+/* ReLU, Tanh and Sigmoid take their gradient from their output; in a model, right after a Linear
+   (of the same pipeline stage) they write over its output, as nn.ReLU(inplace=True) would: the
+   Linear's backward does not read it. A model's activation gradients take turns in two buffers
+   per stage. Neither changes a bit of the results. */
 MGPUDEF mgpu_layer* mgpu_layer_relu(void);
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void);
@@ -6095,6 +6099,13 @@ struct mgpu_layer {
     int uses_rng;              /* draws from the step's Dropout key (Dropout, CausalSelfAttention
                                   with dropout, a container holding one): a CUDA graph's step gives
                                   it that key on the device */
+    /* Activations in place (PyTorch's nn.ReLU(inplace=True), chosen by the model): a layer that
+       is in_place_ok writes its output over its input when the layer before it is
+       output_unused (its backward never reads its own output, as a Linear's) and in the same
+       stage. At MLP 4096 the four ReLUs then keep no buffer of their own (128 MiB). */
+    int in_place_ok;           /* elementwise, and its backward reads its output alone (ReLU,
+                                  Tanh, Sigmoid) */
+    int output_unused;         /* its backward reads x, dy and its parameters, never y (Linear) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -6253,6 +6264,7 @@ static const mgpu_layer_vtable mgpu__conv1d_vt = {
 };
 static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_features, int no_bias, int in_out) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (in_features <= 0 || out_features <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: features %d -> %d must be positive", op, in_features, out_features);
         return NULL;
@@ -6262,7 +6274,8 @@ static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_fe
     cfg.out = out_features;
     cfg.no_bias = no_bias;
     cfg.in_out = in_out;
-    return mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg);
+    if ((l = mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg))) l->output_unused = 1;
+    return l;
 }
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
     return mgpu__linear_make("mgpu_layer_linear", in_features, out_features, 0, 0);
@@ -6283,7 +6296,8 @@ static mgpu_result mgpu__activation_backward(const mgpu_layer* l, const mgpu_lay
                                              const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     (void)ctx;
     if (!dx) return MGPU_OK;
-    return mgpu__binary(mgpu_layer_type(l), l->cfg.backward_op, dx, "dy", dy, "x", l->cfg.backward_uses_output ? y : x, 0.0f);
+    return l->cfg.backward_uses_output ? mgpu__binary(mgpu_layer_type(l), l->cfg.backward_op, dx, "dy", dy, "y", y, 0.0f)
+                                       : mgpu__binary(mgpu_layer_type(l), l->cfg.backward_op, dx, "dy", dy, "x", x, 0.0f);
 }
 #define MGPU__ACTIVATION_VT(name, type)                                                                \
     static const mgpu_layer_vtable name = { type, NULL, NULL, NULL, NULL, NULL, NULL,                  \
@@ -6294,13 +6308,17 @@ MGPU__ACTIVATION_VT(mgpu__tanh_vt, "Tanh");
 MGPU__ACTIVATION_VT(mgpu__sigmoid_vt, "Sigmoid");
 static mgpu_layer* mgpu__activation(const mgpu_layer_vtable* vt, int forward_op, int backward_op, int uses_output) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     memset(&cfg, 0, sizeof cfg);
     cfg.forward_op = forward_op;
     cfg.backward_op = backward_op;
     cfg.backward_uses_output = uses_output;
-    return mgpu__builtin_layer(vt, &cfg);
+    if ((l = mgpu__builtin_layer(vt, &cfg))) l->in_place_ok = uses_output;
+    return l;
 }
-MGPUDEF mgpu_layer* mgpu_layer_relu(void) { return mgpu__activation(&mgpu__relu_vt, MGPU__UNARY_RELU, MGPU__BINARY_RELU_BWD, 0); }
+/* ReLU's backward from its output, as PyTorch's threshold_backward on the result: y > 0 exactly
+   where x > 0, and relu(NaN) is NaN, so the same bits as from x, and ReLU can run in place */
+MGPUDEF mgpu_layer* mgpu_layer_relu(void) { return mgpu__activation(&mgpu__relu_vt, MGPU__UNARY_RELU, MGPU__BINARY_RELU_BWD, 1); }
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void) { return mgpu__activation(&mgpu__gelu_vt, MGPU__UNARY_GELU, MGPU__BINARY_GELU_BWD, 0); }
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void) { return mgpu__activation(&mgpu__tanh_vt, MGPU__UNARY_TANH, MGPU__BINARY_TANH_BWD, 1); }
 MGPUDEF mgpu_layer* mgpu_layer_sigmoid(void) { return mgpu__activation(&mgpu__sigmoid_vt, MGPU__UNARY_SIGMOID, MGPU__BINARY_SIGMOID_BWD, 1); }
@@ -8513,7 +8531,12 @@ typedef struct mgpu__slot {
     int64_t first_row;                  /* where these rows start in the whole batch */
     int training;
     mgpu_tensor** act;                  /* act[i]: output of layer i (this stage's), [layer_count] */
-    mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], below the stage's last layer */
+    mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], below the stage's last layer: a
+                                           view into dflat[i % 2] */
+    mgpu_tensor* dflat[2];              /* two buffers the activation gradients take turns in: layer
+                                           i's backward reads dact[i] and writes dact[i - 1], and
+                                           nothing reads a gradient after the layer below it ran, so
+                                           two suffice (at MLP 4096, 64 MiB instead of 256) */
     mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
     mgpu_tensor *xin;                   /* stages after the first: the input, from the stage before */
     mgpu_tensor *dxin;                  /* d loss / d input: sent back to the stage before */
@@ -8693,6 +8716,7 @@ static void mgpu__slot_free_buffers(mgpu_model* m, mgpu__slot* sl) {
         if (sl->act) { mgpu__tensor_free(sl->act[i]); sl->act[i] = NULL; }
         if (sl->dact) { mgpu__tensor_free(sl->dact[i]); sl->dact[i] = NULL; }
     }
+    for (i = 0; i < 2; ++i) { mgpu__tensor_free(sl->dflat[i]); sl->dflat[i] = NULL; }
     for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(sl->aux[i]); sl->aux[i] = NULL; }
     sl->in_shape.ndim = -1;
 }
@@ -10568,11 +10592,22 @@ static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const 
 
 /* Size every activation, gradient and aux buffer of a part's slot for input shape x. */
 static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__slot* sl, mgpu_shape x) {
+    static const char* op = "mgpu_model_forward";
     const int last = m->stage_layer[p->stage + 1] - 1;
     mgpu_shape shape = x;
+    int64_t need[2] = { -1, -1 };   /* -1: no layer of that parity has a gradient buffer */
     int i, j;
     if (mgpu_shape_equal(sl->in_shape, x)) return MGPU_OK;
     mgpu__slot_free_buffers(m, sl);
+    for (i = m->stage_layer[p->stage]; i < last; ++i) {   /* the two gradient buffers: each its largest */
+        mgpu_shape out;
+        MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
+        need[i % 2] = MGPU__MAX(need[i % 2], mgpu_shape_numel(out));
+        shape = out;
+    }
+    for (j = 0; j < 2; ++j)
+        if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, MGPU_F32, mgpu_shape1(need[j])));
+    shape = x;
     for (i = m->stage_layer[p->stage]; i <= last; ++i) {
         const mgpu_layer* l = m->layers[i];
         mgpu_shape out;
@@ -10583,8 +10618,11 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
             MGPU__TRY(mgpu__ensure(&sl->aux[m->first_aux[i] + j], p->dev, dt, as));
         }
         MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
-        MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
-        if (i < last) MGPU__TRY(mgpu__ensure(&sl->dact[i], p->dev, MGPU_F32, out));
+        if (i > m->stage_layer[p->stage] && l->in_place_ok && m->layers[i - 1]->output_unused &&
+            mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (>>layers, in_place_ok) */
+            if (!(sl->act[i] = mgpu__view_at(sl->act[i - 1], 0, out, op))) return mgpu_last_result();
+        } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
+        if (i < last && !(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, out, op))) return mgpu_last_result();
         shape = out;
     }
     sl->in_shape = x;

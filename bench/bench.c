@@ -3,7 +3,8 @@
    bench/bench_torch.py prints the same workloads for PyTorch; bench/run.sh joins the two into
    the table (ratios, memory, allocations per step) and writes it to bench/results/.
    Usage: bench [cpu|cuda|all] [--quick]; bench gemm, bench steps: the CPU GEMM rows, the CPU
-   training steps alone. Times are medians over repeated runs after warm-up.
+   training steps alone; bench memory: the large MLP (4096 wide, batch 2048) on the CPU device,
+   for its memory, counted by the same allocator as on a GPU (a step takes seconds there). Times are medians over repeated runs after warm-up.
    Built against the GPU emulator (-DMGPU_BENCH_EMU, build/emu/bench), `bench emu` prints instead
    what one training step asks of the GPUs: launches, host-device synchronisations, allocations
    and bytes moved (the emulator's counters), a table of its own. */
@@ -816,6 +817,10 @@ int main(int argc, char** argv) {
     }
     if (!strcmp(which, "gpt")) {   /* the CPU GPT step alone, for a profiler */
         bench_training("gpt_b16_t64", "gpt", "cpu", 16, quick ? 5 : 100, 0);
+        return 0;
+    }
+    if (!strcmp(which, "memory")) {
+        bench_training("mlp4096_b2048", "mlp4096", "cpu", 2048, 1, 0);
         return 0;
     }
     if (!strcmp(which, "allreduce")) {   /* the in-process host all-reduce alone, to set beside bench_mpi's */

@@ -3116,6 +3116,47 @@ static void twin_train(const mgpu_device_set* a, const mgpu_device_set* b, const
 }
 #endif
 
+/* A training step's activation gradients take turns in two buffers, and a ReLU after a Linear
+   writes over the Linear's output: the memory a first step adds (activations, gradients, the
+   loss's) is the four Linear outputs plus two layers' gradients, where a buffer per output would
+   add four more here, and a gradient buffer per layer six more. */
+static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 512, W = 256;
+    const size_t act = (size_t)B * W * sizeof(float), acts = 4 * act + (size_t)B * 10 * sizeof(float);
+    mgpu_model* m = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 7, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                          mgpu_layer_linear(W, W), mgpu_layer_relu(), mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                          mgpu_layer_linear(W, W), mgpu_layer_relu(), mgpu_layer_linear(W, 10));
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, W)), *y = tmake(dev, MGPU_F32, mgpu_shape2(B, 10));
+    mgpu_memory_stats s0, s1;
+    CHECK(m && opt, "activation memory: the model: %s", mgpu_last_error());
+    if (m && opt && x && y) {
+        MUST(mgpu_rand_uniform(x, 3, 0, -1.0f, 1.0f));
+        MUST(mgpu_rand_uniform(y, 4, 0, -1.0f, 1.0f));
+        MUST(mgpu_memory_get_stats(dev, &s0));
+        MUST(mgpu_model_train_step(m, opt, x, y, NULL));
+        MUST(mgpu_memory_get_stats(dev, &s1));
+        /* + 1 layer's worth for the loss gradient and the rounding of blocks */
+        CHECK(s1.bytes_in_use - s0.bytes_in_use <= acts + 3 * act,
+              "activation memory on %s: a first step added %zu bytes: the Linears' outputs %zu and two gradient buffers of %zu "
+              "(at most %zu)", mgpu_device_label(dev), s1.bytes_in_use - s0.bytes_in_use, acts, act, acts + 3 * act);
+        MUST(mgpu_model_train_step(m, opt, x, y, NULL));
+        MUST(mgpu_memory_get_stats(dev, &s0));
+        CHECK(s0.bytes_in_use == s1.bytes_in_use, "activation memory on %s: a second step moved the bytes in use from "
+              "%zu to %zu", mgpu_device_label(dev), s1.bytes_in_use, s0.bytes_in_use);
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+}
+static void test_activation_memory(void) {
+    header("activation memory");
+    activation_memory(NULL, mgpu_device_cpu());
+#ifdef MGPU_CUDA
+    if (g_gpu) activation_memory(g_gpu_set, g_gpu);
+#endif
+}
+
 static void test_cuda_twins(void) {
     header("9. CUDA twins");
 #ifdef MGPU_CUDA
@@ -4124,6 +4165,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_optimizer_state());
     TEST_GROUP(test_harness_api_cuda());
     TEST_GROUP(test_true_sources());
+    TEST_GROUP(test_activation_memory());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
