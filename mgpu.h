@@ -434,7 +434,8 @@ MGPUDEF void mgpu_device_reset_counters(mgpu_device* dev);
 /* >>memory                                                                                     */
 /* ============================================================================================ */
 typedef struct mgpu_memory_stats {
-    size_t bytes_in_use;        /* held by live tensors (rounded block sizes) */
+    size_t bytes_in_use;        /* held by live tensors (rounded block sizes), and on a GPU by
+                                   cuBLAS's workspace (32 MiB) */
     size_t bytes_reserved;      /* in use plus cached, obtained from the backend */
     size_t peak_bytes_in_use;
     uint64_t backend_allocs;    /* cudaMalloc / malloc calls made by the allocator */
@@ -1819,8 +1820,9 @@ int mgpu__cu_host_free(void* ptr);
 int mgpu__cu_memcpy(int dev, void* dst, const void* src, size_t bytes, void* stream);
 int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, size_t bytes, void* stream);
 
-/* cuBLAS; the handle is bound to one stream */
-int mgpu__cu_blas_create(int dev, void* stream, void** handle);
+/* cuBLAS; the handle is bound to one stream and works in `workspace` (device memory the caller
+   allocated and frees after the destroy) */
+int mgpu__cu_blas_create(int dev, void* stream, void* workspace, size_t workspace_bytes, void** handle);
 int mgpu__cu_blas_destroy(int dev, void* handle);
 int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow);
 /* Row-major: C[m,n] = alpha * op(A) @ op(B) + beta * C, op(A) [m,k], op(B) [k,n]; lda, ldb, ldc
@@ -2795,6 +2797,8 @@ struct mgpu_device {
     void* order;                  /* CUDA: an event, for another stream to wait for this one
                                      (mgpu_tensor_copy between two devices) */
     void* blas;                   /* CUDA: cuBLAS handle bound to stream */
+    void* blas_workspace;         /* CUDA: its workspace, a block of this device's allocator */
+    size_t blas_workspace_bytes;
     mgpu__allocator alloc;
     int64_t tensors;              /* live tensor storages on it (under alloc's lock): its set's
                                      destroy refuses while any (LIFETIMES) */
@@ -2909,9 +2913,18 @@ MGPUDEF int mgpu_cuda_device_count(void) {
 }
 
 static mgpu_result mgpu__memory_release_cached(mgpu_device* dev);
+static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_size, const char* op);
+static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size);
+#define MGPU__BLAS_WORKSPACE ((size_t)32 << 20)
 
 static void mgpu__device_free(mgpu_device* d) {
     if (!d || d == &mgpu__cpu_device) return;
+    if (d->blas_workspace) {   /* the handle first: it works in the block until it is gone */
+        if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
+        if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
+        d->blas = NULL;
+        mgpu__device_release(d, d->blas_workspace, d->blas_workspace_bytes);
+    }
     mgpu__memory_release_cached(d);
     if (d->alloc.stats.bytes_in_use)
         mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
@@ -3175,7 +3188,12 @@ static mgpu_result mgpu__device_create(const mgpu__device_plan* plan, int i, mgp
     else snprintf(d->label, sizeof d->label, "cuda:%d", d->ordinal);
     rc = MGPU__CUDA(mgpu__cu_stream_create(d->ordinal, &d->stream));
     if (rc == 0) rc = MGPU__CUDA(mgpu__cu_event_create(d->ordinal, &d->order));
-    if (rc == 0) rc = MGPU__CUDA(mgpu__cu_blas_create(d->ordinal, d->stream, &d->blas));
+    if (rc) return mgpu__cu_result(rc, "mgpu_device_set_create", d);
+    /* cuBLAS's workspace (NVIDIA recommends 32 MiB on sm_90 for its faster kernels), from the
+       allocator: the memory statistics count it, as PyTorch's count its own */
+    if (!(d->blas_workspace = mgpu__device_alloc(d, MGPU__BLAS_WORKSPACE, &d->blas_workspace_bytes, "mgpu_device_set_create")))
+        return mgpu_last_result();
+    rc = MGPU__CUDA(mgpu__cu_blas_create(d->ordinal, d->stream, d->blas_workspace, d->blas_workspace_bytes, &d->blas));
     return rc ? mgpu__cu_result(rc, "mgpu_device_set_create", d) : MGPU_OK;
 }
 

@@ -506,22 +506,22 @@ int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, s
 // ============================================================================================
 // >>blas
 // ============================================================================================
-// The handle mgpu.h holds: cuBLAS's, and the workspace it owns. A fixed workspace per handle
-// (allocated once, with the device) lets cuBLAS pick its faster Hopper kernels (NVIDIA recommends
-// 32 MiB on sm_90) without allocating behind the caching allocator's back; each handle is bound
-// to one stream, so results stay deterministic.
+// The handle mgpu.h holds: cuBLAS's, and the workspace mgpu.h gave it from the device's caching
+// allocator (so its memory statistics count it, as PyTorch's do). A fixed workspace per handle
+// lets cuBLAS pick its faster Hopper kernels without allocating behind the allocator's back; each
+// handle is bound to one stream, so results stay deterministic.
 struct blas_handle {
     cublasHandle_t h;
-    void* workspace;
+    void* workspace;   // not owned: mgpu.h frees it after mgpu__cu_blas_destroy
+    size_t workspace_bytes;
 };
-static const size_t kBlasWorkspace = (size_t)32 << 20;
 
 static int blas_configure(int dev, blas_handle* b, void* stream) {
     CUBLAS_TRY(cublasSetStream(b->h, as_stream(stream)), "cublasSetStream(%p) on device %d", stream, dev);
     // After cublasSetStream (which resets it): our workspace; no atomics (run-to-run identical
     // results); plain FP32 until mgpu__cu_blas_set_tf32 allows TF32.
-    CUBLAS_TRY(cublasSetWorkspace(b->h, b->workspace, kBlasWorkspace), "cublasSetWorkspace(%zu bytes) on device %d",
-               kBlasWorkspace, dev);
+    CUBLAS_TRY(cublasSetWorkspace(b->h, b->workspace, b->workspace_bytes), "cublasSetWorkspace(%zu bytes) on device %d",
+               b->workspace_bytes, dev);
     CUBLAS_TRY(cublasSetAtomicsMode(b->h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode() on device %d", dev);
     CUBLAS_TRY(cublasSetPointerMode(b->h, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode() on device %d", dev);
     CUBLAS_TRY(cublasSetMathMode(b->h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode(default) on device %d", dev);
@@ -533,25 +533,23 @@ int mgpu__cu_blas_destroy(int dev, void* handle) {
     if (!b) return MGPU__CU_OK;
     USE_DEVICE(dev);
     cublasStatus_t st = b->h ? cublasDestroy(b->h) : CUBLAS_STATUS_SUCCESS;
-    cudaError_t e = b->workspace ? cudaFree(b->workspace) : cudaSuccess;
     delete b;
     CUBLAS_TRY(st, "cublasDestroy() on device %d", dev);
-    CUDA_TRY(e, "cudaFree(the cuBLAS workspace) on device %d", dev);
     return MGPU__CU_OK;
 }
 
 static int blas_setup(int dev, blas_handle* b, void* stream) {
     CUBLAS_TRY(cublasCreate(&b->h), "cublasCreate() on device %d", dev);
-    CUDA_TRY(cudaMalloc(&b->workspace, kBlasWorkspace), "cudaMalloc(%zu bytes) for the cuBLAS workspace on device %d",
-             kBlasWorkspace, dev);
     return blas_configure(dev, b, stream);
 }
 
-int mgpu__cu_blas_create(int dev, void* stream, void** handle) {
+int mgpu__cu_blas_create(int dev, void* stream, void* workspace, size_t workspace_bytes, void** handle) {
     *handle = NULL;
     USE_DEVICE(dev);
     blas_handle* b = new (std::nothrow) blas_handle();
     if (!b) return report(MGPU__CU_ERR_OOM, NULL, NULL, __LINE__, "out of host memory for a cuBLAS handle on device %d", dev);
+    b->workspace = workspace;
+    b->workspace_bytes = workspace_bytes;
     int r = blas_setup(dev, b, stream);
     if (r != MGPU__CU_OK) {   // undo what was made, keeping the first error's message
         char first[sizeof g_message];

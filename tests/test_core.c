@@ -554,6 +554,19 @@ static void test_memory(void) {
         CHECK(s.bytes_in_use == 0, "cpu#1 in use %zu at the end", s.bytes_in_use);
         mgpu_device_set_destroy(set);
     }
+#ifdef MGPU_CUDA
+    if (g_gpu) {   /* a fresh GPU's allocator holds cuBLAS's workspace alone, and counts it */
+        mgpu_device_set* gs = mgpu_device_set_create("cuda:0");
+        CHECK(gs != NULL, "cuda:0: %s", mgpu_last_error());
+        if (gs) {
+            s = stats_of(mgpu_device_set_get(gs, 0));
+            CHECK(s.bytes_in_use == (size_t)32 << 20 && s.bytes_reserved == s.bytes_in_use && s.backend_allocs == 1,
+                  "fresh cuda:0 allocator: in use %zu (want cuBLAS's 32 MiB workspace) reserved %zu allocs %llu",
+                  s.bytes_in_use, s.bytes_reserved, (unsigned long long)s.backend_allocs);
+            mgpu_device_set_destroy(gs);
+        }
+    }
+#endif
     /* and the library's CPU device */
     s0 = stats_of(mgpu_device_cpu());
     memory_on(mgpu_device_cpu());
