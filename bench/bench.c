@@ -58,10 +58,15 @@ static int use_graph;      /* desc.graph of the models made */
 static int batch_on_cpu;   /* the batch as a loader gives it, on the CPU, instead of on the first device */
 static mgpu_pipeline_schedule pipe_schedule;
 
+/* The GPTs: "gpt", examples/gpt.c's default (bytes as tokens, 4 blocks of width 128, 4 heads, T
+   64); "gpt124m", GPT-2 124M's shape (vocabulary 50257, 12 blocks of width 768, 12 heads, T 1024) */
+typedef struct gpt_size { int vocab, T, C, H, L; } gpt_size;
+static int is_gpt(const char* name) { return !strncmp(name, "gpt", 3); }
+static gpt_size gpt_size_of(const char* name) {
+    const gpt_size small = { 256, 64, 128, 4, 4 }, gpt2 = { 50257, 1024, 768, 12, 12 };
+    return strcmp(name, "gpt124m") ? small : gpt2;
+}
 /* one GPT-2 block, x + attn(ln_1(x)) then x + mlp(ln_2(x)), as examples/gpt.c builds it */
-#define GPT_VOCAB 256
-#define GPT_T 64
-#define GPT_C 128
 static mgpu_layer* gpt_block(int C, int H) {
     mgpu_layer* attn[2] = { mgpu_layer_layer_norm(C), mgpu_layer_causal_self_attention(C, H, 0.0f) };
     mgpu_layer* mlp[3] = { mgpu_layer_conv1d(C, 4 * C), mgpu_layer_gelu_tanh(), mgpu_layer_conv1d(4 * C, C) };
@@ -73,7 +78,7 @@ static mgpu_layer* gpt_block(int C, int H) {
 
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     mgpu_model_desc d;
-    mgpu_layer* layers[12];
+    mgpu_layer* layers[20];
     int n = 0, i;
     memset(&d, 0, sizeof d);
     d.devices = set;
@@ -90,18 +95,18 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
         d.input = mgpu_shape1(4096);
         for (i = 0; i < 4; ++i) { layers[n++] = mgpu_layer_linear(4096, 4096); layers[n++] = mgpu_layer_relu(); }
         layers[n++] = mgpu_layer_linear(4096, 10);
-    } else if (!strcmp(name, "gpt")) {   /* examples/gpt.c's default GPT-2: 4 blocks of width 128, 4 heads, T 64,
-        bytes as tokens, the head tied to the token embedding (names as Hugging Face's, for the tie) */
+    } else if (is_gpt(name)) {   /* the head tied to the token embedding (names as Hugging Face's, for the tie) */
         static const mgpu_tie head_is_wte = { "lm_head.weight", "wte.weight" };
-        d.input = mgpu_shape1(GPT_T);
+        const gpt_size g = gpt_size_of(name);
+        d.input = mgpu_shape1(g.T);
         d.input_dtype = MGPU_I32;
         d.ties = &head_is_wte;
         d.tie_count = 1;
-        layers[n++] = mgpu_layer_name(mgpu_layer_embedding(GPT_VOCAB, GPT_C), "wte");
-        layers[n++] = mgpu_layer_name(mgpu_layer_position_embedding(GPT_T, GPT_C), "wpe");
-        for (i = 0; i < 4; ++i) layers[n++] = gpt_block(GPT_C, 4);
-        layers[n++] = mgpu_layer_name(mgpu_layer_layer_norm(GPT_C), "ln_f");
-        layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(GPT_C, GPT_VOCAB), "lm_head");
+        layers[n++] = mgpu_layer_name(mgpu_layer_embedding(g.vocab, g.C), "wte");
+        layers[n++] = mgpu_layer_name(mgpu_layer_position_embedding(g.T, g.C), "wpe");
+        for (i = 0; i < g.L; ++i) layers[n++] = gpt_block(g.C, g.H);
+        layers[n++] = mgpu_layer_name(mgpu_layer_layer_norm(g.C), "ln_f");
+        layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(g.C, g.vocab), "lm_head");
     } else {   /* the cnn of examples/train.c */
         d.input = mgpu_shape3(1, 28, 28);
         layers[n++] = mgpu_layer_conv2d(1, 16, 3, 1, 1); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_maxpool2d(2, 2);
@@ -116,7 +121,7 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
 /* a batch of inputs for the model */
 static mgpu_shape batch_shape(const char* model_name, int batch) {
     if (!strcmp(model_name, "cnn")) return mgpu_shape4(batch, 1, 28, 28);
-    if (!strcmp(model_name, "gpt")) return mgpu_shape2(batch, GPT_T);
+    if (is_gpt(model_name)) return mgpu_shape2(batch, gpt_size_of(model_name).T);
     return mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
 }
 
@@ -142,17 +147,20 @@ static training training_create(const char* model_name, const char* spec, int ba
     memset(&od, 0, sizeof od);
     od.lr = 0.01f;
     od.momentum = 0.9f;
-    if (!strcmp(model_name, "gpt")) { od.kind = MGPU_ADAMW; od.lr = 1e-3f; od.momentum = 0.0f; }
+    if (is_gpt(model_name)) { od.kind = MGPU_ADAMW; od.lr = 1e-3f; od.momentum = 0.0f; }
     tr.opt = mgpu_optimizer_create(tr.m, &od);
-    if (!strcmp(model_name, "gpt")) {   /* random tokens; each target is the next token */
-        int32_t* ids = (int32_t*)malloc(sizeof(int32_t) * (size_t)batch * GPT_T + 1);
+    if (is_gpt(model_name)) {   /* random tokens; each target is the next token */
+        const gpt_size g = gpt_size_of(model_name);
+        const size_t count = (size_t)batch * (size_t)g.T;
+        int32_t* ids = (int32_t*)malloc(sizeof(int32_t) * (count + 1));
         uint32_t state = 12345u;
-        int k;
-        for (k = 0; ids && k < batch * GPT_T + 1; ++k) ids[k] = (int32_t)((state = state * 1664525u + 1013904223u) >> 24);
+        size_t k;
+        for (k = 0; ids && k < count + 1; ++k)   /* (the high bits of an LCG, scaled to the vocabulary) */
+            ids[k] = (int32_t)(((uint64_t)(state = state * 1664525u + 1013904223u) * (uint64_t)g.vocab) >> 32);
         tr.x = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, batch_shape(model_name, batch));
         tr.y = mgpu_tensor_create(batch_on_cpu ? mgpu_device_cpu() : mgpu_model_device(tr.m, 0), MGPU_I32, batch_shape(model_name, batch));
-        if (!ids || !tr.opt || !tr.x || !tr.y || mgpu_tensor_upload(tr.x, ids, sizeof(int32_t) * (size_t)batch * GPT_T) ||
-            mgpu_tensor_upload(tr.y, ids + 1, sizeof(int32_t) * (size_t)batch * GPT_T))
+        if (!ids || !tr.opt || !tr.x || !tr.y || mgpu_tensor_upload(tr.x, ids, sizeof(int32_t) * count) ||
+            mgpu_tensor_upload(tr.y, ids + 1, sizeof(int32_t) * count))
             fail(spec);
         free(ids);
         return tr;
@@ -852,6 +860,7 @@ int main(int argc, char** argv) {
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
+        bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
         /* eager against graph, the batch on the GPU already or coming from the CPU (pageable, staged) */
         use_graph = 1;
         bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, 0);

@@ -67,6 +67,8 @@ class GPT(nn.Module):
 def model_for(name):
     if name == "gpt":
         return GPT(), (64,)
+    if name == "gpt124m":   # GPT-2 124M's shape, as bench.c's "gpt124m"
+        return GPT(vocab=50257, T=1024, width=768, heads=12, layers=12), (1024,)
     if name == "mlp784":
         return nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10)), (784,)
     if name == "mlp4096":
@@ -84,7 +86,7 @@ def make_optimizer(name, params, fused):
     fused kernel (one launch for every parameter; SGD's from 2.1, AdamW's from 2.0), foreach (its
     default on GPUs, a few launches per group) otherwise. None where this PyTorch has no fused one."""
     try:
-        if name == "gpt":
+        if name.startswith("gpt"):
             return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, **({"fused": True} if fused else {"foreach": True}))
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
     except (TypeError, RuntimeError, ValueError):
@@ -125,9 +127,10 @@ def bench_training(workload, name, label, batch, steps, tf32=False, graph=False,
         if opt is None:
             row(workload, label, "step_fused", 0, "ms", "no fused optimizer in this PyTorch")
             continue
-        if name == "gpt":   # random tokens, a target per position
-            x = torch.randint(0, 256, (batch, *shape), device=dev)
-            y = torch.randint(0, 256, (batch * shape[0],), device=dev)
+        if name.startswith("gpt"):   # random tokens, a target per position
+            vocab = model.wte.num_embeddings
+            x = torch.randint(0, vocab, (batch, *shape), device=dev)
+            y = torch.randint(0, vocab, (batch * shape[0],), device=dev)
         else:
             x = torch.randn(batch, *shape, device=dev)
             y = torch.full((batch,), 3, dtype=torch.long, device=dev)
@@ -166,7 +169,7 @@ def bench_training(workload, name, label, batch, steps, tf32=False, graph=False,
         return
     kind = min(results, key=lambda k: results[k][0])
     t, peak = results[kind]
-    note = ", ".join(x for x in ("%s %s" % (kind, "AdamW" if name == "gpt" else "SGD") if kind else "",
+    note = ", ".join(x for x in ("%s %s" % (kind, "AdamW" if name.startswith("gpt") else "SGD") if kind else "",
                                  "torch.cuda.graph" if graph else "", "bf16 autocast" if bf16 else "") if x)
     row(workload, label, "step", t * 1e3, "ms", note)
     if name == "mlp4096":
@@ -331,4 +334,6 @@ if which in ("cuda", "all") and torch.cuda.is_available():
     bench_training("cnn_b128_graph", "cnn", "cuda:0", 128, 100, graph=True)
     bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, bf16=True)
     bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100)
+    bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5)
+    bench_training("gpt124m_b8_t1024_bf16", "gpt124m", "cuda:0", 8, 5, tf32=True, bf16=True)
     bench_bandwidth("cuda:0", 256 << 20, 20)
