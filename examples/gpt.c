@@ -11,7 +11,7 @@
    its tanh form, Conv1D) each added to its input, a last LayerNorm, and the output head tied to
    the token embedding. --load reads a file in its layout (save_pretrained's "transformer.wte.
    weight", ..., or the hub's "wte.weight", ...) and --save writes one that GPT2LMHeadModel
-   loads. The last line it prints is key=value pairs (val_loss=, train_loss=, steps=, ...). */
+   loads. The last line it prints is key=value pairs (val_loss= (none without validation tokens), train_loss=, steps=, ...). */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -339,7 +339,9 @@ int main(int argc, char** argv) {
     if (o.save && mgpu_model_save_ex(m, NULL, o.save, &(mgpu_save_desc){ .prefix = "transformer." }) != MGPU_OK) goto fail;
     if (o.sample > 0 && !gpt_sample(m, o.seq, g.vocab, o.sample, o.text ? '\n' : 50256 % g.vocab, o.temperature, o.top_k, o.seed))
         goto fail;
-    printf("val_loss=%.6f train_loss=%.6f steps=%d seconds=%.1f\n", val_loss, (double)loss, step - 1, mgpu_seconds() - t0);
+    if (val_set) printf("val_loss=%.6f ", val_loss);
+    else printf("val_loss=none ");   /* --data without --val: nothing held out */
+    printf("train_loss=%.6f steps=%d seconds=%.1f\n", (double)loss, step - 1, mgpu_seconds() - t0);
     rc = 0;
     goto done;
 fail:
