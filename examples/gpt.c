@@ -11,7 +11,8 @@
    its tanh form, Conv1D) each added to its input, a last LayerNorm, and the output head tied to
    the token embedding. --load reads a file in its layout (save_pretrained's "transformer.wte.
    weight", ..., or the hub's "wte.weight", ...) and --save writes one that GPT2LMHeadModel
-   loads. The last line it prints is key=value pairs (val_loss= (none without validation tokens), train_loss=, steps=, ...). */
+   loads. The last line it prints is key=value pairs (val_loss=, none without validation tokens;
+   train_loss=, steps=, ...). */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
