@@ -7,7 +7,8 @@
 #   3. the benchmarks beside PyTorch (bench/results/)
 #   4. the suites again under compute-sanitizer (quick sizes): memcheck, racecheck (shared-memory
 #      hazards: a missing __syncthreads or __syncwarp) and synccheck (barriers misused)
-# STEP_TIMEOUT (seconds, default 900) bounds each program, so a hang shows as a failed row.
+# STEP_TIMEOUT (seconds, default 900) bounds each program, so a hang shows as a failed row; on a
+# lease of minutes, STEP_TIMEOUT=100.
 b=${1:-build/gpu}
 to="timeout ${STEP_TIMEOUT:-900}"
 data=${DATA:-/usr/share/datasets/fashion-mnist}
@@ -62,16 +63,22 @@ $to sh bench/run.sh $b/bench_cuda >> "$log" 2>&1 && add "benchmarks" "$(ls -t be
 
 echo "== 4. compute-sanitizer: memcheck, racecheck, synccheck" | tee -a "$log"
 if command -v compute-sanitizer >/dev/null 2>&1; then
-    for tool in memcheck racecheck synccheck; do
-        for t in test_core_cuda test_model_cuda test_seq_cuda test_parallel_cuda; do
-            # --report-api-errors no: the suites provoke failing CUDA calls on purpose (an allocation
-            # larger than the GPU, to test the out-of-memory path) and check every status themselves
-            MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $to compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 $b/$t > $b/san_${tool}_$t.txt 2>&1
-            rc=$?
-            cat $b/san_${tool}_$t.txt >> "$log"
-            add "$tool $t" "exit $rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $b/san_${tool}_$t.txt | tail -n 1) $(last $b/san_${tool}_$t.txt)"
-            [ $rc -eq 0 ] || status=1
-        done
+    # racecheck on test_parallel_cuda last, under RACE_TIMEOUT (default 120 s): on the H200 it did
+    # not get past the pipelines in 100 s or 290 s (2026-11-27; a hang or slowness, not established)
+    for run in memcheck:test_core_cuda memcheck:test_model_cuda memcheck:test_seq_cuda memcheck:test_parallel_cuda \
+               racecheck:test_core_cuda racecheck:test_model_cuda racecheck:test_seq_cuda \
+               synccheck:test_core_cuda synccheck:test_model_cuda synccheck:test_seq_cuda synccheck:test_parallel_cuda \
+               racecheck:test_parallel_cuda; do
+        tool=${run%%:*} t=${run#*:}
+        limit=$to
+        [ "$run" = racecheck:test_parallel_cuda ] && limit="timeout ${RACE_TIMEOUT:-120}"
+        # --report-api-errors no: the suites provoke failing CUDA calls on purpose (an allocation
+        # larger than the GPU, to test the out-of-memory path) and check every status themselves
+        MGPU_TEST_REQUIRE_GPU=1 MGPU_TEST_QUICK=1 $limit compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 99 $b/$t > $b/san_${tool}_$t.txt 2>&1
+        rc=$?
+        cat $b/san_${tool}_$t.txt >> "$log"
+        add "$tool $t" "exit $rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $b/san_${tool}_$t.txt | tail -n 1) $(last $b/san_${tool}_$t.txt)"
+        [ $rc -eq 0 ] || status=1
     done
 else
     add "compute-sanitizer" "not installed"; status=1
