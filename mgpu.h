@@ -641,8 +641,8 @@ MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain
    kernel<<<grid, block, 0, (cudaStream_t)stream>>>(...). After it: mgpu_cuda_end checks the
    launch (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails
    with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
-   cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start; `kernel` names it there (NULL:
-   "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
+   cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start;
+   `kernel` names it there (NULL: "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
    that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
    a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU
    devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
@@ -798,7 +798,8 @@ MGPUDEF mgpu_layer* mgpu_layer_residual(mgpu_layer* f, mgpu_layer* shortcut /* N
 /* Calling a layer from the code of a layer of your own (or a container): ctx is the child's, its
    params, grads and aux pointing at the child's share of yours (declare them in your
    param_count/param_shape and aux_count/aux_shape). Checks y's shape against the layer's
-   output_shape; a failure names the layer ("Linear(4 -> 2): ..."). */
+   output_shape; a failure names the layer ("Linear(4 -> 2): ..."). Backward wants the x and y of
+   the forward: ReLU, Tanh and Sigmoid take their gradient from y. */
 MGPUDEF mgpu_result mgpu_layer_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y);
 MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                         const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx);
@@ -1641,7 +1642,7 @@ typedef enum mgpu__binary_op {
     MGPU__BINARY_SUB = 1,          /* a - b */
     MGPU__BINARY_MUL = 2,          /* a * b */
     MGPU__BINARY_AXPY = 3,         /* alpha * a + b */
-    MGPU__BINARY_RELU_BWD = 4,     /* a = dy, b = x */
+    MGPU__BINARY_RELU_BWD = 4,     /* a = dy, b = x or relu(x) (the same test) */
     MGPU__BINARY_GELU_BWD = 5,     /* a = dy, b = x */
     MGPU__BINARY_TANH_BWD = 6,     /* a = dy, b = y = tanh(x) */
     MGPU__BINARY_SIGMOID_BWD = 7,  /* a = dy, b = y = sigmoid(x) */
@@ -3480,7 +3481,8 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
             mgpu__human_bytes((double)dev->alloc.stats.bytes_in_use, used, sizeof used);
             mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY,
                        "%s: out of memory on %s allocating %s (%zu bytes); %s free on the device, %s held by "
-                       "live mgpu tensors", op, dev->label, want, size, freeb, used);
+                       "live mgpu tensors%s", op, dev->label, want, size, freeb, used,
+                       dev->kind == MGPU_DEVICE_CUDA ? " and cuBLAS's workspace" : "");
             return NULL;
         }
         mgpu__lock(&dev->alloc);
@@ -10637,7 +10639,7 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
         }
         MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
         if (i > m->stage_layer[p->stage] && l->in_place_ok && m->layers[i - 1]->output_unused &&
-            mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (>>layers, in_place_ok) */
+            mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (struct mgpu_layer, in_place_ok) */
             if (!(sl->act[i] = mgpu__view_at(sl->act[i - 1], 0, out, op))) return mgpu_last_result();
         } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
         if (i < last && !(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, out, op))) return mgpu_last_result();

@@ -7,8 +7,8 @@
 #   3. the benchmarks beside PyTorch (bench/results/)
 #   4. the suites again under compute-sanitizer (quick sizes): memcheck, racecheck (shared-memory
 #      hazards: a missing __syncthreads or __syncwarp) and synccheck (barriers misused)
-# STEP_TIMEOUT (seconds, default 900) bounds each program, so a hang shows as a failed row; on a
-# lease of minutes, STEP_TIMEOUT=100.
+# STEP_TIMEOUT (seconds, default 900) bounds each step (the suites together, each example, the
+# benchmarks together, each sanitizer run), so a hang shows as a failed row.
 b=${1:-build/gpu}
 to="timeout ${STEP_TIMEOUT:-900}"
 data=${DATA:-/usr/share/datasets/fashion-mnist}

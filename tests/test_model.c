@@ -3149,11 +3149,51 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
 }
+/* The activations in place change no bit: the same model with each activation inside a
+   Sequential of one (a container's child never runs over its input) trains to the same
+   parameters, with ReLU, Tanh and Sigmoid after a Linear, and a Sigmoid after a Tanh (whose
+   backward reads its output: never overwritten). */
+static mgpu_layer* boxed(mgpu_layer* l) { return mgpu_layer_sequential(&l, 1); }
+static void activation_in_place_bits(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 32, W = 24;
+    mgpu_model* a = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                          mgpu_layer_linear(W, W), mgpu_layer_tanh(), mgpu_layer_sigmoid(), mgpu_layer_linear(W, W),
+                          mgpu_layer_sigmoid(), mgpu_layer_linear(W, 5));
+    mgpu_model* b = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), boxed(mgpu_layer_relu()),
+                          mgpu_layer_linear(W, W), boxed(mgpu_layer_tanh()), boxed(mgpu_layer_sigmoid()),
+                          mgpu_layer_linear(W, W), boxed(mgpu_layer_sigmoid()), mgpu_layer_linear(W, 5));
+    const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.1f, .momentum = 0.9f };
+    mgpu_optimizer* oa = a ? mgpu_optimizer_create(a, &od) : NULL;
+    mgpu_optimizer* ob = b ? mgpu_optimizer_create(b, &od) : NULL;
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, W)), *y = tmake(dev, MGPU_F32, mgpu_shape2(B, 5));
+    int step;
+    if (oa && ob && x && y) {
+        float *pa, *pb;
+        MUST(mgpu_rand_normal(x, 5, 0, 0.0f, 2.0f));
+        MUST(mgpu_rand_uniform(y, 6, 0, -1.0f, 1.0f));
+        for (step = 0; step < 4; ++step) {
+            MUST(mgpu_model_train_step(a, oa, x, y, NULL));
+            MUST(mgpu_model_train_step(b, ob, x, y, NULL));
+        }
+        pa = get_flat(a, 0);
+        pb = get_flat(b, 0);
+        CHECK(flat_n(a) == flat_n(b) && !memcmp(pa, pb, sizeof(float) * (size_t)flat_n(a)),
+              "activations in place on %s: 4 steps give other parameters than the same layers in containers",
+              mgpu_device_label(dev));
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(oa); mgpu_optimizer_destroy(ob);
+    mgpu_model_destroy(a); mgpu_model_destroy(b);
+}
 static void test_activation_memory(void) {
     header("activation memory");
     activation_memory(NULL, mgpu_device_cpu());
+    activation_in_place_bits(NULL, mgpu_device_cpu());
 #ifdef MGPU_CUDA
-    if (g_gpu) activation_memory(g_gpu_set, g_gpu);
+    if (g_gpu) {
+        activation_memory(g_gpu_set, g_gpu);
+        activation_in_place_bits(g_gpu_set, g_gpu);
+    }
 #endif
 }
 

@@ -3,7 +3,8 @@
    Every device has a caching allocator, as in PyTorch: a freed tensor's memory is not given back
    to cudaMalloc's (or malloc's) owner but kept, and the next tensor of about the same size gets
    it at once. mgpu_memory_get_stats reads the counters:
-     bytes_in_use       held by live tensors              torch.cuda.memory_allocated()
+     bytes_in_use       held by live tensors (on a GPU also cuBLAS's 32 MiB workspace)
+                                                         torch.cuda.memory_allocated()
      bytes_reserved     in use + cached                   torch.cuda.memory_reserved()
      peak_bytes_in_use  the most in use since the reset   torch.cuda.max_memory_allocated()
      backend_allocs, backend_frees, cache_hits
