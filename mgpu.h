@@ -726,9 +726,9 @@ MGPUDEF mgpu_layer* mgpu_layer_linear_no_bias(int in_features, int out_features)
    [in, out] (y = x W + b), initialised as GPT-2 does (weight N(0, 0.02), bias 0), so that
    GPT2LMHeadModel's files load as they are. */
 MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features);
-/* ReLU, Tanh and Sigmoid take their gradient from their output; in a model, right after a Linear
-   (of the same pipeline stage) they write over its output, as nn.ReLU(inplace=True) would: the
-   Linear's backward does not read it. A model's activation gradients take turns in two buffers
+/* ReLU, Tanh and Sigmoid take their gradient from their output; in a model, right after a Linear,
+   Conv2d or BatchNorm2d (of the same pipeline stage) they write over its output, as
+   nn.ReLU(inplace=True) would: that layer's backward does not read it. A model's activation gradients take turns in two buffers
    per stage. Neither changes a bit of the results. */
 MGPUDEF mgpu_layer* mgpu_layer_relu(void);
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
@@ -6125,7 +6125,8 @@ struct mgpu_layer {
        stage. At MLP 4096 the four ReLUs then keep no buffer of their own (128 MiB). */
     int in_place_ok;           /* elementwise, and its backward reads its output alone (ReLU,
                                   Tanh, Sigmoid) */
-    int output_unused;         /* its backward reads x, dy and its parameters, never y (Linear) */
+    int output_unused;         /* its backward reads x, dy, its parameters and aux, never y (Linear,
+                                  Conv1D, Conv2d, BatchNorm2d) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -6499,6 +6500,7 @@ static const mgpu_layer_vtable mgpu__conv_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int kernel_size, int stride, int padding) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (in_channels <= 0 || out_channels <= 0 || kernel_size <= 0 || stride <= 0 || padding < 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_conv2d: channels %d -> %d, kernel %d, stride %d, padding %d: "
                    "all must be positive (padding >= 0)", in_channels, out_channels, kernel_size, stride, padding);
@@ -6506,7 +6508,8 @@ MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int ker
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.in = in_channels; cfg.out = out_channels; cfg.kernel = kernel_size; cfg.stride = stride; cfg.pad = padding;
-    return mgpu__builtin_layer(&mgpu__conv_vt, &cfg);
+    if ((l = mgpu__builtin_layer(&mgpu__conv_vt, &cfg))) l->output_unused = 1;
+    return l;
 }
 
 /* -- MaxPool2d (no padding, floor mode, as nn.MaxPool2d's defaults) -- */
@@ -6623,13 +6626,15 @@ static const mgpu_layer_vtable mgpu__bn_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     if (channels <= 0) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_batch_norm2d: %d channels, want at least 1", channels);
         return NULL;
     }
     memset(&cfg, 0, sizeof cfg);
     cfg.in = channels;
-    return mgpu__builtin_layer(&mgpu__bn_vt, &cfg);
+    if ((l = mgpu__builtin_layer(&mgpu__bn_vt, &cfg))) l->output_unused = 1;
+    return l;
 }
 
 /* -- global average pooling: [N, C, H, W] -> [N, C], a channel sum over each plane -- */

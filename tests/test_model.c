@@ -3151,21 +3151,13 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
 }
 /* The activations in place change no bit: the same model with each activation inside a
    Sequential of one (a container's child never runs over its input) trains to the same
-   parameters, with ReLU, Tanh and Sigmoid after a Linear, and a Sigmoid after a Tanh (whose
-   backward reads its output: never overwritten). */
+   parameters. a and b: the two models; 4 SGD steps on a random batch of x's and y's shapes. */
 static mgpu_layer* boxed(mgpu_layer* l) { return mgpu_layer_sequential(&l, 1); }
-static void activation_in_place_bits(const mgpu_device_set* devs, mgpu_device* dev) {
-    const int64_t B = 32, W = 24;
-    mgpu_model* a = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), mgpu_layer_relu(),
-                          mgpu_layer_linear(W, W), mgpu_layer_tanh(), mgpu_layer_sigmoid(), mgpu_layer_linear(W, W),
-                          mgpu_layer_sigmoid(), mgpu_layer_linear(W, 5));
-    mgpu_model* b = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), boxed(mgpu_layer_relu()),
-                          mgpu_layer_linear(W, W), boxed(mgpu_layer_tanh()), boxed(mgpu_layer_sigmoid()),
-                          mgpu_layer_linear(W, W), boxed(mgpu_layer_sigmoid()), mgpu_layer_linear(W, 5));
-    const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.1f, .momentum = 0.9f };
+static void same_bits_in_place(mgpu_model* a, mgpu_model* b, mgpu_device* dev, mgpu_shape xs, mgpu_shape ys, const char* what) {
+    const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f };
     mgpu_optimizer* oa = a ? mgpu_optimizer_create(a, &od) : NULL;
     mgpu_optimizer* ob = b ? mgpu_optimizer_create(b, &od) : NULL;
-    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, W)), *y = tmake(dev, MGPU_F32, mgpu_shape2(B, 5));
+    mgpu_tensor *x = tmake(dev, MGPU_F32, xs), *y = tmake(dev, MGPU_F32, ys);
     int step;
     if (oa && ob && x && y) {
         float *pa, *pb;
@@ -3178,12 +3170,30 @@ static void activation_in_place_bits(const mgpu_device_set* devs, mgpu_device* d
         pa = get_flat(a, 0);
         pb = get_flat(b, 0);
         CHECK(flat_n(a) == flat_n(b) && !memcmp(pa, pb, sizeof(float) * (size_t)flat_n(a)),
-              "activations in place on %s: 4 steps give other parameters than the same layers in containers",
+              "%s in place on %s: 4 steps give other parameters than the same layers in containers", what,
               mgpu_device_label(dev));
     }
     mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     mgpu_optimizer_destroy(oa); mgpu_optimizer_destroy(ob);
     mgpu_model_destroy(a); mgpu_model_destroy(b);
+}
+/* ReLU, Tanh and Sigmoid after a Linear, a Sigmoid after a Tanh (whose backward reads its
+   output: never overwritten); ReLU after a Conv2d and after a BatchNorm2d */
+static void activation_in_place_bits(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 32, W = 24;
+    same_bits_in_place(MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                             mgpu_layer_linear(W, W), mgpu_layer_tanh(), mgpu_layer_sigmoid(), mgpu_layer_linear(W, W),
+                             mgpu_layer_sigmoid(), mgpu_layer_linear(W, 5)),
+                       MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), boxed(mgpu_layer_relu()),
+                             mgpu_layer_linear(W, W), boxed(mgpu_layer_tanh()), boxed(mgpu_layer_sigmoid()),
+                             mgpu_layer_linear(W, W), boxed(mgpu_layer_sigmoid()), mgpu_layer_linear(W, 5)),
+                       dev, mgpu_shape2(B, W), mgpu_shape2(B, 5), "ReLU, Tanh, Sigmoid after Linear");
+    same_bits_in_place(MODEL(mgpu_shape3(2, 6, 6), devs, MGPU_LOSS_MSE, 12, mgpu_layer_conv2d(2, 4, 3, 1, 1), mgpu_layer_relu(),
+                             mgpu_layer_batch_norm2d(4), mgpu_layer_relu(), mgpu_layer_flatten(), mgpu_layer_linear(144, 3)),
+                       MODEL(mgpu_shape3(2, 6, 6), devs, MGPU_LOSS_MSE, 12, mgpu_layer_conv2d(2, 4, 3, 1, 1),
+                             boxed(mgpu_layer_relu()), mgpu_layer_batch_norm2d(4), boxed(mgpu_layer_relu()),
+                             mgpu_layer_flatten(), mgpu_layer_linear(144, 3)),
+                       dev, mgpu_shape4(6, 2, 6, 6), mgpu_shape2(6, 3), "ReLU after Conv2d and BatchNorm2d");
 }
 static void test_activation_memory(void) {
     header("activation memory");
