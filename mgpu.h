@@ -642,8 +642,8 @@ MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain
    launch (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails
    with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
    cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start;
-   `kernel` names it there (NULL: "your kernel"). A fault while the kernel runs (a bad address) shows later, at the next call
-   that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
+   `kernel` names it there (NULL: "your kernel"). A fault while the kernel runs (a bad address)
+   shows later, at the next call that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
    a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU
    devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
    mgpu call that finds its error pending fails saying so ("a CUDA error left pending by earlier
@@ -728,8 +728,8 @@ MGPUDEF mgpu_layer* mgpu_layer_linear_no_bias(int in_features, int out_features)
 MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features);
 /* ReLU, Tanh and Sigmoid take their gradient from their output; in a model, right after a Linear,
    Conv2d or BatchNorm2d (of the same pipeline stage) they write over its output, as
-   nn.ReLU(inplace=True) would: that layer's backward does not read it. A model's activation gradients take turns in two buffers
-   per stage. Neither changes a bit of the results. */
+   nn.ReLU(inplace=True) would: that layer's backward does not read it. A model's activation
+   gradients take turns in two buffers per stage. Neither changes a bit of the results. */
 MGPUDEF mgpu_layer* mgpu_layer_relu(void);
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void);
