@@ -643,9 +643,9 @@ MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain
    with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
    cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start;
    `kernel` names it there (NULL: "your kernel"). A fault while the kernel runs (a bad address)
-   shows later, at the next call that waits for the GPU, as with any CUDA kernel. Both fail with MGPU_ERROR_DEVICE_MISMATCH on
-   a CPU device (use mgpu_cpu_parallel there); a program built without MGPU_CUDA has only CPU
-   devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
+   shows later, at the next call that waits for the GPU, as with any CUDA kernel. Both fail with
+   MGPU_ERROR_DEVICE_MISMATCH on a CPU device (use mgpu_cpu_parallel there); a program built
+   without MGPU_CUDA has only CPU devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
    mgpu call that finds its error pending fails saying so ("a CUDA error left pending by earlier
    work ..."), and clears it; in a training step, a custom layer's is that layer's error. */
 MGPUDEF mgpu_result mgpu_cuda_begin(mgpu_device* dev, void** stream);
