@@ -638,16 +638,17 @@ typedef void (*mgpu_cpu_range_fn)(void* user, int64_t begin, int64_t end);
 MGPUDEF mgpu_result mgpu_cpu_parallel(mgpu_device* dev, int64_t n, int64_t grain, mgpu_cpu_range_fn fn, void* user);
 /* Before your launch: makes dev's GPU current on this thread (cudaSetDevice, which CUDA wants
    for a launch on that GPU's stream) and gives its compute stream, a cudaStream_t:
-   kernel<<<grid, block, 0, (cudaStream_t)stream>>>(...). After it: mgpu_cuda_end checks the
-   launch (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails
-   with MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
+   kernel<<<grid, block, 0, (cudaStream_t)stream>>>(...). After it: mgpu_cuda_end checks the launch
+   (cudaGetLastError, the same check as PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK) and fails with
+   MGPU_ERROR_CUDA and the error's name ("mgpu_cuda_end on cuda:0: launch of sin_kernel ...
    cudaErrorInvalidValue ...", CUDA 13's for a block of 2048 threads) when it did not start;
    `kernel` names it there (NULL: "your kernel"). A fault while the kernel runs (a bad address)
    shows later, at the next call that waits for the GPU, as with any CUDA kernel. Both fail with
    MGPU_ERROR_DEVICE_MISMATCH on a CPU device (use mgpu_cpu_parallel there); a program built
-   without MGPU_CUDA has only CPU devices. A launch of yours left unchecked (no mgpu_cuda_end) is not blamed on mgpu: the next
-   mgpu call that finds its error pending fails saying so ("a CUDA error left pending by earlier
-   work ..."), and clears it; in a training step, a custom layer's is that layer's error. */
+   without MGPU_CUDA has only CPU devices. A launch of yours left unchecked (no mgpu_cuda_end) is
+   not blamed on mgpu: the next mgpu call that finds its error pending fails saying so ("a CUDA
+   error left pending by earlier work ..."), and clears it; in a training step, a custom layer's is
+   that layer's error. */
 MGPUDEF mgpu_result mgpu_cuda_begin(mgpu_device* dev, void** stream);
 MGPUDEF mgpu_result mgpu_cuda_end(mgpu_device* dev, const char* kernel);
 
