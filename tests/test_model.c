@@ -3172,6 +3172,8 @@ static void same_bits_in_place(mgpu_model* a, mgpu_model* b, mgpu_device* dev, m
         CHECK(flat_n(a) == flat_n(b) && !memcmp(pa, pb, sizeof(float) * (size_t)flat_n(a)),
               "%s in place on %s: 4 steps give other parameters than the same layers in containers", what,
               mgpu_device_label(dev));
+        free(pa);
+        free(pb);
     }
     mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     mgpu_optimizer_destroy(oa); mgpu_optimizer_destroy(ob);
