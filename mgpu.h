@@ -2921,16 +2921,6 @@ static void mgpu__device_release(mgpu_device* dev, void* ptr, size_t size);
 
 static void mgpu__device_free(mgpu_device* d) {
     if (!d || d == &mgpu__cpu_device) return;
-    if (d->blas_workspace) {   /* the handle first: it works in the block until it is gone */
-        if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
-        if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
-        d->blas = NULL;
-        mgpu__device_release(d, d->blas_workspace, d->blas_workspace_bytes);
-    }
-    mgpu__memory_release_cached(d);
-    if (d->alloc.stats.bytes_in_use)
-        mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
-                  d->alloc.stats.bytes_in_use);
     if (d->kind == MGPU_DEVICE_CUDA) {
         int i;
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(d->ordinal, d->stream));
@@ -2939,9 +2929,15 @@ static void mgpu__device_free(mgpu_device* d) {
             if (d->staging[i].read) (void)MGPU__CUDA(mgpu__cu_event_destroy(d->ordinal, d->staging[i].read));
         }
         if (d->blas) (void)MGPU__CUDA(mgpu__cu_blas_destroy(d->ordinal, d->blas));
+        /* cuBLAS's workspace after its handle, back to the cache that is emptied below */
+        if (d->blas_workspace) mgpu__device_release(d, d->blas_workspace, d->blas_workspace_bytes);
         if (d->order) (void)MGPU__CUDA(mgpu__cu_event_destroy(d->ordinal, d->order));
         if (d->stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(d->ordinal, d->stream));
     }
+    mgpu__memory_release_cached(d);
+    if (d->alloc.stats.bytes_in_use)
+        mgpu__log(MGPU_LOG_WARN, "%s destroyed while tensors still hold %zu bytes on it", d->label,
+                  d->alloc.stats.bytes_in_use);
 #ifndef MGPU_NO_THREADS
     mgpu__mutex_destroy(&d->alloc.lock);
 #endif
@@ -10625,15 +10621,6 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
     int i, j;
     if (mgpu_shape_equal(sl->in_shape, x)) return MGPU_OK;
     mgpu__slot_free_buffers(m, sl);
-    for (i = m->stage_layer[p->stage]; i < last; ++i) {   /* the two gradient buffers: each its largest */
-        mgpu_shape out;
-        MGPU__TRY(mgpu__layer_output(m, i, shape, &out));
-        need[i % 2] = MGPU__MAX(need[i % 2], mgpu_shape_numel(out));
-        shape = out;
-    }
-    for (j = 0; j < 2; ++j)
-        if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, MGPU_F32, mgpu_shape1(need[j])));
-    shape = x;
     for (i = m->stage_layer[p->stage]; i <= last; ++i) {
         const mgpu_layer* l = m->layers[i];
         mgpu_shape out;
@@ -10648,9 +10635,14 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
             mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (struct mgpu_layer, in_place_ok) */
             if (!(sl->act[i] = mgpu__view_at(sl->act[i - 1], 0, out, op))) return mgpu_last_result();
         } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
-        if (i < last && !(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, out, op))) return mgpu_last_result();
         shape = out;
     }
+    /* the two gradient buffers, each as large as its largest gradient, and the views into them */
+    for (i = m->stage_layer[p->stage]; i < last; ++i) need[i % 2] = MGPU__MAX(need[i % 2], mgpu_tensor_numel(sl->act[i]));
+    for (j = 0; j < 2; ++j)
+        if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, MGPU_F32, mgpu_shape1(need[j])));
+    for (i = m->stage_layer[p->stage]; i < last; ++i)
+        if (!(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, sl->act[i]->shape, op))) return mgpu_last_result();
     sl->in_shape = x;
     return MGPU_OK;
 }

@@ -4,7 +4,8 @@
    the table (ratios, memory, allocations per step) and writes it to bench/results/.
    Usage: bench [cpu|cuda|all] [--quick]; bench gemm, bench steps: the CPU GEMM rows, the CPU
    training steps alone; bench memory: the large MLP (4096 wide, batch 2048) on the CPU device,
-   for its memory, counted by the same allocator as on a GPU (a step takes seconds there). Times are medians over repeated runs after warm-up.
+   for its memory, counted by the same allocator as on a GPU (a step takes seconds there). Times
+   are medians over repeated runs after warm-up.
    Built against the GPU emulator (-DMGPU_BENCH_EMU, build/emu/bench), `bench emu` prints instead
    what one training step asks of the GPUs: launches, host-device synchronisations, allocations
    and bytes moved (the emulator's counters), a table of its own. */
