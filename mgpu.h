@@ -211,7 +211,8 @@
      PositionEmbedding and CausalSelfAttention (which keeps the [batch, heads, T, T] attention
      matrix: no fused FlashAttention kernel yet); containers (Sequential, Residual) make blocks
      of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
-     after each step (also a CUDA graph's): no SyncBatchNorm (statistics across replicas).
+     after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
+     replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
@@ -741,7 +742,8 @@ MGPUDEF mgpu_layer* mgpu_layer_conv2d(int in_channels, int out_channels, int ker
 MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stride 0: kernel_size */
 /* nn.BatchNorm2d(channels) (eps 1e-5, momentum 0.1, affine) on x [N, channels, H, W]. Training:
    each channel normalised by its mean and biased variance over (N, H, W) of the batch (of this
-   replica's, or micro-batch's, rows: no SyncBatchNorm), y = (x - mean) / sqrt(var + eps) * weight
+   replica's, or micro-batch's, rows; of every replica's with the model desc's sync_batch_norm,
+   as nn.SyncBatchNorm), y = (x - mean) / sqrt(var + eps) * weight
    + bias, and running_mean, running_var move 0.1 of the way to the batch's mean and UNBIASED
    variance, num_batches_tracked += 1, as PyTorch does. Evaluation: the running statistics.
    Parameters "weight" (ones), "bias" (zeros); buffers "running_mean" (zeros), "running_var"
@@ -975,6 +977,16 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   look). Costs a pass over the gradients and one
                                                   wait for the devices per step (the loss read
                                                   with the check); steps then run without a graph
+     sync_batch_norm 0: each replica's own rows   1: SyncBatchNorm: in a training step, every
+                                                  BatchNorm2d normalises by the statistics of the
+                                                  whole batch, every replica's and process's rows
+                                                  (and its backward takes the whole batch's two
+                                                  sums), as nn.SyncBatchNorm; each micro-batch
+                                                  still alone. The replicas meet twice per layer
+                                                  and micro-batch (>>parallel meet): each part then
+                                                  runs on a host thread of its own, and on GPUs
+                                                  each meeting waits for the devices; across
+                                                  processes a rank whose step fails ends the job
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -1007,6 +1019,7 @@ typedef struct mgpu_model_desc {
     const mgpu_tie* ties;
     int tie_count;
     int check_finite;
+    int sync_batch_norm;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -1885,19 +1898,25 @@ int mgpu__cu_maxpool(int dev, void* stream, const mgpu__window* g, const float* 
 /* dx (overwritten) = sum of dy over the windows whose argmax is this element; deterministic */
 int mgpu__cu_maxpool_backward(int dev, void* stream, const mgpu__window* g, const float* dy,
                               const int32_t* argmax, float* dx);
-/* BatchNorm2d over x [n, c, hw], per channel. Training: mean and biased variance var over (n, hw),
-   save_mean = mean, save_rstd = 1 / sqrt(var + eps), running_mean and running_var moved by
-   momentum towards mean and var * m / (m - 1) (m = n * hw > 1), count[0] += 1. Evaluation
-   (training 0): mean and var from the running statistics (save_* untouched). y = (x - mean) *
-   rstd * weight + bias. Backward (training's): dweight += sum(dy * xhat), dbias += sum(dy), and
-   dx (NULL: none) = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) *
-   rstd. A block per channel, sums in a fixed order, no atomics. */
+/* BatchNorm2d over x [n, c, hw], per channel. Training (MGPU__BN_TRAIN): mean and biased variance
+   var over (n, hw), save_mean = mean, save_rstd = 1 / sqrt(var + eps), running_mean and
+   running_var moved by momentum towards mean and var * m / (m - 1) (m = n * hw > 1), count[0] +=
+   1. Evaluation (MGPU__BN_EVAL): mean and var from the running statistics (save_* untouched). y =
+   (x - mean) * rstd * weight + bias. Backward (training's): dweight += sum(dy * xhat), dbias +=
+   sum(dy), and dx (NULL: none) = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat =
+   (x - mean) * rstd. SyncBatchNorm's halves, around the replicas' exchange: MGPU__BN_STATS writes
+   this replica's mean and sum of squared deviations (forward), or its sum(dy) and sum(dy * xhat)
+   (backward, which also adds them to dweight and dbias), to sync [0, c) and [c, 2c);
+   MGPU__BN_GIVEN reads the whole batch's mean, rstd and unbiased variance (forward: save_*,
+   running statistics and y as training's), or mean(dy) and mean(dy * xhat) (backward: dx alone),
+   from sync. A block per channel, sums in a fixed order, no atomics. */
+enum { MGPU__BN_EVAL = 0, MGPU__BN_TRAIN = 1, MGPU__BN_STATS = 2, MGPU__BN_GIVEN = 3 };
 int mgpu__cu_batch_norm(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x, const float* weight,
-                        const float* bias, float* running_mean, float* running_var, float* count, int training,
-                        float momentum, float eps, float* save_mean, float* save_rstd, float* y);
+                        const float* bias, float* running_mean, float* running_var, float* count, int mode,
+                        float momentum, float eps, float* save_mean, float* save_rstd, float* sync, float* y);
 int mgpu__cu_batch_norm_backward(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x,
                                  const float* dy, const float* weight, const float* save_mean, const float* save_rstd,
-                                 float* dweight, float* dbias, float* dx);
+                                 int mode, float* sync, float* dweight, float* dbias, float* dx);
 /* dx[p, i] = dy[p] * scale for dx [planes, hw] (global average pooling's backward) */
 int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const float* dy, float scale, float* dx);
 /* Causal attention's core. Forward, a row per (b, h, t): att (probabilities, 0 above the
@@ -5756,21 +5775,25 @@ static mgpu_result mgpu__maxpool_backward(const mgpu__window* g, const mgpu_tens
 /* -- BatchNorm2d and global average pooling over x [n, c, hw] (the layers check the shapes). The
    CPU: a task per channel, its sums in double (the float64 reference of the tests is a loop of
    the same formulas); each channel's work is its task's alone, so any thread count gives the same
-   bits. -- */
+   bits. mode is one of the seam's MGPU__BN_*: SyncBatchNorm's two halves (STATS, GIVEN) take the
+   numbers the replicas exchange (>>parallel meet) in sync, host doubles [3c] (STATS writes the
+   first 2c, GIVEN reads them all), staged on a GPU through sync_dev [3c] and the host floats
+   stage [3c]. -- */
 typedef struct mgpu__bn_job {
     int64_t n, c, hw;
     const float *x, *w, *b, *dy, *mean_in, *rstd_in;
     float *run_mean, *run_var, *count, *save_mean, *save_rstd, *y, *dw, *db, *dx;
-    int training;
+    double* sync;
+    int mode;
     float momentum, eps;
 } mgpu__bn_job;
 static void mgpu__bn_forward_task(void* ctx, int64_t ch) {
     const mgpu__bn_job* j = (const mgpu__bn_job*)ctx;
     const int64_t m = j->n * j->hw;
-    double mean, rstd, s = 0.0, v = 0.0;
+    double mean, rstd, unbiased = 0.0, s = 0.0, v = 0.0;
     int64_t o, i;
     float scale, shift;
-    if (j->training) {
+    if (j->mode == MGPU__BN_TRAIN || j->mode == MGPU__BN_STATS) {
         for (o = 0; o < j->n; ++o)
             for (i = 0; i < j->hw; ++i) s += j->x[(o * j->c + ch) * j->hw + i];
         mean = s / (double)m;
@@ -5779,16 +5802,28 @@ static void mgpu__bn_forward_task(void* ctx, int64_t ch) {
                 const double d = j->x[(o * j->c + ch) * j->hw + i] - mean;
                 v += d * d;
             }
+        if (j->mode == MGPU__BN_STATS) {
+            j->sync[ch] = mean;
+            j->sync[j->c + ch] = v;
+            return;
+        }
         v /= (double)m;
         rstd = 1.0 / sqrt(v + (double)j->eps);
-        j->run_mean[ch] = (1.0f - j->momentum) * j->run_mean[ch] + j->momentum * (float)mean;
-        j->run_var[ch] = (1.0f - j->momentum) * j->run_var[ch] + j->momentum * (float)(v * (double)m / (double)(m - 1));
-        j->save_mean[ch] = (float)mean;
-        j->save_rstd[ch] = (float)rstd;
-        if (ch == 0) j->count[0] += 1.0f;
+        unbiased = v * (double)m / (double)(m - 1);
+    } else if (j->mode == MGPU__BN_GIVEN) {
+        mean = j->sync[ch];
+        rstd = j->sync[j->c + ch];
+        unbiased = j->sync[2 * j->c + ch];
     } else {
         mean = j->run_mean[ch];
         rstd = 1.0 / sqrt((double)j->run_var[ch] + (double)j->eps);
+    }
+    if (j->mode != MGPU__BN_EVAL) {
+        j->run_mean[ch] = (1.0f - j->momentum) * j->run_mean[ch] + j->momentum * (float)mean;
+        j->run_var[ch] = (1.0f - j->momentum) * j->run_var[ch] + j->momentum * (float)unbiased;
+        j->save_mean[ch] = (float)mean;
+        j->save_rstd[ch] = (float)rstd;
+        if (ch == 0) j->count[0] += 1.0f;
     }
     scale = (float)(rstd * j->w[ch]);
     shift = (float)(j->b[ch] - mean * rstd * j->w[ch]);
@@ -5804,59 +5839,92 @@ static void mgpu__bn_backward_task(void* ctx, int64_t ch) {
     const double mean = j->mean_in[ch], rstd = j->rstd_in[ch];
     double s1 = 0.0, s2 = 0.0, k, a, bb;
     int64_t o, i;
-    for (o = 0; o < j->n; ++o)
-        for (i = 0; i < j->hw; ++i) {
-            const int64_t at = (o * j->c + ch) * j->hw + i;
-            s1 += j->dy[at];
-            s2 += j->dy[at] * ((j->x[at] - mean) * rstd);
+    if (j->mode == MGPU__BN_GIVEN) {
+        a = j->sync[ch];
+        bb = j->sync[j->c + ch];
+    } else {
+        for (o = 0; o < j->n; ++o)
+            for (i = 0; i < j->hw; ++i) {
+                const int64_t at = (o * j->c + ch) * j->hw + i;
+                s1 += j->dy[at];
+                s2 += j->dy[at] * ((j->x[at] - mean) * rstd);
+            }
+        j->dw[ch] += (float)s2;
+        j->db[ch] += (float)s1;
+        if (j->mode == MGPU__BN_STATS) {
+            j->sync[ch] = s1;
+            j->sync[j->c + ch] = s2;
+            return;
         }
-    j->dw[ch] += (float)s2;
-    j->db[ch] += (float)s1;
+        a = s1 / (double)m;
+        bb = s2 / (double)m;
+    }
     if (!j->dx) return;
     k = j->w[ch] * rstd;
-    a = s1 / (double)m;
-    bb = s2 / (double)m;
     for (o = 0; o < j->n; ++o)
         for (i = 0; i < j->hw; ++i) {
             const int64_t at = (o * j->c + ch) * j->hw + i;
             j->dx[at] = (float)(k * (j->dy[at] - a - (j->x[at] - mean) * rstd * bb));
         }
 }
+/* SyncBatchNorm on a GPU: GIVEN's numbers up before the kernel, STATS's down after it. */
+static mgpu_result mgpu__bn_sync_up(const mgpu__bn_job* j, mgpu_tensor* sync_dev, float* stage) {
+    int64_t i;
+    if (j->mode != MGPU__BN_GIVEN) return MGPU_OK;
+    for (i = 0; i < 3 * j->c; ++i) stage[i] = (float)j->sync[i];
+    return mgpu_tensor_upload(sync_dev, stage, (size_t)(3 * j->c) * sizeof(float));
+}
+static mgpu_result mgpu__bn_sync_down(const mgpu__bn_job* j, const mgpu_tensor* sync_dev, float* stage) {
+    int64_t i;
+    if (j->mode != MGPU__BN_STATS) return MGPU_OK;
+    MGPU__TRY(mgpu_tensor_download(sync_dev, stage, (size_t)(3 * j->c) * sizeof(float)));
+    for (i = 0; i < 2 * j->c; ++i) j->sync[i] = stage[i];
+    return MGPU_OK;
+}
 /* buf: running_mean, running_var, num_batches_tracked; aux: the batch's mean and rstd */
 static mgpu_result mgpu__batch_norm(const mgpu_tensor* x, const mgpu_tensor* w, const mgpu_tensor* b, mgpu_tensor* const* buf,
-                                    int training, float momentum, float eps, mgpu_tensor* save_mean, mgpu_tensor* save_rstd,
-                                    mgpu_tensor* y) {
+                                    int mode, float momentum, float eps, mgpu_tensor* save_mean, mgpu_tensor* save_rstd,
+                                    double* sync, mgpu_tensor* sync_dev, float* stage, mgpu_tensor* y) {
     mgpu__bn_job j;
     memset(&j, 0, sizeof j);
     mgpu__channel_split(x, &j.n, &j.c, &j.hw);
+    j.mode = mode;
+    j.sync = sync;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
+        MGPU__TRY(mgpu__bn_sync_up(&j, sync_dev, stage));
         MGPU__CU("BatchNorm2d forward", MGPU__DEV(x),
                  mgpu__cu_batch_norm(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(w), MGPU__F32(b),
-                                     MGPU__F32(buf[0]), MGPU__F32(buf[1]), MGPU__F32(buf[2]), training, momentum, eps,
-                                     MGPU__F32(save_mean), MGPU__F32(save_rstd), MGPU__F32(y)));
-        return MGPU_OK;
+                                     MGPU__F32(buf[0]), MGPU__F32(buf[1]), MGPU__F32(buf[2]), mode, momentum, eps,
+                                     MGPU__F32(save_mean), MGPU__F32(save_rstd), sync_dev ? MGPU__F32(sync_dev) : NULL,
+                                     MGPU__F32(y)));
+        return mgpu__bn_sync_down(&j, sync_dev, stage);
     }
     j.x = MGPU__F32(x); j.w = MGPU__F32(w); j.b = MGPU__F32(b);
     j.run_mean = MGPU__F32(buf[0]); j.run_var = MGPU__F32(buf[1]); j.count = MGPU__F32(buf[2]);
     j.save_mean = MGPU__F32(save_mean); j.save_rstd = MGPU__F32(save_rstd); j.y = MGPU__F32(y);
-    j.training = training; j.momentum = momentum; j.eps = eps;
+    j.momentum = momentum; j.eps = eps;
     if (j.n * j.hw > 0) mgpu__parallel_for(j.c, mgpu__bn_forward_task, &j);
     return MGPU_OK;
 }
 static mgpu_result mgpu__batch_norm_backward(const mgpu_tensor* x, const mgpu_tensor* dy, const mgpu_tensor* w,
-                                             const mgpu_tensor* save_mean, const mgpu_tensor* save_rstd, mgpu_tensor* dw,
+                                             const mgpu_tensor* save_mean, const mgpu_tensor* save_rstd, int mode,
+                                             double* sync, mgpu_tensor* sync_dev, float* stage, mgpu_tensor* dw,
                                              mgpu_tensor* db, mgpu_tensor* dx) {
     mgpu__bn_job j;
     memset(&j, 0, sizeof j);
     mgpu__channel_split(x, &j.n, &j.c, &j.hw);
+    j.mode = mode;
+    j.sync = sync;
     MGPU__COUNT(MGPU__DEV(dw), ops, 1);
     if (!MGPU__IS_CPU(x)) {
+        MGPU__TRY(mgpu__bn_sync_up(&j, sync_dev, stage));
         MGPU__CU("BatchNorm2d backward", MGPU__DEV(x),
                  mgpu__cu_batch_norm_backward(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(dy),
-                                              MGPU__F32(w), MGPU__F32(save_mean), MGPU__F32(save_rstd), MGPU__F32(dw),
-                                              MGPU__F32(db), dx ? MGPU__F32(dx) : NULL));
-        return MGPU_OK;
+                                              MGPU__F32(w), MGPU__F32(save_mean), MGPU__F32(save_rstd), mode,
+                                              sync_dev ? MGPU__F32(sync_dev) : NULL, MGPU__F32(dw), MGPU__F32(db),
+                                              dx ? MGPU__F32(dx) : NULL));
+        return mgpu__bn_sync_down(&j, sync_dev, stage);
     }
     j.x = MGPU__F32(x); j.dy = MGPU__F32(dy); j.w = MGPU__F32(w);
     j.mean_in = MGPU__F32(save_mean); j.rstd_in = MGPU__F32(save_rstd);
@@ -6553,10 +6621,14 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride) {
     return mgpu__builtin_layer(&mgpu__pool_vt, &cfg);
 }
 
-/* -- BatchNorm2d: aux 0, 1 the batch's mean and rstd per channel (for backward); buffers
-   running_mean, running_var, num_batches_tracked -- */
+/* -- BatchNorm2d: aux 0, 1 the batch's mean and rstd per channel (for backward), 2 on a GPU
+   SyncBatchNorm's numbers [3c] (mgpu__batch_norm); buffers running_mean, running_var,
+   num_batches_tracked -- */
 #define MGPU__BN_EPS 1e-5f       /* nn.BatchNorm2d's defaults */
 #define MGPU__BN_MOMENTUM 0.1f
+static mgpu_result mgpu__meet_slot(size_t doubles, double** slot);   /* >>parallel meet */
+static mgpu_result mgpu__meet(int kind, int64_t channels);
+enum { MGPU__MEET_STATISTICS, MGPU__MEET_SUMS };
 static mgpu_result mgpu__bn_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
     char want[64];
     if (x.ndim != 4 || x.dim[1] != l->cfg.in) {
@@ -6589,36 +6661,75 @@ static mgpu_result mgpu__bn_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx,
     return mgpu_tensor_zero(ctx->buffers[2]);
 }
 static mgpu_result mgpu__bn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
-    (void)i; (void)x;
+    (void)x;
     *dt = MGPU_F32;
-    *shape = mgpu_shape1(l->cfg.in);
+    *shape = mgpu_shape1(i < 2 ? l->cfg.in : 3 * l->cfg.in);
     return MGPU_OK;
 }
+/* SyncBatchNorm's slot (>>parallel meet): [rows, 2c numbers] exchanged, a third c for GIVEN, and
+   3c floats of staging on a GPU */
+static size_t mgpu__bn_slot_doubles(int64_t c) { return (size_t)(1 + 3 * c + (3 * c + 1) / 2); }
 static mgpu_result mgpu__bn_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
-    const int64_t per_channel = mgpu_tensor_numel(x) / l->cfg.in;
+    const int64_t c = l->cfg.in, per_channel = mgpu_tensor_numel(x) / c;
+    double* slot = NULL;
+    float* stage;
+    int64_t ch;
     if (!ctx->buffers)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "BatchNorm2d(%d): no buffers in ctx (running_mean, running_var, "
                           "num_batches_tracked: a model gives them)", l->cfg.in);
     if (ctx->training && per_channel <= 1)   /* (PyTorch refuses too: no variance of one value) */
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "BatchNorm2d(%d): training needs more than one value per channel, x has "
                           "%lld (batch %lld)", l->cfg.in, (long long)per_channel, (long long)x->shape.dim[0]);
-    return mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, ctx->training, MGPU__BN_MOMENTUM, MGPU__BN_EPS,
-                            ctx->aux[0], ctx->aux[1], y);
+    MGPU__TRY(mgpu__meet_slot(ctx->training ? mgpu__bn_slot_doubles(c) : 0, &slot));
+    if (!slot)
+        return mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, ctx->training ? MGPU__BN_TRAIN : MGPU__BN_EVAL,
+                                MGPU__BN_MOMENTUM, MGPU__BN_EPS, ctx->aux[0], ctx->aux[1], NULL, NULL, NULL, y);
+    /* SyncBatchNorm: this replica's rows' mean and squared deviations, the whole batch's from the
+       meeting, and the normalisation with those */
+    stage = (float*)(slot + 1 + 3 * c);
+    slot[0] = (double)per_channel;
+    MGPU__TRY(mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, MGPU__BN_STATS, MGPU__BN_MOMENTUM,
+                               MGPU__BN_EPS, ctx->aux[0], ctx->aux[1], slot + 1, ctx->aux[2], stage, y));
+    MGPU__TRY(mgpu__meet(MGPU__MEET_STATISTICS, c));
+    for (ch = 0; ch < c; ++ch) {   /* [mean, rstd, unbiased variance] from [mean, squared deviations] */
+        const double squares = slot[1 + c + ch];
+        slot[1 + 2 * c + ch] = squares / (slot[0] - 1.0);
+        slot[1 + c + ch] = 1.0 / sqrt(squares / slot[0] + (double)MGPU__BN_EPS);
+    }
+    return mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, MGPU__BN_GIVEN, MGPU__BN_MOMENTUM, MGPU__BN_EPS,
+                            ctx->aux[0], ctx->aux[1], slot + 1, ctx->aux[2], stage, y);
 }
 static mgpu_result mgpu__bn_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                      const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const int64_t c = l->cfg.in;
+    double* slot = NULL;
+    float* stage;
+    int64_t ch;
     (void)y;
     if (!ctx->training)
         return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "BatchNorm2d(%d): backward after an evaluation forward (only training "
                           "mode's backward is supported)", l->cfg.in);
-    return mgpu__batch_norm_backward(x, dy, ctx->params[0], ctx->aux[0], ctx->aux[1], ctx->grads[0], ctx->grads[1], dx);
+    MGPU__TRY(mgpu__meet_slot(mgpu__bn_slot_doubles(c), &slot));
+    if (!slot)
+        return mgpu__batch_norm_backward(x, dy, ctx->params[0], ctx->aux[0], ctx->aux[1], MGPU__BN_TRAIN, NULL, NULL, NULL,
+                                         ctx->grads[0], ctx->grads[1], dx);
+    /* SyncBatchNorm: this replica's sum(dy) and sum(dy * xhat) (its weight and bias gradients, summed
+       across replicas with the others), the whole batch's means of them from the meeting, then dx */
+    stage = (float*)(slot + 1 + 3 * c);
+    slot[0] = (double)(mgpu_tensor_numel(x) / c);
+    MGPU__TRY(mgpu__batch_norm_backward(x, dy, ctx->params[0], ctx->aux[0], ctx->aux[1], MGPU__BN_STATS, slot + 1, ctx->aux[2],
+                                        stage, ctx->grads[0], ctx->grads[1], dx));
+    MGPU__TRY(mgpu__meet(MGPU__MEET_SUMS, c));
+    for (ch = 0; ch < 2 * c; ++ch) slot[1 + ch] /= slot[0];
+    return mgpu__batch_norm_backward(x, dy, ctx->params[0], ctx->aux[0], ctx->aux[1], MGPU__BN_GIVEN, slot + 1, ctx->aux[2],
+                                     stage, ctx->grads[0], ctx->grads[1], dx);
 }
 static void mgpu__bn_describe(const mgpu_layer* l, char* buf, size_t size) {
     snprintf(buf, size, "%d, eps=1e-05, momentum=0.1", l->cfg.in);
 }
 static const mgpu_layer_vtable mgpu__bn_vt = {
     "BatchNorm2d", mgpu__bn_output_shape, mgpu__two_params, mgpu__bn_param_shape, mgpu__bn_init,
-    mgpu__two_aux, mgpu__bn_aux_shape, mgpu__bn_forward, mgpu__bn_backward, mgpu__bn_describe, NULL,
+    mgpu__three_aux, mgpu__bn_aux_shape, mgpu__bn_forward, mgpu__bn_backward, mgpu__bn_describe, NULL,
     mgpu__bn_buffer_count, mgpu__bn_buffer_shape
 };
 MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels) {
@@ -7540,6 +7651,7 @@ typedef struct mgpu__rank {
 /* Processes (the end of this section): a vote of every rank, and sums across them. */
 static void mgpu__dist_doing(const char* op, int64_t step);
 static mgpu_result mgpu__dist_agree(mgpu_result mine, int64_t count, double number, int64_t* counts, double* sum);
+static void mgpu__dist_meet(double* all, size_t width, const int* rank_replicas);
 static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
                                   double number, double* number_sum);
@@ -8007,7 +8119,7 @@ static float* mgpu__dist_buffer(int which, size_t floats) {
    srun returns; a checkpoint saved before is whole (saves are atomic). Pairs rather than MPI's
    collectives because then the ranks that did not answer are known; the sums add the same
    numbers in the same order, so the bits are those of MPI_Alltoallv and MPI_Allgatherv. */
-enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER };
+enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER, MGPU__TAG_MEET };
 static struct {
     MPI_Request* req;   /* 2 (P - 1): a send to and a receive from every other rank */
     int* peer;          /* whom each is with (-1 - rank once named in a timeout's message) */
@@ -8284,6 +8396,24 @@ static void mgpu__dist_broadcast(void* p, size_t bytes) {
     }
 #else
     (void)p; (void)bytes;
+#endif
+}
+
+/* SyncBatchNorm's meeting across processes (>>parallel meet): all [replicas of the job][width]
+   holds this rank's replicas' numbers at their place; every other rank's come into theirs. */
+static void mgpu__dist_meet(double* all, size_t width, const int* rank_replicas) {
+#ifdef MGPU_MPI
+    int q, at = 0, mine = 0;
+    for (q = 0; q < mgpu__dist.rank; ++q) mine += rank_replicas[q];
+    for (q = 0; q < mgpu__dist.size; at += rank_replicas[q], ++q) {
+        if (q == mgpu__dist.rank) continue;
+        mgpu__dist_post(0, all + (size_t)at * width, rank_replicas[q] * (int)width, MPI_DOUBLE, q, MGPU__TAG_MEET);
+        mgpu__dist_post(1, all + (size_t)mine * width, rank_replicas[mgpu__dist.rank] * (int)width, MPI_DOUBLE, q,
+                        MGPU__TAG_MEET);
+    }
+    mgpu__dist_wait("SyncBatchNorm's exchange");
+#else
+    (void)all; (void)width; (void)rank_replicas;
 #endif
 }
 
@@ -8599,7 +8729,20 @@ typedef struct mgpu__part {
     void** bucket_done;                 /* CUDA, with buckets: [bucket_count], recorded in a step's last
                                            backward when the bucket's gradients are done (its stage's) */
     int forwards_done, backwards_done;  /* CPU threads: progress in this step, under pipe_lock */
+    double* meet;                       /* desc.sync_batch_norm: this part's numbers for the meeting of
+                                           its stage's copies, then the combination (>>parallel meet) */
+    size_t meet_len;
+    int meet_stopped;                   /* left a meeting because another part failed */
 } mgpu__part;
+
+/* The copies of one stage meeting in a step (desc.sync_batch_norm), under pipe_lock: how many
+   arrived in this round, the round, and every replica's numbers in the job's order. */
+typedef struct mgpu__meet_point {
+    int arrived;
+    uint64_t round;
+    double* all;
+    size_t all_len;
+} mgpu__meet_point;
 
 struct mgpu_model {
     mgpu_layer** layers;
@@ -8669,6 +8812,8 @@ struct mgpu_model {
     int pipe_sync;                      /* the two above were made */
 #endif
     int pipe_failed;                    /* a part failed: the others stop waiting */
+    int sync_bn;                        /* desc.sync_batch_norm, with buffers and replicas to meet */
+    mgpu__meet_point* meets;            /* [S] with sync_bn */
     struct mgpu__trace* trace;          /* between mgpu_model_trace_start and _stop, else NULL */
     /* a job of several processes (desc.distributed): its replicas are dist_total, this
        process's are dist_first .. dist_first + R - 1 among them, rank q has dist_replicas[q] */
@@ -9158,6 +9303,7 @@ static void mgpu__model_free(mgpu_model* m) {
         mgpu__tensor_free(p->params); mgpu__tensor_free(p->grads);
         mgpu__tensor_free(p->xbuf); mgpu__tensor_free(p->tbuf); mgpu__tensor_free(p->losses); mgpu__tensor_free(p->eval); mgpu__tensor_free(p->step_seed);
         mgpu__tensor_free(p->finite);
+        MGPU_FREE(p->meet);
         for (j = 0; p->bucket_done && j < m->bucket_count; ++j)
             if (p->bucket_done[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_done[j]));
         for (j = 0; p->tie_in && j < m->tensor_count; ++j) mgpu__tensor_free(p->tie_in[j]);
@@ -9172,6 +9318,8 @@ static void mgpu__model_free(mgpu_model* m) {
     MGPU_FREE(m->ar);
     MGPU_FREE(m->buckets);
     MGPU_FREE(m->task_error);
+    for (i = 0; m->meets && i < m->stage_count; ++i) MGPU_FREE(m->meets[i].all);
+    MGPU_FREE(m->meets);
 #ifndef MGPU_NO_THREADS
     if (m->pipe_sync) { mgpu__mutex_destroy(&m->pipe_lock); mgpu__cond_destroy(&m->pipe_moved); }
 #endif
@@ -9567,8 +9715,20 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
             if (m->buckets[bk].stage == p->stage)
                 MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->bucket_done[bk]));
     }
+    /* SyncBatchNorm: the copies of a stage meet in the middle of their passes (>>parallel meet) */
+    m->sync_bn = desc->sync_batch_norm && m->buf_floats > 0 && (m->replica_count > 1 || (desc->distributed && mgpu__dist.size > 1));
+#ifdef MGPU_NO_THREADS
+    if (m->sync_bn)
+        return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "mgpu_model_create: desc.sync_batch_norm needs a thread per replica (a build "
+                          "without MGPU_NO_THREADS)");
+#endif
+    if (m->sync_bn && m->stage_count > 1 && desc->distributed && mgpu__dist.size > 1)
+        return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "mgpu_model_create: desc.sync_batch_norm with %d pipeline stages across "
+                          "processes (one stage, or one process)", m->stage_count);
+    if (m->sync_bn && !(m->meets = (mgpu__meet_point*)mgpu__calloc((size_t)m->stage_count, sizeof *m->meets)))
+        return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
 #ifndef MGPU_NO_THREADS
-    if (m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) {
+    if ((m->stage_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) || m->sync_bn) {
         if (mgpu__mutex_init(&m->pipe_lock) != 0) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: cannot make a lock for the pipeline");
         if (mgpu__cond_init(&m->pipe_moved) != 0) {
             mgpu__mutex_destroy(&m->pipe_lock);
@@ -9761,7 +9921,7 @@ static mgpu_result mgpu__dist_broadcast_buffers(mgpu_model* m) {
 static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_model_desc* desc) {
     mgpu_result r = made;
     uint64_t mine = 0, first = 0;
-    int q, s;
+    int q, s, sync_bn;
     if (r == MGPU_OK) {
         m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int));
         m->dist_rows = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
@@ -9776,9 +9936,14 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     mgpu__dist_broadcast(&m->seed, sizeof m->seed);
     mgpu__dist_broadcast(&m->verify_every, sizeof m->verify_every);
     mgpu__dist_broadcast(&m->check_finite, sizeof m->check_finite);
+    sync_bn = m->sync_bn;   /* a rank meeting alone would wait for the others */
+    mgpu__dist_broadcast(&sync_bn, sizeof sync_bn);
     if (first != mine)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "
                        "every rank must make the same layers", m->layer_count, (long long)m->param_count, m->stage_count);
+    else if (sync_bn != m->sync_bn)
+        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: desc.sync_batch_norm is %d on this rank, %d on rank 0: "
+                       "every rank must set the same", m->sync_bn, sync_bn);
     MGPU__TRY(mgpu__dist_agree(r, 0, 0.0, NULL, NULL));
     m->dist = 1;
     for (q = 0; q < mgpu__dist.size; ++q) {
@@ -11213,10 +11378,125 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
     return MGPU_OK;
 }
 
-/* ---- moves 2 to 4 for a batch, on CPU parts: one thread each ---- */
+/* ---- >>parallel meet: SyncBatchNorm's copies of a stage exchange numbers inside a pass ----
+   With desc.sync_batch_norm, a step runs each part on a host thread of its own (GPUs too: the one
+   thread that queues every replica's work would wait for itself), and a BatchNorm2d in training
+   puts its rows' numbers into its part's slot (mgpu__meet_slot) and meets the other copies of its
+   stage (mgpu__meet): the last to arrive gathers every replica's slot, across processes too, and
+   combines them in the order of the job's replicas, so that the result depends neither on who
+   came first nor on how replicas are spread over threads and processes; every copy takes the
+   same numbers home. Forward brings [rows, mean per channel, squared deviations per channel],
+   combined as Chan's parallel variance does; backward brings [rows, sum(dy), sum(dy * xhat)],
+   summed. Every copy of a stage runs the same order of layers and micro-batches, so the meetings
+   pair up by their order. A part that fails wakes the others (pipe_failed), which leave without
+   their numbers; across processes a rank that fails in a step ends the job instead
+   (mgpu__run_batch), since the others wait for its numbers inside their own passes. */
+static MGPU__TLS mgpu_model* mgpu__meet_model;   /* the step's model and this thread's part, while */
+static MGPU__TLS mgpu__part* mgpu__meet_part;    /* a part of a sync_bn model runs its work */
+
+/* The slot of this thread's part, with room for `doubles`; NULL where no meeting is held. */
+static mgpu_result mgpu__meet_slot(size_t doubles, double** slot) {
+    mgpu__part* p = mgpu__meet_part;
+    *slot = NULL;
+    if (!mgpu__meet_model || !p || doubles == 0) return MGPU_OK;
+    if (p->meet_len < doubles) {
+        double* grown = (double*)MGPU_REALLOC(p->meet, doubles * sizeof(double));
+        if (!grown) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "SyncBatchNorm: out of host memory for %zu numbers", doubles);
+        p->meet = grown;
+        p->meet_len = doubles;
+    }
+    *slot = p->meet;
+    return MGPU_OK;
+}
+
+/* Every replica's [rows, a per channel, b per channel] into the first: means and squared
+   deviations (MGPU__MEET_STATISTICS), or sums (MGPU__MEET_SUMS), in replica order. */
+static void mgpu__meet_combine(int kind, int64_t c, double* all, int count) {
+    const size_t w = (size_t)(1 + 2 * c);
+    int r;
+    int64_t ch;
+    for (r = 1; r < count; ++r) {
+        const double* in = all + (size_t)r * w;
+        const double na = all[0], nb = in[0], n = na + nb;
+        for (ch = 0; ch < c; ++ch) {
+            if (kind == MGPU__MEET_SUMS) {
+                all[1 + ch] += in[1 + ch];
+                all[1 + c + ch] += in[1 + c + ch];
+            } else {
+                const double d = in[1 + ch] - all[1 + ch];
+                all[1 + ch] += d * (nb / n);
+                all[1 + c + ch] += in[1 + c + ch] + d * d * (na * nb / n);
+            }
+        }
+        all[0] = n;
+    }
+}
+
+#ifndef MGPU_NO_THREADS
+/* The last to arrive: every copy's slot, from this process's parts and the other ranks. */
+static mgpu_result mgpu__meet_all(mgpu_model* m, int stage, int kind, int64_t c) {
+    mgpu__meet_point* pt = &m->meets[stage];
+    const size_t w = (size_t)(1 + 2 * c);
+    const int total = m->dist ? m->dist_total : m->replica_count;
+    int r;
+    if (pt->all_len < (size_t)total * w) {
+        double* grown = (double*)MGPU_REALLOC(pt->all, (size_t)total * w * sizeof(double));
+        if (!grown) {
+            if (m->dist) {   /* the other ranks wait for this one's numbers */
+                fprintf(stderr, "mgpu: rank %d: SyncBatchNorm: out of host memory for %d replicas' numbers; ending the job\n",
+                        mgpu__dist.rank, total);
+                mgpu_dist_abort(1);
+            }
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "SyncBatchNorm: out of host memory for %d replicas' numbers", total);
+        }
+        pt->all = grown;
+        pt->all_len = (size_t)total * w;
+    }
+    for (r = 0; r < m->replica_count; ++r)
+        memcpy(pt->all + (size_t)(m->dist_first + r) * w, mgpu__part_of(m, r, stage)->meet, w * sizeof(double));
+    if (m->dist) mgpu__dist_meet(pt->all, w, m->dist_replicas);
+    mgpu__meet_combine(kind, c, pt->all, total);
+    return MGPU_OK;
+}
+#endif
+
+/* This thread's part meets the other copies of its stage: its slot's [rows, 2c numbers] in, the
+   whole job's combination out. */
+static mgpu_result mgpu__meet(int kind, int64_t c) {
+#ifndef MGPU_NO_THREADS
+    mgpu_model* m = mgpu__meet_model;
+    mgpu__part* p = mgpu__meet_part;
+    mgpu__meet_point* pt = &m->meets[p->stage];
+    mgpu_result r = MGPU_OK;
+    uint64_t round;
+    mgpu__mutex_lock(&m->pipe_lock);
+    round = pt->round;
+    if (++pt->arrived == m->replica_count) {
+        r = mgpu__meet_all(m, p->stage, kind, c);
+        pt->arrived = 0;
+        if (r == MGPU_OK) pt->round++;
+        else m->pipe_failed = 1;
+        mgpu__cond_broadcast(&m->pipe_moved);
+    } else {
+        while (pt->round == round && !m->pipe_failed) mgpu__cond_wait(&m->pipe_moved, &m->pipe_lock);
+    }
+    if (pt->round != round) memcpy(p->meet, pt->all, (size_t)(1 + 2 * c) * sizeof(double));
+    else if (r == MGPU_OK) {
+        p->meet_stopped = 1;
+        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "SyncBatchNorm: another replica failed");
+    }
+    mgpu__mutex_unlock(&m->pipe_lock);
+    return r;
+#else
+    (void)kind; (void)c;
+    return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "SyncBatchNorm: no threads in this build");
+#endif
+}
+
+/* ---- moves 2 to 4 for a batch, on CPU parts, or parts that meet: one thread each ---- */
 /* Each part runs its stage's order on a thread of its own (the pool's, when there is one stage
-   and so nothing to wait for; threads of its own otherwise, since stages wait for each other),
-   and its ops then run single-threaded. A forward waits until the stage before has run the same
+   and so nothing to wait for; threads of its own otherwise, since stages wait for each other, and
+   SyncBatchNorm's copies too: >>parallel meet), and its ops then run single-threaded. A forward waits until the stage before has run the same
    forward, a backward until the stage after has run the same backward; a failure wakes every
    waiting part. Failures come back as text, each prefixed with its part. */
 #ifndef MGPU_NO_THREADS
@@ -11243,6 +11523,8 @@ static void mgpu__part_task(void* ctx, int64_t task) {
     mgpu__part* p = &m->part[task];
     mgpu_result res = MGPU_OK;
     int j, stopped = 0;   /* stopped: by a neighbour's failure, not one of this part's */
+    mgpu__meet_model = m->sync_bn ? m : NULL;
+    mgpu__meet_part = p;
     for (j = 0; j < 2 * m->micro_batches && res == MGPU_OK; ++j) {
         const int op = mgpu__stage_op(m, p->stage, j), k = op >= 0 ? op : -1 - op;
         if (op >= 0) {
@@ -11254,8 +11536,11 @@ static void mgpu__part_task(void* ctx, int64_t task) {
             if (!stopped) res = mgpu__run_backward(b, p, k, 0);
             if (!stopped) mgpu__pipe_moved(m, &p->backwards_done, res != MGPU_OK);
         }
+        if (p->meet_stopped) stopped = 1;
         if (stopped) res = MGPU_ERROR_INVALID_ARGUMENT;
     }
+    mgpu__meet_model = NULL;
+    mgpu__meet_part = NULL;
     b->results[task] = res;
     if (res != MGPU_OK && !stopped)
         snprintf(m->task_error[task], sizeof m->task_error[task], "replica %d stage %d (%s): %s", p->replica, p->stage,
@@ -11275,11 +11560,13 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
     if (b->zero_grads) MGPU__TRY(mgpu_model_zero_grad(m));
     for (i = 0; i < m->part_count; ++i) {
         m->part[i].forwards_done = m->part[i].backwards_done = 0;
+        m->part[i].meet_stopped = 0;
         m->task_error[i][0] = 0;
         b->results[i] = MGPU_OK;
     }
+    for (i = 0; m->meets && i < m->stage_count; ++i) m->meets[i].arrived = 0;
     m->pipe_failed = 0;
-    if (m->stage_count == 1) {
+    if (m->stage_count == 1 && !m->sync_bn) {
         mgpu__parallel_for(m->part_count, mgpu__part_task, b);
     } else {
         mgpu__part_thread threads[MGPU__MAX_REPLICAS];
@@ -11293,8 +11580,8 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
         if (started < m->part_count) {   /* no thread: stop those that started, and say so */
             mgpu__pipe_moved(m, &m->part[0].forwards_done, 1);
             for (i = 0; i < started; ++i) mgpu__thread_join(threads[i].thread);
-            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: could not start a thread for each of %d pipeline parts", b->op,
-                              m->part_count);
+            return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: could not start a thread for each of %d %s", b->op,
+                              m->part_count, m->stage_count > 1 ? "pipeline parts" : "replicas (SyncBatchNorm)");
         }
         for (i = 0; i < m->part_count; ++i) mgpu__thread_join(threads[i].thread);
     }
@@ -11325,7 +11612,8 @@ static mgpu_result mgpu__run_batch_threads(mgpu__batch* b, int reduce) {
    sums overlap backward as in one process. (Every rank must issue every bucket's all-reduce, in
    bucket order: with one stage that is the order backward reaches them.) */
 static int mgpu__dist_overlaps(const mgpu_model* m) {
-    return m->dist && m->stage_count == 1 && m->ar && m->ar[0] && m->ar[0]->across_processes && m->bucket_count > 0;
+    return m->dist && m->stage_count == 1 && m->ar && m->ar[0] && m->ar[0]->across_processes && m->bucket_count > 0 &&
+           !m->sync_bn;
 }
 /* Such a rank that failed still issues the all-reduces of the buckets from `first` on, in order,
    so that the other ranks' NCCL does not wait for it forever: the step then fails on every rank
@@ -11463,9 +11751,16 @@ static mgpu_result mgpu__run_batch(mgpu_model* m, const char* op, mgpu_result pr
         if (reduce && mgpu__dist_overlaps(m)) mgpu__dist_issue_rest(m, 0);   /* the other ranks' NCCL waits for these */
     }
 #ifndef MGPU_NO_THREADS
-    else if (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU) res = mgpu__run_batch_threads(&b, reduce && !m->dist);
+    else if (m->sync_bn || (m->part_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CPU))
+        res = mgpu__run_batch_threads(&b, reduce && !m->dist);
 #endif
     else res = mgpu__run_batch_streams(&b, reduce && (!m->dist || mgpu__dist_overlaps(m)));          /* 3, 4 */
+    if (m->dist && m->sync_bn && res != MGPU_OK) {
+        /* the other ranks may wait inside their passes for this one's SyncBatchNorm numbers */
+        fprintf(stderr, "mgpu: rank %d of %d: %s failed with desc.sync_batch_norm, where the other ranks may wait for this "
+                "one's batch statistics: %s; ending the job\n", mgpu__dist.rank, mgpu__dist.size, op, mgpu_last_error());
+        mgpu_dist_abort(1);
+    }
     if (m->dist) {   /* every rank's verdict on its work (and its loss), with the sums across the job or alone */
         if (res == MGPU_OK && mgpu__dist_overlaps(m)) res = mgpu__ar_wait_processes(m->ar[0]);   /* (a hung NCCL ends) */
         if (res == MGPU_OK && loss) res = mgpu__batch_loss_sum(m, &loss_sum);

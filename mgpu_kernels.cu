@@ -1244,34 +1244,51 @@ template <class F> __device__ __forceinline__ void channel_walk(int64_t n, int64
     }
 }
 
+// The modes (MGPU__BN_*, the seam's): training on this replica's rows; evaluation, from the running
+// statistics; and SyncBatchNorm's halves around the host's exchange (>>parallel meet): STATS
+// writes the rows' mean and sum of squared deviations to sync [0, c) and [c, 2c), GIVEN
+// normalises with the whole batch's mean, rstd and unbiased variance from sync [0, 3c).
 // Training: the batch's mean and biased variance (two passes: no cancellation), the running
 // statistics moved by momentum towards the mean and the unbiased variance, num_batches_tracked + 1.
-// Evaluation: the running statistics. Then y = (x - mean) * rstd * weight + bias.
+// Then y = (x - mean) * rstd * weight + bias.
 __global__ void __launch_bounds__(kThreads)
 batch_norm_kernel(int64_t n, int64_t c, int64_t hw, const float* x, const float* w, const float* b, float* run_mean,
-                  float* run_var, float* count, int training, float momentum, float eps, float* save_mean,
-                  float* save_rstd, float* y) {
+                  float* run_var, float* count, int mode, float momentum, float eps, float* save_mean,
+                  float* save_rstd, float* sync, float* y) {
     const int64_t m = n * hw;
     for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
-        float mean, rstd;
-        if (training) {
+        float mean, rstd, unbiased = 0.0f;
+        if (mode == MGPU__BN_TRAIN || mode == MGPU__BN_STATS) {
             float s = 0.0f;
             channel_walk(n, c, hw, ch, [&](int64_t j) { s += x[j]; });
             mean = block_reduce(s, sum_op<float>()) / (float)m;
             float v = 0.0f;
             channel_walk(n, c, hw, ch, [&](int64_t j) { const float d = x[j] - mean; v += d * d; });
-            const float var = block_reduce(v, sum_op<float>()) / (float)m;
-            rstd = 1.0f / sqrtf(var + eps);
-            if (threadIdx.x == 0) {
-                run_mean[ch] = (1.0f - momentum) * run_mean[ch] + momentum * mean;
-                run_var[ch] = (1.0f - momentum) * run_var[ch] + momentum * (var * (float)m / (float)(m - 1));
-                save_mean[ch] = mean;
-                save_rstd[ch] = rstd;
-                if (ch == 0) count[0] += 1.0f;
+            const float squares = block_reduce(v, sum_op<float>());
+            if (mode == MGPU__BN_STATS) {
+                if (threadIdx.x == 0) {
+                    sync[ch] = mean;
+                    sync[c + ch] = squares;
+                }
+                __syncthreads();
+                continue;
             }
+            rstd = 1.0f / sqrtf(squares / (float)m + eps);
+            unbiased = squares / (float)m * (float)m / (float)(m - 1);
+        } else if (mode == MGPU__BN_GIVEN) {
+            mean = sync[ch];
+            rstd = sync[c + ch];
+            unbiased = sync[2 * c + ch];
         } else {
             mean = run_mean[ch];
             rstd = 1.0f / sqrtf(run_var[ch] + eps);
+        }
+        if (mode != MGPU__BN_EVAL && threadIdx.x == 0) {
+            run_mean[ch] = (1.0f - momentum) * run_mean[ch] + momentum * mean;
+            run_var[ch] = (1.0f - momentum) * run_var[ch] + momentum * unbiased;
+            save_mean[ch] = mean;
+            save_rstd[ch] = rstd;
+            if (ch == 0) count[0] += 1.0f;
         }
         const float scale = rstd * w[ch], shift = b[ch] - mean * rstd * w[ch];
         channel_walk(n, c, hw, ch, [&](int64_t j) { y[j] = x[j] * scale + shift; });
@@ -1280,23 +1297,38 @@ batch_norm_kernel(int64_t n, int64_t c, int64_t hw, const float* x, const float*
 }
 
 // Backward in training mode: xhat = (x - mean) * rstd, dweight += sum(dy * xhat), dbias +=
-// sum(dy), dx = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
+// sum(dy), dx = weight * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)). SyncBatchNorm's halves:
+// SUMS adds to dweight and dbias and writes the two sums to sync [0, c) and [c, 2c); GIVEN takes
+// the whole batch's two means from there and writes dx alone.
 __global__ void __launch_bounds__(kThreads)
 batch_norm_backward_kernel(int64_t n, int64_t c, int64_t hw, const float* x, const float* dy, const float* w,
-                           const float* save_mean, const float* save_rstd, float* dw, float* db, float* dx) {
+                           const float* save_mean, const float* save_rstd, int mode, float* sync, float* dw, float* db,
+                           float* dx) {
     const int64_t m = n * hw;
     for (int64_t ch = blockIdx.x; ch < c; ch += gridDim.x) {
         const float mean = save_mean[ch], rstd = save_rstd[ch];
-        float s1 = 0.0f, s2 = 0.0f;
-        channel_walk(n, c, hw, ch, [&](int64_t j) { s1 += dy[j]; s2 += dy[j] * ((x[j] - mean) * rstd); });
-        const float sum_dy = block_reduce(s1, sum_op<float>());
-        const float sum_dyx = block_reduce(s2, sum_op<float>());
-        if (threadIdx.x == 0) {
-            dw[ch] += sum_dyx;
-            db[ch] += sum_dy;
+        float a, bb;
+        if (mode == MGPU__BN_GIVEN) {
+            a = sync[ch];
+            bb = sync[c + ch];
+        } else {
+            float s1 = 0.0f, s2 = 0.0f;
+            channel_walk(n, c, hw, ch, [&](int64_t j) { s1 += dy[j]; s2 += dy[j] * ((x[j] - mean) * rstd); });
+            const float sum_dy = block_reduce(s1, sum_op<float>());
+            const float sum_dyx = block_reduce(s2, sum_op<float>());
+            if (threadIdx.x == 0) {
+                dw[ch] += sum_dyx;
+                db[ch] += sum_dy;
+                if (mode == MGPU__BN_STATS) {
+                    sync[ch] = sum_dy;
+                    sync[c + ch] = sum_dyx;
+                }
+            }
+            a = sum_dy / (float)m;
+            bb = sum_dyx / (float)m;
         }
-        if (dx) {
-            const float k = w[ch] * rstd, a = sum_dy / (float)m, bb = sum_dyx / (float)m;
+        if (dx && mode != MGPU__BN_STATS) {
+            const float k = w[ch] * rstd;
             channel_walk(n, c, hw, ch, [&](int64_t j) { dx[j] = k * (dy[j] - a - (x[j] - mean) * rstd * bb); });
         }
         __syncthreads();
@@ -1304,24 +1336,25 @@ batch_norm_backward_kernel(int64_t n, int64_t c, int64_t hw, const float* x, con
 }
 
 int mgpu__cu_batch_norm(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x, const float* weight,
-                        const float* bias, float* running_mean, float* running_var, float* count, int training,
-                        float momentum, float eps, float* save_mean, float* save_rstd, float* y) {
+                        const float* bias, float* running_mean, float* running_var, float* count, int mode,
+                        float momentum, float eps, float* save_mean, float* save_rstd, float* sync, float* y) {
     USE_DEVICE(dev);
     if (n <= 0 || c <= 0 || hw <= 0) return MGPU__CU_OK;
     batch_norm_kernel<<<blocks_for(c, 1), kThreads, 0, as_stream(stream)>>>(n, c, hw, x, weight, bias, running_mean,
-                                                                          running_var, count, training, momentum, eps,
-                                                                          save_mean, save_rstd, y);
+                                                                          running_var, count, mode, momentum, eps,
+                                                                          save_mean, save_rstd, sync, y);
     CHECK_LAUNCH("batch_norm", dev);
     return MGPU__CU_OK;
 }
 
 int mgpu__cu_batch_norm_backward(int dev, void* stream, int64_t n, int64_t c, int64_t hw, const float* x,
                                  const float* dy, const float* weight, const float* save_mean, const float* save_rstd,
-                                 float* dweight, float* dbias, float* dx) {
+                                 int mode, float* sync, float* dweight, float* dbias, float* dx) {
     USE_DEVICE(dev);
     if (n <= 0 || c <= 0 || hw <= 0) return MGPU__CU_OK;
     batch_norm_backward_kernel<<<blocks_for(c, 1), kThreads, 0, as_stream(stream)>>>(n, c, hw, x, dy, weight, save_mean,
-                                                                                   save_rstd, dweight, dbias, dx);
+                                                                                   save_rstd, mode, sync, dweight, dbias,
+                                                                                   dx);
     CHECK_LAUNCH("batch_norm_backward", dev);
     return MGPU__CU_OK;
 }

@@ -5,7 +5,7 @@
 
    Flags as build/train's: --data DIR, --epochs N [2], --batch N [64], --lr F [0.05, SGD with
    momentum 0.9 and a cosine schedule], --devices SPEC [auto], --seed N [1], --save FILE, --max-steps N
-   [0: no limit; a smoke test's short run, evaluated all the same]. The last
+   [0: no limit; a smoke test's short run, evaluated all the same], and --sync-bn. The last
    line is key=value pairs ending in test_acc=X, as build/train's. The layers:
      conv 3x3 (1 -> 32), BN, ReLU, max-pool 2            28x28 -> 14x14
      residual block: conv, BN, ReLU, conv, BN (+ x), ReLU at 32 channels
@@ -13,7 +13,9 @@
      residual block at 64 channels
      global average pooling (AdaptiveAvgPool2d((1, 1)) and flatten), Linear(64 -> 10)
    With several replicas, each normalises by the statistics of its own rows (as DDP without
-   SyncBatchNorm) and replica 0's running statistics are copied to the others after each step. */
+   SyncBatchNorm) and replica 0's running statistics are copied to the others after each step;
+   with --sync-bn, by the whole batch's (desc.sync_batch_norm, as nn.SyncBatchNorm), so that N
+   replicas train as one device would. */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -45,13 +47,14 @@ static mgpu_dataset* load(const char* dir, const char* split) {
 
 int main(int argc, char** argv) {
     const char *data = "/usr/share/datasets/fashion-mnist", *devices = "auto", *save = NULL;
-    int epochs = 2, batch = 64, i;
+    int epochs = 2, batch = 64, sync_bn = 0, i;
     unsigned long long seed = 1;
     float lr = 0.05f, loss = 0.0f, test_loss = 0.0f;
     int64_t correct = 0, steps = 0, max_steps = 0;
     for (i = 1; i < argc; ++i) {
         const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--help")) { printf("usage: resnet [--data DIR] [--epochs N] [--batch N] [--lr F] [--devices SPEC] [--seed N] [--save FILE] [--max-steps N]\n"); return 0; }
+        if (!strcmp(argv[i], "--help")) { printf("usage: resnet [--data DIR] [--epochs N] [--batch N] [--lr F] [--devices SPEC] [--seed N] [--save FILE] [--max-steps N] [--sync-bn]\n"); return 0; }
+        if (!strcmp(argv[i], "--sync-bn")) { sync_bn = 1; continue; }
         if (!v) FAIL("unknown option or missing value: '%s' (see --help)", argv[i]);
         if (!strcmp(argv[i], "--data")) data = v;
         else if (!strcmp(argv[i], "--devices")) devices = v;
@@ -78,7 +81,7 @@ int main(int argc, char** argv) {
                              mgpu_layer_global_avg_pool2d(), mgpu_layer_linear(64, 10) };
     mgpu_model* model = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(1, 28, 28), .layers = layers,
                                                               .layer_count = (int)(sizeof layers / sizeof layers[0]),
-                                                              .devices = set, .seed = seed });
+                                                              .devices = set, .seed = seed, .sync_batch_norm = sync_bn });
     mgpu_loader* loader = model ? mgpu_loader_create(train, &(mgpu_loader_desc){ .batch = batch, .shuffle = 1, .seed = seed,
                                                                                   .mean = MEAN, .std = STD }) : NULL;
     mgpu_loader* all = loader ? mgpu_loader_create(test, &(mgpu_loader_desc){ .batch = (int)test->count, .mean = MEAN, .std = STD }) : NULL;

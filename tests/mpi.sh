@@ -3,7 +3,8 @@
 # 1. build/test_mpi on 3 and on 2 ranks (rank 0 with two CPU replicas, the others one), and its
 #    emulated-GPU build on 3 ranks (rank 0 on two emulated GPUs, the others on one) with NCCL
 #    across processes (ncclCommInitRank in the emulator) and through MPI (MGPU_ALLREDUCE=host):
-#    each rank's summary is counted.
+#    each rank's summary is counted. With desc.sync_batch_norm, a rank failing inside a step ends
+#    the job at once with its message (rank 0 waits inside its backward for rank 1's numbers).
 # 2. build/train_mpi on Fashion-MNIST, 300 steps from seed 7, against build/train_cpu with all
 #    the replicas in one process; final checkpoints (parameters and optimizer state) compared:
 #      -np 2 --devices cpu      against cpu:2   the same bits
@@ -58,6 +59,14 @@ for run in "3 $b/test_mpi" "2 $b/test_mpi" "3 $emu_env $b/emu/test_mpi" "3 -x MG
         failed=$((failed + 1)); echo "  FAIL test_mpi on $np ranks: $ranks summaries, exit $rc"; printf '%s\n' "$out" | tail -n 15
     fi
 done
+# SyncBatchNorm: rank 1's backward fails while rank 0 waits inside its own for rank 1's numbers;
+# rank 1 ends the job at once with its message (the 60 s bound is far below MGPU_DIST_TIMEOUT's 300)
+out=$(timeout 60 $mpi -np 2 -x MGPU_TEST_MPI_SYNC_FAIL=1 "$b/test_mpi" 2>&1); rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && printf '%s\n' "$out" | grep -q "mgpu: rank 1 of 2: mgpu_model_train_step failed with desc.sync_batch_norm.*rank 1's backward fails on purpose; ending the job"; then
+    passed=$((passed + 1)); echo "  ok   SyncBatchNorm: a rank failing inside a step ends the job at once, with its message"
+else
+    failed=$((failed + 1)); echo "  FAIL SyncBatchNorm: a rank failing inside a step (exit $rc):"; printf '%s\n' "$out" | tail -n 8
+fi
 
 if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
     echo "  skip training across processes: no Fashion-MNIST in $data (apt-get install dataset-fashion-mnist)"

@@ -26,6 +26,9 @@
       second half of the batch has none, one where the job has none), also with rank 0 holding
       two replicas and with accumulate + apply: the parameters bit for bit after every step, the
       job's loss and each replica's bit for bit
+   8. SyncBatchNorm (desc.sync_batch_norm, BatchNorms at the top and inside a residual block):
+      the job against one process with every replica, parameters, running statistics and losses
+      bit for bit
 
    With MGPU_TEST_MPI_CUDA=1 (tests/mpi.sh runs the emulated build so, with MGPU_EMU_DEVICES=4):
    the same on GPUs, rank 0 on cuda:0,1 and the others on cuda:0, against one process on
@@ -747,6 +750,140 @@ static void test_gpt(void) {
     gpt_both("GPT, AdamW, accumulate + apply, labels ignored unevenly", one, adamw(), 4 * g_size + 1, 4, 1, 1);
 }
 
+/* ---- 8. SyncBatchNorm across processes ---- */
+/* [3, 2, 2] -> Conv2d(3, 4) -> BatchNorm2d -> ReLU -> Residual(Conv2d -> BatchNorm2d) -> global
+   average pooling -> Linear(4, OUT), with desc.sync_batch_norm. */
+static mgpu_model* make_bn(const mgpu_device_set* set, int distributed) {
+    mgpu_layer *layers[6], *f[2];
+    mgpu_model_desc d;
+    memset(&d, 0, sizeof d);
+    f[0] = mgpu_layer_conv2d(4, 4, 3, 1, 1);
+    f[1] = mgpu_layer_batch_norm2d(4);
+    layers[0] = mgpu_layer_conv2d(3, 4, 3, 1, 1);
+    layers[1] = mgpu_layer_batch_norm2d(4);
+    layers[2] = mgpu_layer_relu();
+    layers[3] = mgpu_layer_residual(mgpu_layer_sequential(f, 2), NULL);
+    layers[4] = mgpu_layer_global_avg_pool2d();
+    layers[5] = mgpu_layer_linear(4, OUT);
+    d.input = mgpu_shape3(3, 2, 2);
+    d.layers = layers;
+    d.layer_count = 6;
+    d.devices = set;
+    d.seed = 5;
+    d.distributed = distributed;
+    d.sync_batch_norm = 1;
+    return mgpu_model_create(&d);
+}
+
+/* Every parameter and buffer of replica 0 of a and b the same bits. */
+static int same_tensors(const mgpu_model* a, const mgpu_model* b) {
+    int i, same = mgpu_model_tensor_count(a) == mgpu_model_tensor_count(b);
+    for (i = 0; same && i < mgpu_model_tensor_count(a); ++i) {
+        const size_t n = (size_t)mgpu_tensor_numel(mgpu_model_tensor(a, 0, i));
+        float *ha = (float*)malloc(n * sizeof(float)), *hb = (float*)malloc(n * sizeof(float));
+        same = memcmp(host_floats(mgpu_model_tensor(a, 0, i), ha), host_floats(mgpu_model_tensor(b, 0, i), hb),
+                      n * sizeof(float)) == 0;
+        free(ha);
+        free(hb);
+    }
+    return same;
+}
+
+/* The batch statistics of the job's rows on every rank (uneven: rank 0 holds two replicas, and B
+   does not divide), against one process with every replica: the same parameters, running
+   statistics and losses, bit for bit. */
+static void test_sync_bn(void) {
+    const int64_t B = 2 * g_total + 1;
+    char spec[64];
+    mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
+    mgpu_model *dm = make_bn(set, 1), *ref;
+    mgpu_optimizer_desc od = sgd();
+    mgpu_optimizer *dopt, *ropt;
+    int s, ok = 1, losses = 1;
+    header("SyncBatchNorm across processes against one process with all the replicas");
+    if (!dm) { CHECK(0, "distributed mgpu_model_create with sync_batch_norm: %s", mgpu_last_error()); mgpu_device_set_destroy(set); return; }
+    all_spec(spec, sizeof spec, mgpu_model_total_replica_count(dm));
+    all = mgpu_device_set_create(spec);
+    ref = make_bn(all, 0);
+    dopt = mgpu_optimizer_create(dm, &od);
+    ropt = mgpu_optimizer_create(ref, &od);
+    for (s = 0; s < 3 && ok; ++s) {
+        mgpu_tensor *x, *y, *images, *xs, *ys;
+        int64_t from, count;
+        float dl = 0.0f, rl = 0.0f;
+        make_batch(B, &x, &y);
+        images = mgpu_tensor_view_reshape(x, mgpu_shape4(B, 3, 2, 2));
+        my_rows(dm, B, &from, &count);
+        xs = mgpu_tensor_view_rows(images, from, count);
+        ys = mgpu_tensor_view_rows(y, from, count);
+        ok &= mgpu_model_train_step(dm, dopt, xs, ys, &dl) == MGPU_OK;
+        ok &= mgpu_model_train_step(ref, ropt, images, y, &rl) == MGPU_OK;
+        losses &= dl == rl;
+        mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(images);
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    CHECK(ok, "SyncBatchNorm: 3 steps: %s", ok ? "" : mgpu_last_error());
+    CHECK(losses, "SyncBatchNorm: the job's loss is the one process's, bit for bit");
+    CHECK(same_tensors(dm, ref), "SyncBatchNorm, batch %lld: the same parameters and running statistics as one process on "
+          "%s, bit for bit", (long long)B, spec);
+    CHECK(mgpu_model_verify_replicas(dm) == MGPU_OK, "SyncBatchNorm: every replica of every rank the same: %s", mgpu_last_error());
+    mgpu_optimizer_destroy(dopt); mgpu_optimizer_destroy(ropt);
+    mgpu_model_destroy(dm); mgpu_model_destroy(ref);
+    mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
+}
+
+/* MGPU_TEST_MPI_SYNC_FAIL=1 (tests/mpi.sh): the model above with an identity layer after the
+   first BatchNorm whose backward fails on rank 1. The other ranks then wait, inside their
+   backward, for rank 1's SyncBatchNorm numbers: rank 1 must end the job at once with its message
+   (mpi.sh checks both), never leave them waiting. Returns only if it did not. */
+static mgpu_result fail_on_rank1(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                 const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    if (g_rank == 1) return mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "Fail: rank 1's backward fails on purpose");
+    return mgpu_tensor_copy(dx, dy);
+}
+static mgpu_result identity_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    return mgpu_tensor_copy(y, x);
+}
+static const mgpu_layer_vtable fail_vt = {
+    "Fail", NULL, NULL, NULL, NULL, NULL, NULL, identity_forward, fail_on_rank1, NULL, NULL, NULL, NULL
+};
+static int sync_bn_failure(void) {
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_layer* layers[5];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    mgpu_optimizer_desc od = sgd();
+    mgpu_optimizer* opt;
+    mgpu_tensor *x, *y, *images, *xs, *ys;
+    int64_t from, count;
+    mgpu_result r;
+    memset(&d, 0, sizeof d);
+    layers[0] = mgpu_layer_conv2d(3, 4, 3, 1, 1);
+    layers[1] = mgpu_layer_batch_norm2d(4);
+    layers[2] = mgpu_layer_create(&fail_vt, NULL);
+    layers[3] = mgpu_layer_global_avg_pool2d();
+    layers[4] = mgpu_layer_linear(4, OUT);
+    d.input = mgpu_shape3(3, 2, 2);
+    d.layers = layers;
+    d.layer_count = 5;
+    d.devices = set;
+    d.distributed = 1;
+    d.sync_batch_norm = 1;
+    m = mgpu_model_create(&d);
+    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    if (!opt) { printf("FAIL rank %d: model: %s\n", g_rank, mgpu_last_error()); return 1; }
+    make_batch(2 * g_total, &x, &y);
+    images = mgpu_tensor_view_reshape(x, mgpu_shape4(2 * g_total, 3, 2, 2));
+    my_rows(m, 2 * g_total, &from, &count);
+    xs = mgpu_tensor_view_rows(images, from, count);
+    ys = mgpu_tensor_view_rows(y, from, count);
+    r = mgpu_model_train_step(m, opt, xs, ys, NULL);
+    printf("FAIL rank %d: the step returned (%s: %s) instead of ending the job\n", g_rank, mgpu_result_string(r), mgpu_last_error());
+    return 1;
+}
+
 int main(int argc, char** argv) {
     const char* dir = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     int status;
@@ -759,6 +896,7 @@ int main(int argc, char** argv) {
     if (g_cuda) { printf("MGPU_TEST_MPI_CUDA=1 needs a CUDA (or emulated) build\n0 passed, 1 failed, 0 skipped\n"); return 1; }
 #endif
     g_state = 42;
+    if (getenv("MGPU_TEST_MPI_SYNC_FAIL") && !strcmp(getenv("MGPU_TEST_MPI_SYNC_FAIL"), "1")) return sync_bn_failure();
     test_start("test_mpi");
     test_select(argc, argv);
     TEST_GROUP(test_job());
@@ -770,6 +908,7 @@ int main(int argc, char** argv) {
         TEST_GROUP(test_loader(dir));
         TEST_GROUP(test_loader_tokens());
         TEST_GROUP(test_gpt());
+        TEST_GROUP(test_sync_bn());
     }
     (void)test_rel_error;   /* test.h's, unused here */
     printf("rank %d ", g_rank);

@@ -2593,6 +2593,181 @@ static void test_suspect(void) {
     CHECK(suspects > 0 && suspects < cases, "%d of %d failed steps left a suspect model: want some, not all", suspects, cases);
 }
 
+/* ============================================================================================ */
+/* 14. SyncBatchNorm: every replica normalises by the whole batch                              */
+/* ============================================================================================ */
+/* [2, 5, 5] -> Conv2d(2, 4) -> BatchNorm2d -> ReLU -> Residual(Conv2d -> BatchNorm2d -> ReLU ->
+   Conv2d -> BatchNorm2d) -> [Fail] -> global average pooling -> Linear(4, 3): BatchNorms at the
+   top and inside a container. with_fail puts the "Fail" layer (its backward fails on g_fail_dev
+   while armed) after them, so that backward reaches it before any BatchNorm. */
+static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int micro, int with_fail) {
+    mgpu_layer *layers[7], *f[5];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    int n = 0;
+    f[0] = mgpu_layer_conv2d(4, 4, 3, 1, 1); f[1] = mgpu_layer_batch_norm2d(4); f[2] = mgpu_layer_relu();
+    f[3] = mgpu_layer_conv2d(4, 4, 3, 1, 1); f[4] = mgpu_layer_batch_norm2d(4);
+    layers[n++] = mgpu_layer_conv2d(2, 4, 3, 1, 1);
+    layers[n++] = mgpu_layer_batch_norm2d(4);
+    layers[n++] = mgpu_layer_relu();
+    layers[n++] = mgpu_layer_residual(mgpu_layer_sequential(f, 5), NULL);
+    if (with_fail) layers[n++] = mgpu_layer_create(&fail_vt, NULL);
+    layers[n++] = mgpu_layer_global_avg_pool2d();
+    layers[n++] = mgpu_layer_linear(4, 3);
+    memset(&d, 0, sizeof d);
+    d.input = mgpu_shape3(2, 5, 5);
+    d.layers = layers;
+    d.layer_count = n;
+    d.devices = set;
+    d.loss = MGPU_LOSS_CROSS_ENTROPY;
+    d.seed = 99;
+    d.stages = stages;
+    d.micro_batches = micro;
+    d.sync_batch_norm = sync;
+    m = mgpu_model_create(&d);
+    CHECK(m != NULL, "mgpu_model_create on %s with sync_batch_norm %d: %s", set ? mgpu_device_set_spec(set) : "cpu", sync,
+          mgpu_last_error());
+    return m;
+}
+
+/* Steps of the BatchNorm net on spec: losses, and every replica's parameters and buffers (as
+   train_run's). */
+static void bn_run(const char* spec, int sync, int stages, int micro, const batch_set* bs, run_out* o) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = bn_net(set, sync, stages, micro, 0);
+    mgpu_optimizer_desc od = sgd_desc();
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    int s;
+    memset(o, 0, sizeof *o);
+    o->ok = opt != NULL;
+    if (!opt) snprintf(o->error, sizeof o->error, "%s", mgpu_last_error());
+    for (s = 0; o->ok && s < bs->steps; ++s) {
+        mgpu_result r = mgpu_model_train_step(m, opt, bs->x[s], bs->y[s], &o->loss[s]);
+        if (r != MGPU_OK) {
+            o->ok = 0;
+            snprintf(o->error, sizeof o->error, "step %d: %s: %s", s, mgpu_result_string(r), mgpu_last_error());
+        }
+    }
+    if (m) run_finish(m, o);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+/* One accumulated batch, no update (so no copy of replica 0's buffers): with the meeting every
+   replica's running statistics are the same bits; without, each replica's own rows moved its own. */
+static void bn_buffers_case(const char* spec, int sync, const batch_set* bs) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = bn_net(set, sync, 1, 1, 0);
+    int i, r, same = 1;
+    if (!m) goto done;
+    CHECK(mgpu_model_accumulate(m, bs->x[0], bs->y[0], 0, NULL) == MGPU_OK, "%s: accumulate: %s", spec, mgpu_last_error());
+    for (i = 0; i < mgpu_model_tensor_count(m); ++i) {
+        const int64_t n = mgpu_tensor_numel(mgpu_model_tensor(m, 0, i));
+        float *a = fbuf(n), *b = fbuf(n);
+        if (!mgpu_model_tensor_is_buffer(m, i)) { free(a); free(b); continue; }
+        tget(mgpu_model_tensor(m, 0, i), a);
+        for (r = 1; r < mgpu_model_replica_count(m); ++r) {
+            tget(mgpu_model_tensor(m, r, i), b);
+            if (memcmp(a, b, (size_t)n * sizeof(float)) != 0) same = 0;
+        }
+        free(a);
+        free(b);
+    }
+    CHECK(same == sync, "%s, sync_batch_norm %d: the replicas' running statistics after a batch are %s", spec, sync,
+          same ? "the same bits" : "not the same");
+done:
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+/* Two replicas meeting, replica 1's backward failing before any BatchNorm's: replica 0 waits at
+   its first BatchNorm's meeting in backward and is woken; the step fails with replica 1's
+   message, at once, and after a resync the next batch runs. */
+static void bn_failure_case(const char* spec, const batch_set* bs) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = bn_net(set, 1, 1, 1, 1);
+    mgpu_result r;
+    if (!m) goto done;
+    g_fail_dev = mgpu_device_set_get(set, 1);
+    g_fail_armed = 1;
+    r = mgpu_model_accumulate(m, bs->x[0], bs->y[0], 0, NULL);
+    g_fail_armed = 0;
+    CHECK(r != MGPU_OK && has(mgpu_last_error(), "replica 1") && !has(mgpu_last_error(), "another replica failed"),
+          "%s: a step whose replica 1 fails: %s: %s", spec, mgpu_result_string(r), mgpu_last_error());
+    /* its forward passes moved the running statistics: suspect until a resync */
+    CHECK(mgpu_model_suspect(m) != NULL, "%s: a batch that failed after its forward passes left the model not suspect", spec);
+    CHECK(mgpu_model_resync(m, NULL) == MGPU_OK && mgpu_model_zero_grad(m) == MGPU_OK &&
+          mgpu_model_accumulate(m, bs->x[0], bs->y[0], 0, NULL) == MGPU_OK, "%s: resync and the batch after the failed one: %s",
+          spec, mgpu_last_error());
+done:
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_sync_batch_norm(void) {
+    mlp_cfg shape = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    batch_set bs;
+    run_out ref, got, plain;
+    const int steps = 3;
+    shape.in = 2 * 5 * 5;
+    shape.out = 3;
+    make_batches(&bs, steps, 7, &shape);   /* 7 rows: uneven on 2, 3 and 4 replicas */
+    {   /* the batches as images */
+        int s;
+        for (s = 0; s < steps; ++s) {
+            mgpu_tensor* image = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(7, 2, 5, 5));
+            memcpy(mgpu_tensor_data(image), mgpu_tensor_data(bs.x[s]), 7 * 50 * sizeof(float));
+            mgpu_tensor_destroy(bs.x[s]);
+            bs.x[s] = image;
+        }
+    }
+    bn_run("cpu", 0, 1, 1, &bs, &ref);
+    CHECK(ref.ok, "SyncBatchNorm's reference, one CPU: %s", ref.error);
+    bn_run("cpu:2", 1, 1, 1, &bs, &got);
+    compare_runs("SyncBatchNorm, cpu:2 against one CPU", &got, &ref, steps, 1e-5);
+    run_free(&got);
+    bn_run("cpu:3", 1, 1, 1, &bs, &got);
+    compare_runs("SyncBatchNorm, cpu:3 (rows 3, 2, 2) against one CPU", &got, &ref, steps, 1e-5);
+    run_free(&got);
+    bn_run("cpu:2", 0, 1, 1, &bs, &plain);   /* the test can fail: each replica's own statistics differ */
+    CHECK(plain.ok && params_error(&plain, &ref) > 1e-3, "cpu:2 without the meeting: parameters %.3g from one CPU's (want "
+          "> 1e-3, or the comparison above proves nothing): %s", params_error(&plain, &ref), plain.error);
+    run_free(&plain);
+    bn_buffers_case("cpu:2", 1, &bs);
+    bn_buffers_case("cpu:2", 0, &bs);
+    bn_failure_case("cpu:2", &bs);
+    /* a pipeline's stages meet their own copies: 2 replicas x 2 stages x 2 micro-batches, the same
+       bits as 2 replicas of one stage with 2 micro-batches */
+    bn_run("cpu:2", 1, 1, 2, &bs, &plain);
+    bn_run("cpu:4", 1, 2, 2, &bs, &got);
+    CHECK(plain.ok && got.ok && same_bits(&got, &plain, steps), "SyncBatchNorm, cpu:4 as 2 stages x 2 micro-batches against "
+          "cpu:2 with 2 micro-batches: not the same bits (%s / %s)", got.error, plain.error);
+    run_free(&got);
+    if (gpu_group("SyncBatchNorm on GPUs")) {
+        bn_run("cuda:0,0", 1, 1, 1, &bs, &got);
+        compare_runs("SyncBatchNorm, cuda:0,0 against one CPU", &got, &ref, steps, 1e-4);
+        run_free(&got);
+        bn_run("cuda:0,0,0", 1, 1, 1, &bs, &got);
+        compare_runs("SyncBatchNorm, cuda:0,0,0 against one CPU", &got, &ref, steps, 1e-4);
+        run_free(&got);
+        if (g_gpus >= 2) {
+            bn_run("cuda:0,1", 1, 1, 1, &bs, &got);
+            compare_runs("SyncBatchNorm, cuda:0,1 against one CPU", &got, &ref, steps, 1e-4);
+            run_free(&got);
+        }
+        bn_run("cuda:0,0,0,0", 1, 2, 2, &bs, &got);
+        compare_runs("SyncBatchNorm, cuda:0,0,0,0 as 2 stages x 2 micro-batches against cpu:2 with 2 micro-batches", &got,
+                     &plain, steps, 1e-4);
+        run_free(&got);
+        bn_buffers_case("cuda:0,0", 1, &bs);
+        bn_failure_case("cuda:0,0", &bs);
+    }
+    run_free(&plain);
+    run_free(&ref);
+    free_batches(&bs);
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -2620,6 +2795,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_pipeline());
     TEST_GROUP(test_counters());
     TEST_GROUP(test_suspect());
+    TEST_GROUP(test_sync_batch_norm());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");
