@@ -10,7 +10,8 @@
    (mgpu_sum, mgpu_mul), one all-reduce adds those sums across the replicas (mgpu_allreduce_sum),
    and every replica divides by the batch's count: the whole batch's mean and variance, on every
    replica. (PyTorch's SyncBatchNorm gathers each replica's mean, 1/std and count instead and
-   combines them; the same statistics.)
+   combines them; the same statistics. mgpu's own, the model desc's sync_batch_norm, combines
+   each replica's count, mean and squared deviations.)
 
    Run:  build/course/10_ex2 cpu:2                                            */
 // course-run: cpu:2
