@@ -11409,6 +11409,7 @@ static mgpu_result mgpu__meet_slot(size_t doubles, double** slot) {
     return MGPU_OK;
 }
 
+#ifndef MGPU_NO_THREADS
 /* Every replica's [rows, a per channel, b per channel] into the first: means and squared
    deviations (MGPU__MEET_STATISTICS), or sums (MGPU__MEET_SUMS), in replica order. */
 static void mgpu__meet_combine(int kind, int64_t c, double* all, int count) {
@@ -11432,7 +11433,6 @@ static void mgpu__meet_combine(int kind, int64_t c, double* all, int count) {
     }
 }
 
-#ifndef MGPU_NO_THREADS
 /* The last to arrive: every copy's slot, from this process's parts and the other ranks. */
 static mgpu_result mgpu__meet_all(mgpu_model* m, int stage, int kind, int64_t c) {
     mgpu__meet_point* pt = &m->meets[stage];
@@ -11489,6 +11489,7 @@ static mgpu_result mgpu__meet(int kind, int64_t c) {
     return r;
 #else
     (void)kind; (void)c;
+    (void)mgpu__dist_meet;   /* (mgpu_model_create refuses sync_batch_norm in this build) */
     return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "SyncBatchNorm: no threads in this build");
 #endif
 }
@@ -11922,8 +11923,9 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
    devices or of several processes, a custom layer (whose work may change from step to step on
    the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
-   deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce or
-   desc.check_finite (the host reads the check before the update). A capture that
+   deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce,
+   desc.check_finite (the host reads the check before the update) or desc.sync_batch_norm (the
+   replicas meet on the host inside their passes). A capture that
    fails (something in it waited for the host or allocated, another thread's call that capture
    forbids) may have met a passing cause: that step and the next MGPU__GRAPH_RETRY_STEPS run
    eagerly, then the capture is tried again; after MGPU__GRAPH_TRIES failures in a row the steps
@@ -11935,6 +11937,7 @@ static int mgpu__graph_possible(mgpu_model* m, char* why, size_t size) {
     why[0] = 0;
     if (m->check_finite) snprintf(why, size, "desc.check_finite (the host reads the gradients' check before each update)");
     if (!why[0] && m->dist) snprintf(why, size, "a model of several processes (its ranks vote on the host every step)");
+    if (!why[0] && m->sync_bn) snprintf(why, size, "desc.sync_batch_norm (the replicas meet on the host inside each pass)");
     for (i = 0; !why[0] && i < m->part_count; ++i)
         if (m->part[i].dev->kind != MGPU_DEVICE_CUDA) snprintf(why, size, "%s is not a GPU", m->part[i].dev->label);
     for (i = 0; !why[0] && i < m->layer_count; ++i)

@@ -2710,6 +2710,25 @@ static void test_sync_batch_norm(void) {
     batch_set bs;
     run_out ref, got, plain;
     const int steps = 3;
+#ifdef MGPU_NO_THREADS
+    {   /* replicas cannot meet without threads: refused, and said why */
+        mgpu_device_set* set = mkset("cpu:2");
+        mgpu_layer* layers[1] = { mgpu_layer_batch_norm2d(2) };
+        mgpu_model_desc d;
+        memset(&d, 0, sizeof d);
+        d.input = mgpu_shape3(2, 2, 2);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = set;
+        d.loss = MGPU_LOSS_MSE;
+        d.sync_batch_norm = 1;
+        CHECK(mgpu_model_create(&d) == NULL && mgpu_last_result() == MGPU_ERROR_UNSUPPORTED &&
+              has(mgpu_last_error(), "thread per replica"), "sync_batch_norm without threads: %s", mgpu_last_error());
+        mgpu_device_set_destroy(set);
+        SKIP("SyncBatchNorm: a build without threads (MGPU_NO_THREADS)");
+        return;
+    }
+#endif
     shape.in = 2 * 5 * 5;
     shape.out = 3;
     make_batches(&bs, steps, 7, &shape);   /* 7 rows: uneven on 2, 3 and 4 replicas */
