@@ -5867,11 +5867,12 @@ static void mgpu__bn_backward_task(void* ctx, int64_t ch) {
             j->dx[at] = (float)(k * (j->dy[at] - a - (j->x[at] - mean) * rstd * bb));
         }
 }
-/* SyncBatchNorm on a GPU: GIVEN's numbers up before the kernel, STATS's down after it. */
-static mgpu_result mgpu__bn_sync_up(const mgpu__bn_job* j, mgpu_tensor* sync_dev, float* stage) {
+/* SyncBatchNorm on a GPU: GIVEN's numbers up before the kernel (forward's 3c, backward's 2c, the
+   rest zeros), STATS's down after it. */
+static mgpu_result mgpu__bn_sync_up(const mgpu__bn_job* j, int64_t numbers, mgpu_tensor* sync_dev, float* stage) {
     int64_t i;
     if (j->mode != MGPU__BN_GIVEN) return MGPU_OK;
-    for (i = 0; i < 3 * j->c; ++i) stage[i] = (float)j->sync[i];
+    for (i = 0; i < 3 * j->c; ++i) stage[i] = i < numbers ? (float)j->sync[i] : 0.0f;
     return mgpu_tensor_upload(sync_dev, stage, (size_t)(3 * j->c) * sizeof(float));
 }
 static mgpu_result mgpu__bn_sync_down(const mgpu__bn_job* j, const mgpu_tensor* sync_dev, float* stage) {
@@ -5892,7 +5893,7 @@ static mgpu_result mgpu__batch_norm(const mgpu_tensor* x, const mgpu_tensor* w, 
     j.sync = sync;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__TRY(mgpu__bn_sync_up(&j, sync_dev, stage));
+        MGPU__TRY(mgpu__bn_sync_up(&j, 3 * j.c, sync_dev, stage));
         MGPU__CU("BatchNorm2d forward", MGPU__DEV(x),
                  mgpu__cu_batch_norm(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(w), MGPU__F32(b),
                                      MGPU__F32(buf[0]), MGPU__F32(buf[1]), MGPU__F32(buf[2]), mode, momentum, eps,
@@ -5918,7 +5919,7 @@ static mgpu_result mgpu__batch_norm_backward(const mgpu_tensor* x, const mgpu_te
     j.sync = sync;
     MGPU__COUNT(MGPU__DEV(dw), ops, 1);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__TRY(mgpu__bn_sync_up(&j, sync_dev, stage));
+        MGPU__TRY(mgpu__bn_sync_up(&j, 2 * j.c, sync_dev, stage));
         MGPU__CU("BatchNorm2d backward", MGPU__DEV(x),
                  mgpu__cu_batch_norm_backward(MGPU__CUDA_ARGS(MGPU__DEV(x)), j.n, j.c, j.hw, MGPU__F32(x), MGPU__F32(dy),
                                               MGPU__F32(w), MGPU__F32(save_mean), MGPU__F32(save_rstd), mode,
