@@ -731,7 +731,10 @@ MGPUDEF mgpu_layer* mgpu_layer_conv1d(int in_features, int out_features);
 /* ReLU, Tanh and Sigmoid take their gradient from their output; in a model, right after a Linear,
    Conv2d or BatchNorm2d (of the same pipeline stage) they write over its output, as
    nn.ReLU(inplace=True) would: that layer's backward does not read it. A model's activation
-   gradients take turns in two buffers per stage. Neither changes a bit of the results. */
+   gradients take turns in two buffers per stage, and with cross-entropy the loss's gradient
+   is written over the model's output when the last layer's backward does not read it (a
+   Linear's: the logits, as llm.c's fused classifier does). None of it changes a bit of the
+   results; after a training step the output of its forward holds that gradient. */
 MGPUDEF mgpu_layer* mgpu_layer_relu(void);
 MGPUDEF mgpu_layer* mgpu_layer_gelu(void);
 MGPUDEF mgpu_layer* mgpu_layer_tanh(void);
@@ -11202,8 +11205,20 @@ static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tenso
     return mgpu__softmax_xent(loss, dout ? &dlogits : NULL, &logits, &labels, grad_scale, mean_factor);
 }
 
+/* Where a step's loss gradient goes: over the output itself with cross-entropy (its kernels read
+   a row before they write it), when the last layer's backward never reads its output (a Linear's:
+   struct mgpu_layer, output_unused), as llm.c's fused classifier writes the logits' gradient over
+   the logits (a GPT's largest tensor: 1.6 GB at GPT-2's vocabulary, 8 x 1024 positions);
+   else the slot's own dout. */
+static int mgpu__loss_grad_in_place(const mgpu_model* m) {
+    return m->loss != MGPU_LOSS_MSE && m->layers[m->layer_count - 1]->output_unused;
+}
+static mgpu_tensor* mgpu__slot_dout(const mgpu_model* m, mgpu__slot* sl) {
+    return mgpu__loss_grad_in_place(m) ? sl->act[m->layer_count - 1] : sl->dout;
+}
+
 /* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
-   batch in the slot's dout. */
+   batch (mgpu__slot_dout). */
 static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     mgpu_model* m = b->m;
     const int r = p->replica;
@@ -11220,17 +11235,18 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     tk = mgpu__rows(&b->ts[r], start, count);
     lk = mgpu__rows(p->losses, k, 1);
     if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(b->op, "target", &tk, "output", out));
-    MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, out->shape));
+    if (!mgpu__loss_grad_in_place(m)) MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, out->shape));
     /* The gradient of the WHOLE batch's mean loss: summed over replicas and micro-batches it is
        exactly the one-device gradient, however unevenly the rows were split. MSE averages
        every element. */
     if (m->loss != MGPU_LOSS_MSE && b->labels_on_device)   /* its own mean, weighted by its positions' share */
-        return mgpu__loss(m, &lk, out, &tk, sl->dout, 0.0f,
+        return mgpu__loss(m, &lk, out, &tk, mgpu__slot_dout(m, sl), 0.0f,
                           b->grad_terms > 0.0 ? (float)((double)m->terms[r * m->micro_batches + k] / b->grad_terms) : 0.0f);
     if (m->loss != MGPU_LOSS_MSE)   /* the mean over the batch's labels that are not ignored */
-        return mgpu__loss(m, &lk, out, &tk, sl->dout, b->grad_terms > 0.0 ? (float)(1.0 / b->grad_terms) : 0.0f, 1.0f);
+        return mgpu__loss(m, &lk, out, &tk, mgpu__slot_dout(m, sl), b->grad_terms > 0.0 ? (float)(1.0 / b->grad_terms) : 0.0f,
+                          1.0f);
     per_row = (double)mgpu_tensor_numel(out) / (double)MGPU__MAX(count, 1);
-    return mgpu__loss(m, &lk, out, &tk, sl->dout, (float)(1.0 / ((double)b->batch_total * per_row)), 1.0f);
+    return mgpu__loss(m, &lk, out, &tk, mgpu__slot_dout(m, sl), (float)(1.0 / ((double)b->batch_total * per_row)), 1.0f);
 }
 
 /* The two as a trace sees them: a slice each, from when their input is there (on a GPU the
@@ -11260,7 +11276,7 @@ static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k, int 
     MGPU__TRY(mgpu__part_wait(b->op, m, p, k, 1));
     t = mgpu__trace_open(m, (int)(p - m->part), 0, p->dev->stream, "B %d", k);
     for (l = m->stage_layer[p->stage + 1] - 1; l >= m->stage_layer[p->stage] && r == MGPU_OK; --l) {
-        r = mgpu__part_backward_layer(m, p, k, l, p->slot[k % p->slot_count].dout, 0);
+        r = mgpu__part_backward_layer(m, p, k, l, mgpu__slot_dout(m, &p->slot[k % p->slot_count]), 0);
         if (r == MGPU_OK && mark_buckets) r = mgpu__mark_buckets(m, p, l);
     }
     if (r == MGPU_OK) r = mgpu__part_backward_done(p, k);

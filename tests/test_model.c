@@ -3151,18 +3151,25 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
 }
 /* The activations in place change no bit: the same model with each activation inside a
    Sequential of one (a container's child never runs over its input) trains to the same
-   parameters. a and b: the two models; 4 SGD steps on a random batch of x's and y's shapes. */
+   parameters. a and b: the two models; 4 SGD steps on a random batch of x's and y's shapes (y:
+   labels below `classes`, or with 0 random MSE targets). */
 static mgpu_layer* boxed(mgpu_layer* l) { return mgpu_layer_sequential(&l, 1); }
-static void same_bits_in_place(mgpu_model* a, mgpu_model* b, mgpu_device* dev, mgpu_shape xs, mgpu_shape ys, const char* what) {
+static void same_bits_in_place(mgpu_model* a, mgpu_model* b, mgpu_device* dev, mgpu_shape xs, mgpu_shape ys, int classes,
+                               const char* what) {
     const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f };
     mgpu_optimizer* oa = a ? mgpu_optimizer_create(a, &od) : NULL;
     mgpu_optimizer* ob = b ? mgpu_optimizer_create(b, &od) : NULL;
-    mgpu_tensor *x = tmake(dev, MGPU_F32, xs), *y = tmake(dev, MGPU_F32, ys);
+    mgpu_tensor *x = tmake(dev, MGPU_F32, xs), *y = classes ? tmake(mgpu_device_cpu(), MGPU_I32, ys) : tmake(dev, MGPU_F32, ys);
     int step;
     if (oa && ob && x && y) {
         float *pa, *pb;
+        int64_t i;
         MUST(mgpu_rand_normal(x, 5, 0, 0.0f, 2.0f));
-        MUST(mgpu_rand_uniform(y, 6, 0, -1.0f, 1.0f));
+        if (classes)   /* labels */
+            for (i = 0; i < mgpu_tensor_numel(y); ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (int32_t)((i * 7) % classes);
+        else MUST(mgpu_rand_uniform(y, 6, 0, -1.0f, 1.0f));
+        /* the same start (a container's child draws its initial values from a stream of its own) */
+        MUST(mgpu_tensor_copy(mgpu_model_params(b, 0), mgpu_model_params(a, 0)));
         for (step = 0; step < 4; ++step) {
             MUST(mgpu_model_train_step(a, oa, x, y, NULL));
             MUST(mgpu_model_train_step(b, ob, x, y, NULL));
@@ -3189,22 +3196,57 @@ static void activation_in_place_bits(const mgpu_device_set* devs, mgpu_device* d
                        MODEL(mgpu_shape1(W), devs, MGPU_LOSS_MSE, 11, mgpu_layer_linear(W, W), boxed(mgpu_layer_relu()),
                              mgpu_layer_linear(W, W), boxed(mgpu_layer_tanh()), boxed(mgpu_layer_sigmoid()),
                              mgpu_layer_linear(W, W), boxed(mgpu_layer_sigmoid()), mgpu_layer_linear(W, 5)),
-                       dev, mgpu_shape2(B, W), mgpu_shape2(B, 5), "ReLU, Tanh, Sigmoid after Linear");
+                       dev, mgpu_shape2(B, W), mgpu_shape2(B, 5), 0, "ReLU, Tanh, Sigmoid after Linear");
     same_bits_in_place(MODEL(mgpu_shape3(2, 6, 6), devs, MGPU_LOSS_MSE, 12, mgpu_layer_conv2d(2, 4, 3, 1, 1), mgpu_layer_relu(),
                              mgpu_layer_batch_norm2d(4), mgpu_layer_relu(), mgpu_layer_flatten(), mgpu_layer_linear(144, 3)),
                        MODEL(mgpu_shape3(2, 6, 6), devs, MGPU_LOSS_MSE, 12, mgpu_layer_conv2d(2, 4, 3, 1, 1),
                              boxed(mgpu_layer_relu()), mgpu_layer_batch_norm2d(4), boxed(mgpu_layer_relu()),
                              mgpu_layer_flatten(), mgpu_layer_linear(144, 3)),
-                       dev, mgpu_shape4(6, 2, 6, 6), mgpu_shape2(6, 3), "ReLU after Conv2d and BatchNorm2d");
+                       dev, mgpu_shape4(6, 2, 6, 6), mgpu_shape2(6, 3), 0, "ReLU after Conv2d and BatchNorm2d");
+}
+/* Cross-entropy's gradient over the logits (llm.c's fused classifier's way): a first step of
+   Linear -> ReLU -> Linear(W, V) adds the logits and no second buffer of their size, where a
+   gradient buffer of its own would; and 4 steps give the same bits as the last Linear inside a
+   container (whose output keeps its gradient apart). */
+static void loss_in_place(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 64, W = 16, V = 2000;
+    const size_t logits = (size_t)B * V * sizeof(float), slack = 64 * 1024;
+    mgpu_model* m = MODEL(mgpu_shape1(W), devs, MGPU_LOSS_CROSS_ENTROPY, 21, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                          mgpu_layer_linear(W, V));
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, NULL) : NULL;
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, W)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(B));
+    mgpu_memory_stats s0, s1;
+    int64_t i;
+    CHECK(m && opt, "loss gradient in place: the model: %s", mgpu_last_error());
+    if (m && opt && x && y) {
+        MUST(mgpu_rand_uniform(x, 3, 0, -1.0f, 1.0f));
+        for (i = 0; i < B; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (int32_t)((i * 7919) % V);
+        MUST(mgpu_memory_get_stats(dev, &s0));
+        MUST(mgpu_model_train_step(m, opt, x, y, NULL));
+        MUST(mgpu_memory_get_stats(dev, &s1));
+        CHECK(s1.bytes_in_use - s0.bytes_in_use <= logits + slack,
+              "loss gradient in place on %s: a first step added %zu bytes, the logits %zu (and at most %zu more): a buffer for "
+              "their gradient?", mgpu_device_label(dev), s1.bytes_in_use - s0.bytes_in_use, logits, slack);
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    same_bits_in_place(MODEL(mgpu_shape1(W), devs, MGPU_LOSS_CROSS_ENTROPY, 22, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                             mgpu_layer_linear(W, 40)),
+                       MODEL(mgpu_shape1(W), devs, MGPU_LOSS_CROSS_ENTROPY, 22, mgpu_layer_linear(W, W), mgpu_layer_relu(),
+                             boxed(mgpu_layer_linear(W, 40))),
+                       dev, mgpu_shape2(B, W), mgpu_shape1(B), 40, "cross-entropy's gradient");
 }
 static void test_activation_memory(void) {
     header("activation memory");
     activation_memory(NULL, mgpu_device_cpu());
     activation_in_place_bits(NULL, mgpu_device_cpu());
+    loss_in_place(NULL, mgpu_device_cpu());
 #ifdef MGPU_CUDA
     if (g_gpu) {
         activation_memory(g_gpu_set, g_gpu);
         activation_in_place_bits(g_gpu_set, g_gpu);
+        loss_in_place(g_gpu_set, g_gpu);
     }
 #endif
 }
