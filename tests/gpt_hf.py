@@ -6,8 +6,9 @@ save_pretrained(safe_serialization=True) and token files in llm.c's format; then
      target weighing the same, in batches of B with the last one smaller) within 1e-4 of HF's;
      the hub's layout (no 'transformer.' prefix) gives the same;
   2. six plain SGD steps (--no-shuffle: batch k holds windows kB .. kB+B-1) on cpu, cpu:2 and, when
-     built, two emulated GPUs: every tensor of the saved model within 1e-4 (relative to the
-     tensor's largest value) of HF's six steps of torch.optim.SGD on the same batches;
+     built, two emulated GPUs, eager and with --graph: every tensor of the saved model within 1e-4
+     (relative to the tensor's largest value) of HF's six steps of torch.optim.SGD on the same
+     batches; --graph's file the eager one's bit for bit, its later steps replayed from the graph;
   3. the file build/gpt saved loads into GPT2LMHeadModel and gives the loss build/gpt reports;
   4. controls that must break: HF's steps with another learning rate, and a file with one
      weight changed, differ by more than the bounds.
@@ -143,21 +144,23 @@ def main():
                     if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias") and k != "lm_head.weight"}
         model.eval()
 
-        layouts = [("cpu", None), ("cpu:2", None)]
+        layouts = [("cpu", None, []), ("cpu:2", None, [])]
         emu = os.path.join(build, "emu", "gpt")
-        if os.path.exists(emu):
-            layouts.append(("cuda:0,1", {"MGPU_EMU_DEVICES": "2"}))
+        if os.path.exists(emu):   # and each step as a CUDA graph's launch: the same bits as eager
+            layouts.append(("cuda:0,1", {"MGPU_EMU_DEVICES": "2"}, []))
+            layouts.append(("cuda:0,1", {"MGPU_EMU_DEVICES": "2"}, ["--graph"]))
         else:
             global skipped
             skipped += 1
             print("  skip two emulated GPUs: %s is not built (make %s)" % (emu, emu))
-        saved = None
-        for spec, env in layouts:
-            out = os.path.join(tmp, "after_%s.safetensors" % spec.replace(":", "_").replace(",", "_"))
+        saved = eager = None
+        for spec, env, extra in layouts:
+            out = os.path.join(tmp, "after_%s%s.safetensors" % (spec.replace(":", "_").replace(",", "_"), "_graph" if extra else ""))
             prog = emu if env else gpt
             r = run([prog, "--load", hf_file, "--heads", str(H), "--data", train_bin, "--val", val_bin, "--seq", str(T),
                      "--batch", str(B), "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--no-shuffle",
-                     "--devices", spec, "--save", out, "--sample", "0"], env)
+                     "--devices", spec, "--save", out, "--sample", "0"] + extra, env)
+            spec = " ".join([spec] + extra)
             if r.returncode != 0 or not os.path.exists(out):
                 check(False, "six steps on %s ran" % spec)
                 continue
@@ -169,6 +172,14 @@ def main():
             check(err <= 1e-4, "%s: six SGD steps against HF's: largest difference %.3g of a tensor's largest value" % (spec, err))
             if spec == "cpu":
                 saved, saved_loss = out, last_value(r.stdout, "val_loss")
+            if spec == "cuda:0,1":
+                eager = out
+            if extra and eager:
+                with open(out, "rb") as f1, open(eager, "rb") as f2:
+                    same = f1.read() == f2.read()
+                graphed = last_value(r.stdout, "graph_steps")
+                check(same and graphed is not None and graphed >= STEPS - 2,
+                      "%s: the same file as eager, bit for bit, %s of %d steps replayed from the graph" % (spec, graphed, STEPS))
 
         # 3. the saved file in HF, with the loss build/gpt reported
         if saved:
