@@ -10,14 +10,18 @@
    (mgpu_sum, mgpu_mul), one all-reduce adds those sums across the replicas (mgpu_allreduce_sum),
    and every replica divides by the batch's count: the whole batch's mean and variance, on every
    replica. (PyTorch's SyncBatchNorm gathers each replica's mean, 1/std and count instead and
-   combines them; the same statistics. mgpu's own, the model desc's sync_batch_norm, combines
-   each replica's count, mean and squared deviations.)
+   combines them; the same statistics.)
+   Then mgpu's own, the model desc's sync_batch_norm: a BatchNorm2d(4) on the rows as [8, 4, 1, 1]
+   images, one batch on the two replicas (mgpu_model_accumulate: no optimizer step, so no copy of
+   replica 0's buffers to the other), each replica's running statistics read back: moved 0.1 of
+   the way from (0, 1) towards the whole batch's mean and unbiased variance, on both.
 
    Run:  build/course/10_ex2 cpu:2                                            */
 // course-run: cpu:2
 // course-run-emu 2: cuda:0,1
 // course-expect: the replicas' own statistics differ from the batch's: yes
 // course-expect: synchronised statistics = one device's on every replica: yes
+// course-expect: sync_batch_norm: both replicas' running statistics from the whole batch: yes
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -97,6 +101,37 @@ int main(int argc, char** argv) {
         mgpu_tensor_destroy(xs[r]); mgpu_tensor_destroy(sq[r]); mgpu_tensor_destroy(sum[r]); mgpu_tensor_destroy(sumsq[r]);
     }
     mgpu_allreduce_destroy(ar);
+
+    /* mgpu's own SyncBatchNorm: the same rows through a BatchNorm2d(4) of a model on the two replicas */
+    {
+        mgpu_layer* layers[1] = { mgpu_layer_batch_norm2d(C) };
+        mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape3(C, 1, 1), .layers = layers, .layer_count = 1,
+                                                              .devices = set, .loss = MGPU_LOSS_MSE, .sync_batch_norm = 1 });
+        mgpu_tensor *images = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(ROWS, C, 1, 1)),
+                    *target = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(ROWS, C, 1, 1));
+        float run_mean[C], run_var[C];
+        int moved = 1;
+        NEED(m && images && target);
+        CHECK(mgpu_tensor_upload(images, x, sizeof x));
+        CHECK(mgpu_tensor_zero(target));
+        CHECK(mgpu_model_accumulate(m, images, target, 0, NULL));
+        for (r = 0; r < R; ++r) {
+            CHECK(mgpu_tensor_download(mgpu_model_buffer(m, r, "0.running_mean"), run_mean, sizeof run_mean));
+            CHECK(mgpu_tensor_download(mgpu_model_buffer(m, r, "0.running_var"), run_var, sizeof run_var));
+            printf("replica %d, sync_batch_norm:    running_mean", r);
+            for (c = 0; c < C; ++c) printf(" %6.3f", run_mean[c]);
+            printf("   running_var");
+            for (c = 0; c < C; ++c) printf(" %6.3f", run_var[c]);
+            printf("\n");
+            for (c = 0; c < C; ++c)   /* 0.9 x (0, 1) + 0.1 x (the batch's mean, its variance x 8 / 7) */
+                moved &= fabs(run_mean[c] - 0.1 * mean[c]) < 1e-5 && fabs(run_var[c] - (0.9 + 0.1 * var[c] * ROWS / (ROWS - 1))) < 1e-5;
+        }
+        printf("sync_batch_norm: both replicas' running statistics from the whole batch: %s\n", moved ? "yes" : "NO");
+        synced_equal &= moved;
+        mgpu_tensor_destroy(images);
+        mgpu_tensor_destroy(target);
+        mgpu_model_destroy(m);
+    }
     mgpu_device_set_destroy(set);
     return local_differs && synced_equal ? 0 : 1;
 }
