@@ -746,12 +746,13 @@ MGPUDEF mgpu_layer* mgpu_layer_maxpool2d(int kernel_size, int stride);   /* stri
 /* nn.BatchNorm2d(channels) (eps 1e-5, momentum 0.1, affine) on x [N, channels, H, W]. Training:
    each channel normalised by its mean and biased variance over (N, H, W) of the batch (of this
    replica's, or micro-batch's, rows; of every replica's with the model desc's sync_batch_norm,
-   as nn.SyncBatchNorm), y = (x - mean) / sqrt(var + eps) * weight
-   + bias, and running_mean, running_var move 0.1 of the way to the batch's mean and UNBIASED
-   variance, num_batches_tracked += 1, as PyTorch does. Evaluation: the running statistics.
-   Parameters "weight" (ones), "bias" (zeros); buffers "running_mean" (zeros), "running_var"
-   (ones), "num_batches_tracked" (0; kept as a float, exact to 2^24, written to a checkpoint as
-   PyTorch's I64). Backward is training mode's. Not captured in a CUDA graph (steps run eagerly). */
+   as nn.SyncBatchNorm), y = (x - mean) / sqrt(var + eps) * weight + bias, and running_mean,
+   running_var move 0.1 of the way to the batch's mean and UNBIASED variance,
+   num_batches_tracked += 1, as PyTorch does. Evaluation: the running statistics. Parameters
+   "weight" (ones), "bias" (zeros); buffers "running_mean" (zeros), "running_var" (ones),
+   "num_batches_tracked" (0; kept as a float, exact to 2^24, written to a checkpoint as PyTorch's
+   I64). Backward is training mode's. A CUDA graph holds its step (desc.graph), but not with
+   sync_batch_norm, whose replicas meet on the host: those steps run eagerly. */
 MGPUDEF mgpu_layer* mgpu_layer_batch_norm2d(int channels);
 /* [N, C, H, W] -> [N, C], each the mean of its H x W plane: ResNet's AdaptiveAvgPool2d((1, 1))
    followed by flatten(1), in one layer (type "AdaptiveAvgPool2d"). */

@@ -2600,7 +2600,7 @@ static void test_suspect(void) {
    Conv2d -> BatchNorm2d) -> [Fail] -> global average pooling -> Linear(4, 3): BatchNorms at the
    top and inside a container. with_fail puts the "Fail" layer (its backward fails on g_fail_dev
    while armed) after them, so that backward reaches it before any BatchNorm. */
-static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int micro, int with_fail) {
+static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int micro, int with_fail, int graph) {
     mgpu_layer *layers[7], *f[5];
     mgpu_model_desc d;
     mgpu_model* m;
@@ -2624,6 +2624,7 @@ static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int 
     d.stages = stages;
     d.micro_batches = micro;
     d.sync_batch_norm = sync;
+    d.graph = graph;
     m = mgpu_model_create(&d);
     CHECK(m != NULL, "mgpu_model_create on %s with sync_batch_norm %d: %s", set ? mgpu_device_set_spec(set) : "cpu", sync,
           mgpu_last_error());
@@ -2631,10 +2632,10 @@ static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int 
 }
 
 /* Steps of the BatchNorm net on spec: losses, and every replica's parameters and buffers (as
-   train_run's). */
-static void bn_run(const char* spec, int sync, int stages, int micro, const batch_set* bs, run_out* o) {
+   train_run's). With graph (desc.graph) and the meeting, every step must still run eagerly. */
+static void bn_run(const char* spec, int sync, int stages, int micro, int graph, const batch_set* bs, run_out* o) {
     mgpu_device_set* set = mkset(spec);
-    mgpu_model* m = bn_net(set, sync, stages, micro, 0);
+    mgpu_model* m = bn_net(set, sync, stages, micro, 0, graph);
     mgpu_optimizer_desc od = sgd_desc();
     mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
     int s;
@@ -2649,6 +2650,9 @@ static void bn_run(const char* spec, int sync, int stages, int micro, const batc
         }
     }
     if (m) run_finish(m, o);
+    if (m && graph && sync)
+        CHECK(mgpu_model_graph_steps(m) == 0, "%s with sync_batch_norm and desc.graph: %lld steps replayed from a graph, "
+              "where the replicas meet on the host", spec, (long long)mgpu_model_graph_steps(m));
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
     mgpu_device_set_destroy(set);
@@ -2658,7 +2662,7 @@ static void bn_run(const char* spec, int sync, int stages, int micro, const batc
    replica's running statistics are the same bits; without, each replica's own rows moved its own. */
 static void bn_buffers_case(const char* spec, int sync, const batch_set* bs) {
     mgpu_device_set* set = mkset(spec);
-    mgpu_model* m = bn_net(set, sync, 1, 1, 0);
+    mgpu_model* m = bn_net(set, sync, 1, 1, 0, 0);
     int i, r, same = 1;
     if (!m) goto done;
     CHECK(mgpu_model_accumulate(m, bs->x[0], bs->y[0], 0, NULL) == MGPU_OK, "%s: accumulate: %s", spec, mgpu_last_error());
@@ -2686,7 +2690,7 @@ done:
    message, at once, and after a resync the next batch runs. */
 static void bn_failure_case(const char* spec, const batch_set* bs) {
     mgpu_device_set* set = mkset(spec);
-    mgpu_model* m = bn_net(set, 1, 1, 1, 1);
+    mgpu_model* m = bn_net(set, 1, 1, 1, 1, 0);
     mgpu_result r;
     if (!m) goto done;
     g_fail_dev = mgpu_device_set_get(set, 1);
@@ -2741,15 +2745,15 @@ static void test_sync_batch_norm(void) {
             bs.x[s] = image;
         }
     }
-    bn_run("cpu", 0, 1, 1, &bs, &ref);
+    bn_run("cpu", 0, 1, 1, 0, &bs, &ref);
     CHECK(ref.ok, "SyncBatchNorm's reference, one CPU: %s", ref.error);
-    bn_run("cpu:2", 1, 1, 1, &bs, &got);
+    bn_run("cpu:2", 1, 1, 1, 0, &bs, &got);
     compare_runs("SyncBatchNorm, cpu:2 against one CPU", &got, &ref, steps, 1e-5);
     run_free(&got);
-    bn_run("cpu:3", 1, 1, 1, &bs, &got);
+    bn_run("cpu:3", 1, 1, 1, 0, &bs, &got);
     compare_runs("SyncBatchNorm, cpu:3 (rows 3, 2, 2) against one CPU", &got, &ref, steps, 1e-5);
     run_free(&got);
-    bn_run("cpu:2", 0, 1, 1, &bs, &plain);   /* the test can fail: each replica's own statistics differ */
+    bn_run("cpu:2", 0, 1, 1, 0, &bs, &plain);   /* the test can fail: each replica's own statistics differ */
     CHECK(plain.ok && params_error(&plain, &ref) > 1e-3, "cpu:2 without the meeting: parameters %.3g from one CPU's (want "
           "> 1e-3, or the comparison above proves nothing): %s", params_error(&plain, &ref), plain.error);
     run_free(&plain);
@@ -2758,24 +2762,27 @@ static void test_sync_batch_norm(void) {
     bn_failure_case("cpu:2", &bs);
     /* a pipeline's stages meet their own copies: 2 replicas x 2 stages x 2 micro-batches, the same
        bits as 2 replicas of one stage with 2 micro-batches */
-    bn_run("cpu:2", 1, 1, 2, &bs, &plain);
-    bn_run("cpu:4", 1, 2, 2, &bs, &got);
+    bn_run("cpu:2", 1, 1, 2, 0, &bs, &plain);
+    bn_run("cpu:4", 1, 2, 2, 0, &bs, &got);
     CHECK(plain.ok && got.ok && same_bits(&got, &plain, steps), "SyncBatchNorm, cpu:4 as 2 stages x 2 micro-batches against "
           "cpu:2 with 2 micro-batches: not the same bits (%s / %s)", got.error, plain.error);
     run_free(&got);
     if (gpu_group("SyncBatchNorm on GPUs")) {
-        bn_run("cuda:0,0", 1, 1, 1, &bs, &got);
+        bn_run("cuda:0,0", 1, 1, 1, 0, &bs, &got);
         compare_runs("SyncBatchNorm, cuda:0,0 against one CPU", &got, &ref, steps, 1e-4);
         run_free(&got);
-        bn_run("cuda:0,0,0", 1, 1, 1, &bs, &got);
+        bn_run("cuda:0,0,0", 1, 1, 1, 0, &bs, &got);
         compare_runs("SyncBatchNorm, cuda:0,0,0 against one CPU", &got, &ref, steps, 1e-4);
         run_free(&got);
+        bn_run("cuda:0,0", 1, 1, 1, 1, &bs, &got);   /* desc.graph asked for: eager steps all the same */
+        compare_runs("SyncBatchNorm with desc.graph, cuda:0,0 against one CPU", &got, &ref, steps, 1e-4);
+        run_free(&got);
         if (g_gpus >= 2) {
-            bn_run("cuda:0,1", 1, 1, 1, &bs, &got);
+            bn_run("cuda:0,1", 1, 1, 1, 0, &bs, &got);
             compare_runs("SyncBatchNorm, cuda:0,1 against one CPU", &got, &ref, steps, 1e-4);
             run_free(&got);
         }
-        bn_run("cuda:0,0,0,0", 1, 2, 2, &bs, &got);
+        bn_run("cuda:0,0,0,0", 1, 2, 2, 0, &bs, &got);
         compare_runs("SyncBatchNorm, cuda:0,0,0,0 as 2 stages x 2 micro-batches against cpu:2 with 2 micro-batches", &got,
                      &plain, steps, 1e-4);
         run_free(&got);
