@@ -221,8 +221,8 @@
      and one stage overlap their buckets' sums with backward, as in one process.)
    - strided tensors, more than 4 dimensions, GPUs other than NVIDIA's.
    - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, with
-     desc.check_finite, or for mgpu_model_accumulate and mgpu_model_apply: those steps run
-     eagerly.
+     desc.check_finite or desc.sync_batch_norm, or for mgpu_model_accumulate and
+     mgpu_model_apply: those steps run eagerly.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
