@@ -189,8 +189,10 @@
    - Call mgpu_cpu_set_threads and mgpu_log_set_callback before the work starts. The callback
      may run on the library's worker threads (a CPU replica's failure is reported there).
    - MPI: the library calls it from the thread that calls it (mgpu_dist_init asks for
-     MPI_THREAD_SERIALIZED), on a communicator of its own; a distributed model's calls are
-     collective: every rank makes them, in the same order.
+     MPI_THREAD_SERIALIZED), on a communicator of its own, except SyncBatchNorm's exchange
+     (desc.sync_batch_norm), made by one of the step's own threads while the caller waits: one
+     thread at a time, which MPI_THREAD_SERIALIZED allows (such a model is refused below it). A
+     distributed model's calls are collective: every rank makes them, in the same order.
    - The CPU backend has one pool of threads; a call that finds it busy runs on its caller's
      thread alone (so CPU replicas, one thread each, never deadlock). A child of fork() starts
      a fresh pool for its CPU work; fork while no other thread is inside an mgpu call. (CUDA
@@ -5871,18 +5873,22 @@ static void mgpu__bn_backward_task(void* ctx, int64_t ch) {
             j->dx[at] = (float)(k * (j->dy[at] - a - (j->x[at] - mean) * rstd * bb));
         }
 }
-/* SyncBatchNorm on a GPU: GIVEN's numbers up before the kernel (forward's 3c, backward's 2c, the
-   rest zeros), STATS's down after it. */
+/* SyncBatchNorm on a GPU: GIVEN's numbers up before the kernel (forward's 3c, backward's 2c),
+   STATS's 2c down after it; only those, so that no float the kernels did not write is read. */
 static mgpu_result mgpu__bn_sync_up(const mgpu__bn_job* j, int64_t numbers, mgpu_tensor* sync_dev, float* stage) {
+    mgpu_tensor used;
     int64_t i;
     if (j->mode != MGPU__BN_GIVEN) return MGPU_OK;
-    for (i = 0; i < 3 * j->c; ++i) stage[i] = i < numbers ? (float)j->sync[i] : 0.0f;
-    return mgpu_tensor_upload(sync_dev, stage, (size_t)(3 * j->c) * sizeof(float));
+    used = mgpu__rows(sync_dev, 0, numbers);
+    for (i = 0; i < numbers; ++i) stage[i] = (float)j->sync[i];
+    return mgpu_tensor_upload(&used, stage, (size_t)numbers * sizeof(float));
 }
 static mgpu_result mgpu__bn_sync_down(const mgpu__bn_job* j, const mgpu_tensor* sync_dev, float* stage) {
+    mgpu_tensor used;
     int64_t i;
     if (j->mode != MGPU__BN_STATS) return MGPU_OK;
-    MGPU__TRY(mgpu_tensor_download(sync_dev, stage, (size_t)(3 * j->c) * sizeof(float)));
+    used = mgpu__rows(sync_dev, 0, 2 * j->c);
+    MGPU__TRY(mgpu_tensor_download(&used, stage, (size_t)(2 * j->c) * sizeof(float)));
     for (i = 0; i < 2 * j->c; ++i) j->sync[i] = stage[i];
     return MGPU_OK;
 }
@@ -6682,10 +6688,10 @@ static mgpu_result mgpu__bn_forward(const mgpu_layer* l, const mgpu_layer_ctx* c
     if (!ctx->buffers)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "BatchNorm2d(%d): no buffers in ctx (running_mean, running_var, "
                           "num_batches_tracked: a model gives them)", l->cfg.in);
-    if (ctx->training && per_channel <= 1)   /* (PyTorch refuses too: no variance of one value) */
+    MGPU__TRY(mgpu__meet_slot(ctx->training ? mgpu__bn_slot_doubles(c) : 0, &slot));
+    if (ctx->training && !slot && per_channel <= 1)   /* (PyTorch refuses too: no variance of one value) */
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "BatchNorm2d(%d): training needs more than one value per channel, x has "
                           "%lld (batch %lld)", l->cfg.in, (long long)per_channel, (long long)x->shape.dim[0]);
-    MGPU__TRY(mgpu__meet_slot(ctx->training ? mgpu__bn_slot_doubles(c) : 0, &slot));
     if (!slot)
         return mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, ctx->training ? MGPU__BN_TRAIN : MGPU__BN_EVAL,
                                 MGPU__BN_MOMENTUM, MGPU__BN_EPS, ctx->aux[0], ctx->aux[1], NULL, NULL, NULL, y);
@@ -6696,6 +6702,9 @@ static mgpu_result mgpu__bn_forward(const mgpu_layer* l, const mgpu_layer_ctx* c
     MGPU__TRY(mgpu__batch_norm(x, ctx->params[0], ctx->params[1], ctx->buffers, MGPU__BN_STATS, MGPU__BN_MOMENTUM,
                                MGPU__BN_EPS, ctx->aux[0], ctx->aux[1], slot + 1, ctx->aux[2], stage, y));
     MGPU__TRY(mgpu__meet(MGPU__MEET_STATISTICS, c));
+    if (slot[0] <= 1.0)   /* the whole batch's values per channel: the same verdict on every replica */
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "BatchNorm2d(%d): training needs more than one value per channel, the "
+                          "whole batch (every replica's rows, SyncBatchNorm) has %.0f", l->cfg.in, slot[0]);
     for (ch = 0; ch < c; ++ch) {   /* [mean, rstd, unbiased variance] from [mean, squared deviations] */
         const double squares = slot[1 + c + ch];
         slot[1 + 2 * c + ch] = squares / (slot[0] - 1.0);
@@ -8404,6 +8413,17 @@ static void mgpu__dist_broadcast(void* p, size_t bytes) {
 #endif
 }
 
+/* Whether MPI may be called from any thread, one at a time (SyncBatchNorm's exchange is made by
+   one of a step's own threads). */
+static int mgpu__dist_serialized(void) {
+#ifdef MGPU_MPI
+    int level = MPI_THREAD_SINGLE;
+    return MPI_Query_thread(&level) == MPI_SUCCESS && level >= MPI_THREAD_SERIALIZED;
+#else
+    return 1;
+#endif
+}
+
 /* SyncBatchNorm's meeting across processes (>>parallel meet): all [replicas of the job][width]
    holds this rank's replicas' numbers at their place; every other rank's come into theirs. */
 static void mgpu__dist_meet(double* all, size_t width, const int* rank_replicas) {
@@ -8845,6 +8865,10 @@ static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape 
     return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op));
 }
 
+/* SyncBatchNorm (>>parallel meet): the step's model and this thread's part, while a part of a
+   model with sync_bn runs its work in a step */
+static MGPU__TLS mgpu_model* mgpu__meet_model;
+static MGPU__TLS mgpu__part* mgpu__meet_part;
 static mgpu__part* mgpu__part_of(const mgpu_model* m, int replica, int stage) {
     return &m->part[replica * m->stage_count + stage];
 }
@@ -9949,6 +9973,10 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     else if (sync_bn != m->sync_bn)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: desc.sync_batch_norm is %d on this rank, %d on rank 0: "
                        "every rank must set the same", m->sync_bn, sync_bn);
+    else if (m->sync_bn && !mgpu__dist_serialized())
+        r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "mgpu_model_create: desc.sync_batch_norm across processes calls MPI from a "
+                       "step's own threads, one at a time, which needs MPI_THREAD_SERIALIZED; this MPI was started with less "
+                       "(MPI_Init_thread)");
     MGPU__TRY(mgpu__dist_agree(r, 0, 0.0, NULL, NULL));
     m->dist = 1;
     for (q = 0; q < mgpu__dist.size; ++q) {
@@ -10971,26 +10999,36 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
 }
 
 MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
+    mgpu_model* meeting = mgpu__meet_model;   /* (called inside a layer of a step that meets: not this model's meeting) */
+    const mgpu_tensor* y;
     int s;
     if (m && replica >= 0 && replica < m->replica_count)
         for (s = 0; s < m->stage_count; ++s) mgpu__part_of(m, replica, s)->stream_salt = replica + 1;
-    return mgpu__forward(m, replica, x, training, 0);
+    mgpu__meet_model = NULL;
+    y = mgpu__forward(m, replica, x, training, 0);
+    mgpu__meet_model = meeting;
+    return y;
 }
 
 MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_tensor* doutput) {
     static const char* op = "mgpu_model_backward";
+    mgpu_model* meeting;
+    mgpu_result r = MGPU_OK;
     int s;
     MGPU__TRY(mgpu__check_replica(op, m, replica));
     for (s = 0; s < m->stage_count; ++s)
         if (!mgpu__part_of(m, replica, s)->slot[0].has_input)
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
     MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1]));
-    for (s = m->stage_count - 1; s >= 0; --s) {
-        MGPU__TRY(mgpu__part_wait(op, m, mgpu__part_of(m, replica, s), 0, 1));
-        MGPU__TRY(mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1));
-        MGPU__TRY(mgpu__part_mark(op, mgpu__part_of(m, replica, s), m->micro_batches));
+    meeting = mgpu__meet_model;   /* as in mgpu_model_forward */
+    mgpu__meet_model = NULL;
+    for (s = m->stage_count - 1; s >= 0 && r == MGPU_OK; --s) {
+        r = mgpu__part_wait(op, m, mgpu__part_of(m, replica, s), 0, 1);
+        if (r == MGPU_OK) r = mgpu__part_backward(m, mgpu__part_of(m, replica, s), 0, doutput, 1);
+        if (r == MGPU_OK) r = mgpu__part_mark(op, mgpu__part_of(m, replica, s), m->micro_batches);
     }
-    return MGPU_OK;
+    mgpu__meet_model = meeting;
+    return r;
 }
 
 MGPUDEF const mgpu_tensor* mgpu_model_input_grad(const mgpu_model* m, int replica) {
@@ -11409,8 +11447,6 @@ static mgpu_result mgpu__reduce_grads(mgpu_model* m) {
    pair up by their order. A part that fails wakes the others (pipe_failed), which leave without
    their numbers; across processes a rank that fails in a step ends the job instead
    (mgpu__run_batch), since the others wait for its numbers inside their own passes. */
-static MGPU__TLS mgpu_model* mgpu__meet_model;   /* the step's model and this thread's part, while */
-static MGPU__TLS mgpu__part* mgpu__meet_part;    /* a part of a sync_bn model runs its work */
 
 /* The slot of this thread's part, with room for `doubles`; NULL where no meeting is held. */
 static mgpu_result mgpu__meet_slot(size_t doubles, double** slot) {

@@ -2709,6 +2709,54 @@ done:
     mgpu_device_set_destroy(set);
 }
 
+/* A BatchNorm2d over [2, 1, 1] samples, a batch of 2 on two replicas: one value per channel on
+   each replica, which training alone refuses (no variance of one value), and two in the whole
+   batch, which the meeting takes: the running statistics of one device on the two rows. */
+static void bn_one_row_case(const char* spec) {
+    mgpu_device_set *set = mkset(spec), *one = mkset(strncmp(spec, "cuda", 4) ? "cpu" : "cuda:0");
+    mgpu_model* m[3] = { NULL, NULL, NULL };   /* one device, the replicas alone, the replicas meeting */
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(2, 2, 1, 1)), *t = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape4(2, 2, 1, 1));
+    const float rows[4] = { 1.0f, -2.0f, 3.0f, 5.0f };
+    float want[2], got[2];
+    int k, r;
+    MUST(mgpu_tensor_upload(x, rows, sizeof rows));
+    MUST(mgpu_tensor_zero(t));
+    for (k = 0; k < 3; ++k) {
+        mgpu_layer* layers[1] = { mgpu_layer_batch_norm2d(2) };
+        mgpu_model_desc d;
+        memset(&d, 0, sizeof d);
+        d.input = mgpu_shape3(2, 1, 1);
+        d.layers = layers;
+        d.layer_count = 1;
+        d.devices = k ? set : one;
+        d.loss = MGPU_LOSS_MSE;
+        d.sync_batch_norm = k == 2;
+        m[k] = mgpu_model_create(&d);
+        CHECK(m[k] != NULL, "%s: a BatchNorm model: %s", spec, mgpu_last_error());
+    }
+    if (m[0] && m[1] && m[2]) {
+        mgpu_result alone;
+        MUST(mgpu_model_accumulate(m[0], x, t, 0, NULL));
+        alone = mgpu_model_accumulate(m[1], x, t, 0, NULL);
+        CHECK(alone == MGPU_ERROR_SHAPE_MISMATCH && has(mgpu_last_error(), "more than one value per channel"),
+              "%s without the meeting, one row per replica: %s: %s", spec, mgpu_result_string(alone), mgpu_last_error());
+        CHECK(mgpu_model_accumulate(m[2], x, t, 0, NULL) == MGPU_OK, "%s, meeting, one row per replica: %s", spec,
+              mgpu_last_error());
+        tget(mgpu_model_buffer(m[0], 0, "0.running_var"), want);
+        for (r = 0; r < 2; ++r) {
+            tget(mgpu_model_buffer(m[2], r, "0.running_var"), got);
+            CHECK(fabsf(got[0] - want[0]) <= 1e-6f * fabsf(want[0]) && fabsf(got[1] - want[1]) <= 1e-6f * fabsf(want[1]),
+                  "%s, meeting, one row per replica: replica %d's running_var %g %g, one device's %g %g", spec, r,
+                  (double)got[0], (double)got[1], (double)want[0], (double)want[1]);
+        }
+    }
+    for (k = 0; k < 3; ++k) mgpu_model_destroy(m[k]);
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(t);
+    mgpu_device_set_destroy(set);
+    mgpu_device_set_destroy(one);
+}
+
 static void test_sync_batch_norm(void) {
     mlp_cfg shape = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
     batch_set bs;
@@ -2760,6 +2808,7 @@ static void test_sync_batch_norm(void) {
     bn_buffers_case("cpu:2", 1, &bs);
     bn_buffers_case("cpu:2", 0, &bs);
     bn_failure_case("cpu:2", &bs);
+    bn_one_row_case("cpu:2");
     /* a pipeline's stages meet their own copies: 2 replicas x 2 stages x 2 micro-batches, the same
        bits as 2 replicas of one stage with 2 micro-batches */
     bn_run("cpu:2", 1, 1, 2, 0, &bs, &plain);
@@ -2788,6 +2837,7 @@ static void test_sync_batch_norm(void) {
         run_free(&got);
         bn_buffers_case("cuda:0,0", 1, &bs);
         bn_failure_case("cuda:0,0", &bs);
+        bn_one_row_case("cuda:0,0");
     }
     run_free(&plain);
     run_free(&ref);
