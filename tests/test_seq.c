@@ -324,10 +324,11 @@ static void test_sequences(void) {
         if (ne_r_ != MGPU_OK) CHECK(0, "%s: %s: %s", #expr, mgpu_result_string(ne_r_), mgpu_last_error()); \
     } while (0)
 
+#define NE_AUX_MAX 4   /* BatchNorm2d has 3 */
 typedef struct ne_run {
     mgpu_layer* l;
     int np, na;
-    mgpu_tensor *p[2], *g[2], *aux[2], *y;
+    mgpu_tensor *p[2], *g[2], *aux[NE_AUX_MAX], *y;
     mgpu_layer_ctx ctx;
 } ne_run;
 
@@ -346,6 +347,10 @@ static int ne_open(ne_run* r, mgpu_layer* l, mgpu_device* dev, mgpu_shape xs, ui
     }
     r->np = vt->param_count ? vt->param_count(l) : 0;
     r->na = vt->aux_count ? vt->aux_count(l) : 0;
+    if (r->np > 2 || r->na > NE_AUX_MAX) {
+        CHECK(0, "%s: %d parameters and %d aux buffers, more than this harness holds", mgpu_layer_type(l), r->np, r->na);
+        return 0;
+    }
     for (i = 0; i < r->np; ++i) {
         NE_MUST(vt->param_shape(l, i, &name, &s));
         r->p[i] = tmake(dev, MGPU_F32, s);
@@ -372,8 +377,8 @@ static void ne_close(ne_run* r) {
     for (i = 0; i < 2; ++i) {
         mgpu_tensor_destroy(r->p[i]);
         mgpu_tensor_destroy(r->g[i]);
-        mgpu_tensor_destroy(r->aux[i]);
     }
+    for (i = 0; i < NE_AUX_MAX; ++i) mgpu_tensor_destroy(r->aux[i]);
     mgpu_tensor_destroy(r->y);
     memset(r, 0, sizeof *r);
 }
