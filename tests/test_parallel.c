@@ -279,10 +279,9 @@ static void run_finish(mgpu_model* m, run_out* o) {
     free(other);
 }
 
-/* steps of mgpu_model_train_step on spec */
-static void train_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_desc* od, const batch_set* bs, run_out* o) {
-    mgpu_device_set* set = mkset(spec);
-    mgpu_model* m = make_mlp(set, c);
+/* steps of mgpu_model_train_step on m (NULL: a model that could not be made), with an optimizer of
+   od's, into o */
+static void train_steps(mgpu_model* m, const mgpu_optimizer_desc* od, const batch_set* bs, run_out* o) {
     mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, od) : NULL;
     int s;
     memset(o, 0, sizeof *o);
@@ -297,6 +296,13 @@ static void train_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_d
     }
     if (m) run_finish(m, o);
     mgpu_optimizer_destroy(opt);
+}
+
+/* steps of mgpu_model_train_step on spec */
+static void train_run(const char* spec, const mlp_cfg* c, const mgpu_optimizer_desc* od, const batch_set* bs, run_out* o) {
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model* m = make_mlp(set, c);
+    train_steps(m, od, bs, o);
     mgpu_model_destroy(m);
     mgpu_device_set_destroy(set);
 }
@@ -2636,24 +2642,11 @@ static mgpu_model* bn_net(const mgpu_device_set* set, int sync, int stages, int 
 static void bn_run(const char* spec, int sync, int stages, int micro, int graph, const batch_set* bs, run_out* o) {
     mgpu_device_set* set = mkset(spec);
     mgpu_model* m = bn_net(set, sync, stages, micro, 0, graph);
-    mgpu_optimizer_desc od = sgd_desc();
-    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
-    int s;
-    memset(o, 0, sizeof *o);
-    o->ok = opt != NULL;
-    if (!opt) snprintf(o->error, sizeof o->error, "%s", mgpu_last_error());
-    for (s = 0; o->ok && s < bs->steps; ++s) {
-        mgpu_result r = mgpu_model_train_step(m, opt, bs->x[s], bs->y[s], &o->loss[s]);
-        if (r != MGPU_OK) {
-            o->ok = 0;
-            snprintf(o->error, sizeof o->error, "step %d: %s: %s", s, mgpu_result_string(r), mgpu_last_error());
-        }
-    }
-    if (m) run_finish(m, o);
+    const mgpu_optimizer_desc od = sgd_desc();
+    train_steps(m, &od, bs, o);
     if (m && graph && sync)
         CHECK(mgpu_model_graph_steps(m) == 0, "%s with sync_batch_norm and desc.graph: %lld steps replayed from a graph, "
               "where the replicas meet on the host", spec, (long long)mgpu_model_graph_steps(m));
-    mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
     mgpu_device_set_destroy(set);
 }
