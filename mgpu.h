@@ -11551,9 +11551,10 @@ static mgpu_result mgpu__meet(int kind, int64_t c) {
 /* ---- moves 2 to 4 for a batch, on CPU parts, or parts that meet: one thread each ---- */
 /* Each part runs its stage's order on a thread of its own (the pool's, when there is one stage
    and so nothing to wait for; threads of its own otherwise, since stages wait for each other, and
-   SyncBatchNorm's copies too: >>parallel meet), and its ops then run single-threaded. A forward waits until the stage before has run the same
-   forward, a backward until the stage after has run the same backward; a failure wakes every
-   waiting part. Failures come back as text, each prefixed with its part. */
+   SyncBatchNorm's copies too: >>parallel meet), and its ops then run single-threaded. A forward
+   waits until the stage before has run the same forward, a backward until the stage after has
+   run the same backward; a failure wakes every waiting part. Failures come back as text, each
+   prefixed with its part. */
 #ifndef MGPU_NO_THREADS
 static int mgpu__pipe_wait(mgpu_model* m, const int* done, int need) {
     int ok;
