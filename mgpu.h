@@ -11566,7 +11566,7 @@ static int mgpu__pipe_wait(mgpu_model* m, const int* done, int need) {
     return ok;
 }
 static void mgpu__pipe_moved(mgpu_model* m, int* done, int failed) {
-    if (!m->pipe_sync) { if (failed) m->pipe_failed = 1; else ++*done; return; }
+    if (!m->pipe_sync) { if (!failed) ++*done; return; }   /* the pool's parts: none waits (nor reads pipe_failed) */
     mgpu__mutex_lock(&m->pipe_lock);
     if (failed) m->pipe_failed = 1; else ++*done;
     mgpu__cond_broadcast(&m->pipe_moved);
