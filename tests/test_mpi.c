@@ -751,23 +751,43 @@ static void test_gpt(void) {
 }
 
 /* ---- 8. SyncBatchNorm across processes ---- */
+/* MGPU_TEST_MPI_SYNC_FAIL=1 (tests/mpi.sh): the model above with an identity layer after the
+   first BatchNorm whose backward fails on rank 1. The other ranks then wait, inside their
+   backward, for rank 1's SyncBatchNorm numbers: rank 1 must end the job at once with its message
+   (mpi.sh checks both), never leave them waiting. Returns only if it did not. */
+static mgpu_result fail_on_rank1(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                 const mgpu_tensor* dy, mgpu_tensor* dx) {
+    (void)l; (void)ctx; (void)x; (void)y;
+    if (g_rank == 1) return mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "Fail: rank 1's backward fails on purpose");
+    return mgpu_tensor_copy(dx, dy);
+}
+static mgpu_result identity_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    (void)l; (void)ctx;
+    return mgpu_tensor_copy(y, x);
+}
+static const mgpu_layer_vtable fail_vt = {
+    "Fail", NULL, NULL, NULL, NULL, NULL, NULL, identity_forward, fail_on_rank1, NULL, NULL, NULL, NULL
+};
+
 /* [3, 2, 2] -> Conv2d(3, 4) -> BatchNorm2d -> ReLU -> Residual(Conv2d -> BatchNorm2d) -> global
    average pooling -> Linear(4, OUT), with desc.sync_batch_norm. */
-static mgpu_model* make_bn(const mgpu_device_set* set, int distributed) {
-    mgpu_layer *layers[6], *f[2];
+static mgpu_model* make_bn(const mgpu_device_set* set, int distributed, int with_fail) {
+    mgpu_layer *layers[7], *f[2];
     mgpu_model_desc d;
+    int n = 0;
     memset(&d, 0, sizeof d);
     f[0] = mgpu_layer_conv2d(4, 4, 3, 1, 1);
     f[1] = mgpu_layer_batch_norm2d(4);
-    layers[0] = mgpu_layer_conv2d(3, 4, 3, 1, 1);
-    layers[1] = mgpu_layer_batch_norm2d(4);
-    layers[2] = mgpu_layer_relu();
-    layers[3] = mgpu_layer_residual(mgpu_layer_sequential(f, 2), NULL);
-    layers[4] = mgpu_layer_global_avg_pool2d();
-    layers[5] = mgpu_layer_linear(4, OUT);
+    layers[n++] = mgpu_layer_conv2d(3, 4, 3, 1, 1);
+    layers[n++] = mgpu_layer_batch_norm2d(4);
+    if (with_fail) layers[n++] = mgpu_layer_create(&fail_vt, NULL);
+    layers[n++] = mgpu_layer_relu();
+    layers[n++] = mgpu_layer_residual(mgpu_layer_sequential(f, 2), NULL);
+    layers[n++] = mgpu_layer_global_avg_pool2d();
+    layers[n++] = mgpu_layer_linear(4, OUT);
     d.input = mgpu_shape3(3, 2, 2);
     d.layers = layers;
-    d.layer_count = 6;
+    d.layer_count = n;
     d.devices = set;
     d.seed = 5;
     d.distributed = distributed;
@@ -796,7 +816,7 @@ static void test_sync_bn(void) {
     const int64_t B = 2 * g_total + 1;
     char spec[64];
     mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
-    mgpu_model *dm = make_bn(set, 1), *ref;
+    mgpu_model *dm = make_bn(set, 1, 0), *ref;
     mgpu_optimizer_desc od = sgd();
     mgpu_optimizer *dopt, *ropt;
     int s, ok = 1, losses = 1;
@@ -804,7 +824,7 @@ static void test_sync_bn(void) {
     if (!dm) { CHECK(0, "distributed mgpu_model_create with sync_batch_norm: %s", mgpu_last_error()); mgpu_device_set_destroy(set); return; }
     all_spec(spec, sizeof spec, mgpu_model_total_replica_count(dm));
     all = mgpu_device_set_create(spec);
-    ref = make_bn(all, 0);
+    ref = make_bn(all, 0, 0);
     dopt = mgpu_optimizer_create(dm, &od);
     ropt = mgpu_optimizer_create(ref, &od);
     for (s = 0; s < 3 && ok; ++s) {
@@ -832,47 +852,14 @@ static void test_sync_bn(void) {
     mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
 }
 
-/* MGPU_TEST_MPI_SYNC_FAIL=1 (tests/mpi.sh): the model above with an identity layer after the
-   first BatchNorm whose backward fails on rank 1. The other ranks then wait, inside their
-   backward, for rank 1's SyncBatchNorm numbers: rank 1 must end the job at once with its message
-   (mpi.sh checks both), never leave them waiting. Returns only if it did not. */
-static mgpu_result fail_on_rank1(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
-                                 const mgpu_tensor* dy, mgpu_tensor* dx) {
-    (void)l; (void)ctx; (void)x; (void)y;
-    if (g_rank == 1) return mgpu_fail(MGPU_ERROR_INVALID_ARGUMENT, "Fail: rank 1's backward fails on purpose");
-    return mgpu_tensor_copy(dx, dy);
-}
-static mgpu_result identity_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
-    (void)l; (void)ctx;
-    return mgpu_tensor_copy(y, x);
-}
-static const mgpu_layer_vtable fail_vt = {
-    "Fail", NULL, NULL, NULL, NULL, NULL, NULL, identity_forward, fail_on_rank1, NULL, NULL, NULL, NULL
-};
 static int sync_bn_failure(void) {
     mgpu_device_set* set = mgpu_device_set_create(my_spec());
-    mgpu_layer* layers[5];
-    mgpu_model_desc d;
-    mgpu_model* m;
+    mgpu_model* m = make_bn(set, 1, 1);
     mgpu_optimizer_desc od = sgd();
-    mgpu_optimizer* opt;
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
     mgpu_tensor *x, *y, *images, *xs, *ys;
     int64_t from, count;
     mgpu_result r;
-    memset(&d, 0, sizeof d);
-    layers[0] = mgpu_layer_conv2d(3, 4, 3, 1, 1);
-    layers[1] = mgpu_layer_batch_norm2d(4);
-    layers[2] = mgpu_layer_create(&fail_vt, NULL);
-    layers[3] = mgpu_layer_global_avg_pool2d();
-    layers[4] = mgpu_layer_linear(4, OUT);
-    d.input = mgpu_shape3(3, 2, 2);
-    d.layers = layers;
-    d.layer_count = 5;
-    d.devices = set;
-    d.distributed = 1;
-    d.sync_batch_norm = 1;
-    m = mgpu_model_create(&d);
-    opt = m ? mgpu_optimizer_create(m, &od) : NULL;
     if (!opt) { printf("FAIL rank %d: model: %s\n", g_rank, mgpu_last_error()); return 1; }
     make_batch(2 * g_total, &x, &y);
     images = mgpu_tensor_view_reshape(x, mgpu_shape4(2 * g_total, 3, 2, 2));
