@@ -751,7 +751,7 @@ static void test_gpt(void) {
 }
 
 /* ---- 8. SyncBatchNorm across processes ---- */
-/* MGPU_TEST_MPI_SYNC_FAIL=1 (tests/mpi.sh): the model above with an identity layer after the
+/* MGPU_TEST_MPI_SYNC_FAIL=1 (tests/mpi.sh): make_bn's model with (with_fail) an identity layer after the
    first BatchNorm whose backward fails on rank 1. The other ranks then wait, inside their
    backward, for rank 1's SyncBatchNorm numbers: rank 1 must end the job at once with its message
    (mpi.sh checks both), never leave them waiting. Returns only if it did not. */
