@@ -823,9 +823,10 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
      P2P   peer-to-peer, two algorithms. One-shot: a single kernel on replica 0's GPU reads every
            buffer and writes the sum into each; it serves every size when the replicas share one
            GPU (it moves the fewest bytes) and buffers up to 256 KiB across GPUs with peer access
-           (one launch instead of 2R(R-1) copies and adds). Otherwise a ring: reduce-scatter +
-           all-gather with peer copies and an add kernel, through the host where two GPUs cannot
-           reach each other. MGPU_P2P=ring|oneshot overrides the choice (oneshot only where
+           (one launch instead of 2R(R-1) copies and adds). Otherwise a ring: reduce-scatter with
+           one add kernel per step reading the predecessor's chunk in place, all-gather with peer
+           copies; where two GPUs cannot reach each other, the copies go through the host and a
+           chunk lands in a buffer before its add. MGPU_P2P=ring|oneshot overrides the choice (oneshot only where
            replica 0's GPU reaches every replica's memory).
      HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
            through pinned host memory, the slow but simple reference.)
@@ -7657,7 +7658,9 @@ typedef struct mgpu__rank {
     void* ev_compute;       /* CUDA: marks the compute stream's progress, for the comm stream */
     void* ev_comm;          /* CUDA: marks the comm stream's progress (ring steps, the final join) */
     void* nccl_comm;
-    float* ring_tmp;        /* P2P: where a neighbour's chunk lands before it is added */
+    int reads_prev;         /* P2P: this GPU reads its ring predecessor's memory (the same GPU, or peer
+                               access), so the ring's add kernel takes the chunk straight from there */
+    float* ring_tmp;        /* P2P, where it does not: the predecessor's chunk lands here first */
     size_t ring_tmp_block;  /* the allocator block size of ring_tmp (0: none yet) */
     size_t ring_tmp_floats;
 } mgpu__rank;
@@ -7835,6 +7838,11 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         ar->oneshot_reach &= oi == o0 || (mgpu_device_can_access_peer(set->devices[0], set->devices[i]) &&
                                           MGPU__CUDA(mgpu__cu_enable_peer_access(o0, oi)) == 0);
     }
+    for (i = 0; cuda && i < set->count; ++i) {   /* the ring's reach: each replica to its predecessor */
+        mgpu_device *me = set->devices[i], *prev = set->devices[(i + set->count - 1) % set->count];
+        ar->rank[i].reads_prev = me->ordinal == prev->ordinal ||
+                                 (mgpu_device_can_access_peer(me, prev) && MGPU__CUDA(mgpu__cu_enable_peer_access(me->ordinal, prev->ordinal)) == 0);
+    }
     return ar;
 }
 
@@ -7863,9 +7871,15 @@ MGPUDEF double mgpu_allreduce_memory_traffic(const mgpu_allreduce* ar, size_t by
     if (ar->kind == MGPU_ALLREDUCE_HOST)   /* CPU replicas: n - 1 adds (2 reads + write), n - 1 copies; */
         return ar->rank[0].dev->kind == MGPU_DEVICE_CPU ? (n - 1.0) * 5.0 * b : 0.0;   /* GPUs: two memories */
     if (mgpu__ar_oneshot_fits(ar, bytes)) return 2.0 * n * b;   /* each buffer read once, written once */
-    /* ring, per replica and step (chunks of b/n): reduce-scatter copies (read + write) and adds
-       (2 reads + write), all-gather copies: 7 (n - 1) b/n per replica, 7 (n - 1) b in all */
-    return 7.0 * (n - 1.0) * b;
+    /* ring, per replica and step (chunks of b/n): a reduce-scatter add (2 reads + write), after a
+       copy into ring_tmp (read + write) where the predecessor is out of reach; an all-gather copy
+       (read + write): 5 or 7 times (n - 1) b/n per replica */
+    {
+        double per_chunk = 0.0;   /* summed over the replicas */
+        int i;
+        for (i = 0; i < ar->count; ++i) per_chunk += ar->rank[i].reads_prev ? 5.0 : 7.0;
+        return per_chunk * (n - 1.0) * b / n;
+    }
 }
 
 /* -- HOST: CPU replicas sum slices of the buffers in parallel, replicas always in order 0..n-1 -- */
@@ -7919,14 +7933,17 @@ static mgpu_result mgpu__ar_before_compute(mgpu_allreduce* ar) {
    sends chunk (r - s) to r + 1, which adds it to its own; after R - 1 steps replica r holds the
    full sum of chunk (r + 1). All-gather: at step s replica r sends chunk (r + 1 - s) to r + 1,
    which keeps it. A chunk is always summed starting from the same replica, so the result is the
-   same every run, and every replica ends with the same bits. Events order the neighbours. */
+   same every run, and every replica ends with the same bits. Events order the neighbours.
+   "Sends" is one add kernel that reads the predecessor's chunk in place where the GPU reaches
+   it (reads_prev), else a peer copy (through the host) into ring_tmp and the add; the same
+   bits either way (a + b == b + a in floating point). */
 static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     const int R = ar->count;
     const size_t chunk = (((n + (size_t)R - 1) / (size_t)R) + 31) & ~(size_t)31;   /* 128-byte aligned chunks: vector loads */
     int s, i, phase;
-    for (i = 0; i < R; ++i) {   /* a landing buffer of one chunk per replica, kept between calls */
+    for (i = 0; i < R; ++i) {   /* a landing buffer of one chunk, kept between calls, where it is needed */
         mgpu__rank* r = &ar->rank[i];
-        if (r->ring_tmp_floats < chunk) {
+        if (!r->reads_prev && r->ring_tmp_floats < chunk) {
             MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_synchronize(r->dev->ordinal, r->stream));
             if (r->ring_tmp) mgpu__device_release(r->dev, r->ring_tmp, r->ring_tmp_block);
             r->ring_tmp = (float*)mgpu__device_alloc(r->dev, chunk * sizeof(float), &r->ring_tmp_block, "all-reduce");
@@ -7945,9 +7962,13 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
                 if (!len) continue;
                 MGPU__CU("all-reduce", b->dev, mgpu__cu_stream_wait_event(b->dev->ordinal, b->stream, a->ev_comm));
                 if (phase == 0) {
-                    MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, b->ring_tmp, a->dev->ordinal,
-                                                                        bufs[src] + begin, len * sizeof(float), b->stream));
-                    MGPU__CU("all-reduce", b->dev, mgpu__cu_binary(b->dev->ordinal, b->stream, MGPU__BINARY_ADD, len, b->ring_tmp,
+                    const float* sent = bufs[src] + begin;
+                    if (!b->reads_prev) {
+                        MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, b->ring_tmp, a->dev->ordinal,
+                                                                            sent, len * sizeof(float), b->stream));
+                        sent = b->ring_tmp;
+                    }
+                    MGPU__CU("all-reduce", b->dev, mgpu__cu_binary(b->dev->ordinal, b->stream, MGPU__BINARY_ADD, len, sent,
                                                                    bufs[dst] + begin, bufs[dst] + begin, 0.0f));
                 } else {
                     MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, bufs[dst] + begin, a->dev->ordinal,

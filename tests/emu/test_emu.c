@@ -134,6 +134,25 @@ static int case_allreduce(const char* spec, mgpu_allreduce_kind ask, mgpu_allred
     return 0;
 }
 
+/* The ring where some neighbours reach each other and some do not (MGPU_EMU_NO_PEER=1 on
+   cuda:0,0,1,1: replicas 1 and 3 read their predecessor on their own GPU, 0 and 2 cannot, their
+   chunks go through the host): the sum, and the memory it says it moves, 5 or 7 times (R - 1)
+   b/R per replica. The kernels' pointer checks catch an add that reads a GPU out of reach. */
+static int case_ring_mixed_reach(void) {
+    const size_t bytes = (size_t)300001 * sizeof(float);
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0,0,1,1");
+    mgpu_allreduce* ar;
+    double traffic, want = (2.0 * 5.0 + 2.0 * 7.0) * 3.0 * (double)bytes / 4.0;
+    NEED(set, "cuda:0,0,1,1: %s", mgpu_last_error());
+    ar = mgpu_allreduce_create(set, MGPU_ALLREDUCE_P2P);
+    NEED(ar && !strcmp(mgpu_allreduce_algorithm(ar, bytes), "ring"), "the ring: %s", ar ? mgpu_allreduce_algorithm(ar, bytes) : mgpu_last_error());
+    traffic = mgpu_allreduce_memory_traffic(ar, bytes);
+    NEED(traffic == want, "memory traffic %.0f bytes, want %.0f", traffic, want);
+    mgpu_allreduce_destroy(ar);
+    mgpu_device_set_destroy(set);
+    return case_allreduce("cuda:0,0,1,1", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+}
+
 /* A training step queues its work and returns: no host synchronisation inside it, in any layout
    (the batch's rows go to the other GPUs, and activations between stages, ordered by events).
    And mgpu_tensor_copy between two GPUs keeps stream order both ways: src overwritten right after
@@ -688,6 +707,7 @@ static int run_case(const char* name) {
     }
     if (!strcmp(name, "p2p")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
     if (!strcmp(name, "no peer access")) return case_allreduce("cuda:0,1,2,3", MGPU_ALLREDUCE_P2P, MGPU_ALLREDUCE_P2P, NULL);
+    if (!strcmp(name, "ring mixed reach")) return case_ring_mixed_reach();
     fprintf(stderr, "unknown case %s\n", name);
     return 1;
 }
@@ -818,6 +838,7 @@ int main(int argc, char** argv) {
     expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring");
     expect_ok("p2p", "MGPU_EMU_DEVICES=4 MGPU_P2P=oneshot");
     expect_ok("no peer access", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
+    expect_ok("ring mixed reach", "MGPU_EMU_DEVICES=2 MGPU_EMU_NO_PEER=1 MGPU_EMU_CHAOS=2 " NO_NCCL);
     header("a training step on several GPUs never waits for them; copies between GPUs keep stream order");
     expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring " NO_NCCL);
     expect_ok("no host sync", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_CHAOS=1 " NO_NCCL);
@@ -847,6 +868,7 @@ int main(int argc, char** argv) {
     expect_ok("graph: cuda:0,1,2,3 1 0 0 1", "MGPU_EMU_DEVICES=4 " NO_NCCL);
     expect_ok("graph: cuda:0,1,2,3 1 1 0 0", "MGPU_EMU_DEVICES=4 " NO_NCCL);
     expect_ok("graph: cuda:0,1,2,3 1 0 0 0", "MGPU_EMU_DEVICES=4 MGPU_EMU_NO_PEER=1 " NO_NCCL);
+    expect_ok("graph: cuda:0,1,2,3 1 0 0 0", "MGPU_EMU_DEVICES=4 MGPU_P2P=ring MGPU_EMU_CHAOS=8 " NO_NCCL);   /* the ring in the graph */
     expect_ok("graph: cuda:0,1,2,3 2 0 0 1", "MGPU_EMU_DEVICES=4 MGPU_EMU_CHAOS=7 " NO_NCCL);
     expect_ok("graph: cuda:0,1,2,3 2 1 1 0", "MGPU_EMU_DEVICES=4 " NO_NCCL);
     header("a CUDA graph's capture that fails: why, and tried again later");
