@@ -457,7 +457,10 @@ MGPUDEF void mgpu_pinned_free(void* ptr);
 /* ============================================================================================ */
 /* >>tensor                                                                                     */
 /* ============================================================================================ */
-typedef enum mgpu_dtype { MGPU_F32 = 0, MGPU_I32 = 1, MGPU_U8 = 2 } mgpu_dtype;
+/* MGPU_BF16 is bfloat16 (PyTorch's torch.bfloat16): a float's upper 16 bits, its range with 8
+   bits of precision. mgpu stores, copies, fills, converts (mgpu_tensor_convert, rounding to
+   nearest even) and reads it; ops compute in F32 and refuse other dtypes by name. */
+typedef enum mgpu_dtype { MGPU_F32 = 0, MGPU_I32 = 1, MGPU_U8 = 2, MGPU_BF16 = 3 } mgpu_dtype;
 #define MGPU_MAX_DIMS 4
 
 typedef struct mgpu_shape {
@@ -473,7 +476,11 @@ MGPUDEF int64_t mgpu_shape_numel(mgpu_shape s);   /* -1 for a shape no tensor ca
                                                       negative dimension, a count past int64) */
 MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b);
 MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt);
-MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8" */
+MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt);   /* "f32", "i32", "u8", "bf16" */
+/* A bfloat16's bits from a float, rounded to nearest even (as .to(torch.bfloat16); a NaN stays a
+   NaN), and back (exact): for reading and writing MGPU_BF16 tensors' host copies. */
+MGPUDEF uint16_t mgpu_bf16_from_float(float x);
+MGPUDEF float mgpu_bf16_to_float(uint16_t bits);
 
 /* A contiguous, row-major array on one device. Views share their parent's storage (which lives
    until the last tensor on it is destroyed), so they may be destroyed in any order. */
@@ -517,7 +524,9 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src);
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev);
 MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value);
 MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t);
-/* Convert between dtypes: dst = src * scale + shift (e.g. u8 pixels to f32 in [0,1]). */
+/* Convert between dtypes: dst = src * scale + shift (e.g. u8 pixels to f32 in [0,1]), through a
+   float; with scale 1 and shift 0 an exact copy where dst holds every value of src (-0 stays -0),
+   and f32 to bf16 rounds to nearest even, as .to(torch.bfloat16). */
 MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src, float scale, float shift);
 
 /* ============================================================================================ */
@@ -1593,6 +1602,23 @@ static inline MGPU__HD float mgpu__f32_from_bits(uint32_t u) { float f; memcpy(&
 static inline MGPU__HD float mgpu__f32_select(int cond, float a, float b) {
     const uint32_t m = 0u - (uint32_t)(cond != 0);
     return mgpu__f32_from_bits((mgpu__f32_bits(a) & m) | (mgpu__f32_bits(b) & ~m));
+}
+/* bfloat16, a float's upper half: rounded to nearest even by adding 0x7FFF plus the lowest kept
+   bit (a carry into the exponent is right: the next binade, or infinity past the largest); a
+   NaN keeps its sign and top payload bits, with the quiet bit set so that it stays a NaN. */
+static inline MGPU__HD uint16_t mgpu__float_to_bf16(float f) {
+    uint32_t x = mgpu__f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+    x += 0x7FFFu + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+static inline MGPU__HD float mgpu__bf16_to_float(uint16_t b) { return mgpu__f32_from_bits((uint32_t)b << 16); }
+/* mgpu_tensor_convert's value, the same bits on the CPU and a GPU: the product rounded on its
+   own (never fused into an FMA with the add); scale 1 and shift 0 leave x as it is (-0 + 0 would
+   be +0, and arithmetic quiets a signalling NaN). */
+static inline MGPU__HD float mgpu__convert_value(float x, float scale, float shift) {
+    const float y = scale != 1.0f ? mgpu__mul_rounded(x, scale) : x;
+    return shift != 0.0f ? y + shift : y;
 }
 
 /* e^x = 2^n e^r: n = x log2(e) rounded by adding 1.5 * 2^23 (no float-to-int conversion, which
@@ -3699,11 +3725,13 @@ MGPUDEF int mgpu_shape_equal(mgpu_shape a, mgpu_shape b) {
     for (i = 0; i < a.ndim; ++i) if (a.dim[i] != b.dim[i]) return 0;
     return 1;
 }
-MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt) { return dt == MGPU_U8 ? 1 : 4; }
+MGPUDEF size_t mgpu_dtype_size(mgpu_dtype dt) { return dt == MGPU_U8 ? 1 : dt == MGPU_BF16 ? 2 : 4; }
 MGPUDEF const char* mgpu_dtype_name(mgpu_dtype dt) {
-    switch (dt) { case MGPU_F32: return "f32"; case MGPU_I32: return "i32"; case MGPU_U8: return "u8"; }
+    switch (dt) { case MGPU_F32: return "f32"; case MGPU_I32: return "i32"; case MGPU_U8: return "u8"; case MGPU_BF16: return "bf16"; }
     return "?";
 }
+MGPUDEF uint16_t mgpu_bf16_from_float(float x) { return mgpu__float_to_bf16(x); }
+MGPUDEF float mgpu_bf16_to_float(uint16_t bits) { return mgpu__bf16_to_float(bits); }
 
 static const char* mgpu__shape_text(mgpu_shape s, char* buf, size_t size) {
     size_t len = 0;
@@ -3738,7 +3766,7 @@ static mgpu_result mgpu__check_shape(const char* op, mgpu_dtype dt, mgpu_shape s
     if (s.ndim < 0 || s.ndim > MGPU_MAX_DIMS)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d dimensions (mgpu tensors have 0 to %d)", op, s.ndim,
                           MGPU_MAX_DIMS);
-    if (dt != MGPU_F32 && dt != MGPU_I32 && dt != MGPU_U8)
+    if (dt != MGPU_F32 && dt != MGPU_I32 && dt != MGPU_U8 && dt != MGPU_BF16)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: unknown dtype %d", op, (int)dt);
     for (i = 0; i < s.ndim; ++i) {
         if (s.dim[i] < 0 || (s.dim[i] > 0 && n > INT64_MAX / s.dim[i]))
@@ -4014,11 +4042,13 @@ MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
 static int32_t mgpu__to_i32(double v) { return v != v ? 0 : v <= INT32_MIN ? INT32_MIN : v >= INT32_MAX ? INT32_MAX : (int32_t)v; }
 static uint8_t mgpu__to_u8(double v) { return (uint8_t)(v != v || v <= 0 ? 0 : v >= 255 ? 255 : (int)v); }
 
-/* Read element i of any dtype as float, and write a float as any dtype (saturating). */
+/* Read element i of any dtype as float, and write a float as any dtype (integers saturating,
+   bfloat16 rounded to nearest even). */
 static float mgpu__load_as_float(mgpu_dtype dt, const void* p, int64_t i) {
     switch (dt) {
     case MGPU_F32: return ((const float*)p)[i];
     case MGPU_I32: return (float)((const int32_t*)p)[i];
+    case MGPU_BF16: return mgpu__bf16_to_float(((const uint16_t*)p)[i]);
     default: return (float)((const uint8_t*)p)[i];
     }
 }
@@ -4026,6 +4056,7 @@ static void mgpu__store_float(mgpu_dtype dt, void* p, int64_t i, float v) {
     switch (dt) {
     case MGPU_F32: ((float*)p)[i] = v; break;
     case MGPU_I32: ((int32_t*)p)[i] = mgpu__to_i32(v); break;
+    case MGPU_BF16: ((uint16_t*)p)[i] = mgpu__float_to_bf16(v); break;
     default: ((uint8_t*)p)[i] = mgpu__to_u8(v); break;
     }
 }
@@ -4042,7 +4073,10 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     }
     if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
     if (t->dtype == MGPU_F32) { float v = (float)value, *p = MGPU__F32(t); for (i = 0; i < n; ++i) p[i] = v; }
-    else if (t->dtype == MGPU_I32) {   /* exact from the double (a float would round 16777217) */
+    else if (t->dtype == MGPU_BF16) {   /* through the float, as PyTorch's fill_ */
+        uint16_t v = mgpu__float_to_bf16((float)value), *p = (uint16_t*)mgpu_tensor_data(t);
+        for (i = 0; i < n; ++i) p[i] = v;
+    } else if (t->dtype == MGPU_I32) {   /* exact from the double (a float would round 16777217) */
         int32_t v = mgpu__to_i32(value), *p = MGPU__I32(t);
         for (i = 0; i < n; ++i) p[i] = v;
     } else memset(mgpu_tensor_data(t), mgpu__to_u8(value), (size_t)n);
@@ -4068,7 +4102,8 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
         return MGPU_OK;
     }
     for (i = 0; i < n; ++i)
-        mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i) * scale + shift);
+        mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__convert_value(mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i),
+                                                                                    scale, shift));
     return MGPU_OK;
 }
 
@@ -14564,12 +14599,6 @@ static void mgpu__load_name(char* buf, size_t size, const char* prefix, const ch
 #define MGPU__SAVE_META 6   /* the most metadata entries mgpu writes itself */
 
 /* float to bfloat16 and to IEEE half, rounded to nearest even (NaNs stay NaNs, quiet). */
-static uint16_t mgpu__float_to_bf16(float f) {
-    uint32_t x = mgpu__f32_bits(f);
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
-    x += 0x7FFFu + ((x >> 16) & 1);
-    return (uint16_t)(x >> 16);
-}
 static uint16_t mgpu__float_to_half(float f) {   /* after F. Giesen's float_to_half_fast3_rtne */
     const uint32_t x = mgpu__f32_bits(f);
     uint32_t ax;
@@ -14811,7 +14840,7 @@ static mgpu_result mgpu__st_convert(const char* op, const char* path, const mgpu
     else if (!strcmp(dt, "F16"))
         for (i = 0; i < n; ++i) f[i] = mgpu__half_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
     else if (!strcmp(dt, "BF16"))
-        for (i = 0; i < n; ++i) f[i] = mgpu__f32_from_bits(((uint32_t)src[2 * i] | ((uint32_t)src[2 * i + 1] << 8)) << 16);
+        for (i = 0; i < n; ++i) f[i] = mgpu__bf16_to_float((uint16_t)(src[2 * i] | (src[2 * i + 1] << 8)));
     else if (!strcmp(dt, "I64"))
         for (i = 0; i < n; ++i) {
             int64_t v;

@@ -605,12 +605,20 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
 // ============================================================================================
 // >>elementwise  grid-stride loops of 256 threads; 4-wide vector accesses when aligned
 // ============================================================================================
+// MGPU_BF16's element: its bits, a type of its own (not an integer type) whose conversions are
+// the header's (the CPU's bits exactly).
+struct bf16 {
+    uint16_t bits;
+    __device__ operator float() const { return mgpu__bf16_to_float(bits); }
+};
+
 // Calls f(T()) with T the C type of an mgpu dtype.
 template <class F> static int with_dtype(int dtype, F&& f) {
     switch (dtype) {
     case MGPU_F32: return f(float());
     case MGPU_I32: return f(int32_t());
     case MGPU_U8: return f(uint8_t());
+    case MGPU_BF16: return f(bf16());
     default: return ARGUMENT_ERROR("unknown dtype %d", dtype);
     }
 }
@@ -621,12 +629,14 @@ template <class D> __device__ D from_float(float x);
 template <> __device__ float from_float<float>(float x) { return x; }
 template <> __device__ int32_t from_float<int32_t>(float x) { return __float2int_rz(x); }
 template <> __device__ uint8_t from_float<uint8_t>(float x) { return (uint8_t)min(__float2uint_rz(x), 255u); }
+template <> __device__ bf16 from_float<bf16>(float x) { return bf16{mgpu__float_to_bf16(x)}; }
 
 template <class T> static T fill_value(double v);
 template <> float fill_value<float>(double v) { return (float)v; }
 /* integers straight from the double (a float would round 16777217), as mgpu_tensor_fill does */
 template <> int32_t fill_value<int32_t>(double v) { return v != v ? 0 : v <= INT32_MIN ? INT32_MIN : v >= INT32_MAX ? INT32_MAX : (int32_t)v; }
 template <> uint8_t fill_value<uint8_t>(double v) { return v != v || v <= 0 ? 0 : v >= 255 ? 255 : (uint8_t)v; }
+template <> bf16 fill_value<bf16>(double v) { return bf16{mgpu__float_to_bf16((float)v)}; }   /* through the float */
 
 template <class T> struct fill_op {
     T* p;
@@ -648,7 +658,7 @@ template <class S, class D> struct convert_op {
         const pack<S, V> x = load<V>(src, i);
         pack<D, V> y;
 #pragma unroll
-        for (int k = 0; k < V; ++k) y.v[k] = from_float<D>((float)x.v[k] * scale + shift);
+        for (int k = 0; k < V; ++k) y.v[k] = from_float<D>(mgpu__convert_value((float)x.v[k], scale, shift));
         store<V>(dst, i, y);
         return 0.0f;
     }

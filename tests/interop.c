@@ -11,6 +11,8 @@
                         into DIR/note.txt
      interop mixed DIR  load DIR/torch_mixed.safetensors (PyTorch's mlp with F32, BF16 and F16
                         tensors) and write the logits to DIR/torch_mixed.mgpu_logits
+     interop bf16 DIR   DIR/bf16_in.f32's floats to MGPU_BF16 with mgpu_tensor_convert, raw to
+                        DIR/bf16_out.u16 (PyTorch's .to(torch.bfloat16) checks the bits)
    The cnn goes twice: once on one CPU device, once as a pipeline of 2 stages on cpu:2 with 2
    micro-batches ("cnn_2stages", read from and compared with PyTorch's cnn): a checkpoint keeps
    PyTorch's names whatever the layout.
@@ -62,6 +64,32 @@ static float* read_all(const char* path, long* count) {
     fclose(f);
     *count = bytes / (long)sizeof(float);
     return p;
+}
+
+/* interop bf16 DIR */
+static int bf16(const char* dir) {
+    char path[1024];
+    long count = 0;
+    float* in;
+    mgpu_tensor *f = NULL, *b = NULL;
+    FILE* out;
+    int ok;
+    snprintf(path, sizeof path, "%s/bf16_in.f32", dir);
+    in = read_all(path, &count);
+    ok = in && count > 0;
+    if (ok) {
+        f = mgpu_tensor_create(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(count));
+        b = mgpu_tensor_create(mgpu_device_cpu(), MGPU_BF16, mgpu_shape1(count));
+        ok = f && b && mgpu_tensor_upload(f, in, mgpu_tensor_bytes(f)) == MGPU_OK && mgpu_tensor_convert(b, f, 1.0f, 0.0f) == MGPU_OK;
+    }
+    snprintf(path, sizeof path, "%s/bf16_out.u16", dir);
+    ok = ok && (out = fopen(path, "wb")) != NULL;
+    ok = ok && fwrite(mgpu_tensor_data(b), 1, mgpu_tensor_bytes(b), out) == mgpu_tensor_bytes(b) && fclose(out) == 0;
+    if (!ok) fprintf(stderr, "interop bf16: %s\n", in ? mgpu_last_error() : "cannot read bf16_in.f32");
+    mgpu_tensor_destroy(f);
+    mgpu_tensor_destroy(b);
+    free(in);
+    return ok;
 }
 
 /* logits of the inputs, written raw to path */
@@ -117,10 +145,12 @@ int main(int argc, char** argv) {
     long count, n;
     float* inputs;
     int i, k;
-    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "part") && strcmp(argv[1], "mixed"))) {
-        fprintf(stderr, "usage: interop save|load|part|mixed DIR\n");
+    if (argc != 3 || (strcmp(argv[1], "save") && strcmp(argv[1], "load") && strcmp(argv[1], "part") && strcmp(argv[1], "mixed") &&
+                      strcmp(argv[1], "bf16"))) {
+        fprintf(stderr, "usage: interop save|load|part|mixed|bf16 DIR\n");
         return 2;
     }
+    if (!strcmp(argv[1], "bf16")) return bf16(argv[2]) ? 0 : 1;
     snprintf(path, sizeof path, "%s/inputs.f32", argv[2]);
     inputs = read_all(path, &count);
     if (!inputs) { fprintf(stderr, "interop: cannot read %s\n", path); return 2; }

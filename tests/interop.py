@@ -11,6 +11,7 @@
    A PyTorch file holding the mlp under "model." beside other tensors loads with
    mgpu_model_load_ex (prefix, allow_extra); mgpu's reader reads its F16 tensor and metadata.
 3. The file test_io wrote with mgpu's writer reads back in Python (tests/check_c_written.py).
+4. float32 to bfloat16 (mgpu_tensor_convert to MGPU_BF16) gives PyTorch's bits.
 Prints 'N passed, N failed, N skipped' last; skips (exit 0) when torch or safetensors is missing.
 """
 import os
@@ -149,6 +150,27 @@ with tempfile.TemporaryDirectory() as d:
         err = (logits_file(os.path.join(d, "torch_mixed.mgpu_logits"), n) - ref_mixed).abs().max().item()
         print("   torch (F32, BF16, F16 tensors) -> mgpu mlp: max |logit difference| %.3g" % err)
         check(err <= 1e-6, "a checkpoint in F32, BF16 and F16 gives PyTorch's logits to 1e-6 (max diff %.3g)" % err)
+
+    # float32 to bfloat16: mgpu_tensor_convert against PyTorch's .to(torch.bfloat16), bit for bit
+    # (a NaN: a NaN either way; PyTorch's CPU kernels make every NaN 0xFFFF, its scalar code
+    # 0x7FC0), on the floats that decide a rounding (each upper half with the low halves 0,
+    # 0x7FFF, 0x8000, 0x8001, 0xFFFF) and random ones
+    uppers = np.arange(0x10000, dtype=np.uint32) << 16
+    lows = np.array([0x0, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
+    bits = np.concatenate([(uppers[:, None] | lows[None, :]).ravel(),
+                           np.random.default_rng(4).integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)])
+    bits.view(np.float32).tofile(os.path.join(d, "bf16_in.f32"))
+    rc = subprocess.run([os.path.join(build, "interop"), "bf16", d]).returncode
+    check(rc == 0, "interop bf16 ran (exit %d)" % rc)
+    if rc == 0:
+        got = np.fromfile(os.path.join(d, "bf16_out.u16"), dtype=np.uint16)
+        want = torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        nan_in = (bits & 0x7FFFFFFF) > 0x7F800000
+        nan_got = (got & 0x7FFF) > 0x7F80
+        same = np.where(nan_in, nan_got, got == want)
+        print("   float32 -> bfloat16: %d floats, %d with other bits than PyTorch's" % (len(bits), int((~same).sum())))
+        check(len(got) == len(bits) and bool(same.all()),
+              "mgpu's float32 -> bfloat16 gives PyTorch's bits (%d differ)" % int((~same).sum()))
 
 c_written = os.path.join(build, "c_written.safetensors")
 if os.path.exists(c_written):

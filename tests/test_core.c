@@ -1182,6 +1182,171 @@ static void random_on(mgpu_device* dev) {
     free(ref);
 }
 
+/* ============================================================================================ */
+/* bfloat16                                                                                     */
+/* ============================================================================================ */
+static uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+static float float_of(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+static int is_nan_bits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
+
+/* The bfloat16 nearest a float that is not a NaN, ties to even, from first principles: the two
+   candidates around |x| (its upper half, and one unit more: 2^128 past the largest, which is
+   infinity) compared in double (exact: floats of neighbouring binades). */
+static uint16_t bf16_reference(float x) {
+    const uint32_t u = bits_of(x), sign = u & 0x80000000u, mag = u & 0x7FFFFFFFu;
+    const uint32_t lo = mag & 0xFFFF0000u, hi = lo + 0x10000u;
+    const double d = fabs((double)x), dlo = (double)float_of(lo), dhi = hi == 0x7F800000u ? ldexp(1.0, 128) : (double)float_of(hi);
+    uint32_t pick;
+    if (mag == lo) return (uint16_t)(u >> 16);   /* exact, infinities too */
+    pick = d - dlo < dhi - d || (d - dlo == dhi - d && ((lo >> 16) & 1u) == 0) ? lo : hi;
+    return (uint16_t)((sign | pick) >> 16);
+}
+
+/* One float's conversion against the reference: 1 when right (a NaN: a NaN of its sign). */
+static int bf16_right(uint32_t u) {
+    const uint16_t got = mgpu_bf16_from_float(float_of(u));
+    if (is_nan_bits(u)) return is_nan_bits((uint32_t)got << 16) && (got & 0x8000u) == ((u >> 16) & 0x8000u);
+    return got == bf16_reference(float_of(u));
+}
+
+/* The conversions on the host: every upper half with the lower halves that decide a rounding
+   (0, just below, at and just above the tie, the largest), a stride through all 2^32 floats,
+   random ones; every bfloat16 back to float and again to itself. */
+static void bf16_conversions(void) {
+    static const uint32_t lows[] = {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu};
+    uint64_t checked = 0, wrong = 0, first_wrong = 0;
+    uint32_t hi16, k, b;
+    int i, round_trip = 1;
+    for (hi16 = 0; hi16 < 0x10000u; ++hi16)
+        for (k = 0; k < sizeof lows / sizeof lows[0]; ++k) {
+            const uint32_t u = (hi16 << 16) | lows[k];
+            ++checked;
+            if (!bf16_right(u) && !wrong++) first_wrong = u;
+        }
+    for (b = 0; b < 0xFFFFF000u; b += 0x1003u) { ++checked; if (!bf16_right(b) && !wrong++) first_wrong = b; }
+    for (i = 0; i < 200000; ++i) {
+        const uint32_t u = (uint32_t)rng_u64();
+        ++checked;
+        if (!bf16_right(u) && !wrong++) first_wrong = u;
+    }
+    CHECK(wrong == 0, "mgpu_bf16_from_float: %llu of %llu floats not rounded to the nearest even bfloat16, the first 0x%08x "
+          "(gave 0x%04x, want 0x%04x)", (unsigned long long)wrong, (unsigned long long)checked, (unsigned)first_wrong,
+          (unsigned)mgpu_bf16_from_float(float_of((uint32_t)first_wrong)), (unsigned)bf16_reference(float_of((uint32_t)first_wrong)));
+    /* the cases by name, as PyTorch's .to(torch.bfloat16) gives them */
+    CHECK(mgpu_bf16_from_float(1.0f) == 0x3F80 && mgpu_bf16_from_float(float_of(0x3F808000u)) == 0x3F80 &&
+          mgpu_bf16_from_float(float_of(0x3F818000u)) == 0x3F82 && mgpu_bf16_from_float(float_of(0x3F808001u)) == 0x3F81 &&
+          mgpu_bf16_from_float(-0.0f) == 0x8000 && mgpu_bf16_from_float(FLT_MAX) == 0x7F80 &&
+          mgpu_bf16_from_float(-FLT_MAX) == 0xFF80 && mgpu_bf16_from_float(float_of(0x7F7F7FFFu)) == 0x7F7F &&
+          mgpu_bf16_from_float(1e-40f) == 0x0001 && mgpu_bf16_from_float(float_of(0x00008000u)) == 0x0000,
+          "bfloat16 of 1, the two ties above 1, just above a tie, -0, FLT_MAX (infinity), -FLT_MAX, the largest below "
+          "the overflow, a subnormal, the tie at 0");
+    for (b = 0; b < 0x10000u; ++b) {
+        const float f = mgpu_bf16_to_float((uint16_t)b);
+        const int nan = is_nan_bits(b << 16);
+        if (bits_of(f) != b << 16 || (nan ? !is_nan_bits((uint32_t)mgpu_bf16_from_float(f) << 16) : mgpu_bf16_from_float(f) != b)) {
+            round_trip = 0;
+            break;
+        }
+    }
+    CHECK(round_trip, "bfloat16 0x%04x to float (0x%08x) and back gave 0x%04x", (unsigned)b, (unsigned)bits_of(mgpu_bf16_to_float((uint16_t)b)),
+          (unsigned)mgpu_bf16_from_float(mgpu_bf16_to_float((uint16_t)b)));
+}
+
+/* MGPU_BF16 tensors on one device: size and name, fill, convert both ways (against the host's
+   conversion, every bfloat16 and floats that test the rounding), to integers, copies to and from
+   the CPU and of a row view, and the ops' refusal. */
+static void bf16_on(mgpu_device* dev) {
+    const char* L = mgpu_device_label(dev);
+    enum { N = 65536 };
+    uint16_t* bits = (uint16_t*)xmalloc(N * sizeof(uint16_t));
+    uint16_t* back = (uint16_t*)xmalloc(N * sizeof(uint16_t));
+    float* f = fbuf(N);
+    mgpu_tensor *tb = tmake(dev, MGPU_BF16, mgpu_shape2(256, 256)), *tf = tmake(dev, MGPU_F32, mgpu_shape2(256, 256)), *ti, *v, *c;
+    char desc[64];
+    int64_t i, bad = -1;
+    CHECK(mgpu_tensor_bytes(tb) == 2 * N && !strncmp(mgpu_tensor_describe(tb, desc, sizeof desc), "bf16[256,256]@", 14),
+          "%s: a bf16 tensor of %d elements: %zu bytes, \"%s\"", L, N, mgpu_tensor_bytes(tb), desc);
+    /* fill: through the float, as PyTorch's fill_ */
+    MUST(mgpu_tensor_fill(tb, 1.1));
+    tget(tb, back);
+    for (i = 0; i < N && bad < 0; ++i) if (back[i] != mgpu_bf16_from_float(1.1f)) bad = i;
+    MUST(mgpu_tensor_fill(tb, 0.0));
+    tget(tb, back);
+    for (i = 0; i < N && bad < 0; ++i) if (back[i] != 0) bad = i;
+    CHECK(bad < 0, "%s: bf16 fill 1.1 then 0: element %lld is 0x%04x", L, (long long)bad, bad >= 0 ? (unsigned)back[bad] : 0u);
+    /* bf16 -> f32: every bfloat16, exactly (NaNs too: the same bits shifted) */
+    for (i = 0; i < N; ++i) bits[i] = (uint16_t)i;
+    tput(tb, bits);
+    MUST(mgpu_tensor_convert(tf, tb, 1.0f, 0.0f));
+    tget(tf, f);
+    for (bad = -1, i = 0; i < N && bad < 0; ++i) if (bits_of(f[i]) != (uint32_t)i << 16) bad = i;
+    CHECK(bad < 0, "%s: convert bf16 -> f32: 0x%04llx gave 0x%08x", L, (long long)bad, bad >= 0 ? (unsigned)bits_of(f[bad]) : 0u);
+    /* f32 -> bf16: the cases that decide a rounding, and random floats of every magnitude */
+    for (i = 0; i < N; ++i) {
+        static const uint32_t lows[] = {0x0000u, 0x7FFFu, 0x8000u, 0x8001u};
+        const uint32_t hi16 = (uint32_t)rng_u64() & 0xFFFFu;
+        f[i] = float_of(i < N / 2 ? (hi16 << 16) | lows[i % 4] : (uint32_t)rng_u64());
+    }
+    f[0] = -0.0f; f[1] = FLT_MAX; f[2] = -FLT_MAX; f[3] = float_of(0x7FC00001u); f[4] = float_of(0xFF812345u); f[5] = 1e-40f;
+    tput(tf, f);
+    MUST(mgpu_tensor_convert(tb, tf, 1.0f, 0.0f));
+    tget(tb, back);
+    for (bad = -1, i = 0; i < N && bad < 0; ++i) if (back[i] != mgpu_bf16_from_float(f[i])) bad = i;
+    CHECK(bad < 0, "%s: convert f32 -> bf16: 0x%08x gave 0x%04x, want 0x%04x", L, bad >= 0 ? (unsigned)bits_of(f[bad]) : 0u,
+          bad >= 0 ? (unsigned)back[bad] : 0u, bad >= 0 ? (unsigned)mgpu_bf16_from_float(f[bad]) : 0u);
+    /* scale and shift, and bf16 -> i32 (toward zero) */
+    {
+        static const float fv[6] = {-2.75f, -0.5f, 0.0f, 1.5f, 300.0f, 1e6f};
+        static const int32_t want[6] = {-4, 0, 1, 4, 601, 1998849};   /* 2 * bf16(x) + 1, toward zero; bf16(1e6) = 999424 */
+        int32_t io[6];
+        mgpu_tensor *b6 = tmake(dev, MGPU_BF16, mgpu_shape1(6)), *f6 = tfrom(dev, mgpu_shape1(6), fv);
+        ti = tmake(dev, MGPU_I32, mgpu_shape1(6));
+        MUST(mgpu_tensor_convert(b6, f6, 1.0f, 0.0f));
+        MUST(mgpu_tensor_convert(ti, b6, 2.0f, 1.0f));
+        tget(ti, io);
+        CHECK(!memcmp(io, want, sizeof io), "%s: convert f32 -> bf16 -> i32 (2x + 1): %d %d %d %d %d %d", L, io[0], io[1], io[2],
+              io[3], io[4], io[5]);
+        mgpu_tensor_destroy(b6);
+        mgpu_tensor_destroy(f6);
+        mgpu_tensor_destroy(ti);
+    }
+    /* copies: to the CPU and back, a row view */
+    c = mgpu_tensor_to(tb, mgpu_device_cpu());
+    CHECK(c && mgpu_tensor_dtype(c) == MGPU_BF16, "%s: bf16 tensor_to(cpu): %s", L, mgpu_last_error());
+    if (c) {
+        memset(bits, 0, N * sizeof(uint16_t));
+        MUST(mgpu_tensor_copy(tb, c));
+        tget(tb, bits);
+        CHECK(!memcmp(bits, back, N * sizeof(uint16_t)), "%s: bf16 to the CPU and back: other bits", L);
+    }
+    v = mgpu_tensor_view_rows(tb, 3, 2);
+    CHECK(v && mgpu_tensor_bytes(v) == 1024, "%s: a bf16 row view: %s", L, mgpu_last_error());
+    if (v) {
+        uint16_t row[512];
+        tget(v, row);
+        CHECK(!memcmp(row, back + 3 * 256, sizeof row), "%s: bf16 rows 3 and 4 through a view: other bits", L);
+        /* the ops compute in f32 and say so */
+        expect_fail(mgpu_relu(v, v), MGPU_ERROR_DTYPE_MISMATCH, "relu of a bf16 tensor", "mgpu_relu", "bf16", NULL);
+        mgpu_tensor_destroy(v);
+    }
+    mgpu_tensor_destroy(c);
+    mgpu_tensor_destroy(tb);
+    mgpu_tensor_destroy(tf);
+    free(bits);
+    free(back);
+    free(f);
+}
+
+static void test_bf16(void) {
+    int d;
+    header("bfloat16: conversions, tensors");
+    CHECK(mgpu_dtype_size(MGPU_BF16) == 2 && !strcmp(mgpu_dtype_name(MGPU_BF16), "bf16"), "bf16: size %zu, name %s",
+          mgpu_dtype_size(MGPU_BF16), mgpu_dtype_name(MGPU_BF16));
+    bf16_conversions();
+    for (d = 0; d < g_ndev; ++d) bf16_on(g_devs[d]);
+    gpu_group_note("bfloat16 tensors");
+}
+
 static void test_random(void) {
     int d;
     header("random");
@@ -3116,6 +3281,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_devices());
     TEST_GROUP(test_memory());
     TEST_GROUP(test_tensors());
+    TEST_GROUP(test_bf16());
     TEST_GROUP(test_random());
     TEST_GROUP(test_fast_math());
     TEST_GROUP(test_elementwise());
