@@ -575,7 +575,10 @@ MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy
 /* out = alpha * op(a) @ op(b) + beta * out, op(x) = x (MGPU_NO_TRANS) or x^T (MGPU_TRANS), as
    BLAS's CblasNoTrans/CblasTrans and cuBLAS's CUBLAS_OP_N/T; a, b, out are 2-D, and out must not
    share memory with a or b. (With beta == 0, out's old contents are ignored, NaNs included.)
-   A Linear layer's forward is mgpu_matmul(y, x, w, MGPU_NO_TRANS, MGPU_TRANS, 1, 0): y = x w^T. */
+   A Linear layer's forward is mgpu_matmul(y, x, w, MGPU_NO_TRANS, MGPU_TRANS, 1, 0): y = x w^T.
+   a and b are both F32 or both BF16; with BF16 the products are exact and summed in fp32
+   (cuBLAS's GemmEx with CUBLAS_COMPUTE_32F; on the CPU the operands are widened to f32 first:
+   the reference, not a speed-up), and out is F32 or BF16 (the fp32 result rounded once). */
 typedef enum mgpu_transpose { MGPU_NO_TRANS = 0, MGPU_TRANS = 1 } mgpu_transpose;
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
                                 mgpu_transpose transpose_a, mgpu_transpose transpose_b, float alpha, float beta);
@@ -1874,10 +1877,12 @@ int mgpu__cu_blas_create(int dev, void* stream, void* workspace, size_t workspac
 int mgpu__cu_blas_destroy(int dev, void* handle);
 int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow);
 /* Row-major: C[m,n] = alpha * op(A) @ op(B) + beta * C, op(A) [m,k], op(B) [k,n]; lda, ldb, ldc
-   are the row strides of A, B, C as stored (A is [k,m] when trans_a). */
+   are the row strides of A, B, C as stored (A is [k,m] when trans_a); ab_dtype and c_dtype are
+   mgpu_dtype's: F32 (cublasSgemm), or BF16 operands with an F32 or BF16 C (cublasGemmEx, fp32
+   sums). */
 int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
-                  float alpha, const float* a, int lda, const float* b, int ldb,
-                  float beta, float* c, int ldc);
+                  float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
+                  float beta, int c_dtype, void* c, int ldc);
 
 /* kernels; dtype values are mgpu_dtype's */
 int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value);
@@ -4815,14 +4820,39 @@ static mgpu_result mgpu__cpu_gemm(mgpu_device* dev, int ta, int tb, int64_t m, i
     return MGPU_OK;
 }
 
+/* BF16 operands on the CPU: widened to f32 (exactly) in blocks of the device's cache, multiplied
+   as f32 tensors are, a BF16 out rounded once from the f32 result: the rounding points of
+   cuBLAS's bf16 GEMM (exact products, fp32 sums, one rounding of C). */
+static mgpu_result mgpu__cpu_gemm_bf16(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b, int ta, int tb,
+                                       int64_t m, int64_t n, int64_t k, float alpha, float beta) {
+    mgpu_device* dev = MGPU__DEV(out);
+    const int64_t na = mgpu_tensor_numel(a), nb = mgpu_tensor_numel(b), nc = m * n;
+    const int narrow = out->dtype == MGPU_BF16;
+    size_t size;
+    float *wa, *wb, *wc;
+    int64_t i;
+    mgpu_result r;
+    wa = (float*)mgpu__device_alloc(dev, sizeof(float) * (size_t)(na + nb + (narrow ? nc : 0) + 1), &size, "mgpu_matmul");
+    if (!wa) return mgpu_last_result();
+    wb = wa + na;
+    wc = narrow ? wb + nb : MGPU__F32(out);
+    for (i = 0; i < na; ++i) wa[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(a))[i]);
+    for (i = 0; i < nb; ++i) wb[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(b))[i]);
+    for (i = 0; narrow && beta != 0.0f && i < nc; ++i) wc[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(out))[i]);
+    r = mgpu__cpu_gemm(dev, ta, tb, m, n, k, alpha, wa, a->shape.dim[1], wb, b->shape.dim[1], beta, wc, n);
+    for (i = 0; r == MGPU_OK && narrow && i < nc; ++i) ((uint16_t*)mgpu_tensor_data(out))[i] = mgpu__float_to_bf16(wc[i]);
+    mgpu__device_release(dev, wa, size);
+    return r;
+}
+
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
                                 mgpu_transpose transpose_a, mgpu_transpose transpose_b, float alpha, float beta) {
     static const char* op = "mgpu_matmul";
     char ta[128], tb[128], tc[128];
     int64_t m, n, k, kb;
-    MGPU__TRY(mgpu__check_tensor(op, "a", a, MGPU_F32));
-    MGPU__TRY(mgpu__check_tensor(op, "b", b, MGPU_F32));
-    MGPU__TRY(mgpu__check_tensor(op, "out", out, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "a", a, a && a->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, "b", b, a->dtype));   /* F32 with F32, BF16 with BF16 */
+    MGPU__TRY(mgpu__check_tensor(op, "out", out, out && out->dtype == MGPU_BF16 && a->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
     MGPU__TRY(mgpu__check_same_device(op, "a", a, "b", b));
     MGPU__TRY(mgpu__check_same_device(op, "out", out, "a", a));
     MGPU__TRY(mgpu__check_rank(op, "a", a, 2));
@@ -4842,14 +4872,16 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with an input", op,
                           mgpu_tensor_describe(out, tc, sizeof tc));
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
+    if (MGPU__IS_CPU(a) && a->dtype == MGPU_BF16) return mgpu__cpu_gemm_bf16(out, a, b, transpose_a, transpose_b, m, n, k, alpha, beta);
     if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
         return mgpu__cpu_gemm(MGPU__DEV(out), transpose_a, transpose_b, m, n, k, alpha, MGPU__F32(a), a->shape.dim[1],
                               MGPU__F32(b), b->shape.dim[1], beta, MGPU__F32(out), n);
     if (m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff)
         return mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: dimensions above 2^31 are not supported by cuBLAS", op);
     MGPU__CU(op, MGPU__DEV(a), mgpu__cu_gemm(MGPU__DEV(a)->ordinal, MGPU__DEV(a)->blas, transpose_a, transpose_b,
-                                             (int)m, (int)n, (int)k, alpha, MGPU__F32(a), (int)a->shape.dim[1],
-                                             MGPU__F32(b), (int)b->shape.dim[1], beta, MGPU__F32(out), (int)n));
+                                             (int)m, (int)n, (int)k, alpha, (int)a->dtype, mgpu_tensor_data(a), (int)a->shape.dim[1],
+                                             mgpu_tensor_data(b), (int)b->shape.dim[1], beta, (int)out->dtype,
+                                             mgpu_tensor_data(out), (int)n));
     return MGPU_OK;
 }
 

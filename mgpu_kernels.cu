@@ -207,6 +207,21 @@ template <class... T> static bool vec4_ok(const T*... p) {
     return ((reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0) && ...);
 }
 
+// MGPU_BF16's element: its bits, a type of its own (not an integer type) whose conversions are
+// the header's (the CPU's bits exactly).
+struct bf16 {
+    uint16_t bits;
+    __device__ operator float() const { return mgpu__bf16_to_float(bits); }
+};
+
+// float -> dtype. Integers truncate toward zero like a C cast and saturate at the type's range
+// (NaN gives 0): what the GPU's conversion instruction does, where a C cast is undefined.
+template <class D> __device__ D from_float(float x);
+template <> __device__ float from_float<float>(float x) { return x; }
+template <> __device__ int32_t from_float<int32_t>(float x) { return __float2int_rz(x); }
+template <> __device__ uint8_t from_float<uint8_t>(float x) { return (uint8_t)min(__float2uint_rz(x), 255u); }
+template <> __device__ bf16 from_float<bf16>(float x) { return bf16{mgpu__float_to_bf16(x)}; }
+
 template <class T> struct sum_op {
     __device__ T operator()(T a, T b) const { return a + b; }
 };
@@ -571,47 +586,53 @@ int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow) {
 
 // C = beta * C over the rows x cols matrix with row stride ldc: a GEMM with k == 0. beta == 0
 // writes zeros without reading C (BLAS semantics: NaNs in C are ignored).
-struct scale_matrix_op {
+template <class T> struct scale_matrix_op {
     int64_t cols, ldc;
     float beta;
-    float* c;
+    T* c;
     template <class I> __device__ void operator()(I i) const {
-        float* p = c + (int64_t)(i / (I)cols) * ldc + (int64_t)(i % (I)cols);
-        *p = beta == 0.0f ? 0.0f : beta * *p;
+        T* p = c + (int64_t)(i / (I)cols) * ldc + (int64_t)(i % (I)cols);
+        *p = from_float<T>(beta == 0.0f ? 0.0f : beta * (float)*p);
     }
 };
 
 int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
-                  float alpha, const float* a, int lda, const float* b, int ldb,
-                  float beta, float* c, int ldc) {
+                  float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
+                  float beta, int c_dtype, void* c, int ldc) {
     cublasHandle_t h = ((blas_handle*)handle)->h;
     USE_DEVICE(dev);
     if (m < 0 || n < 0 || k < 0) return ARGUMENT_ERROR("gemm with m=%d n=%d k=%d", m, n, k);
+    if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
+        (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
+        return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);
     if (m == 0 || n == 0) return MGPU__CU_OK;
     if (k == 0) {   // done here: cuBLAS's handling of k == 0 is not documented
         cudaStream_t s = NULL;
         CUBLAS_TRY(cublasGetStream(h, &s), "cublasGetStream() on device %d", dev);
-        return launch_index(dev, s, "gemm_scale", (int64_t)m * n, scale_matrix_op{n, ldc, beta, c});
+        if (c_dtype == MGPU_BF16) return launch_index(dev, s, "gemm_scale", (int64_t)m * n, scale_matrix_op<bf16>{n, ldc, beta, (bf16*)c});
+        return launch_index(dev, s, "gemm_scale", (int64_t)m * n, scale_matrix_op<float>{n, ldc, beta, (float*)c});
     }
     // cuBLAS is column-major, and a row-major matrix is its column-major transpose. So compute
     // C^T [n, m] = op(B)^T op(A)^T: B comes first, and each operand keeps its own op flag.
-    CUBLAS_TRY(cublasSgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
-                           &alpha, b, ldb, a, lda, &beta, c, ldc),
-               "cublasSgemm(m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
-               m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
+    const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (ab_dtype == MGPU_F32) {
+        CUBLAS_TRY(cublasSgemm(h, op_b, op_a, n, m, k, &alpha, (const float*)b, ldb, (const float*)a, lda, &beta, (float*)c, ldc),
+                   "cublasSgemm(m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
+                   m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
+        return MGPU__CU_OK;
+    }
+    // bf16 operands, products summed in fp32, C in fp32 or bf16 (rounded once)
+    const cudaDataType_t c_type = c_dtype == MGPU_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    CUBLAS_TRY(cublasGemmEx(h, op_b, op_a, n, m, k, &alpha, b, CUDA_R_16BF, ldb, a, CUDA_R_16BF, lda, &beta, c, c_type, ldc,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "cublasGemmEx(bf16 x bf16 -> %s, m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
+               c_dtype == MGPU_BF16 ? "bf16" : "f32", m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
     return MGPU__CU_OK;
 }
 
 // ============================================================================================
 // >>elementwise  grid-stride loops of 256 threads; 4-wide vector accesses when aligned
 // ============================================================================================
-// MGPU_BF16's element: its bits, a type of its own (not an integer type) whose conversions are
-// the header's (the CPU's bits exactly).
-struct bf16 {
-    uint16_t bits;
-    __device__ operator float() const { return mgpu__bf16_to_float(bits); }
-};
-
 // Calls f(T()) with T the C type of an mgpu dtype.
 template <class F> static int with_dtype(int dtype, F&& f) {
     switch (dtype) {
@@ -622,14 +643,6 @@ template <class F> static int with_dtype(int dtype, F&& f) {
     default: return ARGUMENT_ERROR("unknown dtype %d", dtype);
     }
 }
-
-// float -> dtype. Integers truncate toward zero like a C cast and saturate at the type's range
-// (NaN gives 0): what the GPU's conversion instruction does, where a C cast is undefined.
-template <class D> __device__ D from_float(float x);
-template <> __device__ float from_float<float>(float x) { return x; }
-template <> __device__ int32_t from_float<int32_t>(float x) { return __float2int_rz(x); }
-template <> __device__ uint8_t from_float<uint8_t>(float x) { return (uint8_t)min(__float2uint_rz(x), 255u); }
-template <> __device__ bf16 from_float<bf16>(float x) { return bf16{mgpu__float_to_bf16(x)}; }
 
 template <class T> static T fill_value(double v);
 template <> float fill_value<float>(double v) { return (float)v; }

@@ -1761,6 +1761,87 @@ static void matmul_pieces_same_bits(void) {
     CHECK(same_bias, "CPU bias gradient: added in pieces of rows gives other bits than in one call");
 }
 
+/* A bf16 product against float64 over the same bf16 values. Tolerance, derived: fp32 sums of k
+   exact products are within (k + 2) 2^-24 of the sum of |terms| (the terms: alpha A B and beta C,
+   whose products fp32 rounds once more), doubled for the GPU's other order; a bf16 out rounds
+   that once more, within 2^-8 of its magnitude (8 significant bits, to nearest). On the CPU the
+   product also equals the f32 product of the widened operands bit for bit (the same rounding
+   points). */
+static void matmul_bf16_case(mgpu_device* dev, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha, float beta,
+                             int out_bf16) {
+    const int64_t na = m * k, nb = k * n, nc = m * n;
+    uint16_t *ha = (uint16_t*)xmalloc((size_t)(na + 1) * 2), *hb = (uint16_t*)xmalloc((size_t)(nb + 1) * 2);
+    uint16_t* hc16 = (uint16_t*)xmalloc((size_t)(nc + 1) * 2);
+    float *fa = fbuf(na + 1), *fb = fbuf(nb + 1), *c0 = fbuf(nc + 1), *got = fbuf(nc + 1), *wide = fbuf(nc + 1);
+    mgpu_tensor *a = tmake(dev, MGPU_BF16, ta ? mgpu_shape2(k, m) : mgpu_shape2(m, k));
+    mgpu_tensor *b = tmake(dev, MGPU_BF16, tb ? mgpu_shape2(n, k) : mgpu_shape2(k, n));
+    mgpu_tensor* c = tmake(dev, out_bf16 ? MGPU_BF16 : MGPU_F32, mgpu_shape2(m, n));
+    int64_t i, j, l, bad = 0, first = -1;
+    double worst = 0.0;
+    for (i = 0; i < na; ++i) { ha[i] = mgpu_bf16_from_float((float)rng_gauss()); fa[i] = mgpu_bf16_to_float(ha[i]); }
+    for (i = 0; i < nb; ++i) { hb[i] = mgpu_bf16_from_float((float)rng_gauss()); fb[i] = mgpu_bf16_to_float(hb[i]); }
+    for (i = 0; i < nc; ++i) {
+        c0[i] = (float)rng_gauss();
+        if (out_bf16) { hc16[i] = mgpu_bf16_from_float(c0[i]); c0[i] = mgpu_bf16_to_float(hc16[i]); }
+    }
+    tput(a, ha);
+    tput(b, hb);
+    tput(c, out_bf16 ? (const void*)hc16 : (const void*)c0);
+    MUST(mgpu_matmul(c, a, b, ta ? MGPU_TRANS : MGPU_NO_TRANS, tb ? MGPU_TRANS : MGPU_NO_TRANS, alpha, beta));
+    if (out_bf16) { tget(c, hc16); for (i = 0; i < nc; ++i) got[i] = mgpu_bf16_to_float(hc16[i]); }
+    else tget(c, got);
+    for (i = 0; i < m; ++i)
+        for (j = 0; j < n; ++j) {
+            double ref = 0.0, mag = 0.0, tol, e;
+            for (l = 0; l < k; ++l) {
+                const double t = (double)fa[ta ? l * m + i : i * k + l] * fb[tb ? j * k + l : l * n + j];
+                ref += t;
+                mag += fabs(t);
+            }
+            ref = alpha * ref + (beta != 0.0f ? (double)beta * c0[i * n + j] : 0.0);
+            mag = fabs(alpha) * mag + fabs((double)beta * c0[i * n + j]);
+            tol = 2.0 * (double)(k + 2) * ldexp(1.0, -24) * mag;
+            if (out_bf16) tol = tol * (1.0 + ldexp(1.0, -8)) + ldexp(1.0, -8) * fabs(ref);
+            e = fabs((double)got[i * n + j] - ref);
+            if (!(e <= tol)) { if (!bad++) first = i * n + j; }
+            if (tol > 0.0 && e / tol > worst) worst = e / tol;
+        }
+    CHECK(bad == 0, "%s: bf16 matmul m=%lld n=%lld k=%lld ta=%d tb=%d alpha=%g beta=%g -> %s: %lld of %lld outside the "
+          "derived bound (the first at %lld; worst %.2f of it)", mgpu_device_label(dev), (long long)m, (long long)n,
+          (long long)k, ta, tb, alpha, beta, out_bf16 ? "bf16" : "f32", (long long)bad, (long long)nc, (long long)first, worst);
+    if (!is_gpu(dev) && !out_bf16) {   /* the CPU: the f32 product of the widened values, bit for bit */
+        mgpu_tensor *wa = tfrom(dev, ta ? mgpu_shape2(k, m) : mgpu_shape2(m, k), fa), *wb = tfrom(dev, tb ? mgpu_shape2(n, k) : mgpu_shape2(k, n), fb);
+        mgpu_tensor* wc = tfrom(dev, mgpu_shape2(m, n), c0);
+        MUST(mgpu_matmul(wc, wa, wb, ta ? MGPU_TRANS : MGPU_NO_TRANS, tb ? MGPU_TRANS : MGPU_NO_TRANS, alpha, beta));
+        tget(wc, wide);
+        CHECK(!memcmp(wide, got, (size_t)nc * sizeof(float)), "%s: bf16 matmul m=%lld n=%lld k=%lld: not the bits of the f32 "
+              "product of the widened operands", mgpu_device_label(dev), (long long)m, (long long)n, (long long)k);
+        mgpu_tensor_destroy(wa);
+        mgpu_tensor_destroy(wb);
+        mgpu_tensor_destroy(wc);
+    }
+    mgpu_tensor_destroy(a);
+    mgpu_tensor_destroy(b);
+    mgpu_tensor_destroy(c);
+    free(ha); free(hb); free(hc16); free(fa); free(fb); free(c0); free(got); free(wide);
+}
+
+/* The dtypes a product takes: bf16 with bf16 (out f32 or bf16), f32 with f32; others by name */
+static void matmul_bf16_errors(mgpu_device* dev) {
+    mgpu_tensor *f = tmake(dev, MGPU_F32, mgpu_shape2(4, 4)), *h = tmake(dev, MGPU_BF16, mgpu_shape2(4, 4));
+    mgpu_tensor *o = tmake(dev, MGPU_F32, mgpu_shape2(4, 4)), *oh = tmake(dev, MGPU_BF16, mgpu_shape2(4, 4));
+    expect_fail(mgpu_matmul(o, f, h, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_DTYPE_MISMATCH, "matmul f32 @ bf16",
+                "mgpu_matmul", "'b' is bf16[4,4]", "expected dtype f32");
+    expect_fail(mgpu_matmul(o, h, f, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_DTYPE_MISMATCH, "matmul bf16 @ f32",
+                "mgpu_matmul", "'b' is f32[4,4]", "expected dtype bf16");
+    expect_fail(mgpu_matmul(oh, f, f, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f), MGPU_ERROR_DTYPE_MISMATCH,
+                "matmul f32 @ f32 into bf16", "mgpu_matmul", "'out' is bf16[4,4]", "expected dtype f32");
+    mgpu_tensor_destroy(f);
+    mgpu_tensor_destroy(h);
+    mgpu_tensor_destroy(o);
+    mgpu_tensor_destroy(oh);
+}
+
 static void test_matmul(void) {
     int d, t;
     header("matmul");
@@ -1792,6 +1873,13 @@ static void test_matmul(void) {
         matmul_case(dev, 16, 9, 20000, 1, 0, 1.0f, 0.0f, 1);
         matmul_case(dev, 3, 520, 8199, 1, 0, -1.0f, 1.0f, 0);   /* across the n blocks */
         matmul_case(dev, 4, 6, 600000, 1, 0, 1.0f, 0.0f, 0);    /* more than 64 chunks of the least size */
+        for (t = 0; t < 8; ++t) {   /* bf16 operands, out f32 and bf16, every layout */
+            matmul_bf16_case(dev, 37, 70, 300, t & 1, (t >> 1) & 1, 1.0f, 0.0f, t >> 2);
+            matmul_bf16_case(dev, 13, 11, 9, t & 1, (t >> 1) & 1, -1.25f, 0.5f, t >> 2);
+        }
+        matmul_bf16_case(dev, 5, 9, 30001, 0, 0, 0.75f, -0.5f, 0);   /* split along k on the CPU */
+        matmul_bf16_case(dev, 6, 5, 0, 0, 0, 1.0f, 0.5f, 1);         /* k = 0: out = beta * out, rounded */
+        matmul_bf16_errors(dev);
     }
     matmul_same_bits_any_threads();
     matmul_pieces_same_bits();

@@ -26,6 +26,11 @@ typedef enum {
     CUBLAS_TF32_TENSOR_OP_MATH = 3
 } cublasMath_t;
 typedef struct cublasContext* cublasHandle_t;
+/* cublasGemmEx's types (library_types.h and cublas_api.h): the ones mgpu uses */
+typedef enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16BF = 14 } cudaDataType_t;
+typedef cudaDataType_t cudaDataType;
+typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
+typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
 
 extern "C" {
 cublasStatus_t cublasCreate(cublasHandle_t* handle);
@@ -39,5 +44,10 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode);
 cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                            int k, const float* alpha, const float* a, int lda, const float* b, int ldb,
                            const float* beta, float* c, int ldc);
+/* A and B CUDA_R_16BF with C CUDA_R_32F or CUDA_R_16BF, or all CUDA_R_32F; CUBLAS_COMPUTE_32F */
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                            int k, const void* alpha, const void* a, cudaDataType atype, int lda, const void* b,
+                            cudaDataType btype, int ldb, const void* beta, void* c, cudaDataType ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo);
 }
 #endif

@@ -21,7 +21,7 @@ typedef struct mgpu_emu_counters {
     /* Calls from the host, counted when made (during a capture too); the nodes a graph launch
        replays count nothing: a graphed step shows 1 graph launch and 0 launches. */
     uint64_t set_device, get_device;   /* cudaSetDevice, cudaGetDevice calls */
-    uint64_t gemms;                    /* cublasSgemm calls (in launches too) */
+    uint64_t gemms;                    /* cublasSgemm and cublasGemmEx calls (in launches too) */
     uint64_t copies_h2d, copies_d2h;   /* copy calls between the host (pageable or pinned) and a device */
     uint64_t copies_peer;              /* device to another device */
     uint64_t copies_d2d;               /* within one device */

@@ -1813,31 +1813,48 @@ static inline float tf32(float x) {
     return x;
 }
 
+// bfloat16 (CUDA_R_16BF): a float's upper half; to it rounded to nearest even, as the GPU's
+// conversion (a NaN stays a NaN)
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 struct gemm_args {
     int m, n, k, lda, ldb, ldc;
     bool ta, tb, tf32;
+    bool ab_bf16, c_bf16;   // cublasGemmEx's CUDA_R_16BF operands, C
     float alpha, beta;
     const float* alpha_dev;
     const float* beta_dev;
-    const float* a;
-    const float* b;
-    float* c;
+    const void* a;
+    const void* b;
+    void* c;
 };
 
+// The GPU's product: each C entry one dot product of exact products summed in double (closer
+// than any GPU's fp32 sums: tests bound the GPU's error against float64), rounded to float, then
+// to bf16 for a bf16 C.
 static void run_gemm(const gemm_args& g) {
     const float alpha = g.alpha_dev ? *g.alpha_dev : g.alpha, beta = g.beta_dev ? *g.beta_dev : g.beta;
+    auto in = [&g](const void* p, size_t i) {
+        const float v = g.ab_bf16 ? from_bf16(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+        return g.tf32 && !g.ab_bf16 ? tf32(v) : v;
+    };
     // op(A) rows and op(B) columns packed contiguous, so each C entry is one dot product
     std::vector<float> ap((size_t)g.m * g.k), bp((size_t)g.n * g.k);
     for (int i = 0; i < g.m; ++i)
-        for (int l = 0; l < g.k; ++l) {
-            const float v = g.ta ? g.a[(size_t)i * g.lda + l] : g.a[i + (size_t)l * g.lda];
-            ap[(size_t)i * g.k + l] = g.tf32 ? tf32(v) : v;
-        }
+        for (int l = 0; l < g.k; ++l) ap[(size_t)i * g.k + l] = in(g.a, g.ta ? (size_t)i * g.lda + l : i + (size_t)l * g.lda);
     for (int j = 0; j < g.n; ++j)
-        for (int l = 0; l < g.k; ++l) {
-            const float v = g.tb ? g.b[j + (size_t)l * g.ldb] : g.b[l + (size_t)j * g.ldb];
-            bp[(size_t)j * g.k + l] = g.tf32 ? tf32(v) : v;
-        }
+        for (int l = 0; l < g.k; ++l) bp[(size_t)j * g.k + l] = in(g.b, g.tb ? j + (size_t)l * g.ldb : l + (size_t)j * g.ldb);
     for (int j = 0; j < g.n; ++j) {
         const float* bj = &bp[(size_t)j * g.k];
         for (int i = 0; i < g.m; ++i) {
@@ -1851,19 +1868,26 @@ static void run_gemm(const gemm_args& g) {
                 s3 += (double)ai[l + 3] * bj[l + 3];
             }
             for (; l < g.k; ++l) s0 += (double)ai[l] * bj[l];
-            float* c = &g.c[i + (size_t)j * g.ldc];
+            const size_t at = i + (size_t)j * g.ldc;
             const float prod = (float)((s0 + s1) + (s2 + s3));
-            *c = beta == 0.0f ? alpha * prod : alpha * prod + beta * *c;   // beta 0: C is not read
+            if (g.c_bf16) {
+                uint16_t* c = (uint16_t*)g.c + at;
+                *c = to_bf16(beta == 0.0f ? alpha * prod : alpha * prod + beta * from_bf16(*c));   // beta 0: C is not read
+            } else {
+                float* c = (float*)g.c + at;
+                *c = beta == 0.0f ? alpha * prod : alpha * prod + beta * *c;
+            }
         }
     }
 }
 
-EMU_EXPORT cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
-                                      int m, int n, int k, const float* alpha, const float* a, int lda, const float* b,
-                                      int ldb, const float* beta, float* c, int ldc) {
+// cublasSgemm and cublasGemmEx: the checks of cuBLAS's arguments, then the product on the stream.
+static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                           int m, int n, int k, const float* alpha, const void* a, int lda, const void* b, int ldb,
+                           const float* beta, void* c, int ldc, bool ab_bf16, bool c_bf16) {
     if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (tl_device != handle->dev)
-        die("cublasSgemm: a handle of device %d used while device %d is current", handle->dev, tl_device);
+        die("%s: a handle of device %d used while device %d is current", call, handle->dev, tl_device);
     if (transa > CUBLAS_OP_C || transb > CUBLAS_OP_C || m < 0 || n < 0 || k < 0 || !alpha || !beta)
         return CUBLAS_STATUS_INVALID_VALUE;
     const bool ta = transa != CUBLAS_OP_N, tb = transb != CUBLAS_OP_N;
@@ -1874,27 +1898,48 @@ EMU_EXPORT cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t t
     cudaStream_t s = resolve(handle->stream);
     if (!s) return CUBLAS_STATUS_INVALID_VALUE;
     const int dev = handle->dev;
+    const size_t ab_size = ab_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4;
+    std::string what = std::string(call);
     if (k > 0) {
         const int cols_a = ta ? m : k, cols_b = tb ? k : n;
-        check_device("cublasSgemm A", a, ((size_t)(cols_a - 1) * lda + rows_a) * sizeof(float), dev, true);
-        check_device("cublasSgemm B", b, ((size_t)(cols_b - 1) * ldb + rows_b) * sizeof(float), dev, true);
+        check_device((what + " A").c_str(), a, ((size_t)(cols_a - 1) * lda + rows_a) * ab_size, dev, true);
+        check_device((what + " B").c_str(), b, ((size_t)(cols_b - 1) * ldb + rows_b) * ab_size, dev, true);
     }
-    check_device("cublasSgemm C", c, ((size_t)(n - 1) * ldc + m) * sizeof(float), dev, true);
-    gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, 0.0f, 0.0f,
+    check_device((what + " C").c_str(), c, ((size_t)(n - 1) * ldc + m) * c_size, dev, true);
+    gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, ab_bf16, c_bf16, 0.0f, 0.0f,
                 nullptr, nullptr, a, b, c};
     if (handle->pointer_mode == CUBLAS_POINTER_MODE_HOST) {
         g.alpha = *alpha;
         g.beta = *beta;
     } else {
-        check_device("cublasSgemm alpha", alpha, sizeof(float), dev, true);
-        check_device("cublasSgemm beta", beta, sizeof(float), dev, true);
+        check_device((what + " alpha").c_str(), alpha, sizeof(float), dev, true);
+        check_device((what + " beta").c_str(), beta, sizeof(float), dev, true);
         g.alpha_dev = alpha;
         g.beta_dev = beta;
     }
-    if (result(submit(s, [g] { run_gemm(g); }, "cublasSgemm")) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+    if (result(submit(s, [g] { run_gemm(g); }, call)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     ++c_launches;
     ++c_gemms;
     return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                      int m, int n, int k, const float* alpha, const float* a, int lda, const float* b,
+                                      int ldb, const float* beta, float* c, int ldc) {
+    return gemm("cublasSgemm", handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, false, false);
+}
+
+// The combinations cuBLAS documents for CUBLAS_COMPUTE_32F that mgpu uses (others: NOT_SUPPORTED,
+// as cuBLAS answers an unsupported one); alpha and beta are floats.
+EMU_EXPORT cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
+                                       int n, int k, const void* alpha, const void* a, cudaDataType atype, int lda,
+                                       const void* b, cudaDataType btype, int ldb, const void* beta, void* c,
+                                       cudaDataType ctype, int ldc, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+    const bool all32 = atype == CUDA_R_32F && btype == CUDA_R_32F && ctype == CUDA_R_32F;
+    const bool bf16 = atype == CUDA_R_16BF && btype == CUDA_R_16BF && (ctype == CUDA_R_32F || ctype == CUDA_R_16BF);
+    if (compute != CUBLAS_COMPUTE_32F || algo != CUBLAS_GEMM_DEFAULT || (!all32 && !bf16)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    return gemm("cublasGemmEx", handle, transa, transb, m, n, k, (const float*)alpha, a, lda, b, ldb, (const float*)beta, c,
+                ldc, bf16, ctype == CUDA_R_16BF);
 }
 
 // ---- for the fake NCCL and the benchmarks ------------------------------------------------------
