@@ -268,6 +268,51 @@ static void bench_gemm(const char* spec, int m, int n, int k, int reps) {
     free(t);
 }
 
+/* ---- the three GEMMs of a Linear layer's step on x [m, k] and a weight [n, k], in TF32 and in
+   bf16 (bf16 operands and out, fp32 sums): forward y = x W^T, the weight gradient dW = dy^T x,
+   the input gradient dx = dy W; rows named as bench_torch.py's, PyTorch's matmul beside them ---- */
+static void bench_gemm_layouts(const char* spec, int m, int n, int k, int reps) {
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_device* dev;
+    double* t = (double*)malloc(sizeof(double) * (size_t)reps);
+    int bf16, what, i, j;
+    if (!set || !t) fail(spec);
+    dev = mgpu_device_set_get(set, 0);
+    for (bf16 = 0; bf16 < 2; ++bf16) {
+        const mgpu_dtype dt = bf16 ? MGPU_BF16 : MGPU_F32;
+        mgpu_tensor *x = mgpu_tensor_create(dev, dt, mgpu_shape2(m, k)), *w = mgpu_tensor_create(dev, dt, mgpu_shape2(n, k));
+        mgpu_tensor *dy = mgpu_tensor_create(dev, dt, mgpu_shape2(m, n)), *y = mgpu_tensor_create(dev, dt, mgpu_shape2(m, n));
+        mgpu_tensor *dw = mgpu_tensor_create(dev, dt, mgpu_shape2(n, k)), *dx = mgpu_tensor_create(dev, dt, mgpu_shape2(m, k));
+        if (!x || !w || !dy || !y || !dw || !dx || mgpu_device_allow_tf32(dev, !bf16) || mgpu_tensor_fill(x, 0.5) ||
+            mgpu_tensor_fill(w, -0.25) || mgpu_tensor_fill(dy, 0.125))
+            fail("gemm layouts");
+        for (what = 0; what < 3; ++what) {
+            static const char* names[3] = {"x@W^T", "dy^T@x", "dy@W"};
+            char name[64];
+            for (i = -3; i < reps; ++i) {   /* 10 back to back per timing, as bench_gemm */
+                double t0;
+                mgpu_device_synchronize(dev);
+                t0 = mgpu_seconds();
+                for (j = 0; j < 10; ++j) {
+                    mgpu_result r = what == 0 ? mgpu_matmul(y, x, w, MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f)
+                                  : what == 1 ? mgpu_matmul(dw, dy, x, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f)
+                                              : mgpu_matmul(dx, dy, w, MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f);
+                    if (r) fail("gemm layouts");
+                }
+                mgpu_device_synchronize(dev);
+                if (i >= 0) t[i] = (mgpu_seconds() - t0) / 10.0;
+            }
+            snprintf(name, sizeof name, "gemm_%dx%dx%d_%s", m, n, k, bf16 ? "bf16" : "tf32");
+            row(name, spec, names[what], 2.0 * m * n * (double)k / median(t, reps) / 1e12, "TFLOP/s", "mgpu_matmul");
+        }
+        mgpu_device_allow_tf32(dev, 0);
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(w); mgpu_tensor_destroy(dy);
+        mgpu_tensor_destroy(y); mgpu_tensor_destroy(dw); mgpu_tensor_destroy(dx);
+    }
+    mgpu_device_set_destroy(set);
+    free(t);
+}
+
 /* ---- CPU GEMMs against OpenBLAS's cblas_sgemm (loaded at run time: no build dependency) on
    the same shapes and thread count, and the machine's FMA peak as the physical limit ---- */
 typedef void (*cblas_sgemm_fn)(int order, int ta, int tb, int m, int n, int k, float alpha, const float* a, int lda,
@@ -857,6 +902,7 @@ int main(int argc, char** argv) {
     }
     if (cuda) {
         bench_gemm("cuda:0", 2048, 4096, 4096, 20);
+        bench_gemm_layouts("cuda:0", 2048, 4096, 4096, 20);
         bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
