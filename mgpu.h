@@ -215,7 +215,8 @@
      of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
-   - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask).
+   - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask);
+     bf16 tensors and bf16 products (mgpu_matmul) exist, a model in bf16 does not yet.
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
