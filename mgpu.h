@@ -460,7 +460,8 @@ MGPUDEF void mgpu_pinned_free(void* ptr);
 /* ============================================================================================ */
 /* MGPU_BF16 is bfloat16 (PyTorch's torch.bfloat16): a float's upper 16 bits, its range with 8
    bits of precision. mgpu stores, copies, fills, converts (mgpu_tensor_convert, rounding to
-   nearest even) and reads it; ops compute in F32 and refuse other dtypes by name. */
+   nearest even) and reads it; mgpu_matmul and the elementwise ops (add ... sigmoid_backward)
+   take it, computing in float; the other ops compute in F32 and refuse other dtypes by name. */
 typedef enum mgpu_dtype { MGPU_F32 = 0, MGPU_I32 = 1, MGPU_U8 = 2, MGPU_BF16 = 3 } mgpu_dtype;
 #define MGPU_MAX_DIMS 4
 
@@ -553,6 +554,9 @@ MGPUDEF uint64_t mgpu_rand_offsets(int64_t n);
    only: the all-reduce of CPU replicas sums their buffers in place across devices (as NCCL and
    P2P read other GPUs'), and a step lends a CPU replica its rows of a batch that is on another
    CPU device without a copy (a GPU gets a copy). */
+/* Elementwise: every tensor of a call f32, or every one bf16 (computed in float from the
+   widened values, each result rounded once to nearest even; bf16 out is the f32 op's result
+   rounded, bit for bit). out may be an input (in place). */
 MGPUDEF mgpu_result mgpu_add(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
 MGPUDEF mgpu_result mgpu_sub(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
 MGPUDEF mgpu_result mgpu_mul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b);
@@ -1891,9 +1895,9 @@ int mgpu__cu_convert(int dev, void* stream, size_t n, int src_dtype, const void*
                      int dst_dtype, void* dst, float scale, float shift);  /* dst = src*scale+shift */
 int mgpu__cu_rand(int dev, void* stream, int normal, size_t n, uint64_t seed, uint64_t offset,
                   float a, float b, float* out);   /* out[i] = mgpu__rand_element(seed, offset, i, normal, a, b) */
-int mgpu__cu_unary(int dev, void* stream, int op, size_t n, const float* x, float* y, float alpha);
-int mgpu__cu_binary(int dev, void* stream, int op, size_t n, const float* a, const float* b,
-                    float* y, float alpha);
+int mgpu__cu_unary(int dev, void* stream, int op, int dtype, size_t n, const void* x, void* y, float alpha);
+int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const void* a, const void* b,
+                    void* y, float alpha);   /* dtype F32 or BF16 (computed in float, rounded once) */
 /* y[o,c,i] = x[o,c,i] + bias[c] over [outer, channels, inner] */
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
                       const float* x, const float* bias, float* y);
@@ -3928,12 +3932,21 @@ static mgpu_result mgpu__check_same_shape(const char* op, const char* an, const 
     return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s and '%s' %s differ in shape", op, an,
                       mgpu_tensor_describe(a, ta, sizeof ta), bn, mgpu_tensor_describe(b, tb, sizeof tb));
 }
-/* f32, same device and same shape as the reference tensor */
-static mgpu_result mgpu__check_like(const char* op, const char* name, const mgpu_tensor* t,
-                                    const char* ref_name, const mgpu_tensor* ref) {
-    MGPU__TRY(mgpu__check_tensor(op, name, t, MGPU_F32));
+/* dt (f32 for mgpu__check_like, the reference's own for mgpu__check_match), on the reference
+   tensor's device, of its shape */
+static mgpu_result mgpu__check_as(const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt,
+                                  const char* ref_name, const mgpu_tensor* ref) {
+    MGPU__TRY(mgpu__check_tensor(op, name, t, dt));
     MGPU__TRY(mgpu__check_same_device(op, name, t, ref_name, ref));
     return mgpu__check_same_shape(op, name, t, ref_name, ref);
+}
+static mgpu_result mgpu__check_like(const char* op, const char* name, const mgpu_tensor* t,
+                                    const char* ref_name, const mgpu_tensor* ref) {
+    return mgpu__check_as(op, name, t, MGPU_F32, ref_name, ref);
+}
+static mgpu_result mgpu__check_match(const char* op, const char* name, const mgpu_tensor* t,
+                                     const char* ref_name, const mgpu_tensor* ref) {
+    return mgpu__check_as(op, name, t, ref->dtype, ref_name, ref);
 }
 static mgpu_result mgpu__check_rank(const char* op, const char* name, const mgpu_tensor* t, int ndim) {
     char text[128];
@@ -4182,7 +4195,14 @@ static mgpu_result mgpu__scratch_get(mgpu__scratch* s, mgpu_device* dev, size_t 
 static void mgpu__scratch_put(mgpu__scratch* s) { if (s->ptr) mgpu__device_release(s->dev, s->ptr, s->size); s->ptr = NULL; }
 
 /* -- elementwise -- */
-typedef struct mgpu__ew_job { int op; const float *a, *b; float* y; float alpha; } mgpu__ew_job;
+typedef struct mgpu__ew_job {
+    int op;
+    const float *a, *b;   /* f32 tensors */
+    float* y;
+    const uint16_t *a16, *b16;   /* bf16 tensors (a, b, y NULL) */
+    uint16_t* y16;
+    float alpha;
+} mgpu__ew_job;
 /* One loop per op code, each calling the shared formula with a constant op: the compiler folds
    the switch inside mgpu__*_apply away and vectorises the loop. In blocks of 16 read into locals
    first: GCC's -O2 vectorises only a loop whose count it knows and whose stores cannot change its
@@ -4238,19 +4258,46 @@ static void mgpu__binary_range(void* ctx, int64_t begin, int64_t end) {
 }
 #undef MGPU__UNARY_LOOP
 #undef MGPU__BINARY_LOOP
+/* bf16 tensors: blocks widened to float on the stack, the f32 loops above, each result rounded
+   once (to nearest even), as the GPU's kernels do */
+static void mgpu__ew_bf16_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__ew_job* j = (const mgpu__ew_job*)ctx;
+    float a[256], b[256], y[256];
+    mgpu__ew_job f = *j;
+    int64_t i0, i, n;
+    f.a = a;
+    f.b = j->b16 ? b : NULL;
+    f.y = y;
+    for (i0 = begin; i0 < end; i0 += n) {
+        n = MGPU__MIN(end - i0, (int64_t)256);
+        for (i = 0; i < n; ++i) a[i] = mgpu__bf16_to_float(j->a16[i0 + i]);
+        for (i = 0; j->b16 && i < n; ++i) b[i] = mgpu__bf16_to_float(j->b16[i0 + i]);
+        if (j->b16) mgpu__binary_range(&f, 0, n);
+        else mgpu__unary_range(&f, 0, n);
+        for (i = 0; i < n; ++i) j->y16[i0 + i] = mgpu__float_to_bf16(y[i]);
+    }
+}
 #define MGPU__EW_MIN_PER_THREAD (1 << 15)
 
+/* The elementwise ops take F32 tensors, or BF16 ones (every tensor of the call BF16). */
 static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const mgpu_tensor* x, float alpha) {
     mgpu__ew_job job;
-    MGPU__TRY(mgpu__check_tensor(op, "x", x, MGPU_F32));
-    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    MGPU__TRY(mgpu__check_tensor(op, "x", x, x && x->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
+    MGPU__TRY(mgpu__check_match(op, "out", out, "x", x));
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (size_t)mgpu_tensor_numel(x),
-                                                  MGPU__F32(x), MGPU__F32(out), alpha));
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (int)x->dtype, (size_t)mgpu_tensor_numel(x),
+                                                  mgpu_tensor_data(x), mgpu_tensor_data(out), alpha));
         return MGPU_OK;
     }
-    job.op = code; job.a = MGPU__F32(x); job.b = NULL; job.y = MGPU__F32(out); job.alpha = alpha;
+    memset(&job, 0, sizeof job);
+    job.op = code; job.alpha = alpha;
+    if (x->dtype == MGPU_BF16) {
+        job.a16 = (const uint16_t*)mgpu_tensor_data(x); job.y16 = (uint16_t*)mgpu_tensor_data(out);
+        mgpu__parallel_range(mgpu_tensor_numel(x), MGPU__EW_MIN_PER_THREAD, mgpu__ew_bf16_range, &job);
+        return MGPU_OK;
+    }
+    job.a = MGPU__F32(x); job.y = MGPU__F32(out);
     mgpu__parallel_range(mgpu_tensor_numel(x), MGPU__EW_MIN_PER_THREAD, mgpu__unary_range, &job);
     return MGPU_OK;
 }
@@ -4258,16 +4305,24 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
 static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, const char* an, const mgpu_tensor* a,
                                 const char* bn, const mgpu_tensor* b, float alpha) {
     mgpu__ew_job job;
-    MGPU__TRY(mgpu__check_tensor(op, an, a, MGPU_F32));
-    MGPU__TRY(mgpu__check_like(op, bn, b, an, a));
-    MGPU__TRY(mgpu__check_like(op, "out", out, an, a));
+    MGPU__TRY(mgpu__check_tensor(op, an, a, a && a->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
+    MGPU__TRY(mgpu__check_match(op, bn, b, an, a));
+    MGPU__TRY(mgpu__check_match(op, "out", out, an, a));
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(a)) {
-        MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (size_t)mgpu_tensor_numel(a),
-                                                   MGPU__F32(a), MGPU__F32(b), MGPU__F32(out), alpha));
+        MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (int)a->dtype, (size_t)mgpu_tensor_numel(a),
+                                                   mgpu_tensor_data(a), mgpu_tensor_data(b), mgpu_tensor_data(out), alpha));
         return MGPU_OK;
     }
-    job.op = code; job.a = MGPU__F32(a); job.b = MGPU__F32(b); job.y = MGPU__F32(out); job.alpha = alpha;
+    memset(&job, 0, sizeof job);
+    job.op = code; job.alpha = alpha;
+    if (a->dtype == MGPU_BF16) {
+        job.a16 = (const uint16_t*)mgpu_tensor_data(a); job.b16 = (const uint16_t*)mgpu_tensor_data(b);
+        job.y16 = (uint16_t*)mgpu_tensor_data(out);
+        mgpu__parallel_range(mgpu_tensor_numel(a), MGPU__EW_MIN_PER_THREAD, mgpu__ew_bf16_range, &job);
+        return MGPU_OK;
+    }
+    job.a = MGPU__F32(a); job.b = MGPU__F32(b); job.y = MGPU__F32(out);
     mgpu__parallel_range(mgpu_tensor_numel(a), MGPU__EW_MIN_PER_THREAD, mgpu__binary_range, &job);
     return MGPU_OK;
 }
@@ -8036,7 +8091,7 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
                                                                             sent, len * sizeof(float), b->stream));
                         sent = b->ring_tmp;
                     }
-                    MGPU__CU("all-reduce", b->dev, mgpu__cu_binary(b->dev->ordinal, b->stream, MGPU__BINARY_ADD, len, sent,
+                    MGPU__CU("all-reduce", b->dev, mgpu__cu_binary(b->dev->ordinal, b->stream, MGPU__BINARY_ADD, MGPU_F32, len, sent,
                                                                    bufs[dst] + begin, bufs[dst] + begin, 0.0f));
                 } else {
                     MGPU__CU("all-reduce", b->dev, mgpu__cu_memcpy_peer(b->dev->ordinal, bufs[dst] + begin, a->dev->ordinal,

@@ -691,32 +691,35 @@ struct rand_op {
     }
 };
 
-struct unary_op {
+// T: float, or bf16 (computed in float, each result rounded once)
+template <class T> struct unary_op {
     int op;
     float alpha;
-    const float* x;
-    float* y;
+    const T* x;
+    T* y;
     template <int V> __device__ float apply(size_t i) const {
-        pack<float, V> v = load<V>(x, i);
+        const pack<T, V> v = load<V>(x, i);
+        pack<T, V> r;
 #pragma unroll
-        for (int k = 0; k < V; ++k) v.v[k] = mgpu__unary_apply(op, v.v[k], alpha);
-        store<V>(y, i, v);
+        for (int k = 0; k < V; ++k) r.v[k] = from_float<T>(mgpu__unary_apply(op, (float)v.v[k], alpha));
+        store<V>(y, i, r);
         return 0.0f;
     }
 };
 
-struct binary_op {
+template <class T> struct binary_op {
     int op;
     float alpha;
-    const float* a;
-    const float* b;
-    float* y;
+    const T* a;
+    const T* b;
+    T* y;
     template <int V> __device__ float apply(size_t i) const {
-        pack<float, V> u = load<V>(a, i);
-        const pack<float, V> w = load<V>(b, i);
+        const pack<T, V> u = load<V>(a, i);
+        const pack<T, V> w = load<V>(b, i);
+        pack<T, V> r;
 #pragma unroll
-        for (int k = 0; k < V; ++k) u.v[k] = mgpu__binary_apply(op, u.v[k], w.v[k], alpha);
-        store<V>(y, i, u);
+        for (int k = 0; k < V; ++k) r.v[k] = from_float<T>(mgpu__binary_apply(op, (float)u.v[k], (float)w.v[k], alpha));
+        store<V>(y, i, r);
         return 0.0f;
     }
 };
@@ -764,15 +767,27 @@ int mgpu__cu_rand(int dev, void* stream, int normal, size_t n, uint64_t seed, ui
     return launch_map(dev, stream, "rand", n, rand_op{seed, offset, a, b, normal, out}, vec4_ok(out));
 }
 
-int mgpu__cu_unary(int dev, void* stream, int op, size_t n, const float* x, float* y, float alpha) {
+int mgpu__cu_unary(int dev, void* stream, int op, int dtype, size_t n, const void* x, void* y, float alpha) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "unary", n, unary_op{op, alpha, x, y}, vec4_ok(x, y));
+    if (dtype == MGPU_BF16) {
+        const unary_op<bf16> f{op, alpha, (const bf16*)x, (bf16*)y};
+        return launch_map(dev, stream, "unary", n, f, vec4_ok(f.x, f.y));
+    }
+    if (dtype != MGPU_F32) return ARGUMENT_ERROR("unary op on dtype %d", dtype);
+    const unary_op<float> f{op, alpha, (const float*)x, (float*)y};
+    return launch_map(dev, stream, "unary", n, f, vec4_ok(f.x, f.y));
 }
 
-int mgpu__cu_binary(int dev, void* stream, int op, size_t n, const float* a, const float* b,
-                    float* y, float alpha) {
+int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const void* a, const void* b,
+                    void* y, float alpha) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "binary", n, binary_op{op, alpha, a, b, y}, vec4_ok(a, b, y));
+    if (dtype == MGPU_BF16) {
+        const binary_op<bf16> f{op, alpha, (const bf16*)a, (const bf16*)b, (bf16*)y};
+        return launch_map(dev, stream, "binary", n, f, vec4_ok(f.a, f.b, f.y));
+    }
+    if (dtype != MGPU_F32) return ARGUMENT_ERROR("binary op on dtype %d", dtype);
+    const binary_op<float> f{op, alpha, (const float*)a, (const float*)b, (float*)y};
+    return launch_map(dev, stream, "binary", n, f, vec4_ok(f.a, f.b, f.y));
 }
 
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,

@@ -1325,8 +1325,8 @@ static void bf16_on(mgpu_device* dev) {
         uint16_t row[512];
         tget(v, row);
         CHECK(!memcmp(row, back + 3 * 256, sizeof row), "%s: bf16 rows 3 and 4 through a view: other bits", L);
-        /* the ops compute in f32 and say so */
-        expect_fail(mgpu_relu(v, v), MGPU_ERROR_DTYPE_MISMATCH, "relu of a bf16 tensor", "mgpu_relu", "bf16", NULL);
+        /* an op that computes in f32 only says so */
+        expect_fail(mgpu_softmax(v, v), MGPU_ERROR_DTYPE_MISMATCH, "softmax of a bf16 tensor", "mgpu_softmax", "bf16", NULL);
         mgpu_tensor_destroy(v);
     }
     mgpu_tensor_destroy(c);
@@ -1590,12 +1590,77 @@ static void test_fast_math(void) {
           mgpu__expf(89.0f), mgpu__expf(INFINITY), mgpu__expf(NAN), mgpu__expf(88.7f), mgpu__expf(-100.0f));
 }
 
+/* The elementwise ops on bf16 tensors: each result the f32 op's on the widened inputs, rounded
+   once to nearest even (bit for bit: the same formula, then the rounding of mgpu_bf16_from_float),
+   in place too; a mix of dtypes refused by name. */
+typedef mgpu_result (*unary_fn)(mgpu_tensor*, const mgpu_tensor*);
+typedef mgpu_result (*binary_fn)(mgpu_tensor*, const mgpu_tensor*, const mgpu_tensor*);
+static void elementwise_bf16_on(mgpu_device* dev, int64_t n) {
+    static const struct { const char* name; unary_fn f; } un[] = {
+        {"relu", mgpu_relu}, {"gelu", mgpu_gelu}, {"gelu_tanh", mgpu_gelu_tanh}, {"tanh", mgpu_tanh}, {"sigmoid", mgpu_sigmoid}};
+    static const struct { const char* name; binary_fn f; } bin[] = {
+        {"add", mgpu_add}, {"sub", mgpu_sub}, {"mul", mgpu_mul}, {"relu_backward", mgpu_relu_backward},
+        {"gelu_backward", mgpu_gelu_backward}, {"gelu_tanh_backward", mgpu_gelu_tanh_backward},
+        {"tanh_backward", mgpu_tanh_backward}, {"sigmoid_backward", mgpu_sigmoid_backward}};
+    const int nun = (int)(sizeof un / sizeof un[0]), nbin = (int)(sizeof bin / sizeof bin[0]);
+    uint16_t *ha = (uint16_t*)xmalloc((size_t)(n + 1) * 2), *hb = (uint16_t*)xmalloc((size_t)(n + 1) * 2);
+    uint16_t* got = (uint16_t*)xmalloc((size_t)(n + 1) * 2);
+    float *fa = fbuf(n + 1), *fb = fbuf(n + 1), *want = fbuf(n + 1);
+    mgpu_tensor *a16 = tmake(dev, MGPU_BF16, mgpu_shape1(n)), *b16 = tmake(dev, MGPU_BF16, mgpu_shape1(n));
+    mgpu_tensor *y16 = tmake(dev, MGPU_BF16, mgpu_shape1(n)), *a32, *b32, *y32 = tmake(dev, MGPU_F32, mgpu_shape1(n));
+    int64_t i, bad;
+    int o, in_place;
+    for (i = 0; i < n; ++i) {
+        ha[i] = mgpu_bf16_from_float((float)(3.0 * rng_gauss())); fa[i] = mgpu_bf16_to_float(ha[i]);
+        hb[i] = mgpu_bf16_from_float((float)(3.0 * rng_gauss())); fb[i] = mgpu_bf16_to_float(hb[i]);
+    }
+    a32 = tfrom(dev, mgpu_shape1(n), fa);
+    b32 = tfrom(dev, mgpu_shape1(n), fb);
+    tput(b16, hb);
+    for (o = 0; o < nun + nbin + 2; ++o)
+        for (in_place = 0; in_place < 2; ++in_place) {
+            const char* name = o < nun ? un[o].name : o < nun + nbin ? bin[o - nun].name : o == nun + nbin ? "scale" : "axpy";
+            mgpu_tensor* out16 = in_place ? a16 : y16;
+            tput(a16, ha);
+            if (o == nun + nbin + 1) {   /* axpy: y += alpha x, y the first operand's copy */
+                MUST(mgpu_tensor_copy(y32, a32));
+                MUST(mgpu_axpy(y32, -0.75f, b32));
+                if (!in_place) MUST(mgpu_tensor_copy(y16, a16));
+                MUST(mgpu_axpy(out16, -0.75f, b16));
+            } else if (o == nun + nbin) {
+                MUST(mgpu_scale(y32, a32, 1.3f));
+                MUST(mgpu_scale(out16, a16, 1.3f));
+            } else if (o < nun) {
+                MUST(un[o].f(y32, a32));
+                MUST(un[o].f(out16, a16));
+            } else {
+                MUST(bin[o - nun].f(y32, a32, b32));
+                MUST(bin[o - nun].f(out16, a16, b16));
+            }
+            tget(y32, want);
+            tget(out16, got);
+            for (bad = -1, i = 0; i < n && bad < 0; ++i) if (got[i] != mgpu_bf16_from_float(want[i])) bad = i;
+            CHECK(bad < 0, "%s: bf16 %s%s of %lld: element %lld is 0x%04x, want 0x%04x (the f32 op's %.9g rounded)",
+                  mgpu_device_label(dev), name, in_place ? " in place" : "", (long long)n, (long long)bad,
+                  bad >= 0 ? (unsigned)got[bad] : 0u, bad >= 0 ? (unsigned)mgpu_bf16_from_float(want[bad]) : 0u,
+                  bad >= 0 ? (double)want[bad] : 0.0);
+        }
+    expect_fail(mgpu_add(y32, a16, b16), MGPU_ERROR_DTYPE_MISMATCH, "add of bf16 into f32", "mgpu_add", "'out' is f32", "expected dtype bf16");
+    expect_fail(mgpu_mul(y16, a16, b32), MGPU_ERROR_DTYPE_MISMATCH, "mul of bf16 by f32", "mgpu_mul", "'b' is f32", "expected dtype bf16");
+    expect_fail(mgpu_relu(y16, a32), MGPU_ERROR_DTYPE_MISMATCH, "relu of f32 into bf16", "mgpu_relu", "'out' is bf16", "expected dtype f32");
+    mgpu_tensor_destroy(a16); mgpu_tensor_destroy(b16); mgpu_tensor_destroy(y16);
+    mgpu_tensor_destroy(a32); mgpu_tensor_destroy(b32); mgpu_tensor_destroy(y32);
+    free(ha); free(hb); free(got); free(fa); free(fb); free(want);
+}
+
 static void test_elementwise(void) {
     const int64_t sizes[5] = { 0, 1, 7, 1001, g_quick ? (1 << 16) + 3 : (1 << 20) + 3 };
     int d, s;
     header("elementwise ops");
     for (d = 0; d < g_ndev; ++d) {
         for (s = 0; s < 5; ++s) elementwise_on(g_devs[d], sizes[s]);
+        elementwise_bf16_on(g_devs[d], 7);
+        elementwise_bf16_on(g_devs[d], g_quick ? 5003 : 100003);   /* the CPU's threads, the GPU's grid-stride loops */
         backward_fd_on(g_devs[d]);
     }
     gpu_group_note("elementwise");
