@@ -1065,6 +1065,14 @@ MGPUDEF int64_t mgpu_model_param_count(const mgpu_model* m);     /* scalar param
    process's GPUs, or MPI (CPU replicas, or GPUs without NCCL). */
 MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m);
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
+/* The device memory one replica keeps for its training steps' activations (summed over its
+   stages' devices, as blocks of the caching allocator): what its forward keeps for backward
+   (the layers' outputs and saved buffers, a stage's input) and the gradient buffers backward
+   writes, each buffer once (an in-place ReLU shares its Linear's, the loss gradient the logits'
+   where it is written over them). Sized by the last step's batch; 0 before the first step. The
+   gradients arrive in *gradient_bytes when not NULL. (torch.cuda.memory_allocated's growth over a
+   first step, less the parameters' gradients, which mgpu holds from mgpu_model_create.) */
+MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, size_t* gradient_bytes);
 /* The flat parameter and gradient buffers of one replica's stage (all of the model with one
    stage); mgpu_model_params and _grads are stage 0's, for models of one stage only. */
 MGPUDEF mgpu_tensor* mgpu_model_stage_params(const mgpu_model* m, int replica, int stage);
@@ -1079,7 +1087,8 @@ MGPUDEF int mgpu_model_buffer_count(const mgpu_model* m);
 MGPUDEF int mgpu_model_tensor_is_buffer(const mgpu_model* m, int i);
 MGPUDEF const char* mgpu_model_tensor_name(const mgpu_model* m, int i);
 MGPUDEF mgpu_tensor* mgpu_model_tensor(const mgpu_model* m, int replica, int i);
-/* Prints layers, output shapes and parameter counts (like torchsummary); to stdout if f is NULL. */
+/* Prints layers, output shapes and parameter counts (like torchsummary), and after a step the
+   activation memory (mgpu_model_activation_bytes); to stdout if f is NULL. */
 MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file /* FILE* */);
 
 /* One parameter, or its gradient, by its state_dict name ("0.weight", "2.bias", ...) on one
@@ -10151,6 +10160,7 @@ MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
 
+
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
 MGPUDEF int mgpu_model_total_replica_count(const mgpu_model* m) { return m ? (m->dist ? m->dist_total : m->replica_count) : 0; }
 MGPUDEF int mgpu_model_first_replica(const mgpu_model* m) { return m ? m->dist_first : 0; }
@@ -10321,6 +10331,17 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (b = 0; b < m->buffer_count; ++b) values += mgpu_shape_numel(m->buffers[b].shape);
         fprintf(f, "Buffers (running statistics, not trained): %d, %lld values\n", m->buffer_count, (long long)values);
     }
+    {
+        size_t grads = 0, all = mgpu_model_activation_bytes(m, 0, &grads);
+        char kept_text[32];
+        if (all) {   /* (none before a first step: its batch sizes them) */
+            mgpu__human_bytes((double)all, bytes, sizeof bytes);
+            mgpu__human_bytes((double)(all - grads), kept_text, sizeof kept_text);
+            fprintf(f, "Activation memory of a step (replica 0, the last step's %lld rows%s): %s, kept for backward %s, gradients %s\n",
+                    (long long)mgpu__part_of(m, 0, 0)->slot[0].in_shape.dim[0], m->micro_batches > 1 ? " per micro-batch" : "",
+                    bytes, kept_text, (mgpu__human_bytes((double)grads, text, sizeof text), text));
+        }
+    }
 }
 
 static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int replica) {
@@ -10328,6 +10349,50 @@ static mgpu_result mgpu__check_replica(const char* op, const mgpu_model* m, int 
     if (replica < 0 || replica >= m->replica_count)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: replica %d of a model with %d", op, replica, m->replica_count);
     return MGPU_OK;
+}
+
+/* Adds a tensor's storage block to *bytes unless seen[0..*count) has it (in-place layers, and the
+   loss gradient over the logits, share one). */
+static void mgpu__count_storage(const mgpu_tensor* t, const mgpu__storage** seen, int* count, size_t* bytes) {
+    int i;
+    if (!t) return;
+    for (i = 0; i < *count; ++i) if (seen[i] == t->storage) return;
+    seen[(*count)++] = t->storage;
+    *bytes += t->storage->size;
+}
+MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, size_t* gradient_bytes) {
+    size_t kept = 0, grads = 0;
+    int s, k, i, count = 0, cap = 0;
+    const mgpu__storage** seen;
+    if (gradient_bytes) *gradient_bytes = 0;
+    if (mgpu__check_replica("mgpu_model_activation_bytes", m, replica) != MGPU_OK) return 0;
+    for (s = 0; s < m->stage_count; ++s)
+        cap += mgpu__part_of(m, replica, s)->slot_count * (2 * m->layer_count + m->first_aux[m->layer_count] + 6);
+    seen = (const mgpu__storage**)MGPU_MALLOC(sizeof(*seen) * (size_t)MGPU__MAX(cap, 1));
+    if (!seen) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_activation_bytes: out of host memory"); return 0; }
+    for (s = 0; s < m->stage_count; ++s) {   /* what forward keeps first, so a shared block counts there */
+        const mgpu__part* p = mgpu__part_of(m, replica, s);
+        for (k = 0; k < p->slot_count; ++k) {
+            const mgpu__slot* sl = &p->slot[k];
+            for (i = 0; sl->act && i < m->layer_count; ++i) mgpu__count_storage(sl->act[i], seen, &count, &kept);
+            for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) mgpu__count_storage(sl->aux[i], seen, &count, &kept);
+            mgpu__count_storage(sl->xin, seen, &count, &kept);
+        }
+    }
+    for (s = 0; s < m->stage_count; ++s) {
+        const mgpu__part* p = mgpu__part_of(m, replica, s);
+        for (k = 0; k < p->slot_count; ++k) {
+            const mgpu__slot* sl = &p->slot[k];
+            mgpu__count_storage(sl->dflat[0], seen, &count, &grads);
+            mgpu__count_storage(sl->dflat[1], seen, &count, &grads);
+            mgpu__count_storage(sl->dxin, seen, &count, &grads);
+            mgpu__count_storage(sl->dyin, seen, &count, &grads);
+            mgpu__count_storage(sl->dout, seen, &count, &grads);
+        }
+    }
+    MGPU_FREE(seen);
+    if (gradient_bytes) *gradient_bytes = grads;
+    return kept + grads;
 }
 
 /* ---- >>impl optim ----------------------------------------------------------------------- */

@@ -3133,9 +3133,43 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
     if (m && opt && x && y) {
         MUST(mgpu_rand_uniform(x, 3, 0, -1.0f, 1.0f));
         MUST(mgpu_rand_uniform(y, 4, 0, -1.0f, 1.0f));
+        size_t grads = 1;
+        char text[4096] = "";
+        FILE* f = tmpfile();
+        CHECK(mgpu_model_activation_bytes(m, 0, &grads) == 0 && grads == 0, "activation memory on %s before a step: %zu bytes",
+              mgpu_device_label(dev), mgpu_model_activation_bytes(m, 0, NULL));
+        if (f) {
+            size_t n;
+            mgpu_model_summary(m, f);
+            rewind(f);
+            n = fread(text, 1, sizeof text - 1, f);
+            text[n] = 0;
+            fclose(f);
+        }
+        CHECK(strstr(text, "Total parameters") && !strstr(text, "Activation memory"),
+              "the summary before a step (no activation memory yet):\n%s", text);
         MUST(mgpu_memory_get_stats(dev, &s0));
         MUST(mgpu_model_train_step(m, opt, x, y, NULL));
         MUST(mgpu_memory_get_stats(dev, &s1));
+        {   /* what the first step added is the activation memory, and the summary says it */
+            const size_t all = mgpu_model_activation_bytes(m, 0, &grads);
+            char text[4096] = "";
+            FILE* f = tmpfile();
+            CHECK(all == s1.bytes_in_use - s0.bytes_in_use && grads == 2 * act + (size_t)B * 10 * sizeof(float),
+                  "activation memory on %s: mgpu_model_activation_bytes %zu (gradients %zu), the first step added %zu "
+                  "(gradients: two buffers of %zu and the loss's)", mgpu_device_label(dev), all, grads,
+                  s1.bytes_in_use - s0.bytes_in_use, act);
+            if (f) {
+                size_t n;
+                mgpu_model_summary(m, f);
+                rewind(f);
+                n = fread(text, 1, sizeof text - 1, f);
+                text[n] = 0;
+                fclose(f);
+            }
+            CHECK(strstr(text, "Activation memory of a step (replica 0, the last step's 512 rows): 3.0 MiB, kept for backward 2.0 MiB, gradients 1.0 MiB"),
+                  "the summary after a step lacks its activation memory:\n%s", text);
+        }
         /* + 1 layer's worth for the loss gradient and the rounding of blocks */
         CHECK(s1.bytes_in_use - s0.bytes_in_use <= acts + 3 * act,
               "activation memory on %s: a first step added %zu bytes: the Linears' outputs %zu and two gradient buffers of %zu "
@@ -3227,6 +3261,13 @@ static void loss_in_place(const mgpu_device_set* devs, mgpu_device* dev) {
         CHECK(s1.bytes_in_use - s0.bytes_in_use <= logits + slack,
               "loss gradient in place on %s: a first step added %zu bytes, the logits %zu (and at most %zu more): a buffer for "
               "their gradient?", mgpu_device_label(dev), s1.bytes_in_use - s0.bytes_in_use, logits, slack);
+        {   /* the first step added the activations and, on a GPU, the copy of the CPU's labels (one block) */
+            const size_t labels = mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA ? ((size_t)B * sizeof(int32_t) + 255) / 256 * 256 : 0;
+            CHECK(mgpu_model_activation_bytes(m, 0, NULL) + labels == s1.bytes_in_use - s0.bytes_in_use,
+                  "loss gradient in place on %s: mgpu_model_activation_bytes %zu (and labels %zu), the first step added %zu (the "
+                  "logits counted once?)", mgpu_device_label(dev), mgpu_model_activation_bytes(m, 0, NULL), labels,
+                  s1.bytes_in_use - s0.bytes_in_use);
+        }
     }
     mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     mgpu_optimizer_destroy(opt);
