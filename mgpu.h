@@ -587,9 +587,12 @@ MGPUDEF mgpu_result mgpu_sigmoid_backward(mgpu_tensor* dx, const mgpu_tensor* dy
 typedef enum mgpu_transpose { MGPU_NO_TRANS = 0, MGPU_TRANS = 1 } mgpu_transpose;
 MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
                                 mgpu_transpose transpose_a, mgpu_transpose transpose_b, float alpha, float beta);
-/* out[r, c] = x[r, c] + bias[c] for x [rows, cols]; also x [N, C, H, W] with bias [C]. */
+/* out[r, c] = x[r, c] + bias[c] for x [rows, cols]; also x [N, C, H, W] with bias [C]. x and out
+   each f32 or bf16 (in float, rounded once into a bf16 out: an f32 GEMM result plus its bias
+   into bf16, as cuBLASLt's bias epilogue), bias f32. */
 MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias);
-/* The bias gradient: dbias[c] = sum of dy over every dimension but the channel one (1). */
+/* The bias gradient: dbias[c] = sum of dy over every dimension but the channel one (1); dy f32
+   or bf16, summed in float into f32 dbias. */
 MGPUDEF mgpu_result mgpu_bias_backward(mgpu_tensor* dbias, const mgpu_tensor* dy);
 /* x 2-D [rows, cols]. axis 0: out [cols] (sum down each column); axis 1: out [rows]. */
 MGPUDEF mgpu_result mgpu_sum(mgpu_tensor* out, const mgpu_tensor* x, int axis);
@@ -1909,11 +1912,11 @@ int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const vo
                     void* y, float alpha);   /* dtype F32 or BF16 (computed in float, rounded once) */
 /* y[o,c,i] = x[o,c,i] + bias[c] over [outer, channels, inner] */
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                      const float* x, const float* bias, float* y);
+                      int x_dtype, const void* x, const float* bias, int y_dtype, void* y);   /* F32 or BF16 */
 /* out[c] = scale * sum over o, i of x[o,c,i] (+ out[c] when accumulate); a fixed summation
-   order (deterministic) */
+   order (deterministic); x F32 or BF16 */
 int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                         const float* x, float* out, float scale, int accumulate);
+                         int x_dtype, const void* x, float* out, float scale, int accumulate);
 int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
 /* loss[0] = mean over the rows whose label is not MGPU_IGNORE_INDEX of -log softmax(logits)[label]
    (0 when there are none); dlogits (may be NULL) = (softmax - onehot) * grad_scale, 0 in an
@@ -4986,9 +4989,10 @@ static void mgpu__channel_split(const mgpu_tensor* x, int64_t* outer, int64_t* c
     for (i = 2; i < x->shape.ndim; ++i) *inner *= x->shape.dim[i];
 }
 
+/* x f32 or bf16, v f32 with one value per channel of x */
 static mgpu_result mgpu__check_channels(const char* op, const char* vn, const mgpu_tensor* v, const char* xn, const mgpu_tensor* x) {
     char tv[128], tx[128];
-    MGPU__TRY(mgpu__check_tensor(op, xn, x, MGPU_F32));
+    MGPU__TRY(mgpu__check_tensor(op, xn, x, x && x->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
     MGPU__TRY(mgpu__check_tensor(op, vn, v, MGPU_F32));
     MGPU__TRY(mgpu__check_same_device(op, vn, v, xn, x));
     if (x->shape.ndim < 2 || v->shape.ndim != 1 || v->shape.dim[0] != x->shape.dim[1])
@@ -4999,10 +5003,22 @@ static mgpu_result mgpu__check_channels(const char* op, const char* vn, const mg
 
 /* y = x + bias over the outer slices [o0, o1): a row of a Linear's output (inner 1) as one
    vectorised loop over the channels */
-typedef struct mgpu__bias_job { int64_t channels, inner; const float *x, *bias; float* y; } mgpu__bias_job;
+typedef struct mgpu__bias_job {
+    int64_t channels, inner;
+    const float *x, *bias;
+    float* y;
+    mgpu_dtype xt, yt;   /* either bf16: x and y through xv and yv, element by element */
+    const void* xv;
+    void* yv;
+} mgpu__bias_job;
 static void mgpu__bias_range(void* ctx, int64_t o0, int64_t o1) {
     const mgpu__bias_job* j = (const mgpu__bias_job*)ctx;
     int64_t o, c, i;
+    if (j->xt != MGPU_F32 || j->yt != MGPU_F32) {   /* in float, rounded once into y */
+        for (i = o0 * j->channels * j->inner; i < o1 * j->channels * j->inner; ++i)
+            mgpu__store_float(j->yt, j->yv, i, mgpu__load_as_float(j->xt, j->xv, i) + j->bias[i / j->inner % j->channels]);
+        return;
+    }
     for (o = o0; o < o1; ++o) {
         const float* px = j->x + o * j->channels * j->inner;
         float* py = j->y + o * j->channels * j->inner;
@@ -5017,31 +5033,48 @@ static void mgpu__bias_range(void* ctx, int64_t o0, int64_t o1) {
 MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const mgpu_tensor* bias) {
     static const char* op = "mgpu_bias_add";
     int64_t outer, channels, inner;
+    char tc[128];
     MGPU__TRY(mgpu__check_channels(op, "bias", bias, "x", x));
-    MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
+    MGPU__TRY(mgpu__check_as(op, "out", out, out && out->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32, "x", x));
+    if (out->dtype != x->dtype && mgpu__overlap(out, x))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with x of another dtype", op,
+                          mgpu_tensor_describe(out, tc, sizeof tc));
     mgpu__channel_split(x, &outer, &channels, &inner);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner,
-                                                     MGPU__F32(x), MGPU__F32(bias), MGPU__F32(out)));
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, (int)x->dtype,
+                                                     mgpu_tensor_data(x), MGPU__F32(bias), (int)out->dtype, mgpu_tensor_data(out)));
         return MGPU_OK;
     }
     {
         mgpu__bias_job j;
-        j.channels = channels; j.inner = inner; j.x = MGPU__F32(x); j.bias = MGPU__F32(bias); j.y = MGPU__F32(out);
+        j.channels = channels; j.inner = inner; j.bias = MGPU__F32(bias);
+        j.xt = x->dtype; j.yt = out->dtype; j.xv = mgpu_tensor_data(x); j.yv = mgpu_tensor_data(out);
+        j.x = (const float*)j.xv; j.y = (float*)j.yv;   /* (read as such only when both are f32) */
         mgpu__parallel_range(outer, MGPU__MAX((int64_t)1, MGPU__EW_MIN_PER_THREAD / MGPU__MAX((int64_t)1, channels * inner)),
                              mgpu__bias_range, &j);
     }
     return MGPU_OK;
 }
 
+/* x f32, or bf16 (on the CPU widened first, exactly, into a block of the device's cache) */
 static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t outer,
                                      int64_t channels, int64_t inner, float scale, int accumulate) {
-    (void)op;
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
-        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, MGPU__F32(x),
-                                                        MGPU__F32(out), scale, accumulate));
+        MGPU__CU(op, MGPU__DEV(x), mgpu__cu_channel_sum(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, (int)x->dtype,
+                                                        mgpu_tensor_data(x), MGPU__F32(out), scale, accumulate));
+        return MGPU_OK;
+    }
+    if (x->dtype == MGPU_BF16) {
+        const int64_t n = mgpu_tensor_numel(x);
+        size_t size;
+        float* wide = (float*)mgpu__device_alloc(MGPU__DEV(x), sizeof(float) * (size_t)MGPU__MAX(n, 1), &size, op);
+        int64_t i;
+        if (!wide) return mgpu_last_result();
+        for (i = 0; i < n; ++i) wide[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(x))[i]);
+        mgpu__cpu_channel_sum(outer, channels, inner, wide, MGPU__F32(out), scale, accumulate);
+        mgpu__device_release(MGPU__DEV(x), wide, size);
         return MGPU_OK;
     }
     mgpu__cpu_channel_sum(outer, channels, inner, MGPU__F32(x), MGPU__F32(out), scale, accumulate);

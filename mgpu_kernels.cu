@@ -725,12 +725,12 @@ template <class T> struct binary_op {
 };
 
 // y[o, c, i] = x[o, c, i] + bias[c]
-struct bias_add_op {
+template <class X, class Y> struct bias_add_op {   // float or bf16 each: in float, rounded once into y
     int64_t channels, inner;
-    const float* x;
+    const X* x;
     const float* bias;
-    float* y;
-    template <class I> __device__ void operator()(I i) const { y[i] = x[i] + bias[i / (I)inner % (I)channels]; }
+    Y* y;
+    template <class I> __device__ void operator()(I i) const { y[i] = from_float<Y>((float)x[i] + bias[i / (I)inner % (I)channels]); }
 };
 
 int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value) {
@@ -791,10 +791,19 @@ int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const vo
 }
 
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                      const float* x, const float* bias, float* y) {
+                      int x_dtype, const void* x, const float* bias, int y_dtype, void* y) {
     USE_DEVICE(dev);
+    if ((x_dtype != MGPU_F32 && x_dtype != MGPU_BF16) || (y_dtype != MGPU_F32 && y_dtype != MGPU_BF16))
+        return ARGUMENT_ERROR("bias_add of dtype %d into %d", x_dtype, y_dtype);
     if (outer <= 0 || channels <= 0 || inner <= 0) return MGPU__CU_OK;
-    return launch_index(dev, stream, "bias_add", outer * channels * inner, bias_add_op{channels, inner, x, bias, y});
+    return with_dtype(x_dtype, [&](auto xs) {
+        return with_dtype(y_dtype, [&](auto ys) {
+            using X = decltype(xs);
+            using Y = decltype(ys);
+            return launch_index(dev, stream, "bias_add", outer * channels * inner,
+                                bias_add_op<X, Y>{channels, inner, (const X*)x, bias, (Y*)y});
+        });
+    });
 }
 
 // ============================================================================================
@@ -822,8 +831,9 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const T* part, int64_t
 // channel_sum with inner == 1: column sums of x [rows, cols] (e.g. a bias gradient). A block owns
 // `width` adjacent columns; its threads form kThreads / width row groups striding down the rows,
 // so each warp reads contiguous memory. The groups' partials meet in shared memory in order.
+template <class T>
 __global__ void __launch_bounds__(kThreads)
-column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* out, float scale, int accumulate) {
+column_sum_kernel(int64_t rows, int64_t cols, int width, const T* x, float* out, float scale, int accumulate) {
     __shared__ float part[kThreads];
     const int groups = kThreads / width, lane = threadIdx.x % width, group = threadIdx.x / width;
     for (int64_t c0 = (int64_t)blockIdx.x * width; c0 < cols; c0 += (int64_t)gridDim.x * width) {
@@ -831,15 +841,15 @@ column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* 
         float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;   // four chains: more loads in flight
         if (group < groups && c < cols) {
             const int64_t step = (int64_t)groups * cols;
-            const float* p = x + group * cols + c;
+            const T* p = x + group * cols + c;
             int64_t r = group;
             for (; r + 3 * groups < rows; r += 4 * groups, p += 4 * step) {
-                s0 += p[0];
-                s1 += p[step];
-                s2 += p[2 * step];
-                s3 += p[3 * step];
+                s0 += (float)p[0];
+                s1 += (float)p[step];
+                s2 += (float)p[2 * step];
+                s3 += (float)p[3 * step];
             }
-            for (; r < rows; r += groups, p += step) s0 += p[0];
+            for (; r < rows; r += groups, p += step) s0 += (float)p[0];
         }
         part[threadIdx.x] = (s0 + s1) + (s2 + s3);
         __syncthreads();
@@ -855,15 +865,16 @@ column_sum_kernel(int64_t rows, int64_t cols, int width, const float* x, float* 
 // channel_sum with inner > 1 (e.g. a conv bias gradient over [N, C, H*W]): a block per channel
 // walks its outer * inner elements. Thread t visits flat offsets t, t + 256, ... as (o, i), which
 // advance by constant steps, so the loop has no division.
+template <class T>
 __global__ void __launch_bounds__(kThreads)
-channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out, float scale,
+channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const T* x, float* out, float scale,
                    int accumulate) {
     const int64_t step_o = kThreads / inner, step_i = kThreads % inner;
     for (int64_t c = blockIdx.x; c < channels; c += gridDim.x) {
         int64_t o = threadIdx.x / inner, i = threadIdx.x % inner;
         float acc = 0.0f;
         while (o < outer) {
-            acc += x[(o * channels + c) * inner + i];
+            acc += (float)x[(o * channels + c) * inner + i];
             o += step_o;
             i += step_i;
             if (i >= inner) { i -= inner; ++o; }
@@ -874,8 +885,9 @@ channel_sum_kernel(int64_t outer, int64_t channels, int64_t inner, const float* 
 }
 
 int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                         const float* x, float* out, float scale, int accumulate) {
+                         int x_dtype, const void* x, float* out, float scale, int accumulate) {
     USE_DEVICE(dev);
+    if (x_dtype != MGPU_F32 && x_dtype != MGPU_BF16) return ARGUMENT_ERROR("channel sum of dtype %d", x_dtype);
     if (channels <= 0) return MGPU__CU_OK;
     cudaStream_t s = as_stream(stream);
     if (outer <= 0 || inner <= 0) {   // empty sums: nothing to add, or zeros
@@ -883,11 +895,17 @@ int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels,
         CUDA_TRY(cudaMemsetAsync(out, 0, (size_t)channels * sizeof(float), s), "cudaMemsetAsync() on device %d", dev);
         return MGPU__CU_OK;
     }
+    const bool half = x_dtype == MGPU_BF16;
     if (inner == 1) {
         const int width = channels < 32 ? (int)channels : 32;
-        column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, x, out, scale, accumulate);
+        if (half)
+            column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, (const bf16*)x, out, scale, accumulate);
+        else
+            column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, (const float*)x, out, scale, accumulate);
+    } else if (half) {
+        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, (const bf16*)x, out, scale, accumulate);
     } else {
-        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, x, out, scale, accumulate);
+        channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, (const float*)x, out, scale, accumulate);
     }
     CHECK_LAUNCH("channel_sum", dev);
     return MGPU__CU_OK;

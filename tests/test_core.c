@@ -2001,6 +2001,60 @@ static void bias_case(mgpu_device* dev, mgpu_shape s, int in_place) {
     free(x); free(bias); free(got); free(ref); free(dref);
 }
 
+/* bias_add and bias_backward with bf16: x and out each f32 or bf16, the bias f32: the f32 op's
+   results on the widened values (rounded once into a bf16 out), bit for bit; the bias gradient of
+   a bf16 dy is that of the widened dy, bit for bit. */
+static void bias_bf16_case(mgpu_device* dev, mgpu_shape s) {
+    const int64_t n = mgpu_shape_numel(s), ch = s.dim[1];
+    uint16_t *hx = (uint16_t*)xmalloc((size_t)n * 2), *got16 = (uint16_t*)xmalloc((size_t)n * 2);
+    float *fx = fbuf(n), *bias = fbuf(ch), *want = fbuf(n), *got = fbuf(n), *db = fbuf(ch), *db_want = fbuf(ch);
+    mgpu_tensor *x16 = tmake(dev, MGPU_BF16, s), *x32, *y16 = tmake(dev, MGPU_BF16, s), *y32 = tmake(dev, MGPU_F32, s);
+    mgpu_tensor *tb, *tdb = tmake(dev, MGPU_F32, mgpu_shape1(ch));
+    int64_t i, bad16 = -1, bad32 = -1;
+    for (i = 0; i < n; ++i) { hx[i] = mgpu_bf16_from_float((float)(2.0 * rng_gauss())); fx[i] = mgpu_bf16_to_float(hx[i]); }
+    rnd_normal(bias, ch, 1.0);
+    tput(x16, hx);
+    x32 = tfrom(dev, s, fx);
+    tb = tfrom(dev, mgpu_shape1(ch), bias);
+    MUST(mgpu_bias_add(y32, x32, tb));   /* the f32 op */
+    tget(y32, want);
+    MUST(mgpu_bias_add(y16, x16, tb));   /* bf16 -> bf16 */
+    tget(y16, got16);
+    for (i = 0; i < n && bad16 < 0; ++i) if (got16[i] != mgpu_bf16_from_float(want[i])) bad16 = i;
+    MUST(mgpu_bias_add(y32, x16, tb));   /* bf16 -> f32 */
+    tget(y32, got);
+    for (i = 0; i < n && bad32 < 0; ++i) if (got[i] != want[i]) bad32 = i;
+    MUST(mgpu_bias_add(y16, x32, tb));   /* f32 -> bf16: as an f32 GEMM's output into bf16 */
+    tget(y16, got16);
+    for (i = 0; i < n && bad16 < 0; ++i) if (got16[i] != mgpu_bf16_from_float(want[i])) bad16 = i;
+    MUST(mgpu_bias_add(x16, x16, tb));   /* in place */
+    tget(x16, got16);
+    for (i = 0; i < n && bad16 < 0; ++i) if (got16[i] != mgpu_bf16_from_float(want[i])) bad16 = i;
+    CHECK(bad16 < 0 && bad32 < 0, "%s: bias_add with bf16 over [%lld,%lld,...]: element %lld (bf16 out) / %lld (f32 out) "
+          "is not the f32 op's result", mgpu_device_label(dev), (long long)s.dim[0], (long long)ch, (long long)bad16,
+          (long long)bad32);
+    {   /* the bias stays f32 */
+        mgpu_tensor* b16 = tmake(dev, MGPU_BF16, mgpu_shape1(ch));
+        expect_fail(mgpu_bias_add(y16, x16, b16), MGPU_ERROR_DTYPE_MISMATCH, "bias_add with a bf16 bias", "mgpu_bias_add",
+                    "'bias' is bf16", "expected dtype f32");
+        mgpu_tensor_destroy(b16);
+    }
+    /* the bias gradient of a bf16 dy (x16 now holds x + bias, rounded) */
+    tget(x16, hx);
+    for (i = 0; i < n; ++i) fx[i] = mgpu_bf16_to_float(hx[i]);
+    tput(x32, fx);
+    MUST(mgpu_bias_backward(tdb, x32));
+    tget(tdb, db_want);
+    MUST(mgpu_tensor_fill(tdb, NAN));
+    MUST(mgpu_bias_backward(tdb, x16));
+    tget(tdb, db);
+    CHECK(!memcmp(db, db_want, (size_t)ch * sizeof(float)), "%s: bias_backward of a bf16 dy [%lld,%lld,...]: not the f32 "
+          "op's bits on the widened dy", mgpu_device_label(dev), (long long)s.dim[0], (long long)ch);
+    mgpu_tensor_destroy(x16); mgpu_tensor_destroy(x32); mgpu_tensor_destroy(y16); mgpu_tensor_destroy(y32);
+    mgpu_tensor_destroy(tb); mgpu_tensor_destroy(tdb);
+    free(hx); free(got16); free(fx); free(bias); free(want); free(got); free(db); free(db_want);
+}
+
 static void sum_case(mgpu_device* dev, int64_t rows, int64_t cols) {
     const int64_t n = rows * cols;
     float *x = fbuf(n), *got = fbuf(rows + cols);
@@ -2040,6 +2094,9 @@ static void test_bias_reduce(void) {
         mgpu_device* dev = g_devs[d];
         bias_case(dev, mgpu_shape2(37, 19), 0);
         bias_case(dev, mgpu_shape2(37, 19), 1);
+        bias_bf16_case(dev, mgpu_shape2(37, 19));
+        bias_bf16_case(dev, mgpu_shape2(1000, 45));   /* column sums in several row groups */
+        bias_bf16_case(dev, mgpu_shape4(4, 3, 5, 7));
         bias_case(dev, mgpu_shape2(300, 19), 0);
         bias_case(dev, mgpu_shape2(1, 1), 0);
         bias_case(dev, mgpu_shape2(0, 4), 0);
