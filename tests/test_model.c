@@ -184,6 +184,19 @@ static float* get_grads(const mgpu_model* m, int rep) {
     return p;
 }
 static void put_flat(mgpu_model* m, int rep, const float* p) { tput(mgpu_model_params(m, rep), p); }
+/* What mgpu_model_summary prints, into text (cut to size; "" when no temporary file opens) */
+static void summary_of(const mgpu_model* m, char* text, size_t size) {
+    FILE* f = tmpfile();
+    size_t n = 0;
+    CHECK(f != NULL, "tmpfile()");
+    if (f) {
+        mgpu_model_summary(m, f);
+        rewind(f);
+        n = fread(text, 1, size - 1, f);
+        fclose(f);
+    }
+    text[n] = 0;
+}
 static void put_grads(mgpu_model* m, int rep, const float* g) { tput(mgpu_model_grads(m, rep), g); }
 /* offset (in floats) of named tensor i in the flat buffers: the view's address minus the buffer's */
 static int64_t toff(const mgpu_model* m, int i) {
@@ -991,18 +1004,12 @@ static void test_model_errors(void) {
 
     /* summary: layer names, output shapes, the total parameter count */
     {
-        FILE* f = tmpfile();
         char text[4096];
-        size_t n;
         mgpu_model* cm = MODEL(mgpu_shape3(1, 8, 8), NULL, MGPU_LOSS_CROSS_ENTROPY, 1, mgpu_layer_conv2d(1, 4, 3, 1, 1),
                                mgpu_layer_relu(), mgpu_layer_maxpool2d(2, 0), mgpu_layer_flatten(), mgpu_layer_dropout(0.25f),
                                mgpu_layer_linear(64, 10), scale_layer(1.0f, NULL));
-        CHECK(f != NULL, "tmpfile()");
-        if (f && cm) {
-            mgpu_model_summary(cm, f);
-            rewind(f);
-            n = fread(text, 1, sizeof text - 1, f);
-            text[n] = 0;
+        if (cm) {
+            summary_of(cm, text, sizeof text);
             CHECK(strstr(text, "Conv2d") && strstr(text, "ReLU") && strstr(text, "MaxPool2d") && strstr(text, "Flatten") &&
                   strstr(text, "Dropout") && strstr(text, "Linear(64 -> 10)") && strstr(text, "Scale(init 1)"),
                   "summary lacks a layer name:\n%s", text);
@@ -1013,7 +1020,6 @@ static void test_model_errors(void) {
             CHECK(strstr(text, "Total parameters: 691") != NULL, "summary lacks the total 691:\n%s", text);
             CHECK(strstr(text, "650") && strstr(text, "40"), "summary lacks the per-layer counts:\n%s", text);
         }
-        if (f) fclose(f);
         mgpu_model_destroy(cm);
     }
 
@@ -3131,21 +3137,13 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
     mgpu_memory_stats s0, s1;
     CHECK(m && opt, "activation memory: the model: %s", mgpu_last_error());
     if (m && opt && x && y) {
+        size_t grads = 1;
+        char text[4096];
         MUST(mgpu_rand_uniform(x, 3, 0, -1.0f, 1.0f));
         MUST(mgpu_rand_uniform(y, 4, 0, -1.0f, 1.0f));
-        size_t grads = 1;
-        char text[4096] = "";
-        FILE* f = tmpfile();
         CHECK(mgpu_model_activation_bytes(m, 0, &grads) == 0 && grads == 0, "activation memory on %s before a step: %zu bytes",
               mgpu_device_label(dev), mgpu_model_activation_bytes(m, 0, NULL));
-        if (f) {
-            size_t n;
-            mgpu_model_summary(m, f);
-            rewind(f);
-            n = fread(text, 1, sizeof text - 1, f);
-            text[n] = 0;
-            fclose(f);
-        }
+        summary_of(m, text, sizeof text);
         CHECK(strstr(text, "Total parameters") && !strstr(text, "Activation memory"),
               "the summary before a step (no activation memory yet):\n%s", text);
         MUST(mgpu_memory_get_stats(dev, &s0));
@@ -3153,21 +3151,12 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
         MUST(mgpu_memory_get_stats(dev, &s1));
         {   /* what the first step added is the activation memory, and the summary says it */
             const size_t all = mgpu_model_activation_bytes(m, 0, &grads);
-            char text[4096] = "";
-            FILE* f = tmpfile();
             const size_t loss_grad = (size_t)B * 10 * sizeof(float);
             CHECK(all == s1.bytes_in_use - s0.bytes_in_use && grads >= 2 * act + loss_grad && grads <= 2 * act + loss_grad + 4096,
                   "activation memory on %s: mgpu_model_activation_bytes %zu (gradients %zu), the first step added %zu "
                   "(gradients: two buffers of %zu and the loss's %zu, in blocks)", mgpu_device_label(dev), all, grads,
                   s1.bytes_in_use - s0.bytes_in_use, act, loss_grad);
-            if (f) {
-                size_t n;
-                mgpu_model_summary(m, f);
-                rewind(f);
-                n = fread(text, 1, sizeof text - 1, f);
-                text[n] = 0;
-                fclose(f);
-            }
+            summary_of(m, text, sizeof text);
             CHECK(strstr(text, "Activation memory of a step (replica 0, the last step's 512 rows): 3.0 MiB, kept for backward 2.0 MiB, gradients 1.0 MiB"),
                   "the summary after a step lacks its activation memory:\n%s", text);
         }
