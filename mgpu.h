@@ -216,7 +216,7 @@
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask);
-     bf16 tensors and bf16 products (mgpu_matmul) exist, a model in bf16 does not yet.
+     bf16 tensors, products (mgpu_matmul), elementwise and bias ops exist, a model in bf16 not yet.
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
@@ -460,8 +460,9 @@ MGPUDEF void mgpu_pinned_free(void* ptr);
 /* ============================================================================================ */
 /* MGPU_BF16 is bfloat16 (PyTorch's torch.bfloat16): a float's upper 16 bits, its range with 8
    bits of precision. mgpu stores, copies, fills, converts (mgpu_tensor_convert, rounding to
-   nearest even) and reads it; mgpu_matmul and the elementwise ops (add ... sigmoid_backward)
-   take it, computing in float; the other ops compute in F32 and refuse other dtypes by name. */
+   nearest even) and reads it; mgpu_matmul, the elementwise ops (add ... sigmoid_backward),
+   mgpu_bias_add and mgpu_bias_backward take it, computing in float; the other ops compute in F32
+   and refuse other dtypes by name. */
 typedef enum mgpu_dtype { MGPU_F32 = 0, MGPU_I32 = 1, MGPU_U8 = 2, MGPU_BF16 = 3 } mgpu_dtype;
 #define MGPU_MAX_DIMS 4
 
@@ -526,9 +527,10 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src);
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev);
 MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value);
 MGPUDEF mgpu_result mgpu_tensor_zero(mgpu_tensor* t);
-/* Convert between dtypes: dst = src * scale + shift (e.g. u8 pixels to f32 in [0,1]), through a
-   float; with scale 1 and shift 0 an exact copy where dst holds every value of src (-0 stays -0),
-   and f32 to bf16 rounds to nearest even, as .to(torch.bfloat16). */
+/* Convert between dtypes: dst = src * scale + shift (e.g. u8 pixels to f32 in [0,1]), each value
+   through a float: with scale 1 and shift 0 exact where the float and dst hold the value (-0
+   stays -0; every u8 and bf16, i32 up to 2^24), and f32 to bf16 rounds to nearest even, as
+   .to(torch.bfloat16). */
 MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src, float scale, float shift);
 
 /* ============================================================================================ */
@@ -4102,7 +4104,7 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
                  mgpu__cu_fill(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, mgpu_tensor_data(t), (int)t->dtype, (size_t)n, value));
         return MGPU_OK;
     }
-    if (value == 0.0) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }
+    if (value == 0.0 && !signbit(value)) { memset(mgpu_tensor_data(t), 0, mgpu_tensor_bytes(t)); return MGPU_OK; }   /* +0 (a GPU's test) */
     if (t->dtype == MGPU_F32) { float v = (float)value, *p = MGPU__F32(t); for (i = 0; i < n; ++i) p[i] = v; }
     else if (t->dtype == MGPU_BF16) {   /* through the float, as PyTorch's fill_ */
         uint16_t v = mgpu__float_to_bf16((float)value), *p = (uint16_t*)mgpu_tensor_data(t);
@@ -8003,7 +8005,7 @@ static mgpu_allreduce* mgpu__allreduce_create(const mgpu_device_set* set, mgpu_a
         ar->oneshot_reach &= oi == o0 || (mgpu_device_can_access_peer(set->devices[0], set->devices[i]) &&
                                           MGPU__CUDA(mgpu__cu_enable_peer_access(o0, oi)) == 0);
     }
-    for (i = 0; cuda && i < set->count; ++i) {   /* the ring's reach: each replica to its predecessor */
+    for (i = 0; ar->kind == MGPU_ALLREDUCE_P2P && i < set->count; ++i) {   /* the ring's reach: each replica to its predecessor */
         mgpu_device *me = set->devices[i], *prev = set->devices[(i + set->count - 1) % set->count];
         ar->rank[i].reads_prev = me->ordinal == prev->ordinal ||
                                  (mgpu_device_can_access_peer(me, prev) && MGPU__CUDA(mgpu__cu_enable_peer_access(me->ordinal, prev->ordinal)) == 0);

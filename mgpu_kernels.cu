@@ -796,14 +796,14 @@ int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, in
     if ((x_dtype != MGPU_F32 && x_dtype != MGPU_BF16) || (y_dtype != MGPU_F32 && y_dtype != MGPU_BF16))
         return ARGUMENT_ERROR("bias_add of dtype %d into %d", x_dtype, y_dtype);
     if (outer <= 0 || channels <= 0 || inner <= 0) return MGPU__CU_OK;
-    return with_dtype(x_dtype, [&](auto xs) {
-        return with_dtype(y_dtype, [&](auto ys) {
-            using X = decltype(xs);
-            using Y = decltype(ys);
-            return launch_index(dev, stream, "bias_add", outer * channels * inner,
-                                bias_add_op<X, Y>{channels, inner, (const X*)x, bias, (Y*)y});
-        });
-    });
+    const int64_t n = outer * channels * inner;
+    if (x_dtype == MGPU_F32 && y_dtype == MGPU_F32)
+        return launch_index(dev, stream, "bias_add", n, bias_add_op<float, float>{channels, inner, (const float*)x, bias, (float*)y});
+    if (x_dtype == MGPU_F32)
+        return launch_index(dev, stream, "bias_add", n, bias_add_op<float, bf16>{channels, inner, (const float*)x, bias, (bf16*)y});
+    if (y_dtype == MGPU_F32)
+        return launch_index(dev, stream, "bias_add", n, bias_add_op<bf16, float>{channels, inner, (const bf16*)x, bias, (float*)y});
+    return launch_index(dev, stream, "bias_add", n, bias_add_op<bf16, bf16>{channels, inner, (const bf16*)x, bias, (bf16*)y});
 }
 
 // ============================================================================================
@@ -895,14 +895,14 @@ int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels,
         CUDA_TRY(cudaMemsetAsync(out, 0, (size_t)channels * sizeof(float), s), "cudaMemsetAsync() on device %d", dev);
         return MGPU__CU_OK;
     }
-    const bool half = x_dtype == MGPU_BF16;
+    const bool x_bf16 = x_dtype == MGPU_BF16;
     if (inner == 1) {
         const int width = channels < 32 ? (int)channels : 32;
-        if (half)
+        if (x_bf16)
             column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, (const bf16*)x, out, scale, accumulate);
         else
             column_sum_kernel<<<blocks_for(channels, width), kThreads, 0, s>>>(outer, channels, width, (const float*)x, out, scale, accumulate);
-    } else if (half) {
+    } else if (x_bf16) {
         channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, (const bf16*)x, out, scale, accumulate);
     } else {
         channel_sum_kernel<<<blocks_for(channels, 1), kThreads, 0, s>>>(outer, channels, inner, (const float*)x, out, scale, accumulate);

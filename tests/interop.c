@@ -72,7 +72,7 @@ static int bf16(const char* dir) {
     long count = 0;
     float* in;
     mgpu_tensor *f = NULL, *b = NULL;
-    FILE* out;
+    FILE* out = NULL;
     int ok;
     snprintf(path, sizeof path, "%s/bf16_in.f32", dir);
     in = read_all(path, &count);
@@ -84,7 +84,8 @@ static int bf16(const char* dir) {
     }
     snprintf(path, sizeof path, "%s/bf16_out.u16", dir);
     ok = ok && (out = fopen(path, "wb")) != NULL;
-    ok = ok && fwrite(mgpu_tensor_data(b), 1, mgpu_tensor_bytes(b), out) == mgpu_tensor_bytes(b) && fclose(out) == 0;
+    ok = ok && fwrite(mgpu_tensor_data(b), 1, mgpu_tensor_bytes(b), out) == mgpu_tensor_bytes(b);
+    if (out && fclose(out) != 0) ok = 0;
     if (!ok) fprintf(stderr, "interop bf16: %s\n", in ? mgpu_last_error() : "cannot read bf16_in.f32");
     mgpu_tensor_destroy(f);
     mgpu_tensor_destroy(b);

@@ -1314,7 +1314,8 @@ static void bf16_on(mgpu_device* dev) {
     c = mgpu_tensor_to(tb, mgpu_device_cpu());
     CHECK(c && mgpu_tensor_dtype(c) == MGPU_BF16, "%s: bf16 tensor_to(cpu): %s", L, mgpu_last_error());
     if (c) {
-        memset(bits, 0, N * sizeof(uint16_t));
+        CHECK(!memcmp(mgpu_tensor_data(c), back, N * sizeof(uint16_t)), "%s: bf16 tensor_to(cpu): other bits", L);
+        MUST(mgpu_tensor_zero(tb));
         MUST(mgpu_tensor_copy(tb, c));
         tget(tb, bits);
         CHECK(!memcmp(bits, back, N * sizeof(uint16_t)), "%s: bf16 to the CPU and back: other bits", L);
@@ -1645,6 +1646,24 @@ static void elementwise_bf16_on(mgpu_device* dev, int64_t n) {
                   bad >= 0 ? (unsigned)got[bad] : 0u, bad >= 0 ? (unsigned)mgpu_bf16_from_float(want[bad]) : 0u,
                   bad >= 0 ? (double)want[bad] : 0.0);
         }
+    {   /* views one element in (2 bytes: the GPU's one-element path, not its 8-byte packs), out over b */
+        mgpu_tensor *va = mgpu_tensor_view_rows(a16, 1, n - 1), *vb = mgpu_tensor_view_rows(b16, 1, n - 1);
+        mgpu_tensor *wa = mgpu_tensor_view_rows(a32, 1, n - 1), *wb = mgpu_tensor_view_rows(b32, 1, n - 1);
+        mgpu_tensor* wy = mgpu_tensor_view_rows(y32, 1, n - 1);
+        CHECK(va && vb && wa && wb && wy, "%s: views: %s", mgpu_device_label(dev), mgpu_last_error());
+        if (va && vb && wa && wb && wy) {
+            tput(a16, ha);
+            tput(b16, hb);
+            MUST(mgpu_mul(wy, wa, wb));
+            MUST(mgpu_mul(vb, va, vb));
+            tget(y32, want);
+            tget(b16, got);
+            for (bad = got[0] != hb[0] ? 0 : -1, i = 1; i < n && bad < 0; ++i) if (got[i] != mgpu_bf16_from_float(want[i])) bad = i;
+            CHECK(bad < 0, "%s: bf16 mul of views one element in, into b: element %lld is 0x%04x", mgpu_device_label(dev),
+                  (long long)bad, bad >= 0 ? (unsigned)got[bad] : 0u);
+        }
+        mgpu_tensor_destroy(va); mgpu_tensor_destroy(vb); mgpu_tensor_destroy(wa); mgpu_tensor_destroy(wb); mgpu_tensor_destroy(wy);
+    }
     expect_fail(mgpu_add(y32, a16, b16), MGPU_ERROR_DTYPE_MISMATCH, "add of bf16 into f32", "mgpu_add", "'out' is f32", "expected dtype bf16");
     expect_fail(mgpu_mul(y16, a16, b32), MGPU_ERROR_DTYPE_MISMATCH, "mul of bf16 by f32", "mgpu_mul", "'b' is f32", "expected dtype bf16");
     expect_fail(mgpu_relu(y16, a32), MGPU_ERROR_DTYPE_MISMATCH, "relu of f32 into bf16", "mgpu_relu", "'out' is bf16", "expected dtype f32");

@@ -876,10 +876,12 @@ static void test_allreduce(void) {
             {   /* across GPUs: the one-shot up to 256 KiB where peer access allows, the ring above */
                 mgpu_device_set* s2 = mkset("cuda:0,1");
                 const int peer = mgpu_device_can_access_peer(mgpu_device_set_get(s2, 0), mgpu_device_set_get(s2, 1));
+                const int back = mgpu_device_can_access_peer(mgpu_device_set_get(s2, 1), mgpu_device_set_get(s2, 0));
                 mgpu_device_set_destroy(s2);
                 test_setenv("MGPU_ALLREDUCE", "p2p");
                 algorithm_case("cuda:0,1", NULL, (size_t)256 << 10, peer ? "oneshot" : "ring", (peer ? 4.0 : 7.0) * (256 << 10));
-                algorithm_case("cuda:0,1", NULL, ((size_t)256 << 10) + 4, "ring", (peer ? 5.0 : 7.0) * ((256 << 10) + 4));
+                algorithm_case("cuda:0,1", NULL, ((size_t)256 << 10) + 4, "ring",   /* each replica reads the other's chunk, or copies it */
+                               ((peer ? 5.0 : 7.0) + (back ? 5.0 : 7.0)) / 2.0 * ((256 << 10) + 4));
                 test_unsetenv("MGPU_ALLREDUCE");
             }
             test_setenv("MGPU_P2P", "oneshot");   /* one-shot at every size, where peer access allows */
