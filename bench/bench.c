@@ -776,6 +776,10 @@ static int bench_emu(void) {
             emu_counts(models[mi], "cuda:0,1,2,3", "p2p", batch, graph);
             pipe_stages = pipe_micro = 0;
         }
+    for (graph = 0; graph < 2; ++graph) {   /* the small GPT (4 blocks of width 128, T 64): a transformer's step */
+        emu_counts("gpt", "cuda:0", NULL, 4, graph);
+        emu_counts("gpt", "cuda:0,1,2,3", "p2p", 8, graph);
+    }
     return 0;
 }
 #endif
