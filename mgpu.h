@@ -5017,8 +5017,11 @@ static void mgpu__bias_range(void* ctx, int64_t o0, int64_t o1) {
     const mgpu__bias_job* j = (const mgpu__bias_job*)ctx;
     int64_t o, c, i;
     if (j->xt != MGPU_F32 || j->yt != MGPU_F32) {   /* in float, rounded once into y */
-        for (i = o0 * j->channels * j->inner; i < o1 * j->channels * j->inner; ++i)
-            mgpu__store_float(j->yt, j->yv, i, mgpu__load_as_float(j->xt, j->xv, i) + j->bias[i / j->inner % j->channels]);
+        int64_t at = o0 * j->channels * j->inner;
+        for (o = o0; o < o1; ++o)
+            for (c = 0; c < j->channels; ++c)
+                for (i = 0; i < j->inner; ++i, ++at)
+                    mgpu__store_float(j->yt, j->yv, at, mgpu__load_as_float(j->xt, j->xv, at) + j->bias[c]);
         return;
     }
     for (o = o0; o < o1; ++o) {
