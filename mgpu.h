@@ -848,8 +848,8 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
            (one launch instead of 2R(R-1) copies and adds). Otherwise a ring: reduce-scatter with
            one add kernel per step reading the predecessor's chunk in place, all-gather with peer
            copies; where two GPUs cannot reach each other, the copies go through the host and a
-           chunk lands in a buffer before its add. MGPU_P2P=ring|oneshot overrides the choice (oneshot only where
-           replica 0's GPU reaches every replica's memory).
+           chunk lands in a buffer before its add. MGPU_P2P=ring|oneshot overrides the choice
+           (oneshot only where replica 0's GPU reaches every replica's memory).
      HOST  CPU replicas: summed in shared memory by the thread pool. (For GPU replicas: staged
            through pinned host memory, the slow but simple reference.)
    AUTO picks HOST for CPU sets, NCCL for distinct GPUs when it loads, P2P otherwise; the
@@ -10197,7 +10197,6 @@ MGPUDEF mgpu_allreduce_kind mgpu_model_allreduce_backend(const mgpu_model* m) {
     return m && m->ar && m->ar[0] ? m->ar[0]->kind : MGPU_ALLREDUCE_NONE;
 }
 MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m) { return m ? m->bucket_count : 0; }
-
 
 MGPUDEF int mgpu_model_replica_count(const mgpu_model* m) { return m ? m->replica_count : 0; }
 MGPUDEF int mgpu_model_total_replica_count(const mgpu_model* m) { return m ? (m->dist ? m->dist_total : m->replica_count) : 0; }
