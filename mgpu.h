@@ -1636,10 +1636,12 @@ static inline MGPU__HD uint16_t mgpu__float_to_bf16(float f) {
 }
 static inline MGPU__HD float mgpu__bf16_to_float(uint16_t b) { return mgpu__f32_from_bits((uint32_t)b << 16); }
 /* mgpu_tensor_convert's value, the same bits on the CPU and a GPU: the product rounded on its
-   own (never fused into an FMA with the add); scale 1 and shift 0 leave x as it is (-0 + 0 would
-   be +0, and arithmetic quiets a signalling NaN). */
+   own (never fused into an FMA with the add), no add of a zero shift (-0 + 0 would be +0). A
+   plain conversion (scale 1, shift 0) does not come here: it takes no arithmetic at all, which
+   keeps signalling NaNs as they are (compilers may turn "scale != 1 ? x * scale : x" into the
+   product, which quiets them). */
 static inline MGPU__HD float mgpu__convert_value(float x, float scale, float shift) {
-    const float y = scale != 1.0f ? mgpu__mul_rounded(x, scale) : x;
+    const float y = mgpu__mul_rounded(x, scale);
     return shift != 0.0f ? y + shift : y;
 }
 
@@ -4134,9 +4136,12 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
                                                       mgpu_tensor_data(dst), scale, shift));
         return MGPU_OK;
     }
-    for (i = 0; i < n; ++i)
-        mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__convert_value(mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i),
-                                                                                    scale, shift));
+    if (scale == 1.0f && shift == 0.0f)   /* plain: each value as it is (mgpu__convert_value) */
+        for (i = 0; i < n; ++i) mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i, mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i));
+    else
+        for (i = 0; i < n; ++i)
+            mgpu__store_float(dst->dtype, mgpu_tensor_data(dst), i,
+                              mgpu__convert_value(mgpu__load_as_float(src->dtype, mgpu_tensor_data(src), i), scale, shift));
     return MGPU_OK;
 }
 

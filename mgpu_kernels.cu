@@ -667,11 +667,12 @@ template <class S, class D> struct convert_op {
     const S* src;
     D* dst;
     float scale, shift;
+    bool plain;   // scale 1, shift 0: no arithmetic (mgpu__convert_value)
     template <int V> __device__ float apply(size_t i) const {
         const pack<S, V> x = load<V>(src, i);
         pack<D, V> y;
 #pragma unroll
-        for (int k = 0; k < V; ++k) y.v[k] = from_float<D>(mgpu__convert_value((float)x.v[k], scale, shift));
+        for (int k = 0; k < V; ++k) y.v[k] = from_float<D>(plain ? (float)x.v[k] : mgpu__convert_value((float)x.v[k], scale, shift));
         store<V>(dst, i, y);
         return 0.0f;
     }
@@ -755,7 +756,7 @@ int mgpu__cu_convert(int dev, void* stream, size_t n, int src_dtype, const void*
         return with_dtype(dst_dtype, [&](auto d) {
             using S = decltype(s);
             using D = decltype(d);
-            const convert_op<S, D> op{(const S*)src, (D*)dst, scale, shift};
+            const convert_op<S, D> op{(const S*)src, (D*)dst, scale, shift, scale == 1.0f && shift == 0.0f};
             return launch_map(dev, stream, "convert", n, op, vec4_ok(op.src, op.dst));
         });
     });
