@@ -68,7 +68,7 @@ __global__ void padded_write_kernel(padded_write w) { w.p[threadIdx.x] = w.v; }
 extern "C" int mgpu__cu_transpose(int dev, void* stream, int64_t batch, int64_t rows, int64_t cols, const float* x,
                                   float* y);
 extern "C" int mgpu__cu_channel_sum(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
-                                    const float* x, float* out, float scale, int accumulate);
+                                    int x_dtype, const void* x, float* out, float scale, int accumulate);   // as in mgpu.h's seam
 extern "C" int mgpu__cu_softmax(int dev, void* stream, int rows, int cols, const float* x, float* y);
 
 static int check(cudaError_t e, const char* what);
@@ -90,7 +90,7 @@ static int grid_loops(const char* which) {
         return 1;
     if (check(cudaMemcpyAsync(x, h, n * sizeof(float), cudaMemcpyDefault, 0), "upload")) return 1;
     int rc = transpose ? mgpu__cu_transpose(0, nullptr, (int64_t)batch, (int64_t)rows, (int64_t)cols, x, y)
-             : column  ? mgpu__cu_channel_sum(0, nullptr, (int64_t)rows, (int64_t)cols, 1, x, y, 1.0f, 0)
+             : column  ? mgpu__cu_channel_sum(0, nullptr, (int64_t)rows, (int64_t)cols, 1, 0 /* MGPU_F32 */, x, y, 1.0f, 0)
                        : mgpu__cu_softmax(0, nullptr, (int)rows, (int)cols, x, y);
     if (rc != 0 || check(cudaMemcpyAsync(r, y, out_n * sizeof(float), cudaMemcpyDefault, 0), "download") ||
         check(cudaStreamSynchronize(0), "sync"))
