@@ -4095,6 +4095,11 @@ static void mgpu__store_float(mgpu_dtype dt, void* p, int64_t i, float v) {
     default: ((uint8_t*)p)[i] = mgpu__to_u8(v); break;
     }
 }
+/* n bfloat16 values widened to float (exactly): the CPU's bf16 ops compute on these */
+static void mgpu__bf16_widen(const void* src, float* dst, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; ++i) dst[i] = mgpu__bf16_to_float(((const uint16_t*)src)[i]);
+}
 
 MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     int64_t i, n;
@@ -4289,10 +4294,11 @@ static void mgpu__ew_bf16_range(void* ctx, int64_t begin, int64_t end) {
     f.y = y;
     for (i0 = begin; i0 < end; i0 += n) {
         n = MGPU__MIN(end - i0, (int64_t)256);
-        for (i = 0; i < n; ++i) a[i] = mgpu__bf16_to_float(j->a16[i0 + i]);
-        for (i = 0; j->b16 && i < n; ++i) b[i] = mgpu__bf16_to_float(j->b16[i0 + i]);
-        if (j->b16) mgpu__binary_range(&f, 0, n);
-        else mgpu__unary_range(&f, 0, n);
+        mgpu__bf16_widen(j->a16 + i0, a, n);
+        if (j->b16) {
+            mgpu__bf16_widen(j->b16 + i0, b, n);
+            mgpu__binary_range(&f, 0, n);
+        } else mgpu__unary_range(&f, 0, n);
         for (i = 0; i < n; ++i) j->y16[i0 + i] = mgpu__float_to_bf16(y[i]);
     }
 }
@@ -4911,9 +4917,9 @@ static mgpu_result mgpu__cpu_gemm_bf16(mgpu_tensor* out, const mgpu_tensor* a, c
     if (!wa) return mgpu_last_result();
     wb = wa + na;
     wc = narrow ? wb + nb : MGPU__F32(out);
-    for (i = 0; i < na; ++i) wa[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(a))[i]);
-    for (i = 0; i < nb; ++i) wb[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(b))[i]);
-    for (i = 0; narrow && beta != 0.0f && i < nc; ++i) wc[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(out))[i]);
+    mgpu__bf16_widen(mgpu_tensor_data(a), wa, na);
+    mgpu__bf16_widen(mgpu_tensor_data(b), wb, nb);
+    if (narrow && beta != 0.0f) mgpu__bf16_widen(mgpu_tensor_data(out), wc, nc);
     r = mgpu__cpu_gemm(dev, ta, tb, m, n, k, alpha, wa, a->shape.dim[1], wb, b->shape.dim[1], beta, wc, n);
     for (i = 0; r == MGPU_OK && narrow && i < nc; ++i) ((uint16_t*)mgpu_tensor_data(out))[i] = mgpu__float_to_bf16(wc[i]);
     mgpu__device_release(dev, wa, size);
@@ -5080,9 +5086,8 @@ static mgpu_result mgpu__channel_sum(const char* op, mgpu_tensor* out, const mgp
         const int64_t n = mgpu_tensor_numel(x);
         size_t size;
         float* wide = (float*)mgpu__device_alloc(MGPU__DEV(x), sizeof(float) * (size_t)MGPU__MAX(n, 1), &size, op);
-        int64_t i;
         if (!wide) return mgpu_last_result();
-        for (i = 0; i < n; ++i) wide[i] = mgpu__bf16_to_float(((const uint16_t*)mgpu_tensor_data(x))[i]);
+        mgpu__bf16_widen(mgpu_tensor_data(x), wide, n);
         mgpu__cpu_channel_sum(outer, channels, inner, wide, MGPU__F32(out), scale, accumulate);
         mgpu__device_release(MGPU__DEV(x), wide, size);
         return MGPU_OK;
@@ -10375,13 +10380,14 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
     }
     {
         size_t grads = 0, all = mgpu_model_activation_bytes(m, 0, &grads);
-        char kept_text[32];
+        char kept_text[32], grads_text[32];
         if (all) {   /* (none before a first step: its batch sizes them) */
             mgpu__human_bytes((double)all, bytes, sizeof bytes);
             mgpu__human_bytes((double)(all - grads), kept_text, sizeof kept_text);
+            mgpu__human_bytes((double)grads, grads_text, sizeof grads_text);
             fprintf(f, "Activation memory of a step (replica 0, the last step's %lld rows%s): %s, kept for backward %s, gradients %s\n",
                     (long long)mgpu__part_of(m, 0, 0)->slot[0].in_shape.dim[0], m->micro_batches > 1 ? " per micro-batch" : "",
-                    bytes, kept_text, (mgpu__human_bytes((double)grads, text, sizeof text), text));
+                    bytes, kept_text, grads_text);
         }
     }
 }
