@@ -215,8 +215,9 @@
      of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
-   - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask);
-     bf16 tensors, products (mgpu_matmul), elementwise and bias ops exist, a model in bf16 not yet.
+   - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask),
+     or bf16 mixed precision (desc.precision) for models of Linear layers and activations only;
+     no bf16 Conv2d, pooling, normalisation, Dropout or attention yet, no fp16.
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
@@ -700,6 +701,9 @@ typedef struct mgpu_layer_ctx {
                                     the device holds `seed` at each replay of it: a GPU kernel
                                     that draws from seed reads it there (the built-in Dropout,
                                     CausalSelfAttention) */
+    mgpu_tensor* const* params_bf16;  /* a model of precision MGPU_BF16: the parameters rounded to
+                                    bf16 (each forward's copy, refreshed from params), what a
+                                    layer computes with on bf16 activations; NULL otherwise */
 } mgpu_layer_ctx;
 
 typedef struct mgpu_layer_vtable {
@@ -1016,6 +1020,18 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   runs on a host thread of its own, and on GPUs
                                                   each meeting waits for the devices; across
                                                   processes a rank whose step fails ends the job
+     precision      MGPU_F32                      MGPU_BF16: mixed precision, as PyTorch's bf16
+                                                  autocast: the activations and their gradients
+                                                  are bf16, GEMMs take bf16 operands and sum in
+                                                  fp32, the weights used are bf16 copies of the
+                                                  f32 parameters (made at each forward), while
+                                                  the parameters, gradients, optimizer states
+                                                  and checkpoints stay f32; the input is rounded
+                                                  to bf16 at the first layer, the output widened
+                                                  to f32 for the loss (and mgpu_model_forward),
+                                                  the loss's gradient rounded back. Layers with a
+                                                  bf16 path: Linear, Conv1D, the activations,
+                                                  Flatten; others fail mgpu_model_create by name
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -1049,6 +1065,7 @@ typedef struct mgpu_model_desc {
     int tie_count;
     int check_finite;
     int sync_batch_norm;
+    mgpu_dtype precision;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -6384,6 +6401,7 @@ struct mgpu_layer {
                                   Tanh, Sigmoid) */
     int output_unused;         /* its backward reads x, dy, its parameters and aux, never y (Linear,
                                   Conv1D, Conv2d, BatchNorm2d) */
+    int bf16_ok;               /* runs on bf16 x, y, dy, dx (a model of precision MGPU_BF16) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -6510,27 +6528,57 @@ static mgpu_result mgpu__linear_init(const mgpu_layer* l, const mgpu_layer_ctx* 
     if (l->cfg.no_bias) return mgpu_rand_uniform(ctx->params[0], seed, 0, -bound, bound);
     return mgpu__init_fan_in(ctx, seed, l->cfg.in);
 }
-/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out] */
+static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "%d -> %d%s", l->cfg.in, l->cfg.out, l->cfg.no_bias ? ", no bias" : "");
+}
+/* The weight the products take: the f32 parameter, or for bf16 x its bf16 copy (ctx->params_bf16) */
+static mgpu_result mgpu__linear_weight(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor** w) {
+    char cfg[64];
+    *w = ctx->params[0];
+    if (x->dtype != MGPU_BF16) return MGPU_OK;
+    if (!ctx->params_bf16) {
+        mgpu__linear_describe(l, cfg, sizeof cfg);
+        return mgpu__fail(MGPU_ERROR_DTYPE_MISMATCH, "%s(%s): x is bf16 and there is no bf16 copy of the weight (a model of "
+                          "precision MGPU_BF16 makes one)", mgpu_layer_type(l), cfg);
+    }
+    *w = ctx->params_bf16[0];
+    return MGPU_OK;
+}
+/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. A bf16 y with a bias: the fp32 sums
+   plus the bias, rounded once (as cuBLASLt's bias epilogue), through an f32 temporary from the
+   device's cache. */
 static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     const mgpu_tensor x2 = mgpu__rows_2d(x);
+    const mgpu_transpose tw = l->cfg.in_out ? MGPU_NO_TRANS : MGPU_TRANS;
     mgpu_tensor y2 = mgpu__rows_2d(y);
-    MGPU__TRY(mgpu_matmul(&y2, &x2, ctx->params[0], MGPU_NO_TRANS, l->cfg.in_out ? MGPU_NO_TRANS : MGPU_TRANS, 1.0f, 0.0f));
-    return l->cfg.no_bias ? MGPU_OK : mgpu_bias_add(&y2, &y2, ctx->params[1]);
+    const mgpu_tensor* w;
+    mgpu_tensor* sums;
+    mgpu_result r;
+    MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
+    if (l->cfg.no_bias || y->dtype != MGPU_BF16) {
+        MGPU__TRY(mgpu_matmul(&y2, &x2, w, MGPU_NO_TRANS, tw, 1.0f, 0.0f));
+        return l->cfg.no_bias ? MGPU_OK : mgpu_bias_add(&y2, &y2, ctx->params[1]);
+    }
+    if (!(sums = mgpu_tensor_create(MGPU__DEV(y), MGPU_F32, y2.shape))) return mgpu_last_result();
+    r = mgpu_matmul(sums, &x2, w, MGPU_NO_TRANS, tw, 1.0f, 0.0f);
+    if (r == MGPU_OK) r = mgpu_bias_add(&y2, sums, ctx->params[1]);
+    mgpu_tensor_destroy(sums);
+    return r;
 }
 static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu_tensor x2 = mgpu__rows_2d(x), dy2 = mgpu__rows_2d(dy);
+    const mgpu_tensor* w;
     mgpu_tensor dx2;
     (void)y;
+    MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
+    /* (bf16 operands: the products summed in fp32 into the f32 gradients) */
     if (l->cfg.in_out) MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dy2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dW += x^T dy */
     else MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));                 /* dW += dy^T x */
     if (!l->cfg.no_bias) MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dy2));                  /* db += sum(dy) */
     if (!dx) return MGPU_OK;
     dx2 = mgpu__rows_2d(dx);
-    return mgpu_matmul(&dx2, &dy2, ctx->params[0], MGPU_NO_TRANS, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
-}
-static void mgpu__linear_describe(const mgpu_layer* l, char* buf, size_t size) {
-    snprintf(buf, size, "%d -> %d%s", l->cfg.in, l->cfg.out, l->cfg.no_bias ? ", no bias" : "");
+    return mgpu_matmul(&dx2, &dy2, w, MGPU_NO_TRANS, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
 }
 static const mgpu_layer_vtable mgpu__linear_vt = {
     "Linear", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
@@ -6552,7 +6600,7 @@ static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_fe
     cfg.out = out_features;
     cfg.no_bias = no_bias;
     cfg.in_out = in_out;
-    if ((l = mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg))) l->output_unused = 1;
+    if ((l = mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg))) l->output_unused = l->bf16_ok = 1;
     return l;
 }
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
@@ -6591,7 +6639,10 @@ static mgpu_layer* mgpu__activation(const mgpu_layer_vtable* vt, int forward_op,
     cfg.forward_op = forward_op;
     cfg.backward_op = backward_op;
     cfg.backward_uses_output = uses_output;
-    if ((l = mgpu__builtin_layer(vt, &cfg))) l->in_place_ok = uses_output;
+    if ((l = mgpu__builtin_layer(vt, &cfg))) {
+        l->in_place_ok = uses_output;
+        l->bf16_ok = 1;
+    }
     return l;
 }
 /* ReLU's backward from its output, as PyTorch's threshold_backward on the result: y > 0 exactly
@@ -6670,8 +6721,10 @@ static const mgpu_layer_vtable mgpu__flatten_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_flatten(void) {
     mgpu__layer_cfg cfg;
+    mgpu_layer* l;
     memset(&cfg, 0, sizeof cfg);
-    return mgpu__builtin_layer(&mgpu__flatten_vt, &cfg);
+    if ((l = mgpu__builtin_layer(&mgpu__flatten_vt, &cfg))) l->bf16_ok = 1;
+    return l;
 }
 
 /* -- Conv2d: im2col, one GEMM against W [out, in*k*k], and a transpose to NCHW -- */
@@ -8920,6 +8973,11 @@ typedef struct mgpu__slot {
     mgpu_tensor *dxin;                  /* d loss / d input: sent back to the stage before */
     mgpu_tensor *dyin;                  /* stages before the last: d loss / d output, from the stage after */
     mgpu_tensor *dout;                  /* the last stage: the loss gradient */
+    /* precision MGPU_BF16 (the activations bf16): xin also holds the first stage's input rounded
+       to bf16, and dyin the last stage's loss gradient rounded to bf16 */
+    mgpu_tensor *wide_out;              /* the last stage: the output widened to f32, what the loss
+                                           reads (its gradient written over it, as over a Linear's) */
+    mgpu_tensor *wide_dxin;             /* the first stage: d input widened to f32 (input_grad) */
 } mgpu__slot;
 
 /* Everything one device holds of a model: one stage of one replica (the whole replica when
@@ -8928,6 +8986,8 @@ typedef struct mgpu__part {
     mgpu_device* dev;
     int replica, stage;
     mgpu_tensor *params, *grads;        /* the stage's flat buffers */
+    mgpu_tensor* params_bf16;           /* precision MGPU_BF16: params rounded, at each forward */
+    mgpu_tensor** pview_bf16;           /* named views into it, like pview */
     mgpu_tensor* bufs;                  /* its flat buffer of buffers, or NULL when it has none */
     mgpu_tensor** bview;                /* named views into it, [buffer_count], like pview */
     mgpu_tensor **pview, **gview;       /* named views into them, [tensor_count]; NULL for the
@@ -8975,6 +9035,7 @@ struct mgpu_model {
     int layer_count;
     mgpu_shape input;
     mgpu_dtype input_dtype;
+    mgpu_dtype precision;               /* desc.precision: the activations' dtype, F32 or BF16 */
     mgpu_shape output;                  /* the last layer's output for a batch of one */
     mgpu_loss_kind loss;
     uint64_t seed;
@@ -9061,9 +9122,9 @@ static uint64_t mgpu__mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* A view of `count` floats at `offset` of a flat buffer, with a shape. */
+/* A view at `offset` elements into a flat buffer, of its dtype, with a shape. */
 static mgpu_tensor* mgpu__view_at(mgpu_tensor* flat, int64_t offset, mgpu_shape shape, const char* op) {
-    return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * sizeof(float), MGPU_F32, shape, op));
+    return mgpu__own(mgpu__tensor_wrap(flat->storage, flat->offset + (size_t)offset * mgpu_dtype_size(flat->dtype), flat->dtype, shape, op));
 }
 
 /* SyncBatchNorm (>>parallel meet): the step's model and this thread's part, while a part of a
@@ -9141,6 +9202,7 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
                                 mgpu_layer_ctx* ctx) {
     ctx->device = p->dev;
     ctx->params = p->pview + m->first_tensor[i];
+    ctx->params_bf16 = p->pview_bf16 ? p->pview_bf16 + m->first_tensor[i] : NULL;
     ctx->grads = p->gview + m->first_tensor[i];
     ctx->aux = sl->aux + m->first_aux[i];
     ctx->buffers = p->bview + m->first_buffer[i];
@@ -9519,12 +9581,16 @@ static void mgpu__model_free(mgpu_model* m) {
             mgpu__slot* sl = &p->slot[j];
             mgpu__slot_free_buffers(m, sl);
             mgpu__tensor_free(sl->xin); mgpu__tensor_free(sl->dxin); mgpu__tensor_free(sl->dyin); mgpu__tensor_free(sl->dout);
+            mgpu__tensor_free(sl->wide_out); mgpu__tensor_free(sl->wide_dxin);
             MGPU_FREE(sl->act); MGPU_FREE(sl->dact); MGPU_FREE(sl->aux);
         }
         for (j = 0; j < m->tensor_count; ++j) {
             if (p->pview) mgpu__tensor_free(p->pview[j]);
+            if (p->pview_bf16) mgpu__tensor_free(p->pview_bf16[j]);
             if (p->gview) mgpu__tensor_free(p->gview[j]);
         }
+        MGPU_FREE(p->pview_bf16);
+        mgpu__tensor_free(p->params_bf16);
         for (j = 0; p->bview && j < m->buffer_count; ++j) mgpu__tensor_free(p->bview[j]);
         mgpu__tensor_free(p->bufs);
         MGPU_FREE(p->bview);
@@ -9810,6 +9876,12 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
         p->params = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
         p->grads = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
         if (!p->params || !p->grads || mgpu_tensor_zero(p->params) || mgpu_tensor_zero(p->grads)) return mgpu__refail(op);
+        if (m->precision == MGPU_BF16) {   /* (its values come at each forward) */
+            p->params_bf16 = mgpu__own(mgpu_tensor_create(p->dev, MGPU_BF16, mgpu_shape1(floats)));
+            p->pview_bf16 = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(m->tensor_count, 1), sizeof(mgpu_tensor*));
+            if (!p->params_bf16) return mgpu__refail(op);
+            if (!p->pview_bf16) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        }
         if (p->stage == m->stage_count - 1) {
             p->losses = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(m->micro_batches)));
             if (!p->losses || mgpu_tensor_zero(p->losses)) return mgpu__refail(op);
@@ -9819,6 +9891,7 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
             p->pview[t] = mgpu__view_at(p->params, at, m->tensors[t].shape, op);
             p->gview[t] = mgpu__view_at(p->grads, at, m->tensors[t].shape, op);
             if (!p->pview[t] || !p->gview[t]) return mgpu__refail(op);
+            if (p->params_bf16 && !(p->pview_bf16[t] = mgpu__view_at(p->params_bf16, at, m->tensors[t].shape, op))) return mgpu__refail(op);
         }
         for (t = 0; t < m->tensor_count; ++t)   /* a tie from another stage: its gradient comes here first */
             if (m->tensors[t].tied >= 0 && mgpu__tensor_stage(m, m->tensors[t].tied) == p->stage && mgpu__tensor_stage(m, t) != p->stage &&
@@ -10021,6 +10094,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     }
     m->input = desc->input;
     m->input_dtype = desc->input_dtype;
+    m->precision = desc->precision;
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
@@ -10047,6 +10121,16 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
                    mgpu_dtype_name(m->input_dtype));
         return mgpu__model_fail(m, op);
     }
+    if (m->precision != MGPU_F32 && m->precision != MGPU_BF16) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision %s (want MGPU_F32 or MGPU_BF16)", mgpu_dtype_name(m->precision));
+        return mgpu__model_fail(m, op);
+    }
+    for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i)
+        if (!m->layers[i]->bf16_ok) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision bf16: layer %d (%s) has no bf16 path yet (those with one: Linear, "
+                       "Conv1D, ReLU, GELU, Tanh, Sigmoid, Flatten)", i, mgpu_layer_type(m->layers[i]));
+            return mgpu__model_fail(m, op);
+        }
     if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
                    "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
@@ -10372,6 +10456,10 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
+    if (m->precision == MGPU_BF16) {
+        mgpu__human_bytes((double)m->param_count * 2.0, bytes, sizeof bytes);
+        fprintf(f, "Precision: bf16 activations and products (the weights' bf16 copies: %s a replica), f32 parameters\n", bytes);
+    }
     if (m->buffer_count) {   /* not trained, so not among the parameters (nor in torchsummary's count) */
         int64_t values = 0;
         int b;
@@ -10415,7 +10503,7 @@ MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, siz
     if (gradient_bytes) *gradient_bytes = 0;
     if (mgpu__check_replica("mgpu_model_activation_bytes", m, replica) != MGPU_OK) return 0;
     for (s = 0; s < m->stage_count; ++s)
-        cap += mgpu__part_of(m, replica, s)->slot_count * (2 * m->layer_count + m->first_aux[m->layer_count] + 6);
+        cap += mgpu__part_of(m, replica, s)->slot_count * (2 * m->layer_count + m->first_aux[m->layer_count] + 8);
     seen = (const mgpu__storage**)MGPU_MALLOC(sizeof(*seen) * (size_t)MGPU__MAX(cap, 1));
     if (!seen) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_activation_bytes: out of host memory"); return 0; }
     for (s = 0; s < m->stage_count; ++s) {   /* what forward keeps first, so a shared block counts there */
@@ -10425,6 +10513,7 @@ MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, siz
             for (i = 0; sl->act && i < m->layer_count; ++i) mgpu__count_storage(sl->act[i], seen, &count, &kept);
             for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) mgpu__count_storage(sl->aux[i], seen, &count, &kept);
             mgpu__count_storage(sl->xin, seen, &count, &kept);
+            mgpu__count_storage(sl->wide_out, seen, &count, &kept);
         }
     }
     for (s = 0; s < m->stage_count; ++s) {
@@ -10436,6 +10525,7 @@ MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, siz
             mgpu__count_storage(sl->dxin, seen, &count, &grads);
             mgpu__count_storage(sl->dyin, seen, &count, &grads);
             mgpu__count_storage(sl->dout, seen, &count, &grads);
+            mgpu__count_storage(sl->wide_dxin, seen, &count, &grads);
         }
     }
     MGPU_FREE(seen);
@@ -11067,6 +11157,12 @@ static mgpu_result mgpu__check_input(const char* op, const mgpu_model* m, const 
     return MGPU_OK;
 }
 
+/* The model's output in a last stage's slot, as the loss and the caller take it: the last layer's
+   output, or with bf16 activations its f32 widening. */
+static mgpu_tensor* mgpu__slot_output(const mgpu_model* m, const mgpu__slot* sl) {
+    return m->precision == MGPU_BF16 ? sl->wide_out : sl->act[m->layer_count - 1];
+}
+
 /* Size every activation, gradient and aux buffer of a part's slot for input shape x. */
 static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__slot* sl, mgpu_shape x) {
     static const char* op = "mgpu_model_forward";
@@ -11089,13 +11185,19 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
         if (i > m->stage_layer[p->stage] && l->in_place_ok && m->layers[i - 1]->output_unused &&
             mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (struct mgpu_layer, in_place_ok) */
             if (!(sl->act[i] = mgpu__view_at(sl->act[i - 1], 0, out, op))) return mgpu_last_result();
-        } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, MGPU_F32, out));
+        } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, m->precision, out));
         shape = out;
+    }
+    /* the f32 output and the loss gradient rounded, before any step's temporaries (a CUDA graph's
+       capture finds theirs in the cache) */
+    if (m->precision == MGPU_BF16 && p->stage == m->stage_count - 1) {
+        MGPU__TRY(mgpu__ensure(&sl->wide_out, p->dev, MGPU_F32, shape));
+        MGPU__TRY(mgpu__ensure(&sl->dyin, p->dev, MGPU_BF16, shape));
     }
     /* the two gradient buffers, each as large as its largest gradient, and the views into them */
     for (i = m->stage_layer[p->stage]; i < last; ++i) need[i % 2] = MGPU__MAX(need[i % 2], mgpu_tensor_numel(sl->act[i]));
     for (j = 0; j < 2; ++j)
-        if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, MGPU_F32, mgpu_shape1(need[j])));
+        if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, m->precision, mgpu_shape1(need[j])));
     for (i = m->stage_layer[p->stage]; i < last; ++i)
         if (!(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, sl->act[i]->shape, op))) return mgpu_last_result();
     sl->in_shape = x;
@@ -11156,11 +11258,17 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
     char where[96];
     int i;
     sl->has_input = 0;   /* until every layer has run: backward needs a whole forward */
+    if (p->params_bf16 && k == 0)   /* the weights of this step's forwards (the parameters change between steps) */
+        MGPU__TRY(mgpu_tensor_convert(p->params_bf16, p->params, 1.0f, 0.0f));
     if (p->stage > 0) {
         const mgpu__part* from = p - 1;
         const mgpu_tensor* y = from->slot[k % from->slot_count].act[m->stage_layer[p->stage] - 1];
-        MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, MGPU_F32, y->shape));
+        MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, y->dtype, y->shape));
         MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));   /* after mgpu__part_wait (the caller's) */
+        x = sl->xin;
+    } else if (m->precision == MGPU_BF16) {   /* the input rounded, as autocast's first Linear takes it */
+        MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, MGPU_BF16, x->shape));
+        MGPU__TRY(mgpu_tensor_convert(sl->xin, x, 1.0f, 0.0f));
         x = sl->xin;
     }
     MGPU__COUNT(p->dev, rows_forward, x->shape.dim[0]);
@@ -11181,6 +11289,8 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         }
         MGPU__TRY(mgpu__custom_layer_pending(m, p, i, op));
     }
+    if (m->precision == MGPU_BF16 && p->stage == m->stage_count - 1)   /* the loss and the caller take f32 */
+        MGPU__TRY(mgpu_tensor_convert(sl->wide_out, sl->act[m->layer_count - 1], 1.0f, 0.0f));
     sl->has_input = 1;
     return MGPU_OK;   /* the caller marks forward k done (mgpu__part_mark), after what else it adds */
 }
@@ -11197,8 +11307,12 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     mgpu_layer_ctx ctx;
     mgpu_result r;
     char where[96];
+    if (i == last && p->stage == m->stage_count - 1 && m->precision == MGPU_BF16) {   /* the f32 loss gradient, rounded */
+        MGPU__TRY(mgpu_tensor_convert(sl->dyin, doutput, 1.0f, 0.0f));
+        dy = sl->dyin;
+    }
     if (i == first && (p->stage > 0 || (input_grad && m->input_dtype == MGPU_F32))) {   /* (token ids have none) */
-        MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, MGPU_F32, sl->input.shape));
+        MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, sl->input.dtype, sl->input.shape));
         dx = sl->dxin;
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
@@ -11208,6 +11322,10 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
         return mgpu__layer_refail(r, where);
+    }
+    if (dx && dx == sl->dxin && p->stage == 0 && dx->dtype != MGPU_F32) {   /* d input as the caller's x: f32 */
+        MGPU__TRY(mgpu__ensure(&sl->wide_dxin, p->dev, MGPU_F32, dx->shape));
+        MGPU__TRY(mgpu_tensor_convert(sl->wide_dxin, dx, 1.0f, 0.0f));
     }
     return mgpu__custom_layer_pending(m, p, i, op);
 }
@@ -11221,7 +11339,7 @@ static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
         mgpu__part* to = p - 1;
         mgpu__slot* dst = &to->slot[k % to->slot_count];
         const mgpu_tensor* dx = p->slot[k % p->slot_count].dxin;
-        MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, MGPU_F32, dx->shape));
+        MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, dx->dtype, dx->shape));
         MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
     }
     return MGPU_OK;   /* the caller marks backward k done (mgpu__part_mark) */
@@ -11252,7 +11370,7 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
             mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK ||
             mgpu__part_mark(op, mgpu__part_of(m, replica, s), 0) != MGPU_OK)
             return NULL;
-    return mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1];
+    return mgpu__slot_output(m, &mgpu__part_of(m, replica, m->stage_count - 1)->slot[0]);
 }
 
 MGPUDEF const mgpu_tensor* mgpu_model_forward(mgpu_model* m, int replica, const mgpu_tensor* x, int training) {
@@ -11276,7 +11394,7 @@ MGPUDEF mgpu_result mgpu_model_backward(mgpu_model* m, int replica, const mgpu_t
     for (s = 0; s < m->stage_count; ++s)
         if (!mgpu__part_of(m, replica, s)->slot[0].has_input)
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: no forward pass to go back through", op);
-    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__part_of(m, replica, m->stage_count - 1)->slot[0].act[m->layer_count - 1]));
+    MGPU__TRY(mgpu__check_like(op, "doutput", doutput, "output", mgpu__slot_output(m, &mgpu__part_of(m, replica, m->stage_count - 1)->slot[0])));
     meeting = mgpu__meet_model;   /* as in mgpu_model_forward */
     mgpu__meet_model = NULL;
     for (s = m->stage_count - 1; s >= 0 && r == MGPU_OK; --s) {
@@ -11296,7 +11414,7 @@ MGPUDEF const mgpu_tensor* mgpu_model_input_grad(const mgpu_model* m, int replic
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_input_grad: no mgpu_model_backward of replica %d yet", replica);
         return NULL;
     }
-    return sl->dxin;
+    return sl->dxin->dtype == MGPU_F32 ? sl->dxin : sl->wide_dxin;
 }
 
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
@@ -11507,10 +11625,10 @@ static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tenso
    the logits (a GPT's largest tensor: 1.6 GB at GPT-2's vocabulary, 8 x 1024 positions);
    else the slot's own dout. */
 static int mgpu__loss_grad_in_place(const mgpu_model* m) {
-    return m->loss != MGPU_LOSS_MSE && m->layers[m->layer_count - 1]->output_unused;
+    return m->loss != MGPU_LOSS_MSE && (m->precision == MGPU_BF16 || m->layers[m->layer_count - 1]->output_unused);
 }
 static mgpu_tensor* mgpu__slot_dout(const mgpu_model* m, mgpu__slot* sl) {
-    return mgpu__loss_grad_in_place(m) ? sl->act[m->layer_count - 1] : sl->dout;
+    return mgpu__loss_grad_in_place(m) ? mgpu__slot_output(m, sl) : sl->dout;
 }
 
 /* Forward k on part p; on the last stage also the loss, and its gradient scaled for the whole
@@ -11527,7 +11645,7 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     xk = mgpu__rows(&b->xs[r], start, count);
     MGPU__TRY(mgpu__part_forward(m, p, k, &xk, 1, m->rows_in_step + b->row_base + b->first[r] + start));
     if (p->stage < m->stage_count - 1) return MGPU_OK;
-    out = sl->act[m->layer_count - 1];
+    out = mgpu__slot_output(m, sl);
     tk = mgpu__rows(&b->ts[r], start, count);
     lk = mgpu__rows(p->losses, k, 1);
     if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(b->op, "target", &tk, "output", out));
@@ -12310,6 +12428,8 @@ static uint64_t mgpu__graph_buffers(const mgpu_model* m) {
             mgpu__hash_tensor(&h, sl->dxin);
             mgpu__hash_tensor(&h, sl->dyin);
             mgpu__hash_tensor(&h, sl->dout);
+            mgpu__hash_tensor(&h, sl->wide_out);
+            mgpu__hash_tensor(&h, sl->wide_dxin);
         }
     }
     for (i = 0; m->ar && i < m->stage_count; ++i)   /* the ring all-reduce's landing buffers */

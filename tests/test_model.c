@@ -3282,6 +3282,273 @@ static void test_activation_memory(void) {
 #endif
 }
 
+/* ---- bf16 mixed precision (mgpu_model_desc.precision) ---- */
+static mgpu_model* bf16_mlp(const mgpu_device_set* devs, mgpu_dtype precision, int stages, int micro_batches,
+                            mgpu_loss_kind loss, uint64_t seed) {
+    mgpu_layer* layers[5];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    layers[0] = mgpu_layer_linear(20, 16);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_linear(16, 16);
+    layers[3] = mgpu_layer_gelu();
+    layers[4] = mgpu_layer_linear(16, 7);
+    memset(&d, 0, sizeof d);
+    d.input = mgpu_shape1(20);
+    d.layers = layers;
+    d.layer_count = 5;
+    d.devices = devs;
+    d.loss = loss;
+    d.seed = seed;
+    d.stages = stages;
+    d.micro_batches = micro_batches;
+    d.precision = precision;
+    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 model: mgpu_model_create: %s", mgpu_last_error());
+    return m;
+}
+static mgpu_tensor* bf16_of(mgpu_device* dev, const mgpu_tensor* t) {
+    mgpu_tensor* b = tmake(dev, MGPU_BF16, mgpu_tensor_shape(t));
+    MUST(mgpu_tensor_convert(b, t, 1.0f, 0.0f));
+    return b;
+}
+static int same_tensor_bits(const mgpu_tensor* a, const mgpu_tensor* b) {
+    const size_t n = mgpu_tensor_bytes(a);
+    char *ha = (char*)xmalloc(n), *hb = (char*)xmalloc(n);
+    int same = n == mgpu_tensor_bytes(b);
+    if (same) {
+        tget(a, ha);
+        tget(b, hb);
+        same = !memcmp(ha, hb, n);
+    }
+    free(ha);
+    free(hb);
+    return same;
+}
+/* The model's forward and backward in bf16 are the chain of ops a reader would write, with the
+   roundings autocast makes: x, the weights and the loss gradient rounded to bf16; each Linear's
+   fp32 sums plus its bias rounded once; the activations and their gradients bf16; the output
+   widened to f32; the parameters' gradients f32. Bit for bit, on one device. */
+static void bf16_wiring(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 12;
+    mgpu_model* m = bf16_mlp(devs, MGPU_BF16, 1, 1, MGPU_LOSS_MSE, 31);
+    mgpu_model* f = bf16_mlp(devs, MGPU_F32, 1, 1, MGPU_LOSS_MSE, 31);
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, 20)), *dout = tmake(dev, MGPU_F32, mgpu_shape2(B, 7));
+    if (!m || !f) goto done;
+    MUST(mgpu_rand_normal(x, 41, 0, 0.0f, 1.5f));
+    MUST(mgpu_rand_normal(dout, 42, 0, 0.0f, 0.1f));
+    MUST(mgpu_model_zero_grad(m));
+    {
+        const mgpu_tensor* out = mgpu_model_forward(m, 0, x, 1);
+        const mgpu_tensor* out32 = mgpu_model_forward(f, 0, x, 1);
+        mgpu_tensor *w[3], *bias[3], *dw[3], *db[3], *wb[3], *sums[3], *h[3], *a[2], *xb, *wide, *d3, *da[2], *dh[2], *dx, *dxw;
+        mgpu_tensor *rdw[3], *rdb[3];
+        const int out_f[3] = { 16, 16, 7 };
+        char name[32];
+        int i;
+        CHECK(out && out32, "bf16 on %s: forward: %s", mgpu_device_label(dev), mgpu_last_error());
+        if (!out || !out32) goto done;
+        MUST(mgpu_model_backward(m, 0, dout));
+        for (i = 0; i < 3; ++i) {
+            snprintf(name, sizeof name, "%d.weight", 2 * i); w[i] = mgpu_model_param(m, 0, name); dw[i] = mgpu_model_grad(m, 0, name);
+            snprintf(name, sizeof name, "%d.bias", 2 * i); bias[i] = mgpu_model_param(m, 0, name); db[i] = mgpu_model_grad(m, 0, name);
+            wb[i] = bf16_of(dev, w[i]);
+            sums[i] = tmake(dev, MGPU_F32, mgpu_shape2(B, out_f[i]));
+            h[i] = tmake(dev, MGPU_BF16, mgpu_shape2(B, out_f[i]));
+            rdw[i] = tmake(dev, MGPU_F32, mgpu_tensor_shape(w[i]));
+            rdb[i] = tmake(dev, MGPU_F32, mgpu_tensor_shape(bias[i]));
+        }
+        xb = bf16_of(dev, x);
+        for (i = 0; i < 3; ++i) {   /* h = round(x W^T + b); relu after the first, gelu after the second */
+            MUST(mgpu_matmul(sums[i], i == 0 ? xb : a[i - 1], wb[i], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));
+            MUST(mgpu_bias_add(h[i], sums[i], bias[i]));
+            if (i < 2) {
+                a[i] = tmake(dev, MGPU_BF16, mgpu_shape2(B, 16));
+                MUST(i == 0 ? mgpu_relu(a[i], h[i]) : mgpu_gelu(a[i], h[i]));
+            }
+        }
+        wide = tmake(dev, MGPU_F32, mgpu_shape2(B, 7));
+        MUST(mgpu_tensor_convert(wide, h[2], 1.0f, 0.0f));
+        CHECK(same_tensor_bits(out, wide), "bf16 on %s: the model's output is not the chain of bf16 ops' (x, W rounded; "
+              "sums + bias rounded once; widened)", mgpu_device_label(dev));
+        CHECK(!same_tensor_bits(out, out32), "bf16 on %s: the output has the f32 model's bits: no rounding happened", mgpu_device_label(dev));
+        /* backward: the loss gradient rounded; dW = dH^T A in f32, db = sum dH, dA = dH W (bf16) */
+        d3 = bf16_of(dev, dout);
+        for (i = 0; i < 2; ++i) {
+            da[i] = tmake(dev, MGPU_BF16, mgpu_shape2(B, 16));
+            dh[i] = tmake(dev, MGPU_BF16, mgpu_shape2(B, 16));
+        }
+        dx = tmake(dev, MGPU_BF16, mgpu_shape2(B, 20));
+        dxw = tmake(dev, MGPU_F32, mgpu_shape2(B, 20));
+        for (i = 2; i >= 0; --i) {
+            const mgpu_tensor* dy = i == 2 ? d3 : dh[i];
+            MUST(mgpu_tensor_zero(rdw[i]));
+            MUST(mgpu_matmul(rdw[i], dy, i == 0 ? xb : a[i - 1], MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));
+            MUST(mgpu_bias_backward(rdb[i], dy));
+            MUST(mgpu_matmul(i == 0 ? dx : da[i - 1], dy, wb[i], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));
+            if (i == 2) MUST(mgpu_gelu_backward(dh[1], da[1], h[1]));
+            if (i == 1) MUST(mgpu_relu_backward(dh[0], da[0], a[0]));
+        }
+        MUST(mgpu_tensor_convert(dxw, dx, 1.0f, 0.0f));
+        for (i = 0; i < 3; ++i)
+            CHECK(same_tensor_bits(dw[i], rdw[i]) && same_tensor_bits(db[i], rdb[i]),
+                  "bf16 on %s: layer %d's weight and bias gradients are not the chain of bf16 ops'", mgpu_device_label(dev), 2 * i);
+        CHECK(mgpu_model_input_grad(m, 0) && mgpu_tensor_dtype(mgpu_model_input_grad(m, 0)) == MGPU_F32 &&
+              same_tensor_bits(mgpu_model_input_grad(m, 0), dxw),
+              "bf16 on %s: d input is not the bf16 chain's, widened to f32: %s", mgpu_device_label(dev), mgpu_last_error());
+        for (i = 0; i < 3; ++i) {
+            mgpu_tensor_destroy(wb[i]); mgpu_tensor_destroy(sums[i]); mgpu_tensor_destroy(h[i]);
+            mgpu_tensor_destroy(rdw[i]); mgpu_tensor_destroy(rdb[i]);
+        }
+        for (i = 0; i < 2; ++i) { mgpu_tensor_destroy(a[i]); mgpu_tensor_destroy(da[i]); mgpu_tensor_destroy(dh[i]); }
+        mgpu_tensor_destroy(xb); mgpu_tensor_destroy(wide); mgpu_tensor_destroy(d3); mgpu_tensor_destroy(dx); mgpu_tensor_destroy(dxw);
+    }
+done:
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(dout);
+    mgpu_model_destroy(m); mgpu_model_destroy(f);
+}
+/* Training steps: the parameters and optimizer stay f32 (a checkpoint's too), the memory of a step
+   is what mgpu_model_activation_bytes says and no step after the first allocates; a pipeline of 2
+   stages x 2 micro-batches on CPU devices gives the one device's bits (bf16 activations pass
+   between stages as they are). */
+static void bf16_steps(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 16;
+    const mgpu_optimizer_desc od = { .kind = MGPU_ADAMW, .lr = 0.01f };
+    mgpu_model* m = bf16_mlp(devs, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 32);
+    mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &od) : NULL;
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape2(B, 20)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(B));
+    mgpu_memory_stats s0, s1, s2;
+    float loss = 0.0f;
+    int64_t i;
+    if (!m || !opt) goto done;
+    MUST(mgpu_rand_normal(x, 43, 0, 0.0f, 1.0f));
+    for (i = 0; i < B; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (int32_t)((i * 5) % 7);
+    CHECK(mgpu_tensor_dtype(mgpu_model_params(m, 0)) == MGPU_F32 && mgpu_tensor_dtype(mgpu_model_grads(m, 0)) == MGPU_F32,
+          "bf16: the parameters and gradients are f32");
+    MUST(mgpu_memory_get_stats(dev, &s0));
+    MUST(mgpu_model_train_step(m, opt, x, y, &loss));
+    MUST(mgpu_memory_get_stats(dev, &s1));
+    {
+        const size_t labels = mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA ? ((size_t)B * sizeof(int32_t) + 255) / 256 * 256 : 0;
+        CHECK(mgpu_model_activation_bytes(m, 0, NULL) + labels == s1.bytes_in_use - s0.bytes_in_use,
+              "bf16 on %s: mgpu_model_activation_bytes %zu (and labels %zu), the first step added %zu", mgpu_device_label(dev),
+              mgpu_model_activation_bytes(m, 0, NULL), labels, s1.bytes_in_use - s0.bytes_in_use);
+    }
+    MUST(mgpu_model_train_step(m, opt, x, y, NULL));
+    MUST(mgpu_memory_get_stats(dev, &s1));
+    for (i = 0; i < 3; ++i) MUST(mgpu_model_train_step(m, opt, x, y, &loss));
+    MUST(mgpu_memory_get_stats(dev, &s2));
+    CHECK(s2.backend_allocs == s1.backend_allocs && s2.bytes_in_use == s1.bytes_in_use,
+          "bf16 on %s: steps after the second allocated %llu times, bytes in use %zu -> %zu", mgpu_device_label(dev),
+          (unsigned long long)(s2.backend_allocs - s1.backend_allocs), s1.bytes_in_use, s2.bytes_in_use);
+    {
+        char text[4096];
+        summary_of(m, text, sizeof text);
+        CHECK(strstr(text, "Precision: bf16 activations and products (the weights' bf16 copies: 1.4 KiB a replica)"),
+              "bf16: the summary does not say the precision:\n%s", text);
+    }
+    CHECK(loss > 0.0f && loss < 1.9f, "bf16 on %s: 5 AdamW steps on one batch of 7 classes: loss %g (log 7 = 1.95 at the start)",
+          mgpu_device_label(dev), (double)loss);
+    if (!devs) {   /* the pipeline, against this model's steps from the same start */
+        mgpu_device_set* two = mgpu_device_set_create("cpu:2");
+        mgpu_model *a = bf16_mlp(NULL, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 33), *p = two ? bf16_mlp(two, MGPU_BF16, 2, 2, MGPU_LOSS_CROSS_ENTROPY, 33) : NULL;
+        mgpu_optimizer *oa = a ? mgpu_optimizer_create(a, &od) : NULL, *op = p ? mgpu_optimizer_create(p, &od) : NULL;
+        if (oa && op) {
+            int same = 1, t;
+            for (i = 0; i < 3; ++i) {
+                MUST(mgpu_model_train_step(a, oa, x, y, NULL));
+                MUST(mgpu_model_train_step(p, op, x, y, NULL));
+            }
+            for (t = 0; t < mgpu_model_tensor_count(a); ++t) same &= same_tensor_bits(mgpu_model_tensor(a, 0, t), mgpu_model_tensor(p, 0, t));
+            CHECK(same, "bf16: 2 stages x 2 micro-batches on cpu:2 do not give the one device's bits after 3 steps");
+        }
+        mgpu_optimizer_destroy(oa); mgpu_optimizer_destroy(op);
+        mgpu_model_destroy(a); mgpu_model_destroy(p);
+        mgpu_device_set_destroy(two);
+    }
+done:
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+}
+#ifdef MGPU_CUDA
+/* A GPU's bf16 step against the CPU's from the same parameters: the same roundings, the sums in
+   another order. An f32 sum that differs in its last bit moves a bf16 rounding by one step (2^-8
+   relative) where it lies near a tie, rarely; the gradients then differ by a few such steps in
+   a few elements: within 2^-7 of each gradient tensor's norm. */
+static void bf16_gpu_vs_cpu(void) {
+    const int64_t B = 24;
+    mgpu_model *c = bf16_mlp(NULL, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 34), *g = bf16_mlp(g_gpu_set, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 34);
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(B, 20)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(B));
+    mgpu_tensor* xg = tmake(g_gpu, MGPU_F32, mgpu_shape2(B, 20));
+    int64_t i;
+    if (c && g) {
+        float lc = 0.0f, lg = 0.0f, *gc, *gg;
+        double worst = 0.0;
+        int t;
+        MUST(mgpu_rand_normal(x, 44, 0, 0.0f, 1.0f));
+        MUST(mgpu_tensor_copy(xg, x));
+        for (i = 0; i < B; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (int32_t)((i * 3) % 7);
+        MUST(mgpu_tensor_copy(mgpu_model_params(g, 0), mgpu_model_params(c, 0)));
+        MUST(mgpu_model_accumulate(c, x, y, 0, &lc));
+        MUST(mgpu_model_accumulate(g, xg, y, 0, &lg));
+        gc = get_grads(c, 0);
+        gg = get_grads(g, 0);
+        for (t = 0; t < mgpu_model_tensor_count(c); ++t) {
+            const mgpu_tensor* v = mgpu_model_tensor(c, 0, t);
+            const int64_t off = (int64_t)((const char*)mgpu_tensor_data(v) - (const char*)mgpu_tensor_data(mgpu_model_params(c, 0))) / 4;
+            double dd = 0.0, nn = 0.0;
+            for (i = off; i < off + mgpu_tensor_numel(v); ++i) {
+                dd += ((double)gg[i] - gc[i]) * ((double)gg[i] - gc[i]);
+                nn += (double)gc[i] * gc[i];
+            }
+            if (sqrt(dd) > worst * sqrt(nn)) worst = nn > 0 ? sqrt(dd / nn) : sqrt(dd);
+        }
+        CHECK(fabs((double)lg - lc) <= 1e-3 * fabs((double)lc) && worst <= 1.0 / 128,
+              "bf16 step on %s against the CPU's: loss %.9g vs %.9g, gradients differ by %.3g of their norm (limit 2^-7)",
+              mgpu_device_label(g_gpu), (double)lg, (double)lc, worst);
+        printf("  bf16 step on %s against the CPU: loss %.9g vs %.9g, gradients within %.3g of their norms\n",
+               mgpu_device_label(g_gpu), (double)lg, (double)lc, worst);
+        free(gc);
+        free(gg);
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y); mgpu_tensor_destroy(xg);
+    mgpu_model_destroy(c); mgpu_model_destroy(g);
+}
+#endif
+static void test_bf16_models(void) {
+    header("bf16 mixed precision");
+    {   /* what has no bf16 path yet is refused by name */
+        mgpu_model_desc d;
+        mgpu_layer* layers[3];
+        layers[0] = mgpu_layer_conv2d(1, 2, 3, 1, 1);
+        layers[1] = mgpu_layer_flatten();
+        layers[2] = mgpu_layer_linear(2 * 4 * 4, 3);
+        memset(&d, 0, sizeof d);
+        d.input = mgpu_shape3(1, 4, 4);
+        d.layers = layers;
+        d.layer_count = 3;
+        d.precision = MGPU_BF16;
+        CHECK(!mgpu_model_create(&d), "a bf16 model with a Conv2d was made");
+        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "bf16 with a Conv2d", "precision bf16", "layer 0 (Conv2d)",
+                    "no bf16 path");
+        layers[0] = mgpu_layer_linear(4, 3);
+        d.input = mgpu_shape1(4);
+        d.layer_count = 1;
+        d.precision = MGPU_I32;
+        CHECK(!mgpu_model_create(&d), "a model of precision i32 was made");
+        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "precision i32", "precision i32", "MGPU_BF16", NULL);
+    }
+    bf16_wiring(NULL, mgpu_device_cpu());
+    bf16_steps(NULL, mgpu_device_cpu());
+#ifdef MGPU_CUDA
+    if (g_gpu) {
+        bf16_wiring(g_gpu_set, g_gpu);
+        bf16_steps(g_gpu_set, g_gpu);
+        bf16_gpu_vs_cpu();
+    }
+#endif
+}
+
 static void test_cuda_twins(void) {
     header("9. CUDA twins");
 #ifdef MGPU_CUDA
@@ -4291,6 +4558,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_harness_api_cuda());
     TEST_GROUP(test_true_sources());
     TEST_GROUP(test_activation_memory());
+    TEST_GROUP(test_bf16_models());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA
