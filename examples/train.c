@@ -36,6 +36,7 @@ typedef struct options {
     const char* pipeline;    /* 1f1b | gpipe */
     const char* split;       /* "2,5": the first layer of stages 1, 2, ... */
     const char* trace;       /* a trace of three steps: Chrome's JSON, or an SVG picture */
+    const char* precision;   /* fp32 | tf32 | bf16 */
     int stages, micro_batches, split_at[64];
     float dropout;
     int epochs, batch, quiet, graph, verbose;
@@ -68,6 +69,8 @@ static void usage(FILE* f) {
             "  --micro-batches M   micro-batches per batch and replica [1; 2 x stages with stages]\n"
             "  --pipeline NAME     1f1b | gpipe: the order of the micro-batches' passes [1f1b]\n"
             "  --dropout P         a Dropout(P) after each hidden ReLU of the linear layers [none]\n"
+            "  --precision NAME    fp32 | tf32 (fp32 with TF32 products on GPUs) | bf16 (mixed: bf16 activations and\n"
+            "                      products, f32 parameters and optimizer; the mlp without --dropout) [fp32]\n"
             "  --trace FILE.json   a trace of three steps (the 6th to the 8th, or the first ones of a short run) in\n"
             "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing;\n"
             "  --trace FILE.svg    or as a picture that any browser opens (a row per device, a box per pass)\n"
@@ -153,6 +156,7 @@ static int parse_args(int argc, char** argv, options* o) {
     o->model = "mlp";
     o->optimizer = "sgd";
     o->devices = "auto";
+    o->precision = "fp32";
     o->schedule = "cosine";
     o->epochs = 5;
     o->batch = 64;
@@ -166,7 +170,7 @@ static int parse_args(int argc, char** argv, options* o) {
         int takes = 1, ok = 1;
         static const char* valued[] = { "--data", "--model", "--optimizer", "--schedule", "--devices", "--save", "--load",
                                         "--epochs", "--batch", "--max-steps", "--seed", "--lr", "--momentum", "--weight-decay", "--mean", "--std",
-                                        "--stages", "--split", "--micro-batches", "--pipeline", "--dropout", "--trace" };
+                                        "--stages", "--split", "--micro-batches", "--pipeline", "--dropout", "--trace", "--precision" };
         int known = 0;
         size_t k;
         for (k = 0; k < sizeof valued / sizeof valued[0]; ++k) known |= !strcmp(a, valued[k]);
@@ -185,6 +189,7 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--micro-batches")) { ok = parse_int(a, v, 1, 4096, &n); o->micro_batches = (int)n; }
         else if (!strcmp(a, "--pipeline")) o->pipeline = v;
         else if (!strcmp(a, "--trace")) o->trace = v;
+        else if (!strcmp(a, "--precision")) o->precision = v;
         else if (!strcmp(a, "--dropout")) ok = parse_float(a, v, &o->dropout);
         else if (!strcmp(a, "--split")) {   /* a list of layer numbers, each parsed like --stages */
             char item[32];
@@ -226,6 +231,10 @@ static int parse_args(int argc, char** argv, options* o) {
     if (strcmp(o->optimizer, "sgd") && strcmp(o->optimizer, "adamw")) { fprintf(stderr, "train: --optimizer must be sgd or adamw, not '%s'\n", o->optimizer); return 0; }
     if (strcmp(o->schedule, "cosine") && strcmp(o->schedule, "step") && strcmp(o->schedule, "constant")) { fprintf(stderr, "train: --schedule must be cosine, step or constant\n"); return 0; }
     if (o->pipeline && strcmp(o->pipeline, "1f1b") && strcmp(o->pipeline, "gpipe")) { fprintf(stderr, "train: --pipeline must be 1f1b or gpipe, not '%s'\n", o->pipeline); return 0; }
+    if (strcmp(o->precision, "fp32") && strcmp(o->precision, "tf32") && strcmp(o->precision, "bf16")) {
+        fprintf(stderr, "train: --precision must be fp32, tf32 or bf16, not '%s'\n", o->precision);
+        return 0;
+    }
     if (!(o->dropout >= 0 && o->dropout < 1)) { fprintf(stderr, "train: --dropout must be in [0, 1), not %g\n", (double)o->dropout); return 0; }
     if (!o->stages) o->stages = 1;
     if (!o->micro_batches) o->micro_batches = o->stages > 1 ? 2 * o->stages : 1;
@@ -275,8 +284,11 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
                           .stages = o->stages, .split = o->split ? o->split_at : NULL, .micro_batches = o->micro_batches,
                           .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B,
                           .distributed = 1 /* every process of an MPI job; one process without one */,
-                          .graph = o->graph };
+                          .graph = o->graph, .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 };
+    int i;
     const int drop = o->dropout > 0;
+    for (i = 0; !strcmp(o->precision, "tf32") && i < mgpu_device_set_count(set); ++i)
+        if (mgpu_device_allow_tf32(mgpu_device_set_get(set, i), 1) != MGPU_OK) return NULL;
     if (!strcmp(o->model, "mlp")) {
         mgpu_layer* layers[5];
         int n = 0;

@@ -11,7 +11,9 @@
 #     the replicas against replica order), and that one decision outweighs the rest (at most
 #     4.2e-6). The ring run agrees with the CPU run to 1.4e-5.
 #   - with --graph (steps replayed from a CUDA graph), on cuda:0 and on 4 GPUs (P2P ring): the
-#     bits of the eager run of the same layout, most steps from the graph.
+#     bits of the eager run of the same layout, most steps from the graph; and on cuda:0 with
+#     --precision bf16.
+#   - --precision bf16 on the CPU: 2 epochs within 0.005 test accuracy of fp32's 2 epochs.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
 # EMU_TRAIN_MODEL change the steps, the tolerances and the model. Skips without Fashion-MNIST.
 b=${1:-build}
@@ -66,13 +68,14 @@ for run in "cuda:0 - - none" \
 done
 # --graph: each step replayed from a CUDA graph after the first, the same bits as the eager run
 # of the same layout (P2P: a graph does not hold NCCL across GPUs of one process)
-for run in "cuda:0 -" "cuda:0,1,2,3 ring"; do
+# (and in bf16 mixed precision on cuda:0)
+for run in "cuda:0 - fp32" "cuda:0,1,2,3 ring fp32" "cuda:0 - bf16"; do
     set -- $run
     env="MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so MGPU_VERIFY_EVERY=1 MGPU_ALLREDUCE=p2p"
     [ "$2" != - ] && env="$env MGPU_P2P=$2"
-    what="train_emu --graph --devices $1 ($env)"
-    if env $env "$b/train_emu" $args --devices "$1" --save "$tmp/eager.safetensors" > "$tmp/eager.txt" 2>&1 &&
-       env $env "$b/train_emu" $args --devices "$1" --graph --save "$tmp/graph.safetensors" > "$tmp/graph.txt" 2>&1; then
+    what="train_emu --graph --precision $3 --devices $1 ($env)"
+    if env $env "$b/train_emu" $args --precision "$3" --devices "$1" --save "$tmp/eager.safetensors" > "$tmp/eager.txt" 2>&1 &&
+       env $env "$b/train_emu" $args --precision "$3" --devices "$1" --graph --save "$tmp/graph.safetensors" > "$tmp/graph.txt" 2>&1; then
         diff=$("$b/emu/ckpt_diff" "$tmp/graph.safetensors" "$tmp/eager.safetensors" 0 2>&1); rc=$?
         graphed=$(sed -n 's/^graph_steps=//p' "$tmp/graph.txt")
         if [ $rc -eq 0 ] && [ "${graphed:-0}" -ge $((steps - 10)) ]; then
@@ -84,5 +87,18 @@ for run in "cuda:0 -" "cuda:0,1,2,3 ring"; do
         failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/graph.txt" | sed 's/^/       /'
     fi
 done
+# --precision bf16 on the CPU: 2 epochs reach the test accuracy of fp32's 2 epochs within 0.005
+what="train_cpu --precision bf16 --epochs 2 against fp32"
+if "$b/train_cpu" --data "$data" --quiet --model mlp --epochs 2 --seed 7 --devices cpu > "$tmp/f32.txt" 2>&1 &&
+   "$b/train_cpu" --data "$data" --quiet --model mlp --epochs 2 --seed 7 --devices cpu --precision bf16 > "$tmp/bf16.txt" 2>&1; then
+    a32=$(sed -n 's/.* test_acc=\([0-9.]*\) .*/\1/p' "$tmp/f32.txt"); a16=$(sed -n 's/.* test_acc=\([0-9.]*\) .*/\1/p' "$tmp/bf16.txt")
+    if awk -v a="$a32" -v b="$a16" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a > 0.8 && d <= 0.005) }'; then
+        passed=$((passed + 1)); echo "  ok   $what: test accuracy $a16 against $a32"
+    else
+        failed=$((failed + 1)); echo "  FAIL $what: test accuracy ${a16:-none} against ${a32:-none} (want within 0.005)"
+    fi
+else
+    failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/bf16.txt" | sed 's/^/       /'
+fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]
