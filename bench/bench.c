@@ -31,6 +31,7 @@ static void (*blas_symbol(void* lib, const char* name))(void) {
 }
 static double copy_gbs[2];     /* device-to-device copy bandwidth, [0] CPU, [1] GPU: the yardstick */
 static double gemm_tflops;     /* cuBLAS on the large MLP's GEMM shape, measured in the same run */
+static double gemm_tflops_bf16;   /* the same forward GEMM (x W^T) with bf16 operands (bench_gemm_layouts) */
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;
@@ -56,6 +57,7 @@ static void fail(const char* what) {
 /* the pipeline layout of the models make_model makes (0: one stage) */
 static int pipe_stages, pipe_micro;
 static int use_graph;      /* desc.graph of the models made */
+static int use_bf16;       /* desc.precision MGPU_BF16 for the models made */
 static int batch_on_cpu;   /* the batch as a loader gives it, on the CPU, instead of on the first device */
 static mgpu_pipeline_schedule pipe_schedule;
 
@@ -87,6 +89,7 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     d.micro_batches = pipe_micro;
     d.schedule = pipe_schedule;
     d.graph = use_graph;
+    d.precision = use_bf16 ? MGPU_BF16 : MGPU_F32;
     d.seed = 1;
     d.layers = layers;
     if (!strcmp(name, "mlp784")) {
@@ -214,8 +217,10 @@ static void bench_training(const char* workload, const char* model_name, const c
     if (!strcmp(model_name, "mlp4096")) {   /* 3 GEMMs per Linear (forward, weight and input gradients),
         but none for the input gradient of the first layer, which nothing needs */
         const double flops = 2.0 * batch * (3.0 * (4.0 * 4096.0 * 4096.0 + 4096.0 * 10.0) - 4096.0 * 4096.0);
+        const double bare = use_bf16 ? gemm_tflops_bf16 : gemm_tflops;
         row(workload, spec, "tflops", flops / median(t, steps) / 1e12, "TFLOP/s", NULL);
-        if (gemm_tflops > 0.0) row(workload, spec, "of_gemm", flops / median(t, steps) / 1e12 / gemm_tflops, "x", "of the bare GEMM rate");
+        if (bare > 0.0) row(workload, spec, "of_gemm", flops / median(t, steps) / 1e12 / bare, "x",
+                            use_bf16 ? "of the bare bf16 GEMM rate (x W^T)" : "of the bare GEMM rate");
     }
     row(workload, spec, "peak_mem", (double)after.peak_bytes_in_use / 1048576.0, "MiB", NULL);
     row(workload, spec, "allocs_per_step", (double)(after.backend_allocs - before.backend_allocs) / steps, "allocs", NULL);
@@ -304,6 +309,7 @@ static void bench_gemm_layouts(const char* spec, int m, int n, int k, int reps) 
             }
             snprintf(name, sizeof name, "gemm_%dx%dx%d_%s", m, n, k, bf16 ? "bf16" : "tf32");
             row(name, spec, names[what], 2.0 * m * n * (double)k / median(t, reps) / 1e12, "TFLOP/s", "mgpu_matmul");
+            if (bf16 && what == 0) gemm_tflops_bf16 = 2.0 * m * n * (double)k / median(t, reps) / 1e12;
         }
         mgpu_device_allow_tf32(dev, 0);
         mgpu_tensor_destroy(x); mgpu_tensor_destroy(w); mgpu_tensor_destroy(dy);
@@ -740,6 +746,7 @@ static void emu_counts(const char* model_name, const char* spec, const char* all
     mgpu_emu_get_counters(&b);
     char layout[48] = "";
     if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d x %d stages", replicas, pipe_stages);
+    if (use_bf16) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", bf16");
     printf("| %s b%d%s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %.1f/%.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %llu |\n",
            model_name, batch, layout, spec, mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)),
            mgpu_model_graph_steps(tr.m) ? "graph" : "eager", (double)s.graph_launches / steps,
@@ -776,6 +783,9 @@ static int bench_emu(void) {
             emu_counts(models[mi], "cuda:0,1,2,3", "p2p", batch, graph);
             pipe_stages = pipe_micro = 0;
         }
+    use_bf16 = 1;   /* mixed precision: the conversions it adds (input, weights, output, loss gradient) */
+    for (graph = 0; graph < 2; ++graph) emu_counts("mlp784", "cuda:0", NULL, 64, graph);
+    use_bf16 = 0;
     for (graph = 0; graph < 2; ++graph) {   /* the small GPT (4 blocks of width 128, T 64): a transformer's step */
         emu_counts("gpt", "cuda:0", NULL, 4, graph);
         emu_counts("gpt", "cuda:0,1,2,3", "p2p", 8, graph);
@@ -912,6 +922,11 @@ int main(int argc, char** argv) {
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
         bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
+        use_bf16 = 1;   /* mixed precision (desc.precision), beside PyTorch's bf16 autocast */
+        bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, 0);
+        use_graph = 1;
+        bench_training("mlp4096_b2048_bf16_graph", "mlp4096", "cuda:0", 2048, 20, 0);
+        use_graph = use_bf16 = 0;
         /* eager against graph, the batch on the GPU already or coming from the CPU (pageable, staged) */
         use_graph = 1;
         bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, 0);

@@ -14,6 +14,7 @@ which = sys.argv[2] if len(sys.argv) > 2 else "all"
 quick = "--quick" in sys.argv
 torch.set_num_threads(threads)
 gemm_tflops = None   # the bare GEMM rate, measured first on the GPU
+gemm_tflops_bf16 = None   # the same forward GEMM (x @ W^T) in bf16 (bench_gemm_layouts)
 
 
 def row(workload, device, metric, value, unit, note=""):
@@ -176,8 +177,10 @@ def bench_training(workload, name, label, batch, steps, tf32=False, graph=False,
         # 3 GEMMs per Linear, none for the first layer's input gradient (x needs no gradient)
         flops = 2.0 * batch * (3.0 * (4 * 4096.0 * 4096.0 + 4096.0 * 10.0) - 4096.0 * 4096.0)
         row(workload, label, "tflops", flops / t / 1e12, "TFLOP/s")
-        if gemm_tflops:
-            row(workload, label, "of_gemm", flops / t / 1e12 / gemm_tflops, "x", "of the bare GEMM rate")
+        bare = gemm_tflops_bf16 if bf16 else gemm_tflops
+        if bare:
+            row(workload, label, "of_gemm", flops / t / 1e12 / bare, "x",
+                "of the bare bf16 GEMM rate (x W^T)" if bf16 else "of the bare GEMM rate")
     if peak is not None:
         row(workload, label, "peak_mem", peak, "MiB", note)
 
@@ -186,6 +189,7 @@ def bench_gemm_layouts(m, n, k, reps):
     """The ceilings of a Linear step's three GEMMs on [m, k] inputs and a [n, k] weight, in TF32 and
     bf16: forward y = x @ W^T, the weight gradient dW = dy^T @ x, the input gradient dx = dy @ W
     (PyTorch-only rows: what mgpu's step is measured against)."""
+    global gemm_tflops_bf16
     dev = torch.device("cuda:0")
     for dtype, tag in ((torch.float32, "tf32"), (torch.bfloat16, "bf16")):
         torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32
@@ -203,8 +207,10 @@ def bench_gemm_layouts(m, n, k, reps):
                 sync(dev)
                 if i >= 3:
                     times.append((time.perf_counter() - t0) / 10)
-            row("gemm_%dx%dx%d_%s" % (m, n, k, tag), "cuda:0", what, 2.0 * m * n * k / statistics.median(times) / 1e12, "TFLOP/s",
-                "PyTorch's matmul")
+            rate = 2.0 * m * n * k / statistics.median(times) / 1e12
+            row("gemm_%dx%dx%d_%s" % (m, n, k, tag), "cuda:0", what, rate, "TFLOP/s", "PyTorch's matmul")
+            if tag == "bf16" and what == "x@W^T":
+                gemm_tflops_bf16 = rate
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
@@ -333,6 +339,7 @@ if which in ("cuda", "all") and torch.cuda.is_available():
     bench_training("mlp784_b64_graph", "mlp784", "cuda:0", 64, 300, graph=True)
     bench_training("cnn_b128_graph", "cnn", "cuda:0", 128, 100, graph=True)
     bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, bf16=True)
+    bench_training("mlp4096_b2048_bf16_graph", "mlp4096", "cuda:0", 2048, 20, bf16=True, graph=True)
     bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100)
     bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5)
     bench_training("gpt124m_b8_t1024_bf16", "gpt124m", "cuda:0", 8, 5, tf32=True, bf16=True)
