@@ -216,8 +216,9 @@
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask),
-     or bf16 mixed precision (desc.precision) for models of Linear layers and activations only;
-     no bf16 Conv2d, pooling, normalisation, Dropout or attention yet, no fp16.
+     or bf16 mixed precision (desc.precision), where Conv2d, pooling, normalisation, Dropout and
+     the embeddings compute in f32 on widened bf16 inputs (no bf16 kernels of their own yet), and
+     containers and attention have no bf16 path (so no GPT in bf16 yet); no fp16.
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
@@ -1029,9 +1030,15 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   and checkpoints stay f32; the input is rounded
                                                   to bf16 at the first layer, the output widened
                                                   to f32 for the loss (and mgpu_model_forward),
-                                                  the loss's gradient rounded back. Layers with a
-                                                  bf16 path: Linear, Conv1D, the activations,
-                                                  Flatten; others fail mgpu_model_create by name
+                                                  the loss's gradient rounded back. Linear, Conv1D,
+                                                  the activations and Flatten run in bf16; Conv2d
+                                                  (its weight's bf16 copy), MaxPool2d,
+                                                  BatchNorm2d, global pooling, Dropout, LayerNorm
+                                                  and the embeddings run their f32 code on their
+                                                  bf16 inputs widened, each output rounded once
+                                                  (bf16's numbers, not yet its speed); containers,
+                                                  attention and layers of your own fail
+                                                  mgpu_model_create, named
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -6401,7 +6408,6 @@ struct mgpu_layer {
                                   Tanh, Sigmoid) */
     int output_unused;         /* its backward reads x, dy, its parameters and aux, never y (Linear,
                                   Conv1D, Conv2d, BatchNorm2d) */
-    int bf16_ok;               /* runs on bf16 x, y, dy, dx (a model of precision MGPU_BF16) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -6600,7 +6606,7 @@ static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_fe
     cfg.out = out_features;
     cfg.no_bias = no_bias;
     cfg.in_out = in_out;
-    if ((l = mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg))) l->output_unused = l->bf16_ok = 1;
+    if ((l = mgpu__builtin_layer(in_out ? &mgpu__conv1d_vt : &mgpu__linear_vt, &cfg))) l->output_unused = 1;
     return l;
 }
 MGPUDEF mgpu_layer* mgpu_layer_linear(int in_features, int out_features) {
@@ -6639,10 +6645,7 @@ static mgpu_layer* mgpu__activation(const mgpu_layer_vtable* vt, int forward_op,
     cfg.forward_op = forward_op;
     cfg.backward_op = backward_op;
     cfg.backward_uses_output = uses_output;
-    if ((l = mgpu__builtin_layer(vt, &cfg))) {
-        l->in_place_ok = uses_output;
-        l->bf16_ok = 1;
-    }
+    if ((l = mgpu__builtin_layer(vt, &cfg))) l->in_place_ok = uses_output;
     return l;
 }
 /* ReLU's backward from its output, as PyTorch's threshold_backward on the result: y > 0 exactly
@@ -6721,10 +6724,8 @@ static const mgpu_layer_vtable mgpu__flatten_vt = {
 };
 MGPUDEF mgpu_layer* mgpu_layer_flatten(void) {
     mgpu__layer_cfg cfg;
-    mgpu_layer* l;
     memset(&cfg, 0, sizeof cfg);
-    if ((l = mgpu__builtin_layer(&mgpu__flatten_vt, &cfg))) l->bf16_ok = 1;
-    return l;
+    return mgpu__builtin_layer(&mgpu__flatten_vt, &cfg);
 }
 
 /* -- Conv2d: im2col, one GEMM against W [out, in*k*k], and a transpose to NCHW -- */
@@ -9216,6 +9217,108 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
     ctx->first_row = sl->first_row;
 }
 
+/* ---- bf16 mixed precision (desc.precision): how each layer takes bf16 activations ----
+   NATIVE: the layer's own code runs on bf16 x, y, dy and dx (Linear and Conv1D with the weights'
+   bf16 copies, the activations, Flatten). WIDENED: its f32 code runs on f32 copies of x and dy
+   (bf16 widens exactly), and its outputs y and dx are rounded once: the numbers of a bf16 layer
+   that computes in fp32, which is what autocast's kernels do, though not yet its speed. The
+   parameters in `*weights` (bit i: parameter i) are a product's weights, taken as their bf16
+   copies widened, as autocast casts a convolution's weight; the others (BatchNorm's, LayerNorm's,
+   the embeddings') stay f32, as autocast keeps them. Other layers (containers, attention, layers
+   of your own) have no bf16 path yet. */
+enum { MGPU__BF16_NONE = 0, MGPU__BF16_NATIVE, MGPU__BF16_WIDENED };
+static int mgpu__bf16_path(const mgpu_layer* l, unsigned* weights) {
+    const mgpu_layer_vtable* vt = l->vt;
+    *weights = vt == &mgpu__conv_vt ? 1u : 0u;
+    if (vt == &mgpu__linear_vt || vt == &mgpu__conv1d_vt || vt == &mgpu__relu_vt || vt == &mgpu__gelu_vt || vt == &mgpu__tanh_vt ||
+        vt == &mgpu__sigmoid_vt || vt == &mgpu__gelu_tanh_vt || vt == &mgpu__flatten_vt)
+        return MGPU__BF16_NATIVE;
+    if (vt == &mgpu__conv_vt || vt == &mgpu__pool_vt || vt == &mgpu__bn_vt || vt == &mgpu__gap_vt || vt == &mgpu__dropout_vt ||
+        vt == &mgpu__ln_vt || vt == &mgpu__emb_vt || vt == &mgpu__pos_vt)
+        return MGPU__BF16_WIDENED;
+    return MGPU__BF16_NONE;
+}
+
+#define MGPU__WIDENED_PARAMS 4   /* the most parameters of a layer with a WIDENED path */
+/* The temporaries of a widened call: f32 copies of bf16 tensors, from the device's cache. */
+typedef struct mgpu__widened {
+    mgpu_tensor* temp[4 + MGPU__WIDENED_PARAMS];
+    int count;
+    mgpu_tensor* params[MGPU__WIDENED_PARAMS];
+} mgpu__widened;
+/* an f32 tensor of t's shape on its device: t's values widened (copy), or to be written */
+static mgpu_tensor* mgpu__widened_temp(mgpu__widened* w, const mgpu_tensor* t, int copy) {
+    mgpu_tensor* f = mgpu_tensor_create(MGPU__DEV(t), MGPU_F32, t->shape);
+    if (!f) return NULL;
+    w->temp[w->count++] = f;
+    return copy && mgpu_tensor_convert(f, t, 1.0f, 0.0f) != MGPU_OK ? NULL : f;
+}
+static void mgpu__widened_free(mgpu__widened* w) {
+    while (w->count > 0) mgpu_tensor_destroy(w->temp[--w->count]);
+}
+/* ctx with a product's weights as their bf16 copies, widened (mgpu__bf16_path) */
+static mgpu_result mgpu__widened_ctx(const mgpu_layer* l, const mgpu_layer_ctx* ctx, mgpu__widened* w, mgpu_layer_ctx* c) {
+    unsigned weights;
+    int i, n = l->vt->param_count ? l->vt->param_count(l) : 0;
+    (void)mgpu__bf16_path(l, &weights);
+    *c = *ctx;
+    if (!weights) return MGPU_OK;
+    if (n > MGPU__WIDENED_PARAMS)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d parameters, more than a widened bf16 layer takes (%d)",
+                          mgpu_layer_type(l), n, MGPU__WIDENED_PARAMS);
+    for (i = 0; i < n; ++i)
+        if (!(w->params[i] = (weights >> i) & 1u ? mgpu__widened_temp(w, ctx->params_bf16[i], 1) : ctx->params[i]))
+            return mgpu_last_result();
+    c->params = w->params;
+    return MGPU_OK;
+}
+static mgpu_tensor* mgpu__widened_input(mgpu__widened* w, const mgpu_tensor* t) {
+    return t->dtype == MGPU_BF16 ? mgpu__widened_temp(w, t, 1) : (mgpu_tensor*)t;   /* (token ids as they are) */
+}
+static mgpu_result mgpu__widened_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu__widened w;
+    mgpu_layer_ctx c;
+    mgpu_tensor *xf, *yf;
+    mgpu_result r;
+    w.count = 0;
+    r = mgpu__widened_ctx(l, ctx, &w, &c);
+    if (r == MGPU_OK && (!(xf = mgpu__widened_input(&w, x)) || !(yf = mgpu__widened_temp(&w, y, 0)))) r = mgpu_last_result();
+    if (r == MGPU_OK) r = l->vt->forward(l, &c, xf, yf);
+    if (r == MGPU_OK) r = mgpu_tensor_convert(y, yf, 1.0f, 0.0f);
+    mgpu__widened_free(&w);
+    return r;
+}
+static mgpu_result mgpu__widened_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                          const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu__widened w;
+    mgpu_layer_ctx c;
+    mgpu_tensor *xf = NULL, *yf = NULL, *dyf = NULL, *dxf = NULL;
+    mgpu_result r;
+    w.count = 0;
+    r = mgpu__widened_ctx(l, ctx, &w, &c);
+    if (r == MGPU_OK && (!(xf = mgpu__widened_input(&w, x)) || !(dyf = mgpu__widened_input(&w, dy)) ||
+                         (!l->output_unused && !(yf = mgpu__widened_input(&w, y))) || (dx && !(dxf = mgpu__widened_temp(&w, dx, 0)))))
+        r = mgpu_last_result();
+    if (r == MGPU_OK) r = l->vt->backward(l, &c, xf, l->output_unused ? y : yf, dyf, dxf);
+    if (r == MGPU_OK && dx) r = mgpu_tensor_convert(dx, dxf, 1.0f, 0.0f);
+    mgpu__widened_free(&w);
+    return r;
+}
+/* Layer i's forward and backward as a model runs them: widened in a bf16 model where it must be */
+static mgpu_result mgpu__model_layer_forward(const mgpu_model* m, int i, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    unsigned weights;
+    const mgpu_layer* l = m->layers[i];
+    if (m->precision == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_forward(l, ctx, x, y);
+    return l->vt->forward(l, ctx, x, y);
+}
+static mgpu_result mgpu__model_layer_backward(const mgpu_model* m, int i, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                              const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    unsigned weights;
+    const mgpu_layer* l = m->layers[i];
+    if (m->precision == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_backward(l, ctx, x, y, dy, dx);
+    return l->vt->backward(l, ctx, x, y, dy, dx);
+}
+
 /* ---- traces (mgpu_model_trace_start): slices of work on each part's tracks ---- */
 typedef struct mgpu__slice {
     int part, comm;           /* the track: the part's compute stream (0), or its all-reduces (1) */
@@ -10125,12 +10228,14 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision %s (want MGPU_F32 or MGPU_BF16)", mgpu_dtype_name(m->precision));
         return mgpu__model_fail(m, op);
     }
-    for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i)
-        if (!m->layers[i]->bf16_ok) {
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision bf16: layer %d (%s) has no bf16 path yet (those with one: Linear, "
-                       "Conv1D, ReLU, GELU, Tanh, Sigmoid, Flatten)", i, mgpu_layer_type(m->layers[i]));
+    for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i) {
+        unsigned weights;
+        if (mgpu__bf16_path(m->layers[i], &weights) == MGPU__BF16_NONE) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision bf16: layer %d (%s) has no bf16 path yet (containers, attention and "
+                       "layers of your own have none)", i, mgpu_layer_type(m->layers[i]));
             return mgpu__model_fail(m, op);
         }
+    }
     if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
                    "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
@@ -11266,7 +11371,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, y->dtype, y->shape));
         MGPU__TRY(mgpu__stage_copy(p, sl->xin, y));   /* after mgpu__part_wait (the caller's) */
         x = sl->xin;
-    } else if (m->precision == MGPU_BF16) {   /* the input rounded, as autocast's first Linear takes it */
+    } else if (m->precision == MGPU_BF16 && x->dtype == MGPU_F32) {   /* the input rounded, as autocast's first layer takes it */
         MGPU__TRY(mgpu__ensure(&sl->xin, p->dev, MGPU_BF16, x->shape));
         MGPU__TRY(mgpu_tensor_convert(sl->xin, x, 1.0f, 0.0f));
         x = sl->xin;
@@ -11281,7 +11386,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         mgpu_result r;
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
         mgpu_clear_error();   /* a failure's message is the layer's own, never an earlier one */
-        r = m->layers[i]->vt->forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
+        r = mgpu__model_layer_forward(m, i, &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
         if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
         if (r != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
@@ -11317,7 +11422,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
     mgpu_clear_error();
-    r = m->layers[i]->vt->backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+    r = mgpu__model_layer_backward(m, i, &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));

@@ -70,7 +70,7 @@ static void usage(FILE* f) {
             "  --pipeline NAME     1f1b | gpipe: the order of the micro-batches' passes [1f1b]\n"
             "  --dropout P         a Dropout(P) after each hidden ReLU of the linear layers [none]\n"
             "  --precision NAME    fp32 | tf32 (fp32 with TF32 products on GPUs) | bf16 (mixed: bf16 activations and\n"
-            "                      products, f32 parameters and optimizer; the mlp without --dropout) [fp32]\n"
+            "                      products, f32 parameters and optimizer) [fp32]\n"
             "  --trace FILE.json   a trace of three steps (the 6th to the 8th, or the first ones of a short run) in\n"
             "                      Chrome's trace format: open it in https://ui.perfetto.dev or chrome://tracing;\n"
             "  --trace FILE.svg    or as a picture that any browser opens (a row per device, a box per pass)\n"

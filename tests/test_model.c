@@ -3470,6 +3470,112 @@ done:
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
 }
+/* A layer without a bf16 kernel of its own, in a bf16 model, is its f32 code on the widened bf16
+   values, each output rounded once: against the same layer in an f32 model fed the bf16-rounded
+   input, loss gradient and (for Conv2d) weight, whose outputs are then rounded, bit for bit:
+   output, input gradient, parameter gradients. One layer per model, on each device. */
+static mgpu_layer* widened_layer(int kind) {
+    switch (kind) {
+    case 0: return mgpu_layer_conv2d(2, 3, 3, 1, 1);
+    case 1: return mgpu_layer_maxpool2d(2, 2);
+    case 2: return mgpu_layer_batch_norm2d(2);
+    case 3: return mgpu_layer_global_avg_pool2d();
+    case 4: return mgpu_layer_dropout(0.3f);
+    case 5: return mgpu_layer_layer_norm(6);
+    case 6: return mgpu_layer_position_embedding(8, 6);
+    default: return mgpu_layer_embedding(11, 6);
+    }
+}
+static void round_bf16(mgpu_tensor* t) {   /* t's values rounded to bf16, kept as f32 */
+    mgpu_tensor* b = bf16_of(mgpu_tensor_device(t), t);
+    MUST(mgpu_tensor_convert(t, b, 1.0f, 0.0f));
+    mgpu_tensor_destroy(b);
+}
+static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
+    int kind;
+    for (kind = 0; kind < 8; ++kind) {
+        const mgpu_shape sample = kind <= 4 ? mgpu_shape3(2, 6, 6) : kind == 7 ? mgpu_shape1(5) : mgpu_shape2(5, 6);
+        mgpu_model *mb = NULL, *mf = NULL;
+        mgpu_tensor *x = NULL, *dout = NULL;
+        const char* type;
+        int pass, t, same = 1;
+        for (pass = 0; pass < 2; ++pass) {
+            mgpu_layer* l = widened_layer(kind);
+            mgpu_model_desc d;
+            memset(&d, 0, sizeof d);
+            d.input = sample;
+            d.input_dtype = kind == 7 ? MGPU_I32 : MGPU_F32;
+            d.layers = &l;
+            d.layer_count = 1;
+            d.devices = devs;
+            d.loss = MGPU_LOSS_MSE;
+            d.seed = 50;
+            d.precision = pass ? MGPU_F32 : MGPU_BF16;
+            if (!(*(pass ? &mf : &mb) = mgpu_model_create(&d))) CHECK(0, "bf16 widened layer %d: mgpu_model_create: %s", kind, mgpu_last_error());
+        }
+        if (!mb || !mf) goto next;
+        {
+            static const char* types[8] = { "Conv2d", "MaxPool2d", "BatchNorm2d", "AdaptiveAvgPool2d", "Dropout", "LayerNorm",
+                                            "PositionEmbedding", "Embedding" };
+            type = types[kind];
+        }
+        {
+            mgpu_shape xs = sample, ys;
+            int i;
+            xs.ndim = sample.ndim + 1;
+            xs.dim[0] = 3;
+            for (i = 0; i < sample.ndim; ++i) xs.dim[i + 1] = sample.dim[i];
+            x = tmake(dev, kind == 7 ? MGPU_I32 : MGPU_F32, xs);
+            if (kind == 7) {
+                int32_t ids[15];
+                for (i = 0; i < 15; ++i) ids[i] = (i * 7) % 11;
+                tput(x, ids);
+            } else {
+                MUST(mgpu_rand_normal(x, 51, 0, 0.0f, 1.0f));
+                round_bf16(x);   /* the f32 model's input: the bf16 model rounds it so itself */
+            }
+            ys = mgpu_tensor_shape(mgpu_model_forward(mf, 0, x, 1));
+            dout = tmake(dev, MGPU_F32, ys);
+            MUST(mgpu_rand_normal(dout, 52, 0, 0.0f, 0.5f));
+            round_bf16(dout);
+        }
+        MUST(mgpu_tensor_copy(mgpu_model_params(mf, 0), mgpu_model_params(mb, 0)));
+        if (kind == 0) round_bf16(mgpu_model_param(mf, 0, "0.weight"));   /* a product's weight: its bf16 copy */
+        MUST(mgpu_model_zero_grad(mb));
+        MUST(mgpu_model_zero_grad(mf));
+        {
+            const mgpu_tensor *yb = mgpu_model_forward(mb, 0, x, 1), *yf = mgpu_model_forward(mf, 0, x, 1);
+            mgpu_tensor* yr;
+            if (!yb || !yf) { CHECK(0, "bf16 widened %s: forward: %s", type, mgpu_last_error()); goto next; }
+            yr = tmake(dev, MGPU_F32, mgpu_tensor_shape(yf));
+            MUST(mgpu_tensor_copy(yr, yf));
+            round_bf16(yr);
+            CHECK(same_tensor_bits(yb, yr), "bf16 on %s: widened %s: the output is not the f32 layer's on the rounded input, rounded",
+                  mgpu_device_label(dev), type);
+            mgpu_tensor_destroy(yr);
+        }
+        MUST(mgpu_model_backward(mb, 0, dout));
+        MUST(mgpu_model_backward(mf, 0, dout));
+        for (t = 0; t < mgpu_model_tensor_count(mb); ++t)
+            if (!mgpu_model_tensor_is_buffer(mb, t)) same &= same_tensor_bits(mgpu_model_grad(mb, 0, mgpu_model_tensor_name(mb, t)),
+                                                                            mgpu_model_grad(mf, 0, mgpu_model_tensor_name(mf, t)));
+        CHECK(same, "bf16 on %s: widened %s: the parameters' gradients are not the f32 layer's", mgpu_device_label(dev), type);
+        if (kind != 7) {
+            const mgpu_tensor *gb = mgpu_model_input_grad(mb, 0), *gf = mgpu_model_input_grad(mf, 0);
+            mgpu_tensor* gr = gf ? tmake(dev, MGPU_F32, mgpu_tensor_shape(gf)) : NULL;
+            if (gr) {
+                MUST(mgpu_tensor_copy(gr, gf));
+                round_bf16(gr);
+            }
+            CHECK(gb && gr && same_tensor_bits(gb, gr), "bf16 on %s: widened %s: d input is not the f32 layer's, rounded: %s",
+                  mgpu_device_label(dev), type, mgpu_last_error());
+            mgpu_tensor_destroy(gr);
+        }
+    next:
+        mgpu_tensor_destroy(x); mgpu_tensor_destroy(dout);
+        mgpu_model_destroy(mb); mgpu_model_destroy(mf);
+    }
+}
 #ifdef MGPU_CUDA
 /* A GPU's bf16 step against the CPU's from the same parameters: the same roundings, the sums in
    another order. An f32 sum that differs in its last bit moves a bf16 rounding by one step (2^-8
@@ -3514,23 +3620,68 @@ static void bf16_gpu_vs_cpu(void) {
     mgpu_tensor_destroy(x); mgpu_tensor_destroy(y); mgpu_tensor_destroy(xg);
     mgpu_model_destroy(c); mgpu_model_destroy(g);
 }
+/* A small CNN in bf16 (every widened kind of layer but the transformer's, and Dropout) as a CUDA
+   graph: its steps have the eager steps' bits. */
+static mgpu_model* bf16_cnn(int graph) {
+    mgpu_layer* layers[8];
+    mgpu_model_desc d;
+    mgpu_model* m;
+    layers[0] = mgpu_layer_conv2d(2, 4, 3, 1, 1);
+    layers[1] = mgpu_layer_relu();
+    layers[2] = mgpu_layer_batch_norm2d(4);
+    layers[3] = mgpu_layer_maxpool2d(2, 2);
+    layers[4] = mgpu_layer_dropout(0.2f);
+    layers[5] = mgpu_layer_flatten();
+    layers[6] = mgpu_layer_linear(4 * 3 * 3, 12);
+    layers[7] = mgpu_layer_linear(12, 5);
+    memset(&d, 0, sizeof d);
+    d.input = mgpu_shape3(2, 6, 6);
+    d.layers = layers;
+    d.layer_count = 8;
+    d.devices = g_gpu_set;
+    d.seed = 53;
+    d.graph = graph;
+    d.precision = MGPU_BF16;
+    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 CNN: mgpu_model_create: %s", mgpu_last_error());
+    return m;
+}
+static void bf16_graph(void) {
+    mgpu_model *e = bf16_cnn(0), *g = bf16_cnn(1);
+    mgpu_optimizer *oe = e ? mgpu_optimizer_create(e, NULL) : NULL, *og = g ? mgpu_optimizer_create(g, NULL) : NULL;
+    mgpu_tensor *x = tmake(g_gpu, MGPU_F32, mgpu_shape4(10, 2, 6, 6)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(10));
+    int i, t, same = 1;
+    if (oe && og) {
+        MUST(mgpu_rand_normal(x, 54, 0, 0.0f, 1.0f));
+        for (i = 0; i < 10; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = i % 5;
+        for (i = 0; i < 5; ++i) {
+            MUST(mgpu_model_train_step(e, oe, x, y, NULL));
+            MUST(mgpu_model_train_step(g, og, x, y, NULL));
+        }
+        for (t = 0; t < mgpu_model_tensor_count(e); ++t) same &= same_tensor_bits(mgpu_model_tensor(e, 0, t), mgpu_model_tensor(g, 0, t));
+        CHECK(same && mgpu_model_graph_steps(g) >= 3, "bf16 CNN on %s: %lld of 5 steps from a CUDA graph; its parameters and buffers "
+              "%s the eager steps' bits", mgpu_device_label(g_gpu), (long long)mgpu_model_graph_steps(g), same ? "have" : "do not have");
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(oe); mgpu_optimizer_destroy(og);
+    mgpu_model_destroy(e); mgpu_model_destroy(g);
+}
 #endif
 static void test_bf16_models(void) {
     header("bf16 mixed precision");
     {   /* what has no bf16 path yet is refused by name */
         mgpu_model_desc d;
         mgpu_layer* layers[3];
-        layers[0] = mgpu_layer_conv2d(1, 2, 3, 1, 1);
-        layers[1] = mgpu_layer_flatten();
-        layers[2] = mgpu_layer_linear(2 * 4 * 4, 3);
+        layers[0] = mgpu_layer_linear(8, 8);
+        layers[1] = mgpu_layer_causal_self_attention(8, 2, 0.0f);
+        layers[2] = mgpu_layer_linear(8, 3);
         memset(&d, 0, sizeof d);
-        d.input = mgpu_shape3(1, 4, 4);
+        d.input = mgpu_shape2(4, 8);
         d.layers = layers;
         d.layer_count = 3;
         d.precision = MGPU_BF16;
-        CHECK(!mgpu_model_create(&d), "a bf16 model with a Conv2d was made");
-        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "bf16 with a Conv2d", "precision bf16", "layer 0 (Conv2d)",
-                    "no bf16 path");
+        CHECK(!mgpu_model_create(&d), "a bf16 model with attention was made");
+        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "bf16 with attention", "precision bf16",
+                    "layer 1 (CausalSelfAttention)", "no bf16 path");
         layers[0] = mgpu_layer_linear(4, 3);
         d.input = mgpu_shape1(4);
         d.layer_count = 1;
@@ -3539,12 +3690,15 @@ static void test_bf16_models(void) {
         expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "precision i32", "precision i32", "MGPU_BF16", NULL);
     }
     bf16_wiring(NULL, mgpu_device_cpu());
+    bf16_widened_layers(NULL, mgpu_device_cpu());
     bf16_steps(NULL, mgpu_device_cpu());
 #ifdef MGPU_CUDA
     if (g_gpu) {
         bf16_wiring(g_gpu_set, g_gpu);
+        bf16_widened_layers(g_gpu_set, g_gpu);
         bf16_steps(g_gpu_set, g_gpu);
         bf16_gpu_vs_cpu();
+        bf16_graph();
     }
 #endif
 }
