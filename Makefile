@@ -142,7 +142,7 @@ EMU_OPT   = -O2 -g
 EMU_KERNELS = -DMGPU_CU_MAX_BLOCKS=61 -DMGPU_NCCL_DEFAULT_LIBRARY='"libnccl_emu.so"'
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
 EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
-EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff \
+EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff $(EMU_DIR)/gpt \
             $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
 emu: $(EMU_BINS)
 

@@ -216,9 +216,9 @@
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask),
-     or bf16 mixed precision (desc.precision), where Conv2d, pooling, normalisation, Dropout and
-     the embeddings compute in f32 on widened bf16 inputs (no bf16 kernels of their own yet), and
-     containers and attention have no bf16 path (so no GPT in bf16 yet); no fp16.
+     or bf16 mixed precision (desc.precision), where Conv2d, attention, pooling, normalisation,
+     Dropout and the embeddings compute in f32 on widened bf16 inputs (no bf16 kernels of their
+     own yet: bf16's numbers, not its speed), and layers of your own have no bf16 path; no fp16.
    - tensor parallelism: a layer is never split across devices (pipelines split the model
      between layers: >>model).
    - overlap of the sums across processes with backward through MPI (CPU replicas), or for a
@@ -1031,14 +1031,14 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   to bf16 at the first layer, the output widened
                                                   to f32 for the loss (and mgpu_model_forward),
                                                   the loss's gradient rounded back. Linear, Conv1D,
-                                                  the activations and Flatten run in bf16; Conv2d
-                                                  (its weight's bf16 copy), MaxPool2d,
+                                                  the activations, Flatten and the containers run
+                                                  in bf16; Conv2d and CausalSelfAttention (with
+                                                  their weights' bf16 copies), MaxPool2d,
                                                   BatchNorm2d, global pooling, Dropout, LayerNorm
                                                   and the embeddings run their f32 code on their
                                                   bf16 inputs widened, each output rounded once
-                                                  (bf16's numbers, not yet its speed); containers,
-                                                  attention and layers of your own fail
-                                                  mgpu_model_create, named
+                                                  (bf16's numbers, not yet its speed); layers of
+                                                  your own fail mgpu_model_create, named
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -6408,6 +6408,8 @@ struct mgpu_layer {
                                   Tanh, Sigmoid) */
     int output_unused;         /* its backward reads x, dy, its parameters and aux, never y (Linear,
                                   Conv1D, Conv2d, BatchNorm2d) */
+    mgpu_dtype precision;      /* its model's desc.precision, the dtype of the activations it is
+                                  given (a container makes its children's outputs of it) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -7593,6 +7595,11 @@ static mgpu_result mgpu__output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_sh
     return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s's output_shape gives %s for an input %s: %s", mgpu_layer_type(l), ty,
                       mgpu__shape_text(x, tx, sizeof tx), bad);
 }
+/* bf16 mixed precision (>>impl model, mgpu__bf16_path): a layer without bf16 code of its own
+   runs its f32 code on widened copies when its activations are bf16 */
+static mgpu_result mgpu__layer_run_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y);
+static mgpu_result mgpu__layer_run_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                            const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx);
 static mgpu_result mgpu__call_failed(const mgpu_layer* l, mgpu_result r) {
     char where[128], cfg[96] = "";
     if (l->vt->describe) l->vt->describe(l, cfg, sizeof cfg);
@@ -7611,7 +7618,7 @@ MGPUDEF mgpu_result mgpu_layer_forward(const mgpu_layer* l, const mgpu_layer_ctx
                           mgpu_tensor_describe(x, tx, sizeof tx), mgpu__shape_text(want, ty, sizeof ty),
                           mgpu__shape_text(y->shape, tx, sizeof tx));
     mgpu_clear_error();
-    r = l->vt->forward(l, ctx, x, y);
+    r = mgpu__layer_run_forward(l, ctx, x, y);
     return r == MGPU_OK ? MGPU_OK : mgpu__call_failed(l, r);
 }
 MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
@@ -7620,7 +7627,7 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
     if (!l || !ctx || !x || !y || !dy) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_layer_backward: NULL %s",
                                                          !l ? "layer" : !ctx ? "ctx" : !x ? "x" : !y ? "y" : "dy");
     mgpu_clear_error();
-    r = l->vt->backward(l, ctx, x, y, dy, dx);
+    r = mgpu__layer_run_backward(l, ctx, x, y, dy, dx);
     return r == MGPU_OK ? MGPU_OK : mgpu__call_failed(l, r);
 }
 
@@ -7668,6 +7675,7 @@ static mgpu_result mgpu__box_buffer_shape(const mgpu_layer* l, int i, const char
 static mgpu_layer_ctx mgpu__kid_ctx(const mgpu__container* c, const mgpu_layer_ctx* ctx, int k) {
     mgpu_layer_ctx sub = *ctx;
     sub.params = ctx->params + c->first_param[k];
+    sub.params_bf16 = ctx->params_bf16 ? ctx->params_bf16 + c->first_param[k] : NULL;
     sub.grads = ctx->grads + c->first_param[k];
     sub.aux = ctx->aux + c->first_aux[k];
     sub.buffers = ctx->buffers ? ctx->buffers + c->first_buffer[k] : NULL;
@@ -7703,7 +7711,7 @@ static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x,
         if (!c->residual) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
     }
     i -= c->first_aux[c->count];
-    *dt = MGPU_F32;
+    *dt = l->precision;   /* the activations' dtype in its model */
     if (c->residual) {   /* per child: its output, then a gradient of x */
         MGPU__TRY(mgpu__output_shape(c->kid[i / 2], x, &out));
         *shape = i % 2 == 0 ? out : x;
@@ -9229,14 +9237,38 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
 enum { MGPU__BF16_NONE = 0, MGPU__BF16_NATIVE, MGPU__BF16_WIDENED };
 static int mgpu__bf16_path(const mgpu_layer* l, unsigned* weights) {
     const mgpu_layer_vtable* vt = l->vt;
-    *weights = vt == &mgpu__conv_vt ? 1u : 0u;
+    unsigned kid_weights;
+    int k;
+    *weights = vt == &mgpu__conv_vt ? 1u : vt == &mgpu__attn_vt ? 5u : 0u;   /* (attention: c_attn's and c_proj's weights) */
     if (vt == &mgpu__linear_vt || vt == &mgpu__conv1d_vt || vt == &mgpu__relu_vt || vt == &mgpu__gelu_vt || vt == &mgpu__tanh_vt ||
         vt == &mgpu__sigmoid_vt || vt == &mgpu__gelu_tanh_vt || vt == &mgpu__flatten_vt)
         return MGPU__BF16_NATIVE;
     if (vt == &mgpu__conv_vt || vt == &mgpu__pool_vt || vt == &mgpu__bn_vt || vt == &mgpu__gap_vt || vt == &mgpu__dropout_vt ||
-        vt == &mgpu__ln_vt || vt == &mgpu__emb_vt || vt == &mgpu__pos_vt)
+        vt == &mgpu__ln_vt || vt == &mgpu__emb_vt || vt == &mgpu__pos_vt || vt == &mgpu__attn_vt)
         return MGPU__BF16_WIDENED;
+    if (vt == &mgpu__sequential_vt || vt == &mgpu__residual_vt) {   /* bf16 between its children, each as it can */
+        for (k = 0; k < mgpu__box(l)->count; ++k)
+            if (mgpu__bf16_path(mgpu__box(l)->kid[k], &kid_weights) == MGPU__BF16_NONE) return MGPU__BF16_NONE;
+        return MGPU__BF16_NATIVE;
+    }
     return MGPU__BF16_NONE;
+}
+/* the first layer inside l (itself, or a container's, at any depth) without a bf16 path, or NULL */
+static const mgpu_layer* mgpu__bf16_missing(const mgpu_layer* l) {
+    unsigned weights;
+    int k;
+    if (mgpu__bf16_path(l, &weights) != MGPU__BF16_NONE) return NULL;
+    if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
+        for (k = 0; k < mgpu__box(l)->count; ++k)
+            if (mgpu__bf16_missing(mgpu__box(l)->kid[k])) return mgpu__bf16_missing(mgpu__box(l)->kid[k]);
+    return l;
+}
+/* its model's precision, into l and (a container) its children */
+static void mgpu__layer_set_precision(mgpu_layer* l, mgpu_dtype precision) {
+    int k;
+    l->precision = precision;
+    if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
+        for (k = 0; k < mgpu__box(l)->count; ++k) mgpu__layer_set_precision(mgpu__box(l)->kid[k], precision);
 }
 
 #define MGPU__WIDENED_PARAMS 4   /* the most parameters of a layer with a WIDENED path */
@@ -9304,18 +9336,17 @@ static mgpu_result mgpu__widened_backward(const mgpu_layer* l, const mgpu_layer_
     mgpu__widened_free(&w);
     return r;
 }
-/* Layer i's forward and backward as a model runs them: widened in a bf16 model where it must be */
-static mgpu_result mgpu__model_layer_forward(const mgpu_model* m, int i, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+/* A layer's forward and backward, by a model or a container: widened where its activations are
+   bf16 and it has no bf16 code of its own */
+static mgpu_result mgpu__layer_run_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     unsigned weights;
-    const mgpu_layer* l = m->layers[i];
-    if (m->precision == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_forward(l, ctx, x, y);
+    if (y->dtype == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_forward(l, ctx, x, y);
     return l->vt->forward(l, ctx, x, y);
 }
-static mgpu_result mgpu__model_layer_backward(const mgpu_model* m, int i, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
-                                              const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+static mgpu_result mgpu__layer_run_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                            const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     unsigned weights;
-    const mgpu_layer* l = m->layers[i];
-    if (m->precision == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_backward(l, ctx, x, y, dy, dx);
+    if (dy->dtype == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_backward(l, ctx, x, y, dy, dx);
     return l->vt->backward(l, ctx, x, y, dy, dx);
 }
 
@@ -10229,12 +10260,14 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
         return mgpu__model_fail(m, op);
     }
     for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i) {
-        unsigned weights;
-        if (mgpu__bf16_path(m->layers[i], &weights) == MGPU__BF16_NONE) {
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision bf16: layer %d (%s) has no bf16 path yet (containers, attention and "
-                       "layers of your own have none)", i, mgpu_layer_type(m->layers[i]));
+        const mgpu_layer* missing = mgpu__bf16_missing(m->layers[i]);
+        if (missing) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision bf16: layer %d (%s%s%s) has no bf16 path yet (layers of your own "
+                       "have none)", i, mgpu_layer_type(m->layers[i]), missing != m->layers[i] ? ", inside it a " : "",
+                       missing != m->layers[i] ? mgpu_layer_type(missing) : "");
             return mgpu__model_fail(m, op);
         }
+        mgpu__layer_set_precision(m->layers[i], m->precision);
     }
     if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
@@ -11386,7 +11419,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         mgpu_result r;
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
         mgpu_clear_error();   /* a failure's message is the layer's own, never an earlier one */
-        r = mgpu__model_layer_forward(m, i, &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
+        r = mgpu__layer_run_forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
         if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
         if (r != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
@@ -11422,7 +11455,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
     mgpu_clear_error();
-    r = mgpu__model_layer_backward(m, i, &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+    r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));

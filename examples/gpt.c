@@ -21,7 +21,7 @@
 #include <math.h>
 
 typedef struct options {
-    const char *load, *data, *text, *val, *optimizer, *devices, *save;
+    const char *load, *data, *text, *val, *optimizer, *devices, *save, *precision;
     int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k, graph;
     float lr, dropout, temperature, weight_decay, clip;
     unsigned long long seed;
@@ -49,6 +49,7 @@ static void usage(FILE* f) {
             "  --devices SPEC      auto | cpu | cpu:4 | cuda | cuda:0,1 ... [auto]\n"
             "  --graph             each training step on GPUs as one CUDA graph launch (the same bits as without;\n"
             "                      graph_steps= on the last line counts them)\n"
+            "  --precision NAME    fp32 | bf16 (mixed: bf16 activations and products, f32 parameters) [fp32]\n"
             "  --save FILE         the trained model in Hugging Face's layout (transformer.*)\n"
             "  --sample N          tokens of text sampled at the end [200 with --text, else 0]\n"
             "  --temperature F     of the samples [0.8]\n"
@@ -62,7 +63,7 @@ static int parse_args(int argc, char** argv, options* o) {
     int i;
     memset(o, 0, sizeof *o);
     o->heads = 4; o->layers = 4; o->width = 128; o->seq = 64; o->batch = 16; o->steps = 200; o->shuffle = 1;
-    o->every = 20; o->top_k = 40; o->temperature = 0.8f; o->seed = 1; o->sample = -1; o->optimizer = "adamw";
+    o->every = 20; o->top_k = 40; o->temperature = 0.8f; o->seed = 1; o->sample = -1; o->optimizer = "adamw"; o->precision = "fp32";
     o->devices = "auto"; o->lr = -1.0f;
     for (i = 1; i < argc; ++i) {
         const char* a = argv[i];
@@ -110,6 +111,7 @@ static int parse_args(int argc, char** argv, options* o) {
         else if (!strcmp(a, "--optimizer")) o->optimizer = v;
         else if (!strcmp(a, "--devices")) o->devices = v;
         else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--precision")) o->precision = v;
         else { fprintf(stderr, "gpt: unknown option %s (--help)\n", a); return 0; }
         ++i;
         continue;
@@ -119,6 +121,10 @@ static int parse_args(int argc, char** argv, options* o) {
     }
     if (strcmp(o->optimizer, "sgd") && strcmp(o->optimizer, "adamw")) {
         fprintf(stderr, "gpt: --optimizer %s: want sgd or adamw\n", o->optimizer);
+        return 0;
+    }
+    if (strcmp(o->precision, "fp32") && strcmp(o->precision, "bf16")) {
+        fprintf(stderr, "gpt: --precision %s: want fp32 or bf16\n", o->precision);
         return 0;
     }
     if (o->data && o->text) { fprintf(stderr, "gpt: --data or --text, not both\n"); return 0; }
@@ -147,7 +153,8 @@ static mgpu_layer* gpt_block(int i, int C, int H, float p) {
     return mgpu_layer_name(mgpu_layer_sequential(both, 2), name);
 }
 
-static mgpu_model* gpt_create(const gpt_shape* g, int T, float p, const mgpu_device_set* set, uint64_t seed, int graph) {
+static mgpu_model* gpt_create(const gpt_shape* g, int T, float p, const mgpu_device_set* set, uint64_t seed, int graph,
+                              mgpu_dtype precision) {
     static const mgpu_tie head_is_wte = { "lm_head.weight", "wte.weight" };
     mgpu_layer* layers[256 + 6];
     int n = 0, i;
@@ -159,7 +166,7 @@ static mgpu_model* gpt_create(const gpt_shape* g, int T, float p, const mgpu_dev
     layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(g->width, g->vocab), "lm_head");
     return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(T), .input_dtype = MGPU_I32, .layers = layers,
                                                  .layer_count = n, .devices = set, .seed = seed, .ties = &head_is_wte,
-                                                 .tie_count = 1, .graph = graph });
+                                                 .tie_count = 1, .graph = graph, .precision = precision });
 }
 
 /* The sizes of a GPT-2 file, and the prefix its names have ("transformer." or none). */
@@ -308,7 +315,8 @@ int main(int argc, char** argv) {
                 train && mgpu_tokens_max_id(train) >= g.vocab ? (o.data ? o.data : o.text) : (o.val ? o.val : o.text), g.vocab);
         goto done;
     }
-    if (!(set = mgpu_device_set_create(o.devices)) || !(m = gpt_create(&g, o.seq, o.dropout, set, o.seed, o.graph))) goto fail;
+    if (!(set = mgpu_device_set_create(o.devices)) || !(m = gpt_create(&g, o.seq, o.dropout, set, o.seed, o.graph,
+                                                                         strcmp(o.precision, "bf16") ? MGPU_F32 : MGPU_BF16))) goto fail;
     if (o.load && mgpu_model_load_ex(m, NULL, o.load, &(mgpu_load_desc){ .prefix = prefix, .allow_extra = 1 }) != MGPU_OK) goto fail;
     printf("GPT: %d layers, %d heads, width %d, vocabulary %d, %d positions, %lld parameters, on %s\n", g.layers, g.heads,
            g.width, g.vocab, g.positions, (long long)mgpu_model_param_count(m), mgpu_device_set_spec(set));

@@ -31,5 +31,16 @@ if echo "$out" | grep -q -- '---- sample ----'; then
 else
     failed=$((failed + 1)); echo "  FAIL the demo printed no sample"
 fi
+# the same run in bf16 mixed precision (--precision bf16): the same bar (about 2x slower on the CPU,
+# whose bf16 products are a reference: widened to f32)
+out=$("$b/gpt" --text "$text" --steps 2100 --every 700 --lr 0.003 --clip 1.0 --devices cpu --sample 0 --precision bf16 2>&1)
+rc=$?
+last=$(echo "$out" | tail -n 1)
+val=$(echo "$last" | sed -n 's/.*val_loss=\([0-9.]*\).*/\1/p')
+if [ $rc -eq 0 ] && [ -n "$val" ] && awk -v v="$val" 'BEGIN { exit !(v < 2.3) }'; then
+    passed=$((passed + 1)); echo "  ok   the demo in bf16: validation loss $val < 2.3 nats per byte ($last)"
+else
+    failed=$((failed + 1)); echo "  FAIL the demo in bf16: validation loss '$val' (exit $rc), want below 2.3"; echo "$out" | tail -n 3 | sed 's/^/  | /'
+fi
 echo "$passed passed, $failed failed, 0 skipped"
 [ $failed -eq 0 ]

@@ -3306,6 +3306,20 @@ static mgpu_model* bf16_mlp(const mgpu_device_set* devs, mgpu_dtype precision, i
     if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 model: mgpu_model_create: %s", mgpu_last_error());
     return m;
 }
+static mgpu_model* bf16_model_of(const mgpu_device_set* devs, mgpu_shape input, mgpu_layer** layers, int n) {
+    mgpu_model_desc d;
+    mgpu_model* m;
+    memset(&d, 0, sizeof d);
+    d.input = input;
+    d.layers = layers;
+    d.layer_count = n;
+    d.devices = devs;
+    d.loss = MGPU_LOSS_MSE;
+    d.seed = 57;
+    d.precision = MGPU_BF16;
+    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 model: mgpu_model_create: %s", mgpu_last_error());
+    return m;
+}
 static mgpu_tensor* bf16_of(mgpu_device* dev, const mgpu_tensor* t) {
     mgpu_tensor* b = tmake(dev, MGPU_BF16, mgpu_tensor_shape(t));
     MUST(mgpu_tensor_convert(b, t, 1.0f, 0.0f));
@@ -3472,7 +3486,7 @@ done:
 }
 /* A layer without a bf16 kernel of its own, in a bf16 model, is its f32 code on the widened bf16
    values, each output rounded once: against the same layer in an f32 model fed the bf16-rounded
-   input, loss gradient and (for Conv2d) weight, whose outputs are then rounded, bit for bit:
+   input, loss gradient and (Conv2d, attention) weights, whose outputs are then rounded, bit for bit:
    output, input gradient, parameter gradients. One layer per model, on each device. */
 static mgpu_layer* widened_layer(int kind) {
     switch (kind) {
@@ -3483,7 +3497,8 @@ static mgpu_layer* widened_layer(int kind) {
     case 4: return mgpu_layer_dropout(0.3f);
     case 5: return mgpu_layer_layer_norm(6);
     case 6: return mgpu_layer_position_embedding(8, 6);
-    default: return mgpu_layer_embedding(11, 6);
+    case 7: return mgpu_layer_embedding(11, 6);
+    default: return mgpu_layer_causal_self_attention(6, 2, 0.1f);
     }
 }
 static void round_bf16(mgpu_tensor* t) {   /* t's values rounded to bf16, kept as f32 */
@@ -3493,7 +3508,7 @@ static void round_bf16(mgpu_tensor* t) {   /* t's values rounded to bf16, kept a
 }
 static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
     int kind;
-    for (kind = 0; kind < 8; ++kind) {
+    for (kind = 0; kind < 9; ++kind) {
         const mgpu_shape sample = kind <= 4 ? mgpu_shape3(2, 6, 6) : kind == 7 ? mgpu_shape1(5) : mgpu_shape2(5, 6);
         mgpu_model *mb = NULL, *mf = NULL;
         mgpu_tensor *x = NULL, *dout = NULL;
@@ -3515,8 +3530,8 @@ static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
         }
         if (!mb || !mf) goto next;
         {
-            static const char* types[8] = { "Conv2d", "MaxPool2d", "BatchNorm2d", "AdaptiveAvgPool2d", "Dropout", "LayerNorm",
-                                            "PositionEmbedding", "Embedding" };
+            static const char* types[9] = { "Conv2d", "MaxPool2d", "BatchNorm2d", "AdaptiveAvgPool2d", "Dropout", "LayerNorm",
+                                            "PositionEmbedding", "Embedding", "CausalSelfAttention" };
             type = types[kind];
         }
         {
@@ -3541,6 +3556,10 @@ static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
         }
         MUST(mgpu_tensor_copy(mgpu_model_params(mf, 0), mgpu_model_params(mb, 0)));
         if (kind == 0) round_bf16(mgpu_model_param(mf, 0, "0.weight"));   /* a product's weight: its bf16 copy */
+        if (kind == 8) {
+            round_bf16(mgpu_model_param(mf, 0, "0.c_attn.weight"));
+            round_bf16(mgpu_model_param(mf, 0, "0.c_proj.weight"));
+        }
         MUST(mgpu_model_zero_grad(mb));
         MUST(mgpu_model_zero_grad(mf));
         {
@@ -3575,6 +3594,63 @@ static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
         mgpu_tensor_destroy(x); mgpu_tensor_destroy(dout);
         mgpu_model_destroy(mb); mgpu_model_destroy(mf);
     }
+}
+/* Containers in bf16 pass bf16 activations between their children: a Sequential holding
+   LayerNorm, Linear, GELU, Linear gives the bits of the same layers laid flat in the model, and a
+   Residual adds f(x) to x rounding once (mgpu_add on bf16); forward and backward, bit for bit. */
+static void bf16_containers(const mgpu_device_set* devs, mgpu_device* dev) {
+    const int64_t B = 6;
+    mgpu_layer* kids[4];
+    mgpu_model *boxed_m, *flat, *res, *pre, *post;
+    mgpu_tensor *x = tmake(dev, MGPU_F32, mgpu_shape3(B, 3, 6)), *dout = tmake(dev, MGPU_F32, mgpu_shape3(B, 3, 5));
+    MUST(mgpu_rand_normal(x, 55, 0, 0.0f, 1.0f));
+    MUST(mgpu_rand_normal(dout, 56, 0, 0.0f, 0.3f));
+    kids[0] = mgpu_layer_layer_norm(6); kids[1] = mgpu_layer_linear(6, 12); kids[2] = mgpu_layer_gelu_tanh(); kids[3] = mgpu_layer_linear(12, 6);
+    boxed_m = bf16_model_of(devs, mgpu_shape2(3, 6), (mgpu_layer*[]){ mgpu_layer_linear(6, 6), mgpu_layer_sequential(kids, 4), mgpu_layer_linear(6, 5) }, 3);
+    flat = bf16_model_of(devs, mgpu_shape2(3, 6), (mgpu_layer*[]){ mgpu_layer_linear(6, 6), mgpu_layer_layer_norm(6), mgpu_layer_linear(6, 12),
+                                                                  mgpu_layer_gelu_tanh(), mgpu_layer_linear(12, 6), mgpu_layer_linear(6, 5) }, 6);
+    if (boxed_m && flat) {
+        const mgpu_tensor *ya, *yb;
+        MUST(mgpu_tensor_copy(mgpu_model_params(flat, 0), mgpu_model_params(boxed_m, 0)));
+        MUST(mgpu_model_zero_grad(boxed_m));
+        MUST(mgpu_model_zero_grad(flat));
+        ya = mgpu_model_forward(boxed_m, 0, x, 1);
+        yb = mgpu_model_forward(flat, 0, x, 1);
+        CHECK(ya && yb && same_tensor_bits(ya, yb), "bf16 on %s: a Sequential's output is not its layers' laid flat: %s",
+              mgpu_device_label(dev), mgpu_last_error());
+        MUST(mgpu_model_backward(boxed_m, 0, dout));
+        MUST(mgpu_model_backward(flat, 0, dout));
+        CHECK(same_tensor_bits(mgpu_model_grads(boxed_m, 0), mgpu_model_grads(flat, 0)) &&
+              same_tensor_bits(mgpu_model_input_grad(boxed_m, 0), mgpu_model_input_grad(flat, 0)),
+              "bf16 on %s: a Sequential's gradients are not its layers' laid flat", mgpu_device_label(dev));
+    }
+    mgpu_model_destroy(boxed_m); mgpu_model_destroy(flat);
+    /* Residual: [Linear, Residual(Linear)] against [Linear] then [Linear] on its output, added by hand */
+    res = bf16_model_of(devs, mgpu_shape2(3, 6), (mgpu_layer*[]){ mgpu_layer_linear(6, 6), mgpu_layer_residual(mgpu_layer_linear(6, 6), NULL) }, 2);
+    pre = bf16_model_of(devs, mgpu_shape2(3, 6), (mgpu_layer*[]){ mgpu_layer_linear(6, 6) }, 1);
+    post = bf16_model_of(devs, mgpu_shape2(3, 6), (mgpu_layer*[]){ mgpu_layer_linear(6, 6) }, 1);
+    if (res && pre && post) {
+        const mgpu_tensor *y, *h, *f;
+        mgpu_tensor *hb = tmake(dev, MGPU_BF16, mgpu_shape3(B, 3, 6)), *fb = tmake(dev, MGPU_BF16, mgpu_shape3(B, 3, 6));
+        mgpu_tensor *sum = tmake(dev, MGPU_BF16, mgpu_shape3(B, 3, 6)), *want = tmake(dev, MGPU_F32, mgpu_shape3(B, 3, 6));
+        MUST(mgpu_tensor_copy(mgpu_model_param(pre, 0, "0.weight"), mgpu_model_param(res, 0, "0.weight")));
+        MUST(mgpu_tensor_copy(mgpu_model_param(pre, 0, "0.bias"), mgpu_model_param(res, 0, "0.bias")));
+        MUST(mgpu_tensor_copy(mgpu_model_param(post, 0, "0.weight"), mgpu_model_param(res, 0, "1.weight")));
+        MUST(mgpu_tensor_copy(mgpu_model_param(post, 0, "0.bias"), mgpu_model_param(res, 0, "1.bias")));
+        y = mgpu_model_forward(res, 0, x, 1);
+        h = mgpu_model_forward(pre, 0, x, 1);
+        f = h ? mgpu_model_forward(post, 0, h, 1) : NULL;   /* (h holds bf16 values: post's rounding keeps them) */
+        if (y && h && f) {
+            MUST(mgpu_tensor_convert(hb, h, 1.0f, 0.0f));
+            MUST(mgpu_tensor_convert(fb, f, 1.0f, 0.0f));
+            MUST(mgpu_add(sum, fb, hb));
+            MUST(mgpu_tensor_convert(want, sum, 1.0f, 0.0f));
+            CHECK(same_tensor_bits(y, want), "bf16 on %s: Residual(Linear)'s output is not f(x) + x rounded once", mgpu_device_label(dev));
+        } else CHECK(0, "bf16 residual on %s: forward: %s", mgpu_device_label(dev), mgpu_last_error());
+        mgpu_tensor_destroy(hb); mgpu_tensor_destroy(fb); mgpu_tensor_destroy(sum); mgpu_tensor_destroy(want);
+    }
+    mgpu_model_destroy(res); mgpu_model_destroy(pre); mgpu_model_destroy(post);
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(dout);
 }
 #ifdef MGPU_CUDA
 /* A GPU's bf16 step against the CPU's from the same parameters: the same roundings, the sums in
@@ -3671,17 +3747,22 @@ static void test_bf16_models(void) {
     {   /* what has no bf16 path yet is refused by name */
         mgpu_model_desc d;
         mgpu_layer* layers[3];
+        mgpu_layer* kids[2];
+        int destroyed = 0;
+        kids[0] = mgpu_layer_relu();
+        kids[1] = scale_layer(2.0f, &destroyed);
         layers[0] = mgpu_layer_linear(8, 8);
-        layers[1] = mgpu_layer_causal_self_attention(8, 2, 0.0f);
+        layers[1] = mgpu_layer_residual(mgpu_layer_sequential(kids, 2), NULL);
         layers[2] = mgpu_layer_linear(8, 3);
         memset(&d, 0, sizeof d);
         d.input = mgpu_shape2(4, 8);
         d.layers = layers;
         d.layer_count = 3;
         d.precision = MGPU_BF16;
-        CHECK(!mgpu_model_create(&d), "a bf16 model with attention was made");
-        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "bf16 with attention", "precision bf16",
-                    "layer 1 (CausalSelfAttention)", "no bf16 path");
+        CHECK(!mgpu_model_create(&d), "a bf16 model with a layer of one's own inside a container was made");
+        expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "bf16 with a layer of one's own", "precision bf16",
+                    "layer 1 (Residual, inside it a Scale)", "no bf16 path");
+        CHECK(destroyed == 1, "the refused model's layers are destroyed");
         layers[0] = mgpu_layer_linear(4, 3);
         d.input = mgpu_shape1(4);
         d.layer_count = 1;
@@ -3691,11 +3772,13 @@ static void test_bf16_models(void) {
     }
     bf16_wiring(NULL, mgpu_device_cpu());
     bf16_widened_layers(NULL, mgpu_device_cpu());
+    bf16_containers(NULL, mgpu_device_cpu());
     bf16_steps(NULL, mgpu_device_cpu());
 #ifdef MGPU_CUDA
     if (g_gpu) {
         bf16_wiring(g_gpu_set, g_gpu);
         bf16_widened_layers(g_gpu_set, g_gpu);
+        bf16_containers(g_gpu_set, g_gpu);
         bf16_steps(g_gpu_set, g_gpu);
         bf16_gpu_vs_cpu();
         bf16_graph();
