@@ -1021,13 +1021,15 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   runs on a host thread of its own, and on GPUs
                                                   each meeting waits for the devices; across
                                                   processes a rank whose step fails ends the job
-     precision      MGPU_F32                      MGPU_BF16: mixed precision, as PyTorch's bf16
-                                                  autocast: the activations and their gradients
-                                                  are bf16, GEMMs take bf16 operands and sum in
-                                                  fp32, the weights used are bf16 copies of the
-                                                  f32 parameters (made at each forward), while
-                                                  the parameters, gradients, optimizer states
-                                                  and checkpoints stay f32; the input is rounded
+     precision      MGPU_F32                      MGPU_BF16: mixed precision, much as PyTorch's
+                                                  bf16 autocast: the activations and their
+                                                  gradients are bf16, GEMMs take bf16 operands and
+                                                  sum in fp32, the weights used are bf16 copies of
+                                                  the f32 parameters (made at each forward), while
+                                                  the parameters, gradients (summed in fp32 into
+                                                  them, where autocast rounds a layer's to bf16
+                                                  first), biases (autocast rounds them), optimizer
+                                                  states and checkpoints stay f32; the input is rounded
                                                   to bf16 at the first layer, the output widened
                                                   to f32 for the loss (and mgpu_model_forward),
                                                   the loss's gradient rounded back. Linear, Conv1D,
@@ -8987,6 +8989,7 @@ typedef struct mgpu__slot {
     mgpu_tensor *wide_out;              /* the last stage: the output widened to f32, what the loss
                                            reads (its gradient written over it, as over a Linear's) */
     mgpu_tensor *wide_dxin;             /* the first stage: d input widened to f32 (input_grad) */
+    int has_dxin;                       /* wide_dxin holds the last backward's d input */
 } mgpu__slot;
 
 /* Everything one device holds of a model: one stage of one replica (the whole replica when
@@ -9227,13 +9230,13 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
 
 /* ---- bf16 mixed precision (desc.precision): how each layer takes bf16 activations ----
    NATIVE: the layer's own code runs on bf16 x, y, dy and dx (Linear and Conv1D with the weights'
-   bf16 copies, the activations, Flatten). WIDENED: its f32 code runs on f32 copies of x and dy
+   bf16 copies, the activations, Flatten, the containers). WIDENED: its f32 code runs on f32 copies of x and dy
    (bf16 widens exactly), and its outputs y and dx are rounded once: the numbers of a bf16 layer
    that computes in fp32, which is what autocast's kernels do, though not yet its speed. The
    parameters in `*weights` (bit i: parameter i) are a product's weights, taken as their bf16
    copies widened, as autocast casts a convolution's weight; the others (BatchNorm's, LayerNorm's,
-   the embeddings') stay f32, as autocast keeps them. Other layers (containers, attention, layers
-   of your own) have no bf16 path yet. */
+   the embeddings', the biases) stay f32. A container is NATIVE when each child has a path: bf16
+   passes between its children. Layers of your own have no bf16 path yet. */
 enum { MGPU__BF16_NONE = 0, MGPU__BF16_NATIVE, MGPU__BF16_WIDENED };
 static int mgpu__bf16_path(const mgpu_layer* l, unsigned* weights) {
     const mgpu_layer_vtable* vt = l->vt;
@@ -10293,7 +10296,8 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     return m;
 }
 
-/* What every rank's model of one job must share: its layers, their tensors and the stages. */
+/* What every rank's model of one job must share: its layers, their tensors, the stages and the
+   precision. */
 static uint64_t mgpu__model_signature(const mgpu_model* m) {
     uint64_t h = 0xcbf29ce484222325ull;
     int i, d;
@@ -10312,6 +10316,7 @@ static uint64_t mgpu__model_signature(const mgpu_model* m) {
     for (i = 0; i <= m->stage_count; ++i) MGPU__HASH(m->stage_layer[i]);
     MGPU__HASH(m->micro_batches);
     MGPU__HASH(m->loss);
+    MGPU__HASH(m->precision);
 #undef MGPU__HASH
     return h;
 }
@@ -10594,8 +10599,10 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
-    if (m->precision == MGPU_BF16) {
-        mgpu__human_bytes((double)m->param_count * 2.0, bytes, sizeof bytes);
+    if (m->precision == MGPU_BF16) {   /* (the copies' buffers: with tied copies and the views' alignment) */
+        size_t copies = 0;
+        for (s = 0; s < m->stage_count; ++s) copies += mgpu_tensor_bytes(mgpu__part_of(m, 0, s)->params_bf16);
+        mgpu__human_bytes((double)copies, bytes, sizeof bytes);
         fprintf(f, "Precision: bf16 activations and products (the weights' bf16 copies: %s a replica), f32 parameters\n", bytes);
     }
     if (m->buffer_count) {   /* not trained, so not among the parameters (nor in torchsummary's count) */
@@ -11301,6 +11308,14 @@ static mgpu_tensor* mgpu__slot_output(const mgpu_model* m, const mgpu__slot* sl)
     return m->precision == MGPU_BF16 ? sl->wide_out : sl->act[m->layer_count - 1];
 }
 
+/* Where a step's loss gradient goes: over the output itself with cross-entropy (its kernels read
+   a row before they write it), when the last layer's backward never reads its output (a Linear's:
+   struct mgpu_layer, output_unused), as llm.c's fused classifier writes the logits' gradient over
+   the logits (a GPT's largest tensor: 1.6 GB at GPT-2's vocabulary, 8 x 1024 positions), or over
+   the f32 widening of a bf16 model's output (which no backward reads); else the slot's own dout. */
+static int mgpu__loss_grad_in_place(const mgpu_model* m) {
+    return m->loss != MGPU_LOSS_MSE && (m->precision == MGPU_BF16 || m->layers[m->layer_count - 1]->output_unused);
+}
 /* Size every activation, gradient and aux buffer of a part's slot for input shape x. */
 static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__slot* sl, mgpu_shape x) {
     static const char* op = "mgpu_model_forward";
@@ -11332,6 +11347,8 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
         MGPU__TRY(mgpu__ensure(&sl->wide_out, p->dev, MGPU_F32, shape));
         MGPU__TRY(mgpu__ensure(&sl->dyin, p->dev, MGPU_BF16, shape));
     }
+    if (p->stage == m->stage_count - 1 && !mgpu__loss_grad_in_place(m)) MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, shape));
+    sl->has_dxin = 0;
     /* the two gradient buffers, each as large as its largest gradient, and the views into them */
     for (i = m->stage_layer[p->stage]; i < last; ++i) need[i % 2] = MGPU__MAX(need[i % 2], mgpu_tensor_numel(sl->act[i]));
     for (j = 0; j < 2; ++j)
@@ -11452,6 +11469,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     if (i == first && (p->stage > 0 || (input_grad && m->input_dtype == MGPU_F32))) {   /* (token ids have none) */
         MGPU__TRY(mgpu__ensure(&sl->dxin, p->dev, sl->input.dtype, sl->input.shape));
         dx = sl->dxin;
+        sl->has_dxin = 0;
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
     mgpu_clear_error();
@@ -11464,6 +11482,7 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     if (dx && dx == sl->dxin && p->stage == 0 && dx->dtype != MGPU_F32) {   /* d input as the caller's x: f32 */
         MGPU__TRY(mgpu__ensure(&sl->wide_dxin, p->dev, MGPU_F32, dx->shape));
         MGPU__TRY(mgpu_tensor_convert(sl->wide_dxin, dx, 1.0f, 0.0f));
+        sl->has_dxin = 1;
     }
     return mgpu__custom_layer_pending(m, p, i, op);
 }
@@ -11552,7 +11571,12 @@ MGPUDEF const mgpu_tensor* mgpu_model_input_grad(const mgpu_model* m, int replic
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_input_grad: no mgpu_model_backward of replica %d yet", replica);
         return NULL;
     }
-    return sl->dxin->dtype == MGPU_F32 ? sl->dxin : sl->wide_dxin;
+    if (sl->dxin->dtype == MGPU_F32) return sl->dxin;
+    if (!sl->wide_dxin || !sl->has_dxin) {   /* (bf16: widened after the first layer's backward, which failed) */
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_input_grad: the last mgpu_model_backward of replica %d failed", replica);
+        return NULL;
+    }
+    return sl->wide_dxin;
 }
 
 MGPUDEF mgpu_result mgpu_model_zero_grad(mgpu_model* m) {
@@ -11757,14 +11781,6 @@ static mgpu_result mgpu__loss(mgpu_model* m, mgpu_tensor* loss, const mgpu_tenso
     return mgpu__softmax_xent(loss, dout ? &dlogits : NULL, &logits, &labels, grad_scale, mean_factor);
 }
 
-/* Where a step's loss gradient goes: over the output itself with cross-entropy (its kernels read
-   a row before they write it), when the last layer's backward never reads its output (a Linear's:
-   struct mgpu_layer, output_unused), as llm.c's fused classifier writes the logits' gradient over
-   the logits (a GPT's largest tensor: 1.6 GB at GPT-2's vocabulary, 8 x 1024 positions);
-   else the slot's own dout. */
-static int mgpu__loss_grad_in_place(const mgpu_model* m) {
-    return m->loss != MGPU_LOSS_MSE && (m->precision == MGPU_BF16 || m->layers[m->layer_count - 1]->output_unused);
-}
 static mgpu_tensor* mgpu__slot_dout(const mgpu_model* m, mgpu__slot* sl) {
     return mgpu__loss_grad_in_place(m) ? mgpu__slot_output(m, sl) : sl->dout;
 }
@@ -11786,8 +11802,7 @@ static mgpu_result mgpu__micro_forward(mgpu__batch* b, mgpu__part* p, int k) {
     out = mgpu__slot_output(m, sl);
     tk = mgpu__rows(&b->ts[r], start, count);
     lk = mgpu__rows(p->losses, k, 1);
-    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(b->op, "target", &tk, "output", out));
-    if (!mgpu__loss_grad_in_place(m)) MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, out->shape));
+    if (m->loss == MGPU_LOSS_MSE) MGPU__TRY(mgpu__check_like(b->op, "target", &tk, "output", out));   /* (dout: mgpu__slot_resize) */
     /* The gradient of the WHOLE batch's mean loss: summed over replicas and micro-batches it is
        exactly the one-device gradient, however unevenly the rows were split. MSE averages
        every element. */

@@ -3338,10 +3338,11 @@ static int same_tensor_bits(const mgpu_tensor* a, const mgpu_tensor* b) {
     free(hb);
     return same;
 }
-/* The model's forward and backward in bf16 are the chain of ops a reader would write, with the
-   roundings autocast makes: x, the weights and the loss gradient rounded to bf16; each Linear's
-   fp32 sums plus its bias rounded once; the activations and their gradients bf16; the output
-   widened to f32; the parameters' gradients f32. Bit for bit, on one device. */
+/* The model's forward and backward in bf16 are the chain of ops a reader would write, with mgpu's
+   roundings: x, the weights and the loss gradient rounded to bf16; each Linear's fp32 sums plus
+   its f32 bias rounded once; the activations and their gradients bf16; the output widened to f32;
+   the parameters' gradients summed in fp32 into f32. Bit for bit, on one device, with weights
+   written by the user after a first forward (the next forward takes their new bf16 copies). */
 static void bf16_wiring(const mgpu_device_set* devs, mgpu_device* dev) {
     const int64_t B = 12;
     mgpu_model* m = bf16_mlp(devs, MGPU_BF16, 1, 1, MGPU_LOSS_MSE, 31);
@@ -3350,6 +3351,9 @@ static void bf16_wiring(const mgpu_device_set* devs, mgpu_device* dev) {
     if (!m || !f) goto done;
     MUST(mgpu_rand_normal(x, 41, 0, 0.0f, 1.5f));
     MUST(mgpu_rand_normal(dout, 42, 0, 0.0f, 0.1f));
+    CHECK(mgpu_model_forward(m, 0, x, 1) != NULL, "bf16 on %s: a first forward: %s", mgpu_device_label(dev), mgpu_last_error());
+    MUST(mgpu_rand_normal(mgpu_model_param(m, 0, "2.weight"), 45, 0, 0.0f, 0.3f));   /* a write of the user's */
+    MUST(mgpu_tensor_copy(mgpu_model_params(f, 0), mgpu_model_params(m, 0)));
     MUST(mgpu_model_zero_grad(m));
     {
         const mgpu_tensor* out = mgpu_model_forward(m, 0, x, 1);
@@ -3420,7 +3424,7 @@ done:
     mgpu_tensor_destroy(x); mgpu_tensor_destroy(dout);
     mgpu_model_destroy(m); mgpu_model_destroy(f);
 }
-/* Training steps: the parameters and optimizer stay f32 (a checkpoint's too), the memory of a step
+/* Training steps: the parameters and gradients stay f32, the memory of a step
    is what mgpu_model_activation_bytes says and no step after the first allocates; a pipeline of 2
    stages x 2 micro-batches on CPU devices gives the one device's bits (bf16 activations pass
    between stages as they are). */
@@ -3477,6 +3481,52 @@ static void bf16_steps(const mgpu_device_set* devs, mgpu_device* dev) {
         }
         mgpu_optimizer_destroy(oa); mgpu_optimizer_destroy(op);
         mgpu_model_destroy(a); mgpu_model_destroy(p);
+        {   /* data parallel: cpu:2's gradients of a batch (each replica sums its rows, then the two are added)
+               within 1e-5 of one device's; and mgpu_model_evaluate's loss is the step's, same parameters */
+            mgpu_model *one = bf16_mlp(NULL, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 35);
+            mgpu_model *dp = two ? bf16_mlp(two, MGPU_BF16, 1, 1, MGPU_LOSS_CROSS_ENTROPY, 35) : NULL;
+            float l1 = 0.0f, l2 = 0.0f, le = 0.0f;
+            if (one && dp) {
+                float *g1, *g2;
+                double dd = 0.0, nn = 0.0;
+                MUST(mgpu_tensor_copy(mgpu_model_params(dp, 0), mgpu_model_params(one, 0)));
+                MUST(mgpu_tensor_copy(mgpu_model_params(dp, 1), mgpu_model_params(one, 0)));
+                MUST(mgpu_model_accumulate(one, x, y, 0, &l1));
+                MUST(mgpu_model_accumulate(dp, x, y, 0, &l2));
+                MUST(mgpu_model_reduce_grads(dp));
+                g1 = get_grads(one, 0);
+                g2 = get_grads(dp, 1);
+                for (i = 0; i < flat_n(one); ++i) {
+                    dd += ((double)g2[i] - g1[i]) * ((double)g2[i] - g1[i]);
+                    nn += (double)g1[i] * g1[i];
+                }
+                CHECK(sqrt(dd) <= 1e-5 * sqrt(nn) && fabs((double)l2 - l1) <= 1e-6 * fabs((double)l1),
+                      "bf16 on cpu:2 against cpu: loss %.9g vs %.9g, gradients differ by %.3g of their norm (limit 1e-5)",
+                      (double)l2, (double)l1, nn > 0 ? sqrt(dd / nn) : sqrt(dd));
+                MUST(mgpu_model_evaluate(one, x, y, &le, NULL));
+                CHECK(fabs((double)le - l1) <= 1e-6 * fabs((double)l1), "bf16: mgpu_model_evaluate's loss %.9g, the step's %.9g",
+                      (double)le, (double)l1);
+                free(g1);
+                free(g2);
+            }
+            mgpu_model_destroy(one); mgpu_model_destroy(dp);
+        }
+        {   /* MSE: 5 SGD steps towards fixed targets lower the loss */
+            mgpu_model* mse = bf16_model_of(NULL, mgpu_shape1(20), (mgpu_layer*[]){ mgpu_layer_linear(20, 16), mgpu_layer_tanh(),
+                                                                                    mgpu_layer_linear(16, 7) }, 3);
+            mgpu_optimizer* om = mse ? mgpu_optimizer_create(mse, NULL) : NULL;
+            mgpu_tensor* target = tmake(dev, MGPU_F32, mgpu_shape2(B, 7));
+            float first = 0.0f, last = 0.0f;
+            if (om) {
+                MUST(mgpu_rand_uniform(target, 46, 0, -0.5f, 0.5f));
+                MUST(mgpu_model_train_step(mse, om, x, target, &first));
+                for (i = 0; i < 4; ++i) MUST(mgpu_model_train_step(mse, om, x, target, &last));
+                CHECK(last < first, "bf16 MSE: 5 SGD steps, loss %g then %g", (double)first, (double)last);
+            }
+            mgpu_tensor_destroy(target);
+            mgpu_optimizer_destroy(om);
+            mgpu_model_destroy(mse);
+        }
         mgpu_device_set_destroy(two);
     }
 done:

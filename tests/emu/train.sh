@@ -118,7 +118,7 @@ for net in mlp cnn; do
             failed=$((failed + 1)); echo "  FAIL $what: test accuracy ${a16:-none} against ${a32:-none} (want within 0.005)"
         fi
     else
-        failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/bf16.txt" | sed 's/^/       /'
+        failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 3 "$tmp/f32.txt" "$tmp/bf16.txt" | sed 's/^/       /'
     fi
 done
 echo "$passed passed, $failed failed, $skipped skipped"
