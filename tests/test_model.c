@@ -3283,42 +3283,24 @@ static void test_activation_memory(void) {
 }
 
 /* ---- bf16 mixed precision (mgpu_model_desc.precision) ---- */
-static mgpu_model* bf16_mlp(const mgpu_device_set* devs, mgpu_dtype precision, int stages, int micro_batches,
-                            mgpu_loss_kind loss, uint64_t seed) {
-    mgpu_layer* layers[5];
-    mgpu_model_desc d;
+/* a model of these layers from the rest of desc d */
+static mgpu_model* model_from(mgpu_model_desc d, mgpu_layer** layers, int n) {
     mgpu_model* m;
-    layers[0] = mgpu_layer_linear(20, 16);
-    layers[1] = mgpu_layer_relu();
-    layers[2] = mgpu_layer_linear(16, 16);
-    layers[3] = mgpu_layer_gelu();
-    layers[4] = mgpu_layer_linear(16, 7);
-    memset(&d, 0, sizeof d);
-    d.input = mgpu_shape1(20);
-    d.layers = layers;
-    d.layer_count = 5;
-    d.devices = devs;
-    d.loss = loss;
-    d.seed = seed;
-    d.stages = stages;
-    d.micro_batches = micro_batches;
-    d.precision = precision;
-    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 model: mgpu_model_create: %s", mgpu_last_error());
-    return m;
-}
-static mgpu_model* bf16_model_of(const mgpu_device_set* devs, mgpu_shape input, mgpu_layer** layers, int n) {
-    mgpu_model_desc d;
-    mgpu_model* m;
-    memset(&d, 0, sizeof d);
-    d.input = input;
     d.layers = layers;
     d.layer_count = n;
-    d.devices = devs;
-    d.loss = MGPU_LOSS_MSE;
-    d.seed = 57;
-    d.precision = MGPU_BF16;
-    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 model: mgpu_model_create: %s", mgpu_last_error());
+    if (!(m = mgpu_model_create(&d))) CHECK(0, "a %s model: mgpu_model_create: %s", mgpu_dtype_name(d.precision), mgpu_last_error());
     return m;
+}
+static mgpu_model* bf16_mlp(const mgpu_device_set* devs, mgpu_dtype precision, int stages, int micro_batches,
+                            mgpu_loss_kind loss, uint64_t seed) {
+    return model_from((mgpu_model_desc){ .input = mgpu_shape1(20), .devices = devs, .loss = loss, .seed = seed, .stages = stages,
+                                         .micro_batches = micro_batches, .precision = precision },
+                      (mgpu_layer*[]){ mgpu_layer_linear(20, 16), mgpu_layer_relu(), mgpu_layer_linear(16, 16), mgpu_layer_gelu(),
+                                       mgpu_layer_linear(16, 7) }, 5);
+}
+static mgpu_model* bf16_model_of(const mgpu_device_set* devs, mgpu_shape input, mgpu_layer** layers, int n) {   /* MSE */
+    return model_from((mgpu_model_desc){ .input = input, .devices = devs, .loss = MGPU_LOSS_MSE, .seed = 57, .precision = MGPU_BF16 },
+                      layers, n);
 }
 static mgpu_tensor* bf16_of(mgpu_device* dev, const mgpu_tensor* t) {
     mgpu_tensor* b = tmake(dev, MGPU_BF16, mgpu_tensor_shape(t));
@@ -3564,20 +3546,11 @@ static void bf16_widened_layers(const mgpu_device_set* devs, mgpu_device* dev) {
         mgpu_tensor *x = NULL, *dout = NULL;
         const char* type;
         int pass, t, same = 1;
-        for (pass = 0; pass < 2; ++pass) {
-            mgpu_layer* l = widened_layer(kind);
-            mgpu_model_desc d;
-            memset(&d, 0, sizeof d);
-            d.input = sample;
-            d.input_dtype = kind == 7 ? MGPU_I32 : MGPU_F32;
-            d.layers = &l;
-            d.layer_count = 1;
-            d.devices = devs;
-            d.loss = MGPU_LOSS_MSE;
-            d.seed = 50;
-            d.precision = pass ? MGPU_F32 : MGPU_BF16;
-            if (!(*(pass ? &mf : &mb) = mgpu_model_create(&d))) CHECK(0, "bf16 widened layer %d: mgpu_model_create: %s", kind, mgpu_last_error());
-        }
+        for (pass = 0; pass < 2; ++pass)   /* the same layer in bf16, then in f32 */
+            *(pass ? &mf : &mb) = model_from((mgpu_model_desc){ .input = sample, .input_dtype = kind == 7 ? MGPU_I32 : MGPU_F32,
+                                                                .devices = devs, .loss = MGPU_LOSS_MSE, .seed = 50,
+                                                                .precision = pass ? MGPU_F32 : MGPU_BF16 },
+                                             (mgpu_layer*[]){ widened_layer(kind) }, 1);
         if (!mb || !mf) goto next;
         {
             static const char* types[9] = { "Conv2d", "MaxPool2d", "BatchNorm2d", "AdaptiveAvgPool2d", "Dropout", "LayerNorm",
@@ -3749,27 +3722,11 @@ static void bf16_gpu_vs_cpu(void) {
 /* A small CNN in bf16 (every widened kind of layer but the transformer's, and Dropout) as a CUDA
    graph: its steps have the eager steps' bits. */
 static mgpu_model* bf16_cnn(int graph) {
-    mgpu_layer* layers[8];
-    mgpu_model_desc d;
-    mgpu_model* m;
-    layers[0] = mgpu_layer_conv2d(2, 4, 3, 1, 1);
-    layers[1] = mgpu_layer_relu();
-    layers[2] = mgpu_layer_batch_norm2d(4);
-    layers[3] = mgpu_layer_maxpool2d(2, 2);
-    layers[4] = mgpu_layer_dropout(0.2f);
-    layers[5] = mgpu_layer_flatten();
-    layers[6] = mgpu_layer_linear(4 * 3 * 3, 12);
-    layers[7] = mgpu_layer_linear(12, 5);
-    memset(&d, 0, sizeof d);
-    d.input = mgpu_shape3(2, 6, 6);
-    d.layers = layers;
-    d.layer_count = 8;
-    d.devices = g_gpu_set;
-    d.seed = 53;
-    d.graph = graph;
-    d.precision = MGPU_BF16;
-    if (!(m = mgpu_model_create(&d))) CHECK(0, "a bf16 CNN: mgpu_model_create: %s", mgpu_last_error());
-    return m;
+    return model_from((mgpu_model_desc){ .input = mgpu_shape3(2, 6, 6), .devices = g_gpu_set, .seed = 53, .graph = graph,
+                                         .precision = MGPU_BF16 },
+                      (mgpu_layer*[]){ mgpu_layer_conv2d(2, 4, 3, 1, 1), mgpu_layer_relu(), mgpu_layer_batch_norm2d(4),
+                                       mgpu_layer_maxpool2d(2, 2), mgpu_layer_dropout(0.2f), mgpu_layer_flatten(),
+                                       mgpu_layer_linear(4 * 3 * 3, 12), mgpu_layer_linear(12, 5) }, 8);
 }
 static void bf16_graph(void) {
     mgpu_model *e = bf16_cnn(0), *g = bf16_cnn(1);
