@@ -9230,9 +9230,9 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
 
 /* ---- bf16 mixed precision (desc.precision): how each layer takes bf16 activations ----
    NATIVE: the layer's own code runs on bf16 x, y, dy and dx (Linear and Conv1D with the weights'
-   bf16 copies, the activations, Flatten, the containers). WIDENED: its f32 code runs on f32 copies of x and dy
-   (bf16 widens exactly), and its outputs y and dx are rounded once: the numbers of a bf16 layer
-   that computes in fp32, which is what autocast's kernels do, though not yet its speed. The
+   bf16 copies, the activations, Flatten, the containers). WIDENED: its f32 code runs on f32
+   copies of x and dy (bf16 widens exactly), and its outputs y and dx are rounded once: the
+   numbers of a bf16 layer that computes in fp32, as autocast's kernels do, though not its speed. The
    parameters in `*weights` (bit i: parameter i) are a product's weights, taken as their bf16
    copies widened, as autocast casts a convolution's weight; the others (BatchNorm's, LayerNorm's,
    the embeddings', the biases) stay f32. A container is NATIVE when each child has a path: bf16
