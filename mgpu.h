@@ -9232,17 +9232,20 @@ static void mgpu__layer_ctx_for(const mgpu_model* m, const mgpu__part* p, const 
    NATIVE: the layer's own code runs on bf16 x, y, dy and dx (Linear and Conv1D with the weights'
    bf16 copies, the activations, Flatten, the containers). WIDENED: its f32 code runs on f32
    copies of x and dy (bf16 widens exactly), and its outputs y and dx are rounded once: the
-   numbers of a bf16 layer that computes in fp32, as autocast's kernels do, though not its speed. The
-   parameters in `*weights` (bit i: parameter i) are a product's weights, taken as their bf16
-   copies widened, as autocast casts a convolution's weight; the others (BatchNorm's, LayerNorm's,
-   the embeddings', the biases) stay f32. A container is NATIVE when each child has a path: bf16
-   passes between its children. Layers of your own have no bf16 path yet. */
+   numbers of a bf16 layer that computes in fp32, as autocast's kernels do, though not its speed.
+   (A WIDENED layer's backward reads no y: it is handed the bf16 y as it is.) The parameters of
+   mgpu__bf16_weights are a product's weights, taken as their bf16 copies widened, as autocast
+   casts a convolution's weight; the others (BatchNorm's, LayerNorm's, the embeddings', the
+   biases) stay f32. A container is NATIVE when each child has a path: bf16 passes between its
+   children. Layers of your own have no bf16 path yet. */
 enum { MGPU__BF16_NONE = 0, MGPU__BF16_NATIVE, MGPU__BF16_WIDENED };
-static int mgpu__bf16_path(const mgpu_layer* l, unsigned* weights) {
+/* bit i: parameter i is a product's weight (attention: c_attn's and c_proj's) */
+static unsigned mgpu__bf16_weights(const mgpu_layer* l) {
+    return l->vt == &mgpu__conv_vt ? 1u : l->vt == &mgpu__attn_vt ? 5u : 0u;
+}
+static int mgpu__bf16_path(const mgpu_layer* l) {
     const mgpu_layer_vtable* vt = l->vt;
-    unsigned kid_weights;
     int k;
-    *weights = vt == &mgpu__conv_vt ? 1u : vt == &mgpu__attn_vt ? 5u : 0u;   /* (attention: c_attn's and c_proj's weights) */
     if (vt == &mgpu__linear_vt || vt == &mgpu__conv1d_vt || vt == &mgpu__relu_vt || vt == &mgpu__gelu_vt || vt == &mgpu__tanh_vt ||
         vt == &mgpu__sigmoid_vt || vt == &mgpu__gelu_tanh_vt || vt == &mgpu__flatten_vt)
         return MGPU__BF16_NATIVE;
@@ -9251,16 +9254,15 @@ static int mgpu__bf16_path(const mgpu_layer* l, unsigned* weights) {
         return MGPU__BF16_WIDENED;
     if (vt == &mgpu__sequential_vt || vt == &mgpu__residual_vt) {   /* bf16 between its children, each as it can */
         for (k = 0; k < mgpu__box(l)->count; ++k)
-            if (mgpu__bf16_path(mgpu__box(l)->kid[k], &kid_weights) == MGPU__BF16_NONE) return MGPU__BF16_NONE;
+            if (mgpu__bf16_path(mgpu__box(l)->kid[k]) == MGPU__BF16_NONE) return MGPU__BF16_NONE;
         return MGPU__BF16_NATIVE;
     }
     return MGPU__BF16_NONE;
 }
 /* the first layer inside l (itself, or a container's, at any depth) without a bf16 path, or NULL */
 static const mgpu_layer* mgpu__bf16_missing(const mgpu_layer* l) {
-    unsigned weights;
     int k;
-    if (mgpu__bf16_path(l, &weights) != MGPU__BF16_NONE) return NULL;
+    if (mgpu__bf16_path(l) != MGPU__BF16_NONE) return NULL;
     if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
         for (k = 0; k < mgpu__box(l)->count; ++k)
             if (mgpu__bf16_missing(mgpu__box(l)->kid[k])) return mgpu__bf16_missing(mgpu__box(l)->kid[k]);
@@ -9291,11 +9293,10 @@ static mgpu_tensor* mgpu__widened_temp(mgpu__widened* w, const mgpu_tensor* t, i
 static void mgpu__widened_free(mgpu__widened* w) {
     while (w->count > 0) mgpu_tensor_destroy(w->temp[--w->count]);
 }
-/* ctx with a product's weights as their bf16 copies, widened (mgpu__bf16_path) */
+/* ctx with a product's weights as their bf16 copies, widened (mgpu__bf16_weights) */
 static mgpu_result mgpu__widened_ctx(const mgpu_layer* l, const mgpu_layer_ctx* ctx, mgpu__widened* w, mgpu_layer_ctx* c) {
-    unsigned weights;
+    const unsigned weights = mgpu__bf16_weights(l);
     int i, n = l->vt->param_count ? l->vt->param_count(l) : 0;
-    (void)mgpu__bf16_path(l, &weights);
     *c = *ctx;
     if (!weights) return MGPU_OK;
     if (n > MGPU__WIDENED_PARAMS)
@@ -9327,14 +9328,14 @@ static mgpu_result mgpu__widened_backward(const mgpu_layer* l, const mgpu_layer_
                                           const mgpu_tensor* dy, mgpu_tensor* dx) {
     mgpu__widened w;
     mgpu_layer_ctx c;
-    mgpu_tensor *xf = NULL, *yf = NULL, *dyf = NULL, *dxf = NULL;
+    mgpu_tensor *xf = NULL, *dyf = NULL, *dxf = NULL;
     mgpu_result r;
     w.count = 0;
     r = mgpu__widened_ctx(l, ctx, &w, &c);
     if (r == MGPU_OK && (!(xf = mgpu__widened_input(&w, x)) || !(dyf = mgpu__widened_input(&w, dy)) ||
-                         (!l->output_unused && !(yf = mgpu__widened_input(&w, y))) || (dx && !(dxf = mgpu__widened_temp(&w, dx, 0)))))
+                         (dx && !(dxf = mgpu__widened_temp(&w, dx, 0)))))
         r = mgpu_last_result();
-    if (r == MGPU_OK) r = l->vt->backward(l, &c, xf, l->output_unused ? y : yf, dyf, dxf);
+    if (r == MGPU_OK) r = l->vt->backward(l, &c, xf, y, dyf, dxf);   /* (y unread: mgpu__bf16_path) */
     if (r == MGPU_OK && dx) r = mgpu_tensor_convert(dx, dxf, 1.0f, 0.0f);
     mgpu__widened_free(&w);
     return r;
@@ -9342,14 +9343,12 @@ static mgpu_result mgpu__widened_backward(const mgpu_layer* l, const mgpu_layer_
 /* A layer's forward and backward, by a model or a container: widened where its activations are
    bf16 and it has no bf16 code of its own */
 static mgpu_result mgpu__layer_run_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
-    unsigned weights;
-    if (y->dtype == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_forward(l, ctx, x, y);
+    if (y->dtype == MGPU_BF16 && mgpu__bf16_path(l) == MGPU__BF16_WIDENED) return mgpu__widened_forward(l, ctx, x, y);
     return l->vt->forward(l, ctx, x, y);
 }
 static mgpu_result mgpu__layer_run_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                             const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
-    unsigned weights;
-    if (dy->dtype == MGPU_BF16 && mgpu__bf16_path(l, &weights) == MGPU__BF16_WIDENED) return mgpu__widened_backward(l, ctx, x, y, dy, dx);
+    if (dy->dtype == MGPU_BF16 && mgpu__bf16_path(l) == MGPU__BF16_WIDENED) return mgpu__widened_backward(l, ctx, x, y, dy, dx);
     return l->vt->backward(l, ctx, x, y, dy, dx);
 }
 
