@@ -210,9 +210,9 @@
      backward (examples/custom_layer.c). Built-ins: Linear (also without a bias, and Hugging
      Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
      Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
-     PositionEmbedding and CausalSelfAttention (which keeps the [batch, heads, T, T] attention
-     matrix: no fused FlashAttention kernel yet); containers (Sequential, Residual) make blocks
-     of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
+     PositionEmbedding and CausalSelfAttention (its GPU kernels fused up to a head size of 64,
+     FlashAttention-2's way but on CUDA cores: no tensor-core or cuDNN attention yet);
+     containers (Sequential, Residual) make blocks of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
      after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask),
@@ -818,7 +818,9 @@ MGPUDEF mgpu_layer* mgpu_layer_gelu_tanh(void);
    files load as they are; nanoGPT's nn.Linear holds the transpose), initialised as GPT-2: weights
    N(0, 0.02), biases 0. Both dropouts (probability
    `dropout`, only in training) draw from Philox as the Dropout layer does, by sample. dim % heads
-   must be 0. The attention matrix [batch, heads, T, T] is kept for backward (no fused kernel yet). */
+   must be 0. No [batch, heads, T, T] matrix is kept: backward computes the probabilities again
+   from q, k and each row's softmax denominator (FlashAttention's way; on a GPU fused kernels up to
+   a head size of 64). */
 MGPUDEF mgpu_layer* mgpu_layer_causal_self_attention(int dim, int heads, float dropout);
 /* Containers, layers made of layers (a GPT block or a ResNet block is one entry of a model's
    list, so pipelines still cut between entries). Each takes its layers over, as a model does
@@ -2010,7 +2012,19 @@ int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const flo
    t, heads*head_size] = (att .* mask) v. seed_on_device as in mgpu__cu_dropout.
    Backward: dscores (overwritten, [batch, heads, t, t]) = att .* (dP - rowsum(dP .* att)) * scale
    with dP = (dy v^T) .* mask; dqkv (overwritten) = [dS k, dS^T q, (att .* mask)^T dy] per head.
-   Every sum in a fixed order; no atomics. */
+   Every sum in a fixed order; no atomics. The layer runs these only for a head size above
+   MGPU__CU_ATTN_FUSED_MAX_HEAD, with att, mask and dscores as scratch (forward again in backward).
+   The fused pair below (FlashAttention-2's way) stores none of the T x T matrices: forward writes y
+   and lse[b, h, t] (m + log of the row's sum of e^(score - m)); backward recomputes the
+   probabilities from q, k and lse, and the dropout mask from its counters (the same as above),
+   writes drow[b, h, t] = rowsum(dy .* y) = rowsum(dP .* att) and overwrites dqkv. p = 0: no
+   dropout. */
+#define MGPU__CU_ATTN_FUSED_MAX_HEAD 64
+int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
+                                     uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p);
+int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* y,
+                                      const float* lse, const float* dy, float* drow, float* dqkv, uint64_t seed,
+                                      const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p);
 int mgpu__cu_attention_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* att, float* y,
                                float* mask, uint64_t seed, const uint64_t* seed_on_device, uint64_t offset,
                                uint64_t first, float p);
@@ -6171,11 +6185,17 @@ static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* d
     return MGPU_OK;
 }
 
-/* -- >>ops attention: causal self-attention's core (the layer checks the shapes). On the CPU each
-   (batch, head) is six small GEMMs (mgpu__gemm_serial, on one thread: two forward, four
-   backward) and the softmax between them, the heads shared out over a task per thread, each task
-   with its own scratch; a head's results do not depend on the task that computes it, so neither
-   do they on the thread count. The products run over the whole T x T square, the masked half
+/* -- >>ops attention: causal self-attention's core (the layer checks the shapes). What forward
+   keeps for backward is y and lse[b, h, t] (the log of row t's softmax denominator), never the
+   [batch, heads, T, T] probabilities: backward computes them again, and the dropout mask from its
+   counters (a step's key and offset are the same in both passes). On a GPU: the fused kernels
+   (FlashAttention-2's way, >>seam) up to a head size of MGPU__CU_ATTN_FUSED_MAX_HEAD, and above it
+   the unfused ones, their T x T matrices from the caching allocator for the call only.
+   On the CPU each (batch, head) is six small GEMMs (mgpu__gemm_serial, on one thread: two
+   forward, q k^T again and three more backward) and the softmax between them, the heads shared
+   out over a task per thread, each task with its own T x T scratch; a head's results do not
+   depend on the task that computes it, so neither do they on the thread count. Backward's
+   softmax is forward's, to the bit. The products run over the whole T x T square, the masked half
    included: at GEMM speed that costs less than triangular loops whose dot products cannot
    vectorise (their sums are ordered), and cut at the diagonal in blocks they measured no faster
    at T 64. So, as in PyTorch's att @ v, an Inf or NaN in a later position's v or k reaches the
@@ -6183,35 +6203,25 @@ static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* d
 typedef struct mgpu__attn_job {
     mgpu__attn g;
     const float *qkv, *dy;
-    float *att, *mask, *y, *dscores, *dqkv;
+    float *y, *lse, *drow, *dqkv;
     uint64_t seed, offset, first;
-    float p;
+    float p;              /* the dropout probability; 0: none */
     int64_t tasks;
-    size_t task_floats;   /* per task: GEMM packing space, then (with dropout) a T x T square, att .* mask */
+    size_t task_floats;   /* per task: GEMM packing space, then T x T squares (one forward, two backward) and a row */
     float* space;         /* scratch's */
     mgpu__scratch scratch;
 } mgpu__attn_job;
 
 /* Scratch for the job's tasks from dev's caching allocator (the caller puts it back). */
-static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, int dropout, const char* op) {
+static mgpu_result mgpu__attn_job_init(mgpu__attn_job* j, mgpu_device* dev, const mgpu__attn* g, int squares, const char* op) {
     const int64_t T = g->t;
     memset(j, 0, sizeof *j);
     j->g = *g;
     j->tasks = MGPU__MAX((int64_t)1, MGPU__MIN((int64_t)mgpu_cpu_threads(), (int64_t)g->batch * g->heads));
-    j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (dropout ? (size_t)(T * T) : 0) + 15) / 16 * 16;
+    j->task_floats = (mgpu__gemm_pack_floats(T, MGPU__MAX(T, (int64_t)g->head_size)) + (size_t)(squares * T * T + T) + 15) / 16 * 16;
     MGPU__TRY(mgpu__scratch_get(&j->scratch, dev, sizeof(float) * j->task_floats * (size_t)j->tasks, op));
     j->space = (float*)j->scratch.ptr;
     return MGPU_OK;
-}
-
-/* The probabilities as dropout left them, for one head: att itself without a mask */
-static const float* mgpu__attn_dropped(const mgpu__attn_job* j, int64_t bh, float* square) {
-    const int64_t n = (int64_t)j->g.t * j->g.t;
-    const float *a = j->att + bh * n, *mk = j->mask ? j->mask + bh * n : NULL;
-    int64_t i;
-    if (!mk) return a;
-    for (i = 0; i < n; ++i) square[i] = a[i] * mk[i];
-    return square;
 }
 
 /* a[i] = e^(a[i] - m) for i < n, in blocks of 16 read into locals first (as the elementwise loops
@@ -6227,36 +6237,48 @@ static void mgpu__exp_shifted(float* a, int64_t n, float m) {
     for (; i < n; ++i) a[i] = mgpu__expf(a[i] - m);
 }
 
+/* Row t of a head's probabilities, in place over its scores a[0, T): the softmax of a[s] * scale
+   for s <= t, 0 after (the causal mask: exp(-inf)); lse (NULL: not wanted) = max + log(sum). */
+static void mgpu__attn_softmax_row(float* a, int64_t t, int64_t T, float scale, float* lse) {
+    float m = -INFINITY, sum = 0.0f;
+    int64_t s;
+    for (s = 0; s <= t; ++s) {
+        a[s] *= scale;
+        m = a[s] > m ? a[s] : m;
+    }
+    mgpu__exp_shifted(a, t + 1, m);   /* max subtracted: no overflow */
+    for (s = 0; s <= t; ++s) sum += a[s];
+    for (s = 0; s <= t; ++s) a[s] /= sum;
+    for (s = t + 1; s < T; ++s) a[s] = 0.0f;
+    if (lse) *lse = m + logf(sum);
+}
+/* The dropout scales of row `row` of [batch * heads * T, T], s = 0 .. t, into keep */
+static void mgpu__attn_keep_row(const mgpu__attn_job* j, int64_t row, int64_t t, float* keep) {
+    int64_t s;
+    for (s = 0; s <= t; ++s) keep[s] = mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)(row * j->g.t + s), j->p);
+}
+
 static void mgpu__attn_forward_task(void* ctx, int64_t task) {
     const mgpu__attn_job* j = (const mgpu__attn_job*)ctx;
     const mgpu__attn* g = &j->g;
     const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D, BH = (int64_t)g->batch * g->heads;
     float* pack = j->space + (size_t)task * j->task_floats;
-    float* square = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    float* att = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    float* keep = att + T * T;
     int64_t bh, t, s;
     for (bh = BH * task / j->tasks; bh < BH * (task + 1) / j->tasks; ++bh) {
         const int64_t b = bh / g->heads, h = bh % g->heads;
         const float* base = j->qkv + b * T * W + h * hs;   /* this head's q of row 0; k at + D, v at + 2 D */
-        float* att = j->att + bh * T * T;
         mgpu__gemm_serial(0, 1, T, T, hs, base, W, base + D, W, att, T, pack, 1, NULL);   /* q k^T */
         for (t = 0; t < T; ++t) {
-            const int64_t row = bh * T + t;
             float* a = att + t * T;
-            float m = -INFINITY, sum = 0.0f;
-            for (s = 0; s <= t; ++s) {
-                a[s] *= g->scale;
-                m = a[s] > m ? a[s] : m;
+            mgpu__attn_softmax_row(a, t, T, g->scale, j->lse + bh * T + t);
+            if (j->p > 0.0f) {
+                mgpu__attn_keep_row(j, bh * T + t, t, keep);
+                for (s = 0; s <= t; ++s) a[s] *= keep[s];
             }
-            mgpu__exp_shifted(a, t + 1, m);   /* max subtracted: no overflow */
-            for (s = 0; s <= t; ++s) sum += a[s];
-            for (s = 0; s <= t; ++s) a[s] /= sum;
-            for (s = t + 1; s < T; ++s) a[s] = 0.0f;   /* the causal mask: exp(-inf) */
-            if (j->mask)
-                for (s = 0; s < T; ++s)
-                    j->mask[row * T + s] = s <= t ? mgpu__dropout_scale(j->seed, j->offset, j->first + (uint64_t)(row * T + s), j->p) : 0.0f;
         }
-        mgpu__gemm_serial(0, 0, T, hs, T, mgpu__attn_dropped(j, bh, square), T, base + 2 * D, W,   /* y = (att .* mask) v */
-                          j->y + b * T * D + h * hs, D, pack, 1, NULL);
+        mgpu__gemm_serial(0, 0, T, hs, T, att, T, base + 2 * D, W, j->y + b * T * D + h * hs, D, pack, 1, NULL);   /* y = (att .* mask) v */
     }
 }
 
@@ -6265,67 +6287,108 @@ static void mgpu__attn_backward_task(void* ctx, int64_t task) {
     const mgpu__attn* g = &j->g;
     const int64_t T = g->t, hs = g->head_size, D = (int64_t)g->heads * hs, W = 3 * D, BH = (int64_t)g->batch * g->heads;
     float* pack = j->space + (size_t)task * j->task_floats;
-    float* square = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    float* att = pack + mgpu__gemm_pack_floats(T, MGPU__MAX(T, hs));
+    float* ds = att + T * T;
+    float* keep = ds + T * T;
     int64_t bh, t, s;
     for (bh = BH * task / j->tasks; bh < BH * (task + 1) / j->tasks; ++bh) {
         const int64_t b = bh / g->heads, h = bh % g->heads;
         const float* base = j->qkv + b * T * W + h * hs;
         const float* dy = j->dy + b * T * D + h * hs;
         float* dbase = j->dqkv + b * T * W + h * hs;
-        float* ds = j->dscores + bh * T * T;
-        mgpu__gemm_serial(0, 1, T, T, hs, dy, D, base + 2 * D, W, ds, T, pack, 1, NULL);   /* d(att .* mask) = dy v^T */
+        mgpu__gemm_serial(0, 1, T, T, hs, base, W, base + D, W, att, T, pack, 1, NULL);     /* q k^T, as forward */
+        mgpu__gemm_serial(0, 1, T, T, hs, dy, D, base + 2 * D, W, ds, T, pack, 1, NULL);    /* d(att .* mask) = dy v^T */
         for (t = 0; t < T; ++t) {   /* dS = att .* (dP - rowsum(dP .* att)) * scale, dP = that .* mask */
-            const float* a = j->att + (bh * T + t) * T;
-            const float* mk = j->mask ? j->mask + (bh * T + t) * T : NULL;
-            float* d = ds + t * T;
+            float *a = att + t * T, *d = ds + t * T;
             float rs = 0.0f;
-            if (mk)
-                for (s = 0; s <= t; ++s) d[s] *= mk[s];
+            mgpu__attn_softmax_row(a, t, T, g->scale, NULL);
+            if (j->p > 0.0f) {
+                mgpu__attn_keep_row(j, bh * T + t, t, keep);
+                for (s = 0; s <= t; ++s) d[s] *= keep[s];
+            }
             for (s = 0; s <= t; ++s) rs += d[s] * a[s];
             for (s = 0; s <= t; ++s) d[s] = a[s] * (d[s] - rs) * g->scale;
             for (s = t + 1; s < T; ++s) d[s] = 0.0f;
+            j->drow[bh * T + t] = rs;
+            if (j->p > 0.0f)
+                for (s = 0; s <= t; ++s) a[s] *= keep[s];   /* att .* mask, for dv */
         }
         mgpu__gemm_serial(0, 0, T, hs, T, ds, T, base + D, W, dbase, W, pack, 1, NULL);       /* dq = dS k */
         mgpu__gemm_serial(1, 0, T, hs, T, ds, T, base, W, dbase + D, W, pack, 1, NULL);       /* dk = dS^T q */
-        mgpu__gemm_serial(1, 0, T, hs, T, mgpu__attn_dropped(j, bh, square), T, dy, D,        /* dv = (att .* mask)^T dy */
-                          dbase + 2 * D, W, pack, 1, NULL);
+        mgpu__gemm_serial(1, 0, T, hs, T, att, T, dy, D, dbase + 2 * D, W, pack, 1, NULL);    /* dv = (att .* mask)^T dy */
     }
 }
 
-static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* att, mgpu_tensor* y,
-                                           mgpu_tensor* mask, uint64_t seed, const uint64_t* seed_on_device,
-                                           uint64_t offset, uint64_t first, float p) {
+/* A GPU above the fused kernels' head size: the unfused kernels with their T x T matrices (att,
+   with dropout the mask, in backward dscores and forward's y again) as scratch. dy NULL: forward
+   into y; otherwise backward into dqkv, forward run again first. */
+static mgpu_result mgpu__attention_unfused(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* y, const mgpu_tensor* dy,
+                                           mgpu_tensor* dqkv, uint64_t seed, const uint64_t* seed_on_device,
+                                           uint64_t offset, uint64_t first, float p, const char* op) {
+    mgpu_device* dev = MGPU__DEV(qkv);
+    const size_t square = (size_t)g->batch * (size_t)g->heads * (size_t)g->t * (size_t)g->t;
+    const size_t squares = (p > 0.0f ? 2 : 1) + (dy ? 1 : 0);
+    mgpu__scratch s;
+    float *att, *mask, *yy;
+    int rc;
+    MGPU__TRY(mgpu__scratch_get(&s, dev, sizeof(float) * (squares * square + (dy ? (size_t)mgpu_tensor_numel(dy) : 0)), op));
+    att = (float*)s.ptr;
+    mask = p > 0.0f ? att + square : NULL;
+    yy = dy ? att + squares * square : MGPU__F32(y);
+    rc = MGPU__CUDA(mgpu__cu_attention_forward(MGPU__CUDA_ARGS(dev), g, MGPU__F32(qkv), att, yy, mask, seed, seed_on_device,
+                                               offset, first, p));
+    if (rc == 0 && dy)
+        rc = MGPU__CUDA(mgpu__cu_attention_backward(MGPU__CUDA_ARGS(dev), g, MGPU__F32(qkv), att, mask, MGPU__F32(dy),
+                                                    att + (squares - 1) * square, MGPU__F32(dqkv)));
+    mgpu__scratch_put(&s);
+    return rc == 0 ? MGPU_OK : mgpu__cu_result(rc, op, dev);
+}
+
+/* y = attention of qkv, lse its rows' log denominators; p: dropout on the probabilities, drawn as
+   mgpu__dropout_scale(seed, offset, first + (row * T + s), p) for row (b * heads + h) * T + t */
+static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* y, mgpu_tensor* lse,
+                                           uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first,
+                                           float p) {
+    static const char* op = "CausalSelfAttention forward";
     mgpu__attn_job job;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
-        MGPU__CU("CausalSelfAttention forward", MGPU__DEV(qkv),
-                 mgpu__cu_attention_forward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(att), MGPU__F32(y),
-                                            mask ? MGPU__F32(mask) : NULL, seed, seed_on_device, offset, first, p));
+        if (g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD)
+            return mgpu__attention_unfused(g, qkv, y, NULL, NULL, seed, seed_on_device, offset, first, p, op);
+        MGPU__CU(op, MGPU__DEV(qkv),
+                 mgpu__cu_attention_fused_forward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(y),
+                                                  MGPU__F32(lse), seed, seed_on_device, offset, first, p));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, mask != NULL, "CausalSelfAttention forward"));
-    job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.y = MGPU__F32(y);
-    job.mask = mask ? MGPU__F32(mask) : NULL;
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, 1, op));
+    job.qkv = MGPU__F32(qkv); job.y = MGPU__F32(y); job.lse = MGPU__F32(lse);
     job.seed = seed; job.offset = offset; job.first = first; job.p = p;
     mgpu__parallel_for(job.tasks, mgpu__attn_forward_task, &job);
     mgpu__scratch_put(&job.scratch);
     return MGPU_OK;
 }
 
-static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tensor* qkv, const mgpu_tensor* att,
-                                            const mgpu_tensor* mask, const mgpu_tensor* dy, mgpu_tensor* dscores,
-                                            mgpu_tensor* dqkv) {
+/* dqkv (overwritten) from dy, with forward's y and lse and the same dropout; drow (overwritten)
+   = rowsum(dy .* y) per head (not written on a GPU above the fused head size) */
+static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tensor* qkv, const mgpu_tensor* y,
+                                            const mgpu_tensor* lse, const mgpu_tensor* dy, mgpu_tensor* drow,
+                                            mgpu_tensor* dqkv, uint64_t seed, const uint64_t* seed_on_device,
+                                            uint64_t offset, uint64_t first, float p) {
+    static const char* op = "CausalSelfAttention backward";
     mgpu__attn_job job;
     MGPU__COUNT(MGPU__DEV(dqkv), ops, 1);
     if (!MGPU__IS_CPU(qkv)) {
-        MGPU__CU("CausalSelfAttention backward", MGPU__DEV(qkv),
-                 mgpu__cu_attention_backward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(att),
-                                             mask ? MGPU__F32(mask) : NULL, MGPU__F32(dy), MGPU__F32(dscores), MGPU__F32(dqkv)));
+        if (g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD)
+            return mgpu__attention_unfused(g, qkv, NULL, dy, dqkv, seed, seed_on_device, offset, first, p, op);
+        MGPU__CU(op, MGPU__DEV(qkv),
+                 mgpu__cu_attention_fused_backward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(y),
+                                                   MGPU__F32(lse), MGPU__F32(dy), MGPU__F32(drow), MGPU__F32(dqkv), seed,
+                                                   seed_on_device, offset, first, p));
         return MGPU_OK;
     }
-    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, mask != NULL, "CausalSelfAttention backward"));
-    job.qkv = MGPU__F32(qkv); job.att = MGPU__F32(att); job.mask = mask ? MGPU__F32(mask) : NULL;
-    job.dy = MGPU__F32(dy); job.dscores = MGPU__F32(dscores); job.dqkv = MGPU__F32(dqkv);
+    MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, 2, op));
+    job.qkv = MGPU__F32(qkv); job.dy = MGPU__F32(dy); job.drow = MGPU__F32(drow); job.dqkv = MGPU__F32(dqkv);
+    job.seed = seed; job.offset = offset; job.first = first; job.p = p;
     mgpu__parallel_for(job.tasks, mgpu__attn_backward_task, &job);
     mgpu__scratch_put(&job.scratch);
     return MGPU_OK;
@@ -7405,14 +7468,16 @@ MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
 /* ---- >>layer transformer ---- */
 /* -- CausalSelfAttention: cfg.in = dim, cfg.out = heads, cfg.p = dropout. The projections are
    GEMMs on [batch*T, ...] views; the core is mgpu__attention_forward/backward. Aux buffers, from
-   forward to backward: qkv, att (probabilities), y (heads merged, c_proj's input), and with
-   dropout the two masks; backward's scratch: dy (into the heads), dqkv, dscores and, with
-   dropout, d out before the residual dropout. Backward never writes forward's buffers, so a
-   second backward after one forward adds the same gradients again. -- */
+   forward to backward: qkv, lse [batch, heads, T] (the softmax rows' log denominators), y (heads
+   merged, c_proj's input), and with dropout the residual mask (the attention mask is drawn again
+   in backward); backward's scratch: dy (into the heads), dqkv, drow [batch, heads, T] and, with
+   dropout, d out before the residual dropout. No T x T buffer: a step's activations grow with T,
+   not T^2. Backward never writes forward's buffers, so a second backward after one forward adds
+   the same gradients again. -- */
 enum {
-    MGPU__ATTN_QKV, MGPU__ATTN_ATT, MGPU__ATTN_Y,                /* kept from forward */
-    MGPU__ATTN_DY, MGPU__ATTN_DQKV, MGPU__ATTN_DSCORES,          /* backward's scratch */
-    MGPU__ATTN_MASK, MGPU__ATTN_OUT_MASK, MGPU__ATTN_DOUT,       /* with dropout only */
+    MGPU__ATTN_QKV, MGPU__ATTN_LSE, MGPU__ATTN_Y,                /* kept from forward */
+    MGPU__ATTN_DY, MGPU__ATTN_DQKV, MGPU__ATTN_DROW,             /* backward's scratch */
+    MGPU__ATTN_OUT_MASK, MGPU__ATTN_DOUT,                        /* with dropout only */
     MGPU__ATTN_AUX_MAX
 };
 /* the residual dropout's counters: past any attention dropout's (B*heads*T*T/4 of them) */
@@ -7445,16 +7510,14 @@ static mgpu_result mgpu__attn_init(const mgpu_layer* l, const mgpu_layer_ctx* ct
     MGPU__TRY(mgpu_tensor_zero(ctx->params[1]));
     return mgpu_tensor_zero(ctx->params[3]);
 }
-static int mgpu__attn_aux_count(const mgpu_layer* l) { return l->cfg.p > 0.0f ? MGPU__ATTN_AUX_MAX : MGPU__ATTN_MASK; }
+static int mgpu__attn_aux_count(const mgpu_layer* l) { return l->cfg.p > 0.0f ? MGPU__ATTN_AUX_MAX : MGPU__ATTN_OUT_MASK; }
 static mgpu_result mgpu__attn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     mgpu_shape y;
     MGPU__TRY(mgpu__attn_output_shape(l, x, &y));
     *dt = MGPU_F32;
     switch (i) {
     case MGPU__ATTN_QKV: case MGPU__ATTN_DQKV: *shape = mgpu_shape3(x.dim[0], x.dim[1], 3 * x.dim[2]); break;
-    case MGPU__ATTN_ATT: case MGPU__ATTN_DSCORES: case MGPU__ATTN_MASK:
-        *shape = mgpu_shape4(x.dim[0], l->cfg.out, x.dim[1], x.dim[1]);
-        break;
+    case MGPU__ATTN_LSE: case MGPU__ATTN_DROW: *shape = mgpu_shape3(x.dim[0], l->cfg.out, x.dim[1]); break;
     default: *shape = x; break;   /* y, dy, the residual mask, d out */
     }
     return MGPU_OK;
@@ -7492,6 +7555,11 @@ static mgpu_result mgpu__attn_geometry(const mgpu_layer* l, const mgpu_layer_ctx
     g->scale = 1.0f / sqrtf((float)g->head_size);
     return MGPU_OK;
 }
+/* The attention dropout's first counter: numbered by sample, so that row r's mask is the same
+   whichever replica holds it */
+static uint64_t mgpu__attn_first(const mgpu_layer_ctx* ctx, const mgpu__attn* g) {
+    return (uint64_t)ctx->first_row * (uint64_t)g->heads * (uint64_t)g->t * (uint64_t)g->t;
+}
 static mgpu_result mgpu__attn_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     mgpu__attn g;
     mgpu_tensor x2, qkv2, y2, yh2;
@@ -7505,10 +7573,8 @@ static mgpu_result mgpu__attn_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     yh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_Y], mgpu_shape2(rows, l->cfg.in));
     MGPU__TRY(mgpu_matmul(&qkv2, &x2, ctx->params[0], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));   /* qkv = x Wa */
     MGPU__TRY(mgpu_bias_add(&qkv2, &qkv2, ctx->params[1]));
-    /* numbered by sample: row r's mask is the same whichever replica holds it */
-    MGPU__TRY(mgpu__attention_forward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_ATT], ctx->aux[MGPU__ATTN_Y],
-                                      drop ? ctx->aux[MGPU__ATTN_MASK] : NULL, ctx->seed, ctx->seed_on_device, ctx->offset,
-                                      (uint64_t)ctx->first_row * (uint64_t)g.heads * (uint64_t)g.t * (uint64_t)g.t, l->cfg.p));
+    MGPU__TRY(mgpu__attention_forward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_Y], ctx->aux[MGPU__ATTN_LSE], ctx->seed,
+                                      ctx->seed_on_device, ctx->offset, mgpu__attn_first(ctx, &g), drop ? l->cfg.p : 0.0f));
     MGPU__TRY(mgpu_matmul(&y2, &yh2, ctx->params[2], MGPU_NO_TRANS, MGPU_NO_TRANS, 1.0f, 0.0f));    /* out = y Wp */
     MGPU__TRY(mgpu_bias_add(&y2, &y2, ctx->params[3]));
     if (!drop) return MGPU_OK;
@@ -7537,9 +7603,9 @@ static mgpu_result mgpu__attn_backward(const mgpu_layer* l, const mgpu_layer_ctx
     MGPU__TRY(mgpu_matmul(ctx->grads[2], &yh2, &dout2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dWp += y^T dout */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[3], &dout2));
     MGPU__TRY(mgpu_matmul(&dyh2, &dout2, ctx->params[2], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));  /* dy = dout Wp^T */
-    MGPU__TRY(mgpu__attention_backward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_ATT],
-                                       drop ? ctx->aux[MGPU__ATTN_MASK] : NULL, ctx->aux[MGPU__ATTN_DY],
-                                       ctx->aux[MGPU__ATTN_DSCORES], ctx->aux[MGPU__ATTN_DQKV]));
+    MGPU__TRY(mgpu__attention_backward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_Y], ctx->aux[MGPU__ATTN_LSE],
+                                       ctx->aux[MGPU__ATTN_DY], ctx->aux[MGPU__ATTN_DROW], ctx->aux[MGPU__ATTN_DQKV], ctx->seed,
+                                       ctx->seed_on_device, ctx->offset, mgpu__attn_first(ctx, &g), drop ? l->cfg.p : 0.0f));
     MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dqkv2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));    /* dWa += x^T dqkv */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dqkv2));
     if (!dx) return MGPU_OK;

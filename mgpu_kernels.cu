@@ -1585,6 +1585,244 @@ int mgpu__cu_attention_backward(int dev, void* stream, const mgpu__attn* g, cons
     return MGPU__CU_OK;
 }
 
+// ---- >>layers attention, fused: FlashAttention-2's way, on CUDA cores for now. A block takes one
+// tile of 32 rows of one (batch, head), a warp 4 of them; the other side's rows pass through
+// shared memory in tiles of 32, a lane each. Forward keeps each row's running max m, sum l and
+// output (rescaled by e^(m_old - m_new) as the max grows) and writes y and lse = m + log l; the
+// T x T scores exist only a tile at a time. Backward recomputes them from q, k and lse: one
+// kernel by query tiles (dq, and drow = rowsum(dy .* y)), one by key tiles (dk and dv), so that
+// every output is one warp's sums in a fixed order: deterministic, no atomics. The dropout mask
+// is drawn again from its counters. Terms above the diagonal are skipped, as the unfused kernels
+// skip them. Head sizes up to kAttnMaxHead (the layer takes the unfused kernels above it).
+constexpr int kAttnTile = 32;
+constexpr int kAttnMaxHead = MGPU__CU_ATTN_FUSED_MAX_HEAD;
+constexpr int kAttnPerLane = kAttnMaxHead / 32;                 // a lane's columns d = lane + 32 c
+constexpr int kAttnRowsPerWarp = kAttnTile / (kThreads / 32);
+typedef float attn_tile[kAttnTile][kAttnMaxHead + 1];           // + 1: lanes reading rows hit distinct banks
+
+// rows first .. first + 31 of one head's q, k, v or dy (src: its row 0; stride between rows),
+// zeros past T (so no lane reads past the tensor)
+__device__ void attn_load(attn_tile& tile, const float* src, int64_t stride, int first, int T, int hs) {
+    for (int i = threadIdx.x; i < kAttnTile * kAttnMaxHead; i += kThreads) {
+        const int r = i / kAttnMaxHead, d = i % kAttnMaxHead;
+        tile[r][d] = first + r < T && d < hs ? src[(int64_t)(first + r) * stride + d] : 0.0f;
+    }
+}
+__device__ __forceinline__ float attn_dot(const float* a, const float* b, int hs) {
+    float acc = 0.0f;
+    for (int d = 0; d < hs; ++d) acc += a[d] * b[d];
+    return acc;
+}
+// the dropout scale of probability (t, s) of head bh, as the unfused kernels number it
+__device__ __forceinline__ float attn_keep(uint64_t key, uint64_t offset, uint64_t first, float p, int64_t bh, int T,
+                                           int t, int s) {
+    return p > 0.0f ? mgpu__dropout_scale(key, offset, first + (uint64_t)((bh * T + t) * T + s), p) : 1.0f;
+}
+
+__global__ void __launch_bounds__(kThreads)
+attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* lse, uint64_t seed, const uint64_t* seed_at,
+                               uint64_t offset, uint64_t first, float p) {
+    __shared__ attn_tile qs, ks, vs;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
+    const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
+    const int tiles = (T + kAttnTile - 1) / kAttnTile;
+    const uint64_t key = p > 0.0f && seed_at ? *seed_at : seed;
+    for (int64_t blk = blockIdx.x; blk < (int64_t)g.batch * g.heads * tiles; blk += gridDim.x) {
+        const int64_t bh = blk / tiles, b = bh / g.heads;
+        const int qt = (int)(blk % tiles), h = (int)(bh % g.heads);
+        const float* base = qkv + b * T * W + (int64_t)h * hs;   // q of row 0; k at + D, v at + 2 D
+        float m[kAttnRowsPerWarp], l[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kAttnPerLane];
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+            for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
+        }
+        __syncthreads();   // the last tile's readers are done
+        attn_load(qs, base, W, qt * kAttnTile, T, hs);
+        for (int kt = 0; kt <= qt; ++kt) {
+            __syncthreads();
+            attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
+            attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
+            __syncthreads();
+            const int s = kt * kAttnTile + lane;
+            for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+                const int r = warp * kAttnRowsPerWarp + i, t = qt * kAttnTile + r;
+                if (t >= T) break;   // the same for the whole warp
+                const bool on = s <= t;
+                const float score = on ? attn_dot(qs[r], ks[lane], hs) * g.scale : -INFINITY;
+                const float m_new = fmaxf(m[i], group_reduce<32>(score, max_op()));   // finite: key kt * 32 <= t
+                const float e = on ? mgpu__expf(score - m_new) : 0.0f;
+                const float rescale = mgpu__expf(m[i] - m_new);   // 0 for the first tile (m = -inf)
+                const float pd = on ? e * attn_keep(key, offset, first, p, bh, T, t, s) : 0.0f;
+                l[i] = l[i] * rescale + group_reduce<32>(e, sum_op<float>());
+                for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] *= rescale;
+                for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
+                    const float pj = __shfl_sync(0xffffffffu, pd, j);
+                    for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += pj * vs[j][lane + 32 * c];
+                }
+                m[i] = m_new;
+            }
+        }
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
+            if (t >= T) break;
+            float* yr = y + (b * T + t) * D + (int64_t)h * hs;
+            for (int c = 0; c < kAttnPerLane; ++c)
+                if (lane + 32 * c < hs) yr[lane + 32 * c] = acc[i][c] / l[i];
+            if (lane == 0) lse[bh * T + t] = m[i] + logf(l[i]);
+        }
+    }
+}
+
+// By query tiles: drow = rowsum(dy .* y); dS = P .* (dP - drow) * scale with P = e^(score - lse)
+// and dP = (dy v^T) .* mask; dq = dS k.
+__global__ void __launch_bounds__(kThreads)
+attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const float* y, const float* lse, const float* dy,
+                                      float* drow, float* dqkv, uint64_t seed, const uint64_t* seed_at, uint64_t offset,
+                                      uint64_t first, float p) {
+    __shared__ attn_tile qs, dys, ks, vs;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
+    const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
+    const int tiles = (T + kAttnTile - 1) / kAttnTile;
+    const uint64_t key = p > 0.0f && seed_at ? *seed_at : seed;
+    for (int64_t blk = blockIdx.x; blk < (int64_t)g.batch * g.heads * tiles; blk += gridDim.x) {
+        const int64_t bh = blk / tiles, b = bh / g.heads;
+        const int qt = (int)(blk % tiles), h = (int)(bh % g.heads);
+        const float* base = qkv + b * T * W + (int64_t)h * hs;
+        float rs[kAttnRowsPerWarp], ls[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kAttnPerLane];
+        __syncthreads();
+        attn_load(qs, base, W, qt * kAttnTile, T, hs);
+        attn_load(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
+            float part = 0.0f;
+            for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
+            if (t >= T) { rs[i] = ls[i] = 0.0f; continue; }
+            const float* yr = y + (b * T + t) * D + (int64_t)h * hs;
+            const float* dyr = dy + (b * T + t) * D + (int64_t)h * hs;
+            for (int d = lane; d < hs; d += 32) part += dyr[d] * yr[d];
+            rs[i] = group_reduce<32>(part, sum_op<float>());
+            ls[i] = lse[bh * T + t];
+            if (lane == 0) drow[bh * T + t] = rs[i];
+        }
+        for (int kt = 0; kt <= qt; ++kt) {
+            __syncthreads();
+            attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
+            attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
+            __syncthreads();
+            const int s = kt * kAttnTile + lane;
+            for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+                const int r = warp * kAttnRowsPerWarp + i, t = qt * kAttnTile + r;
+                if (t >= T) break;
+                const bool on = s <= t;
+                const float pr = on ? mgpu__expf(attn_dot(qs[r], ks[lane], hs) * g.scale - ls[i]) : 0.0f;
+                const float dp = on ? attn_dot(dys[r], vs[lane], hs) * attn_keep(key, offset, first, p, bh, T, t, s) : 0.0f;
+                const float ds = pr * (dp - rs[i]) * g.scale;
+                for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
+                    const float dj = __shfl_sync(0xffffffffu, ds, j);
+                    for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += dj * ks[j][lane + 32 * c];
+                }
+            }
+        }
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
+            if (t >= T) break;
+            float* dq = dqkv + (b * T + t) * W + (int64_t)h * hs;
+            for (int c = 0; c < kAttnPerLane; ++c)
+                if (lane + 32 * c < hs) dq[lane + 32 * c] = acc[i][c];
+        }
+    }
+}
+
+// By key tiles, after the query kernel's drow: dk = dS^T q and dv = (P .* mask)^T dy, over the
+// query tiles from the diagonal down, a lane per query.
+__global__ void __launch_bounds__(kThreads)
+attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float* lse, const float* dy, const float* drow,
+                                    float* dqkv, uint64_t seed, const uint64_t* seed_at, uint64_t offset, uint64_t first,
+                                    float p) {
+    __shared__ attn_tile ks, vs, qs, dys;
+    __shared__ float ls[kAttnTile], rs[kAttnTile];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
+    const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
+    const int tiles = (T + kAttnTile - 1) / kAttnTile;
+    const uint64_t key = p > 0.0f && seed_at ? *seed_at : seed;
+    for (int64_t blk = blockIdx.x; blk < (int64_t)g.batch * g.heads * tiles; blk += gridDim.x) {
+        const int64_t bh = blk / tiles, b = bh / g.heads;
+        const int kt = (int)(blk % tiles), h = (int)(bh % g.heads);
+        const float* base = qkv + b * T * W + (int64_t)h * hs;
+        float dk[kAttnRowsPerWarp][kAttnPerLane], dv[kAttnRowsPerWarp][kAttnPerLane];
+        for (int i = 0; i < kAttnRowsPerWarp; ++i)
+            for (int c = 0; c < kAttnPerLane; ++c) dk[i][c] = dv[i][c] = 0.0f;
+        __syncthreads();
+        attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
+        attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
+        for (int qt = kt; qt < tiles; ++qt) {
+            __syncthreads();
+            attn_load(qs, base, W, qt * kAttnTile, T, hs);
+            attn_load(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
+            if (threadIdx.x < kAttnTile) {
+                const int t = qt * kAttnTile + threadIdx.x;
+                ls[threadIdx.x] = t < T ? lse[bh * T + t] : 0.0f;
+                rs[threadIdx.x] = t < T ? drow[bh * T + t] : 0.0f;
+            }
+            __syncthreads();
+            const int t = qt * kAttnTile + lane;
+            for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+                const int r = warp * kAttnRowsPerWarp + i, s = kt * kAttnTile + r;
+                if (s >= T) break;
+                const bool on = t < T && t >= s;
+                const float pr = on ? mgpu__expf(attn_dot(qs[lane], ks[r], hs) * g.scale - ls[lane]) : 0.0f;
+                const float keep = on ? attn_keep(key, offset, first, p, bh, T, t, s) : 0.0f;
+                const float dp = on ? attn_dot(dys[lane], vs[r], hs) * keep : 0.0f;
+                const float ds = pr * (dp - rs[lane]) * g.scale, pd = pr * keep;
+                for (int j = max(0, s - qt * kAttnTile); j <= min(kAttnTile - 1, T - 1 - qt * kAttnTile); ++j) {
+                    const float dj = __shfl_sync(0xffffffffu, ds, j), pj = __shfl_sync(0xffffffffu, pd, j);
+                    for (int c = 0; c < kAttnPerLane; ++c) {
+                        dk[i][c] += dj * qs[j][lane + 32 * c];
+                        dv[i][c] += pj * dys[j][lane + 32 * c];
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < kAttnRowsPerWarp; ++i) {
+            const int s = kt * kAttnTile + warp * kAttnRowsPerWarp + i;
+            if (s >= T) break;
+            float* dkr = dqkv + (b * T + s) * W + D + (int64_t)h * hs;
+            for (int c = 0; c < kAttnPerLane; ++c)
+                if (lane + 32 * c < hs) {
+                    dkr[lane + 32 * c] = dk[i][c];
+                    dkr[D + lane + 32 * c] = dv[i][c];
+                }
+        }
+    }
+}
+
+int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
+                                     uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
+    USE_DEVICE(dev);
+    const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
+    if (blocks <= 0) return MGPU__CU_OK;
+    attention_fused_forward_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
+        *g, qkv, y, lse, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_fused_forward", dev);
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* y,
+                                      const float* lse, const float* dy, float* drow, float* dqkv, uint64_t seed,
+                                      const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
+    USE_DEVICE(dev);
+    const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
+    if (blocks <= 0) return MGPU__CU_OK;
+    attention_fused_backward_query_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
+        *g, qkv, y, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_fused_backward_query", dev);
+    attention_fused_backward_key_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
+        *g, qkv, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_fused_backward_key", dev);
+    return MGPU__CU_OK;
+}
+
 // y[b][j][i] = x[b][i][j] through a 32 x 32 shared tile (33 columns wide, against bank conflicts),
 // so that both the reads and the writes are coalesced. Blocks of 32 x 8 threads loop over tiles.
 __global__ void __launch_bounds__(kThreads)

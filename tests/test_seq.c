@@ -1101,6 +1101,7 @@ static void test_norm_embedding(void) {
         if (attn_r_ != MGPU_OK) CHECK(0, "%s: %s", #expr, mgpu_last_error());                    \
     } while (0)
 #define ATTN_AUX_MAX 16
+#define ATTN_OUT_MASK 6   /* the residual dropout's mask: aux[6] with dropout */
 typedef struct attn_rig {
     mgpu_layer* l;
     mgpu_device* dev;
@@ -1252,6 +1253,18 @@ static void attn_ref(int B, int T, int D, int H, const attn_vals* v, const float
     free(qkv); free(y); free(sc);
 }
 
+/* The attention dropout's mask [B, H, T, T] of rig r, which the layer draws again in backward and
+   does not keep: mgpu__dropout_scale at the layer's counters below the diagonal, 0 above */
+static void attn_mask(const attn_rig* r, float* mask) {
+    const uint64_t first = (uint64_t)r->ctx.first_row * (uint64_t)r->H * (uint64_t)r->T * (uint64_t)r->T;
+    int64_t i, row, s;
+    for (row = 0; row < (int64_t)r->B * r->H * r->T; ++row)
+        for (s = 0; s < r->T; ++s) {
+            i = row * r->T + s;
+            mask[i] = s <= row % r->T ? mgpu__dropout_scale(r->ctx.seed, r->ctx.offset, first + (uint64_t)i, r->l->cfg.p) : 0.0f;
+        }
+}
+
 static double attn_rel(const float* got, const float* ref, int64_t n) {
     double* r = dbuf(n), e;
     int64_t i;
@@ -1297,8 +1310,8 @@ static void attn_cpu_case(int B, int T, int D, int H, float p) {
             int64_t i, bad = 0, drawn = 0, dropped = 0;
             int b, h, t, s;
             amask = fbuf(na); omask = fbuf(n);
-            tget(r.aux[6], amask);
-            tget(r.aux[7], omask);
+            attn_mask(&r, amask);
+            tget(r.aux[ATTN_OUT_MASK], omask);
             for (b = 0; b < B; ++b)
                 for (h = 0; h < H; ++h)
                     for (t = 0; t < T; ++t)
@@ -1409,7 +1422,7 @@ static void attn_cpu_dropout(void) {
     mgpu_layer* l0 = mgpu_layer_causal_self_attention(D, H, 0.0f);
     attn_rig r, r0, half;
     attn_vals v, vh;
-    float *y = fbuf(n), *y0 = fbuf(n), *m = fbuf(B * per), *mo = fbuf(n), *hm = fbuf(per), *hmo = fbuf(n / B), *hy = fbuf(n / B);
+    float *y = fbuf(n), *y0 = fbuf(n), *m = fbuf(B * per), *mo = fbuf(n), *hmo = fbuf(n / B), *hy = fbuf(n / B);
     int b, k, same_mask = 1, same_y = 1;
     if (!l || !l0) { CHECK(0, "attention dropout: create: %s", mgpu_last_error()); goto done; }
     CHECK(l->vt->aux_count(l) > l0->vt->aux_count(l0), "attention: dropout 0 declares %d aux buffers, dropout %g %d: "
@@ -1426,8 +1439,8 @@ static void attn_cpu_dropout(void) {
     r.ctx.training = 1;
     if (attn_rig_forward(&r, y)) {
         CHECK(memcmp(y, y0, (size_t)n * sizeof(float)) != 0, "attention: dropout %g in training changed nothing", (double)p);
-        tget(r.aux[6], m);
-        tget(r.aux[7], mo);
+        attn_mask(&r, m);
+        tget(r.aux[ATTN_OUT_MASK], mo);
     }
     /* by sample: sample b alone, with first_row b */
     vh = v;
@@ -1437,14 +1450,13 @@ static void attn_cpu_dropout(void) {
         attn_rig_put(&half, &vh);
         half.ctx.first_row = b;
         if (attn_rig_forward(&half, hy)) {
-            tget(half.aux[6], hm);
-            tget(half.aux[7], hmo);
-            same_mask &= !memcmp(hm, m + b * per, (size_t)per * sizeof(float)) && !memcmp(hmo, mo + b * T * D, (size_t)T * D * sizeof(float));
+            tget(half.aux[ATTN_OUT_MASK], hmo);   /* the attention mask is not kept: it shows in y */
+            same_mask &= !memcmp(hmo, mo + b * T * D, (size_t)T * D * sizeof(float));
             for (k = 0; k < T * D; ++k) same_y &= fabsf(hy[k] - y[b * T * D + k]) <= 1e-6f * (1.0f + fabsf(y[b * T * D + k]));
         }
         attn_rig_free(&half);
     }
-    CHECK(same_mask, "attention: the masks of sample b alone (first_row b) differ from those of the whole batch");
+    CHECK(same_mask, "attention: the residual mask of sample b alone (first_row b) differs from the whole batch's");
     CHECK(same_y, "attention: the output of sample b alone (first_row b) differs from the whole batch's");
     /* the two dropouts draw from distinct counters: the residual mask is not the attention mask's start */
     CHECK(memcmp(m, mo, (size_t)T * sizeof(float)) != 0 || memcmp(m + T, mo + T, (size_t)T * sizeof(float)) != 0,
@@ -1455,7 +1467,7 @@ static void attn_cpu_dropout(void) {
 done:
     mgpu_layer_destroy(l);
     mgpu_layer_destroy(l0);
-    free(y); free(y0); free(m); free(mo); free(hm); free(hmo); free(hy);
+    free(y); free(y0); free(m); free(mo); free(hmo); free(hy);
 }
 
 /* The layer in a model: names, shapes, GPT-2's initialisation, forward through the model's own
@@ -1642,7 +1654,7 @@ static void attn_misuse(void) {
     if (!l) { CHECK(0, "attention misuse: create: %s", mgpu_last_error()); return; }
     attn_rig_make(&r, l, cpu, 2, 5, 8, 2);
     bad_x = tmake(cpu, MGPU_F32, mgpu_shape3(2, 5, 9));
-    bad_aux = tmake(cpu, MGPU_F32, mgpu_shape4(2, 2, 5, 4));
+    bad_aux = tmake(cpu, MGPU_F32, mgpu_shape3(2, 2, 4));
     bad_dy = tmake(cpu, MGPU_F32, mgpu_shape3(2, 4, 8));
     expect_fail(l->vt->forward(l, &r.ctx, bad_x, r.y), MGPU_ERROR_SHAPE_MISMATCH, "attention forward on [2,5,9]",
                 "CausalSelfAttention", "[batch,T,8]", NULL);
@@ -1650,8 +1662,8 @@ static void attn_misuse(void) {
                 "CausalSelfAttention(dim 8, heads 2) forward", "'y'", NULL);
     keep = r.aux[1];
     r.aux[1] = bad_aux;
-    expect_fail(l->vt->forward(l, &r.ctx, r.x, r.y), MGPU_ERROR_SHAPE_MISMATCH, "attention forward with aux[1] [2,2,5,4]",
-                "aux[1]", "[2,2,5,5]", NULL);
+    expect_fail(l->vt->forward(l, &r.ctx, r.x, r.y), MGPU_ERROR_SHAPE_MISMATCH, "attention forward with aux[1] [2,2,4]",
+                "aux[1]", "[2,2,5]", NULL);
     r.aux[1] = keep;
     ATTN_MUST(mgpu_tensor_zero(r.x));
     ATTN_MUST(l->vt->forward(l, &r.ctx, r.x, r.y));
@@ -1691,17 +1703,15 @@ static void attn_gpu_case(int B, int T, int D, int H, float p, int training) {
     if (ok) {
         double e = attn_rel(yg, yc, n);
         CHECK(e <= 1e-5, "%s: forward against the CPU: normalised error %.3g", what, e);
-        if (p > 0.0f && training)
-            for (k = 6; k <= 7; ++k) {
-                const int64_t na = mgpu_tensor_numel(c.aux[k]);
-                a = fbuf(na); b = fbuf(na);
-                tget(c.aux[k], a);
-                tget(g.aux[k], b);
-                CHECK(!memcmp(a, b, (size_t)na * sizeof(float)), "%s: the %s dropout mask differs from the CPU's", what,
-                      k == 6 ? "attention" : "residual");
-                free(a); free(b);
-                a = b = NULL;
-            }
+        if (p > 0.0f && training) {   /* the attention mask shows in y */
+            const int64_t na = mgpu_tensor_numel(c.aux[ATTN_OUT_MASK]);
+            a = fbuf(na); b = fbuf(na);
+            tget(c.aux[ATTN_OUT_MASK], a);
+            tget(g.aux[ATTN_OUT_MASK], b);
+            CHECK(!memcmp(a, b, (size_t)na * sizeof(float)), "%s: the residual dropout mask differs from the CPU's", what);
+            free(a); free(b);
+            a = b = NULL;
+        }
     }
     if (ok && attn_rig_backward(&c, R, 1) && attn_rig_backward(&g, R, 1)) {
         float* first[ATTN_PARAMS + 1];
@@ -1884,6 +1894,60 @@ static void attn_gpu_graph(void) {
 #endif
 }
 
+/* The core alone on g_gpu, fused kernels against the unfused ones (the path above the fused head
+   size) on the same qkv and dy: y, dqkv within 1e-5; lse and drow against the CPU's. Random q and
+   k of N(0, 1): scores of several units, so the running max changes from tile to tile. */
+static void attn_gpu_fused_core(int B, int T, int H, int hs, float p) {
+    const mgpu__attn g = { B, T, H, hs, 1.0f / sqrtf((float)hs) };
+    const int64_t D = (int64_t)H * hs, nq = (int64_t)B * T * 3 * D, ny = (int64_t)B * T * D, nr = (int64_t)B * H * T;
+    const uint64_t seed = 0x5eedull, offset = (uint64_t)2 << 40, first = 12345;
+    mgpu_tensor *qkv[2], *dy[2], *y[3], *lse[2], *drow[2], *dqkv[3];
+    float *hq = fbuf(nq), *hd = fbuf(ny), *a = fbuf(nq), *b = fbuf(nq);
+    char what[96];
+    int64_t i;
+    int k;
+    snprintf(what, sizeof what, "cuda attention core B%d T%d heads %d head size %d p %g", B, T, H, hs, (double)p);
+    for (i = 0; i < nq; ++i) hq[i] = (float)rng_gauss();
+    for (i = 0; i < ny; ++i) hd[i] = (float)rng_gauss();
+    for (k = 0; k < 3; ++k) {   /* 0: the CPU, 1: fused, 2: unfused (its y and dqkv only) */
+        mgpu_device* dev = k == 0 ? mgpu_device_cpu() : g_gpu;
+        y[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, T, D));
+        dqkv[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, T, 3 * D));
+        if (k == 2) continue;
+        qkv[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, T, 3 * D));
+        dy[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, T, D));
+        lse[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, H, T));
+        drow[k] = tmake(dev, MGPU_F32, mgpu_shape3(B, H, T));
+        tput(qkv[k], hq);
+        tput(dy[k], hd);
+    }
+    for (k = 0; k < 2; ++k) {
+        ATTN_MUST(mgpu__attention_forward(&g, qkv[k], y[k], lse[k], seed, NULL, offset, first, p));
+        ATTN_MUST(mgpu__attention_backward(&g, qkv[k], y[k], lse[k], dy[k], drow[k], dqkv[k], seed, NULL, offset, first, p));
+    }
+    ATTN_MUST(mgpu__attention_unfused(&g, qkv[1], y[2], NULL, NULL, seed, NULL, offset, first, p, "test"));
+    ATTN_MUST(mgpu__attention_unfused(&g, qkv[1], NULL, dy[1], dqkv[2], seed, NULL, offset, first, p, "test"));
+    tget(y[1], a); tget(y[2], b);
+    CHECK(attn_rel(a, b, ny) <= 1e-5, "%s: fused y against unfused: normalised error %.3g", what, attn_rel(a, b, ny));
+    tget(y[0], b);
+    CHECK(attn_rel(a, b, ny) <= 1e-5, "%s: fused y against the CPU: normalised error %.3g", what, attn_rel(a, b, ny));
+    tget(dqkv[1], a); tget(dqkv[2], b);
+    CHECK(attn_rel(a, b, nq) <= 1e-5, "%s: fused dqkv against unfused: normalised error %.3g", what, attn_rel(a, b, nq));
+    tget(dqkv[0], b);
+    CHECK(attn_rel(a, b, nq) <= 1e-5, "%s: fused dqkv against the CPU: normalised error %.3g", what, attn_rel(a, b, nq));
+    tget(lse[1], a); tget(lse[0], b);
+    CHECK(attn_rel(a, b, nr) <= 1e-6, "%s: lse against the CPU's: normalised error %.3g", what, attn_rel(a, b, nr));
+    tget(drow[1], a); tget(drow[0], b);
+    CHECK(attn_rel(a, b, nr) <= 1e-5, "%s: drow against the CPU's: normalised error %.3g", what, attn_rel(a, b, nr));
+    for (k = 0; k < 3; ++k) {
+        mgpu_tensor_destroy(y[k]);
+        mgpu_tensor_destroy(dqkv[k]);
+        if (k == 2) continue;
+        mgpu_tensor_destroy(qkv[k]); mgpu_tensor_destroy(dy[k]); mgpu_tensor_destroy(lse[k]); mgpu_tensor_destroy(drow[k]);
+    }
+    free(hq); free(hd); free(a); free(b);
+}
+
 static void test_attention(void) {
     header("3. causal multi-head self-attention");
     attn_create_errors();
@@ -1904,6 +1968,11 @@ static void test_attention(void) {
         attn_gpu_case(1, 37, 70, 1, 0.0f, 1);   /* head size past 32 (lanes loop over it) */
         attn_gpu_case(4, 37, 16, 4, 0.4f, 1);   /* dropout: the CPU's masks */
         attn_gpu_case(2, 5, 8, 2, 0.4f, 0);     /* evaluation ignores it */
+        attn_gpu_case(2, 70, 128, 2, 0.3f, 1);  /* the largest fused head size, three tiles of T, the last partial */
+        attn_gpu_case(1, 37, 70, 1, 0.4f, 1);   /* dropout above the fused head size */
+        attn_gpu_fused_core(2, 64, 3, 64, 0.0f);   /* T a whole number of tiles */
+        attn_gpu_fused_core(1, 75, 2, 40, 0.25f);  /* a partial last tile, dropout */
+        attn_gpu_fused_core(3, 33, 1, 1, 0.0f);    /* head size 1 */
         attn_gpu_model();
         attn_gpu_graph();
     }
