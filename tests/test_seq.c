@@ -1894,6 +1894,54 @@ static void attn_gpu_graph(void) {
 #endif
 }
 
+/* The activation memory of a training step grows with T, not T^2: a layer that kept [B, heads,
+   T, T] (dropout's mask too) would keep 64 times as much at 8 T; this one keeps 8 times as much,
+   and the summary's figure is the step's growth of the bytes in use. On the CPU and g_gpu. */
+static size_t attn_step_memory(const char* spec, int T) {
+    const int B = 4, D = 64, H = 4;
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_layer* layers[1];
+    mgpu_model_desc desc;
+    mgpu_model* m = NULL;
+    mgpu_optimizer* opt = NULL;
+    mgpu_tensor *x = NULL, *t = NULL;
+    size_t bytes = 0;
+    if (!set) { CHECK(0, "attention memory: %s: %s", spec, mgpu_last_error()); return 0; }
+    layers[0] = mgpu_layer_causal_self_attention(D, H, 0.1f);
+    memset(&desc, 0, sizeof desc);
+    desc.input = mgpu_shape2(T, D);
+    desc.layers = layers;
+    desc.layer_count = 1;
+    desc.devices = set;
+    desc.loss = MGPU_LOSS_MSE;
+    desc.seed = 5;
+    m = mgpu_model_create(&desc);
+    if (m) opt = mgpu_optimizer_create(m, NULL);
+    CHECK(m && opt, "attention memory on %s: %s", spec, mgpu_last_error());
+    if (m && opt) {
+        mgpu_device* dev = mgpu_device_set_get(set, 0);
+        x = tmake(dev, MGPU_F32, mgpu_shape3(B, T, D));
+        t = tmake(dev, MGPU_F32, mgpu_shape3(B, T, D));
+        ATTN_MUST(mgpu_rand_normal(x, 1, 0, 0.0f, 1.0f));
+        ATTN_MUST(mgpu_rand_normal(t, 2, 0, 0.0f, 1.0f));
+        ATTN_MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+        bytes = mgpu_model_activation_bytes(m, 0, NULL);
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(t);
+    mgpu_optimizer_destroy(opt);
+    if (m) mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+    return bytes;
+}
+static void attn_memory(const char* spec) {
+    const size_t small = attn_step_memory(spec, 64), large = attn_step_memory(spec, 512);
+    CHECK(small > 0 && large >= 7 * small && large <= 9 * small,
+          "attention memory on %s: a step's activations take %zu bytes at T 64 and %zu at T 512: want 8 times as many "
+          "(linear in T; the [B, heads, T, T] probabilities alone would be %zu bytes at T 512)", spec, small, large,
+          (size_t)4 * 4 * 512 * 512 * sizeof(float));
+}
+
 /* The core alone on g_gpu, fused kernels against the unfused ones (the path above the fused head
    size) on the same qkv and dy: y, dqkv within 1e-5; lse and drow against the CPU's. Random q and
    k of N(0, 1): scores of several units, so the running max changes from tile to tile. */
@@ -1958,6 +2006,7 @@ static void test_attention(void) {
     attn_cpu_case(1, 37, 8, 4, 0.0f);   /* T past 32 */
     attn_cpu_case(2, 5, 8, 2, 0.3f);    /* both dropouts, training: the same masks in every forward */
     attn_cpu_dropout();
+    attn_memory("cpu");
     attn_model();
     attn_replicas();
     if (gpu_part("attention")) {
@@ -1973,6 +2022,7 @@ static void test_attention(void) {
         attn_gpu_fused_core(2, 64, 3, 64, 0.0f);   /* T a whole number of tiles */
         attn_gpu_fused_core(1, 75, 2, 40, 0.25f);  /* a partial last tile, dropout */
         attn_gpu_fused_core(3, 33, 1, 1, 0.0f);    /* head size 1 */
+        attn_memory("cuda:0");
         attn_gpu_model();
         attn_gpu_graph();
     }
