@@ -7701,8 +7701,10 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
 
 /* A container's children and where each one's parameters and aux buffers start in its own. For a
    residual block kid 0 is f and kid 1 the shortcut (if any). Its own buffers come after the
-   children's, in aux: sequential, the output of every child but the last and their gradients
-   (2 (n - 1)); residual, f's output and a gradient of x (2), and the same for the shortcut. */
+   children's, in aux: sequential, the output of every child but the last (n - 1); residual, each
+   child's output. The gradients between its children live only while its backward runs
+   (temporaries from the device's cache, two at a time), as PyTorch's autograd frees them: they
+   are no activation memory kept from step to step, and a GPT's blocks share them. */
 typedef struct mgpu__container {
     int count, residual;
     mgpu_layer** kid;
@@ -7716,7 +7718,7 @@ typedef struct mgpu__container {
 static uint64_t mgpu__mix(uint64_t x);
 static const mgpu__container* mgpu__box(const mgpu_layer* l) { return (const mgpu__container*)l->user; }
 static int mgpu__box_params(const mgpu_layer* l) { return mgpu__box(l)->first_param[mgpu__box(l)->count]; }
-static int mgpu__box_own_aux(const mgpu__container* c) { return c->residual ? 2 * c->count : 2 * (c->count - 1); }
+static int mgpu__box_own_aux(const mgpu__container* c) { return c->residual ? c->count : c->count - 1; }
 static int mgpu__box_aux(const mgpu_layer* l) { return mgpu__box(l)->first_aux[mgpu__box(l)->count] + mgpu__box_own_aux(mgpu__box(l)); }
 static mgpu_result mgpu__box_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
     const mgpu__container* c = mgpu__box(l);
@@ -7772,7 +7774,7 @@ static mgpu_result mgpu__box_output_shape(const mgpu_layer* l, mgpu_shape x, mgp
 }
 static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     const mgpu__container* c = mgpu__box(l);
-    mgpu_shape in = x, out;
+    mgpu_shape in = x;
     int k;
     for (k = 0; k < c->count; ++k) {   /* a child's own: for its input shape */
         if (i < c->first_aux[k + 1]) return c->kid[k]->vt->aux_shape(c->kid[k], i - c->first_aux[k], in, dt, shape);
@@ -7780,13 +7782,9 @@ static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x,
     }
     i -= c->first_aux[c->count];
     *dt = l->precision;   /* the activations' dtype in its model */
-    if (c->residual) {   /* per child: its output, then a gradient of x */
-        MGPU__TRY(mgpu__output_shape(c->kid[i / 2], x, &out));
-        *shape = i % 2 == 0 ? out : x;
-        return MGPU_OK;
-    }
-    for (k = 0, in = x; k <= i % (c->count - 1); ++k) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
-    *shape = in;   /* child k's output, and (second half) its gradient */
+    if (c->residual) return mgpu__output_shape(c->kid[i], x, shape);   /* child i's output */
+    for (k = 0, in = x; k <= i; ++k) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
+    *shape = in;   /* child i's output */
     return MGPU_OK;
 }
 static mgpu_result mgpu__box_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
@@ -7805,32 +7803,43 @@ static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* 
     int k;
     for (k = 0; k < c->count; ++k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-        if (c->residual) MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, x, own[2 * k]));
+        if (c->residual) MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, x, own[k]));
         else MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, k ? own[k - 1] : x, k < c->count - 1 ? own[k] : y));
     }
-    if (c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[2] : x);   /* f(x) + shortcut(x) */
+    if (c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[1] : x);   /* f(x) + shortcut(x) */
     return MGPU_OK;
 }
+/* A gradient between a container's children, like t, from the device's cache (NULL: failed) */
+static mgpu_tensor* mgpu__box_temp(const mgpu_tensor* t) { return mgpu_tensor_create(MGPU__DEV(t), t->dtype, t->shape); }
 static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
     const int n = c->count;
+    mgpu_tensor *dnext = NULL, *dcur = NULL;   /* the gradients of child k's output and input */
+    mgpu_result r = MGPU_OK;
     int k;
-    if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)) */
-        for (k = 0; k < n; ++k) {
-            const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-            MGPU__TRY(mgpu_layer_backward(c->kid[k], &sub, x, own[2 * k], dy, dx ? own[2 * k + 1] : NULL));
-        }
-        if (!dx) return MGPU_OK;
-        return mgpu_add(dx, own[1], n > 1 ? own[3] : dy);
+    if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)): f's into dx, the shortcut's into a temporary */
+        mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, 0);
+        MGPU__TRY(mgpu_layer_backward(c->kid[0], &sub, x, own[0], dy, dx));
+        if (n == 1) return dx ? mgpu_add(dx, dx, dy) : MGPU_OK;
+        if (dx && !(dcur = mgpu__box_temp(dx))) return mgpu_last_result();
+        sub = mgpu__kid_ctx(c, ctx, 1);
+        r = mgpu_layer_backward(c->kid[1], &sub, x, own[1], dy, dcur);
+        if (r == MGPU_OK && dx) r = mgpu_add(dx, dx, dcur);
+        mgpu_tensor_destroy(dcur);
+        return r;
     }
-    for (k = n - 1; k >= 0; --k) {
+    for (k = n - 1; k >= 0 && r == MGPU_OK; --k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-        MGPU__TRY(mgpu_layer_backward(c->kid[k], &sub, k ? own[k - 1] : x, k < n - 1 ? own[k] : y,
-                                      k < n - 1 ? own[n - 1 + k] : dy, k ? own[n - 1 + k - 1] : dx));
+        dcur = !k ? dx : mgpu__box_temp(own[k - 1]);
+        if (k && !dcur) r = mgpu_last_result();
+        else r = mgpu_layer_backward(c->kid[k], &sub, k ? own[k - 1] : x, k < n - 1 ? own[k] : y, dnext ? dnext : dy, dcur);
+        mgpu_tensor_destroy(dnext);
+        dnext = k ? dcur : NULL;
     }
-    return MGPU_OK;
+    mgpu_tensor_destroy(dnext);
+    return r;
 }
 static void mgpu__box_describe(const mgpu_layer* l, char* buf, size_t size) {
     const mgpu__container* c = mgpu__box(l);

@@ -2277,6 +2277,58 @@ static mgpu_layer* mlp_block(int d, int hidden) {
     return mgpu_layer_sequential(kids, 3);
 }
 
+/* A container keeps its children's outputs from step to step, not the gradients between them
+   (temporaries of its backward, from the cache): a GPT MLP block, x + proj(gelu(fc(ln(x)))),
+   keeps 10 C floats a token of its own (ln, fc and gelu's outputs, f's) where its gradients
+   would add 10 C more; no step after the first allocates, and the activation memory is the first
+   step's growth of the bytes in use. */
+static void box_memory(const char* spec) {
+    const int B = 4, T = 16, C = 32;
+    const size_t own = (size_t)10 * C * B * T * sizeof(float);
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_device* dev = set ? mgpu_device_set_get(set, 0) : NULL;
+    mgpu_layer *mlp[4], *block;
+    mgpu_model* m = NULL;
+    mgpu_optimizer* opt = NULL;
+    mgpu_tensor *x = NULL, *t = NULL;
+    mgpu_memory_stats s0, s1, s2;
+    int i;
+    if (!set) { CHECK(0, "container memory: %s: %s", spec, mgpu_last_error()); return; }
+    mlp[0] = mgpu_layer_layer_norm(C); mlp[1] = mgpu_layer_linear(C, 4 * C); mlp[2] = mgpu_layer_gelu_tanh();
+    mlp[3] = mgpu_layer_linear(4 * C, C);
+    block = mgpu_layer_residual(mgpu_layer_sequential(mlp, 4), NULL);
+    m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape2(T, C), .layers = &block, .layer_count = 1,
+                                              .devices = set, .loss = MGPU_LOSS_MSE, .seed = 3 });
+    if (m) opt = mgpu_optimizer_create(m, NULL);
+    CHECK(m && opt, "container memory on %s: %s", spec, mgpu_last_error());
+    if (m && opt) {
+        x = tmake(dev, MGPU_F32, mgpu_shape3(B, T, C));
+        t = tmake(dev, MGPU_F32, mgpu_shape3(B, T, C));
+        MUST(mgpu_rand_normal(x, 1, 0, 0.0f, 1.0f));
+        MUST(mgpu_rand_normal(t, 2, 0, 0.0f, 1.0f));
+        MUST(mgpu_memory_get_stats(dev, &s0));
+        MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+        MUST(mgpu_memory_get_stats(dev, &s1));
+        {
+            const size_t act = mgpu_model_activation_bytes(m, 0, NULL);
+            /* (the model's own: its output, the loss gradient, LayerNorm's statistics: less than 4 C a token) */
+            CHECK(act == s1.bytes_in_use - s0.bytes_in_use && act >= own && act < own + own * 4 / 10,
+                  "container memory on %s: activation memory %zu, the first step added %zu: want %zu of the block's own and "
+                  "less than 4 C floats a token more", spec, act, s1.bytes_in_use - s0.bytes_in_use, own);
+        }
+        for (i = 0; i < 3; ++i) MUST(mgpu_model_train_step(m, opt, x, t, NULL));
+        MUST(mgpu_memory_get_stats(dev, &s2));
+        CHECK(s2.backend_allocs == s1.backend_allocs && s2.bytes_in_use == s1.bytes_in_use,
+              "container memory on %s: steps after the first allocated %llu times, bytes in use %zu -> %zu", spec,
+              (unsigned long long)(s2.backend_allocs - s1.backend_allocs), s1.bytes_in_use, s2.bytes_in_use);
+    }
+    mgpu_tensor_destroy(x);
+    mgpu_tensor_destroy(t);
+    mgpu_optimizer_destroy(opt);
+    if (m) mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_containers(void) {
     mgpu_model *a, *b;
     mgpu_layer* flat_layers[3];
@@ -2352,6 +2404,8 @@ static void test_containers(void) {
         kids[0] = kids[1] = mgpu_layer_relu();
         CHECK(mgpu_layer_sequential(kids, 2) == NULL && strstr(mgpu_last_error(), "twice"), "the same layer twice refused");
     }
+    box_memory("cpu");
+    if (gpu_part("container memory")) box_memory("cuda:0");
 }
 
 /* ============================================================================================ */
