@@ -7470,16 +7470,16 @@ MGPUDEF mgpu_layer* mgpu_layer_position_embedding(int max_positions, int dim) {
    GEMMs on [batch*T, ...] views; the core is mgpu__attention_forward/backward. Aux buffers, from
    forward to backward: qkv, lse [batch, heads, T] (the softmax rows' log denominators), y (heads
    merged, c_proj's input), and with dropout the residual mask (the attention mask is drawn again
-   in backward); backward's scratch: dy (into the heads), dqkv, drow [batch, heads, T] and, with
-   dropout, d out before the residual dropout. No T x T buffer: a step's activations grow with T,
-   not T^2. Backward never writes forward's buffers, so a second backward after one forward adds
-   the same gradients again. -- */
+   in backward). No T x T buffer: a step's activations grow with T, not T^2. Backward's scratch is
+   temporaries from the device's cache, for its call only: dy (into the heads), dqkv, drow [batch,
+   heads, T] and, with dropout, d out before the residual dropout. Backward never writes forward's
+   buffers, so a second backward after one forward adds the same gradients again. -- */
 enum {
     MGPU__ATTN_QKV, MGPU__ATTN_LSE, MGPU__ATTN_Y,                /* kept from forward */
-    MGPU__ATTN_DY, MGPU__ATTN_DQKV, MGPU__ATTN_DROW,             /* backward's scratch */
-    MGPU__ATTN_OUT_MASK, MGPU__ATTN_DOUT,                        /* with dropout only */
+    MGPU__ATTN_OUT_MASK,                                         /* with dropout only */
     MGPU__ATTN_AUX_MAX
 };
+enum { MGPU__ATTN_DY, MGPU__ATTN_DQKV, MGPU__ATTN_DROW, MGPU__ATTN_DOUT, MGPU__ATTN_TEMPS };   /* backward's */
 /* the residual dropout's counters: past any attention dropout's (B*heads*T*T/4 of them) */
 #define MGPU__ATTN_OUT_OFFSET ((uint64_t)1 << 39)
 
@@ -7516,9 +7516,9 @@ static mgpu_result mgpu__attn_aux_shape(const mgpu_layer* l, int i, mgpu_shape x
     MGPU__TRY(mgpu__attn_output_shape(l, x, &y));
     *dt = MGPU_F32;
     switch (i) {
-    case MGPU__ATTN_QKV: case MGPU__ATTN_DQKV: *shape = mgpu_shape3(x.dim[0], x.dim[1], 3 * x.dim[2]); break;
-    case MGPU__ATTN_LSE: case MGPU__ATTN_DROW: *shape = mgpu_shape3(x.dim[0], l->cfg.out, x.dim[1]); break;
-    default: *shape = x; break;   /* y, dy, the residual mask, d out */
+    case MGPU__ATTN_QKV: *shape = mgpu_shape3(x.dim[0], x.dim[1], 3 * x.dim[2]); break;
+    case MGPU__ATTN_LSE: *shape = mgpu_shape3(x.dim[0], l->cfg.out, x.dim[1]); break;
+    default: *shape = x; break;   /* y, the residual mask */
     }
     return MGPU_OK;
 }
@@ -7581,36 +7581,53 @@ static mgpu_result mgpu__attn_forward(const mgpu_layer* l, const mgpu_layer_ctx*
     return mgpu__dropout(y, ctx->aux[MGPU__ATTN_OUT_MASK], y, l->cfg.p, ctx->seed, ctx->seed_on_device,
                          ctx->offset + MGPU__ATTN_OUT_OFFSET, (uint64_t)ctx->first_row * (uint64_t)g.t * (uint64_t)l->cfg.in);
 }
-static mgpu_result mgpu__attn_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
-                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
-    mgpu__attn g;
+/* backward with its temporaries t (MGPU__ATTN_TEMPS of them; d out only with dropout) */
+static mgpu_result mgpu__attn_backward_in(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu__attn* g,
+                                          const mgpu_tensor* x, const mgpu_tensor* dy, mgpu_tensor* dx, mgpu_tensor* const* t) {
     mgpu_tensor x2, dout2, yh2, dyh2, dqkv2, dx2;
     const mgpu_tensor* dout = dy;
-    int64_t rows;
+    const int64_t rows = (int64_t)g->batch * g->t;
     const int drop = ctx->training && l->cfg.p > 0.0f;
-    (void)y;
-    MGPU__TRY(mgpu__attn_geometry(l, ctx, "backward", x, "dy", dy, dx, &g));
-    rows = (int64_t)g.batch * g.t;
     if (drop) {   /* through the residual dropout */
-        MGPU__TRY(mgpu_mul(ctx->aux[MGPU__ATTN_DOUT], dy, ctx->aux[MGPU__ATTN_OUT_MASK]));
-        dout = ctx->aux[MGPU__ATTN_DOUT];
+        MGPU__TRY(mgpu_mul(t[MGPU__ATTN_DOUT], dy, ctx->aux[MGPU__ATTN_OUT_MASK]));
+        dout = t[MGPU__ATTN_DOUT];
     }
     x2 = mgpu__reshaped(x, mgpu_shape2(rows, l->cfg.in));
     dout2 = mgpu__reshaped(dout, mgpu_shape2(rows, l->cfg.in));
     yh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_Y], mgpu_shape2(rows, l->cfg.in));
-    dyh2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_DY], mgpu_shape2(rows, l->cfg.in));
-    dqkv2 = mgpu__reshaped(ctx->aux[MGPU__ATTN_DQKV], mgpu_shape2(rows, 3 * (int64_t)l->cfg.in));
+    dyh2 = mgpu__reshaped(t[MGPU__ATTN_DY], mgpu_shape2(rows, l->cfg.in));
+    dqkv2 = mgpu__reshaped(t[MGPU__ATTN_DQKV], mgpu_shape2(rows, 3 * (int64_t)l->cfg.in));
     MGPU__TRY(mgpu_matmul(ctx->grads[2], &yh2, &dout2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dWp += y^T dout */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[3], &dout2));
     MGPU__TRY(mgpu_matmul(&dyh2, &dout2, ctx->params[2], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f));  /* dy = dout Wp^T */
-    MGPU__TRY(mgpu__attention_backward(&g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_Y], ctx->aux[MGPU__ATTN_LSE],
-                                       ctx->aux[MGPU__ATTN_DY], ctx->aux[MGPU__ATTN_DROW], ctx->aux[MGPU__ATTN_DQKV], ctx->seed,
-                                       ctx->seed_on_device, ctx->offset, mgpu__attn_first(ctx, &g), drop ? l->cfg.p : 0.0f));
+    MGPU__TRY(mgpu__attention_backward(g, ctx->aux[MGPU__ATTN_QKV], ctx->aux[MGPU__ATTN_Y], ctx->aux[MGPU__ATTN_LSE],
+                                       t[MGPU__ATTN_DY], t[MGPU__ATTN_DROW], t[MGPU__ATTN_DQKV], ctx->seed,
+                                       ctx->seed_on_device, ctx->offset, mgpu__attn_first(ctx, g), drop ? l->cfg.p : 0.0f));
     MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dqkv2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));    /* dWa += x^T dqkv */
     MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dqkv2));
     if (!dx) return MGPU_OK;
     dx2 = mgpu__reshaped(dx, mgpu_shape2(rows, l->cfg.in));
     return mgpu_matmul(&dx2, &dqkv2, ctx->params[0], MGPU_NO_TRANS, MGPU_TRANS, 1.0f, 0.0f);  /* dx = dqkv Wa^T */
+}
+static mgpu_result mgpu__attn_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu__attn g;
+    mgpu_tensor* t[MGPU__ATTN_TEMPS] = { NULL, NULL, NULL, NULL };
+    mgpu_shape shape[MGPU__ATTN_TEMPS];
+    mgpu_result r = MGPU_OK;
+    int i;
+    (void)y;
+    MGPU__TRY(mgpu__attn_geometry(l, ctx, "backward", x, "dy", dy, dx, &g));
+    shape[MGPU__ATTN_DY] = shape[MGPU__ATTN_DOUT] = x->shape;
+    shape[MGPU__ATTN_DQKV] = ctx->aux[MGPU__ATTN_QKV]->shape;
+    shape[MGPU__ATTN_DROW] = ctx->aux[MGPU__ATTN_LSE]->shape;
+    for (i = 0; i < MGPU__ATTN_TEMPS && r == MGPU_OK; ++i) {
+        if (i == MGPU__ATTN_DOUT && !(ctx->training && l->cfg.p > 0.0f)) continue;   /* no residual dropout */
+        if (!(t[i] = mgpu_tensor_create(MGPU__DEV(x), MGPU_F32, shape[i]))) r = mgpu_last_result();
+    }
+    if (r == MGPU_OK) r = mgpu__attn_backward_in(l, ctx, &g, x, dy, dx, t);
+    for (i = 0; i < MGPU__ATTN_TEMPS; ++i) mgpu_tensor_destroy(t[i]);
+    return r;
 }
 static void mgpu__attn_describe(const mgpu_layer* l, char* buf, size_t size) {
     snprintf(buf, size, "dim %d, heads %d, dropout %g", l->cfg.in, l->cfg.out, (double)l->cfg.p);

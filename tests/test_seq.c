@@ -1101,7 +1101,7 @@ static void test_norm_embedding(void) {
         if (attn_r_ != MGPU_OK) CHECK(0, "%s: %s", #expr, mgpu_last_error());                    \
     } while (0)
 #define ATTN_AUX_MAX 16
-#define ATTN_OUT_MASK 6   /* the residual dropout's mask: aux[6] with dropout */
+#define ATTN_OUT_MASK 3   /* the residual dropout's mask: aux[3] with dropout */
 typedef struct attn_rig {
     mgpu_layer* l;
     mgpu_device* dev;
@@ -1907,6 +1907,7 @@ static size_t attn_step_memory(const char* spec, int T) {
     mgpu_tensor *x = NULL, *t = NULL;
     size_t bytes = 0;
     if (!set) { CHECK(0, "attention memory: %s: %s", spec, mgpu_last_error()); return 0; }
+    ATTN_MUST(mgpu_memory_empty_cache(mgpu_device_set_get(set, 0)));   /* blocks of the sizes asked for */
     layers[0] = mgpu_layer_causal_self_attention(D, H, 0.1f);
     memset(&desc, 0, sizeof desc);
     desc.input = mgpu_shape2(T, D);
@@ -2294,6 +2295,7 @@ static void box_memory(const char* spec) {
     mgpu_memory_stats s0, s1, s2;
     int i;
     if (!set) { CHECK(0, "container memory: %s: %s", spec, mgpu_last_error()); return; }
+    MUST(mgpu_memory_empty_cache(dev));   /* blocks of the sizes asked for, not larger ones that earlier groups freed */
     mlp[0] = mgpu_layer_layer_norm(C); mlp[1] = mgpu_layer_linear(C, 4 * C); mlp[2] = mgpu_layer_gelu_tanh();
     mlp[3] = mgpu_layer_linear(4 * C, C);
     block = mgpu_layer_residual(mgpu_layer_sequential(mlp, 4), NULL);
