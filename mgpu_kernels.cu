@@ -1632,9 +1632,11 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
         const int qt = (int)(blk % tiles), h = (int)(bh % g.heads);
         const float* base = qkv + b * T * W + (int64_t)h * hs;   // q of row 0; k at + D, v at + 2 D
         float m[kAttnRowsPerWarp], l[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kAttnPerLane];
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             m[i] = -INFINITY;
             l[i] = 0.0f;
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
         }
         __syncthreads();   // the last tile's readers are done
@@ -1645,6 +1647,7 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
             attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
             __syncthreads();
             const int s = kt * kAttnTile + lane;
+#pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
                 const int r = warp * kAttnRowsPerWarp + i, t = qt * kAttnTile + r;
                 if (t >= T) break;   // the same for the whole warp
@@ -1655,18 +1658,22 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
                 const float rescale = mgpu__expf(m[i] - m_new);   // 0 for the first tile (m = -inf)
                 const float pd = on ? e * attn_keep(key, offset, first, p, bh, T, t, s) : 0.0f;
                 l[i] = l[i] * rescale + group_reduce<32>(e, sum_op<float>());
+#pragma unroll
                 for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] *= rescale;
                 for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
                     const float pj = __shfl_sync(0xffffffffu, pd, j);
+#pragma unroll
                     for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += pj * vs[j][lane + 32 * c];
                 }
                 m[i] = m_new;
             }
         }
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
             if (t >= T) break;
             float* yr = y + (b * T + t) * D + (int64_t)h * hs;
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c)
                 if (lane + 32 * c < hs) yr[lane + 32 * c] = acc[i][c] / l[i];
             if (lane == 0) lse[bh * T + t] = m[i] + logf(l[i]);
@@ -1693,9 +1700,11 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
         __syncthreads();
         attn_load(qs, base, W, qt * kAttnTile, T, hs);
         attn_load(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
             float part = 0.0f;
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
             if (t >= T) { rs[i] = ls[i] = 0.0f; continue; }
             const float* yr = y + (b * T + t) * D + (int64_t)h * hs;
@@ -1711,6 +1720,7 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
             attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
             __syncthreads();
             const int s = kt * kAttnTile + lane;
+#pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
                 const int r = warp * kAttnRowsPerWarp + i, t = qt * kAttnTile + r;
                 if (t >= T) break;
@@ -1720,14 +1730,17 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
                 const float ds = pr * (dp - rs[i]) * g.scale;
                 for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
                     const float dj = __shfl_sync(0xffffffffu, ds, j);
+#pragma unroll
                     for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += dj * ks[j][lane + 32 * c];
                 }
             }
         }
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
             if (t >= T) break;
             float* dq = dqkv + (b * T + t) * W + (int64_t)h * hs;
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c)
                 if (lane + 32 * c < hs) dq[lane + 32 * c] = acc[i][c];
         }
@@ -1751,7 +1764,9 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
         const int kt = (int)(blk % tiles), h = (int)(bh % g.heads);
         const float* base = qkv + b * T * W + (int64_t)h * hs;
         float dk[kAttnRowsPerWarp][kAttnPerLane], dv[kAttnRowsPerWarp][kAttnPerLane];
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i)
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c) dk[i][c] = dv[i][c] = 0.0f;
         __syncthreads();
         attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
@@ -1767,6 +1782,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
             }
             __syncthreads();
             const int t = qt * kAttnTile + lane;
+#pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
                 const int r = warp * kAttnRowsPerWarp + i, s = kt * kAttnTile + r;
                 if (s >= T) break;
@@ -1777,6 +1793,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
                 const float ds = pr * (dp - rs[lane]) * g.scale, pd = pr * keep;
                 for (int j = max(0, s - qt * kAttnTile); j <= min(kAttnTile - 1, T - 1 - qt * kAttnTile); ++j) {
                     const float dj = __shfl_sync(0xffffffffu, ds, j), pj = __shfl_sync(0xffffffffu, pd, j);
+#pragma unroll
                     for (int c = 0; c < kAttnPerLane; ++c) {
                         dk[i][c] += dj * qs[j][lane + 32 * c];
                         dv[i][c] += pj * dys[j][lane + 32 * c];
@@ -1784,10 +1801,12 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
                 }
             }
         }
+#pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             const int s = kt * kAttnTile + warp * kAttnRowsPerWarp + i;
             if (s >= T) break;
             float* dkr = dqkv + (b * T + s) * W + D + (int64_t)h * hs;
+#pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c)
                 if (lane + 32 * c < hs) {
                     dkr[lane + 32 * c] = dk[i][c];
