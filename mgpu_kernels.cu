@@ -1608,6 +1608,14 @@ __device__ void attn_load(attn_tile& tile, const float* src, int64_t stride, int
         tile[r][d] = first + r < T && d < hs ? src[(int64_t)(first + r) * stride + d] : 0.0f;
     }
 }
+// key tile kt's k and v rows (base: the head's q of row 0), between barriers: every reader of the
+// last tile done before, every row written after
+__device__ void attn_load_keys(attn_tile& ks, attn_tile& vs, const float* base, int64_t D, int kt, int T, int hs) {
+    __syncthreads();
+    attn_load(ks, base + D, 3 * D, kt * kAttnTile, T, hs);
+    attn_load(vs, base + 2 * D, 3 * D, kt * kAttnTile, T, hs);
+    __syncthreads();
+}
 __device__ __forceinline__ float attn_dot(const float* a, const float* b, int hs) {
     float acc = 0.0f;
     for (int d = 0; d < hs; ++d) acc += a[d] * b[d];
@@ -1642,10 +1650,7 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
         __syncthreads();   // the last tile's readers are done
         attn_load(qs, base, W, qt * kAttnTile, T, hs);
         for (int kt = 0; kt <= qt; ++kt) {
-            __syncthreads();
-            attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
-            attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
-            __syncthreads();
+            attn_load_keys(ks, vs, base, D, kt, T, hs);
             const int s = kt * kAttnTile + lane;
 #pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
@@ -1715,10 +1720,7 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
             if (lane == 0) drow[bh * T + t] = rs[i];
         }
         for (int kt = 0; kt <= qt; ++kt) {
-            __syncthreads();
-            attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
-            attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
-            __syncthreads();
+            attn_load_keys(ks, vs, base, D, kt, T, hs);
             const int s = kt * kAttnTile + lane;
 #pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
@@ -1768,9 +1770,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
         for (int i = 0; i < kAttnRowsPerWarp; ++i)
 #pragma unroll
             for (int c = 0; c < kAttnPerLane; ++c) dk[i][c] = dv[i][c] = 0.0f;
-        __syncthreads();
-        attn_load(ks, base + D, W, kt * kAttnTile, T, hs);
-        attn_load(vs, base + 2 * D, W, kt * kAttnTile, T, hs);
+        attn_load_keys(ks, vs, base, D, kt, T, hs);   // this block's keys, for every query tile
         for (int qt = kt; qt < tiles; ++qt) {
             __syncthreads();
             attn_load(qs, base, W, qt * kAttnTile, T, hs);

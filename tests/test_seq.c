@@ -1546,14 +1546,27 @@ static void attn_model(void) {
     else expect_fail(mgpu_last_result(), MGPU_ERROR_SHAPE_MISMATCH, "attention on [T, dim + 1]", "CausalSelfAttention", "[batch,T,16]", NULL);
 }
 
+/* A model of one attention layer on set, input [T, dim], MSE (a desc.graph of `graph`) */
+static mgpu_model* attn_one_layer(mgpu_device_set* set, int T, int D, int H, float p, uint64_t seed, int graph) {
+    mgpu_layer* layer = mgpu_layer_causal_self_attention(D, H, p);
+    mgpu_model_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.input = mgpu_shape2(T, D);
+    desc.layers = &layer;
+    desc.layer_count = 1;
+    desc.devices = set;
+    desc.loss = MGPU_LOSS_MSE;
+    desc.seed = seed;
+    desc.graph = graph;
+    return mgpu_model_create(&desc);
+}
+
 /* A training step (MSE on [batch, T, dim], SGD) with both dropouts on "cpu" and on "cpu:2": the
    replicas' masks are drawn by sample, so two replicas of two samples each take the step one
    device takes (to rounding: the replicas' gradients are summed in another order). */
 static double attn_step(const char* spec, float p, const float* xs, const float* ts, int B, int T, int D, int H, float* change,
                         size_t* bytes) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
-    mgpu_layer* layers[1];
-    mgpu_model_desc desc;
     mgpu_optimizer_desc od;
     mgpu_model* m = NULL;
     mgpu_optimizer* opt = NULL;
@@ -1561,15 +1574,7 @@ static double attn_step(const char* spec, float p, const float* xs, const float*
     float loss = NAN;
     mgpu_result r;
     if (!set) { CHECK(0, "attention step: %s: %s", spec, mgpu_last_error()); return NAN; }
-    layers[0] = mgpu_layer_causal_self_attention(D, H, p);
-    memset(&desc, 0, sizeof desc);
-    desc.input = mgpu_shape2(T, D);
-    desc.layers = layers;
-    desc.layer_count = 1;
-    desc.devices = set;
-    desc.loss = MGPU_LOSS_MSE;
-    desc.seed = 5;
-    m = mgpu_model_create(&desc);
+    m = attn_one_layer(set, T, D, H, p, 5, 0);
     memset(&od, 0, sizeof od);
     od.kind = MGPU_SGD;
     od.lr = 0.5f;
@@ -1849,19 +1854,8 @@ static void attn_gpu_graph(void) {
     x = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), xs);
     t = tfrom(mgpu_device_cpu(), mgpu_shape3(B, T, D), ts);
     for (k = 0; k < 2; ++k) {
-        mgpu_layer* layers[1];
-        mgpu_model_desc desc;
         mgpu_optimizer_desc od;
-        layers[0] = mgpu_layer_causal_self_attention(D, H, 0.3f);
-        memset(&desc, 0, sizeof desc);
-        desc.input = mgpu_shape2(T, D);
-        desc.layers = layers;
-        desc.layer_count = 1;
-        desc.devices = g_gpu_set;
-        desc.loss = MGPU_LOSS_MSE;
-        desc.seed = 9;
-        desc.graph = k;
-        m[k] = mgpu_model_create(&desc);
+        m[k] = attn_one_layer(g_gpu_set, T, D, H, 0.3f, 9, k);
         memset(&od, 0, sizeof od);
         od.kind = MGPU_SGD;
         od.lr = 0.5f;
@@ -1900,23 +1894,13 @@ static void attn_gpu_graph(void) {
 static size_t attn_step_memory(const char* spec, int T) {
     const int B = 4, D = 64, H = 4;
     mgpu_device_set* set = mgpu_device_set_create(spec);
-    mgpu_layer* layers[1];
-    mgpu_model_desc desc;
     mgpu_model* m = NULL;
     mgpu_optimizer* opt = NULL;
     mgpu_tensor *x = NULL, *t = NULL;
     size_t bytes = 0;
     if (!set) { CHECK(0, "attention memory: %s: %s", spec, mgpu_last_error()); return 0; }
     ATTN_MUST(mgpu_memory_empty_cache(mgpu_device_set_get(set, 0)));   /* blocks of the sizes asked for */
-    layers[0] = mgpu_layer_causal_self_attention(D, H, 0.1f);
-    memset(&desc, 0, sizeof desc);
-    desc.input = mgpu_shape2(T, D);
-    desc.layers = layers;
-    desc.layer_count = 1;
-    desc.devices = set;
-    desc.loss = MGPU_LOSS_MSE;
-    desc.seed = 5;
-    m = mgpu_model_create(&desc);
+    m = attn_one_layer(set, T, D, H, 0.1f, 5, 0);
     if (m) opt = mgpu_optimizer_create(m, NULL);
     CHECK(m && opt, "attention memory on %s: %s", spec, mgpu_last_error());
     if (m && opt) {
