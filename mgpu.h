@@ -212,8 +212,8 @@
      Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
      PositionEmbedding and CausalSelfAttention (its GPU kernels fused up to a head size of 64,
      FlashAttention-2's way but on CUDA cores: no tensor-core or cuDNN attention yet);
-     containers (Sequential, Residual) make blocks of them. Buffers (BatchNorm's running statistics) are per replica, copied from replica 0
-     after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
+     containers (Sequential, Residual) make blocks of them. Buffers (BatchNorm's running
+     statistics) are per replica, copied from replica 0 after each step (also a CUDA graph's); desc.sync_batch_norm takes the statistics across
      replicas instead (no pipeline across processes with it).
    - other precisions: training is float32 (u8 and i32 for data and labels; TF32 GEMMs on ask),
      or bf16 mixed precision (desc.precision), where Conv2d, attention, pooling, normalisation,
@@ -6191,8 +6191,8 @@ static mgpu_result mgpu__spread(int64_t planes, int64_t hw, const mgpu_tensor* d
    counters (a step's key and offset are the same in both passes). On a GPU: the fused kernels
    (FlashAttention-2's way, >>seam) up to a head size of MGPU__CU_ATTN_FUSED_MAX_HEAD, and above it
    the unfused ones, their T x T matrices from the caching allocator for the call only.
-   On the CPU each (batch, head) is six small GEMMs (mgpu__gemm_serial, on one thread: two
-   forward, q k^T again and three more backward) and the softmax between them, the heads shared
+   On the CPU each (batch, head) is seven small GEMMs (mgpu__gemm_serial, on one thread: two
+   forward, five backward with q k^T again) and the softmax between them, the heads shared
    out over a task per thread, each task with its own T x T scratch; a head's results do not
    depend on the task that computes it, so neither do they on the thread count. Backward's
    softmax is forward's, to the bit. The products run over the whole T x T square, the masked half
@@ -6344,7 +6344,8 @@ static mgpu_result mgpu__attention_unfused(const mgpu__attn* g, const mgpu_tenso
     return rc == 0 ? MGPU_OK : mgpu__cu_result(rc, op, dev);
 }
 
-/* y = attention of qkv, lse its rows' log denominators; p: dropout on the probabilities, drawn as
+/* y = attention of qkv, lse its rows' log denominators (not written on a GPU above the fused head
+   size, whose backward does not read it); p: dropout on the probabilities, drawn as
    mgpu__dropout_scale(seed, offset, first + (row * T + s), p) for row (b * heads + h) * T + t */
 static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* y, mgpu_tensor* lse,
                                            uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first,

@@ -1599,6 +1599,8 @@ constexpr int kAttnMaxHead = MGPU__CU_ATTN_FUSED_MAX_HEAD;
 constexpr int kAttnPerLane = kAttnMaxHead / 32;                 // a lane's columns d = lane + 32 c
 constexpr int kAttnRowsPerWarp = kAttnTile / (kThreads / 32);
 typedef float attn_tile[kAttnTile][kAttnMaxHead + 1];           // + 1: lanes reading rows hit distinct banks
+static_assert(kAttnMaxHead % 32 == 0 && kAttnTile == 32 && kAttnTile % (kThreads / 32) == 0,
+              "a lane per row of a tile, whole columns per lane, whole rows per warp");
 
 // rows first .. first + 31 of one head's q, k, v or dy (src: its row 0; stride between rows),
 // zeros past T (so no lane reads past the tensor)
@@ -1820,6 +1822,7 @@ int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g,
                                      uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
     USE_DEVICE(dev);
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
+    if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
     if (blocks <= 0) return MGPU__CU_OK;
     attention_fused_forward_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
         *g, qkv, y, lse, seed, seed_on_device, offset, first, p);
@@ -1832,6 +1835,7 @@ int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g
                                       const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
     USE_DEVICE(dev);
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
+    if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
     if (blocks <= 0) return MGPU__CU_OK;
     attention_fused_backward_query_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
         *g, qkv, y, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
