@@ -54,7 +54,7 @@ ifneq ($(NVCC),)
 CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:%=$(B)/%_cuda)
 endif
 
-.PHONY: all test test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
+.PHONY: all test test-build test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
 all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt $(B)/resnet
 
 $(B):
@@ -305,8 +305,13 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
-test: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+test-build: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
+# The build runs as a make of its own, with a job per core (JOBS=1 for one at a time); the tests
+# then run one after another.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+test:
+	@$(MAKE) --no-print-directory -j$(JOBS) test-build
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/bn_torch.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/gpt_demo.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/course_simplenet.sh $(B) $(DATA)" \

@@ -15,10 +15,15 @@
                                             (timings, rates)
         <!-- course-varies-last: TEXT -->   the quoted lines containing TEXT are compared but for
                                             their last field (a count of waits, which hangs on timing)
+        <!-- course-numbers-within: TOL -->  the quoted lines may differ from the printed ones in
+                                            their numbers, each by at most TOL (PyTorch's sums
+                                            round as the CPU's BLAS kernels do: other last digits
+                                            on another CPU)
         <!-- course-illustrative: WHY -->   above ```text: not an output to check (a formula, or
                                             an output of a machine this test does not have)
         <!-- course-table-column: N: CMD -->  above a markdown table (en and zh): every cell of
                                             its column N, below the header, is a number CMD printed
+        <!-- course-table-column: N within TOL: CMD -->  the same, within TOL of a number it printed
       Every ```text block must carry course-output or course-illustrative. A quoted line must be
       a whole line of the output; "..." in it stands for any text (a line shown shortened).
       Between files only the emulator's libraries are kept (build/emu/mgpu_kernels.*,
@@ -124,8 +129,20 @@ def find_cmd(cmds, want):
     return -1
 
 
-def line_matches(want, outlines):
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def numbers_close(want, got, tol):
+    """The same line but for its numbers, each within tol of the one printed in its place."""
+    if NUMBER.sub("#", want) != NUMBER.sub("#", got):
+        return False
+    return all(abs(float(a) - float(b)) <= tol for a, b in zip(NUMBER.findall(want), NUMBER.findall(got)))
+
+
+def line_matches(want, outlines, tol=None):
     want = want.rstrip()
+    if tol is not None:
+        return any(numbers_close(want, o, tol) for o in outlines)
     if "..." not in want:
         return want in outlines
     parts = [p.strip() for p in want.split("...")]
@@ -291,6 +308,7 @@ def check_outputs(name, bl, cmds, outputs):
         outlines = [l.rstrip() for i in idx for l in outputs[i].splitlines()]
         varies = m.get("course-varies", [])
         last = m.get("course-varies-last", [])
+        tol = float(m["course-numbers-within"][0]) if "course-numbers-within" in m else None
         wrong, checked, skipped = [], 0, 0
         for l in b["lines"]:
             if not l.strip():
@@ -302,7 +320,7 @@ def check_outputs(name, bl, cmds, outputs):
             if any(v in l for v in last):
                 if not any(o.split()[:-1] == l.split()[:-1] for o in outlines):
                     wrong.append(l)
-            elif not line_matches(l, outlines):
+            elif not line_matches(l, outlines, tol):
                 wrong.append(l)
         if wrong:
             fail("%s: the quoted output of '%s' has %d line(s) the program did not print, the first: '%s'"
@@ -317,10 +335,10 @@ def check_tables(path, cmds, outputs):
     """Markdown tables whose columns quote numbers a command printed (course-table-column)."""
     lines = open(path, encoding="utf-8").read().split("\n")
     for i, line in enumerate(lines):
-        m = re.match(r"<!-- course-table-column: (\d+): (.*) -->$", line)
+        m = re.match(r"<!-- course-table-column: (\d+)(?: within ([0-9.e-]+))?: (.*) -->$", line)
         if not m:
             continue
-        col, cmd = int(m.group(1)), m.group(2)
+        col, tol, cmd = int(m.group(1)), m.group(2), m.group(3)
         where = "%s line %d" % (path, i + 1)
         k = find_cmd(cmds, cmd)
         if k < 0:
@@ -338,11 +356,16 @@ def check_tables(path, cmds, outputs):
             j += 1
         cells = [r.strip().strip("|").split("|")[col - 1].strip() for r in rows[2:] if len(r.strip().strip("|").split("|")) >= col]
         cells = [c for c in cells if c]
-        wrong = [c for c in cells if not re.search(r"(?<![\d.])%s(?![\d])" % re.escape(c), outputs[k])]
+        if tol is None:
+            wrong = [c for c in cells if not re.search(r"(?<![\d.])%s(?![\d])" % re.escape(c), outputs[k])]
+        else:
+            printed = [float(x) for x in NUMBER.findall(outputs[k])]
+            wrong = [c for c in cells if not any(abs(float(c) - x) <= float(tol) for x in printed)]
         if not cells or wrong:
             fail("%s: column %d of the table: %s not printed by '%s'" % (where, col, ", ".join(wrong) or "no cells", cmd))
         else:
-            ok("%s: column %d of the table, %d numbers, as '%s' printed them" % (where, col, len(cells), cmd))
+            ok("%s: column %d of the table, %d numbers, as '%s' printed them%s"
+               % (where, col, len(cells), cmd, " (within %s)" % tol if tol else ""))
 
 
 def same_blocks():
