@@ -8,7 +8,7 @@
 #   make gpu-check  on a GPU machine: build for its GPU, run everything with CUDA, then under
 #                   compute-sanitizer, and print a results table
 #   make fuzz       the libFuzzer harnesses (tests/fuzz), FUZZ_SECONDS each (default 600), two at a
-#                   time; make test runs each for 60 s
+#                   time; make test runs each for 30 s
 #   make tsan       test_parallel and a cpu:3 training under ThreadSanitizer (part of make test)
 #   make test-windows  the CPU suites, the examples and the header built by MinGW-w64 and run under
 #                   wine, train's checkpoints equal to Linux's byte for byte (part of make test)
@@ -319,7 +319,7 @@ test:
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
-	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/aarch64.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 60"
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/aarch64.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 30"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.
