@@ -74,11 +74,44 @@ else
 fi
 
 echo "== the programs"
-mkdir -p "$b/course"
+mkdir -p "$b/course" "$tmp/build"
 have_emu=""; have_mpi=""
 nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
 command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && have_mpi=1
 [ "$(id -u)" -eq 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# The builds first, COURSE_JOBS at a time (default: one per core), as they are most of this part's
+# time: each program's CPU build, emulated build and MPI build, as its comment lines ask for them.
+# Each leaves its compiler's output in $tmp/build/NAME.KIND and its exit status in NAME.KIND.rc.
+# The emulator's own libraries are built before, once (two makes would build them at once).
+cat > "$tmp/build.sh" <<'EOF'
+src=$1; b=$2; out=$3; have_mpi=$4
+name=$(basename "$src" .c)
+kernels=$(sed -n 's|^// course-kernels: *||p' "$src" | tr '\n' ' ' | sed 's/ *$//')
+if grep -q '^// course-run:' "$src"; then
+    $CC -std=c99 -Wall -Wextra -Werror -O2 -I. "$src" -o "$b/course/$name" -lm -lpthread > "$out/$name.cpu" 2>&1
+    echo $? > "$out/$name.cpu.rc"
+fi
+if grep -q '^// course-run-emu [0-9]*:' "$src"; then
+    env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s emu-program B="$b" SRC="$src" KERNELS="$kernels" > "$out/$name.emu" 2>&1
+    echo $? > "$out/$name.emu.rc"
+fi
+if grep -q '^// course-mpirun [0-9]*:' "$src" && [ -n "$have_mpi" ]; then
+    mpicc -std=c99 -Wall -Wextra -Werror -O2 -DMGPU_MPI -I. "$src" -o "$b/course/${name}_mpi" -lm -lpthread > "$out/$name.mpi" 2>&1
+    echo $? > "$out/$name.mpi.rc"
+fi
+EOF
+export CC
+env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s B="$b" "$b/emu/mgpu_kernels.o" "$b/emu/libmgpuemu.so" "$b/emu/libnccl_emu.so" > "$tmp/cc" 2>&1 ||
+    { fail "the emulator's libraries build (make $b/emu/libmgpuemu.so)"; sed 's/^/       /' "$tmp/cc" | head -n 20; }
+start=$(date +%s)
+ls examples/course/*.c examples/course/solutions/*.c | xargs -n 1 -P "${COURSE_JOBS:-$(nproc 2>/dev/null || echo 2)}" \
+    sh "$tmp/build.sh" "$b" "$tmp/build" "$have_mpi"
+echo "   (the builds, $(ls examples/course/*.c examples/course/solutions/*.c | wc -l) programs: $(($(date +%s) - start)) s)"
+# built NAME KIND: its build succeeded (the compiler's output in $tmp/cc either way)
+built() {
+    cp "$tmp/build/$1.$2" "$tmp/cc" 2>/dev/null || : > "$tmp/cc"
+    [ "$(cat "$tmp/build/$1.$2.rc" 2>/dev/null)" = 0 ]
+}
 # run KIND NAME CMD...: run it and check the output for each course-expect line of $src
 run() {
     what=$1; shift
@@ -108,7 +141,7 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
         else fail "$k compiles with nvcc"; sed 's/^/       /' "$tmp/cc" | head -n 20; fi
     done
     if grep -q '^// course-run:' "$src"; then
-        if $CC -std=c99 -Wall -Wextra -Werror -O2 -I. "$src" -o "$b/course/$name" -lm -lpthread > "$tmp/cc" 2>&1; then
+        if built "$name" cpu; then
             sed -n 's|^// course-run: *||p' "$src" | while IFS= read -r args; do
                 eval "set -- $args"
                 run "$name $args" "$b/course/$name" "$@"
@@ -118,7 +151,7 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
         else fail "$src builds with $CC -std=c99 -Wall -Wextra -Werror"; sed 's/^/       /' "$tmp/cc" | head -n 20; fi
     fi
     if grep -q '^// course-run-emu [0-9]*:' "$src"; then
-        if env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make -s emu-program B="$b" SRC="$src" KERNELS="$kernels" > "$tmp/cc" 2>&1; then
+        if built "$name" emu; then
             sed -n 's|^// course-run-emu \([0-9]*\): *|\1 |p' "$src" | while read -r n args; do
                 eval "set -- $args"
                 run "$name $args (on $n emulated GPUs)" env MGPU_EMU_DEVICES="$n" "$b/emu/$name" "$@"
@@ -129,7 +162,7 @@ for src in examples/course/*.c examples/course/solutions/*.c; do
     fi
     if grep -q '^// course-mpirun [0-9]*:' "$src"; then
         if [ -z "$have_mpi" ]; then skip "$name under mpirun: no mpicc or mpirun (apt-get install openmpi-bin libopenmpi-dev)"
-        elif mpicc -std=c99 -Wall -Wextra -Werror -O2 -DMGPU_MPI -I. "$src" -o "$b/course/${name}_mpi" -lm -lpthread > "$tmp/cc" 2>&1; then
+        elif built "$name" mpi; then
             sed -n 's|^// course-mpirun \([0-9]*\): *|\1 |p' "$src" | while read -r np args; do
                 eval "set -- $args"
                 run "mpirun -np $np $name $args" mpirun --oversubscribe --bind-to none -np "$np" "$b/course/${name}_mpi" "$@"

@@ -28,7 +28,9 @@
       a whole line of the output; "..." in it stands for any text (a line shown shortened).
       Between files only the emulator's libraries are kept (build/emu/mgpu_kernels.*,
       libmgpuemu.so, libnccl_emu.so: what the first `make emu-program` built), so that each
-      lesson is run as a reader who starts there would run it.
+      lesson is run as a reader who starts there would run it. Once they are built, COURSE_JOBS
+      files run at a time (default: one per core), each in its own copy; the lines of each are
+      shown together, in the files' order.
       The environment is that of a CPU-only reader: NVCC empty (make builds the CPU variants),
       a python3 with torch first in PATH where one exists, Open MPI allowed to oversubscribe
       (the lesson says to when processes outnumber cores) and to run as root. FILE...: only
@@ -42,11 +44,13 @@
 
 Each prints "  ok", "  FAIL" and "  skip" lines and ends with "N passed, N failed, N skipped".
 """
+import concurrent.futures
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 EN, ZH = "docs/course/en", "docs/course/zh"
@@ -54,23 +58,47 @@ ORDER = ["README.md", "01-devices.md", "02-tensors.md", "03-memory.md", "04-simp
          "05-data-parallel.md", "06-processes.md", "07-pipelines.md", "08-allreduce.md",
          "09-your-kernel.md", "10-gpt.md", "glossary.md", "table.md"]
 counts = [0, 0, 0]
+lock = threading.Lock()
+sink = threading.local()   # sink.lines: where a lesson run beside others keeps its lines
+
+
+def emit(line):
+    if getattr(sink, "lines", None) is not None:
+        sink.lines.append(line)
+    else:
+        print(line, flush=True)
+
+
+def buffered(fn, *args):
+    """fn(*args) with its lines kept, not printed: they are returned."""
+    sink.lines = []
+    try:
+        fn(*args)
+    finally:
+        lines, sink.lines = sink.lines, None
+    return lines
+
+
+def count(k):
+    with lock:
+        counts[k] += 1
 
 
 def ok(msg):
-    counts[0] += 1
-    print("  ok   " + msg, flush=True)
+    count(0)
+    emit("  ok   " + msg)
 
 
 def fail(msg, detail=""):
-    counts[1] += 1
-    print("  FAIL " + msg, flush=True)
+    count(1)
+    emit("  FAIL " + msg)
     for line in detail.splitlines()[-12:]:
-        print("       " + line)
+        emit("       " + line)
 
 
 def skip(msg):
-    counts[2] += 1
-    print("  skip " + msg, flush=True)
+    count(2)
+    emit("  skip " + msg)
 
 
 def done():
@@ -218,21 +246,23 @@ def run_commands(tmp, data, only):
     kept = os.path.join(tmp, "kept")
     os.makedirs(kept, exist_ok=True)
     data_prog = re.compile(r"(^|[\s/])(04_simplenet|04_ex[0-9]|train|train_mpi|course_simplenet\.sh)(\s|$)")
-    for name in ORDER:
+
+    def lesson(name):
         en = os.path.join(EN, name)
         if not os.path.exists(en) or (only and name not in only):
-            continue
+            return
         bl = blocks(en)
         if not any(b["kind"] == "sh" for b in bl):
-            continue
-        clone = os.path.join(tmp, "clone")
+            return
+        clone = os.path.join(tmp, "clone-" + os.path.splitext(name)[0])
         shutil.rmtree(clone, ignore_errors=True)
         os.makedirs(clone)
         fresh_copy(files, clone)
-        for k in KEEP:
-            if os.path.exists(os.path.join(kept, k)):
-                os.makedirs(os.path.dirname(os.path.join(clone, k)), exist_ok=True)
-                shutil.copy2(os.path.join(kept, k), os.path.join(clone, k))
+        with lock:   # (another lesson may be keeping them now)
+            for k in KEEP:
+                if os.path.exists(os.path.join(kept, k)):
+                    os.makedirs(os.path.dirname(os.path.join(clone, k)), exist_ok=True)
+                    shutil.copy2(os.path.join(kept, k), os.path.join(clone, k))
         if os.path.exists(os.path.join(clone, "build")) and not any(os.path.exists(os.path.join(kept, k)) for k in KEEP):
             fail("%s: the fresh copy has a build/ folder" % name)
         allcmds, outputs = [], {}
@@ -273,16 +303,29 @@ def run_commands(tmp, data, only):
                     ok("%s: %s" % (name, c))
                 else:
                     fail("%s: %s (exit %s)" % (name, c, rc), out)
-        for k in KEEP:
-            if os.path.exists(os.path.join(clone, k)) and not os.path.exists(os.path.join(kept, k)):
-                os.makedirs(os.path.dirname(os.path.join(kept, k)), exist_ok=True)
-                shutil.copy2(os.path.join(clone, k), os.path.join(kept, k))
-        print("       (%s: %d commands in a fresh copy, %.0f s)" % (name, nrun, time.time() - t0), flush=True)
+        with lock:
+            for k in KEEP:
+                if os.path.exists(os.path.join(clone, k)) and not os.path.exists(os.path.join(kept, k)):
+                    os.makedirs(os.path.dirname(os.path.join(kept, k)), exist_ok=True)
+                    shutil.copy2(os.path.join(clone, k), os.path.join(kept, k))
+        emit("       (%s: %d commands in a fresh copy, %.0f s)" % (name, nrun, time.time() - t0))
         check_outputs(name, bl, allcmds, outputs)
         for lang in (EN, ZH):
             if os.path.exists(os.path.join(lang, name)):
                 check_tables(os.path.join(lang, name), allcmds, outputs)
-    shutil.rmtree(os.path.join(tmp, "clone"), ignore_errors=True)
+        shutil.rmtree(clone, ignore_errors=True)
+
+    # One file at a time until one has built the emulator's libraries (the others keep them), then
+    # COURSE_JOBS at a time (default: one per core), each in its own copy, its lines shown
+    # together when it ends, in the files' order.
+    names = list(ORDER)
+    while names and not all(os.path.exists(os.path.join(kept, k)) for k in KEEP):
+        lesson(names.pop(0))
+    jobs = int(os.environ.get("COURSE_JOBS") or os.cpu_count() or 2)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for lines in pool.map(buffered, [lesson] * len(names), names):
+            for line in lines:
+                print(line, flush=True)
 
 
 def check_outputs(name, bl, cmds, outputs):
@@ -292,7 +335,7 @@ def check_outputs(name, bl, cmds, outputs):
         m = b["markers"]
         where = "%s line %d" % (name, b["line"])
         if "course-illustrative" in m:
-            print("       (%s: illustrative, not checked: %s)" % (where, m["course-illustrative"][0]))
+            emit("       (%s: illustrative, not checked: %s)" % (where, m["course-illustrative"][0]))
             continue
         if "course-output" not in m:
             fail("%s: a quoted output with neither course-output nor course-illustrative above it" % where)
