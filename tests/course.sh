@@ -84,7 +84,7 @@ command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && have_mp
 # Each leaves its compiler's output in $tmp/build/NAME.KIND and its exit status in NAME.KIND.rc.
 # The emulator's own libraries are built before, once (two makes would build them at once).
 cat > "$tmp/build.sh" <<'EOF'
-src=$1; b=$2; out=$3; have_mpi=$4
+b=$1; out=$2; have_mpi=$3; src=$4   # (xargs gives the source last)
 name=$(basename "$src" .c)
 kernels=$(sed -n 's|^// course-kernels: *||p' "$src" | tr '\n' ' ' | sed 's/ *$//')
 if grep -q '^// course-run:' "$src"; then
