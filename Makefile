@@ -314,7 +314,7 @@ test:
 	@$(MAKE) --no-print-directory -j$(JOBS) test-build
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
 	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/bn_torch.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/gpt_demo.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
-	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" "sh tests/course_simplenet.sh $(B) $(DATA)" \
+	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" \
 	    "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
 	    "sh tests/windows.sh $(B) $(DATA)" \
