@@ -97,8 +97,10 @@ for t in $suites; do
 done
 echo "   (built in $(($(date +%s) - tb)) s)"
 
-# the suites, summed by run_all.sh; each under a 10-minute limit
-export MGPU_TEST_UNDER_QEMU=1
+# the suites, summed by run_all.sh; each under a 10-minute limit, at their quick sizes
+# (MGPU_TEST_QUICK=1: every check, on smaller tensors: test_core takes 31 s under qemu, 173 s at
+# full size; the training below multiplies the large matrices, to x86's bits)
+export MGPU_TEST_UNDER_QEMU=1 MGPU_TEST_QUICK=1
 set --
 for t in $suites; do [ -x "$out/$t" ] && set -- "$@" "timeout 600 $qemu $out/$t"; done
 [ -x "$out/test_core" ] && set -- "$@" "env MGPU_CPU_SPIN_US=250 timeout 600 $qemu $out/test_core pool_spin"
@@ -115,7 +117,7 @@ if [ $# -gt 0 ]; then
         fail "tests/run_all.sh ended without a summary line"
     fi
 fi
-unset MGPU_TEST_UNDER_QEMU
+unset MGPU_TEST_UNDER_QEMU MGPU_TEST_QUICK
 # the file test_io writes for tests/interop.sh: the same bytes as x86's test_io wrote, when it ran
 if [ -e "$out/c_written.safetensors" ] && [ -e "$b/c_written.safetensors" ]; then
     if cmp -s "$out/c_written.safetensors" "$b/c_written.safetensors"; then
