@@ -308,18 +308,20 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 test-build: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 # The build runs as a make of its own, with a job per core (JOBS=1 for one at a time); the tests
-# then run one after another.
+# then run one after another, but for those that tests/together.sh runs two at a time (each keeps
+# about one core busy: the GPT demo, the Windows and aarch64 builds; tests/emu/run.sh's suites).
+# CI gives it all 90 minutes: tests/run_all.sh prints the seconds each took.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@$(MAKE) --no-print-directory -j$(JOBS) test-build
 	@sh tests/run_all.sh $(TESTS:%=$(B)/%) $(TESTS:%=$(B)/%_asan) $(CLANG_TESTS) $(CBLAS_TEST) $(if $(NVCC),$(TESTS:%=$(B)/%_cuda)) \
-	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/bn_torch.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/gpt_demo.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
+	    "sh tests/examples.sh $(B)" "sh tests/readme_commands.sh $(B)" "sh tests/interop.sh $(B)" "sh tests/bn_torch.sh $(B)" "sh tests/gpt_hf.sh $(B)" "sh tests/demo.sh $(B)/train" "sh tests/emu/run.sh $(B)" \
 	    "sh tests/train_flags.sh $(B)/train" "sh tests/course.sh $(B) $(DATA)" \
 	    "sh tests/pipeline.sh $(B) $(DATA)" "sh tests/plain_build.sh $(B) $(DATA)" \
 	    "sh tests/mpi.sh $(B) $(DATA)" "sh tests/cluster.sh $(B) $(DATA)" \
-	    "sh tests/windows.sh $(B) $(DATA)" \
+	    "sh tests/together.sh sh tests/gpt_demo.sh $(B) + sh tests/windows.sh $(B) $(DATA) + sh tests/aarch64.sh $(B) $(DATA)" \
 	    $(B)/test_save_faults $(RELIABILITY_TESTS) \
-	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/aarch64.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 30"
+	    "sh tests/tsan.sh $(B) $(DATA)" "sh tests/fuzz/run.sh $(B) 30"
 
 # ---- the main job ----------------------------------------------------------------------------
 # On Debian the data is one package away; elsewhere build/train says where to get it.
