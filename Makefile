@@ -41,7 +41,7 @@ TSAN      = -O1 -g -fno-omit-frame-pointer -fsanitize=thread
 CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
-TESTS     = test_core test_io test_model test_parallel test_seq
+TESTS     = test_core test_io test_model test_parallel test_seq test_autograd
 # per-test extras: test_io checks the gzip decoder against zlib
 EXTRA_io  = -DHAVE_ZLIB
 LIBS_io   = -lz

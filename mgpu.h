@@ -842,6 +842,143 @@ MGPUDEF mgpu_result mgpu_layer_forward(const mgpu_layer* l, const mgpu_layer_ctx
 MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                         const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx);
 
+/* ============================================================================================ */
+/* >>autograd                                                                                   */
+/* ============================================================================================ */
+/* Reverse-mode automatic differentiation, PyTorch's dynamic graph in C: a tape records the ops run
+   through it, and mgpu_tape_backward walks them back, each op's backward rule in turn, into the
+   gradients of the tensors you watch (torch.autograd.grad). A layer of your own can be written
+   this way with no backward at all (mgpu_layer_from_ops, examples/gru.c).
+
+       mgpu_tape* tape = mgpu_tape_create(dev);
+       mgpu_tape_watch(tape, w);                               // w.requires_grad_()
+       const mgpu_tensor* y = mgpu_tape_tanh(tape, mgpu_tape_matmul(tape, x, w, MGPU_NO_TRANS, MGPU_NO_TRANS));
+       const mgpu_tensor* loss = mgpu_tape_mean(tape, mgpu_tape_mul(tape, y, y), MGPU_ALL_AXES, 0);
+       if (mgpu_tape_backward(tape, loss, NULL) != MGPU_OK) ...   // an op's failure shows here
+       const mgpu_tensor* dw = mgpu_tape_grad(tape, w);           // f32, w's shape
+       mgpu_tape_destroy(tape);                                // and every tensor it made
+
+   A tape lives on one device, and every op runs there at once (the ops' kernels, queued on its
+   stream on a GPU). Each op returns a new f32 tensor that the tape owns and frees when it is
+   destroyed: read it, pass it to more ops, copy it out, but do not write to it (the backward
+   reads what the ops saw). An op that fails returns NULL and the tape keeps its error: every
+   later op returns NULL too, and mgpu_tape_backward (or mgpu_tape_status) reports the first
+   failure, naming its op, the shapes and the devices, so a forward of twenty lines checks once.
+   Tensors that are not the tape's and not watched are constants (data, labels, masks). Watched
+   tensors and constants must not change while the tape still needs them (until backward).
+   Broadcasting follows NumPy's and PyTorch's rule: shapes aligned at their last dimension, a
+   dimension of 1 (or a missing one) stretched to the other's size. At most MGPU_MAX_DIMS (4)
+   dimensions, f32 (ids and labels i32). */
+typedef struct mgpu_tape mgpu_tape;
+MGPUDEF mgpu_tape* mgpu_tape_create(mgpu_device* dev);
+MGPUDEF void mgpu_tape_destroy(mgpu_tape* tape);
+/* Ask for t's gradient (requires_grad): an f32 tensor on the tape's device, not one of its ops'. */
+MGPUDEF mgpu_result mgpu_tape_watch(mgpu_tape* tape, const mgpu_tensor* t);
+/* The first failure of an op on this tape (MGPU_OK when none), its message in mgpu_last_error(). */
+MGPUDEF mgpu_result mgpu_tape_status(const mgpu_tape* tape);
+/* Gradients of y (a tensor of the tape's ops) with respect to every watched tensor it depends on,
+   given dy, y's gradient (y's shape; NULL: y has one element, and dy is 1, loss.backward()).
+   Gradients add up over several calls, as .grad does in PyTorch; the tape's other gradients
+   are freed as the walk leaves them. */
+MGPUDEF mgpu_result mgpu_tape_backward(mgpu_tape* tape, const mgpu_tensor* y, const mgpu_tensor* dy);
+/* The gradient of a watched tensor (the tape's, t's shape), or NULL: t is not watched (an error),
+   or nothing backward reached depends on it (no error: its gradient is zero). */
+MGPUDEF const mgpu_tensor* mgpu_tape_grad(mgpu_tape* tape, const mgpu_tensor* t);
+/* A constant of the tape's own, every element `value`. */
+MGPUDEF const mgpu_tensor* mgpu_tape_full(mgpu_tape* tape, mgpu_shape shape, float value);
+
+/* ---- elementwise; derivatives as torch's (relu's is 0 at 0, abs's 0 at 0) ---- */
+MGPUDEF const mgpu_tensor* mgpu_tape_exp(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_log(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_sqrt(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_rsqrt(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_tanh(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_sigmoid(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_relu(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_gelu(mgpu_tape* tape, const mgpu_tensor* x);        /* exact (erf) */
+MGPUDEF const mgpu_tensor* mgpu_tape_gelu_tanh(mgpu_tape* tape, const mgpu_tensor* x);   /* GPT-2's */
+MGPUDEF const mgpu_tensor* mgpu_tape_neg(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_abs(mgpu_tape* tape, const mgpu_tensor* x);
+MGPUDEF const mgpu_tensor* mgpu_tape_pow(mgpu_tape* tape, const mgpu_tensor* x, float exponent);
+MGPUDEF const mgpu_tensor* mgpu_tape_scale(mgpu_tape* tape, const mgpu_tensor* x, float alpha);       /* alpha x */
+MGPUDEF const mgpu_tensor* mgpu_tape_add_scalar(mgpu_tape* tape, const mgpu_tensor* x, float alpha);  /* x + alpha */
+/* Broadcasting binary ops. maximum and minimum give a tie's gradient to a (torch splits it). */
+MGPUDEF const mgpu_tensor* mgpu_tape_add(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF const mgpu_tensor* mgpu_tape_sub(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF const mgpu_tensor* mgpu_tape_mul(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF const mgpu_tensor* mgpu_tape_div(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF const mgpu_tensor* mgpu_tape_maximum(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+MGPUDEF const mgpu_tensor* mgpu_tape_minimum(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b);
+
+/* ---- reductions along one axis (negative counts from the end) or every axis ---- */
+#define MGPU_ALL_AXES 99
+/* keepdim 1 keeps the axis with size 1; 0 drops it (every axis dropped: a tensor of 0 dimensions,
+   one element). max's gradient is shared equally by tied maxima (torch.amax). */
+MGPUDEF const mgpu_tensor* mgpu_tape_sum(mgpu_tape* tape, const mgpu_tensor* x, int axis, int keepdim);
+MGPUDEF const mgpu_tensor* mgpu_tape_mean(mgpu_tape* tape, const mgpu_tensor* x, int axis, int keepdim);
+MGPUDEF const mgpu_tensor* mgpu_tape_max(mgpu_tape* tape, const mgpu_tensor* x, int axis, int keepdim);
+/* softmax and log-softmax along axis, made of the ops above (the max taken out first as a
+   constant, as every stable softmax does); their backward is derived. */
+MGPUDEF const mgpu_tensor* mgpu_tape_softmax(mgpu_tape* tape, const mgpu_tensor* x, int axis);
+MGPUDEF const mgpu_tensor* mgpu_tape_log_softmax(mgpu_tape* tape, const mgpu_tensor* x, int axis);
+
+/* ---- products and shapes ---- */
+/* op(a) @ op(b) over the last two dimensions, with mgpu_matmul's transposes: 2-D [m, k] @ [k, n];
+   batched, a [..., m, k] and b of the same leading dimensions (torch.bmm, each batch a GEMM);
+   or a [..., m, k] and b 2-D (a Linear's x @ W^T on [batch, T, in]: one GEMM). */
+MGPUDEF const mgpu_tensor* mgpu_tape_matmul(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b,
+                                            mgpu_transpose transpose_a, mgpu_transpose transpose_b);
+MGPUDEF const mgpu_tensor* mgpu_tape_reshape(mgpu_tape* tape, const mgpu_tensor* x, mgpu_shape shape);
+/* x.permute(perm): output dimension i is x's dimension perm[i] (x's ndim entries). */
+MGPUDEF const mgpu_tensor* mgpu_tape_permute(mgpu_tape* tape, const mgpu_tensor* x, const int* perm);
+MGPUDEF const mgpu_tensor* mgpu_tape_transpose(mgpu_tape* tape, const mgpu_tensor* x, int dim0, int dim1);
+/* x.narrow(axis, start, length) as a new tensor, and torch.cat((a, b), axis). */
+MGPUDEF const mgpu_tensor* mgpu_tape_slice(mgpu_tape* tape, const mgpu_tensor* x, int axis, int64_t start, int64_t length);
+MGPUDEF const mgpu_tensor* mgpu_tape_concat(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b, int axis);
+/* Rows of a table [n, dim] picked by int32 ids of any shape: [ids..., dim] (index_select,
+   F.embedding); the gradient adds each id's rows back into the table's (scatter-add). An id
+   outside [0, n) is handled as mgpu_layer_embedding's. */
+MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_tensor* table, const mgpu_tensor* ids);
+
+/* ---- losses: a tensor of 0 dimensions (one element) ---- */
+/* mgpu_softmax_cross_entropy's mean over logits [rows, classes] and int32 labels [rows] */
+MGPUDEF const mgpu_tensor* mgpu_tape_cross_entropy(mgpu_tape* tape, const mgpu_tensor* logits, const mgpu_tensor* labels);
+MGPUDEF const mgpu_tensor* mgpu_tape_mse(mgpu_tape* tape, const mgpu_tensor* pred, const mgpu_tensor* target);
+
+/* ---- a layer made of tape ops, with no backward written ----
+   forward(user, tape, x, params) computes the layer's output from x and the parameters with the
+   tape's ops and returns it (NULL: the tape's error is the layer's). The layer runs it in the
+   model's forward and again in its backward, recording this time, and differentiates it: the
+   recompute costs a forward more, and keeps nothing from forward to backward, so the layer
+   works as any other under data parallelism, pipelines, micro-batches and checkpoints. A
+   custom layer, so no CUDA graph and no bf16 path yet (>>layer). Parameters are initialised as
+   their desc says: */
+typedef enum mgpu_param_init {
+    MGPU_INIT_ZEROS = 0,
+    MGPU_INIT_ONES = 1,
+    MGPU_INIT_UNIFORM = 2,   /* U(-s, s), s = init_scale or 1/sqrt(the last dimension): nn.Linear's
+                                weight [out, in] and bias */
+    MGPU_INIT_NORMAL = 3     /* N(0, s), s = init_scale or 0.02 (GPT-2's) */
+} mgpu_param_init;
+typedef struct mgpu_op_param_desc {
+    const char* name;       /* state_dict name, "weight" (copied; at most 47 bytes) */
+    mgpu_shape shape;
+    mgpu_param_init init;
+    float init_scale;       /* 0: the default above */
+    int uniform_fan_in;     /* MGPU_INIT_UNIFORM's default scale from this fan-in instead (a bias [out]
+                               of a weight [out, in] takes in, as nn.Linear's) */
+} mgpu_op_param_desc;
+typedef struct mgpu_op_layer_desc {
+    const char* type;                         /* as summaries show it (copied); default "OpLayer" */
+    const mgpu_op_param_desc* params;
+    int param_count;                          /* at most 64 */
+    const mgpu_tensor* (*forward)(void* user, mgpu_tape* tape, const mgpu_tensor* x, const mgpu_tensor* const* params);
+    /* y's shape for x's (dimension 0 the batch); NULL: x's */
+    mgpu_result (*output_shape)(void* user, mgpu_shape x, mgpu_shape* y);
+    void* user;                               /* handed to forward and output_shape; yours to free */
+} mgpu_op_layer_desc;
+MGPUDEF mgpu_layer* mgpu_layer_from_ops(const mgpu_op_layer_desc* desc);
+
 
 /* ============================================================================================ */
 /* >>parallel                                                                                   */
@@ -1637,7 +1774,13 @@ typedef enum mgpu__unary_op {
     MGPU__UNARY_GELU = 2,    /* x * Phi(x), exact erf form (nn.GELU default) */
     MGPU__UNARY_TANH = 3,
     MGPU__UNARY_SIGMOID = 4,
-    MGPU__UNARY_GELU_TANH = 5   /* GPT-2's tanh form (nn.GELU(approximate='tanh')) */
+    MGPU__UNARY_GELU_TANH = 5,  /* GPT-2's tanh form (nn.GELU(approximate='tanh')) */
+    /* the tape's (>>autograd), through mgpu__map_element only */
+    MGPU__UNARY_EXP = 6, MGPU__UNARY_LOG = 7, MGPU__UNARY_SQRT = 8, MGPU__UNARY_RSQRT = 9,
+    MGPU__UNARY_NEG = 10, MGPU__UNARY_ABS = 11,
+    MGPU__UNARY_POW = 12,        /* x^alpha */
+    MGPU__UNARY_ADD_SCALAR = 13, /* x + alpha */
+    MGPU__UNARY_COPY = 14        /* x (a strided copy: permute, slice, broadcast) */
 } mgpu__unary_op;
 
 /* exp and tanh in plain float arithmetic, with no call and no branch, so that a loop of them
@@ -1732,6 +1875,15 @@ static inline MGPU__HD float mgpu__unary_apply(int op, float x, float alpha) {
     case MGPU__UNARY_TANH: return mgpu__tanhf(x);
     case MGPU__UNARY_SIGMOID: return 1.0f / (1.0f + mgpu__expf(-x));
     case MGPU__UNARY_GELU_TANH: return mgpu__gelu_tanh(x, 0);
+    case MGPU__UNARY_EXP: return mgpu__expf(x);
+    case MGPU__UNARY_LOG: return logf(x);
+    case MGPU__UNARY_SQRT: return sqrtf(x);
+    case MGPU__UNARY_RSQRT: return 1.0f / sqrtf(x);
+    case MGPU__UNARY_NEG: return -x;
+    case MGPU__UNARY_ABS: return fabsf(x);
+    case MGPU__UNARY_POW: return powf(x, alpha);
+    case MGPU__UNARY_ADD_SCALAR: return x + alpha;
+    case MGPU__UNARY_COPY: return x;
     default: return 0.0f;
     }
 }
@@ -1745,7 +1897,18 @@ typedef enum mgpu__binary_op {
     MGPU__BINARY_GELU_BWD = 5,     /* a = dy, b = x */
     MGPU__BINARY_TANH_BWD = 6,     /* a = dy, b = y = tanh(x) */
     MGPU__BINARY_SIGMOID_BWD = 7,  /* a = dy, b = y = sigmoid(x) */
-    MGPU__BINARY_GELU_TANH_BWD = 8 /* a = dy, b = x */
+    MGPU__BINARY_GELU_TANH_BWD = 8,/* a = dy, b = x */
+    /* the tape's (>>autograd), through mgpu__map_element only */
+    MGPU__BINARY_DIV = 9,          /* a / b */
+    MGPU__BINARY_MAX = 10,         /* the larger, a NaN of either (torch.maximum) */
+    MGPU__BINARY_MIN = 11,
+    MGPU__BINARY_GE = 12,          /* 1 where a >= b, else 0 */
+    MGPU__BINARY_EQ = 13,          /* 1 where a == b, else 0 */
+    MGPU__BINARY_NEG_DIV = 14,     /* -a / b */
+    MGPU__BINARY_SQRT_BWD = 15,    /* a = dy, b = y = sqrt(x) */
+    MGPU__BINARY_RSQRT_BWD = 16,   /* a = dy, b = y = 1/sqrt(x) */
+    MGPU__BINARY_POW_BWD = 17,     /* a = dy, b = x, alpha the exponent */
+    MGPU__BINARY_ABS_BWD = 18      /* a = dy, b = x */
 } mgpu__binary_op;
 
 static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float alpha) {
@@ -1765,6 +1928,17 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
     case MGPU__BINARY_TANH_BWD: return a * (1.0f - b * b);
     case MGPU__BINARY_SIGMOID_BWD: return a * b * (1.0f - b);
     case MGPU__BINARY_GELU_TANH_BWD: return a * mgpu__gelu_tanh(b, 1);
+    case MGPU__BINARY_DIV: return a / b;
+    case MGPU__BINARY_MAX: return a > b || a != a ? a : b;
+    case MGPU__BINARY_MIN: return a < b || a != a ? a : b;
+    case MGPU__BINARY_GE: return a >= b ? 1.0f : 0.0f;
+    case MGPU__BINARY_EQ: return a == b ? 1.0f : 0.0f;
+    case MGPU__BINARY_NEG_DIV: return -a / b;
+    case MGPU__BINARY_SQRT_BWD: return 0.5f * a / b;
+    case MGPU__BINARY_RSQRT_BWD: return -0.5f * a * b * b * b;
+    case MGPU__BINARY_POW_BWD: return a * alpha * powf(b, alpha - 1.0f);
+    /* torch's abs backward: dy * sign(x), 0 at 0; a NaN x gives NaN */
+    case MGPU__BINARY_ABS_BWD: return b > 0.0f ? a : b < 0.0f ? -a : b == 0.0f ? 0.0f : b;
     default: return 0.0f;
     }
 }
@@ -1818,6 +1992,57 @@ static inline MGPU__HD void mgpu__adamw_update(float* p, float g, float* m, floa
    argmax takes the first NaN of a row, else the first maximum (torch.argmax). */
 static inline MGPU__HD int mgpu__pool_takes(float v, float best) { return v > best || v != v; }
 static inline MGPU__HD int mgpu__argmax_takes(float v, float best) { return v != v ? best == best : v > best; }
+
+/* The tape's two generic kernels (>>autograd): every op of a tape that is not a GEMM, a gather or
+   a loss is one of these. A map walks an index space of 4 dimensions (shapes padded with leading
+   1s); element i's coordinates, times each tensor's element strides (0 along a dimension it is
+   broadcast over), place it in out, a and b: out = f(a) or f(a, b). Broadcasts, permutes,
+   slices and concatenations are maps of MGPU__UNARY_COPY. */
+typedef struct mgpu__map_geom {
+    int64_t dim[4];
+    int64_t out[4], a[4], b[4];   /* element strides */
+    int op, binary;               /* an mgpu__binary_op when binary, else an mgpu__unary_op */
+    float alpha;
+} mgpu__map_geom;
+static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const float* a, const float* b, float* out, int64_t i) {
+    int64_t oo = 0, oa = 0, ob = 0, rest = i;
+    int d;
+    for (d = 3; d >= 0; --d) {
+        const int64_t c = rest % g->dim[d];
+        rest /= g->dim[d];
+        oo += c * g->out[d]; oa += c * g->a[d]; ob += c * g->b[d];
+    }
+    out[oo] = g->binary ? mgpu__binary_apply(g->op, a[oa], b[ob], g->alpha) : mgpu__unary_apply(g->op, a[oa], g->alpha);
+}
+/* A reduction: out (contiguous, shape out_dim) = the sum (times scale) or the max of x (contiguous,
+   shape dim) over the dimensions where out_dim is 1 and dim is not. Output element i takes its
+   inputs in one fixed order, one after the other: the same bits on the CPU and on a GPU. The max
+   takes a NaN (torch.amax). */
+typedef struct mgpu__reduce_geom {
+    int64_t dim[4], out_dim[4];
+    int max;
+    float scale;
+} mgpu__reduce_geom;
+static inline MGPU__HD void mgpu__reduce_element(const mgpu__reduce_geom* g, const float* x, float* out, int64_t i) {
+    int64_t stride[4], base = 0, count = 1, rest = i, s = 1, j;
+    float acc = g->max ? -INFINITY : 0.0f;
+    int d;
+    for (d = 3; d >= 0; --d) { stride[d] = s; s *= g->dim[d]; }
+    for (d = 3; d >= 0; --d) {
+        base += rest % g->out_dim[d] * stride[d];
+        rest /= g->out_dim[d];
+        if (g->out_dim[d] != g->dim[d]) count *= g->dim[d];
+    }
+    for (j = 0; j < count; ++j) {
+        int64_t r = j, at = base;
+        float v;
+        for (d = 3; d >= 0; --d)
+            if (g->out_dim[d] != g->dim[d]) { at += r % g->dim[d] * stride[d]; r /= g->dim[d]; }
+        v = x[at];
+        acc = g->max ? (mgpu__pool_takes(v, acc) ? v : acc) : acc + v;
+    }
+    out[i] = g->max ? acc : acc * g->scale;
+}
 
 /* Clipping by global norm, torch.nn.utils.clip_grad_norm_'s rule in float32: the coefficient
    max_norm / (norm + 1e-6), clamped to at most 1 (a NaN norm gives NaN, as torch.clamp does). */
@@ -1942,6 +2167,10 @@ int mgpu__cu_rand(int dev, void* stream, int normal, size_t n, uint64_t seed, ui
 int mgpu__cu_unary(int dev, void* stream, int op, int dtype, size_t n, const void* x, void* y, float alpha);
 int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const void* a, const void* b,
                     void* y, float alpha);   /* dtype F32 or BF16 (computed in float, rounded once) */
+/* the tape's kernels (>>autograd): mgpu__map_element for every element of g->dim (b NULL for a
+   unary op), mgpu__reduce_element for every element of g->out_dim */
+int mgpu__cu_map(int dev, void* stream, const mgpu__map_geom* g, const float* a, const float* b, float* out);
+int mgpu__cu_reduce(int dev, void* stream, const mgpu__reduce_geom* g, const float* x, float* out);
 /* y[o,c,i] = x[o,c,i] + bias[c] over [outer, channels, inner] */
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
                       int x_dtype, const void* x, const float* bias, int y_dtype, void* y);   /* F32 or BF16 */
@@ -3767,6 +3996,8 @@ struct mgpu_tensor {
     mgpu_dtype dtype;
     mgpu_shape shape;
     int owned;          /* 1: the library's (a model's view, a loader's batch): mgpu_tensor_destroy refuses */
+    const mgpu_tape* tape;   /* the tape whose op made it (>>autograd), or NULL */
+    int tape_node;           /* that op's place on the tape */
 };
 
 #define MGPU__TRY(expr) do { mgpu_result mgpu__r_ = (expr); if (mgpu__r_ != MGPU_OK) return mgpu__r_; } while (0)
@@ -3855,6 +4086,8 @@ static mgpu_tensor* mgpu__tensor_wrap(mgpu__storage* st, size_t offset, mgpu_dty
     t->dtype = dt;
     t->shape = shape;
     t->owned = 0;
+    t->tape = NULL;
+    t->tape_node = -1;
     st->refs++;
     return t;
 }
@@ -7984,6 +8217,989 @@ MGPUDEF mgpu_layer* mgpu_layer_residual(mgpu_layer* f, mgpu_layer* shortcut) {
     return mgpu__container_make("mgpu_layer_residual", &mgpu__residual_vt, kids, shortcut ? 2 : 1, 1);
 }
 
+
+/* ---- >>impl autograd: the tape, its ops and their backward rules, layers made of ops ---- */
+/* The two generic kernels' executors: every element on the CPU's pool, or one launch */
+typedef struct mgpu__ad_job {
+    const mgpu__map_geom* map;
+    const mgpu__reduce_geom* reduce;
+    const float *a, *b;
+    float* out;
+} mgpu__ad_job;
+static void mgpu__ad_map_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__ad_job* j = (const mgpu__ad_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) mgpu__map_element(j->map, j->a, j->b, j->out, i);
+}
+static void mgpu__ad_reduce_range(void* ctx, int64_t begin, int64_t end) {
+    const mgpu__ad_job* j = (const mgpu__ad_job*)ctx;
+    int64_t i;
+    for (i = begin; i < end; ++i) mgpu__reduce_element(j->reduce, j->a, j->out, i);
+}
+static mgpu_result mgpu__ad_run_map(const char* op, mgpu_device* dev, const mgpu__map_geom* g, const float* a,
+                                    const float* b, float* out) {
+    const int64_t n = g->dim[0] * g->dim[1] * g->dim[2] * g->dim[3];
+    mgpu__ad_job job;
+    MGPU__COUNT(dev, ops, 1);
+    if (dev->kind != MGPU_DEVICE_CPU) {
+        MGPU__CU(op, dev, mgpu__cu_map(MGPU__CUDA_ARGS(dev), g, a, b, out));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.map = g; job.a = a; job.b = b; job.out = out;
+    mgpu__parallel_range(n, MGPU__EW_MIN_PER_THREAD / 4, mgpu__ad_map_range, &job);
+    return MGPU_OK;
+}
+static mgpu_result mgpu__ad_run_reduce(const char* op, mgpu_device* dev, const mgpu__reduce_geom* g, const float* x, float* out) {
+    const int64_t n = g->out_dim[0] * g->out_dim[1] * g->out_dim[2] * g->out_dim[3];
+    mgpu__ad_job job;
+    MGPU__COUNT(dev, ops, 1);
+    if (dev->kind != MGPU_DEVICE_CPU) {
+        MGPU__CU(op, dev, mgpu__cu_reduce(MGPU__CUDA_ARGS(dev), g, x, out));
+        return MGPU_OK;
+    }
+    memset(&job, 0, sizeof job);
+    job.reduce = g; job.a = x; job.out = out;
+    mgpu__parallel_range(n, 256, mgpu__ad_reduce_range, &job);
+    return MGPU_OK;
+}
+
+/* A shape padded to 4 dimensions with leading 1s, and its contiguous element strides */
+static void mgpu__ad_pad(mgpu_shape s, int64_t dim[4]) {
+    int d;
+    for (d = 0; d < 4; ++d) dim[d] = d < 4 - s.ndim ? 1 : s.dim[d - (4 - s.ndim)];
+}
+static void mgpu__ad_strides(const int64_t dim[4], int64_t stride[4]) {
+    int64_t s = 1;
+    int d;
+    for (d = 3; d >= 0; --d) { stride[d] = s; s *= dim[d]; }
+}
+/* NumPy's broadcast of two shapes, or a shape error naming op and both tensors */
+static mgpu_result mgpu__ad_broadcast(const char* op, const mgpu_tensor* a, const mgpu_tensor* b, mgpu_shape* out) {
+    char ta[128], tb[128];
+    int d, nd = MGPU__MAX(a->shape.ndim, b->shape.ndim);
+    memset(out, 0, sizeof *out);
+    out->ndim = nd;
+    for (d = 0; d < nd; ++d) {
+        const int ia = d - (nd - a->shape.ndim), ib = d - (nd - b->shape.ndim);
+        const int64_t da = ia >= 0 ? a->shape.dim[ia] : 1, db = ib >= 0 ? b->shape.dim[ib] : 1;
+        if (da != db && da != 1 && db != 1)
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'a' %s and 'b' %s do not broadcast (dimension %d: %lld and %lld)",
+                              op, mgpu_tensor_describe(a, ta, sizeof ta), mgpu_tensor_describe(b, tb, sizeof tb), d,
+                              (long long)da, (long long)db);
+        out->dim[d] = da == 1 ? db : da;
+    }
+    return MGPU_OK;
+}
+/* out = f(a) or f(a, b) elementwise, a and b broadcast to out's shape (contiguous tensors) */
+static mgpu_result mgpu__ad_map(const char* op, int binary, int code, float alpha, mgpu_tensor* out,
+                                const mgpu_tensor* a, const mgpu_tensor* b) {
+    mgpu__map_geom g;
+    int64_t da[4], db[4];
+    int d;
+    memset(&g, 0, sizeof g);
+    g.op = code; g.binary = binary; g.alpha = alpha;
+    mgpu__ad_pad(out->shape, g.dim);
+    mgpu__ad_strides(g.dim, g.out);
+    mgpu__ad_pad(a->shape, da);
+    mgpu__ad_strides(da, g.a);
+    if (b) { mgpu__ad_pad(b->shape, db); mgpu__ad_strides(db, g.b); }
+    for (d = 0; d < 4; ++d) {
+        if (da[d] != g.dim[d]) g.a[d] = 0;
+        if (b && db[d] != g.dim[d]) g.b[d] = 0;
+    }
+    return mgpu__ad_run_map(op, MGPU__DEV(out), &g, MGPU__F32(a), b ? MGPU__F32(b) : NULL, MGPU__F32(out));
+}
+/* out = the sum (times scale) or max of x over the dimensions where out's padded shape has 1 */
+static mgpu_result mgpu__ad_reduce(const char* op, int max, float scale, mgpu_tensor* out, const mgpu_tensor* x) {
+    mgpu__reduce_geom g;
+    memset(&g, 0, sizeof g);
+    g.max = max; g.scale = scale;
+    mgpu__ad_pad(x->shape, g.dim);
+    mgpu__ad_pad(out->shape, g.out_dim);
+    return mgpu__ad_run_reduce(op, MGPU__DEV(out), &g, MGPU__F32(x), MGPU__F32(out));
+}
+/* Copies between x and a window of y along one axis (slice, concat): into_y 0 takes the window
+   [start, start + x's length) of y into x; 1 writes x there. Same shapes elsewhere. */
+static mgpu_result mgpu__ad_window(const char* op, mgpu_tensor* x, mgpu_tensor* y, int axis, int64_t start, int into_y) {
+    mgpu__map_geom g;
+    int64_t dy[4], sy[4], sx[4];
+    const int pa = axis + 4 - x->shape.ndim;
+    float* win;
+    memset(&g, 0, sizeof g);
+    g.op = MGPU__UNARY_COPY;
+    mgpu__ad_pad(x->shape, g.dim);
+    mgpu__ad_strides(g.dim, sx);
+    mgpu__ad_pad(y->shape, dy);
+    mgpu__ad_strides(dy, sy);
+    win = MGPU__F32(y) + start * sy[pa];
+    memcpy(into_y ? g.out : g.a, sy, sizeof sy);
+    memcpy(into_y ? g.a : g.out, sx, sizeof sx);
+    return into_y ? mgpu__ad_run_map(op, MGPU__DEV(x), &g, MGPU__F32(x), NULL, win)
+                  : mgpu__ad_run_map(op, MGPU__DEV(x), &g, win, NULL, MGPU__F32(x));
+}
+/* out = x.permute(perm) (out's shape already permuted) */
+static mgpu_result mgpu__ad_permute(const char* op, mgpu_tensor* out, const mgpu_tensor* x, const int* perm) {
+    mgpu__map_geom g;
+    int64_t dx[4], sx[4];
+    const int nd = x->shape.ndim, pad = 4 - nd;
+    int d;
+    memset(&g, 0, sizeof g);
+    g.op = MGPU__UNARY_COPY;
+    mgpu__ad_pad(out->shape, g.dim);
+    mgpu__ad_strides(g.dim, g.out);
+    mgpu__ad_pad(x->shape, dx);
+    mgpu__ad_strides(dx, sx);
+    for (d = 0; d < 4; ++d) g.a[d] = d < pad ? 0 : sx[pad + perm[d - pad]];
+    return mgpu__ad_run_map(op, MGPU__DEV(x), &g, MGPU__F32(x), NULL, MGPU__F32(out));
+}
+/* out (+)= op(a) @ op(b) over the last two dimensions; batched as mgpu_tape_matmul says, and
+   also an out of 2 dimensions for batched a and b: the batches' products summed (the gradient of
+   a matrix shared by every batch). One GEMM where the rows fold: a [..., m, k] (not transposed)
+   with b 2-D; and a 2-D out from a^T b with a and b batched alike. */
+static mgpu_result mgpu__ad_gemm(const char* op, mgpu_tensor* out, const mgpu_tensor* a, const mgpu_tensor* b,
+                                 mgpu_transpose ta, mgpu_transpose tb, float beta) {
+    const int na = a->shape.ndim, nb = b->shape.ndim, no = out->shape.ndim;
+    mgpu_tensor *va = NULL, *vb = NULL, *vo = NULL;
+    mgpu_result r = MGPU_OK;
+    int64_t batch = 1, i, sa, sb, so;
+    int d;
+    if (na == 2 && nb == 2 && no == 2) return mgpu_matmul(out, a, b, ta, tb, 1.0f, beta);
+    if ((na > 2 && nb == 2 && no > 2 && !ta) || (na > 2 && nb > 2 && no == 2 && ta && !tb)) {   /* fold the rows */
+        const int64_t ra = mgpu_tensor_numel(a) / a->shape.dim[na - 1], rb = mgpu_tensor_numel(b) / b->shape.dim[nb - 1];
+        va = mgpu__tensor_wrap(a->storage, a->offset, MGPU_F32, mgpu_shape2(ra, a->shape.dim[na - 1]), op);
+        vb = nb == 2 ? NULL : mgpu__tensor_wrap(b->storage, b->offset, MGPU_F32, mgpu_shape2(rb, b->shape.dim[nb - 1]), op);
+        vo = no == 2 ? NULL : mgpu__tensor_wrap(out->storage, out->offset, MGPU_F32,
+                                                mgpu_shape2(mgpu_tensor_numel(out) / out->shape.dim[no - 1], out->shape.dim[no - 1]), op);
+        r = !va || (nb > 2 && !vb) || (no > 2 && !vo) ? mgpu_last_result()
+            : mgpu_matmul(vo ? vo : out, va, vb ? vb : b, ta, tb, 1.0f, beta);
+        mgpu__tensor_free(va); mgpu__tensor_free(vb); mgpu__tensor_free(vo);
+        return r;
+    }
+    {   /* a GEMM per batch; a 2-D operand is shared, a 2-D out sums */
+        const mgpu_tensor* lead = na > 2 ? a : nb > 2 ? b : out;
+        for (d = 0; d < lead->shape.ndim - 2; ++d) batch *= lead->shape.dim[d];
+    }
+    sa = na > 2 ? a->shape.dim[na - 2] * a->shape.dim[na - 1] : 0;
+    sb = nb > 2 ? b->shape.dim[nb - 2] * b->shape.dim[nb - 1] : 0;
+    so = no > 2 ? out->shape.dim[no - 2] * out->shape.dim[no - 1] : 0;
+    for (i = 0; i < batch && r == MGPU_OK; ++i) {
+        va = mgpu__tensor_wrap(a->storage, a->offset + (size_t)(i * sa) * 4, MGPU_F32, mgpu_shape2(a->shape.dim[na - 2], a->shape.dim[na - 1]), op);
+        vb = mgpu__tensor_wrap(b->storage, b->offset + (size_t)(i * sb) * 4, MGPU_F32, mgpu_shape2(b->shape.dim[nb - 2], b->shape.dim[nb - 1]), op);
+        vo = mgpu__tensor_wrap(out->storage, out->offset + (size_t)(i * so) * 4, MGPU_F32,
+                               mgpu_shape2(out->shape.dim[no - 2], out->shape.dim[no - 1]), op);
+        r = !va || !vb || !vo ? mgpu_last_result() : mgpu_matmul(vo, va, vb, ta, tb, 1.0f, so == 0 && i > 0 ? 1.0f : beta);
+        mgpu__tensor_free(va); mgpu__tensor_free(vb); mgpu__tensor_free(vo);
+    }
+    return r;
+}
+
+/* ---- the tape ---- */
+typedef enum mgpu__tape_kind {
+    MGPU__TAPE_CONST, MGPU__TAPE_UNARY, MGPU__TAPE_BINARY, MGPU__TAPE_REDUCE, MGPU__TAPE_MATMUL, MGPU__TAPE_RESHAPE,
+    MGPU__TAPE_PERMUTE, MGPU__TAPE_SLICE, MGPU__TAPE_CONCAT, MGPU__TAPE_GATHER, MGPU__TAPE_XENT, MGPU__TAPE_MSE
+} mgpu__tape_kind;
+typedef struct mgpu__tape_node {
+    int kind, code;              /* code: the unary or binary op; the reduction's (sum 0, mean 1, max 2) */
+    const char* op;              /* the public op, for messages */
+    const mgpu_tensor* in[2];    /* as given: the tape's, watched, or constants */
+    mgpu_tensor* out;            /* the tape's */
+    mgpu_tensor* saved;          /* a loss's gradient, computed with it */
+    mgpu_tensor* grad;           /* while backward runs: out's gradient */
+    int64_t arg[4];              /* axis, transposes, start, permutation */
+    float alpha;
+    int needs_grad;              /* an input is watched or needs it */
+} mgpu__tape_node;
+struct mgpu_tape {
+    mgpu_device* dev;
+    mgpu__tape_node* nodes;
+    int count, cap;
+    const mgpu_tensor** watched;
+    mgpu_tensor** watched_grad;
+    int watched_count, watched_cap;
+    mgpu_result error;           /* the first failure of an op */
+};
+
+MGPUDEF mgpu_tape* mgpu_tape_create(mgpu_device* dev) {
+    mgpu_tape* tape;
+    if (!dev) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_create: NULL device"); return NULL; }
+    tape = (mgpu_tape*)mgpu__calloc(1, sizeof *tape);
+    if (!tape) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_tape_create: out of host memory"); return NULL; }
+    tape->dev = dev;
+    return tape;
+}
+MGPUDEF void mgpu_tape_destroy(mgpu_tape* tape) {
+    int i;
+    if (!tape) return;
+    for (i = 0; i < tape->count; ++i) {
+        mgpu__tensor_free(tape->nodes[i].out);
+        mgpu__tensor_free(tape->nodes[i].saved);
+        mgpu__tensor_free(tape->nodes[i].grad);
+    }
+    for (i = 0; i < tape->watched_count; ++i) mgpu__tensor_free(tape->watched_grad[i]);
+    MGPU_FREE(tape->nodes);
+    MGPU_FREE(tape->watched);
+    MGPU_FREE(tape->watched_grad);
+    MGPU_FREE(tape);
+}
+MGPUDEF mgpu_result mgpu_tape_status(const mgpu_tape* tape) {
+    return tape ? tape->error : mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_status: NULL tape");
+}
+static int mgpu__tape_watch_index(const mgpu_tape* tape, const mgpu_tensor* t) {
+    int i;
+    for (i = 0; i < tape->watched_count; ++i)
+        if (tape->watched[i] == t) return i;
+    return -1;
+}
+static int mgpu__tape_needs_grad(const mgpu_tape* tape, const mgpu_tensor* t) {
+    return t->tape == tape ? tape->nodes[t->tape_node].needs_grad : mgpu__tape_watch_index(tape, t) >= 0;
+}
+MGPUDEF mgpu_result mgpu_tape_watch(mgpu_tape* tape, const mgpu_tensor* t) {
+    static const char* op = "mgpu_tape_watch";
+    char text[128];
+    if (!tape) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL tape", op);
+    MGPU__TRY(mgpu__check_tensor(op, "t", t, MGPU_F32));
+    if (MGPU__DEV(t) != tape->dev)
+        return mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: 't' %s is not on the tape's device %s", op,
+                          mgpu_tensor_describe(t, text, sizeof text), mgpu_device_label(tape->dev));
+    if (t->tape)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: 't' %s was made by a tape's op: watch the tensors you make "
+                          "yourself (an op's gradient comes with backward)", op, mgpu_tensor_describe(t, text, sizeof text));
+    if (mgpu__tape_watch_index(tape, t) >= 0) return MGPU_OK;
+    if (tape->watched_count == tape->watched_cap) {
+        const int cap = tape->watched_cap ? 2 * tape->watched_cap : 16;
+        const mgpu_tensor** w = (const mgpu_tensor**)MGPU_REALLOC((void*)tape->watched, (size_t)cap * sizeof *w);
+        mgpu_tensor** g;
+        if (w) tape->watched = w;
+        g = w ? (mgpu_tensor**)MGPU_REALLOC(tape->watched_grad, (size_t)cap * sizeof *g) : NULL;
+        if (!g) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+        tape->watched_grad = g;
+        tape->watched_cap = cap;
+    }
+    tape->watched[tape->watched_count] = t;
+    tape->watched_grad[tape->watched_count++] = NULL;
+    return MGPU_OK;
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_grad(mgpu_tape* tape, const mgpu_tensor* t) {
+    int w;
+    if (!tape || !t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_grad: NULL %s", tape ? "tensor" : "tape"); return NULL; }
+    w = mgpu__tape_watch_index(tape, t);
+    if (w < 0) {
+        char text[128];
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_grad: %s is not watched by this tape (mgpu_tape_watch)",
+                   mgpu_tensor_describe(t, text, sizeof text));
+        return NULL;
+    }
+    return tape->watched_grad[w];
+}
+
+/* The first failure stays the tape's (the last error names it); every later op returns NULL */
+static const mgpu_tensor* mgpu__tape_failed(mgpu_tape* tape) {
+    if (tape->error == MGPU_OK) tape->error = mgpu_last_result() != MGPU_OK ? mgpu_last_result() : MGPU_ERROR_INVALID_ARGUMENT;
+    return NULL;
+}
+/* An op's input: not NULL, f32 (unless dt says), on the tape's device, not another tape's */
+static int mgpu__tape_input(mgpu_tape* tape, const char* op, const char* name, const mgpu_tensor* t, mgpu_dtype dt) {
+    char text[128];
+    if (!t) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' is NULL", op, name); return 0; }
+    if (mgpu__check_tensor(op, name, t, dt) != MGPU_OK) return 0;
+    if (MGPU__DEV(t) != tape->dev) {
+        mgpu__fail(MGPU_ERROR_DEVICE_MISMATCH, "%s: '%s' %s is not on the tape's device %s", op, name,
+                   mgpu_tensor_describe(t, text, sizeof text), mgpu_device_label(tape->dev));
+        return 0;
+    }
+    if (t->tape && t->tape != tape) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' %s was made by another tape", op, name, mgpu_tensor_describe(t, text, sizeof text));
+        return 0;
+    }
+    return 1;
+}
+/* The checks every op starts with: the tape, its error, its inputs (b may be absent) */
+static int mgpu__tape_begin(mgpu_tape* tape, const char* op, const char* an, const mgpu_tensor* a, const char* bn,
+                            const mgpu_tensor* b, mgpu_dtype b_dtype) {
+    if (!tape) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL tape", op); return 0; }
+    if (tape->error != MGPU_OK) return 0;
+    if (!mgpu__tape_input(tape, op, an, a, MGPU_F32) ||
+        (bn && !mgpu__tape_input(tape, op, bn, b, b_dtype))) {
+        mgpu__tape_failed(tape);
+        return 0;
+    }
+    return 1;
+}
+/* A new node with its output tensor of `shape` (a view of `view_of` when given): its index, or -1 */
+static int mgpu__tape_node_new(mgpu_tape* tape, const char* op, int kind, mgpu_shape shape, const mgpu_tensor* a,
+                               const mgpu_tensor* b, const mgpu_tensor* view_of) {
+    mgpu__tape_node* n;
+    mgpu_tensor* out;
+    if (tape->count == tape->cap) {
+        const int cap = tape->cap ? 2 * tape->cap : 64;
+        mgpu__tape_node* nodes = (mgpu__tape_node*)MGPU_REALLOC(tape->nodes, (size_t)cap * sizeof *nodes);
+        if (!nodes) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); mgpu__tape_failed(tape); return -1; }
+        tape->nodes = nodes;
+        tape->cap = cap;
+    }
+    out = view_of ? mgpu__tensor_wrap(view_of->storage, view_of->offset, MGPU_F32, shape, op)
+                  : mgpu_tensor_create(tape->dev, MGPU_F32, shape);
+    if (!out) { mgpu__tape_failed(tape); return -1; }
+    out->tape = tape;
+    out->tape_node = tape->count;
+    n = &tape->nodes[tape->count];
+    memset(n, 0, sizeof *n);
+    n->kind = kind; n->op = op; n->in[0] = a; n->in[1] = b; n->out = out;
+    n->needs_grad = (a && mgpu__tape_needs_grad(tape, a)) || (b && mgpu__tape_needs_grad(tape, b));
+    return tape->count++;
+}
+/* An op's end: its output, or the tape's failure */
+static const mgpu_tensor* mgpu__tape_end(mgpu_tape* tape, int k, mgpu_result r) {
+    return r == MGPU_OK ? tape->nodes[k].out : mgpu__tape_failed(tape);
+}
+
+MGPUDEF const mgpu_tensor* mgpu_tape_full(mgpu_tape* tape, mgpu_shape shape, float value) {
+    int k;
+    if (!tape) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_full: NULL tape"); return NULL; }
+    if (tape->error != MGPU_OK) return NULL;
+    if ((k = mgpu__tape_node_new(tape, "mgpu_tape_full", MGPU__TAPE_CONST, shape, NULL, NULL, NULL)) < 0) return NULL;
+    return mgpu__tape_end(tape, k, mgpu_tensor_fill(tape->nodes[k].out, value));
+}
+
+/* ---- elementwise ---- */
+static const mgpu_tensor* mgpu__tape_unary(mgpu_tape* tape, const char* op, int code, float alpha, const mgpu_tensor* x) {
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_UNARY, x->shape, x, NULL, NULL)) < 0) return NULL;
+    tape->nodes[k].code = code;
+    tape->nodes[k].alpha = alpha;
+    return mgpu__tape_end(tape, k, mgpu__ad_map(op, 0, code, alpha, tape->nodes[k].out, x, NULL));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_exp(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_exp", MGPU__UNARY_EXP, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_log(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_log", MGPU__UNARY_LOG, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_sqrt(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_sqrt", MGPU__UNARY_SQRT, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_rsqrt(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_rsqrt", MGPU__UNARY_RSQRT, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_tanh(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_tanh", MGPU__UNARY_TANH, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_sigmoid(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_sigmoid", MGPU__UNARY_SIGMOID, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_relu(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_relu", MGPU__UNARY_RELU, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_gelu(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_gelu", MGPU__UNARY_GELU, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_gelu_tanh(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_gelu_tanh", MGPU__UNARY_GELU_TANH, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_neg(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_neg", MGPU__UNARY_NEG, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_abs(mgpu_tape* t, const mgpu_tensor* x) { return mgpu__tape_unary(t, "mgpu_tape_abs", MGPU__UNARY_ABS, 0.0f, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_pow(mgpu_tape* t, const mgpu_tensor* x, float exponent) { return mgpu__tape_unary(t, "mgpu_tape_pow", MGPU__UNARY_POW, exponent, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_scale(mgpu_tape* t, const mgpu_tensor* x, float alpha) { return mgpu__tape_unary(t, "mgpu_tape_scale", MGPU__UNARY_SCALE, alpha, x); }
+MGPUDEF const mgpu_tensor* mgpu_tape_add_scalar(mgpu_tape* t, const mgpu_tensor* x, float alpha) { return mgpu__tape_unary(t, "mgpu_tape_add_scalar", MGPU__UNARY_ADD_SCALAR, alpha, x); }
+
+static const mgpu_tensor* mgpu__tape_binary(mgpu_tape* tape, const char* op, int code, const mgpu_tensor* a, const mgpu_tensor* b) {
+    mgpu_shape s;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
+    if (mgpu__ad_broadcast(op, a, b, &s) != MGPU_OK) return mgpu__tape_failed(tape);
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_BINARY, s, a, b, NULL)) < 0) return NULL;
+    tape->nodes[k].code = code;
+    return mgpu__tape_end(tape, k, mgpu__ad_map(op, 1, code, 0.0f, tape->nodes[k].out, a, b));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_add(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_add", MGPU__BINARY_ADD, a, b); }
+MGPUDEF const mgpu_tensor* mgpu_tape_sub(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_sub", MGPU__BINARY_SUB, a, b); }
+MGPUDEF const mgpu_tensor* mgpu_tape_mul(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_mul", MGPU__BINARY_MUL, a, b); }
+MGPUDEF const mgpu_tensor* mgpu_tape_div(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_div", MGPU__BINARY_DIV, a, b); }
+MGPUDEF const mgpu_tensor* mgpu_tape_maximum(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_maximum", MGPU__BINARY_MAX, a, b); }
+MGPUDEF const mgpu_tensor* mgpu_tape_minimum(mgpu_tape* t, const mgpu_tensor* a, const mgpu_tensor* b) { return mgpu__tape_binary(t, "mgpu_tape_minimum", MGPU__BINARY_MIN, a, b); }
+
+/* ---- reductions ---- */
+/* x's shape with `axis` (or every axis) kept as 1, and the output's (kept or dropped) */
+static mgpu_result mgpu__ad_axis(const char* op, const mgpu_tensor* x, int* axis, mgpu_shape* keep, mgpu_shape* out, int keepdim) {
+    char text[128];
+    int d, j = 0;
+    if (*axis != MGPU_ALL_AXES && (*axis < -x->shape.ndim || *axis >= x->shape.ndim))
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: axis %d of %s (it has %d dimensions; MGPU_ALL_AXES for all)",
+                          op, *axis, mgpu_tensor_describe(x, text, sizeof text), x->shape.ndim);
+    if (*axis < 0) *axis += x->shape.ndim;
+    *keep = x->shape;
+    memset(out, 0, sizeof *out);
+    for (d = 0; d < x->shape.ndim; ++d) {
+        const int gone = *axis == MGPU_ALL_AXES || d == *axis;
+        if (gone) keep->dim[d] = 1;
+        if (!gone || keepdim) out->dim[j++] = gone ? 1 : x->shape.dim[d];
+    }
+    out->ndim = j;
+    return MGPU_OK;
+}
+static const mgpu_tensor* mgpu__tape_reduce(mgpu_tape* tape, const char* op, int code, const mgpu_tensor* x, int axis, int keepdim) {
+    mgpu_shape keep, s;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (mgpu__ad_axis(op, x, &axis, &keep, &s, keepdim) != MGPU_OK) return mgpu__tape_failed(tape);
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_REDUCE, s, x, NULL, NULL)) < 0) return NULL;
+    tape->nodes[k].code = code;
+    tape->nodes[k].arg[0] = axis;
+    tape->nodes[k].alpha = code == 1 ? (float)((double)mgpu_shape_numel(keep) / (double)MGPU__MAX(mgpu_tensor_numel(x), 1)) : 1.0f;
+    {   /* the output seen with the kept axes (the same elements in the same order) */
+        mgpu_tensor* o = mgpu__tensor_wrap(tape->nodes[k].out->storage, tape->nodes[k].out->offset, MGPU_F32, keep, op);
+        mgpu_result r = o ? mgpu__ad_reduce(op, code == 2, tape->nodes[k].alpha, o, x) : mgpu_last_result();
+        mgpu__tensor_free(o);
+        return mgpu__tape_end(tape, k, r);
+    }
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_sum(mgpu_tape* t, const mgpu_tensor* x, int axis, int keepdim) { return mgpu__tape_reduce(t, "mgpu_tape_sum", 0, x, axis, keepdim); }
+MGPUDEF const mgpu_tensor* mgpu_tape_mean(mgpu_tape* t, const mgpu_tensor* x, int axis, int keepdim) { return mgpu__tape_reduce(t, "mgpu_tape_mean", 1, x, axis, keepdim); }
+MGPUDEF const mgpu_tensor* mgpu_tape_max(mgpu_tape* t, const mgpu_tensor* x, int axis, int keepdim) { return mgpu__tape_reduce(t, "mgpu_tape_max", 2, x, axis, keepdim); }
+
+/* x - max(x, axis), the max a constant (its gradient cancels in a softmax): the stable start */
+static const mgpu_tensor* mgpu__tape_shift_max(mgpu_tape* tape, const char* op, const mgpu_tensor* x, int axis) {
+    mgpu_shape keep, s;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (axis == MGPU_ALL_AXES || mgpu__ad_axis(op, x, &axis, &keep, &s, 1) != MGPU_OK) {
+        if (axis == MGPU_ALL_AXES) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: one axis, not MGPU_ALL_AXES", op);
+        return mgpu__tape_failed(tape);
+    }
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_CONST, keep, NULL, NULL, NULL)) < 0) return NULL;
+    if (mgpu__ad_reduce(op, 1, 1.0f, tape->nodes[k].out, x) != MGPU_OK) return mgpu__tape_failed(tape);
+    return mgpu_tape_sub(tape, x, tape->nodes[k].out);
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_softmax(mgpu_tape* tape, const mgpu_tensor* x, int axis) {
+    const mgpu_tensor* e = mgpu_tape_exp(tape, mgpu__tape_shift_max(tape, "mgpu_tape_softmax", x, axis));
+    return mgpu_tape_div(tape, e, mgpu_tape_sum(tape, e, axis, 1));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_log_softmax(mgpu_tape* tape, const mgpu_tensor* x, int axis) {
+    const mgpu_tensor* z = mgpu__tape_shift_max(tape, "mgpu_tape_log_softmax", x, axis);
+    return mgpu_tape_sub(tape, z, mgpu_tape_log(tape, mgpu_tape_sum(tape, mgpu_tape_exp(tape, z), axis, 1)));
+}
+
+/* ---- products and shapes ---- */
+MGPUDEF const mgpu_tensor* mgpu_tape_matmul(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b,
+                                            mgpu_transpose ta, mgpu_transpose tb) {
+    static const char* op = "mgpu_tape_matmul";
+    char x[128], y[128];
+    mgpu_shape s;
+    int na, nb, k, d, ok;
+    int64_t m, ka, kb, n;
+    if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
+    na = a->shape.ndim; nb = b->shape.ndim;
+    ok = na >= 2 && nb >= 2 && (nb == 2 || (na == nb) || na == 2);
+    for (d = 0; ok && na == nb && d < na - 2; ++d) ok = a->shape.dim[d] == b->shape.dim[d];
+    if (!ok) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'a' %s and 'b' %s: want matrices, batches of them with the same leading "
+                   "dimensions, or a batch and a matrix", op, mgpu_tensor_describe(a, x, sizeof x), mgpu_tensor_describe(b, y, sizeof y));
+        return mgpu__tape_failed(tape);
+    }
+    m = a->shape.dim[na - 2 + (ta ? 1 : 0)]; ka = a->shape.dim[na - 1 - (ta ? 1 : 0)];
+    kb = b->shape.dim[nb - 2 + (tb ? 1 : 0)]; n = b->shape.dim[nb - 1 - (tb ? 1 : 0)];
+    if (ka != kb) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: op(a) of %s is [..,%lld,%lld] and op(b) of %s is [..,%lld,%lld]: inner "
+                   "dimensions differ", op, mgpu_tensor_describe(a, x, sizeof x), (long long)m, (long long)ka,
+                   mgpu_tensor_describe(b, y, sizeof y), (long long)kb, (long long)n);
+        return mgpu__tape_failed(tape);
+    }
+    s = na > 2 ? a->shape : b->shape;
+    s.dim[s.ndim - 2] = m;
+    s.dim[s.ndim - 1] = n;
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_MATMUL, s, a, b, NULL)) < 0) return NULL;
+    tape->nodes[k].arg[0] = ta;
+    tape->nodes[k].arg[1] = tb;
+    return mgpu__tape_end(tape, k, mgpu__ad_gemm(op, tape->nodes[k].out, a, b, ta, tb, 0.0f));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_reshape(mgpu_tape* tape, const mgpu_tensor* x, mgpu_shape shape) {
+    static const char* op = "mgpu_tape_reshape";
+    char a[128], b[64];
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (mgpu_shape_numel(shape) != mgpu_tensor_numel(x) || shape.ndim > MGPU_MAX_DIMS) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: %s has %lld elements, shape %s has %lld", op, mgpu_tensor_describe(x, a, sizeof a),
+                   (long long)mgpu_tensor_numel(x), mgpu__shape_text(shape, b, sizeof b), (long long)mgpu_shape_numel(shape));
+        return mgpu__tape_failed(tape);
+    }
+    return mgpu__tape_node_new(tape, op, MGPU__TAPE_RESHAPE, shape, x, NULL, x) < 0 ? NULL : tape->nodes[tape->count - 1].out;
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_permute(mgpu_tape* tape, const mgpu_tensor* x, const int* perm) {
+    static const char* op = "mgpu_tape_permute";
+    char text[128];
+    mgpu_shape s;
+    int d, k, seen = 0;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    s = x->shape;
+    for (d = 0; perm && d < x->shape.ndim; ++d) {
+        if (perm[d] < 0 || perm[d] >= x->shape.ndim || (seen >> perm[d] & 1)) break;
+        seen |= 1 << perm[d];
+        s.dim[d] = x->shape.dim[perm[d]];
+    }
+    if (!perm || d < x->shape.ndim) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: perm is not a permutation of the %d dimensions of %s", op,
+                   x->shape.ndim, mgpu_tensor_describe(x, text, sizeof text));
+        return mgpu__tape_failed(tape);
+    }
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_PERMUTE, s, x, NULL, NULL)) < 0) return NULL;
+    for (d = 0; d < x->shape.ndim; ++d) tape->nodes[k].arg[0] |= (int64_t)perm[d] << (4 * d);
+    return mgpu__tape_end(tape, k, mgpu__ad_permute(op, tape->nodes[k].out, x, perm));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_transpose(mgpu_tape* tape, const mgpu_tensor* x, int dim0, int dim1) {
+    int perm[MGPU_MAX_DIMS], d, nd = x ? x->shape.ndim : 0;
+    for (d = 0; d < MGPU_MAX_DIMS; ++d) perm[d] = d;
+    if (dim0 < 0) dim0 += nd;
+    if (dim1 < 0) dim1 += nd;
+    if (x && dim0 >= 0 && dim0 < nd && dim1 >= 0 && dim1 < nd) { perm[dim0] = dim1; perm[dim1] = dim0; }
+    else perm[0] = -1;   /* refused by permute, naming x */
+    return mgpu_tape_permute(tape, x, perm);
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_slice(mgpu_tape* tape, const mgpu_tensor* x, int axis, int64_t start, int64_t length) {
+    static const char* op = "mgpu_tape_slice";
+    char text[128];
+    mgpu_shape s;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (axis < 0) axis += x->shape.ndim;
+    if (axis < 0 || axis >= x->shape.ndim || start < 0 || length < 0 || start > x->shape.dim[axis] - length) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: %lld from %lld along axis %d is outside %s", op, (long long)length,
+                   (long long)start, axis, mgpu_tensor_describe(x, text, sizeof text));
+        return mgpu__tape_failed(tape);
+    }
+    s = x->shape;
+    s.dim[axis] = length;
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_SLICE, s, x, NULL, NULL)) < 0) return NULL;
+    tape->nodes[k].arg[0] = axis;
+    tape->nodes[k].arg[1] = start;
+    return mgpu__tape_end(tape, k, mgpu__ad_window(op, tape->nodes[k].out, (mgpu_tensor*)x, axis, start, 0));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_concat(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b, int axis) {
+    static const char* op = "mgpu_tape_concat";
+    char x[128], y[128];
+    mgpu_shape s;
+    int k, d, ok;
+    if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
+    if (axis < 0) axis += a->shape.ndim;
+    ok = a->shape.ndim == b->shape.ndim && axis >= 0 && axis < a->shape.ndim;
+    for (d = 0; ok && d < a->shape.ndim; ++d) ok = d == axis || a->shape.dim[d] == b->shape.dim[d];
+    if (!ok) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'a' %s and 'b' %s along axis %d: the other dimensions must agree", op,
+                   mgpu_tensor_describe(a, x, sizeof x), mgpu_tensor_describe(b, y, sizeof y), axis);
+        return mgpu__tape_failed(tape);
+    }
+    s = a->shape;
+    s.dim[axis] += b->shape.dim[axis];
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_CONCAT, s, a, b, NULL)) < 0) return NULL;
+    tape->nodes[k].arg[0] = axis;
+    if (mgpu__ad_window(op, (mgpu_tensor*)a, tape->nodes[k].out, axis, 0, 1) != MGPU_OK) return mgpu__tape_failed(tape);
+    return mgpu__tape_end(tape, k, mgpu__ad_window(op, (mgpu_tensor*)b, tape->nodes[k].out, axis, a->shape.dim[axis], 1));
+}
+/* Embedding's own forward and backward, for a table [n, dim] */
+static mgpu_result mgpu__ad_embedding(const mgpu_tensor* table, const mgpu_tensor* ids, mgpu_tensor* y, mgpu_tensor* dtable, const mgpu_tensor* dy) {
+    mgpu_layer l;
+    mgpu_layer_ctx ctx;
+    mgpu_tensor* t = (mgpu_tensor*)(dtable ? dtable : table);
+    memset(&l, 0, sizeof l);
+    memset(&ctx, 0, sizeof ctx);
+    l.vt = &mgpu__emb_vt;
+    l.cfg.in = (int)table->shape.dim[0];
+    l.cfg.out = (int)table->shape.dim[1];
+    ctx.device = MGPU__DEV(table);
+    ctx.params = &t;
+    ctx.grads = &t;
+    return dtable ? mgpu__emb_backward(&l, &ctx, ids, dy, dy, NULL) : mgpu__emb_forward(&l, &ctx, ids, y);
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_tensor* table, const mgpu_tensor* ids) {
+    static const char* op = "mgpu_tape_gather_rows";
+    char text[128];
+    mgpu_shape s;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "table", table, "ids", ids, MGPU_I32)) return NULL;
+    if (table->shape.ndim != 2 || ids->shape.ndim < 1 || ids->shape.ndim > 3 || table->shape.dim[0] > INT32_MAX ||
+        table->shape.dim[1] > INT32_MAX) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: want a table [n, dim] and ids of 1 to 3 dimensions, not %s and %s", op,
+                   mgpu_tensor_describe(table, text, sizeof text), mgpu__shape_text(ids->shape, text + 64, 64));
+        return mgpu__tape_failed(tape);
+    }
+    s = ids->shape;
+    s.dim[s.ndim++] = table->shape.dim[1];
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_GATHER, s, table, ids, NULL)) < 0) return NULL;
+    return mgpu__tape_end(tape, k, mgpu__ad_embedding(table, ids, tape->nodes[k].out, NULL, NULL));
+}
+
+/* ---- losses ---- */
+static const mgpu_tensor* mgpu__tape_loss(mgpu_tape* tape, const char* op, int kind, const mgpu_tensor* pred,
+                                          const char* tn, const mgpu_tensor* target, mgpu_dtype tdt) {
+    mgpu_shape scalar;
+    int k;
+    mgpu_result r;
+    if (!mgpu__tape_begin(tape, op, kind == MGPU__TAPE_XENT ? "logits" : "pred", pred, tn, target, tdt)) return NULL;
+    memset(&scalar, 0, sizeof scalar);
+    if ((k = mgpu__tape_node_new(tape, op, kind, scalar, pred, target, NULL)) < 0) return NULL;
+    if (!(tape->nodes[k].saved = mgpu_tensor_create(tape->dev, MGPU_F32, pred->shape))) return mgpu__tape_failed(tape);
+    r = kind == MGPU__TAPE_XENT ? mgpu_softmax_cross_entropy(tape->nodes[k].out, tape->nodes[k].saved, pred, target, 0.0f)
+                                : mgpu_mse(tape->nodes[k].out, tape->nodes[k].saved, pred, target, 0.0f);
+    return mgpu__tape_end(tape, k, r);
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_cross_entropy(mgpu_tape* tape, const mgpu_tensor* logits, const mgpu_tensor* labels) {
+    return mgpu__tape_loss(tape, "mgpu_tape_cross_entropy", MGPU__TAPE_XENT, logits, "labels", labels, MGPU_I32);
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_mse(mgpu_tape* tape, const mgpu_tensor* pred, const mgpu_tensor* target) {
+    return mgpu__tape_loss(tape, "mgpu_tape_mse", MGPU__TAPE_MSE, pred, "target", target, MGPU_F32);
+}
+
+/* ---- backward ---- */
+/* Adds c, a gradient contribution the caller made (and hands over), to t's gradient */
+static mgpu_result mgpu__tape_accumulate(mgpu_tape* tape, const mgpu_tensor* t, mgpu_tensor* c) {
+    mgpu_tensor** slot;
+    mgpu_result r;
+    if (!c) return mgpu_last_result();
+    if (!mgpu__tape_needs_grad(tape, t)) { mgpu__tensor_free(c); return MGPU_OK; }
+    slot = t->tape == tape ? &tape->nodes[t->tape_node].grad : &tape->watched_grad[mgpu__tape_watch_index(tape, t)];
+    if (!*slot) { *slot = c; return MGPU_OK; }
+    r = mgpu_add(*slot, *slot, c);
+    mgpu__tensor_free(c);
+    return r;
+}
+/* A new tensor of `shape` on the tape's device holding f(a) or f(a, b) (broadcast), or NULL */
+static mgpu_tensor* mgpu__ad_new_map(mgpu_tape* tape, const char* op, mgpu_shape shape, int binary, int code, float alpha,
+                                     const mgpu_tensor* a, const mgpu_tensor* b) {
+    mgpu_tensor* t = mgpu_tensor_create(tape->dev, MGPU_F32, shape);
+    if (t && mgpu__ad_map(op, binary, code, alpha, t, a, b) != MGPU_OK) { mgpu__tensor_free(t); t = NULL; }
+    return t;
+}
+/* g (a broadcast result's gradient) summed down to shape: a new tensor, or NULL */
+static mgpu_tensor* mgpu__ad_unbroadcast(mgpu_tape* tape, const char* op, const mgpu_tensor* g, mgpu_shape shape) {
+    mgpu_tensor* t;
+    if (mgpu_shape_numel(shape) == mgpu_tensor_numel(g)) return mgpu__ad_new_map(tape, op, shape, 0, MGPU__UNARY_COPY, 0.0f, g, NULL);
+    t = mgpu_tensor_create(tape->dev, MGPU_F32, shape);
+    if (t && mgpu__ad_reduce(op, 0, 1.0f, t, g) != MGPU_OK) { mgpu__tensor_free(t); t = NULL; }
+    return t;
+}
+/* The backward rule of an elementwise op: dx from dy and x or y */
+static mgpu_tensor* mgpu__ad_unary_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
+    const mgpu_tensor *g = n->grad, *x = n->in[0], *y = n->out;
+    const mgpu_shape s = x->shape;
+    switch (n->code) {
+    case MGPU__UNARY_EXP: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, y);
+    case MGPU__UNARY_LOG: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_DIV, 0.0f, g, x);
+    case MGPU__UNARY_SQRT: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SQRT_BWD, 0.0f, g, y);
+    case MGPU__UNARY_RSQRT: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_RSQRT_BWD, 0.0f, g, y);
+    case MGPU__UNARY_TANH: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_TANH_BWD, 0.0f, g, y);
+    case MGPU__UNARY_SIGMOID: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SIGMOID_BWD, 0.0f, g, y);
+    case MGPU__UNARY_RELU: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_RELU_BWD, 0.0f, g, x);
+    case MGPU__UNARY_GELU: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GELU_BWD, 0.0f, g, x);
+    case MGPU__UNARY_GELU_TANH: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GELU_TANH_BWD, 0.0f, g, x);
+    case MGPU__UNARY_ABS: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_ABS_BWD, 0.0f, g, x);
+    case MGPU__UNARY_POW: return mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_POW_BWD, n->alpha, g, x);
+    case MGPU__UNARY_NEG: return mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_SCALE, -1.0f, g, NULL);
+    case MGPU__UNARY_SCALE: return mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_SCALE, n->alpha, g, NULL);
+    default: return mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_COPY, 0.0f, g, NULL);   /* add_scalar */
+    }
+}
+/* The backward rule of a broadcasting binary op: each input's part, summed down to its shape */
+static mgpu_result mgpu__ad_binary_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
+    const mgpu_tensor *g = n->grad, *a = n->in[0], *b = n->in[1];
+    const mgpu_shape s = g->shape;
+    mgpu_tensor *ga = NULL, *gb = NULL, *t = NULL, *m = NULL;
+    mgpu_result r = MGPU_OK;
+    const int need_a = mgpu__tape_needs_grad(tape, a), need_b = mgpu__tape_needs_grad(tape, b);
+    switch (n->code) {
+    case MGPU__BINARY_ADD: case MGPU__BINARY_SUB:
+        if (need_a) ga = mgpu__ad_unbroadcast(tape, n->op, g, a->shape);
+        if (need_b && (t = mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_SCALE, n->code == MGPU__BINARY_SUB ? -1.0f : 1.0f, g, NULL)))
+            gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        break;
+    case MGPU__BINARY_MUL:
+        if (need_a && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, b))) ga = mgpu__ad_unbroadcast(tape, n->op, t, a->shape);
+        mgpu__tensor_free(t); t = NULL;
+        if (need_b && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, a))) gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        break;
+    case MGPU__BINARY_DIV:   /* d(a/b)/db = -(a/b)/b */
+        if (need_a && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_DIV, 0.0f, g, b))) ga = mgpu__ad_unbroadcast(tape, n->op, t, a->shape);
+        mgpu__tensor_free(t); t = NULL;
+        if (need_b && (m = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, n->out)) &&
+            (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_NEG_DIV, 0.0f, m, b)))
+            gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        break;
+    default:   /* maximum, minimum: the mask of where a won (a tie: a) */
+        m = n->code == MGPU__BINARY_MAX ? mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, a, b)
+                                        : mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, b, a);
+        if (m) mgpu__ad_map(n->op, 1, MGPU__BINARY_MUL, 0.0f, m, m, g);   /* g where a won */
+        if (m && need_a) ga = mgpu__ad_unbroadcast(tape, n->op, m, a->shape);
+        if (m && need_b && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SUB, 0.0f, g, m))) gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        break;
+    }
+    mgpu__tensor_free(t);
+    mgpu__tensor_free(m);
+    if (need_a) r = mgpu__tape_accumulate(tape, a, ga);
+    if (need_b && r == MGPU_OK) r = mgpu__tape_accumulate(tape, b, gb);
+    else if (need_b) mgpu__tensor_free(gb);
+    return r;
+}
+/* sum, mean: dy spread back over the reduced axes; max: to the maxima, shared equally */
+static mgpu_tensor* mgpu__ad_reduce_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
+    const mgpu_tensor* x = n->in[0];
+    mgpu_shape keep, s;
+    int axis = (int)n->arg[0];
+    mgpu_tensor *g = NULL, *o = NULL, *mask = NULL, *count = NULL, *c = NULL;
+    if (mgpu__ad_axis(n->op, x, &axis, &keep, &s, 1) != MGPU_OK) return NULL;
+    g = mgpu__tensor_wrap(n->grad->storage, n->grad->offset, MGPU_F32, keep, n->op);   /* dy with the axes kept */
+    if (g && n->code != 2) c = mgpu__ad_new_map(tape, n->op, x->shape, 0, MGPU__UNARY_SCALE, n->alpha, g, NULL);
+    else if (g && (o = mgpu__tensor_wrap(n->out->storage, n->out->offset, MGPU_F32, keep, n->op)) &&
+             (mask = mgpu__ad_new_map(tape, n->op, x->shape, 1, MGPU__BINARY_EQ, 0.0f, x, o)) &&
+             (count = mgpu_tensor_create(tape->dev, MGPU_F32, keep)) && mgpu__ad_reduce(n->op, 0, 1.0f, count, mask) == MGPU_OK &&
+             mgpu__ad_map(n->op, 1, MGPU__BINARY_DIV, 0.0f, count, g, count) == MGPU_OK)
+        c = mgpu__ad_new_map(tape, n->op, x->shape, 1, MGPU__BINARY_MUL, 0.0f, mask, count);
+    mgpu__tensor_free(g); mgpu__tensor_free(o); mgpu__tensor_free(mask); mgpu__tensor_free(count);
+    return c;
+}
+/* C = op(A) op(B): dA = dC op(B)^T (transposed back when A was), dB = op(A)^T dC (likewise) */
+static mgpu_result mgpu__ad_matmul_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
+    const mgpu_tensor *g = n->grad, *a = n->in[0], *b = n->in[1];
+    const mgpu_transpose ta = (mgpu_transpose)n->arg[0], tb = (mgpu_transpose)n->arg[1];
+    const mgpu_transpose nt = MGPU_NO_TRANS, tr = MGPU_TRANS;
+    mgpu_tensor* c;
+    if (mgpu__tape_needs_grad(tape, a)) {
+        if (!(c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape))) return mgpu_last_result();
+        if ((!ta ? mgpu__ad_gemm(n->op, c, g, b, nt, tb ? nt : tr, 0.0f) : mgpu__ad_gemm(n->op, c, b, g, tb, tr, 0.0f)) != MGPU_OK) {
+            mgpu__tensor_free(c);
+            return mgpu_last_result();
+        }
+        MGPU__TRY(mgpu__tape_accumulate(tape, a, c));
+    }
+    if (mgpu__tape_needs_grad(tape, b)) {
+        if (!(c = mgpu_tensor_create(tape->dev, MGPU_F32, b->shape))) return mgpu_last_result();
+        if ((!tb ? mgpu__ad_gemm(n->op, c, a, g, ta ? nt : tr, nt, 0.0f) : mgpu__ad_gemm(n->op, c, g, a, tr, ta, 0.0f)) != MGPU_OK) {
+            mgpu__tensor_free(c);
+            return mgpu_last_result();
+        }
+        MGPU__TRY(mgpu__tape_accumulate(tape, b, c));
+    }
+    return MGPU_OK;
+}
+static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
+    const mgpu_tensor *g = n->grad, *a = n->in[0], *b = n->in[1];
+    mgpu_tensor* c = NULL;
+    int perm[MGPU_MAX_DIMS], d;
+    switch (n->kind) {
+    case MGPU__TAPE_UNARY: return mgpu__tape_accumulate(tape, a, mgpu__ad_unary_backward(tape, n));
+    case MGPU__TAPE_BINARY: return mgpu__ad_binary_backward(tape, n);
+    case MGPU__TAPE_REDUCE: return mgpu__tape_accumulate(tape, a, mgpu__ad_reduce_backward(tape, n));
+    case MGPU__TAPE_MATMUL: return mgpu__ad_matmul_backward(tape, n);
+    case MGPU__TAPE_RESHAPE:
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu_tensor_copy(c, g) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+        return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_PERMUTE:   /* the inverse permutation */
+        for (d = 0; d < a->shape.ndim; ++d) perm[n->arg[0] >> (4 * d) & 15] = d;
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu__ad_permute(n->op, c, g, perm) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+        return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_SLICE:
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) &&
+            (mgpu_tensor_zero(c) != MGPU_OK || mgpu__ad_window(n->op, (mgpu_tensor*)g, c, (int)n->arg[0], n->arg[1], 1) != MGPU_OK)) {
+            mgpu__tensor_free(c);
+            c = NULL;
+        }
+        return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_CONCAT:
+        if (mgpu__tape_needs_grad(tape, a)) {
+            if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu__ad_window(n->op, c, (mgpu_tensor*)g, (int)n->arg[0], 0, 0) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+            MGPU__TRY(mgpu__tape_accumulate(tape, a, c));
+        }
+        if (mgpu__tape_needs_grad(tape, b)) {
+            if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, b->shape)) &&
+                mgpu__ad_window(n->op, c, (mgpu_tensor*)g, (int)n->arg[0], a->shape.dim[n->arg[0]], 0) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+            MGPU__TRY(mgpu__tape_accumulate(tape, b, c));
+        }
+        return MGPU_OK;
+    case MGPU__TAPE_GATHER:
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) &&
+            (mgpu_tensor_zero(c) != MGPU_OK || mgpu__ad_embedding(a, b, NULL, c, g) != MGPU_OK)) { mgpu__tensor_free(c); c = NULL; }
+        return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_XENT: case MGPU__TAPE_MSE:   /* the loss's gradient, times dy (a scalar) */
+        MGPU__TRY(mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, n->saved, g)));
+        if (n->kind == MGPU__TAPE_MSE && mgpu__tape_needs_grad(tape, b) &&
+            (c = mgpu__ad_new_map(tape, n->op, b->shape, 1, MGPU__BINARY_MUL, 0.0f, n->saved, g)) &&
+            mgpu__ad_map(n->op, 0, MGPU__UNARY_NEG, 0.0f, c, c, NULL) != MGPU_OK) {   /* the target's: the opposite */
+            mgpu__tensor_free(c);
+            c = NULL;
+        }
+        return n->kind == MGPU__TAPE_MSE && mgpu__tape_needs_grad(tape, b) ? mgpu__tape_accumulate(tape, b, c) : MGPU_OK;
+    default: return MGPU_OK;   /* a constant */
+    }
+}
+MGPUDEF mgpu_result mgpu_tape_backward(mgpu_tape* tape, const mgpu_tensor* y, const mgpu_tensor* dy) {
+    static const char* op = "mgpu_tape_backward";
+    char text[128], t2[128];
+    mgpu_result r = MGPU_OK;
+    mgpu_tensor* g;
+    int i, k;
+    if (!tape) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL tape", op);
+    if (tape->error != MGPU_OK) return tape->error;
+    if (!y) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: 'y' is NULL", op);
+    if (y->tape != tape)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: 'y' %s was not made by this tape's ops", op, mgpu_tensor_describe(y, text, sizeof text));
+    k = y->tape_node;
+    if (!tape->nodes[k].needs_grad)
+        return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: 'y' %s does not depend on any watched tensor (mgpu_tape_watch)", op,
+                          mgpu_tensor_describe(y, text, sizeof text));
+    if (dy) {
+        MGPU__TRY(mgpu__check_tensor(op, "dy", dy, MGPU_F32));
+        MGPU__TRY(mgpu__check_same_device(op, "dy", dy, "y", y));
+        MGPU__TRY(mgpu__check_same_shape(op, "dy", dy, "y", y));
+    } else if (mgpu_tensor_numel(y) != 1)
+        return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'y' %s is not one element: give its gradient dy", op,
+                          mgpu_tensor_describe(y, t2, sizeof t2));
+    if (!(g = mgpu_tensor_create(tape->dev, MGPU_F32, y->shape))) return mgpu_last_result();
+    if ((r = dy ? mgpu_tensor_copy(g, dy) : mgpu_tensor_fill(g, 1.0)) != MGPU_OK) { mgpu__tensor_free(g); return r; }
+    mgpu__tensor_free(tape->nodes[k].grad);
+    tape->nodes[k].grad = g;
+    for (i = k; i >= 0; --i) {
+        mgpu__tape_node* n = &tape->nodes[i];
+        if (n->grad && n->needs_grad && r == MGPU_OK) r = mgpu__tape_node_backward(tape, n);
+        mgpu__tensor_free(n->grad);   /* done with, or after a failure, dropped */
+        n->grad = NULL;
+    }
+    return r;
+}
+
+/* ---- layers made of tape ops ---- */
+#define MGPU__OP_LAYER_MAX_PARAMS 64
+typedef struct mgpu__op_layer {
+    mgpu_layer_vtable vt;                    /* its own, for its type's name */
+    mgpu_op_layer_desc desc;
+    mgpu_op_param_desc params[MGPU__OP_LAYER_MAX_PARAMS];
+    char names[MGPU__OP_LAYER_MAX_PARAMS][48];
+    char type[48];
+} mgpu__op_layer;
+static const mgpu__op_layer* mgpu__op_layer_of(const mgpu_layer* l) { return (const mgpu__op_layer*)l->user; }
+static mgpu_result mgpu__op_output_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) {
+    const mgpu__op_layer* o = mgpu__op_layer_of(l);
+    if (o->desc.output_shape) return o->desc.output_shape(o->desc.user, x, y);
+    *y = x;
+    return MGPU_OK;
+}
+static int mgpu__op_param_count(const mgpu_layer* l) { return mgpu__op_layer_of(l)->desc.param_count; }
+static mgpu_result mgpu__op_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    const mgpu__op_layer* o = mgpu__op_layer_of(l);
+    *name = o->names[i];
+    *shape = o->params[i].shape;
+    return MGPU_OK;
+}
+static mgpu_result mgpu__op_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    const mgpu__op_layer* o = mgpu__op_layer_of(l);
+    uint64_t offset = 0;
+    int i;
+    for (i = 0; i < o->desc.param_count; ++i) {
+        const mgpu_op_param_desc* p = &o->params[i];
+        mgpu_tensor* t = ctx->params[i];
+        const int64_t last = p->shape.ndim ? p->shape.dim[p->shape.ndim - 1] : 1;
+        const double fan_in = (double)(p->uniform_fan_in > 0 ? p->uniform_fan_in : MGPU__MAX(last, 1));
+        switch (p->init) {
+        case MGPU_INIT_ONES: MGPU__TRY(mgpu_tensor_fill(t, 1.0)); break;
+        case MGPU_INIT_UNIFORM: {
+            const float s = p->init_scale > 0.0f ? p->init_scale : (float)(1.0 / sqrt(fan_in));
+            MGPU__TRY(mgpu_rand_uniform(t, seed, offset, -s, s));
+            break;
+        }
+        case MGPU_INIT_NORMAL: MGPU__TRY(mgpu_rand_normal(t, seed, offset, 0.0f, p->init_scale > 0.0f ? p->init_scale : 0.02f)); break;
+        default: MGPU__TRY(mgpu_tensor_zero(t)); break;
+        }
+        offset += mgpu_rand_offsets(mgpu_tensor_numel(t));
+    }
+    return MGPU_OK;
+}
+/* The user's forward on a fresh tape; its output checked against y's shape. *tape_out is the tape
+   (the caller destroys it) */
+static const mgpu_tensor* mgpu__op_run(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                       int watch_x, mgpu_tape** tape_out) {
+    const mgpu__op_layer* o = mgpu__op_layer_of(l);
+    mgpu_tape* tape = mgpu_tape_create(ctx->device);
+    const mgpu_tensor* out;
+    char a[128], b[128];
+    int i;
+    *tape_out = tape;
+    if (!tape) return NULL;
+    for (i = 0; watch_x >= 0 && i < o->desc.param_count; ++i)
+        if (mgpu_tape_watch(tape, ctx->params[i]) != MGPU_OK) return NULL;
+    if (watch_x > 0 && mgpu_tape_watch(tape, x) != MGPU_OK) return NULL;
+    out = o->desc.forward(o->desc.user, tape, x, (const mgpu_tensor* const*)ctx->params);
+    if (!out) {
+        if (tape->error == MGPU_OK) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: forward returned NULL, and no op failed", o->type);
+        else mgpu__fail(tape->error, "%s: %s", o->type, mgpu_last_error());
+        return NULL;
+    }
+    if (!mgpu_shape_equal(out->shape, y->shape)) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: forward returned %s where output_shape says %s", o->type,
+                   mgpu_tensor_describe(out, a, sizeof a), mgpu__shape_text(y->shape, b, sizeof b));
+        return NULL;
+    }
+    return out;
+}
+static mgpu_result mgpu__op_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu_tape* tape;
+    const mgpu_tensor* out = mgpu__op_run(l, ctx, x, y, -1, &tape);
+    const mgpu_result r = out ? mgpu_tensor_copy(y, out) : mgpu_last_result();
+    mgpu_tape_destroy(tape);
+    return r;
+}
+/* The forward again, recorded, and differentiated: gradients added into the layer's, dx written */
+static mgpu_result mgpu__op_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                     const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const mgpu__op_layer* o = mgpu__op_layer_of(l);
+    mgpu_tape* tape;
+    const int want_dx = dx != NULL && x->dtype == MGPU_F32;
+    const mgpu_tensor* out = mgpu__op_run(l, ctx, x, y, want_dx, &tape);
+    mgpu_result r = out ? MGPU_OK : mgpu_last_result();
+    int i;
+    if (r == MGPU_OK && out->tape != tape)
+        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: forward returned a tensor that no op of its tape made", o->type);
+    else if (r == MGPU_OK && tape->nodes[out->tape_node].needs_grad)   /* else: every gradient is 0 */
+        r = mgpu_tape_backward(tape, out, dy);
+    for (i = 0; r == MGPU_OK && i < o->desc.param_count; ++i) {
+        const mgpu_tensor* g = tape->watched_grad[i];
+        if (g) r = mgpu_add(ctx->grads[i], ctx->grads[i], g);
+    }
+    if (r == MGPU_OK && dx) {
+        const mgpu_tensor* g = want_dx ? tape->watched_grad[o->desc.param_count] : NULL;
+        r = g ? mgpu_tensor_copy(dx, g) : mgpu_tensor_zero(dx);
+    }
+    mgpu_tape_destroy(tape);
+    return r;
+}
+static void mgpu__op_describe(const mgpu_layer* l, char* buf, size_t size) {
+    snprintf(buf, size, "%d parameters, from tape ops", mgpu__op_layer_of(l)->desc.param_count);
+}
+static void mgpu__op_destroy(mgpu_layer* l) { MGPU_FREE(l->user); }
+
+MGPUDEF mgpu_layer* mgpu_layer_from_ops(const mgpu_op_layer_desc* desc) {
+    static const char* op = "mgpu_layer_from_ops";
+    mgpu__op_layer* o;
+    mgpu_layer* l;
+    int i;
+    if (!desc || !desc->forward) { mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: NULL %s", op, desc ? "forward" : "desc"); return NULL; }
+    if (desc->param_count < 0 || desc->param_count > MGPU__OP_LAYER_MAX_PARAMS || (desc->param_count && !desc->params)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d parameters (0 to %d, with params)", op, desc->param_count, MGPU__OP_LAYER_MAX_PARAMS);
+        return NULL;
+    }
+    if (desc->type && strlen(desc->type) >= sizeof o->type) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: type \"%.60s...\" is longer than %d bytes", op, desc->type, (int)sizeof o->type - 1);
+        return NULL;
+    }
+    for (i = 0; i < desc->param_count; ++i) {
+        const mgpu_op_param_desc* p = &desc->params[i];
+        if (!p->name || !p->name[0] || strlen(p->name) >= sizeof o->names[0] || mgpu_shape_numel(p->shape) <= 0 ||
+            p->shape.ndim < 1 || (unsigned)p->init > MGPU_INIT_NORMAL) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: parameter %d (\"%s\"): want a name of 1 to 47 bytes, a shape of 1 to 4 "
+                       "positive dimensions and an mgpu_param_init", op, i, p->name ? p->name : "(null)");
+            return NULL;
+        }
+    }
+    o = (mgpu__op_layer*)mgpu__calloc(1, sizeof *o);
+    if (!o) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op); return NULL; }
+    o->desc = *desc;
+    snprintf(o->type, sizeof o->type, "%s", desc->type ? desc->type : "OpLayer");
+    for (i = 0; i < desc->param_count; ++i) {
+        o->params[i] = desc->params[i];
+        snprintf(o->names[i], sizeof o->names[i], "%s", desc->params[i].name);
+        o->params[i].name = o->names[i];
+    }
+    o->desc.params = o->params;
+    o->vt.type = o->type;
+    o->vt.output_shape = mgpu__op_output_shape;
+    o->vt.param_count = mgpu__op_param_count;
+    o->vt.param_shape = mgpu__op_param_shape;
+    o->vt.init = mgpu__op_init;
+    o->vt.forward = mgpu__op_forward;
+    o->vt.backward = mgpu__op_backward;
+    o->vt.describe = mgpu__op_describe;
+    o->vt.destroy = mgpu__op_destroy;
+    if (!(l = mgpu_layer_create(&o->vt, o))) MGPU_FREE(o);
+    return l;
+}
 
 /* ---- >>impl parallel -------------------------------------------------------------------- */
 /* The P2P algorithm: chosen by size and reach (AUTO), or forced by MGPU_P2P=ring|oneshot. */

@@ -791,6 +791,33 @@ int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const vo
     return launch_map(dev, stream, "binary", n, f, vec4_ok(f.a, f.b, f.y));
 }
 
+// The tape's two generic kernels (>>autograd): a thread per element, the element's work the
+// seam's own function, so the CPU computes the same bits.
+struct map_strided_op {
+    mgpu__map_geom g;
+    const float* a;
+    const float* b;
+    float* out;
+    template <class I> __device__ void operator()(I i) const { mgpu__map_element(&g, a, b, out, (int64_t)i); }
+};
+struct reduce_strided_op {
+    mgpu__reduce_geom g;
+    const float* x;
+    float* out;
+    template <class I> __device__ void operator()(I i) const { mgpu__reduce_element(&g, x, out, (int64_t)i); }
+};
+
+int mgpu__cu_map(int dev, void* stream, const mgpu__map_geom* g, const float* a, const float* b, float* out) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "map", g->dim[0] * g->dim[1] * g->dim[2] * g->dim[3], map_strided_op{*g, a, b, out});
+}
+
+int mgpu__cu_reduce(int dev, void* stream, const mgpu__reduce_geom* g, const float* x, float* out) {
+    USE_DEVICE(dev);
+    return launch_index(dev, stream, "reduce", g->out_dim[0] * g->out_dim[1] * g->out_dim[2] * g->out_dim[3],
+                        reduce_strided_op{*g, x, out});
+}
+
 int mgpu__cu_bias_add(int dev, void* stream, int64_t outer, int64_t channels, int64_t inner,
                       int x_dtype, const void* x, const float* bias, int y_dtype, void* y) {
     USE_DEVICE(dev);

@@ -22,10 +22,10 @@ status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | tee -a "$log"
 echo "== 1. CUDA test suites" | tee -a "$log"
-MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda $b/test_seq_cuda \
+MGPU_TEST_REQUIRE_GPU=1 $to sh tests/run_all.sh $b/test_core_cuda $b/test_io_cuda $b/test_model_cuda $b/test_parallel_cuda $b/test_seq_cuda $b/test_autograd_cuda \
     > $b/suites.txt 2>&1 || status=1
 cat $b/suites.txt >> "$log"
-grep -E "^(test_core|test_io|test_model|test_parallel|test_seq): " $b/suites.txt | while read -r line; do echo "   $line"; done
+grep -E "^(test_core|test_io|test_model|test_parallel|test_seq|test_autograd): " $b/suites.txt | while read -r line; do echo "   $line"; done
 add "CUDA test suites" "$(last $b/suites.txt)"
 grep -E "rel(ative)? error|relerr|max \|" $b/suites.txt | head -n 40 > $b/errors.txt
 
@@ -65,7 +65,7 @@ echo "== 4. compute-sanitizer: memcheck, racecheck, synccheck" | tee -a "$log"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     # racecheck on test_parallel_cuda last, under RACE_TIMEOUT (default 120 s): on the H200 it did
     # not get past the pipelines in 100 s or 290 s (2026-11-27; a hang or slowness, not established)
-    for run in memcheck:test_core_cuda memcheck:test_model_cuda memcheck:test_seq_cuda memcheck:test_parallel_cuda \
+    for run in memcheck:test_core_cuda memcheck:test_model_cuda memcheck:test_seq_cuda memcheck:test_autograd_cuda memcheck:test_parallel_cuda \
                racecheck:test_core_cuda racecheck:test_model_cuda racecheck:test_seq_cuda \
                synccheck:test_core_cuda synccheck:test_model_cuda synccheck:test_seq_cuda synccheck:test_parallel_cuda \
                racecheck:test_parallel_cuda; do

@@ -13,7 +13,7 @@
 b=${1:-build}
 e=$b/emu
 a=$b/emu-asan
-suites="test_core test_io test_model test_parallel test_seq"
+suites="test_core test_io test_model test_parallel test_seq test_autograd"
 lib=$(cd "$e" && pwd)
 seed=${MGPU_EMU_CHAOS_SEED:-$(date +%s)}
 # One test seed for every run (the suites take the clock otherwise), so a failure repeats; set
