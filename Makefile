@@ -55,7 +55,7 @@ CUDA_BINS = $(B)/mgpu_kernels.o $(B)/train_cuda $(B)/data_parallel_cuda $(TESTS:
 endif
 
 .PHONY: all test test-build test-cpu test-cuda test-emu emu emu-program compile-check demo bench gpu-check clean fuzz tsan test-clang mpi test-windows test-aarch64
-all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt $(B)/resnet
+all: $(CPU_BINS) $(CUDA_BINS) $(B)/train $(B)/gpt $(B)/resnet $(B)/gru
 
 $(B):
 	@mkdir -p $(B)
@@ -89,6 +89,13 @@ $(B)/gpt: $(if $(NVCC),$(B)/gpt_cuda,$(B)/gpt_cpu)
 $(B)/resnet_cpu: examples/resnet.c mgpu.h | $(B)
 	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 $(B)/resnet: $(if $(NVCC),$(B)/resnet_cuda,$(B)/resnet_cpu)
+	cp $< $@
+
+# build/gru (examples/gru.c): a GRU (or LSTM) written from tape ops, no backward of its own, on
+# Fashion-MNIST row by row; the CUDA build when there is nvcc, as build/gpt
+$(B)/gru_cpu: examples/gru.c mgpu.h | $(B)
+	$(CC) $(WARN) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+$(B)/gru: $(if $(NVCC),$(B)/gru_cuda,$(B)/gru_cpu)
 	cp $< $@
 
 # The plain build a user who vendors mgpu.h makes (cc -O2, no -march): its CPU kernels are
@@ -142,7 +149,7 @@ EMU_OPT   = -O2 -g
 EMU_KERNELS = -DMGPU_CU_MAX_BLOCKS=61 -DMGPU_NCCL_DEFAULT_LIBRARY='"libnccl_emu.so"'
 EMU_LINK  = -Wl,-rpath,'$$ORIGIN' -lmgpuemu -lstdc++ -ldl
 EMU_TESTS = $(TESTS:%=$(EMU_DIR)/%) $(EMU_DIR)/test_emu
-EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff $(EMU_DIR)/gpt \
+EMU_BINS  = $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so $(EMU_TESTS) $(B)/train_emu $(B)/train_cpu $(EMU_DIR)/ckpt_diff $(EMU_DIR)/gpt $(EMU_DIR)/gru \
             $(EMU_ASAN)/libmgpuemu.so $(EMU_ASAN)/libnccl_emu.so $(TESTS:%=$(EMU_ASAN)/%)
 emu: $(EMU_BINS)
 
@@ -167,6 +174,8 @@ $(EMU_DIR)/test_emu: tests/emu/test_emu.c $(EMU_DIR)/selfcheck.cpp $(HEADERS) te
 	$(EMU_CXX) $(EMU_OPT) -Wno-unknown-pragmas -c $(EMU_DIR)/selfcheck.cpp -o $(EMU_DIR)/selfcheck.o
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. -Itests/emu $< $(EMU_DIR)/selfcheck.o $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 $(EMU_DIR)/gpt: examples/gpt.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so
+	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
+$(EMU_DIR)/gru: examples/gru.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so $(EMU_DIR)/libnccl_emu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) $(EMU_LINK) $(LDLIBS)
 $(B)/train_emu: examples/train.c mgpu.h $(EMU_DIR)/mgpu_kernels.o $(EMU_DIR)/libmgpuemu.so
 	$(CC) $(WARN) $(CFLAGS) -DMGPU_CUDA -I. $< $(EMU_DIR)/mgpu_kernels.o -o $@ -L$(EMU_DIR) -Wl,-rpath,'$$ORIGIN/emu' -lmgpuemu -lstdc++ -ldl $(LDLIBS)
@@ -305,7 +314,7 @@ RELIABILITY_TESTS = $(B)/test_misuse $(B)/test_misuse_asan $(B)/test_alloc_fault
 # After the TSan and fuzz sections: a rule's prerequisites are expanded where it is read, so
 # TSAN_BINS and FUZZ_BINS must be defined above it. Order matters a little: test_io writes the
 # file interop.sh reads back in Python.
-test-build: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
+test-build: compile-check test-cpu test-cuda $(B)/interop $(B)/bn_torch $(B)/resnet $(B)/gru $(B)/train $(B)/train_plain $(B)/gpt $(EMU_DIR)/gpt $(EXAMPLES:%=$(B)/%) $(if $(HAVE_CBLAS),$(B)/test_core_cblas) $(EMU_BINS) \
       $(B)/test_save_faults $(RELIABILITY_TESTS) $(if $(HAVE_CLANG),$(TESTS:%=$(B)/%_clang)) $(TSAN_BINS) $(FUZZ_BINS) $(MPI_BINS)
 # The build runs as a make of its own, with a job per core (JOBS=1 for one at a time); the tests
 # then run one after another, but for those that tests/together.sh runs two at a time (each keeps

@@ -206,8 +206,9 @@
    ---------------------------------------------------------------------------------------------
    DOES NOT (yet)
    ---------------------------------------------------------------------------------------------
-   - autograd: a model is a sequence of layers (nn.Sequential); a custom layer writes its
-     backward (examples/custom_layer.c). Built-ins: Linear (also without a bias, and Hugging
+   - autograd everywhere: a model is a sequence of layers (nn.Sequential); a layer of your own
+     either writes its backward (examples/custom_layer.c) or is made of tape ops and has it
+     derived (>>autograd, examples/gru.c: recomputed in backward, no CUDA graph yet). Built-ins: Linear (also without a bias, and Hugging
      Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
      Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
      PositionEmbedding and CausalSelfAttention (its GPU kernels fused up to a head size of 64,
@@ -251,6 +252,8 @@
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...;
                  >>layer transformer: LayerNorm, Embedding, PositionEmbedding, CausalSelfAttention;
                  containers (Sequential, Residual), names, calling a layer from a layer
+   >>autograd    a tape of ops (exp ... matmul, softmax, gather, losses) differentiated in
+                 reverse mode; layers made of ops with no backward written
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules, weight-decay groups,
@@ -2004,14 +2007,19 @@ typedef struct mgpu__map_geom {
     int op, binary;               /* an mgpu__binary_op when binary, else an mgpu__unary_op */
     float alpha;
 } mgpu__map_geom;
-static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const float* a, const float* b, float* out, int64_t i) {
-    int64_t oo = 0, oa = 0, ob = 0, rest = i;
+static inline MGPU__HD void mgpu__map_offsets(const mgpu__map_geom* g, int64_t i, int64_t* oo, int64_t* oa, int64_t* ob) {
+    int64_t rest = i;
     int d;
+    *oo = *oa = *ob = 0;
     for (d = 3; d >= 0; --d) {
         const int64_t c = rest % g->dim[d];
         rest /= g->dim[d];
-        oo += c * g->out[d]; oa += c * g->a[d]; ob += c * g->b[d];
+        *oo += c * g->out[d]; *oa += c * g->a[d]; *ob += c * g->b[d];
     }
+}
+static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const float* a, const float* b, float* out, int64_t i) {
+    int64_t oo, oa, ob;
+    mgpu__map_offsets(g, i, &oo, &oa, &ob);
     out[oo] = g->binary ? mgpu__binary_apply(g->op, a[oa], b[ob], g->alpha) : mgpu__unary_apply(g->op, a[oa], g->alpha);
 }
 /* A reduction: out (contiguous, shape out_dim) = the sum (times scale) or the max of x (contiguous,
@@ -8226,10 +8234,24 @@ typedef struct mgpu__ad_job {
     const float *a, *b;
     float* out;
 } mgpu__ad_job;
+/* A row of the last dimension at a time: its offsets found once, then a stride per element (the
+   same values as mgpu__map_element's, in a loop the compiler can keep tight) */
 static void mgpu__ad_map_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__ad_job* j = (const mgpu__ad_job*)ctx;
-    int64_t i;
-    for (i = begin; i < end; ++i) mgpu__map_element(j->map, j->a, j->b, j->out, i);
+    const mgpu__map_geom* g = j->map;
+    const int64_t so = g->out[3], sa = g->a[3], sb = g->b[3];
+    const float alpha = g->alpha;
+    const int op = g->op;
+    int64_t i = begin, k, n, oo, oa, ob;
+    while (i < end) {
+        n = MGPU__MIN(end - i, g->dim[3] - i % g->dim[3]);
+        mgpu__map_offsets(g, i, &oo, &oa, &ob);
+        if (g->binary)
+            for (k = 0; k < n; ++k) j->out[oo + k * so] = mgpu__binary_apply(op, j->a[oa + k * sa], j->b[ob + k * sb], alpha);
+        else
+            for (k = 0; k < n; ++k) j->out[oo + k * so] = mgpu__unary_apply(op, j->a[oa + k * sa], alpha);
+        i += n;
+    }
 }
 static void mgpu__ad_reduce_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__ad_job* j = (const mgpu__ad_job*)ctx;
