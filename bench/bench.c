@@ -79,7 +79,28 @@ static mgpu_layer* gpt_block(int C, int H) {
     return mgpu_layer_sequential(both, 2);
 }
 
+/* Linear(in -> out) then GELU as one layer made of tape ops (>>autograd), no backward written: the
+   autograd row's, set beside the built-in Linear and GELU */
+typedef struct tape_dims { int in, out; } tape_dims;
+static const mgpu_tensor* tape_linear_gelu_forward(void* user, mgpu_tape* t, const mgpu_tensor* x, const mgpu_tensor* const* p) {
+    (void)user;
+    return mgpu_tape_gelu(t, mgpu_tape_add(t, mgpu_tape_matmul(t, x, p[0], MGPU_NO_TRANS, MGPU_TRANS), p[1]));
+}
+static mgpu_result tape_linear_gelu_shape(void* user, mgpu_shape x, mgpu_shape* y) {
+    *y = x;
+    y->dim[y->ndim - 1] = ((const tape_dims*)user)->out;
+    return MGPU_OK;
+}
+static mgpu_layer* tape_linear_gelu(tape_dims* d) {
+    const mgpu_op_param_desc params[2] = { { "weight", mgpu_shape2(d->out, d->in), MGPU_INIT_UNIFORM, 0.0f, 0 },
+                                           { "bias", mgpu_shape1(d->out), MGPU_INIT_UNIFORM, 0.0f, d->in } };
+    return mgpu_layer_from_ops(&(mgpu_op_layer_desc){ .type = "LinearGELU", .params = params, .param_count = 2,
+                                                      .forward = tape_linear_gelu_forward, .output_shape = tape_linear_gelu_shape,
+                                                      .user = d });
+}
+
 static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
+    static tape_dims gelu_dims[2] = { { 784, 256 }, { 256, 256 } };
     mgpu_model_desc d;
     mgpu_layer* layers[20];
     int n = 0, i;
@@ -95,6 +116,13 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     if (!strcmp(name, "mlp784")) {
         d.input = mgpu_shape1(784);
         layers[n++] = mgpu_layer_linear(784, 128); layers[n++] = mgpu_layer_relu(); layers[n++] = mgpu_layer_linear(128, 10);
+    } else if (!strcmp(name, "mlp_gelu") || !strcmp(name, "mlp_gelu_tape")) {   /* 784 -> 256 -> 256 -> 10, GELUs */
+        d.input = mgpu_shape1(784);
+        for (i = 0; i < 2; ++i) {
+            if (!strcmp(name, "mlp_gelu_tape")) layers[n++] = tape_linear_gelu(&gelu_dims[i]);
+            else { layers[n++] = mgpu_layer_linear(gelu_dims[i].in, gelu_dims[i].out); layers[n++] = mgpu_layer_gelu(); }
+        }
+        layers[n++] = mgpu_layer_linear(256, 10);
     } else if (!strcmp(name, "mlp4096")) {
         d.input = mgpu_shape1(4096);
         for (i = 0; i < 4; ++i) { layers[n++] = mgpu_layer_linear(4096, 4096); layers[n++] = mgpu_layer_relu(); }
@@ -126,7 +154,7 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
 static mgpu_shape batch_shape(const char* model_name, int batch) {
     if (!strcmp(model_name, "cnn")) return mgpu_shape4(batch, 1, 28, 28);
     if (is_gpt(model_name)) return mgpu_shape2(batch, gpt_size_of(model_name).T);
-    return mgpu_shape2(batch, !strcmp(model_name, "mlp784") ? 784 : 4096);
+    return mgpu_shape2(batch, !strncmp(model_name, "mlp784", 6) || !strncmp(model_name, "mlp_gelu", 8) ? 784 : 4096);
 }
 
 /* A model on spec with SGD (momentum 0.9), the GPT with AdamW, and one random batch on its first
@@ -185,12 +213,14 @@ static void training_destroy(training* tr) {
 
 static int dev_is_gpu(const mgpu_device* dev) { return mgpu_device_kind_of(dev) == MGPU_DEVICE_CUDA; }
 
-static void bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
+/* the median step, in seconds */
+static double bench_training(const char* workload, const char* model_name, const char* spec, int batch, int steps, int tf32) {
     training tr = training_create(model_name, spec, batch, tf32);
     const int replicas = mgpu_model_replica_count(tr.m);
     mgpu_device* first = mgpu_model_device(tr.m, 0);
     mgpu_memory_stats before, after;
     double* t = (double*)malloc(sizeof(double) * (size_t)steps);
+    double step;
     int i, r;
     for (i = 0; i < 3; ++i) if (mgpu_model_train_step(tr.m, tr.opt, tr.x, tr.y, NULL)) fail(workload);   /* warm-up */
     for (r = 0; r < replicas; ++r) mgpu_device_synchronize(mgpu_model_device(tr.m, r));
@@ -224,8 +254,18 @@ static void bench_training(const char* workload, const char* model_name, const c
     }
     row(workload, spec, "peak_mem", (double)after.peak_bytes_in_use / 1048576.0, "MiB", NULL);
     row(workload, spec, "allocs_per_step", (double)(after.backend_allocs - before.backend_allocs) / steps, "allocs", NULL);
+    step = median(t, steps);
     free(t);
     training_destroy(&tr);
+    return step;
+}
+
+/* autograd: an MLP whose Linear+GELU pairs are made of tape ops (recomputed in backward) against
+   the same MLP of built-in layers, in the same run */
+static void bench_tape_steps(void) {
+    const double builtin = bench_training("mlp_gelu_b64", "mlp_gelu", "cpu", 64, quick ? 20 : 200, 0);
+    const double tape = bench_training("mlp_gelu_tape_b64", "mlp_gelu_tape", "cpu", 64, quick ? 20 : 200, 0);
+    row("mlp_gelu_tape_b64", "cpu", "of_builtin", tape / builtin, "x", "step time over the built-in layers' (goal: at most 1.5)");
 }
 
 /* the MLP's, the CNN's and the GPT's steps on one CPU device, set beside PyTorch's */
@@ -233,6 +273,7 @@ static void bench_cpu_steps(void) {
     bench_training("mlp784_b64", "mlp784", "cpu", 64, quick ? 50 : 300, 0);
     bench_training("cnn_b128", "cnn", "cpu", 128, quick ? 3 : 30, 0);
     bench_training("gpt_b16_t64", "gpt", "cpu", 16, quick ? 5 : 40, 0);
+    bench_tape_steps();
 }
 
 
@@ -881,6 +922,10 @@ int main(int argc, char** argv) {
     }
     if (!strcmp(which, "steps")) {   /* the CPU training steps alone (bench_torch.py steps: PyTorch's) */
         bench_cpu_steps();
+        return 0;
+    }
+    if (!strcmp(which, "tape")) {   /* the autograd rows alone */
+        bench_tape_steps();
         return 0;
     }
     if (!strcmp(which, "gpt")) {   /* the CPU GPT step alone, for a profiler */
