@@ -56,7 +56,7 @@ import time
 EN, ZH = "docs/course/en", "docs/course/zh"
 ORDER = ["README.md", "01-devices.md", "02-tensors.md", "03-memory.md", "04-simplenet.md",
          "05-data-parallel.md", "06-processes.md", "07-pipelines.md", "08-allreduce.md",
-         "09-your-kernel.md", "10-gpt.md", "glossary.md", "table.md"]
+         "09-your-kernel.md", "10-gpt.md", "11-autograd.md", "glossary.md", "table.md"]
 counts = [0, 0, 0]
 lock = threading.Lock()
 sink = threading.local()   # sink.lines: where a lesson run beside others keeps its lines
