@@ -943,6 +943,17 @@ MGPUDEF const mgpu_tensor* mgpu_tape_concat(mgpu_tape* tape, const mgpu_tensor* 
    outside [0, n) is handled as mgpu_layer_embedding's. */
 MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_tensor* table, const mgpu_tensor* ids);
 
+/* masked_fill of the causal mask: x [..., queries, keys] with `value` (-INFINITY before a
+   softmax) where key s comes after query t (s > t + keys - queries: the keys before the first
+   query are all seen); its gradient passes dy where x went through, 0 elsewhere. */
+MGPUDEF const mgpu_tensor* mgpu_tape_causal_mask(mgpu_tape* tape, const mgpu_tensor* x, float value);
+/* nn.Dropout: each element kept with probability 1 - p and scaled by 1/(1-p), else 0 (Philox, as
+   mgpu_dropout; by sample, so that replicas draw what one device would); the identity unless the
+   tape is training. In a layer of ops the tape trains when the model does and draws from the
+   layer's stream of the step (the recompute in backward draws the same masks); elsewhere: */
+MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor* x, float p);
+MGPUDEF mgpu_result mgpu_tape_set_training(mgpu_tape* tape, int training, uint64_t seed);
+
 /* ---- losses: a tensor of 0 dimensions (one element) ---- */
 /* mgpu_softmax_cross_entropy's mean over logits [rows, classes] and int32 labels [rows] */
 MGPUDEF const mgpu_tensor* mgpu_tape_cross_entropy(mgpu_tape* tape, const mgpu_tensor* logits, const mgpu_tensor* labels);
@@ -2006,6 +2017,10 @@ typedef struct mgpu__map_geom {
     int64_t out[4], a[4], b[4];   /* element strides */
     int op, binary;               /* an mgpu__binary_op when binary, else an mgpu__unary_op */
     float alpha;
+    int causal;                   /* 1: element (.., t, s) with s > t + causal_shift is `fill` instead
+                                     (a causal mask over the last two dimensions) */
+    int64_t causal_shift;
+    float fill;
 } mgpu__map_geom;
 static inline MGPU__HD void mgpu__map_offsets(const mgpu__map_geom* g, int64_t i, int64_t* oo, int64_t* oa, int64_t* ob) {
     int64_t rest = i;
@@ -2017,10 +2032,14 @@ static inline MGPU__HD void mgpu__map_offsets(const mgpu__map_geom* g, int64_t i
         *oo += c * g->out[d]; *oa += c * g->a[d]; *ob += c * g->b[d];
     }
 }
+static inline MGPU__HD int mgpu__map_masked(const mgpu__map_geom* g, int64_t i) {
+    return g->causal && i % g->dim[3] > i / g->dim[3] % g->dim[2] + g->causal_shift;
+}
 static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const float* a, const float* b, float* out, int64_t i) {
     int64_t oo, oa, ob;
     mgpu__map_offsets(g, i, &oo, &oa, &ob);
-    out[oo] = g->binary ? mgpu__binary_apply(g->op, a[oa], b[ob], g->alpha) : mgpu__unary_apply(g->op, a[oa], g->alpha);
+    out[oo] = mgpu__map_masked(g, i) ? g->fill
+              : g->binary ? mgpu__binary_apply(g->op, a[oa], b[ob], g->alpha) : mgpu__unary_apply(g->op, a[oa], g->alpha);
 }
 /* A reduction: out (contiguous, shape out_dim) = the sum (times scale) or the max of x (contiguous,
    shape dim) over the dimensions where out_dim is 1 and dim is not. Output element i takes its
@@ -8246,7 +8265,12 @@ static void mgpu__ad_map_range(void* ctx, int64_t begin, int64_t end) {
     while (i < end) {
         n = MGPU__MIN(end - i, g->dim[3] - i % g->dim[3]);
         mgpu__map_offsets(g, i, &oo, &oa, &ob);
-        if (g->binary)
+        if (g->causal)   /* the masked elements of this row: columns past row + shift */
+            for (k = 0; k < n; ++k)
+                j->out[oo + k * so] = mgpu__map_masked(g, i + k) ? g->fill
+                                      : g->binary ? mgpu__binary_apply(op, j->a[oa + k * sa], j->b[ob + k * sb], alpha)
+                                                  : mgpu__unary_apply(op, j->a[oa + k * sa], alpha);
+        else if (g->binary)
             for (k = 0; k < n; ++k) j->out[oo + k * so] = mgpu__binary_apply(op, j->a[oa + k * sa], j->b[ob + k * sb], alpha);
         else
             for (k = 0; k < n; ++k) j->out[oo + k * so] = mgpu__unary_apply(op, j->a[oa + k * sa], alpha);
@@ -8313,24 +8337,35 @@ static mgpu_result mgpu__ad_broadcast(const char* op, const mgpu_tensor* a, cons
     }
     return MGPU_OK;
 }
-/* out = f(a) or f(a, b) elementwise, a and b broadcast to out's shape (contiguous tensors) */
+/* The walk of out = f(a) or f(a, b) elementwise, a and b broadcast to out's shape (contiguous) */
+static void mgpu__ad_map_geom(mgpu__map_geom* g, int binary, int code, float alpha, const mgpu_tensor* out,
+                              const mgpu_tensor* a, const mgpu_tensor* b) {
+    int64_t da[4], db[4];
+    int d;
+    memset(g, 0, sizeof *g);
+    g->op = code; g->binary = binary; g->alpha = alpha;
+    mgpu__ad_pad(out->shape, g->dim);
+    mgpu__ad_strides(g->dim, g->out);
+    mgpu__ad_pad(a->shape, da);
+    mgpu__ad_strides(da, g->a);
+    if (b) { mgpu__ad_pad(b->shape, db); mgpu__ad_strides(db, g->b); }
+    for (d = 0; d < 4; ++d) {
+        if (da[d] != g->dim[d]) g->a[d] = 0;
+        if (b && db[d] != g->dim[d]) g->b[d] = 0;
+    }
+}
 static mgpu_result mgpu__ad_map(const char* op, int binary, int code, float alpha, mgpu_tensor* out,
                                 const mgpu_tensor* a, const mgpu_tensor* b) {
     mgpu__map_geom g;
-    int64_t da[4], db[4];
-    int d;
-    memset(&g, 0, sizeof g);
-    g.op = code; g.binary = binary; g.alpha = alpha;
-    mgpu__ad_pad(out->shape, g.dim);
-    mgpu__ad_strides(g.dim, g.out);
-    mgpu__ad_pad(a->shape, da);
-    mgpu__ad_strides(da, g.a);
-    if (b) { mgpu__ad_pad(b->shape, db); mgpu__ad_strides(db, g.b); }
-    for (d = 0; d < 4; ++d) {
-        if (da[d] != g.dim[d]) g.a[d] = 0;
-        if (b && db[d] != g.dim[d]) g.b[d] = 0;
-    }
+    mgpu__ad_map_geom(&g, binary, code, alpha, out, a, b);
     return mgpu__ad_run_map(op, MGPU__DEV(out), &g, MGPU__F32(a), b ? MGPU__F32(b) : NULL, MGPU__F32(out));
+}
+/* out = x, but `fill` where the column of the last two dimensions is past row + shift */
+static mgpu_result mgpu__ad_causal(const char* op, mgpu_tensor* out, const mgpu_tensor* x, int64_t shift, float fill) {
+    mgpu__map_geom g;
+    mgpu__ad_map_geom(&g, 0, MGPU__UNARY_COPY, 0.0f, out, x, NULL);
+    g.causal = 1; g.causal_shift = shift; g.fill = fill;
+    return mgpu__ad_run_map(op, MGPU__DEV(out), &g, MGPU__F32(x), NULL, MGPU__F32(out));
 }
 /* out = the sum (times scale) or max of x over the dimensions where out's padded shape has 1 */
 static mgpu_result mgpu__ad_reduce(const char* op, int max, float scale, mgpu_tensor* out, const mgpu_tensor* x) {
@@ -8419,7 +8454,8 @@ static mgpu_result mgpu__ad_gemm(const char* op, mgpu_tensor* out, const mgpu_te
 /* ---- the tape ---- */
 typedef enum mgpu__tape_kind {
     MGPU__TAPE_CONST, MGPU__TAPE_UNARY, MGPU__TAPE_BINARY, MGPU__TAPE_REDUCE, MGPU__TAPE_MATMUL, MGPU__TAPE_RESHAPE,
-    MGPU__TAPE_PERMUTE, MGPU__TAPE_SLICE, MGPU__TAPE_CONCAT, MGPU__TAPE_GATHER, MGPU__TAPE_XENT, MGPU__TAPE_MSE
+    MGPU__TAPE_PERMUTE, MGPU__TAPE_SLICE, MGPU__TAPE_CONCAT, MGPU__TAPE_GATHER, MGPU__TAPE_XENT, MGPU__TAPE_MSE,
+    MGPU__TAPE_CAUSAL, MGPU__TAPE_DROPOUT
 } mgpu__tape_kind;
 typedef struct mgpu__tape_node {
     int kind, code;              /* code: the unary or binary op; the reduction's (sum 0, mean 1, max 2) */
@@ -8440,6 +8476,10 @@ struct mgpu_tape {
     mgpu_tensor** watched_grad;
     int watched_count, watched_cap;
     mgpu_result error;           /* the first failure of an op */
+    int training;                /* dropout drops (else it is the identity) */
+    uint64_t seed, offset;       /* dropout's Philox stream: call k draws under key seed + k * golden */
+    uint64_t first_row;          /* a replica's first sample in the batch: dropout draws by sample */
+    uint64_t draws;              /* dropout calls so far */
 };
 
 MGPUDEF mgpu_tape* mgpu_tape_create(mgpu_device* dev) {
@@ -8463,6 +8503,12 @@ MGPUDEF void mgpu_tape_destroy(mgpu_tape* tape) {
     MGPU_FREE(tape->watched);
     MGPU_FREE(tape->watched_grad);
     MGPU_FREE(tape);
+}
+MGPUDEF mgpu_result mgpu_tape_set_training(mgpu_tape* tape, int training, uint64_t seed) {
+    if (!tape) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_set_training: NULL tape");
+    tape->training = training != 0;
+    tape->seed = seed;
+    return MGPU_OK;
 }
 MGPUDEF mgpu_result mgpu_tape_status(const mgpu_tape* tape) {
     return tape ? tape->error : mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_status: NULL tape");
@@ -8832,6 +8878,38 @@ MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_ten
     return mgpu__tape_end(tape, k, mgpu__ad_embedding(table, ids, tape->nodes[k].out, NULL, NULL));
 }
 
+MGPUDEF const mgpu_tensor* mgpu_tape_causal_mask(mgpu_tape* tape, const mgpu_tensor* x, float value) {
+    static const char* op = "mgpu_tape_causal_mask";
+    char text[128];
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (x->shape.ndim < 2) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: x %s: want [..., queries, keys]", op, mgpu_tensor_describe(x, text, sizeof text));
+        return mgpu__tape_failed(tape);
+    }
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_CAUSAL, x->shape, x, NULL, NULL)) < 0) return NULL;
+    tape->nodes[k].arg[0] = x->shape.dim[x->shape.ndim - 1] - x->shape.dim[x->shape.ndim - 2];   /* keys before the first query */
+    tape->nodes[k].alpha = value;
+    return mgpu__tape_end(tape, k, mgpu__ad_causal(op, tape->nodes[k].out, x, tape->nodes[k].arg[0], value));
+}
+MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor* x, float p) {
+    static const char* op = "mgpu_tape_dropout";
+    uint64_t per_sample;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "x", x, NULL, NULL, MGPU_F32)) return NULL;
+    if (!(p >= 0.0f && p < 1.0f)) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
+        return mgpu__tape_failed(tape);
+    }
+    if (!tape->training || p == 0.0f) return mgpu__tape_unary(tape, op, MGPU__UNARY_SCALE, 1.0f, x);   /* the identity */
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_DROPOUT, x->shape, x, NULL, NULL)) < 0) return NULL;
+    if (!(tape->nodes[k].saved = mgpu_tensor_create(tape->dev, MGPU_F32, x->shape))) return mgpu__tape_failed(tape);
+    per_sample = (uint64_t)(mgpu_tensor_numel(x) / MGPU__MAX(x->shape.ndim ? x->shape.dim[0] : 1, 1));
+    return mgpu__tape_end(tape, k, mgpu__dropout(tape->nodes[k].out, tape->nodes[k].saved, x, p,
+                                                 tape->seed + tape->draws++ * 0x9E3779B97F4A7C15ull, NULL, tape->offset,
+                                                 tape->first_row * per_sample));
+}
+
 /* ---- losses ---- */
 static const mgpu_tensor* mgpu__tape_loss(mgpu_tape* tape, const char* op, int kind, const mgpu_tensor* pred,
                                           const char* tn, const mgpu_tensor* target, mgpu_dtype tdt) {
@@ -9021,6 +9099,10 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
         if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) &&
             (mgpu_tensor_zero(c) != MGPU_OK || mgpu__ad_embedding(a, b, NULL, c, g) != MGPU_OK)) { mgpu__tensor_free(c); c = NULL; }
         return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_CAUSAL:   /* dy where x went through, 0 where it was masked */
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu__ad_causal(n->op, c, g, n->arg[0], 0.0f) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+        return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_DROPOUT: return mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, g, n->saved));
     case MGPU__TAPE_XENT: case MGPU__TAPE_MSE:   /* the loss's gradient, times dy (a scalar) */
         MGPU__TRY(mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, n->saved, g)));
         if (n->kind == MGPU__TAPE_MSE && mgpu__tape_needs_grad(tape, b) &&
@@ -9125,6 +9207,10 @@ static const mgpu_tensor* mgpu__op_run(const mgpu_layer* l, const mgpu_layer_ctx
     int i;
     *tape_out = tape;
     if (!tape) return NULL;
+    tape->training = ctx->training;   /* dropout: the layer's stream for this step, by sample */
+    tape->seed = ctx->seed;
+    tape->offset = ctx->offset;
+    tape->first_row = (uint64_t)ctx->first_row;
     for (i = 0; watch_x >= 0 && i < o->desc.param_count; ++i)
         if (mgpu_tape_watch(tape, ctx->params[i]) != MGPU_OK) return NULL;
     if (watch_x > 0 && mgpu_tape_watch(tape, x) != MGPU_OK) return NULL;

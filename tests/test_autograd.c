@@ -29,7 +29,8 @@ static int gpu_part(const char* group) { return test_gpu_group(group, g_gpu != N
 enum {
     OP_EXP, OP_LOG, OP_SQRT, OP_RSQRT, OP_TANH, OP_SIGMOID, OP_RELU, OP_GELU, OP_GELU_TANH, OP_NEG, OP_ABS, OP_POW,
     OP_SCALE, OP_ADD_SCALAR, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAXIMUM, OP_MINIMUM, OP_SUM, OP_MEAN, OP_MAX,
-    OP_SOFTMAX, OP_LOG_SOFTMAX, OP_MATMUL, OP_RESHAPE, OP_PERMUTE, OP_SLICE, OP_CONCAT, OP_GATHER, OP_XENT, OP_MSE
+    OP_SOFTMAX, OP_LOG_SOFTMAX, OP_MATMUL, OP_RESHAPE, OP_PERMUTE, OP_SLICE, OP_CONCAT, OP_GATHER, OP_XENT, OP_MSE,
+    OP_CAUSAL
 };
 typedef struct ad_case {
     const char* name;
@@ -224,6 +225,12 @@ static void ref_case(const ad_case* c, const double* a, const double* b, const i
         return;
     }
     case OP_RESHAPE: for (i = 0; i < n; ++i) y[i] = a[i]; return;
+    case OP_CAUSAL:   /* key s after query t (s > t + keys - queries): alpha */
+        for (i = 0; i < n; ++i) {
+            coords4(dout, i, co);
+            y[i] = co[3] > co[2] + (dout[3] - dout[2]) ? c->alpha : a[i];
+        }
+        return;
     default: for (i = 0; i < n; ++i) y[i] = ref_unary(c->op, a[i], c->alpha); return;
     }
 }
@@ -261,6 +268,7 @@ static const mgpu_tensor* run_case(mgpu_tape* t, const ad_case* c, const mgpu_te
     case OP_CONCAT: return mgpu_tape_concat(t, a, b, c->axis);
     case OP_GATHER: return mgpu_tape_gather_rows(t, a, b);
     case OP_XENT: return mgpu_tape_cross_entropy(t, a, b);
+    case OP_CAUSAL: return mgpu_tape_causal_mask(t, a, c->alpha);
     default: return mgpu_tape_mse(t, a, b);
     }
 }
@@ -385,6 +393,8 @@ static void test_ops(void) {
         { "gather_rows [5,3] by [2,3] ids", OP_GATHER, S2(5, 3), S2(2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
         { "cross_entropy [4,5]", OP_XENT, S2(4, 5), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
         { "mse [3,4]", OP_MSE, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
+        { "causal_mask [2,3,3]", OP_CAUSAL, S3(2, 3, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2 },
+        { "causal_mask [2,2,3,5] (2 keys before)", OP_CAUSAL, S4(2, 2, 3, 5), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2 },
     };
     const int count = (int)(sizeof cases / sizeof cases[0]);
     int i, k, worst = -1, gpu = 0;
@@ -478,11 +488,40 @@ static mgpu_layer* op_layer_norm(void) {
     return mgpu_layer_from_ops(&d);
 }
 
+/* GPT-2's attention (Hugging Face's GPT2Attention, dropout 0): c_attn and c_proj stored [in, out] */
+enum { ATT_DIM = 8, ATT_HEADS = 2, ATT_T = 5 };
+static const mgpu_tensor* attention_forward(void* user, mgpu_tape* t, const mgpu_tensor* x, const mgpu_tensor* const* p) {
+    const int64_t b = mgpu_tensor_dim(x, 0), T = mgpu_tensor_dim(x, 1), C = ATT_DIM, H = ATT_HEADS, hs = C / H;
+    const int heads_first[4] = { 0, 2, 1, 3 };   /* [b, T, H, hs] <-> [b, H, T, hs] */
+    const mgpu_tensor* qkv = mgpu_tape_add(t, mgpu_tape_matmul(t, x, p[0], MGPU_NO_TRANS, MGPU_NO_TRANS), p[1]);
+    const mgpu_tensor* q = mgpu_tape_permute(t, mgpu_tape_reshape(t, mgpu_tape_slice(t, qkv, 2, 0, C), mgpu_shape4(b, T, H, hs)), heads_first);
+    const mgpu_tensor* k = mgpu_tape_permute(t, mgpu_tape_reshape(t, mgpu_tape_slice(t, qkv, 2, C, C), mgpu_shape4(b, T, H, hs)), heads_first);
+    const mgpu_tensor* v = mgpu_tape_permute(t, mgpu_tape_reshape(t, mgpu_tape_slice(t, qkv, 2, 2 * C, C), mgpu_shape4(b, T, H, hs)), heads_first);
+    const mgpu_tensor* att = mgpu_tape_scale(t, mgpu_tape_matmul(t, q, k, MGPU_NO_TRANS, MGPU_TRANS), 1.0f / sqrtf((float)hs));
+    const mgpu_tensor* y = mgpu_tape_matmul(t, mgpu_tape_softmax(t, mgpu_tape_causal_mask(t, att, -INFINITY), -1), v, MGPU_NO_TRANS, MGPU_NO_TRANS);
+    (void)user;
+    y = mgpu_tape_reshape(t, mgpu_tape_permute(t, y, heads_first), mgpu_shape3(b, T, C));
+    return mgpu_tape_add(t, mgpu_tape_matmul(t, y, p[2], MGPU_NO_TRANS, MGPU_NO_TRANS), p[3]);
+}
+static mgpu_layer* op_attention(void) {
+    static const mgpu_op_param_desc params[4] = {
+        { "c_attn.weight", { 2, { ATT_DIM, 3 * ATT_DIM, 0, 0 } }, MGPU_INIT_NORMAL, 0.0f, 0 },
+        { "c_attn.bias", { 1, { 3 * ATT_DIM, 0, 0, 0 } }, MGPU_INIT_ZEROS, 0.0f, 0 },
+        { "c_proj.weight", { 2, { ATT_DIM, ATT_DIM, 0, 0 } }, MGPU_INIT_NORMAL, 0.0f, 0 },
+        { "c_proj.bias", { 1, { ATT_DIM, 0, 0, 0 } }, MGPU_INIT_ZEROS, 0.0f, 0 },
+    };
+    mgpu_op_layer_desc d;
+    memset(&d, 0, sizeof d);
+    d.type = "AttentionOps"; d.params = params; d.param_count = 4; d.forward = attention_forward;
+    return mgpu_layer_from_ops(&d);
+}
+
 /* Two models, [Linear(4 -> in_width), block, Linear(out -> 3)] with block built-in or made of ops: the
    same parameters (copied), one accumulate each on spec's devices, then losses and gradients
    compared (relative error of the whole gradient buffer) */
 static void compare_models(const char* what, const char* spec, mgpu_layer* ops_block, mgpu_layer* const* builtin, int nbuiltin,
-                           int in_width, int width) {
+                           int in_width, int width, int T) {
+    const mgpu_shape in = T ? mgpu_shape2(T, 4) : mgpu_shape1(4);
     mgpu_device_set* set = mgpu_device_set_create(spec);
     mgpu_layer *la[3], *lb[4];
     mgpu_model *a = NULL, *b = NULL;
@@ -493,8 +532,8 @@ static void compare_models(const char* what, const char* spec, mgpu_layer* ops_b
     lb[1 + nbuiltin] = mgpu_layer_linear(width, 3);
     CHECK(set != NULL, "%s: device set %s: %s", what, spec, mgpu_last_error());
     if (set) {
-        a = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = la, .layer_count = 3, .devices = set, .seed = 3 });
-        b = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = lb, .layer_count = 2 + nbuiltin, .devices = set, .seed = 3 });
+        a = mgpu_model_create(&(mgpu_model_desc){ .input = in, .layers = la, .layer_count = 3, .devices = set, .seed = 3 });
+        b = mgpu_model_create(&(mgpu_model_desc){ .input = in, .layers = lb, .layer_count = 2 + nbuiltin, .devices = set, .seed = 3 });
     } else {
         for (i = 0; i < 3; ++i) mgpu_layer_destroy(la[i]);
         for (i = 0; i < 2 + nbuiltin; ++i) mgpu_layer_destroy(lb[i]);
@@ -502,8 +541,8 @@ static void compare_models(const char* what, const char* spec, mgpu_layer* ops_b
     CHECK(!set || (a && b), "%s: models on %s: %s", what, spec, mgpu_last_error());
     if (a && b) {
         const int64_t n = mgpu_tensor_numel(mgpu_model_params(a, 0)), rows = 8;
-        mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(rows, 4)), *y;
-        int32_t labels[8];
+        mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, T ? mgpu_shape3(rows, T, 4) : mgpu_shape2(rows, 4)), *y;
+        int32_t labels[8 * 8];
         float lossa = 0, lossb = 0, *ga = fbuf(n), *gb = fbuf(n);
         double* ref = dbuf(n);
         int64_t j;
@@ -514,8 +553,8 @@ static void compare_models(const char* what, const char* spec, mgpu_layer* ops_b
         MUST(mgpu_tensor_copy(mgpu_model_params(a, 0), mgpu_model_params(b, 0)));
         MUST(mgpu_model_resync(a, NULL));   /* replica 0's to the others */
         MUST(mgpu_rand_normal(x, 7, 0, 0.0f, 1.0f));
-        for (j = 0; j < rows; ++j) labels[j] = rng_int(3);
-        y = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(rows), labels);
+        for (j = 0; j < rows * (T ? T : 1); ++j) labels[j] = rng_int(3);
+        y = tfrom_i32(mgpu_device_cpu(), T ? mgpu_shape2(rows, T) : mgpu_shape1(rows), labels);
         MUST(mgpu_model_accumulate(a, x, y, 0, &lossa));
         MUST(mgpu_model_accumulate(b, x, y, 0, &lossb));
         MUST(mgpu_model_reduce_grads(a));
@@ -552,13 +591,108 @@ static void test_op_layers(void) {
     for (k = 0; k < 3; ++k) {
         mgpu_layer* lin[2];
         mgpu_layer* ln[1];
+        mgpu_layer* attn[1];
         if (k == 2 && !gpu_part("layers made of ops")) break;
         lin[0] = mgpu_layer_linear(LIN_IN, LIN_OUT);
         lin[1] = mgpu_layer_gelu();
-        compare_models("Linear+GELU of ops", specs[k], op_linear_gelu(), lin, 2, LIN_IN, LIN_OUT);
+        compare_models("Linear+GELU of ops", specs[k], op_linear_gelu(), lin, 2, LIN_IN, LIN_OUT, 0);
         ln[0] = mgpu_layer_layer_norm(LN_DIM);
-        compare_models("LayerNorm of ops", specs[k], op_layer_norm(), ln, 1, LN_DIM, LN_DIM);
+        compare_models("LayerNorm of ops", specs[k], op_layer_norm(), ln, 1, LN_DIM, LN_DIM, 0);
+        attn[0] = mgpu_layer_causal_self_attention(ATT_DIM, ATT_HEADS, 0.0f);
+        compare_models("causal self-attention of ops", specs[k], op_attention(), attn, 1, ATT_DIM, ATT_DIM, ATT_T);
     }
+}
+
+/* ============================================================================================ */
+/* 2b. dropout: the masks, their gradient, replicas and devices                                 */
+/* ============================================================================================ */
+/* y = dropout(x, 0.25) on dev, and dx for dy = 1 */
+static void tape_dropout(mgpu_device* dev, int training, const float* hx, int64_t n, float* y, float* dx) {
+    mgpu_tensor* x = tfrom(dev, mgpu_shape2(8, n / 8), hx);
+    mgpu_tape* t = mgpu_tape_create(dev);
+    const mgpu_tensor* out;
+    MUST(mgpu_tape_set_training(t, training, 77));
+    MUST(mgpu_tape_watch(t, x));
+    out = mgpu_tape_dropout(t, x, 0.25f);
+    if (out) {
+        tget(out, y);
+        MUST(mgpu_tape_backward(t, mgpu_tape_sum(t, out, MGPU_ALL_AXES, 0), NULL));
+        if (mgpu_tape_grad(t, x)) tget(mgpu_tape_grad(t, x), dx);
+    } else CHECK(0, "dropout on %s: %s", mgpu_device_label(dev), mgpu_last_error());
+    mgpu_tape_destroy(t);
+    mgpu_tensor_destroy(x);
+}
+/* Linear(4, 6) then dropout(0.5), as one layer of ops */
+static const mgpu_tensor* linear_dropout_forward(void* user, mgpu_tape* t, const mgpu_tensor* x, const mgpu_tensor* const* p) {
+    (void)user;
+    return mgpu_tape_dropout(t, mgpu_tape_add(t, mgpu_tape_matmul(t, x, p[0], MGPU_NO_TRANS, MGPU_TRANS), p[1]), 0.5f);
+}
+static mgpu_result linear_dropout_shape(void* user, mgpu_shape x, mgpu_shape* y) {
+    (void)user;
+    *y = mgpu_shape2(x.dim[0], 6);
+    return MGPU_OK;
+}
+
+static void test_dropout(void) {
+    enum { N = 4096 };
+    float *x = fbuf(N), *y = fbuf(N), *dx = fbuf(N), *y2 = fbuf(N), *dx2 = fbuf(N);
+    int64_t i, dropped = 0, wrong = 0;
+    header("2b. dropout: masks, gradient, identity when not training, replicas, CPU and GPU alike");
+    for (i = 0; i < N; ++i) x[i] = (float)(rng_unit() + 0.5);
+    tape_dropout(mgpu_device_cpu(), 1, x, N, y, dx);
+    for (i = 0; i < N; ++i) {
+        dropped += y[i] == 0.0f;
+        wrong += !((y[i] == 0.0f && dx[i] == 0.0f) || (y[i] == x[i] * (1.0f / 0.75f) && dx[i] == 1.0f / 0.75f));
+    }
+    CHECK(wrong == 0 && dropped > N / 4 - 160 && dropped < N / 4 + 160, "dropout(0.25): %lld of %d dropped (about 1024), "
+          "%lld elements neither 0 nor x / 0.75 with the gradient to match", (long long)dropped, N, (long long)wrong);
+    tape_dropout(mgpu_device_cpu(), 0, x, N, y2, dx2);
+    for (i = 0, wrong = 0; i < N; ++i) wrong += y2[i] != x[i] || dx2[i] != 1.0f;
+    CHECK(wrong == 0, "dropout when not training: the identity (%lld elements differ)", (long long)wrong);
+    if (gpu_part("tape dropout")) {
+        tape_dropout(g_gpu, 1, x, N, y2, dx2);
+        CHECK(!memcmp(y, y2, N * sizeof(float)) && !memcmp(dx, dx2, N * sizeof(float)), "dropout on cuda:0: the CPU's masks, bit for bit");
+    }
+    {   /* in a layer of ops: two CPU replicas draw what one device draws (by sample) */
+        static const mgpu_op_param_desc params[2] = { { "weight", { 2, { 6, 4, 0, 0 } }, MGPU_INIT_UNIFORM, 0.0f, 0 },
+                                                      { "bias", { 1, { 6, 0, 0, 0 } }, MGPU_INIT_UNIFORM, 0.0f, 4 } };
+        static const char* specs[2] = { "cpu", "cpu:2" };
+        float g[2][256], loss[2] = { 0, 0 };
+        double ref[256];
+        int k;
+        memset(g, 0, sizeof g);
+        for (k = 0; k < 2; ++k) {
+            mgpu_device_set* set = mgpu_device_set_create(specs[k]);
+            mgpu_op_layer_desc d;
+            mgpu_layer* layers[2];
+            mgpu_model* m;
+            mgpu_tensor *xt = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, 4)), *lab;
+            int32_t labels[8] = { 0, 1, 2, 1, 0, 2, 2, 1 };
+            memset(&d, 0, sizeof d);
+            d.type = "LinearDropout"; d.params = params; d.param_count = 2;
+            d.forward = linear_dropout_forward; d.output_shape = linear_dropout_shape;
+            layers[0] = mgpu_layer_from_ops(&d);
+            layers[1] = mgpu_layer_linear(6, 3);
+            m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = layers, .layer_count = 2, .devices = set, .seed = 9 });
+            CHECK(m != NULL, "a model with dropout of ops on %s: %s", specs[k], mgpu_last_error());
+            lab = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+            MUST(mgpu_rand_normal(xt, 4, 0, 0.0f, 1.0f));
+            if (m) {
+                MUST(mgpu_model_accumulate(m, xt, lab, 0, &loss[k]));
+                MUST(mgpu_model_reduce_grads(m));
+                CHECK(mgpu_tensor_numel(mgpu_model_grads(m, 0)) <= 256, "the gradient buffer fits the test's");
+                if (mgpu_tensor_numel(mgpu_model_grads(m, 0)) <= 256) tget(mgpu_model_grads(m, 0), g[k]);
+            }
+            mgpu_model_destroy(m);
+            mgpu_tensor_destroy(xt); mgpu_tensor_destroy(lab);
+            mgpu_device_set_destroy(set);
+        }
+        for (i = 0; i < 256; ++i) ref[i] = g[0][i];
+        CHECK(fabs(loss[0] - loss[1]) < 1e-6 && test_rel_error(g[1], ref, 256) < 1e-5 && g[0][0] != 0.0f,
+              "dropout in a layer of ops: cpu:2 as cpu (loss %.7f and %.7f, gradients' relative error %.2e)", loss[0], loss[1],
+              test_rel_error(g[1], ref, 256));
+    }
+    free(x); free(y); free(dx); free(y2); free(dx2);
 }
 
 /* ============================================================================================ */
@@ -666,6 +800,7 @@ int main(int argc, char** argv) {
 #endif
     TEST_GROUP(test_ops());
     TEST_GROUP(test_op_layers());
+    TEST_GROUP(test_dropout());
     TEST_GROUP(test_misuse());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
