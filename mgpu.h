@@ -868,7 +868,9 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
    later op returns NULL too, and mgpu_tape_backward (or mgpu_tape_status) reports the first
    failure, naming its op, the shapes and the devices, so a forward of twenty lines checks once.
    Tensors that are not the tape's and not watched are constants (data, labels, masks). Watched
-   tensors and constants must not change while the tape still needs them (until backward).
+   tensors and constants must not change until backward: a change by mgpu's ops or copies is
+   caught, and backward refuses it, naming the op that read the old values (PyTorch's check of
+   in-place changes); writes of your own kernels or through mgpu_tensor_data are not seen.
    Broadcasting follows NumPy's and PyTorch's rule: shapes aligned at their last dimension, a
    dimension of 1 (or a missing one) stretched to the other's size. At most MGPU_MAX_DIMS (4)
    dimensions, f32 (ids and labels i32). */
@@ -4015,7 +4017,10 @@ typedef struct mgpu__storage {
     void* ptr;
     size_t size;        /* block size from the allocator */
     int refs;
+    uint64_t version;   /* writes by mgpu's ops and copies so far: a tape refuses a backward that
+                           would read a tensor changed since its op read it (>>autograd) */
 } mgpu__storage;
+#define MGPU__WROTE(t) ((t)->storage->version++)
 
 struct mgpu_tensor {
     mgpu__storage* storage;
@@ -4279,6 +4284,7 @@ MGPUDEF mgpu_result mgpu_tensor_upload(mgpu_tensor* t, const void* host, size_t 
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "mgpu_tensor_upload: %zu bytes given for %s (%zu bytes)", bytes,
                           mgpu_tensor_describe(t, text, sizeof text), mgpu_tensor_bytes(t));
     if (!bytes) return MGPU_OK;
+    MGPU__WROTE(t);
     MGPU__COUNT(MGPU__DEV(t), bytes_host_to_device, bytes);
     if (MGPU__IS_CPU(t)) { memcpy(mgpu_tensor_data(t), host, bytes); return MGPU_OK; }
     MGPU__COUNT(MGPU__DEV(t), host_waits, 1);
@@ -4325,6 +4331,7 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
     dd = MGPU__DEV(dst);
     sd = MGPU__DEV(src);
     if (!bytes || mgpu_tensor_data(dst) == mgpu_tensor_data(src)) return MGPU_OK;
+    MGPU__WROTE(dst);
     if (sd->kind == MGPU_DEVICE_CPU && dd->kind == MGPU_DEVICE_CPU) {
         char *d = (char*)mgpu_tensor_data(dst), *s = (char*)mgpu_tensor_data(src);
         if (sd != dd) MGPU__COUNT(dd, bytes_device_to_device, bytes);
@@ -4405,6 +4412,7 @@ MGPUDEF mgpu_result mgpu_tensor_fill(mgpu_tensor* t, double value) {
     int64_t i, n;
     if (!t) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tensor_fill: NULL tensor");
     n = mgpu_tensor_numel(t);
+    MGPU__WROTE(t);
     MGPU__COUNT(MGPU__DEV(t), ops, 1);
     if (!MGPU__IS_CPU(t)) {
         MGPU__CU("mgpu_tensor_fill", MGPU__DEV(t),
@@ -4434,6 +4442,7 @@ MGPUDEF mgpu_result mgpu_tensor_convert(mgpu_tensor* dst, const mgpu_tensor* src
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: dst %s and src %s differ in element count", op,
                           mgpu_tensor_describe(dst, a, sizeof a), mgpu_tensor_describe(src, b, sizeof b));
     n = mgpu_tensor_numel(src);
+    MGPU__WROTE(dst);
     MGPU__COUNT(MGPU__DEV(dst), ops, 1);
     if (!MGPU__IS_CPU(src)) {
         MGPU__CU(op, MGPU__DEV(src), mgpu__cu_convert(MGPU__DEV(src)->ordinal, MGPU__DEV(src)->stream, (size_t)n,
@@ -4486,6 +4495,7 @@ static void mgpu__rand_range(void* ctx, int64_t begin, int64_t end) {
 static mgpu_result mgpu__rand(const char* op, mgpu_tensor* t, uint64_t seed, uint64_t offset, int normal, float a, float b) {
     mgpu__rand_job job;
     MGPU__TRY(mgpu__check_tensor(op, "t", t, MGPU_F32));
+    MGPU__WROTE(t);
     MGPU__COUNT(MGPU__DEV(t), ops, 1);
     if (!MGPU__IS_CPU(t)) {
         MGPU__CU(op, MGPU__DEV(t), mgpu__cu_rand(MGPU__DEV(t)->ordinal, MGPU__DEV(t)->stream, normal,
@@ -4609,6 +4619,7 @@ static mgpu_result mgpu__unary(const char* op, int code, mgpu_tensor* out, const
     mgpu__ew_job job;
     MGPU__TRY(mgpu__check_tensor(op, "x", x, x && x->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
     MGPU__TRY(mgpu__check_match(op, "out", out, "x", x));
+    MGPU__WROTE(out);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_unary(MGPU__CUDA_ARGS(MGPU__DEV(x)), code, (int)x->dtype, (size_t)mgpu_tensor_numel(x),
@@ -4633,6 +4644,7 @@ static mgpu_result mgpu__binary(const char* op, int code, mgpu_tensor* out, cons
     MGPU__TRY(mgpu__check_tensor(op, an, a, a && a->dtype == MGPU_BF16 ? MGPU_BF16 : MGPU_F32));
     MGPU__TRY(mgpu__check_match(op, bn, b, an, a));
     MGPU__TRY(mgpu__check_match(op, "out", out, an, a));
+    MGPU__WROTE(out);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(a)) {
         MGPU__CU(op, MGPU__DEV(a), mgpu__cu_binary(MGPU__CUDA_ARGS(MGPU__DEV(a)), code, (int)a->dtype, (size_t)mgpu_tensor_numel(a),
@@ -5252,6 +5264,7 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
     if (mgpu__overlap(out, a) || mgpu__overlap(out, b))   /* out is cleared/accumulated while a and b are read */
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with an input", op,
                           mgpu_tensor_describe(out, tc, sizeof tc));
+    MGPU__WROTE(out);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (MGPU__IS_CPU(a) && a->dtype == MGPU_BF16) return mgpu__cpu_gemm_bf16(out, a, b, transpose_a, transpose_b, m, n, k, alpha, beta);
     if (MGPU__IS_CPU(a))   /* the panel is taken from the output's device: a CPU replica's own allocator */
@@ -8467,6 +8480,7 @@ typedef struct mgpu__tape_node {
     int64_t arg[4];              /* axis, transposes, start, permutation */
     float alpha;
     int needs_grad;              /* an input is watched or needs it */
+    uint64_t version[2];         /* the inputs' storage versions when the op read them */
 } mgpu__tape_node;
 struct mgpu_tape {
     mgpu_device* dev;
@@ -8615,6 +8629,8 @@ static int mgpu__tape_node_new(mgpu_tape* tape, const char* op, int kind, mgpu_s
     memset(n, 0, sizeof *n);
     n->kind = kind; n->op = op; n->in[0] = a; n->in[1] = b; n->out = out;
     n->needs_grad = (a && mgpu__tape_needs_grad(tape, a)) || (b && mgpu__tape_needs_grad(tape, b));
+    n->version[0] = a ? a->storage->version : 0;
+    n->version[1] = b ? b->storage->version : 0;
     return tape->count++;
 }
 /* An op's end: its output, or the tape's failure */
@@ -9115,6 +9131,19 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
     default: return MGPU_OK;   /* a constant */
     }
 }
+/* MGPU_ERROR_INVALID_ARGUMENT when an input of node n was written since n read it (PyTorch: "one of
+   the variables needed for gradient computation has been modified by an inplace operation") */
+static mgpu_result mgpu__tape_changed(const mgpu_tape* tape, const mgpu__tape_node* n) {
+    char text[128];
+    int j;
+    for (j = 0; j < 2; ++j)
+        if (n->in[j] && n->in[j]->storage->version != n->version[j])
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_backward: %s, an input of %s (op %d of the tape), was "
+                              "written after the op read it, and its gradient needs the old values: change it after "
+                              "backward, or copy it first", mgpu_tensor_describe(n->in[j], text, sizeof text), n->op,
+                              (int)(n - tape->nodes));
+    return MGPU_OK;
+}
 MGPUDEF mgpu_result mgpu_tape_backward(mgpu_tape* tape, const mgpu_tensor* y, const mgpu_tensor* dy) {
     static const char* op = "mgpu_tape_backward";
     char text[128], t2[128];
@@ -9143,6 +9172,7 @@ MGPUDEF mgpu_result mgpu_tape_backward(mgpu_tape* tape, const mgpu_tensor* y, co
     tape->nodes[k].grad = g;
     for (i = k; i >= 0; --i) {
         mgpu__tape_node* n = &tape->nodes[i];
+        if (n->grad && n->needs_grad && r == MGPU_OK) r = mgpu__tape_changed(tape, n);
         if (n->grad && n->needs_grad && r == MGPU_OK) r = mgpu__tape_node_backward(tape, n);
         mgpu__tensor_free(n->grad);   /* done with, or after a failure, dropped */
         n->grad = NULL;

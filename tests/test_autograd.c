@@ -760,6 +760,19 @@ static void test_misuse(void) {
         CHECK(mgpu_tape_permute(t, a, perm) == NULL, "permute (0, 0) fails");
         expect_fail(mgpu_last_result(), MGPU_ERROR_INVALID_ARGUMENT, "permute (0,0)", "mgpu_tape_permute", "not a permutation", NULL);
     }
+    /* a tensor the tape still needs, changed before backward: refused, naming the op */
+    mgpu_tape_destroy(t);
+    t = mgpu_tape_create(cpu);
+    {
+        mgpu_tensor* c = tmake(cpu, MGPU_F32, mgpu_shape2(3, 4));
+        MUST(mgpu_tensor_fill(c, 2.0));
+        MUST(mgpu_tape_watch(t, a));
+        y = mgpu_tape_sum(t, mgpu_tape_mul(t, a, c), MGPU_ALL_AXES, 0);
+        MUST(mgpu_tensor_fill(c, 3.0));   /* mul's backward needs the old c */
+        expect_fail(mgpu_tape_backward(t, y, NULL), MGPU_ERROR_INVALID_ARGUMENT, "backward after an input changed",
+                    "mgpu_tape_mul", "written after the op read it", "f32[3,4]@cpu");
+        mgpu_tensor_destroy(c);
+    }
     /* a layer's forward that fails: the model's step names the layer and the op */
     {
         mgpu_layer* layers[1];
