@@ -208,8 +208,8 @@
    ---------------------------------------------------------------------------------------------
    - autograd everywhere: a model is a sequence of layers (nn.Sequential); a layer of your own
      either writes its backward (examples/custom_layer.c) or is made of tape ops and has it
-     derived (>>autograd, examples/gru.c: recomputed in backward, no CUDA graph yet). Built-ins: Linear (also without a bias, and Hugging
-     Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
+     derived (>>autograd, examples/gru.c: its forward recomputed in backward). Built-ins: Linear
+     (also without a bias, and Hugging Face's Conv1D), ReLU, GELU (exact, and GPT-2's tanh form), Tanh, Sigmoid, Dropout, Flatten,
      Conv2d, MaxPool2d, BatchNorm2d, global average pooling, and for GPT-2 LayerNorm, Embedding,
      PositionEmbedding and CausalSelfAttention (its GPU kernels fused up to a head size of 64,
      FlashAttention-2's way but on CUDA cores: no tensor-core or cuDNN attention yet);
@@ -226,9 +226,9 @@
      pipeline: those sum after backward, after the ranks' vote. (GPUs with NCCL across the job
      and one stage overlap their buckets' sums with backward, as in one process.)
    - strided tensors, more than 4 dimensions, GPUs other than NVIDIA's.
-   - a CUDA graph of a step with a custom layer, with NCCL across the GPUs of one process, with
-     desc.check_finite or desc.sync_batch_norm, or for mgpu_model_accumulate and
-     mgpu_model_apply: those steps run eagerly.
+   - a CUDA graph of a step with a custom layer of the vtable (one made of tape ops is held),
+     with NCCL across the GPUs of one process, with desc.check_finite or desc.sync_batch_norm, or
+     for mgpu_model_accumulate and mgpu_model_apply: those steps run eagerly.
    - files bigger than memory: the safetensors reader and loader read the whole file at once.
 
    ---------------------------------------------------------------------------------------------
@@ -966,8 +966,10 @@ MGPUDEF const mgpu_tensor* mgpu_tape_mse(mgpu_tape* tape, const mgpu_tensor* pre
    tape's ops and returns it (NULL: the tape's error is the layer's). The layer runs it in the
    model's forward and again in its backward, recording this time, and differentiates it: the
    recompute costs a forward more, and keeps nothing from forward to backward, so the layer
-   works as any other under data parallelism, pipelines, micro-batches and checkpoints. A
-   custom layer, so no CUDA graph and no bf16 path yet (>>layer). Parameters are initialised as
+   works as any other under data parallelism, pipelines, micro-batches and checkpoints. A CUDA
+   graph (desc.graph) holds its work, as it holds a built-in's: forward must run the same ops on
+   every step of a batch shape (as torch.cuda.graphs asks), which a forward of tape ops does unless
+   it reads the host's state. No bf16 path yet (it computes in f32). Parameters are initialised as
    their desc says: */
 typedef enum mgpu_param_init {
     MGPU_INIT_ZEROS = 0,
@@ -8491,7 +8493,8 @@ struct mgpu_tape {
     int watched_count, watched_cap;
     mgpu_result error;           /* the first failure of an op */
     int training;                /* dropout drops (else it is the identity) */
-    uint64_t seed, offset;       /* dropout's Philox stream: call k draws under key seed + k * golden */
+    uint64_t seed, offset;       /* dropout's Philox stream: call k draws from counter offset + k * 2^32 */
+    const uint64_t* seed_on_device;   /* a CUDA graph's capture: where the step's seed is (ctx's) */
     uint64_t first_row;          /* a replica's first sample in the batch: dropout draws by sample */
     uint64_t draws;              /* dropout calls so far */
 };
@@ -8921,9 +8924,8 @@ MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor*
     if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_DROPOUT, x->shape, x, NULL, NULL)) < 0) return NULL;
     if (!(tape->nodes[k].saved = mgpu_tensor_create(tape->dev, MGPU_F32, x->shape))) return mgpu__tape_failed(tape);
     per_sample = (uint64_t)(mgpu_tensor_numel(x) / MGPU__MAX(x->shape.ndim ? x->shape.dim[0] : 1, 1));
-    return mgpu__tape_end(tape, k, mgpu__dropout(tape->nodes[k].out, tape->nodes[k].saved, x, p,
-                                                 tape->seed + tape->draws++ * 0x9E3779B97F4A7C15ull, NULL, tape->offset,
-                                                 tape->first_row * per_sample));
+    return mgpu__tape_end(tape, k, mgpu__dropout(tape->nodes[k].out, tape->nodes[k].saved, x, p, tape->seed, tape->seed_on_device,
+                                                 tape->offset + (tape->draws++ << 32), tape->first_row * per_sample));
 }
 
 /* ---- losses ---- */
@@ -9240,6 +9242,7 @@ static const mgpu_tensor* mgpu__op_run(const mgpu_layer* l, const mgpu_layer_ctx
     tape->training = ctx->training;   /* dropout: the layer's stream for this step, by sample */
     tape->seed = ctx->seed;
     tape->offset = ctx->offset;
+    tape->seed_on_device = ctx->seed_on_device;
     tape->first_row = (uint64_t)ctx->first_row;
     for (i = 0; watch_x >= 0 && i < o->desc.param_count; ++i)
         if (mgpu_tape_watch(tape, ctx->params[i]) != MGPU_OK) return NULL;
@@ -9336,6 +9339,10 @@ MGPUDEF mgpu_layer* mgpu_layer_from_ops(const mgpu_op_layer_desc* desc) {
     o->vt.describe = mgpu__op_describe;
     o->vt.destroy = mgpu__op_destroy;
     if (!(l = mgpu_layer_create(&o->vt, o))) MGPU_FREE(o);
+    else {   /* the same ops every step of a batch shape: a CUDA graph can hold them (and dropout's key) */
+        l->graph_safe = 1;
+        l->uses_rng = 1;
+    }
     return l;
 }
 
@@ -13950,8 +13957,8 @@ static mgpu_result mgpu__update(mgpu_model* m, mgpu_optimizer* opt) {
    with its events, and the update; a temporary the capture used keeps its memory for the graph
    (the allocator's `held`). Steps run eagerly, giving the same bits, where a graph cannot be
    used: another batch shape (its first step; the old graph is dropped), tracing, a model on CPU
-   devices or of several processes, a custom layer (whose work may change from step to step on
-   the host), NCCL across several GPUs of this process (NCCL warns that capturing it may
+   devices or of several processes, a custom layer of the vtable (whose work may change from step
+   to step on the host; one made of tape ops is held), NCCL across several GPUs of this process (NCCL warns that capturing it may
    deadlock; the P2P all-reduce is captured instead), the host-staged all-reduce,
    desc.check_finite (the host reads the check before the update) or desc.sync_batch_norm (the
    replicas meet on the host inside their passes). A capture that

@@ -477,16 +477,17 @@ static const mgpu_tensor* layer_norm_forward(void* user, mgpu_tape* t, const mgp
     (void)user;
     return mgpu_tape_add(t, mgpu_tape_mul(t, mgpu_tape_mul(t, xc, mgpu_tape_rsqrt(t, mgpu_tape_add_scalar(t, var, 1e-5f))), p[0]), p[1]);
 }
-static mgpu_layer* op_layer_norm(void) {
-    static const mgpu_op_param_desc params[2] = {
-        { "weight", { 1, { LN_DIM, 0, 0, 0 } }, MGPU_INIT_ONES, 0.0f, 0 },
-        { "bias", { 1, { LN_DIM, 0, 0, 0 } }, MGPU_INIT_ZEROS, 0.0f, 0 },
+static mgpu_layer* op_layer_norm_of(int dim) {
+    const mgpu_op_param_desc params[2] = {
+        { "weight", mgpu_shape1(dim), MGPU_INIT_ONES, 0.0f, 0 },
+        { "bias", mgpu_shape1(dim), MGPU_INIT_ZEROS, 0.0f, 0 },
     };
     mgpu_op_layer_desc d;
     memset(&d, 0, sizeof d);
     d.type = "LayerNormOps"; d.params = params; d.param_count = 2; d.forward = layer_norm_forward;
     return mgpu_layer_from_ops(&d);
 }
+static mgpu_layer* op_layer_norm(void) { return op_layer_norm_of(LN_DIM); }
 
 /* GPT-2's attention (Hugging Face's GPT2Attention, dropout 0): c_attn and c_proj stored [in, out] */
 enum { ATT_DIM = 8, ATT_HEADS = 2, ATT_T = 5 };
@@ -696,6 +697,66 @@ static void test_dropout(void) {
 }
 
 /* ============================================================================================ */
+/* 2c. a CUDA graph of a step with layers of ops: the eager step's bits                         */
+/* ============================================================================================ */
+static void test_op_graph(void) {
+#ifdef MGPU_CUDA
+    static const mgpu_op_param_desc params[2] = { { "weight", { 2, { 6, 4, 0, 0 } }, MGPU_INIT_UNIFORM, 0.0f, 0 },
+                                                  { "bias", { 1, { 6, 0, 0, 0 } }, MGPU_INIT_UNIFORM, 0.0f, 4 } };
+    mgpu_model* m[2] = { NULL, NULL };
+    mgpu_optimizer* opt[2] = { NULL, NULL };
+    mgpu_tensor *x, *lab;
+    int32_t labels[8] = { 0, 1, 2, 1, 0, 2, 2, 1 };
+    float *p[2] = { NULL, NULL }, loss[2];
+    size_t bytes;
+    int k, step, same = 1;
+#endif
+    header("2c. a CUDA graph of steps with layers of ops (dropout too): the eager steps' bits");
+    if (!gpu_part("graph of layers of ops")) return;
+#ifdef MGPU_CUDA
+    x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, 4));
+    MUST(mgpu_rand_normal(x, 4, 0, 0.0f, 1.0f));
+    lab = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+    for (k = 0; k < 2; ++k) {
+        mgpu_op_layer_desc d;
+        mgpu_layer* layers[3];
+        memset(&d, 0, sizeof d);
+        d.type = "LinearDropout"; d.params = params; d.param_count = 2;
+        d.forward = linear_dropout_forward; d.output_shape = linear_dropout_shape;
+        layers[0] = mgpu_layer_from_ops(&d);
+        layers[1] = op_layer_norm_of(6);
+        layers[2] = mgpu_layer_linear(6, 3);
+        m[k] = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(4), .layers = layers, .layer_count = 3,
+                                                     .devices = g_gpu_set, .seed = 5, .graph = k });
+        if (m[k]) opt[k] = mgpu_optimizer_create(m[k], &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f, .momentum = 0.9f });
+        CHECK(m[k] && opt[k], "graph %d: %s", k, mgpu_last_error());
+    }
+    if (opt[0] && opt[1]) {
+        bytes = mgpu_tensor_bytes(mgpu_model_params(m[0], 0));
+        p[0] = fbuf((int64_t)(bytes / sizeof(float)));
+        p[1] = fbuf((int64_t)(bytes / sizeof(float)));
+        for (step = 0; step < 5 && same; ++step) {
+            for (k = 0; k < 2; ++k) {
+                MUST(mgpu_model_train_step(m[k], opt[k], x, lab, &loss[k]));
+                tget(mgpu_model_params(m[k], 0), p[k]);
+            }
+            same = !memcmp(p[0], p[1], bytes) && loss[0] == loss[1];
+            CHECK(same, "layers of ops: step %d replayed from a CUDA graph differs from the eager step (loss %.9g and %.9g)", step,
+                  loss[1], loss[0]);
+        }
+        CHECK(mgpu_model_graph_steps(m[1]) >= 3, "layers of ops: %lld of 5 steps replayed from a CUDA graph",
+              (long long)mgpu_model_graph_steps(m[1]));
+    }
+    for (k = 0; k < 2; ++k) {
+        mgpu_optimizer_destroy(opt[k]);
+        mgpu_model_destroy(m[k]);
+        free(p[k]);
+    }
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(lab);
+#endif
+}
+
+/* ============================================================================================ */
 /* 3. misuse: clear errors, and the first failure kept                                          */
 /* ============================================================================================ */
 static void test_misuse(void) {
@@ -814,6 +875,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_ops());
     TEST_GROUP(test_op_layers());
     TEST_GROUP(test_dropout());
+    TEST_GROUP(test_op_graph());
     TEST_GROUP(test_misuse());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
