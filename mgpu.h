@@ -252,8 +252,8 @@
    >>layer       layers (a small vtable) and the built-ins: Linear, activations, Dropout, Conv2d, ...;
                  >>layer transformer: LayerNorm, Embedding, PositionEmbedding, CausalSelfAttention;
                  containers (Sequential, Residual), names, calling a layer from a layer
-   >>autograd    a tape of ops (exp ... matmul, softmax, gather, losses) differentiated in
-                 reverse mode; layers made of ops with no backward written
+   >>autograd    a tape of ops (exp ... matmul, softmax, gather, where, dropout, losses)
+                 differentiated in reverse mode; layers made of ops with no backward written
    >>parallel    all-reduce across devices: NCCL, peer-to-peer ring, host
    >>model       models with flat parameter/gradient buffers, replicas, forward/backward
    >>optim       SGD and AdamW over the flat buffer, learning-rate schedules, weight-decay groups,
@@ -949,6 +949,10 @@ MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_ten
    softmax) where key s comes after query t (s > t + keys - queries: the keys before the first
    query are all seen); its gradient passes dy where x went through, 0 elsewhere. */
 MGPUDEF const mgpu_tensor* mgpu_tape_causal_mask(mgpu_tape* tape, const mgpu_tensor* x, float value);
+/* torch.where(cond, a, b): a where cond is not 0, else b, the three shapes broadcast together
+   (cond an f32 constant of 0s and 1s, such as a comparison's); the gradient goes to a where cond
+   holds and to b elsewhere. */
+MGPUDEF const mgpu_tensor* mgpu_tape_where(mgpu_tape* tape, const mgpu_tensor* cond, const mgpu_tensor* a, const mgpu_tensor* b);
 /* nn.Dropout: each element kept with probability 1 - p and scaled by 1/(1-p), else 0 (Philox, as
    mgpu_dropout; by sample, so that replicas draw what one device would); the identity unless the
    tape is training. In a layer of ops the tape trains when the model does and draws from the
@@ -1926,7 +1930,9 @@ typedef enum mgpu__binary_op {
     MGPU__BINARY_SQRT_BWD = 15,    /* a = dy, b = y = sqrt(x) */
     MGPU__BINARY_RSQRT_BWD = 16,   /* a = dy, b = y = 1/sqrt(x) */
     MGPU__BINARY_POW_BWD = 17,     /* a = dy, b = x, alpha the exponent */
-    MGPU__BINARY_ABS_BWD = 18      /* a = dy, b = x */
+    MGPU__BINARY_ABS_BWD = 18,     /* a = dy, b = x */
+    MGPU__BINARY_KEEP_IF = 19,     /* b != 0 ? a : 0 (where's gradient of its first choice) */
+    MGPU__BINARY_DROP_IF = 20      /* b != 0 ? 0 : a (and of its second) */
 } mgpu__binary_op;
 
 static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float alpha) {
@@ -1957,6 +1963,8 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
     case MGPU__BINARY_POW_BWD: return a * alpha * powf(b, alpha - 1.0f);
     /* torch's abs backward: dy * sign(x), 0 at 0; a NaN x gives NaN */
     case MGPU__BINARY_ABS_BWD: return b > 0.0f ? a : b < 0.0f ? -a : b == 0.0f ? 0.0f : b;
+    case MGPU__BINARY_KEEP_IF: return b != 0.0f ? a : 0.0f;
+    case MGPU__BINARY_DROP_IF: return b != 0.0f ? 0.0f : a;
     default: return 0.0f;
     }
 }
@@ -2014,8 +2022,9 @@ static inline MGPU__HD int mgpu__argmax_takes(float v, float best) { return v !=
 /* The tape's two generic kernels (>>autograd): every op of a tape that is not a GEMM, a gather or
    a loss is one of these. A map walks an index space of 4 dimensions (shapes padded with leading
    1s); element i's coordinates, times each tensor's element strides (0 along a dimension it is
-   broadcast over), place it in out, a and b: out = f(a) or f(a, b). Broadcasts, permutes,
-   slices and concatenations are maps of MGPU__UNARY_COPY. */
+   broadcast over), place it in out, a and b: out = f(a) or f(a, b), or with a condition tensor
+   out = cond != 0 ? a : b (torch.where). Broadcasts, permutes, slices and concatenations are maps
+   of MGPU__UNARY_COPY. */
 typedef struct mgpu__map_geom {
     int64_t dim[4];
     int64_t out[4], a[4], b[4];   /* element strides */
@@ -2025,24 +2034,28 @@ typedef struct mgpu__map_geom {
                                      (a causal mask over the last two dimensions) */
     int64_t causal_shift;
     float fill;
+    const float* cond;            /* not NULL: out = cond != 0 ? a : b (op unused), cond's strides: */
+    int64_t c[4];
 } mgpu__map_geom;
-static inline MGPU__HD void mgpu__map_offsets(const mgpu__map_geom* g, int64_t i, int64_t* oo, int64_t* oa, int64_t* ob) {
+static inline MGPU__HD void mgpu__map_offsets(const mgpu__map_geom* g, int64_t i, int64_t* oo, int64_t* oa, int64_t* ob,
+                                              int64_t* oc) {
     int64_t rest = i;
     int d;
-    *oo = *oa = *ob = 0;
+    *oo = *oa = *ob = *oc = 0;
     for (d = 3; d >= 0; --d) {
         const int64_t c = rest % g->dim[d];
         rest /= g->dim[d];
-        *oo += c * g->out[d]; *oa += c * g->a[d]; *ob += c * g->b[d];
+        *oo += c * g->out[d]; *oa += c * g->a[d]; *ob += c * g->b[d]; *oc += c * g->c[d];
     }
 }
 static inline MGPU__HD int mgpu__map_masked(const mgpu__map_geom* g, int64_t i) {
     return g->causal && i % g->dim[3] > i / g->dim[3] % g->dim[2] + g->causal_shift;
 }
 static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const float* a, const float* b, float* out, int64_t i) {
-    int64_t oo, oa, ob;
-    mgpu__map_offsets(g, i, &oo, &oa, &ob);
-    out[oo] = mgpu__map_masked(g, i) ? g->fill
+    int64_t oo, oa, ob, oc;
+    mgpu__map_offsets(g, i, &oo, &oa, &ob, &oc);
+    out[oo] = g->cond ? (g->cond[oc] != 0.0f ? a[oa] : b[ob])
+              : mgpu__map_masked(g, i) ? g->fill
               : g->binary ? mgpu__binary_apply(g->op, a[oa], b[ob], g->alpha) : mgpu__unary_apply(g->op, a[oa], g->alpha);
 }
 /* A reduction: out (contiguous, shape out_dim) = the sum (times scale) or the max of x (contiguous,
@@ -8273,14 +8286,16 @@ typedef struct mgpu__ad_job {
 static void mgpu__ad_map_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__ad_job* j = (const mgpu__ad_job*)ctx;
     const mgpu__map_geom* g = j->map;
-    const int64_t so = g->out[3], sa = g->a[3], sb = g->b[3];
+    const int64_t so = g->out[3], sa = g->a[3], sb = g->b[3], sc = g->c[3];
     const float alpha = g->alpha;
     const int op = g->op;
-    int64_t i = begin, k, n, oo, oa, ob;
+    int64_t i = begin, k, n, oo, oa, ob, oc;
     while (i < end) {
         n = MGPU__MIN(end - i, g->dim[3] - i % g->dim[3]);
-        mgpu__map_offsets(g, i, &oo, &oa, &ob);
-        if (g->causal)   /* the masked elements of this row: columns past row + shift */
+        mgpu__map_offsets(g, i, &oo, &oa, &ob, &oc);
+        if (g->cond)
+            for (k = 0; k < n; ++k) j->out[oo + k * so] = g->cond[oc + k * sc] != 0.0f ? j->a[oa + k * sa] : j->b[ob + k * sb];
+        else if (g->causal)   /* the masked elements of this row: columns past row + shift */
             for (k = 0; k < n; ++k)
                 j->out[oo + k * so] = mgpu__map_masked(g, i + k) ? g->fill
                                       : g->binary ? mgpu__binary_apply(op, j->a[oa + k * sa], j->b[ob + k * sb], alpha)
@@ -8352,22 +8367,24 @@ static mgpu_result mgpu__ad_broadcast(const char* op, const mgpu_tensor* a, cons
     }
     return MGPU_OK;
 }
+/* t's element strides when broadcast to the padded shape dim: 0 along a dimension it stretches */
+static void mgpu__ad_broadcast_strides(const mgpu_tensor* t, const int64_t dim[4], int64_t stride[4]) {
+    int64_t dt[4];
+    int d;
+    mgpu__ad_pad(t->shape, dt);
+    mgpu__ad_strides(dt, stride);
+    for (d = 0; d < 4; ++d)
+        if (dt[d] != dim[d]) stride[d] = 0;
+}
 /* The walk of out = f(a) or f(a, b) elementwise, a and b broadcast to out's shape (contiguous) */
 static void mgpu__ad_map_geom(mgpu__map_geom* g, int binary, int code, float alpha, const mgpu_tensor* out,
                               const mgpu_tensor* a, const mgpu_tensor* b) {
-    int64_t da[4], db[4];
-    int d;
     memset(g, 0, sizeof *g);
     g->op = code; g->binary = binary; g->alpha = alpha;
     mgpu__ad_pad(out->shape, g->dim);
     mgpu__ad_strides(g->dim, g->out);
-    mgpu__ad_pad(a->shape, da);
-    mgpu__ad_strides(da, g->a);
-    if (b) { mgpu__ad_pad(b->shape, db); mgpu__ad_strides(db, g->b); }
-    for (d = 0; d < 4; ++d) {
-        if (da[d] != g->dim[d]) g->a[d] = 0;
-        if (b && db[d] != g->dim[d]) g->b[d] = 0;
-    }
+    mgpu__ad_broadcast_strides(a, g->dim, g->a);
+    if (b) mgpu__ad_broadcast_strides(b, g->dim, g->b);
 }
 static mgpu_result mgpu__ad_map(const char* op, int binary, int code, float alpha, mgpu_tensor* out,
                                 const mgpu_tensor* a, const mgpu_tensor* b) {
@@ -8470,19 +8487,19 @@ static mgpu_result mgpu__ad_gemm(const char* op, mgpu_tensor* out, const mgpu_te
 typedef enum mgpu__tape_kind {
     MGPU__TAPE_CONST, MGPU__TAPE_UNARY, MGPU__TAPE_BINARY, MGPU__TAPE_REDUCE, MGPU__TAPE_MATMUL, MGPU__TAPE_RESHAPE,
     MGPU__TAPE_PERMUTE, MGPU__TAPE_SLICE, MGPU__TAPE_CONCAT, MGPU__TAPE_GATHER, MGPU__TAPE_XENT, MGPU__TAPE_MSE,
-    MGPU__TAPE_CAUSAL, MGPU__TAPE_DROPOUT
+    MGPU__TAPE_CAUSAL, MGPU__TAPE_DROPOUT, MGPU__TAPE_WHERE
 } mgpu__tape_kind;
 typedef struct mgpu__tape_node {
     int kind, code;              /* code: the unary or binary op; the reduction's (sum 0, mean 1, max 2) */
     const char* op;              /* the public op, for messages */
-    const mgpu_tensor* in[2];    /* as given: the tape's, watched, or constants */
+    const mgpu_tensor* in[3];    /* as given: the tape's, watched, or constants (in[2]: where's condition) */
     mgpu_tensor* out;            /* the tape's */
     mgpu_tensor* saved;          /* a loss's gradient, computed with it */
     mgpu_tensor* grad;           /* while backward runs: out's gradient */
     int64_t arg[4];              /* axis, transposes, start, permutation */
     float alpha;
     int needs_grad;              /* an input is watched or needs it */
-    uint64_t version[2];         /* the inputs' storage versions when the op read them */
+    uint64_t version[3];         /* the inputs' storage versions when the op read them */
 } mgpu__tape_node;
 struct mgpu_tape {
     mgpu_device* dev;
@@ -8911,6 +8928,28 @@ MGPUDEF const mgpu_tensor* mgpu_tape_causal_mask(mgpu_tape* tape, const mgpu_ten
     tape->nodes[k].alpha = value;
     return mgpu__tape_end(tape, k, mgpu__ad_causal(op, tape->nodes[k].out, x, tape->nodes[k].arg[0], value));
 }
+MGPUDEF const mgpu_tensor* mgpu_tape_where(mgpu_tape* tape, const mgpu_tensor* cond, const mgpu_tensor* a, const mgpu_tensor* b) {
+    static const char* op = "mgpu_tape_where";
+    mgpu_shape ab, s;
+    mgpu__map_geom g;
+    int k;
+    if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
+    if (!mgpu__tape_input(tape, op, "cond", cond, MGPU_F32)) return mgpu__tape_failed(tape);
+    if (mgpu__ad_broadcast(op, a, b, &ab) != MGPU_OK) return mgpu__tape_failed(tape);
+    {   /* and the condition's shape with theirs */
+        mgpu_tensor t;
+        memset(&t, 0, sizeof t);
+        t.shape = ab; t.storage = a->storage; t.dtype = MGPU_F32;
+        if (mgpu__ad_broadcast(op, cond, &t, &s) != MGPU_OK) return mgpu__tape_failed(tape);
+    }
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_WHERE, s, a, b, NULL)) < 0) return NULL;
+    tape->nodes[k].in[2] = cond;
+    tape->nodes[k].version[2] = cond->storage->version;
+    mgpu__ad_map_geom(&g, 1, 0, 0.0f, tape->nodes[k].out, a, b);
+    g.cond = MGPU__F32(cond);
+    mgpu__ad_broadcast_strides(cond, g.dim, g.c);
+    return mgpu__tape_end(tape, k, mgpu__ad_run_map(op, tape->dev, &g, MGPU__F32(a), MGPU__F32(b), MGPU__F32(tape->nodes[k].out)));
+}
 MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor* x, float p) {
     static const char* op = "mgpu_tape_dropout";
     uint64_t per_sample;
@@ -9120,6 +9159,20 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
     case MGPU__TAPE_CAUSAL:   /* dy where x went through, 0 where it was masked */
         if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu__ad_causal(n->op, c, g, n->arg[0], 0.0f) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
         return mgpu__tape_accumulate(tape, a, c);
+    case MGPU__TAPE_WHERE:   /* dy to a where cond holds, to b elsewhere, each summed down to its shape */
+        if (mgpu__tape_needs_grad(tape, a)) {
+            mgpu_tensor* t = mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_KEEP_IF, 0.0f, g, n->in[2]);
+            c = t ? mgpu__ad_unbroadcast(tape, n->op, t, a->shape) : NULL;
+            mgpu__tensor_free(t);
+            MGPU__TRY(mgpu__tape_accumulate(tape, a, c));
+        }
+        if (mgpu__tape_needs_grad(tape, b)) {
+            mgpu_tensor* t = mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_DROP_IF, 0.0f, g, n->in[2]);
+            c = t ? mgpu__ad_unbroadcast(tape, n->op, t, b->shape) : NULL;
+            mgpu__tensor_free(t);
+            MGPU__TRY(mgpu__tape_accumulate(tape, b, c));
+        }
+        return MGPU_OK;
     case MGPU__TAPE_DROPOUT: return mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, g, n->saved));
     case MGPU__TAPE_XENT: case MGPU__TAPE_MSE:   /* the loss's gradient, times dy (a scalar) */
         MGPU__TRY(mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, n->saved, g)));
@@ -9138,7 +9191,7 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
 static mgpu_result mgpu__tape_changed(const mgpu_tape* tape, const mgpu__tape_node* n) {
     char text[128];
     int j;
-    for (j = 0; j < 2; ++j)
+    for (j = 0; j < 3; ++j)
         if (n->in[j] && n->in[j]->storage->version != n->version[j])
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_backward: %s, an input of %s (op %d of the tape), was "
                               "written after the op read it, and its gradient needs the old values: change it after "

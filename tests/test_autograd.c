@@ -30,7 +30,7 @@ enum {
     OP_EXP, OP_LOG, OP_SQRT, OP_RSQRT, OP_TANH, OP_SIGMOID, OP_RELU, OP_GELU, OP_GELU_TANH, OP_NEG, OP_ABS, OP_POW,
     OP_SCALE, OP_ADD_SCALAR, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAXIMUM, OP_MINIMUM, OP_SUM, OP_MEAN, OP_MAX,
     OP_SOFTMAX, OP_LOG_SOFTMAX, OP_MATMUL, OP_RESHAPE, OP_PERMUTE, OP_SLICE, OP_CONCAT, OP_GATHER, OP_XENT, OP_MSE,
-    OP_CAUSAL
+    OP_CAUSAL, OP_WHERE
 };
 typedef struct ad_case {
     const char* name;
@@ -41,6 +41,7 @@ typedef struct ad_case {
     int64_t start, length;
     float alpha;
     double lo, hi;       /* inputs uniform in [lo, hi], kept 0.05 away from 0 */
+    mgpu_shape sc;       /* where's condition (0s and 1s, from the ids) */
 } ad_case;
 
 /* index helpers over up to 4 dimensions, shapes padded with leading 1s */
@@ -87,13 +88,14 @@ static mgpu_shape out_shape(const ad_case* c) {
     mgpu_shape s = c->sa;
     int d, j = 0;
     switch (c->op) {
-    case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_MAXIMUM: case OP_MINIMUM: {
-        const int nd = c->sa.ndim > c->sb.ndim ? c->sa.ndim : c->sb.ndim;
+    case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_MAXIMUM: case OP_MINIMUM: case OP_WHERE: {
+        const int nd = MGPU__MAX(MGPU__MAX(c->sa.ndim, c->sb.ndim), c->op == OP_WHERE ? c->sc.ndim : 0);
         s.ndim = nd;
         for (d = 0; d < nd; ++d) {
-            const int ia = d - (nd - c->sa.ndim), ib = d - (nd - c->sb.ndim);
+            const int ia = d - (nd - c->sa.ndim), ib = d - (nd - c->sb.ndim), ic = d - (nd - c->sc.ndim);
             const int64_t da = ia >= 0 ? c->sa.dim[ia] : 1, db = ib >= 0 ? c->sb.dim[ib] : 1;
-            s.dim[d] = da == 1 ? db : da;
+            const int64_t dc = c->op == OP_WHERE && ic >= 0 ? c->sc.dim[ic] : 1;
+            s.dim[d] = MGPU__MAX(MGPU__MAX(da, db), dc);
         }
         return s;
     }
@@ -225,6 +227,12 @@ static void ref_case(const ad_case* c, const double* a, const double* b, const i
         return;
     }
     case OP_RESHAPE: for (i = 0; i < n; ++i) y[i] = a[i]; return;
+    case OP_WHERE: {   /* the condition's values are the ids' (0 or 1) */
+        int64_t dc[4];
+        pad4(c->sc, dc);
+        for (i = 0; i < n; ++i) { coords4(dout, i, co); y[i] = ids[at4(dc, co)] ? a[at4(da, co)] : b[at4(db, co)]; }
+        return;
+    }
     case OP_CAUSAL:   /* key s after query t (s > t + keys - queries): alpha */
         for (i = 0; i < n; ++i) {
             coords4(dout, i, co);
@@ -269,6 +277,7 @@ static const mgpu_tensor* run_case(mgpu_tape* t, const ad_case* c, const mgpu_te
     case OP_GATHER: return mgpu_tape_gather_rows(t, a, b);
     case OP_XENT: return mgpu_tape_cross_entropy(t, a, b);
     case OP_CAUSAL: return mgpu_tape_causal_mask(t, a, c->alpha);
+    case OP_WHERE: return NULL;   /* run_where, with its condition */
     default: return mgpu_tape_mse(t, a, b);
     }
 }
@@ -284,11 +293,20 @@ static int tape_case(mgpu_device* dev, const ad_case* c, const float* a, const f
     mgpu_tape* tape = mgpu_tape_create(dev);
     const mgpu_tensor* out;
     int ok = 1;
+    mgpu_tensor* cond = NULL;
     if (two) tb = tfrom(dev, c->sb, b);
     else if (c->sb.ndim > 0 && c->op != OP_RESHAPE) tb = tfrom_i32(dev, c->sb, ids);
+    if (c->op == OP_WHERE) {
+        const int64_t nc = numel(c->sc);
+        float* cv = fbuf(nc > 0 ? nc : 1);
+        int64_t i;
+        for (i = 0; i < nc; ++i) cv[i] = (float)ids[i];
+        cond = tfrom(dev, c->sc, cv);
+        free(cv);
+    }
     MUST(mgpu_tape_watch(tape, ta));
     if (two) MUST(mgpu_tape_watch(tape, tb));
-    out = run_case(tape, c, ta, tb);
+    out = c->op == OP_WHERE ? mgpu_tape_where(tape, cond, ta, tb) : run_case(tape, c, ta, tb);
     if (!out || !mgpu_shape_equal(mgpu_tensor_shape(out), so)) {
         CHECK(0, "%s on %s: %s", c->name, mgpu_device_label(dev), out ? "wrong output shape" : mgpu_last_error());
         ok = 0;
@@ -302,7 +320,7 @@ static int tape_case(mgpu_device* dev, const ad_case* c, const float* a, const f
         else if (two) memset(gb, 0, (size_t)numel(c->sb) * sizeof(float));
     }
     mgpu_tape_destroy(tape);
-    mgpu_tensor_destroy(ta); mgpu_tensor_destroy(tb); mgpu_tensor_destroy(tw);
+    mgpu_tensor_destroy(ta); mgpu_tensor_destroy(tb); mgpu_tensor_destroy(tw); mgpu_tensor_destroy(cond);
     return ok;
 }
 /* d sum(f(a, b) * w) / d a_i by central differences of the float64 loops */
@@ -341,60 +359,62 @@ static void test_ops(void) {
 #define S4(a, b, c, d) mgpu_shape4(a, b, c, d)
     static const mgpu_shape none = { 0, { 0, 0, 0, 0 } };
     const ad_case cases[] = {
-        { "exp", OP_EXP, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "log", OP_LOG, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3 },
-        { "sqrt", OP_SQRT, S1(7), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3 },
-        { "rsqrt", OP_RSQRT, S1(7), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3 },
-        { "tanh", OP_TANH, S3(2, 3, 2), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "sigmoid", OP_SIGMOID, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -4, 4 },
-        { "relu", OP_RELU, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "gelu", OP_GELU, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "gelu_tanh", OP_GELU_TANH, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "neg", OP_NEG, S1(5), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "abs", OP_ABS, S1(9), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "pow 3", OP_POW, S1(6), none, 0, 0, 0, 0, { 0 }, 0, 0, 3.0f, -2, 2 },
-        { "pow -0.5", OP_POW, S1(6), none, 0, 0, 0, 0, { 0 }, 0, 0, -0.5f, 0.3, 2 },
-        { "scale", OP_SCALE, S2(2, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, -1.5f, -2, 2 },
-        { "add_scalar", OP_ADD_SCALAR, S2(2, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, 0.75f, -2, 2 },
-        { "add, same shapes", OP_ADD, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "add [3,4] + [4] (a bias)", OP_ADD, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "sub [3,1] - [1,4] (both stretched)", OP_SUB, S2(3, 1), S2(1, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "mul [2,3,4] * [3,1]", OP_MUL, S3(2, 3, 4), S2(3, 1), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "mul [1] * [2,2,2,3] (a scalar)", OP_MUL, S1(1), S4(2, 2, 2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "div [2,3] / [2,1]", OP_DIV, S2(2, 3), S2(2, 1), 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.5, 2 },
-        { "maximum [3,4] [4]", OP_MAXIMUM, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "minimum [3,4] [3,4]", OP_MINIMUM, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "sum axis 1", OP_SUM, S3(2, 3, 4), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "sum axis -1 keepdim", OP_SUM, S3(2, 3, 4), none, -1, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "sum of all", OP_SUM, S2(3, 5), none, MGPU_ALL_AXES, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "mean axis 0 keepdim", OP_MEAN, S4(3, 2, 2, 2), none, 0, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "mean of all keepdim", OP_MEAN, S2(4, 3), none, MGPU_ALL_AXES, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "max axis 1", OP_MAX, S2(4, 5), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "max axis 0 keepdim", OP_MAX, S3(3, 2, 4), none, 0, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "softmax axis -1", OP_SOFTMAX, S2(3, 5), none, -1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "softmax axis 1 of 3", OP_SOFTMAX, S3(2, 4, 3), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "log_softmax axis -1", OP_LOG_SOFTMAX, S2(4, 6), none, -1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "matmul [3,4] @ [4,5]", OP_MATMUL, S2(3, 4), S2(4, 5), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [4,3]^T @ [4,5]", OP_MATMUL, S2(4, 3), S2(4, 5), 0, 0, 1, 0, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [3,4] @ [5,4]^T", OP_MATMUL, S2(3, 4), S2(5, 4), 0, 0, 0, 1, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [4,3]^T @ [5,4]^T", OP_MATMUL, S2(4, 3), S2(5, 4), 0, 0, 1, 1, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul batched [2,3,4] @ [2,4,2]", OP_MATMUL, S3(2, 3, 4), S3(2, 4, 2), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul batched [2,2,4,3]^T @ [2,2,5,4]^T", OP_MATMUL, S4(2, 2, 4, 3), S4(2, 2, 5, 4), 0, 0, 1, 1, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [2,3,4] @ [5,4]^T (a Linear)", OP_MATMUL, S3(2, 3, 4), S2(5, 4), 0, 0, 0, 1, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [2,4,3]^T @ [4,5] (shared b)", OP_MATMUL, S3(2, 4, 3), S2(4, 5), 0, 0, 1, 0, { 0 }, 0, 0, 0, -1, 1 },
-        { "matmul [3,4] @ [2,4,5] (shared a)", OP_MATMUL, S2(3, 4), S3(2, 4, 5), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1 },
-        { "reshape [2,6] -> [3,2,2]", OP_RESHAPE, S2(2, 6), S3(3, 2, 2), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "permute [2,3,4] (2,0,1)", OP_PERMUTE, S3(2, 3, 4), none, 0, 0, 0, 0, { 2, 0, 1 }, 0, 0, 0, -2, 2 },
-        { "permute [2,3,2,3] (0,2,1,3)", OP_PERMUTE, S4(2, 3, 2, 3), none, 0, 0, 0, 0, { 0, 2, 1, 3 }, 0, 0, 0, -2, 2 },
-        { "slice axis 1 [1, 3) of [3,5]", OP_SLICE, S2(3, 5), none, 1, 0, 0, 0, { 0 }, 1, 2, 0, -2, 2 },
-        { "slice axis 0 [2, 3) of [4,2,3]", OP_SLICE, S3(4, 2, 3), none, 0, 0, 0, 0, { 0 }, 2, 1, 0, -2, 2 },
-        { "concat axis 1 [2,3] [2,2]", OP_CONCAT, S2(2, 3), S2(2, 2), 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "concat axis 0 [1,2,3] [2,2,3]", OP_CONCAT, S3(1, 2, 3), S3(2, 2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "gather_rows [5,3] by [2,3] ids", OP_GATHER, S2(5, 3), S2(2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "cross_entropy [4,5]", OP_XENT, S2(4, 5), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3 },
-        { "mse [3,4]", OP_MSE, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2 },
-        { "causal_mask [2,3,3]", OP_CAUSAL, S3(2, 3, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2 },
-        { "causal_mask [2,2,3,5] (2 keys before)", OP_CAUSAL, S4(2, 2, 3, 5), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2 },
+        { "exp", OP_EXP, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "log", OP_LOG, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3, none },
+        { "sqrt", OP_SQRT, S1(7), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3, none },
+        { "rsqrt", OP_RSQRT, S1(7), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.2, 3, none },
+        { "tanh", OP_TANH, S3(2, 3, 2), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "sigmoid", OP_SIGMOID, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -4, 4, none },
+        { "relu", OP_RELU, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "gelu", OP_GELU, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "gelu_tanh", OP_GELU_TANH, S2(3, 4), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "neg", OP_NEG, S1(5), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "abs", OP_ABS, S1(9), none, 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "pow 3", OP_POW, S1(6), none, 0, 0, 0, 0, { 0 }, 0, 0, 3.0f, -2, 2, none },
+        { "pow -0.5", OP_POW, S1(6), none, 0, 0, 0, 0, { 0 }, 0, 0, -0.5f, 0.3, 2, none },
+        { "scale", OP_SCALE, S2(2, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, -1.5f, -2, 2, none },
+        { "add_scalar", OP_ADD_SCALAR, S2(2, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, 0.75f, -2, 2, none },
+        { "add, same shapes", OP_ADD, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "add [3,4] + [4] (a bias)", OP_ADD, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "sub [3,1] - [1,4] (both stretched)", OP_SUB, S2(3, 1), S2(1, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "mul [2,3,4] * [3,1]", OP_MUL, S3(2, 3, 4), S2(3, 1), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "mul [1] * [2,2,2,3] (a scalar)", OP_MUL, S1(1), S4(2, 2, 2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "div [2,3] / [2,1]", OP_DIV, S2(2, 3), S2(2, 1), 0, 0, 0, 0, { 0 }, 0, 0, 0, 0.5, 2, none },
+        { "maximum [3,4] [4]", OP_MAXIMUM, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "minimum [3,4] [3,4]", OP_MINIMUM, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "sum axis 1", OP_SUM, S3(2, 3, 4), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "sum axis -1 keepdim", OP_SUM, S3(2, 3, 4), none, -1, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "sum of all", OP_SUM, S2(3, 5), none, MGPU_ALL_AXES, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "mean axis 0 keepdim", OP_MEAN, S4(3, 2, 2, 2), none, 0, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "mean of all keepdim", OP_MEAN, S2(4, 3), none, MGPU_ALL_AXES, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "max axis 1", OP_MAX, S2(4, 5), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "max axis 0 keepdim", OP_MAX, S3(3, 2, 4), none, 0, 1, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "softmax axis -1", OP_SOFTMAX, S2(3, 5), none, -1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "softmax axis 1 of 3", OP_SOFTMAX, S3(2, 4, 3), none, 1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "log_softmax axis -1", OP_LOG_SOFTMAX, S2(4, 6), none, -1, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "matmul [3,4] @ [4,5]", OP_MATMUL, S2(3, 4), S2(4, 5), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [4,3]^T @ [4,5]", OP_MATMUL, S2(4, 3), S2(4, 5), 0, 0, 1, 0, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [3,4] @ [5,4]^T", OP_MATMUL, S2(3, 4), S2(5, 4), 0, 0, 0, 1, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [4,3]^T @ [5,4]^T", OP_MATMUL, S2(4, 3), S2(5, 4), 0, 0, 1, 1, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul batched [2,3,4] @ [2,4,2]", OP_MATMUL, S3(2, 3, 4), S3(2, 4, 2), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul batched [2,2,4,3]^T @ [2,2,5,4]^T", OP_MATMUL, S4(2, 2, 4, 3), S4(2, 2, 5, 4), 0, 0, 1, 1, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [2,3,4] @ [5,4]^T (a Linear)", OP_MATMUL, S3(2, 3, 4), S2(5, 4), 0, 0, 0, 1, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [2,4,3]^T @ [4,5] (shared b)", OP_MATMUL, S3(2, 4, 3), S2(4, 5), 0, 0, 1, 0, { 0 }, 0, 0, 0, -1, 1, none },
+        { "matmul [3,4] @ [2,4,5] (shared a)", OP_MATMUL, S2(3, 4), S3(2, 4, 5), 0, 0, 0, 0, { 0 }, 0, 0, 0, -1, 1, none },
+        { "reshape [2,6] -> [3,2,2]", OP_RESHAPE, S2(2, 6), S3(3, 2, 2), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "permute [2,3,4] (2,0,1)", OP_PERMUTE, S3(2, 3, 4), none, 0, 0, 0, 0, { 2, 0, 1 }, 0, 0, 0, -2, 2, none },
+        { "permute [2,3,2,3] (0,2,1,3)", OP_PERMUTE, S4(2, 3, 2, 3), none, 0, 0, 0, 0, { 0, 2, 1, 3 }, 0, 0, 0, -2, 2, none },
+        { "slice axis 1 [1, 3) of [3,5]", OP_SLICE, S2(3, 5), none, 1, 0, 0, 0, { 0 }, 1, 2, 0, -2, 2, none },
+        { "slice axis 0 [2, 3) of [4,2,3]", OP_SLICE, S3(4, 2, 3), none, 0, 0, 0, 0, { 0 }, 2, 1, 0, -2, 2, none },
+        { "concat axis 1 [2,3] [2,2]", OP_CONCAT, S2(2, 3), S2(2, 2), 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "concat axis 0 [1,2,3] [2,2,3]", OP_CONCAT, S3(1, 2, 3), S3(2, 2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "gather_rows [5,3] by [2,3] ids", OP_GATHER, S2(5, 3), S2(2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "cross_entropy [4,5]", OP_XENT, S2(4, 5), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
+        { "mse [3,4]", OP_MSE, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "where [3,4] [4] by [3,1]", OP_WHERE, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, S2(3, 1) },
+        { "where [2,1,3] [2,4,1] by [4,3]", OP_WHERE, S3(2, 1, 3), S3(2, 4, 1), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, S2(4, 3) },
+        { "causal_mask [2,3,3]", OP_CAUSAL, S3(2, 3, 3), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2, none },
+        { "causal_mask [2,2,3,5] (2 keys before)", OP_CAUSAL, S4(2, 2, 3, 5), none, 0, 0, 0, 0, { 0 }, 0, 0, -3.0f, -2, 2, none },
     };
     const int count = (int)(sizeof cases / sizeof cases[0]);
     int i, k, worst = -1, gpu = 0;
@@ -406,12 +426,13 @@ static void test_ops(void) {
         const int two = two_float_inputs(c);
         float *a = fbuf(na), *b = fbuf(nb + 1), *w = fbuf(ny), *y = fbuf(ny), *ga = fbuf(na), *gb = fbuf(nb + 1);
         double *da = dbuf(na), *db = dbuf(nb + 1), *dw = dbuf(ny), *ry = dbuf(ny), *rga = dbuf(na), *rgb = dbuf(nb + 1);
-        int32_t* ids = (int32_t*)xmalloc((size_t)(nb + 1) * sizeof(int32_t));
+        const int64_t nids = c->op == OP_WHERE && numel(c->sc) > 0 ? numel(c->sc) : nb;
+        int32_t* ids = (int32_t*)xmalloc((size_t)(nids + 1) * sizeof(int32_t));
         int64_t j;
         double ey, ea, eb = 0;
         fill_inputs(c, a, na);
         if (two) fill_inputs(c, b, nb);
-        for (j = 0; j < nb; ++j) ids[j] = rng_int(c->op == OP_XENT ? (int)c->sa.dim[1] : (int)c->sa.dim[0]);
+        for (j = 0; j < nids; ++j) ids[j] = rng_int(c->op == OP_WHERE ? 2 : c->op == OP_XENT ? (int)c->sa.dim[1] : (int)c->sa.dim[0]);
         for (j = 0; j < ny; ++j) w[j] = (float)(rng_unit() * 2 - 1);
         for (j = 0; j < na; ++j) da[j] = a[j];
         for (j = 0; j < nb; ++j) db[j] = b[j];
