@@ -7,11 +7,15 @@
    1. every op's forward against float64 loops and its gradient against central finite
       differences of those loops (float64), broadcasting, keepdim and transposed cases included,
       on the CPU and on cuda:0 (real or emulated)
-   2. layers made of ops (mgpu_layer_from_ops) against the built-ins they rebuild: Linear+GELU
-      and LayerNorm, their gradients in a model within 1e-5, on the CPU, on cpu:2 replicas and
-      on cuda:0; a step after the first allocates no device memory
+   2. layers made of ops (mgpu_layer_from_ops) against the built-ins they rebuild: Linear+GELU,
+      LayerNorm and GPT-2's causal self-attention, their gradients in a model within 1e-5, on the
+      CPU, on cpu:2 replicas and on cuda:0; a step after the first allocates no device memory;
+      2b. dropout (masks, gradient, by sample across replicas, the GPU's masks the CPU's);
+      2c. a CUDA graph of their steps equals the eager steps bit for bit; 2d. in a pipeline
+      (2 CPU stages, micro-batches) they give one device's bits
    3. misuse: shapes that do not broadcast, two devices, another tape's tensor, a watched op
-      output, backward of what depends on nothing watched, the first failure kept by the tape
+      output, backward of what depends on nothing watched, an input changed before backward,
+      the first failure kept by the tape
 
    MGPU_TEST_QUICK=1 changes nothing here: the sizes are small already. */
 
@@ -718,6 +722,44 @@ static void test_dropout(void) {
 }
 
 /* ============================================================================================ */
+/* 2d. layers of ops in a pipeline: two CPU stages and micro-batches give one device's bits     */
+/* ============================================================================================ */
+static void test_op_pipeline(void) {
+    mgpu_device_set* two = mgpu_device_set_create("cpu:2");
+    mgpu_model* m[2] = { NULL, NULL };
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(8, LIN_IN)), *lab;
+    int32_t labels[8] = { 0, 1, 2, 1, 0, 2, 2, 1 };
+    float loss[2] = { 0, 0 };
+    int k, i, same = 1;
+    header("2d. layers of ops in a pipeline (2 stages, 4 micro-batches) against one device with those micro-batches, bit for bit");
+    MUST(mgpu_rand_normal(x, 8, 0, 0.0f, 1.0f));
+    lab = tfrom_i32(mgpu_device_cpu(), mgpu_shape1(8), labels);
+    for (k = 0; k < 2; ++k) {
+        mgpu_layer* layers[3] = { op_linear_gelu(), op_layer_norm_of(LIN_OUT), mgpu_layer_linear(LIN_OUT, 3) };
+        m[k] = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(LIN_IN), .layers = layers, .layer_count = 3, .seed = 21,
+                                                     .devices = k ? two : NULL, .stages = k ? 2 : 0, .micro_batches = 4 });
+        CHECK(m[k] != NULL, "model %d: %s", k, mgpu_last_error());
+        if (m[k]) MUST(mgpu_model_accumulate(m[k], x, lab, 0, &loss[k]));
+    }
+    if (m[0] && m[1]) {
+        for (i = 0; i < mgpu_model_tensor_count(m[0]); ++i) {
+            const char* name = mgpu_model_tensor_name(m[0], i);
+            const mgpu_tensor *g0 = mgpu_model_grad(m[0], 0, name), *g1 = mgpu_model_grad(m[1], 0, name);
+            float a[64], b[64];
+            if (!g0 || !g1 || mgpu_tensor_numel(g0) > 64 || mgpu_tensor_numel(g0) != mgpu_tensor_numel(g1)) { same = 0; break; }
+            tget(g0, a);
+            tget(g1, b);
+            same &= !memcmp(a, b, mgpu_tensor_bytes(g0));
+        }
+        CHECK(same && loss[0] == loss[1] && mgpu_model_tensor_count(m[0]) == 6, "layers of ops, 2 stages x 4 micro-batches: "
+              "loss %.9g (one device %.9g), gradients %s", loss[1], loss[0], same ? "the same bits" : "differ");
+    }
+    for (k = 0; k < 2; ++k) mgpu_model_destroy(m[k]);
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(lab);
+    mgpu_device_set_destroy(two);
+}
+
+/* ============================================================================================ */
 /* 2c. a CUDA graph of a step with layers of ops: the eager step's bits                         */
 /* ============================================================================================ */
 static void test_op_graph(void) {
@@ -897,6 +939,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_op_layers());
     TEST_GROUP(test_dropout());
     TEST_GROUP(test_op_graph());
+    TEST_GROUP(test_op_pipeline());
     TEST_GROUP(test_misuse());
 #ifdef MGPU_CUDA
     mgpu_device_set_destroy(g_gpu_set);
