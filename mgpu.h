@@ -944,6 +944,10 @@ MGPUDEF const mgpu_tensor* mgpu_tape_concat(mgpu_tape* tape, const mgpu_tensor* 
    F.embedding); the gradient adds each id's rows back into the table's (scatter-add). An id
    outside [0, n) is handled as mgpu_layer_embedding's. */
 MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_tensor* table, const mgpu_tensor* ids);
+/* Its opposite (index_add_, scatter-add): a table [rows, dim] of zeros with each row src[p, :] of
+   src [ids..., dim] added into row ids[p] (in order of p, the same bits on the CPU and a GPU);
+   the gradient of src is the gathered rows of dy. */
+MGPUDEF const mgpu_tensor* mgpu_tape_scatter_add_rows(mgpu_tape* tape, const mgpu_tensor* src, const mgpu_tensor* ids, int64_t rows);
 
 /* masked_fill of the causal mask: x [..., queries, keys] with `value` (-INFINITY before a
    softmax) where key s comes after query t (s > t + keys - queries: the keys before the first
@@ -8487,7 +8491,7 @@ static mgpu_result mgpu__ad_gemm(const char* op, mgpu_tensor* out, const mgpu_te
 typedef enum mgpu__tape_kind {
     MGPU__TAPE_CONST, MGPU__TAPE_UNARY, MGPU__TAPE_BINARY, MGPU__TAPE_REDUCE, MGPU__TAPE_MATMUL, MGPU__TAPE_RESHAPE,
     MGPU__TAPE_PERMUTE, MGPU__TAPE_SLICE, MGPU__TAPE_CONCAT, MGPU__TAPE_GATHER, MGPU__TAPE_XENT, MGPU__TAPE_MSE,
-    MGPU__TAPE_CAUSAL, MGPU__TAPE_DROPOUT, MGPU__TAPE_WHERE
+    MGPU__TAPE_CAUSAL, MGPU__TAPE_DROPOUT, MGPU__TAPE_WHERE, MGPU__TAPE_SCATTER
 } mgpu__tape_kind;
 typedef struct mgpu__tape_node {
     int kind, code;              /* code: the unary or binary op; the reduction's (sum 0, mean 1, max 2) */
@@ -8967,6 +8971,27 @@ MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor*
                                                  tape->offset + (tape->draws++ << 32), tape->first_row * per_sample));
 }
 
+MGPUDEF const mgpu_tensor* mgpu_tape_scatter_add_rows(mgpu_tape* tape, const mgpu_tensor* src, const mgpu_tensor* ids, int64_t rows) {
+    static const char* op = "mgpu_tape_scatter_add_rows";
+    char text[128], t2[64];
+    int k, d, ok;
+    if (!mgpu__tape_begin(tape, op, "src", src, "ids", ids, MGPU_I32)) return NULL;
+    ok = ids->shape.ndim >= 1 && ids->shape.ndim <= 3 && src->shape.ndim == ids->shape.ndim + 1 && rows >= 1 &&
+         rows <= INT32_MAX && src->shape.dim[src->shape.ndim - 1] <= INT32_MAX;
+    for (d = 0; ok && d < ids->shape.ndim; ++d) ok = src->shape.dim[d] == ids->shape.dim[d];
+    if (!ok) {
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: want src [ids..., dim] for ids of 1 to 3 dimensions and 1 to 2^31 - 1 rows, "
+                   "not src %s, ids %s, rows %lld", op, mgpu_tensor_describe(src, text, sizeof text),
+                   mgpu__shape_text(ids->shape, t2, sizeof t2), (long long)rows);
+        return mgpu__tape_failed(tape);
+    }
+    if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_SCATTER, mgpu_shape2(rows, src->shape.dim[src->shape.ndim - 1]), src, ids,
+                                 NULL)) < 0)
+        return NULL;
+    if (mgpu_tensor_zero(tape->nodes[k].out) != MGPU_OK) return mgpu__tape_failed(tape);
+    return mgpu__tape_end(tape, k, mgpu__ad_embedding(tape->nodes[k].out, ids, NULL, tape->nodes[k].out, src));
+}
+
 /* ---- losses ---- */
 static const mgpu_tensor* mgpu__tape_loss(mgpu_tape* tape, const char* op, int kind, const mgpu_tensor* pred,
                                           const char* tn, const mgpu_tensor* target, mgpu_dtype tdt) {
@@ -9173,6 +9198,9 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
             MGPU__TRY(mgpu__tape_accumulate(tape, b, c));
         }
         return MGPU_OK;
+    case MGPU__TAPE_SCATTER:   /* src's gradient: dy's rows gathered back */
+        if ((c = mgpu_tensor_create(tape->dev, MGPU_F32, a->shape)) && mgpu__ad_embedding(g, b, c, NULL, NULL) != MGPU_OK) { mgpu__tensor_free(c); c = NULL; }
+        return mgpu__tape_accumulate(tape, a, c);
     case MGPU__TAPE_DROPOUT: return mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, g, n->saved));
     case MGPU__TAPE_XENT: case MGPU__TAPE_MSE:   /* the loss's gradient, times dy (a scalar) */
         MGPU__TRY(mgpu__tape_accumulate(tape, a, mgpu__ad_new_map(tape, n->op, a->shape, 1, MGPU__BINARY_MUL, 0.0f, n->saved, g)));

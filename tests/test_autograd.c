@@ -34,7 +34,7 @@ enum {
     OP_EXP, OP_LOG, OP_SQRT, OP_RSQRT, OP_TANH, OP_SIGMOID, OP_RELU, OP_GELU, OP_GELU_TANH, OP_NEG, OP_ABS, OP_POW,
     OP_SCALE, OP_ADD_SCALAR, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAXIMUM, OP_MINIMUM, OP_SUM, OP_MEAN, OP_MAX,
     OP_SOFTMAX, OP_LOG_SOFTMAX, OP_MATMUL, OP_RESHAPE, OP_PERMUTE, OP_SLICE, OP_CONCAT, OP_GATHER, OP_XENT, OP_MSE,
-    OP_CAUSAL, OP_WHERE
+    OP_CAUSAL, OP_WHERE, OP_SCATTER
 };
 typedef struct ad_case {
     const char* name;
@@ -122,6 +122,7 @@ static mgpu_shape out_shape(const ad_case* c) {
     case OP_SLICE: s.dim[c->axis] = c->length; return s;
     case OP_CONCAT: s.dim[c->axis] += c->sb.dim[c->axis]; return s;
     case OP_GATHER: s = c->sb; s.dim[s.ndim++] = c->sa.dim[1]; return s;
+    case OP_SCATTER: return mgpu_shape2(c->length, c->sa.dim[c->sa.ndim - 1]);
     case OP_XENT: case OP_MSE: memset(&s, 0, sizeof s); return s;
     default: return s;
     }
@@ -212,6 +213,12 @@ static void ref_case(const ad_case* c, const double* a, const double* b, const i
         for (i = 0; i < n; ++i) y[i] = a[ids[i / dim] * dim + i % dim];
         return;
     }
+    case OP_SCATTER: {   /* row p of a added into row ids[p] */
+        const int64_t dim = c->sa.dim[c->sa.ndim - 1];
+        for (i = 0; i < n; ++i) y[i] = 0;
+        for (i = 0; i < na; ++i) y[ids[i / dim] * dim + i % dim] += a[i];
+        return;
+    }
     case OP_XENT: {
         const int64_t rows = c->sa.dim[0], cls = c->sa.dim[1];
         double loss = 0;
@@ -279,6 +286,7 @@ static const mgpu_tensor* run_case(mgpu_tape* t, const ad_case* c, const mgpu_te
     case OP_SLICE: return mgpu_tape_slice(t, a, c->axis, c->start, c->length);
     case OP_CONCAT: return mgpu_tape_concat(t, a, b, c->axis);
     case OP_GATHER: return mgpu_tape_gather_rows(t, a, b);
+    case OP_SCATTER: return mgpu_tape_scatter_add_rows(t, a, b, c->length);
     case OP_XENT: return mgpu_tape_cross_entropy(t, a, b);
     case OP_CAUSAL: return mgpu_tape_causal_mask(t, a, c->alpha);
     case OP_WHERE: return NULL;   /* run_where, with its condition */
@@ -286,7 +294,7 @@ static const mgpu_tensor* run_case(mgpu_tape* t, const ad_case* c, const mgpu_te
     }
 }
 static int two_float_inputs(const ad_case* c) {
-    return c->sb.ndim > 0 && c->op != OP_GATHER && c->op != OP_XENT && c->op != OP_RESHAPE;
+    return c->sb.ndim > 0 && c->op != OP_GATHER && c->op != OP_SCATTER && c->op != OP_XENT && c->op != OP_RESHAPE;
 }
 /* One case on dev: y and the gradients of sum(y * w) with respect to a (and b), into host buffers */
 static int tape_case(mgpu_device* dev, const ad_case* c, const float* a, const float* b, const int32_t* ids, const float* w,
@@ -413,6 +421,7 @@ static void test_ops(void) {
         { "concat axis 1 [2,3] [2,2]", OP_CONCAT, S2(2, 3), S2(2, 2), 1, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
         { "concat axis 0 [1,2,3] [2,2,3]", OP_CONCAT, S3(1, 2, 3), S3(2, 2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
         { "gather_rows [5,3] by [2,3] ids", OP_GATHER, S2(5, 3), S2(2, 3), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
+        { "scatter_add_rows [2,3,4] by [2,3] ids into 4 rows", OP_SCATTER, S3(2, 3, 4), S2(2, 3), 0, 0, 0, 0, { 0 }, 0, 4, 0, -2, 2, none },
         { "cross_entropy [4,5]", OP_XENT, S2(4, 5), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -3, 3, none },
         { "mse [3,4]", OP_MSE, S2(3, 4), S2(3, 4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, none },
         { "where [3,4] [4] by [3,1]", OP_WHERE, S2(3, 4), S1(4), 0, 0, 0, 0, { 0 }, 0, 0, 0, -2, 2, S2(3, 1) },
@@ -436,7 +445,8 @@ static void test_ops(void) {
         double ey, ea, eb = 0;
         fill_inputs(c, a, na);
         if (two) fill_inputs(c, b, nb);
-        for (j = 0; j < nids; ++j) ids[j] = rng_int(c->op == OP_WHERE ? 2 : c->op == OP_XENT ? (int)c->sa.dim[1] : (int)c->sa.dim[0]);
+        for (j = 0; j < nids; ++j)
+            ids[j] = rng_int(c->op == OP_WHERE ? 2 : c->op == OP_SCATTER ? (int)c->length : c->op == OP_XENT ? (int)c->sa.dim[1] : (int)c->sa.dim[0]);
         for (j = 0; j < ny; ++j) w[j] = (float)(rng_unit() * 2 - 1);
         for (j = 0; j < na; ++j) da[j] = a[j];
         for (j = 0; j < nb; ++j) db[j] = b[j];
