@@ -862,15 +862,17 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
        mgpu_tape_destroy(tape);                                // and every tensor it made
 
    A tape lives on one device, and every op runs there at once (the ops' kernels, queued on its
-   stream on a GPU). Each op returns a new f32 tensor that the tape owns and frees when it is
-   destroyed: read it, pass it to more ops, copy it out, but do not write to it (the backward
-   reads what the ops saw). An op that fails returns NULL and the tape keeps its error: every
+   stream on a GPU). Each op returns an f32 tensor that the tape owns and frees when it is
+   destroyed (a new one; reshape's is a view of its input): read it, pass it to more ops, copy it
+   out, but do not write to it (the backward reads what the ops saw). An op that fails returns NULL and the tape keeps its error: every
    later op returns NULL too, and mgpu_tape_backward (or mgpu_tape_status) reports the first
    failure, naming its op, the shapes and the devices, so a forward of twenty lines checks once.
    Tensors that are not the tape's and not watched are constants (data, labels, masks). Watched
-   tensors and constants must not change until backward: a change by mgpu's ops or copies is
-   caught, and backward refuses it, naming the op that read the old values (PyTorch's check of
-   in-place changes); writes of your own kernels or through mgpu_tensor_data are not seen.
+   tensors and constants must not change until backward: a change by mgpu's ops (>>ops), copies,
+   uploads and fills to a tensor whose old values a backward rule reads (mul's operands, matmul's,
+   log's input, ...) makes backward refuse, naming that op (PyTorch's check of in-place changes);
+   writes of your own kernels, the optimizer's and through mgpu_tensor_data are not seen. The
+   tensors an op read must outlive the backward that reads them.
    Broadcasting follows NumPy's and PyTorch's rule: shapes aligned at their last dimension, a
    dimension of 1 (or a missing one) stretched to the other's size. At most MGPU_MAX_DIMS (4)
    dimensions, f32 (ids and labels i32). */
@@ -930,7 +932,8 @@ MGPUDEF const mgpu_tensor* mgpu_tape_log_softmax(mgpu_tape* tape, const mgpu_ten
 /* ---- products and shapes ---- */
 /* op(a) @ op(b) over the last two dimensions, with mgpu_matmul's transposes: 2-D [m, k] @ [k, n];
    batched, a [..., m, k] and b of the same leading dimensions (torch.bmm, each batch a GEMM);
-   or a [..., m, k] and b 2-D (a Linear's x @ W^T on [batch, T, in]: one GEMM). */
+   a [..., m, k] and b 2-D (a Linear's x @ W^T on [batch, T, in]: one GEMM); or a 2-D and b
+   batched (each batch a GEMM with the same a). */
 MGPUDEF const mgpu_tensor* mgpu_tape_matmul(mgpu_tape* tape, const mgpu_tensor* a, const mgpu_tensor* b,
                                             mgpu_transpose transpose_a, mgpu_transpose transpose_b);
 MGPUDEF const mgpu_tensor* mgpu_tape_reshape(mgpu_tape* tape, const mgpu_tensor* x, mgpu_shape shape);
@@ -946,7 +949,7 @@ MGPUDEF const mgpu_tensor* mgpu_tape_concat(mgpu_tape* tape, const mgpu_tensor* 
 MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_tensor* table, const mgpu_tensor* ids);
 /* Its opposite (index_add_, scatter-add): a table [rows, dim] of zeros with each row src[p, :] of
    src [ids..., dim] added into row ids[p] (in order of p, the same bits on the CPU and a GPU);
-   the gradient of src is the gathered rows of dy. */
+   the gradient of src is the gathered rows of dy. Ids outside [0, rows) as gather_rows's. */
 MGPUDEF const mgpu_tensor* mgpu_tape_scatter_add_rows(mgpu_tape* tape, const mgpu_tensor* src, const mgpu_tensor* ids, int64_t rows);
 
 /* masked_fill of the causal mask: x [..., queries, keys] with `value` (-INFINITY before a
@@ -1964,7 +1967,7 @@ static inline MGPU__HD float mgpu__binary_apply(int op, float a, float b, float 
     case MGPU__BINARY_NEG_DIV: return -a / b;
     case MGPU__BINARY_SQRT_BWD: return 0.5f * a / b;
     case MGPU__BINARY_RSQRT_BWD: return -0.5f * a * b * b * b;
-    case MGPU__BINARY_POW_BWD: return a * alpha * powf(b, alpha - 1.0f);
+    case MGPU__BINARY_POW_BWD: return alpha == 0.0f ? 0.0f : a * alpha * powf(b, alpha - 1.0f);   /* x^0: 0, as torch */
     /* torch's abs backward: dy * sign(x), 0 at 0; a NaN x gives NaN */
     case MGPU__BINARY_ABS_BWD: return b > 0.0f ? a : b < 0.0f ? -a : b == 0.0f ? 0.0f : b;
     case MGPU__BINARY_KEEP_IF: return b != 0.0f ? a : 0.0f;
@@ -2064,8 +2067,8 @@ static inline MGPU__HD void mgpu__map_element(const mgpu__map_geom* g, const flo
 }
 /* A reduction: out (contiguous, shape out_dim) = the sum (times scale) or the max of x (contiguous,
    shape dim) over the dimensions where out_dim is 1 and dim is not. Output element i takes its
-   inputs in one fixed order, one after the other: the same bits on the CPU and on a GPU. The max
-   takes a NaN (torch.amax). */
+   inputs in one fixed order, one after the other, a sum in double rounded to float once: the same
+   bits on the CPU and on a GPU. The max takes a NaN (torch.amax). */
 typedef struct mgpu__reduce_geom {
     int64_t dim[4], out_dim[4];
     int max;
@@ -2073,7 +2076,8 @@ typedef struct mgpu__reduce_geom {
 } mgpu__reduce_geom;
 static inline MGPU__HD void mgpu__reduce_element(const mgpu__reduce_geom* g, const float* x, float* out, int64_t i) {
     int64_t stride[4], base = 0, count = 1, rest = i, s = 1, j;
-    float acc = g->max ? -INFINITY : 0.0f;
+    float best = -INFINITY;
+    double acc = 0.0;
     int d;
     for (d = 3; d >= 0; --d) { stride[d] = s; s *= g->dim[d]; }
     for (d = 3; d >= 0; --d) {
@@ -2087,9 +2091,10 @@ static inline MGPU__HD void mgpu__reduce_element(const mgpu__reduce_geom* g, con
         for (d = 3; d >= 0; --d)
             if (g->out_dim[d] != g->dim[d]) { at += r % g->dim[d] * stride[d]; r /= g->dim[d]; }
         v = x[at];
-        acc = g->max ? (mgpu__pool_takes(v, acc) ? v : acc) : acc + v;
+        if (g->max) best = mgpu__pool_takes(v, best) ? v : best;
+        else acc += (double)v;
     }
-    out[i] = g->max ? acc : acc * g->scale;
+    out[i] = g->max ? best : (float)(acc * (double)g->scale);
 }
 
 /* Clipping by global norm, torch.nn.utils.clip_grad_norm_'s rule in float32: the coefficient
@@ -4036,8 +4041,9 @@ typedef struct mgpu__storage {
     void* ptr;
     size_t size;        /* block size from the allocator */
     int refs;
-    uint64_t version;   /* writes by mgpu's ops and copies so far: a tape refuses a backward that
-                           would read a tensor changed since its op read it (>>autograd) */
+    uint64_t version;   /* writes so far by mgpu's ops (>>ops), copies, uploads and fills: a tape
+                           refuses a backward that would read a tensor changed since its op read
+                           it (>>autograd) */
 } mgpu__storage;
 #define MGPU__WROTE(t) ((t)->storage->version++)
 
@@ -5388,6 +5394,7 @@ MGPUDEF mgpu_result mgpu_bias_add(mgpu_tensor* out, const mgpu_tensor* x, const 
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: out %s shares memory with x of another dtype", op,
                           mgpu_tensor_describe(out, tc, sizeof tc));
     mgpu__channel_split(x, &outer, &channels, &inner);
+    MGPU__WROTE(out);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_bias_add(MGPU__CUDA_ARGS(MGPU__DEV(x)), outer, channels, inner, (int)x->dtype,
@@ -5448,6 +5455,7 @@ static mgpu_result mgpu__sum_axis(const char* op, mgpu_tensor* out, const mgpu_t
     if (mgpu_tensor_numel(out) != (axis == 0 ? cols : rows))
         return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: out %s cannot hold the axis-%d result of x %s", op,
                           mgpu_tensor_describe(out, to, sizeof to), axis, mgpu_tensor_describe(x, tx, sizeof tx));
+    MGPU__WROTE(out);
     if (axis == 0) return mgpu__channel_sum(op, out, x, rows, cols, 1, mean && rows ? 1.0f / (float)rows : 1.0f, 0);
     return mgpu__channel_sum(op, out, x, 1, rows, cols, mean && cols ? 1.0f / (float)cols : 1.0f, 0);
 }
@@ -5471,6 +5479,7 @@ MGPUDEF mgpu_result mgpu_softmax(mgpu_tensor* out, const mgpu_tensor* x) {
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
+    MGPU__WROTE(out);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__TRY(mgpu__check_rows_fit_int(op, "x", x));
@@ -5601,6 +5610,8 @@ static mgpu_result mgpu__softmax_xent(mgpu_tensor* loss, mgpu_tensor* dlogits, c
 }
 MGPUDEF mgpu_result mgpu_softmax_cross_entropy(mgpu_tensor* loss, mgpu_tensor* dlogits, const mgpu_tensor* logits,
                                                const mgpu_tensor* labels, float grad_scale) {
+    if (loss) MGPU__WROTE(loss);
+    if (dlogits) MGPU__WROTE(dlogits);
     return mgpu__softmax_xent(loss, dlogits, logits, labels, grad_scale, 1.0f);
 }
 
@@ -5608,6 +5619,8 @@ MGPUDEF mgpu_result mgpu_mse(mgpu_tensor* loss, mgpu_tensor* dpred, const mgpu_t
                              const mgpu_tensor* target, float grad_scale) {
     static const char* op = "mgpu_mse";
     int64_t n, i;
+    if (loss) MGPU__WROTE(loss);
+    if (dpred) MGPU__WROTE(dpred);
     MGPU__TRY(mgpu__check_tensor(op, "pred", pred, MGPU_F32));
     MGPU__TRY(mgpu__check_like(op, "target", target, "pred", pred));
     MGPU__TRY(mgpu__check_loss_tensor(op, loss, pred));
@@ -5654,6 +5667,7 @@ MGPUDEF mgpu_result mgpu_argmax(mgpu_tensor* out, const mgpu_tensor* x) {
     MGPU__TRY(mgpu__check_rank(op, "x", x, 2));
     MGPU__TRY(mgpu__check_tensor(op, "out", out, MGPU_I32));
     MGPU__TRY(mgpu__check_same_device(op, "out", out, "x", x));
+    MGPU__WROTE(out);
     rows = x->shape.dim[0];
     cols = x->shape.dim[1];
     if (out->shape.ndim != 1 || out->shape.dim[0] != rows || cols == 0)
@@ -5748,6 +5762,8 @@ static mgpu_result mgpu__dropout(mgpu_tensor* out, mgpu_tensor* mask, const mgpu
     MGPU__TRY(mgpu__check_like(op, "out", out, "x", x));
     MGPU__TRY(mgpu__check_like(op, "mask", mask, "x", x));
     if (!(p >= 0.0f && p < 1.0f)) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: p = %g, want 0 <= p < 1", op, (double)p);
+    MGPU__WROTE(out);
+    MGPU__WROTE(mask);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     if (!MGPU__IS_CPU(x)) {
         MGPU__CU(op, MGPU__DEV(x), mgpu__cu_dropout(MGPU__CUDA_ARGS(MGPU__DEV(x)), (size_t)mgpu_tensor_numel(x), seed, seed_on_device, offset,
@@ -8446,6 +8462,13 @@ static mgpu_result mgpu__ad_permute(const char* op, mgpu_tensor* out, const mgpu
     for (d = 0; d < 4; ++d) g.a[d] = d < pad ? 0 : sx[pad + perm[d - pad]];
     return mgpu__ad_run_map(op, MGPU__DEV(x), &g, MGPU__F32(x), NULL, MGPU__F32(out));
 }
+/* The rows of t seen as a matrix [rows, last dimension]: the product of the other dimensions */
+static int64_t mgpu__ad_rows(const mgpu_tensor* t) {
+    int64_t r = 1;
+    int d;
+    for (d = 0; d < t->shape.ndim - 1; ++d) r *= t->shape.dim[d];
+    return r;
+}
 /* out (+)= op(a) @ op(b) over the last two dimensions; batched as mgpu_tape_matmul says, and
    also an out of 2 dimensions for batched a and b: the batches' products summed (the gradient of
    a matrix shared by every batch). One GEMM where the rows fold: a [..., m, k] (not transposed)
@@ -8459,11 +8482,10 @@ static mgpu_result mgpu__ad_gemm(const char* op, mgpu_tensor* out, const mgpu_te
     int d;
     if (na == 2 && nb == 2 && no == 2) return mgpu_matmul(out, a, b, ta, tb, 1.0f, beta);
     if ((na > 2 && nb == 2 && no > 2 && !ta) || (na > 2 && nb > 2 && no == 2 && ta && !tb)) {   /* fold the rows */
-        const int64_t ra = mgpu_tensor_numel(a) / a->shape.dim[na - 1], rb = mgpu_tensor_numel(b) / b->shape.dim[nb - 1];
-        va = mgpu__tensor_wrap(a->storage, a->offset, MGPU_F32, mgpu_shape2(ra, a->shape.dim[na - 1]), op);
-        vb = nb == 2 ? NULL : mgpu__tensor_wrap(b->storage, b->offset, MGPU_F32, mgpu_shape2(rb, b->shape.dim[nb - 1]), op);
+        va = mgpu__tensor_wrap(a->storage, a->offset, MGPU_F32, mgpu_shape2(mgpu__ad_rows(a), a->shape.dim[na - 1]), op);
+        vb = nb == 2 ? NULL : mgpu__tensor_wrap(b->storage, b->offset, MGPU_F32, mgpu_shape2(mgpu__ad_rows(b), b->shape.dim[nb - 1]), op);
         vo = no == 2 ? NULL : mgpu__tensor_wrap(out->storage, out->offset, MGPU_F32,
-                                                mgpu_shape2(mgpu_tensor_numel(out) / out->shape.dim[no - 1], out->shape.dim[no - 1]), op);
+                                                mgpu_shape2(mgpu__ad_rows(out), out->shape.dim[no - 1]), op);
         r = !va || (nb > 2 && !vb) || (no > 2 && !vo) ? mgpu_last_result()
             : mgpu_matmul(vo ? vo : out, va, vb ? vb : b, ta, tb, 1.0f, beta);
         mgpu__tensor_free(va); mgpu__tensor_free(vb); mgpu__tensor_free(vo);
@@ -8517,6 +8539,7 @@ struct mgpu_tape {
     uint64_t seed, offset;       /* dropout's Philox stream: call k draws from counter offset + k * 2^32 */
     const uint64_t* seed_on_device;   /* a CUDA graph's capture: where the step's seed is (ctx's) */
     uint64_t first_row;          /* a replica's first sample in the batch: dropout draws by sample */
+    int64_t batch_rows;          /* the layer's samples (its input's dimension 0); 0: a tape of your own */
     uint64_t draws;              /* dropout calls so far */
 };
 
@@ -8908,8 +8931,9 @@ MGPUDEF const mgpu_tensor* mgpu_tape_gather_rows(mgpu_tape* tape, const mgpu_ten
     if (!mgpu__tape_begin(tape, op, "table", table, "ids", ids, MGPU_I32)) return NULL;
     if (table->shape.ndim != 2 || ids->shape.ndim < 1 || ids->shape.ndim > 3 || table->shape.dim[0] > INT32_MAX ||
         table->shape.dim[1] > INT32_MAX) {
+        char shape[64];
         mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: want a table [n, dim] and ids of 1 to 3 dimensions, not %s and %s", op,
-                   mgpu_tensor_describe(table, text, sizeof text), mgpu__shape_text(ids->shape, text + 64, 64));
+                   mgpu_tensor_describe(table, text, sizeof text), mgpu__shape_text(ids->shape, shape, sizeof shape));
         return mgpu__tape_failed(tape);
     }
     s = ids->shape;
@@ -8964,9 +8988,21 @@ MGPUDEF const mgpu_tensor* mgpu_tape_dropout(mgpu_tape* tape, const mgpu_tensor*
         return mgpu__tape_failed(tape);
     }
     if (!tape->training || p == 0.0f) return mgpu__tape_unary(tape, op, MGPU__UNARY_SCALE, 1.0f, x);   /* the identity */
+    /* by sample: x's elements split evenly over the layer's samples, in their order */
+    if (tape->batch_rows > 0 && mgpu_tensor_numel(x) % tape->batch_rows != 0) {
+        char text[128];
+        mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: x %s does not split evenly over the layer's %lld samples, so it cannot "
+                   "draw by sample", op, mgpu_tensor_describe(x, text, sizeof text), (long long)tape->batch_rows);
+        return mgpu__tape_failed(tape);
+    }
+    if (tape->draws >= 256) {   /* a layer's counter range (2^40) holds 256 calls of 2^32 counters */
+        mgpu__fail(MGPU_ERROR_UNSUPPORTED, "%s: more than 256 dropouts in one forward", op);
+        return mgpu__tape_failed(tape);
+    }
     if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_DROPOUT, x->shape, x, NULL, NULL)) < 0) return NULL;
     if (!(tape->nodes[k].saved = mgpu_tensor_create(tape->dev, MGPU_F32, x->shape))) return mgpu__tape_failed(tape);
-    per_sample = (uint64_t)(mgpu_tensor_numel(x) / MGPU__MAX(x->shape.ndim ? x->shape.dim[0] : 1, 1));
+    per_sample = (uint64_t)(mgpu_tensor_numel(x) / (tape->batch_rows > 0 ? tape->batch_rows
+                                                    : MGPU__MAX(x->shape.ndim ? x->shape.dim[0] : 1, 1)));
     return mgpu__tape_end(tape, k, mgpu__dropout(tape->nodes[k].out, tape->nodes[k].saved, x, p, tape->seed, tape->seed_on_device,
                                                  tape->offset + (tape->draws++ << 32), tape->first_row * per_sample));
 }
@@ -9090,7 +9126,7 @@ static mgpu_result mgpu__ad_binary_backward(mgpu_tape* tape, const mgpu__tape_no
     default:   /* maximum, minimum: the mask of where a won (a tie: a) */
         m = n->code == MGPU__BINARY_MAX ? mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, a, b)
                                         : mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, b, a);
-        if (m) mgpu__ad_map(n->op, 1, MGPU__BINARY_MUL, 0.0f, m, m, g);   /* g where a won */
+        if (m && mgpu__ad_map(n->op, 1, MGPU__BINARY_MUL, 0.0f, m, m, g) != MGPU_OK) { mgpu__tensor_free(m); m = NULL; }   /* g where a won */
         if (m && need_a) ga = mgpu__ad_unbroadcast(tape, n->op, m, a->shape);
         if (m && need_b && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SUB, 0.0f, g, m))) gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
         break;
@@ -9214,13 +9250,30 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
     default: return MGPU_OK;   /* a constant */
     }
 }
-/* MGPU_ERROR_INVALID_ARGUMENT when an input of node n was written since n read it (PyTorch: "one of
-   the variables needed for gradient computation has been modified by an inplace operation") */
+/* The inputs node n's backward reads (bit j: in[j]): only those must not change before it */
+static int mgpu__tape_reads(const mgpu__tape_node* n) {
+    switch (n->kind) {
+    case MGPU__TAPE_UNARY:
+        return n->code == MGPU__UNARY_LOG || n->code == MGPU__UNARY_RELU || n->code == MGPU__UNARY_GELU ||
+               n->code == MGPU__UNARY_GELU_TANH || n->code == MGPU__UNARY_ABS || n->code == MGPU__UNARY_POW;
+    case MGPU__TAPE_BINARY:
+        return n->code == MGPU__BINARY_ADD || n->code == MGPU__BINARY_SUB ? 0 : n->code == MGPU__BINARY_DIV ? 2 : 3;
+    case MGPU__TAPE_REDUCE: return n->code == 2;   /* max: where the maxima were */
+    case MGPU__TAPE_MATMUL: return 3;
+    case MGPU__TAPE_GATHER: case MGPU__TAPE_SCATTER: return 2;   /* the ids */
+    case MGPU__TAPE_WHERE: return 4;                            /* the condition */
+    default: return 0;   /* views, masks, dropout and losses keep what they need */
+    }
+}
+/* MGPU_ERROR_INVALID_ARGUMENT when an input node n's backward reads was written since n read it
+   (PyTorch: "one of the variables needed for gradient computation has been modified by an
+   inplace operation") */
 static mgpu_result mgpu__tape_changed(const mgpu_tape* tape, const mgpu__tape_node* n) {
     char text[128];
+    const int reads = mgpu__tape_reads(n);
     int j;
     for (j = 0; j < 3; ++j)
-        if (n->in[j] && n->in[j]->storage->version != n->version[j])
+        if ((reads >> j & 1) && n->in[j] && n->in[j]->storage->version != n->version[j])
             return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_tape_backward: %s, an input of %s (op %d of the tape), was "
                               "written after the op read it, and its gradient needs the old values: change it after "
                               "backward, or copy it first", mgpu_tensor_describe(n->in[j], text, sizeof text), n->op,
@@ -9325,6 +9378,7 @@ static const mgpu_tensor* mgpu__op_run(const mgpu_layer* l, const mgpu_layer_ctx
     tape->offset = ctx->offset;
     tape->seed_on_device = ctx->seed_on_device;
     tape->first_row = (uint64_t)ctx->first_row;
+    tape->batch_rows = x->shape.ndim ? x->shape.dim[0] : 1;
     for (i = 0; watch_x >= 0 && i < o->desc.param_count; ++i)
         if (mgpu_tape_watch(tape, ctx->params[i]) != MGPU_OK) return NULL;
     if (watch_x > 0 && mgpu_tape_watch(tape, x) != MGPU_OK) return NULL;
@@ -9332,6 +9386,11 @@ static const mgpu_tensor* mgpu__op_run(const mgpu_layer* l, const mgpu_layer_ctx
     if (!out) {
         if (tape->error == MGPU_OK) mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: forward returned NULL, and no op failed", o->type);
         else mgpu__fail(tape->error, "%s: %s", o->type, mgpu_last_error());
+        return NULL;
+    }
+    if (out->tape != tape) {   /* x or a parameter itself: its gradient would need a node */
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: forward returned %s, which no op of its tape made (return "
+                   "mgpu_tape_scale(tape, x, 1) for x itself)", o->type, mgpu_tensor_describe(out, a, sizeof a));
         return NULL;
     }
     if (!mgpu_shape_equal(out->shape, y->shape)) {
@@ -9357,9 +9416,7 @@ static mgpu_result mgpu__op_backward(const mgpu_layer* l, const mgpu_layer_ctx* 
     const mgpu_tensor* out = mgpu__op_run(l, ctx, x, y, want_dx, &tape);
     mgpu_result r = out ? MGPU_OK : mgpu_last_result();
     int i;
-    if (r == MGPU_OK && out->tape != tape)
-        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: forward returned a tensor that no op of its tape made", o->type);
-    else if (r == MGPU_OK && tape->nodes[out->tape_node].needs_grad)   /* else: every gradient is 0 */
+    if (r == MGPU_OK && tape->nodes[out->tape_node].needs_grad)   /* else: every gradient is 0 */
         r = mgpu_tape_backward(tape, out, dy);
     for (i = 0; r == MGPU_OK && i < o->desc.param_count; ++i) {
         const mgpu_tensor* g = tape->watched_grad[i];

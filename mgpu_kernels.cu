@@ -792,7 +792,8 @@ int mgpu__cu_binary(int dev, void* stream, int op, int dtype, size_t n, const vo
 }
 
 // The tape's two generic kernels (>>autograd): a thread per element, the element's work the
-// seam's own function, so the CPU computes the same bits.
+// seam's own function, as the CPU's (the same bits, except where CUDA's logf and powf round
+// differently from the host's C library, by an ulp).
 struct map_strided_op {
     mgpu__map_geom g;
     const float* a;

@@ -473,6 +473,33 @@ static void test_ops(void) {
         free(da); free(db); free(dw); free(ry); free(rga); free(rgb); free(ids);
     }
     printf("   %d cases; the largest gradient error %.2e (%s)\n", count, worst_err, worst >= 0 ? cases[worst].name : "-");
+    {   /* edges: a sum past float's 2^24 (added in double), x^0's gradient at 0 (torch's 0), a matmul over k = 0 */
+        const int64_t n = ((int64_t)1 << 24) + 8;
+        mgpu_tape* t = mgpu_tape_create(mgpu_device_cpu());
+        mgpu_tensor *ones = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(n)), *zero = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape1(1));
+        mgpu_tensor *a0 = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape3(2, 3, 0)), *b0 = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(0, 4));
+        const mgpu_tensor *sum, *p0, *mm;
+        float got = 0, g0 = -1, mmv[24];
+        MUST(mgpu_tensor_fill(ones, 1.0));
+        MUST(mgpu_tensor_zero(zero));
+        MUST(mgpu_tape_watch(t, zero));
+        sum = mgpu_tape_sum(t, ones, MGPU_ALL_AXES, 0);
+        p0 = mgpu_tape_sum(t, mgpu_tape_pow(t, zero, 0.0f), MGPU_ALL_AXES, 0);
+        mm = mgpu_tape_matmul(t, a0, b0, MGPU_NO_TRANS, MGPU_NO_TRANS);
+        CHECK(sum && p0 && mm, "edge cases: %s", mgpu_last_error());
+        if (sum && p0 && mm) {
+            int i, zeros = 1;
+            tget(sum, &got);
+            MUST(mgpu_tape_backward(t, p0, NULL));
+            if (mgpu_tape_grad(t, zero)) tget(mgpu_tape_grad(t, zero), &g0);
+            tget(mm, mmv);
+            for (i = 0; i < 24; ++i) zeros &= mmv[i] == 0.0f;
+            CHECK(got == (float)n && g0 == 0.0f && zeros && mgpu_tensor_numel(mm) == 24, "sum of 2^24 + 8 ones %.1f, "
+                  "d(0^0)/dx %g (torch: 0), [2,3,0] @ [0,4] all zeros: %s", (double)got, (double)g0, zeros ? "yes" : "no");
+        }
+        mgpu_tape_destroy(t);
+        mgpu_tensor_destroy(ones); mgpu_tensor_destroy(zero); mgpu_tensor_destroy(a0); mgpu_tensor_destroy(b0);
+    }
 #undef S1
 #undef S2
 #undef S3
@@ -658,10 +685,14 @@ static void tape_dropout(mgpu_device* dev, int training, const float* hx, int64_
     mgpu_tape_destroy(t);
     mgpu_tensor_destroy(x);
 }
-/* Linear(4, 6) then dropout(0.5), as one layer of ops */
+/* dropout(0.5) on x seen as [2b, 2] (each sample two rows: by sample all the same), then
+   Linear(4, 6) and dropout(0.5) again, as one layer of ops */
 static const mgpu_tensor* linear_dropout_forward(void* user, mgpu_tape* t, const mgpu_tensor* x, const mgpu_tensor* const* p) {
+    const int64_t b = mgpu_tensor_dim(x, 0);
+    const mgpu_tensor* xd = mgpu_tape_reshape(t, mgpu_tape_dropout(t, mgpu_tape_reshape(t, x, mgpu_shape2(2 * b, 2)), 0.5f),
+                                              mgpu_shape2(b, 4));
     (void)user;
-    return mgpu_tape_dropout(t, mgpu_tape_add(t, mgpu_tape_matmul(t, x, p[0], MGPU_NO_TRANS, MGPU_TRANS), p[1]), 0.5f);
+    return mgpu_tape_dropout(t, mgpu_tape_add(t, mgpu_tape_matmul(t, xd, p[0], MGPU_NO_TRANS, MGPU_TRANS), p[1]), 0.5f);
 }
 static mgpu_result linear_dropout_shape(void* user, mgpu_shape x, mgpu_shape* y) {
     (void)user;
@@ -905,6 +936,12 @@ static void test_misuse(void) {
         MUST(mgpu_tensor_fill(c, 3.0));   /* mul's backward needs the old c */
         expect_fail(mgpu_tape_backward(t, y, NULL), MGPU_ERROR_INVALID_ARGUMENT, "backward after an input changed",
                     "mgpu_tape_mul", "written after the op read it", "f32[3,4]@cpu");
+        mgpu_tape_destroy(t);
+        t = mgpu_tape_create(cpu);   /* add's backward reads neither input: a change is no error (as in PyTorch) */
+        MUST(mgpu_tape_watch(t, a));
+        y = mgpu_tape_sum(t, mgpu_tape_add(t, a, c), MGPU_ALL_AXES, 0);
+        MUST(mgpu_tensor_fill(c, 4.0));
+        MUST(mgpu_tape_backward(t, y, NULL));
         mgpu_tensor_destroy(c);
     }
     /* a layer's forward that fails: the model's step names the layer and the op */
