@@ -864,9 +864,10 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
    A tape lives on one device, and every op runs there at once (the ops' kernels, queued on its
    stream on a GPU). Each op returns an f32 tensor that the tape owns and frees when it is
    destroyed (a new one; reshape's is a view of its input): read it, pass it to more ops, copy it
-   out, but do not write to it (the backward reads what the ops saw). An op that fails returns NULL and the tape keeps its error: every
-   later op returns NULL too, and mgpu_tape_backward (or mgpu_tape_status) reports the first
-   failure, naming its op, the shapes and the devices, so a forward of twenty lines checks once.
+   out, but do not write to it (the backward reads what the ops saw). An op that fails returns
+   NULL and the tape keeps its error: every later op returns NULL too, and mgpu_tape_backward (or
+   mgpu_tape_status) reports the first failure, naming its op, the shapes and the devices, so a
+   forward of twenty lines checks once.
    Tensors that are not the tape's and not watched are constants (data, labels, masks). Watched
    tensors and constants must not change until backward: a change by mgpu's ops (>>ops), copies,
    uploads and fills to a tensor whose old values a backward rule reads (mul's operands, matmul's,
