@@ -8371,18 +8371,18 @@ static void mgpu__ad_strides(const int64_t dim[4], int64_t stride[4]) {
     int d;
     for (d = 3; d >= 0; --d) { stride[d] = s; s *= dim[d]; }
 }
-/* NumPy's broadcast of two shapes, or a shape error naming op and both tensors */
-static mgpu_result mgpu__ad_broadcast(const char* op, const mgpu_tensor* a, const mgpu_tensor* b, mgpu_shape* out) {
-    char ta[128], tb[128];
-    int d, nd = MGPU__MAX(a->shape.ndim, b->shape.ndim);
+/* NumPy's broadcast of two shapes, or a shape error naming op and both operands */
+static mgpu_result mgpu__ad_broadcast(const char* op, const char* an, mgpu_shape a, const char* bn, mgpu_shape b, mgpu_shape* out) {
+    char ta[64], tb[64];
+    int d, nd = MGPU__MAX(a.ndim, b.ndim);
     memset(out, 0, sizeof *out);
     out->ndim = nd;
     for (d = 0; d < nd; ++d) {
-        const int ia = d - (nd - a->shape.ndim), ib = d - (nd - b->shape.ndim);
-        const int64_t da = ia >= 0 ? a->shape.dim[ia] : 1, db = ib >= 0 ? b->shape.dim[ib] : 1;
+        const int ia = d - (nd - a.ndim), ib = d - (nd - b.ndim);
+        const int64_t da = ia >= 0 ? a.dim[ia] : 1, db = ib >= 0 ? b.dim[ib] : 1;
         if (da != db && da != 1 && db != 1)
-            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: 'a' %s and 'b' %s do not broadcast (dimension %d: %lld and %lld)",
-                              op, mgpu_tensor_describe(a, ta, sizeof ta), mgpu_tensor_describe(b, tb, sizeof tb), d,
+            return mgpu__fail(MGPU_ERROR_SHAPE_MISMATCH, "%s: '%s' %s and '%s' %s do not broadcast (dimension %d: %lld and %lld)",
+                              op, an, mgpu__shape_text(a, ta, sizeof ta), bn, mgpu__shape_text(b, tb, sizeof tb), d,
                               (long long)da, (long long)db);
         out->dim[d] = da == 1 ? db : da;
     }
@@ -8722,7 +8722,7 @@ static const mgpu_tensor* mgpu__tape_binary(mgpu_tape* tape, const char* op, int
     mgpu_shape s;
     int k;
     if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
-    if (mgpu__ad_broadcast(op, a, b, &s) != MGPU_OK) return mgpu__tape_failed(tape);
+    if (mgpu__ad_broadcast(op, "a", a->shape, "b", b->shape, &s) != MGPU_OK) return mgpu__tape_failed(tape);
     if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_BINARY, s, a, b, NULL)) < 0) return NULL;
     tape->nodes[k].code = code;
     return mgpu__tape_end(tape, k, mgpu__ad_map(op, 1, code, 0.0f, tape->nodes[k].out, a, b));
@@ -8964,13 +8964,9 @@ MGPUDEF const mgpu_tensor* mgpu_tape_where(mgpu_tape* tape, const mgpu_tensor* c
     int k;
     if (!mgpu__tape_begin(tape, op, "a", a, "b", b, MGPU_F32)) return NULL;
     if (!mgpu__tape_input(tape, op, "cond", cond, MGPU_F32)) return mgpu__tape_failed(tape);
-    if (mgpu__ad_broadcast(op, a, b, &ab) != MGPU_OK) return mgpu__tape_failed(tape);
-    {   /* and the condition's shape with theirs */
-        mgpu_tensor t;
-        memset(&t, 0, sizeof t);
-        t.shape = ab; t.storage = a->storage; t.dtype = MGPU_F32;
-        if (mgpu__ad_broadcast(op, cond, &t, &s) != MGPU_OK) return mgpu__tape_failed(tape);
-    }
+    if (mgpu__ad_broadcast(op, "a", a->shape, "b", b->shape, &ab) != MGPU_OK ||
+        mgpu__ad_broadcast(op, "cond", cond->shape, "a and b", ab, &s) != MGPU_OK)
+        return mgpu__tape_failed(tape);
     if ((k = mgpu__tape_node_new(tape, op, MGPU__TAPE_WHERE, s, a, b, NULL)) < 0) return NULL;
     tape->nodes[k].in[2] = cond;
     tape->nodes[k].version[2] = cond->storage->version;
@@ -9070,12 +9066,20 @@ static mgpu_tensor* mgpu__ad_new_map(mgpu_tape* tape, const char* op, mgpu_shape
     if (t && mgpu__ad_map(op, binary, code, alpha, t, a, b) != MGPU_OK) { mgpu__tensor_free(t); t = NULL; }
     return t;
 }
-/* g (a broadcast result's gradient) summed down to shape: a new tensor, or NULL */
-static mgpu_tensor* mgpu__ad_unbroadcast(mgpu_tape* tape, const char* op, const mgpu_tensor* g, mgpu_shape shape) {
+/* g (a broadcast result's gradient) summed down to shape: a tensor of the caller's, or NULL.
+   With owned, g is a temporary the caller hands over: of shape's size it is the result itself
+   (seen with shape), else it is freed; without, g is copied or reduced into a new tensor. */
+static mgpu_tensor* mgpu__ad_sum_to(mgpu_tape* tape, const char* op, mgpu_tensor* g, int owned, mgpu_shape shape) {
     mgpu_tensor* t;
-    if (mgpu_shape_numel(shape) == mgpu_tensor_numel(g)) return mgpu__ad_new_map(tape, op, shape, 0, MGPU__UNARY_COPY, 0.0f, g, NULL);
+    if (!g) return NULL;
+    if (mgpu_shape_numel(shape) == mgpu_tensor_numel(g)) {   /* nothing to sum: shapes differ by leading 1s at most */
+        if (!owned) return mgpu__ad_new_map(tape, op, shape, 0, MGPU__UNARY_COPY, 0.0f, g, NULL);
+        g->shape = shape;
+        return g;
+    }
     t = mgpu_tensor_create(tape->dev, MGPU_F32, shape);
     if (t && mgpu__ad_reduce(op, 0, 1.0f, t, g) != MGPU_OK) { mgpu__tensor_free(t); t = NULL; }
+    if (owned) mgpu__tensor_free(g);
     return t;
 }
 /* The backward rule of an elementwise op: dx from dy and x or y */
@@ -9103,36 +9107,32 @@ static mgpu_tensor* mgpu__ad_unary_backward(mgpu_tape* tape, const mgpu__tape_no
 static mgpu_result mgpu__ad_binary_backward(mgpu_tape* tape, const mgpu__tape_node* n) {
     const mgpu_tensor *g = n->grad, *a = n->in[0], *b = n->in[1];
     const mgpu_shape s = g->shape;
-    mgpu_tensor *ga = NULL, *gb = NULL, *t = NULL, *m = NULL;
+    mgpu_tensor *ga = NULL, *gb = NULL, *m = NULL;
     mgpu_result r = MGPU_OK;
     const int need_a = mgpu__tape_needs_grad(tape, a), need_b = mgpu__tape_needs_grad(tape, b);
     switch (n->code) {
     case MGPU__BINARY_ADD: case MGPU__BINARY_SUB:
-        if (need_a) ga = mgpu__ad_unbroadcast(tape, n->op, g, a->shape);
-        if (need_b && (t = mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_SCALE, n->code == MGPU__BINARY_SUB ? -1.0f : 1.0f, g, NULL)))
-            gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        if (need_a) ga = mgpu__ad_sum_to(tape, n->op, n->grad, 0, a->shape);
+        if (need_b && n->code == MGPU__BINARY_ADD) gb = mgpu__ad_sum_to(tape, n->op, n->grad, 0, b->shape);
+        else if (need_b) gb = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 0, MGPU__UNARY_NEG, 0.0f, g, NULL), 1, b->shape);
         break;
     case MGPU__BINARY_MUL:
-        if (need_a && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, b))) ga = mgpu__ad_unbroadcast(tape, n->op, t, a->shape);
-        mgpu__tensor_free(t); t = NULL;
-        if (need_b && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, a))) gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        if (need_a) ga = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, b), 1, a->shape);
+        if (need_b) gb = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, a), 1, b->shape);
         break;
     case MGPU__BINARY_DIV:   /* d(a/b)/db = -(a/b)/b */
-        if (need_a && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_DIV, 0.0f, g, b))) ga = mgpu__ad_unbroadcast(tape, n->op, t, a->shape);
-        mgpu__tensor_free(t); t = NULL;
-        if (need_b && (m = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, n->out)) &&
-            (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_NEG_DIV, 0.0f, m, b)))
-            gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        if (need_a) ga = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_DIV, 0.0f, g, b), 1, a->shape);
+        if (need_b && (m = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_MUL, 0.0f, g, n->out)) != NULL)
+            gb = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_NEG_DIV, 0.0f, m, b), 1, b->shape);
         break;
     default:   /* maximum, minimum: the mask of where a won (a tie: a) */
         m = n->code == MGPU__BINARY_MAX ? mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, a, b)
                                         : mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_GE, 0.0f, b, a);
         if (m && mgpu__ad_map(n->op, 1, MGPU__BINARY_MUL, 0.0f, m, m, g) != MGPU_OK) { mgpu__tensor_free(m); m = NULL; }   /* g where a won */
-        if (m && need_a) ga = mgpu__ad_unbroadcast(tape, n->op, m, a->shape);
-        if (m && need_b && (t = mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SUB, 0.0f, g, m))) gb = mgpu__ad_unbroadcast(tape, n->op, t, b->shape);
+        if (m && need_b) gb = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, s, 1, MGPU__BINARY_SUB, 0.0f, g, m), 1, b->shape);
+        if (m && need_a) { ga = mgpu__ad_sum_to(tape, n->op, m, 1, a->shape); m = NULL; }
         break;
     }
-    mgpu__tensor_free(t);
     mgpu__tensor_free(m);
     if (need_a) r = mgpu__tape_accumulate(tape, a, ga);
     if (need_b && r == MGPU_OK) r = mgpu__tape_accumulate(tape, b, gb);
@@ -9223,15 +9223,11 @@ static mgpu_result mgpu__tape_node_backward(mgpu_tape* tape, const mgpu__tape_no
         return mgpu__tape_accumulate(tape, a, c);
     case MGPU__TAPE_WHERE:   /* dy to a where cond holds, to b elsewhere, each summed down to its shape */
         if (mgpu__tape_needs_grad(tape, a)) {
-            mgpu_tensor* t = mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_KEEP_IF, 0.0f, g, n->in[2]);
-            c = t ? mgpu__ad_unbroadcast(tape, n->op, t, a->shape) : NULL;
-            mgpu__tensor_free(t);
+            c = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_KEEP_IF, 0.0f, g, n->in[2]), 1, a->shape);
             MGPU__TRY(mgpu__tape_accumulate(tape, a, c));
         }
         if (mgpu__tape_needs_grad(tape, b)) {
-            mgpu_tensor* t = mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_DROP_IF, 0.0f, g, n->in[2]);
-            c = t ? mgpu__ad_unbroadcast(tape, n->op, t, b->shape) : NULL;
-            mgpu__tensor_free(t);
+            c = mgpu__ad_sum_to(tape, n->op, mgpu__ad_new_map(tape, n->op, g->shape, 1, MGPU__BINARY_DROP_IF, 0.0f, g, n->in[2]), 1, b->shape);
             MGPU__TRY(mgpu__tape_accumulate(tape, b, c));
         }
         return MGPU_OK;
