@@ -38,7 +38,7 @@ SANITIZE  = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-san
 # conversions it knows), and any report stops the run
 CLANG_SANITIZE = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 TSAN      = -O1 -g -fno-omit-frame-pointer -fsanitize=thread
-CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lstdc++ -ldl
+CUDA_LIBS = -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lstdc++ -ldl
 NVFLAGS   = -std=c++17 -O3 $(ARCH) -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings
 
 TESTS     = test_core test_io test_model test_parallel test_seq test_autograd
@@ -136,12 +136,12 @@ $(B)/test_core_cblas: tests/test_core.c $(HEADERS) | $(B)
 CBLAS_TEST = $(if $(HAVE_CBLAS),$(B)/test_core_cblas,"sh tests/skip.sh 1 test_core_cblas: no OpenBLAS, apt-get install libopenblas-dev")
 
 # ---- the GPU emulator (tests/emu): mgpu_kernels.cu compiled as host C++, run on the CPU --------
-# libmgpuemu.so stands for -lcudart -lcublas; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
+# libmgpuemu.so stands for -lcudart -lcublas -lcublasLt; libnccl_emu.so is loaded through MGPU_NCCL_LIBRARY.
 # $(B)/emu holds the normal build, $(B)/emu-asan the AddressSanitizer + UBSan one.
 PYTHON   ?= python3
 EMU_DIR   = $(B)/emu
 EMU_ASAN  = $(B)/emu-asan
-EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/emu.h
+EMU_HDRS  = tests/emu/cuda_runtime.h tests/emu/cublas_v2.h tests/emu/cublasLt.h tests/emu/emu.h
 EMU_CXX   = $(CXX) -std=c++17 -Wall -Wextra -Werror -Itests/emu
 EMU_OPT   = -O2 -g
 # grids of at most 61 blocks (65535 on a GPU): the grid-stride loops of the kernels run at the

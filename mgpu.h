@@ -19,7 +19,7 @@
    file that holds the implementation, and link cudart and cuBLAS:
 
        nvcc -O3 -arch=sm_90 -c mgpu_kernels.cu -o mgpu_kernels.o
-       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lstdc++ -lm -lpthread -ldl
+       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lcublasLt -lstdc++ -lm -lpthread -ldl
 
    Such a binary runs on any machine: with no GPU (or no driver) the device spec "auto" falls back
    to the CPU with a one-line notice. NCCL, when used, is loaded at run time with dlopen.
@@ -1442,7 +1442,9 @@ MGPUDEF int64_t mgpu_model_graph_steps(const mgpu_model* m);
    (moves 2 and 3); apply reduces them across replicas, takes the optimizer step and zeroes the
    gradients for the next batch (moves 4 and 5). Start from zeroed gradients (a new model,
    mgpu_model_apply or mgpu_model_zero_grad). After a failed accumulate the gradients are
-   partial: zero them before going on. */
+   partial: zero them before going on. (On a GPU, mgpu_model_train_step writes the first
+   gradients of its Linears through cuBLASLt's epilogues, MGPU_EPILOGUES: their bias gradients
+   can differ from accumulate's in the last bits, summed in another order.) */
 MGPUDEF mgpu_result mgpu_model_accumulate(mgpu_model* m, const mgpu_tensor* x, const mgpu_tensor* target,
                                           int64_t batch_total, float* loss);
 /* Move 4 alone: sum the gradients across replicas without an optimizer step (to read or clip
@@ -2145,7 +2147,9 @@ enum {
     MGPU__CU_ERR_NCCL = 3,
     MGPU__CU_ERR_OOM = 4,
     MGPU__CU_ERR_NO_DEVICE = 5,   /* no driver, or no GPU */
-    MGPU__CU_ERR_ARGUMENT = 6     /* sizes the kernels cannot take (e.g. above INT_MAX for cuBLAS) */
+    MGPU__CU_ERR_ARGUMENT = 6,    /* sizes the kernels cannot take (e.g. above INT_MAX for cuBLAS) */
+    MGPU__CU_NO_ALGORITHM = 7     /* not an error: cuBLASLt has no algorithm for a GEMM with this
+                                     epilogue (mgpu__cu_gemm_epilogue); the caller's plain path runs */
 };
 const char* mgpu__cu_error_message(void);
 
@@ -2211,6 +2215,22 @@ int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow);
 int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n, int k,
                   float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
                   float beta, int c_dtype, void* c, int ldc);
+
+/* cuBLASLt: mgpu__cu_gemm's product with an epilogue, which does in the GEMM what would be
+   another pass over C (C [m, n] row-major, its columns the features):
+     MGPU__EPI_BIAS       C = alpha op(A) op(B) + beta C + bias[column]
+     MGPU__EPI_RELU_BIAS  the same, then ReLU, and whether each entry is > 0 into aux, a bit mask
+                          of m rows of mgpu__relu_mask_ld(n) bits (cuBLASLt's RELU_AUX_BIAS)
+     MGPU__EPI_DRELU      C = alpha op(A) op(B) + beta C where aux's bit is set, else 0 (the ReLU's
+                          backward, with the mask a RELU_BIAS forward wrote)
+     MGPU__EPI_BGRAD_A    C = alpha op(A) op(B) + beta C, and bias[i] = sum over k of op(A)[i, k]
+                          (a Linear's bias gradient from its weight gradient's GEMM)
+   bias is f32 in each. Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0). */
+enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4 };
+static inline int64_t mgpu__relu_mask_ld(int64_t n) { return (n + 127) / 128 * 128; }   /* cuBLASLt: a multiple of 128 */
+int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
+                           float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
+                           float beta, int c_dtype, void* c, int ldc, void* bias, void* aux);
 
 /* kernels; dtype values are mgpu_dtype's */
 int mgpu__cu_fill(int dev, void* stream, void* ptr, int dtype, size_t n, double value);
@@ -5305,6 +5325,48 @@ MGPUDEF mgpu_result mgpu_matmul(mgpu_tensor* out, const mgpu_tensor* a, const mg
     return MGPU_OK;
 }
 
+/* MGPU_EPILOGUES (a flag, default on): a Linear's bias, the ReLU after it, the ReLU's backward and
+   the bias gradient done inside its GEMMs by cuBLASLt's epilogues on a GPU (mgpu__cu_gemm_epilogue);
+   off, each is its own kernel, as before. Read at the first GEMM that could take one. */
+static int mgpu__epilogue_setting = -1;
+static int mgpu__epilogues_on(void) {
+    if (mgpu__epilogue_setting < 0) mgpu__epilogue_setting = mgpu__setting_flag("MGPU_EPILOGUES", 1);
+    return mgpu__epilogue_setting;
+}
+/* MGPU_FUSE_RELU (a flag, default off): with the epilogues, the ReLU after a Linear in its GEMM
+   too (cuBLASLt's RELU_AUX_BIAS, and DRELU in the next Linear's backward). Off by default: the
+   epilogue's ReLU may be fmaxf's, which turns a NaN into 0, so a weight gone NaN would no longer
+   reach the loss (PyTorch's ReLU, and mgpu's kernel, keep the NaN); not yet measured on a GPU. */
+static int mgpu__fuse_relu_setting = -1;
+static int mgpu__fuse_relu_on(void) {
+    if (mgpu__fuse_relu_setting < 0) mgpu__fuse_relu_setting = mgpu__setting_flag("MGPU_FUSE_RELU", 0);
+    return mgpu__epilogues_on() && mgpu__fuse_relu_setting;
+}
+/* mgpu_matmul's out = op(a) op(b) + beta out with an epilogue (MGPU__EPI_*: bias added, or with
+   ReLU and its mask written; the mask applied; bias = the sums of op(a)'s rows), on a GPU. *done
+   = 0 where it did nothing (a CPU tensor, MGPU_EPILOGUES off, no algorithm in cuBLASLt): the
+   caller's separate ops then do the same. The caller (a layer) checked the shapes. */
+static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a, mgpu_transpose transpose_a, const mgpu_tensor* b,
+                                         mgpu_transpose transpose_b, float beta, int epilogue, mgpu_tensor* bias,
+                                         mgpu_tensor* mask, int* done) {
+    const int64_t m = a->shape.dim[transpose_a ? 1 : 0], k = a->shape.dim[transpose_a ? 0 : 1], n = b->shape.dim[transpose_b ? 0 : 1];
+    int rc;
+    *done = 0;
+    if (MGPU__IS_CPU(a) || !mgpu__epilogues_on() || m > 0x7fffffff || n > 0x7fffffff || k > 0x7fffffff) return MGPU_OK;
+    rc = MGPU__CUDA(mgpu__cu_gemm_epilogue(MGPU__DEV(a)->ordinal, MGPU__DEV(a)->blas, epilogue, transpose_a, transpose_b,
+                                           (int)m, (int)n, (int)k, 1.0f, (int)a->dtype, mgpu_tensor_data(a), (int)a->shape.dim[1],
+                                           mgpu_tensor_data(b), (int)b->shape.dim[1], beta, (int)out->dtype, mgpu_tensor_data(out),
+                                           (int)n, bias ? mgpu_tensor_data(bias) : NULL, mask ? mgpu_tensor_data(mask) : NULL));
+    if (rc == MGPU__CU_NO_ALGORITHM) return MGPU_OK;
+    if (rc != 0) return mgpu__cu_result(rc, "mgpu_matmul (cuBLASLt)", MGPU__DEV(a));
+    MGPU__WROTE(out);
+    if (epilogue == MGPU__EPI_BGRAD_A) MGPU__WROTE(bias);
+    if (epilogue == MGPU__EPI_RELU_BIAS) MGPU__WROTE(mask);
+    MGPU__COUNT(MGPU__DEV(out), ops, 1);
+    *done = 1;
+    return MGPU_OK;
+}
+
 /* -- bias and reductions, all as [outer, channels, inner] -- */
 /* out[c] = scale * sum over (o, i) of x[o, c, i] + (accumulate ? out[c] : 0) */
 static void mgpu__cpu_channel_sum(int64_t outer, int64_t channels, int64_t inner, const float* x, float* out,
@@ -6927,17 +6989,30 @@ static mgpu_result mgpu__linear_weight(const mgpu_layer* l, const mgpu_layer_ctx
     *w = ctx->params_bf16[0];
     return MGPU_OK;
 }
-/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. A bf16 y with a bias: the fp32 sums
-   plus the bias, rounded once (as cuBLASLt's bias epilogue), through an f32 temporary from the
-   device's cache. */
-static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. On a GPU the bias is added by the
+   GEMM's epilogue; with relu_mask (the model's: a ReLU after it, mgpu__fuse) the ReLU too, its
+   mask of y > 0 written for the backward (*relu_done = 1; 0 when it was not, and the ReLU runs).
+   Else a bf16 y with a bias: the fp32 sums plus the bias, rounded once (as cuBLASLt's bias
+   epilogue), through an f32 temporary from the device's cache. */
+static mgpu_result mgpu__linear_forward_fused(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y,
+                                              mgpu_tensor* relu_mask, int* relu_done) {
     const mgpu_tensor x2 = mgpu__rows_2d(x);
     const mgpu_transpose tw = l->cfg.in_out ? MGPU_NO_TRANS : MGPU_TRANS;
     mgpu_tensor y2 = mgpu__rows_2d(y);
     const mgpu_tensor* w;
     mgpu_tensor* sums;
     mgpu_result r;
+    int done = 0;
+    *relu_done = 0;
     MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
+    if (!l->cfg.no_bias) {
+        MGPU__TRY(mgpu__matmul_epilogue(&y2, &x2, MGPU_NO_TRANS, w, tw, 0.0f, relu_mask ? MGPU__EPI_RELU_BIAS : MGPU__EPI_BIAS,
+                                        ctx->params[1], relu_mask, &done));
+        if (done) {
+            *relu_done = relu_mask != NULL;
+            return MGPU_OK;
+        }
+    }
     if (l->cfg.no_bias || y->dtype != MGPU_BF16) {
         MGPU__TRY(mgpu_matmul(&y2, &x2, w, MGPU_NO_TRANS, tw, 1.0f, 0.0f));
         return l->cfg.no_bias ? MGPU_OK : mgpu_bias_add(&y2, &y2, ctx->params[1]);
@@ -6948,20 +7023,49 @@ static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ct
     mgpu_tensor_destroy(sums);
     return r;
 }
-static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
-                                         const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    int relu_done;
+    return mgpu__linear_forward_fused(l, ctx, x, y, NULL, &relu_done);
+}
+/* The gradients: dW (+)= dy^T x (x^T dy for [in, out]), db (+)= the sums of dy's rows, dx = dy W.
+   fresh (the model's, the first micro-batch of a step: mgpu__fuse): the gradients are written,
+   not added to, and on a GPU the bias's comes from dW's GEMM (its epilogue) where it can.
+   relu_mask (the model's: a ReLU between the Linear before this one and this one): dx is the
+   ReLU's input's gradient, masked in dx's GEMM (*relu_done = 1; 0 when it was not). */
+static mgpu_result mgpu__linear_backward_fused(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                               const mgpu_tensor* dy, mgpu_tensor* dx, int fresh, mgpu_tensor* relu_mask,
+                                               int* relu_done) {
     const mgpu_tensor x2 = mgpu__rows_2d(x), dy2 = mgpu__rows_2d(dy);
+    const float beta = fresh ? 0.0f : 1.0f;
     const mgpu_tensor* w;
     mgpu_tensor dx2;
-    (void)y;
+    int done = 0;
+    *relu_done = 0;
     MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
     /* (bf16 operands: the products summed in fp32 into the f32 gradients) */
-    if (l->cfg.in_out) MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dy2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));   /* dW += x^T dy */
-    else MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, 1.0f));                 /* dW += dy^T x */
-    if (!l->cfg.no_bias) MGPU__TRY(mgpu__bias_grad_add(ctx->grads[1], &dy2));                  /* db += sum(dy) */
+    if (fresh && !l->cfg.no_bias && !l->cfg.in_out)   /* dW = dy^T x, db = the sums of dy^T's rows */
+        MGPU__TRY(mgpu__matmul_epilogue(ctx->grads[0], &dy2, MGPU_TRANS, &x2, MGPU_NO_TRANS, 0.0f, MGPU__EPI_BGRAD_A, ctx->grads[1],
+                                        NULL, &done));
+    if (!done) {
+        if (l->cfg.in_out) MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dy2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, beta));   /* dW (+)= x^T dy */
+        else MGPU__TRY(mgpu_matmul(ctx->grads[0], &dy2, &x2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, beta));                 /* dW (+)= dy^T x */
+        if (!l->cfg.no_bias)   /* db (+)= sum(dy) */
+            MGPU__TRY(fresh ? mgpu_bias_backward(ctx->grads[1], &dy2) : mgpu__bias_grad_add(ctx->grads[1], &dy2));
+    }
     if (!dx) return MGPU_OK;
     dx2 = mgpu__rows_2d(dx);
+    if (relu_mask) {
+        MGPU__TRY(mgpu__matmul_epilogue(&dx2, &dy2, MGPU_NO_TRANS, w, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 0.0f, MGPU__EPI_DRELU,
+                                        NULL, relu_mask, relu_done));
+        if (*relu_done) return MGPU_OK;
+    }
     return mgpu_matmul(&dx2, &dy2, w, MGPU_NO_TRANS, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
+}
+static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
+                                         const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    int relu_done;
+    (void)y;
+    return mgpu__linear_backward_fused(l, ctx, x, dy, dx, 0, NULL, &relu_done);
 }
 static const mgpu_layer_vtable mgpu__linear_vt = {
     "Linear", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
@@ -10569,6 +10673,12 @@ typedef struct mgpu__slot {
                                            nothing reads a gradient after the layer below it ran, so
                                            two suffice (at MLP 4096, 64 MiB instead of 256) */
     mgpu_tensor** aux;                  /* the layers' saved buffers, [aux_total] */
+    mgpu_tensor** mask;                 /* [layer_count]: a GPU's Linear i with MGPU__FUSE_RELU: the
+                                           ReLU's bit mask (cuBLASLt's), or NULL */
+    unsigned char* fused;               /* [layer_count]: MGPU__FUSED_*, what the last forward and
+                                           backward of this slot did across layer i */
+    int fuse_relu;                      /* its buffers were sized for ReLUs in the GEMMs (MGPU__FUSE_RELU
+                                           with mgpu__fuse_relu_on) */
     mgpu_tensor *xin;                   /* stages after the first: the input, from the stage before */
     mgpu_tensor *dxin;                  /* d loss / d input: sent back to the stage before */
     mgpu_tensor *dyin;                  /* stages before the last: d loss / d output, from the stage after */
@@ -10612,6 +10722,8 @@ typedef struct mgpu__part {
                                            then each chunk's correct count (int32 bits), [2 chunks]
                                            (apart from losses: it never overwrites a step's) */
     int stream_salt;                    /* 0 in the library's own steps; replica+1 in a loop of your own */
+    int grads_fresh;                    /* this whole step's first micro-batch writes the gradients of
+                                           the MGPU__FUSE_FRESH layers (mgpu__step_zero_grads) */
     void** events;                      /* CUDA, S > 1: [2M], recorded after forward k and backward k */
     void** bucket_done;                 /* CUDA, with buckets: [bucket_count], recorded in a step's last
                                            backward when the bucket's gradients are done (its stage's) */
@@ -10662,6 +10774,8 @@ struct mgpu_model {
     int part_count, replica_count, stage_count, micro_batches;
     mgpu_pipeline_schedule schedule;
     int* stage_layer;                   /* [S + 1]: stage s runs layers [stage_layer[s], stage_layer[s+1]) */
+    unsigned char* fuse;                /* [layer_count]: what a GPU's step does across layer i and its
+                                           neighbours (MGPU__FUSE_*, mgpu__fuse_plan) */
     int64_t* stage_off;                 /* [S + 1]: stage s's floats are [stage_off[s], stage_off[s+1]) */
     int64_t* stage_moved;               /* [S]: the first floats of stage s, those an update moves: tied
                                            copies at a stage's end (GPT-2's head) follow their twins
@@ -10774,6 +10888,7 @@ static void mgpu__slot_free_buffers(mgpu_model* m, mgpu__slot* sl) {
     for (i = 0; i < m->layer_count; ++i) {
         if (sl->act) { mgpu__tensor_free(sl->act[i]); sl->act[i] = NULL; }
         if (sl->dact) { mgpu__tensor_free(sl->dact[i]); sl->dact[i] = NULL; }
+        if (sl->mask) { mgpu__tensor_free(sl->mask[i]); sl->mask[i] = NULL; }
     }
     for (i = 0; i < 2; ++i) { mgpu__tensor_free(sl->dflat[i]); sl->dflat[i] = NULL; }
     for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) { mgpu__tensor_free(sl->aux[i]); sl->aux[i] = NULL; }
@@ -11307,7 +11422,7 @@ static void mgpu__model_free(mgpu_model* m) {
             mgpu__slot_free_buffers(m, sl);
             mgpu__tensor_free(sl->xin); mgpu__tensor_free(sl->dxin); mgpu__tensor_free(sl->dyin); mgpu__tensor_free(sl->dout);
             mgpu__tensor_free(sl->wide_out); mgpu__tensor_free(sl->wide_dxin);
-            MGPU_FREE(sl->act); MGPU_FREE(sl->dact); MGPU_FREE(sl->aux);
+            MGPU_FREE(sl->act); MGPU_FREE(sl->dact); MGPU_FREE(sl->aux); MGPU_FREE(sl->mask); MGPU_FREE(sl->fused);
         }
         for (j = 0; j < m->tensor_count; ++j) {
             if (p->pview) mgpu__tensor_free(p->pview[j]);
@@ -11348,7 +11463,7 @@ static void mgpu__model_free(mgpu_model* m) {
     if (m->set) mgpu__set_users(m->set, -1, 0);
     MGPU_FREE(m->layers); MGPU_FREE(m->part); MGPU_FREE(m->tensors); MGPU_FREE(m->first_tensor); MGPU_FREE(m->first_aux);
     MGPU_FREE(m->buffers); MGPU_FREE(m->first_buffer); MGPU_FREE(m->stage_boff);
-    MGPU_FREE(m->stage_layer); MGPU_FREE(m->stage_off); MGPU_FREE(m->stage_moved); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
+    MGPU_FREE(m->stage_layer); MGPU_FREE(m->fuse); MGPU_FREE(m->stage_off); MGPU_FREE(m->stage_moved); MGPU_FREE(m->dist_replicas); MGPU_FREE(m->dist_rows);
     MGPU_FREE(m->terms);
     MGPU_FREE(m);
 }
@@ -11492,6 +11607,43 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
 /* Step 2: the cut into stages, explicit (split) or balanced: the cut whose largest stage holds
    the fewest parameters (a small dynamic programme over the layers; ties go to the earliest
    cut). Then where each stage's floats lie in the flat layout. */
+/* What a training step on a GPU does across layers, with cuBLASLt's epilogues
+   (mgpu__matmul_epilogue; MGPU_EPILOGUES turns them off), as PyTorch's compiled or fused MLPs do:
+   - MGPU__FUSE_RELU: layer i is a Linear with a bias and a ReLU follows it in its stage (in place,
+     over its output): the Linear's GEMM adds the bias and applies the ReLU, writing the ReLU's bit
+     mask (the slot's mask[i]); the ReLU's forward does not run.
+   - MGPU__FUSE_DRELU: layer i is a Linear after such a pair (i - 2, i - 1), in the same stage:
+     its dx GEMM applies the ReLU's backward with that mask, and the ReLU's backward does not run
+     (its dx and dy are one buffer, mgpu__slot_resize).
+   - MGPU__FUSE_FRESH: layer i is a Linear whose tensors are tied to none: the first micro-batch of
+     a whole step writes its gradients instead of adding to zeros (no memset of them; the bias's
+     from the weight's GEMM).
+   The first two only with MGPU_FUSE_RELU (mgpu__fuse_relu_on). Whatever cuBLASLt has no
+   algorithm for runs as the separate kernels (the slot's fused[] says which ran); the CPU always
+   runs them. */
+enum { MGPU__FUSE_RELU = 1, MGPU__FUSE_DRELU = 2, MGPU__FUSE_FRESH = 4 };
+enum { MGPU__FUSED_RELU = 1, MGPU__FUSED_DRELU = 2 };   /* a slot's: done by the epilogue this time */
+static int mgpu__is_linear(const mgpu_layer* l) { return l->vt == &mgpu__linear_vt || l->vt == &mgpu__conv1d_vt; }
+static mgpu_result mgpu__fuse_plan(mgpu_model* m) {
+    int i, s, t, u;
+    m->fuse = (unsigned char*)mgpu__calloc((size_t)MGPU__MAX(m->layer_count, 1), 1);
+    if (!m->fuse) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_create: out of host memory");
+    for (s = 0; s < m->stage_count; ++s)
+        for (i = m->stage_layer[s]; i < m->stage_layer[s + 1]; ++i) {
+            const mgpu_layer* l = m->layers[i];
+            int tied = 0;
+            if (!mgpu__is_linear(l)) continue;
+            for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t)
+                for (u = 0; u < m->tensor_count; ++u) tied |= m->tensors[t].tied >= 0 || m->tensors[u].tied == t;
+            if (!tied) m->fuse[i] |= MGPU__FUSE_FRESH;
+            if (!l->cfg.no_bias && i + 1 < m->stage_layer[s + 1] && m->layers[i + 1]->vt == &mgpu__relu_vt) m->fuse[i] |= MGPU__FUSE_RELU;
+            if (i - 2 >= m->stage_layer[s] && (m->fuse[i - 2] & MGPU__FUSE_RELU)) m->fuse[i] |= MGPU__FUSE_DRELU;
+        }
+    return MGPU_OK;
+}
+/* Whether part p's step fuses as mgpu__fuse_plan says: on a GPU, MGPU_EPILOGUES on */
+static int mgpu__part_fuses(const mgpu__part* p) { return p->dev->kind == MGPU_DEVICE_CUDA && mgpu__epilogues_on(); }
+
 static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc, int devices) {
     static const char* op = "mgpu_model_create";
     const int S = m->stage_count, L = m->layer_count;
@@ -11560,7 +11712,7 @@ static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc
         m->stage_boff[s] = b < m->buffer_count ? m->buffers[b].offset : m->buf_floats;
     }
     m->stage_boff[S] = m->buf_floats;
-    return MGPU_OK;
+    return mgpu__fuse_plan(m);
 }
 
 /* How many micro-batches stage s has in flight at most: its slots. */
@@ -11596,7 +11748,10 @@ static mgpu_result mgpu__model_parts(mgpu_model* m, const mgpu_device_set* devic
             sl->act = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
             sl->dact = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
             sl->aux = (mgpu_tensor**)mgpu__calloc((size_t)MGPU__MAX(aux_total, 1), sizeof(mgpu_tensor*));
-            if (!sl->act || !sl->dact || !sl->aux) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+            sl->mask = (mgpu_tensor**)mgpu__calloc((size_t)m->layer_count, sizeof(mgpu_tensor*));
+            sl->fused = (unsigned char*)mgpu__calloc((size_t)m->layer_count, 1);
+            if (!sl->act || !sl->dact || !sl->aux || !sl->mask || !sl->fused)
+                return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
         }
         p->params = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
         p->grads = mgpu__own(mgpu_tensor_create(p->dev, MGPU_F32, mgpu_shape1(floats)));
@@ -12236,7 +12391,7 @@ MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, siz
     if (gradient_bytes) *gradient_bytes = 0;
     if (mgpu__check_replica("mgpu_model_activation_bytes", m, replica) != MGPU_OK) return 0;
     for (s = 0; s < m->stage_count; ++s)
-        cap += mgpu__part_of(m, replica, s)->slot_count * (2 * m->layer_count + m->first_aux[m->layer_count] + 8);
+        cap += mgpu__part_of(m, replica, s)->slot_count * (3 * m->layer_count + m->first_aux[m->layer_count] + 8);
     seen = (const mgpu__storage**)MGPU_MALLOC(sizeof(*seen) * (size_t)MGPU__MAX(cap, 1));
     if (!seen) { mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_activation_bytes: out of host memory"); return 0; }
     for (s = 0; s < m->stage_count; ++s) {   /* what forward keeps first, so a shared block counts there */
@@ -12245,6 +12400,7 @@ MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, siz
             const mgpu__slot* sl = &p->slot[k];
             for (i = 0; sl->act && i < m->layer_count; ++i) mgpu__count_storage(sl->act[i], seen, &count, &kept);
             for (i = 0; sl->aux && i < m->first_aux[m->layer_count]; ++i) mgpu__count_storage(sl->aux[i], seen, &count, &kept);
+            for (i = 0; sl->mask && i < m->layer_count; ++i) mgpu__count_storage(sl->mask[i], seen, &count, &kept);
             mgpu__count_storage(sl->xin, seen, &count, &kept);
             mgpu__count_storage(sl->wide_out, seen, &count, &kept);
         }
@@ -12907,12 +13063,13 @@ static int mgpu__loss_grad_in_place(const mgpu_model* m) {
 /* Size every activation, gradient and aux buffer of a part's slot for input shape x. */
 static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__slot* sl, mgpu_shape x) {
     static const char* op = "mgpu_model_forward";
-    const int last = m->stage_layer[p->stage + 1] - 1;
+    const int last = m->stage_layer[p->stage + 1] - 1, fuses = mgpu__part_fuses(p) && mgpu__fuse_relu_on();
     mgpu_shape shape = x;
-    int64_t need[2] = { -1, -1 };   /* -1: no layer of that parity has a gradient buffer */
-    int i, j;
-    if (mgpu_shape_equal(sl->in_shape, x)) return MGPU_OK;
+    int64_t need[2] = { -1, -1 };   /* -1: no layer's gradient is in that buffer */
+    int i, j, turn;
+    if (mgpu_shape_equal(sl->in_shape, x) && sl->fuse_relu == fuses) return MGPU_OK;
     mgpu__slot_free_buffers(m, sl);
+    sl->fuse_relu = fuses;
     for (i = m->stage_layer[p->stage]; i <= last; ++i) {
         const mgpu_layer* l = m->layers[i];
         mgpu_shape out;
@@ -12927,6 +13084,10 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
             mgpu_shape_equal(out, sl->act[i - 1]->shape)) {   /* over its input (struct mgpu_layer, in_place_ok) */
             if (!(sl->act[i] = mgpu__view_at(sl->act[i - 1], 0, out, op))) return mgpu_last_result();
         } else MGPU__TRY(mgpu__ensure(&sl->act[i], p->dev, m->precision, out));
+        if (fuses && (m->fuse[i] & MGPU__FUSE_RELU)) {   /* the ReLU's mask: a bit per output, rows of mgpu__relu_mask_ld bits */
+            const int64_t n = out.dim[out.ndim - 1], rows = n ? mgpu_shape_numel(out) / n : 0;
+            MGPU__TRY(mgpu__ensure(&sl->mask[i], p->dev, MGPU_U8, mgpu_shape1(MGPU__MAX(rows * (mgpu__relu_mask_ld(n) / 8), 1))));
+        }
         shape = out;
     }
     /* the f32 output and the loss gradient rounded, before any step's temporaries (a CUDA graph's
@@ -12937,12 +13098,19 @@ static mgpu_result mgpu__slot_resize(mgpu_model* m, const mgpu__part* p, mgpu__s
     }
     if (p->stage == m->stage_count - 1 && !mgpu__loss_grad_in_place(m)) MGPU__TRY(mgpu__ensure(&sl->dout, p->dev, MGPU_F32, shape));
     sl->has_dxin = 0;
-    /* the two gradient buffers, each as large as its largest gradient, and the views into them */
-    for (i = m->stage_layer[p->stage]; i < last; ++i) need[i % 2] = MGPU__MAX(need[i % 2], mgpu_tensor_numel(sl->act[i]));
+    /* the two gradient buffers, each as large as its largest gradient, and the views into them:
+       from the top, each layer's backward writes into the other one, but a ReLU whose backward
+       the Linear above does (MGPU__FUSE_DRELU) has its dx and dy in the same */
+    for (turn = 0, i = last - 1; i >= m->stage_layer[p->stage]; --i) {
+        turn = i == last - 1 ? 0 : fuses && (m->fuse[i + 2] & MGPU__FUSE_DRELU) ? turn : !turn;
+        need[turn] = MGPU__MAX(need[turn], mgpu_tensor_numel(sl->act[i]));
+    }
     for (j = 0; j < 2; ++j)
         if (need[j] >= 0) MGPU__TRY(mgpu__ensure(&sl->dflat[j], p->dev, m->precision, mgpu_shape1(need[j])));
-    for (i = m->stage_layer[p->stage]; i < last; ++i)
-        if (!(sl->dact[i] = mgpu__view_at(sl->dflat[i % 2], 0, sl->act[i]->shape, op))) return mgpu_last_result();
+    for (turn = 0, i = last - 1; i >= m->stage_layer[p->stage]; --i) {
+        turn = i == last - 1 ? 0 : fuses && (m->fuse[i + 2] & MGPU__FUSE_DRELU) ? turn : !turn;
+        if (!(sl->dact[i] = mgpu__view_at(sl->dflat[turn], 0, sl->act[i]->shape, op))) return mgpu_last_result();
+    }
     sl->in_shape = x;
     return MGPU_OK;
 }
@@ -13019,12 +13187,19 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
     sl->input = *x;
     sl->training = training;
     sl->first_row = first_row;
+    memset(sl->fused, 0, (size_t)m->layer_count);
     for (i = m->stage_layer[p->stage]; i < m->stage_layer[p->stage + 1]; ++i) {
+        const mgpu_tensor* in = i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input;
         mgpu_layer_ctx ctx;
         mgpu_result r;
+        int done;
+        if (i > m->stage_layer[p->stage] && (sl->fused[i - 1] & MGPU__FUSED_RELU)) continue;   /* the Linear before applied it */
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
         mgpu_clear_error();   /* a failure's message is the layer's own, never an earlier one */
-        r = mgpu__layer_run_forward(m->layers[i], &ctx, i > m->stage_layer[p->stage] ? sl->act[i - 1] : &sl->input, sl->act[i]);
+        if (sl->fuse_relu && (m->fuse[i] & MGPU__FUSE_RELU)) {
+            r = mgpu__linear_forward_fused(m->layers[i], &ctx, in, sl->act[i], sl->mask[i], &done);
+            if (done) sl->fused[i] |= MGPU__FUSED_RELU;
+        } else r = mgpu__layer_run_forward(m->layers[i], &ctx, in, sl->act[i]);
         if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
         if (r != MGPU_OK) {
             snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
@@ -13040,8 +13215,11 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
 
 /* Backward of micro-batch k through layer i of a part. d output is doutput on the last stage,
    else what the stage after sent back (it ran backward k already); the stage's first layer
-   gives d input when there is a stage before, or when asked (input_grad). */
-static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k, int i, const mgpu_tensor* doutput, int input_grad) {
+   gives d input when there is a stage before, or when asked (input_grad). fresh: the step's
+   first backward after mgpu__step_zero_grads, which left the MGPU__FUSE_FRESH layers' gradients
+   to be written. */
+static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k, int i, const mgpu_tensor* doutput, int input_grad,
+                                             int fresh) {
     static const char* op = "mgpu_model_backward";
     mgpu__slot* sl = &p->slot[k % p->slot_count];
     const int first = m->stage_layer[p->stage], last = m->stage_layer[p->stage + 1] - 1;
@@ -13049,7 +13227,10 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     mgpu_tensor* dx = i > first ? sl->dact[i - 1] : NULL;
     mgpu_layer_ctx ctx;
     mgpu_result r;
+    mgpu_tensor* mask;
     char where[96];
+    int done;
+    if (i < last && (sl->fused[i + 1] & MGPU__FUSED_DRELU)) return MGPU_OK;   /* the Linear above did this ReLU's backward */
     if (i == last && p->stage == m->stage_count - 1 && m->precision == MGPU_BF16) {   /* the f32 loss gradient, rounded */
         MGPU__TRY(mgpu_tensor_convert(sl->dyin, doutput, 1.0f, 0.0f));
         dy = sl->dyin;
@@ -13061,7 +13242,13 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     }
     mgpu__layer_ctx_for(m, p, sl, i, sl->training, &ctx);
     mgpu_clear_error();
-    r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+    sl->fused[i] &= (unsigned char)~MGPU__FUSED_DRELU;
+    fresh = fresh && (m->fuse[i] & MGPU__FUSE_FRESH);
+    mask = sl->fuse_relu && (m->fuse[i] & MGPU__FUSE_DRELU) && (sl->fused[i - 2] & MGPU__FUSED_RELU) ? sl->mask[i - 2] : NULL;
+    if (fresh || mask) {   /* a Linear (mgpu__fuse_plan) */
+        r = mgpu__linear_backward_fused(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, dy, dx, fresh, mask, &done);
+        if (done) sl->fused[i] |= MGPU__FUSED_DRELU;
+    } else r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
@@ -13093,7 +13280,7 @@ static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
 static mgpu_result mgpu__part_backward(mgpu_model* m, mgpu__part* p, int k, const mgpu_tensor* doutput, int input_grad) {
     int i;
     for (i = m->stage_layer[p->stage + 1] - 1; i >= m->stage_layer[p->stage]; --i)
-        MGPU__TRY(mgpu__part_backward_layer(m, p, k, i, doutput, input_grad));
+        MGPU__TRY(mgpu__part_backward_layer(m, p, k, i, doutput, input_grad, 0));
     return mgpu__part_backward_done(p, k);
 }
 
@@ -13431,7 +13618,8 @@ static mgpu_result mgpu__run_backward(mgpu__batch* b, mgpu__part* p, int k, int 
     MGPU__TRY(mgpu__part_wait(b->op, m, p, k, 1));
     t = mgpu__trace_open(m, (int)(p - m->part), 0, p->dev->stream, "B %d", k);
     for (l = m->stage_layer[p->stage + 1] - 1; l >= m->stage_layer[p->stage] && r == MGPU_OK; --l) {
-        r = mgpu__part_backward_layer(m, p, k, l, mgpu__slot_dout(m, &p->slot[k % p->slot_count]), 0);
+        r = mgpu__part_backward_layer(m, p, k, l, mgpu__slot_dout(m, &p->slot[k % p->slot_count]), 0,
+                                      b->zero_grads && k == 0 && p->grads_fresh);
         if (r == MGPU_OK && mark_buckets) r = mgpu__mark_buckets(m, p, l);
     }
     if (r == MGPU_OK) r = mgpu__part_backward_done(p, k);
@@ -13803,6 +13991,39 @@ static void mgpu__dist_issue_rest(mgpu_model* m, int first) {
     if (first < m->bucket_count) (void)mgpu__ar_before_compute(m->ar[0]);
 }
 
+/* A whole step's gradients zeroed, on part p's stream before its first op. Where its first
+   micro-batch will write some layers' gradients (MGPU__FUSE_FRESH on a GPU, p->grads_fresh; not
+   when that micro-batch has no rows), the ranges between theirs: a tensor's range reaches to the
+   next one's start, since the padding between them is zero from the start and stays so. An MLP's
+   step then zeroes nothing. */
+static mgpu_result mgpu__step_zero_grads(const mgpu__batch* b, mgpu__part* p) {
+    const mgpu_model* m = b->m;
+    const int s = p->stage;
+    int64_t start, count, zero_from = m->stage_off[s], t_end;
+    int i, t;
+    mgpu__split(b->xs[p->replica].shape.dim[0], m->micro_batches, 0, &start, &count);
+    p->grads_fresh = mgpu__part_fuses(p) && count > 0;
+    if (!p->grads_fresh) return mgpu_tensor_zero(p->grads);
+    for (i = m->stage_layer[s]; i < m->stage_layer[s + 1]; ++i) {
+        if (!(m->fuse[i] & MGPU__FUSE_FRESH)) continue;
+        for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) {
+            mgpu_tensor gap = mgpu__rows(p->grads, zero_from - m->stage_off[s], m->tensors[t].offset - zero_from);
+            if (gap.shape.dim[0] < 0) {   /* (the layout is in layer order: never) */
+                p->grads_fresh = 0;
+                return mgpu_tensor_zero(p->grads);
+            }
+            if (gap.shape.dim[0] > 0) MGPU__TRY(mgpu_tensor_zero(&gap));
+            t_end = t + 1 < m->tensor_count ? m->tensors[t + 1].offset : m->flat_floats;
+            zero_from = MGPU__MIN(t_end, m->stage_off[s + 1]);
+        }
+    }
+    if (zero_from < m->stage_off[s + 1]) {
+        mgpu_tensor rest = mgpu__rows(p->grads, zero_from - m->stage_off[s], m->stage_off[s + 1] - zero_from);
+        MGPU__TRY(mgpu_tensor_zero(&rest));
+    }
+    return MGPU_OK;
+}
+
 static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
     mgpu_model* m = b->m;
     const int S = m->stage_count, M = m->micro_batches, R = m->replica_count;
@@ -13822,7 +14043,7 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
             if (!mgpu__stage_ready(m, s, next, fdone, bdone))
                 for (s = S - 1; s > 0 && !mgpu__stage_ready(m, s, next, fdone, bdone); --s) {}
             p = mgpu__part_of(m, r, s);
-            if (next[s] == 0 && b->zero_grads && (res = mgpu_tensor_zero(p->grads)) != MGPU_OK) break;   /* while p's device is current */
+            if (next[s] == 0 && b->zero_grads && (res = mgpu__step_zero_grads(b, p)) != MGPU_OK) break;   /* while p's device is current */
             op = mgpu__stage_op(m, s, next[s]);
             k = op >= 0 ? op : -1 - op;
             if (op >= 0) {

@@ -1,11 +1,11 @@
-/* mgpu_kernels.cu - the CUDA backend of mgpu.h: devices, streams, memory, cuBLAS GEMM, the kernels
-   and NCCL (loaded at run time).
+/* mgpu_kernels.cu - the CUDA backend of mgpu.h: devices, streams, memory, cuBLAS GEMM (cuBLASLt
+   where an epilogue takes work into it), the kernels and NCCL (loaded at run time).
 
    Compile it once with nvcc and link it into the program whose implementation file defines
    MGPU_IMPLEMENTATION and MGPU_CUDA:
 
        nvcc -std=c++17 -O3 -arch=sm_90 -c mgpu_kernels.cu -o mgpu_kernels.o
-       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lstdc++ -lm -lpthread -ldl
+       cc -std=c99 -O2 -DMGPU_CUDA prog.c mgpu_kernels.o -lcudart -lcublas -lcublasLt -lstdc++ -lm -lpthread -ldl
 
    Every function defined here is declared in the >>seam section of mgpu.h, inside extern "C", so
    it keeps C linkage. The per-element math (Philox, activations, optimizer rules) lives in mgpu.h as
@@ -20,6 +20,7 @@
 #include "mgpu.h"
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 #ifndef _WIN32
 #include <dlfcn.h>   // NCCL is loaded at run time; Windows has no NCCL
 #endif
@@ -525,10 +526,26 @@ int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, s
 // allocator (so its memory statistics count it, as PyTorch's do). A fixed workspace per handle
 // lets cuBLAS pick its faster Hopper kernels without allocating behind the allocator's back; each
 // handle is bound to one stream, so results stay deterministic.
+//
+// cuBLASLt's GEMMs (mgpu__cu_gemm_epilogue) keep their descriptors, layouts and the algorithm its
+// heuristic chose in a small cache per handle, keyed by shape: a heuristic query costs tens of
+// microseconds, about a whole graphed step of a small MLP.
+struct lt_plan {
+    int key[12];                // epilogue, trans_a, trans_b, m, n, k, lda, ldb, ldc, ab, c dtypes, tf32
+    int found;                  // 1: algo is cuBLASLt's choice; 0: it has none (the plain path runs)
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, c;
+    cublasLtMatmulAlgo_t algo;
+};
+enum { LT_PLANS = 32 };
 struct blas_handle {
     cublasHandle_t h;
     void* workspace;   // not owned: mgpu.h frees it after mgpu__cu_blas_destroy
     size_t workspace_bytes;
+    int tf32;          // mgpu__cu_blas_set_tf32's, for cuBLASLt's compute type
+    cublasLtHandle_t lt;
+    lt_plan plans[LT_PLANS];
+    int plan_count, plan_next;   // plans in use; the one replaced next when all are
 };
 
 static int blas_configure(int dev, blas_handle* b, void* stream) {
@@ -543,18 +560,33 @@ static int blas_configure(int dev, blas_handle* b, void* stream) {
     return MGPU__CU_OK;
 }
 
+// Frees a cached plan's descriptors: the first failure's status, or success
+static cublasStatus_t lt_plan_free(lt_plan* p) {
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS, s;
+    if (p->desc && (s = cublasLtMatmulDescDestroy(p->desc)) != CUBLAS_STATUS_SUCCESS) st = s;
+    if (p->a && (s = cublasLtMatrixLayoutDestroy(p->a)) != CUBLAS_STATUS_SUCCESS && st == CUBLAS_STATUS_SUCCESS) st = s;
+    if (p->b && (s = cublasLtMatrixLayoutDestroy(p->b)) != CUBLAS_STATUS_SUCCESS && st == CUBLAS_STATUS_SUCCESS) st = s;
+    if (p->c && (s = cublasLtMatrixLayoutDestroy(p->c)) != CUBLAS_STATUS_SUCCESS && st == CUBLAS_STATUS_SUCCESS) st = s;
+    memset(p, 0, sizeof *p);
+    return st;
+}
+
 int mgpu__cu_blas_destroy(int dev, void* handle) {
     blas_handle* b = (blas_handle*)handle;
     if (!b) return MGPU__CU_OK;
     USE_DEVICE(dev);
-    cublasStatus_t st = b->h ? cublasDestroy(b->h) : CUBLAS_STATUS_SUCCESS;
+    cublasStatus_t st = b->h ? cublasDestroy(b->h) : CUBLAS_STATUS_SUCCESS, s;
+    for (int i = 0; i < b->plan_count; ++i)
+        if ((s = lt_plan_free(&b->plans[i])) != CUBLAS_STATUS_SUCCESS && st == CUBLAS_STATUS_SUCCESS) st = s;
+    if (b->lt && (s = cublasLtDestroy(b->lt)) != CUBLAS_STATUS_SUCCESS && st == CUBLAS_STATUS_SUCCESS) st = s;
     delete b;
-    CUBLAS_TRY(st, "cublasDestroy() on device %d", dev);
+    CUBLAS_TRY(st, "cublasDestroy() or cublasLtDestroy() on device %d", dev);
     return MGPU__CU_OK;
 }
 
 static int blas_setup(int dev, blas_handle* b, void* stream) {
     CUBLAS_TRY(cublasCreate(&b->h), "cublasCreate() on device %d", dev);
+    CUBLAS_TRY(cublasLtCreate(&b->lt), "cublasLtCreate() on device %d", dev);
     return blas_configure(dev, b, stream);
 }
 
@@ -581,6 +613,7 @@ int mgpu__cu_blas_set_tf32(int dev, void* handle, int allow) {
     USE_DEVICE(dev);
     CUBLAS_TRY(cublasSetMathMode(((blas_handle*)handle)->h, allow ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
                "cublasSetMathMode(%s) on device %d", allow ? "TF32" : "default", dev);
+    ((blas_handle*)handle)->tf32 = allow != 0;
     return MGPU__CU_OK;
 }
 
@@ -627,6 +660,98 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "cublasGemmEx(bf16 x bf16 -> %s, m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
                c_dtype == MGPU_BF16 ? "bf16" : "f32", m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
+    return MGPU__CU_OK;
+}
+
+// The plan for one GEMM and epilogue: cached, or made now (descriptors, then the heuristic's
+// first algorithm, or none).
+static int lt_plan_get(int dev, blas_handle* bh, const int key[12], lt_plan** out) {
+    for (int i = 0; i < bh->plan_count; ++i)
+        if (memcmp(bh->plans[i].key, key, sizeof bh->plans[i].key) == 0) {
+            *out = &bh->plans[i];
+            return MGPU__CU_OK;
+        }
+    const int epilogue = key[0], trans_a = key[1], trans_b = key[2], m = key[3], n = key[4], k = key[5];
+    const int lda = key[6], ldb = key[7], ldc = key[8], ab_dtype = key[9], c_dtype = key[10], tf32 = key[11];
+    lt_plan* p = &bh->plans[bh->plan_count < LT_PLANS ? bh->plan_count++ : bh->plan_next++ % LT_PLANS];
+    CUBLAS_TRY(lt_plan_free(p), "cuBLASLt descriptors' destroy on device %d", dev);
+    memcpy(p->key, key, sizeof p->key);
+    // column-major, as mgpu__cu_gemm: C^T [n, m] = op(B)^T op(A)^T, B first
+    const cudaDataType_t ab = ab_dtype == MGPU_BF16 ? CUDA_R_16BF : CUDA_R_32F, c = c_dtype == MGPU_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    const cublasComputeType_t compute = ab_dtype == MGPU_F32 && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const int32_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasLtEpilogue_t lt_epilogue = epilogue == MGPU__EPI_BIAS ? CUBLASLT_EPILOGUE_BIAS
+                                         : epilogue == MGPU__EPI_RELU_BIAS ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS
+                                         : epilogue == MGPU__EPI_DRELU ? CUBLASLT_EPILOGUE_DRELU
+                                                                       : CUBLASLT_EPILOGUE_BGRADB;   // mgpu's A is cuBLASLt's B
+    const int32_t bias_type = CUDA_R_32F;
+    CUBLAS_TRY(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F), "cublasLtMatmulDescCreate() on device %d", dev);
+    CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof op_first),
+               "cublasLtMatmulDescSetAttribute(TRANSA) on device %d", dev);
+    CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof op_second),
+               "cublasLtMatmulDescSetAttribute(TRANSB) on device %d", dev);
+    CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue, sizeof lt_epilogue),
+               "cublasLtMatmulDescSetAttribute(EPILOGUE %d) on device %d", (int)lt_epilogue, dev);
+    if (epilogue != MGPU__EPI_DRELU)   // the bias, or the bias gradient, in f32 whatever D's type
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
+                   "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE) on device %d", dev);
+    if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU) {
+        const int64_t aux_ld = mgpu__relu_mask_ld(n);
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
+                   "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD) on device %d", dev);
+    }
+    CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->a, ab, trans_b ? k : n, trans_b ? n : k, ldb), "cublasLtMatrixLayoutCreate(B) on device %d", dev);
+    CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->b, ab, trans_a ? m : k, trans_a ? k : m, lda), "cublasLtMatrixLayoutCreate(A) on device %d", dev);
+    CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->c, c, n, m, ldc), "cublasLtMatrixLayoutCreate(C) on device %d", dev);
+    cublasLtMatmulPreference_t pref = NULL;
+    const uint64_t workspace = bh->workspace_bytes;
+    cublasLtMatmulHeuristicResult_t result;
+    int returned = 0;
+    CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate() on device %d", dev);
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        (void)cublasLtMatmulPreferenceDestroy(pref);
+        CUBLAS_TRY(st, "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES) on device %d", dev);
+    }
+    // The aux and bias pointers are set per call; the heuristic is told their alignment by the
+    // addresses given now (none: it assumes cuBLASLt's default, 256 bytes, which the allocator's are)
+    st = cublasLtMatmulAlgoGetHeuristic(bh->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &returned);
+    (void)cublasLtMatmulPreferenceDestroy(pref);
+    // no algorithm (NOT_SUPPORTED, or none returned) is an answer, kept: the caller's plain path runs
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED)
+        CUBLAS_TRY(st, "cublasLtMatmulAlgoGetHeuristic(epilogue %d, m=%d, n=%d, k=%d) on device %d", (int)lt_epilogue, m, n, k, dev);
+    p->found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+    if (p->found) p->algo = result.algo;
+    *out = p;
+    return MGPU__CU_OK;
+}
+
+int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
+                           float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
+                           float beta, int c_dtype, void* c, int ldc, void* bias, void* aux) {
+    blas_handle* bh = (blas_handle*)handle;
+    USE_DEVICE(dev);
+    if (m <= 0 || n <= 0 || k <= 0) return MGPU__CU_NO_ALGORITHM;   // (mgpu__cu_gemm's k == 0 path)
+    if (epilogue < MGPU__EPI_BIAS || epilogue > MGPU__EPI_BGRAD_A) return ARGUMENT_ERROR("gemm with epilogue %d", epilogue);
+    if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
+        (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
+        return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);
+    const int key[12] = { epilogue, trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, ab_dtype, c_dtype, bh->tf32 };
+    lt_plan* p = NULL;
+    TRY(lt_plan_get(dev, bh, key, &p));
+    if (!p->found) return MGPU__CU_NO_ALGORITHM;
+    if (epilogue != MGPU__EPI_DRELU)
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+                   "cublasLtMatmulDescSetAttribute(BIAS_POINTER) on device %d", dev);
+    if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU)
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+                   "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER) on device %d", dev);
+    cudaStream_t s = NULL;
+    CUBLAS_TRY(cublasGetStream(bh->h, &s), "cublasGetStream() on device %d", dev);
+    CUBLAS_TRY(cublasLtMatmul(bh->lt, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c, &p->algo, bh->workspace,
+                              bh->workspace_bytes, s),
+               "cublasLtMatmul(epilogue %d, %s, m=%d, n=%d, k=%d, trans_a=%d, trans_b=%d, lda=%d, ldb=%d, ldc=%d) on device %d",
+               epilogue, ab_dtype == MGPU_BF16 ? "bf16" : "f32", m, n, k, trans_a, trans_b, lda, ldb, ldc, dev);
     return MGPU__CU_OK;
 }
 

@@ -31,6 +31,11 @@
 #include <errno.h>
 #include <dirent.h>
 #include <sys/stat.h>
+#ifdef MGPU_CUDA
+#include <dlfcn.h>   /* the emulator's counters, where it runs */
+#include "tests/emu/emu.h"
+typedef mgpu_emu_counters mgpu_emu_counters_t;
+#endif
 
 
 #define TEST_PI 3.14159265358979323846
@@ -3156,8 +3161,11 @@ static void activation_memory(const mgpu_device_set* devs, mgpu_device* dev) {
                   "activation memory on %s: mgpu_model_activation_bytes %zu (gradients %zu), the first step added %zu "
                   "(gradients: two buffers of %zu and the loss's %zu, in blocks)", mgpu_device_label(dev), all, grads,
                   s1.bytes_in_use - s0.bytes_in_use, act, loss_grad);
+            /* (on a GPU with MGPU_FUSE_RELU, the four ReLUs' bit masks too: 64 KiB) */
+            const int gpu = dev->kind == MGPU_DEVICE_CUDA && mgpu__fuse_relu_on();
             summary_of(m, text, sizeof text);
-            CHECK(strstr(text, "Activation memory of a step (replica 0, the last step's 512 rows): 3.0 MiB, kept for backward 2.0 MiB, gradients 1.0 MiB"),
+            CHECK(strstr(text, gpu ? "Activation memory of a step (replica 0, the last step's 512 rows): 3.1 MiB, kept for backward 2.1 MiB, gradients 1.0 MiB"
+                                   : "Activation memory of a step (replica 0, the last step's 512 rows): 3.0 MiB, kept for backward 2.0 MiB, gradients 1.0 MiB"),
                   "the summary after a step lacks its activation memory:\n%s", text);
         }
         /* + 1 layer's worth for the loss gradient and the rounding of blocks */
@@ -3194,10 +3202,12 @@ static void same_bits_in_place(mgpu_model* a, mgpu_model* b, mgpu_device* dev, m
         else MUST(mgpu_rand_uniform(y, 6, 0, -1.0f, 1.0f));
         /* the same start (a container's child draws its initial values from a stream of its own) */
         MUST(mgpu_tensor_copy(mgpu_model_params(b, 0), mgpu_model_params(a, 0)));
+        mgpu__epilogue_setting = 0;   /* the same kernels on both sides (epilogues: group 'epilogues') */
         for (step = 0; step < 4; ++step) {
             MUST(mgpu_model_train_step(a, oa, x, y, NULL));
             MUST(mgpu_model_train_step(b, ob, x, y, NULL));
         }
+        mgpu__epilogue_setting = -1;
         pa = get_flat(a, 0);
         pb = get_flat(b, 0);
         CHECK(flat_n(a) == flat_n(b) && !memcmp(pa, pb, sizeof(float) * (size_t)flat_n(a)),
@@ -4760,6 +4770,142 @@ static void test_true_sources(void) {
     mgpu_model_destroy(b);
 }
 
+/* ---- cuBLASLt's epilogues on a GPU (mgpu__fuse_plan) ---- */
+#ifdef MGPU_CUDA
+/* The emulator's counters, where the emulator runs this test (NULL on a real GPU) */
+typedef void (*emu_counters_fn)(mgpu_emu_counters_t* out);
+static emu_counters_fn emu_counters(void) {
+    void* self = dlopen(NULL, RTLD_NOW);
+    emu_counters_fn f = self ? (emu_counters_fn)dlsym(self, "mgpu_emu_get_counters") : NULL;
+    if (self) dlclose(self);
+    return f;
+}
+/* An MLP of three Linear + ReLU pairs and a Linear, trained `steps` SGD steps on one batch with
+   MGPU_EPILOGUES `setting`; its parameters, and the emulator's counts of the last step. */
+static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, int micro_batches, int setting, int steps,
+                           mgpu_emu_counters_t* last_step, int64_t* n) {
+    const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f };
+    mgpu_device_set* devs = mgpu_device_set_create(spec);
+    mgpu_model* m = devs ? model_from((mgpu_model_desc){ .input = mgpu_shape1(20), .devices = devs, .loss = MGPU_LOSS_CROSS_ENTROPY,
+                                                         .seed = 77, .stages = stages, .micro_batches = micro_batches,
+                                                         .precision = precision },
+                                      (mgpu_layer*[]){ mgpu_layer_linear(20, 24), mgpu_layer_relu(), mgpu_layer_linear(24, 16),
+                                                       mgpu_layer_relu(), mgpu_layer_linear(16, 16), mgpu_layer_relu(),
+                                                       mgpu_layer_linear(16, 7) }, 7)
+                             : NULL;
+    mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &od) : NULL;
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(12, 20)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(12));
+    emu_counters_fn counters = emu_counters();
+    mgpu_emu_counters_t before;
+    float* params = NULL;
+    int i;
+    CHECK(devs && o, "epilogues on %s: %s", spec, mgpu_last_error());
+    mgpu__epilogue_setting = setting;
+    mgpu__fuse_relu_setting = 1;
+    if (o && x && y) {
+        MUST(mgpu_rand_normal(x, 5, 0, 0.0f, 1.5f));
+        for (i = 0; i < 12; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (i * 5) % 7;
+        for (i = 0; i < steps; ++i) {
+            if (i == steps - 1 && counters) counters(&before);
+            MUST(mgpu_model_train_step(m, o, x, y, NULL));
+            MUST(mgpu_device_synchronize(mgpu_device_set_get(devs, 0)));
+        }
+        if (counters && last_step) {
+            counters(last_step);
+            last_step->launches -= before.launches;
+            last_step->gemms -= before.gemms;
+            last_step->lt_heuristics -= before.lt_heuristics;
+        }
+        /* the 8 tensors in turn (a pipelined model's flat buffer is per stage) */
+        *n = 0;
+        params = fbuf(mgpu_model_param_count(m));
+        for (i = 0; i < 8; ++i) {
+            const mgpu_tensor* t = mgpu_model_tensor(m, 0, i);
+            CHECK(t != NULL, "epilogues: tensor %d: %s", i, mgpu_last_error());
+            if (!t) break;
+            tget(t, params + *n);
+            *n += mgpu_tensor_numel(t);
+        }
+    }
+    mgpu__epilogue_setting = mgpu__fuse_relu_setting = -1;
+    mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    mgpu_optimizer_destroy(o);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(devs);
+    return params;
+}
+static double max_rel_diff(const float* a, const float* b, int64_t n) {
+    double worst = 0.0, scale = 1e-30;
+    int64_t i;
+    for (i = 0; i < n; ++i) scale = fmax(scale, fabs((double)b[i]));
+    for (i = 0; i < n; ++i) worst = fmax(worst, fabs((double)a[i] - (double)b[i]) / scale);
+    return worst;
+}
+#endif
+/* With MGPU_FUSE_RELU on (the ReLUs in the GEMMs too), the same training with the epilogues as
+   with the separate kernels, within rounding: f32 1e-5
+   of the largest parameter (the bias gradients are sums in another order); bf16 5e-3 (such a
+   difference can move a weight's bf16 copy by one unit in its last place, 2^-8 relative, in a
+   later step's product). One GPU, two replicas, two stages with two micro-batches (the second
+   adds to the gradients the first wrote); with no algorithm from cuBLASLt (MGPU_EMU_NO_LT) the
+   separate kernels run with the gradients still written fresh. On emulated GPUs, a step of the
+   MLP issues no kernel besides its GEMMs but the loss's and the optimizer's (no bias, ReLU, ReLU
+   backward or bias gradient kernel, no zeroing of the gradients) and asks cuBLASLt's heuristic
+   nothing after the first step. */
+static void test_epilogues(void) {
+    header("cuBLASLt epilogues");
+#ifdef MGPU_CUDA
+    if (!test_gpu_group("epilogues", g_gpu != NULL)) return;
+    {
+        static const struct { const char* spec; mgpu_dtype precision; int stages, micro; double tol; } runs[] = {
+            { "cuda:0", MGPU_F32, 1, 1, 1e-5 }, { "cuda:0,0", MGPU_F32, 1, 1, 1e-5 }, { "cuda:0,0", MGPU_F32, 2, 2, 1e-5 },
+            { "cuda:0", MGPU_BF16, 1, 1, 5e-3 },
+        };
+        size_t r;
+        for (r = 0; r < sizeof runs / sizeof runs[0]; ++r) {
+            int64_t n = 0, n2 = 0;
+            mgpu_emu_counters_t c;
+            float* on = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, 1, 6, &c, &n);
+            float* off = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, 0, 6, NULL, &n2);
+            if (on && off && n == n2) {
+                const double e = max_rel_diff(on, off, n);
+                CHECK(e <= runs[r].tol, "epilogues on %s (%s, %d stages, %d micro-batches): parameters differ from the separate "
+                      "kernels' by %.3g (limit %.0e)", runs[r].spec, mgpu_dtype_name(runs[r].precision), runs[r].stages,
+                      runs[r].micro, e, runs[r].tol);
+                printf("  %-10s %-5s %d stage(s), %d micro-batch(es): epilogues against separate kernels, rel diff %.3g\n",
+                       runs[r].spec, mgpu_dtype_name(runs[r].precision), runs[r].stages, runs[r].micro, e);
+            } else CHECK(0, "epilogues on %s: no parameters", runs[r].spec);
+            if (on && emu_counters()) {   /* one GPU: 4 GEMMs forward, 7 backward; the loss's kernels and the optimizer's */
+                CHECK(r > 0 || (c.gemms == 11 && c.launches - c.gemms <= 3), "epilogues on %s: a step issued %llu GEMMs and %llu "
+                      "other kernels (want 11, and the loss's and the optimizer's alone: at most 3)", runs[r].spec,
+                      (unsigned long long)c.gemms, (unsigned long long)(c.launches - c.gemms));
+                CHECK(c.lt_heuristics == 0,
+                      "epilogues on %s: the sixth step asked cuBLASLt's heuristic %llu times (want 0: cached)", runs[r].spec,
+                      (unsigned long long)c.lt_heuristics);
+                printf("  %s step: %llu GEMMs, %llu other kernels, %llu heuristic queries\n", runs[r].spec, (unsigned long long)c.gemms,
+                       (unsigned long long)(c.launches - c.gemms), (unsigned long long)c.lt_heuristics);
+            }
+            if (r == 0 && on && emu_counters()) {   /* cuBLASLt without an algorithm */
+                float* none;
+                test_setenv("MGPU_EMU_NO_LT", "1");
+                none = epilogue_run(runs[r].spec, MGPU_F32, 1, 1, 1, 6, &c, &n2);
+                test_unsetenv("MGPU_EMU_NO_LT");
+                if (none && off && n == n2) {
+                    const double e = max_rel_diff(none, off, n);
+                    CHECK(e <= 1e-5 && c.launches - c.gemms > 3, "epilogues without an algorithm: parameters differ from the "
+                          "separate kernels' by %.3g, %llu kernels besides the GEMMs", e, (unsigned long long)(c.launches - c.gemms));
+                }
+                free(none);
+            }
+            free(on);
+            free(off);
+        }
+    }
+#else
+    gpu_group_note("epilogues");
+#endif
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_model");
     test_select(argc, argv);
@@ -4803,6 +4949,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_true_sources());
     TEST_GROUP(test_activation_memory());
     TEST_GROUP(test_bf16_models());
+    TEST_GROUP(test_epilogues());
 
     remove_tree(g_tmpdir);
 #ifdef MGPU_CUDA

@@ -12,7 +12,7 @@
    On a GPU:       nvcc -O3 -arch=sm_90 -c mgpu_kernels.cu
                    nvcc -O3 -arch=sm_90 -c examples/course/09_sin_kernel.cu
                    cc -std=c99 -O2 -DMGPU_CUDA -I. examples/course/09_sin.c mgpu_kernels.o 09_sin_kernel.o \
-                      -L/usr/local/cuda/lib64 -lcudart -lcublas -lstdc++ -lm -lpthread -ldl
+                      -L/usr/local/cuda/lib64 -lcudart -lcublas -lcublasLt -lstdc++ -lm -lpthread -ldl
    Emulated GPUs:  make emu-program SRC=examples/course/09_sin.c KERNELS=examples/course/09_sin_kernel.cu
                    MGPU_EMU_DEVICES=2 build/emu/09_sin cuda:0,1 */
 // course-run: cpu

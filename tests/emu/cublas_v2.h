@@ -29,7 +29,7 @@ typedef struct cublasContext* cublasHandle_t;
 /* cublasGemmEx's types (library_types.h and cublas_api.h): the ones mgpu uses */
 typedef enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16BF = 14 } cudaDataType_t;
 typedef cudaDataType_t cudaDataType;
-typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
+typedef enum { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_TF32 = 77 } cublasComputeType_t;
 typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
 
 extern "C" {

@@ -21,13 +21,14 @@ typedef struct mgpu_emu_counters {
     /* Calls from the host, counted when made (during a capture too); the nodes a graph launch
        replays count nothing: a graphed step shows 1 graph launch and 0 launches. */
     uint64_t set_device, get_device;   /* cudaSetDevice, cudaGetDevice calls */
-    uint64_t gemms;                    /* cublasSgemm and cublasGemmEx calls (in launches too) */
+    uint64_t gemms;                    /* cublasSgemm, cublasGemmEx and cublasLtMatmul calls (in launches too) */
     uint64_t copies_h2d, copies_d2h;   /* copy calls between the host (pageable or pinned) and a device */
     uint64_t copies_peer;              /* device to another device */
     uint64_t copies_d2d;               /* within one device */
     uint64_t event_records, event_waits;   /* cudaEventRecord, cudaStreamWaitEvent calls */
     uint64_t graph_launches;           /* cudaGraphLaunch calls */
     uint64_t captures;                 /* cudaStreamEndCapture calls that gave a graph */
+    uint64_t lt_heuristics;            /* cublasLtMatmulAlgoGetHeuristic calls (mgpu caches their answers) */
 } mgpu_emu_counters;
 void mgpu_emu_get_counters(mgpu_emu_counters* out);
 

@@ -1,5 +1,5 @@
-/* tests/emu/runtime.cpp - the GPU emulator: the CUDA runtime and cuBLAS subset mgpu uses, on the
-   CPU (built as libmgpuemu.so, linked in place of -lcudart -lcublas).
+/* tests/emu/runtime.cpp - the GPU emulator: the CUDA runtime, cuBLAS and cuBLASLt subset mgpu uses, on the
+   CPU (built as libmgpuemu.so, linked in place of -lcudart -lcublas -lcublasLt).
 
    - Devices: MGPU_EMU_DEVICES (default 1, at most 8), each with MGPU_EMU_MEMORY MiB (default
      16384); launch limits MGPU_EMU_MAX_THREADS (threads per block, default 1024) and
@@ -50,6 +50,7 @@
    - Every setting is read by mgpu.h's rules (setting_number below; docs/guide.md has the ranges). */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
+#include "cublasLt.h"
 #include "emu.h"
 
 #include <algorithm>
@@ -199,7 +200,8 @@ bool setting_flag(const char* name, bool def) {
 
 std::atomic<uint64_t> c_launches{0}, c_syncs{0}, c_allocs{0}, c_frees{0}, c_h2d{0}, c_d2h{0}, c_peer{0}, c_d2d{0},
     c_collectives{0}, c_set_device{0}, c_get_device{0}, c_gemms{0}, c_copies_h2d{0}, c_copies_d2h{0},
-    c_copies_peer{0}, c_copies_d2d{0}, c_event_records{0}, c_event_waits{0}, c_graph_launches{0}, c_captures{0};
+    c_copies_peer{0}, c_copies_d2d{0}, c_event_records{0}, c_event_waits{0}, c_graph_launches{0}, c_captures{0},
+    c_lt_heuristics{0};
 
 void print_counters_at_exit() {
     fprintf(stderr,
@@ -1838,7 +1840,59 @@ struct gemm_args {
     const void* a;
     const void* b;
     void* c;
+    // cublasLtMatmul's epilogue (0: none): the bias (or the bias gradient, written) of bias_bf16 or
+    // f32 type, and the ReLU bit mask, bit i + j aux_ld for D's entry (i, j)
+    unsigned epilogue;
+    void* bias;
+    bool bias_bf16;
+    uint8_t* aux;
+    int64_t aux_ld;
 };
+
+// cuBLASLt's epilogues (cublasLt.h), on D's entry (i, j) after alpha AB + beta C: the bias of row
+// i added (BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in the mask (RELU_AUX), or the
+// mask's bit applied (DRELU)
+static inline float lt_bias(const gemm_args& g, int i) {
+    return g.bias_bf16 ? from_bf16(((const uint16_t*)g.bias)[i]) : ((const float*)g.bias)[i];
+}
+static float epilogue_element(const gemm_args& g, int i, int j, float v) {
+    const int64_t bit = i + (int64_t)j * g.aux_ld;
+    if (g.epilogue & 4) v += lt_bias(g, i);
+    if (g.epilogue & 2) {
+        v = v > 0.0f ? v : 0.0f;
+        if (g.epilogue & 128) {
+            if (v > 0.0f) g.aux[bit / 8] |= (uint8_t)(1u << (bit % 8));
+            else g.aux[bit / 8] &= (uint8_t)~(1u << (bit % 8));
+        }
+    }
+    if (g.epilogue & 8) v = (g.aux[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
+    return v;
+}
+// The bias gradients, each a sum in double rounded once: of D's rows as written (DRELU_BGRAD:
+// over its columns), of op(A) over k (BGRADA, m of them) or op(B) over k (BGRADB, n)
+static void epilogue_bias_gradient(const gemm_args& g, const std::vector<float>& ap, const std::vector<float>& bp) {
+    auto put = [&g](int i, double s) {
+        if (g.bias_bf16) ((uint16_t*)g.bias)[i] = to_bf16((float)s);
+        else ((float*)g.bias)[i] = (float)s;
+    };
+    if (g.epilogue & 16)
+        for (int i = 0; i < g.m; ++i) {
+            double s = 0;
+            for (int j = 0; j < g.n; ++j)
+                s += g.c_bf16 ? from_bf16(((const uint16_t*)g.c)[i + (size_t)j * g.ldc]) : ((const float*)g.c)[i + (size_t)j * g.ldc];
+            put(i, s);
+        }
+    if (g.epilogue & (256 | 512)) {
+        const bool of_a = g.epilogue & 256;
+        const int count = of_a ? g.m : g.n;
+        const float* rows = of_a ? ap.data() : bp.data();
+        for (int i = 0; i < count; ++i) {
+            double s = 0;
+            for (int l = 0; l < g.k; ++l) s += rows[(size_t)i * g.k + l];
+            put(i, s);
+        }
+    }
+}
 
 // The GPU's product: each C entry one dot product of exact products summed in double (closer
 // than any GPU's fp32 sums: tests bound the GPU's error against float64), rounded to float, then
@@ -1870,15 +1924,15 @@ static void run_gemm(const gemm_args& g) {
             for (; l < g.k; ++l) s0 += (double)ai[l] * bj[l];
             const size_t at = i + (size_t)j * g.ldc;
             const float prod = (float)((s0 + s1) + (s2 + s3));
-            if (g.c_bf16) {
-                uint16_t* c = (uint16_t*)g.c + at;
-                *c = to_bf16(beta == 0.0f ? alpha * prod : alpha * prod + beta * from_bf16(*c));   // beta 0: C is not read
-            } else {
-                float* c = (float*)g.c + at;
-                *c = beta == 0.0f ? alpha * prod : alpha * prod + beta * *c;
-            }
+            float v;
+            if (g.c_bf16) v = beta == 0.0f ? alpha * prod : alpha * prod + beta * from_bf16(((uint16_t*)g.c)[at]);   // beta 0: C is not read
+            else v = beta == 0.0f ? alpha * prod : alpha * prod + beta * ((float*)g.c)[at];
+            if (g.epilogue) v = epilogue_element(g, i, j, v);
+            if (g.c_bf16) ((uint16_t*)g.c)[at] = to_bf16(v);
+            else ((float*)g.c)[at] = v;
         }
     }
+    if (g.epilogue) epilogue_bias_gradient(g, ap, bp);
 }
 
 // cublasSgemm and cublasGemmEx: the checks of cuBLAS's arguments, then the product on the stream.
@@ -1907,7 +1961,7 @@ static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperat
     }
     check_device((what + " C").c_str(), c, ((size_t)(n - 1) * ldc + m) * c_size, dev, true);
     gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, ab_bf16, c_bf16, 0.0f, 0.0f,
-                nullptr, nullptr, a, b, c};
+                nullptr, nullptr, a, b, c, 0, nullptr, false, nullptr, 0};
     if (handle->pointer_mode == CUBLAS_POINTER_MODE_HOST) {
         g.alpha = *alpha;
         g.beta = *beta;
@@ -1942,6 +1996,222 @@ EMU_EXPORT cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t 
                 ldc, bf16, ctype == CUDA_R_16BF);
 }
 
+// ---- cuBLASLt: cublasLtMatmul with the epilogues mgpu uses --------------------------------------
+// A descriptor is the opaque struct of cublasLt.h, its fields kept in its words. The heuristic
+// finds one algorithm for what the emulator computes, or none (CUBLAS_STATUS_NOT_SUPPORTED, as
+// cuBLASLt answers a combination it lacks) for an epilogue it does not know, or for every
+// query with MGPU_EMU_NO_LT=1 (mgpu's plain path then runs).
+struct lt_desc {
+    int32_t compute, scale, pointer_mode, transa, transb, bias_type;
+    uint32_t epilogue;
+    void* bias;
+    void* aux;
+    int64_t aux_ld;
+    uint32_t magic;
+};
+struct lt_layout {
+    int32_t type;
+    uint64_t rows, cols;
+    int64_t ld;
+    uint32_t magic;
+};
+static_assert(sizeof(lt_desc) <= sizeof(cublasLtMatmulDescOpaque_t), "lt_desc fits the opaque descriptor");
+static_assert(sizeof(lt_layout) <= sizeof(cublasLtMatrixLayoutOpaque_t), "lt_layout fits the opaque layout");
+static const uint32_t lt_desc_magic = 0x4c54444du, lt_layout_magic = 0x4c544c61u;
+struct cublasLtContext { int dev; };
+static std::set<cublasLtHandle_t> g_lt_handles;   // guarded by g_mu
+
+EMU_EXPORT cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+    if (!handle) return CUBLAS_STATUS_INVALID_VALUE;
+    std::lock_guard<std::mutex> lock(g_mu);
+    *handle = new cublasLtContext{tl_device};
+    g_lt_handles.insert(*handle);
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_lt_handles.erase(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    delete handle;
+    return CUBLAS_STATUS_SUCCESS;
+}
+static lt_desc* lt_desc_of(cublasLtMatmulDesc_t d) {
+    lt_desc* x = (lt_desc*)d;
+    if (!d || x->magic != lt_desc_magic) die("cuBLASLt: a matmul descriptor that was not created (or was destroyed)");
+    return x;
+}
+static lt_layout* lt_layout_of(cublasLtMatrixLayout_t l) {
+    lt_layout* x = (lt_layout*)l;
+    if (!l || x->magic != lt_layout_magic) die("cuBLASLt: a matrix layout that was not created (or was destroyed)");
+    return x;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute, cudaDataType_t scale) {
+    if (!desc) return CUBLAS_STATUS_INVALID_VALUE;
+    lt_desc* d = (lt_desc*)calloc(1, sizeof(cublasLtMatmulDescOpaque_t));
+    d->compute = compute;
+    d->scale = scale;
+    d->bias_type = -1;   // D's type
+    d->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    d->magic = lt_desc_magic;
+    *desc = (cublasLtMatmulDesc_t)d;
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+    if (desc) lt_desc_of(desc)->magic = 0;
+    free(desc);
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
+                                                         const void* buf, size_t bytes) {
+    lt_desc* d = lt_desc_of(desc);
+    void* field;
+    size_t size;
+    switch (attr) {   // each attribute's size, as cuBLASLt checks it
+    case CUBLASLT_MATMUL_DESC_COMPUTE_TYPE: field = &d->compute; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_SCALE_TYPE: field = &d->scale; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_POINTER_MODE: field = &d->pointer_mode; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_TRANSA: field = &d->transa; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_TRANSB: field = &d->transb; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE: field = &d->epilogue; size = 4; break;
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER: field = &d->bias; size = sizeof(void*); break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: field = &d->aux; size = sizeof(void*); break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: field = &d->aux_ld; size = 8; break;
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: field = &d->bias_type; size = 4; break;
+    default: return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if (!buf || bytes != size) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(field, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType type, uint64_t rows,
+                                                     uint64_t cols, int64_t ld) {
+    if (!layout) return CUBLAS_STATUS_INVALID_VALUE;
+    lt_layout* l = (lt_layout*)calloc(1, sizeof(cublasLtMatrixLayoutOpaque_t));
+    *l = lt_layout{type, rows, cols, ld, lt_layout_magic};
+    *layout = (cublasLtMatrixLayout_t)l;
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+    if (layout) lt_layout_of(layout)->magic = 0;
+    free(layout);
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
+    if (!pref) return CUBLAS_STATUS_INVALID_VALUE;
+    *pref = (cublasLtMatmulPreference_t)calloc(1, sizeof(cublasLtMatmulPreferenceOpaque_t));
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
+    free(pref);
+    return CUBLAS_STATUS_SUCCESS;
+}
+EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
+                                                               cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
+                                                               size_t bytes) {
+    if (!pref || attr != CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES || !buf || bytes != 8) return CUBLAS_STATUS_INVALID_VALUE;
+    memcpy(pref->data, buf, 8);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// What the emulator computes: D = C (one buffer and layout), f32 operands with a 32F or
+// 32F_FAST_TF32 compute, or bf16 operands with an f32 or bf16 D; scale f32; an epilogue of
+// cublasLt.h's list with what it needs (a bias pointer; the mask's pointer and a leading
+// dimension divisible by 128 and no less than D's rows; the pointers only at the matmul: the
+// heuristic does not need them).
+static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_layout& b, const lt_layout& c, const lt_layout& dd,
+                               bool pointers) {
+    const bool f32 = a.type == CUDA_R_32F && b.type == CUDA_R_32F && c.type == CUDA_R_32F;
+    const bool bf16 = a.type == CUDA_R_16BF && b.type == CUDA_R_16BF && (c.type == CUDA_R_32F || c.type == CUDA_R_16BF);
+    const int64_t m = (int64_t)c.rows, n = (int64_t)c.cols;
+    const int64_t k = (int64_t)(d.transa != CUBLAS_OP_N ? a.rows : a.cols);
+    if (memcmp(&c, &dd, sizeof c) != 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!(f32 && (d.compute == CUBLAS_COMPUTE_32F || d.compute == CUBLAS_COMPUTE_32F_FAST_TF32)) && !(bf16 && d.compute == CUBLAS_COMPUTE_32F))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (d.scale != CUDA_R_32F || d.pointer_mode != CUBLASLT_POINTER_MODE_HOST) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (d.transa > CUBLAS_OP_T || d.transb > CUBLAS_OP_T) return CUBLAS_STATUS_INVALID_VALUE;
+    if ((int64_t)(d.transa != CUBLAS_OP_N ? a.cols : a.rows) != m || (int64_t)(d.transb != CUBLAS_OP_N ? b.cols : b.rows) != k ||
+        (int64_t)(d.transb != CUBLAS_OP_N ? b.rows : b.cols) != n)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (a.ld < (int64_t)std::max<uint64_t>(a.rows, 1) || b.ld < (int64_t)std::max<uint64_t>(b.rows, 1) || c.ld < std::max<int64_t>(m, 1))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    switch (d.epilogue) {
+    case CUBLASLT_EPILOGUE_DEFAULT: return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_BIAS: case CUBLASLT_EPILOGUE_BGRADA: case CUBLASLT_EPILOGUE_BGRADB:
+    case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_DRELU_BGRAD: break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (d.bias_type != -1 && d.bias_type != CUDA_R_32F && d.bias_type != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (pointers && (d.epilogue & (4 | 16 | 256 | 512)) && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
+    if ((d.epilogue & 128) && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                                         cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                                         cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                                         cublasLtMatmulPreference_t pref, int requested,
+                                                         cublasLtMatmulHeuristicResult_t results[], int* returned) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_lt_handles.count(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    }
+    if (!pref || requested <= 0 || !results || !returned) return CUBLAS_STATUS_INVALID_VALUE;
+    *returned = 0;
+    ++c_lt_heuristics;
+    if (setting_flag("MGPU_EMU_NO_LT", false)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    const cublasStatus_t st = lt_check(*lt_desc_of(desc), *lt_layout_of(a), *lt_layout_of(b), *lt_layout_of(c), *lt_layout_of(d), false);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+    memset(&results[0], 0, sizeof results[0]);
+    results[0].algo.data[0] = 0x656d75;   // the emulator's one algorithm
+    results[0].state = CUBLAS_STATUS_SUCCESS;
+    results[0].wavesCount = 1.0f;
+    *returned = 1;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* a,
+                                         cublasLtMatrixLayout_t adesc, const void* b, cublasLtMatrixLayout_t bdesc,
+                                         const void* beta, const void* c, cublasLtMatrixLayout_t cdesc, void* d,
+                                         cublasLtMatrixLayout_t ddesc, const cublasLtMatmulAlgo_t* algo, void* workspace,
+                                         size_t workspace_bytes, cudaStream_t stream) {
+    static const char* call = "cublasLtMatmul";
+    int dev;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_lt_handles.count(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+        dev = handle->dev;
+    }
+    if (tl_device != dev) die("%s: a handle of device %d used while device %d is current", call, dev, tl_device);
+    const lt_desc& x = *lt_desc_of(desc);
+    const lt_layout &la = *lt_layout_of(adesc), &lb = *lt_layout_of(bdesc), &lc = *lt_layout_of(cdesc);
+    if (!alpha || !beta || !algo || algo->data[0] != 0x656d75) return CUBLAS_STATUS_INVALID_VALUE;
+    if (cublasStatus_t st = lt_check(x, la, lb, lc, *lt_layout_of(ddesc), true)) return st;
+    if (c != d) return CUBLAS_STATUS_NOT_SUPPORTED;
+    cudaStream_t s = resolve(stream);
+    if (!s) return CUBLAS_STATUS_INVALID_VALUE;
+    if (workspace && workspace_bytes) check_device("cublasLtMatmul workspace", workspace, workspace_bytes, dev, false);
+    const int m = (int)lc.rows, n = (int)lc.cols, k = (int)(x.transa != CUBLAS_OP_N ? la.rows : la.cols);
+    if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+    const bool ab_bf16 = la.type == CUDA_R_16BF, c_bf16 = lc.type == CUDA_R_16BF;
+    const size_t ab_size = ab_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4;
+    if (k > 0) {
+        check_device("cublasLtMatmul A", a, ((size_t)(la.cols - 1) * la.ld + la.rows) * ab_size, dev, true);
+        check_device("cublasLtMatmul B", b, ((size_t)(lb.cols - 1) * lb.ld + lb.rows) * ab_size, dev, true);
+    }
+    check_device("cublasLtMatmul D", d, ((size_t)(n - 1) * lc.ld + m) * c_size, dev, true);
+    const bool bias_bf16 = x.bias_type == -1 ? c_bf16 : x.bias_type == CUDA_R_16BF;
+    const int bias_count = x.epilogue & 512 ? n : m;
+    if (x.epilogue & (4 | 16 | 256 | 512)) check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * (bias_bf16 ? 2 : 4), dev, true);
+    if (x.epilogue & 128) check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
+    gemm_args g{m, n, k, (int)la.ld, (int)lb.ld, (int)lc.ld, x.transa != CUBLAS_OP_N, x.transb != CUBLAS_OP_N,
+                x.compute == CUBLAS_COMPUTE_32F_FAST_TF32, ab_bf16, c_bf16, *(const float*)alpha, *(const float*)beta,
+                nullptr, nullptr, a, b, d, x.epilogue == CUBLASLT_EPILOGUE_DEFAULT ? 0u : x.epilogue, x.bias, bias_bf16,
+                (uint8_t*)x.aux, x.aux_ld};
+    if (result(submit(s, [g] { run_gemm(g); }, call)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+    ++c_launches;
+    ++c_gemms;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 // ---- for the fake NCCL and the benchmarks ------------------------------------------------------
 EMU_EXPORT void mgpu_emu_get_counters(mgpu_emu_counters* out) {
     out->launches = c_launches;
@@ -1956,6 +2226,7 @@ EMU_EXPORT void mgpu_emu_get_counters(mgpu_emu_counters* out) {
     out->set_device = c_set_device;
     out->get_device = c_get_device;
     out->gemms = c_gemms;
+    out->lt_heuristics = c_lt_heuristics;
     out->copies_h2d = c_copies_h2d;
     out->copies_d2h = c_copies_d2h;
     out->copies_peer = c_copies_peer;
