@@ -39,7 +39,8 @@
      a different order; the order of the warps leaving a barrier comes from that seed too.
    - Faults: MGPU_EMU_FAIL_MALLOC=N (the Nth cudaMalloc fails, and the MGPU_EMU_FAIL_MALLOC_COUNT - 1
      after it), MGPU_EMU_FAIL_LAUNCH=N (the Nth
-     launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices); a test sets the first two
+     launch fails), MGPU_EMU_NO_PEER=1 (no peer access between devices), MGPU_EMU_NO_LT=1 (cuBLASLt's
+     heuristic finds no algorithm); a test sets the first two
      at run time (mgpu_emu_fail_next, mgpu_emu_fail_at, counting with mgpu_emu_calls: emu.h).
    - A misuse the real GPU would not report reliably (an operand outside any allocation, a pointer
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
