@@ -788,6 +788,8 @@ static void emu_counts(const char* model_name, const char* spec, const char* all
     char layout[48] = "";
     if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d x %d stages", replicas, pipe_stages);
     if (use_bf16) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", bf16");
+    if (!mgpu__epilogues_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", no epilogues");
+    else if (mgpu__fuse_relu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", ReLU fused");
     printf("| %s b%d%s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %.1f/%.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %llu |\n",
            model_name, batch, layout, spec, mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)),
            mgpu_model_graph_steps(tr.m) ? "graph" : "eager", (double)s.graph_launches / steps,
@@ -827,6 +829,15 @@ static int bench_emu(void) {
     use_bf16 = 1;   /* mixed precision: the conversions it adds (input, weights, output, loss gradient) */
     for (graph = 0; graph < 2; ++graph) emu_counts("mlp784", "cuda:0", NULL, 64, graph);
     use_bf16 = 0;
+    /* the large MLP's layers (4 x Linear 4096 + ReLU, Linear 10) at batch 8, as it runs by default
+       (cuBLASLt's epilogues), with MGPU_FUSE_RELU, and with MGPU_EPILOGUES=0 */
+    emu_counts("mlp4096", "cuda:0", NULL, 8, 0);
+    mgpu__fuse_relu_setting = 1;
+    emu_counts("mlp4096", "cuda:0", NULL, 8, 0);
+    mgpu__fuse_relu_setting = -1;
+    mgpu__epilogue_setting = 0;
+    emu_counts("mlp4096", "cuda:0", NULL, 8, 0);
+    mgpu__epilogue_setting = -1;
     for (graph = 0; graph < 2; ++graph) {   /* the small GPT (4 blocks of width 128, T 64): a transformer's step */
         emu_counts("gpt", "cuda:0", NULL, 4, graph);
         emu_counts("gpt", "cuda:0,1,2,3", "p2p", 8, graph);
@@ -964,6 +975,13 @@ int main(int argc, char** argv) {
         bench_gemm_layouts("cuda:0", 2048, 4096, 4096, 20);
         bench_training("mlp784_b64", "mlp784", "cuda:0", 64, 300, 0);
         bench_training("mlp4096_b2048", "mlp4096", "cuda:0", 2048, 20, 1);
+        /* cuBLASLt's epilogues (on by default above): with the ReLUs in the GEMMs too, and off */
+        mgpu__fuse_relu_setting = 1;
+        bench_training("mlp4096_b2048_fuse_relu", "mlp4096", "cuda:0", 2048, 20, 0);
+        mgpu__fuse_relu_setting = -1;
+        mgpu__epilogue_setting = 0;
+        bench_training("mlp4096_b2048_no_epilogues", "mlp4096", "cuda:0", 2048, 20, 0);
+        mgpu__epilogue_setting = -1;
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
         bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
