@@ -4816,6 +4816,18 @@ static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, i
             last_step->gemms -= before.gemms;
             last_step->lt_heuristics -= before.lt_heuristics;
         }
+        if (setting && stages == 1) {   /* what ran in the GEMMs (on a GPU: whether cuBLASLt had algorithms) */
+            const mgpu__slot* sl = &m->part[0].slot[0];
+            int relu = 0, drelu = 0;
+            for (i = 0; i < m->layer_count; ++i) {
+                relu += (sl->fused[i] & MGPU__FUSED_RELU) != 0;
+                drelu += (sl->fused[i] & MGPU__FUSED_DRELU) != 0;
+            }
+            printf("  %s %s: ReLUs in the Linears' GEMMs %d of 3, ReLU backwards in the next Linear's %d of 3\n", spec,
+                   mgpu_dtype_name(precision), relu, drelu);
+            if (emu_counters() && !getenv("MGPU_EMU_NO_LT"))
+                CHECK(relu == 3 && drelu == 3, "epilogues on %s: %d ReLUs and %d ReLU backwards in GEMMs, want 3 and 3", spec, relu, drelu);
+        }
         /* the 8 tensors in turn (a pipelined model's flat buffer is per stage) */
         *n = 0;
         params = fbuf(mgpu_model_param_count(m));
