@@ -1274,7 +1274,9 @@ MGPUDEF int mgpu_model_bucket_count(const mgpu_model* m);
    first step, less the parameters' gradients, which mgpu holds from mgpu_model_create.) */
 MGPUDEF size_t mgpu_model_activation_bytes(const mgpu_model* m, int replica, size_t* gradient_bytes);
 /* The flat parameter and gradient buffers of one replica's stage (all of the model with one
-   stage); mgpu_model_params and _grads are stage 0's, for models of one stage only. */
+   stage); mgpu_model_params and _grads are stage 0's, for models of one stage only. The padding
+   between tensors (each starts at 64 bytes) is zero and must stay so: a step on a GPU writes its
+   first gradients over it without zeroing it again (MGPU_EPILOGUES). */
 MGPUDEF mgpu_tensor* mgpu_model_stage_params(const mgpu_model* m, int replica, int stage);
 MGPUDEF mgpu_tensor* mgpu_model_stage_grads(const mgpu_model* m, int replica, int stage);
 MGPUDEF mgpu_tensor* mgpu_model_params(const mgpu_model* m, int replica);
@@ -10667,7 +10669,7 @@ typedef struct mgpu__slot {
     int training;
     mgpu_tensor** act;                  /* act[i]: output of layer i (this stage's), [layer_count] */
     mgpu_tensor** dact;                 /* dact[i]: d loss / d act[i], below the stage's last layer: a
-                                           view into dflat[i % 2] */
+                                           view into dflat[0] or [1] (mgpu__slot_resize) */
     mgpu_tensor* dflat[2];              /* two buffers the activation gradients take turns in: layer
                                            i's backward reads dact[i] and writes dact[i - 1], and
                                            nothing reads a gradient after the layer below it ran, so
@@ -13502,6 +13504,7 @@ static void mgpu__batch_begin(mgpu__batch* b, mgpu_model* m, const char* op, int
     b->op = op;
     b->batch_total = batch_total;
     b->zero_grads = 0;
+    for (i = 0; i < m->part_count; ++i) m->part[i].grads_fresh = 0;   /* (set by mgpu__step_zero_grads) */
     b->grad_terms = 0.0;
     b->labels_on_device = 0;
 }
@@ -14083,6 +14086,11 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
         if (issued[s]) {
             mgpu_result joined = mgpu__ar_before_compute(m->ar[s]);
             if (res == MGPU_OK) res = joined;
+        }
+    for (s = 0; res != MGPU_OK && s < m->part_count; ++s)   /* a failed step leaves no earlier step's gradients */
+        if (m->part[s].grads_fresh) {                        /* where its zeroing left them to be written */
+            (void)mgpu_tensor_zero(m->part[s].grads);
+            m->part[s].grads_fresh = 0;
         }
     MGPU__TRY(res);
     if (overlap) m->grads_reduced = 1;

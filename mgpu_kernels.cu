@@ -531,13 +531,14 @@ int mgpu__cu_memcpy_peer(int dst_dev, void* dst, int src_dev, const void* src, s
 // heuristic chose in a small cache per handle, keyed by shape: a heuristic query costs tens of
 // microseconds, about a whole graphed step of a small MLP.
 struct lt_plan {
-    int key[12];                // epilogue, trans_a, trans_b, m, n, k, lda, ldb, ldc, ab, c dtypes, tf32
+    int key[13];                // epilogue, trans_a, trans_b, m, n, k, lda, ldb, ldc, ab, c dtypes, tf32,
+                                // the operands' alignment (lt_alignment)
     int found;                  // 1: algo is cuBLASLt's choice; 0: it has none (the plain path runs)
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, c;
     cublasLtMatmulAlgo_t algo;
 };
-enum { LT_PLANS = 32 };
+enum { LT_PLANS = 64 };
 struct blas_handle {
     cublasHandle_t h;
     void* workspace;   // not owned: mgpu.h frees it after mgpu__cu_blas_destroy
@@ -663,19 +664,31 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
     return MGPU__CU_OK;
 }
 
-// The plan for one GEMM and epilogue: cached, or made now (descriptors, then the heuristic's
-// first algorithm, or none).
-static int lt_plan_get(int dev, blas_handle* bh, const int key[12], lt_plan** out) {
-    for (int i = 0; i < bh->plan_count; ++i)
-        if (memcmp(bh->plans[i].key, key, sizeof bh->plans[i].key) == 0) {
-            *out = &bh->plans[i];
-            return MGPU__CU_OK;
-        }
+// The alignment cuBLASLt may assume of the operands: the largest power of two, at most 256 (its
+// default), that divides every address. A row slice of a batch (a micro-batch) or of a bf16
+// copy is less aligned than a block from the allocator; told so, the heuristic picks an
+// algorithm that reads it (PyTorch learned this on Hopper: pytorch/pytorch#98975).
+static int lt_alignment(const void* a, const void* b, const void* c, const void* bias, const void* aux) {
+    uintptr_t all = (uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)bias | (uintptr_t)aux | 256;
+    return (int)(all & (~all + 1));
+}
+
+// The epilogue's vectors on a plan's descriptor: the bias (or bias gradient), the ReLU mask
+static int lt_set_pointers(int dev, cublasLtMatmulDesc_t desc, int epilogue, void* bias, void* aux) {
+    if (epilogue != MGPU__EPI_DRELU)
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+                   "cublasLtMatmulDescSetAttribute(BIAS_POINTER) on device %d", dev);
+    if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU)
+        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+                   "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER) on device %d", dev);
+    return MGPU__CU_OK;
+}
+
+// Fills plan p for key: descriptors, layouts, then the heuristic's first algorithm, or none.
+static int lt_plan_fill(int dev, blas_handle* bh, const int key[13], void* bias, void* aux, lt_plan* p) {
     const int epilogue = key[0], trans_a = key[1], trans_b = key[2], m = key[3], n = key[4], k = key[5];
     const int lda = key[6], ldb = key[7], ldc = key[8], ab_dtype = key[9], c_dtype = key[10], tf32 = key[11];
-    lt_plan* p = &bh->plans[bh->plan_count < LT_PLANS ? bh->plan_count++ : bh->plan_next++ % LT_PLANS];
-    CUBLAS_TRY(lt_plan_free(p), "cuBLASLt descriptors' destroy on device %d", dev);
-    memcpy(p->key, key, sizeof p->key);
+    const uint32_t alignment = (uint32_t)key[12];
     // column-major, as mgpu__cu_gemm: C^T [n, m] = op(B)^T op(A)^T, B first
     const cudaDataType_t ab = ab_dtype == MGPU_BF16 ? CUDA_R_16BF : CUDA_R_32F, c = c_dtype == MGPU_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     const cublasComputeType_t compute = ab_dtype == MGPU_F32 && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -703,18 +716,21 @@ static int lt_plan_get(int dev, blas_handle* bh, const int key[12], lt_plan** ou
     CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->a, ab, trans_b ? k : n, trans_b ? n : k, ldb), "cublasLtMatrixLayoutCreate(B) on device %d", dev);
     CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->b, ab, trans_a ? m : k, trans_a ? k : m, lda), "cublasLtMatrixLayoutCreate(A) on device %d", dev);
     CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p->c, c, n, m, ldc), "cublasLtMatrixLayoutCreate(C) on device %d", dev);
+    TRY(lt_set_pointers(dev, p->desc, epilogue, bias, aux));   // (the heuristic reads their alignment)
     cublasLtMatmulPreference_t pref = NULL;
     const uint64_t workspace = bh->workspace_bytes;
     cublasLtMatmulHeuristicResult_t result;
     int returned = 0;
     CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate() on device %d", dev);
     cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace);
+    const cublasLtMatmulPreferenceAttributes_t aligned[4] = { CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                              CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES };
+    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, aligned[i], &alignment, sizeof alignment);
     if (st != CUBLAS_STATUS_SUCCESS) {
         (void)cublasLtMatmulPreferenceDestroy(pref);
-        CUBLAS_TRY(st, "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES) on device %d", dev);
+        CUBLAS_TRY(st, "cublasLtMatmulPreferenceSetAttribute() on device %d", dev);
     }
-    // The aux and bias pointers are set per call; the heuristic is told their alignment by the
-    // addresses given now (none: it assumes cuBLASLt's default, 256 bytes, which the allocator's are)
     st = cublasLtMatmulAlgoGetHeuristic(bh->lt, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &returned);
     (void)cublasLtMatmulPreferenceDestroy(pref);
     // no algorithm (NOT_SUPPORTED, or none returned) is an answer, kept: the caller's plain path runs
@@ -722,6 +738,30 @@ static int lt_plan_get(int dev, blas_handle* bh, const int key[12], lt_plan** ou
         CUBLAS_TRY(st, "cublasLtMatmulAlgoGetHeuristic(epilogue %d, m=%d, n=%d, k=%d) on device %d", (int)lt_epilogue, m, n, k, dev);
     p->found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
     if (p->found) p->algo = result.algo;
+    return MGPU__CU_OK;
+}
+
+// The plan for one GEMM and epilogue: cached, or made now (a plan that failed to be made is not
+// kept: the next call tries again).
+static int lt_plan_get(int dev, blas_handle* bh, const int key[13], void* bias, void* aux, lt_plan** out) {
+    for (int i = 0; i < bh->plan_count; ++i)
+        if (memcmp(bh->plans[i].key, key, sizeof bh->plans[i].key) == 0) {
+            *out = &bh->plans[i];
+            return MGPU__CU_OK;
+        }
+    lt_plan* p;
+    if (bh->plan_count < LT_PLANS) p = &bh->plans[bh->plan_count++];
+    else {   // all in use: the oldest is replaced
+        p = &bh->plans[bh->plan_next];
+        bh->plan_next = (bh->plan_next + 1) % LT_PLANS;
+    }
+    CUBLAS_TRY(lt_plan_free(p), "cuBLASLt descriptors' destroy on device %d", dev);
+    int rc = lt_plan_fill(dev, bh, key, bias, aux, p);
+    if (rc != MGPU__CU_OK) {
+        (void)lt_plan_free(p);   // (its key all zeros: no epilogue is 0, so it matches none)
+        return rc;
+    }
+    memcpy(p->key, key, sizeof p->key);
     *out = p;
     return MGPU__CU_OK;
 }
@@ -736,16 +776,12 @@ int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int
     if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
         (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
         return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);
-    const int key[12] = { epilogue, trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, ab_dtype, c_dtype, bh->tf32 };
+    const int key[13] = { epilogue, trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, ab_dtype, c_dtype, bh->tf32,
+                          lt_alignment(a, b, c, bias, aux) };
     lt_plan* p = NULL;
-    TRY(lt_plan_get(dev, bh, key, &p));
+    TRY(lt_plan_get(dev, bh, key, bias, aux, &p));
     if (!p->found) return MGPU__CU_NO_ALGORITHM;
-    if (epilogue != MGPU__EPI_DRELU)
-        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
-                   "cublasLtMatmulDescSetAttribute(BIAS_POINTER) on device %d", dev);
-    if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU)
-        CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
-                   "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER) on device %d", dev);
+    TRY(lt_set_pointers(dev, p->desc, epilogue, bias, aux));
     cudaStream_t s = NULL;
     CUBLAS_TRY(cublasGetStream(bh->h, &s), "cublasGetStream() on device %d", dev);
     CUBLAS_TRY(cublasLtMatmul(bh->lt, p->desc, &alpha, b, p->a, a, p->b, &beta, c, p->c, c, p->c, &p->algo, bh->workspace,

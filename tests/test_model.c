@@ -4782,19 +4782,19 @@ static emu_counters_fn emu_counters(void) {
 }
 /* An MLP of three Linear + ReLU pairs and a Linear, trained `steps` SGD steps on one batch with
    MGPU_EPILOGUES `setting`; its parameters, and the emulator's counts of the last step. */
-static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, int micro_batches, int setting, int steps,
-                           mgpu_emu_counters_t* last_step, int64_t* n) {
+static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, int micro_batches, int in, int batch, int setting,
+                           int steps, mgpu_emu_counters_t* last_step, int64_t* n) {
     const mgpu_optimizer_desc od = { .kind = MGPU_SGD, .lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f };
     mgpu_device_set* devs = mgpu_device_set_create(spec);
-    mgpu_model* m = devs ? model_from((mgpu_model_desc){ .input = mgpu_shape1(20), .devices = devs, .loss = MGPU_LOSS_CROSS_ENTROPY,
+    mgpu_model* m = devs ? model_from((mgpu_model_desc){ .input = mgpu_shape1(in), .devices = devs, .loss = MGPU_LOSS_CROSS_ENTROPY,
                                                          .seed = 77, .stages = stages, .micro_batches = micro_batches,
                                                          .precision = precision },
-                                      (mgpu_layer*[]){ mgpu_layer_linear(20, 24), mgpu_layer_relu(), mgpu_layer_linear(24, 16),
+                                      (mgpu_layer*[]){ mgpu_layer_linear(in, 24), mgpu_layer_relu(), mgpu_layer_linear(24, 16),
                                                        mgpu_layer_relu(), mgpu_layer_linear(16, 16), mgpu_layer_relu(),
                                                        mgpu_layer_linear(16, 7) }, 7)
                              : NULL;
     mgpu_optimizer* o = m ? mgpu_optimizer_create(m, &od) : NULL;
-    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(12, 20)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(12));
+    mgpu_tensor *x = tmake(mgpu_device_cpu(), MGPU_F32, mgpu_shape2(batch, in)), *y = tmake(mgpu_device_cpu(), MGPU_I32, mgpu_shape1(batch));
     emu_counters_fn counters = emu_counters();
     mgpu_emu_counters_t before;
     float* params = NULL;
@@ -4804,7 +4804,7 @@ static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, i
     mgpu__fuse_relu_setting = 1;
     if (o && x && y) {
         MUST(mgpu_rand_normal(x, 5, 0, 0.0f, 1.5f));
-        for (i = 0; i < 12; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (i * 5) % 7;
+        for (i = 0; i < batch; ++i) ((int32_t*)mgpu_tensor_data(y))[i] = (i * 5) % 7;
         for (i = 0; i < steps; ++i) {
             if (i == steps - 1 && counters) counters(&before);
             MUST(mgpu_model_train_step(m, o, x, y, NULL));
@@ -4816,7 +4816,7 @@ static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, i
             last_step->gemms -= before.gemms;
             last_step->lt_heuristics -= before.lt_heuristics;
         }
-        if (setting && stages == 1) {   /* what ran in the GEMMs (on a GPU: whether cuBLASLt had algorithms) */
+        if (setting && stages == 1 && micro_batches == 1) {   /* what ran in the GEMMs (on a GPU: whether cuBLASLt had algorithms) */
             const mgpu__slot* sl = &m->part[0].slot[0];
             int relu = 0, drelu = 0;
             for (i = 0; i < m->layer_count; ++i) {
@@ -4869,23 +4869,28 @@ static void test_epilogues(void) {
 #ifdef MGPU_CUDA
     if (!test_gpu_group("epilogues", g_gpu != NULL)) return;
     {
-        static const struct { const char* spec; mgpu_dtype precision; int stages, micro; double tol; } runs[] = {
-            { "cuda:0", MGPU_F32, 1, 1, 1e-5 }, { "cuda:0,0", MGPU_F32, 1, 1, 1e-5 }, { "cuda:0,0", MGPU_F32, 2, 2, 1e-5 },
-            { "cuda:0", MGPU_BF16, 1, 1, 5e-3 },
+        /* the last: 3 features and micro-batches of 3 and 2 rows, so the second's x starts 36 bytes
+           into the batch (cuBLASLt told of its alignment, or a GPU refuses it) */
+        static const struct { const char* spec; mgpu_dtype precision; int stages, micro, in, batch; double tol; } runs[] = {
+            { "cuda:0", MGPU_F32, 1, 1, 20, 12, 1e-5 }, { "cuda:0,0", MGPU_F32, 1, 1, 20, 12, 1e-5 },
+            { "cuda:0,0", MGPU_F32, 2, 2, 20, 12, 1e-5 }, { "cuda:0", MGPU_BF16, 1, 1, 20, 12, 5e-3 },
+            { "cuda:0", MGPU_F32, 1, 2, 3, 5, 1e-5 },
         };
         size_t r;
         for (r = 0; r < sizeof runs / sizeof runs[0]; ++r) {
             int64_t n = 0, n2 = 0;
             mgpu_emu_counters_t c;
-            float* on = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, 1, 6, &c, &n);
-            float* off = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, 0, 6, NULL, &n2);
+            float* on = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, runs[r].in, runs[r].batch, 1, 6,
+                                     &c, &n);
+            float* off = epilogue_run(runs[r].spec, runs[r].precision, runs[r].stages, runs[r].micro, runs[r].in, runs[r].batch, 0, 6,
+                                      NULL, &n2);
             if (on && off && n == n2) {
                 const double e = max_rel_diff(on, off, n);
                 CHECK(e <= runs[r].tol, "epilogues on %s (%s, %d stages, %d micro-batches): parameters differ from the separate "
                       "kernels' by %.3g (limit %.0e)", runs[r].spec, mgpu_dtype_name(runs[r].precision), runs[r].stages,
                       runs[r].micro, e, runs[r].tol);
-                printf("  %-10s %-5s %d stage(s), %d micro-batch(es): epilogues against separate kernels, rel diff %.3g\n",
-                       runs[r].spec, mgpu_dtype_name(runs[r].precision), runs[r].stages, runs[r].micro, e);
+                printf("  %-10s %-5s %d stage(s), %d micro-batch(es), %d features: epilogues against separate kernels, rel diff %.3g\n",
+                       runs[r].spec, mgpu_dtype_name(runs[r].precision), runs[r].stages, runs[r].micro, runs[r].in, e);
             } else CHECK(0, "epilogues on %s: no parameters", runs[r].spec);
             if (on && emu_counters()) {   /* one GPU: 4 GEMMs forward, 7 backward; the loss's kernels and the optimizer's */
                 CHECK(r > 0 || (c.gemms == 11 && c.launches - c.gemms <= 3), "epilogues on %s: a step issued %llu GEMMs and %llu "
@@ -4900,7 +4905,7 @@ static void test_epilogues(void) {
             if (r == 0 && on && emu_counters()) {   /* cuBLASLt without an algorithm */
                 float* none;
                 test_setenv("MGPU_EMU_NO_LT", "1");
-                none = epilogue_run(runs[r].spec, MGPU_F32, 1, 1, 1, 6, &c, &n2);
+                none = epilogue_run(runs[r].spec, MGPU_F32, 1, 1, 20, 12, 1, 6, &c, &n2);
                 test_unsetenv("MGPU_EMU_NO_LT");
                 if (none && off && n == n2) {
                     const double e = max_rel_diff(none, off, n);

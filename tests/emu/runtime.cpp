@@ -2096,9 +2096,11 @@ EMU_EXPORT cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t lay
     free(layout);
     return CUBLAS_STATUS_SUCCESS;
 }
+// A preference: data[0] the workspace bound, data[1 + i] the alignment promised of A, B, C, D
 EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
     if (!pref) return CUBLAS_STATUS_INVALID_VALUE;
     *pref = (cublasLtMatmulPreference_t)calloc(1, sizeof(cublasLtMatmulPreferenceOpaque_t));
+    for (int i = 1; i <= 4; ++i) (*pref)->data[i] = 256;
     return CUBLAS_STATUS_SUCCESS;
 }
 EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
@@ -2108,8 +2110,17 @@ EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreferen
 EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
                                                                cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
                                                                size_t bytes) {
-    if (!pref || attr != CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES || !buf || bytes != 8) return CUBLAS_STATUS_INVALID_VALUE;
-    memcpy(pref->data, buf, 8);
+    if (!pref || !buf) return CUBLAS_STATUS_INVALID_VALUE;
+    if (attr == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) {
+        if (bytes != 8) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(pref->data, buf, 8);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    if (attr < CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES || attr > CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES || bytes != 4)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    uint32_t v;
+    memcpy(&v, buf, 4);
+    pref->data[1 + (attr - CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES)] = v;
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -2162,7 +2173,8 @@ EMU_EXPORT cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle
     const cublasStatus_t st = lt_check(*lt_desc_of(desc), *lt_layout_of(a), *lt_layout_of(b), *lt_layout_of(c), *lt_layout_of(d), false);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
     memset(&results[0], 0, sizeof results[0]);
-    results[0].algo.data[0] = 0x656d75;   // the emulator's one algorithm
+    results[0].algo.data[0] = 0x656d75;   // the emulator's one algorithm, for operands aligned as promised
+    for (int i = 1; i <= 4; ++i) results[0].algo.data[i] = pref->data[i];
     results[0].state = CUBLAS_STATUS_SUCCESS;
     results[0].wavesCount = 1.0f;
     *returned = 1;
@@ -2187,6 +2199,11 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
     if (!alpha || !beta || !algo || algo->data[0] != 0x656d75) return CUBLAS_STATUS_INVALID_VALUE;
     if (cublasStatus_t st = lt_check(x, la, lb, lc, *lt_layout_of(ddesc), true)) return st;
     if (c != d) return CUBLAS_STATUS_NOT_SUPPORTED;
+    // an operand less aligned than the heuristic was promised: what a GPU's kernel cannot read
+    // (cuBLASLt answers NOT_SUPPORTED, as on Hopper for an 8-byte-aligned f32 operand)
+    const void* operands[4] = {a, b, c, d};
+    for (int i = 0; i < 4; ++i)
+        if (algo->data[1 + i] > 1 && (uintptr_t)operands[i] % algo->data[1 + i] != 0) return CUBLAS_STATUS_NOT_SUPPORTED;
     cudaStream_t s = resolve(stream);
     if (!s) return CUBLAS_STATUS_INVALID_VALUE;
     if (workspace && workspace_bytes) check_device("cublasLtMatmul workspace", workspace, workspace_bytes, dev, false);
