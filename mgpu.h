@@ -2227,7 +2227,8 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
                           backward, with the mask a RELU_BIAS forward wrote)
      MGPU__EPI_BGRAD_A    C = alpha op(A) op(B) + beta C, and bias[i] = sum over k of op(A)[i, k]
                           (a Linear's bias gradient from its weight gradient's GEMM)
-   bias is f32 in each. Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0). */
+   bias is f32 in each, so C is f32 but with MGPU__EPI_DRELU (cuBLASLt's bias has C's type).
+   Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0, or C is bf16 with a bias). */
 enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4 };
 static inline int64_t mgpu__relu_mask_ld(int64_t n) { return (n + 127) / 128 * 128; }   /* cuBLASLt: a multiple of 128 */
 int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
@@ -6991,11 +6992,11 @@ static mgpu_result mgpu__linear_weight(const mgpu_layer* l, const mgpu_layer_ctx
     *w = ctx->params_bf16[0];
     return MGPU_OK;
 }
-/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. On a GPU the bias is added by the
-   GEMM's epilogue; with relu_mask (the model's: a ReLU after it, mgpu__fuse) the ReLU too, its
-   mask of y > 0 written for the backward (*relu_done = 1; 0 when it was not, and the ReLU runs).
-   Else a bf16 y with a bias: the fp32 sums plus the bias, rounded once (as cuBLASLt's bias
-   epilogue), through an f32 temporary from the device's cache. */
+/* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. On a GPU an f32 y's bias is added
+   by the GEMM's epilogue; with relu_mask (the model's: a ReLU after it, mgpu__fuse_plan) the ReLU
+   too, its mask of y > 0 written for the backward (*relu_done = 1; 0 when it was not, and the
+   ReLU runs). Else a bf16 y with a bias: the fp32 sums plus the f32 bias, rounded once, through
+   an f32 temporary from the device's cache. */
 static mgpu_result mgpu__linear_forward_fused(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y,
                                               mgpu_tensor* relu_mask, int* relu_done) {
     const mgpu_tensor x2 = mgpu__rows_2d(x);
@@ -7030,7 +7031,7 @@ static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ct
     return mgpu__linear_forward_fused(l, ctx, x, y, NULL, &relu_done);
 }
 /* The gradients: dW (+)= dy^T x (x^T dy for [in, out]), db (+)= the sums of dy's rows, dx = dy W.
-   fresh (the model's, the first micro-batch of a step: mgpu__fuse): the gradients are written,
+   fresh (the model's, the first micro-batch of a step: mgpu__fuse_plan): the gradients are written,
    not added to, and on a GPU the bias's comes from dW's GEMM (its epilogue) where it can.
    relu_mask (the model's: a ReLU between the Linear before this one and this one): dx is the
    ReLU's input's gradient, masked in dx's GEMM (*relu_done = 1; 0 when it was not). */

@@ -705,7 +705,7 @@ static int lt_plan_fill(int dev, blas_handle* bh, const int key[13], void* bias,
                "cublasLtMatmulDescSetAttribute(TRANSB) on device %d", dev);
     CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue, sizeof lt_epilogue),
                "cublasLtMatmulDescSetAttribute(EPILOGUE %d) on device %d", (int)lt_epilogue, dev);
-    if (epilogue != MGPU__EPI_DRELU)   // the bias, or the bias gradient, in f32 whatever D's type
+    if (epilogue != MGPU__EPI_DRELU)   // the bias, or the bias gradient, in f32 (D's type: f32)
         CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
                    "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE) on device %d", dev);
     if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU) {
@@ -776,6 +776,8 @@ int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int
     if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
         (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
         return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);
+    // cuBLASLt's bias is of D's type (cublasLt.h, BIAS_DATA_TYPE), and mgpu's biases are f32
+    if (c_dtype != MGPU_F32 && epilogue != MGPU__EPI_DRELU) return MGPU__CU_NO_ALGORITHM;
     const int key[13] = { epilogue, trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, ab_dtype, c_dtype, bh->tf32,
                           lt_alignment(a, b, c, bias, aux) };
     lt_plan* p = NULL;

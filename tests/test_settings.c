@@ -89,6 +89,21 @@ static const row rows[] = {
     { "MGPU_DETERMINISTIC", "inf", "inf", 0, 1 },
     { "MGPU_DETERMINISTIC", "nan", "nan", 0, 1 },
     { "MGPU_DETERMINISTIC", "empty", "", 0, 0 },
+    /* a flag, default on */
+    { "MGPU_EPILOGUES", "unset", NULL, 1, 0 },
+    { "MGPU_EPILOGUES", "0", "0", 0, 0 },
+    { "MGPU_EPILOGUES", "off, another case, spaces", " OFF ", 0, 0 },
+    { "MGPU_EPILOGUES", "yes", "yes", 1, 0 },
+    { "MGPU_EPILOGUES", "bad word", "fast", 1, 1 },
+    { "MGPU_EPILOGUES", "out of range", "2", 1, 1 },
+    { "MGPU_EPILOGUES", "empty", "", 1, 0 },
+    /* a flag, default off (and off whenever MGPU_EPILOGUES is) */
+    { "MGPU_FUSE_RELU", "unset", NULL, 0, 0 },
+    { "MGPU_FUSE_RELU", "1", "1", 1, 0 },
+    { "MGPU_FUSE_RELU", "true, another case", "True", 1, 0 },
+    { "MGPU_FUSE_RELU", "bad word", "relu", 0, 1 },
+    { "MGPU_FUSE_RELU", "trailing garbage", "1x", 0, 1 },
+    { "MGPU_FUSE_RELU", "empty", "", 0, 0 },
     /* a word: auto, nccl, p2p, host (the table's values: mgpu_allreduce_kind) */
     { "MGPU_ALLREDUCE", "unset", NULL, MGPU_ALLREDUCE_AUTO, 0 },
     { "MGPU_ALLREDUCE", "valid", "p2p", MGPU_ALLREDUCE_P2P, 0 },
@@ -132,6 +147,8 @@ static double setting_used(const row* r, char* error, size_t size) {
     if (!strcmp(n, "MGPU_CPU_SPIN_US")) return floor(mgpu__pool_spin_from_env() * 1e6 + 0.5);
     if (!strcmp(n, "MGPU_DIST_TIMEOUT")) return mgpu__dist_timeout_from_env();
     if (!strcmp(n, "MGPU_DETERMINISTIC")) return mgpu__deterministic_from_env();
+    if (!strcmp(n, "MGPU_EPILOGUES")) return mgpu__epilogues_on();
+    if (!strcmp(n, "MGPU_FUSE_RELU")) return mgpu__fuse_relu_on();
     if (!strcmp(n, "MGPU_ALLREDUCE")) return mgpu__allreduce_from_env(MGPU_ALLREDUCE_AUTO);
     if (!strcmp(n, "MGPU_P2P")) return mgpu__p2p_choice_from_env();
     if (!strcmp(n, "MGPU_DEVICES")) {

@@ -2151,7 +2151,9 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
     case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_DRELU_BGRAD: break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    if (d.bias_type != -1 && d.bias_type != CUDA_R_32F && d.bias_type != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
+    // the bias (or bias gradient) of D's type, as cublasLt.h's BIAS_DATA_TYPE says (its exceptions
+    // are integer and fp8 kernels)
+    if ((d.epilogue & (4 | 16 | 256 | 512)) && d.bias_type != -1 && d.bias_type != c.type) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (pointers && (d.epilogue & (4 | 16 | 256 | 512)) && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
     if ((d.epilogue & 128) && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
     return CUBLAS_STATUS_SUCCESS;
