@@ -11607,9 +11607,6 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
 
 #define MGPU__MAX_STAGES 64   /* the queueing of a GPU step keeps a few counters per stage */
 
-/* Step 2: the cut into stages, explicit (split) or balanced: the cut whose largest stage holds
-   the fewest parameters (a small dynamic programme over the layers; ties go to the earliest
-   cut). Then where each stage's floats lie in the flat layout. */
 /* What a training step on a GPU does across layers, with cuBLASLt's epilogues
    (mgpu__matmul_epilogue; MGPU_EPILOGUES turns them off), as PyTorch's compiled or fused MLPs do:
    - MGPU__FUSE_RELU: layer i is a Linear with a bias and a ReLU follows it in its stage (in place,
@@ -11623,7 +11620,7 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
      from the weight's GEMM).
    The first two only with MGPU_FUSE_RELU (mgpu__fuse_relu_on). Whatever cuBLASLt has no
    algorithm for runs as the separate kernels (the slot's fused[] says which ran); the CPU always
-   runs them. */
+   runs them. Made at the end of step 2. */
 enum { MGPU__FUSE_RELU = 1, MGPU__FUSE_DRELU = 2, MGPU__FUSE_FRESH = 4 };
 enum { MGPU__FUSED_RELU = 1, MGPU__FUSED_DRELU = 2 };   /* a slot's: done by the epilogue this time */
 static int mgpu__is_linear(const mgpu_layer* l) { return l->vt == &mgpu__linear_vt || l->vt == &mgpu__conv1d_vt; }
@@ -11647,6 +11644,9 @@ static mgpu_result mgpu__fuse_plan(mgpu_model* m) {
 /* Whether part p's step fuses as mgpu__fuse_plan says: on a GPU, MGPU_EPILOGUES on */
 static int mgpu__part_fuses(const mgpu__part* p) { return p->dev->kind == MGPU_DEVICE_CUDA && mgpu__epilogues_on(); }
 
+/* Step 2: the cut into stages, explicit (split) or balanced: the cut whose largest stage holds
+   the fewest parameters (a small dynamic programme over the layers; ties go to the earliest
+   cut). Then where each stage's floats lie in the flat layout. */
 static mgpu_result mgpu__model_stages(mgpu_model* m, const mgpu_model_desc* desc, int devices) {
     static const char* op = "mgpu_model_create";
     const int S = m->stage_count, L = m->layer_count;
