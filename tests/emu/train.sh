@@ -3,13 +3,14 @@
 # MLP from the same seed on cuda:0, cuda:0,0, cuda:0,1 and cuda:0,1,2,3 with every all-reduce
 # backend and P2P algorithm, the replicas bit-identical at every step (MGPU_VERIFY_EVERY=1), and
 # the final checkpoints (parameters and optimizer state, max relative difference per tensor):
-#   - cuda:0 within 1e-4 of build/train_cpu's, and every multi-GPU run within 2e-5 of cuda:0's
-#     (what the split and the all-reduce add), except the 4-replica P2P ring (1e-4). The two
-#     exceptions measure 5.6e-5 at seed 7, at one hidden unit: a ReLU input within rounding of
-#     zero at some step goes one way or the other depending on the order of the sums (the CPU
-#     GEMM's float chains against the emulated cuBLAS's sums in double; the ring's rotation of
-#     the replicas against replica order), and that one decision outweighs the rest (at most
-#     4.2e-6). The ring run agrees with the CPU run to 1.4e-5.
+#   - cuda:0 within 1e-4 of build/train_cpu's, the 2-replica runs within 2e-5 of cuda:0's (what
+#     the split and the all-reduce add), the 4-replica runs within 1e-4 (the project's bound for
+#     data parallelism against one device). At seed 7 the last differ from cuda:0 by 5.6e-5 (all
+#     but the ring), as cuda:0 does from the CPU, at one hidden unit: a ReLU input within rounding
+#     of zero at some step goes one way or the other depending on the order of the sums (the CPU
+#     GEMM's float chains against the emulated cuBLAS's sums in double, the bias gradients from
+#     cuBLASLt's epilogue on one GPU, the ring's rotation of the replicas), and that one decision
+#     outweighs the rest (at most 3.2e-6).
 #   - with --graph (steps replayed from a CUDA graph), on cuda:0 and on 4 GPUs (P2P ring): the
 #     bits of the eager run of the same layout, most steps from the graph; and on cuda:0 with
 #     --precision bf16; and a small GPT in bf16 (build/emu/gpt).
@@ -52,7 +53,7 @@ for run in "cuda:0 - - none" \
     [ "$3" != - ] && env="$env MGPU_P2P=$3"
     what="train_emu --devices $spec ($env)"
     t=$tol; ref="$tmp/gpu0.safetensors"   # the multi-GPU runs against the emulated single GPU
-    [ "$3" = ring ] && [ "$spec" = cuda:0,1,2,3 ] && t=${EMU_TRAIN_RING_TOL:-1e-4}
+    [ "$spec" = cuda:0,1,2,3 ] && t=${EMU_TRAIN_4_TOL:-1e-4}
     [ "$spec" = cuda:0 ] && { t=$cpu_tol; ref="$tmp/cpu.safetensors"; }   # ... and that one against the CPU
     if env $env "$b/train_emu" $args --devices "$spec" --save "$tmp/gpu.safetensors" > "$tmp/gpu.txt" 2>&1; then
         last=$(tail -n 1 "$tmp/gpu.txt")
