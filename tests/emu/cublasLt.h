@@ -34,16 +34,11 @@ typedef enum {
     CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26          /* int32_t (cudaDataType) */
 } cublasLtMatmulDescAttributes_t;
 typedef enum { CUBLASLT_POINTER_MODE_HOST = 0, CUBLASLT_POINTER_MODE_DEVICE = 1 } cublasLtPointerMode_t;
-typedef enum {
+typedef enum {   /* the ones mgpu uses; others are NOT_SUPPORTED in the emulator */
     CUBLASLT_EPILOGUE_DEFAULT = 1,
-    CUBLASLT_EPILOGUE_RELU = 2,
-    CUBLASLT_EPILOGUE_RELU_AUX = 2 | 128,
     CUBLASLT_EPILOGUE_BIAS = 4,
-    CUBLASLT_EPILOGUE_RELU_BIAS = 2 | 4,
     CUBLASLT_EPILOGUE_RELU_AUX_BIAS = 2 | 128 | 4,
     CUBLASLT_EPILOGUE_DRELU = 8 | 128,
-    CUBLASLT_EPILOGUE_DRELU_BGRAD = 8 | 128 | 16,
-    CUBLASLT_EPILOGUE_BGRADA = 256,
     CUBLASLT_EPILOGUE_BGRADB = 512
 } cublasLtEpilogue_t;
 typedef enum {

@@ -1841,57 +1841,34 @@ struct gemm_args {
     const void* a;
     const void* b;
     void* c;
-    // cublasLtMatmul's epilogue (0: none): the bias (or the bias gradient, written) of bias_bf16 or
-    // f32 type, and the ReLU bit mask, bit i + j aux_ld for D's entry (i, j)
+    // cublasLtMatmul's epilogue (0: none): the f32 bias (or the bias gradient, written), and the
+    // ReLU bit mask, bit i + j aux_ld for D's entry (i, j)
     unsigned epilogue;
-    void* bias;
-    bool bias_bf16;
+    float* bias;
     uint8_t* aux;
     int64_t aux_ld;
 };
 
 // cuBLASLt's epilogues (cublasLt.h), on D's entry (i, j) after alpha AB + beta C: the bias of row
-// i added (BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in the mask (RELU_AUX), or the
-// mask's bit applied (DRELU)
-static inline float lt_bias(const gemm_args& g, int i) {
-    return g.bias_bf16 ? from_bf16(((const uint16_t*)g.bias)[i]) : ((const float*)g.bias)[i];
-}
+// i added (BIAS, RELU_AUX_BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in the mask
+// (RELU_AUX_BIAS); or the mask's bit applied (DRELU)
 static float epilogue_element(const gemm_args& g, int i, int j, float v) {
     const int64_t bit = i + (int64_t)j * g.aux_ld;
-    if (g.epilogue & 4) v += lt_bias(g, i);
-    if (g.epilogue & 2) {
+    if (g.epilogue == CUBLASLT_EPILOGUE_BIAS || g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) v += g.bias[i];
+    if (g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) {
         v = v > 0.0f ? v : 0.0f;
-        if (g.epilogue & 128) {
-            if (v > 0.0f) g.aux[bit / 8] |= (uint8_t)(1u << (bit % 8));
-            else g.aux[bit / 8] &= (uint8_t)~(1u << (bit % 8));
-        }
+        if (v > 0.0f) g.aux[bit / 8] |= (uint8_t)(1u << (bit % 8));
+        else g.aux[bit / 8] &= (uint8_t)~(1u << (bit % 8));
     }
-    if (g.epilogue & 8) v = (g.aux[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
+    if (g.epilogue == CUBLASLT_EPILOGUE_DRELU) v = (g.aux[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
     return v;
 }
-// The bias gradients, each a sum in double rounded once: of D's rows as written (DRELU_BGRAD:
-// over its columns), of op(A) over k (BGRADA, m of them) or op(B) over k (BGRADB, n)
-static void epilogue_bias_gradient(const gemm_args& g, const std::vector<float>& ap, const std::vector<float>& bp) {
-    auto put = [&g](int i, double s) {
-        if (g.bias_bf16) ((uint16_t*)g.bias)[i] = to_bf16((float)s);
-        else ((float*)g.bias)[i] = (float)s;
-    };
-    if (g.epilogue & 16)
-        for (int i = 0; i < g.m; ++i) {
-            double s = 0;
-            for (int j = 0; j < g.n; ++j)
-                s += g.c_bf16 ? from_bf16(((const uint16_t*)g.c)[i + (size_t)j * g.ldc]) : ((const float*)g.c)[i + (size_t)j * g.ldc];
-            put(i, s);
-        }
-    if (g.epilogue & (256 | 512)) {
-        const bool of_a = g.epilogue & 256;
-        const int count = of_a ? g.m : g.n;
-        const float* rows = of_a ? ap.data() : bp.data();
-        for (int i = 0; i < count; ++i) {
-            double s = 0;
-            for (int l = 0; l < g.k; ++l) s += rows[(size_t)i * g.k + l];
-            put(i, s);
-        }
+// BGRADB's bias gradient: each of op(B)'s n columns summed over k, in double, rounded once
+static void epilogue_bias_gradient(const gemm_args& g, const std::vector<float>& bp) {
+    for (int j = 0; j < g.n; ++j) {
+        double s = 0;
+        for (int l = 0; l < g.k; ++l) s += bp[(size_t)j * g.k + l];
+        g.bias[j] = (float)s;
     }
 }
 
@@ -1933,7 +1910,7 @@ static void run_gemm(const gemm_args& g) {
             else ((float*)g.c)[at] = v;
         }
     }
-    if (g.epilogue) epilogue_bias_gradient(g, ap, bp);
+    if (g.epilogue == CUBLASLT_EPILOGUE_BGRADB) epilogue_bias_gradient(g, bp);
 }
 
 // cublasSgemm and cublasGemmEx: the checks of cuBLAS's arguments, then the product on the stream.
@@ -1962,7 +1939,7 @@ static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperat
     }
     check_device((what + " C").c_str(), c, ((size_t)(n - 1) * ldc + m) * c_size, dev, true);
     gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, ab_bf16, c_bf16, 0.0f, 0.0f,
-                nullptr, nullptr, a, b, c, 0, nullptr, false, nullptr, 0};
+                nullptr, nullptr, a, b, c, 0, nullptr, nullptr, 0};
     if (handle->pointer_mode == CUBLAS_POINTER_MODE_HOST) {
         g.alpha = *alpha;
         g.beta = *beta;
@@ -2125,8 +2102,8 @@ EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPre
 }
 
 // What the emulator computes: D = C (one buffer and layout), f32 operands with a 32F or
-// 32F_FAST_TF32 compute, or bf16 operands with an f32 or bf16 D; scale f32; an epilogue of
-// cublasLt.h's list with what it needs (a bias pointer; the mask's pointer and a leading
+// 32F_FAST_TF32 compute, or bf16 operands with an f32 or bf16 D; scale f32; one of the epilogues
+// mgpu uses, with what it needs (a bias pointer; the mask's pointer and a leading
 // dimension divisible by 128 and no less than D's rows; the pointers only at the matmul: the
 // heuristic does not need them).
 static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_layout& b, const lt_layout& c, const lt_layout& dd,
@@ -2145,17 +2122,17 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
         return CUBLAS_STATUS_INVALID_VALUE;
     if (a.ld < (int64_t)std::max<uint64_t>(a.rows, 1) || b.ld < (int64_t)std::max<uint64_t>(b.rows, 1) || c.ld < std::max<int64_t>(m, 1))
         return CUBLAS_STATUS_INVALID_VALUE;
-    switch (d.epilogue) {
-    case CUBLASLT_EPILOGUE_DEFAULT: return CUBLAS_STATUS_SUCCESS;
-    case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_BIAS: case CUBLASLT_EPILOGUE_BGRADA: case CUBLASLT_EPILOGUE_BGRADB:
-    case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_DRELU_BGRAD: break;
+    switch (d.epilogue) {   // the ones mgpu uses (what the emulator computes)
+    case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_BGRADB: break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
     // the bias (or bias gradient) of D's type, as cublasLt.h's BIAS_DATA_TYPE says (its exceptions
-    // are integer and fp8 kernels)
-    if ((d.epilogue & (4 | 16 | 256 | 512)) && d.bias_type != -1 && d.bias_type != c.type) return CUBLAS_STATUS_NOT_SUPPORTED;
-    if (pointers && (d.epilogue & (4 | 16 | 256 | 512)) && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
-    if ((d.epilogue & 128) && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
+    // are integer and fp8 kernels): here f32, the emulator's one
+    const bool has_bias = d.epilogue != CUBLASLT_EPILOGUE_DRELU;
+    if (has_bias && (c.type != CUDA_R_32F || (d.bias_type != -1 && d.bias_type != CUDA_R_32F))) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (pointers && has_bias && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
+    const bool has_mask = d.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || d.epilogue == CUBLASLT_EPILOGUE_DRELU;
+    if (has_mask && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -2218,14 +2195,12 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
         check_device("cublasLtMatmul B", b, ((size_t)(lb.cols - 1) * lb.ld + lb.rows) * ab_size, dev, true);
     }
     check_device("cublasLtMatmul D", d, ((size_t)(n - 1) * lc.ld + m) * c_size, dev, true);
-    const bool bias_bf16 = x.bias_type == -1 ? c_bf16 : x.bias_type == CUDA_R_16BF;
-    const int bias_count = x.epilogue & 512 ? n : m;
-    if (x.epilogue & (4 | 16 | 256 | 512)) check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * (bias_bf16 ? 2 : 4), dev, true);
-    if (x.epilogue & 128) check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
+    const int bias_count = x.epilogue == CUBLASLT_EPILOGUE_BGRADB ? n : m;
+    if (x.epilogue != CUBLASLT_EPILOGUE_DRELU) check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true);
+    if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU) check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
     gemm_args g{m, n, k, (int)la.ld, (int)lb.ld, (int)lc.ld, x.transa != CUBLAS_OP_N, x.transb != CUBLAS_OP_N,
                 x.compute == CUBLAS_COMPUTE_32F_FAST_TF32, ab_bf16, c_bf16, *(const float*)alpha, *(const float*)beta,
-                nullptr, nullptr, a, b, d, x.epilogue == CUBLASLT_EPILOGUE_DEFAULT ? 0u : x.epilogue, x.bias, bias_bf16,
-                (uint8_t*)x.aux, x.aux_ld};
+                nullptr, nullptr, a, b, d, x.epilogue, (float*)x.bias, (uint8_t*)x.aux, x.aux_ld};
     if (result(submit(s, [g] { run_gemm(g); }, call)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     ++c_launches;
     ++c_gemms;
