@@ -1210,6 +1210,13 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   bf16 inputs widened, each output rounded once
                                                   (bf16's numbers, not yet its speed); layers of
                                                   your own fail mgpu_model_create, named
+     recompute      0: keep every activation      1: inside containers (a GPT's blocks), the
+                                                  outputs of GELU and LayerNorm are not kept from
+                                                  forward: backward computes them again from their
+                                                  inputs (llm.c's -r 2), the same bits, one more
+                                                  forward of those layers; a GPT-2 block keeps 6 C
+                                                  floats a position fewer (mgpu_model_summary and
+                                                  mgpu_model_activation_bytes show it)
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -1244,6 +1251,7 @@ typedef struct mgpu_model_desc {
     int check_finite;
     int sync_batch_norm;
     mgpu_dtype precision;
+    int recompute;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -3840,17 +3848,13 @@ static mgpu__block** mgpu__held_list(const mgpu__allocator* a) {
     return a->held;
 }
 
-/* The free block for a request of `size` from a list in ascending size: the first big enough,
-   unless it is too big to spend on it. */
-static mgpu__block* mgpu__take_block(mgpu__block** list, size_t size) {
-    mgpu__block **link, *b;
-    for (link = list; (b = *link) != NULL; link = &b->next) {
-        if (b->size < size) continue;
-        if (b->size - size > size / 4 && b->size - size > 4096) return NULL;   /* too big: don't waste it */
-        *link = b->next;
-        return b;
-    }
-    return NULL;
+/* The link to the free block for a request of `size` in a list in ascending size: the first big
+   enough, unless it is too big to spend on it (NULL: none). */
+static mgpu__block** mgpu__fit_block(mgpu__block** list, size_t size) {
+    mgpu__block** link;
+    for (link = list; *link && (*link)->size < size; link = &(*link)->next) {}
+    if (!*link || ((*link)->size - size > size / 4 && (*link)->size - size > 4096)) return NULL;   /* too big: don't waste it */
+    return link;
 }
 static void mgpu__put_block(mgpu__block** list, mgpu__block* b) {
     mgpu__block** link;
@@ -3871,9 +3875,15 @@ static void* mgpu__device_alloc(mgpu_device* dev, size_t bytes, size_t* block_si
         return NULL;
     }
     mgpu__lock(&dev->alloc);
-    /* a capture first reuses what it freed itself: within it, in stream order, as eager steps do */
-    b = mgpu__held_list(&dev->alloc) ? mgpu__take_block(mgpu__held_list(&dev->alloc), size) : NULL;
-    if (!b) b = mgpu__take_block(&dev->alloc.cached, size);
+    {   /* a capture reuses what it freed itself (within it, in stream order, as eager steps do) when
+           that fits as well as the cache's best: a larger block taken from it would leave a later
+           request of its size to a new allocation, which a capture must not make */
+        mgpu__block **held = mgpu__held_list(&dev->alloc) ? mgpu__fit_block(mgpu__held_list(&dev->alloc), size) : NULL;
+        mgpu__block** cached = mgpu__fit_block(&dev->alloc.cached, size);
+        mgpu__block** link = held && (!cached || (*held)->size <= (*cached)->size) ? held : cached;
+        b = link ? *link : NULL;
+        if (b) *link = b->next;
+    }
     if (b) {
         ptr = b->ptr;
         size = b->size;
@@ -6850,6 +6860,7 @@ struct mgpu_layer {
                                   Conv1D, Conv2d, BatchNorm2d) */
     mgpu_dtype precision;      /* its model's desc.precision, the dtype of the activations it is
                                   given (a container makes its children's outputs of it) */
+    int recompute;             /* its model's desc.recompute (a container: mgpu__box_recomputes) */
 };
 
 MGPUDEF mgpu_layer* mgpu_layer_create(const mgpu_layer_vtable* vt, void* user) {
@@ -8138,7 +8149,8 @@ MGPUDEF mgpu_result mgpu_layer_backward(const mgpu_layer* l, const mgpu_layer_ct
    children's, in aux: sequential, the output of every child but the last (n - 1); residual, each
    child's output. The gradients between its children live only while its backward runs
    (temporaries from the device's cache, two at a time), as PyTorch's autograd frees them: they
-   are no activation memory kept from step to step, and a GPT's blocks share them. */
+   are no activation memory kept from step to step, and a GPT's blocks share them. With its model's
+   recompute, some children's outputs are not kept either (mgpu__box_recomputes). */
 typedef struct mgpu__container {
     int count, residual;
     mgpu_layer** kid;
@@ -8206,6 +8218,19 @@ static mgpu_result mgpu__box_output_shape(const mgpu_layer* l, mgpu_shape x, mgp
     *y = s;
     return MGPU_OK;
 }
+/* Recompute (mgpu_model_desc.recompute, llm.c's -r 2): child k's output is not kept from forward
+   but computed again in backward, from its input, when it is a GELU or a LayerNorm (cheap, and
+   the same bits again: neither draws random numbers), not the last child of a sequential
+   container (the container's output is kept by its parent), and its input is kept (the
+   container's, or a child's that is not recomputed: one forward redoes it). */
+static int mgpu__box_recomputes(const mgpu_layer* l, int k) {
+    const mgpu__container* c = mgpu__box(l);
+    const mgpu_layer_vtable* vt;
+    if (!l->recompute || c->residual || k >= c->count - 1) return 0;
+    vt = c->kid[k]->vt;
+    if (vt != &mgpu__gelu_vt && vt != &mgpu__gelu_tanh_vt && vt != &mgpu__ln_vt) return 0;
+    return k == 0 || !mgpu__box_recomputes(l, k - 1);
+}
 static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_shape in = x;
@@ -8217,6 +8242,7 @@ static mgpu_result mgpu__box_aux_shape(const mgpu_layer* l, int i, mgpu_shape x,
     i -= c->first_aux[c->count];
     *dt = l->precision;   /* the activations' dtype in its model */
     if (c->residual) return mgpu__output_shape(c->kid[i], x, shape);   /* child i's output */
+    if (mgpu__box_recomputes(l, i)) { *shape = mgpu_shape1(0); return MGPU_OK; }   /* none kept */
     for (k = 0, in = x; k <= i; ++k) MGPU__TRY(mgpu__output_shape(c->kid[k], in, &in));
     *shape = in;   /* child i's output */
     return MGPU_OK;
@@ -8231,26 +8257,48 @@ static mgpu_result mgpu__box_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx
     }
     return MGPU_OK;
 }
+/* A gradient between a container's children, like t, from the device's cache (NULL: failed) */
+static mgpu_tensor* mgpu__box_temp(const mgpu_tensor* t) { return mgpu_tensor_create(MGPU__DEV(t), t->dtype, t->shape); }
+/* Child k's output for input x, into a temporary from the device's cache: a recomputed child's
+   (mgpu__box_recomputes), in forward and again in backward (NULL: failed) */
+static mgpu_tensor* mgpu__box_redo(const mgpu_layer* l, const mgpu_layer_ctx* ctx, int k, const mgpu_tensor* x) {
+    const mgpu__container* c = mgpu__box(l);
+    const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
+    mgpu_shape shape;
+    mgpu_tensor* y;
+    if (mgpu__output_shape(c->kid[k], x->shape, &shape) != MGPU_OK) return NULL;
+    if (!(y = mgpu_tensor_create(MGPU__DEV(x), l->precision, shape))) return NULL;
+    if (mgpu_layer_forward(c->kid[k], &sub, x, y) == MGPU_OK) return y;
+    mgpu_tensor_destroy(y);
+    return NULL;
+}
 static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
+    mgpu_tensor *held = NULL, *made = NULL;   /* a recomputed child's output, until the next child has read it */
+    mgpu_result r = MGPU_OK;
     int k;
-    for (k = 0; k < c->count; ++k) {
+    for (k = 0; k < c->count && r == MGPU_OK; ++k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-        if (c->residual) MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, x, own[k]));
-        else MGPU__TRY(mgpu_layer_forward(c->kid[k], &sub, k ? own[k - 1] : x, k < c->count - 1 ? own[k] : y));
+        const mgpu_tensor* in = c->residual || !k ? x : held ? held : own[k - 1];
+        made = NULL;
+        if (c->residual) r = mgpu_layer_forward(c->kid[k], &sub, x, own[k]);
+        else if (mgpu__box_recomputes(l, k)) r = (made = mgpu__box_redo(l, ctx, k, in)) ? MGPU_OK : mgpu_last_result();
+        else r = mgpu_layer_forward(c->kid[k], &sub, in, k < c->count - 1 ? own[k] : y);
+        mgpu_tensor_destroy(held);
+        held = made;
     }
-    if (c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[1] : x);   /* f(x) + shortcut(x) */
-    return MGPU_OK;
+    mgpu_tensor_destroy(held);
+    if (r == MGPU_OK && c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[1] : x);   /* f(x) + shortcut(x) */
+    return r;
 }
-/* A gradient between a container's children, like t, from the device's cache (NULL: failed) */
-static mgpu_tensor* mgpu__box_temp(const mgpu_tensor* t) { return mgpu_tensor_create(MGPU__DEV(t), t->dtype, t->shape); }
 static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
     const int n = c->count;
     mgpu_tensor *dnext = NULL, *dcur = NULL;   /* the gradients of child k's output and input */
+    mgpu_tensor* redone = NULL;                /* child k's output, recomputed */
     mgpu_result r = MGPU_OK;
     int k;
     if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)): f's into dx, the shortcut's into a temporary */
@@ -8264,15 +8312,26 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
         mgpu_tensor_destroy(dcur);
         return r;
     }
+    /* child by child from the last; a recomputed child's output (mgpu__box_recomputes) is made again
+       before the child after it goes back, and lives until the child itself has */
     for (k = n - 1; k >= 0 && r == MGPU_OK; --k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
-        dcur = !k ? dx : mgpu__box_temp(own[k - 1]);
-        if (k && !dcur) r = mgpu_last_result();
-        else r = mgpu_layer_backward(c->kid[k], &sub, k ? own[k - 1] : x, k < n - 1 ? own[k] : y, dnext ? dnext : dy, dcur);
+        const mgpu_tensor *in = x, *out = k < n - 1 ? (redone ? redone : own[k]) : y;
+        mgpu_tensor* redone_in = NULL;
+        if (k && mgpu__box_recomputes(l, k - 1)) {   /* its input: child k - 1's output, made from a kept input */
+            if (!(redone_in = mgpu__box_redo(l, ctx, k - 1, k > 1 ? own[k - 2] : x))) r = mgpu_last_result();
+        }
+        if (k) in = redone_in ? redone_in : own[k - 1];
+        dcur = !k ? dx : r == MGPU_OK ? mgpu__box_temp(in) : NULL;
+        if (k && !dcur && r == MGPU_OK) r = mgpu_last_result();
+        if (r == MGPU_OK) r = mgpu_layer_backward(c->kid[k], &sub, in, out, dnext ? dnext : dy, dcur);
         mgpu_tensor_destroy(dnext);
         dnext = k ? dcur : NULL;
+        mgpu_tensor_destroy(redone);
+        redone = redone_in;
     }
     mgpu_tensor_destroy(dnext);
+    mgpu_tensor_destroy(redone);
     return r;
 }
 static void mgpu__box_describe(const mgpu_layer* l, char* buf, size_t size) {
@@ -10752,6 +10811,8 @@ struct mgpu_model {
     mgpu_shape input;
     mgpu_dtype input_dtype;
     mgpu_dtype precision;               /* desc.precision: the activations' dtype, F32 or BF16 */
+    int recompute;                      /* desc.recompute: containers' GELU and LayerNorm outputs
+                                           computed again in backward (mgpu__box_recomputes) */
     mgpu_shape output;                  /* the last layer's output for a batch of one */
     mgpu_loss_kind loss;
     uint64_t seed;
@@ -10975,12 +11036,13 @@ static const mgpu_layer* mgpu__bf16_missing(const mgpu_layer* l) {
             if (mgpu__bf16_missing(mgpu__box(l)->kid[k])) return mgpu__bf16_missing(mgpu__box(l)->kid[k]);
     return l;
 }
-/* its model's precision, into l and (a container) its children */
-static void mgpu__layer_set_precision(mgpu_layer* l, mgpu_dtype precision) {
+/* its model's precision and recompute, into l and (a container) its children */
+static void mgpu__layer_adopt(mgpu_layer* l, const mgpu_model* m) {
     int k;
-    l->precision = precision;
+    l->precision = m->precision;
+    l->recompute = m->recompute;
     if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
-        for (k = 0; k < mgpu__box(l)->count; ++k) mgpu__layer_set_precision(mgpu__box(l)->kid[k], precision);
+        for (k = 0; k < mgpu__box(l)->count; ++k) mgpu__layer_adopt(mgpu__box(l)->kid[k], m);
 }
 
 #define MGPU__WIDENED_PARAMS 4   /* the most parameters of a layer with a WIDENED path */
@@ -11978,6 +12040,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     m->input = desc->input;
     m->input_dtype = desc->input_dtype;
     m->precision = desc->precision;
+    m->recompute = desc->recompute != 0;
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
@@ -12016,8 +12079,8 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
                        missing != m->layers[i] ? mgpu_layer_type(missing) : "");
             return mgpu__model_fail(m, op);
         }
-        mgpu__layer_set_precision(m->layers[i], m->precision);
     }
+    for (i = 0; i < m->layer_count; ++i) mgpu__layer_adopt(m->layers[i], m);
     if (m->micro_batches < 1 || m->micro_batches > 4096 || (m->schedule != MGPU_PIPELINE_1F1B && m->schedule != MGPU_PIPELINE_GPIPE)) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: %d micro-batches, schedule %d (want 1 to 4096, and MGPU_PIPELINE_1F1B or "
                    "MGPU_PIPELINE_GPIPE)", op, m->micro_batches, (int)m->schedule);
@@ -12364,9 +12427,9 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
             mgpu__human_bytes((double)all, bytes, sizeof bytes);
             mgpu__human_bytes((double)(all - grads), kept_text, sizeof kept_text);
             mgpu__human_bytes((double)grads, grads_text, sizeof grads_text);
-            fprintf(f, "Activation memory of a step (replica 0, the last step's %lld rows%s): %s, kept for backward %s, gradients %s\n",
+            fprintf(f, "Activation memory of a step (replica 0, the last step's %lld rows%s): %s, kept for backward %s, gradients %s%s\n",
                     (long long)mgpu__part_of(m, 0, 0)->slot[0].in_shape.dim[0], m->micro_batches > 1 ? " per micro-batch" : "",
-                    bytes, kept_text, grads_text);
+                    bytes, kept_text, grads_text, m->recompute ? " (LayerNorm and GELU outputs in containers recomputed)" : "");
         }
     }
 }

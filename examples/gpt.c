@@ -22,7 +22,7 @@
 
 typedef struct options {
     const char *load, *data, *text, *val, *optimizer, *devices, *save, *precision;
-    int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k, graph;
+    int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k, graph, recompute;
     float lr, dropout, temperature, weight_decay, clip;
     unsigned long long seed;
 } options;
@@ -50,6 +50,8 @@ static void usage(FILE* f) {
             "  --graph             each training step on GPUs as one CUDA graph launch (the same bits as without;\n"
             "                      graph_steps= on the last line counts them)\n"
             "  --precision NAME    fp32 | bf16 (mixed: bf16 activations and products, f32 parameters) [fp32]\n"
+            "  --recompute         LayerNorm and GELU outputs computed again in backward, not kept (less memory,\n"
+            "                      the same bits)\n"
             "  --save FILE         the trained model in Hugging Face's layout (transformer.*)\n"
             "  --sample N          tokens of text sampled at the end [200 with --text, else 0]\n"
             "  --temperature F     of the samples [0.8]\n"
@@ -71,12 +73,13 @@ static int parse_args(int argc, char** argv, options* o) {
         char* end = NULL;
         long long n = 0;
         double f = 0;
-        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--help") ||
-                   !strcmp(a, "-h");
+        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--recompute") ||
+                   !strcmp(a, "--help") || !strcmp(a, "-h");
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--no-shuffle")) { o->shuffle = 0; continue; }
         if (!strcmp(a, "--eval-only")) { o->eval_only = 1; continue; }
         if (!strcmp(a, "--graph")) { o->graph = 1; continue; }
+        if (!strcmp(a, "--recompute")) { o->recompute = 1; continue; }
         if (!flag && !v) { fprintf(stderr, "gpt: %s needs a value (--help)\n", a); return 0; }
         if (v) { n = strtoll(v, &end, 10); f = strtod(v, NULL); }
 #define GPT_INT(name, field, lo, hi)                                                                       \
@@ -153,20 +156,20 @@ static mgpu_layer* gpt_block(int i, int C, int H, float p) {
     return mgpu_layer_name(mgpu_layer_sequential(both, 2), name);
 }
 
-static mgpu_model* gpt_create(const gpt_shape* g, int T, float p, const mgpu_device_set* set, uint64_t seed, int graph,
-                              mgpu_dtype precision) {
+static mgpu_model* gpt_create(const gpt_shape* g, const options* o, const mgpu_device_set* set) {
     static const mgpu_tie head_is_wte = { "lm_head.weight", "wte.weight" };
     mgpu_layer* layers[256 + 6];
     int n = 0, i;
     layers[n++] = mgpu_layer_name(mgpu_layer_embedding(g->vocab, g->width), "wte");
     layers[n++] = mgpu_layer_name(mgpu_layer_position_embedding(g->positions, g->width), "wpe");
-    layers[n++] = mgpu_layer_dropout(p);
-    for (i = 0; i < g->layers; ++i) layers[n++] = gpt_block(i, g->width, g->heads, p);
+    layers[n++] = mgpu_layer_dropout(o->dropout);
+    for (i = 0; i < g->layers; ++i) layers[n++] = gpt_block(i, g->width, g->heads, o->dropout);
     layers[n++] = mgpu_layer_name(mgpu_layer_layer_norm(g->width), "ln_f");
     layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(g->width, g->vocab), "lm_head");
-    return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(T), .input_dtype = MGPU_I32, .layers = layers,
-                                                 .layer_count = n, .devices = set, .seed = seed, .ties = &head_is_wte,
-                                                 .tie_count = 1, .graph = graph, .precision = precision });
+    return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(o->seq), .input_dtype = MGPU_I32, .layers = layers,
+                                                 .layer_count = n, .devices = set, .seed = o->seed, .ties = &head_is_wte,
+                                                 .tie_count = 1, .graph = o->graph, .recompute = o->recompute,
+                                                 .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 });
 }
 
 /* The sizes of a GPT-2 file, and the prefix its names have ("transformer." or none). */
@@ -315,8 +318,7 @@ int main(int argc, char** argv) {
                 train && mgpu_tokens_max_id(train) >= g.vocab ? (o.data ? o.data : o.text) : (o.val ? o.val : o.text), g.vocab);
         goto done;
     }
-    if (!(set = mgpu_device_set_create(o.devices)) || !(m = gpt_create(&g, o.seq, o.dropout, set, o.seed, o.graph,
-                                                                         strcmp(o.precision, "bf16") ? MGPU_F32 : MGPU_BF16))) goto fail;
+    if (!(set = mgpu_device_set_create(o.devices)) || !(m = gpt_create(&g, &o, set))) goto fail;
     if (o.load && mgpu_model_load_ex(m, NULL, o.load, &(mgpu_load_desc){ .prefix = prefix, .allow_extra = 1 }) != MGPU_OK) goto fail;
     printf("GPT: %d layers, %d heads, width %d, vocabulary %d, %d positions, %lld parameters, on %s\n", g.layers, g.heads,
            g.width, g.vocab, g.positions, (long long)mgpu_model_param_count(m), mgpu_device_set_spec(set));

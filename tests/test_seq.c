@@ -2444,8 +2444,10 @@ static mgpu_layer* tiny_block(float p) {
                             mgpu_layer_name(mgpu_layer_residual(mgpu_layer_sequential(ff, 2), NULL), "") };
     return mgpu_layer_sequential(both, 2);
 }
-/* GPT-2's layers (examples/gpt.c's), the head tied to the embedding or not */
-static mgpu_model* tiny_gpt(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p) {
+/* GPT-2's layers (examples/gpt.c's), the head tied to the embedding or not; recompute and the
+   precision as mgpu_model_desc's */
+static mgpu_model* tiny_gpt_ex(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p, int recompute,
+                               mgpu_dtype precision) {
     static const mgpu_tie tie = { "6.weight", "0.weight" };   /* the head is the embedding */
     const char* spec = set ? mgpu_device_set_spec(set) : NULL;
     mgpu_layer* layers[3 + GPT_L + 2];
@@ -2459,10 +2461,14 @@ static mgpu_model* tiny_gpt(const mgpu_device_set* set, int stages, int micro, i
     layers[n++] = mgpu_layer_linear_no_bias(GPT_C, GPT_V);
     m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(GPT_T), .input_dtype = MGPU_I32, .layers = layers, .layer_count = n,
                                               .devices = set, .seed = 5, .stages = stages, .micro_batches = micro, .graph = graph,
-                                              .ties = tied ? &tie : NULL, .tie_count = tied });
-    CHECK(m != NULL, "a GPT on %s (%d stages, %d micro-batches%s): %s", spec ? spec : "cpu", stages, micro, graph ? ", graph" : "",
-          mgpu_last_error());
+                                              .ties = tied ? &tie : NULL, .tie_count = tied, .recompute = recompute,
+                                              .precision = precision });
+    CHECK(m != NULL, "a GPT on %s (%d stages, %d micro-batches%s%s%s): %s", spec ? spec : "cpu", stages, micro, graph ? ", graph" : "",
+          recompute ? ", recompute" : "", precision == MGPU_BF16 ? ", bf16" : "", mgpu_last_error());
     return m;
+}
+static mgpu_model* tiny_gpt(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p) {
+    return tiny_gpt_ex(set, stages, micro, graph, tied, p, 0, MGPU_F32);
 }
 /* every stage's floats of replica 0, in the flat layout's order */
 static float* all_floats(const mgpu_model* m, int grads, int64_t* n) {
@@ -2550,6 +2556,49 @@ static void gpt_tied_stages(mgpu_device_set* one_dev, const char* spec, int stag
     mgpu_device_set_destroy(set);
 }
 
+/* Recompute (mgpu_model_desc.recompute): a GPT whose LayerNorm and GELU outputs are made again in
+   backward trains to the same bits as one that keeps them (AdamW with clipping, dropout), on
+   `spec` in `stages` stages of 2 micro-batches, eager and as a CUDA graph (GPUs), in fp32 and bf16,
+   and keeps 6 C activations a position and block fewer (ln_1, ln_2: C each; GELU: 4 C), less the
+   empty placeholder each of those buffers keeps (a smallest block of the allocator, at most 512 B). */
+static float* gpt_steps_fresh(const mgpu_device_set* set, mgpu_model* m, float* last, const mgpu_optimizer_desc* od) {
+    int d;
+    /* (blocks of the sizes asked for, not larger ones the model before freed: activation bytes compared) */
+    for (d = 0; d < mgpu_device_set_count(set); ++d) MUST(mgpu_memory_empty_cache(mgpu_device_set_get(set, d)));
+    return gpt_steps_with(m, 4, last, od);
+}
+static void gpt_recompute(const char* spec, int stages, int graph, mgpu_dtype precision) {
+    static const mgpu_optimizer_desc od = { .kind = MGPU_ADAMW, .lr = 0.01f, .clip_norm = 0.5f };
+    const int micro = stages > 1 ? 2 : 1;
+    const size_t fewer = (size_t)GPT_L * 6 * GPT_C * (GPT_B / micro) * GPT_T * (precision == MGPU_BF16 ? 2 : 4);
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model *kept = set ? tiny_gpt_ex(set, stages, micro, 0, stages == 1, 0.1f, 0, precision) : NULL;
+    mgpu_model *redo = set ? tiny_gpt_ex(set, stages, micro, graph, stages == 1, 0.1f, 1, precision) : NULL;
+    CHECK(set != NULL, "recompute: %s: %s", spec, mgpu_last_error());
+    if (kept && redo) {
+        float lk = 0, lr = 1, *pk = gpt_steps_fresh(set, kept, &lk, &od), *pr = gpt_steps_fresh(set, redo, &lr, &od);
+        int64_t n = 0;
+        int s;
+        size_t bytes_kept = 0, bytes_redo = 0;
+        for (s = 0; s < stages; ++s) n += mgpu_tensor_numel(mgpu_model_stage_params(kept, 0, s));
+        CHECK(lk == lr && !memcmp(pk, pr, (size_t)n * sizeof(float)) && (!graph || mgpu_model_graph_steps(redo) >= 2),
+              "a GPT recomputing its LayerNorm and GELU outputs (%s, %d stage%s%s%s) trains to the bits of one keeping them: "
+              "loss %.9g vs %.9g, parameters %s", spec, stages, stages > 1 ? "s x 2 micro-batches" : "", graph ? ", CUDA graph" : "",
+              precision == MGPU_BF16 ? ", bf16" : "", lk, lr, memcmp(pk, pr, (size_t)n * sizeof(float)) ? "differ" : "equal");
+        bytes_kept = mgpu_model_activation_bytes(kept, 0, NULL);
+        bytes_redo = mgpu_model_activation_bytes(redo, 0, NULL);
+        printf("  recompute on %s (%d stage%s%s): activation memory %zu bytes, %zu keeping every output\n", spec, stages,
+               stages > 1 ? "s" : "", precision == MGPU_BF16 ? ", bf16" : "", bytes_redo, bytes_kept);
+        CHECK(bytes_kept - bytes_redo <= fewer && bytes_kept - bytes_redo >= fewer - (size_t)GPT_L * 3 * 512, "recompute on %s (%d stage%s%s): activation memory %zu, %zu keeping every output: want "
+              "%zu fewer (6 C a position and block), less 512 B a buffer at most", spec, stages, stages > 1 ? "s" : "", precision == MGPU_BF16 ? ", bf16" : "",
+              bytes_redo, bytes_kept, fewer);
+        free(pk); free(pr);
+    }
+    mgpu_model_destroy(kept);
+    mgpu_model_destroy(redo);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_gpt_layouts(void) {
     int32_t ids[GPT_B * GPT_T], lab[GPT_B * GPT_T];
     mgpu_model *one, *piped;
@@ -2580,6 +2629,14 @@ static void test_gpt_layouts(void) {
     mgpu_device_set_destroy(four);
     gpt_tied_stages(NULL, "cpu:4", 4, 0);
     gpt_tied_stages(NULL, "cpu:2", 2, 0);
+    gpt_recompute("cpu", 1, 0, MGPU_F32);
+    gpt_recompute("cpu:2", 2, 0, MGPU_F32);
+    gpt_recompute("cpu", 1, 0, MGPU_BF16);
+    if (gpu_part("a GPT recomputing LayerNorm and GELU outputs, eager and as a CUDA graph, fp32 and bf16")) {
+        gpt_recompute("cuda:0", 1, 1, MGPU_F32);
+        gpt_recompute("cuda:0", 1, 1, MGPU_BF16);
+        gpt_recompute(mgpu_cuda_device_count() > 1 ? "cuda:0,1" : "cuda:0,0", 2, 1, MGPU_F32);
+    }
     if (gpu_part("a tied GPT in 2 stages on two GPUs, eager and as a CUDA graph")) {
         mgpu_device_set* gpu = mgpu_device_set_create("cuda:0");
         const char* spec = mgpu_cuda_device_count() > 1 ? "cuda:0,1" : "cuda:0,0";
