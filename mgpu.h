@@ -1217,6 +1217,15 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   forward of those layers; a GPT-2 block keeps 6 C
                                                   floats a position fewer (mgpu_model_summary and
                                                   mgpu_model_activation_bytes show it)
+     zero1          0: every replica holds the    1: ZeRO stage 1: each of the R replicas of a
+                    optimizer's whole state       stage holds and updates 1/R of its optimizer
+                                                  states (a contiguous shard of its flat buffer,
+                                                  mgpu_optimizer_shard); after its update each
+                                                  replica's shard of the parameters is copied to
+                                                  the others (an all-gather); the same bits as
+                                                  without. Checkpoints hold the whole state, as
+                                                  without. Replicas of this process only: a
+                                                  distributed job with zero1 is refused (not yet)
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -1252,6 +1261,7 @@ typedef struct mgpu_model_desc {
     int sync_batch_norm;
     mgpu_dtype precision;
     int recompute;
+    int zero1;
 } mgpu_model_desc;
 
 MGPUDEF mgpu_model* mgpu_model_create(const mgpu_model_desc* desc);
@@ -1396,6 +1406,11 @@ MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps t
    does). A tied parameter (desc.ties) has its twin's state, as the one tensor it is in PyTorch.
    NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
 MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
+/* The floats of a stage's flat parameter buffer whose optimizer state a replica holds and
+   updates: [*first, *first + *count). The whole stage without mgpu_model_desc.zero1; with it, the
+   replica's shard (about 1/R of the floats an update moves, from a multiple of 16 floats), and
+   mgpu_optimizer_state gives only the parameters that lie wholly in it. */
+MGPUDEF mgpu_result mgpu_optimizer_shard(const mgpu_optimizer* opt, int replica, int stage, int64_t* first, int64_t* count);
 /* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
    and AdamW's bias corrections) at 0. The parameters are left as they are. */
 MGPUDEF mgpu_result mgpu_optimizer_reset(mgpu_optimizer* opt);
@@ -2366,11 +2381,12 @@ int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int d
 /* optimizers over a flat buffer, one fused kernel each; args in device memory (uploaded ahead of
    the step, so that a step replayed from a CUDA graph reads its own); momentum_buf NULL without
    momentum; no_decay: edge_count edges in device memory (mgpu__edges_upto), the elements in
-   their ranges updated with weight_decay 0 (edge_count 0: every element decays) */
+   their ranges updated with weight_decay 0 (edge_count 0: every element decays), element i being
+   number first + i among them (a shard of the flat buffer: mgpu_model_desc.zero1) */
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count);
+                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count, int64_t first);
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count);
+                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count, int64_t first);
 /* sum[0] = the sum of x[i]^2 over n floats, added in float64 in an order that depends on n
    alone (deterministic). scratch: MGPU__CU_REDUCE_SCRATCH doubles. */
 int mgpu__cu_sum_squares(int dev, void* stream, size_t n, const float* x, double* sum, double* scratch);
@@ -10813,6 +10829,7 @@ struct mgpu_model {
     mgpu_dtype precision;               /* desc.precision: the activations' dtype, F32 or BF16 */
     int recompute;                      /* desc.recompute: containers' GELU and LayerNorm outputs
                                            computed again in backward (mgpu__box_recomputes) */
+    int zero1;                          /* desc.zero1: optimizer states sharded (mgpu_optimizer_shard) */
     mgpu_shape output;                  /* the last layer's output for a batch of one */
     mgpu_loss_kind loss;
     uint64_t seed;
@@ -12041,6 +12058,7 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     m->input_dtype = desc->input_dtype;
     m->precision = desc->precision;
     m->recompute = desc->recompute != 0;
+    m->zero1 = desc->zero1 != 0;
     m->loss = desc->loss;
     m->seed = desc->seed;
     m->verify_every = desc->verify_every;
@@ -12069,6 +12087,11 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
     }
     if (m->precision != MGPU_F32 && m->precision != MGPU_BF16) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision %s (want MGPU_F32 or MGPU_BF16)", mgpu_dtype_name(m->precision));
+        return mgpu__model_fail(m, op);
+    }
+    if (m->zero1 && desc->distributed && mgpu__dist.size > 1) {
+        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "zero1 in a distributed job of %d processes: not yet (the optimizer states are "
+                   "sharded across the replicas of one process only)", mgpu__dist.size);
         return mgpu__model_fail(m, op);
     }
     for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i) {
@@ -12513,6 +12536,8 @@ struct mgpu_optimizer {
                                    then MGPU__CU_REDUCE_SCRATCH float64 of scratch (bytes) */
     mgpu_tensor** clip_norm;    /* per part on a GPU: the norm, as its stage computed it [1] */
     double* cpu_sums;           /* on the CPU: one sum of squares per chunk of MGPU__CLIP_CHUNK */
+    void** updated;             /* zero1 on GPUs, per part: its update done (the other replicas of
+                                   its stage copy its shard after it: mgpu__zero1_gather) */
     float cpu_norm;             /* on the CPU: the last step's norm */
     int norm_known;             /* a step clipped since the optimizer was made */
 };
@@ -12537,7 +12562,9 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
         if (opt->edges_dev) mgpu__tensor_free(opt->edges_dev[i]);
         if (opt->clip_sums) mgpu__tensor_free(opt->clip_sums[i]);
         if (opt->clip_norm) mgpu__tensor_free(opt->clip_norm[i]);
+        if (opt->updated && opt->updated[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(opt->model->part[i].dev->ordinal, opt->updated[i]));
     }
+    MGPU_FREE(opt->updated);
     MGPU_FREE(opt->args);
     MGPU_FREE(opt->edges_dev);
     MGPU_FREE(opt->clip_sums);
@@ -12554,6 +12581,26 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
 MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
     if (!opt || !mgpu__live_check(opt, MGPU__LIVE_OPTIMIZER, "mgpu_optimizer_destroy", "optimizer")) return;
     mgpu__optimizer_free(opt);
+}
+
+/* The floats of part i's stage whose optimizer state it holds and updates (mgpu_optimizer_shard):
+   with zero1 and R > 1, replica r's 1/R of the floats an update moves, from a multiple of 16 (64
+   bytes, the vector loads' alignment); else the whole stage. */
+static void mgpu__shard(const mgpu_model* m, int part, int64_t* lo, int64_t* hi) {
+    const int s = m->part[part].stage, R = m->replica_count;
+    const int64_t n = m->stage_moved[s], per = ((n + R - 1) / R + 15) / 16 * 16;
+    if (!m->zero1 || R == 1) { *lo = 0; *hi = mgpu__stage_floats(m, s); return; }
+    *lo = MGPU__MIN(n, (int64_t)m->part[part].replica * per);
+    *hi = MGPU__MIN(n, *lo + per);
+}
+MGPUDEF mgpu_result mgpu_optimizer_shard(const mgpu_optimizer* opt, int replica, int stage, int64_t* first, int64_t* count) {
+    int64_t lo, hi;
+    if (!opt || !first || !count) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_shard: NULL argument");
+    if (!mgpu__model_has("mgpu_optimizer_shard", opt->model, replica, stage, MGPU__ANY)) return mgpu_last_result();
+    mgpu__shard(opt->model, replica * opt->model->stage_count + stage, &lo, &hi);
+    *first = lo;
+    *count = hi - lo;
+    return MGPU_OK;
 }
 
 static int mgpu__optimizer_state_count(const mgpu_optimizer* opt) {
@@ -12691,9 +12738,22 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
     for (i = 0; i < m->part_count; ++i)
         for (s = 0; s < mgpu__optimizer_state_count(opt); ++s) {
             mgpu_tensor** t = s == 0 ? &opt->state1[i] : &opt->state2[i];
-            *t = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_F32, m->part[i].params->shape));
+            int64_t lo, hi;
+            mgpu__shard(m, i, &lo, &hi);
+            *t = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_F32, mgpu_shape1(hi - lo)));
             if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
+    if (m->zero1 && m->replica_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {
+        if (!(opt->updated = (void**)mgpu__calloc((size_t)m->part_count, sizeof(void*)))) {
+            mgpu__optimizer_free(opt);
+            mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+            return NULL;
+        }
+        for (i = 0; i < m->part_count; ++i) {
+            const int rc = MGPU__CUDA(mgpu__cu_event_create(m->part[i].dev->ordinal, &opt->updated[i]));
+            if (rc != 0) { mgpu__cu_result(rc, op, m->part[i].dev); mgpu__optimizer_free(opt); return NULL; }
+        }
+    }
     for (i = 0; i < m->part_count; ++i)
         if (m->part[i].dev->kind == MGPU_DEVICE_CUDA) {
             opt->args[i] = mgpu__own(mgpu_tensor_create(m->part[i].dev, MGPU_U8,
@@ -12754,8 +12814,17 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
     stage = mgpu__tensor_stage(m, t);
     if (!opt->views[v]) {
         const int pi = replica * m->stage_count + stage;
-        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[pi] : opt->state2[pi], m->tensors[t].offset - m->stage_off[stage],
-                                      m->tensors[t].shape, op);
+        const int64_t at = m->tensors[t].offset - m->stage_off[stage], n = mgpu_shape_numel(m->tensors[t].shape);
+        int64_t lo, hi;
+        mgpu__shard(m, pi, &lo, &hi);
+        if (at < lo || at + n > hi) {
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' of '%s' on replica %d: with zero1 the replica holds the states of "
+                       "stage %d's floats [%lld, %lld), and this parameter's are [%lld, %lld) (mgpu_optimizer_shard; a "
+                       "checkpoint holds them all)", op, state, param, replica, stage, (long long)lo, (long long)hi, (long long)at,
+                       (long long)(at + n));
+            return NULL;
+        }
+        opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[pi] : opt->state2[pi], at - lo, m->tensors[t].shape, op);
     }
     return opt->views[v];
 }
@@ -12803,6 +12872,7 @@ typedef struct mgpu__optim_job {
     const mgpu__adamw_args* adamw;   /* NULL for SGD */
     const int64_t* edges;            /* the part's no-decay ranges (mgpu__edges_upto) */
     int edge_count;
+    int64_t first;                   /* p[0]'s index in the stage's flat buffer, which the edges count in */
 } mgpu__optim_job;
 /* [begin, end) of the job's buffers with one group's arguments */
 static void mgpu__optim_span(const mgpu__optim_job* j, const mgpu__sgd_args* sgd_args, const mgpu__adamw_args* adamw_args,
@@ -12849,9 +12919,9 @@ static void mgpu__optim_range(void* ctx, int64_t begin, int64_t end) {
     sgd0 = *j->sgd;
     sgd0.weight_decay = 0.0f;
     if (j->adamw) { adamw0 = *j->adamw; adamw0.weight_decay = 0.0f; }
-    c = mgpu__edges_upto(j->edges, j->edge_count, begin);
+    c = mgpu__edges_upto(j->edges, j->edge_count, begin + j->first);
     while (begin < end) {
-        const int64_t stop = c < j->edge_count ? MGPU__MIN(end, j->edges[c]) : end;
+        const int64_t stop = c < j->edge_count ? MGPU__MIN(end, j->edges[c] - j->first) : end;
         if (c & 1) mgpu__optim_span(j, &sgd0, j->adamw ? &adamw0 : NULL, begin, stop);
         else mgpu__optim_span(j, j->sgd, j->adamw, begin, stop);
         begin = stop;
@@ -13002,13 +13072,51 @@ static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
 static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
     mgpu_model* m = opt->model;
     if (done == 0) return;
-    if (done < m->stage_count) {
+    if (done < m->stage_count || (m->zero1 && m->replica_count > 1)) {   /* (zero1: no replica holds every shard) */
         mgpu__suspect_mark(m, "an optimizer step that failed after updating only some stages of replica 0",
                            MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
         return;
     }
     mgpu__optimizer_advance(opt);
     mgpu__suspect_mark(m, "an optimizer step that failed on some replicas after replica 0 had taken it", MGPU__SUSPECT_STATES);
+}
+
+/* zero1: each replica's updated shard of the parameters into the other replicas of its stage (an
+   all-gather). On CPUs a copy; on GPUs each replica's stream waits for the others' updates and
+   copies their shards in, queued (a CUDA graph holds it), never waiting for the host. A replica's
+   next update of its shard comes after the next step's all-reduce, so after every copy out of it. */
+static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
+    mgpu_model* m = opt->model;
+    const int S = m->stage_count, R = m->replica_count;
+    int s, r, q;
+    if (!m->zero1 || R == 1) return MGPU_OK;
+    for (s = 0; s < S; ++s)
+        for (r = 0; r < R; ++r)
+            for (q = 0; q < R; ++q) {
+                mgpu__part *to = mgpu__part_of(m, r, s), *from = mgpu__part_of(m, q, s);
+                int64_t lo, hi;
+                size_t bytes;
+                if (q == r) continue;
+                mgpu__shard(m, q * S + s, &lo, &hi);
+                hi = MGPU__MIN(hi, m->stage_moved[s]);
+                if (hi <= lo) continue;
+                bytes = (size_t)(hi - lo) * sizeof(float);
+                if (!opt->updated) {   /* CPU devices: their updates ran already */
+                    mgpu_tensor dst = mgpu__rows(to->params, lo, hi - lo);
+                    const mgpu_tensor src = mgpu__rows(from->params, lo, hi - lo);
+                    MGPU__TRY(mgpu_tensor_copy(&dst, &src));
+                    continue;
+                }
+                MGPU__CU(op, to->dev, mgpu__cu_stream_wait_event(to->dev->ordinal, to->dev->stream, opt->updated[q * S + s]));
+                MGPU__COUNT(to->dev, bytes_device_to_device, bytes);
+                if (to->dev->ordinal == from->dev->ordinal)
+                    MGPU__CU(op, to->dev, mgpu__cu_memcpy(to->dev->ordinal, MGPU__F32(to->params) + lo, MGPU__F32(from->params) + lo,
+                                                         bytes, to->dev->stream));
+                else
+                    MGPU__CU(op, to->dev, mgpu__cu_memcpy_peer(to->dev->ordinal, MGPU__F32(to->params) + lo, from->dev->ordinal,
+                                                              MGPU__F32(from->params) + lo, bytes, to->dev->stream));
+            }
+    return MGPU_OK;
 }
 
 /* The step itself, for an optimizer already known to be live (the training steps check it once
@@ -13025,11 +13133,16 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
     for (i = 0; i < opt->model->part_count; ++i) {
         mgpu__part* r = &opt->model->part[i];
-        size_t n = (size_t)opt->model->stage_moved[r->stage];
+        int64_t lo, hi;   /* its shard (mgpu__shard): the whole stage without zero1 */
+        size_t n;
         const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
         const int64_t* edges_dev = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
-        job.p = MGPU__F32(r->params);
-        job.g = MGPU__F32(r->grads);
+        mgpu__shard(opt->model, i, &lo, &hi);
+        hi = MGPU__MIN(hi, opt->model->stage_moved[r->stage]);
+        n = hi > lo ? (size_t)(hi - lo) : 0;
+        job.p = MGPU__F32(r->params) + lo;
+        job.g = MGPU__F32(r->grads) + lo;
+        job.first = lo;
         job.m = opt->state1[i] ? MGPU__F32(opt->state1[i]) : NULL;
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
         job.edges = opt->edge_first ? opt->edges + opt->edge_first[r->stage] : NULL;
@@ -13037,21 +13150,28 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         MGPU__COUNT(r->dev, ops, 1);
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
+        } else if (n == 0) {   /* a shard of nothing */
         } else if (job.adamw) {
             rc = MGPU__CUDA(mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
                                            (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                           edges_dev ? job.edge_count : 0));
+                                           edges_dev ? job.edge_count : 0, lo));
         } else {
             rc = MGPU__CUDA(mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
                                          (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                         edges_dev ? job.edge_count : 0));
+                                         edges_dev ? job.edge_count : 0, lo));
         }
+        if (rc == 0 && opt->updated) rc = MGPU__CUDA(mgpu__cu_event_record(r->dev->ordinal, opt->updated[i], r->dev->stream));
         mgpu__trace_close(opt->model, slice, r->dev->stream);
         if (rc != 0) {   /* parts 0 .. i-1 took the update, the others did not */
             const mgpu_result res = mgpu__cu_result(rc, op, r->dev);
             mgpu__optimizer_failed(opt, i);
             return res;
         }
+    }
+    if (mgpu__zero1_gather(opt, op) != MGPU_OK) {   /* every part updated its shard; some replicas may lack others' */
+        const mgpu_result res = mgpu_last_result();
+        mgpu__optimizer_failed(opt, opt->model->part_count);
+        return res;
     }
     if (mgpu__ties_spread(opt->model, op) != MGPU_OK) {   /* every part took the update; some tied copies may not */
         const mgpu_result res = mgpu_last_result();
@@ -14798,8 +14918,8 @@ MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt) {
         const mgpu__part *to = &m->part[i], *from = &m->part[i % m->stage_count];
         mgpu_result r = mgpu_tensor_copy(to->params, from->params);
         if (r == MGPU_OK && to->bufs) r = mgpu_tensor_copy(to->bufs, from->bufs);
-        if (r == MGPU_OK && opt && opt->state1[i]) r = mgpu_tensor_copy(opt->state1[i], opt->state1[i % m->stage_count]);
-        if (r == MGPU_OK && opt && opt->state2[i]) r = mgpu_tensor_copy(opt->state2[i], opt->state2[i % m->stage_count]);
+        if (r == MGPU_OK && opt && !m->zero1 && opt->state1[i]) r = mgpu_tensor_copy(opt->state1[i], opt->state1[i % m->stage_count]);
+        if (r == MGPU_OK && opt && !m->zero1 && opt->state2[i]) r = mgpu_tensor_copy(opt->state2[i], opt->state2[i % m->stage_count]);
         if (r != MGPU_OK) {   /* (the mark stays: some replicas may be copied, others not) */
             char where[160];
             snprintf(where, sizeof where, "%s: copying replica 0's stage %d to replica %d (%s)", op, to->stage, to->replica,
@@ -17057,13 +17177,17 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)   /* replica 0's buffers (every replica's are the same) */
         if (mgpu__stage_buf_floats(m, i) > 0)
             r = mgpu_tensor_download(m->part[i].bufs, bhost + m->stage_boff[i], (size_t)mgpu__stage_buf_floats(m, i) * sizeof(float));
-    /* replica 0 holds the model, stage by stage; every replica is identical */
+    /* replica 0 holds the model, stage by stage; every replica is identical, but with zero1 each
+       holds a shard of the optimizer's states (mgpu__shard) */
     for (s = 0; r == MGPU_OK && s <= states; ++s)
-        for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)
-            if (mgpu__stage_floats(m, i) > 0)   /* a stage of layers without parameters has none */
+        for (i = 0; r == MGPU_OK && i < (s > 0 && m->zero1 ? m->part_count : m->stage_count); ++i) {
+            int64_t lo = 0, hi = mgpu__stage_floats(m, m->part[i].stage);
+            if (s > 0) mgpu__shard(m, i, &lo, &hi);
+            if (hi > lo)   /* a stage of layers without parameters has none */
                 r = mgpu_tensor_download(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
-                                     host + (size_t)m->flat_floats * (size_t)s + (size_t)m->stage_off[i],
-                                     (size_t)mgpu__stage_floats(m, i) * sizeof(float));
+                                     host + (size_t)m->flat_floats * (size_t)s + (size_t)(m->stage_off[m->part[i].stage] + lo),
+                                     (size_t)(hi - lo) * sizeof(float));
+        }
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
     if (dtype != MGPU_SAVE_F32) {
         const size_t total = (size_t)m->flat_floats * (size_t)(1 + states);
@@ -17572,10 +17696,13 @@ static mgpu_result mgpu__model_load_here(mgpu_model* m, mgpu_optimizer* opt, con
             if (m->tensors[i].tied >= 0)
                 memcpy(host + m->tensors[i].offset, host + m->tensors[m->tensors[i].tied].offset,
                        (size_t)mgpu_shape_numel(m->tensors[i].shape) * sizeof(float));
-        for (i = 0; i < m->part_count && r == MGPU_OK; ++i)
-            if (mgpu__stage_floats(m, m->part[i].stage) > 0)
+        for (i = 0; i < m->part_count && r == MGPU_OK; ++i) {
+            int64_t lo = 0, hi = mgpu__stage_floats(m, m->part[i].stage);
+            if (s > 0) mgpu__shard(m, i, &lo, &hi);   /* (zero1: its shard of the states) */
+            if (hi > lo)
                 r = mgpu_tensor_upload(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
-                                   host + m->stage_off[m->part[i].stage], (size_t)mgpu__stage_floats(m, m->part[i].stage) * sizeof(float));
+                                       host + m->stage_off[m->part[i].stage] + lo, (size_t)(hi - lo) * sizeof(float));
+        }
     }
     if (r == MGPU_OK && m->buffer_count > 0) {   /* the buffers, into every replica */
         float* bhost = (float*)mgpu__calloc((size_t)m->buf_floats + 1, sizeof(float));

@@ -2263,10 +2263,11 @@ int mgpu__cu_embedding_backward(int dev, void* stream, int64_t n, int num, int d
 struct decay_groups {
     const int64_t* edges;
     int count;
-    // index into the edges of element i (the number of edges <= i), for a pack from i
-    __device__ int first(size_t i) const { return count ? mgpu__edges_upto(edges, count, (int64_t)i) : 0; }
+    int64_t offset;   // element i is number offset + i among the edges (a zero1 shard's start)
+    // index into the edges of element i (the number of edges <= offset + i), for a pack from i
+    __device__ int first(size_t i) const { return count ? mgpu__edges_upto(edges, count, offset + (int64_t)i) : 0; }
     __device__ int next(int c, size_t i) const {
-        while (c < count && edges[c] <= (int64_t)i) ++c;
+        while (c < count && edges[c] <= offset + (int64_t)i) ++c;
         return c;
     }
 };
@@ -2323,16 +2324,16 @@ struct adamw_op {
 };
 
 int mgpu__cu_sgd(int dev, void* stream, size_t n, float* param, const float* grad, float* momentum_buf,
-                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count) {
+                 const mgpu__sgd_args* args, const int64_t* no_decay, int edge_count, int64_t first) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, momentum_buf, args, decay_groups{no_decay, edge_count}},
+    return launch_map(dev, stream, "sgd", n, sgd_op{param, grad, momentum_buf, args, decay_groups{no_decay, edge_count, first}},
                       vec4_ok(param, grad, momentum_buf));
 }
 
 int mgpu__cu_adamw(int dev, void* stream, size_t n, float* param, const float* grad, float* m, float* v,
-                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count) {
+                   const mgpu__adamw_args* args, const int64_t* no_decay, int edge_count, int64_t first) {
     USE_DEVICE(dev);
-    return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args, decay_groups{no_decay, edge_count}},
+    return launch_map(dev, stream, "adamw", n, adamw_op{param, grad, m, v, args, decay_groups{no_decay, edge_count, first}},
                       vec4_ok(param, grad, m, v));
 }
 

@@ -22,7 +22,7 @@
 
 typedef struct options {
     const char *load, *data, *text, *val, *optimizer, *devices, *save, *precision;
-    int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k, graph, recompute;
+    int heads, layers, width, seq, batch, steps, sample, shuffle, eval_only, every, top_k, graph, recompute, zero1;
     float lr, dropout, temperature, weight_decay, clip;
     unsigned long long seed;
 } options;
@@ -52,6 +52,7 @@ static void usage(FILE* f) {
             "  --precision NAME    fp32 | bf16 (mixed: bf16 activations and products, f32 parameters) [fp32]\n"
             "  --recompute         LayerNorm and GELU outputs computed again in backward, not kept (less memory,\n"
             "                      the same bits)\n"
+            "  --zero1             each device holds and updates 1/N of the optimizer's state (ZeRO-1; the same bits)\n"
             "  --save FILE         the trained model in Hugging Face's layout (transformer.*)\n"
             "  --sample N          tokens of text sampled at the end [200 with --text, else 0]\n"
             "  --temperature F     of the samples [0.8]\n"
@@ -73,13 +74,14 @@ static int parse_args(int argc, char** argv, options* o) {
         char* end = NULL;
         long long n = 0;
         double f = 0;
-        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--recompute") ||
+        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--recompute") || !strcmp(a, "--zero1") ||
                    !strcmp(a, "--help") || !strcmp(a, "-h");
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--no-shuffle")) { o->shuffle = 0; continue; }
         if (!strcmp(a, "--eval-only")) { o->eval_only = 1; continue; }
         if (!strcmp(a, "--graph")) { o->graph = 1; continue; }
         if (!strcmp(a, "--recompute")) { o->recompute = 1; continue; }
+        if (!strcmp(a, "--zero1")) { o->zero1 = 1; continue; }
         if (!flag && !v) { fprintf(stderr, "gpt: %s needs a value (--help)\n", a); return 0; }
         if (v) { n = strtoll(v, &end, 10); f = strtod(v, NULL); }
 #define GPT_INT(name, field, lo, hi)                                                                       \
@@ -168,7 +170,7 @@ static mgpu_model* gpt_create(const gpt_shape* g, const options* o, const mgpu_d
     layers[n++] = mgpu_layer_name(mgpu_layer_linear_no_bias(g->width, g->vocab), "lm_head");
     return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(o->seq), .input_dtype = MGPU_I32, .layers = layers,
                                                  .layer_count = n, .devices = set, .seed = o->seed, .ties = &head_is_wte,
-                                                 .tie_count = 1, .graph = o->graph, .recompute = o->recompute,
+                                                 .tie_count = 1, .graph = o->graph, .recompute = o->recompute, .zero1 = o->zero1,
                                                  .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 });
 }
 

@@ -120,6 +120,7 @@ typedef struct mlp_cfg {
     int stages, micro_batches;          /* a pipeline: 0 means the default (1) */
     mgpu_pipeline_schedule schedule;
     int graph;                          /* GPU steps as CUDA graph launches */
+    int zero1;                          /* optimizer states sharded across the replicas */
 } mlp_cfg;
 
 static mlp_cfg mlp_default(mgpu_loss_kind loss) {
@@ -155,6 +156,7 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, const mlp_cfg* c) {
     d.micro_batches = c->micro_batches;
     d.schedule = c->schedule;
     d.graph = c->graph;
+    d.zero1 = c->zero1;
     m = mgpu_model_create(&d);
     CHECK(m != NULL, "mgpu_model_create on %s: %s", set ? mgpu_device_set_spec(set) : "cpu", mgpu_last_error());
     return m;
@@ -2844,6 +2846,163 @@ static void test_sync_batch_norm(void) {
     free_batches(&bs);
 }
 
+/* ============================================================================================ */
+/* ZeRO-1: the optimizer's states sharded across the replicas (mgpu_model_desc.zero1)             */
+/* ============================================================================================ */
+/* AdamW with decay groups (edges inside the shards) and clipping, or SGD with momentum: zero1's
+   run against the unsharded run of the same layout, bit for bit (tol 0) or within tol; each
+   replica holds its shard's states alone (the allocator's bytes at mgpu_optimizer_create), the
+   shards cover the stage's floats an update moves, once. */
+static void zero1_case(const char* spec, int stages, int micro, int graph, const mgpu_optimizer_desc* od, double tol) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    batch_set bs;
+    run_out plain, sharded;
+    char what[160];
+    mgpu_device_set* set = mkset(spec);
+    mgpu_model *mp, *mz;
+    c.hidden = 40;   /* 0.weight [40, 12]: 480 floats, cut by the shards of 3 and 4 replicas */
+    c.stages = stages;
+    c.micro_batches = micro;
+    c.bucket_bytes = 512;
+    snprintf(what, sizeof what, "zero1 on %s (%d stage%s, %s%s)", spec, stages, stages > 1 ? "s" : "", opt_name(od),
+             graph ? ", CUDA graph" : "");
+    make_batches(&bs, 6, 24, &c);
+    mp = make_mlp(set, &c);
+    c.zero1 = 1;
+    c.graph = graph;
+    mz = make_mlp(set, &c);
+    if (mp && mz) {   /* the optimizer's bytes on the last replica's device: its shard's states, 1/R of the plain optimizer's */
+        const int R = mgpu_model_replica_count(mz), S = mgpu_model_stage_count(mz);
+        const mgpu_optimizer_desc stateless = { .kind = MGPU_SGD, .clip_norm = od->clip_norm };
+        mgpu_memory_stats a, b;
+        mgpu_optimizer *op, *oz, *os;
+        size_t plain_bytes = 0, zero_bytes = 0, fixed = 0;
+        int r, st, covered = 1;
+        mgpu_device* dev = mgpu_model_device(mz, R - 1);
+        MUST(mgpu_memory_empty_cache(dev));
+        MUST(mgpu_memory_get_stats(dev, &a));
+        os = mgpu_optimizer_create(mp, &stateless);   /* what any optimizer takes there (a GPU's arguments, clipping's sums) */
+        MUST(mgpu_memory_get_stats(dev, &b));
+        fixed = b.bytes_in_use - a.bytes_in_use;
+        op = mgpu_optimizer_create(mp, od);
+        MUST(mgpu_memory_get_stats(dev, &a));
+        plain_bytes = a.bytes_in_use - b.bytes_in_use - fixed;
+        oz = mgpu_optimizer_create(mz, od);
+        MUST(mgpu_memory_get_stats(dev, &b));
+        zero_bytes = b.bytes_in_use - a.bytes_in_use - fixed;
+        CHECK(op && oz && os, "%s: mgpu_optimizer_create: %s", what, mgpu_last_error());
+        for (st = 0; oz && st < S; ++st) {
+            int64_t next = 0, first = -1, count = 0, n = mgpu_tensor_numel(mgpu_model_stage_params(mz, 0, st));
+            for (r = 0; r < R; ++r) {
+                MUST(mgpu_optimizer_shard(oz, r, st, &first, &count));
+                covered &= first == next && first % 16 == 0 && count >= 0;
+                next = first + count;
+            }
+            covered &= next <= n && next > n - 64;   /* (the stage's tail: tied copies and padding, which no update moves) */
+        }
+        CHECK(covered, "%s: the replicas' shards follow each other from 0, each from a multiple of 16 floats, to the floats "
+              "an update moves", what);
+        /* (all on one device: every replica's shard there, together the plain optimizer's one replica) */
+        if (mgpu_model_device(mz, 0) != dev)
+            CHECK(zero_bytes * (size_t)R <= plain_bytes + (size_t)R * 2048 && zero_bytes < plain_bytes,
+                  "%s: replica %d's optimizer states took %zu bytes, the unsharded ones %zu: want about 1/%d", what, R - 1,
+                  zero_bytes, plain_bytes, R);
+        printf("  %s: the optimizer's states on %s: %zu bytes, %zu unsharded\n", what, mgpu_device_label(dev), zero_bytes,
+               plain_bytes);
+        mgpu_optimizer_destroy(os);
+        mgpu_optimizer_destroy(op);
+        mgpu_optimizer_destroy(oz);
+    }
+    train_steps(mp, od, &bs, &plain);
+    train_steps(mz, od, &bs, &sharded);
+    if (tol == 0.0)
+        CHECK(same_bits(&sharded, &plain, 6) && sharded.identical && sharded.verify == MGPU_OK,
+              "%s: the same bits as unsharded (losses and parameters %s, replicas %s): %s", what,
+              same_bits(&sharded, &plain, 6) ? "equal" : "differ", sharded.identical ? "identical" : "differ", sharded.error);
+    else compare_runs(what, &sharded, &plain, 6, tol);
+    if (graph) CHECK(mgpu_model_graph_steps(mz) >= 3, "%s: %lld steps from the graph", what, (long long)mgpu_model_graph_steps(mz));
+    run_free(&plain);
+    run_free(&sharded);
+    mgpu_model_destroy(mp);
+    mgpu_model_destroy(mz);
+    free_batches(&bs);
+    mgpu_device_set_destroy(set);
+}
+
+/* A sharded optimizer's checkpoint holds the whole state: loaded into an unsharded model (and back
+   into a sharded one), the next steps give the bits of the sharded run going on; a state view
+   outside the replica's shard is refused, naming zero1. */
+static void zero1_checkpoint(void) {
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = adamw_desc();
+    batch_set bs;
+    mgpu_device_set* set = mkset("cpu:3");
+    mgpu_model *mz, *mp, *mz2;
+    mgpu_optimizer *oz, *op, *oz2;
+    const char* path = "test_parallel_zero1.safetensors";
+    int s, ok = 1;
+    c.hidden = 40;
+    c.zero1 = 1;
+    make_batches(&bs, 6, 24, &c);
+    mz = make_mlp(set, &c);
+    mz2 = make_mlp(set, &c);
+    c.zero1 = 0;
+    mp = make_mlp(set, &c);
+    oz = mz ? mgpu_optimizer_create(mz, &od) : NULL;
+    op = mp ? mgpu_optimizer_create(mp, &od) : NULL;
+    oz2 = mz2 ? mgpu_optimizer_create(mz2, &od) : NULL;
+    if (oz && op && oz2) {
+        float *a = fbuf(model_numel(mz)), *b = fbuf(model_numel(mz)), *z = fbuf(model_numel(mz));
+        for (s = 0; s < 3; ++s) MUST(mgpu_model_train_step(mz, oz, bs.x[s], bs.y[s], NULL));
+        MUST(mgpu_model_save(mz, oz, path));
+        MUST(mgpu_model_load(mp, op, path));
+        MUST(mgpu_model_load(mz2, oz2, path));
+        for (s = 3; s < 6; ++s) {
+            MUST(mgpu_model_train_step(mz, oz, bs.x[s], bs.y[s], NULL));
+            MUST(mgpu_model_train_step(mp, op, bs.x[s], bs.y[s], NULL));
+            MUST(mgpu_model_train_step(mz2, oz2, bs.x[s], bs.y[s], NULL));
+        }
+        get_params(mz, 0, a);
+        get_params(mp, 0, b);
+        get_params(mz2, 2, z);
+        ok = !memcmp(a, b, (size_t)model_numel(mz) * sizeof(float)) && !memcmp(a, z, (size_t)model_numel(mz) * sizeof(float));
+        CHECK(ok, "zero1: a sharded optimizer's checkpoint, loaded into an unsharded model and into a sharded one, goes on "
+              "with the sharded run's bits");
+        /* (741 floats in shards of 256: 2.weight's 200 from float 528 are the third replica's) */
+        CHECK(mgpu_optimizer_state(oz, 2, "2.weight", "exp_avg") != NULL, "zero1: replica 2 holds 2.weight's states: %s",
+              mgpu_last_error());
+        CHECK(mgpu_optimizer_state(oz, 0, "2.weight", "exp_avg") == NULL && strstr(mgpu_last_error(), "zero1"),
+              "zero1: replica 0's view of 2.weight's state (outside its shard) refused, naming zero1: %s", mgpu_last_error());
+        free(a); free(b); free(z);
+    }
+    CHECK(oz && op && oz2, "zero1 checkpoint: %s", mgpu_last_error());
+    remove(path);
+    mgpu_optimizer_destroy(oz);
+    mgpu_optimizer_destroy(op);
+    mgpu_optimizer_destroy(oz2);
+    mgpu_model_destroy(mz);
+    mgpu_model_destroy(mp);
+    mgpu_model_destroy(mz2);
+    free_batches(&bs);
+    mgpu_device_set_destroy(set);
+}
+
+static void test_zero1(void) {
+    mgpu_optimizer_desc adamw = adamw_desc(), sgd = sgd_desc();
+    header("ZeRO-1: sharded optimizer states");
+    adamw.decay_matrices_only = 1;   /* no-decay ranges whose edges fall inside the shards */
+    adamw.clip_norm = 0.5f;
+    zero1_case("cpu:4", 1, 1, 0, &adamw, 0.0);
+    zero1_case("cpu:3", 1, 1, 0, &sgd, 0.0);
+    zero1_case("cpu:4", 2, 2, 0, &adamw, 0.0);
+    zero1_checkpoint();
+    if (gpu_group("ZeRO-1 on GPUs, eager and as a CUDA graph")) {
+        zero1_case(g_gpus > 1 ? "cuda:0,1" : "cuda:0,0", 1, 1, 0, &adamw, 0.0);
+        zero1_case("cuda:0,0,0,0", 1, 1, 1, &adamw, 0.0);
+        zero1_case(g_gpus > 3 ? "cuda:0,1,2,3" : "cuda:0,0,0,0", 2, 2, 1, &sgd, 0.0);
+    }
+}
+
 int main(int argc, char** argv) {
     double t0 = test_start("test_parallel");
     test_select(argc, argv);
@@ -2872,6 +3031,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_counters());
     TEST_GROUP(test_suspect());
     TEST_GROUP(test_sync_batch_norm());
+    TEST_GROUP(test_zero1());
 
     printf("(%.1f s)\n", now_seconds() - t0);
     return test_summary("test_parallel");

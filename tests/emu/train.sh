@@ -13,8 +13,8 @@
 #     outweighs the rest (at most 3.2e-6).
 #   - with --graph (steps replayed from a CUDA graph), on cuda:0 and on 4 GPUs (P2P ring): the
 #     bits of the eager run of the same layout, most steps from the graph; and on cuda:0 with
-#     --precision bf16; and a small GPT in bf16 (build/emu/gpt), and in fp32 with --recompute
-#     against the eager run without it.
+#     --precision bf16; and a small GPT in bf16 (build/emu/gpt), and in fp32 on cuda:0,0 with
+#     --recompute --zero1 against the eager run without them.
 #   - --precision bf16 on the CPU: 2 epochs of the MLP and of the CNN within 0.005 test accuracy of
 #     fp32's 2 epochs.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
@@ -107,12 +107,13 @@ if env $env "$b/emu/gpt" $gpt_args --save "$tmp/eager.safetensors" > "$tmp/eager
 else
     failed=$((failed + 1)); echo "  FAIL $what: exit status $?"; tail -n 5 "$tmp/graph.txt" | sed 's/^/       /'
 fi
-# --recompute: the same GPT in fp32, its LayerNorm and GELU outputs computed again in backward, as
-# a CUDA graph, has the bits of the eager run that keeps them
-gpt_args="--text $(dirname "$0")/../../README.md --steps 8 --every 4 --sample 0 --layers 2 --width 64 --seq 32 --batch 4 --dropout 0.1 --devices cuda:0"
-what="emu/gpt --recompute --graph --devices cuda:0 against eager without --recompute"
+# --recompute --zero1: the same GPT in fp32 on two replicas, its LayerNorm and GELU outputs computed
+# again in backward and AdamW's states sharded, as a CUDA graph, has the bits of the eager run
+# without either
+gpt_args="--text $(dirname "$0")/../../README.md --steps 8 --every 4 --sample 0 --layers 2 --width 64 --seq 32 --batch 4 --dropout 0.1 --weight-decay 0.1 --clip 1 --devices cuda:0,0"
+what="emu/gpt --recompute --zero1 --graph --devices cuda:0,0 against eager without them"
 if env $env "$b/emu/gpt" $gpt_args --save "$tmp/kept.safetensors" > "$tmp/kept.txt" 2>&1 &&
-   env $env "$b/emu/gpt" $gpt_args --recompute --graph --save "$tmp/redo.safetensors" > "$tmp/redo.txt" 2>&1; then
+   env $env "$b/emu/gpt" $gpt_args --recompute --zero1 --graph --save "$tmp/redo.safetensors" > "$tmp/redo.txt" 2>&1; then
     diff=$("$b/emu/ckpt_diff" "$tmp/redo.safetensors" "$tmp/kept.safetensors" 0 2>&1); rc=$?
     graphed=$(sed -n 's/.* graph_steps=\([0-9]*\).*/\1/p' "$tmp/redo.txt")
     if [ $rc -eq 0 ] && [ "${graphed:-0}" -ge 6 ]; then
