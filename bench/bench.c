@@ -58,6 +58,7 @@ static void fail(const char* what) {
 static int pipe_stages, pipe_micro;
 static int use_graph;      /* desc.graph of the models made */
 static int use_bf16;       /* desc.precision MGPU_BF16 for the models made */
+static int use_recompute;  /* desc.recompute: a GPT's LayerNorm and GELU outputs made again in backward */
 static int batch_on_cpu;   /* the batch as a loader gives it, on the CPU, instead of on the first device */
 static mgpu_pipeline_schedule pipe_schedule;
 
@@ -111,6 +112,7 @@ static mgpu_model* make_model(const char* name, mgpu_device_set* set) {
     d.schedule = pipe_schedule;
     d.graph = use_graph;
     d.precision = use_bf16 ? MGPU_BF16 : MGPU_F32;
+    d.recompute = use_recompute;
     d.seed = 1;
     d.layers = layers;
     if (!strcmp(name, "mlp784")) {
@@ -985,6 +987,9 @@ int main(int argc, char** argv) {
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
         bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
+        use_recompute = 1;   /* its LayerNorm and GELU outputs made again in backward: the memory saved, the time it costs */
+        bench_training("gpt124m_b8_t1024_recompute", "gpt124m", "cuda:0", 8, 5, 0);
+        use_recompute = 0;
         use_bf16 = 1;   /* mixed precision (desc.precision), beside PyTorch's bf16 autocast */
         bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, 0);
         use_graph = 1;
