@@ -12431,6 +12431,8 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
+    if (m->zero1 && m->replica_count > 1)
+        fprintf(f, "ZeRO-1: each replica holds and updates 1/%d of the optimizer's states (mgpu_optimizer_shard)\n", m->replica_count);
     if (m->precision == MGPU_BF16) {   /* (the copies' buffers: with tied copies and the views' alignment) */
         size_t copies = 0;
         for (s = 0; s < m->stage_count; ++s) copies += mgpu_tensor_bytes(mgpu__part_of(m, 0, s)->params_bf16);

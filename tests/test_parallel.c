@@ -2975,6 +2975,19 @@ static void zero1_checkpoint(void) {
               "zero1: replica 0's view of 2.weight's state (outside its shard) refused, naming zero1: %s", mgpu_last_error());
         free(a); free(b); free(z);
     }
+    if (mz) {   /* the summary says so */
+        FILE* f = tmpfile();
+        char text[4096];
+        size_t got = 0;
+        if (f) {
+            mgpu_model_summary(mz, f);
+            rewind(f);
+            got = fread(text, 1, sizeof text - 1, f);
+            fclose(f);
+        }
+        text[got] = 0;
+        CHECK(strstr(text, "ZeRO-1: each replica holds and updates 1/3") != NULL, "zero1: mgpu_model_summary names it:\n%s", text);
+    }
     CHECK(oz && op && oz2, "zero1 checkpoint: %s", mgpu_last_error());
     remove(path);
     mgpu_optimizer_destroy(oz);
