@@ -1404,12 +1404,14 @@ MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps t
    it); read it, or write it to set the state. The state exists from mgpu_optimizer_create on,
    zero until the first step (whose SGD momentum buffer starts as the gradient, as PyTorch's
    does). A tied parameter (desc.ties) has its twin's state, as the one tensor it is in PyTorch.
+   With mgpu_model_desc.zero1 a replica has the states of the parameters wholly in its shard
+   (mgpu_optimizer_shard) alone; one cut by two shards has no view (a checkpoint holds it).
    NULL, with mgpu_last_error() saying why, for a state this optimizer does not keep. */
 MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
 /* The floats of a stage's flat parameter buffer whose optimizer state a replica holds and
    updates: [*first, *first + *count). The whole stage without mgpu_model_desc.zero1; with it, the
-   replica's shard (about 1/R of the floats an update moves, from a multiple of 16 floats), and
-   mgpu_optimizer_state gives only the parameters that lie wholly in it. */
+   replica's shard: about 1/R of the floats an update moves, from a multiple of 16 floats (the
+   last replicas' may be empty, at the end, where a stage has few floats). */
 MGPUDEF mgpu_result mgpu_optimizer_shard(const mgpu_optimizer* opt, int replica, int stage, int64_t* first, int64_t* count);
 /* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
    and AdamW's bias corrections) at 0. The parameters are left as they are. */
@@ -1493,9 +1495,11 @@ MGPUDEF const char* mgpu_model_suspect(const mgpu_model* m);
    replica, stage by stage, zero the gradients (a failed step may have left them half-summed),
    and clear the mark. An optimizer step that failed on another replica after replica 0 had taken
    it leaves replica 0 one whole step ahead: resync brings the others to it (pass opt: their
-   states differ too). What it cannot fix, and refuses (load a checkpoint instead): a replica 0
-   whose stages did not all take the update (a pipeline; also a failed CUDA graph replay of one),
-   and a model of several processes (mgpu_model_load on every rank). */
+   states differ too; with desc.zero1 each replica keeps its own shard of them). What it cannot
+   fix, and refuses (load a checkpoint instead): a replica 0 whose stages did not all take the
+   update (a pipeline; also a failed CUDA graph replay of one), an update that failed with zero1
+   (no replica holds every shard), and a model of several processes (mgpu_model_load on every
+   rank). */
 MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt);
 /* Evaluation (dropout off) of x against target: mean loss and, for cross-entropy, the number of
    correct predictions. Either output may be NULL. With a label per position ([B, T] targets) the
@@ -12540,6 +12544,7 @@ struct mgpu_optimizer {
     double* cpu_sums;           /* on the CPU: one sum of squares per chunk of MGPU__CLIP_CHUNK */
     void** updated;             /* zero1 on GPUs, per part: its update done (the other replicas of
                                    its stage copy its shard after it: mgpu__zero1_gather) */
+    void** copied;              /* and its copies of theirs done (they update theirs again after) */
     float cpu_norm;             /* on the CPU: the last step's norm */
     int norm_known;             /* a step clipped since the optimizer was made */
 };
@@ -12565,8 +12570,10 @@ static void mgpu__optimizer_free(mgpu_optimizer* opt) {
         if (opt->clip_sums) mgpu__tensor_free(opt->clip_sums[i]);
         if (opt->clip_norm) mgpu__tensor_free(opt->clip_norm[i]);
         if (opt->updated && opt->updated[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(opt->model->part[i].dev->ordinal, opt->updated[i]));
+        if (opt->copied && opt->copied[i]) (void)MGPU__CUDA(mgpu__cu_event_destroy(opt->model->part[i].dev->ordinal, opt->copied[i]));
     }
     MGPU_FREE(opt->updated);
+    MGPU_FREE(opt->copied);
     MGPU_FREE(opt->args);
     MGPU_FREE(opt->edges_dev);
     MGPU_FREE(opt->clip_sums);
@@ -12746,13 +12753,16 @@ MGPUDEF mgpu_optimizer* mgpu_optimizer_create(mgpu_model* m, const mgpu_optimize
             if (!*t || mgpu_tensor_zero(*t) != MGPU_OK) { mgpu__refail(op); mgpu__optimizer_free(opt); return NULL; }
         }
     if (m->zero1 && m->replica_count > 1 && m->part[0].dev->kind == MGPU_DEVICE_CUDA) {
-        if (!(opt->updated = (void**)mgpu__calloc((size_t)m->part_count, sizeof(void*)))) {
+        opt->updated = (void**)mgpu__calloc((size_t)m->part_count, sizeof(void*));
+        opt->copied = (void**)mgpu__calloc((size_t)m->part_count, sizeof(void*));
+        if (!opt->updated || !opt->copied) {
             mgpu__optimizer_free(opt);
             mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
             return NULL;
         }
         for (i = 0; i < m->part_count; ++i) {
-            const int rc = MGPU__CUDA(mgpu__cu_event_create(m->part[i].dev->ordinal, &opt->updated[i]));
+            int rc = MGPU__CUDA(mgpu__cu_event_create(m->part[i].dev->ordinal, &opt->updated[i]));
+            if (rc == 0) rc = MGPU__CUDA(mgpu__cu_event_create(m->part[i].dev->ordinal, &opt->copied[i]));
             if (rc != 0) { mgpu__cu_result(rc, op, m->part[i].dev); mgpu__optimizer_free(opt); return NULL; }
         }
     }
@@ -13073,8 +13083,13 @@ static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
    and mgpu_model_resync brings the other replicas to it. */
 static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
     mgpu_model* m = opt->model;
-    if (done == 0) return;
-    if (done < m->stage_count || (m->zero1 && m->replica_count > 1)) {   /* (zero1: no replica holds every shard) */
+    if (done == 0 || m->capturing) return;   /* (a capture ran nothing: the step runs eagerly instead) */
+    if (m->zero1 && m->replica_count > 1) {   /* no replica holds every shard to bring the others to */
+        mgpu__suspect_mark(m, "an optimizer step with zero1 that failed after some replicas had updated their shards",
+                           MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
+        return;
+    }
+    if (done < m->stage_count) {
         mgpu__suspect_mark(m, "an optimizer step that failed after updating only some stages of replica 0",
                            MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
         return;
@@ -13085,17 +13100,19 @@ static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
 
 /* zero1: each replica's updated shard of the parameters into the other replicas of its stage (an
    all-gather). On CPUs a copy; on GPUs each replica's stream waits for the others' updates and
-   copies their shards in, queued (a CUDA graph holds it), never waiting for the host. A replica's
-   next update of its shard comes after the next step's all-reduce, so after every copy out of it. */
+   copies their shards in, then each waits for the others' copies out of its own before it goes on
+   (its next update must not overwrite a shard being read), all queued (a CUDA graph holds it),
+   never waiting for the host. */
 static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
     mgpu_model* m = opt->model;
     const int S = m->stage_count, R = m->replica_count;
     int s, r, q;
     if (!m->zero1 || R == 1) return MGPU_OK;
     for (s = 0; s < S; ++s)
-        for (r = 0; r < R; ++r)
+        for (r = 0; r < R; ++r) {
+            mgpu__part* to = mgpu__part_of(m, r, s);
             for (q = 0; q < R; ++q) {
-                mgpu__part *to = mgpu__part_of(m, r, s), *from = mgpu__part_of(m, q, s);
+                const mgpu__part* from = mgpu__part_of(m, q, s);
                 int64_t lo, hi;
                 size_t bytes;
                 if (q == r) continue;
@@ -13117,6 +13134,15 @@ static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
                 else
                     MGPU__CU(op, to->dev, mgpu__cu_memcpy_peer(to->dev->ordinal, MGPU__F32(to->params) + lo, from->dev->ordinal,
                                                               MGPU__F32(from->params) + lo, bytes, to->dev->stream));
+            }
+            if (opt->updated) MGPU__CU(op, to->dev, mgpu__cu_event_record(to->dev->ordinal, opt->copied[r * S + s], to->dev->stream));
+        }
+    for (s = 0; opt->updated && s < S; ++s)
+        for (q = 0; q < R; ++q)
+            for (r = 0; r < R; ++r) {
+                const mgpu__part* from = mgpu__part_of(m, q, s);
+                if (r != q)
+                    MGPU__CU(op, from->dev, mgpu__cu_stream_wait_event(from->dev->ordinal, from->dev->stream, opt->copied[r * S + s]));
             }
     return MGPU_OK;
 }
@@ -14753,9 +14779,11 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
         if (rc) {
             r = mgpu__cu_result(rc, op, first->dev);
             mgpu__graph_drop(m);   /* made again when the steps go on */
-            /* what of the replay ran is not known: replica 0 whole, unless its stages may differ */
+            /* what of the replay ran is not known: replica 0 whole, unless its stages may differ
+               (or, with zero1, the replicas' shards) */
             mgpu__suspect_mark(m, "a CUDA graph replay of a step that failed",
-                               MGPU__SUSPECT_STATES | (m->stage_count > 1 ? MGPU__SUSPECT_LOAD_ONLY : 0));
+                               MGPU__SUSPECT_STATES |
+                               (m->stage_count > 1 || (m->zero1 && m->replica_count > 1) ? MGPU__SUSPECT_LOAD_ONLY : 0));
         }
     }
     if (r != MGPU_OK) {

@@ -2447,7 +2447,7 @@ static mgpu_layer* tiny_block(float p) {
 /* GPT-2's layers (examples/gpt.c's), the head tied to the embedding or not; recompute and the
    precision as mgpu_model_desc's */
 static mgpu_model* tiny_gpt_ex(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p, int recompute,
-                               mgpu_dtype precision) {
+                               mgpu_dtype precision, int zero1) {
     static const mgpu_tie tie = { "6.weight", "0.weight" };   /* the head is the embedding */
     const char* spec = set ? mgpu_device_set_spec(set) : NULL;
     mgpu_layer* layers[3 + GPT_L + 2];
@@ -2462,13 +2462,13 @@ static mgpu_model* tiny_gpt_ex(const mgpu_device_set* set, int stages, int micro
     m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(GPT_T), .input_dtype = MGPU_I32, .layers = layers, .layer_count = n,
                                               .devices = set, .seed = 5, .stages = stages, .micro_batches = micro, .graph = graph,
                                               .ties = tied ? &tie : NULL, .tie_count = tied, .recompute = recompute,
-                                              .precision = precision });
+                                              .precision = precision, .zero1 = zero1 });
     CHECK(m != NULL, "a GPT on %s (%d stages, %d micro-batches%s%s%s): %s", spec ? spec : "cpu", stages, micro, graph ? ", graph" : "",
           recompute ? ", recompute" : "", precision == MGPU_BF16 ? ", bf16" : "", mgpu_last_error());
     return m;
 }
 static mgpu_model* tiny_gpt(const mgpu_device_set* set, int stages, int micro, int graph, int tied, float p) {
-    return tiny_gpt_ex(set, stages, micro, graph, tied, p, 0, MGPU_F32);
+    return tiny_gpt_ex(set, stages, micro, graph, tied, p, 0, MGPU_F32, 0);
 }
 /* every stage's floats of replica 0, in the flat layout's order */
 static float* all_floats(const mgpu_model* m, int grads, int64_t* n) {
@@ -2572,8 +2572,8 @@ static void gpt_recompute(const char* spec, int stages, int graph, mgpu_dtype pr
     const int micro = stages > 1 ? 2 : 1;
     const size_t fewer = (size_t)GPT_L * 6 * GPT_C * (GPT_B / micro) * GPT_T * (precision == MGPU_BF16 ? 2 : 4);
     mgpu_device_set* set = mgpu_device_set_create(spec);
-    mgpu_model *kept = set ? tiny_gpt_ex(set, stages, micro, 0, stages == 1, 0.1f, 0, precision) : NULL;
-    mgpu_model *redo = set ? tiny_gpt_ex(set, stages, micro, graph, stages == 1, 0.1f, 1, precision) : NULL;
+    mgpu_model *kept = set ? tiny_gpt_ex(set, stages, micro, 0, stages == 1, 0.1f, 0, precision, 0) : NULL;
+    mgpu_model *redo = set ? tiny_gpt_ex(set, stages, micro, graph, stages == 1, 0.1f, 1, precision, 0) : NULL;
     CHECK(set != NULL, "recompute: %s: %s", spec, mgpu_last_error());
     if (kept && redo) {
         float lk = 0, lr = 1, *pk = gpt_steps_fresh(set, kept, &lk, &od), *pr = gpt_steps_fresh(set, redo, &lr, &od);
@@ -2596,6 +2596,28 @@ static void gpt_recompute(const char* spec, int stages, int graph, mgpu_dtype pr
     }
     mgpu_model_destroy(kept);
     mgpu_model_destroy(redo);
+    mgpu_device_set_destroy(set);
+}
+
+/* ZeRO-1 (mgpu_model_desc.zero1) with the head tied to the embedding (the twin's floats past those
+   an update moves, copied after the shards are gathered), AdamW with clipping, on 3 replicas: the
+   bits of the unsharded run */
+static void gpt_zero1_tied(const char* spec) {
+    static const mgpu_optimizer_desc od = { .kind = MGPU_ADAMW, .lr = 0.01f, .weight_decay = 0.1f, .decay_matrices_only = 1,
+                                            .clip_norm = 0.5f };
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_model *plain = set ? tiny_gpt_ex(set, 1, 1, 0, 1, 0.1f, 0, MGPU_F32, 0) : NULL;
+    mgpu_model *sharded = set ? tiny_gpt_ex(set, 1, 1, 0, 1, 0.1f, 0, MGPU_F32, 1) : NULL;
+    if (plain && sharded) {
+        float lp = 0, ls = 1, *pp = gpt_steps_with(plain, 4, &lp, &od), *ps = gpt_steps_with(sharded, 4, &ls, &od);
+        const int64_t n = mgpu_tensor_numel(mgpu_model_params(plain, 0));
+        CHECK(lp == ls && !memcmp(pp, ps, (size_t)n * sizeof(float)) && mgpu_model_verify_replicas(sharded) == MGPU_OK,
+              "a tied GPT with zero1 on %s trains to the unsharded bits, its replicas identical: loss %.9g vs %.9g, parameters %s (%s)",
+              spec, lp, ls, memcmp(pp, ps, (size_t)n * sizeof(float)) ? "differ" : "equal", mgpu_last_error());
+        free(pp); free(ps);
+    }
+    mgpu_model_destroy(plain);
+    mgpu_model_destroy(sharded);
     mgpu_device_set_destroy(set);
 }
 
@@ -2632,10 +2654,12 @@ static void test_gpt_layouts(void) {
     gpt_recompute("cpu", 1, 0, MGPU_F32);
     gpt_recompute("cpu:2", 2, 0, MGPU_F32);
     gpt_recompute("cpu", 1, 0, MGPU_BF16);
+    gpt_zero1_tied("cpu:3");
     if (gpu_part("a GPT recomputing LayerNorm and GELU outputs, eager and as a CUDA graph, fp32 and bf16")) {
         gpt_recompute("cuda:0", 1, 1, MGPU_F32);
         gpt_recompute("cuda:0", 1, 1, MGPU_BF16);
         gpt_recompute(mgpu_cuda_device_count() > 1 ? "cuda:0,1" : "cuda:0,0", 2, 1, MGPU_F32);
+        gpt_zero1_tied("cuda:0,0,0");
     }
     if (gpu_part("a tied GPT in 2 stages on two GPUs, eager and as a CUDA graph")) {
         mgpu_device_set* gpu = mgpu_device_set_create("cuda:0");
