@@ -8295,13 +8295,13 @@ static mgpu_tensor* mgpu__box_redo(const mgpu_layer* l, const mgpu_layer_ctx* ct
 static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
-    mgpu_tensor *held = NULL, *made = NULL;   /* a recomputed child's output, until the next child has read it */
+    mgpu_tensor* held = NULL;   /* a recomputed child's output, until the next child has read it */
     mgpu_result r = MGPU_OK;
     int k;
     for (k = 0; k < c->count && r == MGPU_OK; ++k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
         const mgpu_tensor* in = c->residual || !k ? x : held ? held : own[k - 1];
-        made = NULL;
+        mgpu_tensor* made = NULL;
         if (c->residual) r = mgpu_layer_forward(c->kid[k], &sub, x, own[k]);
         else if (mgpu__box_recomputes(l, k)) r = (made = mgpu__box_redo(l, ctx, k, in)) ? MGPU_OK : mgpu_last_result();
         else r = mgpu_layer_forward(c->kid[k], &sub, in, k < c->count - 1 ? own[k] : y);
@@ -12602,6 +12602,12 @@ static void mgpu__shard(const mgpu_model* m, int part, int64_t* lo, int64_t* hi)
     *lo = MGPU__MIN(n, (int64_t)m->part[part].replica * per);
     *hi = MGPU__MIN(n, *lo + per);
 }
+/* the floats of part i's shard that an update moves (the stage's tied copies and padding, past
+   stage_moved, it leaves alone) */
+static void mgpu__shard_moved(const mgpu_model* m, int part, int64_t* lo, int64_t* hi) {
+    mgpu__shard(m, part, lo, hi);
+    *hi = MGPU__MAX(*lo, MGPU__MIN(*hi, m->stage_moved[m->part[part].stage]));
+}
 MGPUDEF mgpu_result mgpu_optimizer_shard(const mgpu_optimizer* opt, int replica, int stage, int64_t* first, int64_t* count) {
     int64_t lo, hi;
     if (!opt || !first || !count) return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_optimizer_shard: NULL argument");
@@ -13116,9 +13122,8 @@ static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
                 int64_t lo, hi;
                 size_t bytes;
                 if (q == r) continue;
-                mgpu__shard(m, q * S + s, &lo, &hi);
-                hi = MGPU__MIN(hi, m->stage_moved[s]);
-                if (hi <= lo) continue;
+                mgpu__shard_moved(m, q * S + s, &lo, &hi);
+                if (hi == lo) continue;
                 bytes = (size_t)(hi - lo) * sizeof(float);
                 if (!opt->updated) {   /* CPU devices: their updates ran already */
                     mgpu_tensor dst = mgpu__rows(to->params, lo, hi - lo);
@@ -13165,9 +13170,8 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         size_t n;
         const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
         const int64_t* edges_dev = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
-        mgpu__shard(opt->model, i, &lo, &hi);
-        hi = MGPU__MIN(hi, opt->model->stage_moved[r->stage]);
-        n = hi > lo ? (size_t)(hi - lo) : 0;
+        mgpu__shard_moved(opt->model, i, &lo, &hi);
+        n = (size_t)(hi - lo);
         job.p = MGPU__F32(r->params) + lo;
         job.g = MGPU__F32(r->grads) + lo;
         job.first = lo;

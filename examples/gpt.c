@@ -74,8 +74,8 @@ static int parse_args(int argc, char** argv, options* o) {
         char* end = NULL;
         long long n = 0;
         double f = 0;
-        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--recompute") || !strcmp(a, "--zero1") ||
-                   !strcmp(a, "--help") || !strcmp(a, "-h");
+        int flag = !strcmp(a, "--no-shuffle") || !strcmp(a, "--eval-only") || !strcmp(a, "--graph") || !strcmp(a, "--recompute") ||
+                   !strcmp(a, "--zero1") || !strcmp(a, "--help") || !strcmp(a, "-h");
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--no-shuffle")) { o->shuffle = 0; continue; }
         if (!strcmp(a, "--eval-only")) { o->eval_only = 1; continue; }
