@@ -2352,7 +2352,7 @@ int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const flo
    probabilities from q, k and lse, and the dropout mask from its counters (the same as above),
    writes drow[b, h, t] = rowsum(dy .* y) = rowsum(dP .* att) and overwrites dqkv. p = 0: no
    dropout. */
-#define MGPU__CU_ATTN_FUSED_MAX_HEAD 64
+#define MGPU__CU_ATTN_FUSED_MAX_HEAD 128
 int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
                                      uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p);
 int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* y,

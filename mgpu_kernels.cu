@@ -1784,29 +1784,40 @@ int mgpu__cu_attention_backward(int dev, void* stream, const mgpu__attn* g, cons
 // kernel by query tiles (dq, and drow = rowsum(dy .* y)), one by key tiles (dk and dv), so that
 // every output is one warp's sums in a fixed order: deterministic, no atomics. The dropout mask
 // is drawn again from its counters. Terms above the diagonal are skipped, as the unfused kernels
-// skip them. Head sizes up to kAttnMaxHead (the layer takes the unfused kernels above it).
+// skip them. Head sizes up to kAttnMaxHead (the layer takes the unfused kernels above it), each
+// kernel compiled for H = 64 and H = 128 columns a row (the smallest that holds the head): its
+// tiles in dynamic shared memory, 4 tiles of 32 x 129 floats (66 KB) at H = 128, past the 48 KB a
+// block gets without asking (cudaFuncSetAttribute before each launch, as FlashAttention does).
 constexpr int kAttnTile = 32;
 constexpr int kAttnMaxHead = MGPU__CU_ATTN_FUSED_MAX_HEAD;
-constexpr int kAttnPerLane = kAttnMaxHead / 32;                 // a lane's columns d = lane + 32 c
 constexpr int kAttnRowsPerWarp = kAttnTile / (kThreads / 32);
-typedef float attn_tile[kAttnTile][kAttnMaxHead + 1];           // + 1: lanes reading rows hit distinct banks
-static_assert(kAttnMaxHead % 32 == 0 && kAttnTile == 32 && kAttnTile % (kThreads / 32) == 0,
-              "a lane per row of a tile, whole columns per lane, whole rows per warp");
+static_assert(kAttnMaxHead == 128 && kAttnTile == 32 && kAttnTile % (kThreads / 32) == 0,
+              "a lane per row of a tile, H = 64 or 128 columns (whole columns per lane), whole rows per warp");
+
+// Tile i of a kernel's dynamic shared memory: 32 rows of H + 1 floats (+ 1: lanes reading rows
+// hit distinct banks). The bytes a kernel of `tiles` tiles and `extra` more floats asks for.
+template <int H> __device__ __forceinline__ float (*attn_tile(float* shared, int i))[H + 1] {
+    return reinterpret_cast<float (*)[H + 1]>(shared + (size_t)i * kAttnTile * (H + 1));
+}
+template <int H> constexpr size_t attn_shared_bytes(int tiles, int extra) {
+    return ((size_t)tiles * kAttnTile * (H + 1) + extra) * sizeof(float);
+}
 
 // rows first .. first + 31 of one head's q, k, v or dy (src: its row 0; stride between rows),
 // zeros past T (so no lane reads past the tensor)
-__device__ void attn_load(attn_tile& tile, const float* src, int64_t stride, int first, int T, int hs) {
-    for (int i = threadIdx.x; i < kAttnTile * kAttnMaxHead; i += kThreads) {
-        const int r = i / kAttnMaxHead, d = i % kAttnMaxHead;
+template <int H> __device__ void attn_load(float (*tile)[H + 1], const float* src, int64_t stride, int first, int T, int hs) {
+    for (int i = threadIdx.x; i < kAttnTile * H; i += kThreads) {
+        const int r = i / H, d = i % H;
         tile[r][d] = first + r < T && d < hs ? src[(int64_t)(first + r) * stride + d] : 0.0f;
     }
 }
 // key tile kt's k and v rows (base: the head's q of row 0), between barriers: every reader of the
 // last tile done before, every row written after
-__device__ void attn_load_keys(attn_tile& ks, attn_tile& vs, const float* base, int64_t D, int kt, int T, int hs) {
+template <int H>
+__device__ void attn_load_keys(float (*ks)[H + 1], float (*vs)[H + 1], const float* base, int64_t D, int kt, int T, int hs) {
     __syncthreads();
-    attn_load(ks, base + D, 3 * D, kt * kAttnTile, T, hs);
-    attn_load(vs, base + 2 * D, 3 * D, kt * kAttnTile, T, hs);
+    attn_load<H>(ks, base + D, 3 * D, kt * kAttnTile, T, hs);
+    attn_load<H>(vs, base + 2 * D, 3 * D, kt * kAttnTile, T, hs);
     __syncthreads();
 }
 __device__ __forceinline__ float attn_dot(const float* a, const float* b, int hs) {
@@ -1820,10 +1831,13 @@ __device__ __forceinline__ float attn_keep(uint64_t key, uint64_t offset, uint64
     return p > 0.0f ? mgpu__dropout_scale(key, offset, first + (uint64_t)((bh * T + t) * T + s), p) : 1.0f;
 }
 
+template <int H>
 __global__ void __launch_bounds__(kThreads)
 attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* lse, uint64_t seed, const uint64_t* seed_at,
                                uint64_t offset, uint64_t first, float p) {
-    __shared__ attn_tile qs, ks, vs;
+    extern __shared__ float attn_shared[];
+    float (*qs)[H + 1] = attn_tile<H>(attn_shared, 0), (*ks)[H + 1] = attn_tile<H>(attn_shared, 1),
+          (*vs)[H + 1] = attn_tile<H>(attn_shared, 2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
     const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
     const int tiles = (T + kAttnTile - 1) / kAttnTile;
@@ -1832,18 +1846,18 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
         const int64_t bh = blk / tiles, b = bh / g.heads;
         const int qt = (int)(blk % tiles), h = (int)(bh % g.heads);
         const float* base = qkv + b * T * W + (int64_t)h * hs;   // q of row 0; k at + D, v at + 2 D
-        float m[kAttnRowsPerWarp], l[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kAttnPerLane];
+        float m[kAttnRowsPerWarp], l[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][H / 32];
 #pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             m[i] = -INFINITY;
             l[i] = 0.0f;
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
+            for (int c = 0; c < H / 32; ++c) acc[i][c] = 0.0f;
         }
         __syncthreads();   // the last tile's readers are done
-        attn_load(qs, base, W, qt * kAttnTile, T, hs);
+        attn_load<H>(qs, base, W, qt * kAttnTile, T, hs);
         for (int kt = 0; kt <= qt; ++kt) {
-            attn_load_keys(ks, vs, base, D, kt, T, hs);
+            attn_load_keys<H>(ks, vs, base, D, kt, T, hs);
             const int s = kt * kAttnTile + lane;
 #pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
@@ -1857,11 +1871,11 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
                 const float pd = on ? e * attn_keep(key, offset, first, p, bh, T, t, s) : 0.0f;
                 l[i] = l[i] * rescale + group_reduce<32>(e, sum_op<float>());
 #pragma unroll
-                for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] *= rescale;
+                for (int c = 0; c < H / 32; ++c) acc[i][c] *= rescale;
                 for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
                     const float pj = __shfl_sync(0xffffffffu, pd, j);
 #pragma unroll
-                    for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += pj * vs[j][lane + 32 * c];
+                    for (int c = 0; c < H / 32; ++c) acc[i][c] += pj * vs[j][lane + 32 * c];
                 }
                 m[i] = m_new;
             }
@@ -1872,7 +1886,7 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
             if (t >= T) break;
             float* yr = y + (b * T + t) * D + (int64_t)h * hs;
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c)
+            for (int c = 0; c < H / 32; ++c)
                 if (lane + 32 * c < hs) yr[lane + 32 * c] = acc[i][c] / l[i];
             if (lane == 0) lse[bh * T + t] = m[i] + logf(l[i]);
         }
@@ -1881,11 +1895,14 @@ attention_fused_forward_kernel(mgpu__attn g, const float* qkv, float* y, float* 
 
 // By query tiles: drow = rowsum(dy .* y); dS = P .* (dP - drow) * scale with P = e^(score - lse)
 // and dP = (dy v^T) .* mask; dq = dS k.
+template <int H>
 __global__ void __launch_bounds__(kThreads)
 attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const float* y, const float* lse, const float* dy,
                                       float* drow, float* dqkv, uint64_t seed, const uint64_t* seed_at, uint64_t offset,
                                       uint64_t first, float p) {
-    __shared__ attn_tile qs, dys, ks, vs;
+    extern __shared__ float attn_shared[];
+    float (*qs)[H + 1] = attn_tile<H>(attn_shared, 0), (*dys)[H + 1] = attn_tile<H>(attn_shared, 1),
+          (*ks)[H + 1] = attn_tile<H>(attn_shared, 2), (*vs)[H + 1] = attn_tile<H>(attn_shared, 3);
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
     const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
     const int tiles = (T + kAttnTile - 1) / kAttnTile;
@@ -1894,16 +1911,16 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
         const int64_t bh = blk / tiles, b = bh / g.heads;
         const int qt = (int)(blk % tiles), h = (int)(bh % g.heads);
         const float* base = qkv + b * T * W + (int64_t)h * hs;
-        float rs[kAttnRowsPerWarp], ls[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][kAttnPerLane];
+        float rs[kAttnRowsPerWarp], ls[kAttnRowsPerWarp], acc[kAttnRowsPerWarp][H / 32];
         __syncthreads();
-        attn_load(qs, base, W, qt * kAttnTile, T, hs);
-        attn_load(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
+        attn_load<H>(qs, base, W, qt * kAttnTile, T, hs);
+        attn_load<H>(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
 #pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i) {
             const int t = qt * kAttnTile + warp * kAttnRowsPerWarp + i;
             float part = 0.0f;
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] = 0.0f;
+            for (int c = 0; c < H / 32; ++c) acc[i][c] = 0.0f;
             if (t >= T) { rs[i] = ls[i] = 0.0f; continue; }
             const float* yr = y + (b * T + t) * D + (int64_t)h * hs;
             const float* dyr = dy + (b * T + t) * D + (int64_t)h * hs;
@@ -1913,7 +1930,7 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
             if (lane == 0) drow[bh * T + t] = rs[i];
         }
         for (int kt = 0; kt <= qt; ++kt) {
-            attn_load_keys(ks, vs, base, D, kt, T, hs);
+            attn_load_keys<H>(ks, vs, base, D, kt, T, hs);
             const int s = kt * kAttnTile + lane;
 #pragma unroll
             for (int i = 0; i < kAttnRowsPerWarp; ++i) {
@@ -1926,7 +1943,7 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
                 for (int j = 0; j <= min(kAttnTile - 1, t - kt * kAttnTile); ++j) {
                     const float dj = __shfl_sync(0xffffffffu, ds, j);
 #pragma unroll
-                    for (int c = 0; c < kAttnPerLane; ++c) acc[i][c] += dj * ks[j][lane + 32 * c];
+                    for (int c = 0; c < H / 32; ++c) acc[i][c] += dj * ks[j][lane + 32 * c];
                 }
             }
         }
@@ -1936,7 +1953,7 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
             if (t >= T) break;
             float* dq = dqkv + (b * T + t) * W + (int64_t)h * hs;
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c)
+            for (int c = 0; c < H / 32; ++c)
                 if (lane + 32 * c < hs) dq[lane + 32 * c] = acc[i][c];
         }
     }
@@ -1944,12 +1961,15 @@ attention_fused_backward_query_kernel(mgpu__attn g, const float* qkv, const floa
 
 // By key tiles, after the query kernel's drow: dk = dS^T q and dv = (P .* mask)^T dy, over the
 // query tiles from the diagonal down, a lane per query.
+template <int H>
 __global__ void __launch_bounds__(kThreads)
 attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float* lse, const float* dy, const float* drow,
                                     float* dqkv, uint64_t seed, const uint64_t* seed_at, uint64_t offset, uint64_t first,
                                     float p) {
-    __shared__ attn_tile ks, vs, qs, dys;
-    __shared__ float ls[kAttnTile], rs[kAttnTile];
+    extern __shared__ float attn_shared[];
+    float (*ks)[H + 1] = attn_tile<H>(attn_shared, 0), (*vs)[H + 1] = attn_tile<H>(attn_shared, 1),
+          (*qs)[H + 1] = attn_tile<H>(attn_shared, 2), (*dys)[H + 1] = attn_tile<H>(attn_shared, 3);
+    float *ls = attn_shared + 4 * kAttnTile * (H + 1), *rs = ls + kAttnTile;   // kAttnTile each
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
     const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
     const int tiles = (T + kAttnTile - 1) / kAttnTile;
@@ -1958,16 +1978,16 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
         const int64_t bh = blk / tiles, b = bh / g.heads;
         const int kt = (int)(blk % tiles), h = (int)(bh % g.heads);
         const float* base = qkv + b * T * W + (int64_t)h * hs;
-        float dk[kAttnRowsPerWarp][kAttnPerLane], dv[kAttnRowsPerWarp][kAttnPerLane];
+        float dk[kAttnRowsPerWarp][H / 32], dv[kAttnRowsPerWarp][H / 32];
 #pragma unroll
         for (int i = 0; i < kAttnRowsPerWarp; ++i)
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c) dk[i][c] = dv[i][c] = 0.0f;
-        attn_load_keys(ks, vs, base, D, kt, T, hs);   // this block's keys, for every query tile
+            for (int c = 0; c < H / 32; ++c) dk[i][c] = dv[i][c] = 0.0f;
+        attn_load_keys<H>(ks, vs, base, D, kt, T, hs);   // this block's keys, for every query tile
         for (int qt = kt; qt < tiles; ++qt) {
             __syncthreads();
-            attn_load(qs, base, W, qt * kAttnTile, T, hs);
-            attn_load(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
+            attn_load<H>(qs, base, W, qt * kAttnTile, T, hs);
+            attn_load<H>(dys, dy + b * T * D + (int64_t)h * hs, D, qt * kAttnTile, T, hs);
             if (threadIdx.x < kAttnTile) {
                 const int t = qt * kAttnTile + threadIdx.x;
                 ls[threadIdx.x] = t < T ? lse[bh * T + t] : 0.0f;
@@ -1987,7 +2007,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
                 for (int j = max(0, s - qt * kAttnTile); j <= min(kAttnTile - 1, T - 1 - qt * kAttnTile); ++j) {
                     const float dj = __shfl_sync(0xffffffffu, ds, j), pj = __shfl_sync(0xffffffffu, pd, j);
 #pragma unroll
-                    for (int c = 0; c < kAttnPerLane; ++c) {
+                    for (int c = 0; c < H / 32; ++c) {
                         dk[i][c] += dj * qs[j][lane + 32 * c];
                         dv[i][c] += pj * dys[j][lane + 32 * c];
                     }
@@ -2000,7 +2020,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
             if (s >= T) break;
             float* dkr = dqkv + (b * T + s) * W + D + (int64_t)h * hs;
 #pragma unroll
-            for (int c = 0; c < kAttnPerLane; ++c)
+            for (int c = 0; c < H / 32; ++c)
                 if (lane + 32 * c < hs) {
                     dkr[lane + 32 * c] = dk[i][c];
                     dkr[D + lane + 32 * c] = dv[i][c];
@@ -2009,16 +2029,50 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
     }
 }
 
+// The kernels for H columns a row; the shared memory each asks for (attn_shared_bytes) allowed
+// first. blocks: (batch, head, query or key tile) triples.
+template <int H>
+static int attention_fused_forward_launch(int dev, cudaStream_t stream, const mgpu__attn* g, int64_t blocks, const float* qkv,
+                                          float* y, float* lse, uint64_t seed, const uint64_t* seed_on_device,
+                                          uint64_t offset, uint64_t first, float p) {
+    const size_t bytes = attn_shared_bytes<H>(3, 0);
+    CUDA_TRY(cudaFuncSetAttribute(attention_fused_forward_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+             "cudaFuncSetAttribute(attention_fused_forward, %zu bytes of shared memory) on device %d", bytes, dev);
+    attention_fused_forward_kernel<H><<<blocks_for(blocks, 1), kThreads, bytes, stream>>>(*g, qkv, y, lse, seed, seed_on_device,
+                                                                                         offset, first, p);
+    CHECK_LAUNCH("attention_fused_forward", dev);
+    return MGPU__CU_OK;
+}
+template <int H>
+static int attention_fused_backward_launch(int dev, cudaStream_t stream, const mgpu__attn* g, int64_t blocks, const float* qkv,
+                                           const float* y, const float* lse, const float* dy, float* drow, float* dqkv,
+                                           uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first,
+                                           float p) {
+    const size_t query_bytes = attn_shared_bytes<H>(4, 0), key_bytes = attn_shared_bytes<H>(4, 2 * kAttnTile);
+    CUDA_TRY(cudaFuncSetAttribute(attention_fused_backward_query_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)query_bytes),
+             "cudaFuncSetAttribute(attention_fused_backward_query, %zu bytes of shared memory) on device %d", query_bytes, dev);
+    CUDA_TRY(cudaFuncSetAttribute(attention_fused_backward_key_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)key_bytes),
+             "cudaFuncSetAttribute(attention_fused_backward_key, %zu bytes of shared memory) on device %d", key_bytes, dev);
+    attention_fused_backward_query_kernel<H><<<blocks_for(blocks, 1), kThreads, query_bytes, stream>>>(
+        *g, qkv, y, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_fused_backward_query", dev);
+    attention_fused_backward_key_kernel<H><<<blocks_for(blocks, 1), kThreads, key_bytes, stream>>>(
+        *g, qkv, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
+    CHECK_LAUNCH("attention_fused_backward_key", dev);
+    return MGPU__CU_OK;
+}
+
 int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
                                      uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
     USE_DEVICE(dev);
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
     if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
     if (blocks <= 0) return MGPU__CU_OK;
-    attention_fused_forward_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
-        *g, qkv, y, lse, seed, seed_on_device, offset, first, p);
-    CHECK_LAUNCH("attention_fused_forward", dev);
-    return MGPU__CU_OK;
+    return g->head_size <= 64
+               ? attention_fused_forward_launch<64>(dev, as_stream(stream), g, blocks, qkv, y, lse, seed, seed_on_device, offset, first, p)
+               : attention_fused_forward_launch<128>(dev, as_stream(stream), g, blocks, qkv, y, lse, seed, seed_on_device, offset, first, p);
 }
 
 int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g, const float* qkv, const float* y,
@@ -2028,13 +2082,10 @@ int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
     if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
     if (blocks <= 0) return MGPU__CU_OK;
-    attention_fused_backward_query_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
-        *g, qkv, y, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
-    CHECK_LAUNCH("attention_fused_backward_query", dev);
-    attention_fused_backward_key_kernel<<<blocks_for(blocks, 1), kThreads, 0, as_stream(stream)>>>(
-        *g, qkv, lse, dy, drow, dqkv, seed, seed_on_device, offset, first, p);
-    CHECK_LAUNCH("attention_fused_backward_key", dev);
-    return MGPU__CU_OK;
+    return g->head_size <= 64 ? attention_fused_backward_launch<64>(dev, as_stream(stream), g, blocks, qkv, y, lse, dy, drow, dqkv,
+                                                                    seed, seed_on_device, offset, first, p)
+                              : attention_fused_backward_launch<128>(dev, as_stream(stream), g, blocks, qkv, y, lse, dy, drow,
+                                                                     dqkv, seed, seed_on_device, offset, first, p);
 }
 
 // y[b][j][i] = x[b][i][j] through a 32 x 32 shared tile (33 columns wide, against bank conflicts),

@@ -491,6 +491,53 @@ static void bench_cpu_gemms(void) {
     }
 }
 
+/* ---- causal attention alone: the fused kernels (mgpu__attention_forward and _backward), on
+   FlashAttention's benchmark shape, 16K tokens (batch 16384 / T) of width 2048 (heads 2048 / head
+   size), with FLOPs as FlashAttention counts them: forward 4 B H T^2 hs, halved by the causal
+   mask; backward 2.5 times that. bench_torch.py times F.scaled_dot_product_attention alike. ---- */
+static void bench_attention(const char* spec, int T, int hs, int reps) {
+    const int B = 16384 / T, H = 2048 / hs;
+    const int64_t D = (int64_t)H * hs;
+    const mgpu__attn g = { B, T, H, hs, 1.0f / sqrtf((float)hs) };
+    const double fwd_flops = 2.0 * B * H * (double)T * T * hs, flops[2] = { fwd_flops, 2.5 * fwd_flops };
+    mgpu_device_set* set = mgpu_device_set_create(spec);
+    mgpu_device* dev;
+    mgpu_tensor *qkv, *y, *lse, *dy, *drow, *dqkv;
+    double* t = (double*)malloc(sizeof(double) * (size_t)reps);
+    char name[64];
+    int pass, i, j;
+    if (!set || !t) fail(spec);
+    dev = mgpu_device_set_get(set, 0);
+    qkv = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, T, 3 * D));
+    y = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, T, D));
+    dy = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, T, D));
+    dqkv = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, T, 3 * D));
+    lse = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, H, T));
+    drow = mgpu_tensor_create(dev, MGPU_F32, mgpu_shape3(B, H, T));
+    if (!qkv || !y || !dy || !dqkv || !lse || !drow || mgpu_tensor_fill(qkv, 0.5) || mgpu_tensor_fill(dy, 0.125)) fail("attention");
+    snprintf(name, sizeof name, "attention_causal_t%d_hs%d", T, hs);
+    for (pass = 0; pass < 2; ++pass) {   /* 0: forward, 1: backward (after a forward) */
+        for (i = -3; i < reps; ++i) {
+            double t0;
+            mgpu_device_synchronize(dev);
+            t0 = mgpu_seconds();
+            for (j = 0; j < 10; ++j) {
+                mgpu_result r = pass == 0 ? mgpu__attention_forward(&g, qkv, y, lse, 0, NULL, 0, 0, 0.0f)
+                                          : mgpu__attention_backward(&g, qkv, y, lse, dy, drow, dqkv, 0, NULL, 0, 0, 0.0f);
+                if (r) fail("attention");
+            }
+            mgpu_device_synchronize(dev);
+            if (i >= 0) t[i] = (mgpu_seconds() - t0) / 10.0;
+        }
+        row(name, spec, pass ? "backward" : "forward", flops[pass] / median(t, reps) / 1e12, "TFLOP/s",
+            hs <= MGPU__CU_ATTN_FUSED_MAX_HEAD ? "fused kernels, fp32 on CUDA cores" : "unfused kernels, fp32");
+    }
+    mgpu_tensor_destroy(qkv); mgpu_tensor_destroy(y); mgpu_tensor_destroy(dy);
+    mgpu_tensor_destroy(dqkv); mgpu_tensor_destroy(lse); mgpu_tensor_destroy(drow);
+    mgpu_device_set_destroy(set);
+    free(t);
+}
+
 /* ---- bandwidth: optimizer step and elementwise ops against a plain copy ---- */
 static void bench_bandwidth(const char* spec, size_t bytes, int reps) {
     mgpu_device_set* set = mgpu_device_set_create(spec);
@@ -986,6 +1033,10 @@ int main(int argc, char** argv) {
         mgpu__epilogue_setting = -1;
         bench_training("cnn_b128", "cnn", "cuda:0", 128, 100, 0);
         bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100, 0);
+        bench_attention("cuda:0", 1024, 64, 10);   /* GPT-2's head size */
+        bench_attention("cuda:0", 2048, 64, 10);
+        bench_attention("cuda:0", 1024, 128, 10);   /* Llama's */
+        bench_attention("cuda:0", 2048, 128, 10);
         bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
         use_recompute = 1;   /* its LayerNorm and GELU outputs made again in backward: the memory saved, the time it costs */
         bench_training("gpt124m_b8_t1024_recompute", "gpt124m", "cuda:0", 8, 5, 0);

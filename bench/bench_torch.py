@@ -214,6 +214,43 @@ def bench_gemm_layouts(m, n, k, reps):
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def bench_attention(T, hs, reps):
+    """Causal attention alone on bench.c's shape (16K tokens of width 2048, heads of size hs):
+    F.scaled_dot_product_attention on q, k, v viewed out of one packed [B, T, 3 D] tensor, as
+    nanoGPT calls it, forward and backward, in fp32 (mgpu's kernels' precision) and bf16; FLOPs as
+    bench.c counts them."""
+    import torch.nn.functional as F
+    name = "attention_causal_t%d_hs%d" % (T, hs)
+    if not hasattr(F, "scaled_dot_product_attention"):
+        row(name, "cuda:0", "skipped", 0, "", "this PyTorch has no F.scaled_dot_product_attention (2.0 or later)")
+        return
+    dev = torch.device("cuda:0")
+    B, H = 16384 // T, 2048 // hs
+    fwd_flops = 2.0 * B * H * T * T * hs
+    for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        qkv = torch.randn(B, T, 3, H, hs, device=dev, dtype=dtype, requires_grad=True)
+        dy = torch.randn(B, H, T, hs, device=dev, dtype=dtype)
+
+        def forward():
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = forward()
+        for metric, fn, flops in (("forward", forward, fwd_flops),
+                                  ("backward", lambda: torch.autograd.grad(y, qkv, dy, retain_graph=True), 2.5 * fwd_flops)):
+            times = []
+            for i in range(reps + 3):
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                sync(dev)
+                if i >= 3:
+                    times.append((time.perf_counter() - t0) / 10)
+            row(name, "cuda:0", metric + tag, flops / statistics.median(times) / 1e12, "TFLOP/s",
+                "F.scaled_dot_product_attention, %s" % ("fp32" if dtype == torch.float32 else "bf16"))
+        del qkv, dy, y
+
+
 def bench_bandwidth(label, nbytes, reps):
     dev = torch.device("cuda:0" if label.startswith("cuda") else "cpu")
     n = nbytes // 4
@@ -341,6 +378,8 @@ if which in ("cuda", "all") and torch.cuda.is_available():
     bench_training("mlp4096_b2048_bf16", "mlp4096", "cuda:0", 2048, 20, bf16=True)
     bench_training("mlp4096_b2048_bf16_graph", "mlp4096", "cuda:0", 2048, 20, bf16=True, graph=True)
     bench_training("gpt_b16_t64", "gpt", "cuda:0", 16, 100)
+    for T, hs in ((1024, 64), (2048, 64), (1024, 128), (2048, 128)):
+        bench_attention(T, hs, 10)
     bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5)
     bench_training("gpt124m_b8_t1024_bf16", "gpt124m", "cuda:0", 8, 5, tf32=True, bf16=True)
     bench_bandwidth("cuda:0", 256 << 20, 20)

@@ -1992,18 +1992,23 @@ static void test_attention(void) {
         attn_gpu_case(3, 5, 6, 1, 0.0f, 1);
         attn_gpu_case(2, 1, 4, 1, 0.0f, 1);
         attn_gpu_case(4, 37, 16, 4, 0.0f, 1);   /* 592 rows: more than the emulator's 61 blocks of 8 warps cover in one pass */
-        attn_gpu_case(1, 37, 70, 1, 0.0f, 1);   /* head size past 32 (lanes loop over it) */
+        attn_gpu_case(1, 37, 70, 1, 0.0f, 1);   /* head size 70: the 128-column kernels (lanes loop over it) */
         attn_gpu_case(4, 37, 16, 4, 0.4f, 1);   /* dropout: the CPU's masks */
         attn_gpu_case(2, 5, 8, 2, 0.4f, 0);     /* evaluation ignores it */
-        attn_gpu_case(2, 70, 128, 2, 0.3f, 1);  /* the largest fused head size, three tiles of T, the last partial */
-        attn_gpu_case(1, 37, 70, 1, 0.4f, 1);   /* dropout above the fused head size */
+        attn_gpu_case(2, 70, 128, 2, 0.3f, 1);  /* the 64-column kernels' largest head size, three tiles of T, the last partial */
+        attn_gpu_case(2, 70, 256, 2, 0.3f, 1);  /* the largest fused head size, 128 */
+        attn_gpu_case(1, 37, 136, 1, 0.4f, 1);  /* dropout above the fused head size */
         attn_gpu_fused_core(2, 64, 3, 64, 0.0f);   /* T a whole number of tiles */
         attn_gpu_fused_core(1, 75, 2, 40, 0.25f);  /* a partial last tile, dropout */
         attn_gpu_fused_core(3, 33, 1, 1, 0.0f);    /* head size 1 */
+        attn_gpu_fused_core(2, 33, 1, 65, 0.0f);   /* the 128-column kernels' smallest head size */
+        attn_gpu_fused_core(1, 75, 2, 128, 0.25f); /* their largest, dropout, a partial last tile */
+        attn_gpu_fused_core(1, 64, 3, 100, 0.0f);  /* a head of 3 whole lanes' columns and a part */
         attn_memory("cuda:0", 16);
         attn_gpu_model();
         attn_gpu_graph(8, 2);
-        attn_gpu_graph(72, 1);   /* above the fused head size: the unfused kernels' scratch in the graph */
+        attn_gpu_graph(100, 1);   /* the 128-column kernels in the graph */
+        attn_gpu_graph(136, 1);   /* above the fused head size: the unfused kernels' scratch in the graph */
     }
 }
 

@@ -74,6 +74,10 @@ enum cudaMemcpyKind {
     cudaMemcpyDefault = 4
 };
 
+enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8
+};
+
 #define cudaStreamDefault 0x00
 #define cudaStreamNonBlocking 0x01
 #define cudaEventDefault 0x00
@@ -142,6 +146,12 @@ cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t* exec, cudaGraph_t gra
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
 cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+/* a kernel's dynamic shared memory past MGPU_EMU_MAX_SHARED, up to MGPU_EMU_MAX_SHARED_OPTIN, on
+   the current device (the only attribute emulated) */
+cudaError_t cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value);
+}
+template <class T> static inline cudaError_t cudaFuncSetAttribute(T* entry, enum cudaFuncAttribute attr, int value) {
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
 }
 template <class T> static inline cudaError_t cudaMalloc(T** ptr, size_t bytes) { return cudaMalloc((void**)ptr, bytes); }
 template <class T> static inline cudaError_t cudaHostAlloc(T** ptr, size_t bytes, unsigned int flags) {
@@ -168,10 +178,15 @@ struct launch_cfg { dim3 grid, block; size_t shared; cudaStream_t stream; };
 static inline launch_cfg cfg(dim3 grid, dim3 block, size_t shared = 0, cudaStream_t stream = 0) {
     return launch_cfg{grid, block, shared, stream};
 }
+/* the kernel function a launch names (cudaFuncSetAttribute's key) */
+template <class F> static inline const void* entry(F* f) { return reinterpret_cast<const void*>(f); }
 /* queues the launch of args (owned by the launch afterwards: destroy frees it); `words` are the
    values among the arguments that may be device pointers, checked against the stream's device */
-void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, const uintptr_t* words,
-                size_t word_count, thread_body body, void (*destroy)(void*));
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, const void* entry, void* args,
+                const uintptr_t* words, size_t word_count, thread_body body, void (*destroy)(void*));
+/* the running block's dynamic shared memory (cu2cpp.py turns `extern __shared__ T name[];` into a
+   call of this): the launch's bytes, fresh for each block and filled with 0xFF bytes */
+void* dynamic_shared(void);
 
 /* The words of one argument that may hold a device pointer: a pointer itself, or each aligned
    word of a struct or union (a functor and its captures). Number arguments are skipped, and a
@@ -213,13 +228,13 @@ template <class K, class Tuple> struct launch_of {
 /* The kernel's arguments are copied at launch, as CUDA does; each thread gets them by const
    reference and the kernel's by-value parameters copy them again. */
 template <class K, class... A>
-void launch(const char* name, const char* file, int line, const launch_cfg& c, K kernel, const A&... args) {
+void launch(const char* name, const char* file, int line, const launch_cfg& c, const void* fn, K kernel, const A&... args) {
     typedef std::tuple<typename std::decay<A>::type...> Tuple;
     typedef std::pair<K, Tuple> Pack;
     std::vector<uintptr_t> words;
     (pointer_words(typename std::decay<A>::type(args), words), ...);
     Pack* p = new Pack(kernel, Tuple(args...));
-    launch_raw(name, file, line, c, p, words.data(), words.size(), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
+    launch_raw(name, file, line, c, fn, p, words.data(), words.size(), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
 }
 
 void syncthreads(void);

@@ -3,7 +3,8 @@
 
    - Devices: MGPU_EMU_DEVICES (default 1, at most 8), each with MGPU_EMU_MEMORY MiB (default
      16384); launch limits MGPU_EMU_MAX_THREADS (threads per block, default 1024) and
-     MGPU_EMU_MAX_SHARED (dynamic shared bytes, default 49152).
+     MGPU_EMU_MAX_SHARED (dynamic shared bytes, default 49152), and up to MGPU_EMU_MAX_SHARED_OPTIN
+     (default 232448, an H100's) for a kernel given more by cudaFuncSetAttribute on that device.
    - Memory: cudaMalloc is a heap block of the exact size (so AddressSanitizer sees a kernel's
      out-of-bounds access), 256-byte aligned, filled with 0xFF bytes (NaN floats, -1 integers).
      A registry of live allocations checks every copy, memset, GEMM and NCCL operand, and every
@@ -100,7 +101,7 @@ struct config {
     int devices = 1;
     size_t memory = (size_t)16384 << 20;
     int max_threads = 1024;
-    size_t max_shared = 49152;
+    size_t max_shared = 49152, max_shared_optin = 232448;
     long fail_malloc = 0, fail_malloc_count = 1, fail_launch = 0, fail_launch_count = 1, fail_capture = 0;
     bool no_peer = false;
     uint64_t chaos = 0;
@@ -227,6 +228,7 @@ const config& conf() {
         c.memory = (size_t)setting_whole("MGPU_EMU_MEMORY", 1, 1L << 20, 16384, "MiB") << 20;
         c.max_threads = (int)setting_whole("MGPU_EMU_MAX_THREADS", 1, 1024, 1024, "threads per block");
         c.max_shared = (size_t)setting_whole("MGPU_EMU_MAX_SHARED", 0, 1L << 20, 49152, "bytes");
+        c.max_shared_optin = std::max(c.max_shared, (size_t)setting_whole("MGPU_EMU_MAX_SHARED_OPTIN", 0, 1L << 20, 232448, "bytes"));
         c.fail_malloc = setting_whole("MGPU_EMU_FAIL_MALLOC", 0, big, 0, "cudaMalloc calls");
         c.fail_malloc_count = setting_whole("MGPU_EMU_FAIL_MALLOC_COUNT", 1, big, 1, "cudaMalloc calls");
         c.fail_launch = setting_whole("MGPU_EMU_FAIL_LAUNCH", 0, big, 0, "launches");
@@ -388,6 +390,8 @@ struct device_state {
 };
 
 std::mutex g_mu;   // guards everything below
+// (device, kernel): the dynamic shared bytes cudaFuncSetAttribute allowed it there
+std::map<std::pair<int, const void*>, size_t> g_func_shared;
 std::map<uintptr_t, allocation> g_allocs;
 device_state g_dev[kMaxDevices];
 std::set<cudaStream_t> g_streams;
@@ -643,6 +647,7 @@ struct block_run {
     mgpu_emu::thread_body body;
     const void* args;
     int threads;
+    std::vector<unsigned char> dynamic_shared;   // the launch's bytes, 0xFF again for each block
     std::vector<unsigned char> state;
     std::vector<fiber*> owner;
     std::vector<warp_state> warps;
@@ -797,6 +802,7 @@ void describe_waits(const block_run* b, char* out, size_t size) {
 
 void run_block(block_run* b) {
     tl_block = b;
+    std::fill(b->dynamic_shared.begin(), b->dynamic_shared.end(), (unsigned char)0xFF);
     b->next_unstarted = b->done = b->at_barrier = b->at_shuffle = 0;
     std::fill(b->state.begin(), b->state.end(), (unsigned char)T_UNSTARTED);
     for (warp_state& w : b->warps) w.arrived = 0;
@@ -874,6 +880,7 @@ void run_kernel(const kernel_launch& k) {
     b.body = k.body;
     b.args = k.args.get();
     b.threads = (int)(k.c.block.x * k.c.block.y * k.c.block.z);
+    b.dynamic_shared.resize(k.c.shared);
     b.state.resize(b.threads);
     b.owner.resize(b.threads);
     b.warps.resize((b.threads + 31) / 32);
@@ -971,19 +978,24 @@ uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
     return w.res[lane];
 }
 
-void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, void* args, const uintptr_t* words,
-                size_t word_count, thread_body body, void (*destroy)(void*)) {
+void* dynamic_shared(void) { return tl_block->dynamic_shared.data(); }
+
+void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, const void* entry, void* args,
+                const uintptr_t* words, size_t word_count, thread_body body, void (*destroy)(void*)) {
     const config& cf = conf();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     std::shared_ptr<void> owned(args, destroy);
+    size_t max_shared = cf.max_shared;
     long call;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         call = ++g_launch_calls;
+        auto it = g_func_shared.find(std::make_pair(tl_device, entry));
+        if (it != g_func_shared.end()) max_shared = std::max(max_shared, it->second);
     }
     if (!c.grid.x || !c.grid.y || !c.grid.z || !c.block.x || !c.block.y || !c.block.z || threads > (uint64_t)cf.max_threads ||
         c.block.x > 1024 || c.block.y > 1024 || c.block.z > 64 || c.grid.x > 2147483647u || c.grid.y > 65535 ||
-        c.grid.z > 65535 || c.shared > cf.max_shared) {
+        c.grid.z > 65535 || c.shared > max_shared) {
         fail(cudaErrorInvalidConfiguration);
         return;
     }
@@ -1481,6 +1493,14 @@ EMU_EXPORT cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* gr
     }
     ++c_captures;
     *graph = g;
+    return cudaSuccess;
+}
+
+EMU_EXPORT cudaError_t cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value) {
+    if (!func || attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || (size_t)value > conf().max_shared_optin)
+        return fail(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_func_shared[std::make_pair(tl_device, func)] = (size_t)value;
     return cudaSuccess;
 }
 

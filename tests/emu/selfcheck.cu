@@ -57,6 +57,17 @@ __global__ void deadlock_kernel(int* out) {
 
 __global__ void write_kernel(float* p) { p[threadIdx.x] = 1.0f; }
 
+// n ints of dynamic shared memory, written by the block and read back in another order after a
+// barrier: out[block][t] = the sum of i over the indices a thread reads (n - 1 - t, then down)
+__global__ void dynamic_shared_kernel(int* out, int n) {
+    extern __shared__ int dyn[];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dyn[i] = (int)blockIdx.x * 100000 + i;
+    __syncthreads();
+    int s = 0;
+    for (int i = n - 1 - (int)threadIdx.x; i >= 0; i -= blockDim.x) s += dyn[i] - (int)blockIdx.x * 100000;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
 // A functor-like argument with padding after its float: the launch's pointer check must read
 // only its values, never what the padding holds.
 struct padded_write { float* p; float v; };
@@ -674,6 +685,36 @@ extern "C" int selfcheck_run(const char* which) {
     if (!strcmp(which, "graph_cublas")) return graph_cublas();
     if (!strcmp(which, "graph_nccl")) return graph_nccl();
     if (!strcmp(which, "pinned_async")) return pinned_async();
+    if (!strcmp(which, "dynamic_shared")) {   // 64 KiB: refused until cudaFuncSetAttribute allows it
+        const int n = 16384, blocks = 3;
+        int h[blocks * threads];
+        dynamic_shared_kernel<<<blocks, threads, n * sizeof(int)>>>(d, n);
+        if (cudaGetLastError() == cudaSuccess) {
+            fprintf(stderr, "selfcheck: 64 KiB of dynamic shared memory launched without cudaFuncSetAttribute\n");
+            return 1;
+        }
+        if (cudaFuncSetAttribute(dynamic_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1 << 20) != cudaErrorInvalidValue ||
+            cudaGetLastError() != cudaErrorInvalidValue) {
+            fprintf(stderr, "selfcheck: 1 MiB of shared memory allowed\n");
+            return 1;
+        }
+        if (check(cudaFuncSetAttribute(dynamic_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, n * sizeof(int)),
+                  "cudaFuncSetAttribute"))
+            return 1;
+        dynamic_shared_kernel<<<blocks, threads, n * sizeof(int)>>>(d, n);
+        if (check(cudaGetLastError(), "launch") || check(cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDefault, 0), "copy") ||
+            check(cudaStreamSynchronize(0), "sync"))
+            return 1;
+        for (int t = 0; t < blocks * threads; ++t) {
+            int want = 0;
+            for (int i = n - 1 - t % threads; i >= 0; i -= threads) want += i;
+            if (h[t] != want) {
+                fprintf(stderr, "selfcheck: dynamic shared memory: block %d thread %d: %d, want %d\n", t / threads, t % threads, h[t], want);
+                return 1;
+            }
+        }
+        return 0;
+    }
     if (!strcmp(which, "launch_limits")) {   // too many threads: a launch error, not a crash
         write_kernel<<<1, 2048>>>((float*)d);
         return cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess ? 0 : 1;

@@ -784,6 +784,7 @@ int main(int argc, char** argv) {
     header("the emulator checks itself");
     expect_ok("selfcheck:shuffles", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:launch_limits", "MGPU_EMU_DEVICES=1");
+    expect_ok("selfcheck:dynamic_shared", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:cublas", "MGPU_EMU_DEVICES=1");
     /* kernels that reuse shared memory across loop iterations, at sizes where blocks loop: in
        the plain order and in two chaos orders */
