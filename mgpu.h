@@ -2254,9 +2254,13 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
                           backward, with the mask a RELU_BIAS forward wrote)
      MGPU__EPI_BGRAD_A    C = alpha op(A) op(B) + beta C, and bias[i] = sum over k of op(A)[i, k]
                           (a Linear's bias gradient from its weight gradient's GEMM)
-   bias is f32 in each, so C is f32 but with MGPU__EPI_DRELU (cuBLASLt's bias has C's type).
+     MGPU__EPI_DGELU      C = (alpha op(A) op(B) + beta C) .* gelu'(aux), GELU's tanh form, aux
+                          [m, n] with C's row stride: the GELU's backward, with its input as aux
+                          (cuBLASLt's DGELU)
+   bias is f32 in each, so C is f32 but with MGPU__EPI_DRELU (cuBLASLt's bias has C's type); with
+   MGPU__EPI_DGELU C and aux are f32 and ldc a multiple of 8.
    Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0, or C is bf16 with a bias). */
-enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4 };
+enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4, MGPU__EPI_DGELU = 5 };
 static inline int64_t mgpu__relu_mask_ld(int64_t n) { return (n + 127) / 128 * 128; }   /* cuBLASLt: a multiple of 128 */
 int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
                            float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
@@ -5376,12 +5380,13 @@ static int mgpu__fuse_relu_on(void) {
     return mgpu__epilogues_on() && mgpu__fuse_relu_setting;
 }
 /* mgpu_matmul's out = op(a) op(b) + beta out with an epilogue (MGPU__EPI_*: bias added, or with
-   ReLU and its mask written; the mask applied; bias = the sums of op(a)'s rows), on a GPU. *done
-   = 0 where it did nothing (a CPU tensor, MGPU_EPILOGUES off, no algorithm in cuBLASLt): the
-   caller's separate ops then do the same. The caller (a layer) checked the shapes. */
+   ReLU and its mask written into aux; the mask applied; GELU's derivative at aux applied; bias =
+   the sums of op(a)'s rows), on a GPU. *done = 0 where it did nothing (a CPU tensor,
+   MGPU_EPILOGUES off, no algorithm in cuBLASLt): the caller's separate ops then do the same. The
+   caller (a layer) checked the shapes. */
 static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a, mgpu_transpose transpose_a, const mgpu_tensor* b,
                                          mgpu_transpose transpose_b, float beta, int epilogue, mgpu_tensor* bias,
-                                         mgpu_tensor* mask, int* done) {
+                                         mgpu_tensor* aux, int* done) {
     const int64_t m = a->shape.dim[transpose_a ? 1 : 0], k = a->shape.dim[transpose_a ? 0 : 1], n = b->shape.dim[transpose_b ? 0 : 1];
     int rc;
     *done = 0;
@@ -5389,12 +5394,12 @@ static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a,
     rc = MGPU__CUDA(mgpu__cu_gemm_epilogue(MGPU__DEV(a)->ordinal, MGPU__DEV(a)->blas, epilogue, transpose_a, transpose_b,
                                            (int)m, (int)n, (int)k, 1.0f, (int)a->dtype, mgpu_tensor_data(a), (int)a->shape.dim[1],
                                            mgpu_tensor_data(b), (int)b->shape.dim[1], beta, (int)out->dtype, mgpu_tensor_data(out),
-                                           (int)n, bias ? mgpu_tensor_data(bias) : NULL, mask ? mgpu_tensor_data(mask) : NULL));
+                                           (int)n, bias ? mgpu_tensor_data(bias) : NULL, aux ? mgpu_tensor_data(aux) : NULL));
     if (rc == MGPU__CU_NO_ALGORITHM) return MGPU_OK;
     if (rc != 0) return mgpu__cu_result(rc, "mgpu_matmul (cuBLASLt)", MGPU__DEV(a));
     MGPU__WROTE(out);
     if (epilogue == MGPU__EPI_BGRAD_A) MGPU__WROTE(bias);
-    if (epilogue == MGPU__EPI_RELU_BIAS) MGPU__WROTE(mask);
+    if (epilogue == MGPU__EPI_RELU_BIAS) MGPU__WROTE(aux);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     *done = 1;
     return MGPU_OK;
@@ -7064,17 +7069,19 @@ static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ct
 /* The gradients: dW (+)= dy^T x (x^T dy for [in, out]), db (+)= the sums of dy's rows, dx = dy W.
    fresh (the model's, the first micro-batch of a step: mgpu__fuse_plan): the gradients are written,
    not added to, and on a GPU the bias's comes from dW's GEMM (its epilogue) where it can.
-   relu_mask (the model's: a ReLU between the Linear before this one and this one): dx is the
-   ReLU's input's gradient, masked in dx's GEMM (*relu_done = 1; 0 when it was not). */
+   act (0, or MGPU__EPI_DRELU or MGPU__EPI_DGELU: an activation before this Linear, whose backward
+   dx's GEMM does too) with act_aux (the ReLU's mask, from the model's mgpu__fuse_plan; or the
+   GELU's input, from a container's mgpu__box_dgelu): dx is the activation's input's gradient
+   (*act_done = 1; 0 when it is the Linear's own, and the activation's backward must run). */
 static mgpu_result mgpu__linear_backward_fused(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
-                                               const mgpu_tensor* dy, mgpu_tensor* dx, int fresh, mgpu_tensor* relu_mask,
-                                               int* relu_done) {
+                                               const mgpu_tensor* dy, mgpu_tensor* dx, int fresh, int act, mgpu_tensor* act_aux,
+                                               int* act_done) {
     const mgpu_tensor x2 = mgpu__rows_2d(x), dy2 = mgpu__rows_2d(dy);
     const float beta = fresh ? 0.0f : 1.0f;
     const mgpu_tensor* w;
     mgpu_tensor dx2;
     int done = 0;
-    *relu_done = 0;
+    *act_done = 0;
     MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
     /* (bf16 operands: the products summed in fp32 into the f32 gradients) */
     if (fresh && !l->cfg.no_bias && !l->cfg.in_out)   /* dW = dy^T x, db = the sums of dy^T's rows */
@@ -7088,18 +7095,19 @@ static mgpu_result mgpu__linear_backward_fused(const mgpu_layer* l, const mgpu_l
     }
     if (!dx) return MGPU_OK;
     dx2 = mgpu__rows_2d(dx);
-    if (relu_mask) {
-        MGPU__TRY(mgpu__matmul_epilogue(&dx2, &dy2, MGPU_NO_TRANS, w, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 0.0f, MGPU__EPI_DRELU,
-                                        NULL, relu_mask, relu_done));
-        if (*relu_done) return MGPU_OK;
+    if (act) {
+        mgpu_tensor aux2 = mgpu__rows_2d(act_aux);   /* (a ReLU's mask: 2-D already) */
+        MGPU__TRY(mgpu__matmul_epilogue(&dx2, &dy2, MGPU_NO_TRANS, w, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 0.0f, act, NULL,
+                                        &aux2, act_done));
+        if (*act_done) return MGPU_OK;
     }
     return mgpu_matmul(&dx2, &dy2, w, MGPU_NO_TRANS, l->cfg.in_out ? MGPU_TRANS : MGPU_NO_TRANS, 1.0f, 0.0f);   /* dx = dy W */
 }
 static mgpu_result mgpu__linear_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
-    int relu_done;
+    int act_done;
     (void)y;
-    return mgpu__linear_backward_fused(l, ctx, x, dy, dx, 0, NULL, &relu_done);
+    return mgpu__linear_backward_fused(l, ctx, x, dy, dx, 0, 0, NULL, &act_done);
 }
 static const mgpu_layer_vtable mgpu__linear_vt = {
     "Linear", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
@@ -7109,6 +7117,7 @@ static const mgpu_layer_vtable mgpu__conv1d_vt = {
     "Conv1D", mgpu__linear_output_shape, mgpu__linear_params, mgpu__linear_param_shape, mgpu__linear_init,
     NULL, NULL, mgpu__linear_forward, mgpu__linear_backward, mgpu__linear_describe, NULL, NULL, NULL
 };
+static int mgpu__is_linear(const mgpu_layer* l) { return l->vt == &mgpu__linear_vt || l->vt == &mgpu__conv1d_vt; }
 static mgpu_layer* mgpu__linear_make(const char* op, int in_features, int out_features, int no_bias, int in_out) {
     mgpu__layer_cfg cfg;
     mgpu_layer* l;
@@ -8312,6 +8321,15 @@ static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* 
     if (r == MGPU_OK && c->residual) return mgpu_add(y, own[0], c->count > 1 ? own[1] : x);   /* f(x) + shortcut(x) */
     return r;
 }
+/* Whether child k, a Linear, does in its dx GEMM the backward of child k - 1, a GELU (tanh form,
+   GPT-2's), as cuBLASLt's DGELU epilogue with the GELU's input as aux (mgpu__linear_backward_fused):
+   on a GPU with MGPU_EPILOGUES, f32 activations, and that input kept (child k - 2's output, not
+   recomputed). The GELU's own backward then does not run, nor its gradient's temporary. */
+static int mgpu__box_dgelu(const mgpu_layer* l, int k, const mgpu_tensor* dy) {
+    const mgpu__container* c = mgpu__box(l);
+    return !c->residual && k >= 2 && mgpu__is_linear(c->kid[k]) && c->kid[k - 1]->vt == &mgpu__gelu_tanh_vt &&
+           !mgpu__box_recomputes(l, k - 2) && dy->dtype == MGPU_F32 && !MGPU__IS_CPU(dy) && mgpu__epilogues_on();
+}
 static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu__container* c = mgpu__box(l);
@@ -8320,7 +8338,7 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
     mgpu_tensor *dnext = NULL, *dcur = NULL;   /* the gradients of child k's output and input */
     mgpu_tensor* redone = NULL;                /* child k's output, recomputed */
     mgpu_result r = MGPU_OK;
-    int k;
+    int k, gelu_done = 0;                      /* child k's backward (a GELU's) done by child k + 1's GEMM */
     if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)): f's into dx, the shortcut's into a temporary */
         mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, 0);
         MGPU__TRY(mgpu_layer_backward(c->kid[0], &sub, x, own[0], dy, dx));
@@ -8338,13 +8356,25 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
         const mgpu_tensor *in = x, *out = k < n - 1 ? (redone ? redone : own[k]) : y;
         mgpu_tensor* redone_in = NULL;
+        if (gelu_done) {   /* dnext is this GELU's input's gradient already */
+            gelu_done = 0;
+            mgpu_tensor_destroy(redone);
+            redone = NULL;
+            continue;
+        }
         if (k && mgpu__box_recomputes(l, k - 1)) {   /* its input: child k - 1's output, made from a kept input */
             if (!(redone_in = mgpu__box_redo(l, ctx, k - 1, k > 1 ? own[k - 2] : x))) r = mgpu_last_result();
         }
         if (k) in = redone_in ? redone_in : own[k - 1];
         dcur = !k ? dx : r == MGPU_OK ? mgpu__box_temp(in) : NULL;
         if (k && !dcur && r == MGPU_OK) r = mgpu_last_result();
-        if (r == MGPU_OK) r = mgpu_layer_backward(c->kid[k], &sub, in, out, dnext ? dnext : dy, dcur);
+        if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy)) {   /* (mgpu_layer_backward's, with the epilogue) */
+            mgpu_clear_error();
+            r = mgpu__linear_backward_fused(c->kid[k], &sub, in, dnext ? dnext : dy, dcur, 0, MGPU__EPI_DGELU, own[k - 2], &gelu_done);
+            if (r != MGPU_OK) r = mgpu__call_failed(c->kid[k], r);
+        } else if (r == MGPU_OK) {
+            r = mgpu_layer_backward(c->kid[k], &sub, in, out, dnext ? dnext : dy, dcur);
+        }
         mgpu_tensor_destroy(dnext);
         dnext = k ? dcur : NULL;
         mgpu_tensor_destroy(redone);
@@ -11706,7 +11736,6 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
    runs them. Made at the end of step 2. */
 enum { MGPU__FUSE_RELU = 1, MGPU__FUSE_DRELU = 2, MGPU__FUSE_FRESH = 4 };
 enum { MGPU__FUSED_RELU = 1, MGPU__FUSED_DRELU = 2 };   /* a slot's: done by the epilogue this time */
-static int mgpu__is_linear(const mgpu_layer* l) { return l->vt == &mgpu__linear_vt || l->vt == &mgpu__conv1d_vt; }
 static mgpu_result mgpu__fuse_plan(mgpu_model* m) {
     int i, s, t, u;
     m->fuse = (unsigned char*)mgpu__calloc((size_t)MGPU__MAX(m->layer_count, 1), 1);
@@ -13464,7 +13493,8 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     fresh = fresh && (m->fuse[i] & MGPU__FUSE_FRESH);
     mask = sl->fuse_relu && (m->fuse[i] & MGPU__FUSE_DRELU) && (sl->fused[i - 2] & MGPU__FUSED_RELU) ? sl->mask[i - 2] : NULL;
     if (fresh || mask) {   /* a Linear (mgpu__fuse_plan) */
-        r = mgpu__linear_backward_fused(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, dy, dx, fresh, mask, &done);
+        r = mgpu__linear_backward_fused(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, dy, dx, fresh,
+                                        mask ? MGPU__EPI_DRELU : 0, mask, &done);
         if (done) sl->fused[i] |= MGPU__FUSED_DRELU;
     } else r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */

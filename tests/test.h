@@ -283,6 +283,20 @@ static double test_rel_error(const float* x, const double* ref, size_t n) {
 #ifdef MGPU_H
 #include <stdint.h>
 #include <time.h>
+#if defined(MGPU_CUDA) && !defined(_WIN32)
+#include <dlfcn.h>   /* the emulator's counters, where it runs */
+#include "tests/emu/emu.h"
+typedef mgpu_emu_counters mgpu_emu_counters_t;
+/* The emulator's counters (tests/emu/emu.h: launches, GEMMs, ...), where the emulator runs the
+   suite; NULL on a real GPU */
+typedef void (*emu_counters_fn)(mgpu_emu_counters_t* out);
+static inline emu_counters_fn emu_counters(void) {
+    void* self = dlopen(NULL, RTLD_NOW);
+    emu_counters_fn f = self ? (emu_counters_fn)dlsym(self, "mgpu_emu_get_counters") : NULL;
+    if (self) dlclose(self);
+    return f;
+}
+#endif
 
 static const char* test_name = "test";   /* the suite, for test_summary on an early exit */
 static uint64_t g_rng_state;             /* host random numbers for test inputs (splitmix64) */

@@ -31,11 +31,6 @@
 #include <errno.h>
 #include <dirent.h>
 #include <sys/stat.h>
-#ifdef MGPU_CUDA
-#include <dlfcn.h>   /* the emulator's counters, where it runs */
-#include "tests/emu/emu.h"
-typedef mgpu_emu_counters mgpu_emu_counters_t;
-#endif
 
 
 #define TEST_PI 3.14159265358979323846
@@ -4772,14 +4767,6 @@ static void test_true_sources(void) {
 
 /* ---- cuBLASLt's epilogues on a GPU (mgpu__fuse_plan) ---- */
 #ifdef MGPU_CUDA
-/* The emulator's counters, where the emulator runs this test (NULL on a real GPU) */
-typedef void (*emu_counters_fn)(mgpu_emu_counters_t* out);
-static emu_counters_fn emu_counters(void) {
-    void* self = dlopen(NULL, RTLD_NOW);
-    emu_counters_fn f = self ? (emu_counters_fn)dlsym(self, "mgpu_emu_get_counters") : NULL;
-    if (self) dlclose(self);
-    return f;
-}
 /* An MLP of three Linear + ReLU pairs and a Linear, trained `steps` SGD steps on one batch with
    MGPU_EPILOGUES `setting`; its parameters, and the emulator's counts of the last step. */
 static float* epilogue_run(const char* spec, mgpu_dtype precision, int stages, int micro_batches, int in, int batch, int setting,

@@ -2268,6 +2268,69 @@ static mgpu_layer* mlp_block(int d, int hidden) {
     return mgpu_layer_sequential(kids, 3);
 }
 
+/* GPT's MLP, x + Conv1D(GELU(Linear(x))) (the GELU's tanh form), on a GPU: the Conv1D's dx GEMM
+   does the GELU's backward too (cuBLASLt's DGELU with the GELU's input, mgpu__box_dgelu), a kernel
+   fewer in the backward than with MGPU_EPILOGUES off (the emulator's count), the same gradients
+   within 1e-5, and central differences agree. */
+static void box_dgelu(void) {
+#ifdef MGPU_CUDA
+    const int B = 6, C = 8, hidden = 32;
+    const int64_t ny = (int64_t)B * C;
+    emu_counters_fn counters = emu_counters();
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    float *x = fbuf(ny), *R = fbuf(ny), *grads[2] = { NULL, NULL }, *dx[2] = { fbuf(ny), fbuf(ny) };
+    long long kernels[2] = { 0, 0 };
+    int64_t nf = 0, i;
+    int setting;
+    for (i = 0; i < ny; ++i) { x[i] = (float)rng_gauss(); R[i] = (float)rng_gauss(); }
+    for (setting = 0; setting < 2; ++setting) {
+        mgpu_layer* kids[3] = { mgpu_layer_linear(C, hidden), mgpu_layer_gelu_tanh(), mgpu_layer_conv1d(hidden, C) };
+        mgpu_layer* box = mgpu_layer_residual(mgpu_layer_sequential(kids, 3), NULL);
+        mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = &box, .layer_count = 1,
+                                                              .devices = set, .seed = 9 });
+        mgpu_device* dev = m ? mgpu_model_device(m, 0) : NULL;
+        mgpu_tensor *tx, *tr;
+        mgpu_emu_counters_t before, after;
+        CHECK(m != NULL, "DGELU: model: %s", mgpu_last_error());
+        if (!m) break;
+        tx = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
+        tr = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
+        mgpu__epilogue_setting = setting;
+        tput(tr, R);
+        (void)box_loss(m, tx, x, R, ny);
+        MUST(mgpu_model_zero_grad(m));
+        MUST(mgpu_device_synchronize(dev));
+        if (counters) counters(&before);
+        MUST(mgpu_model_backward(m, 0, tr));
+        MUST(mgpu_device_synchronize(dev));
+        if (counters) {
+            counters(&after);
+            kernels[setting] = (long long)(after.launches - before.launches) - (long long)(after.gemms - before.gemms);
+        }
+        nf = mgpu_tensor_numel(mgpu_model_grads(m, 0));
+        grads[setting] = fbuf(nf);
+        tget(mgpu_model_grads(m, 0), grads[setting]);
+        tget(mgpu_model_input_grad(m, 0), dx[setting]);
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(tr);
+        mgpu_model_destroy(m);
+    }
+    mgpu__epilogue_setting = -1;
+    if (grads[0] && grads[1]) {
+        const double eg = attn_rel(grads[1], grads[0], nf), ex = attn_rel(dx[1], dx[0], ny);
+        CHECK(eg <= 1e-5 && ex <= 1e-5, "DGELU epilogue against the GELU's kernel: parameter gradients %.3g, dx %.3g apart", eg, ex);
+    }
+    if (counters && !getenv("MGPU_EMU_NO_LT"))
+        CHECK(kernels[0] - kernels[1] == 1, "DGELU epilogue: the backward launched %lld kernels besides GEMMs, %lld without "
+              "epilogues (want one fewer: the GELU's backward)", kernels[1], kernels[0]);
+    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM",
+                  mgpu_layer_residual(mgpu_layer_sequential((mgpu_layer*[]){ mgpu_layer_linear(C, hidden), mgpu_layer_gelu_tanh(),
+                                                                             mgpu_layer_conv1d(hidden, C) }, 3), NULL),
+                  B, C, C, set);
+    free(x); free(R); free(grads[0]); free(grads[1]); free(dx[0]); free(dx[1]);
+    mgpu_device_set_destroy(set);
+#endif
+}
+
 /* A container keeps its children's outputs from step to step, not the gradients between them
    (temporaries of its backward, from the cache): a GPT MLP block, x + proj(gelu(fc(ln(x)))),
    keeps 10 C floats a token of its own (ln, fc and gelu's outputs, f's) where its gradients
@@ -2440,6 +2503,7 @@ static void test_containers(void) {
     box_first_layer();
     box_memory("cpu");
     if (gpu_part("container memory")) box_memory("cuda:0");
+    if (gpu_part("a GELU's backward in the next Linear's GEMM")) box_dgelu();
 }
 
 /* ============================================================================================ */

@@ -1861,26 +1861,37 @@ struct gemm_args {
     const void* a;
     const void* b;
     void* c;
-    // cublasLtMatmul's epilogue (0: none): the f32 bias (or the bias gradient, written), and the
-    // ReLU bit mask, bit i + j aux_ld for D's entry (i, j)
+    // cublasLtMatmul's epilogue (0: none): the f32 bias (or the bias gradient, written), and aux:
+    // the ReLU bit mask, bit i + j aux_ld for D's entry (i, j), or DGELU's f32 matrix, entry
+    // i + j aux_ld
     unsigned epilogue;
     float* bias;
-    uint8_t* aux;
+    void* aux;
     int64_t aux_ld;
 };
 
+// The derivative of GELU's tanh form (cuBLASLt's GELU), 0.5 (1 + t) + 0.5 x (1 - t^2) u' with
+// u = sqrt(2 / pi) (x + 0.044715 x^3) and t = tanh(u), in double, rounded once
+static float gelu_tanh_derivative(float x) {
+    const double c = 0.7978845608028654, xd = x, u = c * (xd + 0.044715 * xd * xd * xd), t = tanh(u);
+    return (float)(0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * xd * xd));
+}
+
 // cuBLASLt's epilogues (cublasLt.h), on D's entry (i, j) after alpha AB + beta C: the bias of row
 // i added (BIAS, RELU_AUX_BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in the mask
-// (RELU_AUX_BIAS); or the mask's bit applied (DRELU)
+// (RELU_AUX_BIAS); or the mask's bit applied (DRELU); or times GELU's derivative at aux's entry
+// (DGELU)
 static float epilogue_element(const gemm_args& g, int i, int j, float v) {
     const int64_t bit = i + (int64_t)j * g.aux_ld;
+    uint8_t* mask = (uint8_t*)g.aux;
     if (g.epilogue == CUBLASLT_EPILOGUE_BIAS || g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) v += g.bias[i];
     if (g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) {
         v = v > 0.0f ? v : 0.0f;
-        if (v > 0.0f) g.aux[bit / 8] |= (uint8_t)(1u << (bit % 8));
-        else g.aux[bit / 8] &= (uint8_t)~(1u << (bit % 8));
+        if (v > 0.0f) mask[bit / 8] |= (uint8_t)(1u << (bit % 8));
+        else mask[bit / 8] &= (uint8_t)~(1u << (bit % 8));
     }
-    if (g.epilogue == CUBLASLT_EPILOGUE_DRELU) v = (g.aux[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
+    if (g.epilogue == CUBLASLT_EPILOGUE_DRELU) v = (mask[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
+    if (g.epilogue == CUBLASLT_EPILOGUE_DGELU) v *= gelu_tanh_derivative(((const float*)g.aux)[bit]);
     return v;
 }
 // BGRADB's bias gradient: each of op(B)'s n columns summed over k, in double, rounded once
@@ -2124,7 +2135,8 @@ EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPre
 // What the emulator computes: D = C (one buffer and layout), f32 operands with a 32F or
 // 32F_FAST_TF32 compute, or bf16 operands with an f32 or bf16 D; scale f32; one of the epilogues
 // mgpu uses, with what it needs (a bias pointer; the mask's pointer and a leading
-// dimension divisible by 128 and no less than D's rows; the pointers only at the matmul: the
+// dimension divisible by 128 and no less than D's rows; DGELU's f32 aux of D's type, its leading
+// dimension divisible by 8 and no less than D's rows; the pointers only at the matmul: the
 // heuristic does not need them).
 static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_layout& b, const lt_layout& c, const lt_layout& dd,
                                bool pointers) {
@@ -2143,16 +2155,21 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
     if (a.ld < (int64_t)std::max<uint64_t>(a.rows, 1) || b.ld < (int64_t)std::max<uint64_t>(b.rows, 1) || c.ld < std::max<int64_t>(m, 1))
         return CUBLAS_STATUS_INVALID_VALUE;
     switch (d.epilogue) {   // the ones mgpu uses (what the emulator computes)
-    case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_BGRADB: break;
+    case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_BGRADB:
+    case CUBLASLT_EPILOGUE_DGELU: break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
     // the bias (or bias gradient) of D's type, as cublasLt.h's BIAS_DATA_TYPE says (its exceptions
     // are integer and fp8 kernels): here f32, the emulator's one
-    const bool has_bias = d.epilogue != CUBLASLT_EPILOGUE_DRELU;
+    const bool has_bias = d.epilogue != CUBLASLT_EPILOGUE_DRELU && d.epilogue != CUBLASLT_EPILOGUE_DGELU;
     if (has_bias && (c.type != CUDA_R_32F || (d.bias_type != -1 && d.bias_type != CUDA_R_32F))) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (pointers && has_bias && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
     const bool has_mask = d.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || d.epilogue == CUBLASLT_EPILOGUE_DRELU;
     if (has_mask && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
+    if (d.epilogue == CUBLASLT_EPILOGUE_DGELU) {   // (the emulator's aux is f32: D's type, as cuBLASLt's default)
+        if (c.type != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+        if ((pointers && !d.aux) || d.aux_ld % 8 != 0 || d.aux_ld < m) return CUBLAS_STATUS_INVALID_VALUE;
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -2216,11 +2233,15 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
     }
     check_device("cublasLtMatmul D", d, ((size_t)(n - 1) * lc.ld + m) * c_size, dev, true);
     const int bias_count = x.epilogue == CUBLASLT_EPILOGUE_BGRADB ? n : m;
-    if (x.epilogue != CUBLASLT_EPILOGUE_DRELU) check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true);
-    if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU) check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
+    if (x.epilogue != CUBLASLT_EPILOGUE_DRELU && x.epilogue != CUBLASLT_EPILOGUE_DGELU)
+        check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true);
+    if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU)
+        check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
+    if (x.epilogue == CUBLASLT_EPILOGUE_DGELU)
+        check_device("cublasLtMatmul aux", x.aux, ((size_t)(n - 1) * x.aux_ld + m) * 4, dev, true);
     gemm_args g{m, n, k, (int)la.ld, (int)lb.ld, (int)lc.ld, x.transa != CUBLAS_OP_N, x.transb != CUBLAS_OP_N,
                 x.compute == CUBLAS_COMPUTE_32F_FAST_TF32, ab_bf16, c_bf16, *(const float*)alpha, *(const float*)beta,
-                nullptr, nullptr, a, b, d, x.epilogue, (float*)x.bias, (uint8_t*)x.aux, x.aux_ld};
+                nullptr, nullptr, a, b, d, x.epilogue, (float*)x.bias, x.aux, x.aux_ld};
     if (result(submit(s, [g] { run_gemm(g); }, call)) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
     ++c_launches;
     ++c_gemms;
