@@ -107,6 +107,21 @@ def timed_steps(step, dev, steps):
     return statistics.median(times)
 
 
+def median_call(fn, dev, reps):
+    """Seconds a call of fn takes: the median of reps timings of 10 calls back to back, after 3
+    timings of warm-up (as bench.c times its GEMMs and kernels)"""
+    times = []
+    for i in range(reps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        sync(dev)
+        if i >= 3:
+            times.append((time.perf_counter() - t0) / 10)
+    return statistics.median(times)
+
+
 def bench_training(workload, name, label, batch, steps, tf32=False, graph=False, bf16=False):
     """One training step of bench.c's workload, median seconds. On a GPU PyTorch's best is the
     anchor (the "step" row): its default foreach optimizer and its fused one are both timed, each
@@ -198,16 +213,7 @@ def bench_gemm_layouts(m, n, k, reps):
         dy = torch.randn(m, n, device=dev, dtype=dtype)
         for what, fn in (("x@W^T", lambda: torch.matmul(x, w.t())), ("dy^T@x", lambda: torch.matmul(dy.t(), x)),
                          ("dy@W", lambda: torch.matmul(dy, w))):
-            times = []
-            for i in range(reps + 3):
-                sync(dev)
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                sync(dev)
-                if i >= 3:
-                    times.append((time.perf_counter() - t0) / 10)
-            rate = 2.0 * m * n * k / statistics.median(times) / 1e12
+            rate = 2.0 * m * n * k / median_call(fn, dev, reps) / 1e12
             row("gemm_%dx%dx%d_%s" % (m, n, k, tag), "cuda:0", what, rate, "TFLOP/s", "PyTorch's matmul")
             if tag == "bf16" and what == "x@W^T":
                 gemm_tflops_bf16 = rate
@@ -237,16 +243,7 @@ def bench_attention(T, hs, reps):
         y = forward()
         for metric, fn, flops in (("forward", forward, fwd_flops),
                                   ("backward", lambda: torch.autograd.grad(y, qkv, dy, retain_graph=True), 2.5 * fwd_flops)):
-            times = []
-            for i in range(reps + 3):
-                sync(dev)
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                sync(dev)
-                if i >= 3:
-                    times.append((time.perf_counter() - t0) / 10)
-            row(name, "cuda:0", metric + tag, flops / statistics.median(times) / 1e12, "TFLOP/s",
+            row(name, "cuda:0", metric + tag, flops / median_call(fn, dev, reps) / 1e12, "TFLOP/s",
                 "F.scaled_dot_product_attention, %s" % ("fp32" if dtype == torch.float32 else "bf16"))
         del qkv, dy, y
 
