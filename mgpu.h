@@ -2178,7 +2178,9 @@ enum {
     MGPU__CU_ERR_NO_DEVICE = 5,   /* no driver, or no GPU */
     MGPU__CU_ERR_ARGUMENT = 6,    /* sizes the kernels cannot take (e.g. above INT_MAX for cuBLAS) */
     MGPU__CU_NO_ALGORITHM = 7     /* not an error: cuBLASLt has no algorithm for a GEMM with this
-                                     epilogue (mgpu__cu_gemm_epilogue); the caller's plain path runs */
+                                     epilogue (mgpu__cu_gemm_epilogue), or the GPU has too little
+                                     shared memory for the fused attention's kernels at this head
+                                     size; the caller's plain path runs */
 };
 const char* mgpu__cu_error_message(void);
 
@@ -2355,7 +2357,8 @@ int mgpu__cu_spread(int dev, void* stream, int64_t planes, int64_t hw, const flo
    and lse[b, h, t] (m + log of the row's sum of e^(score - m)); backward recomputes the
    probabilities from q, k and lse, and the dropout mask from its counters (the same as above),
    writes drow[b, h, t] = rowsum(dy .* y) = rowsum(dP .* att) and overwrites dqkv. p = 0: no
-   dropout. */
+   dropout. Heads above 64 need 66 KB of shared memory per block: a device with less (Turing's
+   64 KB) gets MGPU__CU_NO_ALGORITHM from both, and the layer runs the unfused kernels. */
 #define MGPU__CU_ATTN_FUSED_MAX_HEAD 128
 int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
                                      uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p);
@@ -6753,8 +6756,8 @@ static mgpu_result mgpu__attention_unfused(const mgpu__attn* g, const mgpu_tenso
     return rc == 0 ? MGPU_OK : mgpu__cu_result(rc, op, dev);
 }
 
-/* y = attention of qkv, lse its rows' log denominators (not written on a GPU above the fused head
-   size, whose backward does not read it); p: dropout on the probabilities, drawn as
+/* y = attention of qkv, lse its rows' log denominators (not written where a GPU runs the unfused
+   kernels, whose backward does not read it); p: dropout on the probabilities, drawn as
    mgpu__dropout_scale(seed, offset, first + (row * T + s), p) for row (b * heads + h) * T + t */
 static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tensor* qkv, mgpu_tensor* y, mgpu_tensor* lse,
                                            uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first,
@@ -6762,13 +6765,14 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
     static const char* op = "CausalSelfAttention forward";
     mgpu__attn_job job;
     MGPU__COUNT(MGPU__DEV(y), ops, 1);
-    if (!MGPU__IS_CPU(qkv)) {
-        if (g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD)
-            return mgpu__attention_unfused(g, qkv, y, NULL, NULL, seed, seed_on_device, offset, first, p, op);
-        MGPU__CU(op, MGPU__DEV(qkv),
-                 mgpu__cu_attention_fused_forward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(y),
-                                                  MGPU__F32(lse), seed, seed_on_device, offset, first, p));
-        return MGPU_OK;
+    if (!MGPU__IS_CPU(qkv)) {   /* the fused kernels, or the unfused where they cannot run */
+        const int rc = g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD
+                           ? MGPU__CU_NO_ALGORITHM
+                           : MGPU__CUDA(mgpu__cu_attention_fused_forward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv),
+                                                                         MGPU__F32(y), MGPU__F32(lse), seed, seed_on_device,
+                                                                         offset, first, p));
+        if (rc == MGPU__CU_NO_ALGORITHM) return mgpu__attention_unfused(g, qkv, y, NULL, NULL, seed, seed_on_device, offset, first, p, op);
+        return rc ? mgpu__cu_result(rc, op, MGPU__DEV(qkv)) : MGPU_OK;
     }
     MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(y), g, 1, op));
     job.qkv = MGPU__F32(qkv); job.y = MGPU__F32(y); job.lse = MGPU__F32(lse);
@@ -6779,7 +6783,7 @@ static mgpu_result mgpu__attention_forward(const mgpu__attn* g, const mgpu_tenso
 }
 
 /* dqkv (overwritten) from dy, with forward's y and lse and the same dropout; drow (overwritten)
-   = rowsum(dy .* y) per head (not written on a GPU above the fused head size) */
+   = rowsum(dy .* y) per head (not written where a GPU runs the unfused kernels) */
 static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tensor* qkv, const mgpu_tensor* y,
                                             const mgpu_tensor* lse, const mgpu_tensor* dy, mgpu_tensor* drow,
                                             mgpu_tensor* dqkv, uint64_t seed, const uint64_t* seed_on_device,
@@ -6787,14 +6791,15 @@ static mgpu_result mgpu__attention_backward(const mgpu__attn* g, const mgpu_tens
     static const char* op = "CausalSelfAttention backward";
     mgpu__attn_job job;
     MGPU__COUNT(MGPU__DEV(dqkv), ops, 1);
-    if (!MGPU__IS_CPU(qkv)) {
-        if (g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD)
-            return mgpu__attention_unfused(g, qkv, NULL, dy, dqkv, seed, seed_on_device, offset, first, p, op);
-        MGPU__CU(op, MGPU__DEV(qkv),
-                 mgpu__cu_attention_fused_backward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv), MGPU__F32(y),
-                                                   MGPU__F32(lse), MGPU__F32(dy), MGPU__F32(drow), MGPU__F32(dqkv), seed,
-                                                   seed_on_device, offset, first, p));
-        return MGPU_OK;
+    if (!MGPU__IS_CPU(qkv)) {   /* as forward chose */
+        const int rc = g->head_size > MGPU__CU_ATTN_FUSED_MAX_HEAD
+                           ? MGPU__CU_NO_ALGORITHM
+                           : MGPU__CUDA(mgpu__cu_attention_fused_backward(MGPU__CUDA_ARGS(MGPU__DEV(qkv)), g, MGPU__F32(qkv),
+                                                                          MGPU__F32(y), MGPU__F32(lse), MGPU__F32(dy),
+                                                                          MGPU__F32(drow), MGPU__F32(dqkv), seed, seed_on_device,
+                                                                          offset, first, p));
+        if (rc == MGPU__CU_NO_ALGORITHM) return mgpu__attention_unfused(g, qkv, NULL, dy, dqkv, seed, seed_on_device, offset, first, p, op);
+        return rc ? mgpu__cu_result(rc, op, MGPU__DEV(qkv)) : MGPU_OK;
     }
     MGPU__TRY(mgpu__attn_job_init(&job, MGPU__DEV(dqkv), g, 2, op));
     job.qkv = MGPU__F32(qkv); job.dy = MGPU__F32(dy); job.drow = MGPU__F32(drow); job.dqkv = MGPU__F32(dqkv);
@@ -8323,12 +8328,14 @@ static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* 
 }
 /* Whether child k, a Linear, does in its dx GEMM the backward of child k - 1, a GELU (tanh form,
    GPT-2's), as cuBLASLt's DGELU epilogue with the GELU's input as aux (mgpu__linear_backward_fused):
-   on a GPU with MGPU_EPILOGUES, f32 activations, and that input kept (child k - 2's output, not
-   recomputed). The GELU's own backward then does not run, nor its gradient's temporary. */
-static int mgpu__box_dgelu(const mgpu_layer* l, int k, const mgpu_tensor* dy) {
+   on a GPU with MGPU_EPILOGUES, f32 activations (dy, and aux: that input, child k - 2's output),
+   and that input kept (not recomputed). The GELU's own backward then does not run, nor its
+   gradient's temporary. */
+static int mgpu__box_dgelu(const mgpu_layer* l, int k, const mgpu_tensor* dy, const mgpu_tensor* aux) {
     const mgpu__container* c = mgpu__box(l);
     return !c->residual && k >= 2 && mgpu__is_linear(c->kid[k]) && c->kid[k - 1]->vt == &mgpu__gelu_tanh_vt &&
-           !mgpu__box_recomputes(l, k - 2) && dy->dtype == MGPU_F32 && !MGPU__IS_CPU(dy) && mgpu__epilogues_on();
+           !mgpu__box_recomputes(l, k - 2) && dy->dtype == MGPU_F32 && aux && aux->dtype == MGPU_F32 && !MGPU__IS_CPU(dy) &&
+           mgpu__epilogues_on();
 }
 static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
@@ -8368,7 +8375,7 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
         if (k) in = redone_in ? redone_in : own[k - 1];
         dcur = !k ? dx : r == MGPU_OK ? mgpu__box_temp(in) : NULL;
         if (k && !dcur && r == MGPU_OK) r = mgpu_last_result();
-        if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy)) {   /* (mgpu_layer_backward's, with the epilogue) */
+        if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy, k >= 2 ? own[k - 2] : NULL)) {   /* (mgpu_layer_backward's, with the epilogue) */
             mgpu_clear_error();
             r = mgpu__linear_backward_fused(c->kid[k], &sub, in, dnext ? dnext : dy, dcur, 0, MGPU__EPI_DGELU, own[k - 2], &gelu_done);
             if (r != MGPU_OK) r = mgpu__call_failed(c->kid[k], r);

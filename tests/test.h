@@ -283,19 +283,23 @@ static double test_rel_error(const float* x, const double* ref, size_t n) {
 #ifdef MGPU_H
 #include <stdint.h>
 #include <time.h>
-#if defined(MGPU_CUDA) && !defined(_WIN32)
-#include <dlfcn.h>   /* the emulator's counters, where it runs */
+#ifdef MGPU_CUDA
 #include "tests/emu/emu.h"
 typedef mgpu_emu_counters mgpu_emu_counters_t;
 /* The emulator's counters (tests/emu/emu.h: launches, GEMMs, ...), where the emulator runs the
-   suite; NULL on a real GPU */
+   suite; NULL on a real GPU (and on Windows, where no emulator runs) */
 typedef void (*emu_counters_fn)(mgpu_emu_counters_t* out);
+#ifndef _WIN32
+#include <dlfcn.h>
 static inline emu_counters_fn emu_counters(void) {
     void* self = dlopen(NULL, RTLD_NOW);
     emu_counters_fn f = self ? (emu_counters_fn)dlsym(self, "mgpu_emu_get_counters") : NULL;
     if (self) dlclose(self);
     return f;
 }
+#else
+static inline emu_counters_fn emu_counters(void) { return NULL; }
+#endif
 #endif
 
 static const char* test_name = "test";   /* the suite, for test_summary on an early exit */

@@ -74,6 +74,9 @@ enum cudaMemcpyKind {
     cudaMemcpyDefault = 4
 };
 
+enum cudaDeviceAttr {
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+};
 enum cudaFuncAttribute {
     cudaFuncAttributeMaxDynamicSharedMemorySize = 8
 };
@@ -117,6 +120,7 @@ cudaError_t cudaGetDeviceCount(int* count);
 cudaError_t cudaGetDevice(int* dev);
 cudaError_t cudaSetDevice(int dev);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int dev);
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev);   /* the one attribute emulated */
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
 cudaError_t cudaDeviceCanAccessPeer(int* can, int dev, int peer);
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags);

@@ -1110,6 +1110,13 @@ EMU_EXPORT cudaError_t cudaSetDevice(int dev) {
     return cudaSuccess;
 }
 
+EMU_EXPORT cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev) {
+    if (!value || attr != cudaDevAttrMaxSharedMemoryPerBlockOptin) return fail(cudaErrorInvalidValue);
+    if (!valid_device(dev)) return fail(cudaErrorInvalidDevice);
+    *value = (int)conf().max_shared_optin;
+    return cudaSuccess;
+}
+
 EMU_EXPORT cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int dev) {
     if (!prop) return fail(cudaErrorInvalidValue);
     if (!valid_device(dev)) return fail(cudaErrorInvalidDevice);
