@@ -2329,6 +2329,17 @@ static void box_dgelu(void) {
     if (counters && !getenv("MGPU_EMU_NO_LT"))
         CHECK(kernels[0] - kernels[1] == 1, "DGELU epilogue: the backward launched %lld kernels besides GEMMs, %lld without "
               "epilogues (want one fewer: the GELU's backward)", kernels[1], kernels[0]);
+    {   /* whether this GPU's cuBLASLt has DGELU for that GEMM (dx [B, hidden] = dy [B, C] W^T), said for gpu-check */
+        mgpu_device* dev = mgpu_device_set_get(set, 0);
+        mgpu_tensor *tdy = tmake(dev, MGPU_F32, mgpu_shape2(B, C)), *w = tmake(dev, MGPU_F32, mgpu_shape2(hidden, C));
+        mgpu_tensor *tdx = tmake(dev, MGPU_F32, mgpu_shape2(B, hidden)), *aux = tmake(dev, MGPU_F32, mgpu_shape2(B, hidden));
+        int done = 0;
+        MUST(mgpu_tensor_fill(tdy, 0.5)); MUST(mgpu_tensor_fill(w, 0.25)); MUST(mgpu_tensor_fill(aux, 1.0));
+        MUST(mgpu__matmul_epilogue(tdx, tdy, MGPU_NO_TRANS, w, MGPU_TRANS, 0.0f, MGPU__EPI_DGELU, NULL, aux, &done));
+        printf("  the GELU's backward in the next Linear's GEMM: %s\n", done ? "yes (cuBLASLt's DGELU)" : "no (no algorithm: the kernel runs)");
+        if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "DGELU epilogue: the emulated cuBLASLt found no algorithm");
+        mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(w); mgpu_tensor_destroy(tdx); mgpu_tensor_destroy(aux);
+    }
     box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM",
                   mgpu_layer_residual(mgpu_layer_sequential((mgpu_layer*[]){ mgpu_layer_linear(C, hidden), mgpu_layer_gelu_tanh(),
                                                                              mgpu_layer_conv1d(hidden, C) }, 3), NULL),
