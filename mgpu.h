@@ -8375,8 +8375,8 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
         if (k) in = redone_in ? redone_in : own[k - 1];
         dcur = !k ? dx : r == MGPU_OK ? mgpu__box_temp(in) : NULL;
         if (k && !dcur && r == MGPU_OK) r = mgpu_last_result();
-        if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy, k >= 2 ? own[k - 2] : NULL)) {   /* (mgpu_layer_backward's, with the epilogue) */
-            mgpu_clear_error();
+        if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy, k >= 2 ? own[k - 2] : NULL)) {
+            mgpu_clear_error();   /* (as mgpu_layer_backward, with the epilogue) */
             r = mgpu__linear_backward_fused(c->kid[k], &sub, in, dnext ? dnext : dy, dcur, 0, MGPU__EPI_DGELU, own[k - 2], &gelu_done);
             if (r != MGPU_OK) r = mgpu__call_failed(c->kid[k], r);
         } else if (r == MGPU_OK) {
