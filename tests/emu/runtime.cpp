@@ -995,8 +995,12 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
     }
     if (!c.grid.x || !c.grid.y || !c.grid.z || !c.block.x || !c.block.y || !c.block.z || threads > (uint64_t)cf.max_threads ||
         c.block.x > 1024 || c.block.y > 1024 || c.block.z > 64 || c.grid.x > 2147483647u || c.grid.y > 65535 ||
-        c.grid.z > 65535 || c.shared > max_shared) {
+        c.grid.z > 65535) {
         fail(cudaErrorInvalidConfiguration);
+        return;
+    }
+    if (c.shared > max_shared) {   // (CUDA's answer: "invalid argument")
+        fail(cudaErrorInvalidValue);
         return;
     }
     if (cf.fail_launch && call >= cf.fail_launch && call < cf.fail_launch + cf.fail_launch_count) {

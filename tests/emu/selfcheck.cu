@@ -689,8 +689,9 @@ extern "C" int selfcheck_run(const char* which) {
         const int n = 16384, blocks = 3;
         int h[blocks * threads];
         dynamic_shared_kernel<<<blocks, threads, n * sizeof(int)>>>(d, n);
-        if (cudaGetLastError() == cudaSuccess) {
-            fprintf(stderr, "selfcheck: 64 KiB of dynamic shared memory launched without cudaFuncSetAttribute\n");
+        if (cudaGetLastError() != cudaErrorInvalidValue) {
+            fprintf(stderr, "selfcheck: 64 KiB of dynamic shared memory launched without cudaFuncSetAttribute, or refused "
+                            "with another error than invalid argument\n");
             return 1;
         }
         if (cudaFuncSetAttribute(dynamic_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1 << 20) != cudaErrorInvalidValue ||
