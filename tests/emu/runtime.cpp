@@ -219,6 +219,8 @@ void print_counters_at_exit() {
             (unsigned long long)c_graph_launches, (unsigned long long)c_captures);
 }
 
+void join_retired_at_exit(void);   // (below: the retired stream workers)
+
 const config& conf() {
     static config c;
     static std::once_flag once;
@@ -246,6 +248,7 @@ const config& conf() {
 #endif
         c.print_counters = setting_flag("MGPU_EMU_COUNTERS", false);
         if (c.print_counters) atexit(print_counters_at_exit);
+        atexit(join_retired_at_exit);   // (registered after the sanitizers' own: runs before their check)
     });
     return c;
 }
@@ -283,6 +286,51 @@ struct task {
     const char* what;
 };
 
+// Retired workers (a destroyed graph exec's streams, mid-way through their last work) until they
+// have ended: joined by later retires once they have, and at exit (join_retired_at_exit, before
+// LeakSanitizer's check: a thread still ending while that check stops the world can crash its
+// tracer, "Tracer caught signal 11", which fails a run that leaked nothing).
+struct retired_worker {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> ended;   // set by the worker as its last act but returning
+};
+std::mutex g_retired_mu;
+// guarded by g_retired_mu; never destroyed (a joinable thread's destructor would end the program),
+// and a forked child leaves its parent's alone
+std::vector<retired_worker>* g_retired = new std::vector<retired_worker>();
+pid_t g_retired_pid = getpid();
+
+// Joins the retired workers that have ended (all: waits for them, up to a minute, then leaves any
+// still running to end with the process)
+void join_retired(bool all) {
+    std::vector<retired_worker> ended;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    if (getpid() != g_retired_pid) return;
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lock(g_retired_mu);
+            std::vector<retired_worker>& r = *g_retired;
+            for (size_t i = 0; i < r.size();)
+                if (r[i].ended->load()) {
+                    ended.push_back(std::move(r[i]));
+                    if (i + 1 < r.size()) r[i] = std::move(r.back());
+                    r.pop_back();
+                } else {
+                    ++i;
+                }
+            if (!all || r.empty() || std::chrono::steady_clock::now() > deadline) break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (retired_worker& w : ended) w.thread.join();
+    if (all) {   // (still running after a minute: left to end with the process, as before)
+        std::lock_guard<std::mutex> lock(g_retired_mu);
+        for (retired_worker& w : *g_retired) w.thread.detach();
+        g_retired->clear();
+    }
+}
+void join_retired_at_exit(void) { join_retired(true); }
+
 }  // namespace
 
 struct CUstream_st {
@@ -296,6 +344,7 @@ struct CUstream_st {
     const char* running = nullptr;
     bool stop = false;
     bool retired = false;   // the worker frees the stream once its queue is empty
+    std::shared_ptr<std::atomic<bool>> ended;   // retired: set as the worker's last act
     uint64_t rng = 0;
     int slow = 1;   // chaos: this stream's delays are this many times longer
     std::thread worker;
@@ -309,8 +358,10 @@ struct CUstream_st {
                 cv_work.wait(lock, [&] { return stop || !queue.empty(); });
                 if (queue.empty()) {
                     if (!retired) return;
+                    std::shared_ptr<std::atomic<bool>> last = ended;
                     lock.unlock();
                     delete this;
+                    last->store(true);
                     return;
                 }
                 t = std::move(queue.front());
@@ -343,9 +394,16 @@ struct CUstream_st {
         cv_work.notify_one();
     }
     // Ends the worker once the queue drains, without waiting for it: a graph exec's streams, which
-    // a launch still in flight may use after the exec is destroyed. The stream is not to be touched after.
+    // a launch still in flight may use after the exec is destroyed. The stream is not to be touched
+    // after; its thread goes to g_retired, to be joined once it has ended.
     void retire() {
-        worker.detach();
+        join_retired(false);
+        retired_worker w{std::move(worker), std::make_shared<std::atomic<bool>>(false)};
+        {
+            std::lock_guard<std::mutex> lock(g_retired_mu);
+            g_retired->push_back(std::move(w));
+            ended = g_retired->back().ended;
+        }
         std::lock_guard<std::mutex> lock(mu);
         stop = retired = true;
         cv_work.notify_all();
