@@ -1798,7 +1798,7 @@ int mgpu__cu_attention_backward(int dev, void* stream, const mgpu__attn* g, cons
 // skip them. Head sizes up to kAttnMaxHead (the layer takes the unfused kernels above it), each
 // kernel compiled for H = 64 and H = 128 columns a row (the smallest that holds the head): its
 // tiles in dynamic shared memory, 4 tiles of 32 x 129 floats (66 KB) at H = 128, past the 48 KB a
-// block gets without asking: allowed once per device (attention_wide_ready), where the device has
+// block gets without asking: allowed once per device (attention_fused_ready), where the device has
 // it (Volta's 96 KB, Ampere's and Hopper's more). Turing's 64 KB does not hold them: there the
 // calls return MGPU__CU_NO_ALGORITHM, and the layer runs the unfused kernels.
 constexpr int kAttnTile = 32;
@@ -2048,24 +2048,24 @@ template <int H> constexpr size_t attn_query_bytes() { return attn_shared_bytes<
 template <int H> constexpr size_t attn_key_bytes() { return attn_shared_bytes<H>(4, 2 * kAttnTile); }
 static_assert(attn_key_bytes<64>() <= 48 * 1024, "the H = 64 kernels fit in the shared memory every block gets");
 
-// Whether device dev (the current one) runs the H = 128 kernels: the first call per device asks it
-// for its largest shared memory per block and, where that holds them, allows it to each
-// (cudaFuncSetAttribute is per device and costs a driver call, so once); later calls read the
-// answer. *ready = false: the device has too little (the caller's unfused kernels run).
-static int attention_wide_ready(int dev, bool* ready) {
+// Whether device dev (the current one) runs the fused kernels for g's head size: MGPU__CU_OK,
+// MGPU__CU_NO_ALGORITHM (the caller's unfused kernels run), or an error. Heads above 64 need the
+// H = 128 kernels: the first call per device asks it for its largest shared memory per block and,
+// where that holds them, allows it to each (cudaFuncSetAttribute is per device and costs a driver
+// call, so once); later calls read the answer.
+static int attention_fused_ready(int dev, const mgpu__attn* g) {
     static std::mutex mu;
     static signed char known[64];   // per device: 1 ready, -1 too little, 0 not asked yet
     const size_t want = attn_key_bytes<128>();
+    if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
+    if (g->head_size <= 64) return MGPU__CU_OK;
     std::lock_guard<std::mutex> lock(mu);
-    if (dev >= 0 && dev < 64 && known[dev]) {
-        *ready = known[dev] > 0;
-        return MGPU__CU_OK;
-    }
+    if (dev >= 0 && dev < 64 && known[dev]) return known[dev] > 0 ? MGPU__CU_OK : MGPU__CU_NO_ALGORITHM;
     int optin = 0;
     CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
              "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin) on device %d", dev);
-    *ready = (size_t)optin >= want;
-    if (*ready) {
+    const bool ready = (size_t)optin >= want;
+    if (ready) {
         const char* name = "attention_fused_forward";
         cudaError_t e = cudaFuncSetAttribute(attention_fused_forward_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)attn_forward_bytes<128>());
@@ -2081,12 +2081,12 @@ static int attention_wide_ready(int dev, bool* ready) {
         }
         CUDA_TRY(e, "cudaFuncSetAttribute(%s, its shared memory) on device %d", name, dev);
     }
-    if (dev >= 0 && dev < 64) known[dev] = *ready ? 1 : -1;
-    return MGPU__CU_OK;
+    if (dev >= 0 && dev < 64) known[dev] = ready ? 1 : -1;
+    return ready ? MGPU__CU_OK : MGPU__CU_NO_ALGORITHM;
 }
 
-// The kernels for H columns a row (at H = 128 after attention_wide_ready). blocks: (batch, head,
-// query or key tile) triples.
+// The kernels for H columns a row (after attention_fused_ready). blocks: (batch, head, query or
+// key tile) triples.
 template <int H>
 static int attention_fused_forward_launch(int dev, cudaStream_t stream, const mgpu__attn* g, int64_t blocks, const float* qkv,
                                           float* y, float* lse, uint64_t seed, const uint64_t* seed_on_device,
@@ -2115,11 +2115,8 @@ static int attention_fused_backward_launch(int dev, cudaStream_t stream, const m
 int mgpu__cu_attention_fused_forward(int dev, void* stream, const mgpu__attn* g, const float* qkv, float* y, float* lse,
                                      uint64_t seed, const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
     USE_DEVICE(dev);
+    TRY(attention_fused_ready(dev, g));
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
-    bool wide_ready = true;
-    if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
-    if (g->head_size > 64) TRY(attention_wide_ready(dev, &wide_ready));
-    if (!wide_ready) return MGPU__CU_NO_ALGORITHM;
     if (blocks <= 0) return MGPU__CU_OK;
     return g->head_size <= 64
                ? attention_fused_forward_launch<64>(dev, as_stream(stream), g, blocks, qkv, y, lse, seed, seed_on_device, offset, first, p)
@@ -2130,11 +2127,8 @@ int mgpu__cu_attention_fused_backward(int dev, void* stream, const mgpu__attn* g
                                       const float* lse, const float* dy, float* drow, float* dqkv, uint64_t seed,
                                       const uint64_t* seed_on_device, uint64_t offset, uint64_t first, float p) {
     USE_DEVICE(dev);
+    TRY(attention_fused_ready(dev, g));
     const int64_t blocks = (int64_t)g->batch * g->heads * ((g->t + kAttnTile - 1) / kAttnTile);
-    bool wide_ready = true;
-    if (g->head_size > kAttnMaxHead) return ARGUMENT_ERROR("fused attention with head size %d > %d", g->head_size, kAttnMaxHead);
-    if (g->head_size > 64) TRY(attention_wide_ready(dev, &wide_ready));
-    if (!wide_ready) return MGPU__CU_NO_ALGORITHM;
     if (blocks <= 0) return MGPU__CU_OK;
     return g->head_size <= 64 ? attention_fused_backward_launch<64>(dev, as_stream(stream), g, blocks, qkv, y, lse, dy, drow, dqkv,
                                                                     seed, seed_on_device, offset, first, p)

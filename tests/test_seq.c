@@ -2275,6 +2275,16 @@ static mgpu_layer* mlp_block(int d, int hidden) {
     return mgpu_layer_sequential(kids, 3);
 }
 
+#ifdef MGPU_CUDA
+/* GPT's MLP as a residual block, x + Conv1D(GELU(Linear(x))), the GELU's tanh form */
+static mgpu_layer* gpt_mlp_block(int C, int hidden) {
+    mgpu_layer* kids[3];
+    kids[0] = mgpu_layer_linear(C, hidden);
+    kids[1] = mgpu_layer_gelu_tanh();
+    kids[2] = mgpu_layer_conv1d(hidden, C);
+    return mgpu_layer_residual(mgpu_layer_sequential(kids, 3), NULL);
+}
+#endif
 /* GPT's MLP, x + Conv1D(GELU(Linear(x))) (the GELU's tanh form), on a GPU: the Conv1D's dx GEMM
    does the GELU's backward too (cuBLASLt's DGELU with the GELU's input, mgpu__box_dgelu), a kernel
    fewer in the backward than with MGPU_EPILOGUES off (the emulator's count), the same gradients
@@ -2291,8 +2301,7 @@ static void box_dgelu(void) {
     int setting;
     for (i = 0; i < ny; ++i) { x[i] = (float)rng_gauss(); R[i] = (float)rng_gauss(); }
     for (setting = 0; setting < 2; ++setting) {
-        mgpu_layer* kids[3] = { mgpu_layer_linear(C, hidden), mgpu_layer_gelu_tanh(), mgpu_layer_conv1d(hidden, C) };
-        mgpu_layer* box = mgpu_layer_residual(mgpu_layer_sequential(kids, 3), NULL);
+        mgpu_layer* box = gpt_mlp_block(C, hidden);
         mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = &box, .layer_count = 1,
                                                               .devices = set, .seed = 9 });
         mgpu_device* dev = m ? mgpu_model_device(m, 0) : NULL;
@@ -2340,10 +2349,7 @@ static void box_dgelu(void) {
         if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "DGELU epilogue: the emulated cuBLASLt found no algorithm");
         mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(w); mgpu_tensor_destroy(tdx); mgpu_tensor_destroy(aux);
     }
-    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM",
-                  mgpu_layer_residual(mgpu_layer_sequential((mgpu_layer*[]){ mgpu_layer_linear(C, hidden), mgpu_layer_gelu_tanh(),
-                                                                             mgpu_layer_conv1d(hidden, C) }, 3), NULL),
-                  B, C, C, set);
+    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM", gpt_mlp_block(C, hidden), B, C, C, set);
     free(x); free(R); free(grads[0]); free(grads[1]); free(dx[0]); free(dx[1]);
     mgpu_device_set_destroy(set);
 #endif
