@@ -1982,7 +1982,7 @@ attention_fused_backward_key_kernel(mgpu__attn g, const float* qkv, const float*
     extern __shared__ float attn_shared[];
     float (*ks)[H + 1] = attn_tile<H>(attn_shared, 0), (*vs)[H + 1] = attn_tile<H>(attn_shared, 1),
           (*qs)[H + 1] = attn_tile<H>(attn_shared, 2), (*dys)[H + 1] = attn_tile<H>(attn_shared, 3);
-    float *ls = attn_shared + 4 * kAttnTile * (H + 1), *rs = ls + kAttnTile;   // kAttnTile each
+    float *ls = attn_shared + 4 * kAttnTile * (H + 1), *rs = ls + kAttnTile;   // after the tiles (attn_key_bytes)
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, hs = g.head_size, T = g.t;
     const int64_t D = (int64_t)g.heads * hs, W = 3 * D;
     const int tiles = (T + kAttnTile - 1) / kAttnTile;
