@@ -9728,6 +9728,7 @@ static void mgpu__dist_meet(double* all, size_t width, const int* rank_replicas)
 static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
                                   double number, double* number_sum);
+static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const char* what);
 static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
 struct mgpu_allreduce;
 static mgpu_result mgpu__ar_join_processes(struct mgpu_allreduce* ar, const int* rank_devices, mgpu_allreduce_kind asked,
@@ -10187,8 +10188,8 @@ static mgpu_result mgpu__allreduce_check(mgpu_allreduce* ar, mgpu_tensor* const*
 /* The host buffers of the sums across processes (what they send, receive and stage from GPUs),
    kept from call to call and grown as needed: a fresh 64 MiB buffer costs more in page faults
    than the sum. MPI is called from one thread at a time (MPI_THREAD_SERIALIZED), and so are
-   these; mgpu_dist_shutdown frees them. */
-#ifdef MGPU_MPI
+   these; mgpu_dist_shutdown frees them. (Defined in every build: without MGPU_MPI no model is
+   distributed, and nothing asks for them.) */
 #define MGPU__DIST_SCRATCH 3   /* what a sum sends, receives, and stages from GPUs */
 static struct { float* p; size_t floats; } mgpu__dist_scratch[MGPU__DIST_SCRATCH];
 static float* mgpu__dist_buffer(int which, size_t floats) {
@@ -10200,6 +10201,8 @@ static float* mgpu__dist_buffer(int which, size_t floats) {
     return mgpu__dist_scratch[which].p;
 }
 
+#ifdef MGPU_MPI
+
 /* ---- a collective that cannot finish, ends ----
    A rank that stops answering (its host frozen, its link down, the process stopped) is no error
    to MPI: a blocking collective waits for it as long as the transport does, which over TCP can be
@@ -10210,7 +10213,7 @@ static float* mgpu__dist_buffer(int which, size_t floats) {
    srun returns; a checkpoint saved before is whole (saves are atomic). Pairs rather than MPI's
    collectives because then the ranks that did not answer are known; the sums add the same
    numbers in the same order, so the bits are those of MPI_Alltoallv and MPI_Allgatherv. */
-enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER, MGPU__TAG_MEET };
+enum { MGPU__TAG_VOTE = 1, MGPU__TAG_BROADCAST, MGPU__TAG_SLICES, MGPU__TAG_GATHER, MGPU__TAG_MEET, MGPU__TAG_RANGES };
 static struct {
     MPI_Request* req;   /* 2 (P - 1): a send to and a receive from every other rank */
     int* peer;          /* whom each is with (-1 - rank once named in a timeout's message) */
@@ -10620,6 +10623,31 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
 #endif
 }
 
+/* Rank q's floats [at[q], at[q + 1]) of buf, a buffer laid out alike on every rank, from rank q
+   into every other rank's (to < 0: an all-gather; ZeRO-1's parameters) or into rank `to`'s alone
+   (a gather; ZeRO-1's states for a checkpoint), as messages between pairs of ranks that time out
+   (mgpu__dist_wait), in pieces of at most 2^30 floats. Every rank passes the same `at`. */
+static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const char* what) {
+#ifdef MGPU_MPI
+    const int P = mgpu__dist.size, me = mgpu__dist.rank;
+    const int64_t piece = (int64_t)1 << 30;
+    int64_t longest = 0, k;
+    int q;
+    for (q = 0; q < P; ++q) longest = MGPU__MAX(longest, at[q + 1] - at[q]);
+    for (k = 0; k < longest; k += piece) {   /* piece k of every rank's range (a rank past its end sends none) */
+        for (q = 0; q < P; ++q) {
+            const int64_t theirs = MGPU__MIN(piece, at[q + 1] - at[q] - k), mine = MGPU__MIN(piece, at[me + 1] - at[me] - k);
+            if (q == me) continue;
+            if (theirs > 0 && (to < 0 || to == me)) mgpu__dist_post(0, buf + at[q] + k, (int)theirs, MPI_FLOAT, q, MGPU__TAG_RANGES);
+            if (mine > 0 && (to < 0 || to == q)) mgpu__dist_post(1, buf + at[me] + k, (int)mine, MPI_FLOAT, q, MGPU__TAG_RANGES);
+        }
+        mgpu__dist_wait(what);
+    }
+#else
+    (void)buf; (void)at; (void)to; (void)what;
+#endif
+}
+
 MGPUDEF mgpu_allreduce* mgpu_allreduce_create_distributed(const mgpu_device_set* set, mgpu_allreduce_kind kind) {
     mgpu_allreduce* ar = mgpu_allreduce_create(set, kind);
     int* counts = NULL;
@@ -10970,6 +10998,12 @@ static MGPU__TLS mgpu_model* mgpu__meet_model;
 static MGPU__TLS mgpu__part* mgpu__meet_part;
 static mgpu__part* mgpu__part_of(const mgpu_model* m, int replica, int stage) {
     return &m->part[replica * m->stage_count + stage];
+}
+/* How many replicas share out the optimizer's states: with zero1, every replica of the job (of
+   every process in a distributed one); else 1, each holds them all. */
+static int mgpu__zero1_ways(const mgpu_model* m) {
+    if (!m->zero1) return 1;
+    return m->dist ? m->dist_total : m->replica_count;
 }
 
 /* What can clear a suspect model: LOAD_ONLY, nothing but a load (replica 0 itself half-updated,
@@ -12129,11 +12163,6 @@ static mgpu_model* mgpu__model_create_here(const mgpu_model_desc* desc) {
         mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "precision %s (want MGPU_F32 or MGPU_BF16)", mgpu_dtype_name(m->precision));
         return mgpu__model_fail(m, op);
     }
-    if (m->zero1 && desc->distributed && mgpu__dist.size > 1) {
-        mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "zero1 in a distributed job of %d processes: not yet (the optimizer states are "
-                   "sharded across the replicas of one process only)", mgpu__dist.size);
-        return mgpu__model_fail(m, op);
-    }
     for (i = 0; m->precision == MGPU_BF16 && i < m->layer_count; ++i) {
         const mgpu_layer* missing = mgpu__bf16_missing(m->layers[i]);
         if (missing) {
@@ -12250,7 +12279,7 @@ static mgpu_result mgpu__dist_broadcast_buffers(mgpu_model* m) {
 static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_model_desc* desc) {
     mgpu_result r = made;
     uint64_t mine = 0, first = 0;
-    int q, s, sync_bn;
+    int q, s, sync_bn, zero1;
     if (r == MGPU_OK) {
         m->dist_replicas = (int*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int));
         m->dist_rows = (int64_t*)mgpu__calloc((size_t)mgpu__dist.size, sizeof(int64_t));
@@ -12267,12 +12296,17 @@ static mgpu_result mgpu__model_join(mgpu_model* m, mgpu_result made, const mgpu_
     mgpu__dist_broadcast(&m->check_finite, sizeof m->check_finite);
     sync_bn = m->sync_bn;   /* a rank meeting alone would wait for the others */
     mgpu__dist_broadcast(&sync_bn, sizeof sync_bn);
+    zero1 = m->zero1;   /* a rank sharding alone would gather what the others never send */
+    mgpu__dist_broadcast(&zero1, sizeof zero1);
     if (first != mine)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: this rank's model (%d layers, %lld parameters, %d stages) is not rank 0's: "
                        "every rank must make the same layers", m->layer_count, (long long)m->param_count, m->stage_count);
     else if (sync_bn != m->sync_bn)
         r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: desc.sync_batch_norm is %d on this rank, %d on rank 0: "
                        "every rank must set the same", m->sync_bn, sync_bn);
+    else if (zero1 != m->zero1)
+        r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_create: desc.zero1 is %d on this rank, %d on rank 0: every rank "
+                       "must set the same", m->zero1, zero1);
     else if (m->sync_bn && !mgpu__dist_serialized())
         r = mgpu__fail(MGPU_ERROR_UNSUPPORTED, "mgpu_model_create: desc.sync_batch_norm across processes calls MPI from a "
                        "step's own threads, one at a time, which needs MPI_THREAD_SERIALIZED; this MPI was started with less "
@@ -12471,8 +12505,9 @@ MGPUDEF void mgpu_model_summary(const mgpu_model* m, void* file) {
         for (s = 0; s < m->stage_count; ++s) fprintf(f, "%s%s", s ? ">" : "", mgpu__part_of(m, i, s)->dev->label);
     }
     fprintf(f, "\n");
-    if (m->zero1 && m->replica_count > 1)
-        fprintf(f, "ZeRO-1: each replica holds and updates 1/%d of the optimizer's states (mgpu_optimizer_shard)\n", m->replica_count);
+    if (mgpu__zero1_ways(m) > 1)
+        fprintf(f, "ZeRO-1: each replica holds and updates 1/%d of the optimizer's states (mgpu_optimizer_shard)%s\n",
+                mgpu__zero1_ways(m), m->dist ? ", across the job's processes" : "");
     if (m->precision == MGPU_BF16) {   /* (the copies' buffers: with tied copies and the views' alignment) */
         size_t copies = 0;
         for (s = 0; s < m->stage_count; ++s) copies += mgpu_tensor_bytes(mgpu__part_of(m, 0, s)->params_bf16);
@@ -12628,15 +12663,21 @@ MGPUDEF void mgpu_optimizer_destroy(mgpu_optimizer* opt) {
     mgpu__optimizer_free(opt);
 }
 
+/* Where the job's replica g's shard of stage s begins: its 1/W of the floats an update moves, each
+   from a multiple of 16 (64 bytes, the vector loads' alignment). The shards of one process's
+   replicas (numbered in order across the job) are one range. */
+static int64_t mgpu__shard_start(const mgpu_model* m, int s, int g) {
+    const int W = mgpu__zero1_ways(m);
+    const int64_t n = m->stage_moved[s], per = ((n + W - 1) / W + 15) / 16 * 16;
+    return MGPU__MIN(n, (int64_t)g * per);
+}
 /* The floats of part i's stage whose optimizer state it holds and updates (mgpu_optimizer_shard):
-   with zero1 and R > 1, replica r's 1/R of the floats an update moves, from a multiple of 16 (64
-   bytes, the vector loads' alignment); else the whole stage. */
+   with zero1 its replica's shard (mgpu__shard_start); else the whole stage. */
 static void mgpu__shard(const mgpu_model* m, int part, int64_t* lo, int64_t* hi) {
-    const int s = m->part[part].stage, R = m->replica_count;
-    const int64_t n = m->stage_moved[s], per = ((n + R - 1) / R + 15) / 16 * 16;
-    if (!m->zero1 || R == 1) { *lo = 0; *hi = mgpu__stage_floats(m, s); return; }
-    *lo = MGPU__MIN(n, (int64_t)m->part[part].replica * per);
-    *hi = MGPU__MIN(n, *lo + per);
+    const int s = m->part[part].stage, g = m->dist_first + m->part[part].replica;
+    if (mgpu__zero1_ways(m) == 1) { *lo = 0; *hi = mgpu__stage_floats(m, s); return; }
+    *lo = mgpu__shard_start(m, s, g);
+    *hi = mgpu__shard_start(m, s, g + 1);
 }
 /* the floats of part i's shard that an update moves (the stage's tied copies and padding, past
    stage_moved, it leaves alone) */
@@ -13126,7 +13167,7 @@ static void mgpu__optimizer_advance(mgpu_optimizer* opt) {
 static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
     mgpu_model* m = opt->model;
     if (done == 0 || m->capturing) return;   /* (a capture ran nothing: the step runs eagerly instead) */
-    if (m->zero1 && m->replica_count > 1) {   /* no replica holds every shard to bring the others to */
+    if (mgpu__zero1_ways(m) > 1) {   /* no replica holds every shard to bring the others to */
         mgpu__suspect_mark(m, "an optimizer step with zero1 that failed after some replicas had updated their shards",
                            MGPU__SUSPECT_LOAD_ONLY | MGPU__SUSPECT_STATES);
         return;
@@ -13188,11 +13229,59 @@ static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
     return MGPU_OK;
 }
 
+/* zero1 in a distributed job: where each rank's shards of stage s begin, at[q] for rank q (its
+   replicas' shards are one range), and at[P] their end. */
+static void mgpu__zero1_rank_ranges(const mgpu_model* m, int s, int64_t* at) {
+    int q, g = 0;
+    for (q = 0; q < mgpu__dist.size; g += m->dist_replicas[q++]) at[q] = mgpu__shard_start(m, s, g);
+    at[mgpu__dist.size] = m->stage_moved[s];
+}
+
+/* zero1 in a distributed job, after mgpu__zero1_gather (each replica holds its process's shards):
+   every other process's shards into every replica, through host memory (an all-gather between
+   pairs of ranks, mgpu__dist_ranges; staged from and to GPUs). What can fail on one rank (`mine`,
+   the caller's own result; memory, a download) is voted on first, so that no rank waits for one
+   that will not come; a failed upload is voted on after. */
+static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine, const char* op) {
+    const int P = mgpu__dist.size, me = mgpu__dist.rank;
+    int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
+    mgpu_result r = mine;
+    int s, l;
+    if (r == MGPU_OK && !at) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for %d ranks", op, P);
+    for (s = 0; s < m->stage_count; ++s) {
+        const mgpu__part* first = mgpu__part_of(m, 0, s);
+        float* host = NULL;
+        if (r == MGPU_OK) {
+            mgpu__zero1_rank_ranges(m, s, at);
+            host = mgpu__dist_buffer(2, (size_t)at[P] + 1);
+            if (!host) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for %lld floats", op, (long long)at[P]);
+        }
+        if (r == MGPU_OK) {   /* this process's shards, from its first replica */
+            const mgpu_tensor mine_rows = mgpu__rows(first->params, at[me], at[me + 1] - at[me]);
+            r = mgpu_tensor_download(&mine_rows, host + at[me], (size_t)(at[me + 1] - at[me]) * sizeof(float));
+        }
+        if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+        MGPU__COUNT(first->dev, bytes_allreduced, (size_t)(at[P] - (at[me + 1] - at[me])) * sizeof(float));
+        mgpu__dist_ranges(host, at, -1, "zero1's all-gather of the parameters");
+        for (l = 0; r == MGPU_OK && l < m->replica_count; ++l) {   /* the others' shards: before this rank's, and after */
+            mgpu__part* p = mgpu__part_of(m, l, s);
+            mgpu_tensor before = mgpu__rows(p->params, 0, at[me]), after = mgpu__rows(p->params, at[me + 1], at[P] - at[me + 1]);
+            r = mgpu_tensor_upload(&before, host, (size_t)at[me] * sizeof(float));
+            if (r == MGPU_OK) r = mgpu_tensor_upload(&after, host + at[me + 1], (size_t)(at[P] - at[me + 1]) * sizeof(float));
+        }
+        if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+    }
+    MGPU_FREE(at);
+    return r;
+}
+
 /* The step itself, for an optimizer already known to be live (the training steps check it once
    in mgpu__check_step). */
 static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
+    const int sharded_job = opt->model->dist && mgpu__zero1_ways(opt->model) > 1;   /* zero1 across processes */
     mgpu__optim_job job;
+    mgpu_result gathered;
     int i, rc = 0;
     MGPU__TRY(mgpu__optimizer_prepare(opt, op));
     MGPU__TRY(mgpu__ties_gather(opt->model, op));
@@ -13231,15 +13320,20 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         if (rc == 0 && opt->updated) rc = MGPU__CUDA(mgpu__cu_event_record(r->dev->ordinal, opt->updated[i], r->dev->stream));
         mgpu__trace_close(opt->model, slice, r->dev->stream);
         if (rc != 0) {   /* parts 0 .. i-1 took the update, the others did not */
-            const mgpu_result res = mgpu__cu_result(rc, op, r->dev);
+            mgpu_result res = mgpu__cu_result(rc, op, r->dev);
+            if (sharded_job) {   /* the other ranks, updated, hear of it at the all-gather's vote */
+                res = mgpu__zero1_gather_processes(opt->model, res, op);
+                i = opt->model->part_count;
+            }
             mgpu__optimizer_failed(opt, i);
             return res;
         }
     }
-    if (mgpu__zero1_gather(opt, op) != MGPU_OK) {   /* every part updated its shard; some replicas may lack others' */
-        const mgpu_result res = mgpu_last_result();
+    gathered = mgpu__zero1_gather(opt, op);
+    if (sharded_job) gathered = mgpu__zero1_gather_processes(opt->model, gathered, op);
+    if (gathered != MGPU_OK) {   /* every part updated its shard; some replicas may lack others' */
         mgpu__optimizer_failed(opt, opt->model->part_count);
-        return res;
+        return gathered;
     }
     if (mgpu__ties_spread(opt->model, op) != MGPU_OK) {   /* every part took the update; some tied copies may not */
         const mgpu_result res = mgpu_last_result();
@@ -14824,7 +14918,7 @@ static mgpu_result mgpu__graph_step(mgpu_model* m, mgpu_optimizer* opt, const mg
                (or, with zero1, the replicas' shards) */
             mgpu__suspect_mark(m, "a CUDA graph replay of a step that failed",
                                MGPU__SUSPECT_STATES |
-                               (m->stage_count > 1 || (m->zero1 && m->replica_count > 1) ? MGPU__SUSPECT_LOAD_ONLY : 0));
+                               (m->stage_count > 1 || mgpu__zero1_ways(m) > 1 ? MGPU__SUSPECT_LOAD_ONLY : 0));
         }
     }
     if (r != MGPU_OK) {
@@ -17176,7 +17270,48 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
     return NULL;
 }
 
-static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc);
+static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc,
+                                         const float* gathered);
+/* The optimizer's states as a checkpoint lays them out, [state][flat float], from this process:
+   replica 0's, stage by stage, or with zero1 each replica's shard of them (mgpu__shard). */
+static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimizer* opt, float* dst) {
+    int k, i;
+    for (k = 0; k < mgpu__optimizer_state_count(opt); ++k)
+        for (i = 0; i < (m->zero1 ? m->part_count : m->stage_count); ++i) {
+            int64_t lo, hi;
+            mgpu__shard(m, i, &lo, &hi);
+            if (hi > lo)
+                MGPU__TRY(mgpu_tensor_download(k == 0 ? opt->state1[i] : opt->state2[i],
+                                               dst + (size_t)m->flat_floats * (size_t)k + (size_t)(m->stage_off[m->part[i].stage] + lo),
+                                               (size_t)(hi - lo) * sizeof(float)));
+        }
+    return MGPU_OK;
+}
+/* zero1 in a distributed job: the optimizer's whole states on rank 0, for its checkpoint: every
+   rank's shards (mgpu__states_download), sent to rank 0 (mgpu__dist_ranges), after a vote on
+   whether every rank has its own. *gathered: rank 0's, [state][flat float] (NULL elsewhere). */
+static mgpu_result mgpu__zero1_states_gather(const mgpu_model* m, const mgpu_optimizer* opt, float** gathered) {
+    static const char* op = "mgpu_model_save";
+    const int P = mgpu__dist.size, states = mgpu__optimizer_state_count(opt);
+    int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
+    float* all = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)states + 1, sizeof(float));
+    mgpu_result r = MGPU_OK;
+    int k, s;
+    if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    else if ((r = mgpu__states_download(m, opt, all)) != MGPU_OK) mgpu__refail(op);
+    r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    for (k = 0; r == MGPU_OK && k < states; ++k)
+        for (s = 0; s < m->stage_count; ++s) {
+            mgpu__zero1_rank_ranges(m, s, at);
+            mgpu__dist_ranges(all + (size_t)m->flat_floats * (size_t)k + (size_t)m->stage_off[s], at, 0,
+                              "zero1's gather of the optimizer's states for a checkpoint");
+        }
+    MGPU_FREE(at);
+    if (r != MGPU_OK || mgpu__dist.rank != 0) { MGPU_FREE(all); all = NULL; }
+    *gathered = all;
+    return r;
+}
 /* A buffer that counts (BatchNorm's num_batches_tracked) is an int64 in PyTorch's state_dict: the
    file holds it as I64, the model as a float (exact to 2^24). */
 static int mgpu__buffer_is_count(const char* name) {
@@ -17188,9 +17323,17 @@ static int mgpu__buffer_is_count(const char* name) {
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
     if (m && mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_save", "model") && m->suspect)   /* (the same flag on every rank) */
         return mgpu__suspect_refuse(m, "mgpu_model_save");
-    if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc);
+    if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc, NULL);
     mgpu__dist_doing("mgpu_model_save", 0);
-    return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc) : MGPU_OK, 0, 0.0, NULL, NULL);
+    if (opt && mgpu__zero1_ways(m) > 1) {   /* rank 0 writes the states every rank holds a shard of */
+        float* gathered = NULL;
+        mgpu_result r;
+        MGPU__TRY(mgpu__zero1_states_gather(m, opt, &gathered));
+        r = mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc, gathered) : MGPU_OK;
+        MGPU_FREE(gathered);
+        return mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    }
+    return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc, NULL) : MGPU_OK, 0, 0.0, NULL, NULL);
 }
 /* The model's layer types, "Linear,ReLU,Linear", as a checkpoint records them ("mgpu.layers") and
    a load compares them: cut at size - 1 bytes, the same cut for both. */
@@ -17200,7 +17343,8 @@ static void mgpu__layers_text(const mgpu_model* m, char* buf, size_t size) {
     for (i = 0, buf[0] = 0; i < m->layer_count && len < size; ++i)
         len += (size_t)snprintf(buf + len, size - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
 }
-static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
+static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc,
+                                         const float* gathered) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
@@ -17248,17 +17392,13 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)   /* replica 0's buffers (every replica's are the same) */
         if (mgpu__stage_buf_floats(m, i) > 0)
             r = mgpu_tensor_download(m->part[i].bufs, bhost + m->stage_boff[i], (size_t)mgpu__stage_buf_floats(m, i) * sizeof(float));
-    /* replica 0 holds the model, stage by stage; every replica is identical, but with zero1 each
-       holds a shard of the optimizer's states (mgpu__shard) */
-    for (s = 0; r == MGPU_OK && s <= states; ++s)
-        for (i = 0; r == MGPU_OK && i < (s > 0 && m->zero1 ? m->part_count : m->stage_count); ++i) {
-            int64_t lo = 0, hi = mgpu__stage_floats(m, m->part[i].stage);
-            if (s > 0) mgpu__shard(m, i, &lo, &hi);
-            if (hi > lo)   /* a stage of layers without parameters has none */
-                r = mgpu_tensor_download(s == 0 ? m->part[i].params : s == 1 ? opt->state1[i] : opt->state2[i],
-                                     host + (size_t)m->flat_floats * (size_t)s + (size_t)(m->stage_off[m->part[i].stage] + lo),
-                                     (size_t)(hi - lo) * sizeof(float));
-        }
+    for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)   /* replica 0 holds the model, stage by stage */
+        if (mgpu__stage_floats(m, i) > 0)   /* (a stage of layers without parameters has none) */
+            r = mgpu_tensor_download(m->part[i].params, host + m->stage_off[i], (size_t)mgpu__stage_floats(m, i) * sizeof(float));
+    if (r == MGPU_OK && states > 0) {   /* the states: this process's, or the whole job's gathered */
+        if (gathered) memcpy(host + m->flat_floats, gathered, (size_t)m->flat_floats * (size_t)states * sizeof(float));
+        else r = mgpu__states_download(m, opt, host + m->flat_floats);
+    }
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
     if (dtype != MGPU_SAVE_F32) {
         const size_t total = (size_t)m->flat_floats * (size_t)(1 + states);

@@ -72,6 +72,7 @@ static float* host_floats(const mgpu_tensor* t, float* buf) {
 }
 
 static int g_verify_every;   /* the next make_mlp's desc.verify_every */
+static int g_zero1;          /* and its desc.zero1 */
 static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hidden) {
     mgpu_layer* layers[4];
     mgpu_model_desc d;
@@ -87,6 +88,7 @@ static mgpu_model* make_mlp(const mgpu_device_set* set, int distributed, int hid
     d.seed = distributed ? 99 + (uint64_t)g_rank : 99;   /* a job takes rank 0's */
     d.distributed = distributed;
     d.verify_every = g_verify_every;
+    d.zero1 = g_zero1;
     return mgpu_model_create(&d);
 }
 
@@ -191,6 +193,19 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
     CHECK(mgpu_model_total_replica_count(dm) == g_total && mgpu_model_replica_count(dm) == (g_rank == 0 ? 2 : 1),
           "%s: %d replicas in the job, %d here", what, mgpu_model_total_replica_count(dm), mgpu_model_replica_count(dm));
     CHECK(same_params(dm, ref), "%s: rank 0's initial parameters everywhere (each rank seeded its own)", what);
+    if (g_zero1) {   /* each replica of the job holds its 1/G of the states: the same shard as in one process */
+        const int G = mgpu_model_total_replica_count(dm);
+        const int64_t n = mgpu_tensor_numel(mgpu_model_params(dm, 0)), most = ((n + G - 1) / G + 15) / 16 * 16;
+        int i, sharded = 1;
+        for (i = 0; i < mgpu_model_replica_count(dm); ++i) {
+            int64_t first = -1, count = -1, rfirst = -2, rcount = -2;
+            sharded &= mgpu_optimizer_shard(dopt, i, 0, &first, &count) == MGPU_OK &&
+                       mgpu_optimizer_shard(ropt, mgpu_model_first_replica(dm) + i, 0, &rfirst, &rcount) == MGPU_OK &&
+                       first == rfirst && count == rcount && count <= most && count < n;
+        }
+        CHECK(sharded, "%s: each of this rank's replicas holds the states of at most %lld of %lld floats, the shard of its "
+              "number in the job", what, (long long)most, (long long)n);
+    }
     for (s = 0; s < steps && ok; ++s) {
         mgpu_tensor *x, *y, *xs, *ys;
         int64_t from, count;
@@ -389,6 +404,80 @@ static void test_checkpoints(const char* dir) {
     mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m); mgpu_model_destroy(one);
+    mgpu_device_set_destroy(set);
+}
+
+/* ---- 5b. ZeRO-1 across processes ---- */
+
+/* One step of a global batch of B rows: the job's model on this rank's rows, and each of the
+   one-process models on all of them. */
+static int step_all(mgpu_model* dm, mgpu_optimizer* dopt, mgpu_model** ones, mgpu_optimizer** oopts, int n, int64_t B) {
+    mgpu_tensor *x, *y, *xs, *ys;
+    int64_t from, count;
+    int i, ok;
+    make_batch(B, &x, &y);
+    my_rows(dm, B, &from, &count);
+    xs = mgpu_tensor_view_rows(x, from, count);
+    ys = mgpu_tensor_view_rows(y, from, count);
+    ok = mgpu_model_train_step(dm, dopt, xs, ys, NULL) == MGPU_OK;
+    for (i = 0; ok && i < n; ++i) ok = mgpu_model_train_step(ones[i], oopts[i], x, y, NULL) == MGPU_OK;
+    mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    return ok;
+}
+
+/* A sharded job's checkpoint holds the whole states (rank 0 gathers them): loaded into one
+   unsharded process, and back into the job, both go on as the job in one process does, to the
+   bit (AdamW: a state of zeros, or another shard's, would change the steps). */
+static void zero1_checkpoint(const char* dir) {
+    char path[512], spec[64];
+    mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
+    mgpu_model *m, *ones[2];
+    mgpu_optimizer *opt, *oopts[2];
+    const mgpu_optimizer_desc od = adamw();
+    int s, ok = 1;
+    g_zero1 = 1;
+    m = make_mlp(set, 1, HIDDEN);
+    all_spec(spec, sizeof spec, mgpu_model_total_replica_count(m));
+    all = mgpu_device_set_create(spec);
+    ones[0] = make_mlp(all, 0, HIDDEN);   /* the job in one process, sharded too */
+    g_zero1 = 0;
+    ones[1] = make_mlp(all, 0, HIDDEN);   /* unsharded: it takes the job's checkpoint */
+    opt = mgpu_optimizer_create(m, &od);
+    oopts[0] = mgpu_optimizer_create(ones[0], &od);
+    oopts[1] = mgpu_optimizer_create(ones[1], &od);
+    CHECK(m && ones[0] && ones[1] && opt && oopts[0] && oopts[1], "zero1 checkpoint: models: %s", mgpu_last_error());
+    if (!m || !ones[0] || !ones[1] || !opt || !oopts[0] || !oopts[1]) return;
+    for (s = 0; s < 3 && ok; ++s) ok = step_all(m, opt, ones, oopts, 1, 22);
+    snprintf(path, sizeof path, "%s/job_zero1.safetensors", dir);
+    ok = ok && mgpu_model_save(m, opt, path) == MGPU_OK;
+    CHECK(ok, "zero1: three steps and a save of the job's sharded states: %s", mgpu_last_error());
+    ok = ok && mgpu_model_load(ones[1], oopts[1], path) == MGPU_OK && mgpu_model_load(m, opt, path) == MGPU_OK;
+    CHECK(ok, "zero1: the job's checkpoint loads into one unsharded process, and back into the job: %s", mgpu_last_error());
+    for (s = 0; s < 3 && ok; ++s) ok = step_all(m, opt, ones, oopts, 2, 22);
+    CHECK(ok, "zero1: three steps more: %s", mgpu_last_error());
+    CHECK(ok && same_params(m, ones[0]) && same_params(ones[1], ones[0]),
+          "zero1: after the checkpoint, the job and the unsharded process that loaded it step as the job in one process, bit for "
+          "bit");
+    mgpu_optimizer_destroy(opt); mgpu_optimizer_destroy(oopts[0]); mgpu_optimizer_destroy(oopts[1]);
+    mgpu_model_destroy(m); mgpu_model_destroy(ones[0]); mgpu_model_destroy(ones[1]);
+    mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
+}
+
+static void test_zero1(const char* dir) {
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_model* m;
+    header("zero1: the optimizer's states sharded across the job's processes");
+    g_zero1 = 1;
+    train_both("zero1, AdamW", adamw(), 29, 6, 0);
+    train_both("zero1, SGD, accumulate + apply", sgd(), 26, 4, 1);
+    g_zero1 = 0;
+    zero1_checkpoint(dir);
+    g_zero1 = g_rank == 1;   /* rank 1 alone shards: every rank refuses the model */
+    m = make_mlp(set, 1, HIDDEN);
+    CHECK(!m && strstr(mgpu_last_error(), "desc.zero1"), "rank %d: zero1 on rank 1 alone refused on every rank: %s", g_rank,
+          mgpu_last_error());
+    g_zero1 = 0;
+    mgpu_model_destroy(m);
     mgpu_device_set_destroy(set);
 }
 
@@ -892,6 +981,7 @@ int main(int argc, char** argv) {
         TEST_GROUP(test_equivalence());
         TEST_GROUP(test_failures());
         TEST_GROUP(test_checkpoints(dir));
+        TEST_GROUP(test_zero1(dir));
         TEST_GROUP(test_loader(dir));
         TEST_GROUP(test_loader_tokens());
         TEST_GROUP(test_gpt());
