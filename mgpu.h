@@ -1224,8 +1224,8 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
                                                   replica's shard of the parameters is copied to
                                                   the others (an all-gather); the same bits as
                                                   without. Checkpoints hold the whole state, as
-                                                  without. Replicas of this process only: a
-                                                  distributed job with zero1 is refused (not yet)
+                                                  without. A distributed job shards over all its
+                                                  replicas (every rank must set it)
 
    A distributed model is R replicas in each process, all of them one data-parallel job, and it is
    made by every rank at once. Rank 0's parameters are broadcast to all; the layers must agree. In
@@ -1410,7 +1410,8 @@ MGPUDEF int64_t mgpu_optimizer_step_count(const mgpu_optimizer* opt); /* steps t
 MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, const char* param, const char* state);
 /* The floats of a stage's flat parameter buffer whose optimizer state a replica holds and
    updates: [*first, *first + *count). The whole stage without mgpu_model_desc.zero1; with it, the
-   replica's shard: about 1/R of the floats an update moves, from a multiple of 16 floats (the
+   replica's shard: about 1/R of the floats an update moves (R: the replicas of the job, of every
+   process in a distributed one; `replica` is this process's), from a multiple of 16 floats (the
    last replicas' may be empty, at the end, where a stage has few floats). */
 MGPUDEF mgpu_result mgpu_optimizer_shard(const mgpu_optimizer* opt, int replica, int stage, int64_t* first, int64_t* count);
 /* Back to a fresh optimizer: every replica's state zeroed and the step count (so the schedule
