@@ -2416,6 +2416,8 @@ int mgpu__cu_nccl_group_start(void);
 int mgpu__cu_nccl_group_end(void);
 /* In-place float32 sum all-reduce of buf[n] on one rank; call for every rank inside a group. */
 int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void* stream);
+/* In-place float32 broadcast of buf[n] from rank `root`, likewise (communicators across processes). */
+int mgpu__cu_nccl_broadcast(int dev, void* comm, float* buf, size_t n, int root, void* stream);
 /* NCCL across processes: rank 0's unique id goes to every process (MPI_Bcast), then each process
    makes one communicator per local device, ranks first .. first + count - 1 of nranks, in one
    NCCL group. check: 0 while a communicator is healthy, else the NCCL error that broke it.
@@ -13187,13 +13189,14 @@ static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
    copies their shards in, then each waits for the others' copies out of its own before it goes on
    (its next update must not overwrite a shard being read), all queued (a CUDA graph holds it),
    never waiting for the host. */
+static int mgpu__zero1_by_nccl(const mgpu_model* m, int s);
 static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
     mgpu_model* m = opt->model;
     const int S = m->stage_count, R = m->replica_count;
     int s, r, q;
     if (!m->zero1 || R == 1) return MGPU_OK;
     for (s = 0; s < S; ++s)
-        for (r = 0; r < R; ++r) {
+        for (r = 0; r < R && !mgpu__zero1_by_nccl(m, s); ++r) {
             mgpu__part* to = mgpu__part_of(m, r, s);
             for (q = 0; q < R; ++q) {
                 const mgpu__part* from = mgpu__part_of(m, q, s);
@@ -13221,7 +13224,7 @@ static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
             if (opt->updated) MGPU__CU(op, to->dev, mgpu__cu_event_record(to->dev->ordinal, opt->copied[r * S + s], to->dev->stream));
         }
     for (s = 0; opt->updated && s < S; ++s)
-        for (q = 0; q < R; ++q)
+        for (q = 0; q < R && !mgpu__zero1_by_nccl(m, s); ++q)
             for (r = 0; r < R; ++r) {
                 const mgpu__part* from = mgpu__part_of(m, q, s);
                 if (r != q)
@@ -13238,11 +13241,44 @@ static void mgpu__zero1_rank_ranges(const mgpu_model* m, int s, int64_t* at) {
     at[mgpu__dist.size] = m->stage_moved[s];
 }
 
+/* Whether zero1's all-gather of stage s goes through NCCL across processes (GPUs whose sums do),
+   for every replica of the job, local ones too (mgpu__zero1_gather leaves them to it). */
+static int mgpu__zero1_by_nccl(const mgpu_model* m, int s) {
+    return m->dist && mgpu__zero1_ways(m) > 1 && m->ar && m->ar[s] && m->ar[s]->across_processes;
+}
+/* Through NCCL: each replica g of the job broadcasts its shard to every other one, one group of
+   G broadcasts (an all-gather of shards of unequal sizes), on the communicators' streams after
+   the update and before the next work; watched as the sums are (mgpu__ar_wait_processes). */
+static mgpu_result mgpu__zero1_broadcasts(mgpu_model* m, int s, const char* op) {
+    mgpu_allreduce* ar = m->ar[s];
+    int g, l, rc, started;
+    MGPU__TRY(mgpu__ar_after_compute(ar));
+    rc = MGPU__CUDA(mgpu__cu_nccl_group_start());
+    started = rc == 0;
+    for (g = 0; !rc && g < m->dist_total; ++g) {
+        const int64_t lo = mgpu__shard_start(m, s, g), hi = mgpu__shard_start(m, s, g + 1);
+        for (l = 0; !rc && hi > lo && l < m->replica_count; ++l) {
+            if (g != m->dist_first + l) MGPU__COUNT(ar->rank[l].dev, bytes_allreduced, (size_t)(hi - lo) * sizeof(float));
+            rc = MGPU__CUDA(mgpu__cu_nccl_broadcast(ar->rank[l].dev->ordinal, ar->rank[l].nccl_comm,
+                                                    MGPU__F32(mgpu__part_of(m, l, s)->params) + lo, (size_t)(hi - lo), g,
+                                                    ar->rank[l].stream));
+        }
+    }
+    if (started) {   /* a group that was started is always ended */
+        const int end = MGPU__CUDA(mgpu__cu_nccl_group_end());
+        if (!rc) rc = end;
+    }
+    if (rc) return mgpu__cu_result(rc, op, ar->rank[0].dev);
+    MGPU__TRY(mgpu__ar_before_compute(ar));
+    return mgpu__ar_wait_processes(ar);
+}
+
 /* zero1 in a distributed job, after mgpu__zero1_gather (each replica holds its process's shards):
-   every other process's shards into every replica, through host memory (an all-gather between
-   pairs of ranks, mgpu__dist_ranges; staged from and to GPUs). What can fail on one rank (`mine`,
-   the caller's own result; memory, a download) is voted on first, so that no rank waits for one
-   that will not come; a failed upload is voted on after. */
+   every other process's shards into every replica: through NCCL where the sums go through it
+   (mgpu__zero1_broadcasts), else through host memory (an all-gather between pairs of ranks,
+   mgpu__dist_ranges; staged from and to GPUs). What can fail on one rank (`mine`, the caller's own
+   result; memory, a download) is voted on first, so that no rank waits for one that will not
+   come; a failed upload, or NCCL's calls, are voted on after. */
 static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine, const char* op) {
     const int P = mgpu__dist.size, me = mgpu__dist.rank;
     int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
@@ -13252,6 +13288,12 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
     for (s = 0; s < m->stage_count; ++s) {
         const mgpu__part* first = mgpu__part_of(m, 0, s);
         float* host = NULL;
+        if (mgpu__zero1_by_nccl(m, s)) {
+            if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+            r = mgpu__zero1_broadcasts(m, s, op);
+            if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+            continue;
+        }
         if (r == MGPU_OK) {
             mgpu__zero1_rank_ranges(m, s, at);
             host = mgpu__dist_buffer(2, (size_t)at[P] + 1);

@@ -2540,6 +2540,8 @@ static struct {
     ncclResult_t (*CommInitRank)(ncclComm_t* comm, int nranks, ncclUniqueId_bytes id, int rank);
     ncclResult_t (*CommGetAsyncError)(ncclComm_t comm, ncclResult_t* async_error);
     ncclResult_t (*CommAbort)(ncclComm_t comm);
+    ncclResult_t (*Broadcast)(const void* send, void* recv, size_t count, int datatype, int root, ncclComm_t comm,
+                              cudaStream_t stream);
     bool loaded, across_processes;
     char why[400];   // why it did not load
 } nccl;
@@ -2592,7 +2594,8 @@ static void nccl_load(void) {
     nccl.across_processes = nccl_symbol(lib, "ncclGetUniqueId", &nccl.GetUniqueId) &&
                             nccl_symbol(lib, "ncclCommInitRank", &nccl.CommInitRank) &&
                             nccl_symbol(lib, "ncclCommGetAsyncError", &nccl.CommGetAsyncError) &&
-                            nccl_symbol(lib, "ncclCommAbort", &nccl.CommAbort);
+                            nccl_symbol(lib, "ncclCommAbort", &nccl.CommAbort) &&
+                            nccl_symbol(lib, "ncclBroadcast", &nccl.Broadcast);
     memcpy(nccl.why, why, sizeof why);
 }
 #endif
@@ -2695,5 +2698,15 @@ int mgpu__cu_nccl_allreduce_sum(int dev, void* comm, float* buf, size_t n, void*
     TRY(nccl_ready());
     NCCL_TRY(nccl.AllReduce(buf, buf, n, ncclFloat32, ncclSum, (ncclComm_t)comm, as_stream(stream)),
              "ncclAllReduce(%zu floats, in place) on device %d", n, dev);
+    return MGPU__CU_OK;
+}
+
+// The same, for a broadcast from rank `root` (across processes: ZeRO-1's all-gather).
+int mgpu__cu_nccl_broadcast(int dev, void* comm, float* buf, size_t n, int root, void* stream) {
+    TRY(nccl_ready());
+    if (!nccl.across_processes)
+        return report(MGPU__CU_ERR_NCCL, NULL, NULL, __LINE__, "ncclBroadcast: this NCCL lacks the calls across processes");
+    NCCL_TRY(nccl.Broadcast(buf, buf, n, ncclFloat32, root, (ncclComm_t)comm, as_stream(stream)),
+             "ncclBroadcast(%zu floats from rank %d, in place) on device %d", n, root, dev);
     return MGPU__CU_OK;
 }

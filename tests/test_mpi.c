@@ -184,6 +184,7 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
     mgpu_model *dm = make_mlp(set, 1, HIDDEN), *ref;
     mgpu_optimizer *dopt, *ropt;
     int s, ok = 1, losses = 1;
+    int64_t shard_floats = 0;
     if (!dm) { CHECK(0, "%s: distributed mgpu_model_create: %s", what, mgpu_last_error()); mgpu_device_set_destroy(set); return; }
     all_spec(spec, sizeof spec, mgpu_model_total_replica_count(dm));
     all = mgpu_device_set_create(spec);
@@ -197,6 +198,7 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
         const int G = mgpu_model_total_replica_count(dm);
         const int64_t n = mgpu_tensor_numel(mgpu_model_params(dm, 0)), most = ((n + G - 1) / G + 15) / 16 * 16;
         int i, sharded = 1;
+        shard_floats = most;
         for (i = 0; i < mgpu_model_replica_count(dm); ++i) {
             int64_t first = -1, count = -1, rfirst = -2, rcount = -2;
             sharded &= mgpu_optimizer_shard(dopt, i, 0, &first, &count) == MGPU_OK &&
@@ -206,6 +208,7 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
         CHECK(sharded, "%s: each of this rank's replicas holds the states of at most %lld of %lld floats, the shard of its "
               "number in the job", what, (long long)most, (long long)n);
     }
+    for (s = 0; s < mgpu_device_set_count(set); ++s) mgpu_device_reset_counters(mgpu_device_set_get(set, s));
     for (s = 0; s < steps && ok; ++s) {
         mgpu_tensor *x, *y, *xs, *ys;
         int64_t from, count;
@@ -247,6 +250,15 @@ static void train_both(const char* what, mgpu_optimizer_desc od, int64_t B, int 
         }
         losses &= fabsf(dl - rl) <= 1e-6f * fabsf(rl);
         mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    if (g_zero1 && mgpu_model_allreduce_backend(dm) == MGPU_ALLREDUCE_NCCL) {   /* the all-gather through NCCL, not the host */
+        uint64_t down = 0;
+        mgpu_device_counters c;
+        for (s = 0; s < mgpu_device_set_count(set); ++s)
+            if (mgpu_device_get_counters(mgpu_device_set_get(set, s), &c) == MGPU_OK) down += c.bytes_device_to_host;
+        CHECK(down < (uint64_t)steps * (uint64_t)shard_floats * sizeof(float),
+              "%s: with NCCL, the parameters' all-gather stays on the GPUs: %llu bytes to the host in %d steps (a shard: %lld)",
+              what, (unsigned long long)down, steps, (long long)shard_floats);
     }
     CHECK(ok, "%s: %d steps: %s", what, steps, ok ? "" : mgpu_last_error());
     CHECK(losses, "%s: the job's loss, and each replica's (mgpu_model_replica_loss), are the one process's", what);

@@ -1,17 +1,17 @@
 /* tests/emu/nccl.cpp - a fake NCCL for the GPU emulator (libnccl_emu.so), loaded by mgpu's own
    dlopen path through MGPU_NCCL_LIBRARY. The calls mgpu makes: ncclCommInitAll, ncclCommDestroy,
-   ncclGroupStart/End, ncclAllReduce (float32 sum), ncclGetErrorString; and across processes
-   ncclGetUniqueId, ncclCommInitRank, ncclCommGetAsyncError.
+   ncclGroupStart/End, ncclAllReduce (float32 sum), ncclBroadcast (float32), ncclGetErrorString;
+   and across processes ncclGetUniqueId, ncclCommInitRank, ncclCommGetAsyncError.
 
-   An all-reduce is queued on each rank's stream; each rank's task waits there until every rank
+   A collective is queued on each rank's stream; each rank's task waits there until every rank
    has reached the same collective (the n-th call on each communicator), then the last one adds
-   the buffers in rank order ((r0 + r1) + r2) + ... and writes the sum to every rank. Calls must
-   match across ranks (count, type, op), as NCCL requires; a mismatch or a rank that never comes
-   aborts with a report.
+   the buffers in rank order ((r0 + r1) + r2) + ... (an all-reduce), or takes the root's (a
+   broadcast), and writes the result to every rank. Calls must match across ranks (kind, count,
+   type, op, root), as NCCL requires; a mismatch or a rank that never comes aborts with a report.
    Across processes (ncclCommInitRank), the ranks meet in a POSIX shared-memory segment named by
    the unique id (rank 0 makes it; the name is unlinked once every rank has joined): each round a
    rank copies up to 1 MiB of its buffer into its slot, the last to arrive adds the slots in rank
-   order into the sum slot, and every rank copies the sum out; a process-shared mutex and
+   order into the sum slot (a broadcast: the root's slot), and every rank copies it out; a process-shared mutex and
    condition variable order them, with the emulator's timeout.
    MGPU_EMU_NCCL_FAIL=init makes ncclCommInitAll fail as NCCL does without a usable GPU;
    MGPU_EMU_NCCL_FAIL=hang:R makes global rank R's all-reduces across processes never finish (a
@@ -70,6 +70,7 @@ __attribute__((format(printf, 1, 2), noreturn)) void die(const char* fmt, ...) {
 
 struct collective {
     size_t count = 0;
+    int root = -1;   // a broadcast's root; -1: an all-reduce
     std::vector<const float*> send;
     std::vector<float*> recv;
     int arrived = 0, left = 0;
@@ -102,9 +103,11 @@ struct call {
     const float* send;
     float* recv;
     size_t count;
+    int root;   // a broadcast's root; -1: an all-reduce
 };
+const char* call_name(int root) { return root < 0 ? "ncclAllReduce" : "ncclBroadcast"; }
 
-void run_allreduce(void* arg) {
+void run_collective(void* arg) {
     const call* k = (const call*)arg;
     clique* c = k->c;
     {
@@ -113,23 +116,25 @@ void run_allreduce(void* arg) {
         collective& coll = c->pending[seq];
         if (coll.send.empty()) {
             coll.count = k->count;
+            coll.root = k->root;
             coll.send.assign(c->n, nullptr);
             coll.recv.assign(c->n, nullptr);
         }
-        if (coll.count != k->count)
-            die("ncclAllReduce #%llu: rank %d passes %zu elements, another rank %zu", (unsigned long long)seq,
-                k->rank, k->count, coll.count);
+        if (coll.count != k->count || coll.root != k->root)
+            die("%s #%llu: rank %d passes %zu elements (root %d), another rank's %s %zu (root %d)", call_name(k->root),
+                (unsigned long long)seq, k->rank, k->count, k->root, call_name(coll.root), coll.count, coll.root);
         coll.send[k->rank] = k->send;
         coll.recv[k->rank] = k->recv;
         if (++coll.arrived == c->n) {
             std::vector<float> sum(coll.count);
-            sum_in_rank_order(sum.data(), c->n, coll.count, [&](int r) { return coll.send[r]; });
+            if (coll.root < 0) sum_in_rank_order(sum.data(), c->n, coll.count, [&](int r) { return coll.send[r]; });
+            else memcpy(sum.data(), coll.send[coll.root], coll.count * sizeof(float));
             for (int r = 0; r < c->n; ++r) memcpy(coll.recv[r], sum.data(), coll.count * sizeof(float));
             coll.done = true;
             c->cv.notify_all();
         } else if (!c->cv.wait_for(lock, std::chrono::duration<double>(mgpu_emu_timeout_seconds()),
                                    [&] { return coll.done; })) {
-            die("ncclAllReduce #%llu: rank %d waited %.0f s for the other ranks (%d of %d arrived)",
+            die("%s #%llu: rank %d waited %.0f s for the other ranks (%d of %d arrived)", call_name(k->root),
                 (unsigned long long)seq, k->rank, mgpu_emu_timeout_seconds(), coll.arrived, c->n);
         }
         if (++coll.left == c->n) c->pending.erase(seq);
@@ -155,6 +160,7 @@ struct shared_clique {
     int joined, arrived, departed, draining;
     uint64_t round, seq;     // rounds done; the collective of this round
     size_t count;            // floats of this round
+    int root;                // its root (a broadcast), or -1 (an all-reduce)
     float data[1];           // n + 1 slots of kRoundFloats: each rank's, then the sum
 };
 size_t shared_bytes(int n) { return sizeof(shared_clique) + (size_t)(n + 1) * kRoundFloats * sizeof(float); }
@@ -197,6 +203,7 @@ struct shared_call {
     const float* send;
     float* recv;
     size_t count;
+    int root;   // a broadcast's root; -1: an all-reduce
 };
 
 bool aborted(const ncclComm* comm) { return __atomic_load_n(&comm->aborted, __ATOMIC_ACQUIRE) != 0; }
@@ -216,33 +223,37 @@ void wait_aborted(shared_call* k) {
     k->comm->async_error = ncclRemoteError;
 }
 
-void run_allreduce_shared(void* arg) {
+void run_collective_shared(void* arg) {
     shared_call* k = (shared_call*)arg;
     shared_clique* sc = k->comm->shared;
     const int rank = k->comm->rank;
+    char what[64];
+    snprintf(what, sizeof what, "%s across processes", call_name(k->root));
     if (k->comm->hang) return wait_aborted(k);
     for (size_t off = 0; off < k->count; off += kRoundFloats) {
         const size_t len = k->count - off < kRoundFloats ? k->count - off : kRoundFloats;
         pthread_mutex_lock(&sc->mu);
-        shared_wait(sc, [&] { return !sc->draining; }, "ncclAllReduce across processes", rank);
+        shared_wait(sc, [&] { return !sc->draining; }, what, rank);
         if (sc->arrived == 0) {
             sc->count = len;
             sc->seq = k->seq;
-        } else if (sc->count != len || sc->seq != k->seq) {
-            die("ncclAllReduce #%llu across processes: rank %d passes %zu elements, another rank's #%llu %zu",
-                (unsigned long long)k->seq, rank, k->count, (unsigned long long)sc->seq, sc->count);
+            sc->root = k->root;
+        } else if (sc->count != len || sc->seq != k->seq || sc->root != k->root) {
+            die("%s #%llu: rank %d passes %zu elements (root %d), another rank's #%llu %zu (root %d)", what,
+                (unsigned long long)k->seq, rank, k->count, k->root, (unsigned long long)sc->seq, sc->count, sc->root);
         }
-        memcpy(sc->data + (size_t)rank * kRoundFloats, k->send + off, len * sizeof(float));
+        if (k->root < 0 || k->root == rank) memcpy(sc->data + (size_t)rank * kRoundFloats, k->send + off, len * sizeof(float));
         const uint64_t mine = sc->round;
-        if (++sc->arrived == sc->n) {   // the last one sums, in rank order
-            sum_in_rank_order(sc->data + (size_t)sc->n * kRoundFloats, sc->n, len,
-                              [&](int r) { return (const float*)sc->data + (size_t)r * kRoundFloats; });
+        if (++sc->arrived == sc->n) {   // the last one sums, in rank order (or takes the root's)
+            float* result = sc->data + (size_t)sc->n * kRoundFloats;
+            if (k->root < 0)
+                sum_in_rank_order(result, sc->n, len, [&](int r) { return (const float*)sc->data + (size_t)r * kRoundFloats; });
+            else memcpy(result, sc->data + (size_t)k->root * kRoundFloats, len * sizeof(float));
             sc->arrived = 0;
             sc->draining = 1;
             pthread_cond_broadcast(&sc->cv);
         } else {
-            shared_wait(sc, [&] { return (sc->draining && sc->round == mine) || aborted(k->comm); }, "ncclAllReduce across processes",
-                        rank);
+            shared_wait(sc, [&] { return (sc->draining && sc->round == mine) || aborted(k->comm); }, what, rank);
             if (aborted(k->comm)) {   // the job is ending: this rank's share of the round is left as it is
                 pthread_mutex_unlock(&sc->mu);
                 k->comm->async_error = ncclRemoteError;
@@ -421,25 +432,42 @@ NCCL_EXPORT ncclResult_t ncclGroupEnd(void) {
     return ncclSuccess;
 }
 
-NCCL_EXPORT ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, int datatype, int op,
-                                       ncclComm_t comm, void* stream) {
-    if (!comm || !send || !recv) return ncclInvalidArgument;
-    if (datatype != ncclFloat32 || op != ncclSum) return ncclInvalidArgument;   // all mgpu asks for
+// Queues rank comm->rank's part of a collective (root < 0: an all-reduce; else a broadcast from
+// root) on its stream.
+static ncclResult_t enqueue(const char* name, const void* send, void* recv, size_t count, int datatype, int root, ncclComm_t comm,
+                            void* stream) {
+    if (!comm || !recv || (!send && (root < 0 || root == comm->rank))) return ncclInvalidArgument;
+    if (datatype != ncclFloat32) return ncclInvalidArgument;   // all mgpu asks for
+    const int n = comm->shared ? comm->shared->n : comm->c->n;
+    if (root >= n) return ncclInvalidArgument;
     const int dev = mgpu_emu_stream_device(stream);
     if (dev != comm->dev) {
-        fprintf(stderr, "mgpu-emu nccl: ncclAllReduce on rank %d (device %d) given a stream of device %d\n",
-                comm->rank, comm->dev, dev);
+        fprintf(stderr, "mgpu-emu nccl: %s on rank %d (device %d) given a stream of device %d\n", name, comm->rank, comm->dev, dev);
         return ncclInvalidArgument;
     }
     if (count == 0) return ncclSuccess;
-    mgpu_emu_check_device_range("ncclAllReduce send buffer", send, count * sizeof(float), comm->dev);
-    mgpu_emu_check_device_range("ncclAllReduce receive buffer", recv, count * sizeof(float), comm->dev);
+    if (root < 0 || root == comm->rank) mgpu_emu_check_device_range("NCCL send buffer", send, count * sizeof(float), comm->dev);
+    mgpu_emu_check_device_range("NCCL receive buffer", recv, count * sizeof(float), comm->dev);
     mgpu_emu_count_collective();
-    if (comm->shared) {
-        shared_call* k = new shared_call{comm, comm->seq++, (const float*)send, (float*)recv, count};
-        return mgpu_emu_enqueue(stream, run_allreduce_shared, k, delete_shared_call, "ncclAllReduce across processes")
+    if (comm->shared) {   // (the stream keeps the name: a literal)
+        shared_call* k = new shared_call{comm, comm->seq++, (const float*)send, (float*)recv, count, root};
+        return mgpu_emu_enqueue(stream, run_collective_shared, k, delete_shared_call,
+                                root < 0 ? "ncclAllReduce across processes" : "ncclBroadcast across processes")
                    ? ncclUnhandledCudaError : ncclSuccess;
     }
-    call* k = new call{comm->c, comm->rank, (const float*)send, (float*)recv, count};
-    return mgpu_emu_enqueue(stream, run_allreduce, k, delete_call, "ncclAllReduce") ? ncclUnhandledCudaError : ncclSuccess;
+    call* k = new call{comm->c, comm->rank, (const float*)send, (float*)recv, count, root};
+    return mgpu_emu_enqueue(stream, run_collective, k, delete_call, name) ? ncclUnhandledCudaError : ncclSuccess;
+}
+
+NCCL_EXPORT ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, int datatype, int op,
+                                       ncclComm_t comm, void* stream) {
+    if (op != ncclSum) return ncclInvalidArgument;   // all mgpu asks for
+    return enqueue("ncclAllReduce", send, recv, count, datatype, -1, comm, stream);
+}
+
+// Root's send[count] into every rank's recv (in place on the root when send == recv).
+NCCL_EXPORT ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, int datatype, int root, ncclComm_t comm,
+                                       void* stream) {
+    if (root < 0) return ncclInvalidArgument;
+    return enqueue("ncclBroadcast", send, recv, count, datatype, root, comm, stream);
 }

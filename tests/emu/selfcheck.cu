@@ -549,7 +549,7 @@ static int graph_cublas(void) {
 }
 
 // The emulated NCCL (MGPU_EMU_NCCL) in a capture across two devices: x0 += 1 on device 0, x1 += 2
-// on device 1, then both all-reduced; every replay is a new collective.
+// on device 1, then both all-reduced; every replay is a new collective. Then a broadcast.
 static int graph_nccl(void) {
     const char* lib = getenv("MGPU_EMU_NCCL");
     const int reps = 10;
@@ -603,6 +603,24 @@ static int graph_nccl(void) {
     }
     OK(cudaGraphExecDestroy(ge));
     OK(cudaGraphDestroy(g));
+    // then a broadcast from rank 1, in place: x1 += 5 there, and rank 0 receives it
+    typedef int (*broadcast_fn)(const void* send, void* recv, size_t count, int type, int root, void* comm, void* stream);
+    broadcast_fn broadcast = (broadcast_fn)dlsym(so, "ncclBroadcast");
+    NEED(broadcast, "ncclBroadcast: %s", dlerror());
+    OK(cudaSetDevice(1));
+    affine(s[1], x[1], 1.0f, 5.0f);
+    NEED(broadcast(x[1], x[1], kN, f32, 1, comms[1], s[1]) == 0, "ncclBroadcast on rank 1 (the root)");
+    OK(cudaSetDevice(0));
+    NEED(broadcast(x[0], x[0], kN, f32, 1, comms[0], s[0]) == 0, "ncclBroadcast on rank 0");
+    for (int d = 0; d < 2; ++d) OK(cudaStreamSynchronize(s[d]));
+    for (int d = 0; d < 2; ++d) OK(cudaMemcpyAsync(h[d], x[d], sizeof h[d], cudaMemcpyDeviceToHost, s[0]));
+    OK(cudaStreamSynchronize(s[0]));
+    for (int i = 0; i < kN; ++i) {
+        float v = value_at((size_t)i);
+        for (int r = 0; r < reps; ++r) v = (v * 1.0f + 1.0f) + (v * 1.0f + 2.0f);
+        v = v * 1.0f + 5.0f;
+        NEED(h[0][i] == v && h[1][i] == v, "broadcast, element %d: %.9g and %.9g, want %.9g", i, h[0][i], h[1][i], v);
+    }
     return 0;
 }
 
