@@ -39,7 +39,7 @@ typedef struct options {
     const char* precision;   /* fp32 | tf32 | bf16 */
     int stages, micro_batches, split_at[64];
     float dropout;
-    int epochs, batch, quiet, graph, verbose;
+    int epochs, batch, quiet, graph, verbose, zero1;
     int64_t max_steps;
     float lr, momentum, weight_decay;
     float mean, std;         /* the input x = (pixel / 255 - mean) / std */
@@ -77,6 +77,8 @@ static void usage(FILE* f) {
             "  --max-steps N       stop after N optimizer steps in all (0: no limit) [0]\n"
             "  --graph             on GPUs, each step as one CUDA graph launch after the first of its batch shape\n"
             "                      (same results; steps a graph cannot hold run op by op, saying why once)\n"
+            "  --zero1             each replica (of every process, with mpirun) holds and updates 1/N of the\n"
+            "                      optimizer's state (ZeRO-1; the same results, the checkpoint whole)\n"
             "  --save FILE         write a safetensors checkpoint (model and optimizer) after each epoch, with the\n"
             "                      input normalisation in its metadata (input.mean, input.std)\n"
             "  --load FILE         resume from a checkpoint written by --save (or a PyTorch state_dict)\n"
@@ -177,6 +179,7 @@ static int parse_args(int argc, char** argv, options* o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         else if (!strcmp(a, "--quiet")) { o->quiet = 1; takes = 0; }
         else if (!strcmp(a, "--graph")) { o->graph = 1; takes = 0; }
+        else if (!strcmp(a, "--zero1")) { o->zero1 = 1; takes = 0; }
         else if (!strcmp(a, "--verbose")) { o->verbose = 1; takes = 0; }
         else if (!known) { fprintf(stderr, "train: unknown option '%s' (see --help)\n", a); return 0; }
         else if (!v) { fprintf(stderr, "train: %s needs a value (see --help)\n", a); return 0; }
@@ -284,7 +287,8 @@ static mgpu_model* build_model(const options* o, const mgpu_device_set* set) {
                           .stages = o->stages, .split = o->split ? o->split_at : NULL, .micro_batches = o->micro_batches,
                           .schedule = o->pipeline && !strcmp(o->pipeline, "gpipe") ? MGPU_PIPELINE_GPIPE : MGPU_PIPELINE_1F1B,
                           .distributed = 1 /* every process of an MPI job; one process without one */,
-                          .graph = o->graph, .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 };
+                          .graph = o->graph, .zero1 = o->zero1,
+                          .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 };
     int i;
     const int drop = o->dropout > 0;
     for (i = 0; !strcmp(o->precision, "tf32") && i < mgpu_device_set_count(set); ++i)

@@ -20,6 +20,9 @@
 #    with "auto" (one emulated GPU each) against cuda:0,1 in one process, -np 2 with cuda:0,1
 #    each against cuda:0,1,2,3, both summed by NCCL across the processes; and through MPI when
 #    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
+#    ZeRO-1 (--zero1) across the processes: -np 2 --devices cpu:2 against cpu:4, and cuda:0,1
+#    each on emulated GPUs against cuda:0,1,2,3: the same bits; saved on 4 sharded ranks after
+#    150 steps, resumed by one unsharded process (cpu:4): the same bits.
 # 3. failures: a rank given a bad data path, a rank killed mid-training, a rank out of (emulated)
 #    GPU memory, a launch failing on a rank mid-step, and a rank whose NCCL communicator breaks (MGPU_EMU_NCCL_FAIL=async:1) end the
 #    whole job within seconds, with the failing rank's message; a rank stopped (SIGSTOP) and a
@@ -104,6 +107,11 @@ grep -q "processes=3 devices=cpu replicas=3 " "$tmp/np3.txt" &&
 # a pipeline in each process: 2 processes x 2 replicas x 2 stages, with Dropout, against cpu:8
 run pipe-np2 $mpi -np 2 "$b/train_mpi" --devices cpu:4 --stages 2 --micro-batches 4 --dropout 0.2 $steps &&
     run pipe-cpu8 "$b/train_cpu" --devices cpu:8 --stages 2 --micro-batches 4 --dropout 0.2 $steps && check pipe-np2 pipe-cpu8 0
+# ZeRO-1 across the processes: the same bits; saved half way by 4 sharded ranks, resumed by one
+# unsharded process
+run znp2x2 $mpi -np 2 "$b/train_mpi" --devices cpu:2 --zero1 $steps && check znp2x2 cpu4 0
+run zhalf4 $mpi -np 4 "$b/train_mpi" --devices cpu --zero1 --max-steps 150 &&
+    run zresume1 "$b/train_cpu" --devices cpu:4 --load "$tmp/zhalf4.st" $steps && check zresume1 cpu4 0
 # saved by 4 ranks half way, resumed by one process and by two
 run half4 $mpi -np 4 "$b/train_mpi" --devices cpu --max-steps 150 &&
     cp "$tmp/half4.st" "$tmp/half4b.st" &&
@@ -128,6 +136,9 @@ if [ -x "$b/train_mpi_emu" ] && [ -x "$b/train_emu" ]; then
     run emu4 $emu MGPU_EMU_DEVICES=4 "$b/train_emu" --devices cuda:0,1,2,3 $steps
     run emu-np2x2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
         "$b/train_mpi_emu" --devices cuda:0,1 $steps && check emu-np2x2 emu4 0
+    # ZeRO-1 over the 4 emulated GPUs of 2 processes: NCCL's broadcasts gather the shards
+    run emu-z-np2x2 $emu MGPU_EMU_DEVICES=2 $mpi -np 2 -x MGPU_EMU_DEVICES -x MGPU_NCCL_LIBRARY -x MGPU_TEST_REQUIRE_GPU -x MGPU_VERIFY_EVERY \
+        "$b/train_mpi_emu" --devices cuda:0,1 --zero1 $steps && check emu-z-np2x2 emu4 0
 else
     skipped=$((skipped + 1)); echo "  skip emulated GPUs across processes: no $b/train_mpi_emu"
 fi
