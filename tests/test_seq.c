@@ -2288,13 +2288,13 @@ static mgpu_layer* gpt_mlp_block(int C, int hidden) {
 /* GPT's MLP, x + Conv1D(GELU(Linear(x))) (the GELU's tanh form), on a GPU: the Conv1D's dx GEMM
    does the GELU's backward too (cuBLASLt's DGELU with the GELU's input, mgpu__box_dgelu), a kernel
    fewer in the backward than with MGPU_EPILOGUES off (the emulator's count), the same gradients
-   within 1e-5, and central differences agree. */
-static void box_dgelu(void) {
+   within 1e-5, and central differences agree. A hidden width that is not a multiple of 8 (the
+   epilogue's leading dimension) has no such algorithm: the GELU's kernel runs, the same gradients. */
 #ifdef MGPU_CUDA
-    const int B = 6, C = 8, hidden = 32;
+static void dgelu_case(mgpu_device_set* set, int hidden) {
+    const int B = 6, C = 8, fused = hidden % 8 == 0;
     const int64_t ny = (int64_t)B * C;
     emu_counters_fn counters = emu_counters();
-    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
     float *x = fbuf(ny), *R = fbuf(ny), *grads[2] = { NULL, NULL }, *dx[2] = { fbuf(ny), fbuf(ny) };
     long long kernels[2] = { 0, 0 };
     int64_t nf = 0, i;
@@ -2333,11 +2333,12 @@ static void box_dgelu(void) {
     mgpu__epilogue_setting = -1;
     if (grads[0] && grads[1]) {
         const double eg = attn_rel(grads[1], grads[0], nf), ex = attn_rel(dx[1], dx[0], ny);
-        CHECK(eg <= 1e-5 && ex <= 1e-5, "DGELU epilogue against the GELU's kernel: parameter gradients %.3g, dx %.3g apart", eg, ex);
+        CHECK(eg <= 1e-5 && ex <= 1e-5, "DGELU epilogue (hidden %d) against the GELU's kernel: parameter gradients %.3g, dx %.3g apart",
+              hidden, eg, ex);
     }
     if (counters && !getenv("MGPU_EMU_NO_LT"))
-        CHECK(kernels[0] - kernels[1] == 1, "DGELU epilogue: the backward launched %lld kernels besides GEMMs, %lld without "
-              "epilogues (want one fewer: the GELU's backward)", kernels[1], kernels[0]);
+        CHECK(kernels[0] - kernels[1] == fused, "DGELU epilogue (hidden %d): the backward launched %lld kernels besides GEMMs, %lld "
+              "without epilogues (want %s)", hidden, kernels[1], kernels[0], fused ? "one fewer: the GELU's backward" : "as many");
     {   /* whether this GPU's cuBLASLt has DGELU for that GEMM (dx [B, hidden] = dy [B, C] W^T), said for gpu-check */
         mgpu_device* dev = mgpu_device_set_get(set, 0);
         mgpu_tensor *tdy = tmake(dev, MGPU_F32, mgpu_shape2(B, C)), *w = tmake(dev, MGPU_F32, mgpu_shape2(hidden, C));
@@ -2345,12 +2346,21 @@ static void box_dgelu(void) {
         int done = 0;
         MUST(mgpu_tensor_fill(tdy, 0.5)); MUST(mgpu_tensor_fill(w, 0.25)); MUST(mgpu_tensor_fill(aux, 1.0));
         MUST(mgpu__matmul_epilogue(tdx, tdy, MGPU_NO_TRANS, w, MGPU_TRANS, 0.0f, MGPU__EPI_DGELU, NULL, aux, &done));
-        printf("  the GELU's backward in the next Linear's GEMM: %s\n", done ? "yes (cuBLASLt's DGELU)" : "no (no algorithm: the kernel runs)");
-        if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "DGELU epilogue: the emulated cuBLASLt found no algorithm");
+        printf("  the GELU's backward in the next Linear's GEMM (hidden %d): %s\n", hidden,
+               done ? "yes (cuBLASLt's DGELU)" : "no (no algorithm: the kernel runs)");
+        if (!fused) CHECK(!done, "DGELU epilogue: refused for a leading dimension of %d (not a multiple of 8)", hidden);
+        else if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "DGELU epilogue: the emulated cuBLASLt found no algorithm");
         mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(w); mgpu_tensor_destroy(tdx); mgpu_tensor_destroy(aux);
     }
-    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM", gpt_mlp_block(C, hidden), B, C, C, set);
     free(x); free(R); free(grads[0]); free(grads[1]); free(dx[0]); free(dx[1]);
+}
+#endif
+static void box_dgelu(void) {
+#ifdef MGPU_CUDA
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    dgelu_case(set, 32);
+    dgelu_case(set, 30);
+    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM", gpt_mlp_block(8, 32), 6, 8, 8, set);
     mgpu_device_set_destroy(set);
 #endif
 }
