@@ -459,6 +459,20 @@ static void zero1_checkpoint(const char* dir) {
     oopts[1] = mgpu_optimizer_create(ones[1], &od);
     CHECK(m && ones[0] && ones[1] && opt && oopts[0] && oopts[1], "zero1 checkpoint: models: %s", mgpu_last_error());
     if (!m || !ones[0] || !ones[1] || !opt || !oopts[0] || !oopts[1]) return;
+    {   /* mgpu_model_summary says how the job shards */
+        FILE* f = tmpfile();
+        char text[4096], want[96];
+        size_t got = 0;
+        if (f) {
+            mgpu_model_summary(m, f);
+            rewind(f);
+            got = fread(text, 1, sizeof text - 1, f);
+            fclose(f);
+        }
+        text[got] = 0;
+        snprintf(want, sizeof want, "1/%d of the optimizer's states (mgpu_optimizer_shard), across the job's processes", g_total);
+        CHECK(strstr(text, want) != NULL, "zero1: mgpu_model_summary says '%s':\n%s", want, text);
+    }
     for (s = 0; s < 3 && ok; ++s) ok = step_all(m, opt, ones, oopts, 1, 22);
     snprintf(path, sizeof path, "%s/job_zero1.safetensors", dir);
     ok = ok && mgpu_model_save(m, opt, path) == MGPU_OK;
