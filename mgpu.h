@@ -1236,8 +1236,10 @@ typedef enum mgpu_pipeline_schedule { MGPU_PIPELINE_1F1B = 0, MGPU_PIPELINE_GPIP
    NCCL; NCCL across GPUs sums in its own order), so the results do not depend on how replicas
    are spread over processes; every replica of every rank holds the same bits. A failure on
    one rank, in a step, at create, in a save, fails the call on every rank with that rank's
-   message ("rank 1 of 4: ..."), never a hang. Saving: rank 0 writes, the others wait for it;
-   every rank loads. Evaluation, forward and backward stay in their process. */
+   message ("rank 1 of 4: ..."), never a hang. Saving: rank 0 writes, the others wait for it
+   (with zero1 they send it their shards of the optimizer's states: every rank passes the
+   optimizer, or none); every rank loads. mgpu_optimizer_step is a collective call with zero1 (it
+   gathers the shards). Evaluation, forward and backward stay in their process. */
 typedef struct mgpu_model_desc {
     mgpu_shape input;
     mgpu_layer** layers;
@@ -10629,11 +10631,11 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
 /* Rank q's floats [at[q], at[q + 1]) of buf, a buffer laid out alike on every rank, from rank q
    into every other rank's (to < 0: an all-gather; ZeRO-1's parameters) or into rank `to`'s alone
    (a gather; ZeRO-1's states for a checkpoint), as messages between pairs of ranks that time out
-   (mgpu__dist_wait), in pieces of at most 2^30 floats. Every rank passes the same `at`. */
+   (mgpu__dist_wait), in pieces of at most 2^28 floats. Every rank passes the same `at`. */
 static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const char* what) {
 #ifdef MGPU_MPI
     const int P = mgpu__dist.size, me = mgpu__dist.rank;
-    const int64_t piece = (int64_t)1 << 30;
+    const int64_t piece = (int64_t)1 << 28;   /* 1 GiB messages: some transports mishandle more than 2 GiB */
     int64_t longest = 0, k;
     int q;
     for (q = 0; q < P; ++q) longest = MGPU__MAX(longest, at[q + 1] - at[q]);
@@ -12916,10 +12918,12 @@ MGPUDEF mgpu_tensor* mgpu_optimizer_state(mgpu_optimizer* opt, int replica, cons
         int64_t lo, hi;
         mgpu__shard(m, pi, &lo, &hi);
         if (at < lo || at + n > hi) {
-            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' of '%s' on replica %d: with zero1 the replica holds the states of "
+            char job[48] = "";
+            if (m->dist) snprintf(job, sizeof job, " (replica %d of the job)", m->dist_first + replica);
+            mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: '%s' of '%s' on replica %d%s: with zero1 the replica holds the states of "
                        "stage %d's floats [%lld, %lld), and this parameter's are [%lld, %lld) (mgpu_optimizer_shard; a "
-                       "checkpoint holds them all)", op, state, param, replica, stage, (long long)lo, (long long)hi, (long long)at,
-                       (long long)(at + n));
+                       "checkpoint holds them all)", op, state, param, replica, job, stage, (long long)lo, (long long)hi,
+                       (long long)at, (long long)(at + n));
             return NULL;
         }
         opt->views[v] = mgpu__view_at(s == 0 ? opt->state1[pi] : opt->state2[pi], at - lo, m->tensors[t].shape, op);
@@ -13276,20 +13280,24 @@ static mgpu_result mgpu__zero1_broadcasts(mgpu_model* m, int s, const char* op) 
 /* zero1 in a distributed job, after mgpu__zero1_gather (each replica holds its process's shards):
    every other process's shards into every replica: through NCCL where the sums go through it
    (mgpu__zero1_broadcasts), else through host memory (an all-gather between pairs of ranks,
-   mgpu__dist_ranges; staged from and to GPUs). What can fail on one rank (`mine`, the caller's own
-   result; memory, a download) is voted on first, so that no rank waits for one that will not
-   come; a failed upload, or NCCL's calls, are voted on after. */
-static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine, const char* op) {
+   mgpu__dist_ranges; staged from and to GPUs). Every rank calls it once its step got this far, or
+   failed before (`mine`, the caller's own result): what can fail on one rank (mine, memory, a
+   download) is voted on first, so that no rank waits for one that will not come; a failed
+   upload, or NCCL's calls, are voted on after. The first vote also says whether any rank had
+   updated some of its parameters (`updated`, this rank's; *job_updated, any rank's). */
+static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine, int updated, int* job_updated, const char* op) {
     const int P = mgpu__dist.size, me = mgpu__dist.rank;
     int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
     mgpu_result r = mine;
+    double updates = 0.0;
     int s, l;
     if (r == MGPU_OK && !at) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory for %d ranks", op, P);
     for (s = 0; s < m->stage_count; ++s) {
         const mgpu__part* first = mgpu__part_of(m, 0, s);
         float* host = NULL;
         if (mgpu__zero1_by_nccl(m, s)) {
-            if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+            r = mgpu__dist_agree(r, 0, s == 0 ? (double)updated : 0.0, NULL, s == 0 ? &updates : NULL);
+            if (r != MGPU_OK) break;
             r = mgpu__zero1_broadcasts(m, s, op);
             if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
             continue;
@@ -13303,7 +13311,8 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
             const mgpu_tensor mine_rows = mgpu__rows(first->params, at[me], at[me + 1] - at[me]);
             r = mgpu_tensor_download(&mine_rows, host + at[me], (size_t)(at[me + 1] - at[me]) * sizeof(float));
         }
-        if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
+        r = mgpu__dist_agree(r, 0, s == 0 ? (double)updated : 0.0, NULL, s == 0 ? &updates : NULL);
+        if (r != MGPU_OK) break;
         MGPU__COUNT(first->dev, bytes_allreduced, (size_t)(at[P] - (at[me + 1] - at[me])) * sizeof(float));
         mgpu__dist_ranges(host, at, -1, "zero1's all-gather of the parameters");
         for (l = 0; r == MGPU_OK && l < m->replica_count; ++l) {   /* the others' shards: before this rank's, and after */
@@ -13315,6 +13324,7 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
         if ((r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL)) != MGPU_OK) break;
     }
     MGPU_FREE(at);
+    *job_updated = updates > 0.0;
     return r;
 }
 
@@ -13324,11 +13334,15 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     const int sharded_job = opt->model->dist && mgpu__zero1_ways(opt->model) > 1;   /* zero1 across processes */
     mgpu__optim_job job;
-    mgpu_result gathered;
-    int i, rc = 0;
-    MGPU__TRY(mgpu__optimizer_prepare(opt, op));
-    MGPU__TRY(mgpu__ties_gather(opt->model, op));
-    if (opt->d.clip_norm > 0.0f) MGPU__TRY(mgpu__optimizer_clip(opt, op));
+    mgpu_result r = mgpu__optimizer_prepare(opt, op);
+    int i, rc = 0, job_updated = 0;
+    if (r == MGPU_OK) r = mgpu__ties_gather(opt->model, op);
+    if (r == MGPU_OK && opt->d.clip_norm > 0.0f) r = mgpu__optimizer_clip(opt, op);
+    if (r != MGPU_OK) {   /* nothing updated here; with zero1 across processes the others hear of it at their all-gather */
+        if (sharded_job) r = mgpu__zero1_gather_processes(opt->model, r, 0, &job_updated, op);
+        mgpu__optimizer_failed(opt, job_updated ? opt->model->part_count : 0);
+        return r;
+    }
     memset(&job, 0, sizeof job);
     job.sgd = &opt->sgd;
     job.adamw = opt->d.kind == MGPU_ADAMW ? &opt->adamw : NULL;
@@ -13364,19 +13378,19 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         mgpu__trace_close(opt->model, slice, r->dev->stream);
         if (rc != 0) {   /* parts 0 .. i-1 took the update, the others did not */
             mgpu_result res = mgpu__cu_result(rc, op, r->dev);
-            if (sharded_job) {   /* the other ranks, updated, hear of it at the all-gather's vote */
-                res = mgpu__zero1_gather_processes(opt->model, res, op);
-                i = opt->model->part_count;
+            if (sharded_job) {   /* the other ranks hear of it at their all-gather */
+                res = mgpu__zero1_gather_processes(opt->model, res, i > 0, &job_updated, op);
+                i = job_updated ? opt->model->part_count : 0;
             }
             mgpu__optimizer_failed(opt, i);
             return res;
         }
     }
-    gathered = mgpu__zero1_gather(opt, op);
-    if (sharded_job) gathered = mgpu__zero1_gather_processes(opt->model, gathered, op);
-    if (gathered != MGPU_OK) {   /* every part updated its shard; some replicas may lack others' */
+    r = mgpu__zero1_gather(opt, op);
+    if (sharded_job) r = mgpu__zero1_gather_processes(opt->model, r, 1, &job_updated, op);
+    if (r != MGPU_OK) {   /* every part updated its shard; some replicas may lack others' */
         mgpu__optimizer_failed(opt, opt->model->part_count);
-        return gathered;
+        return r;
     }
     if (mgpu__ties_spread(opt->model, op) != MGPU_OK) {   /* every part took the update; some tied copies may not */
         const mgpu_result res = mgpu_last_result();
@@ -17314,7 +17328,7 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
 }
 
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc,
-                                         const float* gathered);
+                                         float* gathered);
 /* The optimizer's states as a checkpoint lays them out, [state][flat float], from this process:
    replica 0's, stage by stage, or with zero1 each replica's shard of them (mgpu__shard). */
 static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimizer* opt, float* dst) {
@@ -17332,26 +17346,28 @@ static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimiz
 }
 /* zero1 in a distributed job: the optimizer's whole states on rank 0, for its checkpoint: every
    rank's shards (mgpu__states_download), sent to rank 0 (mgpu__dist_ranges), after a vote on
-   whether every rank has its own. *gathered: rank 0's, [state][flat float] (NULL elsewhere). */
+   whether every rank has its own. *gathered: rank 0's, laid out as mgpu__model_save_here's host
+   buffer (the parameters' floats, not yet there, then [state][flat float]); NULL elsewhere. */
 static mgpu_result mgpu__zero1_states_gather(const mgpu_model* m, const mgpu_optimizer* opt, float** gathered) {
     static const char* op = "mgpu_model_save";
-    const int P = mgpu__dist.size, states = mgpu__optimizer_state_count(opt);
+    const int P = mgpu__dist.size, states = mgpu__optimizer_state_count(opt), writer = mgpu__dist.rank == 0;
     int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
-    float* all = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)states + 1, sizeof(float));
+    float* all = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(states + writer) + 1, sizeof(float));
+    float* at_states = all ? all + (writer ? m->flat_floats : 0) : NULL;
     mgpu_result r = MGPU_OK;
     int k, s;
     if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
     else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-    else if ((r = mgpu__states_download(m, opt, all)) != MGPU_OK) mgpu__refail(op);
+    else if ((r = mgpu__states_download(m, opt, at_states)) != MGPU_OK) mgpu__refail(op);
     r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     for (k = 0; r == MGPU_OK && k < states; ++k)
         for (s = 0; s < m->stage_count; ++s) {
             mgpu__zero1_rank_ranges(m, s, at);
-            mgpu__dist_ranges(all + (size_t)m->flat_floats * (size_t)k + (size_t)m->stage_off[s], at, 0,
+            mgpu__dist_ranges(at_states + (size_t)m->flat_floats * (size_t)k + (size_t)m->stage_off[s], at, 0,
                               "zero1's gather of the optimizer's states for a checkpoint");
         }
     MGPU_FREE(at);
-    if (r != MGPU_OK || mgpu__dist.rank != 0) { MGPU_FREE(all); all = NULL; }
+    if (r != MGPU_OK || !writer) { MGPU_FREE(all); all = NULL; }
     *gathered = all;
     return r;
 }
@@ -17361,22 +17377,28 @@ static int mgpu__buffer_is_count(const char* name) {
     const size_t n = strlen(name), k = strlen("num_batches_tracked");
     return n >= k && !strcmp(name + n - k, "num_batches_tracked");
 }
-/* A distributed model: rank 0 writes (every replica holds the same bits), and every rank returns
+/* A distributed model: rank 0 writes (every replica holds the same bits; with zero1 the states are
+   gathered to it first, and every rank must pass the optimizer, or none), and every rank returns
    its result, so that no rank goes on before the file is there, nor after it failed. */
 MGPUDEF mgpu_result mgpu_model_save_ex(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc) {
+    float* gathered = NULL;
+    mgpu_result r;
     if (m && mgpu__live_check(m, MGPU__LIVE_MODEL, "mgpu_model_save", "model") && m->suspect)   /* (the same flag on every rank) */
         return mgpu__suspect_refuse(m, "mgpu_model_save");
     if (!m || !m->dist) return mgpu__model_save_here(m, opt, path, desc, NULL);
     mgpu__dist_doing("mgpu_model_save", 0);
-    if (opt && mgpu__zero1_ways(m) > 1) {   /* rank 0 writes the states every rank holds a shard of */
-        float* gathered = NULL;
-        mgpu_result r;
-        MGPU__TRY(mgpu__zero1_states_gather(m, opt, &gathered));
-        r = mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc, gathered) : MGPU_OK;
-        MGPU_FREE(gathered);
-        return mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
+    if (mgpu__zero1_ways(m) > 1) {   /* each rank holds a shard of the states */
+        double given = 0.0;
+        MGPU__TRY(mgpu__dist_agree(MGPU_OK, 0, opt ? 1.0 : 0.0, NULL, &given));
+        if (given > 0.0 && given < (double)mgpu__dist.size)
+            return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_save: with zero1 each rank holds a shard of the optimizer's "
+                              "states: pass the optimizer on every rank or on none (%d of %d ranks did)", (int)given,
+                              mgpu__dist.size);
+        if (opt) MGPU__TRY(mgpu__zero1_states_gather(m, opt, &gathered));
     }
-    return mgpu__dist_agree(mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc, NULL) : MGPU_OK, 0, 0.0, NULL, NULL);
+    r = mgpu__dist.rank == 0 ? mgpu__model_save_here(m, opt, path, desc, gathered) : MGPU_OK;
+    MGPU_FREE(gathered);
+    return mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
 }
 /* The model's layer types, "Linear,ReLU,Linear", as a checkpoint records them ("mgpu.layers") and
    a load compares them: cut at size - 1 bytes, the same cut for both. */
@@ -17387,7 +17409,7 @@ static void mgpu__layers_text(const mgpu_model* m, char* buf, size_t size) {
         len += (size_t)snprintf(buf + len, size - len, "%s%s", i ? "," : "", mgpu_layer_type(m->layers[i]));
 }
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc,
-                                         const float* gathered) {
+                                         float* gathered) {
     static const char* op = "mgpu_model_save";
     mgpu__st_write_item* items = NULL;
     float* host = NULL;
@@ -17421,7 +17443,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
                               user[i].key && mgpu__utf8_valid(user[i].key) ? user[i].key : "?", why);
     }
     states = opt ? mgpu__optimizer_state_count(opt) : 0;
-    host = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
+    host = gathered ? gathered : (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(1 + states) + 1, sizeof(float));
     items = (mgpu__st_write_item*)mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + (size_t)m->buffer_count + 1, sizeof *items);
     names = (char(*)[512])mgpu__calloc((size_t)m->tensor_count * (size_t)(1 + states) + (size_t)m->buffer_count + 1, sizeof *names);
     bhost = (float*)mgpu__calloc((size_t)m->buf_floats + 1, sizeof(float));
@@ -17438,10 +17460,8 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     for (i = 0; r == MGPU_OK && i < m->stage_count; ++i)   /* replica 0 holds the model, stage by stage */
         if (mgpu__stage_floats(m, i) > 0)   /* (a stage of layers without parameters has none) */
             r = mgpu_tensor_download(m->part[i].params, host + m->stage_off[i], (size_t)mgpu__stage_floats(m, i) * sizeof(float));
-    if (r == MGPU_OK && states > 0) {   /* the states: this process's, or the whole job's gathered */
-        if (gathered) memcpy(host + m->flat_floats, gathered, (size_t)m->flat_floats * (size_t)states * sizeof(float));
-        else r = mgpu__states_download(m, opt, host + m->flat_floats);
-    }
+    if (r == MGPU_OK && states > 0 && !gathered)   /* the states (gathered: the whole job's, there already) */
+        r = mgpu__states_download(m, opt, host + m->flat_floats);
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
     if (dtype != MGPU_SAVE_F32) {
         const size_t total = (size_t)m->flat_floats * (size_t)(1 + states);
@@ -17499,7 +17519,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
     r = mgpu__st_write(path, items, n, keys, values, meta);
     if (r != MGPU_OK) mgpu__refail(op);
 done:
-    MGPU_FREE(host);
+    if (host != gathered) MGPU_FREE(host);
     MGPU_FREE(half);
     MGPU_FREE(bhost);
     MGPU_FREE(counts);

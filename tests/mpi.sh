@@ -20,7 +20,8 @@
 #    with "auto" (one emulated GPU each) against cuda:0,1 in one process, -np 2 with cuda:0,1
 #    each against cuda:0,1,2,3, both summed by NCCL across the processes; and through MPI when
 #    NCCL is not asked for (MGPU_ALLREDUCE=host) or fails to initialise: the same bits.
-#    ZeRO-1 (--zero1) across the processes: -np 2 --devices cpu:2 against cpu:4, and cuda:0,1
+#    ZeRO-1 (--zero1) across the processes: -np 2 --devices cpu:2 against cpu:4, the pipeline's
+#    2 x 2 x 2 against cpu:8 with 2 stages, and cuda:0,1
 #    each on emulated GPUs against cuda:0,1,2,3: the same bits; saved on 4 sharded ranks after
 #    150 steps, resumed by one unsharded process (cpu:4): the same bits.
 # 3. failures: a rank given a bad data path, a rank killed mid-training, a rank out of (emulated)
@@ -106,7 +107,9 @@ grep -q "processes=3 devices=cpu replicas=3 " "$tmp/np3.txt" &&
     { failed=$((failed + 1)); echo "  FAIL the result line of -np 3: $(tail -n 1 "$tmp/np3.txt")"; }
 # a pipeline in each process: 2 processes x 2 replicas x 2 stages, with Dropout, against cpu:8
 run pipe-np2 $mpi -np 2 "$b/train_mpi" --devices cpu:4 --stages 2 --micro-batches 4 --dropout 0.2 $steps &&
-    run pipe-cpu8 "$b/train_cpu" --devices cpu:8 --stages 2 --micro-batches 4 --dropout 0.2 $steps && check pipe-np2 pipe-cpu8 0
+    run pipe-cpu8 "$b/train_cpu" --devices cpu:8 --stages 2 --micro-batches 4 --dropout 0.2 $steps && check pipe-np2 pipe-cpu8 0 &&
+    run zpipe-np2 $mpi -np 2 "$b/train_mpi" --devices cpu:4 --stages 2 --micro-batches 4 --dropout 0.2 --zero1 $steps &&
+    check zpipe-np2 pipe-cpu8 0
 # ZeRO-1 across the processes: the same bits; saved half way by 4 sharded ranks, resumed by one
 # unsharded process
 run znp2x2 $mpi -np 2 "$b/train_mpi" --devices cpu:2 --zero1 $steps && check znp2x2 cpu4 0

@@ -37,6 +37,9 @@
 
 #include <stdint.h>
 #include <unistd.h>
+#if defined(MGPU_CUDA) && !defined(_WIN32)
+#include <dlfcn.h>
+#endif
 #include <sys/stat.h>
 
 #define IN 12
@@ -489,6 +492,64 @@ static void zero1_checkpoint(const char* dir) {
     mgpu_device_set_destroy(set); mgpu_device_set_destroy(all);
 }
 
+/* zero1 across processes, an optimizer step failing on some ranks (the emulator fails their
+   nth launch from now, nth[rank]; 0: none): every rank's step fails with the failing rank's
+   message, none waits for it. When some rank had updated some of its parameters the job is
+   marked (steps refuse until a load on every rank, and then go on); when none had, it is not.
+   A save where some ranks pass the optimizer and others do not fails on every rank, naming it. */
+typedef void (*emu_fail_at_fn)(const char* what, long nth, long count);
+static void zero1_failure(const char* dir, emu_fail_at_fn fail_at, const char* what, int clip, const long* nth, int marked) {
+    char path[512];
+    mgpu_device_set* set = mgpu_device_set_create(my_spec());
+    mgpu_optimizer_desc od = adamw();
+    mgpu_model* m;
+    mgpu_optimizer* opt;
+    mgpu_tensor *x, *y, *xs, *ys;
+    int64_t from, count;
+    mgpu_result r;
+    int ok;
+    od.clip_norm = clip ? 1.0f : 0.0f;
+    g_zero1 = 1;
+    m = make_mlp(set, 1, HIDDEN);
+    g_zero1 = 0;
+    opt = mgpu_optimizer_create(m, &od);
+    snprintf(path, sizeof path, "%s/job_zero1_fail.safetensors", dir);
+    ok = m && opt && step_all(m, opt, NULL, NULL, 0, 20) && mgpu_model_save(m, opt, path) == MGPU_OK;
+    CHECK(ok, "zero1 failure (%s): a step and a save first: %s", what, mgpu_last_error());
+    if (!ok) { mgpu_optimizer_destroy(opt); mgpu_model_destroy(m); mgpu_device_set_destroy(set); return; }
+    r = mgpu_model_save(m, g_rank == 1 ? NULL : opt, path);
+    CHECK(r != MGPU_OK && strstr(mgpu_last_error(), "pass the optimizer on every rank or on none"),
+          "rank %d: zero1, a save with the optimizer on some ranks only fails on every rank: %s", g_rank, mgpu_last_error());
+    if (fail_at) {
+        make_batch(20, &x, &y);
+        my_rows(m, 20, &from, &count);
+        xs = mgpu_tensor_view_rows(x, from, count);
+        ys = mgpu_tensor_view_rows(y, from, count);
+        ok = mgpu_model_zero_grad(m) == MGPU_OK && mgpu_model_accumulate(m, xs, ys, 20, NULL) == MGPU_OK &&
+             mgpu_model_reduce_grads(m) == MGPU_OK;
+        CHECK(ok, "zero1 failure (%s): accumulate and reduce: %s", what, mgpu_last_error());
+        if (nth[g_rank] > 0) fail_at("launch", nth[g_rank], 1);
+        r = mgpu_optimizer_step(opt);
+        fail_at("launch", 0, 0);
+        CHECK(r != MGPU_OK && strstr(mgpu_last_error(), "rank ") && strstr(mgpu_last_error(), "cudaErrorLaunchOutOfResources"),
+              "rank %d: zero1, %s: the optimizer step fails on every rank with the failing rank's message: %s", g_rank, what,
+              mgpu_last_error());
+        r = mgpu_model_train_step(m, opt, xs, ys, NULL);
+        if (marked) {
+            CHECK(r == MGPU_ERROR_DIVERGED && strstr(mgpu_last_error(), "load a checkpoint"),
+                  "rank %d: zero1, %s: some rank had updated, so steps refuse: %s", g_rank, what, mgpu_last_error());
+            r = mgpu_model_load(m, opt, path);
+            if (r == MGPU_OK) r = mgpu_model_train_step(m, opt, xs, ys, NULL);
+        }
+        CHECK(r == MGPU_OK && mgpu_model_verify_replicas(m) == MGPU_OK, "rank %d: zero1, %s: %s the job goes on, every replica "
+              "the same: %s", g_rank, what, marked ? "after a load," : "no rank had updated:", mgpu_last_error());
+        mgpu_tensor_destroy(xs); mgpu_tensor_destroy(ys); mgpu_tensor_destroy(x); mgpu_tensor_destroy(y);
+    }
+    mgpu_optimizer_destroy(opt);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_zero1(const char* dir) {
     mgpu_device_set* set = mgpu_device_set_create(my_spec());
     mgpu_model* m;
@@ -498,6 +559,19 @@ static void test_zero1(const char* dir) {
     train_both("zero1, SGD, accumulate + apply", sgd(), 26, 4, 1);
     g_zero1 = 0;
     zero1_checkpoint(dir);
+    {   /* which launch fails on ranks 0, 1, 2 (counted from the optimizer step's first) */
+        const long rank1_clips[3] = { 0, 1, 0 }, rank0_second[3] = { 2, 0, 0 }, all_clip[3] = { 1, 1, 1 };
+        emu_fail_at_fn fail_at = NULL;
+#if defined(MGPU_CUDA) && !defined(_WIN32)
+        void* self = dlopen(NULL, RTLD_NOW);
+        if (self) fail_at = (emu_fail_at_fn)dlsym(self, "mgpu_emu_fail_at");
+#endif
+        if (!fail_at) SKIP("zero1: an optimizer step failing on some ranks needs the emulator to fail a launch (MGPU_TEST_MPI_CUDA=1 "
+                           "on the emulated build); here only the save's check runs");
+        zero1_failure(dir, fail_at, "rank 1's clipping fails, the others update", 1, rank1_clips, 1);
+        zero1_failure(dir, fail_at, "rank 0's second replica's update fails, the others update", 0, rank0_second, 1);
+        zero1_failure(dir, fail_at, "every rank's clipping fails, before any update", 1, all_clip, 0);
+    }
     g_zero1 = g_rank == 1;   /* rank 1 alone shards: every rank refuses the model */
     m = make_mlp(set, 1, HIDDEN);
     CHECK(!m && strstr(mgpu_last_error(), "desc.zero1"), "rank %d: zero1 on rank 1 alone refused on every rank: %s", g_rank,
