@@ -461,8 +461,8 @@ static void zero1_checkpoint(const char* dir) {
     oopts[0] = mgpu_optimizer_create(ones[0], &od);
     oopts[1] = mgpu_optimizer_create(ones[1], &od);
     CHECK(m && ones[0] && ones[1] && opt && oopts[0] && oopts[1], "zero1 checkpoint: models: %s", mgpu_last_error());
-    if (!m || !ones[0] || !ones[1] || !opt || !oopts[0] || !oopts[1]) return;
-    {   /* mgpu_model_summary says how the job shards */
+    if (!m || !ones[0] || !ones[1] || !opt || !oopts[0] || !oopts[1]) ok = 0;
+    if (ok) {   /* mgpu_model_summary says how the job shards */
         FILE* f = tmpfile();
         char text[4096], want[96];
         size_t got = 0;
