@@ -16,7 +16,7 @@
 #                   (Debian: gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; part of make test)
 #   make mpi        with mpicc (Debian: openmpi-bin libopenmpi-dev): build/train_mpi, one job over many
 #                   processes (mpirun -np 4 build/train_mpi --devices cpu), its CUDA and emulated
-#                   variants, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test;
+#                   variants, build/gpt_mpi, examples/ddp.c and tests/test_mpi.c (tests/mpi.sh runs them in make test;
 #                   tests/cluster.sh runs them across hosts made of network namespaces, by mpirun
 #                   and by Slurm: root, iproute2, slurm-wlm, munge, nftables)
 # Variables: CC, CFLAGS, NVCC, CUDA_HOME, ARCH (nvcc -gencode flags), B (build folder), CLANG.
@@ -287,8 +287,10 @@ fuzz: $(FUZZ_BINS) | $(B)
 # Without mpicc and mpirun nothing here is built, and tests/mpi.sh reports one skip.
 MPICC    ?= mpicc
 HAVE_MPI := $(shell command -v $(MPICC) >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1 && echo 1)
-MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(EMU_DIR)/test_mpi $(B)/bench_mpi $(if $(NVCC),$(B)/train_mpi_cuda))
+MPI_BINS  = $(if $(HAVE_MPI),$(B)/train_mpi $(B)/ddp_mpi $(B)/test_mpi $(B)/train_mpi_emu $(EMU_DIR)/test_mpi $(B)/bench_mpi $(B)/gpt_mpi $(B)/gpt_cpu $(if $(NVCC),$(B)/train_mpi_cuda))
 $(B)/train_mpi: examples/train.c mgpu.h | $(B)
+	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
+$(B)/gpt_mpi: examples/gpt.c mgpu.h | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)
 $(B)/ddp_mpi: examples/ddp.c mgpu.h | $(B)
 	$(MPICC) $(WARN) $(CFLAGS) -DMGPU_MPI -I. $< -o $@ $(LDLIBS)

@@ -12,7 +12,12 @@
    the token embedding. --load reads a file in its layout (save_pretrained's "transformer.wte.
    weight", ..., or the hub's "wte.weight", ...) and --save writes one that GPT2LMHeadModel
    loads. The last line it prints is key=value pairs (val_loss=, none without validation tokens;
-   train_loss=, steps=, ...). */
+   train_loss=, steps=, ...).
+
+   Built with mpicc -DMGPU_MPI (make mpi: build/gpt_mpi) it is one job over many processes:
+   mpirun -np 8 build/gpt_mpi --zero1 ... trains one model on every rank's devices, each rank on
+   its share of every batch; rank 0 prints, evaluates and samples, and a rank that fails ends the
+   job. */
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include <stdio.h>
@@ -171,6 +176,7 @@ static mgpu_model* gpt_create(const gpt_shape* g, const options* o, const mgpu_d
     return mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(o->seq), .input_dtype = MGPU_I32, .layers = layers,
                                                  .layer_count = n, .devices = set, .seed = o->seed, .ties = &head_is_wte,
                                                  .tie_count = 1, .graph = o->graph, .recompute = o->recompute, .zero1 = o->zero1,
+                                                 .distributed = 1 /* every process of an MPI job; one process without one */,
                                                  .precision = strcmp(o->precision, "bf16") ? MGPU_F32 : MGPU_BF16 });
 }
 
@@ -306,14 +312,16 @@ int main(int argc, char** argv) {
     mgpu_loader* loader = NULL;
     double val_loss = NAN, t0;
     float loss = NAN;
-    int step = 0, epoch = 0, rc = 1;
+    int step = 0, epoch = 0, rc = 1, rank;
     setvbuf(stdout, NULL, _IOLBF, 0);   /* progress lines as they come, also into a pipe */
-    if (!parse_args(argc, argv, &o)) return 2;
+    if (mgpu_dist_init(&argc, &argv) != MGPU_OK) { fprintf(stderr, "gpt: %s\n", mgpu_last_error()); return 1; }
+    rank = mgpu_dist_rank();   /* 0 of 1 without MPI: rank 0 speaks, evaluates and samples for the job */
+    if (!parse_args(argc, argv, &o)) { rc = 2; goto done; }
     if (!gpt_data(&o, &train, &val)) goto fail;
     g.vocab = o.text ? MGPU_TOKENS_BYTE_VOCAB : 50257;
     g.positions = o.seq; g.layers = o.layers; g.width = o.width; g.heads = o.heads;
-    if (o.load && !gpt_shape_of_file(o.load, o.heads, &g, &prefix)) return 1;
-    if (o.seq > g.positions) { fprintf(stderr, "gpt: --seq %d is longer than the model's %d positions\n", o.seq, g.positions); return 1; }
+    if (o.load && !gpt_shape_of_file(o.load, o.heads, &g, &prefix)) goto done;
+    if (o.seq > g.positions) { fprintf(stderr, "gpt: --seq %d is longer than the model's %d positions\n", o.seq, g.positions); goto done; }
     if ((train && mgpu_tokens_max_id(train) >= g.vocab) || (val && mgpu_tokens_max_id(val) >= g.vocab)) {
         fprintf(stderr, "gpt: token %d of '%s' is past the model's vocabulary of %d\n",
                 mgpu_tokens_max_id(train && mgpu_tokens_max_id(train) >= g.vocab ? train : val),
@@ -322,19 +330,21 @@ int main(int argc, char** argv) {
     }
     if (!(set = mgpu_device_set_create(o.devices)) || !(m = gpt_create(&g, &o, set))) goto fail;
     if (o.load && mgpu_model_load_ex(m, NULL, o.load, &(mgpu_load_desc){ .prefix = prefix, .allow_extra = 1 }) != MGPU_OK) goto fail;
-    printf("GPT: %d layers, %d heads, width %d, vocabulary %d, %d positions, %lld parameters, on %s\n", g.layers, g.heads,
-           g.width, g.vocab, g.positions, (long long)mgpu_model_param_count(m), mgpu_device_set_spec(set));
+    if (rank == 0)
+        printf("GPT: %d layers, %d heads, width %d, vocabulary %d, %d positions, %lld parameters, on %s%s\n", g.layers, g.heads,
+               g.width, g.vocab, g.positions, (long long)mgpu_model_param_count(m), mgpu_device_set_spec(set),
+               mgpu_dist_size() > 1 ? " on every rank" : "");
     if (val && !(val_set = mgpu_dataset_tokens(val, o.seq))) goto fail;
     if (o.eval_only) {
-        if (!gpt_eval(m, val_set, o.batch, &val_loss)) goto fail;
-        printf("val_loss=%.6f\n", val_loss);
+        if (rank == 0 && !gpt_eval(m, val_set, o.batch, &val_loss)) goto fail;
+        if (rank == 0) printf("val_loss=%.6f\n", val_loss);
         rc = 0;
         goto done;
     }
     /* ---- training: the loop of any mgpu program ---- */
     if (!(train_set = mgpu_dataset_tokens(train, o.seq)) ||
         !(loader = mgpu_loader_create(train_set, &(mgpu_loader_desc){ .batch = o.batch, .shuffle = o.shuffle, .seed = o.seed,
-                                                                        .wrap = 1 })) ||
+                                                                        .wrap = 1, .shard_for = m })) ||
         !(opt = mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = strcmp(o.optimizer, "sgd") ? MGPU_ADAMW : MGPU_SGD,
                                                                   .lr = o.lr, .weight_decay = o.weight_decay,
                                                                   .decay_matrices_only = 1, .clip_norm = o.clip,
@@ -349,13 +359,15 @@ int main(int argc, char** argv) {
             if (!mgpu_loader_next(loader, &x, &y)) break;
         }
         if (mgpu_model_train_step(m, opt, x, y, step % o.every == 0 || step == o.steps ? &loss : NULL) != MGPU_OK) goto fail;
-        if (step % o.every == 0 || step == o.steps)
+        if (rank == 0 && (step % o.every == 0 || step == o.steps))
             printf("step %5d  loss %.4f  %.1f ms/step\n", step, (double)loss, 1e3 * (mgpu_seconds() - t0) / step);
     }
-    if (val_set && !gpt_eval(m, val_set, o.batch, &val_loss)) goto fail;
+    if (rank == 0 && val_set && !gpt_eval(m, val_set, o.batch, &val_loss)) goto fail;
     if (o.save && mgpu_model_save_ex(m, NULL, o.save, &(mgpu_save_desc){ .prefix = "transformer." }) != MGPU_OK) goto fail;
-    if (o.sample > 0 && !gpt_sample(m, o.seq, g.vocab, o.sample, o.text ? '\n' : 50256 % g.vocab, o.temperature, o.top_k, o.seed))
+    if (rank == 0 && o.sample > 0 &&
+        !gpt_sample(m, o.seq, g.vocab, o.sample, o.text ? '\n' : 50256 % g.vocab, o.temperature, o.top_k, o.seed))
         goto fail;
+    if (rank != 0) { rc = 0; goto done; }
     if (val_set) printf("val_loss=%.6f ", val_loss);
     else printf("val_loss=none ");   /* --data without --val: nothing held out */
     printf("train_loss=%.6f steps=%d seconds=%.1f", (double)loss, step - 1, mgpu_seconds() - t0);
@@ -366,6 +378,9 @@ int main(int argc, char** argv) {
 fail:
     fprintf(stderr, "gpt: %s\n", mgpu_last_error());
 done:
+    /* a failure every rank shares ("rank 1 of 4: ...", a step, a save) ends each rank by itself; one of
+       this rank alone (its data, its arguments) ends the others too, now */
+    if (rc != 0 && mgpu_dist_size() > 1 && strncmp(mgpu_last_error(), "rank ", 5) != 0) mgpu_dist_abort(rc);
     mgpu_loader_destroy(loader);
     mgpu_optimizer_destroy(opt);
     mgpu_model_destroy(m);
@@ -374,5 +389,6 @@ done:
     mgpu_tokens_destroy(train);
     mgpu_tokens_destroy(val);
     mgpu_device_set_destroy(set);
+    mgpu_dist_shutdown();
     return rc;
 }

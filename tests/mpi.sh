@@ -5,6 +5,8 @@
 #    across processes (ncclCommInitRank in the emulator) and through MPI (MGPU_ALLREDUCE=host):
 #    each rank's summary is counted. With desc.sync_batch_norm, a rank failing inside a step ends
 #    the job at once with its message (rank 0 waits inside its backward for rank 1's numbers).
+#    build/gpt_mpi (a GPT with AdamW, clipping, Dropout and a tied head) on 2 processes with
+#    --zero1 against build/gpt_cpu on cpu:2: the same losses and parameters, bit for bit.
 # 2. build/train_mpi on Fashion-MNIST, 300 steps from seed 7, against build/train_cpu with all
 #    the replicas in one process; final checkpoints (parameters and optimizer state) compared:
 #      -np 2 --devices cpu      against cpu:2   the same bits
@@ -70,6 +72,22 @@ if [ $rc -ne 0 ] && [ $rc -ne 124 ] && printf '%s\n' "$out" | grep -q "mgpu: ran
     passed=$((passed + 1)); echo "  ok   SyncBatchNorm: a rank failing inside a step ends the job at once, with its message"
 else
     failed=$((failed + 1)); echo "  FAIL SyncBatchNorm: a rank failing inside a step (exit $rc):"; printf '%s\n' "$out" | tail -n 8
+fi
+
+# a GPT (examples/gpt.c: AdamW, clipping, Dropout, the head tied to the embedding) on 2 processes
+# with ZeRO-1 against one process on cpu:2: the same losses and the same bits
+if [ -x "$b/gpt_mpi" ] && [ -x "$b/gpt_cpu" ] && [ -x "$b/emu/ckpt_diff" ]; then
+    gargs="--text $(dirname "$0")/../README.md --layers 2 --width 32 --heads 4 --seq 16 --batch 8 --steps 30 --every 10 --lr 0.003 --clip 1.0 --sample 0 --dropout 0.1"
+    g1=$(timeout 300 "$b/gpt_cpu" $gargs --devices cpu:2 --save "$tmp/gpt1.st" 2>&1 | tail -n 1)
+    g2=$(timeout 300 $mpi -np 2 "$b/gpt_mpi" $gargs --devices cpu --zero1 --save "$tmp/gpt2.st" 2>&1 | tail -n 1)
+    d=$("$b/emu/ckpt_diff" "$tmp/gpt1.st" "$tmp/gpt2.st" 0 2>&1)
+    if [ $? -eq 0 ] && [ -n "$g1" ] && [ "${g1%seconds=*}" = "${g2%seconds=*}" ]; then
+        passed=$((passed + 1)); echo "  ok   GPT on 2 processes with zero1 against cpu:2: $d; ${g1%seconds=*}"
+    else
+        failed=$((failed + 1)); echo "  FAIL GPT on 2 processes with zero1 against cpu:2: $d; '$g1' and '$g2'"
+    fi
+else
+    skipped=$((skipped + 1)); echo "  skip the GPT across processes: no $b/gpt_mpi, $b/gpt_cpu or $b/emu/ckpt_diff"
 fi
 
 if [ ! -e "$data/train-images-idx3-ubyte.gz" ] && [ ! -e "$data/train-images-idx3-ubyte" ]; then
