@@ -283,6 +283,19 @@ static double test_rel_error(const float* x, const double* ref, size_t n) {
 #ifdef MGPU_H
 #include <stdint.h>
 #include <time.h>
+/* What mgpu_model_summary prints, into text (cut to size; "" when no temporary file opens) */
+static inline void summary_of(const mgpu_model* m, char* text, size_t size) {
+    FILE* f = tmpfile();
+    size_t n = 0;
+    CHECK(f != NULL, "tmpfile()");
+    if (f) {
+        mgpu_model_summary(m, f);
+        rewind(f);
+        n = fread(text, 1, size - 1, f);
+        fclose(f);
+    }
+    text[n] = 0;
+}
 #ifdef MGPU_CUDA
 #include "tests/emu/emu.h"
 typedef mgpu_emu_counters mgpu_emu_counters_t;

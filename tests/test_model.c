@@ -184,19 +184,6 @@ static float* get_grads(const mgpu_model* m, int rep) {
     return p;
 }
 static void put_flat(mgpu_model* m, int rep, const float* p) { tput(mgpu_model_params(m, rep), p); }
-/* What mgpu_model_summary prints, into text (cut to size; "" when no temporary file opens) */
-static void summary_of(const mgpu_model* m, char* text, size_t size) {
-    FILE* f = tmpfile();
-    size_t n = 0;
-    CHECK(f != NULL, "tmpfile()");
-    if (f) {
-        mgpu_model_summary(m, f);
-        rewind(f);
-        n = fread(text, 1, size - 1, f);
-        fclose(f);
-    }
-    text[n] = 0;
-}
 static void put_grads(mgpu_model* m, int rep, const float* g) { tput(mgpu_model_grads(m, rep), g); }
 /* offset (in floats) of named tensor i in the flat buffers: the view's address minus the buffer's */
 static int64_t toff(const mgpu_model* m, int i) {

@@ -463,16 +463,8 @@ static void zero1_checkpoint(const char* dir) {
     CHECK(m && ones[0] && ones[1] && opt && oopts[0] && oopts[1], "zero1 checkpoint: models: %s", mgpu_last_error());
     if (!m || !ones[0] || !ones[1] || !opt || !oopts[0] || !oopts[1]) ok = 0;
     if (ok) {   /* mgpu_model_summary says how the job shards */
-        FILE* f = tmpfile();
         char text[4096], want[96];
-        size_t got = 0;
-        if (f) {
-            mgpu_model_summary(m, f);
-            rewind(f);
-            got = fread(text, 1, sizeof text - 1, f);
-            fclose(f);
-        }
-        text[got] = 0;
+        summary_of(m, text, sizeof text);
         snprintf(want, sizeof want, "1/%d of the optimizer's states (mgpu_optimizer_shard), across the job's processes", g_total);
         CHECK(strstr(text, want) != NULL, "zero1: mgpu_model_summary says '%s':\n%s", want, text);
     }
