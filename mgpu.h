@@ -13250,27 +13250,34 @@ static void mgpu__zero1_rank_ranges(const mgpu_model* m, int s, int64_t* at) {
 static int mgpu__zero1_by_nccl(const mgpu_model* m, int s) {
     return m->dist && mgpu__zero1_ways(m) > 1 && m->ar && m->ar[s] && m->ar[s]->across_processes;
 }
-/* Through NCCL: each replica g of the job broadcasts its shard to every other one, one group of
-   G broadcasts (an all-gather of shards of unequal sizes), on the communicators' streams after
-   the update and before the next work; watched as the sums are (mgpu__ar_wait_processes). */
+/* The most operations one NCCL group may hold (NCCL's documented limit; past it the call fails). */
+#ifndef MGPU_NCCL_GROUP_OPS
+#define MGPU_NCCL_GROUP_OPS 2048
+#endif
+/* Through NCCL: each replica g of the job broadcasts its shard to every other one, G broadcasts
+   (an all-gather of shards of unequal sizes) in groups of at most MGPU_NCCL_GROUP_OPS calls (each
+   broadcast is one call per local replica), on the communicators' streams after the update and
+   before the next work; watched as the sums are (mgpu__ar_wait_processes). */
 static mgpu_result mgpu__zero1_broadcasts(mgpu_model* m, int s, const char* op) {
     mgpu_allreduce* ar = m->ar[s];
-    int g, l, rc, started;
+    const int per_group = MGPU__MAX(1, MGPU_NCCL_GROUP_OPS / m->replica_count);
+    int first, g, l, rc = 0;
     MGPU__TRY(mgpu__ar_after_compute(ar));
-    rc = MGPU__CUDA(mgpu__cu_nccl_group_start());
-    started = rc == 0;
-    for (g = 0; !rc && g < m->dist_total; ++g) {
-        const int64_t lo = mgpu__shard_start(m, s, g), hi = mgpu__shard_start(m, s, g + 1);
-        for (l = 0; !rc && hi > lo && l < m->replica_count; ++l) {
-            if (g != m->dist_first + l) MGPU__COUNT(ar->rank[l].dev, bytes_allreduced, (size_t)(hi - lo) * sizeof(float));
-            rc = MGPU__CUDA(mgpu__cu_nccl_broadcast(ar->rank[l].dev->ordinal, ar->rank[l].nccl_comm,
-                                                    MGPU__F32(mgpu__part_of(m, l, s)->params) + lo, (size_t)(hi - lo), g,
-                                                    ar->rank[l].stream));
+    for (first = 0; !rc && first < m->dist_total; first += per_group) {
+        const int started = (rc = MGPU__CUDA(mgpu__cu_nccl_group_start())) == 0;
+        for (g = first; !rc && g < MGPU__MIN(m->dist_total, first + per_group); ++g) {
+            const int64_t lo = mgpu__shard_start(m, s, g), hi = mgpu__shard_start(m, s, g + 1);
+            for (l = 0; !rc && hi > lo && l < m->replica_count; ++l) {
+                if (g != m->dist_first + l) MGPU__COUNT(ar->rank[l].dev, bytes_allreduced, (size_t)(hi - lo) * sizeof(float));
+                rc = MGPU__CUDA(mgpu__cu_nccl_broadcast(ar->rank[l].dev->ordinal, ar->rank[l].nccl_comm,
+                                                        MGPU__F32(mgpu__part_of(m, l, s)->params) + lo, (size_t)(hi - lo), g,
+                                                        ar->rank[l].stream));
+            }
         }
-    }
-    if (started) {   /* a group that was started is always ended */
-        const int end = MGPU__CUDA(mgpu__cu_nccl_group_end());
-        if (!rc) rc = end;
+        if (started) {   /* a group that was started is always ended */
+            const int end = MGPU__CUDA(mgpu__cu_nccl_group_end());
+            if (!rc) rc = end;
+        }
     }
     if (rc) return mgpu__cu_result(rc, op, ar->rank[0].dev);
     MGPU__TRY(mgpu__ar_before_compute(ar));

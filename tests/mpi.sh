@@ -2,7 +2,8 @@
 # A job of several processes (MGPU_MPI), run by mpirun --oversubscribe on this one machine:
 # 1. build/test_mpi on 3 and on 2 ranks (rank 0 with two CPU replicas, the others one), and its
 #    emulated-GPU build on 3 ranks (rank 0 on two emulated GPUs, the others on one) with NCCL
-#    across processes (ncclCommInitRank in the emulator) and through MPI (MGPU_ALLREDUCE=host):
+#    across processes (ncclCommInitRank in the emulator; NCCL groups of at most 4 calls, as the
+#    build asks, MGPU_NCCL_GROUP_OPS) and through MPI (MGPU_ALLREDUCE=host):
 #    each rank's summary is counted. With desc.sync_batch_norm, a rank failing inside a step ends
 #    the job at once with its message (rank 0 waits inside its backward for rank 1's numbers).
 #    build/gpt_mpi (a GPT with AdamW, clipping, Dropout and a tied head) on 2 processes with
@@ -48,7 +49,7 @@ mpi="mpirun --oversubscribe --bind-to none"
 
 # ---- 1. the suite, each rank's summary ----
 lib=$(cd "$b/emu" 2>/dev/null && pwd)
-emu_env="-x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=4 -x MGPU_TEST_MPI_CUDA=1 -x MGPU_TEST_REQUIRE_GPU=1"
+emu_env="-x MGPU_NCCL_LIBRARY=$lib/libnccl_emu.so -x MGPU_EMU_DEVICES=4 -x MGPU_TEST_MPI_CUDA=1 -x MGPU_TEST_REQUIRE_GPU=1 -x MGPU_EMU_NCCL_GROUP_OPS=4"
 for run in "3 $b/test_mpi" "2 $b/test_mpi" "3 $emu_env $b/emu/test_mpi" "3 -x MGPU_ALLREDUCE=host $emu_env $b/emu/test_mpi"; do
     np=${run%% *}
     case "$run" in *emu/test_mpi) [ -x "$b/emu/test_mpi" ] || { skipped=$((skipped + 1)); echo "  skip emulated test_mpi: not built"; continue; };; esac

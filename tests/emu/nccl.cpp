@@ -13,6 +13,8 @@
    rank copies up to 1 MiB of its buffer into its slot, the last to arrive adds the slots in rank
    order into the sum slot (a broadcast: the root's slot), and every rank copies it out; a process-shared mutex and
    condition variable order them, with the emulator's timeout.
+   A group holds at most MGPU_EMU_NCCL_GROUP_OPS collectives (default 2048, NCCL's documented limit):
+   past it the call fails (ncclInvalidUsage), as NCCL's does.
    MGPU_EMU_NCCL_FAIL=init makes ncclCommInitAll fail as NCCL does without a usable GPU;
    MGPU_EMU_NCCL_FAIL=hang:R makes global rank R's all-reduces across processes never finish (a
    GPU stuck in NCCL's kernel as when a peer is gone): they, and the other ranks' that wait for
@@ -143,6 +145,7 @@ void run_collective(void* arg) {
 void delete_call(void* arg) { delete (call*)arg; }
 
 thread_local int tl_group_depth = 0;
+thread_local long tl_group_ops = 0;   // collectives queued in this thread's open group
 struct shared_clique;
 thread_local std::vector<std::pair<shared_clique*, int>> tl_joining;   // ncclCommInitRank's in this group: (clique, rank)
 void wait_joined(shared_clique* sc, int rank);
@@ -428,6 +431,7 @@ NCCL_EXPORT ncclResult_t ncclGroupEnd(void) {
     if (--tl_group_depth == 0) {
         for (auto& j : tl_joining) wait_joined(j.first, j.second);
         tl_joining.clear();
+        tl_group_ops = 0;
     }
     return ncclSuccess;
 }
@@ -444,6 +448,13 @@ static ncclResult_t enqueue(const char* name, const void* send, void* recv, size
     if (dev != comm->dev) {
         fprintf(stderr, "mgpu-emu nccl: %s on rank %d (device %d) given a stream of device %d\n", name, comm->rank, comm->dev, dev);
         return ncclInvalidArgument;
+    }
+    if (tl_group_depth > 0) {   // NCCL's limit on a group's operations (MGPU_EMU_NCCL_GROUP_OPS to lower it)
+        static const long most = (long)mgpu_emu_setting_number("MGPU_EMU_NCCL_GROUP_OPS", 1, 1 << 20, 2048, 1, "operations");
+        if (++tl_group_ops > most) {
+            fprintf(stderr, "mgpu-emu nccl: %s: more than %ld operations in one group (ncclGroupStart .. ncclGroupEnd)\n", name, most);
+            return ncclInvalidUsage;
+        }
     }
     if (count == 0) return ncclSuccess;
     if (root < 0 || root == comm->rank) mgpu_emu_check_device_range("NCCL send buffer", send, count * sizeof(float), comm->dev);
