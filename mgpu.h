@@ -13192,7 +13192,8 @@ static void mgpu__optimizer_failed(mgpu_optimizer* opt, int done) {
    all-gather). On CPUs a copy; on GPUs each replica's stream waits for the others' updates and
    copies their shards in, then each waits for the others' copies out of its own before it goes on
    (its next update must not overwrite a shard being read), all queued (a CUDA graph holds it),
-   never waiting for the host. */
+   never waiting for the host. A stage whose shards go through NCCL across processes is skipped
+   (mgpu__zero1_by_nccl: its broadcasts bring every replica all the shards, local ones too). */
 static int mgpu__zero1_by_nccl(const mgpu_model* m, int s);
 static mgpu_result mgpu__zero1_gather(mgpu_optimizer* opt, const char* op) {
     mgpu_model* m = opt->model;
