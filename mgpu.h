@@ -2262,10 +2262,14 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
      MGPU__EPI_DGELU      C = (alpha op(A) op(B) + beta C) .* gelu'(aux), GELU's tanh form, aux
                           [m, n] with C's row stride: the GELU's backward, with its input as aux
                           (cuBLASLt's DGELU)
+     MGPU__EPI_GELU_BIAS  C = GELU(alpha op(A) op(B) + beta C + bias[column]), GELU's tanh form, and
+                          its input into aux [m, n] with C's row stride: a Linear and the GELU after
+                          it, the input kept for DGELU (cuBLASLt's GELU_AUX_BIAS)
    bias is f32 in each, so C is f32 but with MGPU__EPI_DRELU (cuBLASLt's bias has C's type); with
-   MGPU__EPI_DGELU C and aux are f32 and ldc a multiple of 8.
+   the two GELU epilogues C and aux are f32 and ldc a multiple of 8.
    Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0, or C is bf16 with a bias). */
-enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4, MGPU__EPI_DGELU = 5 };
+enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4, MGPU__EPI_DGELU = 5,
+       MGPU__EPI_GELU_BIAS = 6 };
 static inline int64_t mgpu__relu_mask_ld(int64_t n) { return (n + 127) / 128 * 128; }   /* cuBLASLt: a multiple of 128 */
 int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
                            float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
@@ -5387,6 +5391,17 @@ static int mgpu__fuse_relu_on(void) {
     if (mgpu__fuse_relu_setting < 0) mgpu__fuse_relu_setting = mgpu__setting_flag("MGPU_FUSE_RELU", 0);
     return mgpu__epilogues_on() && mgpu__fuse_relu_setting;
 }
+/* MGPU_FUSE_GELU (a flag, default off): with the epilogues, inside containers (a GPT's MLP) the
+   GELU (tanh form) after a Linear in the Linear's GEMM too (cuBLASLt's GELU_AUX_BIAS, mgpu__box_gelu;
+   its backward is the next Linear's DGELU either way). Off by default: the epilogue's GELU rounds
+   as cuBLASLt's code does, not as mgpu's kernel, and a GELU that recompute makes again in backward
+   is never fused (its kernel gives the same bits twice), so with the flag on, recompute no longer
+   leaves every bit as it was; and it is not yet measured on a GPU. */
+static int mgpu__fuse_gelu_setting = -1;
+static int mgpu__fuse_gelu_on(void) {
+    if (mgpu__fuse_gelu_setting < 0) mgpu__fuse_gelu_setting = mgpu__setting_flag("MGPU_FUSE_GELU", 0);
+    return mgpu__epilogues_on() && mgpu__fuse_gelu_setting;
+}
 /* mgpu_matmul's out = op(a) op(b) + beta out with an epilogue (MGPU__EPI_*: bias added, or with
    ReLU and its mask written into aux; the mask applied; GELU's derivative at aux applied; bias =
    the sums of op(a)'s rows), on a GPU. *done = 0 where it did nothing (a CPU tensor,
@@ -5407,7 +5422,7 @@ static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a,
     if (rc != 0) return mgpu__cu_result(rc, "mgpu_matmul (cuBLASLt)", MGPU__DEV(a));
     MGPU__WROTE(out);
     if (epilogue == MGPU__EPI_BGRAD_A) MGPU__WROTE(bias);
-    if (epilogue == MGPU__EPI_RELU_BIAS) MGPU__WROTE(aux);
+    if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_GELU_BIAS) MGPU__WROTE(aux);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     *done = 1;
     return MGPU_OK;
@@ -7039,12 +7054,16 @@ static mgpu_result mgpu__linear_weight(const mgpu_layer* l, const mgpu_layer_ctx
     return MGPU_OK;
 }
 /* y = x W^T (+ b), or x W (+ b) for a weight stored [in, out]. On a GPU an f32 y's bias is added
-   by the GEMM's epilogue; with relu_mask (the model's: a ReLU after it, mgpu__fuse_plan) the ReLU
-   too, its mask of y > 0 written for the backward (*relu_done = 1; 0 when it was not, and the
-   ReLU runs). Else a bf16 y with a bias: the fp32 sums plus the f32 bias, rounded once, through
-   an f32 temporary from the device's cache. */
+   by the GEMM's epilogue, and with act the activation after the Linear too (*act_done = 1; 0 when
+   it was not, and the activation's forward must run):
+   - MGPU__EPI_RELU_BIAS (the model's: a ReLU after it, mgpu__fuse_plan): the ReLU over y, its
+     mask of y > 0 written into act_out for the backward;
+   - MGPU__EPI_GELU_BIAS (a container's: a GELU after it, mgpu__box_gelu): the GELU's output into
+     act_out, y its input, as without.
+   Else a bf16 y with a bias: the fp32 sums plus the f32 bias, rounded once, through an f32
+   temporary from the device's cache. */
 static mgpu_result mgpu__linear_forward_fused(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y,
-                                              mgpu_tensor* relu_mask, int* relu_done) {
+                                              int act, mgpu_tensor* act_out, int* act_done) {
     const mgpu_tensor x2 = mgpu__rows_2d(x);
     const mgpu_transpose tw = l->cfg.in_out ? MGPU_NO_TRANS : MGPU_TRANS;
     mgpu_tensor y2 = mgpu__rows_2d(y);
@@ -7052,15 +7071,18 @@ static mgpu_result mgpu__linear_forward_fused(const mgpu_layer* l, const mgpu_la
     mgpu_tensor* sums;
     mgpu_result r;
     int done = 0;
-    *relu_done = 0;
+    *act_done = 0;
     MGPU__TRY(mgpu__linear_weight(l, ctx, x, &w));
-    if (!l->cfg.no_bias) {
-        MGPU__TRY(mgpu__matmul_epilogue(&y2, &x2, MGPU_NO_TRANS, w, tw, 0.0f, relu_mask ? MGPU__EPI_RELU_BIAS : MGPU__EPI_BIAS,
-                                        ctx->params[1], relu_mask, &done));
-        if (done) {
-            *relu_done = relu_mask != NULL;
-            return MGPU_OK;
-        }
+    if (!l->cfg.no_bias && act == MGPU__EPI_RELU_BIAS)
+        MGPU__TRY(mgpu__matmul_epilogue(&y2, &x2, MGPU_NO_TRANS, w, tw, 0.0f, act, ctx->params[1], act_out, act_done));
+    if (!l->cfg.no_bias && act == MGPU__EPI_GELU_BIAS) {
+        mgpu_tensor out2 = mgpu__rows_2d(act_out);
+        MGPU__TRY(mgpu__matmul_epilogue(&out2, &x2, MGPU_NO_TRANS, w, tw, 0.0f, act, ctx->params[1], &y2, act_done));
+    }
+    if (*act_done) return MGPU_OK;
+    if (!l->cfg.no_bias) {   /* (no algorithm with the activation: perhaps one with the bias alone) */
+        MGPU__TRY(mgpu__matmul_epilogue(&y2, &x2, MGPU_NO_TRANS, w, tw, 0.0f, MGPU__EPI_BIAS, ctx->params[1], NULL, &done));
+        if (done) return MGPU_OK;
     }
     if (l->cfg.no_bias || y->dtype != MGPU_BF16) {
         MGPU__TRY(mgpu_matmul(&y2, &x2, w, MGPU_NO_TRANS, tw, 1.0f, 0.0f));
@@ -7073,8 +7095,8 @@ static mgpu_result mgpu__linear_forward_fused(const mgpu_layer* l, const mgpu_la
     return r;
 }
 static mgpu_result mgpu__linear_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
-    int relu_done;
-    return mgpu__linear_forward_fused(l, ctx, x, y, NULL, &relu_done);
+    int act_done;
+    return mgpu__linear_forward_fused(l, ctx, x, y, 0, NULL, &act_done);
 }
 /* The gradients: dW (+)= dy^T x (x^T dy for [in, out]), db (+)= the sums of dy's rows, dx = dy W.
    fresh (the model's, the first micro-batch of a step: mgpu__fuse_plan): the gradients are written,
@@ -8311,19 +8333,38 @@ static mgpu_tensor* mgpu__box_redo(const mgpu_layer* l, const mgpu_layer_ctx* ct
     mgpu_tensor_destroy(y);
     return NULL;
 }
+/* Whether child k, a Linear with a bias, does in its GEMM the forward of child k + 1, a GELU (tanh
+   form), as cuBLASLt's GELU_AUX_BIAS (mgpu__linear_forward_fused): on a GPU with MGPU_FUSE_GELU,
+   f32 activations, and the GELU's output kept (not recomputed). The Linear's output, the GELU's
+   input, is written as the epilogue's aux; the GELU's own forward does not run. */
+static int mgpu__box_gelu(const mgpu_layer* l, int k, const mgpu_tensor* x) {
+    const mgpu__container* c = mgpu__box(l);
+    return !c->residual && k + 1 < c->count && mgpu__is_linear(c->kid[k]) && !c->kid[k]->cfg.no_bias &&
+           c->kid[k + 1]->vt == &mgpu__gelu_tanh_vt && !mgpu__box_recomputes(l, k + 1) && x->dtype == MGPU_F32 &&
+           l->precision == MGPU_F32 && !MGPU__IS_CPU(x) && mgpu__fuse_gelu_on();
+}
 static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
     const mgpu__container* c = mgpu__box(l);
     mgpu_tensor* const* own = ctx->aux + c->first_aux[c->count];
     mgpu_tensor* held = NULL;   /* a recomputed child's output, until the next child has read it */
     mgpu_result r = MGPU_OK;
-    int k;
+    int k, gelu_done = 0;       /* child k's forward (a GELU's) done by child k - 1's GEMM */
     for (k = 0; k < c->count && r == MGPU_OK; ++k) {
         const mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, k);
         const mgpu_tensor* in = c->residual || !k ? x : held ? held : own[k - 1];
         mgpu_tensor* made = NULL;
+        if (gelu_done) {
+            gelu_done = 0;
+            continue;
+        }
         if (c->residual) r = mgpu_layer_forward(c->kid[k], &sub, x, own[k]);
         else if (mgpu__box_recomputes(l, k)) r = (made = mgpu__box_redo(l, ctx, k, in)) ? MGPU_OK : mgpu_last_result();
-        else r = mgpu_layer_forward(c->kid[k], &sub, in, k < c->count - 1 ? own[k] : y);
+        else if (mgpu__box_gelu(l, k, in)) {
+            mgpu_clear_error();   /* (as mgpu_layer_forward, with the epilogue) */
+            r = mgpu__linear_forward_fused(c->kid[k], &sub, in, own[k], MGPU__EPI_GELU_BIAS, k + 1 < c->count - 1 ? own[k + 1] : y,
+                                           &gelu_done);
+            if (r != MGPU_OK) r = mgpu__call_failed(c->kid[k], r);
+        } else r = mgpu_layer_forward(c->kid[k], &sub, in, k < c->count - 1 ? own[k] : y);
         mgpu_tensor_destroy(held);
         held = made;
     }
@@ -13610,7 +13651,7 @@ static mgpu_result mgpu__part_forward(mgpu_model* m, mgpu__part* p, int k, const
         mgpu__layer_ctx_for(m, p, sl, i, training, &ctx);
         mgpu_clear_error();   /* a failure's message is the layer's own, never an earlier one */
         if (sl->fuse_relu && (m->fuse[i] & MGPU__FUSE_RELU)) {
-            r = mgpu__linear_forward_fused(m->layers[i], &ctx, in, sl->act[i], sl->mask[i], &done);
+            r = mgpu__linear_forward_fused(m->layers[i], &ctx, in, sl->act[i], MGPU__EPI_RELU_BIAS, sl->mask[i], &done);
             if (done) sl->fused[i] |= MGPU__FUSED_RELU;
         } else r = mgpu__layer_run_forward(m->layers[i], &ctx, in, sl->act[i]);
         if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */

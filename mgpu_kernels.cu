@@ -676,11 +676,13 @@ static int lt_alignment(const void* a, const void* b, const void* c, const void*
 // Which epilogues take a bias (or write the bias gradient), and which an aux matrix
 static bool lt_has_bias(int epilogue) { return epilogue != MGPU__EPI_DRELU && epilogue != MGPU__EPI_DGELU; }
 static bool lt_has_aux(int epilogue) {
-    return epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU || epilogue == MGPU__EPI_DGELU;
+    return epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_DRELU || epilogue == MGPU__EPI_DGELU ||
+           epilogue == MGPU__EPI_GELU_BIAS;
 }
+static bool lt_gelu(int epilogue) { return epilogue == MGPU__EPI_DGELU || epilogue == MGPU__EPI_GELU_BIAS; }
 
 // The epilogue's vectors on a plan's descriptor: the bias (or bias gradient), the ReLU mask or
-// the GELU's input
+// the GELU's input (written by GELU_AUX_BIAS, read by DGELU)
 static int lt_set_pointers(int dev, cublasLtMatmulDesc_t desc, int epilogue, void* bias, void* aux) {
     if (lt_has_bias(epilogue))
         CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
@@ -704,6 +706,7 @@ static int lt_plan_fill(int dev, blas_handle* bh, const int key[13], void* bias,
                                          : epilogue == MGPU__EPI_RELU_BIAS ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS
                                          : epilogue == MGPU__EPI_DRELU ? CUBLASLT_EPILOGUE_DRELU
                                          : epilogue == MGPU__EPI_DGELU ? CUBLASLT_EPILOGUE_DGELU
+                                         : epilogue == MGPU__EPI_GELU_BIAS ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
                                                                        : CUBLASLT_EPILOGUE_BGRADB;   // mgpu's A is cuBLASLt's B
     const int32_t bias_type = CUDA_R_32F;
     CUBLAS_TRY(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F), "cublasLtMatmulDescCreate() on device %d", dev);
@@ -717,7 +720,7 @@ static int lt_plan_fill(int dev, blas_handle* bh, const int key[13], void* bias,
         CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
                    "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE) on device %d", dev);
     if (lt_has_aux(epilogue)) {   // bits of the ReLU mask, or the GELU's inputs (of D's type, C's row stride)
-        const int64_t aux_ld = epilogue == MGPU__EPI_DGELU ? ldc : mgpu__relu_mask_ld(n);
+        const int64_t aux_ld = lt_gelu(epilogue) ? ldc : mgpu__relu_mask_ld(n);
         CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
                    "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD) on device %d", dev);
     }
@@ -780,15 +783,15 @@ int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int
     blas_handle* bh = (blas_handle*)handle;
     USE_DEVICE(dev);
     if (m <= 0 || n <= 0 || k <= 0) return MGPU__CU_NO_ALGORITHM;   // (mgpu__cu_gemm's k == 0 path)
-    if (epilogue < MGPU__EPI_BIAS || epilogue > MGPU__EPI_DGELU) return ARGUMENT_ERROR("gemm with epilogue %d", epilogue);
+    if (epilogue < MGPU__EPI_BIAS || epilogue > MGPU__EPI_GELU_BIAS) return ARGUMENT_ERROR("gemm with epilogue %d", epilogue);
     if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
         (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
         return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);
     // cuBLASLt's bias is of D's type (cublasLt.h, BIAS_DATA_TYPE), and mgpu's biases are f32;
-    // DGELU's aux is of D's type too, and mgpu's GELU inputs are f32 here; its leading dimension
-    // (C's) a multiple of 8
+    // the GELU's input (DGELU's and GELU_AUX_BIAS's aux) is of D's type too, and mgpu's are f32
+    // here; its leading dimension (C's) a multiple of 8
     if (c_dtype != MGPU_F32 && epilogue != MGPU__EPI_DRELU) return MGPU__CU_NO_ALGORITHM;
-    if (epilogue == MGPU__EPI_DGELU && ldc % 8 != 0) return MGPU__CU_NO_ALGORITHM;
+    if (lt_gelu(epilogue) && ldc % 8 != 0) return MGPU__CU_NO_ALGORITHM;
     const int key[13] = { epilogue, trans_a != 0, trans_b != 0, m, n, k, lda, ldb, ldc, ab_dtype, c_dtype, bh->tf32,
                           lt_alignment(a, b, c, bias, aux) };
     lt_plan* p = NULL;

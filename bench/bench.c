@@ -839,6 +839,7 @@ static void emu_counts(const char* model_name, const char* spec, const char* all
     if (use_bf16) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", bf16");
     if (!mgpu__epilogues_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", no epilogues");
     else if (mgpu__fuse_relu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", ReLU fused");
+    else if (mgpu__fuse_gelu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", GELU fused");
     printf("| %s b%d%s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %.1f/%.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %llu |\n",
            model_name, batch, layout, spec, mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)),
            mgpu_model_graph_steps(tr.m) ? "graph" : "eager", (double)s.graph_launches / steps,
@@ -891,6 +892,9 @@ static int bench_emu(void) {
         emu_counts("gpt", "cuda:0", NULL, 4, graph);
         emu_counts("gpt", "cuda:0,1,2,3", "p2p", 8, graph);
     }
+    mgpu__fuse_gelu_setting = 1;   /* with MGPU_FUSE_GELU: the GELUs in the GEMMs that come before them */
+    emu_counts("gpt", "cuda:0", NULL, 4, 0);
+    mgpu__fuse_gelu_setting = -1;
     return 0;
 }
 #endif
@@ -1038,6 +1042,9 @@ int main(int argc, char** argv) {
         bench_attention("cuda:0", 1024, 128, 10);   /* Llama's */
         bench_attention("cuda:0", 2048, 128, 10);
         bench_training("gpt124m_b8_t1024", "gpt124m", "cuda:0", 8, 5, 0);   /* GPT-2 124M's shape, fp32 */
+        mgpu__fuse_gelu_setting = 1;   /* the GELUs in the GEMMs before them too (MGPU_FUSE_GELU, off by default) */
+        bench_training("gpt124m_b8_t1024_fuse_gelu", "gpt124m", "cuda:0", 8, 5, 0);
+        mgpu__fuse_gelu_setting = -1;
         use_recompute = 1;   /* its LayerNorm and GELU outputs made again in backward: the memory saved, the time it costs */
         bench_training("gpt124m_b8_t1024_recompute", "gpt124m", "cuda:0", 8, 5, 0);
         use_recompute = 0;

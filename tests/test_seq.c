@@ -2289,21 +2289,32 @@ static mgpu_layer* gpt_mlp_block(int C, int hidden) {
    does the GELU's backward too (cuBLASLt's DGELU with the GELU's input, mgpu__box_dgelu), a kernel
    fewer in the backward than with MGPU_EPILOGUES off (the emulator's count), the same gradients
    within 1e-5, and central differences agree. A hidden width that is not a multiple of 8 (the
-   epilogue's leading dimension) has no such algorithm: the GELU's kernel runs, the same gradients. */
+   epilogue's leading dimension) has no such algorithm: the GELU's kernel runs, the same gradients.
+   With MGPU_FUSE_GELU the Linear's GEMM does the GELU's forward too (GELU_AUX_BIAS, mgpu__box_gelu):
+   a kernel fewer in the forward (the two bias adds are gone with the epilogues alone), the same
+   output and gradients within 1e-5; but not with recompute, which makes the GELU's output again
+   in backward with its kernel: there the forward runs the kernel too, and every bit is as with the
+   epilogues alone. */
 #ifdef MGPU_CUDA
+enum { DGELU_OFF, DGELU_ON, DGELU_FUSE_GELU, DGELU_RECOMPUTE, DGELU_SETTINGS };
 static void dgelu_case(mgpu_device_set* set, int hidden) {
+    static const char* names[DGELU_SETTINGS] = { "without epilogues", "with epilogues", "MGPU_FUSE_GELU",
+                                                 "MGPU_FUSE_GELU and recompute" };
     const int B = 6, C = 8, fused = hidden % 8 == 0;
     const int64_t ny = (int64_t)B * C;
     emu_counters_fn counters = emu_counters();
-    float *x = fbuf(ny), *R = fbuf(ny), *grads[2] = { NULL, NULL }, *dx[2] = { fbuf(ny), fbuf(ny) };
-    long long kernels[2] = { 0, 0 };
+    float *x = fbuf(ny), *R = fbuf(ny), *grads[DGELU_SETTINGS] = { NULL }, *dx[DGELU_SETTINGS];
+    long long kernels[DGELU_SETTINGS] = { 0 }, forward[DGELU_SETTINGS] = { 0 };
+    double loss[DGELU_SETTINGS] = { 0 };
     int64_t nf = 0, i;
     int setting;
     for (i = 0; i < ny; ++i) { x[i] = (float)rng_gauss(); R[i] = (float)rng_gauss(); }
-    for (setting = 0; setting < 2; ++setting) {
+    for (setting = 0; setting < DGELU_SETTINGS; ++setting) dx[setting] = fbuf(ny);
+    for (setting = 0; setting < DGELU_SETTINGS; ++setting) {
         mgpu_layer* box = gpt_mlp_block(C, hidden);
         mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = &box, .layer_count = 1,
-                                                              .devices = set, .seed = 9 });
+                                                              .devices = set, .seed = 9,
+                                                              .recompute = setting == DGELU_RECOMPUTE });
         mgpu_device* dev = m ? mgpu_model_device(m, 0) : NULL;
         mgpu_tensor *tx, *tr;
         mgpu_emu_counters_t before, after;
@@ -2311,9 +2322,16 @@ static void dgelu_case(mgpu_device_set* set, int hidden) {
         if (!m) break;
         tx = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
         tr = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
-        mgpu__epilogue_setting = setting;
+        mgpu__epilogue_setting = setting != DGELU_OFF;
+        mgpu__fuse_gelu_setting = setting >= DGELU_FUSE_GELU;
         tput(tr, R);
-        (void)box_loss(m, tx, x, R, ny);
+        MUST(mgpu_device_synchronize(dev));
+        if (counters) counters(&before);
+        loss[setting] = box_loss(m, tx, x, R, ny);
+        if (counters) {
+            counters(&after);
+            forward[setting] = (long long)(after.launches - before.launches) - (long long)(after.gemms - before.gemms);
+        }
         MUST(mgpu_model_zero_grad(m));
         MUST(mgpu_device_synchronize(dev));
         if (counters) counters(&before);
@@ -2330,15 +2348,33 @@ static void dgelu_case(mgpu_device_set* set, int hidden) {
         mgpu_tensor_destroy(tx); mgpu_tensor_destroy(tr);
         mgpu_model_destroy(m);
     }
-    mgpu__epilogue_setting = -1;
-    if (grads[0] && grads[1]) {
-        const double eg = attn_rel(grads[1], grads[0], nf), ex = attn_rel(dx[1], dx[0], ny);
-        CHECK(eg <= 1e-5 && ex <= 1e-5, "DGELU epilogue (hidden %d) against the GELU's kernel: parameter gradients %.3g, dx %.3g apart",
-              hidden, eg, ex);
+    mgpu__epilogue_setting = mgpu__fuse_gelu_setting = -1;
+    for (setting = DGELU_ON; setting < DGELU_SETTINGS; ++setting) {
+        const double el = fabs(loss[setting] - loss[0]) / fmax(fabs(loss[0]), 1e-30);
+        if (!grads[0] || !grads[setting]) break;
+        {
+            const double eg = attn_rel(grads[setting], grads[0], nf), ex = attn_rel(dx[setting], dx[0], ny);
+            CHECK(el <= 1e-5 && eg <= 1e-5 && ex <= 1e-5, "GELU epilogues (hidden %d), %s against the GELU's kernel: the outputs "
+                  "%.3g, parameter gradients %.3g, dx %.3g apart", hidden, names[setting], el, eg, ex);
+        }
+        if (counters && !getenv("MGPU_EMU_NO_LT"))   /* (recompute: and one more, the GELU's forward again) */
+            CHECK(kernels[0] - kernels[setting] + (setting == DGELU_RECOMPUTE) == fused, "DGELU epilogue (hidden %d), %s: the "
+                  "backward launched %lld kernels besides GEMMs, %lld without epilogues (want %s%s)", hidden, names[setting],
+                  kernels[setting], kernels[0], fused ? "one fewer: the GELU's backward" : "as many",
+                  setting == DGELU_RECOMPUTE ? ", and one more: the GELU's forward again" : "");
     }
-    if (counters && !getenv("MGPU_EMU_NO_LT"))
-        CHECK(kernels[0] - kernels[1] == fused, "DGELU epilogue (hidden %d): the backward launched %lld kernels besides GEMMs, %lld "
-              "without epilogues (want %s)", hidden, kernels[1], kernels[0], fused ? "one fewer: the GELU's backward" : "as many");
+    if (counters && !getenv("MGPU_EMU_NO_LT") && grads[DGELU_RECOMPUTE]) {
+        CHECK(forward[DGELU_OFF] - forward[DGELU_ON] == 2 && forward[DGELU_ON] - forward[DGELU_FUSE_GELU] == fused &&
+              forward[DGELU_RECOMPUTE] == forward[DGELU_ON],
+              "GELU epilogue (hidden %d): the forward launched %lld, %lld, %lld and %lld kernels besides GEMMs %s, %s, %s and %s "
+              "(want 2 fewer with epilogues: the bias adds; %s with MGPU_FUSE_GELU; as many with recompute)", hidden,
+              forward[0], forward[1], forward[2], forward[3], names[0], names[1], names[2], names[3],
+              fused ? "one fewer still: the GELU" : "as many (GELU_AUX_BIAS has DGELU's rule)");
+        CHECK(loss[DGELU_RECOMPUTE] == loss[DGELU_ON] && !memcmp(grads[DGELU_RECOMPUTE], grads[DGELU_ON], (size_t)nf * sizeof(float)) &&
+              !memcmp(dx[DGELU_RECOMPUTE], dx[DGELU_ON], (size_t)ny * sizeof(float)),
+              "GELU epilogue (hidden %d): with MGPU_FUSE_GELU and recompute, not the bits of the epilogues alone (the GELU "
+              "recomputed must not be fused)", hidden);
+    }
     {   /* whether this GPU's cuBLASLt has DGELU for that GEMM (dx [B, hidden] = dy [B, C] W^T), said for gpu-check */
         mgpu_device* dev = mgpu_device_set_get(set, 0);
         mgpu_tensor *tdy = tmake(dev, MGPU_F32, mgpu_shape2(B, C)), *w = tmake(dev, MGPU_F32, mgpu_shape2(hidden, C));
@@ -2350,9 +2386,20 @@ static void dgelu_case(mgpu_device_set* set, int hidden) {
                done ? "yes (cuBLASLt's DGELU)" : "no (no algorithm: the kernel runs)");
         if (!fused) CHECK(!done, "DGELU epilogue: refused for a leading dimension of %d (not a multiple of 8)", hidden);
         else if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "DGELU epilogue: the emulated cuBLASLt found no algorithm");
+        {   /* and GELU_AUX_BIAS for the Linear's (y [B, hidden] = x [B, C] W^T + b, its input into aux) */
+            mgpu_tensor* bias = tmake(dev, MGPU_F32, mgpu_shape1(hidden));
+            MUST(mgpu_tensor_fill(bias, 0.125));
+            MUST(mgpu__matmul_epilogue(tdx, tdy, MGPU_NO_TRANS, w, MGPU_TRANS, 0.0f, MGPU__EPI_GELU_BIAS, bias, aux, &done));
+            printf("  the GELU's forward in the Linear's GEMM (hidden %d, with MGPU_FUSE_GELU): %s\n", hidden,
+                   done ? "yes (cuBLASLt's GELU_AUX_BIAS)" : "no (no algorithm: the kernel runs)");
+            if (!fused) CHECK(!done, "GELU_AUX_BIAS epilogue: refused for a leading dimension of %d (not a multiple of 8)", hidden);
+            else if (counters && !getenv("MGPU_EMU_NO_LT")) CHECK(done, "GELU_AUX_BIAS epilogue: the emulated cuBLASLt found no algorithm");
+            mgpu_tensor_destroy(bias);
+        }
         mgpu_tensor_destroy(tdy); mgpu_tensor_destroy(w); mgpu_tensor_destroy(tdx); mgpu_tensor_destroy(aux);
     }
-    free(x); free(R); free(grads[0]); free(grads[1]); free(dx[0]); free(dx[1]);
+    free(x); free(R);
+    for (setting = 0; setting < DGELU_SETTINGS; ++setting) { free(grads[setting]); free(dx[setting]); }
 }
 #endif
 static void box_dgelu(void) {
@@ -2361,6 +2408,10 @@ static void box_dgelu(void) {
     dgelu_case(set, 32);
     dgelu_case(set, 30);
     box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, DGELU in the GEMM", gpt_mlp_block(8, 32), 6, 8, 8, set);
+    mgpu__fuse_gelu_setting = 1;
+    box_gradcheck("Residual(Sequential(Linear, GELU, Conv1D)) + x, the GELU in the GEMMs (MGPU_FUSE_GELU)", gpt_mlp_block(8, 32),
+                  6, 8, 8, set);
+    mgpu__fuse_gelu_setting = -1;
     mgpu_device_set_destroy(set);
 #endif
 }

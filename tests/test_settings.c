@@ -104,6 +104,10 @@ static const row rows[] = {
     { "MGPU_FUSE_RELU", "bad word", "relu", 0, 1 },
     { "MGPU_FUSE_RELU", "trailing garbage", "1x", 0, 1 },
     { "MGPU_FUSE_RELU", "empty", "", 0, 0 },
+    { "MGPU_FUSE_GELU", "unset", NULL, 0, 0 },
+    { "MGPU_FUSE_GELU", "on", "on", 1, 0 },
+    { "MGPU_FUSE_GELU", "bad word", "gelu", 0, 1 },
+    { "MGPU_FUSE_GELU", "empty", "", 0, 0 },
     /* a word: auto, nccl, p2p, host (the table's values: mgpu_allreduce_kind) */
     { "MGPU_ALLREDUCE", "unset", NULL, MGPU_ALLREDUCE_AUTO, 0 },
     { "MGPU_ALLREDUCE", "valid", "p2p", MGPU_ALLREDUCE_P2P, 0 },
@@ -149,6 +153,7 @@ static double setting_used(const row* r, char* error, size_t size) {
     if (!strcmp(n, "MGPU_DETERMINISTIC")) return mgpu__deterministic_from_env();
     if (!strcmp(n, "MGPU_EPILOGUES")) return mgpu__epilogues_on();
     if (!strcmp(n, "MGPU_FUSE_RELU")) return mgpu__fuse_relu_on();
+    if (!strcmp(n, "MGPU_FUSE_GELU")) return mgpu__fuse_gelu_on();
     if (!strcmp(n, "MGPU_ALLREDUCE")) return mgpu__allreduce_from_env(MGPU_ALLREDUCE_AUTO);
     if (!strcmp(n, "MGPU_P2P")) return mgpu__p2p_choice_from_env();
     if (!strcmp(n, "MGPU_DEVICES")) {

@@ -1931,36 +1931,43 @@ struct gemm_args {
     const void* b;
     void* c;
     // cublasLtMatmul's epilogue (0: none): the f32 bias (or the bias gradient, written), and aux:
-    // the ReLU bit mask, bit i + j aux_ld for D's entry (i, j), or DGELU's f32 matrix, entry
-    // i + j aux_ld
+    // the ReLU bit mask, bit i + j aux_ld for D's entry (i, j), or the GELU's f32 input (read by
+    // DGELU, written by GELU_AUX_BIAS), entry i + j aux_ld
     unsigned epilogue;
     float* bias;
     void* aux;
     int64_t aux_ld;
 };
 
-// The derivative of GELU's tanh form (cuBLASLt's GELU), 0.5 (1 + t) + 0.5 x (1 - t^2) u' with
-// u = sqrt(2 / pi) (x + 0.044715 x^3) and t = tanh(u), in double, rounded once
-static float gelu_tanh_derivative(float x) {
+// GELU's tanh form (cuBLASLt's GELU), 0.5 x (1 + t), and its derivative 0.5 (1 + t) +
+// 0.5 x (1 - t^2) u', with u = sqrt(2 / pi) (x + 0.044715 x^3) and t = tanh(u), in double,
+// rounded once
+static float gelu_tanh(float x, bool derivative) {
     const double c = 0.7978845608028654, xd = x, u = c * (xd + 0.044715 * xd * xd * xd), t = tanh(u);
+    if (!derivative) return (float)(0.5 * xd * (1.0 + t));
     return (float)(0.5 * (1.0 + t) + 0.5 * xd * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * xd * xd));
 }
 
 // cuBLASLt's epilogues (cublasLt.h), on D's entry (i, j) after alpha AB + beta C: the bias of row
-// i added (BIAS, RELU_AUX_BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in the mask
-// (RELU_AUX_BIAS); or the mask's bit applied (DRELU); or times GELU's derivative at aux's entry
-// (DGELU)
+// i added (BIAS, RELU_AUX_BIAS, GELU_AUX_BIAS), then ReLU as fmaxf (NaN gives 0) with its bit in
+// the mask (RELU_AUX_BIAS), or GELU with its input into aux (GELU_AUX_BIAS); or the mask's bit
+// applied (DRELU); or times GELU's derivative at aux's entry (DGELU)
 static float epilogue_element(const gemm_args& g, int i, int j, float v) {
     const int64_t bit = i + (int64_t)j * g.aux_ld;
     uint8_t* mask = (uint8_t*)g.aux;
-    if (g.epilogue == CUBLASLT_EPILOGUE_BIAS || g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) v += g.bias[i];
+    if (g.epilogue == CUBLASLT_EPILOGUE_BIAS || g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || g.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+        v += g.bias[i];
     if (g.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS) {
         v = v > 0.0f ? v : 0.0f;
         if (v > 0.0f) mask[bit / 8] |= (uint8_t)(1u << (bit % 8));
         else mask[bit / 8] &= (uint8_t)~(1u << (bit % 8));
     }
     if (g.epilogue == CUBLASLT_EPILOGUE_DRELU) v = (mask[bit / 8] >> (bit % 8)) & 1u ? v : 0.0f;
-    if (g.epilogue == CUBLASLT_EPILOGUE_DGELU) v *= gelu_tanh_derivative(((const float*)g.aux)[bit]);
+    if (g.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+        ((float*)g.aux)[bit] = v;
+        v = gelu_tanh(v, false);
+    }
+    if (g.epilogue == CUBLASLT_EPILOGUE_DGELU) v *= gelu_tanh(((const float*)g.aux)[bit], true);
     return v;
 }
 // BGRADB's bias gradient: each of op(B)'s n columns summed over k, in double, rounded once
@@ -2204,8 +2211,8 @@ EMU_EXPORT cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPre
 // What the emulator computes: D = C (one buffer and layout), f32 operands with a 32F or
 // 32F_FAST_TF32 compute, or bf16 operands with an f32 or bf16 D; scale f32; one of the epilogues
 // mgpu uses, with what it needs (a bias pointer; the mask's pointer and a leading
-// dimension divisible by 128 and no less than D's rows; DGELU's f32 aux of D's type, its leading
-// dimension divisible by 8 and no less than D's rows; the pointers only at the matmul: the
+// dimension divisible by 128 and no less than D's rows; the GELU's f32 aux (DGELU, GELU_AUX_BIAS)
+// of D's type, its leading dimension divisible by 8 and no less than D's rows; the pointers only at the matmul: the
 // heuristic does not need them).
 static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_layout& b, const lt_layout& c, const lt_layout& dd,
                                bool pointers) {
@@ -2225,7 +2232,7 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
         return CUBLAS_STATUS_INVALID_VALUE;
     switch (d.epilogue) {   // the ones mgpu uses (what the emulator computes)
     case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_BGRADB:
-    case CUBLASLT_EPILOGUE_DGELU: break;
+    case CUBLASLT_EPILOGUE_DGELU: case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
     // the bias (or bias gradient) of D's type, as cublasLt.h's BIAS_DATA_TYPE says (its exceptions
@@ -2235,7 +2242,7 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
     if (pointers && has_bias && !d.bias) return CUBLAS_STATUS_INVALID_VALUE;
     const bool has_mask = d.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || d.epilogue == CUBLASLT_EPILOGUE_DRELU;
     if (has_mask && ((pointers && !d.aux) || d.aux_ld % 128 != 0 || d.aux_ld < m)) return CUBLAS_STATUS_INVALID_VALUE;
-    if (d.epilogue == CUBLASLT_EPILOGUE_DGELU) {   // (the emulator's aux is f32: D's type, as cuBLASLt's default)
+    if (d.epilogue == CUBLASLT_EPILOGUE_DGELU || d.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {   // (the emulator's aux is f32: D's type, as cuBLASLt's default)
         if (c.type != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
         if ((pointers && !d.aux) || d.aux_ld % 8 != 0 || d.aux_ld < m) return CUBLAS_STATUS_INVALID_VALUE;
     }
@@ -2306,7 +2313,7 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
         check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true);
     if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU)
         check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
-    if (x.epilogue == CUBLASLT_EPILOGUE_DGELU)
+    if (x.epilogue == CUBLASLT_EPILOGUE_DGELU || x.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
         check_device("cublasLtMatmul aux", x.aux, ((size_t)(n - 1) * x.aux_ld + m) * 4, dev, true);
     gemm_args g{m, n, k, (int)la.ld, (int)lb.ld, (int)lc.ld, x.transa != CUBLAS_OP_N, x.transb != CUBLAS_OP_N,
                 x.compute == CUBLAS_COMPUTE_32F_FAST_TF32, ab_bf16, c_bf16, *(const float*)alpha, *(const float*)beta,

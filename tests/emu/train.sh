@@ -14,7 +14,7 @@
 #   - with --graph (steps replayed from a CUDA graph), on cuda:0 and on 4 GPUs (P2P ring): the
 #     bits of the eager run of the same layout, most steps from the graph; and on cuda:0 with
 #     --precision bf16; and a small GPT in bf16 (build/emu/gpt), and in fp32 on cuda:0,0 with
-#     --recompute --zero1 against the eager run without them.
+#     --recompute --zero1 against the eager run without them, and in fp32 with MGPU_FUSE_GELU=1.
 #   - --precision bf16 on the CPU: 2 epochs of the MLP and of the CNN within 0.005 test accuracy of
 #     fp32's 2 epochs.
 # Usage: train.sh [BUILD_DIR] [DATA_DIR]; EMU_TRAIN_STEPS, EMU_TRAIN_TOL, EMU_TRAIN_CPU_TOL,
@@ -116,6 +116,10 @@ gpt_against_eager "emu/gpt --precision bf16 --graph --devices cuda:0" "--precisi
 # states sharded (--recompute --zero1), as a CUDA graph: the bits of the eager run without either
 gpt_against_eager "emu/gpt --recompute --zero1 --graph --devices cuda:0,0 against eager without them" \
     "--weight-decay 0.1 --clip 1 --devices cuda:0,0" "--recompute --zero1 --graph"
+# with MGPU_FUSE_GELU (the GELUs in the GEMMs before them, cuBLASLt's GELU_AUX_BIAS): the graph
+# steps have the eager steps' bits, in fp32 on cuda:0
+env="$env MGPU_FUSE_GELU=1"
+gpt_against_eager "emu/gpt --graph --devices cuda:0 with MGPU_FUSE_GELU=1" "--devices cuda:0" "--graph"
 # --precision bf16 on the CPU: 2 epochs of the MLP and of the CNN reach the test accuracy of fp32's
 # 2 epochs within 0.005 (the issue's bar)
 for net in mlp cnn; do
