@@ -838,8 +838,8 @@ static void emu_counts(const char* model_name, const char* spec, const char* all
     if (pipe_stages > 1) snprintf(layout, sizeof layout, ", %d x %d stages", replicas, pipe_stages);
     if (use_bf16) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", bf16");
     if (!mgpu__epilogues_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", no epilogues");
-    else if (mgpu__fuse_relu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", ReLU fused");
-    else if (mgpu__fuse_gelu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", GELU fused");
+    if (mgpu__fuse_relu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", ReLU fused");
+    if (mgpu__fuse_gelu_on()) snprintf(layout + strlen(layout), sizeof layout - strlen(layout), ", GELU fused");
     printf("| %s b%d%s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %.1f/%.1f | %.1f | %.1f | %.1f/%.1f | %.1f | %llu |\n",
            model_name, batch, layout, spec, mgpu_allreduce_name(mgpu_model_allreduce_backend(tr.m)),
            mgpu_model_graph_steps(tr.m) ? "graph" : "eager", (double)s.graph_launches / steps,

@@ -2354,7 +2354,7 @@ static void dgelu_case(mgpu_device_set* set, int hidden) {
         if (!grads[0] || !grads[setting]) break;
         {
             const double eg = attn_rel(grads[setting], grads[0], nf), ex = attn_rel(dx[setting], dx[0], ny);
-            CHECK(el <= 1e-5 && eg <= 1e-5 && ex <= 1e-5, "GELU epilogues (hidden %d), %s against the GELU's kernel: the outputs "
+            CHECK(el <= 1e-5 && eg <= 1e-5 && ex <= 1e-5, "GELU epilogues (hidden %d), %s against the GELU's kernel: the losses "
                   "%.3g, parameter gradients %.3g, dx %.3g apart", hidden, names[setting], el, eg, ex);
         }
         if (counters && !getenv("MGPU_EMU_NO_LT"))   /* (recompute: and one more, the GELU's forward again) */

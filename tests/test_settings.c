@@ -107,6 +107,7 @@ static const row rows[] = {
     { "MGPU_FUSE_GELU", "unset", NULL, 0, 0 },
     { "MGPU_FUSE_GELU", "on", "on", 1, 0 },
     { "MGPU_FUSE_GELU", "bad word", "gelu", 0, 1 },
+    { "MGPU_FUSE_GELU", "trailing garbage", "1x", 0, 1 },
     { "MGPU_FUSE_GELU", "empty", "", 0, 0 },
     /* a word: auto, nccl, p2p, host (the table's values: mgpu_allreduce_kind) */
     { "MGPU_ALLREDUCE", "unset", NULL, MGPU_ALLREDUCE_AUTO, 0 },
