@@ -8359,7 +8359,7 @@ static mgpu_result mgpu__box_forward(const mgpu_layer* l, const mgpu_layer_ctx* 
         }
         if (c->residual) r = mgpu_layer_forward(c->kid[k], &sub, x, own[k]);
         else if (mgpu__box_recomputes(l, k)) r = (made = mgpu__box_redo(l, ctx, k, in)) ? MGPU_OK : mgpu_last_result();
-        else if (mgpu__box_gelu(l, k, in)) {
+        else if (mgpu__box_gelu(l, k, in)) {   /* (f32 alone, and the shapes the container's: as they were checked) */
             mgpu_clear_error();   /* (as mgpu_layer_forward, with the epilogue) */
             r = mgpu__linear_forward_fused(c->kid[k], &sub, in, own[k], MGPU__EPI_GELU_BIAS, k + 1 < c->count - 1 ? own[k + 1] : y,
                                            &gelu_done);
@@ -9774,7 +9774,7 @@ static void mgpu__dist_meet(double* all, size_t width, const int* rank_replicas)
 static mgpu_result mgpu__dist_agree_size(const char* op, mgpu_result mine, int64_t n, double number, double* number_sum);
 static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L, const int* rank_replicas, mgpu_result mine,
                                   double number, double* number_sum);
-static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const char* what);
+static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const float* mine, const char* what);
 static void mgpu__split(int64_t n, int pieces, int i, int64_t* start, int64_t* count);
 struct mgpu_allreduce;
 static mgpu_result mgpu__ar_join_processes(struct mgpu_allreduce* ar, const int* rank_devices, mgpu_allreduce_kind asked,
@@ -10672,25 +10672,28 @@ static mgpu_result mgpu__dist_sum(const char* op, mgpu_tensor* const* ts, int L,
 /* Rank q's floats [at[q], at[q + 1]) of buf, a buffer laid out alike on every rank, from rank q
    into every other rank's (to < 0: an all-gather; ZeRO-1's parameters) or into rank `to`'s alone
    (a gather; ZeRO-1's states for a checkpoint), as messages between pairs of ranks that time out
-   (mgpu__dist_wait), in pieces of at most 2^28 floats. Every rank passes the same `at`. */
-static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const char* what) {
+   (mgpu__dist_wait), in pieces of at most 2^28 floats. Every rank passes the same `at`. This
+   rank's floats are sent from buf + at[rank], or from `mine` when not NULL (a gather's sender
+   needs no buf, then). */
+static void mgpu__dist_ranges(float* buf, const int64_t* at, int to, const float* mine, const char* what) {
 #ifdef MGPU_MPI
     const int P = mgpu__dist.size, me = mgpu__dist.rank;
     const int64_t piece = (int64_t)1 << 28;   /* 1 GiB messages: some transports mishandle more than 2 GiB */
     int64_t longest = 0, k;
     int q;
     for (q = 0; q < P; ++q) longest = MGPU__MAX(longest, at[q + 1] - at[q]);
+    if (!mine) mine = buf + at[me];
     for (k = 0; k < longest; k += piece) {   /* piece k of every rank's range (a rank past its end sends none) */
         for (q = 0; q < P; ++q) {
-            const int64_t theirs = MGPU__MIN(piece, at[q + 1] - at[q] - k), mine = MGPU__MIN(piece, at[me + 1] - at[me] - k);
+            const int64_t theirs = MGPU__MIN(piece, at[q + 1] - at[q] - k), ours = MGPU__MIN(piece, at[me + 1] - at[me] - k);
             if (q == me) continue;
             if (theirs > 0 && (to < 0 || to == me)) mgpu__dist_post(0, buf + at[q] + k, (int)theirs, MPI_FLOAT, q, MGPU__TAG_RANGES);
-            if (mine > 0 && (to < 0 || to == q)) mgpu__dist_post(1, buf + at[me] + k, (int)mine, MPI_FLOAT, q, MGPU__TAG_RANGES);
+            if (ours > 0 && (to < 0 || to == q)) mgpu__dist_post(1, (float*)(mine + k), (int)ours, MPI_FLOAT, q, MGPU__TAG_RANGES);
         }
         mgpu__dist_wait(what);
     }
 #else
-    (void)buf; (void)at; (void)to; (void)what;
+    (void)buf; (void)at; (void)to; (void)mine; (void)what;
 #endif
 }
 
@@ -13363,7 +13366,7 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
         r = mgpu__dist_agree(r, 0, s == 0 ? (double)updated : 0.0, NULL, s == 0 ? &updates : NULL);
         if (r != MGPU_OK) break;
         MGPU__COUNT(first->dev, bytes_allreduced, (size_t)(at[P] - (at[me + 1] - at[me])) * sizeof(float));
-        mgpu__dist_ranges(host, at, -1, "zero1's all-gather of the parameters");
+        mgpu__dist_ranges(host, at, -1, NULL, "zero1's all-gather of the parameters");
         for (l = 0; r == MGPU_OK && l < m->replica_count; ++l) {   /* the others' shards: before this rank's, and after */
             mgpu__part* p = mgpu__part_of(m, l, s);
             mgpu_tensor before = mgpu__rows(p->params, 0, at[me]), after = mgpu__rows(p->params, at[me + 1], at[P] - at[me + 1]);
@@ -17379,41 +17382,61 @@ static const char* mgpu__user_meta_problem(const mgpu_metadata* meta, int i) {
 static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimizer* opt, const char* path, const mgpu_save_desc* desc,
                                          float* gathered);
 /* The optimizer's states as a checkpoint lays them out, [state][flat float], from this process:
-   replica 0's, stage by stage, or with zero1 each replica's shard of them (mgpu__shard). */
-static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimizer* opt, float* dst) {
-    int k, i;
+   replica 0's, stage by stage, or with zero1 each replica's shard of them (mgpu__shard). With
+   `ranks` (zero1 in a job: each stage's ranges of the ranks, [stage][ranks + 1] as
+   mgpu__zero1_rank_ranges gives them), this rank's ranges alone, packed: [state][stage][its range]. */
+static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimizer* opt, float* dst, const int64_t* ranks) {
+    const int64_t* at = ranks ? ranks + mgpu__dist.rank : NULL;   /* at[s * (P + 1)]: this rank's start in stage s */
+    const int P = mgpu__dist.size;
+    int64_t packed = 0, before[MGPU__MAX_STAGES + 1];   /* the packed floats of all stages, and of those before stage s */
+    int k, i, s;
+    for (s = 0, before[0] = 0; at && s < m->stage_count; ++s) before[s + 1] = before[s] + at[s * (P + 1) + 1] - at[s * (P + 1)];
+    if (at) packed = before[m->stage_count];
     for (k = 0; k < mgpu__optimizer_state_count(opt); ++k)
         for (i = 0; i < (m->zero1 ? m->part_count : m->stage_count); ++i) {
             int64_t lo, hi;
+            size_t to;
+            s = m->part[i].stage;
             mgpu__shard(m, i, &lo, &hi);
+            to = at ? (size_t)(packed * k + before[s] + lo - at[s * (P + 1)])
+                    : (size_t)m->flat_floats * (size_t)k + (size_t)(m->stage_off[s] + lo);
             if (hi > lo)
-                MGPU__TRY(mgpu_tensor_download(k == 0 ? opt->state1[i] : opt->state2[i],
-                                               dst + (size_t)m->flat_floats * (size_t)k + (size_t)(m->stage_off[m->part[i].stage] + lo),
-                                               (size_t)(hi - lo) * sizeof(float)));
+                MGPU__TRY(mgpu_tensor_download(k == 0 ? opt->state1[i] : opt->state2[i], dst + to, (size_t)(hi - lo) * sizeof(float)));
         }
     return MGPU_OK;
 }
 /* zero1 in a distributed job: the optimizer's whole states on rank 0, for its checkpoint: every
    rank's shards (mgpu__states_download), sent to rank 0 (mgpu__dist_ranges), after a vote on
    whether every rank has its own. *gathered: rank 0's, laid out as mgpu__model_save_here's host
-   buffer (the parameters' floats, not yet there, then [state][flat float]); NULL elsewhere. */
+   buffer (the parameters' floats, not yet there, then [state][flat float]); NULL elsewhere. The
+   other ranks hold only their own ranges, packed. */
 static mgpu_result mgpu__zero1_states_gather(const mgpu_model* m, const mgpu_optimizer* opt, float** gathered) {
-    static const char* op = "mgpu_model_save";
-    const int P = mgpu__dist.size, states = mgpu__optimizer_state_count(opt), writer = mgpu__dist.rank == 0;
-    int64_t* at = (int64_t*)mgpu__calloc((size_t)P + 1, sizeof(int64_t));
-    float* all = (float*)mgpu__calloc((size_t)m->flat_floats * (size_t)(states + writer) + 1, sizeof(float));
-    float* at_states = all ? all + (writer ? m->flat_floats : 0) : NULL;
+    static const char* what = "zero1's gather of the optimizer's states for a checkpoint";
+    const int P = mgpu__dist.size, me = mgpu__dist.rank, states = mgpu__optimizer_state_count(opt), writer = me == 0;
+    int64_t* at = (int64_t*)mgpu__calloc((size_t)(P + 1) * (size_t)m->stage_count, sizeof(int64_t));   /* [stage][P + 1] */
+    int64_t packed = 0, sent = 0;   /* (not the writer: its floats of every stage, and of the stages before s) */
+    float *all = NULL, *at_states = NULL;
     mgpu_result r = MGPU_OK;
     int k, s;
-    if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
-    else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
-    else if ((r = mgpu__states_download(m, opt, at_states)) != MGPU_OK) mgpu__refail(op);
+    for (s = 0; at && s < m->stage_count; ++s) {
+        mgpu__zero1_rank_ranges(m, s, at + (size_t)s * (size_t)(P + 1));
+        packed += at[(size_t)s * (size_t)(P + 1) + (size_t)me + 1] - at[(size_t)s * (size_t)(P + 1) + (size_t)me];
+    }
+    if (at) all = (float*)mgpu__calloc(writer ? (size_t)m->flat_floats * (size_t)(states + 1) + 1 : (size_t)packed * (size_t)states + 1,
+                                       sizeof(float));
+    at_states = all ? all + (writer ? m->flat_floats : 0) : NULL;
+    if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_save: the optimizer belongs to another model");
+    else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_save: out of host memory");
+    else if ((r = mgpu__states_download(m, opt, at_states, writer ? NULL : at)) != MGPU_OK) mgpu__refail("mgpu_model_save");
     r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     for (k = 0; r == MGPU_OK && k < states; ++k)
-        for (s = 0; s < m->stage_count; ++s) {
-            mgpu__zero1_rank_ranges(m, s, at);
-            mgpu__dist_ranges(at_states + (size_t)m->flat_floats * (size_t)k + (size_t)m->stage_off[s], at, 0,
-                              "zero1's gather of the optimizer's states for a checkpoint");
+        for (s = 0, sent = 0; s < m->stage_count; ++s) {
+            const int64_t* ranks = at + (size_t)s * (size_t)(P + 1);
+            if (writer)
+                mgpu__dist_ranges(at_states + (size_t)m->flat_floats * (size_t)k + (size_t)m->stage_off[s], ranks, 0, NULL, what);
+            else
+                mgpu__dist_ranges(NULL, ranks, 0, at_states + (size_t)(packed * k + sent), what);
+            sent += ranks[me + 1] - ranks[me];
         }
     MGPU_FREE(at);
     if (r != MGPU_OK || !writer) { MGPU_FREE(all); all = NULL; }
@@ -17510,7 +17533,7 @@ static mgpu_result mgpu__model_save_here(const mgpu_model* m, const mgpu_optimiz
         if (mgpu__stage_floats(m, i) > 0)   /* (a stage of layers without parameters has none) */
             r = mgpu_tensor_download(m->part[i].params, host + m->stage_off[i], (size_t)mgpu__stage_floats(m, i) * sizeof(float));
     if (r == MGPU_OK && states > 0 && !gathered)   /* the states (gathered: the whole job's, there already) */
-        r = mgpu__states_download(m, opt, host + m->flat_floats);
+        r = mgpu__states_download(m, opt, host + m->flat_floats, NULL);
     if (r != MGPU_OK) { mgpu__refail(op); goto done; }
     if (dtype != MGPU_SAVE_F32) {
         const size_t total = (size_t)m->flat_floats * (size_t)(1 + states);
