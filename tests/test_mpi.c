@@ -1,3 +1,14 @@
+#include <stdlib.h>
+/* The library's allocations through this file's malloc, which notes the largest one made by the
+   main thread (what a rank holds for a zero1 checkpoint: zero1_checkpoint) */
+static __thread size_t t_largest_alloc;
+static void* test_malloc_noting(size_t n) {
+    if (n > t_largest_alloc) t_largest_alloc = n;
+    return malloc(n);
+}
+#define MGPU_MALLOC(sz) test_malloc_noting(sz)
+#define MGPU_REALLOC(p, sz) realloc(p, sz)
+#define MGPU_FREE(p) free(p)
 #define MGPU_IMPLEMENTATION
 #include "mgpu.h"
 #include "test.h"
@@ -17,7 +28,8 @@
       model as it was (and the next step works); a rank with other layers fails every rank's
       mgpu_model_create; a corrupted rank is named by verify_replicas on every rank
    5. checkpoints: rank 0 writes, every rank finds the file when the call returns, a one-process
-      model loads it with the same bits; a save that fails on rank 0 fails every rank
+      model loads it with the same bits; a save that fails on rank 0 fails every rank; with zero1
+      the other ranks hold only their own ranges of the states while saving
    6. loaders with shard_for: each rank's rows are its replicas' rows of the global batch, and
       the ranks together see every row once; the same for windows of tokens, with and without wrap
    7. a GPT (Dropout, the head tied to the embedding), each rank's rows from a token loader with
@@ -442,7 +454,8 @@ static int step_all(mgpu_model* dm, mgpu_optimizer* dopt, mgpu_model** ones, mgp
 
 /* A sharded job's checkpoint holds the whole states (rank 0 gathers them): loaded into one
    unsharded process, and back into the job, both go on as the job in one process does, to the
-   bit (AdamW: a state of zeros, or another shard's, would change the steps). */
+   bit (AdamW: a state of zeros, or another shard's, would change the steps). The other ranks
+   hold only their own ranges of the states while saving: no allocation as large as the states. */
 static void zero1_checkpoint(const char* dir) {
     char path[512], spec[64];
     mgpu_device_set *set = mgpu_device_set_create(my_spec()), *all;
@@ -470,8 +483,14 @@ static void zero1_checkpoint(const char* dir) {
     }
     for (s = 0; s < 3 && ok; ++s) ok = step_all(m, opt, ones, oopts, 1, 22);
     snprintf(path, sizeof path, "%s/job_zero1.safetensors", dir);
+    t_largest_alloc = 0;
     ok = ok && mgpu_model_save(m, opt, path) == MGPU_OK;
     CHECK(ok, "zero1: three steps and a save of the job's sharded states: %s", mgpu_last_error());
+    if (ok && g_rank > 0) {   /* (AdamW: two states, each as many floats as the parameters) */
+        const size_t states = 2 * (size_t)mgpu_tensor_numel(mgpu_model_params(m, 0)) * sizeof(float);
+        CHECK(t_largest_alloc < states, "rank %d: zero1, a save allocated %zu bytes at once, as much as the whole states (%zu): "
+              "want only this rank's ranges", g_rank, t_largest_alloc, states);
+    }
     ok = ok && mgpu_model_load(ones[1], oopts[1], path) == MGPU_OK && mgpu_model_load(m, opt, path) == MGPU_OK;
     CHECK(ok, "zero1: the job's checkpoint loads into one unsharded process, and back into the job: %s", mgpu_last_error());
     for (s = 0; s < 3 && ok; ++s) ok = step_all(m, opt, ones, oopts, 2, 22);
