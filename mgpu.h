@@ -17411,7 +17411,7 @@ static mgpu_result mgpu__states_download(const mgpu_model* m, const mgpu_optimiz
    buffer (the parameters' floats, not yet there, then [state][flat float]); NULL elsewhere. The
    other ranks hold only their own ranges, packed. */
 static mgpu_result mgpu__zero1_states_gather(const mgpu_model* m, const mgpu_optimizer* opt, float** gathered) {
-    static const char* what = "zero1's gather of the optimizer's states for a checkpoint";
+    static const char *op = "mgpu_model_save", *what = "zero1's gather of the optimizer's states for a checkpoint";
     const int P = mgpu__dist.size, me = mgpu__dist.rank, states = mgpu__optimizer_state_count(opt), writer = me == 0;
     int64_t* at = (int64_t*)mgpu__calloc((size_t)(P + 1) * (size_t)m->stage_count, sizeof(int64_t));   /* [stage][P + 1] */
     int64_t packed = 0, sent = 0;   /* (not the writer: its floats of every stage, and of the stages before s) */
@@ -17425,9 +17425,9 @@ static mgpu_result mgpu__zero1_states_gather(const mgpu_model* m, const mgpu_opt
     if (at) all = (float*)mgpu__calloc(writer ? (size_t)m->flat_floats * (size_t)(states + 1) + 1 : (size_t)packed * (size_t)states + 1,
                                        sizeof(float));
     at_states = all ? all + (writer ? m->flat_floats : 0) : NULL;
-    if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "mgpu_model_save: the optimizer belongs to another model");
-    else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "mgpu_model_save: out of host memory");
-    else if ((r = mgpu__states_download(m, opt, at_states, writer ? NULL : at)) != MGPU_OK) mgpu__refail("mgpu_model_save");
+    if (opt->model != m) r = mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer belongs to another model", op);
+    else if (!at || !all) r = mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    else if ((r = mgpu__states_download(m, opt, at_states, writer ? NULL : at)) != MGPU_OK) mgpu__refail(op);
     r = mgpu__dist_agree(r, 0, 0.0, NULL, NULL);
     for (k = 0; r == MGPU_OK && k < states; ++k)
         for (s = 0, sent = 0; s < m->stage_count; ++s) {
