@@ -4405,6 +4405,14 @@ MGPUDEF mgpu_result mgpu_tensor_download(const mgpu_tensor* t, void* host, size_
     return MGPU_OK;
 }
 
+/* Two GPU streams ordered by an event, never by the host: `waiter`'s later work comes after
+   everything queued on `dev`'s stream so far. */
+static mgpu_result mgpu__stream_after(const char* op, mgpu_device* waiter, mgpu_device* dev) {
+    MGPU__CU(op, dev, mgpu__cu_event_record(dev->ordinal, dev->order, dev->stream));
+    MGPU__CU(op, waiter, mgpu__cu_stream_wait_event(waiter->ordinal, waiter->stream, dev->order));
+    return MGPU_OK;
+}
+
 typedef struct mgpu__copy_job { char* dst; const char* src; } mgpu__copy_job;
 static void mgpu__copy_range(void* ctx, int64_t begin, int64_t end) {
     const mgpu__copy_job* j = (const mgpu__copy_job*)ctx;
@@ -4454,16 +4462,13 @@ MGPUDEF mgpu_result mgpu_tensor_copy(mgpu_tensor* dst, const mgpu_tensor* src) {
        after), as if both devices ran one stream. A peer copy goes directly over NVLink/PCIe
        where peer access is on, or through the host otherwise. */
     MGPU__COUNT(dd, bytes_device_to_device, bytes);
-    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_event_record(sd->ordinal, sd->order, sd->stream));
-    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_stream_wait_event(dd->ordinal, dd->stream, sd->order));
+    MGPU__TRY(mgpu__stream_after("mgpu_tensor_copy", dd, sd));
     if (sd->ordinal == dd->ordinal)
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy(dd->ordinal, mgpu_tensor_data(dst), mgpu_tensor_data(src), bytes, dd->stream));
     else
         MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_memcpy_peer(dd->ordinal, mgpu_tensor_data(dst), sd->ordinal,
                                                               mgpu_tensor_data(src), bytes, dd->stream));
-    MGPU__CU("mgpu_tensor_copy", dd, mgpu__cu_event_record(dd->ordinal, dd->order, dd->stream));
-    MGPU__CU("mgpu_tensor_copy", sd, mgpu__cu_stream_wait_event(sd->ordinal, sd->stream, dd->order));
-    return MGPU_OK;
+    return mgpu__stream_after("mgpu_tensor_copy", sd, dd);
 }
 
 MGPUDEF mgpu_tensor* mgpu_tensor_to(const mgpu_tensor* src, mgpu_device* dev) {
@@ -13170,14 +13175,12 @@ static mgpu_result mgpu__optimizer_clip(mgpu_optimizer* opt, const char* op) {
             const double* src = (const double*)mgpu_tensor_data(opt->clip_sums[i - to->stage + t]) + t;
             if (t == to->stage) continue;
             MGPU__COUNT(dd, bytes_device_to_device, sizeof(double));
-            MGPU__CU(op, sd, mgpu__cu_event_record(sd->ordinal, sd->order, sd->stream));
-            MGPU__CU(op, dd, mgpu__cu_stream_wait_event(dd->ordinal, dd->stream, sd->order));
+            MGPU__TRY(mgpu__stream_after(op, dd, sd));
             if (sd->ordinal == dd->ordinal)
                 MGPU__CU(op, dd, mgpu__cu_memcpy(dd->ordinal, dst, src, sizeof(double), dd->stream));
             else
                 MGPU__CU(op, dd, mgpu__cu_memcpy_peer(dd->ordinal, dst, sd->ordinal, src, sizeof(double), dd->stream));
-            MGPU__CU(op, dd, mgpu__cu_event_record(dd->ordinal, dd->order, dd->stream));
-            MGPU__CU(op, sd, mgpu__cu_stream_wait_event(sd->ordinal, sd->stream, dd->order));
+            MGPU__TRY(mgpu__stream_after(op, sd, dd));
         }
     at = opt->d.kind == MGPU_ADAMW ? offsetof(mgpu__adamw_args, grad_scale) : offsetof(mgpu__sgd_args, grad_scale);
     for (i = 0; i < m->part_count; ++i) {
@@ -13729,7 +13732,13 @@ static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
         mgpu__part* to = p - 1;
         mgpu__slot* dst = &to->slot[k % to->slot_count];
         const mgpu_tensor* dx = p->slot[k % p->slot_count].dxin;
+        const int new_block = !dst->dyin || dst->dyin->dtype != dx->dtype || !mgpu_shape_equal(dst->dyin->shape, dx->shape);
         MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, dx->dtype, dx->shape));
+        /* A block new to d input comes from the cache of the stage before, which only that stage's
+           stream orders: work of its still queued may use it last (a temporary of a forward).
+           This stream writes it only after that work. */
+        if (new_block && to->dev != p->dev && p->dev->kind == MGPU_DEVICE_CUDA)
+            MGPU__TRY(mgpu__stream_after("pipeline copy", p->dev, to->dev));
         MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
     }
     return MGPU_OK;   /* the caller marks backward k done (mgpu__part_mark) */
