@@ -185,9 +185,10 @@ static inline launch_cfg cfg(dim3 grid, dim3 block, size_t shared = 0, cudaStrea
 /* the kernel function a launch names (cudaFuncSetAttribute's key) */
 template <class F> static inline const void* entry(F* f) { return reinterpret_cast<const void*>(f); }
 /* queues the launch of args (owned by the launch afterwards: destroy frees it); `words` are the
-   values among the arguments that may be device pointers, checked against the stream's device */
+   values among the arguments that may be device pointers, checked against the stream's device,
+   and `reads` says of each whether the kernel only reads through it (a pointer to const) */
 void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, const void* entry, void* args,
-                const uintptr_t* words, size_t word_count, thread_body body, void (*destroy)(void*));
+                const uintptr_t* words, const unsigned char* reads, size_t word_count, thread_body body, void (*destroy)(void*));
 /* the running block's dynamic shared memory (cu2cpp.py turns `extern __shared__ T name[];` into a
    call of this): the launch's bytes, fresh for each block and filled with 0xFF bytes */
 void* dynamic_shared(void);
@@ -204,9 +205,10 @@ void* dynamic_shared(void);
 #define MGPU_EMU_CLEARS_PADDING 1
 #endif
 #endif
-template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
+template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out, std::vector<unsigned char>& reads) {
     if constexpr (std::is_pointer<T>::value) {
         out.push_back((uintptr_t)a);
+        reads.push_back(std::is_const<typename std::remove_pointer<T>::type>::value);
     } else if constexpr (std::is_class<T>::value || std::is_union<T>::value) {
         static_assert(std::is_trivially_copyable<T>::value, "kernel arguments are copied byte for byte");
         alignas(T) unsigned char bytes[(sizeof(T) + 7) / 8 * 8] = {};
@@ -218,6 +220,7 @@ template <class T> void pointer_words(const T& a, std::vector<uintptr_t>& out) {
             uintptr_t v;
             memcpy(&v, bytes + off, 8);
             out.push_back(v);
+            reads.push_back(0);   // (a functor's pointers: read or written, not known)
         }
     }
 }
@@ -236,9 +239,11 @@ void launch(const char* name, const char* file, int line, const launch_cfg& c, c
     typedef std::tuple<typename std::decay<A>::type...> Tuple;
     typedef std::pair<K, Tuple> Pack;
     std::vector<uintptr_t> words;
-    (pointer_words(typename std::decay<A>::type(args), words), ...);
+    std::vector<unsigned char> reads;
+    (pointer_words(typename std::decay<A>::type(args), words, reads), ...);
     Pack* p = new Pack(kernel, Tuple(args...));
-    launch_raw(name, file, line, c, fn, p, words.data(), words.size(), &launch_of<K, Tuple>::body, &launch_of<K, Tuple>::destroy);
+    launch_raw(name, file, line, c, fn, p, words.data(), reads.data(), words.size(), &launch_of<K, Tuple>::body,
+               &launch_of<K, Tuple>::destroy);
 }
 
 void syncthreads(void);

@@ -5,7 +5,8 @@
 #   - on 4 devices with NCCL absent, with a NCCL that loads but fails to initialise (the real
 #     libnccl.so.2 where installed: it cannot start without a GPU; and the emulated one told to
 #     fail), and without peer access;
-#   - once in chaos mode (random delays before each queued task, MGPU_EMU_CHAOS_SEED or the clock);
+#   - once in chaos mode (random delays before each queued task, MGPU_EMU_CHAOS_SEED or the clock),
+#     with the race check (MGPU_EMU_RACECHECK: work of two streams on the same memory in no order);
 #   - once under AddressSanitizer + UBSan;
 # then the emulator's own checks and the fault injections (test_emu), and build/train_emu against
 # the CPU run (tests/emu/train.sh). Ends with the usual "N passed, N failed, N skipped" line.
@@ -35,7 +36,9 @@ set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_NO_PEER=1 $e/test_paralle
 # a GPU with 64 KiB of shared memory per block (a Turing's): heads above 64 take the unfused kernels
 set -- "$@" "$common MGPU_EMU_DEVICES=1 $nccl MGPU_EMU_MAX_SHARED_OPTIN=65536 $e/test_seq attention"
 echo "test seed $tseed (MGPU_TEST_SEED), chaos seed $seed (MGPU_EMU_CHAOS_SEED=$seed repeats it)"
-for t in test_core test_model test_parallel test_seq; do set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_CHAOS=$seed $e/$t"; done
+for t in test_core test_model test_parallel test_seq; do
+    set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_CHAOS=$seed MGPU_EMU_RACECHECK=1 $e/$t"
+done
 alib=$(cd "$a" && pwd)
 for t in $suites; do set -- "$@" "$common MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=$alib/libnccl_emu.so $a/${t}"; done
 set -- "$@" "env MGPU_EMU_NCCL=$lib/libnccl_emu.so $e/test_emu" "sh tests/emu/train.sh $b"

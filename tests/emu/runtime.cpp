@@ -46,6 +46,16 @@
    - A misuse the real GPU would not report reliably (an operand outside any allocation, a pointer
      to another device's memory without peer access, a wait that never ends: MGPU_EMU_TIMEOUT
      seconds, default 600) is printed with "mgpu-emu:" and aborts, so the run fails loudly.
+   - Races: MGPU_EMU_RACECHECK=1 checks that work on two streams touching the same memory is
+     ordered: a vector clock per stream, advanced by each task, joined through events, graph edges
+     and the host's synchronisations (what the host queues after it saw work done comes after
+     that work). Each task's memory is what the checks below see: a copy's, memset's or GEMM's
+     ranges (read or written), and the byte each pointer argument of a kernel points at (its
+     extent is not known: a kernel given the start of a buffer is seen touching it), written
+     unless it is a pointer to const (a functor's pointers count as written). Two readers in no
+     order are fine; a writer and anything else in no order is printed with "mgpu-emu:" naming
+     both tasks, and aborts. Most often: a block of a device's cache (which that device's stream
+     alone orders) used by another stream while work of the first on it was still queued.
    - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. They count the host's calls: the
      nodes a graph launch replays count nothing.
    - MGPU_EMU_STACK_KIB: a kernel thread's stack (default and least 64 KiB, 256 under ASan).
@@ -110,6 +120,7 @@ struct config {
     double timeout = 600.0;
     size_t stack = 0;
     bool print_counters = false;
+    bool racecheck = false;
 };
 
 // The emulator's settings, read by mgpu.h's rules (>>impl threads, settings), of which this is a
@@ -247,6 +258,7 @@ const config& conf() {
         c.stack = (size_t)setting_whole("MGPU_EMU_STACK_KIB", 64, 1L << 20, 64, "KiB") << 10;
 #endif
         c.print_counters = setting_flag("MGPU_EMU_COUNTERS", false);
+        c.racecheck = setting_flag("MGPU_EMU_RACECHECK", false);
         if (c.print_counters) atexit(print_counters_at_exit);
         atexit(join_retired_at_exit);   // (registered after the sanitizers' own: runs before their check)
     });
@@ -333,6 +345,10 @@ void join_retired_at_exit(void) { join_retired(true); }
 
 }  // namespace
 
+namespace {   // (MGPU_EMU_RACECHECK, below)
+void race_host_saw_stream(int stream);
+void race_stream_made(int stream, int dev);
+}
 struct CUstream_st {
     int dev = 0;
     unsigned flags = 0;
@@ -414,6 +430,8 @@ struct CUstream_st {
         if (!cv_done.wait_for(lock, std::chrono::duration<double>(conf().timeout), [&] { return done >= target; }))
             die("%s: stream %d of device %d still busy after %.0f s (running: %s, %zu queued): a wait that never ends?",
                 why, id, dev, conf().timeout, running ? running : "nothing", queue.size());
+        lock.unlock();
+        if (conf().racecheck) race_host_saw_stream(id);   // what the host queues next comes after this
     }
 };
 
@@ -472,6 +490,7 @@ cudaStream_t make_stream(int dev, unsigned flags) {
     // time, so that a stream that should wait for it but does not runs ahead by many tasks, not by
     // a few microseconds
     if (conf().chaos && (s->id + conf().chaos) % 3 == 0) s->slow = conf().chaos_slow;
+    if (conf().racecheck) race_stream_made(s->id, dev);
     s->worker = std::thread([s] { s->run(); });
     return s;
 }
@@ -529,9 +548,19 @@ bool peer_enabled(int from, int to) {
     return from == to || g_dev[from].peer[to];
 }
 
-// [p, p + bytes) must be device memory of dev, or of a peer that dev reaches (when allow_peer).
-void check_device(const char* what, const void* p, size_t bytes, int dev, bool allow_peer) {
+// The device memory the calls of this host thread checked since it last queued a task: what that
+// task touches (MGPU_EMU_RACECHECK).
+struct touch { uintptr_t lo, hi; bool write; };
+thread_local std::vector<touch> tl_touch;
+void note_touch(uintptr_t lo, uintptr_t hi, bool write) {
+    if (conf().racecheck) tl_touch.push_back(touch{lo, hi, write});
+}
+
+// [p, p + bytes) must be device memory of dev, or of a peer that dev reaches (when allow_peer);
+// the task queued next reads it, or writes it (MGPU_EMU_RACECHECK).
+void check_device(const char* what, const void* p, size_t bytes, int dev, bool allow_peer, bool write = true) {
     where w = classify(what, p, bytes);
+    note_touch((uintptr_t)p, (uintptr_t)p + bytes, write);
     if (w.kind != DEVICE)
         die("%s: %p (%zu bytes) is not in a live device allocation%s", what, p, bytes,
             w.kind == PINNED ? " (it is pinned host memory)" : "");
@@ -539,6 +568,107 @@ void check_device(const char* what, const void* p, size_t bytes, int dev, bool a
     if (w.dev != dev && !(allow_peer && peer_enabled(dev, w.dev)))
         die("%s: %p is memory of device %d, used on device %d%s", what, p, w.dev, dev,
             allow_peer ? " without peer access enabled" : "");
+}
+
+// ---- races (MGPU_EMU_RACECHECK) ----------------------------------------------------------------
+// Happens-before by vector clocks: clock[t] of stream s is how many tasks of stream t are known to
+// come before s's current one. Memory: per allocation, the last touch of each stream.
+typedef std::vector<uint64_t> vclock;
+typedef std::vector<touch> touches;
+struct race_touch { int stream; uint64_t tick; uintptr_t lo, hi; bool write; const char* what; };
+std::mutex g_race_mu;
+std::map<int, vclock> g_stream_clock;
+std::map<int, int> g_stream_device;
+vclock g_host_clock;                                              // what the host saw done
+std::map<const void*, std::deque<std::pair<uint64_t, vclock>>> g_event_clock;   // an event's latest records
+std::map<uintptr_t, std::vector<race_touch>> g_race_memory;     // allocation base -> touches
+
+void clock_join(vclock& a, const vclock& b) {
+    if (a.size() < b.size()) a.resize(b.size(), 0);
+    for (size_t i = 0; i < b.size(); ++i) a[i] = std::max(a[i], b[i]);
+}
+vclock race_host() {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    return g_host_clock;
+}
+vclock race_stream(int stream) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    return g_stream_clock[stream];
+}
+// A task of `stream` begins: after `before` (what the host had seen when it queued it, or a graph
+// node's dependencies); each range it touches is checked against the other streams' last touches.
+void race_task(int stream, const vclock& before, const touches& touch, const char* what) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    vclock& now = g_stream_clock[stream];
+    clock_join(now, before);
+    if ((int)now.size() <= stream) now.resize((size_t)stream + 1, 0);
+    const uint64_t tick = ++now[(size_t)stream];
+    for (const auto& r : touch) {
+        uintptr_t base;
+        allocation block;
+        {
+            std::lock_guard<std::mutex> g(g_mu);
+            auto it = find_alloc((const void*)r.lo);
+            if (it == g_allocs.end()) continue;
+            base = it->first;
+            block = it->second;
+        }
+        std::vector<race_touch>& seen = g_race_memory[base];
+        bool kept = false;
+        for (race_touch& t : seen) {
+            if (t.stream != stream && (t.write || r.write) && t.lo < r.hi && r.lo < t.hi &&
+                (now.size() <= (size_t)t.stream || now[(size_t)t.stream] < t.tick))
+                die("MGPU_EMU_RACECHECK: %s on stream %d (device %d) %s and %s on stream %d (device %d) %s the same memory in "
+                    "no order: [%p, +%zu) and [%p, +%zu) of device %d's %zu-byte block at %p", t.what, t.stream,
+                    g_stream_device[t.stream], t.write ? "writes" : "reads", what, stream, g_stream_device[stream],
+                    r.write ? "writes" : "reads", (void*)t.lo, (size_t)(t.hi - t.lo), (void*)r.lo, (size_t)(r.hi - r.lo), block.dev,
+                    block.size, (void*)base);
+            if (t.stream == stream && t.lo == r.lo && t.hi == r.hi && t.write == r.write) {
+                t.tick = tick;
+                t.what = what;
+                kept = true;
+            }
+        }
+        if (!kept) seen.push_back(race_touch{stream, tick, r.lo, r.hi, r.write, what});
+        if (seen.size() > 4096) seen.erase(seen.begin());   // (views of ever new ranges: the oldest go)
+    }
+}
+void race_record(const void* event, uint64_t target, int stream) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    std::deque<std::pair<uint64_t, vclock>>& q = g_event_clock[event];
+    q.emplace_back(target, g_stream_clock[stream]);
+    if (q.size() > 256) q.pop_front();
+}
+// the clock of an event's record `target` joined into `into` (a stream's, or the host's)
+void race_event(const void* event, uint64_t target, vclock* into) {
+    for (const auto& r : g_event_clock[event])
+        if (r.first == target) clock_join(*into, r.second);
+}
+void race_wait(const void* event, uint64_t target, int stream) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    race_event(event, target, &g_stream_clock[stream]);
+}
+void race_host_saw_event(const void* event, uint64_t target) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    race_event(event, target, &g_host_clock);
+}
+void race_stream_made(int stream, int dev) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    g_stream_device[stream] = dev;
+}
+void race_host_saw_stream(int stream) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    clock_join(g_host_clock, g_stream_clock[stream]);
+}
+// "kernel (file:line)", kept for the program's life: a report names where it was launched
+const char* race_name(const char* name, const char* file, int line) {
+    static std::set<std::string> names;
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    return names.insert(std::string(name) + " (launched at " + file + ":" + std::to_string(line) + ")").first->c_str();
+}
+void race_freed(uintptr_t base) {
+    std::lock_guard<std::mutex> lock(g_race_mu);
+    g_race_memory.erase(base);
 }
 
 // ---- stream capture --------------------------------------------------------------------------
@@ -550,6 +680,7 @@ struct graph_node {
     const char* what;
     int slot;                 // the captured stream, an index into slot_dev
     std::vector<int> deps;    // earlier nodes it runs after
+    touches touch;            // the memory it touches (MGPU_EMU_RACECHECK)
 };
 struct graph_body {
     std::vector<graph_node> nodes;
@@ -581,10 +712,19 @@ cudaError_t submit(cudaStream_t s, std::function<void()> fn, const char* what) {
         if (capture_state* c = s->cap.get()) {
             if (c->invalidated) return cudaErrorStreamCaptureInvalidated;
             capture_state::member& m = c->streams[s];
-            c->body->nodes.push_back(graph_node{std::move(fn), what, m.slot, m.tail});
+            c->body->nodes.push_back(graph_node{std::move(fn), what, m.slot, m.tail, tl_touch});
+            tl_touch.clear();
             m.tail.assign(1, (int)c->body->nodes.size() - 1);
             return cudaSuccess;
         }
+    }
+    if (conf().racecheck) {
+        const int stream = s->id;
+        fn = [inner = std::move(fn), touch = tl_touch, before = race_host(), stream, what] {
+            race_task(stream, before, touch, what);
+            inner();
+        };
+        tl_touch.clear();
     }
     s->push(std::move(fn), what);
     return cudaSuccess;
@@ -1039,10 +1179,11 @@ uint64_t shfl(unsigned mask, uint64_t bits, int kind, int arg, int width) {
 void* dynamic_shared(void) { return tl_block->dynamic_shared.data(); }
 
 void launch_raw(const char* name, const char* file, int line, const launch_cfg& c, const void* entry, void* args,
-                const uintptr_t* words, size_t word_count, thread_body body, void (*destroy)(void*)) {
+                const uintptr_t* words, const unsigned char* reads, size_t word_count, thread_body body, void (*destroy)(void*)) {
     const config& cf = conf();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     std::shared_ptr<void> owned(args, destroy);
+    tl_touch.clear();
     size_t max_shared = cf.max_shared;
     long call;
     {
@@ -1078,13 +1219,14 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
             if (v < 4096) continue;
             auto it = find_alloc((const void*)v);
             if (it == g_allocs.end() || it->second.dev < 0) continue;
+            note_touch(v, v + 1, !reads[i]);   // (how far it reads or writes from there is not known: the byte it points at)
             if (!peer_enabled(s->dev, it->second.dev))
                 die("kernel %s (launched at %s:%d) on device %d receives %p, memory of device %d, without peer access",
                     name, file, line, s->dev, (void*)v, it->second.dev);
         }
     }
     kernel_launch k{name, file, line, c, std::move(owned), body};
-    if (result(submit(s, [k] { run_kernel(k); }, name)) == cudaSuccess) ++c_launches;
+    if (result(submit(s, [k] { run_kernel(k); }, conf().racecheck ? race_name(name, file, line) : name)) == cudaSuccess) ++c_launches;
 }
 }  // namespace mgpu_emu
 
@@ -1343,7 +1485,12 @@ EMU_EXPORT cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
         std::lock_guard<std::mutex> lock(event->mu);
         target = ++event->recorded;
     }
-    s->push([event, target] {
+    const int sid = s->id;
+    s->push([event, target, sid, before = conf().racecheck ? race_host() : vclock()] {
+        if (conf().racecheck) {
+            race_task(sid, before, touches(), "cudaEventRecord");
+            race_record(event, target, sid);
+        }
         {
             std::lock_guard<std::mutex> lock(event->mu);
             if (event->completed < target) {
@@ -1365,8 +1512,15 @@ static std::shared_ptr<capture_state> capture_of(cudaEvent_t e) {
 EMU_EXPORT cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (!live_event(event)) return fail(cudaErrorInvalidResourceHandle);
     if (capture_of(event)) return fail(cudaErrorCapturedEvent);
-    std::lock_guard<std::mutex> lock(event->mu);
-    return event->completed >= event->recorded ? cudaSuccess : cudaErrorNotReady;
+    uint64_t target;
+    bool done;
+    {
+        std::lock_guard<std::mutex> lock(event->mu);
+        done = event->completed >= event->recorded;
+        target = event->recorded;
+    }
+    if (done && conf().racecheck) race_host_saw_event(event, target);
+    return done ? cudaSuccess : cudaErrorNotReady;
 }
 
 EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
@@ -1407,9 +1561,11 @@ EMU_EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t even
         }
     }
     if (target == 0) return cudaSuccess;   // never recorded: nothing to wait for
-    s->push([event, target] {
+    const int sid = s->id;
+    s->push([event, target, sid] {
         if (!event->wait_for(target, conf().timeout))
             die("cudaStreamWaitEvent: the event's record never completed (waited %.0f s)", conf().timeout);
+        if (conf().racecheck) race_wait(event, target, sid);
     }, "cudaStreamWaitEvent");
     return cudaSuccess;
 }
@@ -1428,6 +1584,7 @@ EMU_EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     }
     ++c_syncs;
     if (!event->wait_for(target, conf().timeout)) die("cudaEventSynchronize: the event never completed");
+    if (conf().racecheck) race_host_saw_event(event, target);
     return cudaSuccess;
 }
 
@@ -1500,6 +1657,8 @@ struct graph_run {
     std::condition_variable cv;
     bool started = false;
     std::vector<char> done;
+    vclock start_clock;               // MGPU_EMU_RACECHECK: the launch's, and each node's when it ran
+    std::vector<vclock> node_clock;
     size_t left = 0;
     template <class P> void wait(P ready, const char* what) {
         std::unique_lock<std::mutex> lock(mu);
@@ -1637,12 +1796,19 @@ EMU_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream
     std::lock_guard<std::mutex> order(exec->mu);
     std::shared_ptr<graph_run> prev = std::move(exec->last);
     exec->last = run;
-    s->push([run, prev] {
+    run->node_clock.resize(body->nodes.size());
+    const int sid = s->id;
+    s->push([run, prev, sid, before = conf().racecheck ? race_host() : vclock()] {
         if (prev) prev->wait([&] { return prev->left == 0; }, "a launch of a graph (the one before it)");
+        if (conf().racecheck) {
+            race_task(sid, before, touches(), "cudaGraphLaunch");
+            run->start_clock = race_stream(sid);
+        }
         run->mark(-1);
     }, "cudaGraphLaunch");
-    for (size_t i = 0; i < body->nodes.size(); ++i)
-        exec->workers[body->nodes[i].slot]->push([run, body, i] {
+    for (size_t i = 0; i < body->nodes.size(); ++i) {
+        const int worker = exec->workers[body->nodes[i].slot]->id;
+        exec->workers[body->nodes[i].slot]->push([run, body, i, worker] {
             const graph_node& n = body->nodes[i];
             run->wait([&] {
                 if (!run->started) return false;
@@ -1650,10 +1816,24 @@ EMU_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream
                     if (!run->done[d]) return false;
                 return true;
             }, n.what);
+            if (conf().racecheck) {   // after the launch and the nodes it depends on (their clocks are final: done)
+                vclock before = run->start_clock;
+                for (int d : n.deps) clock_join(before, run->node_clock[(size_t)d]);
+                race_task(worker, before, n.touch, n.what);
+                run->node_clock[i] = race_stream(worker);
+            }
             n.fn();
             run->mark((int)i);
         }, body->nodes[i].what);
-    s->push([run] { run->wait([&] { return run->left == 0; }, "the end of a graph launch"); }, "cudaGraphLaunch");
+    }
+    s->push([run, sid] {
+        run->wait([&] { return run->left == 0; }, "the end of a graph launch");
+        if (conf().racecheck) {
+            vclock all;
+            for (const vclock& c : run->node_clock) clock_join(all, c);
+            race_task(sid, all, touches(), "the end of cudaGraphLaunch");
+        }
+    }, "cudaGraphLaunch");
     ++c_graph_launches;
     return cudaSuccess;
 }
@@ -1707,6 +1887,7 @@ EMU_EXPORT cudaError_t cudaFree(void* ptr) {
         g_dev[dev].used -= it->second.size;
         g_allocs.erase(it);
     }
+    if (conf().racecheck) race_freed((uintptr_t)ptr);
     free(ptr);
     ++c_frees;
     return cudaSuccess;
@@ -1745,8 +1926,7 @@ EMU_EXPORT cudaError_t cudaFreeHost(void* ptr) {
 static cudaError_t queue_copy(void* dst, const void* src, size_t bytes, cudaStream_t s, where wd, where ws) {
     if (ws.kind == PAGEABLE && wd.kind != PAGEABLE) {
         std::shared_ptr<std::vector<char>> staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
-        s->push([dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync from pageable memory");
-        return cudaSuccess;
+        return submit(s, [dst, staged] { memcpy(dst, staged->data(), staged->size()); }, "cudaMemcpyAsync from pageable memory");
     }
     if (cudaError_t e = submit(s, [dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyAsync")) return fail(e);
     if (wd.kind == PAGEABLE) {
@@ -1771,12 +1951,15 @@ static void count_copy(where wd, where ws, size_t bytes) {
 
 EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind,
                                        cudaStream_t stream) {
+    tl_touch.clear();   // (what a call that queued nothing checked is not this copy's)
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
     if (!dst || !src) return fail(cudaErrorInvalidValue);
     const where wd = classify("cudaMemcpyAsync destination", dst, bytes);
     const where ws = classify("cudaMemcpyAsync source", src, bytes);
+    if (wd.kind == DEVICE) note_touch((uintptr_t)dst, (uintptr_t)dst + bytes, true);
+    if (ws.kind == DEVICE) note_touch((uintptr_t)src, (uintptr_t)src + bytes, false);
     const bool want_dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
     const bool want_src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
     if (kind != cudaMemcpyDefault && ((wd.kind == DEVICE) != want_dst_dev || (ws.kind == DEVICE) != want_src_dev))
@@ -1792,6 +1975,7 @@ EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
 EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes,
                                            cudaStream_t stream) {
     if (!valid_device(dst_dev) || !valid_device(src_dev)) return fail(cudaErrorInvalidDevice);
+    tl_touch.clear();
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
@@ -1799,13 +1983,14 @@ EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* s
     snprintf(what, sizeof what, "cudaMemcpyPeerAsync destination on device %d", dst_dev);
     check_device(what, dst, bytes, dst_dev, false);
     snprintf(what, sizeof what, "cudaMemcpyPeerAsync source on device %d", src_dev);
-    check_device(what, src, bytes, src_dev, false);
+    check_device(what, src, bytes, src_dev, false, false);
     if (cudaError_t e = submit(s, [dst, src, bytes] { memmove(dst, src, bytes); }, "cudaMemcpyPeerAsync")) return fail(e);
     count_copy(where{DEVICE, dst_dev}, where{DEVICE, src_dev}, bytes);
     return cudaSuccess;
 }
 
 EMU_EXPORT cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+    tl_touch.clear();
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
@@ -2024,6 +2209,7 @@ static void run_gemm(const gemm_args& g) {
 static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
                            int m, int n, int k, const float* alpha, const void* a, int lda, const void* b, int ldb,
                            const float* beta, void* c, int ldc, bool ab_bf16, bool c_bf16) {
+    tl_touch.clear();
     if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (tl_device != handle->dev)
         die("%s: a handle of device %d used while device %d is current", call, handle->dev, tl_device);
@@ -2041,8 +2227,8 @@ static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperat
     std::string what = std::string(call);
     if (k > 0) {
         const int cols_a = ta ? m : k, cols_b = tb ? k : n;
-        check_device((what + " A").c_str(), a, ((size_t)(cols_a - 1) * lda + rows_a) * ab_size, dev, true);
-        check_device((what + " B").c_str(), b, ((size_t)(cols_b - 1) * ldb + rows_b) * ab_size, dev, true);
+        check_device((what + " A").c_str(), a, ((size_t)(cols_a - 1) * lda + rows_a) * ab_size, dev, true, false);
+        check_device((what + " B").c_str(), b, ((size_t)(cols_b - 1) * ldb + rows_b) * ab_size, dev, true, false);
     }
     check_device((what + " C").c_str(), c, ((size_t)(n - 1) * ldc + m) * c_size, dev, true);
     gemm_args g{m, n, k, lda, ldb, ldc, ta, tb, handle->math == CUBLAS_TF32_TENSOR_OP_MATH, ab_bf16, c_bf16, 0.0f, 0.0f,
@@ -2051,8 +2237,8 @@ static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperat
         g.alpha = *alpha;
         g.beta = *beta;
     } else {
-        check_device((what + " alpha").c_str(), alpha, sizeof(float), dev, true);
-        check_device((what + " beta").c_str(), beta, sizeof(float), dev, true);
+        check_device((what + " alpha").c_str(), alpha, sizeof(float), dev, true, false);
+        check_device((what + " beta").c_str(), beta, sizeof(float), dev, true, false);
         g.alpha_dev = alpha;
         g.beta_dev = beta;
     }
@@ -2280,6 +2466,7 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
                                          size_t workspace_bytes, cudaStream_t stream) {
     static const char* call = "cublasLtMatmul";
     int dev;
+    tl_touch.clear();
     {
         std::lock_guard<std::mutex> lock(g_mu);
         if (!g_lt_handles.count(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
@@ -2304,17 +2491,20 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
     const bool ab_bf16 = la.type == CUDA_R_16BF, c_bf16 = lc.type == CUDA_R_16BF;
     const size_t ab_size = ab_bf16 ? 2 : 4, c_size = c_bf16 ? 2 : 4;
     if (k > 0) {
-        check_device("cublasLtMatmul A", a, ((size_t)(la.cols - 1) * la.ld + la.rows) * ab_size, dev, true);
-        check_device("cublasLtMatmul B", b, ((size_t)(lb.cols - 1) * lb.ld + lb.rows) * ab_size, dev, true);
+        check_device("cublasLtMatmul A", a, ((size_t)(la.cols - 1) * la.ld + la.rows) * ab_size, dev, true, false);
+        check_device("cublasLtMatmul B", b, ((size_t)(lb.cols - 1) * lb.ld + lb.rows) * ab_size, dev, true, false);
     }
     check_device("cublasLtMatmul D", d, ((size_t)(n - 1) * lc.ld + m) * c_size, dev, true);
     const int bias_count = x.epilogue == CUBLASLT_EPILOGUE_BGRADB ? n : m;
     if (x.epilogue != CUBLASLT_EPILOGUE_DRELU && x.epilogue != CUBLASLT_EPILOGUE_DGELU)
-        check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true);
+        check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true,
+                     x.epilogue == CUBLASLT_EPILOGUE_BGRADB);   // (a bias gradient: written)
     if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU)
-        check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true);
+        check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true,
+                     x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS);
     if (x.epilogue == CUBLASLT_EPILOGUE_DGELU || x.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
-        check_device("cublasLtMatmul aux", x.aux, ((size_t)(n - 1) * x.aux_ld + m) * 4, dev, true);
+        check_device("cublasLtMatmul aux", x.aux, ((size_t)(n - 1) * x.aux_ld + m) * 4, dev, true,
+                     x.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
     gemm_args g{m, n, k, (int)la.ld, (int)lb.ld, (int)lc.ld, x.transa != CUBLAS_OP_N, x.transb != CUBLAS_OP_N,
                 x.compute == CUBLAS_COMPUTE_32F_FAST_TF32, ab_bf16, c_bf16, *(const float*)alpha, *(const float*)beta,
                 nullptr, nullptr, a, b, d, x.epilogue, (float*)x.bias, x.aux, x.aux_ld};

@@ -738,6 +738,24 @@ extern "C" int selfcheck_run(const char* which) {
         write_kernel<<<1, 2048>>>((float*)d);
         return cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess ? 0 : 1;
     }
+    if (!strcmp(which, "race") || !strcmp(which, "race_ordered")) {   // MGPU_EMU_RACECHECK: two streams, one buffer
+        cudaStream_t a, b;
+        cudaEvent_t e;
+        if (check(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "stream") ||
+            check(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "stream") || check(cudaEventCreateWithFlags(&e, 2), "event"))
+            return 1;
+        write_kernel<<<1, 32, 0, a>>>((float*)d);
+        if (!strcmp(which, "race_ordered")) {   // by an event, then by the host's wait
+            if (check(cudaEventRecord(e, a), "record") || check(cudaStreamWaitEvent(b, e, 0), "wait")) return 1;
+            if (check(cudaMemsetAsync(d, 0, 128, b), "memset") || check(cudaStreamSynchronize(b), "sync")) return 1;
+            write_kernel<<<1, 32, 0, a>>>((float*)d);
+            if (check(cudaStreamSynchronize(a), "sync")) return 1;
+        }
+        if (check(cudaMemsetAsync(d, 0, 128, b), "memset") || check(cudaStreamSynchronize(b), "sync") ||
+            check(cudaStreamSynchronize(a), "sync"))
+            return 1;
+        return 0;
+    }
     if (!strcmp(which, "divergent")) divergent_barrier_kernel<<<2, threads>>>(d);
     else if (!strcmp(which, "missing_lanes")) missing_lanes_kernel<<<1, threads>>>(d);
     else if (!strcmp(which, "deadlock")) deadlock_kernel<<<1, 64>>>(d);

@@ -3,8 +3,9 @@
    its own devices and environment):
    1. the emulator: shuffles and barriers give hardware's results (selfcheck.cu); launch limits
       are launch errors; a divergent barrier, a shuffle with missing lanes, a deadlock, a copy
-      past an allocation's end and a kernel given another device's memory without peer access
-      each stop the program with a report naming the kernel or the call; captured graphs replay
+      past an allocation's end, a kernel given another device's memory without peer access and
+      (MGPU_EMU_RACECHECK) two streams writing one buffer in no order each stop the program with
+      a report naming the kernel or the call; captured graphs replay
       what eager work computes, and a capture refuses what CUDA's refuses;
    2. faults: a failed cudaMalloc (mgpu empties its cache and tries again; a second failure is
       mgpu's out-of-memory error, and the next allocation works); a small device (out of
@@ -801,10 +802,16 @@ int main(int argc, char** argv) {
     expect_report("selfcheck:no_peer_kernel", "MGPU_EMU_DEVICES=2", "write_kernel", "without peer access");
     expect_report("selfcheck:no_peer_struct", "MGPU_EMU_DEVICES=2", "padded_write_kernel", "without peer access");
     expect_ok("selfcheck:padding", "MGPU_EMU_DEVICES=2");
+    /* MGPU_EMU_RACECHECK: two streams writing one buffer in no order are reported; ordered by an
+       event or by the host, they are not */
+    expect_report("selfcheck:race", "MGPU_EMU_DEVICES=1 MGPU_EMU_RACECHECK=1", "write_kernel", "in no order");
+    expect_ok("selfcheck:race_ordered", "MGPU_EMU_DEVICES=1 MGPU_EMU_RACECHECK=1");
+    expect_ok("selfcheck:race", "MGPU_EMU_DEVICES=1");   /* (without the check: nothing to report) */
     /* stream capture and graphs: replays match eager work (across two devices, in two chaos
        orders too), and what a capture refuses; async copies from pinned and pageable memory */
     expect_ok("selfcheck:graph_basic", "MGPU_EMU_DEVICES=1");
     expect_ok("selfcheck:graph_fork_join", "MGPU_EMU_DEVICES=2");
+    expect_ok("selfcheck:graph_fork_join", "MGPU_EMU_DEVICES=2 MGPU_EMU_RACECHECK=1");
     expect_ok("selfcheck:graph_fork_join", "MGPU_EMU_DEVICES=2 MGPU_EMU_CHAOS=1");
     expect_ok("selfcheck:graph_fork_join", "MGPU_EMU_DEVICES=2 MGPU_EMU_CHAOS=2");
     expect_ok("selfcheck:graph_forbidden", "MGPU_EMU_DEVICES=1");
