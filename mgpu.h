@@ -8388,6 +8388,29 @@ static int mgpu__box_dgelu(const mgpu_layer* l, int k, const mgpu_tensor* dy, co
            !mgpu__box_recomputes(l, k - 2) && dy->dtype == MGPU_F32 && aux && aux->dtype == MGPU_F32 && !MGPU__IS_CPU(dy) &&
            mgpu__epilogues_on();
 }
+/* Set by the model around a container's backward (mgpu__part_backward_layer) when that backward
+   is the step's first and the container's tensors are tied to none (MGPU__FUSE_FRESH): its Linear
+   children, and its containers' in turn, write their gradients instead of adding to zeros
+   (mgpu__fresh_mark says which; mgpu__step_zero_grads leaves them). Any other child runs without
+   it: a layer of the user's may call a child more than once. */
+static MGPU__TLS int mgpu__box_fresh;
+static int mgpu__is_box(const mgpu_layer* l);
+/* Child k's backward, with mgpu__box_fresh as above */
+static mgpu_result mgpu__box_kid_backward(const mgpu__container* c, int k, const mgpu_layer_ctx* sub, const mgpu_tensor* x,
+                                          const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
+    const int fresh = mgpu__box_fresh;
+    mgpu_result r;
+    int act_done;
+    if (fresh && mgpu__is_linear(c->kid[k])) {
+        mgpu_clear_error();   /* (as mgpu_layer_backward) */
+        r = mgpu__linear_backward_fused(c->kid[k], sub, x, dy, dx, 1, 0, NULL, &act_done);
+        return r == MGPU_OK ? MGPU_OK : mgpu__call_failed(c->kid[k], r);
+    }
+    if (!mgpu__is_box(c->kid[k])) mgpu__box_fresh = 0;
+    r = mgpu_layer_backward(c->kid[k], sub, x, y, dy, dx);
+    mgpu__box_fresh = fresh;
+    return r;
+}
 static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x,
                                       const mgpu_tensor* y, const mgpu_tensor* dy, mgpu_tensor* dx) {
     const mgpu__container* c = mgpu__box(l);
@@ -8399,11 +8422,11 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
     int k, gelu_done = 0;                      /* child k's backward (a GELU's) done by child k + 1's GEMM */
     if (c->residual) {   /* dx = d f(x) + (dy, or d shortcut(x)): f's into dx, the shortcut's into a temporary */
         mgpu_layer_ctx sub = mgpu__kid_ctx(c, ctx, 0);
-        MGPU__TRY(mgpu_layer_backward(c->kid[0], &sub, x, own[0], dy, dx));
+        MGPU__TRY(mgpu__box_kid_backward(c, 0, &sub, x, own[0], dy, dx));
         if (n == 1) return dx ? mgpu_add(dx, dx, dy) : MGPU_OK;
         if (dx && !(dcur = mgpu__box_temp(dx))) return mgpu_last_result();
         sub = mgpu__kid_ctx(c, ctx, 1);
-        r = mgpu_layer_backward(c->kid[1], &sub, x, own[1], dy, dcur);
+        r = mgpu__box_kid_backward(c, 1, &sub, x, own[1], dy, dcur);
         if (r == MGPU_OK && dx) r = mgpu_add(dx, dx, dcur);
         mgpu_tensor_destroy(dcur);
         return r;
@@ -8428,10 +8451,11 @@ static mgpu_result mgpu__box_backward(const mgpu_layer* l, const mgpu_layer_ctx*
         if (k && !dcur && r == MGPU_OK) r = mgpu_last_result();
         if (r == MGPU_OK && mgpu__box_dgelu(l, k, dnext ? dnext : dy, k >= 2 ? own[k - 2] : NULL)) {
             mgpu_clear_error();   /* (as mgpu_layer_backward, with the epilogue) */
-            r = mgpu__linear_backward_fused(c->kid[k], &sub, in, dnext ? dnext : dy, dcur, 0, MGPU__EPI_DGELU, own[k - 2], &gelu_done);
+            r = mgpu__linear_backward_fused(c->kid[k], &sub, in, dnext ? dnext : dy, dcur, mgpu__box_fresh, MGPU__EPI_DGELU, own[k - 2],
+                                            &gelu_done);
             if (r != MGPU_OK) r = mgpu__call_failed(c->kid[k], r);
         } else if (r == MGPU_OK) {
-            r = mgpu_layer_backward(c->kid[k], &sub, in, out, dnext ? dnext : dy, dcur);
+            r = mgpu__box_kid_backward(c, k, &sub, in, out, dnext ? dnext : dy, dcur);
         }
         mgpu_tensor_destroy(dnext);
         dnext = k ? dcur : NULL;
@@ -8473,6 +8497,7 @@ static const mgpu_layer_vtable mgpu__residual_vt = {
     mgpu__box_aux, mgpu__box_aux_shape, mgpu__box_forward, mgpu__box_backward, mgpu__box_describe, mgpu__box_destroy,
     mgpu__box_buffers, mgpu__box_buffer_shape
 };
+static int mgpu__is_box(const mgpu_layer* l) { return l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt; }
 
 /* A failed mgpu_model_create or container still owns its layers (the promise of both): destroy
    each one that no model or container owns, once, however often it appears. */
@@ -10847,6 +10872,7 @@ typedef struct mgpu__param {
     mgpu_shape shape;
     int64_t offset;         /* floats from the start of the whole model's flat layout */
     int tied;               /* the tensor it is a copy of (desc.ties, mgpu__ties_gather), or -1 */
+    int fresh;              /* a GPU's step writes its first gradient, not zeroed before (MGPU__FUSE_FRESH) */
 } mgpu__param;
 
 /* A contiguous range of one stage's flat gradient buffer, reduced as one all-reduce as soon as
@@ -11166,7 +11192,7 @@ static int mgpu__bf16_path(const mgpu_layer* l) {
     if (vt == &mgpu__conv_vt || vt == &mgpu__pool_vt || vt == &mgpu__bn_vt || vt == &mgpu__gap_vt || vt == &mgpu__dropout_vt ||
         vt == &mgpu__ln_vt || vt == &mgpu__emb_vt || vt == &mgpu__pos_vt || vt == &mgpu__attn_vt)
         return MGPU__BF16_WIDENED;
-    if (vt == &mgpu__sequential_vt || vt == &mgpu__residual_vt) {   /* bf16 between its children, each as it can */
+    if (mgpu__is_box(l)) {   /* bf16 between its children, each as it can */
         for (k = 0; k < mgpu__box(l)->count; ++k)
             if (mgpu__bf16_path(mgpu__box(l)->kid[k]) == MGPU__BF16_NONE) return MGPU__BF16_NONE;
         return MGPU__BF16_NATIVE;
@@ -11177,7 +11203,7 @@ static int mgpu__bf16_path(const mgpu_layer* l) {
 static const mgpu_layer* mgpu__bf16_missing(const mgpu_layer* l) {
     int k;
     if (mgpu__bf16_path(l) != MGPU__BF16_NONE) return NULL;
-    if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
+    if (mgpu__is_box(l))
         for (k = 0; k < mgpu__box(l)->count; ++k)
             if (mgpu__bf16_missing(mgpu__box(l)->kid[k])) return mgpu__bf16_missing(mgpu__box(l)->kid[k]);
     return l;
@@ -11187,7 +11213,7 @@ static void mgpu__layer_adopt(mgpu_layer* l, const mgpu_model* m) {
     int k;
     l->precision = m->precision;
     l->recompute = m->recompute;
-    if (l->vt == &mgpu__sequential_vt || l->vt == &mgpu__residual_vt)
+    if (mgpu__is_box(l))
         for (k = 0; k < mgpu__box(l)->count; ++k) mgpu__layer_adopt(mgpu__box(l)->kid[k], m);
 }
 
@@ -11823,13 +11849,23 @@ static mgpu_result mgpu__model_layout(mgpu_model* m, const mgpu_model_desc* desc
    - MGPU__FUSE_DRELU: layer i is a Linear after such a pair (i - 2, i - 1), in the same stage:
      its dx GEMM applies the ReLU's backward with that mask, and the ReLU's backward does not run
      (its dx and dy are one buffer, mgpu__slot_resize).
-   - MGPU__FUSE_FRESH: layer i is a Linear whose tensors are tied to none: the first micro-batch of
-     a whole step writes its gradients instead of adding to zeros (no memset of them; the bias's
-     from the weight's GEMM).
+   - MGPU__FUSE_FRESH: layer i is a Linear, or a container, whose tensors are tied to none: the
+     first micro-batch of a whole step writes the gradients of the Linear (or of the container's
+     Linear children, at any depth through containers: mgpu__box_fresh) instead of adding to
+     zeros (no memset of them, each tensor's fresh mark; the bias's from the weight's GEMM).
    The first two only with MGPU_FUSE_RELU (mgpu__fuse_relu_on). Whatever cuBLASLt has no
    algorithm for runs as the separate kernels (the slot's fused[] says which ran); the CPU always
    runs them. Made at the end of step 2. */
 enum { MGPU__FUSE_RELU = 1, MGPU__FUSE_DRELU = 2, MGPU__FUSE_FRESH = 4 };
+/* The tensors whose first gradients l writes (from tensor `first`): a Linear's, and a container's
+   Linear children's through containers (as mgpu__box_kid_backward passes mgpu__box_fresh on) */
+static void mgpu__fresh_mark(mgpu_model* m, const mgpu_layer* l, int first) {
+    int t, k;
+    if (mgpu__is_linear(l))
+        for (t = first; t < first + mgpu__linear_params(l); ++t) m->tensors[t].fresh = 1;
+    if (mgpu__is_box(l))
+        for (k = 0; k < mgpu__box(l)->count; ++k) mgpu__fresh_mark(m, mgpu__box(l)->kid[k], first + mgpu__box(l)->first_param[k]);
+}
 enum { MGPU__FUSED_RELU = 1, MGPU__FUSED_DRELU = 2 };   /* a slot's: done by the epilogue this time */
 static mgpu_result mgpu__fuse_plan(mgpu_model* m) {
     int i, s, t, u;
@@ -11839,10 +11875,14 @@ static mgpu_result mgpu__fuse_plan(mgpu_model* m) {
         for (i = m->stage_layer[s]; i < m->stage_layer[s + 1]; ++i) {
             const mgpu_layer* l = m->layers[i];
             int tied = 0;
-            if (!mgpu__is_linear(l)) continue;
+            if (!mgpu__is_linear(l) && !mgpu__is_box(l)) continue;
             for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t)
                 for (u = 0; u < m->tensor_count; ++u) tied |= m->tensors[t].tied >= 0 || m->tensors[u].tied == t;
-            if (!tied) m->fuse[i] |= MGPU__FUSE_FRESH;
+            if (!tied) {
+                m->fuse[i] |= MGPU__FUSE_FRESH;
+                mgpu__fresh_mark(m, l, m->first_tensor[i]);
+            }
+            if (!mgpu__is_linear(l)) continue;
             if (!l->cfg.no_bias && i + 1 < m->stage_layer[s + 1] && m->layers[i + 1]->vt == &mgpu__relu_vt) m->fuse[i] |= MGPU__FUSE_RELU;
             if (i - 2 >= m->stage_layer[s] && (m->fuse[i - 2] & MGPU__FUSE_RELU)) m->fuse[i] |= MGPU__FUSE_DRELU;
         }
@@ -13705,11 +13745,15 @@ static mgpu_result mgpu__part_backward_layer(mgpu_model* m, mgpu__part* p, int k
     sl->fused[i] &= (unsigned char)~MGPU__FUSED_DRELU;
     fresh = fresh && (m->fuse[i] & MGPU__FUSE_FRESH);
     mask = sl->fuse_relu && (m->fuse[i] & MGPU__FUSE_DRELU) && (sl->fused[i - 2] & MGPU__FUSED_RELU) ? sl->mask[i - 2] : NULL;
-    if (fresh || mask) {   /* a Linear (mgpu__fuse_plan) */
+    if ((fresh && mgpu__is_linear(m->layers[i])) || mask) {   /* a Linear (mgpu__fuse_plan) */
         r = mgpu__linear_backward_fused(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, dy, dx, fresh,
                                         mask ? MGPU__EPI_DRELU : 0, mask, &done);
         if (done) sl->fused[i] |= MGPU__FUSED_DRELU;
-    } else r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+    } else {   /* (a container's Linear children write theirs: mgpu__box_fresh) */
+        mgpu__box_fresh = fresh;
+        r = mgpu__layer_run_backward(m->layers[i], &ctx, i > first ? sl->act[i - 1] : &sl->input, sl->act[i], dy, dx);
+        mgpu__box_fresh = 0;
+    }
     if (!m->layers[i]->graph_safe) (void)MGPU__CUDA(mgpu__cu_device_unknown());   /* a custom layer's code ran */
     if (r != MGPU_OK) {
         snprintf(where, sizeof where, "%s: layer %d (%s)", op, i, mgpu_layer_type(m->layers[i]));
@@ -14468,22 +14512,21 @@ static mgpu_result mgpu__step_zero_grads(const mgpu__batch* b, mgpu__part* p) {
     const mgpu_model* m = b->m;
     const int s = p->stage;
     int64_t start, count, zero_from = m->stage_off[s], t_end;
-    int i, t;
+    int t;
     mgpu__split(b->xs[p->replica].shape.dim[0], m->micro_batches, 0, &start, &count);
     p->grads_fresh = mgpu__part_fuses(p) && count > 0;
     if (!p->grads_fresh) return mgpu_tensor_zero(p->grads);
-    for (i = m->stage_layer[s]; i < m->stage_layer[s + 1]; ++i) {
-        if (!(m->fuse[i] & MGPU__FUSE_FRESH)) continue;
-        for (t = m->first_tensor[i]; t < m->first_tensor[i + 1]; ++t) {
-            mgpu_tensor gap = mgpu__rows(p->grads, zero_from - m->stage_off[s], m->tensors[t].offset - zero_from);
-            if (gap.shape.dim[0] < 0) {   /* (the layout is in layer order: never) */
-                p->grads_fresh = 0;
-                return mgpu_tensor_zero(p->grads);
-            }
-            if (gap.shape.dim[0] > 0) MGPU__TRY(mgpu_tensor_zero(&gap));
-            t_end = t + 1 < m->tensor_count ? m->tensors[t + 1].offset : m->flat_floats;
-            zero_from = MGPU__MIN(t_end, m->stage_off[s + 1]);
+    for (t = m->first_tensor[m->stage_layer[s]]; t < m->first_tensor[m->stage_layer[s + 1]]; ++t) {
+        mgpu_tensor gap;
+        if (!m->tensors[t].fresh) continue;
+        gap = mgpu__rows(p->grads, zero_from - m->stage_off[s], m->tensors[t].offset - zero_from);
+        if (gap.shape.dim[0] < 0) {   /* (the layout is in layer order: never) */
+            p->grads_fresh = 0;
+            return mgpu_tensor_zero(p->grads);
         }
+        if (gap.shape.dim[0] > 0) MGPU__TRY(mgpu_tensor_zero(&gap));
+        t_end = t + 1 < m->tensor_count ? m->tensors[t + 1].offset : m->flat_floats;
+        zero_from = MGPU__MIN(t_end, m->stage_off[s + 1]);
     }
     if (zero_from < m->stage_off[s + 1]) {
         mgpu_tensor rest = mgpu__rows(p->grads, zero_from - m->stage_off[s], m->stage_off[s + 1] - zero_from);

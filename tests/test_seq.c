@@ -2416,6 +2416,79 @@ static void box_dgelu(void) {
 #endif
 }
 
+/* A training step on a GPU writes the first gradients of a container's Linear children (at any
+   depth through containers; MGPU__FUSE_FRESH, mgpu__box_fresh) instead of zeroing them and adding:
+   LayerNorm, x + Conv1D(GELU(Linear(x))), Linear head, the gradients NaN before the first step.
+   Three SGD steps give the parameters of MGPU_EPILOGUES=0 within 1e-5 (a gradient neither written
+   nor zeroed would keep its NaN: the LayerNorm's lie before the fresh ones), and a step launches
+   two kernels fewer besides its GEMMs than accumulate + apply: the Linears' bias gradients, from
+   their weights' GEMMs (BGRAD; the Conv1D's, stored [in, out], has no such epilogue). */
+#ifdef MGPU_CUDA
+static void box_fresh(void) {
+    const int B = 6, C = 8, hidden = 16, K = 3;
+    const int64_t nx = (int64_t)B * C;
+    emu_counters_fn counters = emu_counters();
+    mgpu_device_set* set = mgpu_device_set_create("cuda:0");
+    float *x = fbuf(nx), *params[2] = { NULL, NULL };
+    int32_t labels[6];
+    long long step_kernels = 0, split_kernels = 0;
+    int64_t n = 0, i;
+    int setting, s;
+    for (i = 0; i < nx; ++i) x[i] = (float)rng_gauss();
+    for (i = 0; i < B; ++i) labels[i] = (int32_t)(i % K);
+    for (setting = 0; setting < 2 && set; ++setting) {
+        mgpu_layer* layers[3] = { mgpu_layer_layer_norm(C), gpt_mlp_block(C, hidden), mgpu_layer_linear(C, K) };
+        mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = layers, .layer_count = 3,
+                                                              .devices = set, .seed = 5 });
+        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f }) : NULL;
+        mgpu_device* dev = m ? mgpu_model_device(m, 0) : NULL;
+        mgpu_tensor *tx = NULL, *ty = NULL;
+        CHECK(m && opt, "fresh gradients in containers: model: %s", mgpu_last_error());
+        if (!m || !opt) { mgpu_optimizer_destroy(opt); mgpu_model_destroy(m); break; }
+        mgpu__epilogue_setting = setting;
+        tx = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
+        ty = tmake(dev, MGPU_I32, mgpu_shape1(B));
+        tput(tx, x);
+        tput(ty, labels);
+        for (i = 0; i < mgpu_model_tensor_count(m); ++i)   /* (the padding between them stays 0, as it must) */
+            MUST(mgpu_tensor_fill(mgpu_model_grad(m, 0, mgpu_model_tensor_name(m, (int)i)), NAN));
+        for (s = 0; s < 3; ++s) MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
+        n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+        params[setting] = fbuf(n);
+        tget(mgpu_model_params(m, 0), params[setting]);
+        if (setting == 1 && counters) {   /* a step, and the same as accumulate + apply */
+            mgpu_emu_counters_t c0, c1, c2;
+            MUST(mgpu_device_synchronize(dev));
+            counters(&c0);
+            MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
+            MUST(mgpu_device_synchronize(dev));
+            MUST(mgpu_model_zero_grad(m));
+            MUST(mgpu_device_synchronize(dev));
+            counters(&c1);
+            MUST(mgpu_model_accumulate(m, tx, ty, 0, NULL));
+            MUST(mgpu_model_apply(m, opt));
+            MUST(mgpu_device_synchronize(dev));
+            counters(&c2);
+            step_kernels = (long long)(c1.launches - c0.launches) - (long long)(c1.gemms - c0.gemms);
+            split_kernels = (long long)(c2.launches - c1.launches) - (long long)(c2.gemms - c1.gemms);
+        }
+        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(ty);
+        mgpu_optimizer_destroy(opt);
+        mgpu_model_destroy(m);
+    }
+    mgpu__epilogue_setting = -1;
+    if (params[0] && params[1]) {
+        const double e = attn_rel(params[1], params[0], n);
+        CHECK(e <= 1e-5, "fresh gradients in containers: three steps %.3g from the separate kernels' (NaN: a gradient left unzeroed)", e);
+    }
+    if (counters && !getenv("MGPU_EMU_NO_LT"))
+        CHECK(split_kernels - step_kernels == 2, "fresh gradients in containers: a step launched %lld kernels besides GEMMs, "
+              "accumulate + apply %lld (want 2 fewer: the Linears' bias gradients in their GEMMs)", step_kernels, split_kernels);
+    free(x); free(params[0]); free(params[1]);
+    mgpu_device_set_destroy(set);
+}
+#endif
+
 /* A container keeps its children's outputs from step to step, not the gradients between them
    (temporaries of its backward, from the cache): a GPT MLP block, x + proj(gelu(fc(ln(x)))),
    keeps 10 C floats a token of its own (ln, fc and gelu's outputs, f's) where its gradients
@@ -2589,6 +2662,9 @@ static void test_containers(void) {
     box_memory("cpu");
     if (gpu_part("container memory")) box_memory("cuda:0");
     if (gpu_part("a GELU's backward in the next Linear's GEMM")) box_dgelu();
+#ifdef MGPU_CUDA
+    if (gpu_part("fresh gradients in containers")) box_fresh();
+#endif
 }
 
 /* ============================================================================================ */
