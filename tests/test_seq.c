@@ -2416,13 +2416,49 @@ static void box_dgelu(void) {
 #endif
 }
 
+/* "Twice", a layer of the user's around a child: y = 2 f(x), its backward the child's twice
+   (each adding its gradients), as a layer that calls a child more than once does */
+static mgpu_layer* twice_kid(const mgpu_layer* l) { return (mgpu_layer*)mgpu_layer_user_data(l); }
+static mgpu_result twice_shape(const mgpu_layer* l, mgpu_shape x, mgpu_shape* y) { return twice_kid(l)->vt->output_shape(twice_kid(l), x, y); }
+static int twice_params(const mgpu_layer* l) { return twice_kid(l)->vt->param_count(twice_kid(l)); }
+static mgpu_result twice_param_shape(const mgpu_layer* l, int i, const char** name, mgpu_shape* shape) {
+    return twice_kid(l)->vt->param_shape(twice_kid(l), i, name, shape);
+}
+static int twice_aux(const mgpu_layer* l) { return twice_kid(l)->vt->aux_count(twice_kid(l)); }
+static mgpu_result twice_aux_shape(const mgpu_layer* l, int i, mgpu_shape x, mgpu_dtype* dt, mgpu_shape* shape) {
+    return twice_kid(l)->vt->aux_shape(twice_kid(l), i, x, dt, shape);
+}
+static mgpu_result twice_init(const mgpu_layer* l, const mgpu_layer_ctx* ctx, uint64_t seed) {
+    return twice_kid(l)->vt->init(twice_kid(l), ctx, seed);
+}
+static mgpu_result twice_forward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, mgpu_tensor* y) {
+    mgpu_result r = mgpu_layer_forward(twice_kid(l), ctx, x, y);
+    return r == MGPU_OK ? mgpu_add(y, y, y) : r;
+}
+static mgpu_result twice_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx, const mgpu_tensor* x, const mgpu_tensor* y,
+                                  const mgpu_tensor* dy, mgpu_tensor* dx) {
+    mgpu_tensor* first = dx ? mgpu_tensor_create(mgpu_tensor_device(dx), dx->dtype, dx->shape) : NULL;
+    mgpu_result r = dx && !first ? mgpu_last_result() : mgpu_layer_backward(twice_kid(l), ctx, x, y, dy, first);
+    if (r == MGPU_OK) r = mgpu_layer_backward(twice_kid(l), ctx, x, y, dy, dx);
+    if (r == MGPU_OK && dx) r = mgpu_add(dx, dx, first);
+    mgpu_tensor_destroy(first);
+    return r;
+}
+static void twice_destroy(mgpu_layer* l) { mgpu_layer_destroy(twice_kid(l)); }
+static const mgpu_layer_vtable g_twice_vt = { "Twice", twice_shape, twice_params, twice_param_shape, twice_init, twice_aux,
+                                              twice_aux_shape, twice_forward, twice_backward, NULL, twice_destroy, NULL, NULL };
+
 /* A training step on a GPU writes the first gradients of a container's Linear children (at any
-   depth through containers; MGPU__FUSE_FRESH, mgpu__box_fresh) instead of zeroing them and adding:
-   LayerNorm, x + Conv1D(GELU(Linear(x))), Linear head, the gradients NaN before the first step.
-   Three SGD steps give the parameters of MGPU_EPILOGUES=0 within 1e-5 (a gradient neither written
-   nor zeroed would keep its NaN: the LayerNorm's lie before the fresh ones), and a step launches
-   two kernels fewer besides its GEMMs than accumulate + apply: the Linears' bias gradients, from
-   their weights' GEMMs (BGRAD; the Conv1D's, stored [in, out], has no such epilogue). */
+   depth through containers; MGPU__FUSE_FRESH, mgpu__box_fresh) instead of zeroing them and adding.
+   Two models, the gradients NaN before the first step: LayerNorm, x + Conv1D(GELU(Linear(x))),
+   Linear head; and Sequential(Linear, Twice(Sequential(Linear, Tanh, Linear)), Linear), whose
+   layer of the user's calls its child twice (a write there would lose the first call's
+   gradients). Three SGD steps give the parameters of MGPU_EPILOGUES=0 within 1e-5 (a gradient
+   neither written nor zeroed would keep its NaN: the LayerNorm's lie before the fresh ones), and
+   in the first model a step launches two kernels fewer besides its GEMMs than zero_grad +
+   accumulate + apply: the inner Linear's bias gradient and the head's, from their weights' GEMMs
+   (BGRAD; the Conv1D's, stored [in, out], has no such epilogue; the head was fresh before
+   containers were). */
 #ifdef MGPU_CUDA
 static void box_fresh(void) {
     const int B = 6, C = 8, hidden = 16, K = 3;
@@ -2433,58 +2469,75 @@ static void box_fresh(void) {
     int32_t labels[6];
     long long step_kernels = 0, split_kernels = 0;
     int64_t n = 0, i;
-    int setting, s;
+    int variant, setting, s;
     for (i = 0; i < nx; ++i) x[i] = (float)rng_gauss();
     for (i = 0; i < B; ++i) labels[i] = (int32_t)(i % K);
-    for (setting = 0; setting < 2 && set; ++setting) {
-        mgpu_layer* layers[3] = { mgpu_layer_layer_norm(C), gpt_mlp_block(C, hidden), mgpu_layer_linear(C, K) };
-        mgpu_model* m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = layers, .layer_count = 3,
-                                                              .devices = set, .seed = 5 });
-        mgpu_optimizer* opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f }) : NULL;
-        mgpu_device* dev = m ? mgpu_model_device(m, 0) : NULL;
-        mgpu_tensor *tx = NULL, *ty = NULL;
-        CHECK(m && opt, "fresh gradients in containers: model: %s", mgpu_last_error());
-        if (!m || !opt) { mgpu_optimizer_destroy(opt); mgpu_model_destroy(m); break; }
-        mgpu__epilogue_setting = setting;
-        tx = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
-        ty = tmake(dev, MGPU_I32, mgpu_shape1(B));
-        tput(tx, x);
-        tput(ty, labels);
-        for (i = 0; i < mgpu_model_tensor_count(m); ++i)   /* (the padding between them stays 0, as it must) */
-            MUST(mgpu_tensor_fill(mgpu_model_grad(m, 0, mgpu_model_tensor_name(m, (int)i)), NAN));
-        for (s = 0; s < 3; ++s) MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
-        n = mgpu_tensor_numel(mgpu_model_params(m, 0));
-        params[setting] = fbuf(n);
-        tget(mgpu_model_params(m, 0), params[setting]);
-        if (setting == 1 && counters) {   /* a step, and the same as accumulate + apply */
-            mgpu_emu_counters_t c0, c1, c2;
-            MUST(mgpu_device_synchronize(dev));
-            counters(&c0);
-            MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
-            MUST(mgpu_device_synchronize(dev));
-            MUST(mgpu_model_zero_grad(m));
-            MUST(mgpu_device_synchronize(dev));
-            counters(&c1);
-            MUST(mgpu_model_accumulate(m, tx, ty, 0, NULL));
-            MUST(mgpu_model_apply(m, opt));
-            MUST(mgpu_device_synchronize(dev));
-            counters(&c2);
-            step_kernels = (long long)(c1.launches - c0.launches) - (long long)(c1.gemms - c0.gemms);
-            split_kernels = (long long)(c2.launches - c1.launches) - (long long)(c2.gemms - c1.gemms);
+    for (variant = 0; variant < 2; ++variant) {
+        for (setting = 0; setting < 2 && set; ++setting) {
+            mgpu_layer* layers[3];
+            mgpu_model* m;
+            mgpu_optimizer* opt;
+            mgpu_device* dev;
+            mgpu_tensor *tx = NULL, *ty = NULL;
+            if (variant == 0) {
+                layers[0] = mgpu_layer_layer_norm(C); layers[1] = gpt_mlp_block(C, hidden); layers[2] = mgpu_layer_linear(C, K);
+            } else {
+                mgpu_layer *inner[3], *outer[3];
+                inner[0] = mgpu_layer_linear(C, C); inner[1] = mgpu_layer_tanh(); inner[2] = mgpu_layer_linear(C, C);
+                outer[0] = mgpu_layer_linear(C, C); outer[1] = mgpu_layer_create(&g_twice_vt, mgpu_layer_sequential(inner, 3));
+                outer[2] = mgpu_layer_linear(C, K);
+                layers[0] = mgpu_layer_sequential(outer, 3);
+            }
+            m = mgpu_model_create(&(mgpu_model_desc){ .input = mgpu_shape1(C), .layers = layers, .layer_count = variant ? 1 : 3,
+                                                      .devices = set, .seed = 5 });
+            opt = m ? mgpu_optimizer_create(m, &(mgpu_optimizer_desc){ .kind = MGPU_SGD, .lr = 0.1f }) : NULL;
+            dev = m ? mgpu_model_device(m, 0) : NULL;
+            CHECK(m && opt, "fresh gradients in containers: model %d: %s", variant, mgpu_last_error());
+            if (!m || !opt) { mgpu_optimizer_destroy(opt); mgpu_model_destroy(m); break; }
+            mgpu__epilogue_setting = setting;
+            tx = tmake(dev, MGPU_F32, mgpu_shape2(B, C));
+            ty = tmake(dev, MGPU_I32, mgpu_shape1(B));
+            tput(tx, x);
+            tput(ty, labels);
+            for (i = 0; i < mgpu_model_tensor_count(m); ++i)   /* (the padding between them stays 0, as it must) */
+                MUST(mgpu_tensor_fill(mgpu_model_grad(m, 0, mgpu_model_tensor_name(m, (int)i)), NAN));
+            for (s = 0; s < 3; ++s) MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
+            n = mgpu_tensor_numel(mgpu_model_params(m, 0));
+            params[setting] = fbuf(n);
+            tget(mgpu_model_params(m, 0), params[setting]);
+            if (variant == 0 && setting == 1 && counters) {   /* a step, and the same as zero_grad + accumulate + apply */
+                mgpu_emu_counters_t c0, c1, c2;
+                MUST(mgpu_device_synchronize(dev));
+                counters(&c0);
+                MUST(mgpu_model_train_step(m, opt, tx, ty, NULL));
+                MUST(mgpu_device_synchronize(dev));
+                counters(&c1);
+                MUST(mgpu_model_zero_grad(m));
+                MUST(mgpu_model_accumulate(m, tx, ty, 0, NULL));
+                MUST(mgpu_model_apply(m, opt));
+                MUST(mgpu_device_synchronize(dev));
+                counters(&c2);
+                step_kernels = (long long)(c1.launches - c0.launches) - (long long)(c1.gemms - c0.gemms);
+                split_kernels = (long long)(c2.launches - c1.launches) - (long long)(c2.gemms - c1.gemms);
+            }
+            mgpu_tensor_destroy(tx); mgpu_tensor_destroy(ty);
+            mgpu_optimizer_destroy(opt);
+            mgpu_model_destroy(m);
         }
-        mgpu_tensor_destroy(tx); mgpu_tensor_destroy(ty);
-        mgpu_optimizer_destroy(opt);
-        mgpu_model_destroy(m);
-    }
-    mgpu__epilogue_setting = -1;
-    if (params[0] && params[1]) {
-        const double e = attn_rel(params[1], params[0], n);
-        CHECK(e <= 1e-5, "fresh gradients in containers: three steps %.3g from the separate kernels' (NaN: a gradient left unzeroed)", e);
+        mgpu__epilogue_setting = -1;
+        if (params[0] && params[1]) {
+            const double e = attn_rel(params[1], params[0], n);
+            CHECK(e <= 1e-5, "fresh gradients in containers, model %d: three steps %.3g from the separate kernels' (NaN: a "
+                  "gradient left unzeroed; a layer of the user's losing its first call's gradients)", variant, e);
+        }
+        free(params[0]); free(params[1]);
+        params[0] = params[1] = NULL;
     }
     if (counters && !getenv("MGPU_EMU_NO_LT"))
         CHECK(split_kernels - step_kernels == 2, "fresh gradients in containers: a step launched %lld kernels besides GEMMs, "
-              "accumulate + apply %lld (want 2 fewer: the Linears' bias gradients in their GEMMs)", step_kernels, split_kernels);
-    free(x); free(params[0]); free(params[1]);
+              "zero_grad + accumulate + apply %lld (want 2 fewer: the Linears' bias gradients in their GEMMs)", step_kernels,
+              split_kernels);
+    free(x);
     mgpu_device_set_destroy(set);
 }
 #endif
