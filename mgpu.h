@@ -2265,11 +2265,13 @@ int mgpu__cu_gemm(int dev, void* handle, int trans_a, int trans_b, int m, int n,
      MGPU__EPI_GELU_BIAS  C = GELU(alpha op(A) op(B) + beta C + bias[column]), GELU's tanh form, and
                           its input into aux [m, n] with C's row stride: a Linear and the GELU after
                           it, the input kept for DGELU (cuBLASLt's GELU_AUX_BIAS)
+     MGPU__EPI_BGRAD_B    C = alpha op(A) op(B) + beta C, and bias[j] = sum over k of op(B)[k, j]
+                          (the bias gradient of a Linear stored [in, out], Conv1D's)
    bias is f32 in each, so C is f32 but with MGPU__EPI_DRELU (cuBLASLt's bias has C's type); with
    the two GELU epilogues C and aux are f32 and ldc a multiple of 8.
    Returns MGPU__CU_NO_ALGORITHM where cuBLASLt has none (or k is 0, or C is bf16 with a bias). */
 enum { MGPU__EPI_BIAS = 1, MGPU__EPI_RELU_BIAS = 2, MGPU__EPI_DRELU = 3, MGPU__EPI_BGRAD_A = 4, MGPU__EPI_DGELU = 5,
-       MGPU__EPI_GELU_BIAS = 6 };
+       MGPU__EPI_GELU_BIAS = 6, MGPU__EPI_BGRAD_B = 7 };
 static inline int64_t mgpu__relu_mask_ld(int64_t n) { return (n + 127) / 128 * 128; }   /* cuBLASLt: a multiple of 128 */
 int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int trans_b, int m, int n, int k,
                            float alpha, int ab_dtype, const void* a, int lda, const void* b, int ldb,
@@ -5408,8 +5410,9 @@ static int mgpu__fuse_gelu_on(void) {
     return mgpu__epilogues_on() && mgpu__fuse_gelu_setting;
 }
 /* mgpu_matmul's out = op(a) op(b) + beta out with an epilogue (MGPU__EPI_*: bias added, or with
-   ReLU and its mask written into aux; the mask applied; GELU's derivative at aux applied; bias =
-   the sums of op(a)'s rows), on a GPU. *done = 0 where it did nothing (a CPU tensor,
+   ReLU and its mask written into aux; the mask applied; GELU's derivative at aux applied; with
+   GELU and its input written into aux; bias = the sums of op(a)'s rows, or of op(b)'s columns),
+   on a GPU. *done = 0 where it did nothing (a CPU tensor,
    MGPU_EPILOGUES off, no algorithm in cuBLASLt): the caller's separate ops then do the same. The
    caller (a layer) checked the shapes. */
 static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a, mgpu_transpose transpose_a, const mgpu_tensor* b,
@@ -5426,7 +5429,7 @@ static mgpu_result mgpu__matmul_epilogue(mgpu_tensor* out, const mgpu_tensor* a,
     if (rc == MGPU__CU_NO_ALGORITHM) return MGPU_OK;
     if (rc != 0) return mgpu__cu_result(rc, "mgpu_matmul (cuBLASLt)", MGPU__DEV(a));
     MGPU__WROTE(out);
-    if (epilogue == MGPU__EPI_BGRAD_A) MGPU__WROTE(bias);
+    if (epilogue == MGPU__EPI_BGRAD_A || epilogue == MGPU__EPI_BGRAD_B) MGPU__WROTE(bias);
     if (epilogue == MGPU__EPI_RELU_BIAS || epilogue == MGPU__EPI_GELU_BIAS) MGPU__WROTE(aux);
     MGPU__COUNT(MGPU__DEV(out), ops, 1);
     *done = 1;
@@ -7123,6 +7126,9 @@ static mgpu_result mgpu__linear_backward_fused(const mgpu_layer* l, const mgpu_l
     /* (bf16 operands: the products summed in fp32 into the f32 gradients) */
     if (fresh && !l->cfg.no_bias && !l->cfg.in_out)   /* dW = dy^T x, db = the sums of dy^T's rows */
         MGPU__TRY(mgpu__matmul_epilogue(ctx->grads[0], &dy2, MGPU_TRANS, &x2, MGPU_NO_TRANS, 0.0f, MGPU__EPI_BGRAD_A, ctx->grads[1],
+                                        NULL, &done));
+    if (fresh && !l->cfg.no_bias && l->cfg.in_out)   /* dW = x^T dy, db = the sums of dy's columns */
+        MGPU__TRY(mgpu__matmul_epilogue(ctx->grads[0], &x2, MGPU_TRANS, &dy2, MGPU_NO_TRANS, 0.0f, MGPU__EPI_BGRAD_B, ctx->grads[1],
                                         NULL, &done));
     if (!done) {
         if (l->cfg.in_out) MGPU__TRY(mgpu_matmul(ctx->grads[0], &x2, &dy2, MGPU_TRANS, MGPU_NO_TRANS, 1.0f, beta));   /* dW (+)= x^T dy */

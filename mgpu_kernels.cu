@@ -707,6 +707,7 @@ static int lt_plan_fill(int dev, blas_handle* bh, const int key[13], void* bias,
                                          : epilogue == MGPU__EPI_DRELU ? CUBLASLT_EPILOGUE_DRELU
                                          : epilogue == MGPU__EPI_DGELU ? CUBLASLT_EPILOGUE_DGELU
                                          : epilogue == MGPU__EPI_GELU_BIAS ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                         : epilogue == MGPU__EPI_BGRAD_B ? CUBLASLT_EPILOGUE_BGRADA   // mgpu's B is cuBLASLt's A
                                                                        : CUBLASLT_EPILOGUE_BGRADB;   // mgpu's A is cuBLASLt's B
     const int32_t bias_type = CUDA_R_32F;
     CUBLAS_TRY(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F), "cublasLtMatmulDescCreate() on device %d", dev);
@@ -783,7 +784,7 @@ int mgpu__cu_gemm_epilogue(int dev, void* handle, int epilogue, int trans_a, int
     blas_handle* bh = (blas_handle*)handle;
     USE_DEVICE(dev);
     if (m <= 0 || n <= 0 || k <= 0) return MGPU__CU_NO_ALGORITHM;   // (mgpu__cu_gemm's k == 0 path)
-    if (epilogue < MGPU__EPI_BIAS || epilogue > MGPU__EPI_GELU_BIAS) return ARGUMENT_ERROR("gemm with epilogue %d", epilogue);
+    if (epilogue < MGPU__EPI_BIAS || epilogue > MGPU__EPI_BGRAD_B) return ARGUMENT_ERROR("gemm with epilogue %d", epilogue);
     if ((ab_dtype != MGPU_F32 && ab_dtype != MGPU_BF16) || (c_dtype != MGPU_F32 && c_dtype != MGPU_BF16) ||
         (ab_dtype == MGPU_F32 && c_dtype != MGPU_F32))
         return ARGUMENT_ERROR("gemm of dtypes %d x %d -> %d", ab_dtype, ab_dtype, c_dtype);

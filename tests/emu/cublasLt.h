@@ -41,6 +41,7 @@ typedef enum {   /* the ones mgpu uses; others are NOT_SUPPORTED in the emulator
     CUBLASLT_EPILOGUE_DRELU = 8 | 128,
     CUBLASLT_EPILOGUE_DGELU = 64 | 128,
     CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
+    CUBLASLT_EPILOGUE_BGRADA = 256,
     CUBLASLT_EPILOGUE_BGRADB = 512
 } cublasLtEpilogue_t;
 typedef enum {

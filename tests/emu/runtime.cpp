@@ -2155,11 +2155,12 @@ static float epilogue_element(const gemm_args& g, int i, int j, float v) {
     if (g.epilogue == CUBLASLT_EPILOGUE_DGELU) v *= gelu_tanh(((const float*)g.aux)[bit], true);
     return v;
 }
-// BGRADB's bias gradient: each of op(B)'s n columns summed over k, in double, rounded once
-static void epilogue_bias_gradient(const gemm_args& g, const std::vector<float>& bp) {
-    for (int j = 0; j < g.n; ++j) {
+// The bias gradient of BGRADB, each of op(B)'s n columns summed over k, or of BGRADA, each of
+// op(A)'s m rows (packed: `count` runs of k), in double, rounded once
+static void epilogue_bias_gradient(const gemm_args& g, const std::vector<float>& packed, int count) {
+    for (int j = 0; j < count; ++j) {
         double s = 0;
-        for (int l = 0; l < g.k; ++l) s += bp[(size_t)j * g.k + l];
+        for (int l = 0; l < g.k; ++l) s += packed[(size_t)j * g.k + l];
         g.bias[j] = (float)s;
     }
 }
@@ -2202,7 +2203,8 @@ static void run_gemm(const gemm_args& g) {
             else ((float*)g.c)[at] = v;
         }
     }
-    if (g.epilogue == CUBLASLT_EPILOGUE_BGRADB) epilogue_bias_gradient(g, bp);
+    if (g.epilogue == CUBLASLT_EPILOGUE_BGRADB) epilogue_bias_gradient(g, bp, g.n);
+    if (g.epilogue == CUBLASLT_EPILOGUE_BGRADA) epilogue_bias_gradient(g, ap, g.m);
 }
 
 // cublasSgemm and cublasGemmEx: the checks of cuBLAS's arguments, then the product on the stream.
@@ -2418,6 +2420,7 @@ static cublasStatus_t lt_check(const lt_desc& d, const lt_layout& a, const lt_la
         return CUBLAS_STATUS_INVALID_VALUE;
     switch (d.epilogue) {   // the ones mgpu uses (what the emulator computes)
     case CUBLASLT_EPILOGUE_BIAS: case CUBLASLT_EPILOGUE_RELU_AUX_BIAS: case CUBLASLT_EPILOGUE_DRELU: case CUBLASLT_EPILOGUE_BGRADB:
+    case CUBLASLT_EPILOGUE_BGRADA:
     case CUBLASLT_EPILOGUE_DGELU: case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
     }
