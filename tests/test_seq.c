@@ -2416,6 +2416,7 @@ static void box_dgelu(void) {
 #endif
 }
 
+#ifdef MGPU_CUDA
 /* "Twice", a layer of the user's around a child: y = 2 f(x), its backward the child's twice
    (each adding its gradients), as a layer that calls a child more than once does */
 static mgpu_layer* twice_kid(const mgpu_layer* l) { return (mgpu_layer*)mgpu_layer_user_data(l); }
@@ -2447,7 +2448,6 @@ static mgpu_result twice_backward(const mgpu_layer* l, const mgpu_layer_ctx* ctx
 static void twice_destroy(mgpu_layer* l) { mgpu_layer_destroy(twice_kid(l)); }
 static const mgpu_layer_vtable g_twice_vt = { "Twice", twice_shape, twice_params, twice_param_shape, twice_init, twice_aux,
                                               twice_aux_shape, twice_forward, twice_backward, NULL, twice_destroy, NULL, NULL };
-
 /* A training step on a GPU writes the first gradients of a container's Linear children (at any
    depth through containers; MGPU__FUSE_FRESH, mgpu__box_fresh) instead of zeroing them and adding.
    Two models, the gradients NaN before the first step: LayerNorm, x + Conv1D(GELU(Linear(x))),
@@ -2458,7 +2458,6 @@ static const mgpu_layer_vtable g_twice_vt = { "Twice", twice_shape, twice_params
    in the first model a step launches three kernels fewer besides its GEMMs than zero_grad +
    accumulate + apply: the bias gradients of the inner Linear, the Conv1D and the head, from their
    weights' GEMMs (cuBLASLt's BGRADB, and BGRADA for the Conv1D, stored [in, out]). */
-#ifdef MGPU_CUDA
 static void box_fresh(void) {
     const int B = 6, C = 8, hidden = 16, K = 3;
     const int64_t nx = (int64_t)B * C;
