@@ -2501,7 +2501,7 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
     const int bias_count = x.epilogue == CUBLASLT_EPILOGUE_BGRADB ? n : m;
     if (x.epilogue != CUBLASLT_EPILOGUE_DRELU && x.epilogue != CUBLASLT_EPILOGUE_DGELU)
         check_device("cublasLtMatmul bias", x.bias, (size_t)bias_count * 4, dev, true,
-                     x.epilogue == CUBLASLT_EPILOGUE_BGRADB);   // (a bias gradient: written)
+                     x.epilogue == CUBLASLT_EPILOGUE_BGRADA || x.epilogue == CUBLASLT_EPILOGUE_BGRADB);   // (a bias gradient: written)
     if (x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS || x.epilogue == CUBLASLT_EPILOGUE_DRELU)
         check_device("cublasLtMatmul aux", x.aux, (size_t)((x.aux_ld * n + 7) / 8), dev, true,
                      x.epilogue == CUBLASLT_EPILOGUE_RELU_AUX_BIAS);
