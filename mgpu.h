@@ -10088,6 +10088,10 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
             r->ring_tmp = (float*)mgpu__device_alloc(r->dev, chunk * sizeof(float), &r->ring_tmp_block, "all-reduce");
             r->ring_tmp_floats = r->ring_tmp ? chunk : 0;
             if (!r->ring_tmp) return mgpu_last_result();
+            /* a block of the device's cache, which its compute stream alone orders: work still
+               queued there may use it last (a temporary of backward), so the copies into it wait */
+            MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_compute, r->dev->stream));
+            MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_wait_event(r->dev->ordinal, r->stream, r->ev_compute));
         }
         MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_comm, r->stream));
     }
