@@ -32,7 +32,7 @@ set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_NCCL_FAIL=init $e/test_pa
 if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
     set -- "$@" "$common MGPU_EMU_DEVICES=4 MGPU_NCCL_LIBRARY=libnccl.so.2 $e/test_parallel"
 fi
-set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_NO_PEER=1 $e/test_parallel"
+set -- "$@" "$common MGPU_EMU_DEVICES=4 $nccl MGPU_EMU_NO_PEER=1 MGPU_EMU_RACECHECK=1 $e/test_parallel"   # (the ring's landing buffers)
 # a GPU with 64 KiB of shared memory per block (a Turing's): heads above 64 take the unfused kernels
 set -- "$@" "$common MGPU_EMU_DEVICES=1 $nccl MGPU_EMU_MAX_SHARED_OPTIN=65536 $e/test_seq attention"
 echo "test seed $tseed (MGPU_TEST_SEED), chaos seed $seed (MGPU_EMU_CHAOS_SEED=$seed repeats it)"

@@ -49,12 +49,13 @@
    - Races: MGPU_EMU_RACECHECK=1 checks that work on two streams touching the same memory is
      ordered: a vector clock per stream, advanced by each task, joined through events, graph edges
      and the host's synchronisations (what the host queues after it saw work done comes after
-     that work). Each task's memory is what the checks below see: a copy's, memset's or GEMM's
-     ranges (read or written), and the byte each pointer argument of a kernel points at (its
-     extent is not known: a kernel given the start of a buffer is seen touching it), written
-     unless it is a pointer to const (a functor's pointers count as written). Two readers in no
-     order are fine; a writer and anything else in no order is printed with "mgpu-emu:" naming
-     both tasks, and aborts. Most often: a block of a device's cache (which that device's stream
+     that work; one host clock for all the host's threads). Each task's memory is what the checks
+     of the registry above see: the ranges of a copy, a memset, a GEMM's operands, cuBLASLt's
+     bias, aux and workspace and the emulated NCCL's buffers (read or written), and only the byte
+     each pointer argument of a kernel points at (its extent is not known), written unless it is
+     a pointer to const (a functor's pointers count as written). Two readers in no order are
+     fine; a writer and anything else in no order is printed with "mgpu-emu:" naming both tasks,
+     and aborts. Most often: a block of a device's cache (which that device's stream
      alone orders) used by another stream while work of the first on it was still queued.
    - MGPU_EMU_COUNTERS=1 prints the counters (emu.h) at exit. They count the host's calls: the
      nodes a graph launch replays count nothing.
@@ -555,6 +556,14 @@ thread_local std::vector<touch> tl_touch;
 void note_touch(uintptr_t lo, uintptr_t hi, bool write) {
     if (conf().racecheck) tl_touch.push_back(touch{lo, hi, write});
 }
+// An API call that queues work: what it notes is its own task's (cleared at the start), and none
+// is left for a later task when it returns without queueing (cleared at the end).
+struct touch_scope {
+    explicit touch_scope(bool clear_now = true) { if (clear_now) tl_touch.clear(); }
+    ~touch_scope() { tl_touch.clear(); }
+    touch_scope(const touch_scope&) = delete;
+    touch_scope& operator=(const touch_scope&) = delete;
+};
 
 // [p, p + bytes) must be device memory of dev, or of a peer that dev reaches (when allow_peer);
 // the task queued next reads it, or writes it (MGPU_EMU_RACECHECK).
@@ -1183,7 +1192,7 @@ void launch_raw(const char* name, const char* file, int line, const launch_cfg& 
     const config& cf = conf();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     std::shared_ptr<void> owned(args, destroy);
-    tl_touch.clear();
+    touch_scope touches_of_this_call;
     size_t max_shared = cf.max_shared;
     long call;
     {
@@ -1800,8 +1809,11 @@ EMU_EXPORT cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream
     const int sid = s->id;
     s->push([run, prev, sid, before = conf().racecheck ? race_host() : vclock()] {
         if (prev) prev->wait([&] { return prev->left == 0; }, "a launch of a graph (the one before it)");
-        if (conf().racecheck) {
-            race_task(sid, before, touches(), "cudaGraphLaunch");
+        if (conf().racecheck) {   // after the launch before it too (on another stream, its end need not be ordered)
+            vclock after = before;
+            if (prev)
+                for (const vclock& c : prev->node_clock) clock_join(after, c);
+            race_task(sid, after, touches(), "cudaGraphLaunch");
             run->start_clock = race_stream(sid);
         }
         run->mark(-1);
@@ -1951,7 +1963,7 @@ static void count_copy(where wd, where ws, size_t bytes) {
 
 EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind,
                                        cudaStream_t stream) {
-    tl_touch.clear();   // (what a call that queued nothing checked is not this copy's)
+    touch_scope touches_of_this_call;
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
@@ -1975,7 +1987,7 @@ EMU_EXPORT cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
 EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes,
                                            cudaStream_t stream) {
     if (!valid_device(dst_dev) || !valid_device(src_dev)) return fail(cudaErrorInvalidDevice);
-    tl_touch.clear();
+    touch_scope touches_of_this_call;
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
@@ -1990,7 +2002,7 @@ EMU_EXPORT cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_dev, const void* s
 }
 
 EMU_EXPORT cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
-    tl_touch.clear();
+    touch_scope touches_of_this_call;
     cudaStream_t s = resolve(stream);
     if (!s) return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0) return cudaSuccess;
@@ -2050,6 +2062,7 @@ EMU_EXPORT cublasStatus_t cublasGetStream(cublasHandle_t handle, cudaStream_t* s
 }
 
 EMU_EXPORT cublasStatus_t cublasSetWorkspace(cublasHandle_t handle, void* workspace, size_t bytes) {
+    touch_scope touches_of_this_call;   // (it queues nothing)
     if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (workspace && bytes) check_device("cublasSetWorkspace", workspace, bytes, handle->dev, false);
     if (workspace && ((uintptr_t)workspace % 256)) return CUBLAS_STATUS_INVALID_VALUE;
@@ -2211,7 +2224,7 @@ static void run_gemm(const gemm_args& g) {
 static cublasStatus_t gemm(const char* call, cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
                            int m, int n, int k, const float* alpha, const void* a, int lda, const void* b, int ldb,
                            const float* beta, void* c, int ldc, bool ab_bf16, bool c_bf16) {
-    tl_touch.clear();
+    touch_scope touches_of_this_call;
     if (!live_handle(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (tl_device != handle->dev)
         die("%s: a handle of device %d used while device %d is current", call, handle->dev, tl_device);
@@ -2469,7 +2482,7 @@ EMU_EXPORT cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmul
                                          size_t workspace_bytes, cudaStream_t stream) {
     static const char* call = "cublasLtMatmul";
     int dev;
-    tl_touch.clear();
+    touch_scope touches_of_this_call;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         if (!g_lt_handles.count(handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
@@ -2588,6 +2601,7 @@ EMU_EXPORT int mgpu_emu_stream_device(void* stream) {
 }
 
 EMU_EXPORT int mgpu_emu_enqueue(void* stream, void (*fn)(void*), void* arg, void (*destroy)(void*), const char* what) {
+    touch_scope touches_of_this_call(false);   // (the emulated NCCL checked its buffers just before)
     cudaStream_t s = resolve((cudaStream_t)stream);
     if (!s) die("%s: not a live stream: %p", what, stream);
     std::shared_ptr<void> owned(arg, [destroy](void* a) { if (destroy) destroy(a); });

@@ -738,6 +738,18 @@ extern "C" int selfcheck_run(const char* which) {
         write_kernel<<<1, 2048>>>((float*)d);
         return cudaGetLastError() == cudaErrorInvalidConfiguration && cudaGetLastError() == cudaSuccess ? 0 : 1;
     }
+    if (!strcmp(which, "race_readers")) {   // MGPU_EMU_RACECHECK: two streams reading one buffer in no order: fine
+        cudaStream_t a, b;
+        if (check(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "stream") ||
+            check(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "stream") || check(cudaMemsetAsync(d, 0, 1024, 0), "memset") ||
+            check(cudaStreamSynchronize(0), "sync"))
+            return 1;
+        if (check(cudaMemcpyAsync(d + 256, d, 128, cudaMemcpyDeviceToDevice, a), "copy") ||
+            check(cudaMemcpyAsync(d + 512, d, 128, cudaMemcpyDeviceToDevice, b), "copy") || check(cudaStreamSynchronize(a), "sync") ||
+            check(cudaStreamSynchronize(b), "sync"))
+            return 1;
+        return 0;
+    }
     if (!strcmp(which, "race") || !strcmp(which, "race_ordered")) {   // MGPU_EMU_RACECHECK: two streams, one buffer
         cudaStream_t a, b;
         cudaEvent_t e;

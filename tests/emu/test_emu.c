@@ -803,9 +803,10 @@ int main(int argc, char** argv) {
     expect_report("selfcheck:no_peer_struct", "MGPU_EMU_DEVICES=2", "padded_write_kernel", "without peer access");
     expect_ok("selfcheck:padding", "MGPU_EMU_DEVICES=2");
     /* MGPU_EMU_RACECHECK: two streams writing one buffer in no order are reported; ordered by an
-       event or by the host, they are not */
+       event or by the host, they are not, nor are two readers */
     expect_report("selfcheck:race", "MGPU_EMU_DEVICES=1 MGPU_EMU_RACECHECK=1", "write_kernel", "in no order");
     expect_ok("selfcheck:race_ordered", "MGPU_EMU_DEVICES=1 MGPU_EMU_RACECHECK=1");
+    expect_ok("selfcheck:race_readers", "MGPU_EMU_DEVICES=1 MGPU_EMU_RACECHECK=1");
     expect_ok("selfcheck:race", "MGPU_EMU_DEVICES=1");   /* (without the check: nothing to report) */
     /* stream capture and graphs: replays match eager work (across two devices, in two chaos
        orders too), and what a capture refuses; async copies from pinned and pageable memory */
