@@ -4578,8 +4578,11 @@ static mgpu_tensor* mgpu__own(mgpu_tensor* t) {
 
 /* Make *t a tensor of this dtype and shape on dev, reusing it when it already is one (an owned
    buffer of a model). */
+static int mgpu__is_like(const mgpu_tensor* t, const mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
+    return t && MGPU__DEV(t) == dev && t->dtype == dt && mgpu_shape_equal(t->shape, shape);
+}
 static mgpu_result mgpu__ensure(mgpu_tensor** t, mgpu_device* dev, mgpu_dtype dt, mgpu_shape shape) {
-    if (*t && MGPU__DEV(*t) == dev && (*t)->dtype == dt && mgpu_shape_equal((*t)->shape, shape)) return MGPU_OK;
+    if (mgpu__is_like(*t, dev, dt, shape)) return MGPU_OK;
     mgpu__tensor_free(*t);
     *t = mgpu__own(mgpu_tensor_create(dev, dt, shape));
     return *t ? MGPU_OK : mgpu_last_result();
@@ -10079,7 +10082,7 @@ static mgpu_result mgpu__ar_before_compute(mgpu_allreduce* ar) {
 static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t n) {
     const int R = ar->count;
     const size_t chunk = (((n + (size_t)R - 1) / (size_t)R) + 31) & ~(size_t)31;   /* 128-byte aligned chunks: vector loads */
-    int s, i, phase;
+    int s, i, phase, grew = 0;
     for (i = 0; i < R; ++i) {   /* a landing buffer of one chunk, kept between calls, where it is needed */
         mgpu__rank* r = &ar->rank[i];
         if (!r->reads_prev && r->ring_tmp_floats < chunk) {
@@ -10088,13 +10091,14 @@ static mgpu_result mgpu__ar_ring(mgpu_allreduce* ar, float* const* bufs, size_t 
             r->ring_tmp = (float*)mgpu__device_alloc(r->dev, chunk * sizeof(float), &r->ring_tmp_block, "all-reduce");
             r->ring_tmp_floats = r->ring_tmp ? chunk : 0;
             if (!r->ring_tmp) return mgpu_last_result();
-            /* a block of the device's cache, which its compute stream alone orders: work still
-               queued there may use it last (a temporary of backward), so the copies into it wait */
-            MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_compute, r->dev->stream));
-            MGPU__CU("all-reduce", r->dev, mgpu__cu_stream_wait_event(r->dev->ordinal, r->stream, r->ev_compute));
+            grew = 1;
         }
         MGPU__CU("all-reduce", r->dev, mgpu__cu_event_record(r->dev->ordinal, r->ev_comm, r->stream));
     }
+    /* a new landing buffer is a block of its device's cache, which the compute stream alone
+       orders: work still queued there may use it last (a temporary of backward), so the copies
+       into it wait for that work */
+    if (grew) MGPU__TRY(mgpu__ar_after_compute(ar));
     for (phase = 0; phase < 2; ++phase)
         for (s = 0; s < R - 1; ++s) {
             for (i = 0; i < R; ++i) {
@@ -13786,13 +13790,12 @@ static mgpu_result mgpu__part_backward_done(mgpu__part* p, int k) {
         mgpu__part* to = p - 1;
         mgpu__slot* dst = &to->slot[k % to->slot_count];
         const mgpu_tensor* dx = p->slot[k % p->slot_count].dxin;
-        const int new_block = !dst->dyin || dst->dyin->dtype != dx->dtype || !mgpu_shape_equal(dst->dyin->shape, dx->shape);
+        const int new_block = !mgpu__is_like(dst->dyin, to->dev, dx->dtype, dx->shape);   /* (mgpu__ensure makes one) */
         MGPU__TRY(mgpu__ensure(&dst->dyin, to->dev, dx->dtype, dx->shape));
         /* A block new to d input comes from the cache of the stage before, which only that stage's
            stream orders: work of its still queued may use it last (a temporary of a forward).
            This stream writes it only after that work. */
-        if (new_block && to->dev != p->dev && p->dev->kind == MGPU_DEVICE_CUDA)
-            MGPU__TRY(mgpu__stream_after("pipeline copy", p->dev, to->dev));
+        if (new_block && p->dev->kind == MGPU_DEVICE_CUDA) MGPU__TRY(mgpu__stream_after("pipeline copy", p->dev, to->dev));
         MGPU__TRY(mgpu__stage_copy(p, dst->dyin, dx));
     }
     return MGPU_OK;   /* the caller marks backward k done (mgpu__part_mark) */
