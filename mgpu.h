@@ -13821,11 +13821,18 @@ static const mgpu_tensor* mgpu__forward(mgpu_model* m, int replica, const mgpu_t
                    mgpu_tensor_describe(x, tx, sizeof tx), replica, first->dev->label);
         return NULL;
     }
-    for (s = 0; s < m->stage_count; ++s)
-        if (mgpu__part_wait(op, m, mgpu__part_of(m, replica, s), 0, 0) != MGPU_OK ||
-            mgpu__part_forward(m, mgpu__part_of(m, replica, s), 0, x, training, first_row) != MGPU_OK ||
-            mgpu__part_mark(op, mgpu__part_of(m, replica, s), 0) != MGPU_OK)
+    for (s = 0; s < m->stage_count; ++s) {
+        mgpu__part* p = mgpu__part_of(m, replica, s);
+        /* a stage rewrites its output only after the next stage read the last one (a forward
+           before this one, queued and maybe not yet run: that stage pulls it on its own stream) */
+        if (s + 1 < m->stage_count && (p + 1)->events) {
+            const int rc = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, (p + 1)->events[0]));
+            if (rc != 0) { (void)mgpu__cu_result(rc, op, p->dev); return NULL; }
+        }
+        if (mgpu__part_wait(op, m, p, 0, 0) != MGPU_OK || mgpu__part_forward(m, p, 0, x, training, first_row) != MGPU_OK ||
+            mgpu__part_mark(op, p, 0) != MGPU_OK)
             return NULL;
+    }
     return mgpu__slot_output(m, &mgpu__part_of(m, replica, m->stage_count - 1)->slot[0]);
 }
 
@@ -15396,14 +15403,8 @@ MGPUDEF mgpu_result mgpu_model_evaluate(mgpu_model* m, const mgpu_tensor* x, con
             int32_t* counts = (int32_t*)MGPU__F32(last->eval) + chunks;
             mgpu_tensor xs, ts, lj;
             const mgpu_tensor* out;
-            int s;
             mgpu__split(rows, m->replica_count, i, &start, &count);
             if (count == 0) continue;
-            for (s = 0; j > 0 && s + 1 < m->stage_count; ++s) {   /* a stage's output is overwritten only after the next stage read it */
-                const mgpu__part *p = mgpu__part_of(m, i, s), *reader = p + 1;
-                if (reader->events)
-                    MGPU__CU(op, p->dev, mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, reader->events[0]));
-            }
             MGPU__TRY(mgpu__part_inputs(in, last, &xc, &tc, start, count, 0, &xs, &ts));
             out = mgpu__forward(m, i, &xs, 0, 0);
             if (!out) return mgpu__refail(op);

@@ -2207,6 +2207,51 @@ static void pipeline_trace_svg(const char* spec) {
     mgpu_device_set_destroy(set);
 }
 
+/* mgpu_model_forward twice with nothing between, the second with more rows: a stage's second
+   forward rewrites (or, for the new shape, frees and takes again) the output the next stage's
+   first forward may still be reading on its own stream. The outputs equal one device's, bit for
+   bit (one micro-batch: the same ops); on emulated GPUs MGPU_EMU_RACECHECK=1 sees the order. */
+static void pipeline_forward_twice(const char* one_spec, const char* spec) {
+    const int64_t rows[4] = {24, 40, 40, 40};   /* forwards 0 and 1 in a row, then 2 and 3 */
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_device_set *one = mkset(one_spec), *set = mkset(spec);
+    mgpu_model *ref, *m;
+    mgpu_tensor *xr[4] = {0}, *xp[4] = {0};
+    float x[40 * 12 + 4], want[40 * 5], got[40 * 5];
+    int i, k;
+    c.hidden = 64;
+    ref = make_mlp(one, &c);
+    c.stages = mgpu_device_set_count(set);
+    m = make_mlp(set, &c);
+    for (i = 0; i < 40 * 12 + 4; ++i) x[i] = (float)rng_gauss();
+    for (k = 0; ref && m && k < 4; ++k) {   /* the inputs first: nothing comes between two forwards */
+        xr[k] = tmake(mgpu_model_device(ref, 0), MGPU_F32, mgpu_shape2(rows[k], 12));
+        xp[k] = tmake(mgpu_model_device(m, 0), MGPU_F32, mgpu_shape2(rows[k], 12));
+        tput(xr[k], x + k);
+        tput(xp[k], x + k);
+    }
+    for (k = 1; ref && m && k < 4; k += 2) {
+        const mgpu_tensor* yr = mgpu_model_forward(ref, 0, xr[k], 0);
+        const mgpu_tensor* yp = mgpu_model_forward(m, 0, xp[k - 1], 0);
+        yp = yp ? mgpu_model_forward(m, 0, xp[k], 0) : NULL;
+        CHECK(yr && yp, "%s: forwards %d and %d: %s", spec, k - 1, k, mgpu_last_error());
+        if (!yr || !yp) break;
+        tget(yr, want);
+        tget(yp, got);
+        CHECK(!memcmp(want, got, (size_t)rows[k] * 5 * sizeof(float)),
+              "%s: the second of two forwards in a row (%lld, then %lld rows) differs from %s's", spec,
+              (long long)rows[k - 1], (long long)rows[k], one_spec);
+    }
+    for (k = 0; k < 4; ++k) {
+        mgpu_tensor_destroy(xr[k]);
+        mgpu_tensor_destroy(xp[k]);
+    }
+    mgpu_model_destroy(ref);
+    mgpu_model_destroy(m);
+    mgpu_device_set_destroy(one);
+    mgpu_device_set_destroy(set);
+}
+
 static void test_pipeline(void) {
     header("pipelines");
     pipeline_equivalence("cpu");
@@ -2215,11 +2260,13 @@ static void test_pipeline(void) {
     pipeline_input_grad("cpu:3");
     pipeline_errors();
     pipeline_checkpoint();
+    pipeline_forward_twice("cpu", "cpu:2");
     pipeline_trace("cpu:2");
     pipeline_trace_svg("cpu:4");
     if (!gpu_group("pipelines")) return;
     pipeline_equivalence("cuda:0");
     pipeline_input_grad("cuda:0,0,0");
+    pipeline_forward_twice("cuda:0", g_gpus >= 2 ? "cuda:0,1" : "cuda:0,0");
     pipeline_trace(g_gpus >= 2 ? "cuda:0,1" : "cuda:0,0");
     pipeline_trace_svg(g_gpus >= 4 ? "cuda:0,1,2,3" : "cuda:0,0,0,0");
 }
