@@ -22,10 +22,12 @@ for t in "$@"; do
     fi
     [ $rc -ne 0 ] && status=1
     if [ $rc -ne 0 ] || ! printf '%s\n' "$last" | grep -q -E '^[0-9]+ passed, 0 failed'; then
-        # its failures, each with the group ("== ...") it came under, at most 10; where it ran
+        # its failures, each with the group ("== ...") it came under, and the seeds that repeat
+        # them (a suite's first line names its MGPU_TEST_SEED), at most 10 lines; where it ran
         # tests through this script (tests/together.sh does), their own recaps instead
         what=$(printf '%s\n' "$out" | awk '
             /^== what failed$/ { recap = 1; next }
+            /MGPU_TEST_SEED to repeat|MGPU_EMU_CHAOS_SEED=/ && !recap && nf < 10 { f[++nf] = "     " $0 }
             /^== / { recap = 0; g = $0 }
             recap { r[++nr] = "  " $0; next }
             /FAIL/ && nf < 10 { f[++nf] = "     " (g ? g " :: " : "") $0 }
