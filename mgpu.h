@@ -1498,7 +1498,9 @@ MGPUDEF const char* mgpu_model_suspect(const mgpu_model* m);
    replica, stage by stage, zero the gradients (a failed step may have left them half-summed),
    and clear the mark. An optimizer step that failed on another replica after replica 0 had taken
    it leaves replica 0 one whole step ahead: resync brings the others to it (pass opt: their
-   states differ too; with desc.zero1 each replica keeps its own shard of them). What it cannot
+   states differ too; with desc.zero1 each replica keeps its own shard of them). An update of the
+   buckets during backward (MGPU_OVERLAP_UPDATE) that failed inside replica 0's leaves replica 1
+   as the step found it: resync first copies replica 1 back to replica 0. What it cannot
    fix, and refuses (load a checkpoint instead): a replica 0 whose stages did not all take the
    update (a pipeline; also a failed CUDA graph replay of one), an update that failed with zero1
    (no replica holds every shard), and a model of several processes (mgpu_model_load on every
@@ -5411,6 +5413,17 @@ static int mgpu__fuse_gelu_setting = -1;
 static int mgpu__fuse_gelu_on(void) {
     if (mgpu__fuse_gelu_setting < 0) mgpu__fuse_gelu_setting = mgpu__setting_flag("MGPU_FUSE_GELU", 0);
     return mgpu__epilogues_on() && mgpu__fuse_gelu_setting;
+}
+/* MGPU_OVERLAP_UPDATE (a flag, default on): in a training step of replicas on GPUs whose sums
+   overlap backward (the P2P or NCCL all-reduce, one process), each bucket's update runs on a
+   stream of its own as soon as the bucket is summed, while backward goes on with the layers
+   below it: only the last bucket's update (the first layers') is left after backward. The same
+   bits as 0 (the update is elementwise). Not with clipping (its norm needs every gradient),
+   zero1, tied parameters, desc.check_finite or a trace: those steps update after backward. */
+static int mgpu__overlap_update_setting = -1;
+static int mgpu__overlap_update_on(void) {
+    if (mgpu__overlap_update_setting < 0) mgpu__overlap_update_setting = mgpu__setting_flag("MGPU_OVERLAP_UPDATE", 1);
+    return mgpu__overlap_update_setting;
 }
 /* mgpu_matmul's out = op(a) op(b) + beta out with an epilogue (MGPU__EPI_*: bias added, or with
    ReLU and its mask written into aux; the mask applied; GELU's derivative at aux applied; with
@@ -10968,6 +10981,11 @@ typedef struct mgpu__part {
     void** events;                      /* CUDA, S > 1: [2M], recorded after forward k and backward k */
     void** bucket_done;                 /* CUDA, with buckets: [bucket_count], recorded in a step's last
                                            backward when the bucket's gradients are done (its stage's) */
+    void** bucket_summed;               /* CUDA, with replicas: [bucket_count], recorded on the comm stream
+                                           when the bucket's sum is done, in a step whose update goes
+                                           with the buckets (mgpu__update_overlaps) */
+    void* update_stream;                /* ... and that update's stream, and its end (update_done) */
+    void* update_done;
     int forwards_done, backwards_done;  /* CPU threads: progress in this step, under pipe_lock */
     double* meet;                       /* desc.sync_batch_norm: this part's numbers for the meeting of
                                            its stage's copies, then the combination (>>parallel meet) */
@@ -11048,6 +11066,9 @@ struct mgpu_model {
     uint64_t graph_buffers;             /* where the buffers the graph works in were at its capture */
     int graph_failures, graph_wait;     /* captures failed in a row; eager steps before the next try */
     int grads_reduced;                  /* the gradient buffers hold the sum over replicas */
+    const mgpu_optimizer* overlap_opt;  /* a training step's optimizer, while its update goes with the
+                                           buckets (mgpu__update_overlaps) */
+    int buckets_summed;                 /* ... and its bucket_summed events were recorded */
     int optimizers;                     /* optimizers made for it: its destroy refuses while any */
     const mgpu_device_set* set;         /* counted among its users once the model is made, or NULL */
     char (*task_error)[sizeof mgpu__error_text + 64];   /* CPU parts run on threads: each one's failure,
@@ -11101,9 +11122,13 @@ static int mgpu__zero1_ways(const mgpu_model* m) {
 }
 
 /* What can clear a suspect model: LOAD_ONLY, nothing but a load (replica 0 itself half-updated,
-   or ranks of a job); STATES, the optimizer's states may differ too (resync and load need opt). */
+   or ranks of a job); STATES, the optimizer's states may differ too (resync and load need opt);
+   FROM_REPLICA_1, replica 0 half-updated while replica 1 is as the step found it (an update of
+   the buckets that failed in replica 0's: mgpu__update_buckets), so resync first brings replica 0
+   back from replica 1. */
 #define MGPU__SUSPECT_LOAD_ONLY 1
 #define MGPU__SUSPECT_STATES 2
+#define MGPU__SUSPECT_FROM_REPLICA_1 4
 static void mgpu__suspect_mark(mgpu_model* m, const char* why, int flags) {
     if (!m->suspect) m->suspect = why;   /* the first cause is the one to report */
     m->suspect_flags |= flags;
@@ -11116,8 +11141,9 @@ static mgpu_result mgpu__suspect_refuse(const mgpu_model* m, const char* op) {
                           "load a checkpoint (mgpu_model_load%s) to go on", op, m->dist ? "ranks" : "replicas", m->suspect,
                           (m->suspect_flags & MGPU__SUSPECT_STATES) ? " with the optimizer" : "");
     return mgpu__fail(MGPU_ERROR_DIVERGED, "%s: refused: the replicas may differ since %s; call mgpu_model_resync(model, %s) "
-                      "to copy replica 0 to the others, or load a checkpoint (mgpu_model_load), to go on", op, m->suspect,
-                      (m->suspect_flags & MGPU__SUSPECT_STATES) ? "optimizer" : "NULL or optimizer");
+                      "to copy replica %s to the others, or load a checkpoint (mgpu_model_load), to go on", op, m->suspect,
+                      (m->suspect_flags & MGPU__SUSPECT_STATES) ? "optimizer" : "NULL or optimizer",
+                      (m->suspect_flags & MGPU__SUSPECT_FROM_REPLICA_1) ? "1 (as the step found it)" : "0");
 }
 /* The stage that runs layer i, and the one that holds tensor t. */
 static int mgpu__layer_stage(const mgpu_model* m, int i) {
@@ -11693,9 +11719,14 @@ static void mgpu__model_free(mgpu_model* m) {
         MGPU_FREE(p->meet);
         for (j = 0; p->bucket_done && j < m->bucket_count; ++j)
             if (p->bucket_done[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_done[j]));
+        for (j = 0; p->bucket_summed && j < m->bucket_count; ++j)
+            if (p->bucket_summed[j]) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->bucket_summed[j]));
+        if (p->update_done) (void)MGPU__CUDA(mgpu__cu_event_destroy(p->dev->ordinal, p->update_done));
+        if (p->update_stream) (void)MGPU__CUDA(mgpu__cu_stream_destroy(p->dev->ordinal, p->update_stream));
         for (j = 0; p->tie_in && j < m->tensor_count; ++j) mgpu__tensor_free(p->tie_in[j]);
         MGPU_FREE(p->tie_in);
         MGPU_FREE(p->pview); MGPU_FREE(p->gview); MGPU_FREE(p->slot); MGPU_FREE(p->events); MGPU_FREE(p->bucket_done);
+        MGPU_FREE(p->bucket_summed);
     }
     mgpu__graph_drop(m);
     for (i = 0; m->graph_events && i < 4 * m->part_count; ++i)
@@ -12161,6 +12192,14 @@ static mgpu_result mgpu__model_communicators(mgpu_model* m, const mgpu_model_des
         for (bk = 0; bk < m->bucket_count; ++bk)
             if (m->buckets[bk].stage == p->stage)
                 MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->bucket_done[bk]));
+        if (m->replica_count < 2) continue;   /* (an update with the buckets: replicas of this process) */
+        p->bucket_summed = (void**)mgpu__calloc((size_t)m->bucket_count, sizeof(void*));
+        if (!p->bucket_summed) return mgpu__fail(MGPU_ERROR_OUT_OF_MEMORY, "out of host memory");
+        for (bk = 0; bk < m->bucket_count; ++bk)
+            if (m->buckets[bk].stage == p->stage)
+                MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->bucket_summed[bk]));
+        MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_event_create(p->dev->ordinal, &p->update_done));
+        MGPU__CU("mgpu_model_create", p->dev, mgpu__cu_stream_create(p->dev->ordinal, &p->update_stream));
     }
     /* SyncBatchNorm: the copies of a stage meet in the middle of their passes (>>parallel meet) */
     m->sync_bn = desc->sync_batch_norm && m->buf_floats > 0 && (m->replica_count > 1 || (desc->distributed && mgpu__dist.size > 1));
@@ -13437,14 +13476,80 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
     return r;
 }
 
+/* Whether a training step of m updates each bucket as soon as it is summed (MGPU_OVERLAP_UPDATE):
+   replicas on GPUs of this process whose sums overlap backward, and an update that needs nothing
+   but the bucket's own gradients. */
+static int mgpu__update_overlaps(const mgpu_model* m, const mgpu_optimizer* opt) {
+    int t;
+    if (!mgpu__overlap_update_on() || m->part[0].dev->kind != MGPU_DEVICE_CUDA || m->replica_count < 2 || m->dist || m->trace ||
+        m->check_finite || mgpu__zero1_ways(m) > 1 || opt->d.clip_norm > 0.0f || !m->ar || !m->ar[0] ||
+        m->ar[0]->kind == MGPU_ALLREDUCE_HOST || !m->part[0].update_stream)
+        return 0;
+    for (t = 0; t < m->tensor_count; ++t)
+        if (m->tensors[t].tied >= 0) return 0;
+    return 1;
+}
+
+/* Part i's update of its floats [a, b) (inside its shard, whose states begin at the shard's
+   first float), queued on `stream`: the CUDA status. */
+static int mgpu__update_range(const mgpu_optimizer* opt, int i, int64_t a, int64_t b, void* stream) {
+    const mgpu_model* m = opt->model;
+    const mgpu__part* p = &m->part[i];
+    const int64_t* edges = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
+    const int edge_count = edges ? opt->edge_first[p->stage + 1] - opt->edge_first[p->stage] : 0;
+    int64_t lo, hi;
+    float *m1, *m2;
+    mgpu__shard_moved(m, i, &lo, &hi);
+    m1 = opt->state1[i] ? MGPU__F32(opt->state1[i]) + (a - lo) : NULL;
+    m2 = opt->state2[i] ? MGPU__F32(opt->state2[i]) + (a - lo) : NULL;
+    if (b <= a) return 0;
+    if (opt->d.kind == MGPU_ADAMW)
+        return MGPU__CUDA(mgpu__cu_adamw(p->dev->ordinal, stream, (size_t)(b - a), MGPU__F32(p->params) + a, MGPU__F32(p->grads) + a,
+                                         m1, m2, (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges, edge_count, a));
+    return MGPU__CUDA(mgpu__cu_sgd(p->dev->ordinal, stream, (size_t)(b - a), MGPU__F32(p->params) + a, MGPU__F32(p->grads) + a, m1,
+                                   (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges, edge_count, a));
+}
+
+/* Part i's update [lo, hi) bucket by bucket on its update stream, each after the bucket's sum on
+   every replica (the step recorded bucket_summed), in the order backward finished them; then the
+   part's stream waits for it, also after a failure (nothing may touch the parameters while an
+   update writes them). *launched: how many went. */
+static int mgpu__update_buckets(const mgpu_optimizer* opt, int i, int64_t lo, int64_t hi, int* launched) {
+    const mgpu_model* m = opt->model;
+    mgpu__part* p = &m->part[i];
+    const int64_t off = m->stage_off[p->stage];
+    int bk, rc = 0, joined;
+    *launched = 0;
+    for (bk = 0; !rc && bk < m->bucket_count; ++bk) {
+        const mgpu__bucket* bu = &m->buckets[bk];
+        const int64_t a = MGPU__MAX(lo, bu->begin - off), b = MGPU__MIN(hi, bu->end - off);
+        int q;
+        if (bu->stage != p->stage || b <= a) continue;
+        for (q = 0; !rc && q < m->replica_count; ++q)   /* (every replica's sum: the others may still read this one's) */
+            rc = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->update_stream, mgpu__part_of(m, q, p->stage)->bucket_summed[bk]));
+        if (!rc) rc = mgpu__update_range(opt, i, a, b, p->update_stream);
+        if (!rc) {
+            MGPU__COUNT(p->dev, ops, 1);
+            ++*launched;
+        }
+    }
+    joined = MGPU__CUDA(mgpu__cu_event_record(p->dev->ordinal, p->update_done, p->update_stream));
+    if (!joined) joined = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, p->update_done));
+    return rc ? rc : joined;
+}
+
 /* The step itself, for an optimizer already known to be live (the training steps check it once
    in mgpu__check_step). */
 static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
     static const char* op = "mgpu_optimizer_step";
     const int sharded_job = opt->model->dist && mgpu__zero1_ways(opt->model) > 1;   /* zero1 across processes */
+    /* each bucket's update as soon as its sum is done (the training step asked, and prepared first) */
+    const int early = opt->model->buckets_summed && opt->model->overlap_opt == opt;
     mgpu__optim_job job;
-    mgpu_result r = mgpu__optimizer_prepare(opt, op);
-    int i, rc = 0, job_updated = 0;
+    mgpu_result r;
+    int i, rc = 0, job_updated = 0, launched = 0;
+    opt->model->buckets_summed = 0;
+    r = mgpu__optimizer_prepare(opt, op);
     if (r == MGPU_OK) r = mgpu__ties_gather(opt->model, op);
     if (r == MGPU_OK && opt->d.clip_norm > 0.0f) r = mgpu__optimizer_clip(opt, op);
     if (r != MGPU_OK) {   /* nothing updated here; with zero1 across processes the others hear of it at their all-gather */
@@ -13460,7 +13565,6 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         int64_t lo, hi;   /* its shard (mgpu__shard): the whole stage without zero1 */
         size_t n;
         const int slice = mgpu__trace_open(opt->model, i, 0, r->dev->stream, "optimizer step %d", (int)opt->steps);
-        const int64_t* edges_dev = opt->edges_dev && opt->edges_dev[i] ? (const int64_t*)mgpu_tensor_data(opt->edges_dev[i]) : NULL;
         mgpu__shard_moved(opt->model, i, &lo, &hi);
         n = (size_t)(hi - lo);
         job.p = MGPU__F32(r->params) + lo;
@@ -13470,19 +13574,12 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
         job.v = opt->state2[i] ? MGPU__F32(opt->state2[i]) : NULL;
         job.edges = opt->edge_first ? opt->edges + opt->edge_first[r->stage] : NULL;
         job.edge_count = opt->edge_first ? opt->edge_first[r->stage + 1] - opt->edge_first[r->stage] : 0;
-        MGPU__COUNT(r->dev, ops, 1);
+        if (!early) MGPU__COUNT(r->dev, ops, 1);   /* (else a count a bucket) */
         if (r->dev->kind == MGPU_DEVICE_CPU) {
             mgpu__parallel_range((int64_t)n, MGPU__EW_MIN_PER_THREAD, mgpu__optim_range, &job);
-        } else if (n == 0) {   /* a shard of nothing */
-        } else if (job.adamw) {
-            rc = MGPU__CUDA(mgpu__cu_adamw(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m, job.v,
-                                           (const mgpu__adamw_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                           edges_dev ? job.edge_count : 0, lo));
-        } else {
-            rc = MGPU__CUDA(mgpu__cu_sgd(MGPU__CUDA_ARGS(r->dev), n, job.p, job.g, job.m,
-                                         (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges_dev,
-                                         edges_dev ? job.edge_count : 0, lo));
-        }
+        } else if (early) {
+            rc = mgpu__update_buckets(opt, i, lo, hi, &launched);
+        } else rc = mgpu__update_range(opt, i, lo, hi, r->dev->stream);
         if (rc == 0 && opt->updated) rc = MGPU__CUDA(mgpu__cu_event_record(r->dev->ordinal, opt->updated[i], r->dev->stream));
         mgpu__trace_close(opt->model, slice, r->dev->stream);
         if (rc != 0) {   /* parts 0 .. i-1 took the update, the others did not */
@@ -13491,7 +13588,12 @@ static mgpu_result mgpu__optimizer_step(mgpu_optimizer* opt) {
                 res = mgpu__zero1_gather_processes(opt->model, res, i > 0, &job_updated, op);
                 i = job_updated ? opt->model->part_count : 0;
             }
-            mgpu__optimizer_failed(opt, i);
+            /* the buckets' updates go replica by replica: one that failed in replica 0's left it
+               half-updated, and replica 1 as the step found it (a resync brings it back) */
+            if (early && i < opt->model->stage_count && (i > 0 || launched > 0) && !opt->model->capturing)
+                mgpu__suspect_mark(opt->model, "an optimizer step that failed after updating some buckets of replica 0",
+                                   MGPU__SUSPECT_FROM_REPLICA_1 | MGPU__SUSPECT_STATES);
+            else mgpu__optimizer_failed(opt, i);
             return res;
         }
     }
@@ -14606,7 +14708,13 @@ static mgpu_result mgpu__run_batch_streams(mgpu__batch* b, int reduce) {
             res = mgpu__ar_reduce(m->ar[s], bufs, (size_t)(bu->end - bu->begin));
         }
         for (r = 0; r < R; ++r) mgpu__trace_close(m, slices[r], m->ar[s]->rank[r].stream);
+        for (r = 0; m->overlap_opt && res == MGPU_OK && r < R; ++r) {   /* its update may start (mgpu__optimizer_step) */
+            mgpu__part* p = mgpu__part_of(m, r, s);
+            const int rc = MGPU__CUDA(mgpu__cu_event_record(p->dev->ordinal, p->bucket_summed[bk], m->ar[s]->rank[r].stream));
+            if (rc) res = mgpu__cu_result(rc, "all-reduce", p->dev);
+        }
     }
+    m->buckets_summed = m->overlap_opt && overlap && res == MGPU_OK;
     if (res != MGPU_OK && overlap && m->dist) mgpu__dist_issue_rest(m, buckets_issued);   /* the others' NCCL waits for them */
     /* The compute streams wait for the comm streams, also after a failure: nothing may touch
        the gradients while an all-reduce still reads or writes them. */
@@ -14973,8 +15081,11 @@ static mgpu_result mgpu__graph_capture(mgpu_model* m, mgpu_optimizer* opt, mgpu_
     m->capturing = 1;
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, first, 0, &m->part[i]);
     b->zero_grads = 1;
+    m->overlap_opt = mgpu__update_overlaps(m, opt) ? opt : NULL;   /* (mgpu__graph_step prepared the update) */
     if (r == MGPU_OK) r = mgpu__run_batch_streams(b, 1);                                            /* 3, 4 */
     if (r == MGPU_OK) r = mgpu__optimizer_step(opt);                                                /* 5 */
+    m->overlap_opt = NULL;
+    m->buckets_summed = 0;
     for (i = 1; i < m->part_count && r == MGPU_OK; ++i) r = mgpu__graph_order(m, op, &m->part[i], 1, first);
     mgpu__hold(m, 0);
     m->capturing = 0;
@@ -15160,9 +15271,17 @@ static mgpu_result mgpu__train_step(mgpu_model* m, mgpu_optimizer* opt, const mg
     if (r != MGPU_OK && !m->dist) return r;
     m->rows_in_step = 0;   /* a whole step: whatever was accumulated before is discarded, */
     m->grads_reduced = 0;  /* its gradients zeroed as each part's work is queued (mgpu__batch.zero_grads) */
+    if (r == MGPU_OK && mgpu__update_overlaps(m, opt)) {   /* the update's numbers before backward: its buckets' go early */
+        r = mgpu__optimizer_prepare(opt, op);
+        if (r != MGPU_OK) return r;
+        m->overlap_opt = opt;
+    }
     /* (a distributed model reads the loss in its vote, before the sum across processes) */
-    MGPU__TRY(mgpu__run_batch(m, op, r, x, target, 0, 1, m->dist ? loss : NULL));                  /* 2, 3, 4 */
-    MGPU__TRY(mgpu__update(m, opt));                                                                /* 5 */
+    r = mgpu__run_batch(m, op, r, x, target, 0, 1, m->dist ? loss : NULL);                          /* 2, 3, 4 */
+    if (r == MGPU_OK) r = mgpu__update(m, opt);                                                     /* 5 */
+    m->overlap_opt = NULL;
+    m->buckets_summed = 0;
+    MGPU__TRY(r);
     /* read the loss only now: the optimizer step is already queued behind it */
     return loss && !m->dist ? mgpu__batch_loss(m, loss) : MGPU_OK;
 }
@@ -15260,16 +15379,19 @@ MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt) {
     if (m->suspect && (m->suspect_flags & MGPU__SUSPECT_STATES) && !opt)
         return mgpu__fail(MGPU_ERROR_INVALID_ARGUMENT, "%s: the optimizer's states may differ too since %s: pass the optimizer",
                           op, m->suspect);
-    for (i = m->stage_count; i < m->part_count; ++i) {   /* replica-major: part i % S is replica 0's of its stage */
-        const mgpu__part *to = &m->part[i], *from = &m->part[i % m->stage_count];
+    /* replica-major: part i % S is replica 0's of its stage; replica 1's first go to replica 0 where
+       replica 0 was left half-updated (and replica 1 as the step found it) */
+    for (i = m->suspect_flags & MGPU__SUSPECT_FROM_REPLICA_1 ? 0 : m->stage_count; i < m->part_count; ++i) {
+        const int back = i < m->stage_count, j = back ? i + m->stage_count : i % m->stage_count;   /* i from j */
+        const mgpu__part *to = &m->part[i], *from = &m->part[j];
         mgpu_result r = mgpu_tensor_copy(to->params, from->params);
         if (r == MGPU_OK && to->bufs) r = mgpu_tensor_copy(to->bufs, from->bufs);
-        if (r == MGPU_OK && opt && !m->zero1 && opt->state1[i]) r = mgpu_tensor_copy(opt->state1[i], opt->state1[i % m->stage_count]);
-        if (r == MGPU_OK && opt && !m->zero1 && opt->state2[i]) r = mgpu_tensor_copy(opt->state2[i], opt->state2[i % m->stage_count]);
+        if (r == MGPU_OK && opt && !m->zero1 && opt->state1[i]) r = mgpu_tensor_copy(opt->state1[i], opt->state1[j]);
+        if (r == MGPU_OK && opt && !m->zero1 && opt->state2[i]) r = mgpu_tensor_copy(opt->state2[i], opt->state2[j]);
         if (r != MGPU_OK) {   /* (the mark stays: some replicas may be copied, others not) */
             char where[160];
-            snprintf(where, sizeof where, "%s: copying replica 0's stage %d to replica %d (%s)", op, to->stage, to->replica,
-                     to->dev->label);
+            snprintf(where, sizeof where, "%s: copying replica %d's stage %d to replica %d (%s)", op, from->replica, to->stage,
+                     to->replica, to->dev->label);
             return mgpu__refail(where);
         }
     }

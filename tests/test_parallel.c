@@ -2574,6 +2574,7 @@ static int emu_faults(void) {
 /* Every launch of a step failing in turn, on a fresh model each time: the step's launches are
    counted on a good run first. fail_step: which step fails (0: the first, eager; with a graph
    1 is the step captured). */
+static int g_from_replica_1;   /* failed steps whose resync brought replica 0 back from replica 1 */
 static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_step, int* suspects, int* loads, int* cases) {
     mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
     mgpu_optimizer_desc od = adamw_desc();
@@ -2610,6 +2611,24 @@ static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_s
                 /* a capture that fails is dropped and the step runs eagerly: OK is fine there */
                 CHECK(r != MGPU_OK || (graph && fail_step == 1), "%s: the step did not fail", what);
                 int how;
+                if (has(mgpu_model_suspect(m), "some buckets of replica 0")) {
+                    /* resync brings the model back to where the step found it: on the first step, as made */
+                    mgpu_model* fresh = fail_step == 0 ? make_mlp(set, &c) : NULL;
+                    int st;
+                    ++g_from_replica_1;
+                    CHECK(mgpu_model_resync(m, opt) == MGPU_OK, "%s: resync: %s", what, mgpu_last_error());
+                    for (st = 0; fresh && st < stages; ++st) {
+                        const mgpu_tensor *a = mgpu_model_stage_params(m, 0, st), *b = mgpu_model_stage_params(fresh, 0, st);
+                        const size_t n = (size_t)mgpu_tensor_numel(a);
+                        float* ha = (float*)malloc(2 * n * sizeof(float));
+                        if (!ha) break;
+                        tget(a, ha);
+                        tget(b, ha + n);
+                        CHECK(!memcmp(ha, ha + n, n * sizeof(float)), "%s: stage %d after resync is not as the step found it", what, st);
+                        free(ha);
+                    }
+                    mgpu_model_destroy(fresh);
+                }
                 if (mgpu_model_suspect(m))   /* (every GPU case is an optimizer step's: its states differ too) */
                     CHECK(mgpu_model_resync(m, NULL) != MGPU_OK && mgpu_model_suspect(m) && has(mgpu_last_error(), "mgpu_model_resync"),
                           "%s: resync without the optimizer: %s", what, mgpu_last_error());
@@ -2640,19 +2659,84 @@ static void test_suspect(void) {
         return;
     }
     log_capture_start();   /* (each failed capture says steps go on without a graph) */
+    mgpu__overlap_update_setting = 0;   /* the update after backward, a part's in one launch */
     suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 0, 1, 0, &suspects, &loads, &cases);
     suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 1, 1, 0, &suspects, &loads, &cases);
     suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 1, 1, 1, &suspects, &loads, &cases);
     CHECK(loads == 0, "%d failed steps of one stage needed a load: resync should do", loads);
     suspect_gpu_case(two ? "cuda:0,1,0,1" : "cuda:0,0,0,0", 0, 2, 0, &suspects, &loads, &cases);
     pipe_loads = loads;
+    CHECK(g_from_replica_1 == 0, "%d failed steps without MGPU_OVERLAP_UPDATE said replica 0's buckets", g_from_replica_1);
+    /* each bucket's update after its sum (MGPU_OVERLAP_UPDATE), replica by replica: one that fails
+       in replica 0's leaves it half-updated, and replica 1 as it was, which resync copies back */
+    mgpu__overlap_update_setting = 1;
+    loads = 0;
+    suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 0, 1, 0, &suspects, &loads, &cases);
+    suspect_gpu_case(two ? "cuda:0,1" : "cuda:0,0", 1, 1, 1, &suspects, &loads, &cases);
+    suspect_gpu_case(two ? "cuda:0,1,0,1" : "cuda:0,0,0,0", 0, 2, 0, &suspects, &loads, &cases);
+    mgpu__overlap_update_setting = -1;
+    CHECK(loads == 0, "%d failed steps whose buckets' updates went early needed a load: resync should do", loads);
+    CHECK(g_from_replica_1 > 0, "no failed step with the buckets' updates early left replica 0 half-updated");
     log_capture_stop();
-    printf("  %d of %d failed steps on GPUs left a suspect model (%d half-updated replica 0's stages: a load)\n", suspects,
-           cases, loads);
+    printf("  %d of %d failed steps on GPUs left a suspect model (%d half-updated replica 0's stages: a load; %d brought back "
+           "from replica 1)\n", suspects, cases, pipe_loads, g_from_replica_1);
     /* the optimizer's launches of replica 0's stage 1 */
     CHECK(pipe_loads > 0, "no failed pipeline step left replica 0 half-updated (its stage 1's update failing)");
     /* the optimizer's launches come last in a step: some failures must have left a suspect model */
     CHECK(suspects > 0 && suspects < cases, "%d of %d failed steps left a suspect model: want some, not all", suspects, cases);
+}
+
+/* MGPU_OVERLAP_UPDATE: each bucket's update on its own stream as soon as the bucket is summed
+   (the default), or the whole update after backward: the same bits, every replica equal, eager
+   and as a CUDA graph, P2P and NCCL, SGD with momentum and AdamW (weight decay: its edges inside
+   a bucket's range). On emulated GPUs the launches say the updates went a bucket at a time:
+   (buckets - 1) more a replica and step. With MGPU_EMU_RACECHECK=1 the emulator checks their
+   order against backward and the sums. */
+static void overlap_update_case(const char* spec, mgpu_allreduce_kind kind, int adamw, int graph) {
+    const int steps = 4;
+    mlp_cfg c = mlp_default(MGPU_LOSS_CROSS_ENTROPY);
+    mgpu_optimizer_desc od = adamw ? adamw_desc() : sgd_desc();
+    batch_set bs;
+    run_out off, on;
+    long calls[2] = {0, 0};
+    int replicas = 1, w;
+    char what[128];
+    const char* p;
+    for (p = spec; *p; ++p) replicas += *p == ',';
+    c.bucket_bytes = 256;   /* several buckets (the MLP's 293 floats) */
+    c.allreduce = kind;
+    c.graph = graph;
+    make_batches(&bs, steps, 24, &c);
+    for (w = 0; w < 2; ++w) {
+        mgpu__overlap_update_setting = w;
+        if (g_emu_calls) calls[w] = g_emu_calls("launch");
+        train_run(spec, &c, &od, &bs, w ? &on : &off);
+        if (g_emu_calls) calls[w] = g_emu_calls("launch") - calls[w];
+    }
+    mgpu__overlap_update_setting = -1;
+    snprintf(what, sizeof what, "%s %s %s%s", spec, mgpu_allreduce_name(kind), adamw ? "adamw" : "sgd", graph ? " graph" : "");
+    CHECK(on.ok && off.ok, "%s: %s %s", what, on.error, off.error);
+    CHECK(on.ok && off.ok && same_bits(&on, &off, steps) && on.identical,
+          "%s: each bucket's update after its sum is not the bits of the update after backward", what);
+    if (g_emu_calls && !graph && on.ok && off.ok)   /* (a graph's replays count one launch) */
+        CHECK(calls[1] - calls[0] == (long)steps * replicas * (on.buckets - 1) && on.buckets > 1,
+              "%s: %ld launches with the buckets' updates, %ld without, %d buckets: want %d more a replica and step", what,
+              calls[1], calls[0], on.buckets, on.buckets - 1);
+    run_free(&on);
+    run_free(&off);
+    free_batches(&bs);
+}
+static void test_overlap_update(void) {
+    const char* two = g_gpus >= 2 ? "cuda:0,1" : "cuda:0,0";
+    header("each bucket's update as soon as it is summed (MGPU_OVERLAP_UPDATE)");
+    if (!gpu_group("updates with the buckets")) return;
+    (void)emu_faults();   /* (the launch counts, on emulated GPUs) */
+    overlap_update_case(two, MGPU_ALLREDUCE_P2P, 0, 0);
+    overlap_update_case(two, MGPU_ALLREDUCE_P2P, 1, 0);
+    overlap_update_case(two, MGPU_ALLREDUCE_P2P, 1, 1);
+    overlap_update_case(two, MGPU_ALLREDUCE_NCCL, 0, 0);
+    overlap_update_case(g_gpus >= 4 ? "cuda:0,1,2,3" : "cuda:0,0,0,0", MGPU_ALLREDUCE_P2P, 0, 1);
+    overlap_update_case(g_gpus >= 4 ? "cuda:0,1,2,3" : "cuda:0,0,0,0", MGPU_ALLREDUCE_NCCL, 1, 0);
 }
 
 /* ============================================================================================ */
@@ -3110,6 +3194,7 @@ int main(int argc, char** argv) {
     TEST_GROUP(test_pipeline());
     TEST_GROUP(test_counters());
     TEST_GROUP(test_suspect());
+    TEST_GROUP(test_overlap_update());
     TEST_GROUP(test_sync_batch_norm());
     TEST_GROUP(test_zero1());
 

@@ -109,6 +109,13 @@ static const row rows[] = {
     { "MGPU_FUSE_GELU", "bad word", "gelu", 0, 1 },
     { "MGPU_FUSE_GELU", "trailing garbage", "1x", 0, 1 },
     { "MGPU_FUSE_GELU", "empty", "", 0, 0 },
+    /* a flag, default on */
+    { "MGPU_OVERLAP_UPDATE", "unset", NULL, 1, 0 },
+    { "MGPU_OVERLAP_UPDATE", "off", "off", 0, 0 },
+    { "MGPU_OVERLAP_UPDATE", "0, spaces", " 0 ", 0, 0 },
+    { "MGPU_OVERLAP_UPDATE", "bad word", "later", 1, 1 },
+    { "MGPU_OVERLAP_UPDATE", "trailing garbage", "0x", 1, 1 },
+    { "MGPU_OVERLAP_UPDATE", "empty", "", 1, 0 },
     /* a word: auto, nccl, p2p, host (the table's values: mgpu_allreduce_kind) */
     { "MGPU_ALLREDUCE", "unset", NULL, MGPU_ALLREDUCE_AUTO, 0 },
     { "MGPU_ALLREDUCE", "valid", "p2p", MGPU_ALLREDUCE_P2P, 0 },
@@ -155,6 +162,7 @@ static double setting_used(const row* r, char* error, size_t size) {
     if (!strcmp(n, "MGPU_EPILOGUES")) return mgpu__epilogues_on();
     if (!strcmp(n, "MGPU_FUSE_RELU")) return mgpu__fuse_relu_on();
     if (!strcmp(n, "MGPU_FUSE_GELU")) return mgpu__fuse_gelu_on();
+    if (!strcmp(n, "MGPU_OVERLAP_UPDATE")) return mgpu__overlap_update_on();
     if (!strcmp(n, "MGPU_ALLREDUCE")) return mgpu__allreduce_from_env(MGPU_ALLREDUCE_AUTO);
     if (!strcmp(n, "MGPU_P2P")) return mgpu__p2p_choice_from_env();
     if (!strcmp(n, "MGPU_DEVICES")) {
