@@ -1499,10 +1499,10 @@ MGPUDEF const char* mgpu_model_suspect(const mgpu_model* m);
    and clear the mark. An optimizer step that failed on another replica after replica 0 had taken
    it leaves replica 0 one whole step ahead: resync brings the others to it (pass opt: their
    states differ too; with desc.zero1 each replica keeps its own shard of them). An update of the
-   buckets during backward (MGPU_OVERLAP_UPDATE) that failed inside replica 0's leaves replica 1
-   as the step found it: resync first copies replica 1 back to replica 0. What it cannot
-   fix, and refuses (load a checkpoint instead): a replica 0 whose stages did not all take the
-   update (a pipeline; also a failed CUDA graph replay of one), an update that failed with zero1
+   buckets during backward (MGPU_OVERLAP_UPDATE) that failed inside replica 0's leaves replica 1's
+   parameters and states as the step found them: resync first copies replica 1 back to replica 0.
+   What it cannot fix, and refuses (load a checkpoint instead): a replica 0 whose stages did not
+   all take an update after backward (a pipeline; also a failed CUDA graph replay of one), an update that failed with zero1
    (no replica holds every shard), and a model of several processes (mgpu_model_load on every
    rank). */
 MGPUDEF mgpu_result mgpu_model_resync(mgpu_model* m, mgpu_optimizer* opt);
@@ -5419,7 +5419,8 @@ static int mgpu__fuse_gelu_on(void) {
    stream of its own as soon as the bucket is summed, while backward goes on with the layers
    below it: only the last bucket's update (the first layers') is left after backward. The same
    bits as 0 (the update is elementwise). Not with clipping (its norm needs every gradient),
-   zero1, tied parameters, desc.check_finite or a trace: those steps update after backward. */
+   zero1, tied parameters, desc.check_finite, sync_batch_norm, the host's all-reduce, a trace, or
+   one bucket a stage: those steps update after backward. */
 static int mgpu__overlap_update_setting = -1;
 static int mgpu__overlap_update_on(void) {
     if (mgpu__overlap_update_setting < 0) mgpu__overlap_update_setting = mgpu__setting_flag("MGPU_OVERLAP_UPDATE", 1);
@@ -13477,14 +13478,15 @@ static mgpu_result mgpu__zero1_gather_processes(mgpu_model* m, mgpu_result mine,
 }
 
 /* Whether a training step of m updates each bucket as soon as it is summed (MGPU_OVERLAP_UPDATE):
-   replicas on GPUs of this process whose sums overlap backward, and an update that needs nothing
-   but the bucket's own gradients. */
+   replicas on GPUs of this process whose sums overlap backward (not the host's, nor
+   sync_batch_norm's threads, which never record bucket_summed), a stage of several buckets, and an
+   update that needs nothing but the bucket's own gradients. */
 static int mgpu__update_overlaps(const mgpu_model* m, const mgpu_optimizer* opt) {
     int t;
     if (!mgpu__overlap_update_on() || m->part[0].dev->kind != MGPU_DEVICE_CUDA || m->replica_count < 2 || m->dist || m->trace ||
         m->check_finite || mgpu__zero1_ways(m) > 1 || opt->d.clip_norm > 0.0f || !m->ar || !m->ar[0] ||
-        m->ar[0]->kind == MGPU_ALLREDUCE_HOST || !m->part[0].update_stream)
-        return 0;
+        m->ar[0]->kind == MGPU_ALLREDUCE_HOST || !m->part[0].update_stream || m->bucket_count <= m->stage_count)
+        return 0;   /* (one bucket a stage: its update could only start after backward anyway) */
     for (t = 0; t < m->tensor_count; ++t)
         if (m->tensors[t].tied >= 0) return 0;
     return 1;
@@ -13510,13 +13512,17 @@ static int mgpu__update_range(const mgpu_optimizer* opt, int i, int64_t a, int64
                                    (const mgpu__sgd_args*)mgpu_tensor_data(opt->args[i]), edges, edge_count, a));
 }
 
-/* Part i's update [lo, hi) bucket by bucket on its update stream, each after the bucket's sum on
-   every replica (the step recorded bucket_summed), in the order backward finished them; then the
-   part's stream waits for it, also after a failure (nothing may touch the parameters while an
-   update writes them). *launched: how many went. */
+/* Part i's update [lo, hi) bucket by bucket on its update stream, in the order backward finished
+   them, each after the bucket's sum on every replica (the others may still read this one's
+   gradients): replica 0's part of the stage waits for each replica's bucket_summed and records
+   its own again, meaning "all summed", which the other replicas' parts (later in the loop) wait
+   for, 2R waits a bucket instead of R x R. Then the part's stream waits for the update, also
+   after a failure (nothing may touch the parameters while an update writes them; where even that
+   wait fails, the host waits). *launched: how many went. */
 static int mgpu__update_buckets(const mgpu_optimizer* opt, int i, int64_t lo, int64_t hi, int* launched) {
     const mgpu_model* m = opt->model;
     mgpu__part* p = &m->part[i];
+    mgpu__part* first = mgpu__part_of(m, 0, p->stage);
     const int64_t off = m->stage_off[p->stage];
     int bk, rc = 0, joined;
     *launched = 0;
@@ -13524,17 +13530,22 @@ static int mgpu__update_buckets(const mgpu_optimizer* opt, int i, int64_t lo, in
         const mgpu__bucket* bu = &m->buckets[bk];
         const int64_t a = MGPU__MAX(lo, bu->begin - off), b = MGPU__MIN(hi, bu->end - off);
         int q;
-        if (bu->stage != p->stage || b <= a) continue;
-        for (q = 0; !rc && q < m->replica_count; ++q)   /* (every replica's sum: the others may still read this one's) */
+        if (bu->stage != p->stage) continue;
+        for (q = 0; !rc && p == first && q < m->replica_count; ++q)
             rc = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->update_stream, mgpu__part_of(m, q, p->stage)->bucket_summed[bk]));
-        if (!rc) rc = mgpu__update_range(opt, i, a, b, p->update_stream);
-        if (!rc) {
-            MGPU__COUNT(p->dev, ops, 1);
-            ++*launched;
+        if (!rc && p == first) rc = MGPU__CUDA(mgpu__cu_event_record(p->dev->ordinal, p->bucket_summed[bk], p->update_stream));
+        if (!rc && p != first) rc = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->update_stream, first->bucket_summed[bk]));
+        if (!rc && b > a) {
+            rc = mgpu__update_range(opt, i, a, b, p->update_stream);
+            if (!rc) {
+                MGPU__COUNT(p->dev, ops, 1);
+                ++*launched;
+            }
         }
     }
     joined = MGPU__CUDA(mgpu__cu_event_record(p->dev->ordinal, p->update_done, p->update_stream));
     if (!joined) joined = MGPU__CUDA(mgpu__cu_stream_wait_event(p->dev->ordinal, p->dev->stream, p->update_done));
+    if (joined) (void)MGPU__CUDA(mgpu__cu_stream_synchronize(p->dev->ordinal, p->update_stream));
     return rc ? rc : joined;
 }
 

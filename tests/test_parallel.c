@@ -2583,7 +2583,7 @@ static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_s
     long launches = 0, nth;
     c.graph = graph;
     c.stages = stages;
-    c.bucket_bytes = 256;   /* two buckets */
+    c.bucket_bytes = stages > 1 ? 64 : 256;   /* two buckets (of stage 0, in a pipeline) */
     make_batches(&bs, 3, 24, &c);
     test_tmp_path(ckpt, sizeof ckpt, "mgpu_suspect_gpu.safetensors");
     test_tmp_path(scratch, sizeof scratch, "mgpu_suspect_gpu_scratch.safetensors");
@@ -2616,6 +2616,11 @@ static void suspect_gpu_case(const char* spec, int graph, int stages, int fail_s
                     mgpu_model* fresh = fail_step == 0 ? make_mlp(set, &c) : NULL;
                     int st;
                     ++g_from_replica_1;
+                    ++*suspects;
+                    CHECK(mgpu_model_train_step(m, opt, bs.x[2], bs.y[2], NULL) == MGPU_ERROR_DIVERGED &&
+                          has(mgpu_last_error(), "copy replica 1") && mgpu_model_resync(m, NULL) != MGPU_OK,
+                          "%s: a step, or a resync without the optimizer, after a failure in replica 0's updates: %s", what,
+                          mgpu_last_error());
                     CHECK(mgpu_model_resync(m, opt) == MGPU_OK, "%s: resync: %s", what, mgpu_last_error());
                     for (st = 0; fresh && st < stages; ++st) {
                         const mgpu_tensor *a = mgpu_model_stage_params(m, 0, st), *b = mgpu_model_stage_params(fresh, 0, st);
@@ -2698,6 +2703,7 @@ static void overlap_update_case(const char* spec, mgpu_allreduce_kind kind, int 
     mgpu_optimizer_desc od = adamw ? adamw_desc() : sgd_desc();
     batch_set bs;
     run_out off, on;
+    od.decay_matrices_only = 1;   /* no decay on the biases: the edges, found from each bucket's first float */
     long calls[2] = {0, 0};
     int replicas = 1, w;
     char what[128];
@@ -2714,10 +2720,13 @@ static void overlap_update_case(const char* spec, mgpu_allreduce_kind kind, int 
         if (g_emu_calls) calls[w] = g_emu_calls("launch") - calls[w];
     }
     mgpu__overlap_update_setting = -1;
-    snprintf(what, sizeof what, "%s %s %s%s", spec, mgpu_allreduce_name(kind), adamw ? "adamw" : "sgd", graph ? " graph" : "");
+    snprintf(what, sizeof what, "%s %s (%s) %s%s", spec, mgpu_allreduce_name(kind), mgpu_allreduce_name(on.backend),
+             adamw ? "adamw" : "sgd", graph ? " graph" : "");
     CHECK(on.ok && off.ok, "%s: %s %s", what, on.error, off.error);
+    CHECK(on.backend == off.backend, "%s: the all-reduce was %s without the buckets' updates", what, mgpu_allreduce_name(off.backend));
     CHECK(on.ok && off.ok && same_bits(&on, &off, steps) && on.identical,
           "%s: each bucket's update after its sum is not the bits of the update after backward", what);
+    if (on.ok && off.ok) printf("  %s: %d buckets, %ld launches, %ld without the buckets' updates\n", what, on.buckets, calls[1], calls[0]);
     if (g_emu_calls && !graph && on.ok && off.ok)   /* (a graph's replays count one launch) */
         CHECK(calls[1] - calls[0] == (long)steps * replicas * (on.buckets - 1) && on.buckets > 1,
               "%s: %ld launches with the buckets' updates, %ld without, %d buckets: want %d more a replica and step", what,
