@@ -2703,11 +2703,11 @@ static void overlap_update_case(const char* spec, mgpu_allreduce_kind kind, int 
     mgpu_optimizer_desc od = adamw ? adamw_desc() : sgd_desc();
     batch_set bs;
     run_out off, on;
-    od.decay_matrices_only = 1;   /* no decay on the biases: the edges, found from each bucket's first float */
     long calls[2] = {0, 0};
     int replicas = 1, w;
     char what[128];
     const char* p;
+    od.decay_matrices_only = 1;   /* no decay on the biases: the edges, found from each bucket's first float */
     for (p = spec; *p; ++p) replicas += *p == ',';
     c.bucket_bytes = 256;   /* several buckets (the MLP's 293 floats) */
     c.allreduce = kind;
