@@ -717,14 +717,24 @@ static void dp_measure(const char* model_name, const char* spec, int batch, int 
 }
 
 static void bench_data_parallel(const char* model_name, const char* one, const char* spec, int batch, int steps, int tf32) {
-    double a[TIME_KINDS], b[TIME_KINDS], hidden;
+    const int gpus = !strncmp(spec, "cuda", 4);
+    double a[TIME_KINDS], b[TIME_KINDS], later[TIME_KINDS], hidden;
     char name[64], note[96];
     dp_measure(model_name, one, batch, steps, tf32, a);
     dp_measure(model_name, spec, batch, steps, tf32, b);
+    if (gpus) {   /* each bucket's update during backward (MGPU_OVERLAP_UPDATE, the default) against all of it after */
+        mgpu__overlap_update_setting = 0;
+        dp_measure(model_name, spec, batch, steps, tf32, later);
+        mgpu__overlap_update_setting = -1;
+    }
     snprintf(name, sizeof name, "dp_%s_b%d", model_name, batch);
     snprintf(note, sizeof note, "one device (%s): %.4g ms", one, a[TIME_STEP] * 1e3);
     row(name, spec, "step", b[TIME_STEP] * 1e3, "ms", NULL);
     row(name, spec, "vs_one_device", a[TIME_STEP] / b[TIME_STEP], "x", note);
+    if (gpus) {
+        snprintf(note, sizeof note, "the step with MGPU_OVERLAP_UPDATE=0 (the update after backward): %.4g ms", later[TIME_STEP] * 1e3);
+        row(name, spec, "vs_update_after_backward", later[TIME_STEP] / b[TIME_STEP], "x", note);
+    }
     row(name, spec, "compute_only", b[TIME_COMPUTE] * 1e3, "ms", "forward, backward, optimizer; no all-reduce");
     row(name, spec, "allreduce", b[TIME_ALLREDUCE] * 1e3, "ms", "the whole gradient buffer, alone");
     if (b[TIME_ALLREDUCE] < 0.05 * b[TIME_STEP]) {
